@@ -1,0 +1,49 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Everything else is a helper.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# Torch first, pinned: on a machine without CUDA, 2.13.0 is the CPU wheel, so the `runtime`
+# extra's range is already satisfied and pip never pulls a CUDA build or nvidia-* packages.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup test lint typecheck pytest demo bench bench-gpu proto proto-check clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[runtime,test]'
+	@if $(PY) -m pip list 2>/dev/null | grep -qi '^nvidia-'; then \
+	  if ! command -v nvidia-smi >/dev/null; then echo "nvidia-* packages on a machine without CUDA" >&2; exit 1; fi; fi
+	touch $@
+
+test: setup lint typecheck proto-check pytest
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+pytest: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: setup
+	$(PY) -m pagedkv.daemon.demo
+
+bench: setup
+	$(PY) benchmarks/bench_block_pool.py
+
+bench-gpu: setup
+	$(PY) benchmarks/bench_kernels_gpu.py
+
+proto: setup
+	$(PY) proto/generate.py
+
+proto-check: setup
+	$(PY) proto/generate.py --check
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

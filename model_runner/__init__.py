@@ -1,0 +1,1 @@
+"""pagedkv.model_runner"""
