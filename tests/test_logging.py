@@ -1,0 +1,76 @@
+"""The daemon's one logging setup: JSON for journald, console for people, stdlib records too."""
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+from pagedkv.daemon.logging import configure, get_logger, resolve_format
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logger() -> Iterator[None]:
+    """configure() replaces the root handlers; put pytest's back afterwards."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers, root.level = handlers, level
+
+
+def lines(stream: io.StringIO) -> list[dict[str, object]]:
+    return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+
+def test_json_lines_carry_level_logger_time_and_bound_fields() -> None:
+    out = io.StringIO()
+    configure("info", "json", out)
+    get_logger("pagedkv.test").info("rpc", session="s-1", code="OK")
+    logging.getLogger("grpc._server").warning("from %s", "stdlib")
+    first, second = lines(out)
+    assert first["event"] == "rpc" and first["session"] == "s-1" and first["code"] == "OK"
+    assert first["level"] == "info" and first["logger"] == "pagedkv.test"
+    assert str(first["timestamp"]).endswith("Z")
+    assert (second["event"], second["level"]) == ("from stdlib", "warning")
+    assert second["logger"] == "grpc._server"
+
+
+def test_level_filters_both_structlog_and_stdlib() -> None:
+    out = io.StringIO()
+    configure("warning", "json", out)
+    get_logger("a").info("dropped")
+    logging.getLogger("b").info("dropped too")
+    get_logger("a").error("kept")
+    assert [line["event"] for line in lines(out)] == ["kept"]
+
+
+def test_json_tracebacks_are_data_without_frame_locals() -> None:
+    out = io.StringIO()
+    configure("info", "json", out)
+    secret = "token-that-must-not-leak"  # a local of the failing frame
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        get_logger("a").exception("failed")
+    (line,) = lines(out)
+    exception = line["exception"]
+    assert isinstance(exception, list) and exception[0]["exc_type"] == "RuntimeError"
+    assert secret not in out.getvalue()
+
+
+def test_console_format_is_one_readable_line() -> None:
+    out = io.StringIO()
+    configure("debug", "console", out)
+    get_logger("a").debug("hello", blocks=3)
+    text = out.getvalue()
+    assert "hello" in text and "blocks=3" in text and not text.startswith("{")
+
+
+def test_auto_format_is_json_off_a_terminal() -> None:
+    assert resolve_format("auto", io.StringIO()) == "json"
+    assert resolve_format("console", io.StringIO()) == "console"
+
+
+def test_unknown_level_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown log level 'loud'"):
+        configure("loud", "json", io.StringIO())
