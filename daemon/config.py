@@ -1,0 +1,301 @@
+"""The daemon's settings: built-in defaults, then a TOML file, then command-line flags.
+
+Every setting has one name: the dataclass field, the TOML key and the flag (`num_blocks` is
+`num_blocks = 512` in TOML and `--num-blocks 512` on the command line). The pool is sized by
+exactly one of `num_blocks`, `kv_memory` or `kv_fraction`; a layer that names one of them
+replaces the choice of the layers below it. All checks run when the config is built, so a bad
+setting stops the daemon before it allocates anything, with a message naming the setting.
+"""
+
+import argparse
+import functools
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .geometry import canonical_dtype
+from .logging import LOG_FORMATS, LOG_LEVELS
+from .units import parse_bytes
+
+# Pool size when nothing is said: 512 blocks of the tiny CPU geometry take 16 MiB.
+DEFAULT_NUM_BLOCKS = 512
+# The socket file name inside $RUNTIME_DIRECTORY (systemd) or ./run.
+SOCKET_NAME = "pagedkvd.sock"
+# Settings that size the pool; at most one per layer, exactly one in the end.
+SIZING_KEYS = ("num_blocks", "kv_memory", "kv_fraction")
+# Longest unix socket path the kernel accepts (sun_path is 108 bytes with the trailing NUL).
+MAX_UNIX_PATH_BYTES = 107
+
+
+class ConfigError(ValueError):
+    """A setting is missing, malformed or inconsistent; the message names it."""
+
+
+def default_listen(env: Mapping[str, str]) -> tuple[str, ...]:
+    """One unix socket: in systemd's RuntimeDirectory when run as a unit, else in ./run."""
+    # RUNTIME_DIRECTORY lists one path per RuntimeDirectory= entry, colon-separated.
+    runtime_dir = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    folder = Path(runtime_dir) if runtime_dir else Path.cwd() / "run"
+    return (f"unix://{folder.absolute() / SOCKET_NAME}",)
+
+
+@dataclass(frozen=True, slots=True)
+class ListenAddress:
+    """One parsed gRPC listener address."""
+
+    # The address in the form grpc's add_insecure_port takes ("unix:///abs/path", "host:port").
+    target: str
+    # The socket file of a unix listener; None for TCP.
+    unix_path: Path | None
+
+    @property
+    def is_tcp(self) -> bool:
+        return self.unix_path is None
+
+
+def parse_host_port(text: str, setting: str) -> tuple[str, int]:
+    """("127.0.0.1", 50051) from "127.0.0.1:50051"; IPv6 hosts in brackets ("[::1]:50051")."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{setting}: {text!r} is not host:port (e.g. 127.0.0.1:50051)")
+    return host, int(port)
+
+
+def parse_listen(text: str) -> ListenAddress:
+    """A listener from "unix:///abs/path", "unix:relative/path" or "host:port"."""
+    if text.startswith("unix:"):
+        rest = text.removeprefix("unix:")
+        if rest.startswith("//"):
+            rest = rest.removeprefix("//")
+            if not rest.startswith("/"):
+                raise ConfigError(f"listen: {text!r}: use unix:///absolute/path or unix:relative")
+        path = Path(rest).absolute()
+        if not rest or len(os.fsencode(path)) > MAX_UNIX_PATH_BYTES:
+            raise ConfigError(f"listen: {text!r}: a socket path must be 1 to "
+                              f"{MAX_UNIX_PATH_BYTES} bytes long")
+        return ListenAddress(target=f"unix://{path}", unix_path=path)
+    host, port = parse_host_port(text, "listen")
+    bracketed = f"[{host}]" if ":" in host else host
+    return ListenAddress(target=f"{bracketed}:{port}", unix_path=None)
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    """Everything `pagedkvd` needs to start, checked on construction."""
+
+    # gRPC listeners: "unix:///path" or "host:port". TCP listeners require auth_token_file.
+    listen: tuple[str, ...] = field(default_factory=lambda: default_listen(os.environ))
+    # File holding the bearer token TCP clients must send; unix sockets rely on file modes.
+    auth_token_file: Path | None = None
+    # Token slots per block; a power of two because the Triton kernels tile by it.
+    block_size: int = 16
+    # Pool size in blocks; or derived from kv_memory (bytes) or kv_fraction (of the device).
+    num_blocks: int | None = DEFAULT_NUM_BLOCKS
+    kv_memory: int | None = None
+    kv_fraction: float | None = None
+    # Where the pool lives: "cpu" (POSIX shared memory) or "cuda"/"cuda:N" (CUDA IPC).
+    device: str = "cpu"
+    # KV dtype; None means the model's default dtype.
+    dtype: str | None = None
+    # Model whose KV geometry shapes the pool: a built-in name or a local config.json path.
+    model_config: str = "tiny"
+    # host:port of the HTTP server for /metrics, /healthz and /readyz; None: no HTTP server.
+    metrics_listen: str | None = None
+    # Log output: "json" (journald), "console" (a person), "auto" (console on a terminal).
+    log_format: str = "auto"
+    # Lowest level logged: debug, info, warning, error, critical.
+    log_level: str = "info"
+    # Lease a session gets when it asks for none; a session silent for longer is reclaimed.
+    lease_ttl_ms: int = 10_000
+    # Reuse the blocks of identical prompt prefixes across sequences.
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        listeners = self.listeners()
+        if any(lst.is_tcp for lst in listeners) and self.auth_token_file is None:
+            raise ConfigError("listen: a TCP listener needs auth_token_file (--auth-token-file): "
+                              "without it anyone who can reach the port could free your blocks")
+        if self.auth_token_file is not None:
+            read_auth_token(self.auth_token_file)
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
+        chosen = [key for key in SIZING_KEYS if getattr(self, key) is not None]
+        if len(chosen) != 1:
+            raise ConfigError(f"size the pool with exactly one of {', '.join(SIZING_KEYS)}; "
+                              f"got {', '.join(chosen) or 'none'}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.kv_memory is not None and self.kv_memory <= 0:
+            raise ConfigError(f"kv_memory must be positive, got {self.kv_memory}")
+        if self.kv_fraction is not None and not 0 < self.kv_fraction <= 1:
+            raise ConfigError(f"kv_fraction must be in (0, 1], got {self.kv_fraction}")
+        device, _, index = self.device.partition(":")
+        if device not in ("cpu", "cuda") or (index and (device != "cuda" or not index.isdigit())):
+            raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype is not None:
+            _check(canonical_dtype, self.dtype, "dtype")
+        if self.metrics_listen is not None:
+            parse_host_port(self.metrics_listen, "metrics_listen")
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        if self.lease_ttl_ms <= 0:
+            raise ConfigError(f"lease_ttl_ms must be positive, got {self.lease_ttl_ms}")
+
+    def listeners(self) -> list[ListenAddress]:
+        if not self.listen:
+            raise ConfigError("listen: at least one address is needed")
+        return [parse_listen(text) for text in self.listen]
+
+
+def read_auth_token(path: Path) -> str:
+    """The token in `path` (surrounding whitespace dropped); ConfigError if unusable."""
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"auth_token_file: cannot read {path}: {exc.strerror}") from exc
+    if not token:
+        raise ConfigError(f"auth_token_file: {path} is empty")
+    if path.stat().st_mode & 0o004:
+        raise ConfigError(f"auth_token_file: {path} is readable by every user; chmod o-r it")
+    return token
+
+
+def _check(convert: Callable[[Any], Any], value: Any, key: str) -> Any:
+    """convert(value), with a ValueError or TypeError turned into a ConfigError naming `key`."""
+    try:
+        return convert(value)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
+
+
+def _toml_int(value: Any) -> int:
+    # bool is an int in Python, but `num_blocks = true` is a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _toml_str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {value!r}")
+    return value
+
+
+def _toml_bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _toml_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _toml_listen(value: Any) -> tuple[str, ...]:
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise TypeError(f"expected an address or a list of addresses, got {value!r}")
+    return tuple(values)
+
+
+def _toml_bytes(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TypeError(f"expected bytes as an integer or a string like \"8GiB\", got {value!r}")
+    return parse_bytes(value)
+
+
+# TOML key -> converter from the TOML value to the field's type (ValueError/TypeError if wrong).
+_TOML_KEYS: dict[str, Callable[[Any], Any]] = {
+    "listen": _toml_listen,
+    "auth_token_file": lambda v: Path(_toml_str(v)),
+    "block_size": _toml_int,
+    "num_blocks": _toml_int,
+    "kv_memory": _toml_bytes,
+    "kv_fraction": _toml_float,
+    "device": _toml_str,
+    "dtype": _toml_str,
+    "model_config": _toml_str,
+    "metrics_listen": _toml_str,
+    "log_format": _toml_str,
+    "log_level": _toml_str,
+    "lease_ttl_ms": _toml_int,
+    "enable_prefix_caching": _toml_bool,
+}
+assert set(_TOML_KEYS) == {f.name for f in fields(DaemonConfig)}, "a setting has no TOML key"
+
+
+def load_toml(path: Path) -> dict[str, Any]:
+    """The settings in a TOML file, converted to the fields' types."""
+    try:
+        with path.open("rb") as file:
+            raw = tomllib.load(file)
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config: {path} is not valid TOML: {exc}") from exc
+    unknown = sorted(set(raw) - set(_TOML_KEYS))
+    if unknown:
+        raise ConfigError(f"config: unknown key(s) {', '.join(unknown)} in {path}; "
+                          f"known: {', '.join(_TOML_KEYS)}")
+    return {key: _check(_TOML_KEYS[key], value, f"{key} in {path}") for key, value in raw.items()}
+
+
+def merge_layers(*layers: Mapping[str, Any]) -> dict[str, Any]:
+    """Later layers override earlier ones; a layer that sizes the pool replaces the sizing."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        sizing = [key for key in SIZING_KEYS if key in layer]
+        if len(sizing) > 1:
+            raise ConfigError(f"{' and '.join(sizing)} both given; size the pool with one")
+        if sizing:
+            merged.update(dict.fromkeys(SIZING_KEYS))
+        merged.update(layer)
+    return merged
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `pagedkvd` / `pagedkv serve`; each overrides the TOML key of the same name."""
+    add = parser.add_argument
+    add("--config", type=Path, help="TOML file with any of the settings below")
+    flags = parser.add_argument_group("settings (override the TOML file)")
+    # SUPPRESS: a flag not given leaves no attribute, so it cannot override the TOML file.
+    opt = functools.partial(flags.add_argument, default=argparse.SUPPRESS)
+    opt("--listen", action="append", help="unix:///path or host:port (TCP needs "
+        "--auth-token-file); repeat for more listeners; default: a unix socket in "
+        "$RUNTIME_DIRECTORY or ./run")
+    opt("--auth-token-file", type=Path, help="file holding the bearer token TCP clients send")
+    opt("--block-size", type=int, help="token slots per block (power of two; default 16)")
+    opt("--num-blocks", type=int, help=f"pool size in blocks (default {DEFAULT_NUM_BLOCKS})")
+    opt("--kv-memory", type=parse_bytes, help="pool size in bytes, e.g. 8GiB")
+    opt("--kv-fraction", type=float, help="pool size as a fraction of the device's memory")
+    opt("--device", help="cpu (shared memory; default) or cuda[:N]")
+    opt("--dtype", help="KV dtype: float16, bfloat16, float32 (default: the model's)")
+    opt("--model-config", help="built-in model name or local config.json (default: tiny)")
+    opt("--metrics-listen", help="host:port for /metrics, /healthz, /readyz over HTTP")
+    opt("--log-format", choices=LOG_FORMATS, help="json, console or auto (default)")
+    opt("--log-level", choices=LOG_LEVELS, help="default: info")
+    opt("--lease-ttl-ms", type=int, help="default session lease in milliseconds")
+    opt("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+        help="never share blocks between identical prompt prefixes")
+
+
+def config_from_args(
+    args: argparse.Namespace, env: Mapping[str, str] | None = None
+) -> DaemonConfig:
+    """Defaults <- the --config TOML file <- the flags given."""
+    names = {f.name for f in fields(DaemonConfig)}
+    flags = {key: value for key, value in vars(args).items() if key in names}
+    if "listen" in flags:
+        flags["listen"] = tuple(flags["listen"])
+    toml = load_toml(args.config) if getattr(args, "config", None) is not None else {}
+    defaults = {"listen": default_listen(os.environ if env is None else env)}
+    return DaemonConfig(**merge_layers(defaults, toml, flags))

@@ -1,0 +1,157 @@
+"""DaemonConfig: defaults <- TOML <- flags, and a clear error for every bad setting."""
+
+import argparse
+from pathlib import Path
+
+import pytest
+from pagedkv.daemon.config import (
+    DEFAULT_NUM_BLOCKS,
+    ConfigError,
+    DaemonConfig,
+    add_serve_arguments,
+    config_from_args,
+    default_listen,
+    parse_listen,
+)
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> DaemonConfig:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return config_from_args(parser.parse_args(argv), env={} if env is None else env)
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text("s3cret\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_no_flags_gives_the_small_cpu_pool_on_a_local_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = parse([])
+    assert config.listen == (f"unix://{tmp_path}/run/pagedkvd.sock",)
+    assert (config.num_blocks, config.kv_memory, config.kv_fraction) == (DEFAULT_NUM_BLOCKS, None,
+                                                                         None)
+    assert (config.device, config.model_config, config.block_size) == ("cpu", "tiny", 16)
+    assert config.enable_prefix_caching and config.metrics_listen is None
+
+
+def test_systemd_runtime_directory_holds_the_default_socket() -> None:
+    assert default_listen({"RUNTIME_DIRECTORY": "/run/pagedkv:/run/other"}) == (
+        "unix:///run/pagedkv/pagedkvd.sock",
+    )
+
+
+def test_toml_then_flags_override(tmp_path: Path, token_file: Path) -> None:
+    toml = tmp_path / "pagedkv.toml"
+    toml.write_text(
+        f'listen = ["unix:///tmp/a.sock", "127.0.0.1:7001"]\n'
+        f'auth_token_file = "{token_file}"\n'
+        'block_size = 32\nkv_memory = "64MiB"\nlog_level = "debug"\n'
+        "enable_prefix_caching = false\nlease_ttl_ms = 5000\n"
+    )
+    config = parse(["--config", str(toml), "--block-size", "8", "--listen", "unix:///tmp/b.sock"])
+    assert config.block_size == 8  # flag wins
+    assert config.listen == ("unix:///tmp/b.sock",)  # a repeated flag replaces the whole list
+    assert config.kv_memory == 64 * 2**20 and config.num_blocks is None  # TOML sizing replaced
+    assert config.log_level == "debug" and config.lease_ttl_ms == 5000
+    assert not config.enable_prefix_caching
+    assert config.auth_token_file == token_file
+
+
+def test_a_sizing_flag_replaces_the_toml_sizing(tmp_path: Path) -> None:
+    toml = tmp_path / "pagedkv.toml"
+    toml.write_text("kv_fraction = 0.5\n")
+    config = parse(["--config", str(toml), "--num-blocks", "64"])
+    assert (config.num_blocks, config.kv_memory, config.kv_fraction) == (64, None, None)
+
+
+def test_flags_not_given_leave_the_toml_values(tmp_path: Path) -> None:
+    toml = tmp_path / "pagedkv.toml"
+    toml.write_text('enable_prefix_caching = false\ndevice = "cuda:1"\ndtype = "bf16"\n')
+    config = parse(["--config", str(toml), "--log-format", "json"])
+    assert not config.enable_prefix_caching and config.device == "cuda:1"
+    assert config.dtype == "bf16" and config.log_format == "json"
+
+
+def test_tcp_listener_without_token_file_is_refused() -> None:
+    with pytest.raises(ConfigError, match="TCP listener needs auth_token_file"):
+        parse(["--listen", "127.0.0.1:7001"])
+
+
+def test_tcp_listener_with_token_file_is_accepted(token_file: Path) -> None:
+    config = parse(["--listen", "[::1]:7001", "--auth-token-file", str(token_file)])
+    (listener,) = config.listeners()
+    assert listener.is_tcp and listener.target == "[::1]:7001"
+
+
+@pytest.mark.parametrize(
+    ("content", "mode", "message"),
+    [(None, 0o600, "cannot read"), ("", 0o600, "is empty"), ("tok", 0o644, "every user")],
+)
+def test_unusable_token_files_are_refused(
+    tmp_path: Path, content: str | None, mode: int, message: str
+) -> None:
+    path = tmp_path / "token"
+    if content is not None:
+        path.write_text(content)
+        path.chmod(mode)
+    with pytest.raises(ConfigError, match=message):
+        parse(["--auth-token-file", str(path)])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--block-size", "12"], "power of two"),
+        (["--num-blocks", "0"], "num_blocks must be positive"),
+        (["--kv-fraction", "1.5"], r"kv_fraction must be in \(0, 1\]"),
+        (["--device", "tpu"], "device must be cpu, cuda or cuda:N"),
+        (["--device", "cpu:0"], "device must be"),
+        (["--dtype", "int4"], "dtype: unknown dtype 'int4'"),
+        (["--metrics-listen", "localhost"], "metrics_listen: 'localhost' is not host:port"),
+        (["--lease-ttl-ms", "-1"], "lease_ttl_ms must be positive"),
+        (["--listen", "unix://relative"], "unix:///absolute/path"),
+        (["--listen", "unix:///" + "x" * 120], "socket path must be"),
+    ],
+)
+def test_bad_flags_are_refused_with_the_setting_named(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse(argv)
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("num_blocks = 1\nkv_memory = 5\n", "num_blocks and kv_memory both given"),
+        ("block_size = true\n", "block_size in .*expected an integer"),
+        ('kv_memory = "lots"\n', "not a byte size"),
+        ("surprise = 1\n", "unknown key.*surprise"),
+        ("listen = [1]\n", "expected an address"),
+        ("num_blocks = \n", "not valid TOML"),
+    ],
+)
+def test_bad_toml_is_refused(tmp_path: Path, toml: str, message: str) -> None:
+    path = tmp_path / "pagedkv.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=message):
+        parse(["--config", str(path)])
+
+
+def test_no_sizing_at_all_is_refused() -> None:
+    with pytest.raises(ConfigError, match="exactly one of num_blocks, kv_memory, kv_fraction"):
+        DaemonConfig(num_blocks=None)
+
+
+def test_parse_listen_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert parse_listen("unix:rel.sock").unix_path == tmp_path / "rel.sock"
+    assert parse_listen("unix:///abs/x.sock").target == "unix:///abs/x.sock"
+    assert parse_listen("localhost:80").target == "localhost:80"
+    with pytest.raises(ConfigError, match="host:port"):
+        parse_listen("localhost:99999")
