@@ -1,0 +1,120 @@
+"""Host-side checks shared by the paged attention kernels and their torch twins.
+
+Every kernel entry point validates its arguments here before anything is launched or written, so a
+caller mistake is a ValueError that changes nothing, never an out-of-bounds access on the device.
+Shape, dtype and stride checks are free. Value checks (slot and block ids in range, lengths that
+fit the block table) read the tensors back, which synchronizes with the device once; callers on a
+hot path whose tables come from the block pool may skip them with ``check_values=False``.
+
+Pool layout (one layer's view): ``k_cache``, ``v_cache``: [num_blocks, block_size, H_kv, D].
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+# Cache dtypes the kernels handle; scores and softmax are always computed in fp32.
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Shape of one layer's paged K (or V) cache."""
+
+    num_blocks: int  # physical blocks in the pool
+    block_size: int  # tokens per block; slot = block * block_size + offset
+    num_kv_heads: int  # H_kv
+    head_dim: int  # D
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots in the pool: the exclusive upper bound of a slot id."""
+        return self.num_blocks * self.block_size
+
+
+def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> CacheGeometry:
+    """Validate a K/V cache pair and return its geometry."""
+    if k_cache.dim() != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, H_kv, D], got {k_cache.shape}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {v_cache.shape} != k_cache shape {k_cache.shape}")
+    if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(
+            f"caches must share one dtype of {CACHE_DTYPES}, got {k_cache.dtype}/{v_cache.dtype}"
+        )
+    if v_cache.device != k_cache.device:
+        raise ValueError(f"k_cache on {k_cache.device} but v_cache on {v_cache.device}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("caches must be contiguous in the last (head_dim) dimension")
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if min(num_blocks, block_size, num_kv_heads, head_dim) < 1:
+        raise ValueError(f"empty cache dimension in {k_cache.shape}")
+    return CacheGeometry(num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def check_tokens(name: str, x: torch.Tensor, heads: int | None, cache: torch.Tensor) -> None:
+    """Validate a per-token tensor [T, heads, D] against the cache (dtype, device, head_dim).
+
+    `heads=None` accepts any multiple of the cache's KV heads (query heads under GQA).
+    """
+    _, _, num_kv_heads, head_dim = cache.shape
+    if x.dim() != 3 or x.shape[2] != head_dim:
+        raise ValueError(f"{name} must be [T, H, {head_dim}], got {tuple(x.shape)}")
+    if heads is not None and x.shape[1] != heads:
+        raise ValueError(f"{name} has {x.shape[1]} heads, the cache has {heads}")
+    if heads is None and (x.shape[1] == 0 or x.shape[1] % num_kv_heads != 0):
+        raise ValueError(f"{name} heads ({x.shape[1]}) must be a multiple of H_kv={num_kv_heads}")
+    if x.dtype != cache.dtype or x.device != cache.device:
+        raise ValueError(
+            f"{name} is {x.dtype} on {x.device}, the cache is {cache.dtype} on {cache.device}"
+        )
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in the last (head_dim) dimension")
+
+
+def check_index(name: str, x: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...],
+                device: torch.device) -> None:
+    """Validate an index tensor's dtype, exact shape and device."""
+    if x.dtype != dtype or tuple(x.shape) != shape or x.device != device:
+        raise ValueError(
+            f"{name} must be {dtype} of shape {shape} on {device}, "
+            f"got {x.dtype} of shape {tuple(x.shape)} on {x.device}"
+        )
+
+
+def check_slot_values(slot_mapping: torch.Tensor, geometry: CacheGeometry) -> None:
+    """Every slot is -1 (padding) or a slot of the pool."""
+    if slot_mapping.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.aminmax(slot_mapping))
+    if low < -1 or high >= geometry.num_slots:
+        raise ValueError(
+            f"slot_mapping values must be -1 or in [0, {geometry.num_slots}), got [{low}, {high}]"
+        )
+
+
+def check_table_values(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, geometry: CacheGeometry
+) -> None:
+    """Lengths fit the table, and every block a sequence uses is a block of the pool.
+
+    Entries past a sequence's last used block are never read, so they may hold anything (-1).
+    """
+    if seq_lens.numel() == 0:
+        return
+    capacity = block_tables.shape[1] * geometry.block_size
+    low_len, high_len = (int(v) for v in torch.aminmax(seq_lens))
+    if low_len < 1 or high_len > capacity:
+        raise ValueError(
+            f"seq_lens must be in [1, {capacity}] (block_tables width x block_size), "
+            f"got [{low_len}, {high_len}]"
+        )
+    used_blocks = (seq_lens.long() + geometry.block_size - 1) // geometry.block_size
+    columns = torch.arange(block_tables.shape[1], device=block_tables.device)
+    used = block_tables[columns[None, :] < used_blocks[:, None]]
+    low, high = (int(v) for v in torch.aminmax(used))
+    if low < 0 or high >= geometry.num_blocks:
+        raise ValueError(
+            f"block_tables entries in use must be in [0, {geometry.num_blocks}), "
+            f"got [{low}, {high}]"
+        )

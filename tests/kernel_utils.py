@@ -1,0 +1,131 @@
+"""Shared helpers for the paged-attention kernel tests: devices, paged batches, a float64 oracle.
+
+A paged batch is built the way the block pool hands it out: each sequence owns a random
+(permuted) set of physical blocks, its block-table row is padded with -1 past the blocks it uses,
+and every slot that holds no token of any sequence is NaN, so a kernel that reads one leaks NaN
+into its result.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+# "cpu" runs Triton under the interpreter; "cuda" runs the compiled kernels on a GPU.
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param(
+        "cuda",
+        id="cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+# Tolerance of an output computed in fp32 and rounded to the dtype, per dtype: (atol, rtol).
+TOLERANCE = {
+    torch.float32: (2e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+
+@dataclass
+class PagedBatch:
+    """One layer's paged cache filled for a batch of sequences, and the tables that address it."""
+
+    pool: torch.Tensor  # [2 layers, 2, num_blocks, block_size, H_kv, D]; the kernels use layer 1
+    block_tables: torch.Tensor  # [S, max_blocks] int32, -1 past each sequence's used blocks
+    seq_lens: torch.Tensor  # [S] int32, context length per sequence
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        return self.pool[1, 0]
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        return self.pool[1, 1]
+
+
+def make_paged_batch(
+    seq_lens: list[int],
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+) -> PagedBatch:
+    """A NaN-poisoned pool whose slots for `seq_lens` tokens hold random K/V."""
+    gen = torch.Generator().manual_seed(seed)
+    used = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(used) + 3  # a few blocks nobody owns, still NaN
+    pool = torch.full((2, 2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    tables = torch.full((len(seq_lens), max(used) + 1), -1, dtype=torch.int32)
+    owned = torch.randperm(num_blocks, generator=gen).split([*used, num_blocks - sum(used)])
+    for row, (blocks, length) in enumerate(zip(owned, seq_lens, strict=False)):
+        tables[row, : len(blocks)] = blocks.to(torch.int32)
+        positions = torch.arange(length)
+        rows = blocks[positions // block_size]
+        for kv in range(2):
+            pool[1, kv][rows, positions % block_size] = torch.randn(
+                length, num_kv_heads, head_dim, generator=gen
+            )
+    return PagedBatch(
+        pool.to(device=device, dtype=dtype),
+        tables.to(device),
+        torch.tensor(seq_lens, dtype=torch.int32, device=device),
+    )
+
+
+def random_tokens(num_tokens: int, num_heads: int, head_dim: int, dtype: torch.dtype,
+                  device: str, seed: int = 1) -> torch.Tensor:
+    """[T, H, D] random rows."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, num_heads, head_dim, generator=gen).to(device=device,
+                                                                          dtype=dtype)
+
+
+def contiguous_kv(batch: PagedBatch, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence `seq`'s keys and values [L, H_kv, D] in float64, gathered one block at a time."""
+    length = int(batch.seq_lens[seq])
+    keys, values = [], []
+    for logical in range(-(-length // batch.k_cache.shape[1])):
+        block = int(batch.block_tables[seq, logical])
+        keys.append(batch.k_cache[block].double().cpu())
+        values.append(batch.v_cache[block].double().cpu())
+    return torch.cat(keys)[:length], torch.cat(values)[:length]
+
+
+def oracle_attention(query: torch.Tensor, batch: PagedBatch, q_lens: list[int],
+                     scale: float) -> torch.Tensor:
+    """The obviously right answer in float64: query [T, H_q, D] -> [T, H_q, D] on the CPU.
+
+    Sequence s's queries are its last q_lens[s] positions; each attends to every position up to
+    its own.
+    """
+    out = []
+    start = 0
+    for seq, q_len in enumerate(q_lens):
+        keys, values = contiguous_kv(batch, seq)  # [L, H_kv, D]
+        group = query.shape[1] // keys.shape[1]
+        keys = keys.repeat_interleave(group, dim=1)  # [L, H_q, D]
+        values = values.repeat_interleave(group, dim=1)
+        q = query[start : start + q_len].double().cpu()  # [q_len, H_q, D]
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale  # [H_q, q_len, L]
+        positions = torch.arange(keys.shape[0])
+        own = keys.shape[0] - q_len + torch.arange(q_len)
+        scores = scores.masked_fill(positions[None, None, :] > own[None, :, None], float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+        start += q_len
+    return torch.cat(out)
+
+
+def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """`actual` matches `expected` within `dtype`'s precision and has no NaN."""
+    assert not actual.isnan().any(), "NaN leaked into the result"
+    atol, rtol = TOLERANCE[dtype]
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol,
+                               rtol=rtol)
