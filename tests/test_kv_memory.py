@@ -1,0 +1,308 @@
+"""Pool memory: layout, block copies and zeroing, sharing with a real second process, cleanup."""
+
+import errno
+import os
+import pickle
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from pagedkv.daemon import kv_memory
+from pagedkv.daemon.geometry import ModelGeometry
+from pagedkv.daemon.kv_memory import (
+    KVPoolMemory,
+    PoolMemoryHandle,
+    attach_pool,
+    cleanup_stale_files,
+    num_blocks_for_bytes,
+    num_blocks_for_fraction,
+)
+
+# 3 layers, 2 KV heads, head_dim 4: small, yet every dim of the layout has a distinct size.
+GEOMETRY = ModelGeometry("test", num_layers=3, num_kv_heads=2, head_dim=4, num_params=None,
+                         default_dtype="float32")
+NUM_BLOCKS, BLOCK_SIZE = 6, 5
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[KVPoolMemory]:
+    """A float32 CPU pool whose every element holds a distinct value."""
+    with KVPoolMemory.create(GEOMETRY, NUM_BLOCKS, BLOCK_SIZE, "float32",
+                             shm_dir=str(tmp_path)) as memory:
+        memory.kv.copy_(torch.arange(memory.kv.numel(), dtype=torch.float32).view_as(memory.kv))
+        yield memory
+
+
+def test_layout_shape_bytes_and_handle(tmp_path: Path) -> None:
+    with KVPoolMemory.create(GEOMETRY, NUM_BLOCKS, BLOCK_SIZE, torch.float16,
+                             shm_dir=str(tmp_path)) as memory:
+        # [num_layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]
+        assert memory.kv.shape == (3, 2, NUM_BLOCKS, BLOCK_SIZE, 2, 4)
+        assert memory.kv.dtype == torch.float16
+        assert (memory.num_blocks, memory.block_size) == (NUM_BLOCKS, BLOCK_SIZE)
+        assert memory.nbytes == NUM_BLOCKS * GEOMETRY.bytes_per_block(BLOCK_SIZE, 2) == 2880
+        handle = memory.handle()
+        assert (handle.kind, handle.dtype, handle.device_index, handle.ipc_payload) == (
+            "shm", "float16", -1, b"")
+        assert handle.shape == tuple(memory.kv.shape)
+        path = Path(handle.shm_path)
+        assert path.parent == tmp_path
+        assert path.name == f"pagedkv-{os.getpid()}-{memory.pool_id}.kv"
+        assert path.stat().st_size == memory.nbytes
+        assert not memory.kv.any(), "a new pool must be zeroed"
+
+
+def test_copy_blocks_copies_every_layer_and_k_and_v(pool: KVPoolMemory) -> None:
+    before = pool.kv.clone()
+    pool.copy_blocks([(1, 3), (4, 0)])
+    expected = before.clone()
+    expected[:, :, 3] = before[:, :, 1]
+    expected[:, :, 0] = before[:, :, 4]
+    assert torch.equal(pool.kv, expected)
+    # Spot-check one element far from the start: layer 2, V, slot 4, head 1, dim 3.
+    assert pool.kv[2, 1, 3, 4, 1, 3] == before[2, 1, 1, 4, 1, 3]
+
+
+def test_copy_chain_reads_sources_before_writing(pool: KVPoolMemory) -> None:
+    # 0 -> 1 and 1 -> 2 at once: block 2 receives block 1's data from before the call.
+    before = pool.kv.clone()
+    pool.copy_blocks([0, 1], [1, 2])
+    assert torch.equal(pool.kv[:, :, 1], before[:, :, 0])
+    assert torch.equal(pool.kv[:, :, 2], before[:, :, 1])
+    assert torch.equal(pool.kv[:, :, 3:], before[:, :, 3:])
+
+
+def test_copy_forms_agree(tmp_path: Path) -> None:
+    results = []
+    for args in ([[(5, 2), (0, 1)]], [[5, 0], [2, 1]],
+                 [np.array([5, 0], dtype=np.int64), np.array([2, 1], dtype=np.int64)]):
+        with KVPoolMemory.create(GEOMETRY, NUM_BLOCKS, BLOCK_SIZE, "fp32",
+                                 shm_dir=str(tmp_path)) as memory:
+            seeded = torch.Generator().manual_seed(0)
+            memory.kv.copy_(torch.randn(memory.kv.shape, generator=seeded))
+            memory.copy_blocks(*args)
+            results.append(memory.kv.clone())
+    assert torch.equal(results[0], results[1])
+    assert torch.equal(results[0], results[2])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (([(0, 6)],), r"must be in \[0, 6\)"),
+        (([-1], [2]), r"must be in \[0, 6\)"),
+        (([0, 1], [2, 2]), "more than one copy"),
+        (([0, 1], [2]), "2 sources but 1 destinations"),
+        (([0, 1],), r"\(src, dst\) pairs"),
+        (([0.5], [1]), "integer block ids"),
+    ],
+)
+def test_bad_copies_change_nothing(pool: KVPoolMemory, args: tuple[Any, ...],
+                                   message: str) -> None:
+    before = pool.kv.clone()
+    with pytest.raises(ValueError, match=message):
+        pool.copy_blocks(*args)
+    assert torch.equal(pool.kv, before)
+
+
+def test_empty_copy_and_zero_are_no_ops(pool: KVPoolMemory) -> None:
+    before = pool.kv.clone()
+    pool.copy_blocks([])
+    pool.copy_blocks([], [])
+    pool.zero_blocks([])
+    assert torch.equal(pool.kv, before)
+
+
+def test_zero_blocks(pool: KVPoolMemory) -> None:
+    before = pool.kv.clone()
+    pool.zero_blocks([4, 1])
+    assert not pool.kv[:, :, [1, 4]].any()
+    assert torch.equal(pool.kv[:, :, [0, 2, 3, 5]], before[:, :, [0, 2, 3, 5]])
+    with pytest.raises(ValueError, match="must be in"):
+        pool.zero_blocks([0, 99])
+    assert pool.kv[:, :, 0].any(), "a rejected zero_blocks must not zero the valid ids"
+
+
+def test_file_mode(tmp_path: Path) -> None:
+    old_umask = os.umask(0o077)  # a strict umask must not strip the requested group bits
+    try:
+        with KVPoolMemory.create(GEOMETRY, 1, 1, "float32", shm_dir=str(tmp_path)) as private, \
+                KVPoolMemory.create(GEOMETRY, 1, 1, "float32", shm_dir=str(tmp_path),
+                                    mode=0o660) as grouped:
+            assert stat.S_IMODE(os.stat(private.handle().shm_path).st_mode) == 0o600
+            assert stat.S_IMODE(os.stat(grouped.handle().shm_path).st_mode) == 0o660
+    finally:
+        os.umask(old_umask)
+
+
+def test_close_unlinks_and_is_idempotent() -> None:
+    memory = KVPoolMemory.create(GEOMETRY, 2, 4, "bf16")  # the real /dev/shm
+    path = Path(memory.handle().shm_path)
+    assert path.parent == Path("/dev/shm") and path.exists()
+    memory.close()
+    assert not path.exists()
+    memory.close()
+    with pytest.raises(ValueError, match="closed"):
+        memory.copy_blocks([(0, 1)])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"num_blocks": 0}, "must be positive"), ({"device": "meta"}, "cpu or cuda"),
+     ({"mode": 0o4600}, "permission bits"), ({"dtype": "int8"}, "unknown dtype")],
+)
+def test_bad_create_arguments(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
+    args: dict[str, Any] = {"num_blocks": 2, "block_size": 2, "dtype": "float32", **kwargs}
+    with pytest.raises(ValueError, match=message):
+        KVPoolMemory.create(GEOMETRY, shm_dir=str(tmp_path), **args)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_room_in_shm_dir_is_a_clear_error_and_leaves_no_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(kv_memory.os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"cannot reserve 2\.88 KB .* No space left"):
+        KVPoolMemory.create(GEOMETRY, NUM_BLOCKS, BLOCK_SIZE, "float16", shm_dir=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
+# Run in a second Python process: attach from the pickled handle on stdin, check the creator's
+# write (7s in block 1), then write 5s into the V half of block 2 for the creator to see.
+CHILD = """
+import pickle, sys, torch
+from pagedkv.daemon.kv_memory import attach_pool
+kv = attach_pool(pickle.load(sys.stdin.buffer))
+assert bool((kv[:, :, 1] == 7).all()), "the creator's write is not visible"
+assert not kv[:, :, 2].any(), "block 2 should still be zero"
+kv[:, 1, 2] = 5
+if kv.is_cuda:
+    torch.cuda.synchronize()
+print(tuple(kv.shape), kv.dtype, kv.device.type)
+"""
+
+
+def check_shared_with_another_process(memory: KVPoolMemory) -> None:
+    memory.kv[:, :, 1] = 7
+    if memory.kv.is_cuda:
+        torch.cuda.synchronize()
+    child = subprocess.run([sys.executable, "-c", CHILD], input=pickle.dumps(memory.handle()),
+                           capture_output=True, timeout=120)
+    assert child.returncode == 0, child.stderr.decode()
+    assert child.stdout.decode().split("\n")[0] == (
+        f"{tuple(memory.kv.shape)} {memory.kv.dtype} {memory.kv.device.type}")
+    assert bool((memory.kv[:, 1, 2] == 5).all()), "the second process's write is not visible"
+    assert not memory.kv[:, 0, 2].any(), "the K half of block 2 was not written"
+    assert not memory.kv[:, :, 3:].any()
+
+
+def test_second_process_attaches_shm() -> None:
+    with KVPoolMemory.create(GEOMETRY, NUM_BLOCKS, BLOCK_SIZE, "bfloat16") as memory:
+        check_shared_with_another_process(memory)
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_second_process_attaches_cuda_ipc() -> None:
+    with KVPoolMemory.create(GEOMETRY, NUM_BLOCKS, BLOCK_SIZE, "bfloat16",
+                             device="cuda") as memory:
+        handle = memory.handle()
+        assert (handle.kind, handle.shm_path, handle.device_index) == ("cuda_ipc", "", 0)
+        assert memory.kv.is_cuda and not memory.kv.any()
+        check_shared_with_another_process(memory)
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_copy_and_zero_blocks_on_cuda_match_cpu(pool: KVPoolMemory) -> None:
+    with KVPoolMemory.create(GEOMETRY, NUM_BLOCKS, BLOCK_SIZE, "float32",
+                             device="cuda") as memory:
+        memory.kv.copy_(pool.kv)
+        for target in (pool, memory):
+            target.copy_blocks([(0, 1), (1, 2), (5, 0)])
+            target.zero_blocks([3])
+        assert torch.equal(memory.kv.cpu(), pool.kv)
+
+
+@pytest.mark.gpu
+@cuda_only
+def test_num_blocks_for_fraction_on_cuda() -> None:
+    free, total = torch.cuda.mem_get_info()
+    block = 2**20
+    blocks = num_blocks_for_fraction(0.5, block, "cuda")
+    # Half the card minus what is in use; nothing else runs here, so it is close to half.
+    assert 0 < blocks * block <= 0.5 * total - (total - free) + block
+
+
+def test_attach_refuses_a_missing_or_resized_file(tmp_path: Path) -> None:
+    with KVPoolMemory.create(GEOMETRY, NUM_BLOCKS, BLOCK_SIZE, "float32",
+                             shm_dir=str(tmp_path)) as memory:
+        handle = memory.handle()
+    missing = tmp_path / "pagedkv-1-00.kv"
+    with pytest.raises(ValueError, match="no pool file at"):
+        attach_pool(PoolMemoryHandle("shm", str(missing), handle.shape, "float32", -1, b""))
+    assert not missing.exists(), "attach must not create a pool file"
+    missing.write_bytes(b"\0" * 100)
+    with pytest.raises(ValueError, match="holds 100 bytes, handle says 5760"):
+        attach_pool(PoolMemoryHandle("shm", str(missing), handle.shape, "float32", -1, b""))
+    with pytest.raises(ValueError, match="unknown pool memory kind"):
+        attach_pool(PoolMemoryHandle("tcp", "", handle.shape, "float32", -1, b""))
+
+
+def test_ipc_payload_may_only_name_torch(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps((os.system, (f"touch {marker}",)))
+    with pytest.raises(pickle.UnpicklingError, match=r"posix\.system, not torch"):
+        attach_pool(PoolMemoryHandle("cuda_ipc", "", (1,), "float32", 0, payload))
+    assert not marker.exists()
+
+
+def test_cleanup_removes_dead_owners_files_only(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_file = tmp_path / f"pagedkv-{int(dead.stdout)}-0123abcd.kv"
+    live_file = tmp_path / f"pagedkv-{os.getpid()}-4567ef01.kv"
+    other_prefix = tmp_path / f"other-{int(dead.stdout)}-0123abcd.kv"
+    not_a_pool = tmp_path / "pagedkv-notes.txt"
+    for path in (dead_file, live_file, other_prefix, not_a_pool):
+        path.write_bytes(b"x")
+    assert cleanup_stale_files(str(tmp_path), "pagedkv") == [dead_file]
+    assert sorted(tmp_path.iterdir()) == sorted([live_file, other_prefix, not_a_pool])
+
+
+def test_num_blocks_for_bytes() -> None:
+    assert num_blocks_for_bytes(7_800_000_000, 917_504) == 8501
+    assert num_blocks_for_bytes(917_504, 917_504) == 1
+    with pytest.raises(ValueError, match="cannot hold one block"):
+        num_blocks_for_bytes(917_503, 917_504)
+    with pytest.raises(ValueError, match="must be positive"):
+        num_blocks_for_bytes(10, 0)
+
+
+def test_num_blocks_for_fraction_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Half of 1000 KiB available RAM, with a roomy shm dir: 500 blocks of 1 KiB.
+    monkeypatch.setattr(kv_memory, "_available_ram", lambda: 1000 * 1024)
+    assert num_blocks_for_fraction(0.5, 1024, "cpu", shm_dir=str(tmp_path)) == 500
+    # A 64 KiB shm dir (Docker's default is 64 MB) caps the pool below the RAM share.
+    free = os.statvfs(tmp_path)
+    capped = os.statvfs_result((*free[:4], 64, *free[5:]))  # f_bavail = 64 fragments
+    monkeypatch.setattr(kv_memory.os, "statvfs", lambda _: capped)
+    assert num_blocks_for_fraction(0.5, 1024, "cpu", shm_dir=str(tmp_path)) == (
+        64 * free.f_frsize // 1024)
+    with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\]"):
+        num_blocks_for_fraction(1.5, 1024, "cpu")
+
+
+def test_available_ram_is_plausible() -> None:
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < kv_memory._available_ram() <= total
