@@ -6,15 +6,17 @@ may connect. Health checks (grpc.health.v1) are exempt so that load balancers an
 `grpc_health_probe` work without the secret; they reveal only SERVING or NOT_SERVING.
 Reflection is not exempt: `grpcurl -H 'authorization: Bearer ...'` lists the services.
 
-Every handler kind is wrapped (unary or streamed requests and responses), so a new RPC can
-never slip past the check. Session ids are credentials and never logged: a log line names the
-session by its number (`session=#7`), which GetStats shows as `client_name#7`.
+Every handler kind is wrapped (unary or streamed requests and responses, generators or
+context.write), so a new RPC can never slip past the check. Session ids are credentials and
+never logged: a log line names the session by its number (`session=#7`), which GetStats
+shows as `client_name#7`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -126,40 +128,42 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
               latency_ms=round(seconds * 1000, 3))
 
 
+# The four handler kinds, and the grpc factory that makes a handler of each kind.
+_HANDLER_KINDS = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler),
+)
+
+
 def _wrap(handler: Handler, scope: CallScope) -> Handler:
     """The same handler with every call run inside `scope(request, context)`."""
-    serializers = {"request_deserializer": handler.request_deserializer,
-                   "response_serializer": handler.response_serializer}
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(_answer(handler.unary_unary, scope),
-                                                   **serializers)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(_answer(handler.stream_unary, scope),
-                                                    **serializers)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(_stream(handler.unary_stream, scope),
-                                                    **serializers)
-    assert handler.stream_stream is not None, "a method handler without a behavior"
-    return grpc.stream_stream_rpc_method_handler(_stream(handler.stream_stream, scope),
-                                                 **serializers)
+    for kind, make in _HANDLER_KINDS:
+        behavior = getattr(handler, kind)
+        if behavior is not None:
+            wrapped: Handler = make(_scoped(behavior, scope),
+                                    request_deserializer=handler.request_deserializer,
+                                    response_serializer=handler.response_serializer)
+            return wrapped
+    raise AssertionError(f"a method handler without a behavior: {handler}")
 
 
-def _answer(behavior: Behavior, scope: CallScope) -> Behavior:
-    """Wraps a handler that returns one response."""
+def _scoped(behavior: Behavior, scope: CallScope) -> Behavior:
+    """`behavior` run inside `scope`, keeping its shape: grpc treats an async generator (which
+    yields responses) differently from a coroutine (which returns one or calls context.write)."""
+    if inspect.isasyncgenfunction(behavior):
 
-    async def call(request: Any, context: Context) -> Any:
-        async with scope(request, context):
-            return await behavior(request, context)
+        async def stream(request: Any, context: Context) -> Any:
+            async with scope(request, context):
+                async for response in behavior(request, context):
+                    yield response
 
-    return call
-
-
-def _stream(behavior: Behavior, scope: CallScope) -> Behavior:
-    """Wraps a handler that streams its responses (an async generator)."""
+        return stream
 
     async def call(request: Any, context: Context) -> Any:
         async with scope(request, context):
-            async for response in behavior(request, context):
-                yield response
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
 
     return call

@@ -127,6 +127,15 @@ async def test_health_checks_need_no_token_on_tcp(server: Server) -> None:
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+async def test_health_watch_streams_through_the_interceptor(server: Server) -> None:
+    # Watch writes with context.write instead of yielding: the wrapper must keep that shape.
+    async with grpc.aio.insecure_channel(server.tcp_target) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        first = await watch.read()
+        watch.cancel()
+    assert first.status == health_pb2.HealthCheckResponse.SERVING
+
+
 async def test_outcomes_are_counted_and_logged_without_the_session_secret(
     server: Server, log_stream: io.StringIO
 ) -> None:
