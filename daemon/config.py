@@ -114,6 +114,11 @@ class DaemonConfig:
     lease_ttl_ms: int = 10_000
     # Reuse the blocks of identical prompt prefixes across sequences.
     enable_prefix_caching: bool = True
+    # Zero every block released with no cached content, so no tenant's K/V outlives it.
+    zero_freed_blocks: bool = False
+    # Permission bits of the /dev/shm pool file: 0o660 lets the daemon's group (the runners)
+    # map it; 0o600 keeps it to the daemon's user.
+    shm_mode: int = 0o600
 
     def __post_init__(self) -> None:
         listeners = self.listeners()
@@ -147,6 +152,9 @@ class DaemonConfig:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
         if self.lease_ttl_ms <= 0:
             raise ConfigError(f"lease_ttl_ms must be positive, got {self.lease_ttl_ms}")
+        if self.shm_mode & ~0o777 or self.shm_mode & 0o600 != 0o600:
+            raise ConfigError(f"shm_mode must be permission bits including owner rw (0o600), "
+                              f"got {oct(self.shm_mode)}")
 
     def listeners(self) -> list[ListenAddress]:
         if not self.listen:
@@ -200,6 +208,10 @@ def _toml_float(value: Any) -> float:
     return float(value)
 
 
+def _octal(text: str) -> int:
+    return int(text, 8)
+
+
 def _toml_listen(value: Any) -> tuple[str, ...]:
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
@@ -229,6 +241,8 @@ _TOML_KEYS: dict[str, Callable[[Any], Any]] = {
     "log_level": _toml_str,
     "lease_ttl_ms": _toml_int,
     "enable_prefix_caching": _toml_bool,
+    "zero_freed_blocks": _toml_bool,
+    "shm_mode": _toml_int,
 }
 assert set(_TOML_KEYS) == {f.name for f in fields(DaemonConfig)}, "a setting has no TOML key"
 
@@ -286,6 +300,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--lease-ttl-ms", type=int, help="default session lease in milliseconds")
     opt("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
         help="never share blocks between identical prompt prefixes")
+    opt("--zero-freed-blocks", action="store_true", help="zero blocks as they are released")
+    opt("--shm-mode", type=_octal, help="octal mode of the /dev/shm pool file (default 600)")
 
 
 def config_from_args(

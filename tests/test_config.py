@@ -53,7 +53,7 @@ def test_toml_then_flags_override(tmp_path: Path, token_file: Path) -> None:
         f'listen = ["unix:///tmp/a.sock", "127.0.0.1:7001"]\n'
         f'auth_token_file = "{token_file}"\n'
         'block_size = 32\nkv_memory = "64MiB"\nlog_level = "debug"\n'
-        "enable_prefix_caching = false\nlease_ttl_ms = 5000\n"
+        "enable_prefix_caching = false\nlease_ttl_ms = 5000\nshm_mode = 0o660\n"
     )
     config = parse(["--config", str(toml), "--block-size", "8", "--listen", "unix:///tmp/b.sock"])
     assert config.block_size == 8  # flag wins
@@ -62,6 +62,12 @@ def test_toml_then_flags_override(tmp_path: Path, token_file: Path) -> None:
     assert config.log_level == "debug" and config.lease_ttl_ms == 5000
     assert not config.enable_prefix_caching
     assert config.auth_token_file == token_file
+    assert config.shm_mode == 0o660 and not config.zero_freed_blocks
+
+
+def test_octal_shm_mode_and_zeroing_flags() -> None:
+    config = parse(["--shm-mode", "640", "--zero-freed-blocks"])
+    assert config.shm_mode == 0o640 and config.zero_freed_blocks
 
 
 def test_a_sizing_flag_replaces_the_toml_sizing(tmp_path: Path) -> None:
@@ -116,6 +122,8 @@ def test_unusable_token_files_are_refused(
         (["--dtype", "int4"], "dtype: unknown dtype 'int4'"),
         (["--metrics-listen", "localhost"], "metrics_listen: 'localhost' is not host:port"),
         (["--lease-ttl-ms", "-1"], "lease_ttl_ms must be positive"),
+        (["--shm-mode", "440"], "shm_mode must be permission bits including owner rw"),
+        (["--shm-mode", "1777"], "shm_mode must be"),
         (["--listen", "unix://relative"], "unix:///absolute/path"),
         (["--listen", "unix:///" + "x" * 120], "socket path must be"),
     ],
