@@ -1,0 +1,177 @@
+"""Random operation sequences against a model of the pool's memory contents.
+
+The machine keeps a simulated KV memory (one token id per slot) and writes each call's tokens
+into the slots the pool returns, performing the reported copy-on-write copies first. After every
+step, reading any live sequence through its block table must give back exactly its tokens: that
+one check catches a write into a shared block, a missed or wrong copy, a prefix-cache hit on the
+wrong content, and a block handed to two owners. `check_invariants()` runs after every step too.
+"""
+
+import itertools
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from pagedkv.daemon.core import (
+    BatchAppend,
+    BlockCopy,
+    BlockPool,
+    NoFit,
+    PoolError,
+    SequenceExists,
+    SequenceNotFound,
+    SeqUpdate,
+)
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 12
+NAMES = st.sampled_from("abcdefg")
+# A few shared prompt heads make prefix-cache hits likely.
+HEADS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE)
+        self.memory = np.full(NUM_BLOCKS * BLOCK_SIZE, -1, dtype=np.int64)
+        self.tokens: dict[str, list[int]] = {}
+        self.salts: dict[str, bytes] = {}  # namespaces never share a block
+        self.fresh = itertools.count(10_000)  # ids of tokens the pool is not told about
+
+    def _snapshot(self) -> object:
+        return self.pool.stats(), {s: self.pool.block_table(s) for s in self.tokens}
+
+    def _copy(self, copies: list[BlockCopy]) -> None:
+        for copy in copies:
+            src, dst = copy.src * BLOCK_SIZE, copy.dst * BLOCK_SIZE
+            self.memory[dst:dst + BLOCK_SIZE] = self.memory[src:src + BLOCK_SIZE]
+
+    def _write(self, seq: str, slots: list[int], tokens: list[int]) -> None:
+        """Write tokens, checking that no other live sequence can see the written slots."""
+        for slot in slots:
+            block = slot // BLOCK_SIZE
+            others = [s for s in self.tokens if s != seq and block in self.pool.block_table(s)]
+            assert not others, f"{seq} writes block {block} shared with {others}"
+        self.memory[slots] = tokens
+
+    def _new_tokens(self, n: int, known: bool, data: st.DataObject) -> tuple[list[int], bool]:
+        if not known:
+            return [next(self.fresh) for _ in range(n)], False
+        return data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)), True
+
+    @rule(seq=NAMES, n=st.integers(0, 14), known=st.booleans(), head=st.sampled_from(HEADS),
+          salt=st.sampled_from([b"", b"x"]), data=st.data())
+    def allocate(self, seq: str, n: int, known: bool, head: list[int], salt: bytes,
+                 data: st.DataObject) -> None:
+        tail, _ = self._new_tokens(max(0, n - len(head)), known, data)
+        tokens = (head + tail)[:n] if known else self._new_tokens(n, False, data)[0]
+        before = self._snapshot()
+        try:
+            result = self.pool.allocate(seq, n, tokens if known else None, salt=salt)
+        except SequenceExists:
+            assert seq in self.tokens and self._snapshot() == before
+            return
+        if isinstance(result, NoFit):
+            assert self._snapshot() == before
+            return
+        cached = result.num_cached_tokens
+        assert self.memory[result.slot_mapping[:cached]].tolist() == tokens[:cached]
+        self._write(seq, result.slot_mapping[cached:], tokens[cached:])
+        self.tokens[seq] = tokens
+        self.salts[seq] = salt
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), k=st.integers(1, 6), known=st.booleans())
+    def append(self, data: st.DataObject, k: int, known: bool) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        tokens, known = self._new_tokens(k, known, data)
+        before = self._snapshot()
+        result = self.pool.append(seq, k, tokens if known else None)
+        if isinstance(result, NoFit):
+            assert self._snapshot() == before
+            return
+        assert isinstance(result, SeqUpdate)
+        self._copy(result.copies)
+        self._write(seq, result.slot_mapping, tokens)
+        self.tokens[seq] += tokens
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), k=st.integers(1, 3), known=st.booleans())
+    def append_batch(self, data: st.DataObject, k: int, known: bool) -> None:
+        seqs = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, unique=True))
+        batch = [self._new_tokens(k, known, data)[0] for _ in seqs]
+        before = self._snapshot()
+        result = self.pool.append_batch(seqs, k, batch if known else None)
+        if isinstance(result, NoFit):
+            assert self._snapshot() == before
+            return
+        assert isinstance(result, BatchAppend)
+        self._copy(result.copies)
+        slots = result.slot_mapping.reshape(len(seqs), k).tolist()
+        for seq, seq_slots, tokens in zip(seqs, slots, batch, strict=True):
+            self._write(seq, seq_slots, tokens)
+            self.tokens[seq] += tokens
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), child=NAMES)
+    def fork(self, data: st.DataObject, child: str) -> None:
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = self._snapshot()
+        try:
+            self.pool.fork(parent, child)
+        except SequenceExists:
+            assert child in self.tokens and self._snapshot() == before
+            return
+        self.tokens[child] = list(self.tokens[parent])
+        self.salts[child] = self.salts[parent]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), logical=st.integers(-1, 4))
+    def copy_on_write(self, data: st.DataObject, logical: int) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = self._snapshot()
+        try:
+            result = self.pool.copy_on_write(seq, logical)
+        except PoolError:
+            assert not 0 <= logical < len(self.pool.block_table(seq))
+            assert self._snapshot() == before
+            return
+        if isinstance(result, NoFit):
+            assert self._snapshot() == before
+            return
+        self._copy(result.copies)
+        table = self.pool.block_table(seq)
+        others = [s for s in self.tokens if s != seq and table[logical] in self.pool.block_table(s)]
+        assert not others, "a block made private is still shared"
+
+    @rule(seq=NAMES)
+    def free(self, seq: str) -> None:
+        try:
+            self.pool.free(seq)
+        except SequenceNotFound:
+            assert seq not in self.tokens
+            return
+        del self.tokens[seq]
+        del self.salts[seq]
+
+    @invariant()
+    def contents_isolation_and_invariants_hold(self) -> None:
+        self.pool.check_invariants()
+        for seq, tokens in self.tokens.items():
+            table = self.pool.block_table(seq)
+            slots = [table[i // BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE
+                     for i in range(len(tokens))]
+            assert self.memory[slots].tolist() == tokens, f"{seq} reads back wrong tokens"
+            assert self.pool.num_tokens(seq) == len(tokens)
+            for other, salt in self.salts.items():
+                if salt != self.salts[seq]:
+                    assert not set(table) & set(self.pool.block_table(other)), "salts share"
+        stats = self.pool.stats()
+        assert stats.num_sequences == len(self.tokens)
+        assert stats.logical_tokens == sum(map(len, self.tokens.values()))
+
+
+PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestPoolMachine = PoolMachine.TestCase
