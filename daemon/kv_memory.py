@@ -37,6 +37,7 @@ from typing import Any, overload
 import numpy as np
 import numpy.typing as npt
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
 from .geometry import ModelGeometry, canonical_dtype, torch_dtype
 from .units import format_bytes
@@ -93,20 +94,17 @@ class KVPoolMemory:
         name = canonical_dtype(str(dtype))
         shape = pool_shape(geometry, num_blocks, block_size)
         pool_id = secrets.token_hex(8)
-        target = torch.device(device)
+        target = _device(device)
         if target.type == "cpu":
             path = Path(shm_dir) / f"{name_prefix}-{os.getpid()}-{pool_id}.kv"
             kv = _create_shm(path, shape, name, mode)
             return cls(kv, PoolMemoryHandle("shm", str(path), shape, name, -1, b""), pool_id)
-        if target.type == "cuda":
-            # Zeroed, not empty: the caching allocator may hand back another tensor's data.
-            kv = torch.zeros(shape, dtype=torch_dtype(name), device=target)
-            # torch leaves reduce_tensor unannotated; it returns (rebuild function, args).
-            reduced = torch.multiprocessing.reductions.reduce_tensor(kv)  # type: ignore[no-untyped-call]
-            payload = pickle.dumps(reduced)
-            index = kv.device.index if kv.device.index is not None else 0
-            return cls(kv, PoolMemoryHandle("cuda_ipc", "", shape, name, index, payload), pool_id)
-        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+        # Zeroed, not empty: the caching allocator may hand back another tensor's data.
+        kv = torch.zeros(shape, dtype=torch_dtype(name), device=target)
+        # torch leaves reduce_tensor unannotated; it returns (rebuild function, args).
+        payload = pickle.dumps(reduce_tensor(kv))  # type: ignore[no-untyped-call]
+        handle = PoolMemoryHandle("cuda_ipc", "", shape, name, kv.get_device(), payload)
+        return cls(kv, handle, pool_id)
 
     @property
     def kv(self) -> torch.Tensor:
@@ -195,6 +193,17 @@ class KVPoolMemory:
         self.close()
 
 
+def _device(device: str) -> torch.device:
+    """A cpu or cuda torch.device; ValueError for anything else."""
+    try:
+        target = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"device must be cpu or cuda, got {device!r}") from exc
+    if target.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    return target
+
+
 def _create_shm(path: Path, shape: tuple[int, ...], dtype: str, mode: int) -> torch.Tensor:
     """Create the shm file exclusively, reserve its pages, and map it."""
     numel = int(np.prod(shape))
@@ -238,7 +247,8 @@ def attach_pool(handle: PoolMemoryHandle) -> torch.Tensor:
     if handle.kind == "cuda_ipc":
         rebuild, args = _TorchOnlyUnpickler(io.BytesIO(handle.ipc_payload)).load()
         kv = rebuild(*args)
-        assert isinstance(kv, torch.Tensor), "IPC payload did not rebuild a tensor"
+        if not isinstance(kv, torch.Tensor):
+            raise ValueError(f"IPC payload rebuilt a {type(kv).__name__}, not a tensor")
         if tuple(kv.shape) != handle.shape or kv.dtype != dtype:
             raise ValueError(f"IPC payload is {tuple(kv.shape)} {kv.dtype}, handle says "
                              f"{handle.shape} {dtype}")
@@ -268,15 +278,13 @@ def num_blocks_for_fraction(fraction: float, bytes_per_block: int, device: str,
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    target = torch.device(device)
+    target = _device(device)
     if target.type == "cuda":
         free, total = torch.cuda.mem_get_info(target)
         budget = int(fraction * total) - (total - free)
-    elif target.type == "cpu":
+    else:
         fs = os.statvfs(shm_dir)
         budget = min(int(fraction * _available_ram()), fs.f_bavail * fs.f_frsize)
-    else:
-        raise ValueError(f"device must be cpu or cuda, got {device!r}")
     return num_blocks_for_bytes(budget, bytes_per_block)
 
 
@@ -295,8 +303,8 @@ def _available_ram() -> int:
 def cleanup_stale_files(shm_dir: str = "/dev/shm", name_prefix: str = "pagedkv") -> list[Path]:
     """Remove pool files whose owner pid is dead (left by a crash); returns what was removed.
 
-    A pid reused by an unrelated live process keeps its file until that process exits:
-    harmless, and never deletes a live daemon's pool.
+    A dead daemon's pid reused by an unrelated process keeps its file until a later cleanup:
+    a leak at worst, whereas a live daemon's pool is never deleted.
     """
     pattern = re.compile(rf"{re.escape(name_prefix)}-(\d+)-[0-9a-f]+\.kv")
     removed = []
@@ -314,6 +322,6 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # alive, owned by another user
+        pass  # alive, owned by another user
     return True
 

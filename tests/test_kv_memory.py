@@ -157,6 +157,7 @@ def test_close_unlinks_and_is_idempotent() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [({"num_blocks": 0}, "must be positive"), ({"device": "meta"}, "cpu or cuda"),
+     ({"device": "gpu"}, "cpu or cuda"),
      ({"mode": 0o4600}, "permission bits"), ({"dtype": "int8"}, "unknown dtype")],
 )
 def test_bad_create_arguments(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
@@ -265,6 +266,12 @@ def test_ipc_payload_may_only_name_torch(tmp_path: Path) -> None:
     with pytest.raises(pickle.UnpicklingError, match=r"posix\.system, not torch"):
         attach_pool(PoolMemoryHandle("cuda_ipc", "", (1,), "float32", 0, payload))
     assert not marker.exists()
+    wrong_shape = pickle.dumps((torch.Tensor, ([1.0, 2.0, 3.0],)))
+    with pytest.raises(ValueError, match=r"IPC payload is \(3,\) torch.float32, handle says"):
+        attach_pool(PoolMemoryHandle("cuda_ipc", "", (2,), "float32", 0, wrong_shape))
+    not_a_tensor = pickle.dumps((torch.device, ("cpu",)))
+    with pytest.raises(ValueError, match="rebuilt a device, not a tensor"):
+        attach_pool(PoolMemoryHandle("cuda_ipc", "", (2,), "float32", 0, not_a_tensor))
 
 
 def test_cleanup_removes_dead_owners_files_only(tmp_path: Path) -> None:
