@@ -118,3 +118,28 @@ def check_table_values(
             f"block_tables entries in use must be in [0, {geometry.num_blocks}), "
             f"got [{low}, {high}]"
         )
+
+
+def check_attention_args(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    check_values: bool,
+) -> CacheGeometry:
+    """Validate the arguments every paged attention call shares; return the cache geometry.
+
+    query: [T, H_q, D]; block_tables: [S, max_blocks] int32; seq_lens: [S] int32.
+    """
+    geometry = check_cache(k_cache, v_cache)
+    check_tokens("query", query, None, k_cache)
+    if block_tables.dim() != 2 or block_tables.shape[1] == 0:
+        raise ValueError(f"block_tables must be [S, max_blocks >= 1], got {block_tables.shape}")
+    num_seqs = block_tables.shape[0]
+    check_index("block_tables", block_tables, torch.int32, (num_seqs, block_tables.shape[1]),
+                k_cache.device)
+    check_index("seq_lens", seq_lens, torch.int32, (num_seqs,), k_cache.device)
+    if check_values:
+        check_table_values(block_tables, seq_lens, geometry)
+    return geometry

@@ -129,3 +129,19 @@ def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.d
     atol, rtol = TOLERANCE[dtype]
     torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol,
                                rtol=rtol)
+
+
+def query_start_loc(q_lens: list[int], device: str) -> torch.Tensor:
+    """[S + 1] int32 cumulative query lengths."""
+    return torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                        device=device)
+
+
+def ragged_lengths(block_size: int) -> list[int]:
+    """Context lengths around block boundaries: 1, B-1, B, B+1 and a few blocks plus change."""
+    return [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
+
+
+def param_id(value: object) -> str:
+    """Readable test ids: `bfloat16` rather than `dtype2`."""
+    return str(value).removeprefix("torch.")

@@ -1,0 +1,202 @@
+"""Paged prefill attention: a chunk of new query tokens per sequence against its paged context.
+
+    query:            [T, H_q, D]   the new tokens of all sequences, back to back
+    k/v_cache:        [num_blocks, block_size, H_kv, D]   one layer's view of the pool
+    block_tables:     [S, max_blocks] int32
+    seq_lens:         [S] int32     context length INCLUDING the new chunk
+    query_start_loc:  [S + 1] int32 cumulative query lengths; q_len[s] = qsl[s + 1] - qsl[s]
+    -> out:           [T, H_q, D]
+
+Query token j of sequence s sits at position seq_lens[s] - q_len[s] + j and attends to every
+position up to its own. The chunk's K/V must already be in the cache (store_kv), so a cached
+prefix (a prefix-cache hit, or earlier chunks of a chunked prefill) is read, never recomputed.
+
+The Triton kernel runs one program per (sequence, query head, BLOCK_M query rows) and walks the
+context in TILE_N-position tiles (paged_tile.attend_tile). The torch version pads the queries to
+the longest chunk and masks, with no loop over sequences or tokens; it is the CPU backend and the
+tests' reference, and it holds [S, H_q, max_q_len, max_seq_len] fp32 scores at once.
+"""
+
+import torch
+
+from .paged_checks import CacheGeometry, check_attention_args, check_index
+from .paged_tile import LOG2_E, attend_tile, dot_precision, head_dim_pad
+from .triton_env import require_triton_device, tl, triton
+
+# Query rows per program and context positions per tile.
+BLOCK_M = 64
+TILE_N = 64
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _prefill_kernel(  # type: ignore[no-untyped-def]
+    Q, K_cache, V_cache, Block_tables, Seq_lens, Query_start_loc, Out,
+    scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bts, stride_btb,
+    stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M >= 16)  # tl.dot's minimum on GPUs
+    tl.static_assert(TILE_N >= 16)
+    tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    m_tile = tl.program_id(2)
+    # -- this program's rows of the sequence's chunk (programs past a short chunk exit) --
+    q_start = tl.load(Query_start_loc + seq).to(tl.int64)
+    q_len = tl.load(Query_start_loc + seq + 1) - q_start
+    if m_tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(Seq_lens + seq)
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] row within the chunk
+    q_pos = seq_len - q_len + offs_m  # [BLOCK_M] context position of each row
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row_mask = (offs_m < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    # -- load q [BLOCK_M, HEAD_DIM_PAD]: it stays in registers, pre-scaled for exp2 --
+    q_rows = (q_start + offs_m)[:, None] * stride_qt
+    q = tl.load(Q + q_rows + head * stride_qh + offs_d[None, :] * stride_qd, mask=row_mask,
+                other=0.0)
+    q = q.to(tl.float32) * scale_log2
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    # -- walk the context up to the last row's position; tile 0 counts position 0 for all rows --
+    kv_end = tl.minimum(seq_len, seq_len - q_len + (m_tile + 1) * BLOCK_M)
+    offs_n = tl.arange(0, TILE_N)
+    for tile in range(0, tl.cdiv(kv_end, TILE_N)):
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, K_cache, V_cache, Block_tables + seq * stride_bts,
+            tile * TILE_N + offs_n, q_pos, seq_len, head // GROUP,
+            stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
+            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
+        )
+    # -- normalize and store the chunk's rows (l_i > 0: every row counted position 0) --
+    out = acc / l_i[:, None]
+    o_rows = (q_start + offs_m)[:, None] * stride_ot
+    tl.store(Out + o_rows + head * stride_oh + offs_d[None, :] * stride_od,
+             out.to(Out.dtype.element_ty), mask=row_mask)
+
+
+def _check_args(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    check_values: bool,
+) -> CacheGeometry:
+    geometry = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, check_values)
+    num_seqs = seq_lens.shape[0]
+    check_index("query_start_loc", query_start_loc, torch.int32, (num_seqs + 1,), k_cache.device)
+    if check_values:
+        q_lens = query_start_loc.diff()
+        first, last = int(query_start_loc[0]), int(query_start_loc[-1])
+        if first != 0 or last != query.shape[0]:
+            raise ValueError(f"query_start_loc must run from 0 to T={query.shape[0]}, "
+                             f"got {first} to {last}")
+        if bool((q_lens < 1).any()) or bool((q_lens > seq_lens).any()):
+            raise ValueError("every query length must be in [1, seq_len]")
+    return geometry
+
+
+def paged_prefill_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Triton: causal attention of each sequence's new chunk over its paged context."""
+    geometry = _check_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                           check_values)
+    require_triton_device(query.device, _prefill_kernel)
+    out = torch.empty_like(query)
+    num_seqs, (num_tokens, num_q_heads, head_dim) = seq_lens.shape[0], query.shape
+    if num_tokens == 0:
+        return out
+    # The grid needs the longest chunk: one read-back, small next to a prefill's work.
+    max_q_len = int(query_start_loc.diff().max())
+    grid = (num_seqs, num_q_heads, triton.cdiv(max_q_len, BLOCK_M))
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * LOG2_E,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        *out.stride(),
+        GROUP=num_q_heads // geometry.num_kv_heads, BLOCK_SIZE=geometry.block_size,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+        BLOCK_M=BLOCK_M, TILE_N=TILE_N, DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=8, num_stages=2,
+    )
+    return out
+
+
+def gather_context(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every sequence's context padded to the longest: keys, values [S, L, H_kv, D] fp32 and
+    valid [S, L].
+
+    Values past a sequence's length are zeroed (stale slots may hold NaN, and 0 * NaN is NaN);
+    keys there are left as read, so callers must mask those scores.
+    """
+    block_size = k_cache.shape[1]
+    used_blocks = (seq_lens.long() + block_size - 1) // block_size  # [S]
+    width = int(used_blocks.max())
+    columns = torch.arange(width, device=block_tables.device)
+    # Table entries past a sequence's used blocks may be anything (-1): read block 0 instead.
+    table = torch.where(columns < used_blocks[:, None], block_tables[:, :width], 0).long()
+    valid = torch.arange(width * block_size, device=seq_lens.device) < seq_lens[:, None].long()
+    keys = k_cache[table].flatten(1, 2).float()
+    values = v_cache[table].flatten(1, 2).float().masked_fill(~valid[:, :, None, None], 0.0)
+    return keys, values, valid
+
+
+def paged_prefill_attention_torch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    *,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Torch: causal attention of each sequence's new chunk over its paged context."""
+    geometry = _check_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                           check_values)
+    num_tokens, num_q_heads, head_dim = query.shape
+    if num_tokens == 0:
+        return torch.empty_like(query)
+    num_seqs, num_kv_heads = seq_lens.shape[0], geometry.num_kv_heads
+    group = num_q_heads // num_kv_heads
+    q_lens = query_start_loc.diff().long()  # [S]
+    max_q_len = int(q_lens.max())
+    # -- scatter the tokens into a padded [S, max_q, H_kv, G, D] query --
+    seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=query.device), q_lens,
+                                     output_size=num_tokens)  # [T]
+    row_of = torch.arange(num_tokens, device=query.device) - query_start_loc[seq_of]  # [T]
+    q = query.new_zeros((num_seqs, max_q_len, num_q_heads, head_dim), dtype=torch.float32)
+    q[seq_of, row_of] = query.float()
+    q = q.view(num_seqs, max_q_len, num_kv_heads, group, head_dim)
+    # -- scores [S, H_kv, G, max_q, L]; row r of sequence s sees positions <= its own --
+    keys, values, valid = gather_context(k_cache, v_cache, block_tables, seq_lens)
+    q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_q_len, device=query.device)
+    positions = torch.arange(keys.shape[1], device=query.device)
+    counted = valid[:, None, :] & (positions[None, None, :] <= q_pos[:, :, None])  # [S, q, L]
+    scores = torch.einsum("sqhgd,slhd->shgql", q, keys) * scale
+    scores = scores.masked_fill(~counted[:, None, None], float("-inf"))
+    out = torch.einsum("shgql,slhd->sqhgd", scores.softmax(-1), values)
+    return out.reshape(num_seqs, max_q_len, num_q_heads, head_dim)[seq_of, row_of].to(query.dtype)
