@@ -1,0 +1,225 @@
+"""Paged decode attention: one new query token per sequence against its paged context.
+
+    query:         [S, H_q, D]
+    k/v_cache:     [num_blocks, block_size, H_kv, D]   one layer's view of the pool
+    block_tables:  [S, max_blocks] int32   entries past a sequence's last block are never read
+    seq_lens:      [S] int32               context length, the new token included
+    -> out:        [S, H_q, D]
+
+The Triton kernel runs one program per (sequence, KV head, split). GQA: the H_q / H_kv query
+heads that share a KV head are rows of one query tile (padded to GROUP_PAD >= 16 rows, tl.dot's
+minimum), so each K/V tile is loaded once for the whole group. Split-K (flash-decoding): a long
+context is cut into `num_splits` ranges of tiles processed in parallel; each writes a normalized
+partial output and its log-sum-exp, and a second kernel merges them. With one split the first
+kernel writes the output directly.
+
+The torch version is prefill with one query per sequence (paged_prefill_attention_torch).
+"""
+
+import torch
+
+from .paged_checks import check_attention_args
+from .paged_prefill import paged_prefill_attention_torch
+from .paged_tile import LOG2_E, attend_tile, dot_precision, head_dim_pad
+from .triton_env import require_triton_device, tl, triton
+
+# Context positions per tile.
+TILE_N = 64
+# Default split policy: aim for this many programs per SM, but give each split at least
+# MIN_TILES_PER_SPLIT tiles (a short split costs more in the merge than it saves) and never more
+# than MAX_SPLITS splits.
+PROGRAMS_PER_SM = 2
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 64
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _decode_split_kernel(  # type: ignore[no-untyped-def]
+    Q, K_cache, V_cache, Block_tables, Seq_lens, Partial, Lse,
+    scale_log2, tiles_per_split,
+    stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bts, stride_btb,
+    stride_ps, stride_ph, stride_pk, stride_pd,
+    stride_ls, stride_lh, stride_lk,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(GROUP_PAD >= 16)  # tl.dot's minimum rows on GPUs
+    tl.static_assert(GROUP_PAD >= GROUP)
+    tl.static_assert(TILE_N >= 16)
+    tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    seq_len = tl.load(Seq_lens + seq)
+    # -- this split's tiles: each holds at least one position < seq_len, so the first one
+    #    processed counts a position for every row (attend_tile's precondition) --
+    tile_start = split * tiles_per_split
+    tile_end = tl.minimum(tile_start + tiles_per_split, tl.cdiv(seq_len, TILE_N))
+    # -- load q: the group's query heads as rows [GROUP_PAD, HEAD_DIM_PAD], pre-scaled for exp2;
+    #    padding rows are zero, score 0 everywhere and are never stored --
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    q_heads = kv_head * GROUP + offs_g  # [GROUP_PAD]
+    row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q + seq * stride_qs + q_heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=row_mask, other=0.0)
+    q = q.to(tl.float32) * scale_log2
+    q_pos = tl.full([GROUP_PAD], 0, tl.int32) + seq_len - 1  # the new token sees everything
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    offs_n = tl.arange(0, TILE_N)
+    for tile in range(tile_start, tile_end):
+        m_i, l_i, acc = attend_tile(
+            q, m_i, l_i, acc, K_cache, V_cache, Block_tables + seq * stride_bts,
+            tile * TILE_N + offs_n, q_pos, seq_len, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
+            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
+        )
+    # -- store the normalized partial (an empty split stores 0 with log-sum-exp -inf) --
+    nonempty = l_i > 0
+    out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    tl.store(Partial + seq * stride_ps + q_heads[:, None] * stride_ph + split * stride_pk
+             + offs_d[None, :] * stride_pd, out.to(Partial.dtype.element_ty), mask=row_mask)
+    if NUM_SPLITS > 1:
+        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+        tl.store(Lse + seq * stride_ls + q_heads * stride_lh + split * stride_lk, lse,
+                 mask=offs_g < GROUP)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _decode_merge_kernel(  # type: ignore[no-untyped-def]
+    Partial, Lse, Out,
+    stride_ps, stride_ph, stride_pk, stride_pd,
+    stride_ls, stride_lh, stride_lk,
+    stride_os, stride_oh, stride_od,
+    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    offs_k = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    split_mask = offs_k < NUM_SPLITS
+    # -- weights [SPLITS_PAD]: split 0 is never empty, so the max is finite --
+    lse = tl.load(Lse + seq * stride_ls + head * stride_lh + offs_k * stride_lk, mask=split_mask,
+                  other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    # -- out = sum_k weight_k * partial_k / sum_k weight_k --
+    partial = tl.load(Partial + seq * stride_ps + head * stride_ph + offs_k[:, None] * stride_pk
+                      + offs_d[None, :] * stride_pd,
+                      mask=split_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)  # [HEAD_DIM_PAD]
+    tl.store(Out + seq * stride_os + head * stride_oh + offs_d * stride_od,
+             out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, num_tiles: int,
+                       device: torch.device) -> int:
+    """Splits that fill a GPU without making splits too short; 1 off CUDA.
+
+    Under the interpreter programs run one after another, so extra splits only cost time.
+    """
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, num_seqs * num_kv_heads)
+    return int(max(1, min(wanted, num_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS)))
+
+
+def _split_plan(num_splits: int | None, num_seqs: int, num_kv_heads: int, max_context: int,
+                device: torch.device) -> tuple[int, int]:
+    """(num_splits, tiles_per_split) covering `max_context`; every split starts inside it."""
+    num_tiles = triton.cdiv(max_context, TILE_N)
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, num_tiles, device)
+    tiles_per_split = triton.cdiv(num_tiles, min(num_splits, num_tiles))
+    return int(triton.cdiv(num_tiles, tiles_per_split)), int(tiles_per_split)
+
+
+def paged_decode_attention_triton(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    *,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Triton: attention of each sequence's one new query over its paged context.
+
+    The split count is sized from the block table's width (no device read-back), so pass tables
+    trimmed to the batch's longest sequence. `num_splits` overrides the default policy.
+    """
+    geometry = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, check_values)
+    _check_decode_shapes(query, seq_lens, num_splits)
+    require_triton_device(query.device, _decode_split_kernel)
+    out = torch.empty_like(query)
+    num_seqs, num_q_heads, head_dim = query.shape
+    if num_seqs == 0:
+        return out
+    num_splits, tiles_per_split = _split_plan(num_splits, num_seqs, geometry.num_kv_heads,
+                                              block_tables.shape[1] * geometry.block_size,
+                                              query.device)
+    group = num_q_heads // geometry.num_kv_heads
+    # partial: [S, H_q, num_splits, D]; one split writes the output directly and no lse.
+    if num_splits == 1:
+        partial = out.unsqueeze(2)
+    else:
+        partial = query.new_empty((num_seqs, num_q_heads, num_splits, head_dim),
+                                  dtype=torch.float32)
+    lse = query.new_empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32)
+    _decode_split_kernel[(num_seqs, geometry.num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, partial, lse,
+        scale * LOG2_E, tiles_per_split,
+        *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
+        *partial.stride(), *lse.stride(),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=geometry.block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+        TILE_N=TILE_N, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_q_heads)](
+            partial, lse, out, *partial.stride(), *lse.stride(), *out.stride(),
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
+        )
+    return out
+
+
+def _check_decode_shapes(query: torch.Tensor, seq_lens: torch.Tensor,
+                         num_splits: int | None) -> None:
+    if query.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"decode takes one query per sequence: {query.shape[0]} queries, "
+                         f"{seq_lens.shape[0]} sequences")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+
+def paged_decode_attention_torch(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    *,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Torch: attention of each sequence's one new query over its paged context.
+
+    `num_splits` is checked and otherwise ignored: this version attends in one pass.
+    """
+    _check_decode_shapes(query, seq_lens, num_splits)
+    query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+    return paged_prefill_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
+                                         query_start_loc, scale, check_values=check_values)

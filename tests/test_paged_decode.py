@@ -1,0 +1,121 @@
+"""Paged decode attention: torch vs a float64 oracle (broad sweep), Triton vs torch (small cases).
+
+Every pool is NaN outside the slots the sequences own and every block-table row is padded with -1,
+so a kernel that reads past a sequence (a stale slot, the tail of its last block, a table entry it
+does not use) returns NaN and fails `assert_close_to`. On CPU Triton runs under the interpreter,
+which runs programs one at a time: the Triton cases stay small.
+"""
+
+import itertools
+import re
+
+import pytest
+import torch
+from kernel_utils import (
+    DEVICES,
+    PagedBatch,
+    assert_close_to,
+    make_paged_batch,
+    oracle_attention,
+    param_id,
+    ragged_lengths,
+    random_tokens,
+)
+from pagedkv.model_runner.paged_decode import (
+    paged_decode_attention_torch,
+    paged_decode_attention_triton,
+)
+
+SCALE = 0.125
+
+
+def _batch_and_query(seq_lens: list[int], block_size: int, group: int, head_dim: int,
+                     dtype: torch.dtype, device: str,
+                     num_kv_heads: int = 2) -> tuple[PagedBatch, torch.Tensor]:
+    batch = make_paged_batch(seq_lens, block_size, num_kv_heads, head_dim, dtype, device)
+    query = random_tokens(len(seq_lens), num_kv_heads * group, head_dim, dtype, device)
+    return batch, query
+
+
+def _decode(impl, batch: PagedBatch, query: torch.Tensor, num_splits: int | None = None):
+    return impl(query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, SCALE,
+                num_splits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("block_size", "group", "head_dim", "dtype"),
+    list(itertools.product([8, 16, 32], [1, 2, 4, 8], [64, 128],
+                           [torch.float32, torch.float16, torch.bfloat16])),
+    ids=param_id,
+)
+def test_torch_matches_float64_oracle(device, block_size, group, head_dim, dtype):
+    seq_lens = [*ragged_lengths(block_size), 150]
+    batch, query = _batch_and_query(seq_lens, block_size, group, head_dim, dtype, device)
+    out = _decode(paged_decode_attention_torch, batch, query)
+    expected = oracle_attention(query, batch, [1] * len(seq_lens), SCALE)
+    assert out.dtype == dtype and out.shape == query.shape
+    assert_close_to(out, expected, dtype)
+
+
+# Each block size, group size, head dim and dtype at least once; 80 and 12 are not powers of two.
+TRITON_CASES = [
+    (8, 1, 64, torch.float32),
+    (16, 2, 128, torch.float16),
+    (32, 4, 64, torch.bfloat16),
+    (16, 8, 128, torch.float32),
+    (12, 4, 80, torch.float16),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("block_size", "group", "head_dim", "dtype"), TRITON_CASES,
+                         ids=param_id)
+def test_triton_matches_torch(device, block_size, group, head_dim, dtype):
+    batch, query = _batch_and_query(ragged_lengths(block_size), block_size, group, head_dim,
+                                    dtype, device)
+    out = _decode(paged_decode_attention_triton, batch, query)
+    assert_close_to(out, _decode(paged_decode_attention_torch, batch, query), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
+def test_split_k_merges_to_the_same_result(device, num_splits, dtype):
+    # 700 tokens are 11 tiles; the 5-token sequence leaves most of its splits empty.
+    batch, query = _batch_and_query([700, 5], 16, 4, 64, dtype, device, num_kv_heads=1)
+    out = _decode(paged_decode_attention_triton, batch, query, num_splits)
+    assert_close_to(out, _decode(paged_decode_attention_torch, batch, query), dtype)
+    assert_close_to(out, oracle_attention(query, batch, [1, 1], SCALE), dtype)
+
+
+def _bad_calls(batch: PagedBatch, query: torch.Tensor) -> list[tuple[dict[str, object], str]]:
+    """(argument overrides, error fragment) for decode calls that must be refused."""
+    tables, lens = batch.block_tables, batch.seq_lens
+    too_long = lens.clone()
+    too_long[0] = tables.shape[1] * 16 + 1
+    wild_block = tables.clone()
+    wild_block[1, 0] = batch.k_cache.shape[0]
+    return [
+        ({"query": query[:1]}, "one query per sequence"),
+        ({"query": query[:, :3]}, "must be a multiple of H_kv=2"),
+        ({"query": query.double()}, "query is torch.float64"),
+        ({"num_splits": 0}, "num_splits must be >= 1"),
+        ({"seq_lens": too_long}, "seq_lens must be in [1, 48]"),
+        ({"seq_lens": lens * 0}, "seq_lens must be in [1, 48]"),
+        ({"seq_lens": lens.long()}, "seq_lens must be torch.int32"),
+        ({"block_tables": tables.long()}, "block_tables must be torch.int32"),
+        ({"block_tables": wild_block}, "block_tables entries in use must be in [0, 6)"),
+    ]
+
+
+@pytest.mark.parametrize("impl", [paged_decode_attention_torch, paged_decode_attention_triton],
+                         ids=["torch", "triton"])
+def test_bad_input_is_refused(impl):
+    batch, query = _batch_and_query([5, 20], 16, 2, 16, torch.float32, "cpu")
+    good = {"query": query, "k_cache": batch.k_cache, "v_cache": batch.v_cache,
+            "block_tables": batch.block_tables, "seq_lens": batch.seq_lens, "scale": SCALE,
+            "num_splits": None}
+    for overrides, message in _bad_calls(batch, query):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            impl(**(good | overrides))
