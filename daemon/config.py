@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .geometry import canonical_dtype
-from .logging import LOG_FORMATS, LOG_LEVELS
+from .logging import LOG_FORMATS, LOG_LEVELS, LogFormat
 from .units import parse_bytes
 
 # Pool size when nothing is said: 512 blocks of the tiny CPU geometry take 16 MiB.
@@ -26,6 +26,8 @@ DEFAULT_NUM_BLOCKS = 512
 SOCKET_NAME = "pagedkvd.sock"
 # Settings that size the pool; at most one per layer, exactly one in the end.
 SIZING_KEYS = ("num_blocks", "kv_memory", "kv_fraction")
+# Longest lease a session may ask for (longer requests are clamped to it).
+MAX_LEASE_TTL_MS = 600_000
 # Longest unix socket path the kernel accepts (sun_path is 108 bytes with the trailing NUL).
 MAX_UNIX_PATH_BYTES = 107
 
@@ -107,7 +109,7 @@ class DaemonConfig:
     # host:port of the HTTP server for /metrics, /healthz and /readyz; None: no HTTP server.
     metrics_listen: str | None = None
     # Log output: "json" (journald), "console" (a person), "auto" (console on a terminal).
-    log_format: str = "auto"
+    log_format: LogFormat = "auto"
     # Lowest level logged: debug, info, warning, error, critical.
     log_level: str = "info"
     # Lease a session gets when it asks for none; a session silent for longer is reclaimed.
@@ -116,6 +118,8 @@ class DaemonConfig:
     enable_prefix_caching: bool = True
     # Zero every block released with no cached content, so no tenant's K/V outlives it.
     zero_freed_blocks: bool = False
+    # Folder of the CPU pool's shared-memory file: a tmpfs (or hugetlbfs) mount.
+    shm_dir: Path = Path("/dev/shm")
     # Permission bits of the /dev/shm pool file: 0o660 lets the daemon's group (the runners)
     # map it; 0o600 keeps it to the daemon's user.
     shm_mode: int = 0o600
@@ -150,8 +154,11 @@ class DaemonConfig:
             raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
-        if self.lease_ttl_ms <= 0:
-            raise ConfigError(f"lease_ttl_ms must be positive, got {self.lease_ttl_ms}")
+        if not 0 < self.lease_ttl_ms <= MAX_LEASE_TTL_MS:
+            raise ConfigError(f"lease_ttl_ms must be in 1..{MAX_LEASE_TTL_MS}, "
+                              f"got {self.lease_ttl_ms}")
+        if not self.shm_dir.is_dir():
+            raise ConfigError(f"shm_dir: {self.shm_dir} is not a folder")
         if self.shm_mode & ~0o777 or self.shm_mode & 0o600 != 0o600:
             raise ConfigError(f"shm_mode must be permission bits including owner rw (0o600), "
                               f"got {oct(self.shm_mode)}")
@@ -242,6 +249,7 @@ _TOML_KEYS: dict[str, Callable[[Any], Any]] = {
     "lease_ttl_ms": _toml_int,
     "enable_prefix_caching": _toml_bool,
     "zero_freed_blocks": _toml_bool,
+    "shm_dir": lambda v: Path(_toml_str(v)),
     "shm_mode": _toml_int,
 }
 assert set(_TOML_KEYS) == {f.name for f in fields(DaemonConfig)}, "a setting has no TOML key"
@@ -301,6 +309,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
         help="never share blocks between identical prompt prefixes")
     opt("--zero-freed-blocks", action="store_true", help="zero blocks as they are released")
+    opt("--shm-dir", type=Path, help="folder of the CPU pool file (default /dev/shm)")
     opt("--shm-mode", type=_octal, help="octal mode of the /dev/shm pool file (default 600)")
 
 

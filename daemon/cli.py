@@ -1,0 +1,65 @@
+"""Command lines: `pagedkvd [flags]` runs the daemon; `pagedkv serve|plan` is the umbrella tool.
+
+Exit codes: 0 after a clean shutdown, 2 for a bad setting (systemd's unit does not restart on
+it: RestartPreventExitStatus=2), 1 when the daemon could not start or failed while running.
+"""
+
+import argparse
+import asyncio
+import sys
+
+from . import logging as daemon_logging
+from .config import ConfigError, add_serve_arguments, config_from_args
+from .planner import add_plan_arguments, run_plan
+
+# A setting is wrong: restarting would fail the same way.
+EXIT_BAD_CONFIG = 2
+# Anything else that stops the daemon: worth a restart.
+EXIT_FAILURE = 1
+
+
+def run_serve(args: argparse.Namespace, prog: str) -> int:
+    """Build the config from parsed flags, configure logging, run the daemon to its end."""
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    # Imported only now: torch and grpc take seconds to load, `pagedkv plan` and a bad
+    # setting need neither.
+    from .server import StartupError, serve
+
+    daemon_logging.configure(config.log_level, config.log_format)
+    try:
+        asyncio.run(serve(config))
+    except ConfigError as exc:  # settings only the server can check (model, pool size)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except (StartupError, OSError) as exc:
+        print(f"{prog}: cannot start: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    return 0
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """`pagedkvd`: the daemon, configured by flags and an optional TOML file."""
+    parser = argparse.ArgumentParser(
+        prog="pagedkvd", description="Paged KV-cache block pool daemon (gRPC).")
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv), "pagedkvd")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`pagedkv serve ...` (the daemon) and `pagedkv plan ...` (capacity planning)."""
+    parser = argparse.ArgumentParser(prog="pagedkv", description="Paged KV-cache service tools.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_arguments(commands.add_parser("serve", help="run the daemon (as pagedkvd)"))
+    add_plan_arguments(commands.add_parser("plan", help="how many blocks and sequences fit"))
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return run_serve(args, "pagedkv serve")
+    return run_plan(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

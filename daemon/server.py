@@ -1,0 +1,241 @@
+"""The pagedkvd process: allocate the pool, serve gRPC, tell systemd, drain on SIGTERM.
+
+Start, in this order, so that READY=1 is true when sent: remove pool files left by a crashed
+daemon, allocate the pool memory and the block pool, build the gRPC server (KVPool, health,
+reflection), bind every listener, start it, start the metrics HTTP server, then READY=1.
+
+Stop (SIGTERM or SIGINT): STOPPING=1 and health NOT_SERVING so balancers and clients move
+away, then the gRPC server stops accepting and lets in-flight calls finish for up to
+SHUTDOWN_GRACE_S, then the lease reaper stops and the pool memory is released (its shm file
+unlinked). The next start has a new pool_id: clients recompute their tables from scratch.
+"""
+
+import asyncio
+import contextlib
+import signal
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pagedkv.proto import kvpool_pb2
+from prometheus_client.registry import CollectorRegistry
+
+from .config import (
+    MAX_LEASE_TTL_MS,
+    ConfigError,
+    DaemonConfig,
+    ListenAddress,
+    parse_host_port,
+    read_auth_token,
+)
+from .core import BlockPool
+from .geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
+from .interceptors import ServerInterceptor
+from .kv_memory import (
+    KVPoolMemory,
+    cleanup_stale_files,
+    num_blocks_for_bytes,
+    num_blocks_for_fraction,
+)
+from .logging import get_logger
+from .metrics import PoolCollector, Readiness, RpcMetrics, metrics_app, start_http
+from .notify import notify, watchdog_interval_s
+from .service import PoolService
+from .servicer import KVPoolServicer, add_to_server
+from .units import format_bytes
+
+# How long in-flight calls may run after SIGTERM before they are cancelled. The unit's
+# TimeoutStopSec must be larger, or systemd kills the daemon mid-drain.
+SHUTDOWN_GRACE_S = 5.0
+# Largest request accepted; a bigger one is refused as it arrives, never buffered whole.
+# 8 MiB holds the token ids of a prompt of over a million tokens (varints of 3 to 5 bytes).
+MAX_MESSAGE_BYTES = 8 * 2**20
+# The gRPC service name clients, health checks and reflection use.
+KVPOOL_SERVICE = kvpool_pb2.DESCRIPTOR.services_by_name["KVPool"].full_name
+
+log = get_logger(__name__)
+
+# grpc_health's stubs predate its asyncio servicer (`health.aio`), so mypy sees it as Any.
+AsyncHealthServicer: Any = health.aio.HealthServicer  # type: ignore[attr-defined]
+
+
+class StartupError(RuntimeError):
+    """The daemon could not start for a reason outside its settings (e.g. a port in use)."""
+
+
+async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the daemon until SIGTERM/SIGINT (or until `stop` is set, when given)."""
+    readiness = Readiness()
+    async with contextlib.AsyncExitStack() as stack:
+        if stop is None:
+            stop = stack.enter_context(_stop_on_signals())
+        service, memory = await stack.enter_async_context(_pool_service(config))
+        readiness.pool_allocated = True
+        registry = CollectorRegistry()
+        registry.register(PoolCollector(service))
+        rpc_metrics = RpcMetrics(registry) if config.metrics_listen else None
+        server, health_servicer = await stack.enter_async_context(
+            _grpc_server(config, service, rpc_metrics))
+        readiness.listeners_up = True
+        if config.metrics_listen is not None:
+            host, port = parse_host_port(config.metrics_listen, "metrics_listen")
+            http = await start_http(metrics_app(registry, readiness), host, port)
+            stack.push_async_callback(http.cleanup)
+        status = (f"serving pool {service.pool_id}: {service.pool.num_blocks} blocks x "
+                  f"{service.pool.block_size} tokens, {format_bytes(memory.nbytes, binary=True)}")
+        notify("READY=1", f"STATUS={status}")
+        log.info("ready", status=status, listen=list(config.listen),
+                 metrics_listen=config.metrics_listen)
+        interval = watchdog_interval_s()
+        if interval is not None:
+            stack.push_async_callback(_cancel, asyncio.create_task(_feed_watchdog(interval)))
+
+        await stop.wait()
+        log.info("stopping", grace_s=SHUTDOWN_GRACE_S)
+        notify("STOPPING=1", "STATUS=draining")
+        readiness.draining = True
+        await health_servicer.enter_graceful_shutdown()
+        # Refuses new calls at once; in-flight ones get the grace period, then are cancelled.
+        await server.stop(SHUTDOWN_GRACE_S)
+    log.info("stopped")
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[asyncio.Event]:
+    """An event set by SIGTERM or SIGINT, with the default handlers back on exit."""
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield stop
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+@contextlib.asynccontextmanager
+async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService, KVPoolMemory]]:
+    """The pool memory, the block pool and the service with its lease reaper."""
+    removed = cleanup_stale_files(str(config.shm_dir))
+    if removed:
+        log.info("removed stale pool files", files=[str(path) for path in removed])
+    geometry, dtype = pool_geometry(config)
+    num_blocks = pool_num_blocks(config, geometry, dtype)
+    memory = KVPoolMemory.create(geometry, num_blocks, config.block_size, dtype,
+                                 device=config.device, shm_dir=str(config.shm_dir),
+                                 mode=config.shm_mode)
+    try:
+        log.info("pool allocated", pool_id=memory.pool_id, model=geometry.name, dtype=dtype,
+                 device=config.device, num_blocks=num_blocks, block_size=config.block_size,
+                 bytes=memory.nbytes, shm_path=memory.handle().shm_path or None)
+        pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+        service = PoolService(pool, memory, pool_id=memory.pool_id,
+                              default_lease_ttl_ms=config.lease_ttl_ms,
+                              max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,
+                              zero_freed_blocks=config.zero_freed_blocks)
+        await service.start()
+        try:
+            yield service, memory
+        finally:
+            await service.stop()
+    finally:
+        memory.close()
+
+
+def pool_geometry(config: DaemonConfig) -> tuple[ModelGeometry, str]:
+    """The model geometry and the canonical KV dtype the pool is laid out for."""
+    try:
+        geometry = resolve_geometry(config.model_config)
+    except ValueError as exc:
+        raise ConfigError(f"model_config: {exc}") from exc
+    return geometry, canonical_dtype(config.dtype or geometry.default_dtype)
+
+
+def pool_num_blocks(config: DaemonConfig, geometry: ModelGeometry, dtype: str) -> int:
+    """Blocks in the pool: given, or what kv_memory or kv_fraction of the device holds."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    per_block = geometry.bytes_per_block(config.block_size, dtype_bytes(dtype))
+    try:
+        if config.kv_memory is not None:
+            return num_blocks_for_bytes(config.kv_memory, per_block)
+        assert config.kv_fraction is not None, "config guarantees one sizing setting"
+        return num_blocks_for_fraction(config.kv_fraction, per_block, config.device,
+                                       str(config.shm_dir))
+    except ValueError as exc:
+        raise ConfigError(f"pool size: {exc}") from exc
+
+
+@contextlib.asynccontextmanager
+async def _grpc_server(
+    config: DaemonConfig, service: PoolService, rpc_metrics: RpcMetrics | None
+) -> AsyncIterator[tuple[grpc.aio.Server, Any]]:
+    """The started gRPC server on every listener; stopped and its socket files gone on exit."""
+    token = None if config.auth_token_file is None else read_auth_token(config.auth_token_file)
+    server = grpc.aio.server(
+        interceptors=[ServerInterceptor(token, rpc_metrics)],
+        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                 # Without this a second daemon on the same TCP port would share it silently.
+                 ("grpc.so_reuseport", 0)],
+    )
+    add_to_server(KVPoolServicer(service), server)
+    health_servicer = AsyncHealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (KVPOOL_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    listeners = config.listeners()
+    try:
+        for listener in listeners:
+            _bind(server, listener)
+        await server.start()
+        for name in ("", KVPOOL_SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        yield server, health_servicer
+    finally:
+        await server.stop(None)
+        for listener in listeners:
+            if listener.unix_path is not None:
+                listener.unix_path.unlink(missing_ok=True)
+
+
+def _bind(server: grpc.aio.Server, listener: ListenAddress) -> None:
+    if listener.unix_path is not None:
+        claim_socket_path(listener.unix_path)
+    try:
+        server.add_insecure_port(listener.target)
+    except RuntimeError as exc:
+        raise StartupError(f"cannot listen on {listener.target}: address in use or "
+                           "not permitted") from exc
+
+
+def claim_socket_path(path: Path) -> None:
+    """Make room for a unix socket at `path`: remove a dead daemon's socket, refuse a live one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        return
+    if not path.is_socket():
+        raise StartupError(f"cannot listen on {path}: it exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)  # nobody listens: left by a daemon that crashed
+            return
+    raise StartupError(f"cannot listen on {path}: another process is serving it")
+
+
+async def _feed_watchdog(interval_s: float) -> None:
+    """WATCHDOG=1 every interval from the event loop: a stuck loop stops the pings."""
+    while True:
+        notify("WATCHDOG=1")
+        await asyncio.sleep(interval_s)
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
