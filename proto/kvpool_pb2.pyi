@@ -48,7 +48,7 @@ class PoolMemory(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KIND_FIELD_NUMBER: _builtins.int
-    PATH_FIELD_NUMBER: _builtins.int
+    SHM_PATH_FIELD_NUMBER: _builtins.int
     SHAPE_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
     DEVICE_INDEX_FIELD_NUMBER: _builtins.int
@@ -57,7 +57,7 @@ class PoolMemory(_message.Message):
     """"shm" (a file in /dev/shm, CPU) or "cuda_ipc" (a CUDA IPC handle); empty when the daemon
     holds no memory (a bookkeeping-only pool).
     """
-    path: _builtins.str
+    shm_path: _builtins.str
     """Path of the shared-memory file ("shm" only)."""
     dtype: _builtins.str
     """Element dtype name ("float16", "bfloat16", "float32")."""
@@ -73,7 +73,7 @@ class PoolMemory(_message.Message):
         self,
         *,
         kind: _builtins.str = ...,
-        path: _builtins.str = ...,
+        shm_path: _builtins.str = ...,
         shape: _abc.Iterable[_builtins.int] | None = ...,
         dtype: _builtins.str = ...,
         device_index: _builtins.int = ...,
@@ -81,7 +81,7 @@ class PoolMemory(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_index", b"device_index", "dtype", b"dtype", "ipc_payload", b"ipc_payload", "kind", b"kind", "path", b"path", "shape", b"shape"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_index", b"device_index", "dtype", b"dtype", "ipc_payload", b"ipc_payload", "kind", b"kind", "shape", b"shape", "shm_path", b"shm_path"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -116,7 +116,9 @@ class PoolInfo(_message.Message):
     bytes_per_block: _builtins.int
     """K and V of block_size tokens in every layer."""
     layout: _builtins.str
-    """Axis names of the pool tensor, e.g. "blocks,kv,layers,block_size,kv_heads,head_dim"."""
+    """Axes of the pool tensor: "num_layers,2,num_blocks,block_size,num_kv_heads,head_dim" (the 2
+    is K then V); slot s of a sequence is [layer, k_or_v, s // block_size, s % block_size].
+    """
     @_builtins.property
     def memory(self) -> Global___PoolMemory: ...
     def __init__(

@@ -1,0 +1,96 @@
+"""The requests the pool service understands, free of protobuf, and the caps on their size.
+
+The servicer turns each gRPC request into one of these records; a Batch is a list of them.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .core import InvalidArgument, PoolError
+
+
+class PoolExhausted(PoolError):
+    """The pool, or the session's quota, has no room for the request; nothing changed."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Caps on one request, so a huge request is refused instead of worked through."""
+
+    # Operations in one Batch.
+    max_batch_ops: int = 1024
+    # Sequence ids in one Step or GetBlockTables.
+    max_seq_ids: int = 65_536
+    # Tokens one operation adds (Allocate/Append num_tokens; a Step's seqs x num_tokens).
+    max_tokens: int = 1 << 20
+
+    def check_count(self, what: str, count: int, limit: int) -> None:
+        """Refuse `count` items of `what` above `limit`, naming the limit."""
+        if count > limit:
+            raise InvalidArgument(f"{count} {what} in one request; the limit is {limit}")
+
+
+@dataclass(frozen=True, slots=True)
+class Allocate:
+    """A new sequence of num_tokens tokens (token ids optional; they enable prefix reuse)."""
+
+    # The client's id for the sequence, unique within its session.
+    seq_id: int
+    # Prompt tokens; 0 gives an empty block table.
+    num_tokens: int
+    # Empty, or exactly num_tokens ids.
+    token_ids: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Append:
+    """Grow a sequence by num_tokens tokens."""
+
+    # The sequence to grow.
+    seq_id: int
+    # Tokens added, at least 1.
+    num_tokens: int
+    # Empty, or exactly num_tokens ids.
+    token_ids: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """A new sequence sharing every block of its parent."""
+
+    # The sequence whose blocks are shared.
+    parent_seq_id: int
+    # The new sequence's id.
+    child_seq_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class CopyOnWrite:
+    """Make one block of a sequence private before the client rewrites it."""
+
+    # The sequence about to write.
+    seq_id: int
+    # Index into its block table.
+    logical_block: int
+
+
+@dataclass(frozen=True, slots=True)
+class Free:
+    """Drop a sequence; blocks no one else references go back to the pool."""
+
+    # The sequence to drop.
+    seq_id: int
+
+
+Operation = Allocate | Append | Fork | CopyOnWrite | Free
+
+
+def operation_name(op: Operation) -> str:
+    """The op's name as the Batch RPC spells it ("copy_on_write"), for error messages."""
+    return {Allocate: "allocate", Append: "append", Fork: "fork", CopyOnWrite: "copy_on_write",
+            Free: "free"}[type(op)]
+
+
+def seq_id_of(op: Operation) -> int:
+    """The sequence an op's result describes (the child, for a fork)."""
+    return op.child_seq_id if isinstance(op, Fork) else op.seq_id

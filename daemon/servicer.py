@@ -1,0 +1,210 @@
+"""The gRPC servicer: thin translations between kvpool.proto messages and `PoolService`.
+
+Nothing here decides anything: requests become operation records, the service acts, results
+become messages. `grpc_errors` maps the service's exceptions to status codes. Step, the decode
+hot path, moves packed arrays straight between protobuf and numpy with no per-sequence objects.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from pagedkv.proto import kvpool_pb2 as pb
+from pagedkv.proto import kvpool_pb2_grpc
+
+from .core import InvalidArgument, SeqUpdate
+from .geometry import dtype_bytes
+from .operations import Allocate, Append, CopyOnWrite, Fork, Free, Operation, seq_id_of
+from .service import PoolService
+from .sessions import SessionStats
+from .status import grpc_errors
+
+if TYPE_CHECKING:
+    Context = grpc.aio.ServicerContext[Any, Any]
+
+# The axes of the pool tensor (pagedkv.daemon.kv_memory's layout), as PoolInfo.layout says it.
+POOL_LAYOUT = "num_layers,2,num_blocks,block_size,num_kv_heads,head_dim"
+
+
+class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
+    """Serves `pagedkv.v1.KVPool` from one PoolService."""
+
+    def __init__(self, service: PoolService) -> None:
+        self._service = service
+
+    @grpc_errors
+    async def GetPoolInfo(self, request: pb.GetPoolInfoRequest, context: Context) -> pb.PoolInfo:
+        return pool_info(self._service)
+
+    @grpc_errors
+    async def OpenSession(self, request: pb.OpenSessionRequest,
+                          context: Context) -> pb.OpenSessionResponse:
+        session = self._service.open_session(request.client_name, request.lease_ttl_ms,
+                                             request.max_blocks, request.cache_salt)
+        return pb.OpenSessionResponse(session_id=session.session_id,
+                                      lease_ttl_ms=session.lease_ttl_ms,
+                                      pool_id=self._service.pool_id,
+                                      block_size=self._service.pool.block_size)
+
+    @grpc_errors
+    async def KeepAlive(self, request: pb.KeepAliveRequest,
+                        context: Context) -> pb.KeepAliveResponse:
+        return pb.KeepAliveResponse(lease_ttl_ms=self._service.keep_alive(request.session_id))
+
+    @grpc_errors
+    async def CloseSession(self, request: pb.CloseSessionRequest,
+                           context: Context) -> pb.CloseSessionResponse:
+        freed = self._service.close_session(request.session_id)
+        return pb.CloseSessionResponse(freed_sequences=freed)
+
+    @grpc_errors
+    async def Allocate(self, request: pb.AllocateRequest, context: Context) -> pb.SequenceBlocks:
+        update = self._service.allocate(request.session_id, allocate_op(request))
+        return sequence_blocks(request.seq_id, update)
+
+    @grpc_errors
+    async def Append(self, request: pb.AppendRequest, context: Context) -> pb.SequenceBlocks:
+        update = self._service.append(request.session_id, append_op(request))
+        return sequence_blocks(request.seq_id, update)
+
+    @grpc_errors
+    async def Fork(self, request: pb.ForkRequest, context: Context) -> pb.SequenceBlocks:
+        update = self._service.fork(request.session_id, fork_op(request))
+        return sequence_blocks(request.child_seq_id, update)
+
+    @grpc_errors
+    async def CopyOnWrite(self, request: pb.CopyOnWriteRequest,
+                          context: Context) -> pb.SequenceBlocks:
+        update = self._service.copy_on_write(request.session_id, copy_on_write_op(request))
+        return sequence_blocks(request.seq_id, update)
+
+    @grpc_errors
+    async def Free(self, request: pb.FreeRequest, context: Context) -> pb.FreeResponse:
+        released = self._service.free(request.session_id, Free(request.seq_id))
+        return pb.FreeResponse(released_blocks=released)
+
+    @grpc_errors
+    async def Batch(self, request: pb.BatchRequest, context: Context) -> pb.BatchResponse:
+        ops = [batch_op(request.session_id, index, op) for index, op in enumerate(request.ops)]
+        updates = self._service.batch(request.session_id, ops)
+        return pb.BatchResponse(results=[sequence_blocks(seq_id_of(op), update)
+                                         for op, update in zip(ops, updates, strict=True)])
+
+    @grpc_errors
+    async def Step(self, request: pb.StepRequest, context: Context) -> pb.StepResponse:
+        # list() of a packed field is one C loop; the service never sees protobuf containers.
+        result = self._service.step(request.session_id, list(request.seq_ids),
+                                    request.num_tokens or 1, list(request.token_ids))
+        return pb.StepResponse(
+            slot_mapping=result.slot_mapping.tolist(),
+            changed_seq_index=result.changed_seq_index.tolist(),
+            changed_logical_block=result.changed_logical_block.tolist(),
+            changed_block_id=result.changed_block_id.tolist(),
+            copy_src=[copy.src for copy in result.copies],
+            copy_dst=[copy.dst for copy in result.copies])
+
+    @grpc_errors
+    async def GetBlockTables(self, request: pb.GetBlockTablesRequest,
+                             context: Context) -> pb.GetBlockTablesResponse:
+        seq_ids = list(request.seq_ids)
+        updates = self._service.block_tables(request.session_id, seq_ids)
+        return pb.GetBlockTablesResponse(tables=[sequence_blocks(seq_id, update) for
+                                                 seq_id, update in zip(seq_ids, updates,
+                                                                       strict=True)])
+
+    @grpc_errors
+    async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.PoolStats:
+        # Only the caller's own session: ids are credentials, so no call lists other sessions.
+        mine = [self._service.stats_of(request.session_id)] if request.session_id else []
+        stats = self._service.pool_stats()
+        return pb.PoolStats(
+            num_blocks=stats.num_blocks, block_size=stats.block_size,
+            free_blocks=stats.free_blocks, used_blocks=stats.used_blocks,
+            cached_blocks=stats.cached_blocks, filled_slots=stats.filled_slots,
+            allocated_slots=stats.allocated_slots, logical_tokens=stats.logical_tokens,
+            num_sequences=stats.num_sequences, prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits, utilization=stats.utilization,
+            sharing_ratio=stats.sharing_ratio, num_sessions=self._service.num_sessions,
+            sessions=[session_stats(s) for s in mine])
+
+
+def add_to_server(servicer: KVPoolServicer, server: grpc.aio.Server) -> None:
+    """Register the servicer as `pagedkv.v1.KVPool` on an aio server."""
+    kvpool_pb2_grpc.add_KVPoolServicer_to_server(servicer, server)
+
+
+# ------------------------------------------------------------ proto -> domain
+
+def allocate_op(request: pb.AllocateRequest) -> Allocate:
+    return Allocate(request.seq_id, request.num_tokens, list(request.token_ids))
+
+
+def append_op(request: pb.AppendRequest) -> Append:
+    return Append(request.seq_id, request.num_tokens, list(request.token_ids))
+
+
+def fork_op(request: pb.ForkRequest) -> Fork:
+    return Fork(request.parent_seq_id, request.child_seq_id)
+
+
+def copy_on_write_op(request: pb.CopyOnWriteRequest) -> CopyOnWrite:
+    return CopyOnWrite(request.seq_id, request.logical_block)
+
+
+def batch_op(session_id: str, index: int, op: pb.BatchOp) -> Operation:
+    """One Batch op; its own session_id, if set, must be the batch's."""
+    kind = op.WhichOneof("op")
+    if kind is None:
+        raise InvalidArgument(f"op {index} sets no operation")
+    inner = getattr(op, kind)
+    if inner.session_id and inner.session_id != session_id:
+        raise InvalidArgument(f"op {index} ({kind}) names another session than the batch")
+    match kind:
+        case "allocate":
+            return allocate_op(op.allocate)
+        case "append":
+            return append_op(op.append)
+        case "fork":
+            return fork_op(op.fork)
+        case "copy_on_write":
+            return copy_on_write_op(op.copy_on_write)
+        case _:
+            return Free(op.free.seq_id)
+
+
+# ------------------------------------------------------------ domain -> proto
+
+def sequence_blocks(seq_id: int, update: SeqUpdate) -> pb.SequenceBlocks:
+    return pb.SequenceBlocks(
+        seq_id=seq_id, block_ids=update.block_table, num_tokens=update.num_tokens,
+        num_cached_tokens=update.num_cached_tokens, slot_mapping=update.slot_mapping,
+        copies=[pb.BlockCopy(src=c.src, dst=c.dst) for c in update.copies])
+
+
+def session_stats(stats: SessionStats) -> pb.SessionStats:
+    return pb.SessionStats(
+        name=stats.name, num_sequences=stats.num_sequences,
+        block_table_entries=stats.block_table_entries, blocks_held=stats.blocks_held,
+        max_blocks=stats.max_blocks, prefix_cache_queries=stats.prefix_cache_queries,
+        prefix_cache_hits=stats.prefix_cache_hits, lease_ttl_ms=stats.lease_ttl_ms)
+
+
+def pool_info(service: PoolService) -> pb.PoolInfo:
+    """Geometry and attach instructions; geometry fields stay 0 for a bookkeeping-only pool."""
+    pool, geometry = service.pool, service.geometry
+    info = pb.PoolInfo(pool_id=service.pool_id, num_blocks=pool.num_blocks,
+                       block_size=pool.block_size, layout=POOL_LAYOUT)
+    memory = service.memory.handle() if service.memory is not None else None
+    if memory is not None:
+        info.memory.CopyFrom(pb.PoolMemory(
+            kind=memory.kind, shm_path=memory.shm_path, shape=memory.shape, dtype=memory.dtype,
+            device_index=memory.device_index, ipc_payload=memory.ipc_payload))
+    if geometry is not None:
+        info.dtype = memory.dtype if memory is not None else geometry.default_dtype
+        info.model = geometry.name
+        info.num_layers = geometry.num_layers
+        info.num_kv_heads = geometry.num_kv_heads
+        info.head_dim = geometry.head_dim
+        info.bytes_per_block = geometry.bytes_per_block(pool.block_size, dtype_bytes(info.dtype))
+    return info

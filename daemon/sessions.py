@@ -1,0 +1,207 @@
+"""Sessions: which client owns which sequences, and the leases that free them when it vanishes.
+
+A session is a lease. Every call that names the session renews it; one that misses its lease
+(no call and no KeepAlive within `lease_ttl_ms`) expires, and the service frees all its
+sequences. So a client process that dies never leaks blocks.
+
+Session ids are credentials: whoever knows one acts for the session. An id reads
+`{pool_id}-{number}-{secret}`: the pool id tells a session from before a daemon restart
+(FAILED_PRECONDITION) from a mistyped one (NOT_FOUND); the number keys the session's
+sequences in the pool; the random secret makes ids unguessable. Ids of recently expired
+sessions are remembered (a bounded set) so their owners hear "expired", not "unknown".
+Stats and logs name a session by its label `{client_name}#{number}`, never by its id.
+"""
+
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from itertools import count
+
+from .core import InvalidArgument, PoolError
+
+# Random bytes in the secret part of a session id (64 bits, 16 hex digits).
+_SECRET_BYTES = 8
+# How many expired ids are remembered to answer FAILED_PRECONDITION instead of NOT_FOUND.
+REMEMBERED_EXPIRED_IDS = 4096
+_SESSION_ID = re.compile(r"^(?P<pool>.+)-(?P<number>[0-9]+)-(?P<secret>[0-9a-f]{16})$")
+
+
+class SessionNotFound(PoolError):
+    """The session id was never issued by this daemon, or the session was closed."""
+
+
+class SessionExpired(PoolError):
+    """The session missed its lease, or comes from before a daemon restart."""
+
+
+@dataclass(eq=False, slots=True)
+class Session:
+    """One client's lease and the sequences it owns."""
+
+    # The credential the client names the session by.
+    session_id: str
+    # Small integer unique in this daemon run: pool keys are (number, seq_id).
+    number: int
+    # Free-form name the client gave itself; shown in stats and logs.
+    client_name: str
+    # The lease granted, and the monotonic time at which it runs out unless renewed.
+    lease_ttl_ms: int
+    deadline: float
+    # Quota on block-table entries over the session's sequences; 0 = unlimited.
+    max_blocks: int
+    # Prefix-cache namespace: only sessions with equal salts share cached blocks.
+    salt: bytes
+    # Client seq ids of the live sequences.
+    seq_ids: set[int] = field(default_factory=set)
+    # Block-table entries summed over the live sequences (what max_blocks bounds).
+    table_entries: int = 0
+    # Tokens offered for prefix reuse by this session's allocations, and tokens found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def label(self) -> str:
+        """The name stats and logs use: not the id, which is a credential."""
+        return f"{self.client_name}#{self.number}"
+
+    def key(self, seq_id: int) -> tuple[int, int]:
+        """The pool's key for one of this session's sequences."""
+        return (self.number, seq_id)
+
+    def usage(self) -> "SessionUsage":
+        """A snapshot of the bookkeeping a rolled-back batch restores."""
+        return SessionUsage(set(self.seq_ids), self.table_entries, self.prefix_cache_queries,
+                            self.prefix_cache_hits)
+
+    def restore(self, saved: "SessionUsage") -> None:
+        self.seq_ids = saved.seq_ids
+        self.table_entries = saved.table_entries
+        self.prefix_cache_queries = saved.prefix_cache_queries
+        self.prefix_cache_hits = saved.prefix_cache_hits
+
+
+@dataclass(frozen=True, slots=True)
+class SessionUsage:
+    """The mutable bookkeeping of a session at one moment (see `Session` for the fields)."""
+
+    seq_ids: set[int]
+    table_entries: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStats:
+    """Read-only figures of one session, for GetStats and the metrics endpoint."""
+
+    # The session's label, `{client_name}#{number}`.
+    name: str
+    client_name: str
+    # Live sequences.
+    num_sequences: int
+    # Block-table entries over the live sequences (a shared block counts once per sequence).
+    block_table_entries: int
+    # Distinct physical blocks those tables reference.
+    blocks_held: int
+    # The quota (0 = unlimited) and the lease.
+    max_blocks: int
+    lease_ttl_ms: int
+    # Prefix-cache lookups of the session's allocations, in tokens.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class SessionRegistry:
+    """Issues session ids, renews leases, and hands expired sessions to `on_expire`."""
+
+    def __init__(self, pool_id: str, *, default_lease_ttl_ms: int, max_lease_ttl_ms: int,
+                 on_expire: Callable[[Session], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not 0 < default_lease_ttl_ms <= max_lease_ttl_ms:
+            raise ValueError("need 0 < default_lease_ttl_ms <= max_lease_ttl_ms, got "
+                             f"{default_lease_ttl_ms} and {max_lease_ttl_ms}")
+        self.pool_id = pool_id
+        self.default_lease_ttl_ms = default_lease_ttl_ms
+        self.max_lease_ttl_ms = max_lease_ttl_ms
+        # Expiries so far (a counter for metrics).
+        self.expiries_total = 0
+        self._on_expire = on_expire
+        self._clock = clock
+        self._numbers = count(1)
+        self._sessions: dict[str, Session] = {}
+        self._expired: OrderedDict[str, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._sessions.values()))
+
+    def open(self, client_name: str, lease_ttl_ms: int, max_blocks: int,
+             cache_salt: bytes) -> Session:
+        """A new session; a zero lease means the default, a long one is clamped to the max."""
+        if lease_ttl_ms < 0 or max_blocks < 0:
+            raise InvalidArgument(f"lease_ttl_ms ({lease_ttl_ms}) and max_blocks ({max_blocks}) "
+                                  "must not be negative")
+        ttl = min(lease_ttl_ms or self.default_lease_ttl_ms, self.max_lease_ttl_ms)
+        number = next(self._numbers)
+        session_id = f"{self.pool_id}-{number}-{secrets.token_hex(_SECRET_BYTES)}"
+        # Distinct prefixes keep a client's salt from ever equalling a per-session default.
+        salt = b"client:" + cache_salt if cache_salt else b"session:" + session_id.encode()
+        session = Session(session_id=session_id, number=number, client_name=client_name,
+                          lease_ttl_ms=ttl, deadline=self._clock() + ttl / 1000,
+                          max_blocks=max_blocks, salt=salt)
+        self._sessions[session_id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        """The live session with this id, its lease renewed; raises why there is none."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise self._missing(session_id)
+        now = self._clock()
+        if now > session.deadline:
+            # The reaper has not run yet: expire it now rather than revive a lapsed lease.
+            self._expire(session)
+            raise self._missing(session_id)
+        session.deadline = now + session.lease_ttl_ms / 1000
+        return session
+
+    def close(self, session_id: str) -> Session:
+        """Remove a live session (the caller frees its sequences)."""
+        session = self.get(session_id)
+        del self._sessions[session_id]
+        return session
+
+    def expire_due(self) -> list[Session]:
+        """Expire every session whose lease has run out; returns them."""
+        now = self._clock()
+        due = [s for s in self._sessions.values() if now > s.deadline]
+        for session in due:
+            self._expire(session)
+        return due
+
+    def _expire(self, session: Session) -> None:
+        del self._sessions[session.session_id]
+        self._expired[session.session_id] = None
+        if len(self._expired) > REMEMBERED_EXPIRED_IDS:
+            self._expired.popitem(last=False)
+        self.expiries_total += 1
+        self._on_expire(session)
+
+    def _missing(self, session_id: str) -> PoolError:
+        """The error for an id that names no live session."""
+        if not session_id:
+            return InvalidArgument("session_id is empty: open a session first")
+        if session_id in self._expired:
+            return SessionExpired(f"session {session_id} expired: no call or KeepAlive within "
+                                  "its lease; open a new session")
+        match = _SESSION_ID.match(session_id)
+        if match is not None and match["pool"] != self.pool_id:
+            return SessionExpired(f"session {session_id} is from pool {match['pool']}, before a "
+                                  f"daemon restart (the pool is now {self.pool_id}); its "
+                                  "sequences are gone, open a new session")
+        return SessionNotFound(f"unknown session {session_id}")

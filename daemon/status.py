@@ -1,0 +1,76 @@
+"""Domain exceptions -> gRPC status codes, at the edge of the daemon.
+
+The block pool and the service raise `PoolError` subclasses for everything a caller got wrong;
+`grpc_errors` turns them into statuses with the exception's message, and names the exception in
+the trailing metadata `pagedkv-error` so clients can tell apart causes that share a code.
+Anything else is a bug in pagedkv: the caller gets INTERNAL, the log gets the traceback, and
+the server keeps serving.
+Every raise happens before state changes, so a failed call leaves the pool as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+
+from .core import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
+from .logging import get_logger
+from .operations import PoolExhausted
+from .sessions import SessionExpired, SessionNotFound
+
+if TYPE_CHECKING:
+    Context = grpc.aio.ServicerContext[Any, Any]
+
+log = get_logger(__name__)
+
+# Trailing-metadata key naming the domain exception of a failed call ("SequenceNotFound").
+ERROR_KEY = "pagedkv-error"
+
+# First match wins: subclasses before their bases.
+_CODES: tuple[tuple[type[PoolError], grpc.StatusCode], ...] = (
+    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+    (SequenceNotFound, grpc.StatusCode.NOT_FOUND),
+    (SequenceExists, grpc.StatusCode.ALREADY_EXISTS),
+    (PoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (SessionExpired, grpc.StatusCode.FAILED_PRECONDITION),
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (PoolError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status code and message a client gets for `exc`."""
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code, str(exc)
+    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the daemon log"
+
+
+Servicer = TypeVar("Servicer")
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+Handler = Callable[[Servicer, Request, "Context"], Awaitable[Response]]
+
+
+def grpc_errors(handler: Handler[Servicer, Request, Response],
+                ) -> Handler[Servicer, Request, Response]:
+    """Wrap an async servicer method so every exception becomes a gRPC status."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: Servicer, request: Request, context: Context) -> Response:
+        try:
+            return await handler(self, request, context)
+        except grpc.aio.AbortError:
+            raise  # the handler aborted with a status of its own
+        except Exception as exc:
+            code, message = status_of(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("unexpected error in an RPC", rpc=handler.__name__)
+                await context.abort(code, message)
+            # Tells clients apart causes that share a code (unknown session vs sequence).
+            await context.abort(code, message, trailing_metadata=((ERROR_KEY, type(exc).__name__),))
+
+    return wrapper

@@ -1,0 +1,269 @@
+"""Every RPC and status code over a real grpc.aio server, with raw generated stubs.
+
+External schedulers use their own stubs, so these tests speak protobuf directly. Pool: 16
+blocks of 4 slots; fresh blocks come out in id order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+import pytest
+import torch
+from daemon_harness import Daemon, running_daemon
+from pagedkv.proto import kvpool_pb2 as pb
+from pagedkv.proto import kvpool_pb2_grpc
+
+if TYPE_CHECKING:
+    from pagedkv.proto.kvpool_pb2_grpc import KVPoolAsyncStub as Stub
+
+Code = grpc.StatusCode
+
+
+@pytest.fixture
+async def daemon() -> AsyncIterator[Daemon]:
+    async with running_daemon(with_memory=True, tcp=True) as running:
+        yield running
+        running.service.check_invariants()
+
+
+@pytest.fixture
+async def stub(daemon: Daemon) -> AsyncIterator[Stub]:
+    async with grpc.aio.insecure_channel(daemon.unix_target) as channel:
+        yield kvpool_pb2_grpc.KVPoolStub(channel)
+
+
+async def open_session(stub: Stub, **fields: object) -> str:
+    reply = await stub.OpenSession(pb.OpenSessionRequest(client_name="t", **fields))
+    return reply.session_id
+
+
+async def expect(code: grpc.StatusCode, call: object, match: str = "",
+                 cause: str = "") -> None:
+    """Await `call`, asserting it fails with `code`, a message containing `match`, and the
+    `pagedkv-error` cause."""
+    with pytest.raises(grpc.aio.AioRpcError) as failure:
+        await call
+    assert failure.value.code() == code, failure.value.details()
+    assert match in (failure.value.details() or "")
+    if cause:
+        assert (metadata_of(failure.value)).get("pagedkv-error") == cause
+
+
+def metadata_of(error: grpc.aio.AioRpcError) -> dict[str, str]:
+    return {key: value for key, value in error.trailing_metadata() or ()}
+
+
+async def test_pool_info_describes_geometry_and_memory(daemon: Daemon, stub: Stub) -> None:
+    info = await stub.GetPoolInfo(pb.GetPoolInfoRequest())
+    assert (info.pool_id, info.num_blocks, info.block_size) == (daemon.service.pool_id, 16, 4)
+    assert (info.model, info.num_layers, info.num_kv_heads, info.head_dim) == ("tiny", 2, 2, 64)
+    assert info.dtype == "float32"
+    assert info.bytes_per_block == 2 * 2 * 2 * 64 * 4 * 4
+    assert info.layout.startswith("num_layers,2,num_blocks")
+    assert daemon.memory is not None
+    handle = daemon.memory.handle()
+    assert (info.memory.kind, info.memory.shm_path) == ("shm", handle.shm_path)
+    assert tuple(info.memory.shape) == handle.shape == (2, 2, 16, 4, 2, 64)
+
+
+async def test_session_lifecycle(daemon: Daemon, stub: Stub) -> None:
+    opened = await stub.OpenSession(pb.OpenSessionRequest(client_name="t", lease_ttl_ms=2000))
+    assert (opened.lease_ttl_ms, opened.pool_id, opened.block_size) == (
+        2000, daemon.service.pool_id, 4)
+    sid = opened.session_id
+    assert (await stub.KeepAlive(pb.KeepAliveRequest(session_id=sid))).lease_ttl_ms == 2000
+    await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=5))
+    closed = await stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
+    assert closed.freed_sequences == 1
+    assert daemon.pool.stats().used_blocks == 0
+    await expect(Code.NOT_FOUND, stub.KeepAlive(pb.KeepAliveRequest(session_id=sid)),
+                 "unknown session", cause="SessionNotFound")
+
+
+async def test_sequence_rpcs(daemon: Daemon, stub: Stub) -> None:
+    sid = await open_session(stub)
+    seq = await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=6,
+                                                 token_ids=range(6)))
+    assert (seq.seq_id, list(seq.block_ids), seq.num_tokens) == (1, [0, 1], 6)
+    assert list(seq.slot_mapping) == [0, 1, 2, 3, 4, 5]
+    grown = await stub.Append(pb.AppendRequest(session_id=sid, seq_id=1, num_tokens=1))
+    assert (list(grown.slot_mapping), grown.num_tokens) == ([6], 7)
+    child = await stub.Fork(pb.ForkRequest(session_id=sid, parent_seq_id=1, child_seq_id=2))
+    assert (child.seq_id, list(child.block_ids)) == (2, [0, 1])
+    cow = await stub.CopyOnWrite(pb.CopyOnWriteRequest(session_id=sid, seq_id=2,
+                                                       logical_block=1))
+    assert list(cow.block_ids) == [0, 2]
+    assert [(c.src, c.dst) for c in cow.copies] == [(1, 2)]
+    tables = await stub.GetBlockTables(pb.GetBlockTablesRequest(session_id=sid, seq_ids=[2, 1]))
+    assert [(t.seq_id, list(t.block_ids), t.num_tokens) for t in tables.tables] == [
+        (2, [0, 2], 7), (1, [0, 1], 7)]
+    freed = await stub.Free(pb.FreeRequest(session_id=sid, seq_id=2))
+    assert freed.released_blocks == 1
+
+
+async def test_stats_global_and_own_session_only(daemon: Daemon, stub: Stub) -> None:
+    mine, other = await open_session(stub), await open_session(stub)
+    await stub.Allocate(pb.AllocateRequest(session_id=mine, seq_id=1, num_tokens=5))
+    await stub.Allocate(pb.AllocateRequest(session_id=other, seq_id=1, num_tokens=1))
+    stats = await stub.GetStats(pb.GetStatsRequest(session_id=mine))
+    assert (stats.num_blocks, stats.used_blocks, stats.free_blocks) == (16, 3, 13)
+    assert (stats.num_sessions, stats.num_sequences, stats.logical_tokens) == (2, 2, 6)
+    assert stats.utilization == pytest.approx(6 / 12)
+    assert [(s.name, s.blocks_held, s.num_sequences) for s in stats.sessions] == [("t#1", 2, 1)]
+    anonymous = await stub.GetStats(pb.GetStatsRequest())
+    assert anonymous.used_blocks == 3 and not anonymous.sessions
+
+
+async def test_step_packs_a_decode_step(daemon: Daemon, stub: Stub) -> None:
+    sid = await open_session(stub)
+    for seq_id in (10, 11, 12):
+        await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=seq_id, num_tokens=4))
+    await stub.Fork(pb.ForkRequest(session_id=sid, parent_seq_id=12, child_seq_id=13))
+    await stub.Append(pb.AppendRequest(session_id=sid, seq_id=12, num_tokens=1))  # block 3
+    # 10 and 11 are full: they open blocks 4 and 5. 12 writes into its block 3. 13 shares
+    # 12's full block 2 only, so its token opens block 6 and nothing is copied.
+    reply = await stub.Step(pb.StepRequest(session_id=sid, seq_ids=[10, 11, 12, 13],
+                                           token_ids=[1, 2, 3, 4]))
+    assert list(reply.slot_mapping) == [16, 20, 13, 24]
+    assert list(reply.changed_seq_index) == [0, 1, 3]
+    assert list(reply.changed_logical_block) == [1, 1, 1]
+    assert list(reply.changed_block_id) == [4, 5, 6]
+    assert not reply.copy_src and not reply.copy_dst
+
+
+async def test_step_copies_shared_partial_block_in_memory(
+        daemon: Daemon, stub: Stub) -> None:
+    sid = await open_session(stub)
+    await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=2))
+    await stub.Fork(pb.ForkRequest(session_id=sid, parent_seq_id=1, child_seq_id=2))
+    assert daemon.memory is not None
+    kv = daemon.memory.kv
+    kv[:, :, 0] = torch.randn_like(kv[:, :, 0])
+    reply = await stub.Step(pb.StepRequest(session_id=sid, seq_ids=[2], num_tokens=2))
+    assert (list(reply.copy_src), list(reply.copy_dst)) == ([0], [1])
+    assert list(reply.slot_mapping) == [6, 7]
+    assert torch.equal(kv[:, :, 1], kv[:, :, 0])
+
+
+async def test_step_failure_changes_nothing(daemon: Daemon, stub: Stub) -> None:
+    sid = await open_session(stub)
+    await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=3))
+    await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=2, num_tokens=3))
+    before = daemon.pool.stats()
+    await expect(Code.INVALID_ARGUMENT, stub.Step(pb.StepRequest(session_id=sid)), "at least one")
+    await expect(Code.INVALID_ARGUMENT, stub.Step(pb.StepRequest(
+        session_id=sid, seq_ids=[1, 2], token_ids=[1, 2, 3])), "3 token_ids")
+    await expect(Code.NOT_FOUND, stub.Step(pb.StepRequest(session_id=sid, seq_ids=[1, 3])),
+                 "[3]", cause="SequenceNotFound")
+    await expect(Code.RESOURCE_EXHAUSTED, stub.Step(pb.StepRequest(
+        session_id=sid, seq_ids=[1, 2], num_tokens=40)), "pool full")
+    assert daemon.pool.stats() == before
+    assert daemon.pool.block_table((1, 1)) == [0]
+
+
+async def test_batch_all_or_nothing(daemon: Daemon, stub: Stub) -> None:
+    sid = await open_session(stub)
+    await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=6))
+    before = (daemon.pool.stats(), daemon.pool.block_table((1, 1)))
+    ops = [pb.BatchOp(allocate=pb.AllocateRequest(seq_id=2, num_tokens=4)),
+           pb.BatchOp(fork=pb.ForkRequest(parent_seq_id=1, child_seq_id=3)),
+           pb.BatchOp(append=pb.AppendRequest(seq_id=3, num_tokens=100)),
+           pb.BatchOp(free=pb.FreeRequest(seq_id=1))]
+    await expect(Code.RESOURCE_EXHAUSTED, stub.Batch(pb.BatchRequest(session_id=sid, ops=ops)),
+                 "op 2 (append): pool full")
+    assert (daemon.pool.stats(), daemon.pool.block_table((1, 1))) == before
+    daemon.service.check_invariants()
+    ops[2] = pb.BatchOp(copy_on_write=pb.CopyOnWriteRequest(seq_id=3, logical_block=1))
+    reply = await stub.Batch(pb.BatchRequest(session_id=sid, ops=ops))
+    assert [(r.seq_id, list(r.block_ids)) for r in reply.results] == [
+        (2, [2]), (3, [0, 1]), (3, [0, 3]), (1, [])]
+    assert [(c.src, c.dst) for c in reply.results[2].copies] == [(1, 3)]
+
+
+async def test_batch_op_checks(daemon: Daemon, stub: Stub) -> None:
+    sid = await open_session(stub)
+    await expect(Code.INVALID_ARGUMENT, stub.Batch(pb.BatchRequest(
+        session_id=sid, ops=[pb.BatchOp()])), "op 0 sets no operation")
+    await expect(Code.INVALID_ARGUMENT, stub.Batch(pb.BatchRequest(session_id=sid, ops=[
+        pb.BatchOp(free=pb.FreeRequest(session_id="other", seq_id=1))])), "another session")
+    await expect(Code.INVALID_ARGUMENT, stub.Batch(pb.BatchRequest(session_id=sid)), "at least")
+
+
+async def test_status_codes(daemon: Daemon, stub: Stub) -> None:
+    sid = await open_session(stub, max_blocks=2)
+    await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=4))
+    cases = [
+        (Code.INVALID_ARGUMENT, stub.Allocate(pb.AllocateRequest(
+            session_id=sid, seq_id=2, num_tokens=-1)), "num_tokens must be >= 0", ""),
+        (Code.INVALID_ARGUMENT, stub.Allocate(pb.AllocateRequest(
+            session_id=sid, seq_id=2, num_tokens=3, token_ids=[1])), "1 token_ids", ""),
+        (Code.INVALID_ARGUMENT, stub.CopyOnWrite(pb.CopyOnWriteRequest(
+            session_id=sid, seq_id=1, logical_block=5)), "outside the 1 blocks", ""),
+        (Code.INVALID_ARGUMENT, stub.GetBlockTables(pb.GetBlockTablesRequest(session_id=sid)),
+         "no seq_ids", ""),
+        (Code.INVALID_ARGUMENT, stub.KeepAlive(pb.KeepAliveRequest()), "session_id is empty", ""),
+        (Code.NOT_FOUND, stub.Free(pb.FreeRequest(session_id=sid, seq_id=9)),
+         "sequence 9 not found", "SequenceNotFound"),
+        (Code.NOT_FOUND, stub.Free(pb.FreeRequest(session_id="nope", seq_id=1)),
+         "unknown session", "SessionNotFound"),
+        (Code.ALREADY_EXISTS, stub.Fork(pb.ForkRequest(
+            session_id=sid, parent_seq_id=1, child_seq_id=1)), "already exists", ""),
+        (Code.RESOURCE_EXHAUSTED, stub.Allocate(pb.AllocateRequest(
+            session_id=sid, seq_id=2, num_tokens=8)), "needs 2 more blocks, 1 of max_blocks=2", ""),
+        (Code.FAILED_PRECONDITION, stub.KeepAlive(pb.KeepAliveRequest(
+            session_id="0ldp00l-1-0123456789abcdef")), "before a daemon restart", ""),
+    ]
+    before = daemon.pool.stats()
+    for code, call, match, cause in cases:
+        await expect(code, call, match, cause)
+    assert daemon.pool.stats() == before
+
+
+async def test_unexpected_error_is_internal_and_server_survives(
+        daemon: Daemon, stub: Stub,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(daemon.service, "pool_stats", broken)
+    await expect(Code.INTERNAL, stub.GetStats(pb.GetStatsRequest()), "RuntimeError")
+    monkeypatch.undo()
+    assert (await stub.GetStats(pb.GetStatsRequest())).num_blocks == 16
+
+
+async def test_tcp_listener_serves_the_same_pool(daemon: Daemon) -> None:
+    assert daemon.tcp_target is not None
+    async with grpc.aio.insecure_channel(daemon.tcp_target) as channel:
+        tcp_stub = kvpool_pb2_grpc.KVPoolStub(channel)
+        info = await tcp_stub.GetPoolInfo(pb.GetPoolInfoRequest())
+    assert info.pool_id == daemon.service.pool_id
+
+
+async def test_lease_expiry_frees_blocks_through_the_reaper(
+        daemon: Daemon, stub: Stub) -> None:
+    import asyncio
+
+    sid = await open_session(stub, lease_ttl_ms=300)
+    await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=20))
+    assert daemon.pool.stats().used_blocks == 5
+    for _ in range(40):  # the lease is 0.3 s; expiry + reaping must happen within ~1.3 s
+        await asyncio.sleep(0.05)
+        if daemon.pool.stats().used_blocks == 0:
+            break
+    assert daemon.pool.stats().used_blocks == 0
+    await expect(Code.FAILED_PRECONDITION, stub.Append(pb.AppendRequest(
+        session_id=sid, seq_id=1, num_tokens=1)), "expired")
+
+
+async def test_session_from_before_a_restart_is_failed_precondition() -> None:
+    async with running_daemon(pool_id="first") as first, \
+            grpc.aio.insecure_channel(first.unix_target) as channel:
+        sid = await open_session(kvpool_pb2_grpc.KVPoolStub(channel))
+    async with running_daemon(pool_id="second") as second, \
+            grpc.aio.insecure_channel(second.unix_target) as channel:
+        call = kvpool_pb2_grpc.KVPoolStub(channel).Allocate(
+            pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=1))
+        await expect(Code.FAILED_PRECONDITION, call, "pool first, before a daemon restart")

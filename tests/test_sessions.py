@@ -1,0 +1,145 @@
+"""SessionRegistry: ids, leases on a fake clock, and why a missing session is missing."""
+
+import pytest
+from pagedkv.daemon import sessions as sessions_module
+from pagedkv.daemon.core import InvalidArgument
+from pagedkv.daemon.sessions import Session, SessionExpired, SessionNotFound, SessionRegistry
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def expired() -> list[Session]:
+    return []
+
+
+@pytest.fixture
+def registry(clock: FakeClock, expired: list[Session]) -> SessionRegistry:
+    return SessionRegistry("pool1", default_lease_ttl_ms=1000, max_lease_ttl_ms=5000,
+                           on_expire=expired.append, clock=clock)
+
+
+def test_ids_embed_pool_and_number_and_are_unguessable(registry: SessionRegistry) -> None:
+    a = registry.open("a", 0, 0, b"")
+    b = registry.open("b", 0, 0, b"")
+    assert a.session_id.startswith("pool1-1-") and b.session_id.startswith("pool1-2-")
+    assert (a.number, b.number) == (1, 2)
+    assert a.session_id.split("-")[2] != b.session_id.split("-")[2]
+    assert len(a.session_id.split("-")[2]) == 16
+    assert a.label == "a#1"
+    assert a.key(7) == (1, 7)
+    assert registry.get(a.session_id) is a
+    assert len(registry) == 2
+
+
+def test_lease_default_and_clamp(registry: SessionRegistry) -> None:
+    assert registry.open("x", 0, 0, b"").lease_ttl_ms == 1000
+    assert registry.open("x", 300, 0, b"").lease_ttl_ms == 300
+    assert registry.open("x", 999_999, 0, b"").lease_ttl_ms == 5000
+
+
+def test_negative_lease_or_quota_refused(registry: SessionRegistry) -> None:
+    with pytest.raises(InvalidArgument, match="must not be negative"):
+        registry.open("x", -1, 0, b"")
+    with pytest.raises(InvalidArgument, match="must not be negative"):
+        registry.open("x", 0, -5, b"")
+    assert len(registry) == 0
+
+
+def test_salts_default_unique_and_client_salts_namespaced(registry: SessionRegistry) -> None:
+    a, b = registry.open("a", 0, 0, b""), registry.open("b", 0, 0, b"")
+    c, d = registry.open("c", 0, 0, b"team"), registry.open("d", 0, 0, b"team")
+    assert a.salt != b.salt
+    assert c.salt == d.salt == b"client:team"
+    # A client cannot pick a salt equal to another session's default one.
+    e = registry.open("e", 0, 0, a.salt)
+    assert e.salt != a.salt
+
+
+def test_every_call_renews_the_lease(registry: SessionRegistry, clock: FakeClock,
+                                     expired: list[Session]) -> None:
+    session = registry.open("a", 1000, 0, b"")
+    for _ in range(5):
+        clock.now += 0.9  # just inside the lease each time
+        assert registry.get(session.session_id) is session
+    assert registry.expire_due() == []
+    clock.now += 1.001
+    assert registry.expire_due() == [session]
+    assert expired == [session]
+    assert registry.expiries_total == 1
+    with pytest.raises(SessionExpired, match="expired"):
+        registry.get(session.session_id)
+
+
+def test_a_lapsed_lease_is_not_revived_before_the_reaper_runs(
+        registry: SessionRegistry, clock: FakeClock, expired: list[Session]) -> None:
+    session = registry.open("a", 1000, 0, b"")
+    clock.now += 1.5
+    with pytest.raises(SessionExpired):
+        registry.get(session.session_id)
+    assert expired == [session]
+    assert len(registry) == 0
+
+
+def test_missing_sessions_say_why(registry: SessionRegistry) -> None:
+    with pytest.raises(SessionNotFound, match="unknown session"):
+        registry.get("pool1-9-0123456789abcdef")
+    with pytest.raises(SessionNotFound):
+        registry.get("garbage")
+    with pytest.raises(InvalidArgument, match="empty"):
+        registry.get("")
+    with pytest.raises(SessionExpired, match="before a daemon restart"):
+        registry.get("oldpool-3-0123456789abcdef")
+
+
+def test_closed_session_is_unknown(registry: SessionRegistry, expired: list[Session]) -> None:
+    session = registry.open("a", 0, 0, b"")
+    assert registry.close(session.session_id) is session
+    with pytest.raises(SessionNotFound):
+        registry.get(session.session_id)
+    assert expired == []
+
+
+def test_expired_ids_remembered_within_a_bound(registry: SessionRegistry, clock: FakeClock,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sessions_module, "REMEMBERED_EXPIRED_IDS", 2)
+    ids = [registry.open(str(i), 1000, 0, b"").session_id for i in range(3)]
+    clock.now += 2
+    assert len(registry.expire_due()) == 3
+    with pytest.raises(SessionNotFound):  # the oldest was forgotten
+        registry.get(ids[0])
+    for session_id in ids[1:]:
+        with pytest.raises(SessionExpired):
+            registry.get(session_id)
+
+
+def test_usage_snapshot_restores(registry: SessionRegistry) -> None:
+    session = registry.open("a", 0, 0, b"")
+    session.seq_ids.add(1)
+    session.table_entries = 3
+    saved = session.usage()
+    session.seq_ids.add(2)
+    session.table_entries = 9
+    session.prefix_cache_hits = 4
+    session.restore(saved)
+    assert (session.seq_ids, session.table_entries, session.prefix_cache_hits) == ({1}, 3, 0)
+
+
+def test_bad_lease_configuration() -> None:
+    with pytest.raises(ValueError, match="default_lease_ttl_ms"):
+        SessionRegistry("p", default_lease_ttl_ms=0, max_lease_ttl_ms=10, on_expire=print)
+    with pytest.raises(ValueError, match="default_lease_ttl_ms"):
+        SessionRegistry("p", default_lease_ttl_ms=20, max_lease_ttl_ms=10, on_expire=print)
