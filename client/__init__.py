@@ -1,1 +1,54 @@
-"""pagedkv.client"""
+"""pagedkv.client: a typed async client for the pagedkv daemon (imports only grpc and protobuf)."""
+
+from .client import DEFAULT_TIMEOUT_S, PoolClient, Session
+from .errors import (
+    DaemonUnavailable,
+    InvalidArgument,
+    NotFound,
+    PagedKVError,
+    PoolExhausted,
+    SequenceExists,
+    SequenceNotFound,
+    SessionExpired,
+    SessionNotFound,
+    Unauthenticated,
+)
+from .ops import Allocate, Append, CopyOnWrite, Fork, Free, Operation
+from .types import (
+    BlockCopy,
+    PoolInfo,
+    PoolMemory,
+    PoolStats,
+    SequenceBlocks,
+    SessionStats,
+    StepResult,
+)
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "Allocate",
+    "Append",
+    "BlockCopy",
+    "CopyOnWrite",
+    "DaemonUnavailable",
+    "Fork",
+    "Free",
+    "InvalidArgument",
+    "NotFound",
+    "Operation",
+    "PagedKVError",
+    "PoolClient",
+    "PoolExhausted",
+    "PoolInfo",
+    "PoolMemory",
+    "PoolStats",
+    "SequenceBlocks",
+    "SequenceExists",
+    "SequenceNotFound",
+    "Session",
+    "SessionExpired",
+    "SessionNotFound",
+    "SessionStats",
+    "StepResult",
+    "Unauthenticated",
+]

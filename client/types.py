@@ -1,0 +1,167 @@
+"""The client's records: small typed dataclasses built from the daemon's messages.
+
+Only ids, counts and slots travel; no numpy, no protobuf objects leak to the caller.
+"""
+
+from dataclasses import dataclass
+
+from pagedkv.proto import kvpool_pb2 as pb
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """A copy-on-write copy the daemon already did in pool memory."""
+
+    # Block the data came from (still held by the other sharers).
+    src: int
+    # The caller's new private block.
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceBlocks:
+    """One sequence after a call."""
+
+    # The client's id for the sequence.
+    seq_id: int
+    # Block table: logical block i -> physical block block_ids[i]; empty after a free.
+    block_ids: list[int]
+    # Tokens the sequence holds.
+    num_tokens: int
+    # Leading tokens found in the prefix cache (allocate only).
+    num_cached_tokens: int
+    # Slot (block * block_size + offset) of each token this call added.
+    slot_mapping: list[int]
+    # Copy-on-write copies done for this call.
+    copies: list[BlockCopy]
+
+    @classmethod
+    def from_proto(cls, message: pb.SequenceBlocks) -> "SequenceBlocks":
+        return cls(message.seq_id, list(message.block_ids), message.num_tokens,
+                   message.num_cached_tokens, list(message.slot_mapping),
+                   [BlockCopy(c.src, c.dst) for c in message.copies])
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one Step did, as parallel lists (index i of the changed_* lists is one entry)."""
+
+    # Slots of the appended tokens, sequence-major (len(seq_ids) * num_tokens).
+    slot_mapping: list[int]
+    # Block-table entries that changed: index into the step's seq_ids, logical block, and
+    # the physical block now there (new blocks and copy-on-write replacements).
+    changed_seq_index: list[int]
+    changed_logical_block: list[int]
+    changed_block_id: list[int]
+    # Copy-on-write copies done for this step.
+    copies: list[BlockCopy]
+
+    @classmethod
+    def from_proto(cls, message: pb.StepResponse) -> "StepResult":
+        return cls(list(message.slot_mapping), list(message.changed_seq_index),
+                   list(message.changed_logical_block), list(message.changed_block_id),
+                   [BlockCopy(s, d) for s, d in zip(message.copy_src, message.copy_dst,
+                                                    strict=True)])
+
+
+@dataclass(frozen=True, slots=True)
+class PoolMemory:
+    """How a co-located runner maps the pool memory (kind "" when the daemon has none)."""
+
+    # "shm", "cuda_ipc", or "" for a bookkeeping-only daemon.
+    kind: str
+    # The /dev/shm file ("shm" only).
+    shm_path: str
+    # Pool tensor shape, in PoolInfo.layout order.
+    shape: tuple[int, ...]
+    # Element dtype name.
+    dtype: str
+    # CUDA device (-1 on CPU).
+    device_index: int
+    # Opaque CUDA IPC payload ("cuda_ipc" only).
+    ipc_payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PoolInfo:
+    """The pool's geometry and how to attach to its memory."""
+
+    # Random id of the daemon run; changes on restart.
+    pool_id: str
+    num_blocks: int
+    block_size: int
+    # Model geometry the pool is laid out for ("" and zeros when the daemon has none).
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    # K and V of block_size tokens over all layers.
+    bytes_per_block: int
+    # Axes of the pool tensor, comma-separated.
+    layout: str
+    # Attach instructions.
+    memory: PoolMemory
+
+    @classmethod
+    def from_proto(cls, message: pb.PoolInfo) -> "PoolInfo":
+        m = message.memory
+        memory = PoolMemory(m.kind, m.shm_path, tuple(m.shape), m.dtype, m.device_index,
+                            m.ipc_payload)
+        return cls(message.pool_id, message.num_blocks, message.block_size, message.model,
+                   message.num_layers, message.num_kv_heads, message.head_dim, message.dtype,
+                   message.bytes_per_block, message.layout, memory)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionStats:
+    """One session's figures (GetStats returns only the caller's own)."""
+
+    # "client_name#number".
+    name: str
+    num_sequences: int
+    # Block-table entries over the session's sequences: what max_blocks bounds.
+    block_table_entries: int
+    # Distinct physical blocks referenced.
+    blocks_held: int
+    max_blocks: int
+    # Prefix-cache lookups of the session's allocations, in tokens.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    lease_ttl_ms: int
+
+    @classmethod
+    def from_proto(cls, m: pb.SessionStats) -> "SessionStats":
+        return cls(m.name, m.num_sequences, m.block_table_entries, m.blocks_held, m.max_blocks,
+                   m.prefix_cache_queries, m.prefix_cache_hits, m.lease_ttl_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    """The pool's occupancy and prefix-cache counters."""
+
+    num_blocks: int
+    block_size: int
+    # Blocks an allocation could take now (including evictable cached ones).
+    free_blocks: int
+    # Blocks referenced by a live sequence.
+    used_blocks: int
+    # Evictable cached blocks (a subset of free_blocks).
+    cached_blocks: int
+    num_sequences: int
+    num_sessions: int
+    # Prefix-cache lookups over all sessions, in tokens.
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    # Filled slots / slots of used blocks, and logical tokens / filled slots.
+    utilization: float
+    sharing_ratio: float
+    # The caller's own session, when asked through a Session.
+    session: SessionStats | None
+
+    @classmethod
+    def from_proto(cls, m: pb.PoolStats) -> "PoolStats":
+        session = SessionStats.from_proto(m.sessions[0]) if m.sessions else None
+        return cls(m.num_blocks, m.block_size, m.free_blocks, m.used_blocks, m.cached_blocks,
+                   m.num_sequences, m.num_sessions, m.prefix_cache_queries, m.prefix_cache_hits,
+                   m.utilization, m.sharing_ratio, session)

@@ -1,0 +1,156 @@
+"""pagedkv.client against a real in-process daemon: typed results, exceptions, leases, auth."""
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import pytest
+from daemon_harness import Daemon, running_daemon
+from pagedkv.client import (
+    Allocate,
+    Append,
+    BlockCopy,
+    CopyOnWrite,
+    DaemonUnavailable,
+    Fork,
+    Free,
+    InvalidArgument,
+    PagedKVError,
+    PoolClient,
+    PoolExhausted,
+    SequenceBlocks,
+    SequenceExists,
+    SequenceNotFound,
+    SessionExpired,
+    SessionNotFound,
+    Unauthenticated,
+)
+from pagedkv.daemon.interceptors import ServerInterceptor
+
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture
+async def daemon() -> AsyncIterator[Daemon]:
+    auth = ServerInterceptor(auth_token=TOKEN, rpc_metrics=None)
+    async with running_daemon(tcp=True, interceptors=[auth]) as running:
+        yield running
+        running.service.check_invariants()
+
+
+@pytest.fixture
+async def client(daemon: Daemon) -> AsyncIterator[PoolClient]:
+    async with await PoolClient.connect(daemon.unix_target, timeout=2.0) as connected:
+        yield connected
+
+
+async def test_typed_results_for_every_call(daemon: Daemon, client: PoolClient) -> None:
+    info = await client.pool_info()
+    assert (info.pool_id, info.num_blocks, info.block_size, info.model) == (
+        daemon.service.pool_id, 16, 4, "tiny")
+    async with await client.open_session("typed") as session:
+        assert session.pool_id == info.pool_id and session.block_size == 4
+        seq = await session.allocate(1, token_ids=[5, 6, 7, 8, 9])
+        assert seq == SequenceBlocks(1, [0, 1], 5, 0, [0, 1, 2, 3, 4], [])
+        assert (await session.append(1)).slot_mapping == [5]
+        assert (await session.fork(1, 2)).block_ids == [0, 1]
+        cow = await session.copy_on_write(2, 1)
+        assert (cow.block_ids, cow.copies) == ([0, 2], [BlockCopy(1, 2)])
+        step = await session.step([1, 2], token_ids=[10, 11])
+        assert (step.slot_mapping, step.copies) == ([6, 10], [])
+        tables = await session.block_tables([2, 1])
+        assert [(t.seq_id, t.block_ids, t.num_tokens) for t in tables] == [
+            (2, [0, 2], 7), (1, [0, 1], 7)]
+        results = await session.batch([Allocate(3, 2), Fork(3, 4), Append(4, 3),
+                                       CopyOnWrite(3, 0), Free(1)])
+        assert [r.seq_id for r in results] == [3, 4, 4, 3, 1]
+        assert results[2].copies == [BlockCopy(3, 4)] and results[4].block_ids == []
+        stats = await session.stats()
+        assert stats.session is not None
+        assert (stats.session.name, stats.session.num_sequences) == ("typed#1", 3)
+        assert stats.num_sessions == 1 and (await client.stats()).session is None
+        assert await session.free(2) == 1
+        assert await session.keep_alive() == 10_000
+    assert daemon.pool.stats().used_blocks == 0
+
+
+async def test_errors_are_named_after_the_cause(client: PoolClient) -> None:
+    session = await client.open_session("errors", max_blocks=3)
+    await session.allocate(1, 4)
+    failures: list[tuple[Callable[[], Awaitable[Any]], type[PagedKVError], grpc.StatusCode]] = [
+        (lambda: session.append(9), SequenceNotFound, grpc.StatusCode.NOT_FOUND),
+        (lambda: session.allocate(1, 1), SequenceExists, grpc.StatusCode.ALREADY_EXISTS),
+        (lambda: session.allocate(2, 3, [1]), InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: session.allocate(-1, 1), InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda: session.allocate(2, 40), PoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (lambda: session.step([]), InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+    for call, kind, code in failures:
+        with pytest.raises(kind) as failure:
+            await call()
+        assert failure.value.code == code and failure.value.message
+    await session.close()
+    with pytest.raises(SessionNotFound, match="unknown session"):
+        await session.allocate(5, 1)
+    assert await session.close() == 0  # idempotent
+
+
+async def test_keep_alive_holds_the_lease_and_its_absence_expires_it(
+        daemon: Daemon, client: PoolClient) -> None:
+    kept = await client.open_session("kept", lease_ttl_ms=300)
+    lapsing = await client.open_session("lapsing", lease_ttl_ms=300, keep_alive=False)
+    await kept.allocate(1, 4)
+    await lapsing.allocate(1, 4)
+    await asyncio.sleep(1.0)  # > 3 leases
+    assert (await kept.append(1)).num_tokens == 5
+    with pytest.raises(SessionExpired, match="expired") as failure:
+        await lapsing.append(1)
+    assert failure.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert await lapsing.close() == 0
+    assert await kept.close() == 1
+
+
+async def test_keep_alive_records_a_lost_lease(daemon: Daemon, client: PoolClient) -> None:
+    session = await client.open_session("lost", lease_ttl_ms=150)
+    daemon.service.close_session(session.session_id)  # the daemon forgets it behind our back
+    for _ in range(40):
+        await asyncio.sleep(0.025)
+        if session.lease_error is not None:
+            break
+    assert isinstance(session.lease_error, SessionNotFound)
+    await session.close()
+
+
+async def test_tcp_needs_the_token(daemon: Daemon) -> None:
+    assert daemon.tcp_target is not None
+    async with await PoolClient.connect(daemon.tcp_target) as anonymous:
+        with pytest.raises(Unauthenticated) as failure:
+            await anonymous.pool_info()
+        assert failure.value.code == grpc.StatusCode.UNAUTHENTICATED
+    async with await PoolClient.connect(daemon.tcp_target, auth_token=TOKEN) as authorized, \
+            await authorized.open_session("tcp") as session:
+        assert (await session.allocate(1, 2)).block_ids == [0]
+
+
+async def test_connect_to_nothing_is_unavailable(tmp_path: Any) -> None:
+    with pytest.raises(DaemonUnavailable, match="no pagedkv daemon"):
+        await PoolClient.connect(f"unix:{tmp_path}/absent.sock", timeout=0.3)
+
+
+class _SlowStats(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Delays GetStats past the client's deadline."""
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        if details.method.endswith("/GetStats"):
+            await asyncio.sleep(0.5)
+        return await continuation(details)
+
+
+async def test_every_call_has_a_deadline() -> None:
+    async with running_daemon(interceptors=[_SlowStats()]) as slow, \
+            await PoolClient.connect(slow.unix_target, timeout=0.2) as client:
+        with pytest.raises(PagedKVError) as failure:
+            await client.stats()
+        assert failure.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert (await client.pool_info()).num_blocks == 16
