@@ -2,10 +2,12 @@
 
 Triton compiles for CUDA. Without a CUDA device the only way to run a Triton kernel is its
 interpreter (numpy, one program after another), which `@triton.jit` selects when it sees
-``TRITON_INTERPRET=1`` at decoration time. The kernel modules import `triton` and `tl` from here,
-so on a machine without CUDA the variable is set before their kernels are decorated, whichever
-module (a test, the model runner) happens to import them first. A machine with CUDA is left alone:
-its kernels compile for the device unless the caller asked for the interpreter.
+``TRITON_INTERPRET=1`` at decoration time -- for our kernels and for triton.language's own jitted
+helpers (tl.sum, tl.max, tl.cdiv), which are decorated when triton is first imported. The kernel
+modules import `triton` and `tl` from here, so on a machine without CUDA the variable is set
+before triton loads, provided nothing imported triton earlier (a transformers model class does:
+import pagedkv.model_runner first, or set the variable yourself). A machine with CUDA is left
+alone: its kernels compile for the device unless the caller asked for the interpreter.
 """
 
 import os
@@ -20,17 +22,36 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-__all__ = ["require_triton_device", "tl", "triton"]
+__all__ = ["interpreter_enabled", "is_interpreted", "require_triton_device", "tl", "triton"]
 
 
-def require_triton_device(device: torch.device, kernel: object) -> None:
-    """Raise ValueError unless `kernel` can run on tensors that live on `device`."""
-    interpreted = isinstance(kernel, InterpretedFunction)
-    if device.type == "cuda" or (device.type == "cpu" and interpreted):
+def interpreter_enabled() -> bool:
+    """Whether kernels decorated now become interpreted (CPU) functions."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def is_interpreted(kernel: object) -> bool:
+    """Whether `kernel` was decorated for the interpreter."""
+    return isinstance(kernel, InterpretedFunction)
+
+
+def require_triton_device(device: torch.device, kernel: object | None = None) -> None:
+    """Raise ValueError unless Triton can run on tensors that live on `device`.
+
+    `kernel`: the kernel about to run (whether it was decorated as interpreted is what counts);
+    None asks about kernels decorated now.
+    """
+    if device.type == "cuda":
         return
-    if device.type == "cpu":
+    if device.type != "cpu":
+        raise ValueError(f"Triton kernels need CUDA (or CPU with TRITON_INTERPRET=1), got {device}")
+    if not (interpreter_enabled() if kernel is None else is_interpreted(kernel)):
         raise ValueError(
             "Triton kernels run on CPU tensors only under the interpreter: set TRITON_INTERPRET=1 "
             "before triton is imported, or use the torch attention backend on CPU"
         )
-    raise ValueError(f"Triton kernels need CUDA (or CPU with TRITON_INTERPRET=1), got {device}")
+    if not is_interpreted(tl.cdiv):  # triton.language was loaded before the variable was set
+        raise ValueError(
+            "TRITON_INTERPRET=1 was set after triton was imported: set it before anything "
+            "imports triton (import pagedkv.model_runner.triton_env first), or use the torch backend on CPU"
+        )
