@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+
 from pagedkv.daemon.core import (
     BlockCopy,
     BlockPool,

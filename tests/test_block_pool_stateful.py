@@ -13,6 +13,7 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from pagedkv.daemon.core import (
     BatchAppend,
     BlockCopy,

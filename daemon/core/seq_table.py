@@ -112,3 +112,8 @@ class SeqTable:
         self.chain_key.extend([ROOT_KEY] * have)
         self.salt.extend([b""] * have)
         self.free_rows.extend(range(2 * have - 1, have - 1, -1))
+
+
+def ragged_arange(counts: Int64Array) -> Int64Array:
+    """0..c-1 for each c in `counts`, concatenated: the logical index of each table entry."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)

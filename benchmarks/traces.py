@@ -1,0 +1,52 @@
+"""Synthetic request traces with the length statistics of well-known serving datasets.
+
+The PagedAttention paper's workloads: ShareGPT conversations (mean input ~161 tokens, mean output
+~338) and Alpaca instructions (mean input ~19, output ~58). Lengths are drawn from log-normal
+distributions with those means (sigma 1.0: long-tailed like the real data), clipped so that a
+request fits a `max_model_len` reservation, which keeps the contiguous baseline comparable.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSpec:
+    """Length statistics of one dataset."""
+
+    # Name printed in figure names (e.g. "sharegpt").
+    name: str
+    # Mean prompt and output lengths in tokens.
+    mean_input: float
+    mean_output: float
+
+
+SHAREGPT = TraceSpec("sharegpt", 161.0, 338.0)
+ALPACA = TraceSpec("alpaca", 19.0, 58.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request of a trace."""
+
+    # Prompt token ids.
+    prompt: np.ndarray
+    # Tokens the request will generate before it finishes.
+    output_len: int
+
+
+def make_trace(spec: TraceSpec, num_requests: int, max_model_len: int = 2048,
+               vocab: int = 32_000, seed: int = 0) -> list[Request]:
+    """`num_requests` requests whose prompt + output fit `max_model_len`."""
+    rng = np.random.default_rng(seed)
+    sigma = 1.0
+    half = max_model_len // 2
+
+    def lengths(mean: float) -> np.ndarray:
+        mu = np.log(mean) - sigma**2 / 2  # log-normal with the given mean
+        return np.clip(rng.lognormal(mu, sigma, num_requests).round(), 1, half).astype(int)
+
+    inputs, outputs = lengths(spec.mean_input), lengths(spec.mean_output)
+    return [Request(rng.integers(0, vocab, int(n), dtype=np.int64), int(m))
+            for n, m in zip(inputs, outputs, strict=True)]
