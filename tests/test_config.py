@@ -1,9 +1,12 @@
 """DaemonConfig: defaults <- TOML <- flags, and a clear error for every bad setting."""
 
 import argparse
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
+
+from pagedkv.daemon.cli import EXIT_BAD_CONFIG
 from pagedkv.daemon.config import (
     DEFAULT_NUM_BLOCKS,
     ConfigError,
@@ -11,8 +14,10 @@ from pagedkv.daemon.config import (
     add_serve_arguments,
     config_from_args,
     default_listen,
+    load_toml,
     parse_listen,
 )
+from pagedkv.daemon.server import SHUTDOWN_GRACE_S
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> DaemonConfig:
@@ -165,3 +170,29 @@ def test_parse_listen_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert parse_listen("localhost:80").target == "localhost:80"
     with pytest.raises(ConfigError, match="host:port"):
         parse_listen("localhost:99999")
+
+
+OPS = Path(__file__).parent.parent / "ops"
+
+
+def test_the_shipped_toml_sets_valid_values_and_documents_every_key() -> None:
+    text = (OPS / "pagedkv.toml").read_text()
+    config = DaemonConfig(**load_toml(OPS / "pagedkv.toml"))
+    assert config.listen == ("unix:///run/pagedkv/pagedkvd.sock",)
+    for setting in fields(DaemonConfig):
+        assert f"{setting.name} = " in text, f"{setting.name} is not in ops/pagedkv.toml"
+
+
+def test_the_unit_matches_the_daemon() -> None:
+    unit: dict[str, list[str]] = {}
+    for line in (OPS / "pagedkvd.service").read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#"):
+            unit.setdefault(key, []).append(value)
+    assert unit["Type"] == ["notify"] and unit["NotifyAccess"] == ["main"]
+    assert unit["ExecStart"][0].endswith("pagedkvd --config /etc/pagedkv/pagedkv.toml")
+    # The TOML's socket is in the unit's RuntimeDirectory, and the drain fits in the stop timeout.
+    assert unit["RuntimeDirectory"] == ["pagedkv"]
+    assert float(unit["TimeoutStopSec"][0].removesuffix("s")) > SHUTDOWN_GRACE_S + 5
+    assert unit["RestartPreventExitStatus"] == [str(EXIT_BAD_CONFIG)]
+    assert "char-nvidia* rw" in unit["DeviceAllow"]
