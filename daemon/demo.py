@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from pagedkv.client import PoolClient, PoolStats, SequenceBlocks, Session, StepResult
 
 # How long the daemon may take to start (imports torch) and to stop (drain grace + exit).

@@ -21,8 +21,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from pagedkv.proto import kvpool_pb2
 from prometheus_client.registry import CollectorRegistry
+
+from pagedkv.proto import kvpool_pb2
 
 from .config import (
     MAX_LEASE_TTL_MS,

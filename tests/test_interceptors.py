@@ -11,10 +11,11 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+
 from pagedkv.daemon.interceptors import ServerInterceptor, session_label
 from pagedkv.daemon.logging import configure
 from pagedkv.daemon.metrics import RpcMetrics
-from prometheus_client import CollectorRegistry
 
 TOKEN = "letmein"
 SECRET_SESSION = "ab12cd-7-0123456789abcdef"

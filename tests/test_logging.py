@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+
 from pagedkv.daemon.logging import configure, get_logger, resolve_format
 
 

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from pagedkv.daemon.notify import notify, watchdog_interval_s
 
 

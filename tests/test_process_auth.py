@@ -8,8 +8,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from pagedkv.client import PoolClient, Unauthenticated
 from pagedkvd_process import COMMAND, Pagedkvd, free_tcp_port, pagedkvd
+
+from pagedkv.client import PoolClient, Unauthenticated
 
 TOKEN = "correct-horse-battery-staple"
 

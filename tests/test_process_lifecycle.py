@@ -9,8 +9,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from pagedkv.client import PoolClient
 from pagedkvd_process import Pagedkvd, pagedkvd, short_tmp_dir
+
+from pagedkv.client import PoolClient
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

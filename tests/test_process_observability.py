@@ -7,9 +7,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from pagedkv.client import PoolClient
 from pagedkvd_process import Pagedkvd, free_tcp_port, pagedkvd
 from prometheus_client.parser import text_string_to_metric_families
+
+from pagedkv.client import PoolClient
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 128
