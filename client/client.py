@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Self, TypeVar
 
 import grpc
+
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 

@@ -289,7 +289,10 @@ class PoolService:
 
     def step(self, session_id: str, seq_ids: Sequence[int], num_tokens: int = 1,
              token_ids: Sequence[int] = ()) -> BatchAppend:
-        """Append num_tokens tokens to each of many sequences at once, all-or-nothing."""
+        """Append num_tokens tokens to each of many sequences at once, all-or-nothing.
+
+        token_ids may be any sequence numpy reads in one go (a packed protobuf field is).
+        """
         session = self.sessions.get(session_id)
         count = len(seq_ids)
         if count == 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import grpc
+
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 
@@ -93,9 +94,9 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @grpc_errors
     async def Step(self, request: pb.StepRequest, context: Context) -> pb.StepResponse:
-        # list() of a packed field is one C loop; the service never sees protobuf containers.
+        # list() of a packed field is one C loop; numpy reads the token ids field directly.
         result = self._service.step(request.session_id, list(request.seq_ids),
-                                    request.num_tokens or 1, list(request.token_ids))
+                                    request.num_tokens or 1, request.token_ids)
         return pb.StepResponse(
             slot_mapping=result.slot_mapping.tolist(),
             changed_seq_index=result.changed_seq_index.tolist(),

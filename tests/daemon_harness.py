@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.geometry import TINY_CPU_GEOMETRY
 from pagedkv.daemon.kv_memory import KVPoolMemory

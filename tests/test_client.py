@@ -6,7 +6,7 @@ from typing import Any
 
 import grpc
 import pytest
-from daemon_harness import Daemon, running_daemon
+
 from pagedkv.client import (
     Allocate,
     Append,
@@ -27,6 +27,8 @@ from pagedkv.client import (
     Unauthenticated,
 )
 from pagedkv.daemon.interceptors import ServerInterceptor
+
+from daemon_harness import Daemon, running_daemon
 
 TOKEN = "s3cret-token"
 

@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 import torch
-from daemon_harness import Daemon, running_daemon
+
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
+
+from daemon_harness import Daemon, running_daemon
 
 if TYPE_CHECKING:
     from pagedkv.proto.kvpool_pb2_grpc import KVPoolAsyncStub as Stub

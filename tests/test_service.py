@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from pagedkv.daemon.core import BlockPool, InvalidArgument, SequenceExists, SequenceNotFound
 from pagedkv.daemon.geometry import TINY_CPU_GEOMETRY
 from pagedkv.daemon.kv_memory import KVPoolMemory

@@ -1,6 +1,7 @@
 """SessionRegistry: ids, leases on a fake clock, and why a missing session is missing."""
 
 import pytest
+
 from pagedkv.daemon import sessions as sessions_module
 from pagedkv.daemon.core import InvalidArgument
 from pagedkv.daemon.sessions import Session, SessionExpired, SessionNotFound, SessionRegistry
