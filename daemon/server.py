@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client.registry import CollectorRegistry
@@ -124,6 +125,7 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
     removed = cleanup_stale_files(str(config.shm_dir))
     if removed:
         log.info("removed stale pool files", files=[str(path) for path in removed])
+    check_device(config.device)
     geometry, dtype = pool_geometry(config)
     num_blocks = pool_num_blocks(config, geometry, dtype)
     memory = KVPoolMemory.create(geometry, num_blocks, config.block_size, dtype,
@@ -145,6 +147,19 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
             await service.stop()
     finally:
         memory.close()
+
+
+def check_device(device: str) -> None:
+    """A clear StartupError when a CUDA device is asked for and torch cannot see it."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise StartupError(f"device {device}: torch sees no CUDA device (driver, "
+                           "CUDA_VISIBLE_DEVICES, or a CPU-only torch build)")
+    index = torch.device(device).index or 0
+    if index >= torch.cuda.device_count():
+        raise StartupError(f"device {device}: only {torch.cuda.device_count()} CUDA "
+                           "device(s) visible")
 
 
 def pool_geometry(config: DaemonConfig) -> tuple[ModelGeometry, str]:

@@ -1,0 +1,87 @@
+"""serve() in-process, and the start-up checks that turn bad settings into clear errors."""
+
+import asyncio
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedkv.daemon import server
+from pagedkv.daemon.config import ConfigError, DaemonConfig
+from pagedkv.daemon.geometry import TINY_CPU_GEOMETRY
+from pagedkv.daemon.server import (
+    StartupError,
+    check_device,
+    pool_geometry,
+    pool_num_blocks,
+    serve,
+)
+
+# The tiny geometry in float32: 2 layers x 2 (K, V) x 2 heads x 64 x 4 bytes x 16 slots.
+BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * 16
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="pkvs-") as folder:
+        yield Path(folder)
+
+
+def config_in(folder: Path, **settings: Any) -> DaemonConfig:
+    return DaemonConfig(listen=(f"unix://{folder}/d.sock",), shm_dir=folder, **settings)
+
+
+async def test_serve_until_the_stop_event(short_dir: Path) -> None:
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(config_in(short_dir, num_blocks=8), stop))
+    async with grpc.aio.insecure_channel(f"unix://{short_dir}/d.sock") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="pagedkv.v1.KVPool"), wait_for_ready=True,
+            timeout=30)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    assert len(list(short_dir.glob("pagedkv-*.kv"))) == 1
+    stop.set()
+    await asyncio.wait_for(task, 30)
+    assert list(short_dir.iterdir()) == []  # pool file and socket both gone
+
+
+async def test_a_port_in_use_stops_the_start_and_frees_the_pool(short_dir: Path) -> None:
+    token = short_dir / "token"
+    token.write_text("t")
+    token.chmod(0o600)
+    blocker = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    port = blocker.add_insecure_port("127.0.0.1:0")
+    await blocker.start()
+    try:
+        config = DaemonConfig(listen=(f"127.0.0.1:{port}",), auth_token_file=token,
+                              shm_dir=short_dir)
+        with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{port}"):
+            await serve(config, asyncio.Event())
+    finally:
+        await blocker.stop(None)
+    assert list(short_dir.glob("pagedkv-*.kv")) == []
+
+
+def test_pool_size_from_bytes_and_too_small(short_dir: Path) -> None:
+    geometry, dtype = pool_geometry(config_in(short_dir))
+    assert (geometry, dtype) == (TINY_CPU_GEOMETRY, "float32")
+    config = config_in(short_dir, num_blocks=None, kv_memory=10 * BLOCK_BYTES + 1)
+    assert pool_num_blocks(config, geometry, dtype) == 10
+    with pytest.raises(ConfigError, match=r"pool size: .* cannot hold one block"):
+        pool_num_blocks(config_in(short_dir, num_blocks=None, kv_memory=100), geometry, dtype)
+
+
+def test_unknown_model_is_a_config_error(short_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="model_config: unknown model 'no-such-model'"):
+        pool_geometry(config_in(short_dir, model_config="no-such-model"))
+
+
+def test_cuda_without_a_visible_device_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(StartupError, match="device cuda: torch sees no CUDA device"):
+        check_device("cuda")
+    check_device("cpu")  # no CUDA needed
