@@ -6,13 +6,10 @@
 
 The pool is tiny so tests can assert exact block ids; `with_memory=True` backs it with a real
 CPU KVPoolMemory (the tiny geometry, in a private temp dir, never /dev/shm).
-`serve_forever` runs the same daemon until killed, for benchmarks and client-process tests
-that want the server in another process.
 """
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import shutil
 import tempfile
@@ -85,17 +82,3 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
         if own_dir:
             shutil.rmtree(directory, ignore_errors=True)
 
-
-def serve_forever(socket_dir: str, ready: Any = None, **options: Any) -> None:
-    """Run a daemon on `socket_dir`/pagedkv.sock until the process is killed.
-
-    Meant as a multiprocessing target; `ready` (an Event) is set once the socket is served.
-    """
-
-    async def main() -> None:
-        async with running_daemon(socket_dir=Path(socket_dir), **options):
-            if ready is not None:
-                ready.set()
-            await asyncio.Event().wait()
-
-    asyncio.run(main())

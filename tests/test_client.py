@@ -98,6 +98,25 @@ async def test_errors_are_named_after_the_cause(client: PoolClient) -> None:
     assert await session.close() == 0  # idempotent
 
 
+async def test_cache_salt_decides_prefix_sharing(client: PoolClient) -> None:
+    prompt = list(range(40, 48))  # two full blocks
+    first = await client.open_session("a", cache_salt="tenant-1")
+    same = await client.open_session("b", cache_salt=b"tenant-1")
+    other = await client.open_session("c", cache_salt="tenant-2")
+    default = await client.open_session("d")
+    owner = await first.allocate(1, token_ids=prompt)
+    shared = await same.allocate(1, token_ids=prompt)
+    assert (shared.num_cached_tokens, shared.block_ids) == (8, owner.block_ids)
+    for session in (other, default):
+        alone = await session.allocate(1, token_ids=prompt)
+        assert alone.num_cached_tokens == 0
+        assert not set(alone.block_ids) & set(owner.block_ids)
+    stats = await same.stats()
+    assert stats.session is not None and stats.session.prefix_cache_hits == 8
+    for session in (first, same, other, default):
+        await session.close()
+
+
 async def test_keep_alive_holds_the_lease_and_its_absence_expires_it(
         daemon: Daemon, client: PoolClient) -> None:
     kept = await client.open_session("kept", lease_ttl_ms=300)
