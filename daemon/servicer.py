@@ -87,6 +87,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @grpc_errors
     async def Batch(self, request: pb.BatchRequest, context: Context) -> pb.BatchResponse:
+        limits = self._service.limits  # refuse an oversized batch before converting it
+        limits.check_count("ops", len(request.ops), limits.max_batch_ops)
         ops = [batch_op(request.session_id, index, op) for index, op in enumerate(request.ops)]
         updates = self._service.batch(request.session_id, ops)
         return pb.BatchResponse(results=[sequence_blocks(seq_id_of(op), update)
