@@ -14,8 +14,9 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from .addresses import ListenAddress, parse_host_port, parse_listen
 from .geometry import canonical_dtype
 from .logging import LOG_FORMATS, LOG_LEVELS, LogFormat
 from .units import parse_bytes
@@ -28,8 +29,9 @@ SOCKET_NAME = "pagedkvd.sock"
 SIZING_KEYS = ("num_blocks", "kv_memory", "kv_fraction")
 # Longest lease a session may ask for (longer requests are clamped to it).
 MAX_LEASE_TTL_MS = 600_000
-# Longest unix socket path the kernel accepts (sun_path is 108 bytes with the trailing NUL).
-MAX_UNIX_PATH_BYTES = 107
+
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -42,48 +44,6 @@ def default_listen(env: Mapping[str, str]) -> tuple[str, ...]:
     runtime_dir = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
     folder = Path(runtime_dir) if runtime_dir else Path.cwd() / "run"
     return (f"unix://{folder.absolute() / SOCKET_NAME}",)
-
-
-@dataclass(frozen=True, slots=True)
-class ListenAddress:
-    """One parsed gRPC listener address."""
-
-    # The address in the form grpc's add_insecure_port takes ("unix:///abs/path", "host:port").
-    target: str
-    # The socket file of a unix listener; None for TCP.
-    unix_path: Path | None
-
-    @property
-    def is_tcp(self) -> bool:
-        return self.unix_path is None
-
-
-def parse_host_port(text: str, setting: str) -> tuple[str, int]:
-    """("127.0.0.1", 50051) from "127.0.0.1:50051"; IPv6 hosts in brackets ("[::1]:50051")."""
-    host, sep, port = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{setting}: {text!r} is not host:port (e.g. 127.0.0.1:50051)")
-    return host, int(port)
-
-
-def parse_listen(text: str) -> ListenAddress:
-    """A listener from "unix:///abs/path", "unix:relative/path" or "host:port"."""
-    if text.startswith("unix:"):
-        rest = text.removeprefix("unix:")
-        if rest.startswith("//"):
-            rest = rest.removeprefix("//")
-            if not rest.startswith("/"):
-                raise ConfigError(f"listen: {text!r}: use unix:///absolute/path or unix:relative")
-        path = Path(rest).absolute()
-        if not rest or len(os.fsencode(path)) > MAX_UNIX_PATH_BYTES:
-            raise ConfigError(f"listen: {text!r}: a socket path must be 1 to "
-                              f"{MAX_UNIX_PATH_BYTES} bytes long")
-        return ListenAddress(target=f"unix://{path}", unix_path=path)
-    host, port = parse_host_port(text, "listen")
-    bracketed = f"[{host}]" if ":" in host else host
-    return ListenAddress(target=f"{bracketed}:{port}", unix_path=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +109,7 @@ class DaemonConfig:
         if self.dtype is not None:
             _check(canonical_dtype, self.dtype, "dtype")
         if self.metrics_listen is not None:
-            parse_host_port(self.metrics_listen, "metrics_listen")
+            _check(parse_host_port, self.metrics_listen, "metrics_listen")
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
         if self.log_level not in LOG_LEVELS:
@@ -166,7 +126,7 @@ class DaemonConfig:
     def listeners(self) -> list[ListenAddress]:
         if not self.listen:
             raise ConfigError("listen: at least one address is needed")
-        return [parse_listen(text) for text in self.listen]
+        return [_check(parse_listen, text, "listen") for text in self.listen]
 
 
 def read_auth_token(path: Path) -> str:
@@ -182,7 +142,7 @@ def read_auth_token(path: Path) -> str:
     return token
 
 
-def _check(convert: Callable[[Any], Any], value: Any, key: str) -> Any:
+def _check(convert: Callable[[Any], T], value: Any, key: str) -> T:
     """convert(value), with a ValueError or TypeError turned into a ConfigError naming `key`."""
     try:
         return convert(value)

@@ -26,14 +26,8 @@ from prometheus_client.registry import CollectorRegistry
 
 from pagedkv.proto import kvpool_pb2
 
-from .config import (
-    MAX_LEASE_TTL_MS,
-    ConfigError,
-    DaemonConfig,
-    ListenAddress,
-    parse_host_port,
-    read_auth_token,
-)
+from .addresses import ListenAddress, parse_host_port
+from .config import MAX_LEASE_TTL_MS, ConfigError, DaemonConfig, read_auth_token
 from .core import BlockPool
 from .geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
 from .interceptors import ServerInterceptor
@@ -53,7 +47,7 @@ from .units import format_bytes
 # How long in-flight calls may run after SIGTERM before they are cancelled. The unit's
 # TimeoutStopSec must be larger, or systemd kills the daemon mid-drain.
 SHUTDOWN_GRACE_S = 5.0
-# Largest request accepted; a bigger one is refused as it arrives, never buffered whole.
+# Largest request accepted; a bigger one is refused with RESOURCE_EXHAUSTED.
 # 8 MiB holds the token ids of a prompt of over a million tokens (varints of 3 to 5 bytes).
 MAX_MESSAGE_BYTES = 8 * 2**20
 # The gRPC service name clients, health checks and reflection use.
@@ -75,27 +69,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
     async with contextlib.AsyncExitStack() as stack:
         if stop is None:
             stop = stack.enter_context(_stop_on_signals())
-        service, memory = await stack.enter_async_context(_pool_service(config))
-        readiness.pool_allocated = True
-        registry = CollectorRegistry()
-        registry.register(PoolCollector(service))
-        rpc_metrics = RpcMetrics(registry) if config.metrics_listen else None
-        server, health_servicer = await stack.enter_async_context(
-            _grpc_server(config, service, rpc_metrics))
-        readiness.listeners_up = True
-        if config.metrics_listen is not None:
-            host, port = parse_host_port(config.metrics_listen, "metrics_listen")
-            http = await start_http(metrics_app(registry, readiness), host, port)
-            stack.push_async_callback(http.cleanup)
-        status = (f"serving pool {service.pool_id}: {service.pool.num_blocks} blocks x "
-                  f"{service.pool.block_size} tokens, {format_bytes(memory.nbytes, binary=True)}")
-        notify("READY=1", f"STATUS={status}")
-        log.info("ready", status=status, listen=list(config.listen),
-                 metrics_listen=config.metrics_listen)
-        interval = watchdog_interval_s()
-        if interval is not None:
-            stack.push_async_callback(_cancel, asyncio.create_task(_feed_watchdog(interval)))
-
+        server, health_servicer = await _start(config, readiness, stack)
         await stop.wait()
         log.info("stopping", grace_s=SHUTDOWN_GRACE_S)
         notify("STOPPING=1", "STATUS=draining")
@@ -104,6 +78,32 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
         # Refuses new calls at once; in-flight ones get the grace period, then are cancelled.
         await server.stop(SHUTDOWN_GRACE_S)
     log.info("stopped")
+
+
+async def _start(config: DaemonConfig, readiness: Readiness,
+                 stack: contextlib.AsyncExitStack) -> tuple[grpc.aio.Server, Any]:
+    """Everything up to READY=1, each part's clean-up pushed on `stack` (undone in reverse)."""
+    service, memory = await stack.enter_async_context(_pool_service(config))
+    readiness.pool_allocated = True
+    registry = CollectorRegistry()
+    registry.register(PoolCollector(service))
+    rpc_metrics = RpcMetrics(registry) if config.metrics_listen else None
+    server, health_servicer = await stack.enter_async_context(
+        _grpc_server(config, service, rpc_metrics))
+    readiness.listeners_up = True
+    if config.metrics_listen is not None:
+        host, port = parse_host_port(config.metrics_listen)
+        http = await start_http(metrics_app(registry, readiness), host, port)
+        stack.push_async_callback(http.cleanup)
+    status = (f"serving pool {service.pool_id}: {service.pool.num_blocks} blocks x "
+              f"{service.pool.block_size} tokens, {format_bytes(memory.nbytes, binary=True)}")
+    notify("READY=1", f"STATUS={status}")
+    log.info("ready", status=status, listen=list(config.listen),
+             metrics_listen=config.metrics_listen)
+    interval = watchdog_interval_s()
+    if interval is not None:
+        stack.push_async_callback(_cancel, asyncio.create_task(_feed_watchdog(interval)))
+    return server, health_servicer
 
 
 @contextlib.contextmanager

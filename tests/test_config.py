@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from pagedkv.daemon.addresses import parse_listen
 from pagedkv.daemon.cli import EXIT_BAD_CONFIG
 from pagedkv.daemon.config import (
     DEFAULT_NUM_BLOCKS,
@@ -15,7 +16,6 @@ from pagedkv.daemon.config import (
     config_from_args,
     default_listen,
     load_toml,
-    parse_listen,
 )
 from pagedkv.daemon.server import SHUTDOWN_GRACE_S
 
@@ -168,7 +168,7 @@ def test_parse_listen_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert parse_listen("unix:rel.sock").unix_path == tmp_path / "rel.sock"
     assert parse_listen("unix:///abs/x.sock").target == "unix:///abs/x.sock"
     assert parse_listen("localhost:80").target == "localhost:80"
-    with pytest.raises(ConfigError, match="host:port"):
+    with pytest.raises(ValueError, match="host:port"):
         parse_listen("localhost:99999")
 
 

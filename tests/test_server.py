@@ -14,12 +14,15 @@ from pagedkv.daemon import server
 from pagedkv.daemon.config import ConfigError, DaemonConfig
 from pagedkv.daemon.geometry import TINY_CPU_GEOMETRY
 from pagedkv.daemon.server import (
+    MAX_MESSAGE_BYTES,
     StartupError,
     check_device,
     pool_geometry,
     pool_num_blocks,
     serve,
 )
+from pagedkv.proto import kvpool_pb2 as pb
+from pagedkv.proto import kvpool_pb2_grpc
 
 # The tiny geometry in float32: 2 layers x 2 (K, V) x 2 heads x 64 x 4 bytes x 16 slots.
 BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * 16
@@ -42,7 +45,14 @@ async def test_serve_until_the_stop_event(short_dir: Path) -> None:
         reply = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="pagedkv.v1.KVPool"), wait_for_ready=True,
             timeout=30)
-    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        # A request over MAX_MESSAGE_BYTES is refused, and the server keeps serving.
+        huge = pb.GetStatsRequest(session_id="x" * (MAX_MESSAGE_BYTES + 1))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await kvpool_pb2_grpc.KVPoolStub(channel).GetStats(huge, timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        stats = await kvpool_pb2_grpc.KVPoolStub(channel).GetStats(pb.GetStatsRequest())
+        assert stats.num_blocks == 8
     assert len(list(short_dir.glob("pagedkv-*.kv"))) == 1
     stop.set()
     await asyncio.wait_for(task, 30)
