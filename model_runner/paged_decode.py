@@ -45,7 +45,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     stride_ls, stride_lh, stride_lk,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TILE_N: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(GROUP_PAD >= 16)  # tl.dot's minimum rows on GPUs
     tl.static_assert(GROUP_PAD >= GROUP)
@@ -86,7 +86,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     tl.store(Partial + seq * stride_ps + q_heads[:, None] * stride_ph + split * stride_pk
              + offs_d[None, :] * stride_pd, out.to(Partial.dtype.element_ty), mask=row_mask)
-    if NUM_SPLITS > 1:
+    if STORE_LSE:
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(Lse + seq * stride_ls + q_heads * stride_lh + split * stride_lk, lse,
                  mask=offs_g < GROUP)
@@ -94,18 +94,18 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _decode_merge_kernel(  # type: ignore[no-untyped-def]
-    Partial, Lse, Out,
+    Partial, Lse, Out, num_splits,
     stride_ps, stride_ph, stride_pk, stride_pd,
     stride_ls, stride_lh, stride_lk,
     stride_os, stride_oh, stride_od,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     offs_k = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    split_mask = offs_k < NUM_SPLITS
+    split_mask = offs_k < num_splits
     # -- weights [SPLITS_PAD]: split 0 is never empty, so the max is finite --
     lse = tl.load(Lse + seq * stride_ls + head * stride_lh + offs_k * stride_lk, mask=split_mask,
                   other=float("-inf"))
@@ -183,13 +183,13 @@ def paged_decode_attention_triton(
         *partial.stride(), *lse.stride(),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=geometry.block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
-        TILE_N=TILE_N, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(query.dtype),
+        TILE_N=TILE_N, STORE_LSE=num_splits > 1, DOT_PRECISION=dot_precision(query.dtype),
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_q_heads)](
-            partial, lse, out, *partial.stride(), *lse.stride(), *out.stride(),
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            partial, lse, out, num_splits, *partial.stride(), *lse.stride(), *out.stride(),
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         )
     return out

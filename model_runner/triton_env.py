@@ -53,5 +53,6 @@ def require_triton_device(device: torch.device, kernel: object | None = None) ->
     if not is_interpreted(tl.cdiv):  # triton.language was loaded before the variable was set
         raise ValueError(
             "TRITON_INTERPRET=1 was set after triton was imported: set it before anything "
-            "imports triton (import pagedkv.model_runner.triton_env first), or use the torch backend on CPU"
+            "imports triton (import pagedkv.model_runner.triton_env first), or use the torch "
+            "backend on CPU"
         )

@@ -9,10 +9,12 @@ import sys
 
 import pytest
 import torch
-from kernel_utils import assert_close_to, make_paged_batch, oracle_attention, random_tokens
+
 from pagedkv.model_runner.attention_backend import TORCH_BACKEND, TRITON_BACKEND, get_backend
 from pagedkv.model_runner.store_kv import _store_kv_kernel
 from pagedkv.model_runner.triton_env import is_interpreted, triton
+
+from kernel_utils import assert_close_to, make_paged_batch, oracle_attention, random_tokens
 
 
 def test_auto_picks_triton_on_cuda_and_torch_elsewhere():

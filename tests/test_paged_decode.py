@@ -11,6 +11,12 @@ import re
 
 import pytest
 import torch
+
+from pagedkv.model_runner.paged_decode import (
+    paged_decode_attention_torch,
+    paged_decode_attention_triton,
+)
+
 from kernel_utils import (
     DEVICES,
     PagedBatch,
@@ -20,10 +26,6 @@ from kernel_utils import (
     param_id,
     ragged_lengths,
     random_tokens,
-)
-from pagedkv.model_runner.paged_decode import (
-    paged_decode_attention_torch,
-    paged_decode_attention_triton,
 )
 
 SCALE = 0.125

@@ -9,6 +9,13 @@ import re
 
 import pytest
 import torch
+
+from pagedkv.model_runner.paged_decode import paged_decode_attention_triton
+from pagedkv.model_runner.paged_prefill import (
+    paged_prefill_attention_torch,
+    paged_prefill_attention_triton,
+)
+
 from kernel_utils import (
     DEVICES,
     PagedBatch,
@@ -19,11 +26,6 @@ from kernel_utils import (
     query_start_loc,
     ragged_lengths,
     random_tokens,
-)
-from pagedkv.model_runner.paged_decode import paged_decode_attention_triton
-from pagedkv.model_runner.paged_prefill import (
-    paged_prefill_attention_torch,
-    paged_prefill_attention_triton,
 )
 
 SCALE = 0.09

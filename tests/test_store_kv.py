@@ -8,8 +8,10 @@ import re
 
 import pytest
 import torch
-from kernel_utils import DEVICES
+
 from pagedkv.model_runner.store_kv import store_kv_torch, store_kv_triton
+
+from kernel_utils import DEVICES
 
 IMPLS = [pytest.param(store_kv_torch, id="torch"), pytest.param(store_kv_triton, id="triton")]
 
