@@ -1,0 +1,28 @@
+"""The command lines: `pagedkvd` and `pagedkv serve|plan` dispatch, and bad settings exit 2."""
+
+import pytest
+
+from pagedkv.daemon.cli import EXIT_BAD_CONFIG, main, serve_main
+
+
+def test_pagedkvd_refuses_a_tcp_listener_without_a_token(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert serve_main(["--listen", "127.0.0.1:7001"]) == EXIT_BAD_CONFIG
+    assert capsys.readouterr().err.startswith("pagedkvd: error: listen: a TCP listener needs")
+
+
+def test_pagedkv_serve_names_itself_in_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--num-blocks", "0"]) == EXIT_BAD_CONFIG
+    assert "pagedkv serve: error: num_blocks must be positive" in capsys.readouterr().err
+
+
+def test_pagedkv_plan_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "llama-3.1-8b", "--device-memory", "24GB"]) == 0
+    assert "bytes_per_token: 131072 B" in capsys.readouterr().out
+
+
+def test_a_subcommand_is_required() -> None:
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
