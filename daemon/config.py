@@ -30,7 +30,6 @@ SIZING_KEYS = ("num_blocks", "kv_memory", "kv_fraction")
 # Longest lease a session may ask for (longer requests are clamped to it).
 MAX_LEASE_TTL_MS = 600_000
 
-
 T = TypeVar("T")
 
 
@@ -85,12 +84,21 @@ class DaemonConfig:
     shm_mode: int = 0o600
 
     def __post_init__(self) -> None:
+        self._check_access()
+        self._check_pool()
+        self._check_service()
+
+    def _check_access(self) -> None:
+        """Listeners parse, and TCP ones come with a usable token."""
         listeners = self.listeners()
         if any(lst.is_tcp for lst in listeners) and self.auth_token_file is None:
             raise ConfigError("listen: a TCP listener needs auth_token_file (--auth-token-file): "
                               "without it anyone who can reach the port could free your blocks")
         if self.auth_token_file is not None:
             read_auth_token(self.auth_token_file)
+
+    def _check_pool(self) -> None:
+        """Block size, exactly one pool size, device, dtype and the shm file's place and mode."""
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         chosen = [key for key in SIZING_KEYS if getattr(self, key) is not None]
@@ -108,6 +116,14 @@ class DaemonConfig:
             raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype is not None:
             _check(canonical_dtype, self.dtype, "dtype")
+        if not self.shm_dir.is_dir():
+            raise ConfigError(f"shm_dir: {self.shm_dir} is not a folder")
+        if self.shm_mode & ~0o777 or self.shm_mode & 0o600 != 0o600:
+            raise ConfigError(f"shm_mode must be permission bits including owner rw (0o600), "
+                              f"got {oct(self.shm_mode)}")
+
+    def _check_service(self) -> None:
+        """Metrics address, logging and leases."""
         if self.metrics_listen is not None:
             _check(parse_host_port, self.metrics_listen, "metrics_listen")
         if self.log_format not in LOG_FORMATS:
@@ -117,13 +133,9 @@ class DaemonConfig:
         if not 0 < self.lease_ttl_ms <= MAX_LEASE_TTL_MS:
             raise ConfigError(f"lease_ttl_ms must be in 1..{MAX_LEASE_TTL_MS}, "
                               f"got {self.lease_ttl_ms}")
-        if not self.shm_dir.is_dir():
-            raise ConfigError(f"shm_dir: {self.shm_dir} is not a folder")
-        if self.shm_mode & ~0o777 or self.shm_mode & 0o600 != 0o600:
-            raise ConfigError(f"shm_mode must be permission bits including owner rw (0o600), "
-                              f"got {oct(self.shm_mode)}")
 
     def listeners(self) -> list[ListenAddress]:
+        """The parsed listen addresses."""
         if not self.listen:
             raise ConfigError("listen: at least one address is needed")
         return [_check(parse_listen, text, "listen") for text in self.listen]
