@@ -203,19 +203,21 @@ async def _grpc_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (KVPOOL_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    listeners = config.listeners()
+    # Socket files this daemon created; only these are removed (never a live daemon's).
+    own_sockets: list[Path] = []
     try:
-        for listener in listeners:
+        for listener in config.listeners():
             _bind(server, listener)
+            if listener.unix_path is not None:
+                own_sockets.append(listener.unix_path)
         await server.start()
         for name in ("", KVPOOL_SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
         yield server, health_servicer
     finally:
         await server.stop(None)
-        for listener in listeners:
-            if listener.unix_path is not None:
-                listener.unix_path.unlink(missing_ok=True)
+        for path in own_sockets:
+            path.unlink(missing_ok=True)
 
 
 def _bind(server: grpc.aio.Server, listener: ListenAddress) -> None:

@@ -101,7 +101,7 @@ def test_watchdog_of_another_process_is_not_fed() -> None:
         assert daemon.stop() == 0
 
 
-def test_a_dead_socket_is_replaced_and_a_live_one_refused() -> None:
+async def test_a_dead_socket_is_replaced_and_a_live_one_refused() -> None:
     with short_tmp_dir() as folder:
         path = folder / "shared.sock"
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as leftover:
@@ -111,5 +111,8 @@ def test_a_dead_socket_is_replaced_and_a_live_one_refused() -> None:
                 assert second.process.wait(60) == 1
                 assert f"cannot listen on {path}: another process is serving it" in (
                     second.stderr())
+            # The refused daemon left the first one's socket alone.
+            async with await PoolClient.connect(first.unix_target) as client:
+                assert (await client.stats()).num_blocks > 0
             assert first.stop() == 0
         assert not path.exists()
