@@ -39,6 +39,7 @@ demo: setup
 
 bench: setup
 	$(PY) benchmarks/bench_block_pool.py
+	$(PY) benchmarks/bench_daemon_step.py
 
 bench-gpu: setup
 	$(PY) benchmarks/bench_kernels_gpu.py
