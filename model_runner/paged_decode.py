@@ -59,7 +59,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     #    processed counts a position for every row (attend_tile's precondition) --
     tile_start = split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, tl.cdiv(seq_len, TILE_N))
-    # -- load q: the group's query heads as rows [GROUP_PAD, HEAD_DIM_PAD], pre-scaled for exp2;
+    # -- load q: the group's query heads as rows [GROUP_PAD, HEAD_DIM_PAD], in fp32;
     #    padding rows are zero, score 0 everywhere and are never stored --
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -67,7 +67,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(Q + seq * stride_qs + q_heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=row_mask, other=0.0)
-    q = q.to(tl.float32) * scale_log2
+    q = q.to(tl.float32)
     q_pos = tl.full([GROUP_PAD], 0, tl.int32) + seq_len - 1  # the new token sees everything
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -75,7 +75,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     offs_n = tl.arange(0, TILE_N)
     for tile in range(tile_start, tile_end):
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, K_cache, V_cache, Block_tables + seq * stride_bts,
+            q, m_i, l_i, acc, scale_log2, K_cache, V_cache, Block_tables + seq * stride_bts,
             tile * TILE_N + offs_n, q_pos, seq_len, kv_head,
             stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,

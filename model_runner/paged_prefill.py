@@ -57,11 +57,11 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     q_pos = seq_len - q_len + offs_m  # [BLOCK_M] context position of each row
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row_mask = (offs_m < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    # -- load q [BLOCK_M, HEAD_DIM_PAD]: it stays in registers, pre-scaled for exp2 --
+    # -- load q [BLOCK_M, HEAD_DIM_PAD] in fp32: it stays in registers --
     q_rows = (q_start + offs_m)[:, None] * stride_qt
     q = tl.load(Q + q_rows + head * stride_qh + offs_d[None, :] * stride_qd, mask=row_mask,
                 other=0.0)
-    q = q.to(tl.float32) * scale_log2
+    q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -70,7 +70,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     offs_n = tl.arange(0, TILE_N)
     for tile in range(0, tl.cdiv(kv_end, TILE_N)):
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, K_cache, V_cache, Block_tables + seq * stride_bts,
+            q, m_i, l_i, acc, scale_log2, K_cache, V_cache, Block_tables + seq * stride_bts,
             tile * TILE_N + offs_n, q_pos, seq_len, head // GROUP,
             stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,

@@ -4,7 +4,8 @@ A tile is TILE_N consecutive context positions of one sequence. Each position fi
 physical block through the sequence's block-table row (so tiles need not align with cache blocks,
 and any block size works), its K row is scored against every query row, and the running softmax
 state (row max m_i, row sum l_i, unnormalized output acc) absorbs the tile -- FlashAttention's
-online softmax, kept in fp32 and in log2 units (queries are pre-scaled by scale * log2(e)).
+online softmax, kept in fp32 and in log2 units (scores are scaled by scale * log2(e) after the
+dot, so fp16/bf16 queries and keys enter tl.dot unrounded: TF32 holds them exactly).
 
 NaN safety: slots past a sequence's length may hold stale or NaN data. Their K and V loads are
 masked with `other=0`, and their scores are replaced by -inf, so neither the scores nor
@@ -33,7 +34,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 @triton.jit  # type: ignore[untyped-decorator]
 def attend_tile(  # type: ignore[no-untyped-def]
-    q, m_i, l_i, acc,
+    q, m_i, l_i, acc, scale_log2,
     K_cache, V_cache, Block_row,
     pos, q_pos, seq_len, kv_head,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -44,7 +45,7 @@ def attend_tile(  # type: ignore[no-untyped-def]
 ):
     """Absorb context positions `pos` [TILE_N] into the state of query rows at `q_pos` [M].
 
-    q: [M, HEAD_DIM_PAD] fp32, pre-scaled; m_i, l_i: [M]; acc: [M, HEAD_DIM_PAD].
+    q: [M, HEAD_DIM_PAD] fp32; m_i, l_i: [M]; acc: [M, HEAD_DIM_PAD].
     Row r counts position p iff p <= q_pos[r] (causal; decode passes q_pos = seq_len - 1). Rows
     with q_pos >= seq_len (padding) see zeros past the sequence and must not be stored. The
     caller guarantees every row counts at least one position in its first tile, so m_i is
@@ -59,8 +60,8 @@ def attend_tile(  # type: ignore[no-untyped-def]
     kv_mask = in_seq[:, None] & (offs_d[None, :] < HEAD_DIM)  # [TILE_N, HEAD_DIM_PAD]
     k = tl.load(K_cache + block[:, None] * stride_kb + offset[:, None] * stride_ks
                 + kv_head * stride_kh + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    # -- scores [M, TILE_N] in fp32 (the interpreter's bf16 dot is wrong; fp32 is exact) --
-    s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION)
+    # -- scores [M, TILE_N] in fp32, log2 units (the interpreter's bf16 dot is wrong) --
+    s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=DOT_PRECISION) * scale_log2
     # A stored row has q_pos < seq_len, so the causal test also drops positions past the sequence.
     s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
     # -- online softmax: rescale the old state to the new row max --
