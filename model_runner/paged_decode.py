@@ -119,27 +119,26 @@ def _decode_merge_kernel(  # type: ignore[no-untyped-def]
              out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def default_num_splits(num_seqs: int, num_kv_heads: int, num_tiles: int,
-                       device: torch.device) -> int:
-    """Splits that fill a GPU without making splits too short; 1 off CUDA.
+def default_num_splits(num_programs: int, num_tiles: int, num_sms: int) -> int:
+    """Splits per (sequence, KV head) that fill `num_sms` SMs without making splits too short.
 
-    Under the interpreter programs run one after another, so extra splits only cost time.
+    `num_programs`: (sequence, KV head) pairs; `num_sms` 0 (no GPU: the interpreter runs
+    programs one after another, so extra splits only cost time) gives 1.
     """
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, num_seqs * num_kv_heads)
-    return int(max(1, min(wanted, num_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS)))
+    wanted = int(triton.cdiv(PROGRAMS_PER_SM * num_sms, num_programs))
+    return max(1, min(wanted, num_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
 
 
-def _split_plan(num_splits: int | None, num_seqs: int, num_kv_heads: int, max_context: int,
-                device: torch.device) -> tuple[int, int]:
+def split_plan(num_splits: int | None, num_programs: int, max_context: int,
+               device: torch.device) -> tuple[int, int]:
     """(num_splits, tiles_per_split) covering `max_context`; every split starts inside it."""
-    num_tiles = triton.cdiv(max_context, TILE_N)
+    num_tiles = int(triton.cdiv(max_context, TILE_N))
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, num_tiles, device)
-    tiles_per_split = triton.cdiv(num_tiles, min(num_splits, num_tiles))
-    return int(triton.cdiv(num_tiles, tiles_per_split)), int(tiles_per_split)
+        cuda = device.type == "cuda"
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 0
+        num_splits = default_num_splits(num_programs, num_tiles, num_sms)
+    tiles_per_split = int(triton.cdiv(num_tiles, min(num_splits, num_tiles)))
+    return int(triton.cdiv(num_tiles, tiles_per_split)), tiles_per_split
 
 
 def paged_decode_attention_triton(
@@ -165,9 +164,9 @@ def paged_decode_attention_triton(
     num_seqs, num_q_heads, head_dim = query.shape
     if num_seqs == 0:
         return out
-    num_splits, tiles_per_split = _split_plan(num_splits, num_seqs, geometry.num_kv_heads,
-                                              block_tables.shape[1] * geometry.block_size,
-                                              query.device)
+    num_splits, tiles_per_split = split_plan(num_splits, num_seqs * geometry.num_kv_heads,
+                                             block_tables.shape[1] * geometry.block_size,
+                                             query.device)
     group = num_q_heads // geometry.num_kv_heads
     # partial: [S, H_q, num_splits, D]; one split writes the output directly and no lse.
     if num_splits == 1:

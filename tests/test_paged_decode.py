@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from pagedkv.model_runner.paged_decode import (
+    default_num_splits,
     paged_decode_attention_torch,
     paged_decode_attention_triton,
+    split_plan,
 )
 
 from kernel_utils import (
@@ -121,3 +123,26 @@ def test_bad_input_is_refused(impl):
     for overrides, message in _bad_calls(batch, query):
         with pytest.raises(ValueError, match=re.escape(message)):
             impl(**(good | overrides))
+
+
+@pytest.mark.parametrize(
+    ("num_programs", "max_context", "num_sms", "expected"),
+    [
+        (8, 32768, 132, (32, 16)),  # batch 1, 8 KV heads, 32k: 33 wanted, 16 tiles each -> 32
+        (512, 4096, 132, (1, 64)),  # batch 64 fills an H200 without splitting
+        (8, 512, 132, (2, 4)),  # short context: every split keeps >= 4 tiles
+        (8, 100, 132, (1, 2)),
+        (8, 32768, 0, (1, 512)),  # no GPU: one split
+    ],
+)
+def test_default_split_policy(num_programs, max_context, num_sms, expected):
+    num_splits = default_num_splits(num_programs, -(-max_context // 64), num_sms)
+    assert split_plan(num_splits, num_programs, max_context, torch.device("cpu")) == expected
+    assert split_plan(None, num_programs, max_context, torch.device("cpu"))[0] == 1
+
+
+def test_explicit_splits_never_start_past_the_table():
+    # 10 tiles asked for 4 splits: 3 tiles each, so only 4 splits (3+3+3+1); 16 asked: 10.
+    assert split_plan(4, 1, 640, torch.device("cpu")) == (4, 3)
+    assert split_plan(16, 1, 640, torch.device("cpu")) == (10, 1)
+    assert split_plan(3, 1, 640, torch.device("cpu")) == (3, 4)
