@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pagedkv.daemon.geometry import (
     BUILTIN_GEOMETRIES,
     TINY_CPU_GEOMETRY,

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+
 from pagedkv.daemon import kv_memory
 from pagedkv.daemon.geometry import ModelGeometry
 from pagedkv.daemon.kv_memory import (

@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from pagedkv.daemon.geometry import BUILTIN_GEOMETRIES
 from pagedkv.daemon.planner import main, plan
 from pagedkv.daemon.units import format_bytes, parse_bytes
