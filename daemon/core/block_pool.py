@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import InvalidArgument, SequenceExists, SequenceNotFound
-from .prefix_cache import ROOT_KEY, PrefixCache, block_key, salt_digest
+from .prefix_cache import PrefixCache, block_key, root_key
 from .seq_table import Int64Array, SeqTable, ragged_arange
 from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 from .validation import TokenIds, batch_tokens, count, seq_tokens
@@ -44,7 +44,7 @@ class BlockPool:
         self._ref: Int64Array = np.zeros(num_blocks, dtype=np.int64)
         # Free blocks without cached content, handed out oldest first.
         self._free: deque[int] = deque(range(num_blocks))
-        self._cache = PrefixCache(num_blocks)
+        self._cache = PrefixCache(num_blocks, block_size)
         self._seqs = SeqTable(block_size)
 
     # ------------------------------------------------------------------ queries
@@ -71,7 +71,7 @@ class BlockPool:
     def can_allocate(self, num_tokens: int, token_ids: TokenIds | None = None,
                      salt: bytes = b"") -> bool:
         tokens = seq_tokens(token_ids, count(num_tokens, "num_tokens", 0))
-        hits, _ = self._cache_hits(tokens, salt_digest(salt))
+        hits, _ = self._cache_hits(tokens, root_key(salt))
         return self._allocate_fit(num_tokens, hits) is None
 
     def can_append(self, seq: Hashable, num_tokens: int = 1) -> bool:
@@ -91,13 +91,12 @@ class BlockPool:
         if seq in self._seqs.row_of:
             raise SequenceExists(f"sequence {seq!r} already exists")
         tokens = seq_tokens(token_ids, count(num_tokens, "num_tokens", 0))
-        salt_d = salt_digest(salt)
-        hits, chain_key = self._cache_hits(tokens, salt_d)
+        hits, chain_key = self._cache_hits(tokens, root_key(salt))
         no_fit = self._allocate_fit(num_tokens, hits)
         if no_fit is not None:
             return no_fit
         keyed = self.enable_prefix_caching and tokens is not None
-        row = self._seqs.add(seq, salt_d, keyed)
+        row = self._seqs.add(seq, chain_key, keyed)
         for block in hits:
             self._share(block)
         st, cached = self._seqs, len(hits) * self.block_size
@@ -105,9 +104,8 @@ class BlockPool:
         st.tables[row, : len(hits)] = hits
         st.num_blocks[row] = len(hits)
         fresh = -(-num_tokens // self.block_size) - len(hits)
-        self._grow(np.array([row]), np.array([len(hits)]), np.array([fresh]))
+        self._grow(np.array([row]), np.array([len(hits)]), np.array([fresh]), fresh)
         st.num_tokens[row] = num_tokens
-        st.chain_key[row] = chain_key
         if keyed:
             assert tokens is not None
             self._cache.queries += num_tokens
@@ -142,8 +140,10 @@ class BlockPool:
         grow_count = (old + (k + bs - 1)) // bs - old_nb
         # An empty table's "last block" index -1 reads a junk entry, masked by offset == 0.
         last = st.tables[rows, old_nb - 1]
-        cow = np.flatnonzero((self._ref[last] > 1) & (offset != 0))
-        need = int(grow_count.sum()) + (self._copies_needed(last[cow]) if len(cow) else 0)
+        shared = (self._ref[last] > 1).nonzero()[0]  # few: filter these, not the batch
+        cow = shared[offset[shared] != 0]
+        grow_total = int(grow_count.sum())
+        need = grow_total + (self._copies_needed(last[cow]) if len(cow) else 0)
         if need > self.num_free_blocks:
             return NoFit(need, self.num_free_blocks)
         copies, copied = [], []
@@ -151,7 +151,7 @@ class BlockPool:
             if self._needs_cow(int(rows[i])):  # the last sharer in the batch keeps the original
                 copies.append(self._cow(int(rows[i]), int(old_nb[i]) - 1))
                 copied.append(i)
-        index, logical = self._grow(rows, old_nb, grow_count)
+        index, logical, taken = self._grow(rows, old_nb, grow_count, grow_total)
         st.num_tokens[rows] = old + k
         if tokens is None:
             st.chain_ok[rows] = False
@@ -165,7 +165,8 @@ class BlockPool:
         if copied:
             index = np.concatenate([copied, index])
             logical = np.concatenate([old_nb[copied] - 1, logical])
-        return BatchAppend(slots.ravel(), index, logical, st.tables[rows[index], logical], copies)
+            taken = np.concatenate([[copy.dst for copy in copies], taken])
+        return BatchAppend(slots.ravel(), index, logical, taken, copies)
 
     def fork(self, parent: Hashable, child: Hashable) -> SeqUpdate:
         """`child` shares every block of `parent` (refcounts + 1); nothing is allocated."""
@@ -232,15 +233,16 @@ class BlockPool:
 
     # ----------------------------------------------------------- block movement
 
-    def _take(self, n: int) -> list[int]:
+    def _take(self, n: int) -> Int64Array:
         """`n` blocks for writers: free ones first, then the least recently released cached."""
         free = self._free
         blocks = [free.popleft() for _ in range(min(n, len(free)))]
         if len(blocks) < n:
             blocks += self._cache.evict(n - len(blocks))
-        assert not self._ref[blocks].any(), f"a block in {blocks} was handed out while in use"
-        self._ref[blocks] = 1
-        return blocks
+        taken = np.array(blocks, dtype=np.int64)
+        # Free and cached blocks have refcount 0 (check_invariants proves the states disjoint).
+        self._ref[taken] = 1
+        return taken
 
     def _share(self, block: int) -> None:
         """One more table references `block` (a cache hit); revive it if it was evictable."""
@@ -251,42 +253,45 @@ class BlockPool:
     def _cow(self, row: int, logical_block: int) -> BlockCopy:
         """Give `row` a private copy of its shared block `logical_block`."""
         src = int(self._seqs.tables[row, logical_block])
-        (dst,) = self._take(1)
+        dst = int(self._take(1)[0])
         self._ref[src] -= 1
         assert self._ref[src] > 0, f"copy-on-write of unshared block {src}"
         self._seqs.tables[row, logical_block] = dst
         return BlockCopy(src, dst)
 
-    def _grow(self, rows: Int64Array, old_nb: Int64Array,
-              grow_count: Int64Array) -> tuple[Int64Array, Int64Array]:
-        """Append `grow_count[i]` fresh blocks to the table of `rows[i]`. Returns, per new
-        table entry, the index of its row in `rows` and its logical block."""
-        grow = np.flatnonzero(grow_count)
+    def _grow(self, rows: Int64Array, old_nb: Int64Array, grow_count: Int64Array,
+              total: int) -> tuple[Int64Array, Int64Array, Int64Array]:
+        """Append `grow_count[i]` fresh blocks to the table of `rows[i]` (`total` in all).
+        Returns, per new table entry, the index of its row in `rows`, its logical block, and
+        the block put there."""
+        grow = grow_count.nonzero()[0]
         if not len(grow):
-            return grow, grow
-        counts = grow_count[grow]
-        if counts.max() == 1:  # the decode step: one block each, no ragged ranges needed
+            return grow, grow, grow
+        if len(grow) == total:  # the decode step: one block each, no ragged ranges needed
             index, logical = grow, old_nb[grow]
         else:
+            counts = grow_count[grow]
             index = np.repeat(grow, counts)
             logical = np.repeat(old_nb[grow], counts) + ragged_arange(counts)
         st = self._seqs
         st.ensure_cols(int(logical.max()) + 1)
-        st.tables[rows[index], logical] = self._take(len(index))
-        st.num_blocks[rows[grow]] = old_nb[grow] + counts
-        return index, logical
+        taken = self._take(total)
+        st.tables[rows[index], logical] = taken
+        st.num_blocks[rows] = old_nb + grow_count
+        return index, logical, taken
 
     # --------------------------------------------------------- prefix caching
 
-    def _cache_hits(self, tokens: Int64Array | None, salt_d: bytes) -> tuple[list[int], bytes]:
-        """Blocks holding the longest cached prefix of full blocks of `tokens`, and the key of
-        the last of them (ROOT_KEY if none): the parent of the sequence's next block."""
+    def _cache_hits(self, tokens: Int64Array | None, root: bytes) -> tuple[list[int], bytes]:
+        """Blocks holding the longest cached prefix of full blocks of `tokens` in the namespace
+        `root`, and the key of the last of them (`root` if none): the parent of the sequence's
+        next block."""
         hits: list[int] = []
-        parent, bs = ROOT_KEY, self.block_size
+        parent, bs = root, self.block_size
         if tokens is None or not self.enable_prefix_caching:
             return hits, parent
         for start in range(0, len(tokens) - bs + 1, bs):
-            key = block_key(parent + salt_d + tokens[start:start + bs].tobytes())
+            key = block_key(parent, tokens[start:start + bs].tobytes())
             block = self._cache.lookup(key)
             if block is None:
                 break
@@ -306,7 +311,7 @@ class BlockPool:
             self._seqs.partial[row, offset:offset + n] = tokens[done:done + n]
             done, pos = done + n, pos + n
             if pos % bs == 0:
-                self._seal([row], [pos // bs - 1])
+                self._seal(np.array([row]), np.array([pos // bs - 1]))
 
     def _record_batch(self, rows: Int64Array, old: Int64Array, offset: Int64Array,
                       tokens: Int64Array) -> None:
@@ -318,22 +323,18 @@ class BlockPool:
             if j:
                 offset = (old + j) % bs
             st.partial[rows, offset] = tokens[:, j]
-            filled = np.flatnonzero(ok & (offset == bs - 1))
+            filled = (ok & (offset == bs - 1)).nonzero()[0]
             if len(filled):
-                self._seal(rows[filled].tolist(), ((old[filled] + j) // bs).tolist())
+                self._seal(rows[filled], (old[filled] + j) // bs)
 
-    def _seal(self, rows: list[int], logical: list[int]) -> None:
+    def _seal(self, rows: Int64Array, logical: Int64Array) -> None:
         """These rows just filled these blocks: key each by its prefix chain."""
-        st, width = self._seqs, 8 * self.block_size
-        tokens = st.partial[rows].tobytes()
-        chain_key, salt = st.chain_key, st.salt
-        payloads, keys = [], []
-        for i, row in enumerate(rows):
-            payload = chain_key[row] + salt[row] + tokens[i * width:(i + 1) * width]
-            chain_key[row] = key = block_key(payload)
-            payloads.append(payload)
-            keys.append(key)
-        self._cache.register_many(st.tables[rows, logical].tolist(), payloads, keys)
+        st, row_list = self._seqs, rows.tolist()
+        chain_key = st.chain_key
+        keys = self._cache.key_blocks(st.tables[rows, logical],
+                                      [chain_key[row] for row in row_list], st.partial[rows])
+        for row, key in zip(row_list, keys, strict=True):
+            chain_key[row] = key
 
     # ------------------------------------------------------------ feasibility
 
@@ -384,9 +385,10 @@ class BlockPool:
             raise SequenceNotFound(f"sequence {missing.args[0]!r} does not exist") from None
         if len(seqs) == 1:
             return np.array([found], dtype=np.int64)
-        if len(set(found)) != len(found):
+        rows = np.fromiter(found, dtype=np.int64, count=len(found))
+        if np.bincount(rows).max() > 1:
             raise InvalidArgument("a sequence appears twice in one batch")
-        return np.fromiter(found, dtype=np.int64, count=len(found))
+        return rows
 
     # -------------------------------------------------------- stats, invariants
 

@@ -1,45 +1,47 @@
 """Automatic prefix caching: content keys for full blocks, and the LRU of evictable cached blocks.
 
-A full block is named by a chained SHA-256 over its payload, key_i = H(key_{i-1} || salt ||
-tokens of block i) with key_{-1} = ROOT_KEY: 32 + 32 + 8 * block_size bytes, token ids int64
-little-endian. The chain makes a key stand for the whole prefix up to and including its block,
-so equal keys mean equal K/V. The salt (a tenant's namespace, hashed to 32 bytes) enters every link:
-identical tokens under different salts never share a block.
+A full block is named by a chained SHA-256, key_i = H(key_{i-1} || tokens of block i), token ids
+as int64 little-endian. The chain makes a key stand for the whole prefix up to and including its
+block, so equal keys mean equal K/V. The chain's root is the namespace salt, key_{-1} =
+H("pagedkv-root:" || salt): the salt enters every key through its parents, so identical tokens
+under different salts (tenants) never share a block, and each link hashes 32 bytes less.
 
 Invariants (checked by `check`):
 - `block_of[key] == b`  <=>  `key_of[b] == key`: a key names at most one block and vice versa.
 - A block in `evictable` has a key and refcount 0 (the pool checks the refcount side).
-- `payload_of[b]` holds what `key_of[b]` was hashed from, so the content behind a key can be
-  verified.
+- A keyed block remembers its parent key and token ids, and hashing them gives its key:
+  the content behind every key can be verified.
 """
 
-import hashlib
 from collections import OrderedDict
+from hashlib import sha256
 
-# Parent key of a sequence's first block.
-ROOT_KEY = bytes(32)
-
-
-def salt_digest(salt: bytes) -> bytes:
-    """The 32-byte form of a namespace salt that enters every key of a chain."""
-    return hashlib.sha256(b"pagedkv-salt:" + salt).digest()
+import numpy as np
+import numpy.typing as npt
 
 
-def block_key(payload: bytes) -> bytes:
-    """Content key of a full block from its payload: parent key, salt digest, token ids."""
-    return hashlib.sha256(payload).digest()
+def root_key(salt: bytes) -> bytes:
+    """Parent key of the first block of every sequence in the namespace `salt`."""
+    return sha256(b"pagedkv-root:" + salt).digest()
+
+
+def block_key(parent: bytes, tokens: bytes) -> bytes:
+    """Content key of a full block: the key of its prefix (rooted in a salt), its token ids."""
+    return sha256(parent + tokens).digest()
 
 
 class PrefixCache:
     """Maps content keys to blocks and keeps refcount-0 cached blocks in LRU order."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         # key -> block currently holding that content (live or evictable).
         self.block_of: dict[bytes, int] = {}
         # block -> its key, or None for a block with no cached content.
         self.key_of: list[bytes | None] = [None] * num_blocks
-        # block -> the payload its key was hashed from (None when key_of is None).
-        self.payload_of: list[bytes | None] = [None] * num_blocks
+        # block -> the parent key its key was hashed from (when keyed).
+        self.parent_of: list[bytes | None] = [None] * num_blocks
+        # block -> its token ids (meaningful when keyed): [num_blocks, block_size].
+        self.tokens_of: npt.NDArray[np.int64] = np.zeros((num_blocks, block_size), np.int64)
         # Refcount-0 blocks with cached content, least recently released first. Blocks released
         # together enter deepest first, so a sequence's tail is evicted before its shared prefix.
         self.evictable: OrderedDict[int, None] = OrderedDict()
@@ -52,7 +54,8 @@ class PrefixCache:
         other = PrefixCache.__new__(PrefixCache)
         other.block_of = dict(self.block_of)
         other.key_of = list(self.key_of)
-        other.payload_of = list(self.payload_of)
+        other.parent_of = list(self.parent_of)
+        other.tokens_of = self.tokens_of.copy()
         other.evictable = OrderedDict(self.evictable)
         other.queries, other.hits = self.queries, self.hits
         return other
@@ -61,17 +64,25 @@ class PrefixCache:
         """The block holding `key`'s content, if any."""
         return self.block_of.get(key)
 
-    def register_many(self, blocks: list[int], payloads: list[bytes], keys: list[bytes]) -> None:
-        """Name each block by its key, unless another block already holds that content (then
-        the block stays unkeyed: a duplicate, freed like any uncached block)."""
-        block_of, key_of, payload_of = self.block_of, self.key_of, self.payload_of
-        for block, payload, key in zip(blocks, payloads, keys, strict=True):
-            if key in block_of:
-                continue
-            assert key_of[block] is None, f"block {block} already has a key"
-            block_of[key] = block
-            key_of[block] = key
-            payload_of[block] = payload
+    def key_blocks(self, blocks: npt.NDArray[np.int64], parents: list[bytes],
+                   tokens: npt.NDArray[np.int64]) -> list[bytes]:
+        """Key the just-filled `blocks` (tokens [len(blocks), block_size]) under their parents'
+        keys and register each, unless another block already holds that content: that block
+        stays unkeyed, a duplicate freed like any uncached block. Returns the keys in order.
+        This runs once per filled block on the decode hot path, hence one tight loop."""
+        block_of, key_of, parent_of = self.block_of, self.key_of, self.parent_of
+        data, width = tokens.tobytes(), tokens.shape[1] * tokens.itemsize
+        keys = []
+        for i, (block, parent) in enumerate(zip(blocks.tolist(), parents, strict=True)):
+            key = block_key(parent, data[i * width:(i + 1) * width])
+            keys.append(key)
+            if key not in block_of:
+                assert key_of[block] is None, f"block {block} already has a key"
+                block_of[key] = block
+                key_of[block] = key
+                parent_of[block] = parent
+        self.tokens_of[blocks] = tokens  # harmless for duplicates: read only when keyed
+        return keys
 
     def forget(self, block: int) -> None:
         """Drop `block`'s key (before it is overwritten); it must not be evictable."""
@@ -79,8 +90,7 @@ class PrefixCache:
         assert block not in self.evictable, f"block {block} is still evictable"
         if key is not None:
             del self.block_of[key]
-            self.key_of[block] = None
-            self.payload_of[block] = None
+            self.key_of[block] = self.parent_of[block] = None
 
     def park(self, block: int) -> None:
         """A keyed block's refcount reached 0: keep its content, make it evictable."""
@@ -92,13 +102,14 @@ class PrefixCache:
 
     def evict(self, n: int) -> list[int]:
         """Take the `n` least recently released cached blocks and drop their keys."""
-        evictable, block_of, key_of, payload_of = (
-            self.evictable, self.block_of, self.key_of, self.payload_of)
+        evictable, block_of, key_of = self.evictable, self.block_of, self.key_of
         blocks = []
         for _ in range(n):
             block, _ = evictable.popitem(last=False)
-            del block_of[key_of[block]]  # type: ignore[arg-type]  # evictable blocks have keys
-            key_of[block] = payload_of[block] = None
+            key = key_of[block]
+            assert key is not None, f"evictable block {block} has no key"
+            del block_of[key]
+            key_of[block] = self.parent_of[block] = None
             blocks.append(block)
         return blocks
 
@@ -106,9 +117,10 @@ class PrefixCache:
         """Assert the invariants in the module docstring."""
         for key, block in self.block_of.items():
             assert self.key_of[block] == key, f"key of block {block} disagrees with the map"
-            payload = self.payload_of[block]
-            assert payload is not None, f"keyed block {block} has no payload"
-            assert block_key(payload) == key, f"block {block}'s key does not match its content"
+            parent = self.parent_of[block]
+            assert parent is not None, f"keyed block {block} lost its parent"
+            content = block_key(parent, self.tokens_of[block].tobytes())
+            assert content == key, f"block {block}'s key does not match its content"
         keyed = sum(key is not None for key in self.key_of)
         assert keyed == len(self.block_of), "a block has a key missing from the map"
         for block in self.evictable:

@@ -16,8 +16,6 @@ from collections.abc import Hashable
 import numpy as np
 import numpy.typing as npt
 
-from .prefix_cache import ROOT_KEY
-
 Int64Array = npt.NDArray[np.int64]
 
 
@@ -40,10 +38,9 @@ class SeqTable:
         self.partial: Int64Array = np.zeros((rows, block_size), dtype=np.int64)
         # Whether each row's token ids are all known, so its full blocks can be keyed.
         self.chain_ok: npt.NDArray[np.bool_] = np.zeros(rows, dtype=np.bool_)
-        # Key of each row's last full block (ROOT_KEY before the first), the next link's parent.
-        self.chain_key: list[bytes] = [ROOT_KEY] * rows
-        # Digest of each row's namespace salt.
-        self.salt: list[bytes] = [b""] * rows
+        # Key of each row's last full block (its salt's root key before the first): the parent
+        # of the next block's key.
+        self.chain_key: list[bytes] = [b""] * rows
 
     def copy(self) -> "SeqTable":
         """An independent copy, for all-or-nothing snapshots."""
@@ -57,11 +54,10 @@ class SeqTable:
         other.partial = self.partial.copy()
         other.chain_ok = self.chain_ok.copy()
         other.chain_key = list(self.chain_key)
-        other.salt = list(self.salt)
         return other
 
-    def add(self, seq: Hashable, salt: bytes, chain_ok: bool) -> int:
-        """A row for a new, empty sequence."""
+    def add(self, seq: Hashable, chain_key: bytes, chain_ok: bool) -> int:
+        """A row for a new, empty sequence whose next block's parent key is `chain_key`."""
         if not self.free_rows:
             self._grow_rows()
         row = self.free_rows.pop()
@@ -69,19 +65,17 @@ class SeqTable:
         self.num_tokens[row] = 0
         self.num_blocks[row] = 0
         self.chain_ok[row] = chain_ok
-        self.chain_key[row] = ROOT_KEY
-        self.salt[row] = salt
+        self.chain_key[row] = chain_key
         return row
 
     def clone(self, src: int, seq: Hashable) -> int:
         """A row for `seq` that starts as an exact copy of row `src` (fork)."""
-        row = self.add(seq, self.salt[src], bool(self.chain_ok[src]))
+        row = self.add(seq, self.chain_key[src], bool(self.chain_ok[src]))
         nb = int(self.num_blocks[src])
         self.num_tokens[row] = self.num_tokens[src]
         self.num_blocks[row] = nb
         self.tables[row, :nb] = self.tables[src, :nb]
         self.partial[row] = self.partial[src]
-        self.chain_key[row] = self.chain_key[src]
         return row
 
     def remove(self, seq: Hashable) -> int:
@@ -109,8 +103,7 @@ class SeqTable:
         self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
         self.partial = np.concatenate([self.partial, np.zeros_like(self.partial)])
         self.chain_ok = np.concatenate([self.chain_ok, np.zeros(have, dtype=np.bool_)])
-        self.chain_key.extend([ROOT_KEY] * have)
-        self.salt.extend([b""] * have)
+        self.chain_key.extend([b""] * have)
         self.free_rows.extend(range(2 * have - 1, have - 1, -1))
 
 

@@ -22,7 +22,7 @@ def as_int64(token_ids: npt.ArrayLike) -> Int64Array:
     """Token ids as an int64 array, or InvalidArgument if they are not integers."""
     try:
         tokens = np.asarray(token_ids)
-        if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        if tokens.size and tokens.dtype.kind not in "iu":
             raise TypeError(f"dtype {tokens.dtype}")
         return tokens.astype(np.int64, copy=False)
     except (TypeError, ValueError, OverflowError) as err:
