@@ -1,11 +1,8 @@
-"""The block pool: N physical blocks of B token slots, block tables, refcounts, copy-on-write.
+"""The block pool: sequences' block tables over refcounted blocks, copy-on-write, prefix reuse.
 
-Every block is in exactly one of three states:
-- free:   refcount 0, no cached content; on `_free` (FIFO).
-- used:   refcount > 0 = the number of block tables that reference it.
-- cached: refcount 0 but holding a keyed full block; evictable in LRU order (`PrefixCache`).
-A new block comes from `_free` first, and only then evicts the least recently released cached
-block, so cached content lives as long as memory allows.
+Blocks are free, used or cached (`PhysicalBlocks`); a sequence's table grows lazily, one block
+exactly when its last block is full (`SeqTable`); full blocks are keyed for prefix reuse
+(`PrefixCache`).
 
 Copy-on-write: a sequence never writes into a block another table references. Before a write
 lands in a shared, partially filled last block, the writer gets a private copy and the call
@@ -17,7 +14,6 @@ and a request that does not fit returns `NoFit`, both before anything is touched
 """
 
 import operator
-from collections import deque
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -25,7 +21,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import InvalidArgument, SequenceExists, SequenceNotFound
-from .prefix_cache import PrefixCache, block_key, root_key
+from .physical_blocks import PhysicalBlocks
+from .prefix_cache import block_key, root_key
 from .seq_table import Int64Array, SeqTable, ragged_arange
 from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 from .validation import TokenIds, batch_tokens, count, seq_tokens
@@ -40,11 +37,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # Refcount of each block: how many block tables reference it.
-        self._ref: Int64Array = np.zeros(num_blocks, dtype=np.int64)
-        # Free blocks without cached content, handed out oldest first.
-        self._free: deque[int] = deque(range(num_blocks))
-        self._cache = PrefixCache(num_blocks, block_size)
+        self._blocks = PhysicalBlocks(num_blocks, block_size)
         self._seqs = SeqTable(block_size)
 
     # ------------------------------------------------------------------ queries
@@ -52,7 +45,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now: free plus evictable cached blocks."""
-        return len(self._free) + len(self._cache.evictable)
+        return self._blocks.num_available
 
     def __contains__(self, seq: Hashable) -> bool:
         return seq in self._seqs.row_of
@@ -98,7 +91,7 @@ class BlockPool:
         keyed = self.enable_prefix_caching and tokens is not None
         row = self._seqs.add(seq, chain_key, keyed)
         for block in hits:
-            self._share(block)
+            self._blocks.share(block)
         st, cached = self._seqs, len(hits) * self.block_size
         st.ensure_cols(len(hits))
         st.tables[row, : len(hits)] = hits
@@ -108,8 +101,8 @@ class BlockPool:
         st.num_tokens[row] = num_tokens
         if keyed:
             assert tokens is not None
-            self._cache.queries += num_tokens
-            self._cache.hits += cached
+            self._blocks.cache.queries += num_tokens
+            self._blocks.cache.hits += cached
             self._record_tokens(row, cached, tokens[cached:])
         return SeqUpdate(self.block_table(seq), num_tokens, cached,
                          self._slots(row, 0, num_tokens), [])
@@ -140,7 +133,7 @@ class BlockPool:
         grow_count = (old + (k + bs - 1)) // bs - old_nb
         # An empty table's "last block" index -1 reads a junk entry, masked by offset == 0.
         last = st.tables[rows, old_nb - 1]
-        shared = (self._ref[last] > 1).nonzero()[0]  # few: filter these, not the batch
+        shared = (self._blocks.ref[last] > 1).nonzero()[0]  # few: filter these, not the batch
         cow = shared[offset[shared] != 0]
         grow_total = int(grow_count.sum())
         need = grow_total + (self._copies_needed(last[cow]) if len(cow) else 0)
@@ -175,7 +168,7 @@ class BlockPool:
             raise SequenceExists(f"sequence {child!r} already exists")
         row = self._seqs.clone(src, child)
         table = self._seqs.table(row)
-        self._ref[table] += 1  # a table never holds a block twice, so no repeated indices
+        self._blocks.ref[table] += 1  # a table never holds a block twice, so no repeated indices
         return SeqUpdate(table.tolist(), int(self._seqs.num_tokens[row]))
 
     def copy_on_write(self, seq: Hashable, logical_block: int) -> SeqUpdate | NoFit:
@@ -192,70 +185,40 @@ class BlockPool:
                                   f"of sequence {seq!r}")
         block = int(self._seqs.tables[row, logical_block])
         copies: list[BlockCopy] = []
-        if self._ref[block] > 1:
+        if self._blocks.ref[block] > 1:
             if self.num_free_blocks < 1:
                 return NoFit(1, 0)
             copies.append(self._cow(row, logical_block))
         else:
-            self._cache.forget(block)
+            self._blocks.cache.forget(block)
         self._seqs.chain_ok[row] = False
         return SeqUpdate(self.block_table(seq), int(self._seqs.num_tokens[row]), copies=copies)
 
     def free(self, seq: Hashable) -> list[int]:
-        """Drop `seq`. Returns the blocks that went back to the free list with no content kept.
-
-        Blocks are released deepest first, so among blocks released together the cache evicts a
-        sequence's tail before the prefix that other requests are likelier to share.
-        """
+        """Drop `seq`. Returns the blocks that went back to the free list with no content kept
+        (keyed blocks stay cached for later prompts)."""
         table = self.block_table(seq)
         self._seqs.remove(seq)
-        released = []
-        for block in reversed(table):
-            self._ref[block] -= 1
-            if self._ref[block] > 0:
-                continue
-            if self._cache.key_of[block] is not None:
-                self._cache.park(block)
-            else:
-                self._free.append(block)
-                released.append(block)
-        return released
+        return self._blocks.release(table)
 
     @contextmanager
     def atomic(self) -> Iterator[None]:
         """Run several operations all-or-nothing: any exception restores the state before."""
-        saved = (self._ref.copy(), deque(self._free), self._cache.copy(), self._seqs.copy())
+        saved = (self._blocks.copy(), self._seqs.copy())
         try:
             yield
         except BaseException:
-            self._ref, self._free, self._cache, self._seqs = saved
+            self._blocks, self._seqs = saved
             raise
 
     # ----------------------------------------------------------- block movement
 
-    def _take(self, n: int) -> Int64Array:
-        """`n` blocks for writers: free ones first, then the least recently released cached."""
-        free = self._free
-        blocks = [free.popleft() for _ in range(min(n, len(free)))]
-        if len(blocks) < n:
-            blocks += self._cache.evict(n - len(blocks))
-        taken = np.array(blocks, dtype=np.int64)
-        # Free and cached blocks have refcount 0 (check_invariants proves the states disjoint).
-        self._ref[taken] = 1
-        return taken
-
-    def _share(self, block: int) -> None:
-        """One more table references `block` (a cache hit); revive it if it was evictable."""
-        if self._ref[block] == 0:
-            self._cache.revive(block)
-        self._ref[block] += 1
-
     def _cow(self, row: int, logical_block: int) -> BlockCopy:
         """Give `row` a private copy of its shared block `logical_block`."""
         src = int(self._seqs.tables[row, logical_block])
-        dst = int(self._take(1)[0])
-        self._ref[src] -= 1
-        assert self._ref[src] > 0, f"copy-on-write of unshared block {src}"
+        dst = int(self._blocks.take(1)[0])
+        self._blocks.ref[src] -= 1
+        assert self._blocks.ref[src] > 0, f"copy-on-write of unshared block {src}"
         self._seqs.tables[row, logical_block] = dst
         return BlockCopy(src, dst)
 
@@ -275,7 +238,7 @@ class BlockPool:
             logical = np.repeat(old_nb[grow], counts) + ragged_arange(counts)
         st = self._seqs
         st.ensure_cols(int(logical.max()) + 1)
-        taken = self._take(total)
+        taken = self._blocks.take(total)
         st.tables[rows[index], logical] = taken
         st.num_blocks[rows] = old_nb + grow_count
         return index, logical, taken
@@ -292,7 +255,7 @@ class BlockPool:
             return hits, parent
         for start in range(0, len(tokens) - bs + 1, bs):
             key = block_key(parent, tokens[start:start + bs].tobytes())
-            block = self._cache.lookup(key)
+            block = self._blocks.cache.lookup(key)
             if block is None:
                 break
             hits.append(block)
@@ -331,7 +294,7 @@ class BlockPool:
         """These rows just filled these blocks: key each by its prefix chain."""
         st, row_list = self._seqs, rows.tolist()
         chain_key = st.chain_key
-        keys = self._cache.key_blocks(st.tables[rows, logical],
+        keys = self._blocks.cache.key_blocks(st.tables[rows, logical],
                                       [chain_key[row] for row in row_list], st.partial[rows])
         for row, key in zip(row_list, keys, strict=True):
             chain_key[row] = key
@@ -340,7 +303,7 @@ class BlockPool:
 
     def _allocate_fit(self, num_tokens: int, hits: list[int]) -> NoFit | None:
         fresh = -(-num_tokens // self.block_size) - len(hits)
-        revived = sum(1 for block in hits if self._ref[block] == 0)
+        revived = sum(1 for block in hits if self._blocks.ref[block] == 0)
         available = self.num_free_blocks - revived
         return NoFit(fresh, available) if fresh > available else None
 
@@ -351,13 +314,13 @@ class BlockPool:
         if not len(shared_last):
             return 0
         blocks, writers = np.unique(shared_last, return_counts=True)
-        return int(np.minimum(writers, self._ref[blocks] - 1).sum())
+        return int(np.minimum(writers, self._blocks.ref[blocks] - 1).sum())
 
     def _needs_cow(self, row: int) -> bool:
         """Whether the next write to `row` lands in a shared, partially filled last block."""
         st = self._seqs
         return bool(st.num_tokens[row] % self.block_size != 0
-                    and self._ref[st.tables[row, st.num_blocks[row] - 1]] > 1)
+                    and self._blocks.ref[st.tables[row, st.num_blocks[row] - 1]] > 1)
 
     def _append_need(self, row: int, num_tokens: int) -> int:
         old = int(self._seqs.num_tokens[row])
@@ -397,14 +360,15 @@ class BlockPool:
         rows, blocks, fills = self._table_entries()
         per_block = np.zeros(self.num_blocks, dtype=np.int64)
         np.maximum.at(per_block, blocks, fills)  # a shared block counts once, at its fullest
-        used = int(np.count_nonzero(self._ref))
+        used = int(np.count_nonzero(self._blocks.ref))
+        cache = self._blocks.cache
         return PoolStats(
             num_blocks=self.num_blocks, block_size=self.block_size,
             free_blocks=self.num_free_blocks, used_blocks=used,
-            cached_blocks=len(self._cache.evictable), filled_slots=int(per_block.sum()),
+            cached_blocks=len(cache.evictable), filled_slots=int(per_block.sum()),
             allocated_slots=used * self.block_size,
             logical_tokens=int(self._seqs.num_tokens[rows].sum()), num_sequences=len(rows),
-            prefix_cache_queries=self._cache.queries, prefix_cache_hits=self._cache.hits)
+            prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits)
 
     def _table_entries(self) -> tuple[Int64Array, Int64Array, Int64Array]:
         """Live rows, then every table entry's block and the slots it fills for its row."""
@@ -417,16 +381,10 @@ class BlockPool:
         return rows, st.tables[entry_row, logical], fills
 
     def check_invariants(self) -> None:
-        """Assert the pool's invariants (this module's and `SeqTable`'s docstrings)."""
-        free, cached = set(self._free), set(self._cache.evictable)
-        used = set(np.flatnonzero(self._ref).tolist())
-        assert len(free) == len(self._free), "a block is on the free list twice"
-        assert not (free & cached or free & used or cached & used), "a block is in two states"
-        assert len(free) + len(cached) + len(used) == self.num_blocks, "a block is unaccounted"
-        assert all(self._cache.key_of[b] is None for b in free), "a free block keeps a key"
+        """Assert the invariants of the blocks (`PhysicalBlocks`, `PrefixCache`) and the
+        tables (`SeqTable`) together."""
         rows, blocks, _ = self._table_entries()
-        refs = np.bincount(blocks, minlength=self.num_blocks)
-        assert (refs == self._ref).all(), "refcounts differ from table references"
+        self._blocks.check(blocks)
         st = self._seqs
         expected = (st.num_tokens[rows] + self.block_size - 1) // self.block_size
         assert (st.num_blocks[rows] == expected).all(), "a table is not ceil(tokens / B) long"
@@ -434,4 +392,3 @@ class BlockPool:
             table = st.table(row)
             assert len(np.unique(table)) == len(table), f"row {row} holds a block twice"
         assert not set(st.free_rows) & set(rows.tolist()), "a live row is on the free list"
-        self._cache.check()
