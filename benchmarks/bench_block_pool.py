@@ -47,7 +47,7 @@ class Replay:
 
 
 def replay(alloc: Allocator, trace: list[Request], steps: int, batched: bool,
-           on_step: Callable[[int], None] | None = None) -> Replay:
+           on_step: Callable[[int, dict[int, int]], None] | None = None) -> Replay:
     """Decode `steps` steps of `trace` with LIVE sequences in flight."""
     rng = np.random.default_rng(1)
     queue = iter(enumerate(trace))
@@ -80,7 +80,7 @@ def replay(alloc: Allocator, trace: list[Request], steps: int, batched: bool,
                 alloc.free(seq)
                 admit()
         if on_step is not None:
-            on_step(step)
+            on_step(step, left)
     result.total_s = time.perf_counter() - start
     return result
 
@@ -95,15 +95,38 @@ def throughput(spec: TraceSpec, batched: bool, steps: int, repeats: int = 3) -> 
     return sorted(runs, key=lambda run: run.appended / run.append_s)[repeats // 2]
 
 
-def utilization(spec: TraceSpec, alloc: Allocator, steps: int) -> float:
-    samples: list[float] = []
+@dataclass
+class Waste:
+    """Where a trace's allocated slots go, averaged over samples; fractions of allocated slots
+    except `external` (a fraction of the whole pool)."""
 
-    def sample(step: int) -> None:
-        if step % 32 == 31:
-            samples.append(alloc.stats().utilization)
+    # Filled slots / allocated slots.
+    utilization: float
+    # Reserved for tokens a sequence will generate later: unusable by anyone meanwhile.
+    over_reservation: float
+    # Reserved but never to be filled (past the final length, or the last block's tail).
+    internal: float
+    # Free slots stranded in holes too small for a new reservation.
+    external: float
+
+
+def waste(spec: TraceSpec, alloc: Allocator, steps: int) -> Waste:
+    samples: list[tuple[float, float, float, float]] = []
+
+    def sample(step: int, left: dict[int, int]) -> None:
+        if step % 32 != 31:
+            return
+        stats = alloc.stats()
+        allocated, filled = stats.allocated_slots, stats.filled_slots
+        # Paged pools allocate lazily: nothing is held for tokens still to come.
+        ahead = sum(left.values()) if isinstance(alloc, ContiguousAllocator) else 0
+        external = alloc.external_fragmentation() if isinstance(alloc, ContiguousAllocator) \
+            else 0.0  # every free block fits any sequence
+        samples.append((filled / allocated, ahead / allocated,
+                        (allocated - filled - ahead) / allocated, external))
 
     replay(alloc, make_trace(spec, num_requests=20_000), steps, batched=True, on_step=sample)
-    return float(np.mean(samples))
+    return Waste(*(float(np.mean(column)) for column in zip(*samples, strict=True)))
 
 
 def worked_example() -> tuple[int, int, int]:
@@ -135,19 +158,28 @@ def main() -> None:
     print(f"trace_appends_per_s_batched_e2e: {batched.appended / batched.total_s:.0f} appends/s")
     rows = []
     for spec in (SHAREGPT, ALPACA):
-        paged = utilization(spec, BlockPool(NUM_BLOCKS, BLOCK_SIZE), args.steps)
-        contiguous = utilization(
+        paged = waste(spec, BlockPool(NUM_BLOCKS, BLOCK_SIZE), args.steps)
+        contiguous = waste(
             spec, ContiguousAllocator(NUM_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN), args.steps)
-        print(f"utilization_paged_{spec.name}: {paged:.4f} fraction")
-        print(f"utilization_contiguous_{spec.name}: {contiguous:.4f} fraction")
+        for kind, figures in (("paged", paged), ("contiguous", contiguous)):
+            print(f"utilization_{kind}_{spec.name}: {figures.utilization:.4f} fraction")
+            print(f"over_reservation_{kind}_{spec.name}: {figures.over_reservation:.4f} fraction")
+            print(f"internal_fragmentation_{kind}_{spec.name}: {figures.internal:.4f} fraction")
+            print(f"external_fragmentation_{kind}_{spec.name}: {figures.external:.4f} fraction")
         rows.append((spec.name, paged, contiguous))
     num_blocks, paged_seqs, contiguous_seqs = worked_example()
     print(f"worked_example_paged_seqs: {paged_seqs} seqs")
     print(f"worked_example_contiguous_seqs: {contiguous_seqs} seqs")
 
-    print("\ntrace      paged U   contiguous U (max_model_len 2048)")
+    print("\nshare of allocated slots   paged            contiguous (max_model_len 2048)")
     for name, paged, contiguous in rows:
-        print(f"{name:<10} {paged:7.1%}   {contiguous:7.1%}")
+        for label, field in (("filled (U)", "utilization"), ("over-reserved", "over_reservation"),
+                             ("internal waste", "internal")):
+            print(f"{name:<9} {label:<16} {getattr(paged, field):7.1%}          "
+                  f"{getattr(contiguous, field):7.1%}")
+    print("(external fragmentation: 0 for paged, where any free block fits any sequence; "
+          "0 for contiguous too on these traces, since equal max-length reservations never "
+          "strand a hole)")
     print(f"\nworked example: OPT-13B fp16, 800 KiB/token, 14 GiB KV = {num_blocks} blocks of 16")
     print(f"  contiguous (reserve 2048 tokens): {contiguous_seqs} sequences of 256 tokens")
     print(f"  paged (allocate to length):       {paged_seqs} sequences of 256 tokens "

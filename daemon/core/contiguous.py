@@ -1,7 +1,9 @@
 """The baseline PagedAttention replaced: one contiguous max-length reservation per sequence.
 
-`ContiguousAllocator` answers the same calls as `BlockPool` (allocate, append, free, stats) over
-the same memory, but reserves `max_model_len` slots per sequence in one range chosen first fit.
+`ContiguousAllocator` answers the calls a serving trace makes of `BlockPool` (allocate, append,
+free, stats) over the same memory, but reserves `max_model_len` slots per sequence in one range
+chosen first fit. It has no fork or copy-on-write: two sequences cannot share the middle of one
+slab, so a contiguous fork is a full copy into a new reservation.
 It exists only to measure, on the same trace, the three kinds of waste paging removes:
 over-reservation and internal fragmentation (reserved but never filled slots) and external
 fragmentation (free slots that no new reservation can use because no hole is large enough).
