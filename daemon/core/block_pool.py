@@ -150,8 +150,11 @@ class BlockPool:
             st.chain_ok[rows] = False
         elif self.enable_prefix_caching:
             self._record_batch(rows, old, offset, tokens)
-        if k == 1:  # the decode step: the same formula as below, in a third of the operations
-            slots = st.tables[rows, old // bs] * bs + offset
+        if k == 1:  # the decode step: each token lands in the last block, or the new one
+            written = last.copy()
+            written[index] = taken
+            written[copied] = [copy.dst for copy in copies]
+            slots = written * bs + offset
         else:
             pos = old[:, None] + np.arange(k)
             slots = st.tables[rows[:, None], pos // bs] * bs + pos % bs
@@ -294,8 +297,8 @@ class BlockPool:
         """These rows just filled these blocks: key each by its prefix chain."""
         st, row_list = self._seqs, rows.tolist()
         chain_key = st.chain_key
-        keys = self._blocks.cache.key_blocks(st.tables[rows, logical],
-                                      [chain_key[row] for row in row_list], st.partial[rows])
+        parents = [chain_key[row] for row in row_list]
+        keys = self._blocks.cache.key_blocks(st.tables[rows, logical], parents, st.partial[rows])
         for row, key in zip(row_list, keys, strict=True):
             chain_key[row] = key
 

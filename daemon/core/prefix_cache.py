@@ -74,7 +74,7 @@ class PrefixCache:
         data, width = tokens.tobytes(), tokens.shape[1] * tokens.itemsize
         keys = []
         for i, (block, parent) in enumerate(zip(blocks.tolist(), parents, strict=True)):
-            key = block_key(parent, data[i * width:(i + 1) * width])
+            key = sha256(parent + data[i * width:(i + 1) * width]).digest()  # block_key, inline
             keys.append(key)
             if key not in block_of:
                 assert key_of[block] is None, f"block {block} already has a key"
