@@ -85,6 +85,8 @@ def test_allocate_past_capacity_fails_then_gets_the_freed_block(pool: BlockPool)
     result = pool.allocate("x", 1)
     assert result == NoFit(needed=1, available=0)
     assert "x" not in pool and not pool.can_allocate(1)
+    assert not pool.can_append(0)                 # seq 0's last block is full
+    assert pool.can_allocate(0)                   # an empty sequence needs no block
     pool.free(2)                                  # blocks 5, 4 go back, deepest first
     x = ok(pool.allocate("x", 1))
     assert x.block_table == [5]
