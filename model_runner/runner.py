@@ -1,0 +1,247 @@
+"""The co-located model runner: a transformers model computing on the daemon's pool memory.
+
+    info = await client.pool_info()
+    runner = ModelRunner.attach(model, info, get_backend("auto", device))
+    async with await client.open_session("runner") as session:
+        results = await generate(session, runner, prompts, max_new_tokens=32)
+
+The daemon decides where every token's K/V lives (block tables, slots); the runner only computes:
+`ModelRunner.step` runs the model once over a packed batch of `SequenceChunk`s (a prompt's
+uncached suffix, or one decode token) and returns each chunk's next-token logits. `generate`
+drives a greedy loop: one Batch RPC allocates every prompt, one forward prefills them, then each
+decode step is one Step RPC plus one forward. The daemon performs copy-on-write copies in pool
+memory before it answers, so the runner never copies a block.
+
+A prompt whose every token is in the prefix cache (a multiple of the block size, all blocks
+shared) still needs the logits of its last token: the runner recomputes that one token with
+slot -1, so store_kv writes nothing. Its K/V is already in the cached block, which other
+sequences share; writing there, even the same values, would break the rule that no sequence
+writes into a block another table references.
+"""
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Self
+
+import torch
+from transformers import PreTrainedModel
+
+from pagedkv.client import Allocate, Free, PoolInfo, SequenceBlocks, Session, StepResult
+from pagedkv.daemon.kv_memory import PoolMemoryHandle, attach_pool
+
+from .attention_backend import AttentionBackend
+from .paged_attention import CONTEXT_KWARG, PagedContext, enable_paged_attention
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """New tokens of one sequence to run through the model in a step, and where they go."""
+
+    # The tokens to compute, in order.
+    token_ids: Sequence[int]
+    # Tokens of the sequence before these (the position of token_ids[0]); their K/V is in the
+    # pool already or is written by an earlier chunk of the same step.
+    start: int
+    # One pool slot per token (block * block_size + offset); -1 computes without writing.
+    slot_mapping: Sequence[int]
+    # The sequence's block table, covering at least start + len(token_ids) tokens.
+    block_table: Sequence[int]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What `model(...)` gets for one step."""
+
+    # [1, T] the chunks' tokens packed into one row.
+    input_ids: torch.Tensor
+    # [1, T] each token's position in its own sequence (rotary embeddings need them).
+    position_ids: torch.Tensor
+    # [S] index in the packed row of each chunk's last token: the logits kept.
+    last_token_index: torch.Tensor
+    # The kernels' view of the batch.
+    context: PagedContext
+
+
+class ModelRunner:
+    """Runs `model` with its KV cache in `pool` (switches the model to "pagedkv" attention).
+
+    pool: [num_layers, 2, num_blocks, block_size, H_kv, D], on the model's device and dtype.
+    """
+
+    def __init__(self, model: PreTrainedModel, pool: torch.Tensor, block_size: int,
+                 backend: AttentionBackend) -> None:
+        num_layers = model.config.get_text_config().num_hidden_layers
+        if pool.dim() != 6 or pool.shape[0] != num_layers or pool.shape[3] != block_size:
+            raise ValueError(f"pool {tuple(pool.shape)} is not [{num_layers} layers, 2, blocks, "
+                             f"{block_size} slots, H_kv, D] for this model")
+        if pool.dtype != model.dtype or pool.device != model.device:
+            raise ValueError(f"pool is {pool.dtype} on {pool.device}, the model {model.dtype} "
+                             f"on {model.device}")
+        # Heads and head_dim are checked by store_kv in the first layer, before any write.
+        self.model = model
+        self.pool = pool
+        self.block_size = block_size
+        self.backend = backend
+        self.vocab_size = int(model.config.get_text_config().vocab_size)
+        enable_paged_attention(model)
+
+    @classmethod
+    def attach(cls, model: PreTrainedModel, info: PoolInfo,
+               backend: AttentionBackend) -> Self:
+        """A runner over the memory of the daemon that answered `info` (client.pool_info())."""
+        if not info.memory.kind:
+            raise ValueError("the daemon has no pool memory (bookkeeping only)")
+        pool = attach_pool(PoolMemoryHandle(**asdict(info.memory)))
+        return cls(model, pool, info.block_size, backend)
+
+    @torch.inference_mode()
+    def step(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+        """Compute every chunk (writing its K/V) and return [S, vocab] fp32 logits of each
+        chunk's last token. Bad chunks raise ValueError before anything is written."""
+        inputs = self.prepare(chunks)
+        output = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
+                            use_cache=False, logits_to_keep=inputs.last_token_index,
+                            **{CONTEXT_KWARG: inputs.context})
+        logits: torch.Tensor = output.logits  # [1, S, vocab]
+        return logits[0].float()
+
+    def prepare(self, chunks: Sequence[SequenceChunk]) -> StepInputs:
+        """Pack and validate the chunks on the host, then move them to the pool's device."""
+        _check_chunks(chunks)
+        lens = torch.tensor([len(c.token_ids) for c in chunks])  # [S]
+        starts = torch.tensor([c.start for c in chunks])  # [S]
+        token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+        slots = torch.tensor([s for c in chunks for s in c.slot_mapping], dtype=torch.int64)
+        width = max(len(c.block_table) for c in chunks)
+        tables = torch.tensor([[*c.block_table, *[0] * (width - len(c.block_table))]
+                               for c in chunks], dtype=torch.int64)  # [S, width]
+        if bool((token_ids < 0).any()) or bool((token_ids >= self.vocab_size).any()):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        query_start_loc = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        seq_of = torch.repeat_interleave(torch.arange(len(chunks)), lens)  # [T]
+        positions = torch.arange(len(token_ids)) - query_start_loc[seq_of] + starts[seq_of]
+        self._check_tables(tables, torch.tensor([len(c.block_table) for c in chunks]),
+                           starts + lens, seq_of, positions, slots)
+        device = self.pool.device
+        context = PagedContext(
+            backend=self.backend, pool=self.pool, slot_mapping=slots.to(device),
+            block_tables=tables.to(device, torch.int32),
+            seq_lens=(starts + lens).to(device, torch.int32),
+            query_start_loc=query_start_loc.to(device, torch.int32),
+            is_decode=len(token_ids) == len(chunks))
+        return StepInputs(token_ids[None].to(device), positions[None].to(device),
+                          (query_start_loc[1:] - 1).to(device), context)
+
+    def _check_tables(self, tables: torch.Tensor, table_lens: torch.Tensor,
+                      seq_lens: torch.Tensor, seq_of: torch.Tensor, positions: torch.Tensor,
+                      slots: torch.Tensor) -> None:
+        """Each table covers its sequence with pool blocks, and each slot is -1 or the slot of
+        its token's position in its table (so a runner whose tables went stale fails here)."""
+        block_size, num_blocks = self.block_size, self.pool.shape[2]
+        if bool((table_lens < (seq_lens + block_size - 1) // block_size).any()):
+            raise ValueError("a block table is shorter than its sequence")
+        used = torch.arange(tables.shape[1]) < table_lens[:, None]
+        if bool((tables[used] < 0).any()) or bool((tables[used] >= num_blocks).any()):
+            raise ValueError(f"block ids must be in [0, {num_blocks})")
+        expected = tables[seq_of, positions // block_size] * block_size + positions % block_size
+        if bool(((slots != expected) & (slots != -1)).any()):
+            raise ValueError("a slot is neither -1 nor its token's slot in the block table")
+
+
+def _check_chunks(chunks: Sequence[SequenceChunk]) -> None:
+    if not chunks:
+        raise ValueError("a step needs at least one chunk")
+    for chunk in chunks:
+        if not chunk.token_ids or chunk.start < 0:
+            raise ValueError(f"a chunk needs tokens and a start >= 0, got "
+                             f"{len(chunk.token_ids)} tokens from {chunk.start}")
+        if len(chunk.slot_mapping) != len(chunk.token_ids):
+            raise ValueError(f"a chunk of {len(chunk.token_ids)} tokens has "
+                             f"{len(chunk.slot_mapping)} slots")
+
+
+@dataclass
+class Generation:
+    """One prompt's greedy continuation."""
+
+    # The daemon's id of the sequence while it was generated (freed afterwards).
+    seq_id: int
+    # Leading prompt tokens the prefix cache held (their K/V was not recomputed).
+    num_cached_tokens: int
+    # The generated tokens, max_new_tokens of them.
+    token_ids: list[int]
+
+
+@dataclass
+class _Running:
+    """Where a sequence being generated stands."""
+
+    # Its Generation, filled as tokens come.
+    generation: Generation
+    # The block table, kept current from each step's changed entries.
+    block_table: list[int]
+    # Tokens the daemon holds for it (prompt + generated tokens appended so far).
+    num_tokens: int
+
+    @classmethod
+    def prefill(cls, seq_id: int, prompt: Sequence[int],
+                blocks: SequenceBlocks) -> tuple["_Running", SequenceChunk]:
+        """The state after Allocate, and the chunk of prompt tokens to compute."""
+        cached = blocks.num_cached_tokens
+        first = min(cached, len(prompt) - 1)
+        slots = list(blocks.slot_mapping[first:])
+        if first < cached:  # all cached: recompute the last token for its logits, write nothing
+            slots[0] = -1
+        running = cls(Generation(seq_id, cached, []), list(blocks.block_ids), len(prompt))
+        return running, SequenceChunk(prompt[first:], first, slots, running.block_table)
+
+    def decode(self, slot: int) -> SequenceChunk:
+        """The chunk of the last generated token, just appended at `slot`."""
+        chunk = SequenceChunk([self.generation.token_ids[-1]], self.num_tokens, [slot],
+                              self.block_table)
+        self.num_tokens += 1
+        return chunk
+
+    def apply(self, logical_block: int, block_id: int) -> None:
+        """A block-table entry a step changed: a new last block or a copy-on-write copy."""
+        if logical_block < len(self.block_table):
+            self.block_table[logical_block] = block_id
+        else:
+            self.block_table.append(block_id)
+
+
+async def generate(session: Session, runner: ModelRunner, prompts: Sequence[Sequence[int]],
+                   max_new_tokens: int, *, first_seq_id: int = 0) -> list[Generation]:
+    """Greedy decoding of `prompts` as sequences first_seq_id, first_seq_id + 1, ...; each is
+    freed at the end (its full blocks stay in the prefix cache for later prompts)."""
+    if max_new_tokens < 1 or not prompts or not all(prompts):
+        raise ValueError("generate needs prompts, none empty, and max_new_tokens >= 1")
+    seq_ids = list(range(first_seq_id, first_seq_id + len(prompts)))
+    allocated = await session.batch([Allocate(seq_id, token_ids=prompt)
+                                     for seq_id, prompt in zip(seq_ids, prompts, strict=True)])
+    try:
+        prefills = [_Running.prefill(seq_id, prompt, blocks)
+                    for seq_id, prompt, blocks in zip(seq_ids, prompts, allocated, strict=True)]
+        running = [state for state, _ in prefills]
+        _accept(running, runner.step([chunk for _, chunk in prefills]))
+        for _ in range(max_new_tokens - 1):
+            last_tokens = [state.generation.token_ids[-1] for state in running]
+            step = await session.step(seq_ids, last_tokens)
+            _accept(running, runner.step(_decode_chunks(running, step)))
+    finally:
+        await session.batch([Free(seq_id) for seq_id in seq_ids])
+    return [state.generation for state in running]
+
+
+def _decode_chunks(running: list[_Running], step: StepResult) -> list[SequenceChunk]:
+    """Bring the block tables up to date with a Step's answer; the chunks it asks to compute."""
+    for index, logical, block in zip(step.changed_seq_index, step.changed_logical_block,
+                                     step.changed_block_id, strict=True):
+        running[index].apply(logical, block)
+    return [state.decode(slot) for state, slot in zip(running, step.slot_mapping, strict=True)]
+
+
+def _accept(running: list[_Running], logits: torch.Tensor) -> None:
+    """Append each sequence's greedy next token."""
+    for state, token in zip(running, logits.argmax(dim=-1).tolist(), strict=True):
+        state.generation.token_ids.append(token)

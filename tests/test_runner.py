@@ -1,0 +1,193 @@
+"""The model runner end to end: a random-initialized Llama decoding through a real pagedkvd.
+
+The daemon runs as a separate process with a pool laid out for this model (its config.json),
+the runner maps the pool file and computes; greedy tokens must equal transformers' own
+`generate` (SDPA attention, its own cache) token for token.
+"""
+
+import copy
+import dataclasses
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import pytest
+import torch
+from pagedkvd_process import Pagedkvd, pagedkvd
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pagedkv.client import PoolClient, Session
+from pagedkv.model_runner.attention_backend import BackendName, get_backend
+from pagedkv.model_runner.paged_attention import CONTEXT_KWARG
+from pagedkv.model_runner.runner import ModelRunner, SequenceChunk, generate
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+NEW_TOKENS = 12
+# Prompt lengths: inside one block, just past one, past two (prefill and decode cross blocks).
+PROMPT_LENS = (5, 17, 33)
+CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     initializer_range=0.2, eos_token_id=None, bos_token_id=None,
+                     pad_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def reference_model() -> LlamaForCausalLM:
+    """The model with transformers' own attention: what the runner must agree with."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(CONFIG).eval()
+
+
+@pytest.fixture(scope="module")
+def model(reference_model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The same weights, for the runner to switch to paged attention."""
+    return copy.deepcopy(reference_model)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, CONFIG.vocab_size, (n,), generator=generator).tolist()
+            for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pagedkvd]:
+    """One pagedkvd for the module, its pool shaped by the model's config.json."""
+    config_dir = tmp_path_factory.mktemp("model")
+    CONFIG.save_pretrained(config_dir)
+    with pagedkvd("--model-config", str(config_dir / "config.json"), "--dtype", "float32",
+                  "--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS)) as running:
+        yield running
+        assert running.stop() == 0
+
+
+@pytest.fixture
+async def client(daemon: Pagedkvd) -> AsyncIterator[PoolClient]:
+    async with await PoolClient.connect(daemon.unix_target) as connected:
+        yield connected
+
+
+@pytest.fixture
+async def session(client: PoolClient) -> AsyncIterator[Session]:
+    async with await client.open_session("runner-test") as opened:
+        yield opened
+
+
+async def attach(client: PoolClient, model: LlamaForCausalLM, backend: BackendName) -> ModelRunner:
+    return ModelRunner.attach(model, await client.pool_info(), get_backend(backend))
+
+
+def expected_tokens(reference_model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
+    output = reference_model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False)
+    return list(output[0, len(prompt):].tolist())
+
+
+async def test_greedy_generation_matches_transformers(
+    client: PoolClient, session: Session, model: LlamaForCausalLM,
+    reference_model: LlamaForCausalLM, prompts: list[list[int]],
+) -> None:
+    runner = await attach(client, model, "torch")
+    results = await generate(session, runner, prompts, NEW_TOKENS)
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.num_cached_tokens == 0
+        assert result.token_ids == expected_tokens(reference_model, prompt, NEW_TOKENS)
+    stats = await session.stats()
+    assert stats.session is not None
+    assert stats.session.num_sequences == 0  # generate freed every sequence
+
+
+class RecordingRunner(ModelRunner):
+    """A runner that remembers the chunks of every step it ran."""
+
+    steps: list[list[SequenceChunk]]
+
+    def step(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+        self.steps.append(list(chunks))
+        return super().step(chunks)
+
+
+async def test_prefix_cached_prompts_generate_the_same_tokens(
+    client: PoolClient, session: Session, model: LlamaForCausalLM,
+    reference_model: LlamaForCausalLM, prompts: list[list[int]],
+) -> None:
+    runner = RecordingRunner.attach(model, await client.pool_info(), get_backend("torch"))
+    runner.steps = []
+    long_prompt = prompts[2]  # 33 tokens: 2 full blocks enter the cache
+    first = await generate(session, runner, [long_prompt], NEW_TOKENS)
+    # Again, and its 32-token prefix: every token cached, the last one recomputed without a write.
+    runner.steps = []
+    again = await generate(session, runner, [long_prompt, long_prompt[:32]], NEW_TOKENS,
+                           first_seq_id=10)
+    assert [r.num_cached_tokens for r in again] == [32, 32]
+    suffix, last = runner.steps[0]  # the prefill computed one token of each
+    assert (suffix.start, list(suffix.token_ids)) == (32, long_prompt[32:])
+    assert suffix.slot_mapping[0] >= 0
+    assert (last.start, list(last.token_ids), list(last.slot_mapping)) == (
+        31, long_prompt[31:32], [-1])
+    assert again[0].token_ids == first[0].token_ids
+    assert again[0].token_ids == expected_tokens(reference_model, long_prompt, NEW_TOKENS)
+    assert again[1].token_ids == expected_tokens(reference_model, long_prompt[:32], NEW_TOKENS)
+
+
+async def test_triton_backend_matches_torch(
+    client: PoolClient, session: Session, model: LlamaForCausalLM, prompts: list[list[int]],
+) -> None:
+    """The Triton kernels (interpreted on CPU) give the torch kernels' logits, prefill and
+    decode. Both runners compute the same chunks into the same slots."""
+    info = await client.pool_info()
+    runners = [ModelRunner.attach(model, info, get_backend("torch")),
+               ModelRunner.attach(model, info, get_backend("triton"))]
+    prompt = prompts[0]
+    blocks = await session.allocate(1, token_ids=prompt)
+    chunk = SequenceChunk(prompt, 0, blocks.slot_mapping, blocks.block_ids)
+    for _ in range(3):  # the prefill, then two decode steps
+        torch_logits, triton_logits = (runner.step([chunk]) for runner in runners)
+        torch.testing.assert_close(triton_logits, torch_logits, rtol=1e-5, atol=1e-5)
+        token = int(torch_logits.argmax())
+        step = await session.step([1], [token])
+        chunk = SequenceChunk([token], chunk.start + len(chunk.token_ids), step.slot_mapping,
+                              chunk.block_table)
+
+
+async def test_a_stale_slot_is_refused_before_anything_is_written(
+    client: PoolClient, session: Session, model: LlamaForCausalLM, prompts: list[list[int]],
+) -> None:
+    runner = await attach(client, model, "torch")
+    blocks = await session.allocate(1, token_ids=prompts[1])
+    chunk = SequenceChunk(prompts[1], 0, blocks.slot_mapping, blocks.block_ids)
+    before = runner.pool.clone()
+    wrong_slot = [*blocks.slot_mapping[:-1], blocks.slot_mapping[-1] + 1]
+    with pytest.raises(ValueError, match="slot"):
+        runner.step([dataclasses.replace(chunk, slot_mapping=wrong_slot)])
+    with pytest.raises(ValueError, match="shorter than its sequence"):
+        runner.step([dataclasses.replace(chunk, block_table=blocks.block_ids[:1])])
+    with pytest.raises(ValueError, match="16 tokens has 17 slots"):  # one token short...
+        runner.step([dataclasses.replace(chunk, token_ids=prompts[1][:-1]),
+                     dataclasses.replace(chunk, token_ids=[*prompts[1], 0])])  # ...one over
+    with pytest.raises(ValueError, match="token ids"):
+        runner.step([dataclasses.replace(chunk, token_ids=[CONFIG.vocab_size] * len(prompts[1]))])
+    assert torch.equal(runner.pool, before)
+    assert runner.step([chunk]).shape == (1, CONFIG.vocab_size)
+
+
+async def test_runner_refuses_a_pool_of_another_shape(
+    client: PoolClient, model: LlamaForCausalLM,
+) -> None:
+    pool = (await attach(client, model, "torch")).pool
+    with pytest.raises(ValueError, match="layers"):
+        ModelRunner(model, pool[:1], BLOCK_SIZE, get_backend("torch"))
+    with pytest.raises(ValueError, match="float64"):
+        ModelRunner(model, pool.double(), BLOCK_SIZE, get_backend("torch"))
+
+
+def test_paged_attention_refuses_calls_it_cannot_compute(model: LlamaForCausalLM) -> None:
+    pool = torch.zeros(2, 2, 1, BLOCK_SIZE, 2, 16)
+    runner = ModelRunner(model, pool, BLOCK_SIZE, get_backend("torch"))
+    with pytest.raises(ValueError, match=CONTEXT_KWARG):
+        model(torch.tensor([[1, 2, 3]]), use_cache=False)
+    inputs = runner.prepare([SequenceChunk([1, 2, 3], 0, [0, 1, 2], [0])])
+    with pytest.raises(ValueError, match="sliding_window"):
+        model(inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
+              sliding_window=2, **{CONTEXT_KWARG: inputs.context})
+    assert not pool.any()  # refused before the first store
