@@ -153,7 +153,8 @@ class BlockPool:
         if k == 1:  # the decode step: each token lands in the last block, or the new one
             written = last.copy()
             written[index] = taken
-            written[copied] = [copy.dst for copy in copies]
+            if copied:
+                written[copied] = [copy.dst for copy in copies]
             slots = written * bs + offset
         else:
             pos = old[:, None] + np.arange(k)
