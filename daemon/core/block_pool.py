@@ -16,6 +16,7 @@ and a request that does not fit returns `NoFit`, both before anything is touched
 import operator
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -69,7 +70,7 @@ class BlockPool:
 
     def can_append(self, seq: Hashable, num_tokens: int = 1) -> bool:
         k = count(num_tokens, "num_tokens", 1)
-        return self._append_need(self._row(seq), k) <= self.num_free_blocks
+        return self._plan_append(np.array([self._row(seq)]), k).need <= self.num_free_blocks
 
     # --------------------------------------------------------------- operations
 
@@ -127,18 +128,12 @@ class BlockPool:
         k = count(num_tokens, "num_tokens", 1)
         rows = self._rows(seqs)
         tokens = batch_tokens(token_ids, len(rows), k)
+        plan = self._plan_append(rows, k)
+        if plan.need > self.num_free_blocks:
+            return NoFit(plan.need, self.num_free_blocks)
         st, bs = self._seqs, self.block_size
-        old, old_nb = st.num_tokens[rows], st.num_blocks[rows]
-        offset = old % bs
-        grow_count = (old + (k + bs - 1)) // bs - old_nb
-        # An empty table's "last block" index -1 reads a junk entry, masked by offset == 0.
-        last = st.tables[rows, old_nb - 1]
-        shared = (self._blocks.ref[last] > 1).nonzero()[0]  # few: filter these, not the batch
-        cow = shared[offset[shared] != 0]
-        grow_total = int(grow_count.sum())
-        need = grow_total + (self._copies_needed(last[cow]) if len(cow) else 0)
-        if need > self.num_free_blocks:
-            return NoFit(need, self.num_free_blocks)
+        old, old_nb, offset, last, cow = plan.old, plan.old_nb, plan.offset, plan.last, plan.cow
+        grow_count, grow_total = plan.grow_count, plan.grow_total
         copies, copied = [], []
         for i in cow.tolist():
             if self._needs_cow(int(rows[i])):  # the last sharer in the batch keeps the original
@@ -326,10 +321,19 @@ class BlockPool:
         return bool(st.num_tokens[row] % self.block_size != 0
                     and self._blocks.ref[st.tables[row, st.num_blocks[row] - 1]] > 1)
 
-    def _append_need(self, row: int, num_tokens: int) -> int:
-        old = int(self._seqs.num_tokens[row])
-        new_blocks = -(-(old + num_tokens) // self.block_size) - int(self._seqs.num_blocks[row])
-        return new_blocks + int(self._needs_cow(row))
+    def _plan_append(self, rows: Int64Array, k: int) -> "_AppendPlan":
+        """What appending `k` tokens to each row takes, computed without changing anything."""
+        st, bs = self._seqs, self.block_size
+        old, old_nb = st.num_tokens[rows], st.num_blocks[rows]
+        offset = old % bs
+        grow_count = (old + (k + bs - 1)) // bs - old_nb
+        # An empty table's "last block" index -1 reads a junk entry, masked by offset == 0.
+        last = st.tables[rows, old_nb - 1]
+        shared = (self._blocks.ref[last] > 1).nonzero()[0]  # few: filter these, not the batch
+        cow = shared[offset[shared] != 0]
+        grow_total = int(grow_count.sum())
+        need = grow_total + (self._copies_needed(last[cow]) if len(cow) else 0)
+        return _AppendPlan(old, old_nb, offset, grow_count, grow_total, last, cow, need)
 
     def _slots(self, row: int, start: int, n: int) -> list[int]:
         pos = np.arange(start, start + n)
@@ -396,3 +400,21 @@ class BlockPool:
             table = st.table(row)
             assert len(np.unique(table)) == len(table), f"row {row} holds a block twice"
         assert not set(st.free_rows) & set(rows.tolist()), "a live row is on the free list"
+
+
+class _AppendPlan(NamedTuple):
+    """The feasibility check of an append over rows, kept for the change that follows it."""
+
+    # Tokens and blocks of each row before the append, and old % block_size.
+    old: Int64Array
+    old_nb: Int64Array
+    offset: Int64Array
+    # New blocks each row takes, and their sum.
+    grow_count: Int64Array
+    grow_total: int
+    # Each row's last block (junk for empty tables, where offset == 0).
+    last: Int64Array
+    # Indices of rows whose write lands in a shared, partially filled last block.
+    cow: Int64Array
+    # Blocks the append takes from the free pool: new blocks plus copies.
+    need: int
