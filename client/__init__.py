@@ -13,7 +13,7 @@ from .errors import (
     SessionNotFound,
     Unauthenticated,
 )
-from .ops import Allocate, Append, CopyOnWrite, Fork, Free, Operation
+from .ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
 from .types import (
     BlockCopy,
     PoolInfo,
@@ -29,6 +29,7 @@ __all__ = [
     "Allocate",
     "Append",
     "BlockCopy",
+    "Commit",
     "CopyOnWrite",
     "DaemonUnavailable",
     "Fork",

@@ -31,7 +31,7 @@ from .errors import (
     SessionExpired,
     error_from_rpc,
 )
-from .ops import Allocate, Append, CopyOnWrite, Fork, Free, Operation
+from .ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
 from .types import PoolInfo, PoolStats, SequenceBlocks, StepResult
 
 log = logging.getLogger(__name__)
@@ -221,21 +221,31 @@ class Session:
                                         lambda: Free(seq_id).request(self.session_id))
         return reply.released_blocks
 
+    async def commit(self, seq_ids: Sequence[int], num_tokens: Sequence[int] = ()) -> int:
+        """Certify the sequences' K/V written (all their tokens, or the first num_tokens[i]);
+        returns how many blocks became shareable."""
+        op = Commit(seq_ids, num_tokens)
+        reply = await self._client.call(self._stub.Commit, lambda: op.request(self.session_id))
+        return reply.committed_blocks
+
     async def batch(self, ops: Sequence[Operation]) -> list[SequenceBlocks]:
-        """Several ops in order, all-or-nothing; one result per op (empty table for a free)."""
+        """Several ops in order, all-or-nothing; one result per op (empty table for a free or
+        a commit)."""
         reply = await self._client.call(self._stub.Batch, lambda: pb.BatchRequest(
             session_id=self.session_id, ops=[op.batch_op() for op in ops]))
         return [SequenceBlocks.from_proto(result) for result in reply.results]
 
     async def step(self, seq_ids: Sequence[int], token_ids: Sequence[int] | None = None,
-                   num_tokens: int = 1) -> StepResult:
+                   num_tokens: int = 1, *, commit: bool = False) -> StepResult:
         """Append num_tokens tokens to every sequence in one round trip, all-or-nothing.
 
-        token_ids, if given, holds len(seq_ids) * num_tokens ids, sequence-major.
+        token_ids, if given, holds len(seq_ids) * num_tokens ids, sequence-major. With
+        `commit`, the caller certifies that the K/V of every token the sequences already hold
+        is written: their pending blocks become shareable first.
         """
         reply = await self._client.call(self._stub.Step, lambda: pb.StepRequest(
             session_id=self.session_id, seq_ids=seq_ids, num_tokens=num_tokens,
-            token_ids=token_ids or ()))
+            token_ids=token_ids or (), commit=commit))
         return StepResult.from_proto(reply)
 
     async def block_tables(self, seq_ids: Sequence[int]) -> list[SequenceBlocks]:

@@ -89,6 +89,24 @@ class CopyOnWrite:
 
 
 @dataclass(frozen=True, slots=True)
+class Commit:
+    """Certify that the K/V of sequences is written: their pending full blocks become shareable
+    by later prompts (see kvpool.proto, "pending and committed blocks")."""
+
+    # The sequences whose K/V the runner has written.
+    seq_ids: Sequence[int]
+    # Empty: every token each holds; else one count per sequence (chunked prefill).
+    num_tokens: Sequence[int] = ()
+
+    def request(self, session_id: str) -> pb.CommitRequest:
+        return pb.CommitRequest(session_id=session_id, seq_ids=self.seq_ids,
+                                num_tokens=self.num_tokens)
+
+    def batch_op(self) -> pb.BatchOp:
+        return pb.BatchOp(commit=self.request(""))
+
+
+@dataclass(frozen=True, slots=True)
 class Free:
     """Drop a sequence."""
 
@@ -102,4 +120,4 @@ class Free:
         return pb.BatchOp(free=self.request(""))
 
 
-Operation = Allocate | Append | Fork | CopyOnWrite | Free
+Operation = Allocate | Append | Fork | CopyOnWrite | Commit | Free

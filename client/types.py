@@ -148,6 +148,8 @@ class PoolStats:
     used_blocks: int
     # Evictable cached blocks (a subset of free_blocks).
     cached_blocks: int
+    # Used blocks that are full but not yet committed (their K/V not certified written).
+    pending_blocks: int
     num_sequences: int
     num_sessions: int
     # Prefix-cache lookups over all sessions, in tokens.
@@ -163,5 +165,5 @@ class PoolStats:
     def from_proto(cls, m: pb.PoolStats) -> "PoolStats":
         session = SessionStats.from_proto(m.sessions[0]) if m.sessions else None
         return cls(m.num_blocks, m.block_size, m.free_blocks, m.used_blocks, m.cached_blocks,
-                   m.num_sequences, m.num_sessions, m.prefix_cache_queries, m.prefix_cache_hits,
-                   m.utilization, m.sharing_ratio, session)
+                   m.pending_blocks, m.num_sequences, m.num_sessions, m.prefix_cache_queries,
+                   m.prefix_cache_hits, m.utilization, m.sharing_ratio, session)

@@ -165,6 +165,13 @@ class KVPoolMemory:
         if index.numel():
             self.kv.index_fill_(BLOCK_DIM, index.to(self.kv.device), 0)
 
+    def synchronize(self) -> None:
+        """Wait until every copy and zeroing issued so far is complete in memory. On CUDA they
+        are asynchronous kernels; once the device is synchronized, a runner in another process
+        that reads the blocks sees their new data. CPU work is complete when its call returns."""
+        if self.kv.is_cuda:
+            torch.cuda.synchronize(self.kv.device)
+
     def _block_index(self, ids: npt.ArrayLike) -> torch.Tensor:
         """Ids as a 1-D int64 CPU tensor, checked against the pool before any write."""
         array = np.asarray(ids)

@@ -75,6 +75,17 @@ class CopyOnWrite:
 
 
 @dataclass(frozen=True, slots=True)
+class Commit:
+    """Certify that K/V is written: the pending full blocks it covers become shareable."""
+
+    # The sequences whose K/V the caller's runner has written.
+    seq_ids: Sequence[int]
+    # Empty (every token each sequence holds), or one count per sequence: the blocks fully
+    # inside each sequence's first num_tokens tokens.
+    num_tokens: Sequence[int] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Free:
     """Drop a sequence; blocks no one else references go back to the pool."""
 
@@ -82,15 +93,22 @@ class Free:
     seq_id: int
 
 
-Operation = Allocate | Append | Fork | CopyOnWrite | Free
+Operation = Allocate | Append | Fork | CopyOnWrite | Commit | Free
 
 
 def operation_name(op: Operation) -> str:
     """The op's name as the Batch RPC spells it ("copy_on_write"), for error messages."""
     return {Allocate: "allocate", Append: "append", Fork: "fork", CopyOnWrite: "copy_on_write",
-            Free: "free"}[type(op)]
+            Commit: "commit", Free: "free"}[type(op)]
 
 
 def seq_id_of(op: Operation) -> int:
-    """The sequence an op's result describes (the child, for a fork)."""
-    return op.child_seq_id if isinstance(op, Fork) else op.seq_id
+    """The sequence an op's result describes (the child, for a fork; 0 for a commit, whose
+    result is empty)."""
+    match op:
+        case Fork():
+            return op.child_seq_id
+        case Commit():
+            return 0
+        case _:
+            return op.seq_id

@@ -16,23 +16,30 @@ Block reuse across tenants. A block released by one session may be handed to ano
 old K/V still in it. That is safe without zeroing: the API returns block ids and slots, never
 contents; the attention kernels mask every slot past a sequence's length, so stale slots are
 never read; and only the trusted runner on this host maps the pool memory. For defense in
-depth, `zero_freed_blocks=True` zeroes every block the pool releases with no cached content.
-Blocks kept in the prefix cache keep their content on purpose (that is the cache) and are
-handed out again unzeroed when evicted; run without prefix caching where that matters.
+depth, `zero_freed_blocks=True` zeroes every block the pool releases with no cached content
+(pending blocks included). Committed blocks kept in the prefix cache keep their content on
+purpose (that is the cache).
 
 Stats. GetStats gives pool-wide figures to any caller, and per-session figures only for the
-caller's own session: session ids are credentials, so no RPC lists other sessions. Operators see
-every session through `session_stats()` (the metrics endpoint), keyed by label, never by id.
+caller's own session: session ids are credentials, so no RPC lists other sessions.
 
-Copy-on-write copies are done in pool memory before a call returns; in a Batch they run (in
-order, with any zeroing) only once every op has succeeded, so a rolled-back batch never
-touches memory.
+Concurrency and memory. Pool state changes are serialized by one lock and made all-or-nothing
+by the pool's undo journal (the session's bookkeeping records its undo there too). The memory
+work a call owes (copy-on-write copies, zeroing) runs on one worker thread, off the event loop,
+while the call holds the lock, and the answer leaves only once it is complete and synchronized
+(CUDA): a runner that reads the answer's blocks sees their data. If the memory work fails, the
+journal undoes the call and the caller gets INTERNAL with nothing changed. Calls that do not
+touch the pool (KeepAlive, OpenSession) never wait for the lock, and a call renews its
+session's lease when it arrives (see `sessions.py`), so one client's slow step cannot expire
+another's session.
 """
 
 import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from .core import BatchAppend, BlockPool, InvalidArgument, PoolError, PoolStats, SeqUpdate
 from .geometry import ModelGeometry
@@ -40,6 +47,7 @@ from .logging import get_logger
 from .operations import (
     Allocate,
     Append,
+    Commit,
     CopyOnWrite,
     Fork,
     Free,
@@ -54,6 +62,8 @@ log = get_logger(__name__)
 
 # How often the reaper looks for lapsed leases: a session is freed within this of its expiry.
 REAP_INTERVAL_S = 0.1
+
+T = TypeVar("T")
 
 
 class PoolService:
@@ -70,9 +80,12 @@ class PoolService:
         self.geometry = geometry
         self.limits = limits or RequestLimits()
         self.sessions = SessionRegistry(pool_id, default_lease_ttl_ms=default_lease_ttl_ms,
-                                        max_lease_ttl_ms=max_lease_ttl_ms,
-                                        on_expire=self._on_expire, clock=clock)
+                                        max_lease_ttl_ms=max_lease_ttl_ms, clock=clock)
         self._ops = SessionOps(pool, self.limits, zero_freed_blocks)
+        # Serializes every change of pool state, and the memory work that goes with it.
+        self._lock = asyncio.Lock()
+        # One thread: memory work runs in call order, off the event loop.
+        self._memory_worker = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-memory")
         self._reaper: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------- lifecycle
@@ -83,34 +96,77 @@ class PoolService:
             self._reaper = asyncio.create_task(self._reap_forever(), name="pagedkv-lease-reaper")
 
     async def stop(self) -> None:
-        """Stop the lease reaper; sessions stay as they are."""
+        """Stop the lease reaper and the memory worker; sessions stay as they are."""
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
             self._reaper = None
+        self._memory_worker.shutdown(wait=True)
 
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(REAP_INTERVAL_S)
+            await self.expire_due()
+
+    async def expire_due(self) -> int:
+        """Expire every session past its lease with no call in flight; returns how many."""
+        expired = 0
+        for session in self.sessions.due():
             try:
-                self.sessions.expire_due()
-            except Exception:  # the reaper must outlive any bug in one expiry
-                log.exception("lease reaper failed")
+                async with self._lock:
+                    if session.in_flight or session not in self.sessions:
+                        continue  # a call arrived, or it closed, while we waited
+                    freed = await self._drop_session(session, expired=True)
+            except Exception:  # the reaper must outlive any failure of one expiry
+                log.exception("lease expiry failed", session=session.label)
+                continue
+            expired += 1
+            log.info("session expired", session=session.label, freed_sequences=freed,
+                     lease_ttl_ms=session.lease_ttl_ms)
+        return expired
 
-    def _on_expire(self, session: Session) -> None:
-        freed = self._drop_session(session)
-        log.info("session expired", session=session.label, freed_sequences=freed,
-                 lease_ttl_ms=session.lease_ttl_ms)
-
-    def _drop_session(self, session: Session) -> int:
-        """Free every sequence of a session that is gone; returns how many."""
+    async def _drop_session(self, session: Session, *, expired: bool) -> int:
+        """Remove a session and free its sequences, all-or-nothing; returns how many.
+        The caller holds the lock."""
         work = MemoryWork()
         count = len(session.seq_ids)
-        for seq_id in list(session.seq_ids):
-            self._ops.free(session, seq_id, work)
-        work.perform(self.memory)
+        with self.pool.transaction() as journal:
+            self.sessions.remove(session, expired=expired)
+            journal.record(self.sessions.reinstate, session, expired)
+            for seq_id in list(session.seq_ids):
+                self._ops.free(session, seq_id, work)
+            await self._perform(work)
         return count
+
+    async def _perform(self, work: MemoryWork) -> None:
+        """Do a call's memory work on the worker thread and wait until it is complete.
+        A cancelled call still waits for it: the lock must not pass to the next call while
+        memory is being written for blocks the journal is about to release."""
+        if not work.steps or self.memory is None:
+            return
+        done = asyncio.get_running_loop().run_in_executor(self._memory_worker, work.perform,
+                                                          self.memory)
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            await asyncio.wait([done])
+            raise
+
+    async def _change(self, session_id: str, change: Callable[[Session, MemoryWork], T]) -> T:
+        """Run `change` for the session all-or-nothing, with its memory work, under the lock.
+        The lease is renewed on arrival and held while the call waits."""
+        session = self.sessions.arrive(session_id)
+        try:
+            async with self._lock:
+                self.sessions.check_live(session)
+                work = MemoryWork()
+                with self.pool.transaction():
+                    result = change(session, work)
+                    await self._perform(work)
+                return result
+        finally:
+            self.sessions.depart(session)
 
     # -------------------------------------------------------------- sessions
 
@@ -125,61 +181,54 @@ class PoolService:
         """Renew the lease (every call does); returns the lease in ms."""
         return self.sessions.get(session_id).lease_ttl_ms
 
-    def close_session(self, session_id: str) -> int:
+    async def close_session(self, session_id: str) -> int:
         """Close a session and free its sequences; returns how many were freed."""
-        session = self.sessions.close(session_id)
-        freed = self._drop_session(session)
+        session = self.sessions.arrive(session_id)
+        try:
+            async with self._lock:
+                self.sessions.check_live(session)
+                freed = await self._drop_session(session, expired=False)
+        finally:
+            self.sessions.depart(session)
         log.info("session closed", session=session.label, freed_sequences=freed)
         return freed
 
     # ------------------------------------------------------------ operations
 
-    def allocate(self, session_id: str, op: Allocate) -> SeqUpdate:
-        return self._single(session_id, op)
+    async def allocate(self, session_id: str, op: Allocate) -> SeqUpdate:
+        return await self._single(session_id, op)
 
-    def append(self, session_id: str, op: Append) -> SeqUpdate:
-        return self._single(session_id, op)
+    async def append(self, session_id: str, op: Append) -> SeqUpdate:
+        return await self._single(session_id, op)
 
-    def fork(self, session_id: str, op: Fork) -> SeqUpdate:
-        return self._single(session_id, op)
+    async def fork(self, session_id: str, op: Fork) -> SeqUpdate:
+        return await self._single(session_id, op)
 
-    def copy_on_write(self, session_id: str, op: CopyOnWrite) -> SeqUpdate:
-        return self._single(session_id, op)
+    async def copy_on_write(self, session_id: str, op: CopyOnWrite) -> SeqUpdate:
+        return await self._single(session_id, op)
 
-    def free(self, session_id: str, op: Free) -> int:
+    async def commit(self, session_id: str, op: Commit) -> int:
+        """Certify K/V written; returns how many blocks became shareable."""
+        return await self._change(
+            session_id, lambda session, _: self._ops.commit(session, op.seq_ids, op.num_tokens))
+
+    async def free(self, session_id: str, op: Free) -> int:
         """Drop a sequence; returns how many blocks went back to the pool."""
-        session = self.sessions.get(session_id)
-        work = MemoryWork()
-        released = self._ops.free(session, op.seq_id, work)
-        work.perform(self.memory)
-        return released
+        return await self._change(
+            session_id, lambda session, work: self._ops.free(session, op.seq_id, work))
 
-    def _single(self, session_id: str, op: Operation) -> SeqUpdate:
-        """One op: the pool does it all-or-nothing, and the session changes only after."""
-        session = self.sessions.get(session_id)
-        work = MemoryWork()
-        update = self._ops.apply(session, op, work)
-        work.perform(self.memory)
-        return update
+    async def _single(self, session_id: str, op: Operation) -> SeqUpdate:
+        return await self._change(session_id,
+                                  lambda session, work: self._ops.apply(session, op, work))
 
-    def batch(self, session_id: str, ops: Sequence[Operation]) -> list[SeqUpdate]:
-        """Apply ops in order, all-or-nothing; one result per op (an empty table for a free)."""
-        session = self.sessions.get(session_id)
+    async def batch(self, session_id: str, ops: Sequence[Operation]) -> list[SeqUpdate]:
+        """Apply ops in order, all-or-nothing; one result per op (an empty table for a free
+        or a commit)."""
         if not ops:
             raise InvalidArgument("a batch needs at least one op")
         self.limits.check_count("ops", len(ops), self.limits.max_batch_ops)
-        saved = session.usage()
-        work = MemoryWork()
-        results = []
-        try:
-            with self.pool.atomic():
-                for index, op in enumerate(ops):
-                    results.append(self._apply_numbered(session, index, op, work))
-        except BaseException:
-            session.restore(saved)
-            raise
-        work.perform(self.memory)
-        return results
+        return await self._change(session_id, lambda session, work: [
+            self._apply_numbered(session, index, op, work) for index, op in enumerate(ops)])
 
     def _apply_numbered(self, session: Session, index: int, op: Operation,
                         work: MemoryWork) -> SeqUpdate:
@@ -189,25 +238,25 @@ class PoolService:
         except PoolError as exc:
             raise type(exc)(f"op {index} ({operation_name(op)}): {exc}") from exc
 
-    def step(self, session_id: str, seq_ids: Sequence[int], num_tokens: int = 1,
-             token_ids: Sequence[int] = ()) -> BatchAppend:
-        """Append num_tokens tokens to each of many sequences at once, all-or-nothing."""
-        session = self.sessions.get(session_id)
-        work = MemoryWork()
-        result = self._ops.step(session, seq_ids, num_tokens, token_ids, work)
-        work.perform(self.memory)
-        return result
+    async def step(self, session_id: str, seq_ids: Sequence[int], num_tokens: int = 1,
+                   token_ids: Sequence[int] = (), *, commit: bool = False) -> BatchAppend:
+        """Append num_tokens tokens to each of many sequences at once, all-or-nothing; with
+        `commit`, their pending blocks are committed first."""
+        return await self._change(session_id, lambda session, work: self._ops.step(
+            session, seq_ids, num_tokens, token_ids, work, commit))
 
     # --------------------------------------------------------------- queries
 
-    def block_tables(self, session_id: str, seq_ids: Sequence[int]) -> list[SeqUpdate]:
+    async def block_tables(self, session_id: str, seq_ids: Sequence[int]) -> list[SeqUpdate]:
         """Each sequence's table and length, in request order."""
-        session = self.sessions.get(session_id)
         if not seq_ids:
             raise InvalidArgument("no seq_ids given")
         self.limits.check_count("seq_ids", len(seq_ids), self.limits.max_seq_ids)
-        keys = [self._ops.own(session, seq_id) for seq_id in seq_ids]
-        return [SeqUpdate(self.pool.block_table(k), self.pool.num_tokens(k)) for k in keys]
+
+        def tables(session: Session, _: MemoryWork) -> list[SeqUpdate]:
+            keys = [self._ops.own(session, seq_id) for seq_id in seq_ids]
+            return [SeqUpdate(self.pool.block_table(k), self.pool.num_tokens(k)) for k in keys]
+        return await self._change(session_id, tables)
 
     def pool_stats(self) -> PoolStats:
         return self.pool.stats()
@@ -220,15 +269,9 @@ class PoolService:
     def lease_expiries_total(self) -> int:
         return self.sessions.expiries_total
 
-    def session_stats(self) -> dict[str, SessionStats]:
-        """Every live session's figures, keyed by label (never by the secret id)."""
-        return {s.label: self._stats_of(s) for s in self.sessions}
-
     def stats_of(self, session_id: str) -> SessionStats:
         """One session's figures (renews its lease, like any call naming it)."""
-        return self._stats_of(self.sessions.get(session_id))
-
-    def _stats_of(self, session: Session) -> SessionStats:
+        session = self.sessions.get(session_id)
         held: set[int] = set()
         for seq_id in session.seq_ids:
             held.update(self.pool.block_table(session.key(seq_id)))

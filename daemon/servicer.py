@@ -16,7 +16,7 @@ from pagedkv.proto import kvpool_pb2_grpc
 
 from .core import InvalidArgument, SeqUpdate
 from .geometry import dtype_bytes
-from .operations import Allocate, Append, CopyOnWrite, Fork, Free, Operation, seq_id_of
+from .operations import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation, seq_id_of
 from .service import PoolService
 from .sessions import SessionStats
 from .status import grpc_errors
@@ -56,49 +56,55 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @grpc_errors
     async def CloseSession(self, request: pb.CloseSessionRequest,
                            context: Context) -> pb.CloseSessionResponse:
-        freed = self._service.close_session(request.session_id)
+        freed = await self._service.close_session(request.session_id)
         return pb.CloseSessionResponse(freed_sequences=freed)
 
     @grpc_errors
     async def Allocate(self, request: pb.AllocateRequest, context: Context) -> pb.SequenceBlocks:
-        update = self._service.allocate(request.session_id, allocate_op(request))
+        update = await self._service.allocate(request.session_id, allocate_op(request))
         return sequence_blocks(request.seq_id, update)
 
     @grpc_errors
     async def Append(self, request: pb.AppendRequest, context: Context) -> pb.SequenceBlocks:
-        update = self._service.append(request.session_id, append_op(request))
+        update = await self._service.append(request.session_id, append_op(request))
         return sequence_blocks(request.seq_id, update)
 
     @grpc_errors
     async def Fork(self, request: pb.ForkRequest, context: Context) -> pb.SequenceBlocks:
-        update = self._service.fork(request.session_id, fork_op(request))
+        update = await self._service.fork(request.session_id, fork_op(request))
         return sequence_blocks(request.child_seq_id, update)
 
     @grpc_errors
     async def CopyOnWrite(self, request: pb.CopyOnWriteRequest,
                           context: Context) -> pb.SequenceBlocks:
-        update = self._service.copy_on_write(request.session_id, copy_on_write_op(request))
+        update = await self._service.copy_on_write(request.session_id, copy_on_write_op(request))
         return sequence_blocks(request.seq_id, update)
 
     @grpc_errors
     async def Free(self, request: pb.FreeRequest, context: Context) -> pb.FreeResponse:
-        released = self._service.free(request.session_id, Free(request.seq_id))
+        released = await self._service.free(request.session_id, Free(request.seq_id))
         return pb.FreeResponse(released_blocks=released)
+
+    @grpc_errors
+    async def Commit(self, request: pb.CommitRequest, context: Context) -> pb.CommitResponse:
+        committed = await self._service.commit(request.session_id, commit_op(request))
+        return pb.CommitResponse(committed_blocks=committed)
 
     @grpc_errors
     async def Batch(self, request: pb.BatchRequest, context: Context) -> pb.BatchResponse:
         limits = self._service.limits  # refuse an oversized batch before converting it
         limits.check_count("ops", len(request.ops), limits.max_batch_ops)
         ops = [batch_op(request.session_id, index, op) for index, op in enumerate(request.ops)]
-        updates = self._service.batch(request.session_id, ops)
+        updates = await self._service.batch(request.session_id, ops)
         return pb.BatchResponse(results=[sequence_blocks(seq_id_of(op), update)
                                          for op, update in zip(ops, updates, strict=True)])
 
     @grpc_errors
     async def Step(self, request: pb.StepRequest, context: Context) -> pb.StepResponse:
         # list() of a packed field is one C loop; numpy reads the token ids field directly.
-        result = self._service.step(request.session_id, list(request.seq_ids),
-                                    request.num_tokens or 1, request.token_ids)
+        result = await self._service.step(request.session_id, list(request.seq_ids),
+                                          request.num_tokens or 1, request.token_ids,
+                                          commit=request.commit)
         return pb.StepResponse(
             slot_mapping=result.slot_mapping.tolist(),
             changed_seq_index=result.changed_seq_index.tolist(),
@@ -111,7 +117,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     async def GetBlockTables(self, request: pb.GetBlockTablesRequest,
                              context: Context) -> pb.GetBlockTablesResponse:
         seq_ids = list(request.seq_ids)
-        updates = self._service.block_tables(request.session_id, seq_ids)
+        updates = await self._service.block_tables(request.session_id, seq_ids)
         return pb.GetBlockTablesResponse(tables=[sequence_blocks(seq_id, update) for
                                                  seq_id, update in zip(seq_ids, updates,
                                                                        strict=True)])
@@ -124,7 +130,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         return pb.PoolStats(
             num_blocks=stats.num_blocks, block_size=stats.block_size,
             free_blocks=stats.free_blocks, used_blocks=stats.used_blocks,
-            cached_blocks=stats.cached_blocks, filled_slots=stats.filled_slots,
+            cached_blocks=stats.cached_blocks, pending_blocks=stats.pending_blocks,
+            filled_slots=stats.filled_slots,
             allocated_slots=stats.allocated_slots, logical_tokens=stats.logical_tokens,
             num_sequences=stats.num_sequences, prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits, utilization=stats.utilization,
@@ -155,6 +162,10 @@ def copy_on_write_op(request: pb.CopyOnWriteRequest) -> CopyOnWrite:
     return CopyOnWrite(request.seq_id, request.logical_block)
 
 
+def commit_op(request: pb.CommitRequest) -> Commit:
+    return Commit(list(request.seq_ids), list(request.num_tokens))
+
+
 def batch_op(session_id: str, index: int, op: pb.BatchOp) -> Operation:
     """One Batch op; its own session_id, if set, must be the batch's."""
     kind = op.WhichOneof("op")
@@ -172,6 +183,8 @@ def batch_op(session_id: str, index: int, op: pb.BatchOp) -> Operation:
             return fork_op(op.fork)
         case "copy_on_write":
             return copy_on_write_op(op.copy_on_write)
+        case "commit":
+            return commit_op(op.commit)
         case _:
             return Free(op.free.seq_id)
 

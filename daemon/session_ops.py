@@ -4,7 +4,9 @@
 the quota before the pool acts, turns `NoFit` into `PoolExhausted`, keeps each session's
 sequence set and table-entry count in step with the pool, and records in a `MemoryWork` the
 copies and zeroing that pool memory owes for the call. Every check runs before the pool is
-touched, so a refused op changes nothing.
+touched, so a refused op changes nothing; the session's bookkeeping is changed through the
+pool's journal, so a transaction that fails later (a later op of a Batch, the memory work)
+undoes it together with the pool.
 
 Pool keys are `(session number, seq_id)`: a seq id of another session is simply not found.
 """
@@ -21,6 +23,7 @@ from .core import (
     BlockCopy,
     BlockPool,
     InvalidArgument,
+    Journal,
     NoFit,
     SequenceExists,
     SequenceNotFound,
@@ -29,6 +32,7 @@ from .core import (
 from .operations import (
     Allocate,
     Append,
+    Commit,
     CopyOnWrite,
     Fork,
     Free,
@@ -50,6 +54,8 @@ class BlockMemory(Protocol):
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int], /) -> None: ...
 
     def zero_blocks(self, ids: Sequence[int], /) -> None: ...
+
+    def synchronize(self) -> None: ...
 
     def handle(self) -> "PoolMemoryHandle": ...
 
@@ -73,15 +79,15 @@ class MemoryWork:
         if blocks:
             self.steps.append(("zero", blocks, []))
 
-    def perform(self, memory: BlockMemory | None) -> None:
-        """Do the work in pool memory (nothing to do for a bookkeeping-only pool)."""
-        if memory is None:
-            return
+    def perform(self, memory: BlockMemory) -> None:
+        """Do the work in pool memory and wait until it is complete and visible to every
+        process that maps the pool (on CUDA the copies are asynchronous until synchronized)."""
         for kind, blocks, destinations in self.steps:
             if kind == "copy":
                 memory.copy_blocks(blocks, destinations)
             else:
                 memory.zero_blocks(blocks)
+        memory.synchronize()
 
 
 def _blocks_for(num_tokens: int, block_size: int) -> int:
@@ -104,6 +110,8 @@ class SessionOps:
         self.limits = limits
         # Zero blocks the pool releases with no cached content (defense in depth).
         self.zero_freed_blocks = zero_freed_blocks
+        # Where session bookkeeping records its undo (the pool's, inside its transactions).
+        self._journal: Journal = pool.journal
 
     def apply(self, session: Session, op: Operation, work: MemoryWork) -> SeqUpdate:
         """One op for one session: checks first, then the pool, then the session's books."""
@@ -115,25 +123,24 @@ class SessionOps:
                     raise SequenceExists(f"sequence {seq_id} already exists in this session")
                 self._check_quota(session, _blocks_for(num_tokens, bs))
                 update = _fit(self.pool.allocate(session.key(seq_id), num_tokens, tokens,
-                                                      salt=session.salt))
-                session.seq_ids.add(seq_id)
+                                                 salt=session.salt))
+                self._add_seq(session, seq_id)
                 if tokens is not None and self.pool.enable_prefix_caching:
-                    session.prefix_cache_queries += num_tokens
-                    session.prefix_cache_hits += update.num_cached_tokens
+                    self._count_prefix(session, num_tokens, update.num_cached_tokens)
             case Append(seq_id, num_tokens, token_ids):
                 tokens = self._check_tokens(num_tokens, token_ids, minimum=1)
                 key = self.own(session, seq_id)
                 old = self.pool.num_tokens(key)
                 self._check_quota(session, _blocks_for(old + num_tokens, bs) - _blocks_for(old, bs))
                 update = _fit(self.pool.append(key, num_tokens, tokens))
-                session.table_entries -= _blocks_for(old, bs)
+                self._add_entries(session, -_blocks_for(old, bs))
             case Fork(parent_seq_id, child_seq_id):
                 parent = self.own(session, parent_seq_id)
                 if child_seq_id in session.seq_ids:
                     raise SequenceExists(f"sequence {child_seq_id} already exists in this session")
                 self._check_quota(session, len(self.pool.block_table(parent)))
                 update = self.pool.fork(parent, session.key(child_seq_id))
-                session.seq_ids.add(child_seq_id)
+                self._add_seq(session, child_seq_id)
             case CopyOnWrite(seq_id, logical_block):
                 key = self.own(session, seq_id)
                 num_blocks = len(self.pool.block_table(key))
@@ -141,11 +148,14 @@ class SessionOps:
                     raise InvalidArgument(f"logical_block {logical_block} is outside the "
                                           f"{num_blocks} blocks of sequence {seq_id}")
                 update = _fit(self.pool.copy_on_write(key, logical_block))
-                session.table_entries -= num_blocks
+                self._add_entries(session, -num_blocks)
+            case Commit(seq_ids, num_tokens):
+                self.commit(session, seq_ids, num_tokens)
+                return SeqUpdate(block_table=[], num_tokens=0)
             case Free(seq_id):
                 self.free(session, seq_id, work)
                 return SeqUpdate(block_table=[], num_tokens=0)
-        session.table_entries += len(update.block_table)
+        self._add_entries(session, len(update.block_table))
         work.copy(update.copies)
         return update
 
@@ -155,15 +165,43 @@ class SessionOps:
         entries = len(self.pool.block_table(key))
         released = self.pool.free(key)
         session.seq_ids.discard(seq_id)
-        session.table_entries -= entries
+        self._journal.record(session.seq_ids.add, seq_id)
+        self._add_entries(session, -entries)
         if self.zero_freed_blocks:
             work.zero(released)
         return len(released)
 
+    def commit(self, session: Session, seq_ids: Sequence[int],
+               num_tokens: Sequence[int] = ()) -> int:
+        """Certify the K/V of the session's sequences written (all their tokens, or the first
+        num_tokens[i] of seq_ids[i]); returns how many blocks became shareable."""
+        if not len(seq_ids):
+            raise InvalidArgument("a commit needs at least one seq_id")
+        self.limits.check_count("seq_ids", len(seq_ids), self.limits.max_seq_ids)
+        if len(num_tokens) and len(num_tokens) != len(seq_ids):
+            raise InvalidArgument(f"{len(num_tokens)} num_tokens given for {len(seq_ids)} "
+                                  "seq_ids; send one per sequence or none")
+        keys = self._own_all(session, seq_ids)
+        return self.pool.commit(keys, num_tokens if len(num_tokens) else None)
+
+    def _add_seq(self, session: Session, seq_id: int) -> None:
+        session.seq_ids.add(seq_id)
+        self._journal.record(session.seq_ids.discard, seq_id)
+
+    def _add_entries(self, session: Session, delta: int) -> None:
+        session.table_entries += delta
+        self._journal.record(_shift_entries, session, -delta)
+
+    def _count_prefix(self, session: Session, queries: int, hits: int) -> None:
+        session.prefix_cache_queries += queries
+        session.prefix_cache_hits += hits
+        self._journal.record(_shift_prefix, session, -queries, -hits)
+
     def step(self, session: Session, seq_ids: Sequence[int], num_tokens: int,
-             token_ids: Sequence[int], work: MemoryWork) -> BatchAppend:
+             token_ids: Sequence[int], work: MemoryWork, commit: bool = False) -> BatchAppend:
         """Append num_tokens tokens to each of many sequences, all-or-nothing; the only
-        per-sequence Python work is building the pool keys.
+        per-sequence Python work is building the pool keys. With `commit`, the sequences'
+        pending blocks are committed first (the caller certifies their K/V written).
 
         token_ids may be any sequence numpy reads in one go (a packed protobuf field is).
         """
@@ -180,18 +218,24 @@ class SessionOps:
                 raise InvalidArgument(f"{len(token_ids)} token_ids given for {count} sequences "
                                       f"of {num_tokens} tokens; send exactly that many or none")
             tokens = np.asarray(token_ids, dtype=np.int64)
+        keys = self._own_all(session, seq_ids)
+        if session.max_blocks:
+            self._check_quota(session, self._step_entries(keys, num_tokens))
+        if commit:
+            self.pool.commit(keys)
+        result = _fit(self.pool.append_batch(keys, num_tokens, tokens))
+        # Each copy-on-write replaces an entry; every other changed entry is a new block.
+        self._add_entries(session, len(result.changed_seq_index) - len(result.copies))
+        work.copy(result.copies)
+        return result
+
+    def _own_all(self, session: Session, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Pool keys of many of the session's sequences (one set operation, not a loop)."""
         if not session.seq_ids.issuperset(seq_ids):
             unknown = sorted(set(seq_ids) - session.seq_ids)
             raise SequenceNotFound(f"sequences not found in this session: {unknown[:8]}")
         number = session.number
-        keys = [(number, seq_id) for seq_id in seq_ids]
-        if session.max_blocks:
-            self._check_quota(session, self._step_entries(keys, num_tokens))
-        result = _fit(self.pool.append_batch(keys, num_tokens, tokens))
-        # Each copy-on-write replaces an entry; every other changed entry is a new block.
-        session.table_entries += len(result.changed_seq_index) - len(result.copies)
-        work.copy(result.copies)
-        return result
+        return [(number, seq_id) for seq_id in seq_ids]
 
     def _step_entries(self, keys: list[tuple[int, int]], num_tokens: int) -> int:
         """Block-table entries a step would add (only computed under a quota)."""
@@ -223,3 +267,13 @@ class SessionOps:
             left = session.max_blocks - session.table_entries
             raise PoolExhausted(f"session quota: the call needs {new_entries} more blocks, "
                                 f"{left} of max_blocks={session.max_blocks} left")
+
+
+# Undo functions of SessionOps' bookkeeping (module level: the journal holds them by reference).
+def _shift_entries(session: Session, delta: int) -> None:
+    session.table_entries += delta
+
+
+def _shift_prefix(session: Session, queries: int, hits: int) -> None:
+    session.prefix_cache_queries += queries
+    session.prefix_cache_hits += hits

@@ -1,8 +1,11 @@
 """Sessions: which client owns which sequences, and the leases that free them when it vanishes.
 
-A session is a lease. Every call that names the session renews it; one that misses its lease
-(no call and no KeepAlive within `lease_ttl_ms`) expires, and the service frees all its
-sequences. So a client process that dies never leaks blocks.
+A session is a lease. Every call that names the session renews it when the call *arrives*,
+before it waits for the pool behind other clients' work, and again when it finishes; a session
+with a call in flight never expires (the grace for calls queued behind work). One that misses
+its lease (no call and no KeepAlive within `lease_ttl_ms`) is due, and the service's reaper
+frees all its sequences. So a client process that dies never leaks blocks, and a client that
+keeps calling is never expired by another client's slow call.
 
 Session ids are credentials: whoever knows one acts for the session. An id reads
 `{pool_id}-{number}-{secret}`: the pool id tells a session from before a daemon restart
@@ -61,6 +64,9 @@ class Session:
     # Tokens offered for prefix reuse by this session's allocations, and tokens found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Calls naming the session that have arrived and not finished: while any is in flight the
+    # session cannot expire.
+    in_flight: int = 0
 
     @property
     def label(self) -> str:
@@ -70,27 +76,6 @@ class Session:
     def key(self, seq_id: int) -> tuple[int, int]:
         """The pool's key for one of this session's sequences."""
         return (self.number, seq_id)
-
-    def usage(self) -> "SessionUsage":
-        """A snapshot of the bookkeeping a rolled-back batch restores."""
-        return SessionUsage(set(self.seq_ids), self.table_entries, self.prefix_cache_queries,
-                            self.prefix_cache_hits)
-
-    def restore(self, saved: "SessionUsage") -> None:
-        self.seq_ids = saved.seq_ids
-        self.table_entries = saved.table_entries
-        self.prefix_cache_queries = saved.prefix_cache_queries
-        self.prefix_cache_hits = saved.prefix_cache_hits
-
-
-@dataclass(frozen=True, slots=True)
-class SessionUsage:
-    """The mutable bookkeeping of a session at one moment (see `Session` for the fields)."""
-
-    seq_ids: set[int]
-    table_entries: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +100,9 @@ class SessionStats:
 
 
 class SessionRegistry:
-    """Issues session ids, renews leases, and hands expired sessions to `on_expire`."""
+    """Issues session ids, renews leases, and says which sessions are due to expire."""
 
     def __init__(self, pool_id: str, *, default_lease_ttl_ms: int, max_lease_ttl_ms: int,
-                 on_expire: Callable[[Session], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not 0 < default_lease_ttl_ms <= max_lease_ttl_ms:
             raise ValueError("need 0 < default_lease_ttl_ms <= max_lease_ttl_ms, got "
@@ -128,7 +112,6 @@ class SessionRegistry:
         self.max_lease_ttl_ms = max_lease_ttl_ms
         # Expiries so far (a counter for metrics).
         self.expiries_total = 0
-        self._on_expire = on_expire
         self._clock = clock
         self._numbers = count(1)
         self._sessions: dict[str, Session] = {}
@@ -136,6 +119,10 @@ class SessionRegistry:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def __contains__(self, session: object) -> bool:
+        """Whether `session` is live (not closed or expired)."""
+        return isinstance(session, Session) and self._sessions.get(session.session_id) is session
 
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._sessions.values()))
@@ -158,39 +145,55 @@ class SessionRegistry:
         return session
 
     def get(self, session_id: str) -> Session:
-        """The live session with this id, its lease renewed; raises why there is none."""
+        """The live session with this id, its lease renewed; raises why there is none.
+        A session past its lease with no call in flight is due: refused, never revived."""
         session = self._sessions.get(session_id)
         if session is None:
             raise self._missing(session_id)
         now = self._clock()
-        if now > session.deadline:
-            # The reaper has not run yet: expire it now rather than revive a lapsed lease.
-            self._expire(session)
-            raise self._missing(session_id)
+        if now > session.deadline and not session.in_flight:
+            raise SessionExpired(f"session {session_id} expired: no call or KeepAlive within "
+                                 "its lease; open a new session")
         session.deadline = now + session.lease_ttl_ms / 1000
         return session
 
-    def close(self, session_id: str) -> Session:
-        """Remove a live session (the caller frees its sequences)."""
+    def arrive(self, session_id: str) -> Session:
+        """A call naming the session has arrived: renew the lease and hold it until `depart`."""
         session = self.get(session_id)
-        del self._sessions[session_id]
+        session.in_flight += 1
         return session
 
-    def expire_due(self) -> list[Session]:
-        """Expire every session whose lease has run out; returns them."""
-        now = self._clock()
-        due = [s for s in self._sessions.values() if now > s.deadline]
-        for session in due:
-            self._expire(session)
-        return due
+    def depart(self, session: Session) -> None:
+        """A call that `arrive`d has finished: its lease runs from now."""
+        session.in_flight -= 1
+        session.deadline = self._clock() + session.lease_ttl_ms / 1000
 
-    def _expire(self, session: Session) -> None:
+    def check_live(self, session: Session) -> None:
+        """Raise why `session` is gone if it was closed or expired while a call waited."""
+        if session not in self:
+            raise self._missing(session.session_id)
+
+    def due(self) -> list[Session]:
+        """Sessions past their lease with no call in flight: the reaper's to expire."""
+        now = self._clock()
+        return [s for s in self._sessions.values() if now > s.deadline and not s.in_flight]
+
+    def remove(self, session: Session, *, expired: bool) -> None:
+        """Take a session out of the registry (closed, or expired by the reaper); the caller
+        frees its sequences, and `reinstate` undoes this if that fails."""
         del self._sessions[session.session_id]
-        self._expired[session.session_id] = None
-        if len(self._expired) > REMEMBERED_EXPIRED_IDS:
-            self._expired.popitem(last=False)
-        self.expiries_total += 1
-        self._on_expire(session)
+        if expired:
+            self._expired[session.session_id] = None
+            if len(self._expired) > REMEMBERED_EXPIRED_IDS:
+                self._expired.popitem(last=False)
+            self.expiries_total += 1
+
+    def reinstate(self, session: Session, expired: bool) -> None:
+        """Undo `remove` (the remembered expired id, if evicted meanwhile, is not restored)."""
+        self._sessions[session.session_id] = session
+        if expired:
+            self._expired.pop(session.session_id, None)
+            self.expiries_total -= 1
 
     def _missing(self, session_id: str) -> PoolError:
         """The error for an id that names no live session."""

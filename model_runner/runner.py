@@ -9,8 +9,9 @@ The daemon decides where every token's K/V lives (block tables, slots); the runn
 `ModelRunner.step` runs the model once over a packed batch of `SequenceChunk`s (a prompt's
 uncached suffix, or one decode token) and returns each chunk's next-token logits. `generate`
 drives a greedy loop: one Batch RPC allocates every prompt, one forward prefills them, then each
-decode step is one Step RPC plus one forward. The daemon performs copy-on-write copies in pool
-memory before it answers, so the runner never copies a block.
+decode step is one Step RPC (which also commits what the previous forward computed) plus one
+forward; a final Batch commits and frees. The daemon performs copy-on-write copies in pool
+memory, complete, before it answers, so the runner never copies a block.
 
 A prompt whose every token is in the prefix cache (a multiple of the block size, all blocks
 shared) still needs the logits of its last token: the runner recomputes that one token with
@@ -26,7 +27,7 @@ from typing import Self
 import torch
 from transformers import PreTrainedModel
 
-from pagedkv.client import Allocate, Free, PoolInfo, SequenceBlocks, Session, StepResult
+from pagedkv.client import Allocate, Commit, Free, PoolInfo, SequenceBlocks, Session, StepResult
 from pagedkv.daemon.kv_memory import PoolMemoryHandle, attach_pool
 
 from .attention_backend import AttentionBackend
@@ -213,7 +214,9 @@ class _Running:
 async def generate(session: Session, runner: ModelRunner, prompts: Sequence[Sequence[int]],
                    max_new_tokens: int, *, first_seq_id: int = 0) -> list[Generation]:
     """Greedy decoding of `prompts` as sequences first_seq_id, first_seq_id + 1, ...; each is
-    freed at the end (its full blocks stay in the prefix cache for later prompts)."""
+    freed at the end. Blocks are committed once computed (each Step certifies the previous
+    forward), so after a success their full blocks stay in the prefix cache for later prompts;
+    after a failure nothing uncertain is ever shared."""
     if max_new_tokens < 1 or not prompts or not all(prompts):
         raise ValueError("generate needs prompts, none empty, and max_new_tokens >= 1")
     seq_ids = list(range(first_seq_id, first_seq_id + len(prompts)))
@@ -226,10 +229,16 @@ async def generate(session: Session, runner: ModelRunner, prompts: Sequence[Sequ
         _accept(running, runner.step([chunk for _, chunk in prefills]))
         for _ in range(max_new_tokens - 1):
             last_tokens = [state.generation.token_ids[-1] for state in running]
-            step = await session.step(seq_ids, last_tokens)
+            # The forward that produced last_tokens wrote the K/V of everything the sequences
+            # hold: commit it, so their full blocks become shareable.
+            step = await session.step(seq_ids, last_tokens, commit=True)
             _accept(running, runner.step(_decode_chunks(running, step)))
+        done: list[Commit | Free] = [Commit(seq_ids)]
+    except BaseException:
+        done = []  # a failed forward wrote nothing certain: pending blocks are dropped
+        raise
     finally:
-        await session.batch([Free(seq_id) for seq_id in seq_ids])
+        await session.batch([*done, *[Free(seq_id) for seq_id in seq_ids]])
     return [state.generation for state in running]
 
 

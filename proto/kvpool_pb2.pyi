@@ -9,6 +9,28 @@ in pool memory that only a trusted runner on the same host maps (see PoolInfo.me
 
 External schedulers generate their own stubs from this file: names and field numbers are
 stable; new fields and RPCs are only ever added.
+
+Prefix sharing: pending and committed blocks. K/V is shareable only once it is written. When
+a sequence's block fills (Allocate of a prompt, or appends), the daemon keys it by content but
+keeps it *pending*: no other prompt can match it, since no runner has computed its K/V yet.
+The block becomes *committed*, and matchable by later prompts under the same cache salt, only
+when the sequence's owner certifies that its K/V is written: the Commit RPC, a Batch commit
+op, or StepRequest.commit. A pending block whose last reference goes (Free, CloseSession,
+lease expiry) loses its key and is never handed out as cached. Two sequences computing the
+same prefix at once each compute their own copy; the first to commit is the one shared.
+
+Memory ordering. Every memory effect an answer reports (copy-on-write copies, zeroing of
+freed blocks) is complete and visible to every process that maps the pool when the answer
+leaves the daemon: the daemon performs it (off its event loop) and synchronizes the device
+before answering. A runner may use the blocks of an answer at once, with no copies of its own.
+
+Retry rules. Every call is all-or-nothing: a call answered with an error status by the daemon
+changed nothing. A call that ends in DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE may or may not
+have been applied (the answer may be what was lost). Before retrying such a call, read the
+state back: GetBlockTables gives each sequence's num_tokens, which tells whether an Append or
+Step took effect (they are not idempotent); an Allocate or Fork retried after it took effect
+gets ALREADY_EXISTS, a Free gets NOT_FOUND; Commit and KeepAlive are idempotent. A session
+whose calls keep failing with UNAVAILABLE may have expired: FAILED_PRECONDITION says so.
 """
 
 from collections import abc as _abc
@@ -427,7 +449,9 @@ class FreeResponse(_message.Message):
 
     RELEASED_BLOCKS_FIELD_NUMBER: _builtins.int
     released_blocks: _builtins.int
-    """Blocks the sequence held that no one references any more."""
+    """Blocks the sequence held that no one references any more and that went back to the free
+    list (committed blocks stay cached and are not counted; pending ones lose their key).
+    """
     def __init__(
         self,
         *,
@@ -442,8 +466,63 @@ class FreeResponse(_message.Message):
 Global___FreeResponse: _TypeAlias = FreeResponse  # noqa: Y015
 
 @_typing.final
+class CommitRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    SEQ_IDS_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    @_builtins.property
+    def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Sequences of the session whose K/V the caller's runner has written."""
+
+    @_builtins.property
+    def num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Empty: every token each sequence holds is computed. Otherwise one count per seq id: only
+        the first num_tokens tokens are (chunked prefill), and only blocks fully inside them commit.
+        """
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "seq_ids", b"seq_ids", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitRequest: _TypeAlias = CommitRequest  # noqa: Y015
+
+@_typing.final
+class CommitResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMMITTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    committed_blocks: _builtins.int
+    """Pending blocks that became shareable (a block another sequence committed first with the
+    same content stays private and is not counted).
+    """
+    def __init__(
+        self,
+        *,
+        committed_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_blocks", b"committed_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommitResponse: _TypeAlias = CommitResponse  # noqa: Y015
+
+@_typing.final
 class BlockCopy(_message.Message):
-    """One copy-on-write copy, already done in pool memory when the answer arrives."""
+    """One copy-on-write copy, already done (and synchronized) in pool memory when the answer arrives."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -480,7 +559,9 @@ class SequenceBlocks(_message.Message):
     seq_id: _builtins.int
     num_tokens: _builtins.int
     num_cached_tokens: _builtins.int
-    """Leading tokens found in the prefix cache (Allocate only)."""
+    """Leading tokens found in the prefix cache (Allocate only): committed blocks only, so their
+    K/V is written and the runner computes from num_cached_tokens on.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The block table: logical block i -> physical block block_ids[i]. Empty after Free."""
@@ -520,6 +601,7 @@ class BatchOp(_message.Message):
     FORK_FIELD_NUMBER: _builtins.int
     COPY_ON_WRITE_FIELD_NUMBER: _builtins.int
     FREE_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def allocate(self) -> Global___AllocateRequest: ...
     @_builtins.property
@@ -530,6 +612,10 @@ class BatchOp(_message.Message):
     def copy_on_write(self) -> Global___CopyOnWriteRequest: ...
     @_builtins.property
     def free(self) -> Global___FreeRequest: ...
+    @_builtins.property
+    def commit(self) -> Global___CommitRequest:
+        """Its result is an empty SequenceBlocks (seq_id 0)."""
+
     def __init__(
         self,
         *,
@@ -538,12 +624,13 @@ class BatchOp(_message.Message):
         fork: Global___ForkRequest | None = ...,
         copy_on_write: Global___CopyOnWriteRequest | None = ...,
         free: Global___FreeRequest | None = ...,
+        commit: Global___CommitRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["allocate", b"allocate", "append", b"append", "copy_on_write", b"copy_on_write", "fork", b"fork", "free", b"free", "op", b"op"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["allocate", b"allocate", "append", b"append", "commit", b"commit", "copy_on_write", b"copy_on_write", "fork", b"fork", "free", b"free", "op", b"op"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocate", b"allocate", "append", b"append", "copy_on_write", b"copy_on_write", "fork", b"fork", "free", b"free", "op", b"op"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocate", b"allocate", "append", b"append", "commit", b"commit", "copy_on_write", b"copy_on_write", "fork", b"fork", "free", b"free", "op", b"op"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["allocate", "append", "fork", "copy_on_write", "free"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["allocate", "append", "fork", "copy_on_write", "free", "commit"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -602,9 +689,15 @@ class StepRequest(_message.Message):
     SEQ_IDS_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     num_tokens: _builtins.int
     """Tokens appended to every sequence; 0 means 1."""
+    commit: _builtins.bool
+    """Before appending, commit the sequences' pending blocks: the caller certifies that the K/V
+    of every token they already hold is written (true in a decode loop whose forward produced
+    these token ids; false when steps overlap the forward that writes the previous tokens).
+    """
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Distinct sequences of the session."""
@@ -620,10 +713,11 @@ class StepRequest(_message.Message):
         seq_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_tokens: _builtins.int = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        commit: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "seq_ids", b"seq_ids", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "num_tokens", b"num_tokens", "seq_ids", b"seq_ids", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -655,7 +749,9 @@ class StepResponse(_message.Message):
     def changed_block_id(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def copy_src(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Copy-on-write copies done for this call, as parallel arrays (src[i] -> dst[i])."""
+        """Copy-on-write copies done for this call, already complete in pool memory, as parallel
+        arrays (src[i] -> dst[i]).
+        """
 
     @_builtins.property
     def copy_dst(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -797,6 +893,7 @@ class PoolStats(_message.Message):
     FREE_BLOCKS_FIELD_NUMBER: _builtins.int
     USED_BLOCKS_FIELD_NUMBER: _builtins.int
     CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    PENDING_BLOCKS_FIELD_NUMBER: _builtins.int
     FILLED_SLOTS_FIELD_NUMBER: _builtins.int
     ALLOCATED_SLOTS_FIELD_NUMBER: _builtins.int
     LOGICAL_TOKENS_FIELD_NUMBER: _builtins.int
@@ -815,6 +912,8 @@ class PoolStats(_message.Message):
     """Blocks referenced by at least one live sequence."""
     cached_blocks: _builtins.int
     """Evictable cached blocks (a subset of free_blocks)."""
+    pending_blocks: _builtins.int
+    """Used blocks that are full and keyed but not yet committed (K/V not certified written)."""
     filled_slots: _builtins.int
     allocated_slots: _builtins.int
     logical_tokens: _builtins.int
@@ -838,6 +937,7 @@ class PoolStats(_message.Message):
         free_blocks: _builtins.int = ...,
         used_blocks: _builtins.int = ...,
         cached_blocks: _builtins.int = ...,
+        pending_blocks: _builtins.int = ...,
         filled_slots: _builtins.int = ...,
         allocated_slots: _builtins.int = ...,
         logical_tokens: _builtins.int = ...,
@@ -851,7 +951,7 @@ class PoolStats(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_slots", b"allocated_slots", "block_size", b"block_size", "cached_blocks", b"cached_blocks", "filled_slots", b"filled_slots", "free_blocks", b"free_blocks", "logical_tokens", b"logical_tokens", "num_blocks", b"num_blocks", "num_sequences", b"num_sequences", "num_sessions", b"num_sessions", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "sessions", b"sessions", "sharing_ratio", b"sharing_ratio", "used_blocks", b"used_blocks", "utilization", b"utilization"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_slots", b"allocated_slots", "block_size", b"block_size", "cached_blocks", b"cached_blocks", "filled_slots", b"filled_slots", "free_blocks", b"free_blocks", "logical_tokens", b"logical_tokens", "num_blocks", b"num_blocks", "num_sequences", b"num_sequences", "num_sessions", b"num_sessions", "pending_blocks", b"pending_blocks", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "sessions", b"sessions", "sharing_ratio", b"sharing_ratio", "used_blocks", b"used_blocks", "utilization", b"utilization"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -79,6 +79,11 @@ class KVPoolStub:
                 request_serializer=pagedkv_dot_proto_dot_kvpool__pb2.FreeRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.FreeResponse.FromString,
                 _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/pagedkv.v1.KVPool/Commit',
+                request_serializer=pagedkv_dot_proto_dot_kvpool__pb2.CommitRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.CommitResponse.FromString,
+                _registered_method=True)
         self.Batch = channel.unary_unary(
                 '/pagedkv.v1.KVPool/Batch',
                 request_serializer=pagedkv_dot_proto_dot_kvpool__pb2.BatchRequest.SerializeToString,
@@ -162,6 +167,13 @@ class KVPoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Commit(self, request, context):
+        """Certify that the K/V of sequences is written: their pending full blocks become shareable.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Batch(self, request, context):
         """Several operations in order, all-or-nothing as a whole.
         """
@@ -236,6 +248,11 @@ def add_KVPoolServicer_to_server(servicer, server):
                     servicer.Free,
                     request_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.FreeRequest.FromString,
                     response_serializer=pagedkv_dot_proto_dot_kvpool__pb2.FreeResponse.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.CommitRequest.FromString,
+                    response_serializer=pagedkv_dot_proto_dot_kvpool__pb2.CommitResponse.SerializeToString,
             ),
             'Batch': grpc.unary_unary_rpc_method_handler(
                     servicer.Batch,
@@ -501,6 +518,33 @@ class KVPool:
             '/pagedkv.v1.KVPool/Free',
             pagedkv_dot_proto_dot_kvpool__pb2.FreeRequest.SerializeToString,
             pagedkv_dot_proto_dot_kvpool__pb2.FreeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.KVPool/Commit',
+            pagedkv_dot_proto_dot_kvpool__pb2.CommitRequest.SerializeToString,
+            pagedkv_dot_proto_dot_kvpool__pb2.CommitResponse.FromString,
             options,
             channel_credentials,
             insecure,

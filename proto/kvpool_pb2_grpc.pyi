@@ -9,6 +9,28 @@ in pool memory that only a trusted runner on the same host maps (see PoolInfo.me
 
 External schedulers generate their own stubs from this file: names and field numbers are
 stable; new fields and RPCs are only ever added.
+
+Prefix sharing: pending and committed blocks. K/V is shareable only once it is written. When
+a sequence's block fills (Allocate of a prompt, or appends), the daemon keys it by content but
+keeps it *pending*: no other prompt can match it, since no runner has computed its K/V yet.
+The block becomes *committed*, and matchable by later prompts under the same cache salt, only
+when the sequence's owner certifies that its K/V is written: the Commit RPC, a Batch commit
+op, or StepRequest.commit. A pending block whose last reference goes (Free, CloseSession,
+lease expiry) loses its key and is never handed out as cached. Two sequences computing the
+same prefix at once each compute their own copy; the first to commit is the one shared.
+
+Memory ordering. Every memory effect an answer reports (copy-on-write copies, zeroing of
+freed blocks) is complete and visible to every process that maps the pool when the answer
+leaves the daemon: the daemon performs it (off its event loop) and synchronizes the device
+before answering. A runner may use the blocks of an answer at once, with no copies of its own.
+
+Retry rules. Every call is all-or-nothing: a call answered with an error status by the daemon
+changed nothing. A call that ends in DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE may or may not
+have been applied (the answer may be what was lost). Before retrying such a call, read the
+state back: GetBlockTables gives each sequence's num_tokens, which tells whether an Append or
+Step took effect (they are not idempotent); an Allocate or Fork retried after it took effect
+gets ALREADY_EXISTS, a Free gets NOT_FOUND; Commit and KeepAlive are idempotent. A session
+whose calls keep failing with UNAVAILABLE may have expired: FAILED_PRECONDITION says so.
 """
 
 from collections import abc as _abc
@@ -53,6 +75,8 @@ class KVPoolStub:
     Fork: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.ForkRequest, _kvpool_pb2.SequenceBlocks]
     CopyOnWrite: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.CopyOnWriteRequest, _kvpool_pb2.SequenceBlocks]
     Free: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.FreeRequest, _kvpool_pb2.FreeResponse]
+    Commit: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.CommitRequest, _kvpool_pb2.CommitResponse]
+    """Certify that the K/V of sequences is written: their pending full blocks become shareable."""
     Batch: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.BatchRequest, _kvpool_pb2.BatchResponse]
     """Several operations in order, all-or-nothing as a whole."""
     Step: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.StepRequest, _kvpool_pb2.StepResponse]
@@ -78,6 +102,8 @@ class KVPoolAsyncStub(KVPoolStub):
     Fork: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.ForkRequest, _kvpool_pb2.SequenceBlocks]  # type: ignore[assignment]
     CopyOnWrite: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.CopyOnWriteRequest, _kvpool_pb2.SequenceBlocks]  # type: ignore[assignment]
     Free: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.FreeRequest, _kvpool_pb2.FreeResponse]  # type: ignore[assignment]
+    Commit: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.CommitRequest, _kvpool_pb2.CommitResponse]  # type: ignore[assignment]
+    """Certify that the K/V of sequences is written: their pending full blocks become shareable."""
     Batch: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.BatchRequest, _kvpool_pb2.BatchResponse]  # type: ignore[assignment]
     """Several operations in order, all-or-nothing as a whole."""
     Step: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.StepRequest, _kvpool_pb2.StepResponse]  # type: ignore[assignment]
@@ -154,6 +180,14 @@ class KVPoolServicer(metaclass=_abc_1.ABCMeta):
         request: _kvpool_pb2.FreeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvpool_pb2.FreeResponse, _abc.Awaitable[_kvpool_pb2.FreeResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Commit(
+        self,
+        request: _kvpool_pb2.CommitRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvpool_pb2.CommitResponse, _abc.Awaitable[_kvpool_pb2.CommitResponse]]:
+        """Certify that the K/V of sequences is written: their pending full blocks become shareable."""
 
     @_abc_1.abstractmethod
     def Batch(

@@ -83,10 +83,9 @@ def test_allocate_past_capacity_fails_then_gets_the_freed_block(pool: BlockPool)
     for i in range(4):
         ok(pool.allocate(i, 8))                   # 4 x 2 blocks = the whole pool
     result = pool.allocate("x", 1)
-    assert result == NoFit(needed=1, available=0)
-    assert "x" not in pool and not pool.can_allocate(1)
-    assert not pool.can_append(0)                 # seq 0's last block is full
-    assert pool.can_allocate(0)                   # an empty sequence needs no block
+    assert result == NoFit(needed=1, available=0) and "x" not in pool
+    assert pool.append(0) == NoFit(needed=1, available=0)  # seq 0's last block is full
+    assert ok(pool.allocate("empty", 0)).block_table == []  # an empty sequence needs no block
     pool.free(2)                                  # blocks 5, 4 go back, deepest first
     x = ok(pool.allocate("x", 1))
     assert x.block_table == [5]
@@ -96,6 +95,7 @@ def test_allocate_past_capacity_fails_then_gets_the_freed_block(pool: BlockPool)
 def test_identical_prompts_share_every_full_block_and_get_private_tails(pool: BlockPool) -> None:
     prompt = list(range(10))
     a = ok(pool.allocate("a", 10, prompt))
+    assert pool.commit(["a"]) == 2                # a's K/V is written: its full blocks shareable
     b = ok(pool.allocate("b", 10, prompt))
     assert a.block_table == [0, 1, 2] and a.num_cached_tokens == 0
     assert b.block_table == [0, 1, 3] and b.num_cached_tokens == 8
@@ -111,6 +111,7 @@ def test_prompts_diverging_at_z_share_floor_z_over_b_blocks(z: int) -> None:
     a = list(range(100, 113))
     b = a[:z] + [7] * (13 - z)
     ok(pool.allocate("a", 13, a))
+    pool.commit(["a"])
     shared = set(pool.block_table("a")) & set(ok(pool.allocate("b", 13, b)).block_table)
     assert len(shared) == z // 4
     pool.check_invariants()
@@ -119,7 +120,8 @@ def test_prompts_diverging_at_z_share_floor_z_over_b_blocks(z: int) -> None:
 def test_freed_cached_blocks_are_revived_then_evicted_lru_with_keys_cleared() -> None:
     pool = BlockPool(num_blocks=4, block_size=4)
     first, second = list(range(8)), list(range(50, 58))
-    ok(pool.allocate("a", 8, first))              # a: [0, 1], both keyed
+    ok(pool.allocate("a", 8, first))              # a: [0, 1], both keyed (pending)
+    pool.commit(["a"])                            # computed: both committed
     pool.free("a")
     stats = pool.stats()
     assert (stats.free_blocks, stats.cached_blocks, stats.used_blocks) == (4, 2, 0)
@@ -131,7 +133,7 @@ def test_freed_cached_blocks_are_revived_then_evicted_lru_with_keys_cleared() ->
     assert c.block_table == [2, 3, 1] and c.num_cached_tokens == 0
     d = ok(pool.allocate("d", 4, first[:4]))      # block 0 survived eviction
     assert d.block_table == [0] and d.num_cached_tokens == 4
-    pool.free("c")
+    assert pool.free("c") == [1, 3, 2]            # c never committed: no key survives
     pool.free("d")
     e = ok(pool.allocate("e", 8, first))          # block 1 lost its key: only block 0 hits
     assert e.num_cached_tokens == 4 and e.block_table[0] == 0
@@ -141,7 +143,9 @@ def test_freed_cached_blocks_are_revived_then_evicted_lru_with_keys_cleared() ->
 def test_different_salts_never_share(pool: BlockPool) -> None:
     prompt = list(range(8))
     a = ok(pool.allocate("a", 8, prompt, salt=b"tenant-a"))
+    pool.commit(["a"])
     b = ok(pool.allocate("b", 8, prompt, salt=b"tenant-b"))
+    pool.commit(["b"])
     c = ok(pool.allocate("c", 8, prompt, salt=b"tenant-a"))
     assert not set(a.block_table) & set(b.block_table) and b.num_cached_tokens == 0
     assert c.block_table == a.block_table and c.num_cached_tokens == 8
@@ -152,6 +156,8 @@ def test_decode_appends_with_token_ids_key_blocks_as_they_fill(pool: BlockPool) 
     ok(pool.allocate("a", 2, [1, 2]))
     for token in (3, 4, 5, 6):
         ok(pool.append("a", 1, [token]))
+    assert pool.stats().pending_blocks == 1       # filled by the appends, not yet computed
+    pool.commit(["a"])
     b = ok(pool.allocate("b", 6, [1, 2, 3, 4, 5, 6]))
     assert b.num_cached_tokens == 4 and b.block_table[0] == pool.block_table("a")[0]
     pool.check_invariants()
@@ -160,12 +166,14 @@ def test_decode_appends_with_token_ids_key_blocks_as_they_fill(pool: BlockPool) 
 def test_append_without_token_ids_stops_keying_the_sequence(pool: BlockPool) -> None:
     ok(pool.allocate("a", 2, [1, 2]))
     ok(pool.append("a", 2))                       # ids unknown: block 0 cannot be keyed
+    pool.commit(["a"])
     assert ok(pool.allocate("b", 4, [1, 2, 3, 4])).num_cached_tokens == 0
     pool.check_invariants()
 
 
 def test_copy_on_write_copies_shared_and_unkeys_private_blocks(pool: BlockPool) -> None:
     ok(pool.allocate("a", 8, list(range(8))))
+    pool.commit(["a"])
     ok(pool.fork("a", "b"))
     b = ok(pool.copy_on_write("b", 0))
     assert b.copies == [BlockCopy(src=0, dst=2)] and b.block_table == [2, 1]
@@ -240,19 +248,6 @@ def test_caller_mistakes_raise_and_change_nothing(call: object, error: type[Exce
     with pytest.raises(error):
         call(pool)  # type: ignore[operator]
     assert (pool.stats(), pool.block_table("a"), pool.block_table("b")) == before
-    pool.check_invariants()
-
-
-def test_atomic_rolls_back_every_operation() -> None:
-    pool = BlockPool(num_blocks=8, block_size=4)
-    ok(pool.allocate("a", 5, list(range(5))))
-    before = (pool.stats(), pool.block_table("a"))
-    with pytest.raises(RuntimeError), pool.atomic():
-        ok(pool.allocate("b", 9, list(range(9))))
-        ok(pool.append("a", 3, [1, 2, 3]))
-        pool.free("a")
-        raise RuntimeError("abort")
-    assert (pool.stats(), pool.block_table("a")) == before and "b" not in pool
     pool.check_invariants()
 
 

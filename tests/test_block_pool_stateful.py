@@ -5,8 +5,13 @@ into the slots the pool returns, performing the reported copy-on-write copies fi
 step, reading any live sequence through its block table must give back exactly its tokens: that
 one check catches a write into a shared block, a missed or wrong copy, a prefix-cache hit on the
 wrong content, and a block handed to two owners. `check_invariants()` runs after every step too.
+
+Blocks are shareable only once committed: `commit` certifies a sequence's tokens written, and a
+request whose prefill fails (garbage in its slots, then freed) must never be matched later. A
+rolled-back transaction of random ops must leave the whole state exactly as it was.
 """
 
+import contextlib
 import itertools
 
 import numpy as np
@@ -24,6 +29,8 @@ from pagedkv.daemon.core import (
     SequenceNotFound,
     SeqUpdate,
 )
+
+from pool_state import pool_state
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
@@ -147,6 +154,55 @@ class PoolMachine(RuleBasedStateMachine):
         others = [s for s in self.tokens if s != seq and table[logical] in self.pool.block_table(s)]
         assert not others, "a block made private is still shared"
 
+    @rule(seq=NAMES, head=st.sampled_from(HEADS), salt=st.sampled_from([b"", b"x"]))
+    def failed_prefill(self, seq: str, head: list[int], salt: bytes) -> None:
+        """A request allocated, half-computed into garbage, then freed: never shareable."""
+        if seq in self.tokens:
+            return
+        result = self.pool.allocate(seq, len(head), head, salt=salt)
+        if isinstance(result, NoFit):
+            return
+        cached = result.num_cached_tokens
+        self._write(seq, result.slot_mapping[cached:], [-7] * (len(head) - cached))
+        self.pool.free(seq)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def commit(self, data: st.DataObject) -> None:
+        """Every modelled sequence is fully written, so committing any of them is truthful."""
+        seqs = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1,
+                                  unique=True))
+        self.pool.commit(seqs)
+
+    @rule(data=st.data(), ops=st.lists(st.sampled_from(
+        ["allocate", "append", "fork", "cow", "commit", "free"]), min_size=1, max_size=4))
+    def rolled_back_transaction(self, data: st.DataObject, ops: list[str]) -> None:
+        before = pool_state(self.pool)
+        with contextlib.suppress(_Abort, PoolError), self.pool.transaction():
+            for op in ops:
+                self._random_op(op, data)
+            raise _Abort
+        assert pool_state(self.pool) == before
+
+    def _random_op(self, op: str, data: st.DataObject) -> None:
+        live = sorted(self.tokens) or ["a"]
+        seq = data.draw(st.sampled_from(live))
+        match op:
+            case "allocate":
+                n = data.draw(st.integers(0, 10))
+                self.pool.allocate(data.draw(NAMES), n, data.draw(st.sampled_from(HEADS))[:n]
+                                   if n <= 4 else None)
+            case "append":
+                self.pool.append_batch([seq], data.draw(st.integers(1, 5)))
+            case "fork":
+                self.pool.fork(seq, data.draw(NAMES))
+            case "cow":
+                self.pool.copy_on_write(seq, data.draw(st.integers(0, 2)))
+            case "commit":
+                self.pool.commit([seq])
+            case _:
+                self.pool.free(seq)
+
     @rule(seq=NAMES)
     def free(self, seq: str) -> None:
         try:
@@ -172,6 +228,10 @@ class PoolMachine(RuleBasedStateMachine):
         stats = self.pool.stats()
         assert stats.num_sequences == len(self.tokens)
         assert stats.logical_tokens == sum(map(len, self.tokens.values()))
+
+
+class _Abort(Exception):
+    """Ends a transaction that must be rolled back."""
 
 
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

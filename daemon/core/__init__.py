@@ -3,7 +3,8 @@
 from .block_pool import BlockPool
 from .contiguous import ContiguousAllocator
 from .errors import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
-from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqKey, SeqUpdate
+from .journal import Journal
+from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 
 __all__ = [
     "BatchAppend",
@@ -11,10 +12,10 @@ __all__ = [
     "BlockPool",
     "ContiguousAllocator",
     "InvalidArgument",
+    "Journal",
     "NoFit",
     "PoolError",
     "PoolStats",
-    "SeqKey",
     "SeqUpdate",
     "SequenceExists",
     "SequenceNotFound",

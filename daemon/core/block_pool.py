@@ -2,7 +2,7 @@
 
 Blocks are free, used or cached (`PhysicalBlocks`); a sequence's table grows lazily, one block
 exactly when its last block is full (`SeqTable`); full blocks are keyed for prefix reuse
-(`PrefixCache`).
+(`PrefixCache`), pending until the owner commits them (their K/V is then written).
 
 Copy-on-write: a sequence never writes into a block another table references. Before a write
 lands in a shared, partially filled last block, the writer gets a private copy and the call
@@ -10,23 +10,26 @@ reports the (src, dst) copy; the owner of the pool memory performs it before the
 used. A shared full block is never written again, so appending past it copies nothing.
 
 Every operation checks first and changes state second: a caller mistake raises a `PoolError`,
-and a request that does not fit returns `NoFit`, both before anything is touched.
+and a request that does not fit returns `NoFit`, both before anything is touched. Several
+operations (a Batch, or an op followed by memory work that may fail) are made all-or-nothing by
+`transaction()`, an undo journal whose cost is the work done, never the size of the pool.
 """
 
 import operator
-from collections.abc import Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Hashable, Sequence
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from .errors import InvalidArgument, SequenceExists, SequenceNotFound
+from .journal import Journal
 from .physical_blocks import PhysicalBlocks
 from .prefix_cache import block_key, root_key
 from .seq_table import Int64Array, SeqTable, ragged_arange
 from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
-from .validation import TokenIds, batch_tokens, count, seq_tokens
+from .validation import TokenIds, as_int64, batch_tokens, count, seq_tokens
 
 
 class BlockPool:
@@ -38,8 +41,19 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._blocks = PhysicalBlocks(num_blocks, block_size)
-        self._seqs = SeqTable(block_size)
+        self._journal = Journal()
+        self._blocks = PhysicalBlocks(num_blocks, block_size, self._journal)
+        self._seqs = SeqTable(block_size, self._journal)
+
+    @property
+    def journal(self) -> Journal:
+        """Where changes record their undo; callers add their own inside `transaction()`."""
+        return self._journal
+
+    def transaction(self) -> AbstractContextManager[Journal]:
+        """Run several operations all-or-nothing: if the block raises, every change made inside
+        is undone, exactly. The yielded journal takes the caller's own undo records too."""
+        return self._journal.transaction()
 
     # ------------------------------------------------------------------ queries
 
@@ -62,25 +76,15 @@ class BlockPool:
     def num_tokens(self, seq: Hashable) -> int:
         return int(self._seqs.num_tokens[self._row(seq)])
 
-    def can_allocate(self, num_tokens: int, token_ids: TokenIds | None = None,
-                     salt: bytes = b"") -> bool:
-        tokens = seq_tokens(token_ids, count(num_tokens, "num_tokens", 0))
-        hits, _ = self._cache_hits(tokens, root_key(salt))
-        return self._allocate_fit(num_tokens, hits) is None
-
-    def can_append(self, seq: Hashable, num_tokens: int = 1) -> bool:
-        k = count(num_tokens, "num_tokens", 1)
-        return self._plan_append(np.array([self._row(seq)]), k).need <= self.num_free_blocks
-
     # --------------------------------------------------------------- operations
 
     def allocate(self, seq: Hashable, num_tokens: int, token_ids: TokenIds | None = None,
                  salt: bytes = b"") -> SeqUpdate | NoFit:
         """A new sequence of `num_tokens` tokens, reusing cached full blocks of its prefix.
 
-        With token ids (and prefix caching on), the longest prefix of full blocks already in the
-        pool under the same salt is shared instead of allocated; `num_cached_tokens` says how
-        many leading tokens need no recomputation.
+        With token ids (and prefix caching on), the longest prefix of committed full blocks
+        under the same salt is shared instead of allocated; `num_cached_tokens` says how many
+        leading tokens need no recomputation. The prompt's other full blocks are keyed pending.
         """
         if seq in self._seqs.row_of:
             raise SequenceExists(f"sequence {seq!r} already exists")
@@ -90,20 +94,18 @@ class BlockPool:
         if no_fit is not None:
             return no_fit
         keyed = self.enable_prefix_caching and tokens is not None
-        row = self._seqs.add(seq, chain_key, keyed)
-        for block in hits:
-            self._blocks.share(block)
         st, cached = self._seqs, len(hits) * self.block_size
+        row = st.add(seq, chain_key, keyed)
+        self._blocks.share(hits)
         st.ensure_cols(len(hits))
         st.tables[row, : len(hits)] = hits
-        st.num_blocks[row] = len(hits)
+        st.num_blocks[row] = st.committed[row] = len(hits)
         fresh = -(-num_tokens // self.block_size) - len(hits)
         self._grow(np.array([row]), np.array([len(hits)]), np.array([fresh]), fresh)
         st.num_tokens[row] = num_tokens
         if keyed:
             assert tokens is not None
-            self._blocks.cache.queries += num_tokens
-            self._blocks.cache.hits += cached
+            self._blocks.cache.count(num_tokens, cached)
             self._record_tokens(row, cached, tokens[cached:])
         return SeqUpdate(self.block_table(seq), num_tokens, cached,
                          self._slots(row, 0, num_tokens), [])
@@ -133,13 +135,14 @@ class BlockPool:
             return NoFit(plan.need, self.num_free_blocks)
         st, bs = self._seqs, self.block_size
         old, old_nb, offset, last, cow = plan.old, plan.old_nb, plan.offset, plan.last, plan.cow
-        grow_count, grow_total = plan.grow_count, plan.grow_total
+        # k == 1 writes only past each row's partial ids; k > 1 may wrap into a new block.
+        st.save_rows(rows, old, old_nb, partial=k > 1)
         copies, copied = [], []
         for i in cow.tolist():
             if self._needs_cow(int(rows[i])):  # the last sharer in the batch keeps the original
                 copies.append(self._cow(int(rows[i]), int(old_nb[i]) - 1))
                 copied.append(i)
-        index, logical, taken = self._grow(rows, old_nb, grow_count, grow_total)
+        index, logical, taken = self._grow(rows, old_nb, plan.grow_count, plan.grow_total)
         st.num_tokens[rows] = old + k
         if tokens is None:
             st.chain_ok[rows] = False
@@ -160,14 +163,41 @@ class BlockPool:
             taken = np.concatenate([[copy.dst for copy in copies], taken])
         return BatchAppend(slots.ravel(), index, logical, taken, copies)
 
+    def commit(self, seqs: Sequence[Hashable], num_tokens: npt.ArrayLike | None = None) -> int:
+        """The owner certifies that the K/V of the first `num_tokens[i]` tokens of `seqs[i]`
+        (every token it holds, when None) is written: the pending full blocks among them become
+        matchable by later prompts. Returns how many blocks became matchable."""
+        rows = self._rows(seqs)
+        st, bs = self._seqs, self.block_size
+        held = st.num_tokens[rows]
+        if num_tokens is None:
+            upto = held // bs
+        else:
+            computed = as_int64(num_tokens).ravel()
+            if len(computed) != len(rows):
+                raise InvalidArgument(f"{len(computed)} token counts given for {len(rows)} "
+                                      "sequences")
+            if ((computed < 0) | (computed > held)).any():
+                raise InvalidArgument("a committed token count is negative or exceeds the "
+                                      "tokens its sequence holds")
+            upto = computed // bs
+        start = st.committed[rows]
+        cache, matchable = self._blocks.cache, 0
+        for i in (upto > start).nonzero()[0].tolist():
+            row = int(rows[i])
+            for block in st.tables[row, start[i]:upto[i]].tolist():
+                matchable += cache.commit(block)
+            st.set_committed(row, int(upto[i]))
+        return matchable
+
     def fork(self, parent: Hashable, child: Hashable) -> SeqUpdate:
         """`child` shares every block of `parent` (refcounts + 1); nothing is allocated."""
         src = self._row(parent)
         if child in self._seqs.row_of:
             raise SequenceExists(f"sequence {child!r} already exists")
         row = self._seqs.clone(src, child)
-        table = self._seqs.table(row)
-        self._blocks.ref[table] += 1  # a table never holds a block twice, so no repeated indices
+        table = self._seqs.table(row).copy()
+        self._blocks.add_refs(table, 1)  # a table never holds a block twice: distinct indices
         return SeqUpdate(table.tolist(), int(self._seqs.num_tokens[row]))
 
     def copy_on_write(self, seq: Hashable, logical_block: int) -> SeqUpdate | NoFit:
@@ -190,25 +220,15 @@ class BlockPool:
             copies.append(self._cow(row, logical_block))
         else:
             self._blocks.cache.forget(block)
-        self._seqs.chain_ok[row] = False
+        self._seqs.set_chain_ok(row, False)
         return SeqUpdate(self.block_table(seq), int(self._seqs.num_tokens[row]), copies=copies)
 
     def free(self, seq: Hashable) -> list[int]:
         """Drop `seq`. Returns the blocks that went back to the free list with no content kept
-        (keyed blocks stay cached for later prompts)."""
+        (committed blocks stay cached for later prompts; pending ones lose their key)."""
         table = self.block_table(seq)
         self._seqs.remove(seq)
         return self._blocks.release(table)
-
-    @contextmanager
-    def atomic(self) -> Iterator[None]:
-        """Run several operations all-or-nothing: any exception restores the state before."""
-        saved = (self._blocks.copy(), self._seqs.copy())
-        try:
-            yield
-        except BaseException:
-            self._blocks, self._seqs = saved
-            raise
 
     # ----------------------------------------------------------- block movement
 
@@ -216,9 +236,9 @@ class BlockPool:
         """Give `row` a private copy of its shared block `logical_block`."""
         src = int(self._seqs.tables[row, logical_block])
         dst = int(self._blocks.take(1)[0])
-        self._blocks.ref[src] -= 1
+        self._blocks.add_refs(np.array([src]), -1)
         assert self._blocks.ref[src] > 0, f"copy-on-write of unshared block {src}"
-        self._seqs.tables[row, logical_block] = dst
+        self._seqs.set_entry(row, logical_block, dst)
         return BlockCopy(src, dst)
 
     def _grow(self, rows: Int64Array, old_nb: Int64Array, grow_count: Int64Array,
@@ -290,13 +310,12 @@ class BlockPool:
                 self._seal(rows[filled], (old[filled] + j) // bs)
 
     def _seal(self, rows: Int64Array, logical: Int64Array) -> None:
-        """These rows just filled these blocks: key each by its prefix chain."""
+        """These rows just filled these blocks: key each (pending) by its prefix chain."""
         st, row_list = self._seqs, rows.tolist()
         chain_key = st.chain_key
         parents = [chain_key[row] for row in row_list]
         keys = self._blocks.cache.key_blocks(st.tables[rows, logical], parents, st.partial[rows])
-        for row, key in zip(row_list, keys, strict=True):
-            chain_key[row] = key
+        st.set_chain(row_list, keys)
 
     # ------------------------------------------------------------ feasibility
 
@@ -373,7 +392,8 @@ class BlockPool:
         return PoolStats(
             num_blocks=self.num_blocks, block_size=self.block_size,
             free_blocks=self.num_free_blocks, used_blocks=used,
-            cached_blocks=len(cache.evictable), filled_slots=int(per_block.sum()),
+            cached_blocks=len(cache.evictable), pending_blocks=cache.num_pending,
+            filled_slots=int(per_block.sum()),
             allocated_slots=used * self.block_size,
             logical_tokens=int(self._seqs.num_tokens[rows].sum()), num_sequences=len(rows),
             prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits)
@@ -396,6 +416,8 @@ class BlockPool:
         st = self._seqs
         expected = (st.num_tokens[rows] + self.block_size - 1) // self.block_size
         assert (st.num_blocks[rows] == expected).all(), "a table is not ceil(tokens / B) long"
+        assert (st.committed[rows] <= st.num_tokens[rows] // self.block_size).all(), \
+            "a row committed more blocks than it has full"
         for row in rows.tolist():
             table = st.table(row)
             assert len(np.unique(table)) == len(table), f"row {row} holds a block twice"

@@ -85,7 +85,8 @@ class ContiguousAllocator:
         return PoolStats(
             num_blocks=self.num_blocks, block_size=self.block_size,
             free_blocks=(self.num_slots - reserved) // self.block_size,
-            used_blocks=reserved // self.block_size, cached_blocks=0, filled_slots=filled,
+            used_blocks=reserved // self.block_size, cached_blocks=0, pending_blocks=0,
+            filled_slots=filled,
             allocated_slots=reserved, logical_tokens=filled, num_sequences=len(self._seqs),
             prefix_cache_queries=0, prefix_cache_hits=0)
 

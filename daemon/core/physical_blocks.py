@@ -3,15 +3,20 @@
 Every block is in exactly one of three states:
 - free:   refcount 0, no cached content; on `free` (FIFO).
 - used:   refcount > 0 = the number of block tables that reference it.
-- cached: refcount 0 but holding a keyed full block; evictable in LRU order (`PrefixCache`).
+- cached: refcount 0 but holding a committed full block; evictable in LRU order (`PrefixCache`).
 A writer's block comes from `free` first, and only then evicts the least recently released
-cached block, so cached content lives as long as memory allows.
+cached block, so cached content lives as long as memory allows. A used block may hold a pending
+key (filled, K/V not yet certified); when its last reference goes, the key goes with it and the
+block is free, never cached.
+
+Every change records its undo in the pool's journal (see `journal.py`).
 """
 
 from collections import deque
 
 import numpy as np
 
+from .journal import Journal
 from .prefix_cache import PrefixCache
 from .seq_table import Int64Array
 
@@ -19,21 +24,15 @@ from .seq_table import Int64Array
 class PhysicalBlocks:
     """Refcounts and free/cached bookkeeping of `num_blocks` blocks. No sequences here."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, journal: Journal) -> None:
         self.num_blocks = num_blocks
+        self._journal = journal
         # Refcount of each block: how many block tables reference it.
         self.ref: Int64Array = np.zeros(num_blocks, dtype=np.int64)
         # Free blocks without cached content, handed out oldest first.
         self.free: deque[int] = deque(range(num_blocks))
         # Content keys, and the LRU of cached blocks with refcount 0.
-        self.cache = PrefixCache(num_blocks, block_size)
-
-    def copy(self) -> "PhysicalBlocks":
-        """An independent copy, for all-or-nothing snapshots."""
-        other = PhysicalBlocks.__new__(PhysicalBlocks)
-        other.num_blocks = self.num_blocks
-        other.ref, other.free, other.cache = self.ref.copy(), deque(self.free), self.cache.copy()
-        return other
+        self.cache = PrefixCache(num_blocks, block_size, journal)
 
     @property
     def num_available(self) -> int:
@@ -43,47 +42,72 @@ class PhysicalBlocks:
     def take(self, n: int) -> Int64Array:
         """`n` blocks for writers, each with refcount 1."""
         free = self.free
-        blocks = [free.popleft() for _ in range(min(n, len(free)))]
-        if len(blocks) < n:
-            blocks += self.cache.evict(n - len(blocks))
-        taken = np.array(blocks, dtype=np.int64)
+        from_free = [free.popleft() for _ in range(min(n, len(free)))]
+        evicted = self.cache.evict(n - len(from_free)) if len(from_free) < n else []
+        taken = np.array(from_free + evicted, dtype=np.int64)
         # Free and cached blocks have refcount 0 (`check` proves the states disjoint).
         self.ref[taken] = 1
+        self._journal.record(self._untake, taken, from_free)
         return taken
 
-    def share(self, block: int) -> None:
-        """One more table references `block`; revive it if it was cached and evictable."""
-        if self.ref[block] == 0:
-            self.cache.revive(block)
-        self.ref[block] += 1
+    def _untake(self, taken: Int64Array, from_free: list[int]) -> None:
+        self.ref[taken] = 0
+        self.free.extendleft(reversed(from_free))
+
+    def share(self, blocks: list[int]) -> None:
+        """One more table references each of `blocks` (distinct); cached ones are revived."""
+        ref = self.ref
+        for block in blocks:
+            if ref[block] == 0:
+                self.cache.revive(block)
+        self.add_refs(np.array(blocks, dtype=np.int64), 1)
+
+    def add_refs(self, blocks: Int64Array, delta: int) -> None:
+        """Refcounts of distinct `blocks` change by `delta`; no state changes (fork, CoW)."""
+        self.ref[blocks] += delta
+        self._journal.record(self._add_refs, blocks, -delta)
+
+    def _add_refs(self, blocks: Int64Array, delta: int) -> None:
+        self.ref[blocks] += delta
 
     def release(self, table: list[int]) -> list[int]:
         """A table that referenced these blocks is gone. Returns the blocks that went back to
-        the free list with no content kept; keyed blocks whose count reaches 0 become cached.
+        the free list with no content kept; committed blocks whose count reaches 0 become
+        cached, pending ones lose their key (their K/V was never certified).
 
         Blocks are released deepest first, so among blocks released together the cache evicts
         a sequence's tail before the prefix that other requests are likelier to share.
         """
-        released = []
+        ref, cache, released = self.ref, self.cache, []
         for block in reversed(table):
-            self.ref[block] -= 1
-            if self.ref[block] > 0:
+            ref[block] -= 1
+            if ref[block] > 0:
                 continue
-            if self.cache.key_of[block] is not None:
-                self.cache.park(block)
+            if cache.is_committed(block):
+                cache.park(block)
             else:
-                self.free.append(block)
+                cache.forget(block)
                 released.append(block)
+        self.free.extend(released)
+        self._journal.record(self._unrelease, table, len(released))
         return released
+
+    def _unrelease(self, table: list[int], num_freed: int) -> None:
+        for _ in range(num_freed):
+            self.free.pop()
+        self.ref[table] += 1
 
     def check(self, referenced: Int64Array) -> None:
         """Assert the states above, given every block-table entry of the pool."""
         free, cached = set(self.free), set(self.cache.evictable)
         used = set(np.flatnonzero(self.ref).tolist())
         assert len(free) == len(self.free), "a block is on the free list twice"
+        assert len(cached) == len(self.cache.evictable), "a block is in the LRU twice"
         assert not (free & cached or free & used or cached & used), "a block is in two states"
         assert len(free) + len(cached) + len(used) == self.num_blocks, "a block is unaccounted"
         assert all(self.cache.key_of[b] is None for b in free), "a free block keeps a key"
+        pending = set(self.cache.pending_blocks())
+        assert pending <= used, "a pending block is not referenced by any table"
         refs = np.bincount(referenced, minlength=self.num_blocks)
         assert (refs == self.ref).all(), "refcounts differ from table references"
         self.cache.check()

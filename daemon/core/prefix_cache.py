@@ -1,4 +1,4 @@
-"""Automatic prefix caching: content keys for full blocks, and the LRU of evictable cached blocks.
+"""Automatic prefix caching: content keys for full blocks, pending until their K/V is written.
 
 A full block is named by a chained SHA-256, key_i = H(key_{i-1} || tokens of block i), token ids
 as int64 little-endian. The chain makes a key stand for the whole prefix up to and including its
@@ -6,18 +6,29 @@ block, so equal keys mean equal K/V. The chain's root is the namespace salt, key
 H("pagedkv-root:" || salt): the salt enters every key through its parents, so identical tokens
 under different salts (tenants) never share a block, and each link hashes 32 bytes less.
 
+K/V is shareable only once it is written. A block is keyed *pending* when the pool sees it fill
+(the runner has not computed it yet); `lookup` never matches a pending key. It becomes
+*committed*, and matchable, only when the sequence's owner certifies that its K/V is written
+(`commit`). A pending block whose last reference goes away (a free, an expired lease, a failed
+request) loses its key: its slots may hold nothing. If two sequences computed the same content
+at once, the first to commit keeps the key and the other's block stays unkeyed.
+
 Invariants (checked by `check`):
-- `block_of[key] == b`  <=>  `key_of[b] == key`: a key names at most one block and vice versa.
-- A block in `evictable` has a key and refcount 0 (the pool checks the refcount side).
+- `block_of[key] == b`  =>  `key_of[b] == key`: a committed key names one block and vice versa;
+  a pending block has `key_of[b]` set but is not in `block_of`.
+- A block in `evictable` holds a committed key (the pool checks that its refcount is 0, and that
+  pending blocks are referenced).
 - A keyed block remembers its parent key and token ids, and hashing them gives its key:
   the content behind every key can be verified.
 """
 
-from collections import OrderedDict
 from hashlib import sha256
 
 import numpy as np
 import numpy.typing as npt
+
+from .journal import Journal
+from .lru import LruList
 
 
 def root_key(salt: bytes) -> bytes:
@@ -31,97 +42,160 @@ def block_key(parent: bytes, tokens: bytes) -> bytes:
 
 
 class PrefixCache:
-    """Maps content keys to blocks and keeps refcount-0 cached blocks in LRU order."""
+    """Maps committed content keys to blocks and keeps refcount-0 cached blocks in LRU order."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        # key -> block currently holding that content (live or evictable).
+    def __init__(self, num_blocks: int, block_size: int, journal: Journal) -> None:
+        self._journal = journal
+        # Committed key -> the block holding that content (live or evictable).
         self.block_of: dict[bytes, int] = {}
-        # block -> its key, or None for a block with no cached content.
+        # Block -> its key (committed or pending), or None for a block with no cached content.
         self.key_of: list[bytes | None] = [None] * num_blocks
-        # block -> the parent key its key was hashed from (when keyed).
+        # Block -> the parent key its key was hashed from (when keyed).
         self.parent_of: list[bytes | None] = [None] * num_blocks
-        # block -> its token ids (meaningful when keyed): [num_blocks, block_size].
+        # Block -> its token ids (meaningful when keyed): [num_blocks, block_size].
         self.tokens_of: npt.NDArray[np.int64] = np.zeros((num_blocks, block_size), np.int64)
-        # Refcount-0 blocks with cached content, least recently released first. Blocks released
-        # together enter deepest first, so a sequence's tail is evicted before its shared prefix.
-        self.evictable: OrderedDict[int, None] = OrderedDict()
+        # Refcount-0 blocks with committed content, least recently released first. Blocks
+        # released together enter deepest first, so a sequence's tail is evicted before its
+        # shared prefix.
+        self.evictable = LruList(num_blocks)
+        # Blocks with a key, committed or pending (pending = num_keyed - len(block_of)).
+        self.num_keyed = 0
         # Prefix-cache counters, in tokens: offered for reuse, and found cached.
         self.queries = 0
         self.hits = 0
 
-    def copy(self) -> "PrefixCache":
-        """An independent copy, for all-or-nothing snapshots."""
-        other = PrefixCache.__new__(PrefixCache)
-        other.block_of = dict(self.block_of)
-        other.key_of = list(self.key_of)
-        other.parent_of = list(self.parent_of)
-        other.tokens_of = self.tokens_of.copy()
-        other.evictable = OrderedDict(self.evictable)
-        other.queries, other.hits = self.queries, self.hits
-        return other
-
     def lookup(self, key: bytes) -> int | None:
-        """The block holding `key`'s content, if any."""
+        """The block holding `key`'s committed content, if any (pending keys never match)."""
         return self.block_of.get(key)
+
+    def is_committed(self, block: int) -> bool:
+        key = self.key_of[block]
+        return key is not None and self.block_of.get(key) == block
+
+    def count(self, queries: int, hits: int) -> None:
+        """Add one allocation's lookups to the counters."""
+        self.queries += queries
+        self.hits += hits
+        self._journal.record(self._uncount, queries, hits)
+
+    def _uncount(self, queries: int, hits: int) -> None:
+        self.queries -= queries
+        self.hits -= hits
 
     def key_blocks(self, blocks: npt.NDArray[np.int64], parents: list[bytes],
                    tokens: npt.NDArray[np.int64]) -> list[bytes]:
         """Key the just-filled `blocks` (tokens [len(blocks), block_size]) under their parents'
-        keys and register each, unless another block already holds that content: that block
-        stays unkeyed, a duplicate freed like any uncached block. Returns the keys in order.
+        keys, pending: nothing matches them until `commit`. Returns the keys in order.
         This runs once per filled block on the decode hot path, hence one tight loop."""
-        block_of, key_of, parent_of = self.block_of, self.key_of, self.parent_of
+        key_of, parent_of = self.key_of, self.parent_of
         data, width = tokens.tobytes(), tokens.shape[1] * tokens.itemsize
         keys = []
-        for i, (block, parent) in enumerate(zip(blocks.tolist(), parents, strict=True)):
+        block_list = blocks.tolist()
+        for i, (block, parent) in enumerate(zip(block_list, parents, strict=True)):
             key = sha256(parent + data[i * width:(i + 1) * width]).digest()  # block_key, inline
+            assert key_of[block] is None, f"block {block} already has a key"
             keys.append(key)
-            if key not in block_of:
-                assert key_of[block] is None, f"block {block} already has a key"
-                block_of[key] = block
-                key_of[block] = key
-                parent_of[block] = parent
-        self.tokens_of[blocks] = tokens  # harmless for duplicates: read only when keyed
+            key_of[block] = key
+            parent_of[block] = parent
+        self.tokens_of[blocks] = tokens
+        self.num_keyed += len(block_list)
+        self._journal.record(self._unkey, block_list)
         return keys
 
-    def forget(self, block: int) -> None:
-        """Drop `block`'s key (before it is overwritten); it must not be evictable."""
-        key = self.key_of[block]
-        assert block not in self.evictable, f"block {block} is still evictable"
-        if key is not None:
-            del self.block_of[key]
+    def _unkey(self, blocks: list[int]) -> None:
+        for block in blocks:
             self.key_of[block] = self.parent_of[block] = None
+        self.num_keyed -= len(blocks)
+
+    def commit(self, block: int) -> bool:
+        """The K/V of `block` is written: make its pending key matchable. Returns whether that
+        made it matchable. A block whose content another block committed first loses its key."""
+        key = self.key_of[block]
+        if key is None:
+            return False
+        holder = self.block_of.get(key)
+        if holder == block:
+            return False
+        if holder is not None:
+            self._drop_key(block)
+            return False
+        self.block_of[key] = block
+        self._journal.record(self.block_of.pop, key)
+        return True
+
+    def forget(self, block: int) -> None:
+        """Drop `block`'s key, committed or pending (its content is about to change, or was
+        never written); it must not be evictable."""
+        assert block not in self.evictable, f"block {block} is still evictable"
+        key = self.key_of[block]
+        if key is None:
+            return
+        if self.block_of.get(key) == block:
+            del self.block_of[key]
+            self._journal.record(self.block_of.__setitem__, key, block)
+        self._drop_key(block)
+
+    def _drop_key(self, block: int) -> None:
+        self._journal.record(self._rekey, block, self.key_of[block], self.parent_of[block])
+        self.key_of[block] = self.parent_of[block] = None
+        self.num_keyed -= 1
+
+    def _rekey(self, block: int, key: bytes, parent: bytes) -> None:
+        self.key_of[block], self.parent_of[block] = key, parent
+        self.num_keyed += 1
 
     def park(self, block: int) -> None:
-        """A keyed block's refcount reached 0: keep its content, make it evictable."""
-        self.evictable[block] = None
+        """A committed block's refcount reached 0: keep its content, make it evictable."""
+        self.evictable.push(block)
+        self._journal.record(self.evictable.remove, block)
 
     def revive(self, block: int) -> None:
         """A cache hit on an evictable block takes it back into use."""
-        del self.evictable[block]
+        prev, nxt = self.evictable.remove(block)
+        self._journal.record(self.evictable.insert, block, prev, nxt)
 
     def evict(self, n: int) -> list[int]:
         """Take the `n` least recently released cached blocks and drop their keys."""
         evictable, block_of, key_of = self.evictable, self.block_of, self.key_of
         blocks = []
         for _ in range(n):
-            block, _ = evictable.popitem(last=False)
+            block = evictable.pop_head()
             key = key_of[block]
             assert key is not None, f"evictable block {block} has no key"
             del block_of[key]
+            self._journal.record(self._unevict, block, key, self.parent_of[block])
             key_of[block] = self.parent_of[block] = None
             blocks.append(block)
+        self.num_keyed -= n
         return blocks
+
+    def _unevict(self, block: int, key: bytes, parent: bytes) -> None:
+        self._rekey(block, key, parent)
+        self.block_of[key] = block
+        self.evictable.put_back_head(block)
+
+    @property
+    def num_pending(self) -> int:
+        """Blocks whose key is pending: filled, K/V not yet certified."""
+        return self.num_keyed - len(self.block_of)
+
+    def pending_blocks(self) -> list[int]:
+        """Blocks whose key is pending (O(num_blocks): for checks)."""
+        return [block for block, key in enumerate(self.key_of)
+                if key is not None and self.block_of.get(key) != block]
 
     def check(self) -> None:
         """Assert the invariants in the module docstring."""
         for key, block in self.block_of.items():
             assert self.key_of[block] == key, f"key of block {block} disagrees with the map"
+        for block, block_key_ in enumerate(self.key_of):
+            if block_key_ is None:
+                continue
             parent = self.parent_of[block]
             assert parent is not None, f"keyed block {block} lost its parent"
             content = block_key(parent, self.tokens_of[block].tobytes())
-            assert content == key, f"block {block}'s key does not match its content"
+            assert content == block_key_, f"block {block}'s key does not match its content"
         keyed = sum(key is not None for key in self.key_of)
-        assert keyed == len(self.block_of), "a block has a key missing from the map"
+        assert keyed == self.num_keyed, f"{keyed} keyed blocks, counted {self.num_keyed}"
         for block in self.evictable:
-            assert self.key_of[block] is not None, f"evictable block {block} has no key"
+            assert self.is_committed(block), f"evictable block {block} holds no committed key"

@@ -9,12 +9,20 @@ Invariants:
 - `tables[r, :num_blocks[r]]` is the block table of row r; entries past it are meaningless.
 - `partial[r, : num_tokens[r] % block_size]` holds the token ids of the unfilled last block
   while `chain_ok[r]` (every token so far came with its id), so the block can be keyed when full.
+- `committed[r] <= num_tokens[r] // block_size`: the owner certified the K/V of the first
+  `committed[r]` blocks as written; later full blocks may still be pending.
+
+Changes record their undo in the pool's journal; the hot path records whole arrays of rows at
+once (`save_rows`), not one entry per sequence.
 """
 
 from collections.abc import Hashable
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+
+from .journal import Journal
 
 Int64Array = npt.NDArray[np.int64]
 
@@ -22,8 +30,9 @@ Int64Array = npt.NDArray[np.int64]
 class SeqTable:
     """Rows of sequence state, grown by doubling; a dict maps sequence keys to rows."""
 
-    def __init__(self, block_size: int, rows: int = 64, cols: int = 8) -> None:
+    def __init__(self, block_size: int, journal: Journal, rows: int = 64, cols: int = 8) -> None:
         self.block_size = block_size
+        self._journal = journal
         # Sequence key -> row.
         self.row_of: dict[Hashable, int] = {}
         # Rows not in use, reused last-freed first.
@@ -32,6 +41,8 @@ class SeqTable:
         self.num_tokens: Int64Array = np.zeros(rows, dtype=np.int64)
         # Blocks in each row's table.
         self.num_blocks: Int64Array = np.zeros(rows, dtype=np.int64)
+        # Leading blocks of each row whose K/V the owner certified (`BlockPool.commit`).
+        self.committed: Int64Array = np.zeros(rows, dtype=np.int64)
         # Block tables: tables[r, i] is the physical block of logical block i of row r.
         self.tables: Int64Array = np.zeros((rows, cols), dtype=np.int64)
         # Token ids of each row's unfilled last block (see the module docstring).
@@ -42,54 +53,113 @@ class SeqTable:
         # of the next block's key.
         self.chain_key: list[bytes] = [b""] * rows
 
-    def copy(self) -> "SeqTable":
-        """An independent copy, for all-or-nothing snapshots."""
-        other = SeqTable.__new__(SeqTable)
-        other.block_size = self.block_size
-        other.row_of = dict(self.row_of)
-        other.free_rows = list(self.free_rows)
-        other.num_tokens = self.num_tokens.copy()
-        other.num_blocks = self.num_blocks.copy()
-        other.tables = self.tables.copy()
-        other.partial = self.partial.copy()
-        other.chain_ok = self.chain_ok.copy()
-        other.chain_key = list(self.chain_key)
-        return other
-
     def add(self, seq: Hashable, chain_key: bytes, chain_ok: bool) -> int:
         """A row for a new, empty sequence whose next block's parent key is `chain_key`."""
         if not self.free_rows:
             self._grow_rows()
         row = self.free_rows.pop()
         self.row_of[seq] = row
-        self.num_tokens[row] = 0
-        self.num_blocks[row] = 0
+        self.num_tokens[row] = self.num_blocks[row] = self.committed[row] = 0
         self.chain_ok[row] = chain_ok
         self.chain_key[row] = chain_key
+        self._journal.record(self._unadd, seq)
         return row
+
+    def _unadd(self, seq: Hashable) -> None:
+        self.free_rows.append(self.row_of.pop(seq))
 
     def clone(self, src: int, seq: Hashable) -> int:
         """A row for `seq` that starts as an exact copy of row `src` (fork)."""
         row = self.add(seq, self.chain_key[src], bool(self.chain_ok[src]))
         nb = int(self.num_blocks[src])
+        self.ensure_cols(nb)
         self.num_tokens[row] = self.num_tokens[src]
         self.num_blocks[row] = nb
+        self.committed[row] = self.committed[src]
         self.tables[row, :nb] = self.tables[src, :nb]
         self.partial[row] = self.partial[src]
         return row
 
     def remove(self, seq: Hashable) -> int:
-        """Forget `seq`; its row is reused by a later sequence."""
+        """Forget `seq`; its row is reused by a later sequence (so the undo keeps its state)."""
         row = self.row_of.pop(seq)
         self.free_rows.append(row)
+        if self._journal.active:
+            self._journal.record(self._unremove, seq, row, self._row_state(row))
         return row
+
+    def _row_state(self, row: int) -> "_RowState":
+        return _RowState(int(self.num_tokens[row]), int(self.committed[row]),
+                         self.table(row).copy(), self.partial[row].copy(),
+                         bool(self.chain_ok[row]), self.chain_key[row])
+
+    def _unremove(self, seq: Hashable, row: int, state: "_RowState") -> None:
+        popped = self.free_rows.pop()
+        assert popped == row, f"undo of remove found row {popped}, expected {row}"
+        self.row_of[seq] = row
+        self.num_tokens[row], self.committed[row] = state.num_tokens, state.committed
+        self.num_blocks[row] = len(state.table)
+        self.tables[row, :len(state.table)] = state.table
+        self.partial[row] = state.partial
+        self.chain_ok[row] = state.chain_ok
+        self.chain_key[row] = state.chain_key
+
+    def save_rows(self, rows: Int64Array, num_tokens: Int64Array, num_blocks: Int64Array,
+                  partial: bool) -> None:
+        """Record the lengths (and, if `partial`, the partial-block ids) of `rows` before a
+        change; table entries past num_blocks need no saving, being meaningless."""
+        if self._journal.active:
+            self._journal.record(self._restore_rows, rows, num_tokens, num_blocks,
+                                 self.chain_ok[rows],
+                                 self.partial[rows] if partial else None)
+
+    def _restore_rows(self, rows: Int64Array, num_tokens: Int64Array, num_blocks: Int64Array,
+                      chain_ok: npt.NDArray[np.bool_], partial: Int64Array | None) -> None:
+        self.num_tokens[rows], self.num_blocks[rows] = num_tokens, num_blocks
+        self.chain_ok[rows] = chain_ok
+        if partial is not None:
+            self.partial[rows] = partial
+
+    def set_entry(self, row: int, logical: int, block: int) -> None:
+        """Replace one table entry (copy-on-write)."""
+        self._journal.record(self._set_entry, row, logical, int(self.tables[row, logical]))
+        self.tables[row, logical] = block
+
+    def _set_entry(self, row: int, logical: int, block: int) -> None:
+        # By attribute at undo time: ensure_cols may have replaced the array since.
+        self.tables[row, logical] = block
+
+    def set_chain(self, rows: list[int], keys: list[bytes]) -> None:
+        """New parent keys for the next blocks of `rows`."""
+        chain_key = self.chain_key
+        self._journal.record(self._set_chain, rows, [chain_key[row] for row in rows])
+        self._set_chain(rows, keys)
+
+    def _set_chain(self, rows: list[int], keys: list[bytes]) -> None:
+        chain_key = self.chain_key
+        for row, key in zip(rows, keys, strict=True):
+            chain_key[row] = key
+
+    def set_committed(self, row: int, value: int) -> None:
+        self._journal.record(self._set_committed, row, int(self.committed[row]))
+        self.committed[row] = value
+
+    def _set_committed(self, row: int, value: int) -> None:
+        self.committed[row] = value
+
+    def set_chain_ok(self, row: int, value: bool) -> None:
+        self._journal.record(self._set_chain_ok, row, bool(self.chain_ok[row]))
+        self.chain_ok[row] = value
+
+    def _set_chain_ok(self, row: int, value: bool) -> None:
+        self.chain_ok[row] = value
 
     def table(self, row: int) -> Int64Array:
         """The block table of a row (a view)."""
         return self.tables[row, : self.num_blocks[row]]
 
     def ensure_cols(self, cols: int) -> None:
-        """Make room for block tables of `cols` entries."""
+        """Make room for block tables of `cols` entries (never undone: wider is harmless)."""
         have = self.tables.shape[1]
         if cols > have:
             grown = np.zeros((self.tables.shape[0], max(cols, 2 * have)), dtype=np.int64)
@@ -97,12 +167,11 @@ class SeqTable:
             self.tables = grown
 
     def _grow_rows(self) -> None:
+        """Double the rows (never undone: more free rows are harmless)."""
         have = len(self.num_tokens)
-        self.num_tokens = np.concatenate([self.num_tokens, np.zeros(have, dtype=np.int64)])
-        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(have, dtype=np.int64)])
-        self.tables = np.concatenate([self.tables, np.zeros_like(self.tables)])
-        self.partial = np.concatenate([self.partial, np.zeros_like(self.partial)])
-        self.chain_ok = np.concatenate([self.chain_ok, np.zeros(have, dtype=np.bool_)])
+        for name in ("num_tokens", "num_blocks", "committed", "tables", "partial", "chain_ok"):
+            array = getattr(self, name)
+            setattr(self, name, np.concatenate([array, np.zeros_like(array)]))
         self.chain_key.extend([b""] * have)
         self.free_rows.extend(range(2 * have - 1, have - 1, -1))
 
@@ -110,3 +179,14 @@ class SeqTable:
 def ragged_arange(counts: Int64Array) -> Int64Array:
     """0..c-1 for each c in `counts`, concatenated: the logical index of each table entry."""
     return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+class _RowState(NamedTuple):
+    """A removed row's state, kept to undo the removal (see `SeqTable` for the fields)."""
+
+    num_tokens: int
+    committed: int
+    table: Int64Array
+    partial: Int64Array
+    chain_ok: bool
+    chain_key: bytes

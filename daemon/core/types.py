@@ -1,14 +1,9 @@
 """The records the block pool hands to its callers. Only block ids and slots leave the pool."""
 
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-
-# A caller's name for a sequence. The daemon uses (session number, client seq_id) tuples;
-# benchmarks and tests use plain ints.
-SeqKey = Hashable
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +72,9 @@ class PoolStats:
     used_blocks: int
     # Evictable cached blocks (a subset of free_blocks).
     cached_blocks: int
+    # Used blocks that are full and keyed but not committed: their K/V is not yet certified
+    # written, so no prompt can match them.
+    pending_blocks: int
     # Distinct physical slots that hold a live token (shared slots count once).
     filled_slots: int
     # Slots of the used blocks: used_blocks * block_size.

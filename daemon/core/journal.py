@@ -1,0 +1,57 @@
+"""The undo journal: all-or-nothing at the cost of the work done, for single ops and batches alike.
+
+While a transaction is open, every change to the pool's state records how to undo itself (a
+function and its arguments). A transaction that fails replays the records newest first, which
+restores the state exactly: block ids, refcounts, free-list and LRU order, keys, counters. One
+that succeeds drops them. Outside a transaction nothing is recorded; every operation checks
+before it changes anything, so a refused single call needs no undo.
+
+The service records its own bookkeeping (session sequences, quotas) in the same journal, so a
+call that fails after the pool changed (an op late in a Batch, or the pool memory's work)
+leaves both exactly as they were.
+"""
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+Undo = tuple[Callable[..., Any], tuple[Any, ...]]
+
+
+class Journal:
+    """Undo records of the open transaction (None when no transaction is open)."""
+
+    __slots__ = ("_undo",)
+
+    def __init__(self) -> None:
+        self._undo: list[Undo] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._undo is not None
+
+    def record(self, undo: Callable[..., Any], *args: Any) -> None:
+        """Remember `undo(*args)`, which reverts the change just made (a no-op outside a
+        transaction)."""
+        if self._undo is not None:
+            self._undo.append((undo, args))
+
+    @contextmanager
+    def transaction(self) -> Iterator["Journal"]:
+        """Everything changed inside is undone if the block raises; transactions do not nest."""
+        assert self._undo is None, "a transaction is already open"
+        self._undo = []
+        try:
+            yield self
+        except BaseException:
+            self._rollback()
+            raise
+        finally:
+            self._undo = None
+
+    def _rollback(self) -> None:
+        undo = self._undo
+        assert undo is not None
+        self._undo = None  # undo functions must not record
+        for function, args in reversed(undo):
+            function(*args)
