@@ -14,6 +14,7 @@ from .errors import (
     Unauthenticated,
 )
 from .ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
+from .sampling_params import SamplingParams
 from .types import (
     BlockCopy,
     PoolInfo,
@@ -43,6 +44,7 @@ __all__ = [
     "PoolInfo",
     "PoolMemory",
     "PoolStats",
+    "SamplingParams",
     "SequenceBlocks",
     "SequenceExists",
     "SequenceNotFound",

@@ -1,0 +1,108 @@
+"""How one sequence picks its next token: the parameters a client sends with each step.
+
+Torch-free (it lives in the client); the runner's `pagedkv.model_runner.sampling.Sampler` applies
+them, in the order its module docstring gives. Names and "off" values follow vLLM's
+`SamplingParams`, so a request written for vLLM reads the same here.
+
+Room is left for later fields (`n`, `best_of`, beam search, `min_tokens`, `ignore_eos`, frequency
+and presence penalties): each is one more field whose default keeps today's behaviour.
+"""
+
+import math
+from dataclasses import dataclass
+
+# Temperatures below this are greedy, as in vLLM (`_SAMPLING_EPS`): dividing logits by a
+# near-zero temperature overflows to inf, and the limit of sampling is the argmax anyway.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# `seed` is a 64-bit unsigned integer (a uint64 field on the wire).
+MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """One sequence's sampling parameters; validated on construction (ValueError)."""
+
+    # Softmax temperature, >= 0; 0 (or below GREEDY_TEMPERATURE_EPS) = greedy: the argmax of the
+    # penalized logits, and top_k, top_p, min_p and seed are then irrelevant.
+    temperature: float = 1.0
+    # Keep the k most likely tokens (all tokens tied with the k-th are kept); 0 or -1 = off.
+    top_k: int = 0
+    # Keep the smallest set of most likely tokens whose probability reaches top_p (plus any token
+    # tied with the least likely one kept), measured after top_k; in (0, 1]; 1.0 = off.
+    top_p: float = 1.0
+    # Keep tokens whose probability is at least min_p times the most likely token's; in [0, 1];
+    # 0 = off.
+    min_p: float = 0.0
+    # transformers' repetition penalty: a token already in the prompt or the output has its logit
+    # divided by the penalty if positive, multiplied if negative (once, however often it
+    # occurred); > 0; 1.0 = off; > 1 discourages repetition, < 1 encourages it.
+    repetition_penalty: float = 1.0
+    # Makes sampling reproducible: the randomness of a step depends only on (seed, number of
+    # tokens generated so far), not on the batch; in [0, 2**64); None = not reproducible.
+    seed: int | None = None
+    # Token ids that finish the sequence when sampled (the stop token is part of the output).
+    stop_token_ids: tuple[int, ...] = ()
+    # Most tokens to generate, >= 1 (vLLM's default is 16 as well).
+    max_tokens: int = 16
+    # None = no logprobs; k >= 0 = the sampled token's logprob plus the k most likely tokens'
+    # logprobs (k = 0: the sampled token's only). Logprobs are of the raw model distribution.
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= 1, or 0 or -1 to turn it off, got {self.top_k}")
+        _check_float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        _check_float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not 0 <= self.seed <= MAX_SEED:
+                raise ValueError(f"seed must be in [0, 2**64) or None, got {self.seed}")
+        # Accept any iterable of ints from untyped callers; store a tuple (hashable, frozen).
+        stop_token_ids = tuple(self.stop_token_ids)
+        for token_id in stop_token_ids:
+            _check_int("stop_token_ids", token_id)
+            if token_id < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {token_id}")
+        object.__setattr__(self, "stop_token_ids", stop_token_ids)
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs)
+            if self.logprobs < 0:
+                raise ValueError(
+                    f"logprobs must be >= 0 (number of top logprobs) or None, got {self.logprobs}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether the next token is the argmax (temperature 0)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    def is_stop(self, token_id: int) -> bool:
+        """Whether sampling `token_id` finishes the sequence (max_tokens aside)."""
+        return token_id in self.stop_token_ids
+
+
+def _check_int(name: str, value: object) -> None:
+    # bool is an int subclass: `top_k=True` is a mistake, not 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+
+
+def _check_float(name: str, value: object) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
