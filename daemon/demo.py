@@ -84,6 +84,9 @@ async def one_request_lifecycle(session: Session) -> None:
     """Prompt, shared prompt, fork, decode with copy-on-write, free."""
     say(f"Prefill: a {len(PROMPT)}-token prompt.")
     describe("allocate", await session.allocate(1, token_ids=PROMPT))
+    committed = await session.commit([1])
+    say(f"A runner computes its K/V, then the client commits it: {committed} full blocks become")
+    say("shareable (until then they are pending and no other prompt may match them).")
     say("A second request with the same prompt: its full blocks are shared, not recomputed.")
     describe("allocate", await session.allocate(2, token_ids=PROMPT))
     say("Parallel sampling: fork seq 1 into seq 3; the child shares every block.")

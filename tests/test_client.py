@@ -72,7 +72,8 @@ async def test_typed_results_for_every_call(daemon: Daemon, client: PoolClient) 
         assert stats.session is not None
         assert (stats.session.name, stats.session.num_sequences) == ("typed#1", 3)
         assert stats.num_sessions == 1 and (await client.stats()).session is None
-        assert await session.free(2) == 1
+        # Block 0 was keyed pending and never committed: it goes back to the free list too.
+        assert await session.free(2) == 2
         assert await session.keep_alive() == 10_000
     assert daemon.pool.stats().used_blocks == 0
 
@@ -105,6 +106,7 @@ async def test_cache_salt_decides_prefix_sharing(client: PoolClient) -> None:
     other = await client.open_session("c", cache_salt="tenant-2")
     default = await client.open_session("d")
     owner = await first.allocate(1, token_ids=prompt)
+    assert await first.commit([1]) == 2  # its K/V is written: the two full blocks are shared
     shared = await same.allocate(1, token_ids=prompt)
     assert (shared.num_cached_tokens, shared.block_ids) == (8, owner.block_ids)
     for session in (other, default):
@@ -134,7 +136,7 @@ async def test_keep_alive_holds_the_lease_and_its_absence_expires_it(
 
 async def test_keep_alive_records_a_lost_lease(daemon: Daemon, client: PoolClient) -> None:
     session = await client.open_session("lost", lease_ttl_ms=150)
-    daemon.service.close_session(session.session_id)  # the daemon forgets it behind our back
+    await daemon.service.close_session(session.session_id)  # the daemon forgets it behind our back
     for _ in range(40):
         await asyncio.sleep(0.025)
         if session.lease_error is not None:

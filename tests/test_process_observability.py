@@ -50,6 +50,7 @@ async def test_metrics_move_after_an_allocate(daemon: tuple[Pagedkvd, str]) -> N
     async with await PoolClient.connect(running.unix_target) as client:
         session = await client.open_session("metrics-test")
         await session.allocate(1, token_ids=prompt)
+        await session.commit([1])  # its K/V is written (by a runner): the full blocks are shared
         await session.allocate(2, token_ids=prompt)  # the 2 full blocks come from the cache
         during = await scrape(base)
         await session.close()

@@ -18,6 +18,7 @@ from pagedkv.daemon.kv_memory import KVPoolMemory
 from pagedkv.daemon.operations import (
     Allocate,
     Append,
+    Commit,
     CopyOnWrite,
     Fork,
     Free,
@@ -49,81 +50,85 @@ def snapshot(service: PoolService) -> tuple[object, ...]:
     """Everything a failed call must leave as it was."""
     tables = {(s.label, q): (service.pool.block_table(s.key(q)), service.pool.num_tokens(s.key(q)))
               for s in service.sessions for q in s.seq_ids}
-    return service.pool_stats(), tables, service.session_stats()
+    books = {s.label: (sorted(s.seq_ids), s.table_entries, s.prefix_cache_queries,
+                       s.prefix_cache_hits) for s in service.sessions}
+    return service.pool_stats(), tables, books
 
 
-def test_operations_exact_blocks_and_session_stats(service: PoolService) -> None:
+async def test_operations_exact_blocks_and_session_stats(service: PoolService) -> None:
     sid = service.open_session("a").session_id
-    update = service.allocate(sid, Allocate(1, 6, list(range(6))))
+    update = await service.allocate(sid, Allocate(1, 6, list(range(6))))
     assert (update.block_table, update.slot_mapping) == ([0, 1], [0, 1, 2, 3, 4, 5])
-    assert service.append(sid, Append(1, 3)).slot_mapping == [6, 7, 8]  # fills 1, opens 2
-    assert service.fork(sid, Fork(1, 2)).block_table == [0, 1, 2]
-    cow = service.copy_on_write(sid, CopyOnWrite(2, 2))
+    assert (await service.append(sid, Append(1, 3))).slot_mapping == [6, 7, 8]  # fills 1, opens 2
+    assert (await service.fork(sid, Fork(1, 2))).block_table == [0, 1, 2]
+    cow = await service.copy_on_write(sid, CopyOnWrite(2, 2))
     assert cow.block_table == [0, 1, 3] and [(c.src, c.dst) for c in cow.copies] == [(2, 3)]
     stats = service.stats_of(sid)
     assert (stats.num_sequences, stats.block_table_entries, stats.blocks_held) == (2, 6, 4)
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (6, 0)
-    assert service.free(sid, Free(2)) == 1  # only block 3 was private to seq 2
-    assert service.block_tables(sid, [1])[0].block_table == [0, 1, 2]
+    assert await service.free(sid, Free(2)) == 1  # only block 3 was private to seq 2
+    assert (await service.block_tables(sid, [1]))[0].block_table == [0, 1, 2]
     service.check_invariants()
-    assert service.close_session(sid) == 1
+    assert await service.close_session(sid) == 1
     assert service.pool_stats().used_blocks == 0
     service.check_invariants()
 
 
-def test_sessions_cannot_touch_each_others_sequences(service: PoolService) -> None:
+async def test_sessions_cannot_touch_each_others_sequences(service: PoolService) -> None:
     a = service.open_session("a").session_id
     b = service.open_session("b").session_id
-    service.allocate(a, Allocate(1, 4))
+    await service.allocate(a, Allocate(1, 4))
     before = snapshot(service)
     for attempt in (lambda: service.append(b, Append(1, 1)), lambda: service.free(b, Free(1)),
                     lambda: service.fork(b, Fork(1, 2)), lambda: service.block_tables(b, [1]),
                     lambda: service.copy_on_write(b, CopyOnWrite(1, 0)),
                     lambda: service.step(b, [1])):
         with pytest.raises(SequenceNotFound, match="not found in this session"):
-            attempt()
+            await attempt()
     assert snapshot(service) == before
     # The same seq id is free to use in another session.
-    assert service.allocate(b, Allocate(1, 4)).block_table == [1]
+    assert (await service.allocate(b, Allocate(1, 4))).block_table == [1]
     service.check_invariants()
 
 
-def test_prefix_sharing_only_between_equal_salts(service: PoolService) -> None:
+async def test_prefix_sharing_only_between_equal_salts(service: PoolService) -> None:
     prompt = list(range(100, 108))  # two full blocks
     private = [service.open_session(n).session_id for n in ("p", "q")]
     team = [service.open_session(n, cache_salt=b"team").session_id for n in ("t", "u")]
-    first = service.allocate(private[0], Allocate(1, 8, prompt))
-    assert service.allocate(private[1], Allocate(1, 8, prompt)).num_cached_tokens == 0
-    service.allocate(team[0], Allocate(1, 8, prompt))
-    shared = service.allocate(team[1], Allocate(1, 8, prompt))
+    first = await service.allocate(private[0], Allocate(1, 8, prompt))
+    assert await service.commit(private[0], Commit([1])) == 2
+    assert (await service.allocate(private[1], Allocate(1, 8, prompt))).num_cached_tokens == 0
+    await service.allocate(team[0], Allocate(1, 8, prompt))
+    await service.commit(team[0], Commit([1]))
+    shared = await service.allocate(team[1], Allocate(1, 8, prompt))
     assert shared.num_cached_tokens == 8
     assert not set(shared.block_table) & set(first.block_table)
     assert service.stats_of(team[1]).prefix_cache_hits == 8
     service.check_invariants()
 
 
-def test_quota_refuses_before_anything_changes(service: PoolService) -> None:
+async def test_quota_refuses_before_anything_changes(service: PoolService) -> None:
     sid = service.open_session("a", max_blocks=3).session_id
-    service.allocate(sid, Allocate(1, 8))  # 2 entries
+    await service.allocate(sid, Allocate(1, 8))  # 2 entries
     before = snapshot(service)
     for attempt in (lambda: service.allocate(sid, Allocate(2, 5)),
                     lambda: service.fork(sid, Fork(1, 2)),
                     lambda: service.append(sid, Append(1, 5)),
                     lambda: service.step(sid, [1], num_tokens=5)):
         with pytest.raises(PoolExhausted, match="max_blocks=3"):
-            attempt()
+            await attempt()
     assert snapshot(service) == before
-    service.append(sid, Append(1, 4))  # exactly the third entry
+    await service.append(sid, Append(1, 4))  # exactly the third entry
     assert service.stats_of(sid).block_table_entries == 3
     service.check_invariants()
 
 
-def test_pool_full_says_needed_and_available(service: PoolService) -> None:
+async def test_pool_full_says_needed_and_available(service: PoolService) -> None:
     sid = service.open_session("a").session_id
-    service.allocate(sid, Allocate(1, 24))  # 6 of 8 blocks
+    await service.allocate(sid, Allocate(1, 24))  # 6 of 8 blocks
     before = snapshot(service)
     with pytest.raises(PoolExhausted, match="needs 3 blocks, 2 available"):
-        service.allocate(sid, Allocate(2, 12))
+        await service.allocate(sid, Allocate(2, 12))
     assert snapshot(service) == before
 
 
@@ -134,62 +139,62 @@ def test_pool_full_says_needed_and_available(service: PoolService) -> None:
     CopyOnWrite(1, 9),              # logical block out of range
     Append(1, -2),                  # negative count
 ])
-def test_batch_is_all_or_nothing(service: PoolService, bad_third_op: Operation) -> None:
+async def test_batch_is_all_or_nothing(service: PoolService, bad_third_op: Operation) -> None:
     sid = service.open_session("a").session_id
-    service.allocate(sid, Allocate(1, 6))
-    service.fork(sid, Fork(1, 5))
+    await service.allocate(sid, Allocate(1, 6))
+    await service.fork(sid, Fork(1, 5))
     before = snapshot(service)
     ops: list[Operation] = [Allocate(2, 3), CopyOnWrite(5, 1), bad_third_op, Free(1)]
     with pytest.raises(Exception, match=r"^op 2 \(") as failure:
-        service.batch(sid, ops)
+        await service.batch(sid, ops)
     assert isinstance(failure.value, InvalidArgument | SequenceNotFound | SequenceExists
                       | PoolExhausted)
     assert snapshot(service) == before
     service.check_invariants()
 
 
-def test_batch_results_and_memory_work_in_order(memory: KVPoolMemory) -> None:
+async def test_batch_results_and_memory_work_in_order(memory: KVPoolMemory) -> None:
     service = make_service(memory=memory)
     sid = service.open_session("a").session_id
-    service.allocate(sid, Allocate(1, 6))
-    service.fork(sid, Fork(1, 2))
+    await service.allocate(sid, Allocate(1, 6))
+    await service.fork(sid, Fork(1, 2))
     memory.kv[:, :, 1] = 7.0
-    results = service.batch(sid, [CopyOnWrite(2, 1), Free(1), Append(2, 1), Allocate(3, 2)])
+    results = await service.batch(sid, [CopyOnWrite(2, 1), Free(1), Append(2, 1), Allocate(3, 2)])
     assert [r.block_table for r in results] == [[0, 2], [], [0, 2], [3]]
     assert [(c.src, c.dst) for c in results[0].copies] == [(1, 2)]
     assert bool((memory.kv[:, :, 2] == 7.0).all())
     service.check_invariants()
 
 
-def test_copy_on_write_copies_pool_memory(memory: KVPoolMemory) -> None:
+async def test_copy_on_write_copies_pool_memory(memory: KVPoolMemory) -> None:
     service = make_service(memory=memory)
     sid = service.open_session("a").session_id
-    service.allocate(sid, Allocate(1, 6))
-    service.fork(sid, Fork(1, 2))
+    await service.allocate(sid, Allocate(1, 6))
+    await service.fork(sid, Fork(1, 2))
     pattern = torch.arange(memory.kv[:, :, 1].numel(), dtype=torch.float32)
     memory.kv[:, :, 1] = pattern.view_as(memory.kv[:, :, 1])
-    step = service.step(sid, [2])  # seq 2 writes into shared, half-full block 1
+    step = await service.step(sid, [2])  # seq 2 writes into shared, half-full block 1
     assert [(c.src, c.dst) for c in step.copies] == [(1, 2)]
     assert torch.equal(memory.kv[:, :, 2], memory.kv[:, :, 1])
     service.check_invariants()
 
 
 @pytest.mark.parametrize("zero", [False, True])
-def test_zero_freed_blocks(memory: KVPoolMemory, zero: bool) -> None:
+async def test_zero_freed_blocks(memory: KVPoolMemory, zero: bool) -> None:
     service = make_service(memory=memory, zero_freed_blocks=zero)
     sid = service.open_session("a").session_id
-    service.allocate(sid, Allocate(1, 6))
+    await service.allocate(sid, Allocate(1, 6))
     memory.kv[:, :, 0:2] = 3.0
-    service.free(sid, Free(1))
+    await service.free(sid, Free(1))
     assert bool((memory.kv[:, :, 0:2] == 0).all()) is zero
     assert bool((memory.kv[:, :, 0:2] == 3.0).all()) is not zero
 
 
-def test_step_happy_path_and_failures_change_nothing(service: PoolService) -> None:
+async def test_step_happy_path_and_failures_change_nothing(service: PoolService) -> None:
     sid = service.open_session("a").session_id
     for seq_id in (1, 2, 3):
-        service.allocate(sid, Allocate(seq_id, 3))  # blocks 0, 1, 2
-    result = service.step(sid, [3, 1, 2], 2, [1, 2, 3, 4, 5, 6])
+        await service.allocate(sid, Allocate(seq_id, 3))  # blocks 0, 1, 2
+    result = await service.step(sid, [3, 1, 2], 2, [1, 2, 3, 4, 5, 6])
     # Each crosses into a new block, handed out in request order: 3 gets 3, 1 gets 4, 2 gets 5.
     assert result.slot_mapping.tolist() == [11, 12, 3, 16, 7, 20]
     assert result.changed_seq_index.tolist() == [0, 1, 2]
@@ -207,55 +212,55 @@ def test_step_happy_path_and_failures_change_nothing(service: PoolService) -> No
     ]
     for attempt, kind, message in failures:
         with pytest.raises(kind, match=message):
-            attempt()
+            await attempt()
         assert snapshot(service) == before
 
 
-def test_invalid_arguments_name_the_problem(service: PoolService) -> None:
+async def test_invalid_arguments_name_the_problem(service: PoolService) -> None:
     sid = service.open_session("a").session_id
     with pytest.raises(InvalidArgument, match="num_tokens must be >= 0"):
-        service.allocate(sid, Allocate(1, -1))
+        await service.allocate(sid, Allocate(1, -1))
     with pytest.raises(InvalidArgument, match="2 token_ids given for num_tokens=3"):
-        service.allocate(sid, Allocate(1, 3, [1, 2]))
-    service.allocate(sid, Allocate(1, 3))
+        await service.allocate(sid, Allocate(1, 3, [1, 2]))
+    await service.allocate(sid, Allocate(1, 3))
     with pytest.raises(InvalidArgument, match="outside the 1 blocks"):
-        service.copy_on_write(sid, CopyOnWrite(1, 1))
+        await service.copy_on_write(sid, CopyOnWrite(1, 1))
     with pytest.raises(InvalidArgument, match="no seq_ids"):
-        service.block_tables(sid, [])
+        await service.block_tables(sid, [])
     with pytest.raises(InvalidArgument, match="at least one op"):
-        service.batch(sid, [])
+        await service.batch(sid, [])
     with pytest.raises(SequenceExists):
-        service.allocate(sid, Allocate(1, 3))
+        await service.allocate(sid, Allocate(1, 3))
     assert service.stats_of(sid).num_sequences == 1
 
 
-def test_request_limits_name_the_limit() -> None:
+async def test_request_limits_name_the_limit() -> None:
     service = make_service(limits=RequestLimits(max_batch_ops=2, max_seq_ids=2, max_tokens=8))
     sid = service.open_session("a").session_id
     with pytest.raises(InvalidArgument, match="3 ops in one request; the limit is 2"):
-        service.batch(sid, [Allocate(1, 1), Allocate(2, 1), Allocate(3, 1)])
+        await service.batch(sid, [Allocate(1, 1), Allocate(2, 1), Allocate(3, 1)])
     with pytest.raises(InvalidArgument, match="the limit is 2"):
-        service.step(sid, [1, 2, 3])
+        await service.step(sid, [1, 2, 3])
     with pytest.raises(InvalidArgument, match="9 tokens in one request; the limit is 8"):
-        service.allocate(sid, Allocate(1, 9))
+        await service.allocate(sid, Allocate(1, 9))
     assert len(service.pool) == 0
 
 
-def test_lease_expiry_frees_everything() -> None:
+async def test_lease_expiry_frees_everything() -> None:
     now = [0.0]
     service = make_service(clock=lambda: now[0])
     session = service.open_session("a", lease_ttl_ms=300)
-    service.allocate(session.session_id, Allocate(1, 16))
-    service.fork(session.session_id, Fork(1, 2))
+    await service.allocate(session.session_id, Allocate(1, 16))
+    await service.fork(session.session_id, Fork(1, 2))
     other = service.open_session("b", lease_ttl_ms=10_000)
-    service.allocate(other.session_id, Allocate(1, 4))
+    await service.allocate(other.session_id, Allocate(1, 4))
     now[0] += 0.301
-    assert service.sessions.expire_due() == [session]
+    assert await service.expire_due() == 1
     assert service.lease_expiries_total == 1
     assert service.pool_stats().used_blocks == 1  # only b's block
     with pytest.raises(SessionExpired):
         service.keep_alive(session.session_id)
-    assert service.num_sessions == 1 and list(service.session_stats()) == ["b#2"]
+    assert service.num_sessions == 1 and [s.label for s in service.sessions] == ["b#2"]
     service.check_invariants()
 
 
@@ -264,7 +269,7 @@ async def test_reaper_task_expires_leases() -> None:
 
     service = make_service(default_lease_ttl_ms=100)
     session = service.open_session("a")
-    service.allocate(session.session_id, Allocate(1, 8))
+    await service.allocate(session.session_id, Allocate(1, 8))
     await service.start()
     try:
         for _ in range(50):
@@ -286,13 +291,14 @@ _ops = st.one_of(
     st.builds(Append, _seq, st.integers(1, 6)),
     st.builds(Fork, _seq, _seq),
     st.builds(CopyOnWrite, _seq, st.integers(0, 3)),
+    st.builds(lambda q: Commit([q]), _seq),
     st.builds(Free, _seq),
 )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.booleans(), st.lists(_ops, min_size=1, max_size=3)), max_size=25))
-def test_random_operations_keep_sessions_and_pool_consistent(
+async def test_random_operations_keep_sessions_and_pool_consistent(
         script: list[tuple[bool, list[Operation]]]) -> None:
     service = make_service(num_blocks=12, block_size=2)
     sids = [service.open_session("a", max_blocks=10).session_id,
@@ -301,7 +307,7 @@ def test_random_operations_keep_sessions_and_pool_consistent(
         sid = sids[0] if use_first else sids[1]
         before = snapshot(service)
         try:
-            service.batch(sid, ops)
+            await service.batch(sid, ops)
         except (InvalidArgument, SequenceNotFound, SequenceExists, PoolExhausted):
             assert snapshot(service) == before
         service.check_invariants()

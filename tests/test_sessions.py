@@ -4,7 +4,7 @@ import pytest
 
 from pagedkv.daemon import sessions as sessions_module
 from pagedkv.daemon.core import InvalidArgument
-from pagedkv.daemon.sessions import Session, SessionExpired, SessionNotFound, SessionRegistry
+from pagedkv.daemon.sessions import SessionExpired, SessionNotFound, SessionRegistry
 
 
 class FakeClock:
@@ -23,14 +23,9 @@ def clock() -> FakeClock:
 
 
 @pytest.fixture
-def expired() -> list[Session]:
-    return []
-
-
-@pytest.fixture
-def registry(clock: FakeClock, expired: list[Session]) -> SessionRegistry:
+def registry(clock: FakeClock) -> SessionRegistry:
     return SessionRegistry("pool1", default_lease_ttl_ms=1000, max_lease_ttl_ms=5000,
-                           on_expire=expired.append, clock=clock)
+                           clock=clock)
 
 
 def test_ids_embed_pool_and_number_and_are_unguessable(registry: SessionRegistry) -> None:
@@ -70,29 +65,35 @@ def test_salts_default_unique_and_client_salts_namespaced(registry: SessionRegis
     assert e.salt != a.salt
 
 
-def test_every_call_renews_the_lease(registry: SessionRegistry, clock: FakeClock,
-                                     expired: list[Session]) -> None:
+def test_every_call_renews_the_lease_and_a_lapsed_one_is_never_revived(
+        registry: SessionRegistry, clock: FakeClock) -> None:
     session = registry.open("a", 1000, 0, b"")
     for _ in range(5):
         clock.now += 0.9  # just inside the lease each time
         assert registry.get(session.session_id) is session
-    assert registry.expire_due() == []
+    assert registry.due() == []
     clock.now += 1.001
-    assert registry.expire_due() == [session]
-    assert expired == [session]
-    assert registry.expiries_total == 1
+    assert registry.due() == [session]
+    with pytest.raises(SessionExpired, match="expired"):  # due: refused before the reaper runs
+        registry.get(session.session_id)
+    registry.remove(session, expired=True)  # the reaper's part
+    assert registry.expiries_total == 1 and session not in registry
     with pytest.raises(SessionExpired, match="expired"):
         registry.get(session.session_id)
 
 
-def test_a_lapsed_lease_is_not_revived_before_the_reaper_runs(
-        registry: SessionRegistry, clock: FakeClock, expired: list[Session]) -> None:
+def test_a_call_in_flight_holds_the_lease_from_arrival_to_departure(
+        registry: SessionRegistry, clock: FakeClock) -> None:
     session = registry.open("a", 1000, 0, b"")
-    clock.now += 1.5
-    with pytest.raises(SessionExpired):
-        registry.get(session.session_id)
-    assert expired == [session]
-    assert len(registry) == 0
+    clock.now += 0.9
+    assert registry.arrive(session.session_id) is session  # renewed on arrival
+    clock.now += 5.0  # the call waits behind other clients' work, far past its lease
+    assert registry.due() == []
+    registry.depart(session)  # the lease runs from the end of the call
+    clock.now += 0.9
+    assert registry.due() == []
+    clock.now += 0.2
+    assert registry.due() == [session]
 
 
 def test_missing_sessions_say_why(registry: SessionRegistry) -> None:
@@ -106,12 +107,16 @@ def test_missing_sessions_say_why(registry: SessionRegistry) -> None:
         registry.get("oldpool-3-0123456789abcdef")
 
 
-def test_closed_session_is_unknown(registry: SessionRegistry, expired: list[Session]) -> None:
+def test_removed_session_is_unknown_until_reinstated(registry: SessionRegistry) -> None:
     session = registry.open("a", 0, 0, b"")
-    assert registry.close(session.session_id) is session
+    registry.remove(session, expired=False)  # closed
     with pytest.raises(SessionNotFound):
         registry.get(session.session_id)
-    assert expired == []
+    with pytest.raises(SessionNotFound):
+        registry.check_live(session)
+    assert registry.expiries_total == 0
+    registry.reinstate(session, False)  # a close whose memory work failed is undone
+    assert registry.get(session.session_id) is session
 
 
 def test_expired_ids_remembered_within_a_bound(registry: SessionRegistry, clock: FakeClock,
@@ -119,7 +124,9 @@ def test_expired_ids_remembered_within_a_bound(registry: SessionRegistry, clock:
     monkeypatch.setattr(sessions_module, "REMEMBERED_EXPIRED_IDS", 2)
     ids = [registry.open(str(i), 1000, 0, b"").session_id for i in range(3)]
     clock.now += 2
-    assert len(registry.expire_due()) == 3
+    for session in registry.due():
+        registry.remove(session, expired=True)
+    assert registry.expiries_total == 3
     with pytest.raises(SessionNotFound):  # the oldest was forgotten
         registry.get(ids[0])
     for session_id in ids[1:]:
@@ -127,20 +134,8 @@ def test_expired_ids_remembered_within_a_bound(registry: SessionRegistry, clock:
             registry.get(session_id)
 
 
-def test_usage_snapshot_restores(registry: SessionRegistry) -> None:
-    session = registry.open("a", 0, 0, b"")
-    session.seq_ids.add(1)
-    session.table_entries = 3
-    saved = session.usage()
-    session.seq_ids.add(2)
-    session.table_entries = 9
-    session.prefix_cache_hits = 4
-    session.restore(saved)
-    assert (session.seq_ids, session.table_entries, session.prefix_cache_hits) == ({1}, 3, 0)
-
-
 def test_bad_lease_configuration() -> None:
     with pytest.raises(ValueError, match="default_lease_ttl_ms"):
-        SessionRegistry("p", default_lease_ttl_ms=0, max_lease_ttl_ms=10, on_expire=print)
+        SessionRegistry("p", default_lease_ttl_ms=0, max_lease_ttl_ms=10)
     with pytest.raises(ValueError, match="default_lease_ttl_ms"):
-        SessionRegistry("p", default_lease_ttl_ms=20, max_lease_ttl_ms=10, on_expire=print)
+        SessionRegistry("p", default_lease_ttl_ms=20, max_lease_ttl_ms=10)
