@@ -11,9 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedkv.daemon.core.types import PoolStats
 from pagedkv.daemon.metrics import PoolCollector, Readiness, RpcMetrics, metrics_app, start_http
 
-EMPTY = PoolStats(num_blocks=8, block_size=16, free_blocks=8, used_blocks=0, cached_blocks=0, pending_blocks=0,
-                  filled_slots=0, allocated_slots=0, logical_tokens=0, num_sequences=0,
-                  prefix_cache_queries=0, prefix_cache_hits=0)
+EMPTY = PoolStats(num_blocks=8, block_size=16, free_blocks=8, used_blocks=0, cached_blocks=0,
+                  pending_blocks=0, filled_slots=0, allocated_slots=0, logical_tokens=0,
+                  num_sequences=0, prefix_cache_queries=0, prefix_cache_hits=0)
 
 
 class FakeService:
