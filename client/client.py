@@ -168,7 +168,8 @@ class Session:
     async def close(self) -> int:
         """Free every sequence and end the session; returns how many sequences were freed.
 
-        Idempotent; a session the daemon already expired has nothing left to free (0).
+        Idempotent; a session the daemon already expired has nothing left to free (0). A close
+        that fails otherwise (INTERNAL, UNAVAILABLE) changed nothing and may be retried.
         """
         if self._keep_alive_task is not None:
             self._keep_alive_task.cancel()
@@ -177,14 +178,15 @@ class Session:
             self._keep_alive_task = None
         if self._closed:
             return 0
-        self._closed = True
-        self._client.forget(self)
         try:
             reply = await self._client.call(self._stub.CloseSession,
                                             self._session_request(pb.CloseSessionRequest))
+            freed = reply.freed_sequences
         except (SessionExpired, NotFound):
-            return 0
-        return reply.freed_sequences
+            freed = 0
+        self._closed = True
+        self._client.forget(self)
+        return freed
 
     async def __aenter__(self) -> Self:
         return self

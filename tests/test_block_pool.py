@@ -280,3 +280,65 @@ def test_the_core_imports_neither_torch_nor_grpc() -> None:
             "print(sorted(m for m in ('torch', 'grpc') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_transaction_costs_the_work_done_not_the_size_of_the_pool() -> None:
+    """The undo journal records what a 2-op batch changed, never a copy of the pool state: the
+    records and every array they keep are the same at 64 and at 65,536 blocks."""
+    footprints = []
+    for num_blocks in (64, 65_536):
+        pool = BlockPool(num_blocks, block_size=4)
+        for i in range(8):
+            ok(pool.allocate(i, 6, list(range(i, i + 6))))
+        with pool.transaction() as journal:
+            pool.append_batch([0, 1], 3, list(range(6)))
+            pool.free(2)
+            records = list(journal._undo or [])
+        sizes = [np.asarray(arg).size for _, args in records for arg in args
+                 if isinstance(arg, np.ndarray | list)]
+        footprints.append(([undo.__name__ for undo, _ in records], sizes))
+        pool.check_invariants()
+    assert footprints[0] == footprints[1]
+
+
+def test_pending_blocks_are_matched_only_once_committed(pool: BlockPool) -> None:
+    prompt = list(range(10))
+    a = ok(pool.allocate("a", 10, prompt))        # a: [0, 1, 2]; blocks 0, 1 full, pending
+    assert pool.stats().pending_blocks == 2
+    b = ok(pool.allocate("b", 10, prompt))        # nothing written yet: b computes its own copy
+    assert (b.block_table, b.num_cached_tokens) == ([3, 4, 5], 0)
+    assert pool.commit(["a"]) == 2                # a's K/V is written
+    assert pool.commit(["a"]) == 0                # idempotent
+    c = ok(pool.allocate("c", 10, prompt))
+    assert (c.block_table, c.num_cached_tokens) == ([0, 1, 6], 8)
+    assert pool.commit(["b"]) == 0                # same content, committed second: stays private
+    assert pool.stats().pending_blocks == 0
+    assert pool.free("b") == [5, 4, 3]            # b's duplicates hold no key: plain free blocks
+    assert a.block_table == [0, 1, 2]
+    pool.check_invariants()
+
+
+def test_commit_of_a_token_prefix_counts_only_blocks_fully_inside(pool: BlockPool) -> None:
+    ok(pool.allocate("a", 10, list(range(10))))   # chunked prefill: 5 tokens computed so far
+    assert pool.commit(["a"], [5]) == 1           # block 0 (tokens 0-3) is complete
+    assert pool.commit(["a"], [7]) == 0           # block 1 needs tokens 4-7
+    assert pool.commit(["a"], [8]) == 1
+    with pytest.raises(InvalidArgument, match="exceeds"):
+        pool.commit(["a"], [11])
+    ok(pool.allocate("b", 2))
+    with pytest.raises(InvalidArgument, match="1 token counts given for 2"):
+        pool.commit(["a", "b"], [4])
+    with pytest.raises(SequenceNotFound):
+        pool.commit(["zz"])
+    assert ok(pool.allocate("c", 8, list(range(8)))).num_cached_tokens == 8
+    pool.check_invariants()
+
+
+def test_a_forked_child_keeps_pending_blocks_and_may_commit_them(pool: BlockPool) -> None:
+    ok(pool.allocate("p", 9, list(range(9))))     # p: [0, 1, 2]; 0 and 1 pending
+    ok(pool.fork("p", "c"))
+    assert pool.free("p") == []                   # the child still references every block
+    assert pool.stats().pending_blocks == 2
+    assert pool.commit(["c"]) == 2                # the child's owner computed them
+    assert ok(pool.allocate("x", 8, list(range(8)))).num_cached_tokens == 8
+    pool.check_invariants()

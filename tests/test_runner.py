@@ -146,6 +146,50 @@ async def test_identical_prompts_in_one_batch_each_compute_their_own_copy(
     assert again[0].num_cached_tokens == 32 and again[0].token_ids == expected
 
 
+async def test_a_failed_prefill_is_never_served_from_the_cache(
+    client: PoolClient, session: Session, model: LlamaForCausalLM,
+    reference_model: LlamaForCausalLM, prompts: list[list[int]],
+) -> None:
+    """The issue's reproduction: a request whose prefill never ran (its slots hold garbage),
+    freed, then the same 32-token prefix + one token in the same session. Its blocks were only
+    pending, so nothing is served from the cache and the tokens are a fresh session's."""
+    runner = await attach(client, model, "torch")
+    prompt = [*prompts[2][:32], prompts[0][0]]
+    failed = await session.allocate(100, token_ids=prompt)
+    runner.pool[:, :, failed.block_ids] = 1e3  # a crashed, half-run prefill
+    assert (await session.stats()).pending_blocks == 2
+    await session.free(100)
+    again = await generate(session, runner, [prompt], NEW_TOKENS, first_seq_id=101)
+    async with await client.open_session("fresh") as fresh:
+        expected = await generate(fresh, runner, [prompt], NEW_TOKENS)
+    assert again[0].num_cached_tokens == 0
+    assert again[0].token_ids == expected[0].token_ids
+    assert again[0].token_ids == expected_tokens(reference_model, prompt, NEW_TOKENS)
+
+
+class FailingRunner(ModelRunner):
+    """A runner whose forward fails (out of memory, a bad kernel): nothing it was asked to
+    compute may become shareable."""
+
+    def step(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+        raise RuntimeError("forward failed")
+
+
+async def test_generate_that_fails_in_the_forward_commits_nothing(
+    client: PoolClient, session: Session, model: LlamaForCausalLM, prompts: list[list[int]],
+) -> None:
+    info = await client.pool_info()
+    failing = FailingRunner.attach(model, info, get_backend("torch"))
+    prompt = prompts[2][:32]
+    with pytest.raises(RuntimeError, match="forward failed"):
+        await generate(session, failing, [prompt], NEW_TOKENS)
+    runner = await attach(client, model, "torch")
+    again = await generate(session, runner, [prompt], NEW_TOKENS, first_seq_id=1)
+    assert again[0].num_cached_tokens == 0
+    stats = await session.stats()
+    assert (stats.pending_blocks, stats.session is not None) == (0, True)
+
+
 async def test_triton_backend_matches_torch(
     client: PoolClient, session: Session, model: LlamaForCausalLM, prompts: list[list[int]],
 ) -> None:

@@ -311,3 +311,21 @@ async def test_random_operations_keep_sessions_and_pool_consistent(
         except (InvalidArgument, SequenceNotFound, SequenceExists, PoolExhausted):
             assert snapshot(service) == before
         service.check_invariants()
+
+
+async def test_step_commit_and_expiry_decide_what_is_shareable() -> None:
+    now = [0.0]
+    service = make_service(clock=lambda: now[0])
+    team = [service.open_session(n, cache_salt=b"team", lease_ttl_ms=ttl).session_id
+            for n, ttl in (("t", 300), ("u", 10_000))]
+    prompt = list(range(100, 107))  # one full block and three tokens
+    await service.allocate(team[0], Allocate(1, 7, prompt))
+    await service.step(team[0], [1], 1, [107], commit=True)  # prefill computed: block 0 shared
+    await service.step(team[0], [1], 1, [108])  # fills block 1; the next forward is not done
+    assert service.pool_stats().pending_blocks == 1
+    now[0] += 0.301  # team[0]'s client died before computing it
+    assert await service.expire_due() == 1
+    hit = await service.allocate(team[1], Allocate(1, 9, [*prompt, 107, 108]))
+    assert hit.num_cached_tokens == 4  # block 0 only: block 1's K/V was never certified
+    assert service.pool_stats().pending_blocks == 1  # team[1]'s own block 1, now pending
+    service.check_invariants()
