@@ -10,15 +10,23 @@ it fail (a device error). The rules checked:
 """
 
 import asyncio
+import pickle
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
+import torch
 
 from pagedkv.client import PagedKVError, PoolClient, Session
+from pagedkv.daemon.core import BlockPool
+from pagedkv.daemon.geometry import resolve_geometry
 from pagedkv.daemon.kv_memory import KVPoolMemory, PoolMemoryHandle, attach_pool
+from pagedkv.daemon.operations import Allocate, Fork
+from pagedkv.daemon.service import PoolService
 
 from daemon_harness import Daemon, running_daemon
 from pool_state import pool_state
@@ -151,3 +159,44 @@ async def test_failed_memory_work_answers_internal_and_changes_nothing(
     else:
         await session.step([2]) if call == "step" else await session.free(3)
     service.check_invariants()
+
+
+# A runner process: maps the pool, waits for "go", prints whether the given blocks hold 7s.
+READER = """
+import pickle, sys
+from pagedkv.daemon.kv_memory import attach_pool
+kv = attach_pool(pickle.loads(bytes.fromhex(sys.stdin.readline().strip())))
+print("attached", flush=True)
+blocks = [int(b) for b in sys.stdin.readline().split()]
+print(bool((kv[:, :, blocks] == 7).all()), flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_copies_are_visible_to_another_process_when_the_answer_leaves_cuda() -> None:
+    """The CUDA twin of test_the_answer_leaves_after_the_copy_is_in_memory: 64 copy-on-write
+    copies of Llama-8B blocks (2 MiB each) are asynchronous kernels; the daemon synchronizes
+    before answering, so a runner process that reads right after the answer sees them."""
+    geometry = resolve_geometry("llama-3.1-8b")
+    with KVPoolMemory.create(geometry, 160, 16, "bfloat16", device="cuda") as memory:
+        service = PoolService(BlockPool(160, 16), memory, pool_id="gpu")
+        session = service.open_session("gpu")
+        reader = subprocess.Popen([sys.executable, "-c", READER], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert reader.stdin is not None and reader.stdout is not None
+        reader.stdin.write(pickle.dumps(memory.handle()).hex() + "\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().strip() == "attached"
+        sid = session.session_id
+        for parent in range(64):  # 64 parents with a half-full block, each forked
+            await service.allocate(sid, Allocate(parent, 8))
+            await service.fork(sid, Fork(parent, 100 + parent))
+        memory.kv[:, :, :64] = 7
+        torch.cuda.synchronize()
+        step = await service.step(sid, [100 + p for p in range(64)])
+        reader.stdin.write(" ".join(str(copy.dst) for copy in step.copies) + "\n")
+        reader.stdin.flush()
+        assert reader.stdout.readline().strip() == "True"
+        assert reader.wait(60) == 0
+        await service.stop()
