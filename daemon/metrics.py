@@ -64,6 +64,8 @@ class PoolCollector(Collector):
             ("free_blocks", stats.free_blocks, "Blocks an allocation could take now."),
             ("used_blocks", stats.used_blocks, "Blocks referenced by a live sequence."),
             ("cached_blocks", stats.cached_blocks, "Evictable cached blocks (part of free)."),
+            ("pending_blocks", stats.pending_blocks,
+             "Full blocks not yet committed (K/V not certified written; never shared)."),
             ("num_sequences", stats.num_sequences, "Live sequences."),
             ("num_sessions", self._figures.num_sessions, "Open sessions."),
         ):
