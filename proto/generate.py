@@ -1,6 +1,6 @@
-"""Regenerate the committed gRPC code from kvpool.proto, or check that it is up to date.
+"""Regenerate the committed gRPC code from the .proto files, or check that it is up to date.
 
-    python proto/generate.py          # rewrite proto/kvpool_pb2*.py(i)
+    python proto/generate.py          # rewrite proto/{kvpool,runner}_pb2*.py(i)
     python proto/generate.py --check  # exit 1 if the committed files differ from a fresh run
 
 Uses the pinned grpcio-tools (`python -m grpc_tools.protoc`) and mypy-protobuf's plugins for the
@@ -19,10 +19,11 @@ import tempfile
 from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
-PROTO_FILE = "kvpool.proto"
+PROTO_FILES = ("kvpool.proto", "runner.proto")
 # The import path the package exposes the generated modules under.
 VIRTUAL_DIR = "pagedkv/proto"
-GENERATED = ("kvpool_pb2.py", "kvpool_pb2.pyi", "kvpool_pb2_grpc.py", "kvpool_pb2_grpc.pyi")
+GENERATED = tuple(f"{Path(proto).stem}{suffix}" for proto in PROTO_FILES
+                  for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py", "_pb2_grpc.pyi"))
 
 
 def _plugin(name: str) -> str:
@@ -34,7 +35,7 @@ def _plugin(name: str) -> str:
 
 
 def generate(out_dir: Path) -> None:
-    """Run protoc once, writing the four generated files into out_dir/pagedkv/proto/."""
+    """Run protoc once, writing the generated files into out_dir/pagedkv/proto/."""
     command = [
         sys.executable, "-m", "grpc_tools.protoc",
         f"-I{VIRTUAL_DIR}={PROTO_DIR}",
@@ -44,7 +45,7 @@ def generate(out_dir: Path) -> None:
         f"--grpc_python_out={out_dir}",
         f"--mypy_out={out_dir}",
         f"--mypy_grpc_out={out_dir}",
-        f"{VIRTUAL_DIR}/{PROTO_FILE}",
+        *(f"{VIRTUAL_DIR}/{proto}" for proto in PROTO_FILES),
     ]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:

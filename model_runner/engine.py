@@ -1,0 +1,428 @@
+"""The runner's step engine: clients' steps in, one merged forward pass, sampled tokens out.
+
+    engine = StepEngine(pool_client, model_runner)
+    await engine.start()
+    results = await engine.step(session_id, [SeqRequest(7, True, prompt, 0, params)])
+
+A step goes through three stages:
+1. prepare (on the event loop, as soon as the step arrives): validate it (a bad step fails alone,
+   before the pool changes), read back sequences the runner does not know, then one daemon call
+   under the client's session: `Step` for a batch of single decode tokens (committing what the
+   previous forward computed), else one `Batch` of Allocate/Append ops. The answers are the only
+   source of block tables and slots; the chunks to compute follow from them.
+2. forward (on one worker thread, one at a time, so two steps' writes never interleave): every
+   prepared step waiting is packed into one forward pass, then each sequence that is fully
+   computed samples its next token. A step that arrives while a forward runs is prepared
+   meanwhile: its daemon round trip overlaps that forward.
+3. finish (on the loop): commit the blocks a prefill computed (decode blocks are committed by the
+   next Step), free the sequences the client released, answer.
+"""
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.client import (
+    Allocate,
+    Append,
+    Commit,
+    Free,
+    NotFound,
+    PoolClient,
+    SamplingParams,
+    SequenceBlocks,
+    SequenceNotFound,
+    SessionExpired,
+)
+from pagedkv.proto import kvpool_pb2 as pb
+
+from .runner import ModelRunner, SequenceChunk
+from .sampling import SampledTokens, Sampler, SamplingRow
+from .sequences import SeqState, SessionSequences
+
+
+class InvalidStep(ValueError):
+    """A client's step is malformed (mapped to INVALID_ARGUMENT); nothing was changed."""
+
+
+class UnknownSequence(RuntimeError):
+    """An existing sequence the runner has never seen and cannot read back: the client must
+    resend it with its history (FAILED_PRECONDITION); nothing was changed."""
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """What a sequence holds, sent by a client to a runner that does not know it (restart)."""
+
+    # Every token the sequence holds in the daemon.
+    token_ids: tuple[int, ...]
+    # How many are the prompt.
+    prompt_len: int
+    # How many leading tokens have their K/V written.
+    num_computed: int
+
+
+@dataclass(frozen=True, slots=True)
+class SeqRequest:
+    """One sequence of a client's step."""
+
+    # The client's id of the sequence in its KVPool session.
+    seq_id: int
+    # A new sequence whose prompt is token_ids (allocated by the runner), or an existing one
+    # that token_ids are appended to.
+    new_sequence: bool
+    # Tokens to add: a prompt, a decode token, more prompt; may be empty (go on computing).
+    token_ids: tuple[int, ...]
+    # Most tokens to compute in this step; 0 = everything not yet computed.
+    max_compute_tokens: int
+    # How to pick the next token once the sequence is fully computed.
+    params: SamplingParams
+    # For the first step of a sequence the client forked: its parent (token history).
+    parent_seq_id: int | None = None
+    # For the first step after a runner restart: what the sequence holds.
+    history: History | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SeqResult:
+    """What a step did to one sequence."""
+
+    seq_id: int
+    # Tokens held, and how many of them are computed.
+    num_tokens: int
+    num_computed: int
+    # Prompt tokens the prefix cache served (new sequences).
+    num_cached: int
+    # Whether a token was sampled (not while a chunked prefill goes on).
+    sampled: bool
+    token_id: int = -1
+    # Raw log-probability of the sampled token, and the top ones when asked.
+    logprob: float = 0.0
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass
+class _Prepared:
+    """A client step between prepare and finish."""
+
+    session_id: str
+    requests: Sequence[SeqRequest]
+    # The state of each requested sequence, in request order.
+    states: list[SeqState]
+    # (index into requests, chunk) of the sequences computed in this step.
+    chunks: list[tuple[int, SequenceChunk]]
+    # Set by the forward: one result per request.
+    done: asyncio.Future[list[SeqResult]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(chunk.token_ids) for _, chunk in self.chunks)
+
+
+class StepEngine:
+    """Merges concurrent client steps into forward passes over one model and one pool."""
+
+    def __init__(self, pool: PoolClient, runner: ModelRunner, *, sampler: Sampler | None = None,
+                 max_batch_tokens: int = 8192) -> None:
+        self.pool = pool
+        self.runner = runner
+        self.sampler = sampler or Sampler()
+        # Most tokens one forward pass computes (steps beyond it wait for the next pass).
+        self.max_batch_tokens = max_batch_tokens
+        self._sessions: dict[str, SessionSequences] = {}
+        # One step at a time per session: its sequences' states must not race.
+        self._session_locks: dict[str, asyncio.Lock] = {}
+        self._ready: list[_Prepared] = []
+        self._wake = asyncio.Event()
+        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-forward")
+        self._loop_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._forward_loop(), name="pagedkv-forward")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+        self._forward_thread.shutdown(wait=True)
+
+    def forget_all(self) -> None:
+        """Drop every session's state (the daemon restarted: its pool and sessions are gone)."""
+        self._sessions.clear()
+
+    # ---------------------------------------------------------------- the step
+
+    async def step(self, session_id: str, requests: Sequence[SeqRequest],
+                   release: Sequence[int] = ()) -> list[SeqResult]:
+        """Compute one client step; `release` names sequences to free after it."""
+        self._validate(requests, release)
+        lock = self._session_locks.setdefault(session_id, asyncio.Lock())
+        async with lock:
+            known = self._sessions.setdefault(session_id, SessionSequences())
+            try:
+                prepared = await self._prepare(session_id, known, requests)
+                if prepared.chunks:
+                    self._ready.append(prepared)
+                    self._wake.set()
+                    results = await prepared.done
+                else:
+                    results = [self._result(r, s, None) for r, s in
+                               zip(requests, prepared.states, strict=True)]
+                await self._finish(session_id, known, prepared, release)
+            except (SessionExpired, NotFound) as exc:
+                if not isinstance(exc, SequenceNotFound):  # the session is gone: forget it
+                    self._sessions.pop(session_id, None)
+                    self._session_locks.pop(session_id, None)
+                raise
+            return results
+
+    def _validate(self, requests: Sequence[SeqRequest], release: Sequence[int]) -> None:
+        if not requests and not release:
+            raise InvalidStep("a step needs at least one sequence")
+        if len({r.seq_id for r in requests}) != len(requests):
+            raise InvalidStep("a sequence appears twice in one step")
+        vocab = self.runner.vocab_size
+        for r in requests:
+            if r.new_sequence and not r.token_ids:
+                raise InvalidStep(f"new sequence {r.seq_id} has no prompt tokens")
+            if any(not 0 <= t < vocab for t in r.token_ids):
+                raise InvalidStep(f"sequence {r.seq_id}: token ids must be in [0, {vocab})")
+            if r.max_compute_tokens < 0:
+                raise InvalidStep(f"sequence {r.seq_id}: max_compute_tokens must be >= 0")
+
+    async def _prepare(self, session_id: str, known: SessionSequences,
+                       requests: Sequence[SeqRequest]) -> _Prepared:
+        """Learn unknown sequences, then one daemon call that appends every new token."""
+        await self._learn(session_id, known, requests)
+        existing = [r for r in requests if not r.new_sequence]
+        decode_only = existing and len(existing) == len(requests) and all(
+            len(r.token_ids) == 1 for r in requests)
+        if decode_only:
+            states = await self._decode_step(session_id, known, requests)
+        else:
+            states = await self._batch(session_id, known, requests)
+        chunks = []
+        for index, (request, state) in enumerate(zip(requests, states, strict=True)):
+            chunk = self._chunk(request, state)
+            if chunk is not None:
+                chunks.append((index, chunk))
+        return _Prepared(session_id, requests, states, chunks)
+
+    async def _learn(self, session_id: str, known: SessionSequences,
+                     requests: Sequence[SeqRequest]) -> None:
+        """Read back existing sequences the runner has not seen: a fork (its parent's history)
+        or a sequence from before a runner restart (the history the client sends)."""
+        unknown = [r for r in requests if not r.new_sequence and known.get(r.seq_id) is None]
+        if not unknown:
+            return
+        for request in unknown:
+            if known.get(request.parent_seq_id or -1) is None and request.history is None:
+                raise UnknownSequence(
+                    f"sequence {request.seq_id} is unknown to the runner (forked, or the runner "
+                    "restarted): name its parent_seq_id, or resend it with its history")
+        reply = await self.pool.call(self.pool.stub.GetBlockTables, lambda: (
+            pb.GetBlockTablesRequest(session_id=session_id, seq_ids=[r.seq_id for r in unknown])))
+        for request, table in zip(unknown, reply.tables, strict=True):
+            parent = known.get(request.parent_seq_id or -1)
+            if parent is not None:
+                history = History(tuple(parent.tokens), parent.prompt_len, parent.num_computed)
+            else:
+                assert request.history is not None
+                history = request.history
+            if len(history.token_ids) != table.num_tokens or not (
+                    0 <= history.num_computed <= table.num_tokens
+                    and 0 <= history.prompt_len <= table.num_tokens):
+                raise InvalidStep(f"sequence {request.seq_id}: the daemon holds "
+                                  f"{table.num_tokens} tokens, its history says "
+                                  f"{len(history.token_ids)}")
+            known.put(request.seq_id, SeqState(list(history.token_ids), history.prompt_len,
+                                               history.num_computed, list(table.block_ids)))
+
+    async def _decode_step(self, session_id: str, known: SessionSequences,
+                           requests: Sequence[SeqRequest]) -> list[SeqState]:
+        """One daemon Step appending one token to each sequence (the decode hot path)."""
+        states = [self._known(known, r.seq_id) for r in requests]
+        # If the previous forward computed everything they hold, the Step commits it.
+        commit = all(s.num_computed == len(s.tokens) for s in states)
+        seq_ids = [r.seq_id for r in requests]
+        tokens = [r.token_ids[0] for r in requests]
+        reply = await self.pool.call(self.pool.stub.Step, lambda: pb.StepRequest(
+            session_id=session_id, seq_ids=seq_ids, num_tokens=1, token_ids=tokens,
+            commit=commit))
+        for index, logical, block in zip(reply.changed_seq_index, reply.changed_logical_block,
+                                         reply.changed_block_id, strict=True):
+            states[index].patch(logical, block)
+        for state, token in zip(states, tokens, strict=True):
+            state.tokens.append(token)
+        return states
+
+    async def _batch(self, session_id: str, known: SessionSequences,
+                     requests: Sequence[SeqRequest]) -> list[SeqState]:
+        """One daemon Batch: Allocate each new sequence, Append to the others."""
+        ops: list[Allocate | Append] = []
+        for r in requests:
+            if r.new_sequence:
+                ops.append(Allocate(r.seq_id, token_ids=r.token_ids))
+            elif r.token_ids:
+                self._known(known, r.seq_id)
+                ops.append(Append(r.seq_id, token_ids=r.token_ids))
+        answers: list[SequenceBlocks] = []
+        if ops:
+            reply = await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
+                session_id=session_id, ops=[op.batch_op() for op in ops]))
+            answers = [SequenceBlocks.from_proto(result) for result in reply.results]
+        by_seq = {answer.seq_id: answer for answer in answers}
+        states = []
+        for r in requests:
+            answer = by_seq.get(r.seq_id)
+            if r.new_sequence:
+                assert answer is not None
+                state = SeqState(list(r.token_ids), len(r.token_ids), answer.num_cached_tokens,
+                                 list(answer.block_ids), answer.num_cached_tokens)
+                known.put(r.seq_id, state)
+            else:
+                state = self._known(known, r.seq_id)
+                if answer is not None:
+                    state.tokens.extend(r.token_ids)
+                    state.block_table = list(answer.block_ids)
+            states.append(state)
+        return states
+
+    def _known(self, known: SessionSequences, seq_id: int) -> SeqState:
+        state = known.get(seq_id)
+        if state is None:
+            raise InvalidStep(f"sequence {seq_id} is not known to the runner: send it as a new "
+                              "sequence, or name its parent on a fork's first step")
+        return state
+
+    def _chunk(self, request: SeqRequest, state: SeqState) -> SequenceChunk | None:
+        """The tokens of `state` to compute in this step, or None if all are computed."""
+        bs = self.runner.block_size
+        total = len(state.tokens)
+        start = state.num_computed
+        if start == total:
+            # Everything is cached (a prompt of whole cached blocks): recompute the last token
+            # for its logits, writing nothing (its K/V is in a block others may share).
+            if not request.new_sequence:
+                return None
+            return SequenceChunk(state.tokens[-1:], total - 1, [-1], state.block_table)
+        end = total if not request.max_compute_tokens else min(
+            total, start + request.max_compute_tokens)
+        return SequenceChunk(state.tokens[start:end], start, state.slots(start, end, bs),
+                             state.block_table)
+
+    # ------------------------------------------------------------- the forward
+
+    async def _forward_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._ready:
+                batch = self._take_batch()
+                try:
+                    sampled = await loop.run_in_executor(self._forward_thread, self._compute,
+                                                         batch)
+                except Exception as exc:  # a failed forward fails the steps it carried
+                    for prepared in batch:
+                        if not prepared.done.done():
+                            prepared.done.set_exception(exc)
+                    continue
+                self._deliver(batch, sampled)
+
+    def _take_batch(self) -> list[_Prepared]:
+        """The waiting steps, in arrival order, up to max_batch_tokens (at least one)."""
+        batch: list[_Prepared] = []
+        tokens = 0
+        while self._ready and (not batch or tokens + self._ready[0].num_tokens
+                               <= self.max_batch_tokens):
+            prepared = self._ready.pop(0)
+            batch.append(prepared)
+            tokens += prepared.num_tokens
+        return batch
+
+    def _compute(self, batch: list[_Prepared]) -> SampledTokens | None:
+        """[forward thread] One forward over every chunk, then sampling where it is due."""
+        chunks = [chunk for prepared in batch for _, chunk in prepared.chunks]
+        logits = self.runner.step(chunks)
+        rows, keep = [], []
+        position = 0
+        for prepared in batch:
+            for index, chunk in prepared.chunks:
+                state = prepared.states[index]
+                if chunk.start + len(chunk.token_ids) == len(state.tokens):
+                    rows.append(SamplingRow(prepared.requests[index].params,
+                                            state.tokens[:state.prompt_len],
+                                            state.tokens[state.prompt_len:]))
+                    keep.append(position)
+                position += 1
+        if not rows:
+            return None
+        return self.sampler(logits[torch.tensor(keep)], rows)
+
+    def _deliver(self, batch: list[_Prepared], sampled: SampledTokens | None) -> None:
+        """Advance each sequence's computed count and answer each step."""
+        row = 0
+        for prepared in batch:
+            picks: dict[int, int] = {}
+            for index, chunk in prepared.chunks:
+                state = prepared.states[index]
+                state.num_computed = max(state.num_computed, chunk.start + len(chunk.token_ids))
+                if state.num_computed == len(state.tokens):
+                    picks[index] = row
+                    row += 1
+            results = [self._result(request, state, sampled if i in picks else None,
+                                    picks.get(i, 0))
+                       for i, (request, state) in enumerate(
+                           zip(prepared.requests, prepared.states, strict=True))]
+            prepared.done.set_result(results)
+
+    @staticmethod
+    def _result(request: SeqRequest, state: SeqState, sampled: SampledTokens | None,
+                row: int = 0) -> SeqResult:
+        if sampled is None:
+            return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
+                             state.num_cached, sampled=False)
+        top_ids: tuple[int, ...] = ()
+        top_logprobs: tuple[float, ...] = ()
+        if sampled.topk_ids is not None and sampled.topk_logprobs is not None:
+            asked = request.params.logprobs or 0
+            top_ids = tuple(sampled.topk_ids[row, :asked].tolist())
+            top_logprobs = tuple(sampled.topk_logprobs[row, :asked].tolist())
+        logprob = float(sampled.logprobs[row]) if sampled.logprobs is not None else 0.0
+        return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
+                         state.num_cached, True, int(sampled.token_ids[row]), logprob,
+                         top_ids, top_logprobs)
+
+    # -------------------------------------------------------------- finishing
+
+    async def _finish(self, session_id: str, known: SessionSequences, prepared: _Prepared,
+                      release: Sequence[int]) -> None:
+        """Commit what prefill chunks computed; free the released sequences (their computed
+        blocks committed first, so they stay cached)."""
+        bs = self.runner.block_size
+        prefilled = [(prepared.requests[i].seq_id, prepared.states[i].num_computed)
+                     for i, chunk in prepared.chunks
+                     if len(chunk.token_ids) > 1 and prepared.states[i].num_computed >= bs]
+        ops: list[Commit | Free] = []
+        if prefilled:
+            ops.append(Commit([seq_id for seq_id, _ in prefilled], [n for _, n in prefilled]))
+        released = [seq_id for seq_id in release if known.get(seq_id) is not None]
+        if released:
+            computed = [self._known(known, seq_id).num_computed for seq_id in released]
+            ops.append(Commit(released, computed))
+            ops.extend(Free(seq_id) for seq_id in released)
+        if ops:
+            await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
+                session_id=session_id, ops=[op.batch_op() for op in ops]))
+        known.drop(released)
+

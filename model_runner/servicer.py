@@ -1,0 +1,118 @@
+"""The Runner gRPC servicer: thin translations between runner.proto and the `StepEngine`.
+
+Errors keep the daemon's words: a daemon error met while acting for a client (an unknown
+session, a full pool) reaches the client with the daemon's status code, message and cause
+(`pagedkv-error` metadata), so the client's error classes work the same against either process.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+
+from pagedkv.client import PagedKVError, SamplingParams
+from pagedkv.client.errors import ERROR_KEY
+from pagedkv.proto import runner_pb2 as rpb
+from pagedkv.proto import runner_pb2_grpc
+
+from .engine import History, InvalidStep, SeqRequest, SeqResult, StepEngine, UnknownSequence
+
+if TYPE_CHECKING:
+    Context = grpc.aio.ServicerContext[Any, Any]
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+Handler = Callable[["RunnerServicer", Request, "Context"], Awaitable[Response]]
+
+
+class RunnerUnavailable(RuntimeError):
+    """The runner cannot compute now (the daemon restarted and it is mapping the new pool)."""
+
+
+def status_of(exc: Exception) -> tuple[grpc.StatusCode, str, str]:
+    """Status code, message and cause name for an exception met by a step."""
+    if isinstance(exc, PagedKVError):
+        return exc.code, exc.message, type(exc).__name__
+    if isinstance(exc, InvalidStep | ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), "InvalidArgument"
+    if isinstance(exc, UnknownSequence):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc), "UnknownSequence"
+    if isinstance(exc, RunnerUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc), "RunnerUnavailable"
+    return (grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the runner log",
+            "Internal")
+
+
+def grpc_errors(handler: Handler[Request, Response]) -> Handler[Request, Response]:
+    """Every exception of a handler becomes a status with the cause in the metadata."""
+
+    @functools.wraps(handler)
+    async def wrapper(self: RunnerServicer, request: Request, context: Context) -> Response:
+        try:
+            return await handler(self, request, context)
+        except Exception as exc:
+            code, message, cause = status_of(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                self.log_failure(exc)
+            context.set_trailing_metadata(((ERROR_KEY, cause),))
+            await context.abort(code, message)
+            raise  # abort raises; this line is never reached
+
+    return wrapper
+
+
+class RunnerServicer(runner_pb2_grpc.RunnerServicer):
+    """Serves `pagedkv.v1.Runner` from one StepEngine."""
+
+    def __init__(self, engine: StepEngine, info: Callable[[], rpb.RunnerInfo],
+                 log_failure: Callable[[Exception], None]) -> None:
+        self._engine = engine
+        self._info = info
+        self.log_failure = log_failure
+
+    @grpc_errors
+    async def GetRunnerInfo(self, request: rpb.GetRunnerInfoRequest,
+                            context: Context) -> rpb.RunnerInfo:
+        return self._info()
+
+    @grpc_errors
+    async def Step(self, request: rpb.RunnerStepRequest,
+                   context: Context) -> rpb.RunnerStepResponse:
+        seqs = [seq_request(seq) for seq in request.seqs]
+        results = await self._engine.step(request.session_id, seqs,
+                                          list(request.release_seq_ids))
+        return rpb.RunnerStepResponse(outputs=[sequence_output(r) for r in results])
+
+
+def sampling_params(message: rpb.SamplingParams) -> SamplingParams:
+    """proto3 zeros mean "off" (temperature 0 = greedy; logprobs < 0 = none)."""
+    return SamplingParams(
+        temperature=message.temperature, top_k=message.top_k,
+        top_p=message.top_p if 0 < message.top_p <= 1 else 1.0, min_p=message.min_p,
+        repetition_penalty=message.repetition_penalty or 1.0,
+        seed=message.seed if message.has_seed else None,
+        logprobs=message.logprobs if message.logprobs >= 0 else None)
+
+
+def seq_request(message: rpb.SequenceStep) -> SeqRequest:
+    history = None
+    if message.HasField("history"):
+        history = History(tuple(message.history.token_ids), message.history.prompt_len,
+                          message.history.num_computed)
+    if not math.isfinite(message.sampling.temperature):
+        raise InvalidStep(f"sequence {message.seq_id}: temperature must be finite")
+    return SeqRequest(message.seq_id, message.new_sequence, tuple(message.token_ids),
+                      message.max_compute_tokens, sampling_params(message.sampling),
+                      message.parent_seq_id if message.has_parent else None, history)
+
+
+def sequence_output(result: SeqResult) -> rpb.SequenceOutput:
+    return rpb.SequenceOutput(
+        seq_id=result.seq_id, num_tokens=result.num_tokens,
+        num_computed_tokens=result.num_computed, num_cached_tokens=result.num_cached,
+        sampled=result.sampled, token_id=result.token_id, logprob=result.logprob,
+        top_token_ids=result.top_token_ids, top_logprobs=result.top_logprobs)
