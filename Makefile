@@ -35,7 +35,7 @@ pytest: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: setup
-	$(PY) -m pagedkv.daemon.demo
+	$(PY) -m pagedkv.client.demo
 
 bench: setup
 	$(PY) benchmarks/bench_block_pool.py
