@@ -1,4 +1,7 @@
-"""pagedkv.client against a real in-process daemon: typed results, exceptions, leases, auth."""
+"""pagedkv.client against a real in-process daemon: typed results, exceptions, leases.
+
+TCP auth is tested in test_interceptors.py.
+"""
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,19 +27,15 @@ from pagedkv.client import (
     SequenceNotFound,
     SessionExpired,
     SessionNotFound,
-    Unauthenticated,
 )
-from pagedkv.daemon.interceptors import ServerInterceptor
+from pagedkv.daemon.servicer import KVPoolServicer
 
 from daemon_harness import Daemon, running_daemon
-
-TOKEN = "s3cret-token"
 
 
 @pytest.fixture
 async def daemon() -> AsyncIterator[Daemon]:
-    auth = ServerInterceptor(auth_token=TOKEN, rpc_metrics=None)
-    async with running_daemon(tcp=True, interceptors=[auth]) as running:
+    async with running_daemon() as running:
         yield running
         running.service.check_invariants()
 
@@ -145,33 +144,20 @@ async def test_keep_alive_records_a_lost_lease(daemon: Daemon, client: PoolClien
     await session.close()
 
 
-async def test_tcp_needs_the_token(daemon: Daemon) -> None:
-    assert daemon.tcp_target is not None
-    async with await PoolClient.connect(daemon.tcp_target) as anonymous:
-        with pytest.raises(Unauthenticated) as failure:
-            await anonymous.pool_info()
-        assert failure.value.code == grpc.StatusCode.UNAUTHENTICATED
-    async with await PoolClient.connect(daemon.tcp_target, auth_token=TOKEN) as authorized, \
-            await authorized.open_session("tcp") as session:
-        assert (await session.allocate(1, 2)).block_ids == [0]
-
-
 async def test_connect_to_nothing_is_unavailable(tmp_path: Any) -> None:
     with pytest.raises(DaemonUnavailable, match="no pagedkv daemon"):
         await PoolClient.connect(f"unix:{tmp_path}/absent.sock", timeout=0.3)
 
 
-class _SlowStats(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Delays GetStats past the client's deadline."""
+async def test_every_call_has_a_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    get_stats = KVPoolServicer.GetStats
 
-    async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        if details.method.endswith("/GetStats"):
-            await asyncio.sleep(0.5)
-        return await continuation(details)
+    async def slow_stats(self: KVPoolServicer, request: Any, context: Any) -> Any:
+        await asyncio.sleep(0.5)  # past the client's deadline
+        return await get_stats(self, request, context)
 
-
-async def test_every_call_has_a_deadline() -> None:
-    async with running_daemon(interceptors=[_SlowStats()]) as slow, \
+    monkeypatch.setattr(KVPoolServicer, "GetStats", slow_stats)  # before the server binds it
+    async with running_daemon() as slow, \
             await PoolClient.connect(slow.unix_target, timeout=0.2) as client:
         with pytest.raises(PagedKVError) as failure:
             await client.stats()

@@ -26,7 +26,7 @@ Code = grpc.StatusCode
 
 @pytest.fixture
 async def daemon() -> AsyncIterator[Daemon]:
-    async with running_daemon(with_memory=True, tcp=True) as running:
+    async with running_daemon(with_memory=True) as running:
         yield running
         running.service.check_invariants()
 
@@ -237,14 +237,6 @@ async def test_unexpected_error_is_internal_and_server_survives(
     await expect(Code.INTERNAL, stub.GetStats(pb.GetStatsRequest()), "RuntimeError")
     monkeypatch.undo()
     assert (await stub.GetStats(pb.GetStatsRequest())).num_blocks == 16
-
-
-async def test_tcp_listener_serves_the_same_pool(daemon: Daemon) -> None:
-    assert daemon.tcp_target is not None
-    async with grpc.aio.insecure_channel(daemon.tcp_target) as channel:
-        tcp_stub = kvpool_pb2_grpc.KVPoolStub(channel)
-        info = await tcp_stub.GetPoolInfo(pb.GetPoolInfoRequest())
-    assert info.pool_id == daemon.service.pool_id
 
 
 async def test_lease_expiry_frees_blocks_through_the_reaper(
