@@ -1,6 +1,6 @@
-"""pagedkv.client against a real in-process daemon: typed results, exceptions, leases.
+"""pagedkv.client against a real in-process daemon: typed results, exceptions, keep-alive errors.
 
-TCP auth is tested in test_interceptors.py.
+Leases end to end are in test_client_process.py, TCP auth in test_interceptors.py.
 """
 
 import asyncio
@@ -25,7 +25,6 @@ from pagedkv.client import (
     SequenceBlocks,
     SequenceExists,
     SequenceNotFound,
-    SessionExpired,
     SessionNotFound,
 )
 from pagedkv.daemon.servicer import KVPoolServicer
@@ -116,21 +115,6 @@ async def test_cache_salt_decides_prefix_sharing(client: PoolClient) -> None:
     assert stats.session is not None and stats.session.prefix_cache_hits == 8
     for session in (first, same, other, default):
         await session.close()
-
-
-async def test_keep_alive_holds_the_lease_and_its_absence_expires_it(
-        daemon: Daemon, client: PoolClient) -> None:
-    kept = await client.open_session("kept", lease_ttl_ms=300)
-    lapsing = await client.open_session("lapsing", lease_ttl_ms=300, keep_alive=False)
-    await kept.allocate(1, 4)
-    await lapsing.allocate(1, 4)
-    await asyncio.sleep(1.0)  # > 3 leases
-    assert (await kept.append(1)).num_tokens == 5
-    with pytest.raises(SessionExpired, match="expired") as failure:
-        await lapsing.append(1)
-    assert failure.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert await lapsing.close() == 0
-    assert await kept.close() == 1
 
 
 async def test_keep_alive_records_a_lost_lease(daemon: Daemon, client: PoolClient) -> None:

@@ -239,22 +239,6 @@ async def test_unexpected_error_is_internal_and_server_survives(
     assert (await stub.GetStats(pb.GetStatsRequest())).num_blocks == 16
 
 
-async def test_lease_expiry_frees_blocks_through_the_reaper(
-        daemon: Daemon, stub: Stub) -> None:
-    import asyncio
-
-    sid = await open_session(stub, lease_ttl_ms=300)
-    await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=20))
-    assert daemon.pool.stats().used_blocks == 5
-    for _ in range(40):  # the lease is 0.3 s; expiry + reaping must happen within ~1.3 s
-        await asyncio.sleep(0.05)
-        if daemon.pool.stats().used_blocks == 0:
-            break
-    assert daemon.pool.stats().used_blocks == 0
-    await expect(Code.FAILED_PRECONDITION, stub.Append(pb.AppendRequest(
-        session_id=sid, seq_id=1, num_tokens=1)), "expired")
-
-
 async def test_session_from_before_a_restart_is_failed_precondition() -> None:
     async with running_daemon(pool_id="first") as first, \
             grpc.aio.insecure_channel(first.unix_target) as channel:
