@@ -98,22 +98,27 @@ async def test_errors_are_named_after_the_cause(client: PoolClient) -> None:
 
 
 async def test_cache_salt_decides_prefix_sharing(client: PoolClient) -> None:
+    """The service-level isolation test; the core's exact one is in test_block_pool.py."""
     prompt = list(range(40, 48))  # two full blocks
     first = await client.open_session("a", cache_salt="tenant-1")
     same = await client.open_session("b", cache_salt=b"tenant-1")
     other = await client.open_session("c", cache_salt="tenant-2")
-    default = await client.open_session("d")
+    # No salt: each session gets its own, so these two share with nobody, not even each other.
+    defaults = [await client.open_session(name) for name in ("d", "e")]
     owner = await first.allocate(1, token_ids=prompt)
     assert await first.commit([1]) == 2  # its K/V is written: the two full blocks are shared
     shared = await same.allocate(1, token_ids=prompt)
     assert (shared.num_cached_tokens, shared.block_ids) == (8, owner.block_ids)
-    for session in (other, default):
+    taken = set(owner.block_ids)
+    for session in (other, *defaults):
         alone = await session.allocate(1, token_ids=prompt)
         assert alone.num_cached_tokens == 0
-        assert not set(alone.block_ids) & set(owner.block_ids)
+        assert not set(alone.block_ids) & taken
+        taken |= set(alone.block_ids)
+        assert await session.commit([1]) == 2  # shareable now, yet only under its own salt
     stats = await same.stats()
     assert stats.session is not None and stats.session.prefix_cache_hits == 8
-    for session in (first, same, other, default):
+    for session in (first, same, other, *defaults):
         await session.close()
 
 

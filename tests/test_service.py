@@ -90,23 +90,6 @@ async def test_sessions_cannot_touch_each_others_sequences(service: PoolService)
     service.check_invariants()
 
 
-async def test_prefix_sharing_only_between_equal_salts(service: PoolService) -> None:
-    prompt = list(range(100, 108))  # two full blocks
-    private = [service.open_session(n).session_id for n in ("p", "q")]
-    team = [service.open_session(n, cache_salt=b"team").session_id for n in ("t", "u")]
-    first = await service.allocate(private[0], Allocate(1, 8, prompt))
-    assert await service.commit(private[0], Commit([1])) == 2
-    assert (await service.allocate(private[1], Allocate(1, 8, prompt))).num_cached_tokens == 0
-    await service.allocate(team[0], Allocate(1, 8, prompt))
-    await service.commit(team[0], Commit([1]))
-    shared = await service.allocate(team[1], Allocate(1, 8, prompt))
-    assert shared.num_cached_tokens == 8
-    assert not set(shared.block_table) & set(first.block_table)
-    assert service.stats_of(team[1]).prefix_cache_hits == 8
-    service.check_invariants()
-
-
-async def test_quota_refuses_before_anything_changes(service: PoolService) -> None:
     sid = service.open_session("a", max_blocks=3).session_id
     await service.allocate(sid, Allocate(1, 8))  # 2 entries
     before = snapshot(service)
