@@ -43,7 +43,7 @@ async def test_pool_figures_are_read_at_each_scrape() -> None:
     # a and b share a 40-token prompt under one salt: a commits its full blocks 0 and 1 (its
     # K/V is written), b finds those 32 tokens cached; 2 and 3 are their partial last blocks.
     # c's one full block, committed, is cached (evictable) once c's lease lapses and the
-    # reaper frees its sequence.
+    # reaper frees its sequence; d's, never committed, stays pending.
     prompt = list(range(100, 140))
     for name in ("a", "b"):
         sid = service.open_session(name, cache_salt=b"team").session_id
@@ -52,20 +52,23 @@ async def test_pool_figures_are_read_at_each_scrape() -> None:
     lapsing = service.open_session("c", lease_ttl_ms=100).session_id
     await service.allocate(lapsing, Allocate(1, 16, list(range(16))))
     await service.commit(lapsing, Commit([1]))
+    pending = service.open_session("d").session_id
+    await service.allocate(pending, Allocate(1, 16, list(range(16))))
     clock[0] += 0.2
     assert await service.expire_due() == 1
     after = samples(registry)
-    assert after[("pagedkv:kv_cache_usage_perc", ())] == 4 / 8
-    assert after[("pagedkv:used_blocks", ())] == 4
+    assert after[("pagedkv:kv_cache_usage_perc", ())] == 5 / 8
+    assert after[("pagedkv:used_blocks", ())] == 5
     assert after[("pagedkv:cached_blocks", ())] == 1
-    assert after[("pagedkv:free_blocks", ())] == 4  # cached blocks count as free
-    assert after[("pagedkv:num_sequences", ())] == 2
-    assert after[("pagedkv:num_sessions", ())] == 2
-    assert after[("pagedkv:prefix_cache_queries_total", ())] == 40 + 40 + 16
+    assert after[("pagedkv:pending_blocks", ())] == 1
+    assert after[("pagedkv:free_blocks", ())] == 3  # cached blocks count as free
+    assert after[("pagedkv:num_sequences", ())] == 3
+    assert after[("pagedkv:num_sessions", ())] == 3
+    assert after[("pagedkv:prefix_cache_queries_total", ())] == 40 + 40 + 16 + 16
     assert after[("pagedkv:prefix_cache_hits_total", ())] == 32
     assert after[("pagedkv:lease_expiries_total", ())] == 1
-    # Filled slots / slots of used blocks: (16 + 16 + 8 + 8) / (4 * 16).
-    assert after[("pagedkv:kv_cache_utilization", ())] == 48 / 64
+    # Filled slots / slots of used blocks: (16 + 16 + 8 + 8 + 16) / (5 * 16).
+    assert after[("pagedkv:kv_cache_utilization", ())] == 64 / 80
 
 
 def test_rpc_metrics_count_by_code_and_time_by_method() -> None:
