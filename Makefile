@@ -27,7 +27,7 @@ lint: setup
 # mypy cannot follow setuptools' package-dir mapping: link the folders under their import names.
 typecheck: setup
 	mkdir -p .mypy-src/pagedkv
-	for pkg in daemon client proto model_runner; do ln -sfn ../../$$pkg .mypy-src/pagedkv/$$pkg; done
+	for pkg in daemon client proto memory model_runner; do ln -sfn ../../$$pkg .mypy-src/pagedkv/$$pkg; done
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy benchmarks
 
@@ -35,7 +35,7 @@ pytest: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: setup
-	$(PY) -m pagedkv.daemon.demo
+	$(PY) -m pagedkv.client.demo
 
 bench: setup
 	$(PY) benchmarks/bench_block_pool.py

@@ -18,7 +18,6 @@ from .sampling_params import SamplingParams
 from .types import (
     BlockCopy,
     PoolInfo,
-    PoolMemory,
     PoolStats,
     SequenceBlocks,
     SessionStats,
@@ -42,7 +41,6 @@ __all__ = [
     "PoolClient",
     "PoolExhausted",
     "PoolInfo",
-    "PoolMemory",
     "PoolStats",
     "SamplingParams",
     "SequenceBlocks",

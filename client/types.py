@@ -1,6 +1,7 @@
 """The client's records: small typed dataclasses built from the daemon's messages.
 
-Only ids, counts and slots travel; no numpy, no protobuf objects leak to the caller.
+Only ids, counts and slots travel; no numpy, and no protobuf objects leak to the caller except
+PoolInfo.memory: the pool-memory handle's wire form, which only `pagedkv.memory` reads.
 """
 
 from dataclasses import dataclass
@@ -65,24 +66,6 @@ class StepResult:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolMemory:
-    """How a co-located runner maps the pool memory (kind "" when the daemon has none)."""
-
-    # "shm", "cuda_ipc", or "" for a bookkeeping-only daemon.
-    kind: str
-    # The /dev/shm file ("shm" only).
-    shm_path: str
-    # Pool tensor shape, in PoolInfo.layout order.
-    shape: tuple[int, ...]
-    # Element dtype name.
-    dtype: str
-    # CUDA device (-1 on CPU).
-    device_index: int
-    # Opaque CUDA IPC payload ("cuda_ipc" only).
-    ipc_payload: bytes
-
-
-@dataclass(frozen=True, slots=True)
 class PoolInfo:
     """The pool's geometry and how to attach to its memory."""
 
@@ -100,17 +83,16 @@ class PoolInfo:
     bytes_per_block: int
     # Axes of the pool tensor, comma-separated.
     layout: str
-    # Attach instructions.
-    memory: PoolMemory
+    # Attach instructions, in their wire form: a runner maps them with
+    # attach_pool(PoolMemoryHandle.from_proto(info.memory)) (pagedkv.memory); kind "" when the
+    # daemon keeps bookkeeping only.
+    memory: pb.PoolMemory
 
     @classmethod
     def from_proto(cls, message: pb.PoolInfo) -> "PoolInfo":
-        m = message.memory
-        memory = PoolMemory(m.kind, m.shm_path, tuple(m.shape), m.dtype, m.device_index,
-                            m.ipc_payload)
         return cls(message.pool_id, message.num_blocks, message.block_size, message.model,
                    message.num_layers, message.num_kv_heads, message.head_dim, message.dtype,
-                   message.bytes_per_block, message.layout, memory)
+                   message.bytes_per_block, message.layout, message.memory)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,13 +1,8 @@
 """The KV pool's memory: one tensor, allocated once at start, shared with co-located runners.
 
-Layout (every kernel, runner and test uses exactly this one):
-
-    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-
-`kv[layer, 0]` holds keys and `kv[layer, 1]` values; inside a block the token slot comes first
-and each slot holds its heads' vectors ("NHD"). Physical block `b` of every layer is
-`kv[:, :, b]`, so copying or zeroing a block is one indexed op over dim 2, and the slot
-`b * block_size + offset` of the block pool addresses `kv[layer, k_or_v, b, offset]`.
+The tensor has the one layout of `pagedkv.memory.handle` ([num_layers, 2, num_blocks,
+block_size, num_kv_heads, head_dim]); physical block `b` of every layer is `kv[:, :, b]`, so
+copying or zeroing a block is one indexed op over BLOCK_DIM.
 
 Two backings, chosen by the device:
 - CPU: a file in /dev/shm (tmpfs) sized exactly and reserved up front with posix_fallocate, so
@@ -17,59 +12,33 @@ Two backings, chosen by the device:
 - CUDA: a device tensor, plus a CUDA IPC handle (`reduce_tensor`) pickled once into bytes.
   The daemon keeps the tensor alive for as long as runners may be attached.
 
-A runner in another process calls `attach_pool(memory.handle())` to get a tensor over the
-same memory. Sizes are validated before anything is written: bad ids change nothing.
+A runner in another process attaches with `pagedkv.memory.attach.attach_pool(handle)`. Sizes
+are validated before anything is written: bad ids change nothing.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import re
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, overload
+from typing import overload
 
 import numpy as np
 import numpy.typing as npt
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
+from pagedkv.memory import BLOCK_DIM, PoolMemoryHandle, pool_shape
+
 from .geometry import ModelGeometry, canonical_dtype, torch_dtype
 from .units import format_bytes
 
 # Block ids as the block pool hands them out: a list, or an int64 array on the batch path.
 BlockIds = Sequence[int] | npt.NDArray[np.int64]
-# Dim of `kv` that indexes physical blocks.
-BLOCK_DIM = 2
-
-
-@dataclass(frozen=True, slots=True)
-class PoolMemoryHandle:
-    """What a co-located process needs to attach to the pool memory; plain data only."""
-
-    # "shm" (a /dev/shm file) or "cuda_ipc" (a CUDA IPC handle).
-    kind: str
-    # The shm file's path; "" for CUDA.
-    shm_path: str
-    # The tensor's shape, in the module's layout.
-    shape: tuple[int, ...]
-    # Canonical dtype name ("float16", "bfloat16", "float32").
-    dtype: str
-    # CUDA device index; -1 for CPU.
-    device_index: int
-    # Pickled (rebuild function, args) from torch's reduce_tensor; b"" for shm.
-    ipc_payload: bytes
-
-
-def pool_shape(geometry: ModelGeometry, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """The pool tensor's shape: [num_layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
-    return (geometry.num_layers, 2, num_blocks, block_size, geometry.num_kv_heads,
-            geometry.head_dim)
 
 
 class KVPoolMemory:
@@ -92,7 +61,9 @@ class KVPoolMemory:
         if mode & ~0o777:
             raise ValueError(f"mode must be permission bits only, got {oct(mode)}")
         name = canonical_dtype(str(dtype))
-        shape = pool_shape(geometry, num_blocks, block_size)
+        shape = pool_shape(num_layers=geometry.num_layers, num_blocks=num_blocks,
+                           block_size=block_size, num_kv_heads=geometry.num_kv_heads,
+                           head_dim=geometry.head_dim)
         pool_id = secrets.token_hex(8)
         target = _device(device)
         if target.type == "cpu":
@@ -108,7 +79,7 @@ class KVPoolMemory:
 
     @property
     def kv(self) -> torch.Tensor:
-        """The pool tensor, in the module's layout."""
+        """The pool tensor, in POOL_LAYOUT order."""
         if self._kv is None:
             raise ValueError(f"pool memory {self.pool_id} is closed")
         return self._kv
@@ -226,41 +197,6 @@ def _create_shm(path: Path, shape: tuple[int, ...], dtype: str, mode: int) -> to
     finally:
         os.close(fd)
     return torch.from_file(str(path), shared=True, size=numel, dtype=torch_dtype(dtype)).view(shape)
-
-
-class _TorchOnlyUnpickler(pickle.Unpickler):
-    """Unpickles an IPC payload, refusing any global outside torch (no os.system gadgets)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module != "torch" and not module.startswith("torch."):
-            raise pickle.UnpicklingError(f"IPC payload refers to {module}.{name}, not torch")
-        return super().find_class(module, name)
-
-
-def attach_pool(handle: PoolMemoryHandle) -> torch.Tensor:
-    """A tensor over the pool memory of `handle`, in another process than its creator."""
-    dtype = torch_dtype(handle.dtype)
-    numel = int(np.prod(handle.shape))
-    if handle.kind == "shm":
-        path = Path(handle.shm_path)
-        # Checked first: from_file(shared=True) would silently create a missing file.
-        if not path.is_file():
-            raise ValueError(f"no pool file at {path}")
-        size = path.stat().st_size
-        if size != numel * dtype.itemsize:
-            raise ValueError(f"pool file {path} holds {size} bytes, handle says "
-                             f"{numel * dtype.itemsize}")
-        return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(handle.shape)
-    if handle.kind == "cuda_ipc":
-        rebuild, args = _TorchOnlyUnpickler(io.BytesIO(handle.ipc_payload)).load()
-        kv = rebuild(*args)
-        if not isinstance(kv, torch.Tensor):
-            raise ValueError(f"IPC payload rebuilt a {type(kv).__name__}, not a tensor")
-        if tuple(kv.shape) != handle.shape or kv.dtype != dtype:
-            raise ValueError(f"IPC payload is {tuple(kv.shape)} {kv.dtype}, handle says "
-                             f"{handle.shape} {dtype}")
-        return kv
-    raise ValueError(f"unknown pool memory kind {handle.kind!r}")
 
 
 def num_blocks_for_bytes(budget: int, bytes_per_block: int) -> int:

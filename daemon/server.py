@@ -1,8 +1,10 @@
 """The pagedkvd process: allocate the pool, serve gRPC, tell systemd, drain on SIGTERM.
 
 Start, in this order, so that READY=1 is true when sent: remove pool files left by a crashed
-daemon, allocate the pool memory and the block pool, build the gRPC server (KVPool, health,
-reflection), bind every listener, start it, start the metrics HTTP server, then READY=1.
+daemon, allocate the pool memory and the block pool, build the gRPC server (`grpc_server`:
+interceptor, message limit, KVPool, health, reflection), bind every listener, start it, start
+the metrics HTTP server, then READY=1. The tests' in-process daemon builds its gRPC server
+with the same `grpc_server`.
 
 Stop (SIGTERM or SIGINT): STOPPING=1 and health NOT_SERVING so balancers and clients move
 away, then the gRPC server stops accepting and lets in-flight calls finish for up to
@@ -14,7 +16,8 @@ import asyncio
 import contextlib
 import signal
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,33 +66,46 @@ class StartupError(RuntimeError):
     """The daemon could not start for a reason outside its settings (e.g. a port in use)."""
 
 
+@dataclass(frozen=True, slots=True)
+class GrpcServer:
+    """A started gRPC server and what its owner stops or inspects."""
+
+    # KVPool, health and reflection, every call through the interceptor.
+    server: grpc.aio.Server
+    # The health servicer: serve() turns it NOT_SERVING before draining.
+    health: Any
+    # The target each listener serves, in order; a TCP port 0 becomes the port it got.
+    targets: tuple[str, ...]
+
+
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
     """Run the daemon until SIGTERM/SIGINT (or until `stop` is set, when given)."""
     readiness = Readiness()
     async with contextlib.AsyncExitStack() as stack:
         if stop is None:
             stop = stack.enter_context(_stop_on_signals())
-        server, health_servicer = await _start(config, readiness, stack)
+        running = await _start(config, readiness, stack)
         await stop.wait()
         log.info("stopping", grace_s=SHUTDOWN_GRACE_S)
         notify("STOPPING=1", "STATUS=draining")
         readiness.draining = True
-        await health_servicer.enter_graceful_shutdown()
+        await running.health.enter_graceful_shutdown()
         # Refuses new calls at once; in-flight ones get the grace period, then are cancelled.
-        await server.stop(SHUTDOWN_GRACE_S)
+        await running.server.stop(SHUTDOWN_GRACE_S)
     log.info("stopped")
 
 
 async def _start(config: DaemonConfig, readiness: Readiness,
-                 stack: contextlib.AsyncExitStack) -> tuple[grpc.aio.Server, Any]:
+                 stack: contextlib.AsyncExitStack) -> GrpcServer:
     """Everything up to READY=1, each part's clean-up pushed on `stack` (undone in reverse)."""
     service, memory = await stack.enter_async_context(_pool_service(config))
     readiness.pool_allocated = True
     registry = CollectorRegistry()
     registry.register(PoolCollector(service))
     rpc_metrics = RpcMetrics(registry) if config.metrics_listen else None
-    server, health_servicer = await stack.enter_async_context(
-        _grpc_server(config, service, rpc_metrics))
+    token = None if config.auth_token_file is None else read_auth_token(config.auth_token_file)
+    running = await stack.enter_async_context(
+        grpc_server(service, config.listeners(), auth_token=token, rpc_metrics=rpc_metrics))
     readiness.listeners_up = True
     if config.metrics_listen is not None:
         host, port = parse_host_port(config.metrics_listen)
@@ -98,12 +114,12 @@ async def _start(config: DaemonConfig, readiness: Readiness,
     status = (f"serving pool {service.pool_id}: {service.pool.num_blocks} blocks x "
               f"{service.pool.block_size} tokens, {format_bytes(memory.nbytes, binary=True)}")
     notify("READY=1", f"STATUS={status}")
-    log.info("ready", status=status, listen=list(config.listen),
+    log.info("ready", status=status, listen=list(running.targets),
              metrics_listen=config.metrics_listen)
     interval = watchdog_interval_s()
     if interval is not None:
         stack.push_async_callback(_cancel, asyncio.create_task(_feed_watchdog(interval)))
-    return server, health_servicer
+    return running
 
 
 @contextlib.contextmanager
@@ -187,13 +203,17 @@ def pool_num_blocks(config: DaemonConfig, geometry: ModelGeometry, dtype: str) -
 
 
 @contextlib.asynccontextmanager
-async def _grpc_server(
-    config: DaemonConfig, service: PoolService, rpc_metrics: RpcMetrics | None
-) -> AsyncIterator[tuple[grpc.aio.Server, Any]]:
-    """The started gRPC server on every listener; stopped and its socket files gone on exit."""
-    token = None if config.auth_token_file is None else read_auth_token(config.auth_token_file)
+async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], *,
+                      auth_token: str | None,
+                      rpc_metrics: RpcMetrics | None) -> AsyncIterator[GrpcServer]:
+    """The daemon's gRPC server for `service`, started on every listener and SERVING.
+
+    Every call passes the interceptor (TCP calls need `auth_token`; a log line per call, and
+    `rpc_metrics` when given); requests over MAX_MESSAGE_BYTES are refused. Stopped, and the
+    socket files it created removed, on exit. serve() and the tests' daemon both use this.
+    """
     server = grpc.aio.server(
-        interceptors=[ServerInterceptor(token, rpc_metrics)],
+        interceptors=[ServerInterceptor(auth_token, rpc_metrics)],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  # Without this a second daemon on the same TCP port would share it silently.
                  ("grpc.so_reuseport", 0)],
@@ -206,28 +226,33 @@ async def _grpc_server(
     # Socket files this daemon created; only these are removed (never a live daemon's).
     own_sockets: list[Path] = []
     try:
-        for listener in config.listeners():
-            _bind(server, listener)
+        targets = []
+        for listener in listeners:
+            targets.append(_bind(server, listener))
             if listener.unix_path is not None:
                 own_sockets.append(listener.unix_path)
         await server.start()
         for name in ("", KVPOOL_SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        yield server, health_servicer
+        yield GrpcServer(server, health_servicer, tuple(targets))
     finally:
         await server.stop(None)
         for path in own_sockets:
             path.unlink(missing_ok=True)
 
 
-def _bind(server: grpc.aio.Server, listener: ListenAddress) -> None:
+def _bind(server: grpc.aio.Server, listener: ListenAddress) -> str:
+    """Add the listener's port; returns the target it serves (with the port TCP got)."""
     if listener.unix_path is not None:
         claim_socket_path(listener.unix_path)
     try:
-        server.add_insecure_port(listener.target)
+        port = server.add_insecure_port(listener.target)
     except RuntimeError as exc:
         raise StartupError(f"cannot listen on {listener.target}: address in use or "
                            "not permitted") from exc
+    if listener.is_tcp:
+        return f"{listener.target.rpartition(':')[0]}:{port}"
+    return listener.target
 
 
 def claim_socket_path(path: Path) -> None:

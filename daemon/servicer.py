@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from pagedkv.memory import POOL_LAYOUT
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 
@@ -23,9 +24,6 @@ from .status import grpc_errors
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
-
-# The axes of the pool tensor (pagedkv.daemon.kv_memory's layout), as PoolInfo.layout says it.
-POOL_LAYOUT = "num_layers,2,num_blocks,block_size,num_kv_heads,head_dim"
 
 
 class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
@@ -213,9 +211,7 @@ def pool_info(service: PoolService) -> pb.PoolInfo:
                        block_size=pool.block_size, layout=POOL_LAYOUT)
     memory = service.memory.handle() if service.memory is not None else None
     if memory is not None:
-        info.memory.CopyFrom(pb.PoolMemory(
-            kind=memory.kind, shm_path=memory.shm_path, shape=memory.shape, dtype=memory.dtype,
-            device_index=memory.device_index, ipc_payload=memory.ipc_payload))
+        info.memory.CopyFrom(memory.to_proto())
     if geometry is not None:
         info.dtype = memory.dtype if memory is not None else geometry.default_dtype
         info.model = geometry.name

@@ -43,7 +43,7 @@ from .operations import (
 from .sessions import Session
 
 if TYPE_CHECKING:
-    from .kv_memory import PoolMemoryHandle  # importing it at run time would import torch
+    from pagedkv.memory import PoolMemoryHandle  # for the annotation below only
 
 Result = TypeVar("Result", SeqUpdate, BatchAppend)
 

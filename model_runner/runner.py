@@ -21,14 +21,15 @@ writes into a block another table references.
 """
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Self
 
 import torch
 from transformers import PreTrainedModel
 
 from pagedkv.client import Allocate, Commit, Free, PoolInfo, SequenceBlocks, Session, StepResult
-from pagedkv.daemon.kv_memory import PoolMemoryHandle, attach_pool
+from pagedkv.memory import PoolMemoryHandle
+from pagedkv.memory.attach import attach_pool
 
 from .attention_backend import AttentionBackend
 from .paged_attention import CONTEXT_KWARG, PagedContext, enable_paged_attention
@@ -90,9 +91,7 @@ class ModelRunner:
     def attach(cls, model: PreTrainedModel, info: PoolInfo,
                backend: AttentionBackend) -> Self:
         """A runner over the memory of the daemon that answered `info` (client.pool_info())."""
-        if not info.memory.kind:
-            raise ValueError("the daemon has no pool memory (bookkeeping only)")
-        pool = attach_pool(PoolMemoryHandle(**asdict(info.memory)))
+        pool = attach_pool(PoolMemoryHandle.from_proto(info.memory))
         return cls(model, pool, info.block_size, backend)
 
     @torch.inference_mode()

@@ -1,4 +1,7 @@
-"""pagedkv.client against a real in-process daemon: typed results, exceptions, leases, auth."""
+"""pagedkv.client against a real in-process daemon: typed results, exceptions, keep-alive errors.
+
+Leases end to end are in test_client_process.py, TCP auth in test_interceptors.py.
+"""
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,21 +25,16 @@ from pagedkv.client import (
     SequenceBlocks,
     SequenceExists,
     SequenceNotFound,
-    SessionExpired,
     SessionNotFound,
-    Unauthenticated,
 )
-from pagedkv.daemon.interceptors import ServerInterceptor
+from pagedkv.daemon.servicer import KVPoolServicer
 
 from daemon_harness import Daemon, running_daemon
-
-TOKEN = "s3cret-token"
 
 
 @pytest.fixture
 async def daemon() -> AsyncIterator[Daemon]:
-    auth = ServerInterceptor(auth_token=TOKEN, rpc_metrics=None)
-    async with running_daemon(tcp=True, interceptors=[auth]) as running:
+    async with running_daemon() as running:
         yield running
         running.service.check_invariants()
 
@@ -100,38 +98,28 @@ async def test_errors_are_named_after_the_cause(client: PoolClient) -> None:
 
 
 async def test_cache_salt_decides_prefix_sharing(client: PoolClient) -> None:
+    """The service-level isolation test; the core's exact one is in test_block_pool.py."""
     prompt = list(range(40, 48))  # two full blocks
     first = await client.open_session("a", cache_salt="tenant-1")
     same = await client.open_session("b", cache_salt=b"tenant-1")
     other = await client.open_session("c", cache_salt="tenant-2")
-    default = await client.open_session("d")
+    # No salt: each session gets its own, so these two share with nobody, not even each other.
+    defaults = [await client.open_session(name) for name in ("d", "e")]
     owner = await first.allocate(1, token_ids=prompt)
     assert await first.commit([1]) == 2  # its K/V is written: the two full blocks are shared
     shared = await same.allocate(1, token_ids=prompt)
     assert (shared.num_cached_tokens, shared.block_ids) == (8, owner.block_ids)
-    for session in (other, default):
+    taken = set(owner.block_ids)
+    for session in (other, *defaults):
         alone = await session.allocate(1, token_ids=prompt)
         assert alone.num_cached_tokens == 0
-        assert not set(alone.block_ids) & set(owner.block_ids)
+        assert not set(alone.block_ids) & taken
+        taken |= set(alone.block_ids)
+        assert await session.commit([1]) == 2  # shareable now, yet only under its own salt
     stats = await same.stats()
     assert stats.session is not None and stats.session.prefix_cache_hits == 8
-    for session in (first, same, other, default):
+    for session in (first, same, other, *defaults):
         await session.close()
-
-
-async def test_keep_alive_holds_the_lease_and_its_absence_expires_it(
-        daemon: Daemon, client: PoolClient) -> None:
-    kept = await client.open_session("kept", lease_ttl_ms=300)
-    lapsing = await client.open_session("lapsing", lease_ttl_ms=300, keep_alive=False)
-    await kept.allocate(1, 4)
-    await lapsing.allocate(1, 4)
-    await asyncio.sleep(1.0)  # > 3 leases
-    assert (await kept.append(1)).num_tokens == 5
-    with pytest.raises(SessionExpired, match="expired") as failure:
-        await lapsing.append(1)
-    assert failure.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert await lapsing.close() == 0
-    assert await kept.close() == 1
 
 
 async def test_keep_alive_records_a_lost_lease(daemon: Daemon, client: PoolClient) -> None:
@@ -145,33 +133,20 @@ async def test_keep_alive_records_a_lost_lease(daemon: Daemon, client: PoolClien
     await session.close()
 
 
-async def test_tcp_needs_the_token(daemon: Daemon) -> None:
-    assert daemon.tcp_target is not None
-    async with await PoolClient.connect(daemon.tcp_target) as anonymous:
-        with pytest.raises(Unauthenticated) as failure:
-            await anonymous.pool_info()
-        assert failure.value.code == grpc.StatusCode.UNAUTHENTICATED
-    async with await PoolClient.connect(daemon.tcp_target, auth_token=TOKEN) as authorized, \
-            await authorized.open_session("tcp") as session:
-        assert (await session.allocate(1, 2)).block_ids == [0]
-
-
 async def test_connect_to_nothing_is_unavailable(tmp_path: Any) -> None:
     with pytest.raises(DaemonUnavailable, match="no pagedkv daemon"):
         await PoolClient.connect(f"unix:{tmp_path}/absent.sock", timeout=0.3)
 
 
-class _SlowStats(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Delays GetStats past the client's deadline."""
+async def test_every_call_has_a_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    get_stats = KVPoolServicer.GetStats
 
-    async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        if details.method.endswith("/GetStats"):
-            await asyncio.sleep(0.5)
-        return await continuation(details)
+    async def slow_stats(self: KVPoolServicer, request: Any, context: Any) -> Any:
+        await asyncio.sleep(0.5)  # past the client's deadline
+        return await get_stats(self, request, context)
 
-
-async def test_every_call_has_a_deadline() -> None:
-    async with running_daemon(interceptors=[_SlowStats()]) as slow, \
+    monkeypatch.setattr(KVPoolServicer, "GetStats", slow_stats)  # before the server binds it
+    async with running_daemon() as slow, \
             await PoolClient.connect(slow.unix_target, timeout=0.2) as client:
         with pytest.raises(PagedKVError) as failure:
             await client.stats()

@@ -1,53 +1,29 @@
-"""The server interceptor on a real grpc.aio server with dummy handlers: auth, logs, metrics."""
+"""The server interceptor in the production gRPC server (in-process): auth, logs, metrics.
+
+The daemon under test is built by `grpc_server`, as pagedkvd builds it; test_process_auth.py
+checks the same rules once more against a real pagedkvd process.
+"""
 
 import io
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from prometheus_client import CollectorRegistry
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pagedkv.daemon.interceptors import ServerInterceptor, session_label
+from pagedkv.daemon.interceptors import session_label
 from pagedkv.daemon.logging import configure
-from pagedkv.daemon.metrics import RpcMetrics
+from pagedkv.daemon.servicer import KVPoolServicer
+from pagedkv.proto import kvpool_pb2 as pb
+from pagedkv.proto import kvpool_pb2_grpc
 
-TOKEN = "letmein"
-SECRET_SESSION = "ab12cd-7-0123456789abcdef"
+from daemon_harness import TOKEN, Daemon, running_daemon
 
-
-@dataclass
-class Request:
-    """A stand-in request message: bytes on the wire, a session_id attribute for the logs."""
-
-    session_id: str
-
-
-def decode(data: bytes) -> Request:
-    return Request(session_id=data.decode())
-
-
-async def echo(request: Request, context: Any) -> bytes:
-    return request.session_id.encode()
-
-
-async def missing(request: Request, context: Any) -> bytes:
-    await context.abort(grpc.StatusCode.NOT_FOUND, "no such sequence")
-    raise AssertionError("abort returns only by raising")
-
-
-async def crash(request: Request, context: Any) -> bytes:
-    raise RuntimeError("a bug")
-
-
-async def count(request: Request, context: Any) -> AsyncIterator[bytes]:
-    for i in range(3):
-        yield str(i).encode()
+KVPOOL = "pagedkv.v1.KVPool"
 
 
 @pytest.fixture(autouse=True)
@@ -60,114 +36,118 @@ def log_stream() -> Iterator[io.StringIO]:
     root.handlers, root.level = handlers, level
 
 
-@dataclass
-class Server:
-    unix_target: str
-    tcp_target: str
-    registry: CollectorRegistry
-
-
 @pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[Server]:
-    registry = CollectorRegistry()
-    srv = grpc.aio.server(interceptors=[ServerInterceptor(TOKEN, RpcMetrics(registry))])
-    methods = {
-        name: grpc.unary_unary_rpc_method_handler(fn, request_deserializer=decode)
-        for name, fn in (("Echo", echo), ("Missing", missing), ("Crash", crash))
-    }
-    methods["Count"] = grpc.unary_stream_rpc_method_handler(count, request_deserializer=decode)
-    srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Dummy", methods),))
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), srv)
-    unix_target = f"unix://{tmp_path}/s.sock"
-    srv.add_insecure_port(unix_target)
-    port = srv.add_insecure_port("127.0.0.1:0")
-    await srv.start()
-    yield Server(unix_target, f"127.0.0.1:{port}", registry)
-    await srv.stop(None)
+async def daemon() -> AsyncIterator[Daemon]:
+    async with running_daemon(tcp=True) as running:
+        yield running
 
 
-async def call(target: str, method: str, token: str | None = None) -> bytes:
-    metadata = None if token is None else (("authorization", f"Bearer {token}"),)
+def bearer(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return None if token is None else (("authorization", f"Bearer {token}"),)
+
+
+async def pool_id_over(target: str, token: str | None = None) -> str:
     async with grpc.aio.insecure_channel(target) as channel:
-        stub = channel.unary_unary(f"/test.Dummy/{method}")
-        response: bytes = await stub(SECRET_SESSION.encode(), metadata=metadata)
-        return response
+        info = await kvpool_pb2_grpc.KVPoolStub(channel).GetPoolInfo(
+            pb.GetPoolInfoRequest(), metadata=bearer(token))
+        return info.pool_id
 
 
-async def test_unix_peers_need_no_token(server: Server) -> None:
-    assert await call(server.unix_target, "Echo") == SECRET_SESSION.encode()
+async def list_services(target: str, token: str | None) -> set[str]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        # A refused call gets no request: the server refuses at call start, and a message
+        # still in flight then would fail on the client's side (INTERNAL) first.
+        requests = [] if token is None else [reflection_pb2.ServerReflectionRequest(
+            list_services="")]
+        stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter(requests), metadata=bearer(token))
+        return {service.name for reply in [reply async for reply in stream]
+                for service in reply.list_services_response.service}
 
 
-@pytest.mark.parametrize("token", [None, "wrong", ""])
-async def test_tcp_without_the_right_token_is_unauthenticated(
-    server: Server, token: str | None
-) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await call(server.tcp_target, "Echo", token)
-    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+async def test_tcp_calls_need_the_token_unix_and_health_calls_do_not(daemon: Daemon) -> None:
+    assert daemon.tcp_target is not None
+    pool_id = daemon.service.pool_id
+    assert await pool_id_over(daemon.unix_target) == pool_id
+    assert await pool_id_over(daemon.tcp_target, TOKEN) == pool_id  # the same pool on TCP
+    for token in (None, "wrong", ""):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await pool_id_over(daemon.tcp_target, token)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # Streaming handlers are wrapped too: reflection is a stream-stream RPC.
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await list_services(daemon.tcp_target, None)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert {KVPOOL, "grpc.health.v1.Health"} <= await list_services(daemon.tcp_target, TOKEN)
+    async with grpc.aio.insecure_channel(daemon.tcp_target) as channel:
+        for service in ("", KVPOOL):
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def test_tcp_with_the_token_works(server: Server) -> None:
-    assert await call(server.tcp_target, "Echo", TOKEN) == SECRET_SESSION.encode()
-
-
-async def test_streaming_handlers_are_guarded_too(server: Server) -> None:
-    async with grpc.aio.insecure_channel(server.tcp_target) as channel:
-        stream = channel.unary_stream("/test.Dummy/Count")
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            [item async for item in stream(b"x")]
-        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        items = [item async for item in stream(b"x", metadata=(("authorization",
-                                                                 f"Bearer {TOKEN}"),))]
-        assert items == [b"0", b"1", b"2"]
-
-
-async def test_health_checks_need_no_token_on_tcp(server: Server) -> None:
-    async with grpc.aio.insecure_channel(server.tcp_target) as channel:
-        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
-    assert reply.status == health_pb2.HealthCheckResponse.SERVING
-
-
-async def test_health_watch_streams_through_the_interceptor(server: Server) -> None:
+async def test_health_watch_streams_through_the_interceptor(daemon: Daemon) -> None:
     # Watch writes with context.write instead of yielding: the wrapper must keep that shape.
-    async with grpc.aio.insecure_channel(server.tcp_target) as channel:
+    assert daemon.tcp_target is not None
+    async with grpc.aio.insecure_channel(daemon.tcp_target) as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
         first = await watch.read()
         watch.cancel()
     assert first.status == health_pb2.HealthCheckResponse.SERVING
 
 
+async def crash(self: KVPoolServicer, request: Any, context: Any) -> Any:
+    raise RuntimeError("a bug that escaped grpc_errors")
+
+
 async def test_outcomes_are_counted_and_logged_without_the_session_secret(
-    server: Server, log_stream: io.StringIO
+    log_stream: io.StringIO, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    await call(server.unix_target, "Echo")
-    for method, code in (("Missing", grpc.StatusCode.NOT_FOUND),
-                         ("Crash", grpc.StatusCode.UNKNOWN)):
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await call(server.unix_target, method)
-        assert info.value.code() == code
-    with pytest.raises(grpc.aio.AioRpcError):
-        await call(server.tcp_target, "Echo")
+    monkeypatch.setattr(KVPoolServicer, "GetStats", crash)  # before the server binds it
+    async with running_daemon(tcp=True) as daemon, \
+            grpc.aio.insecure_channel(daemon.unix_target) as unix, \
+            grpc.aio.insecure_channel(str(daemon.tcp_target)) as tcp:
+        stub, anonymous = kvpool_pb2_grpc.KVPoolStub(unix), kvpool_pb2_grpc.KVPoolStub(tcp)
+        sid = (await stub.OpenSession(pb.OpenSessionRequest(client_name="t"))).session_id
+        await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=4))
+        # Each call starts when it is made: make them one at a time, in this order.
+        failing: list[tuple[Callable[[], Awaitable[object]], grpc.StatusCode]] = [
+            (lambda: stub.Append(pb.AppendRequest(session_id=sid, seq_id=9, num_tokens=1)),
+             grpc.StatusCode.NOT_FOUND),
+            (lambda: stub.GetStats(pb.GetStatsRequest(session_id=sid)),
+             grpc.StatusCode.UNKNOWN),
+            (lambda: anonymous.Allocate(pb.AllocateRequest(session_id=sid, seq_id=2,
+                                                           num_tokens=4)),
+             grpc.StatusCode.UNAUTHENTICATED),
+        ]
+        for call, code in failing:
+            with pytest.raises(grpc.aio.AioRpcError) as failure:
+                await call()
+            assert failure.value.code() == code
+        assert daemon.pool.stats().used_blocks == 1  # the refused Allocate never ran
 
     def calls(method: str, code: str) -> float | None:
-        labels = {"service": "test.Dummy", "method": method, "code": code}
-        return server.registry.get_sample_value("pagedkv:rpc_requests_total", labels)
+        labels = {"service": KVPOOL, "method": method, "code": code}
+        return daemon.registry.get_sample_value("pagedkv:rpc_requests_total", labels)
 
-    assert calls("Echo", "OK") == 1
-    assert calls("Missing", "NOT_FOUND") == 1
-    assert calls("Crash", "UNKNOWN") == 1
-    assert calls("Echo", "UNAUTHENTICATED") == 1
-    latency = server.registry.get_sample_value(
-        "pagedkv:rpc_duration_seconds_count", {"service": "test.Dummy", "method": "Echo"})
+    assert calls("OpenSession", "OK") == calls("Allocate", "OK") == 1
+    assert calls("Append", "NOT_FOUND") == 1
+    assert calls("GetStats", "UNKNOWN") == 1
+    assert calls("Allocate", "UNAUTHENTICATED") == 1
+    latency = daemon.registry.get_sample_value(
+        "pagedkv:rpc_duration_seconds_count", {"service": KVPOOL, "method": "Allocate"})
     assert latency == 2
 
-    rpc_lines = [line for line in map(json.loads, log_stream.getvalue().splitlines())
-                 if line["event"] == "rpc"]
-    assert [(line["method"], line["code"], line["level"]) for line in rpc_lines] == [
-        ("Echo", "OK", "debug"), ("Missing", "NOT_FOUND", "warning"),
-        ("Crash", "UNKNOWN", "warning"), ("Echo", "UNAUTHENTICATED", "warning")]
-    assert {line["session"] for line in rpc_lines} == {"#7"}
-    assert "0123456789abcdef" not in log_stream.getvalue()
+    lines = [json.loads(line) for line in log_stream.getvalue().splitlines()]
+    rpc_lines = [line for line in lines if line["event"] == "rpc"]
+    assert [(line["method"], line["code"], line["level"], line["session"])
+            for line in rpc_lines] == [
+        ("OpenSession", "OK", "debug", None), ("Allocate", "OK", "debug", "#1"),
+        ("Append", "NOT_FOUND", "warning", "#1"), ("GetStats", "UNKNOWN", "warning", "#1"),
+        ("Allocate", "UNAUTHENTICATED", "warning", "#1")]
+    # The bug's traceback is logged once, by the interceptor.
+    assert [line["method"] for line in lines if line["event"] == "rpc_failed"] == ["GetStats"]
+    assert sid.rpartition("-")[2] not in log_stream.getvalue()
 
 
 @pytest.mark.parametrize(
@@ -175,5 +155,5 @@ async def test_outcomes_are_counted_and_logged_without_the_session_secret(
     [("pool-12-00ff00ff00ff00ff", "#12"), ("garbage", "invalid"), ("", None)],
 )
 def test_session_label_never_shows_the_secret(session_id: str, label: str | None) -> None:
-    assert session_label(Request(session_id)) == label
+    assert session_label(pb.GetStatsRequest(session_id=session_id)) == label
     assert session_label(object()) is None

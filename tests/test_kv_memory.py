@@ -1,8 +1,10 @@
-"""Pool memory: layout, block copies and zeroing, sharing with a real second process, cleanup."""
+"""The daemon's pool memory: layout, block copies and zeroing, sizing, cleanup.
+
+Attaching from another process is in test_memory.py.
+"""
 
 import errno
 import os
-import pickle
 import stat
 import subprocess
 import sys
@@ -18,8 +20,6 @@ from pagedkv.daemon import kv_memory
 from pagedkv.daemon.geometry import ModelGeometry
 from pagedkv.daemon.kv_memory import (
     KVPoolMemory,
-    PoolMemoryHandle,
-    attach_pool,
     cleanup_stale_files,
     num_blocks_for_bytes,
     num_blocks_for_fraction,
@@ -179,51 +179,6 @@ def test_no_room_in_shm_dir_is_a_clear_error_and_leaves_no_file(
     assert list(tmp_path.iterdir()) == []
 
 
-# Run in a second Python process: attach from the pickled handle on stdin, check the creator's
-# write (7s in block 1), then write 5s into the V half of block 2 for the creator to see.
-CHILD = """
-import pickle, sys, torch
-from pagedkv.daemon.kv_memory import attach_pool
-kv = attach_pool(pickle.load(sys.stdin.buffer))
-assert bool((kv[:, :, 1] == 7).all()), "the creator's write is not visible"
-assert not kv[:, :, 2].any(), "block 2 should still be zero"
-kv[:, 1, 2] = 5
-if kv.is_cuda:
-    torch.cuda.synchronize()
-print(tuple(kv.shape), kv.dtype, kv.device.type)
-"""
-
-
-def check_shared_with_another_process(memory: KVPoolMemory) -> None:
-    memory.kv[:, :, 1] = 7
-    if memory.kv.is_cuda:
-        torch.cuda.synchronize()
-    child = subprocess.run([sys.executable, "-c", CHILD], input=pickle.dumps(memory.handle()),
-                           capture_output=True, timeout=120)
-    assert child.returncode == 0, child.stderr.decode()
-    assert child.stdout.decode().split("\n")[0] == (
-        f"{tuple(memory.kv.shape)} {memory.kv.dtype} {memory.kv.device.type}")
-    assert bool((memory.kv[:, 1, 2] == 5).all()), "the second process's write is not visible"
-    assert not memory.kv[:, 0, 2].any(), "the K half of block 2 was not written"
-    assert not memory.kv[:, :, 3:].any()
-
-
-def test_second_process_attaches_shm() -> None:
-    with KVPoolMemory.create(GEOMETRY, NUM_BLOCKS, BLOCK_SIZE, "bfloat16") as memory:
-        check_shared_with_another_process(memory)
-
-
-@pytest.mark.gpu
-@cuda_only
-def test_second_process_attaches_cuda_ipc() -> None:
-    with KVPoolMemory.create(GEOMETRY, NUM_BLOCKS, BLOCK_SIZE, "bfloat16",
-                             device="cuda") as memory:
-        handle = memory.handle()
-        assert (handle.kind, handle.shm_path, handle.device_index) == ("cuda_ipc", "", 0)
-        assert memory.kv.is_cuda and not memory.kv.any()
-        check_shared_with_another_process(memory)
-
-
 @pytest.mark.gpu
 @cuda_only
 def test_copy_and_zero_blocks_on_cuda_match_cpu(pool: KVPoolMemory) -> None:
@@ -244,35 +199,6 @@ def test_num_blocks_for_fraction_on_cuda() -> None:
     blocks = num_blocks_for_fraction(0.5, block, "cuda")
     # Half the card minus what is in use; nothing else runs here, so it is close to half.
     assert 0 < blocks * block <= 0.5 * total - (total - free) + block
-
-
-def test_attach_refuses_a_missing_or_resized_file(tmp_path: Path) -> None:
-    with KVPoolMemory.create(GEOMETRY, NUM_BLOCKS, BLOCK_SIZE, "float32",
-                             shm_dir=str(tmp_path)) as memory:
-        handle = memory.handle()
-    missing = tmp_path / "pagedkv-1-00.kv"
-    with pytest.raises(ValueError, match="no pool file at"):
-        attach_pool(PoolMemoryHandle("shm", str(missing), handle.shape, "float32", -1, b""))
-    assert not missing.exists(), "attach must not create a pool file"
-    missing.write_bytes(b"\0" * 100)
-    with pytest.raises(ValueError, match="holds 100 bytes, handle says 5760"):
-        attach_pool(PoolMemoryHandle("shm", str(missing), handle.shape, "float32", -1, b""))
-    with pytest.raises(ValueError, match="unknown pool memory kind"):
-        attach_pool(PoolMemoryHandle("tcp", "", handle.shape, "float32", -1, b""))
-
-
-def test_ipc_payload_may_only_name_torch(tmp_path: Path) -> None:
-    marker = tmp_path / "pwned"
-    payload = pickle.dumps((os.system, (f"touch {marker}",)))
-    with pytest.raises(pickle.UnpicklingError, match=r"posix\.system, not torch"):
-        attach_pool(PoolMemoryHandle("cuda_ipc", "", (1,), "float32", 0, payload))
-    assert not marker.exists()
-    wrong_shape = pickle.dumps((torch.Tensor, ([1.0, 2.0, 3.0],)))
-    with pytest.raises(ValueError, match=r"IPC payload is \(3,\) torch.float32, handle says"):
-        attach_pool(PoolMemoryHandle("cuda_ipc", "", (2,), "float32", 0, wrong_shape))
-    not_a_tensor = pickle.dumps((torch.device, ("cpu",)))
-    with pytest.raises(ValueError, match="rebuilt a device, not a tensor"):
-        attach_pool(PoolMemoryHandle("cuda_ipc", "", (2,), "float32", 0, not_a_tensor))
 
 
 def test_cleanup_removes_dead_owners_files_only(tmp_path: Path) -> None:

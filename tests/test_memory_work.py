@@ -24,9 +24,11 @@ import torch
 from pagedkv.client import PagedKVError, PoolClient, Session
 from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.geometry import resolve_geometry
-from pagedkv.daemon.kv_memory import KVPoolMemory, PoolMemoryHandle, attach_pool
+from pagedkv.daemon.kv_memory import KVPoolMemory
 from pagedkv.daemon.operations import Allocate, Fork
 from pagedkv.daemon.service import PoolService
+from pagedkv.memory import PoolMemoryHandle
+from pagedkv.memory.attach import attach_pool
 
 from daemon_harness import Daemon, running_daemon
 from pool_state import pool_state
@@ -164,7 +166,7 @@ async def test_failed_memory_work_answers_internal_and_changes_nothing(
 # A runner process: maps the pool, waits for "go", prints whether the given blocks hold 7s.
 READER = """
 import pickle, sys
-from pagedkv.daemon.kv_memory import attach_pool
+from pagedkv.memory.attach import attach_pool
 kv = attach_pool(pickle.loads(bytes.fromhex(sys.stdin.readline().strip())))
 print("attached", flush=True)
 blocks = [int(b) for b in sys.stdin.readline().split()]

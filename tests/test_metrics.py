@@ -1,31 +1,24 @@
 """Metrics read at scrape time, RPC counters, and the HTTP probes on a real aiohttp server."""
 
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedkv.daemon.core.types import PoolStats
+from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.metrics import PoolCollector, Readiness, RpcMetrics, metrics_app, start_http
+from pagedkv.daemon.operations import Allocate, Commit
+from pagedkv.daemon.service import PoolService
 
-EMPTY = PoolStats(num_blocks=8, block_size=16, free_blocks=8, used_blocks=0, cached_blocks=0,
-                  pending_blocks=0, filled_slots=0, allocated_slots=0, logical_tokens=0,
-                  num_sequences=0, prefix_cache_queries=0, prefix_cache_hits=0)
+# The pool's lease clock, moved by hand.
+Clock = list[float]
 
 
-class FakeService:
-    """Stands in for PoolService: the figures the collector reads."""
-
-    def __init__(self) -> None:
-        self.stats = EMPTY
-        self.num_sessions = 0
-        self.lease_expiries_total = 0
-
-    def pool_stats(self) -> PoolStats:
-        return self.stats
+def make_service(clock: Clock) -> PoolService:
+    """A real service over a real pool of 8 blocks of 16 slots, on a clock the test moves."""
+    return PoolService(BlockPool(8, 16), None, pool_id="metrics", clock=lambda: clock[0])
 
 
 def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -38,29 +31,44 @@ def samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str
     }
 
 
-def test_pool_figures_are_read_at_each_scrape() -> None:
-    service = FakeService()
+async def test_pool_figures_are_read_at_each_scrape() -> None:
+    clock = [0.0]
+    service = make_service(clock)
     registry = CollectorRegistry()
     registry.register(PoolCollector(service))
     before = samples(registry)
     assert before[("pagedkv:kv_cache_usage_perc", ())] == 0.0
     assert before[("pagedkv:free_blocks", ())] == 8
 
-    # 3 of 8 blocks used, 40 of 48 slots filled, one cached block, a prefix hit.
-    service.stats = replace(EMPTY, free_blocks=5, used_blocks=3, cached_blocks=1,
-                            filled_slots=40, allocated_slots=48, num_sequences=2,
-                            prefix_cache_queries=32, prefix_cache_hits=16)
-    service.num_sessions, service.lease_expiries_total = 2, 1
+    # a and b share a 40-token prompt under one salt: a commits its full blocks 0 and 1 (its
+    # K/V is written), b finds those 32 tokens cached; 2 and 3 are their partial last blocks.
+    # c's one full block, committed, is cached (evictable) once c's lease lapses and the
+    # reaper frees its sequence; d's, never committed, stays pending.
+    prompt = list(range(100, 140))
+    for name in ("a", "b"):
+        sid = service.open_session(name, cache_salt=b"team").session_id
+        await service.allocate(sid, Allocate(1, 40, prompt))
+        await service.commit(sid, Commit([1]))
+    lapsing = service.open_session("c", lease_ttl_ms=100).session_id
+    await service.allocate(lapsing, Allocate(1, 16, list(range(16))))
+    await service.commit(lapsing, Commit([1]))
+    pending = service.open_session("d").session_id
+    await service.allocate(pending, Allocate(1, 16, list(range(16))))
+    clock[0] += 0.2
+    assert await service.expire_due() == 1
     after = samples(registry)
-    assert after[("pagedkv:kv_cache_usage_perc", ())] == 3 / 8
-    assert after[("pagedkv:used_blocks", ())] == 3
+    assert after[("pagedkv:kv_cache_usage_perc", ())] == 5 / 8
+    assert after[("pagedkv:used_blocks", ())] == 5
     assert after[("pagedkv:cached_blocks", ())] == 1
-    assert after[("pagedkv:num_sequences", ())] == 2
-    assert after[("pagedkv:num_sessions", ())] == 2
-    assert after[("pagedkv:prefix_cache_queries_total", ())] == 32
-    assert after[("pagedkv:prefix_cache_hits_total", ())] == 16
+    assert after[("pagedkv:pending_blocks", ())] == 1
+    assert after[("pagedkv:free_blocks", ())] == 3  # cached blocks count as free
+    assert after[("pagedkv:num_sequences", ())] == 3
+    assert after[("pagedkv:num_sessions", ())] == 3
+    assert after[("pagedkv:prefix_cache_queries_total", ())] == 40 + 40 + 16 + 16
+    assert after[("pagedkv:prefix_cache_hits_total", ())] == 32
     assert after[("pagedkv:lease_expiries_total", ())] == 1
-    assert after[("pagedkv:kv_cache_utilization", ())] == 40 / 48
+    # Filled slots / slots of used blocks: (16 + 16 + 8 + 8 + 16) / (5 * 16).
+    assert after[("pagedkv:kv_cache_utilization", ())] == 64 / 80
 
 
 def test_rpc_metrics_count_by_code_and_time_by_method() -> None:
@@ -91,8 +99,8 @@ def test_readiness_reasons(readiness: Readiness, reason: str | None) -> None:
 
 
 @pytest.fixture
-async def http() -> AsyncIterator[tuple[str, FakeService, Readiness]]:
-    service, readiness = FakeService(), Readiness(pool_allocated=True)
+async def http() -> AsyncIterator[tuple[str, PoolService, Readiness]]:
+    service, readiness = make_service([0.0]), Readiness(pool_allocated=True)
     registry = CollectorRegistry()
     registry.register(PoolCollector(service))
     runner = await start_http(metrics_app(registry, readiness), "127.0.0.1", 0)
@@ -101,7 +109,7 @@ async def http() -> AsyncIterator[tuple[str, FakeService, Readiness]]:
     await runner.cleanup()
 
 
-async def test_http_endpoints(http: tuple[str, FakeService, Readiness]) -> None:
+async def test_http_endpoints(http: tuple[str, PoolService, Readiness]) -> None:
     base, service, readiness = http
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{base}/healthz") as response:
@@ -112,7 +120,7 @@ async def test_http_endpoints(http: tuple[str, FakeService, Readiness]) -> None:
         readiness.listeners_up = True
         async with session.get(f"{base}/readyz") as response:
             assert response.status == 200
-        service.stats = replace(EMPTY, used_blocks=2, free_blocks=6)
+        await service.allocate(service.open_session("h").session_id, Allocate(1, 20))  # 2 blocks
         async with session.get(f"{base}/metrics") as response:
             assert response.status == 200
             assert response.headers["Content-Type"].startswith("text/plain")

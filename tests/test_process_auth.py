@@ -1,4 +1,8 @@
-"""TCP listeners of a real pagedkvd: bearer token required, health exempt, no token no start."""
+"""TCP listeners of a real pagedkvd: bearer token required, health exempt, no token no start.
+
+The interceptor's rules in detail (every token form, streams, metrics, logs) are tested
+in-process through the same server construction in test_interceptors.py.
+"""
 
 import subprocess
 from collections.abc import Iterator
@@ -15,10 +19,10 @@ from pagedkv.client import PoolClient, Unauthenticated
 TOKEN = "correct-horse-battery-staple"
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pagedkvd, str]]:
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[tuple[Pagedkvd, str]]:
     """A daemon on its unix socket and on a loopback TCP port with a token file."""
-    token_file = tmp_path_factory.mktemp("auth") / "token"
+    token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
     tcp_target = f"127.0.0.1:{free_tcp_port()}"
@@ -27,37 +31,23 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pagedkvd,
         assert running.stop() == 0
 
 
-async def test_tcp_with_the_token_works(daemon: tuple[Pagedkvd, str]) -> None:
-    _, tcp_target = daemon
+async def test_tcp_needs_the_token_unix_and_health_do_not(
+    daemon: tuple[Pagedkvd, str],
+) -> None:
+    running, tcp_target = daemon
     async with await PoolClient.connect(tcp_target, auth_token=TOKEN) as client:
         session = await client.open_session("tcp-client")
         blocks = await session.allocate(1, num_tokens=5)
         assert len(blocks.block_ids) == 1
         await session.close()
-
-
-@pytest.mark.parametrize("token", [None, "wrong-token"])
-async def test_tcp_without_the_right_token_is_unauthenticated(
-    daemon: tuple[Pagedkvd, str], token: str | None
-) -> None:
-    _, tcp_target = daemon
-    async with await PoolClient.connect(tcp_target, auth_token=token) as client:
-        with pytest.raises(Unauthenticated):
-            await client.open_session("intruder")
-        with pytest.raises(Unauthenticated):
-            await client.stats()
-
-
-async def test_unix_socket_needs_no_token(daemon: tuple[Pagedkvd, str]) -> None:
-    running, _ = daemon
+    for token in (None, "wrong-token"):
+        async with await PoolClient.connect(tcp_target, auth_token=token) as client:
+            with pytest.raises(Unauthenticated):
+                await client.open_session("intruder")
+            with pytest.raises(Unauthenticated):
+                await client.stats()
     async with await PoolClient.connect(running.unix_target) as client:
         assert (await client.stats()).num_blocks > 0
-
-
-async def test_health_is_open_and_reflection_guarded_on_tcp(
-    daemon: tuple[Pagedkvd, str],
-) -> None:
-    _, tcp_target = daemon
     async with grpc.aio.insecure_channel(tcp_target) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="pagedkv.v1.KVPool"), timeout=5)

@@ -5,7 +5,7 @@ import sys
 
 
 def test_demo_runs_the_scripted_session_and_stops_the_daemon() -> None:
-    result = subprocess.run([sys.executable, "-m", "pagedkv.daemon.demo"],
+    result = subprocess.run([sys.executable, "-m", "pagedkv.client.demo"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     out = result.stdout

@@ -26,7 +26,7 @@ Code = grpc.StatusCode
 
 @pytest.fixture
 async def daemon() -> AsyncIterator[Daemon]:
-    async with running_daemon(with_memory=True, tcp=True) as running:
+    async with running_daemon(with_memory=True) as running:
         yield running
         running.service.check_invariants()
 
@@ -237,30 +237,6 @@ async def test_unexpected_error_is_internal_and_server_survives(
     await expect(Code.INTERNAL, stub.GetStats(pb.GetStatsRequest()), "RuntimeError")
     monkeypatch.undo()
     assert (await stub.GetStats(pb.GetStatsRequest())).num_blocks == 16
-
-
-async def test_tcp_listener_serves_the_same_pool(daemon: Daemon) -> None:
-    assert daemon.tcp_target is not None
-    async with grpc.aio.insecure_channel(daemon.tcp_target) as channel:
-        tcp_stub = kvpool_pb2_grpc.KVPoolStub(channel)
-        info = await tcp_stub.GetPoolInfo(pb.GetPoolInfoRequest())
-    assert info.pool_id == daemon.service.pool_id
-
-
-async def test_lease_expiry_frees_blocks_through_the_reaper(
-        daemon: Daemon, stub: Stub) -> None:
-    import asyncio
-
-    sid = await open_session(stub, lease_ttl_ms=300)
-    await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=20))
-    assert daemon.pool.stats().used_blocks == 5
-    for _ in range(40):  # the lease is 0.3 s; expiry + reaping must happen within ~1.3 s
-        await asyncio.sleep(0.05)
-        if daemon.pool.stats().used_blocks == 0:
-            break
-    assert daemon.pool.stats().used_blocks == 0
-    await expect(Code.FAILED_PRECONDITION, stub.Append(pb.AppendRequest(
-        session_id=sid, seq_id=1, num_tokens=1)), "expired")
 
 
 async def test_session_from_before_a_restart_is_failed_precondition() -> None:

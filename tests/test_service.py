@@ -27,7 +27,6 @@ from pagedkv.daemon.operations import (
     RequestLimits,
 )
 from pagedkv.daemon.service import PoolService
-from pagedkv.daemon.sessions import SessionExpired
 
 
 def make_service(num_blocks: int = 8, block_size: int = 4, **options: Any) -> PoolService:
@@ -91,23 +90,6 @@ async def test_sessions_cannot_touch_each_others_sequences(service: PoolService)
     service.check_invariants()
 
 
-async def test_prefix_sharing_only_between_equal_salts(service: PoolService) -> None:
-    prompt = list(range(100, 108))  # two full blocks
-    private = [service.open_session(n).session_id for n in ("p", "q")]
-    team = [service.open_session(n, cache_salt=b"team").session_id for n in ("t", "u")]
-    first = await service.allocate(private[0], Allocate(1, 8, prompt))
-    assert await service.commit(private[0], Commit([1])) == 2
-    assert (await service.allocate(private[1], Allocate(1, 8, prompt))).num_cached_tokens == 0
-    await service.allocate(team[0], Allocate(1, 8, prompt))
-    await service.commit(team[0], Commit([1]))
-    shared = await service.allocate(team[1], Allocate(1, 8, prompt))
-    assert shared.num_cached_tokens == 8
-    assert not set(shared.block_table) & set(first.block_table)
-    assert service.stats_of(team[1]).prefix_cache_hits == 8
-    service.check_invariants()
-
-
-async def test_quota_refuses_before_anything_changes(service: PoolService) -> None:
     sid = service.open_session("a", max_blocks=3).session_id
     await service.allocate(sid, Allocate(1, 8))  # 2 entries
     before = snapshot(service)
@@ -244,42 +226,6 @@ async def test_request_limits_name_the_limit() -> None:
     with pytest.raises(InvalidArgument, match="9 tokens in one request; the limit is 8"):
         await service.allocate(sid, Allocate(1, 9))
     assert len(service.pool) == 0
-
-
-async def test_lease_expiry_frees_everything() -> None:
-    now = [0.0]
-    service = make_service(clock=lambda: now[0])
-    session = service.open_session("a", lease_ttl_ms=300)
-    await service.allocate(session.session_id, Allocate(1, 16))
-    await service.fork(session.session_id, Fork(1, 2))
-    other = service.open_session("b", lease_ttl_ms=10_000)
-    await service.allocate(other.session_id, Allocate(1, 4))
-    now[0] += 0.301
-    assert await service.expire_due() == 1
-    assert service.lease_expiries_total == 1
-    assert service.pool_stats().used_blocks == 1  # only b's block
-    with pytest.raises(SessionExpired):
-        service.keep_alive(session.session_id)
-    assert service.num_sessions == 1 and [s.label for s in service.sessions] == ["b#2"]
-    service.check_invariants()
-
-
-async def test_reaper_task_expires_leases() -> None:
-    import asyncio
-
-    service = make_service(default_lease_ttl_ms=100)
-    session = service.open_session("a")
-    await service.allocate(session.session_id, Allocate(1, 8))
-    await service.start()
-    try:
-        for _ in range(50):
-            await asyncio.sleep(0.05)
-            if service.num_sessions == 0:
-                break
-    finally:
-        await service.stop()
-    assert service.num_sessions == 0 and service.pool_stats().used_blocks == 0
-    service.check_invariants()
 
 
 # ----------------------------------------------------------- random sequences

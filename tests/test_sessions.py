@@ -1,10 +1,12 @@
 """SessionRegistry: ids, leases on a fake clock, and why a missing session is missing."""
 
+import grpc
 import pytest
 
 from pagedkv.daemon import sessions as sessions_module
 from pagedkv.daemon.core import InvalidArgument
 from pagedkv.daemon.sessions import SessionExpired, SessionNotFound, SessionRegistry
+from pagedkv.daemon.status import status_of
 
 
 class FakeClock:
@@ -67,6 +69,7 @@ def test_salts_default_unique_and_client_salts_namespaced(registry: SessionRegis
 
 def test_every_call_renews_the_lease_and_a_lapsed_one_is_never_revived(
         registry: SessionRegistry, clock: FakeClock) -> None:
+    """The lease rules on a fake clock; test_client_process.py runs the real reaper."""
     session = registry.open("a", 1000, 0, b"")
     for _ in range(5):
         clock.now += 0.9  # just inside the lease each time
@@ -74,8 +77,9 @@ def test_every_call_renews_the_lease_and_a_lapsed_one_is_never_revived(
     assert registry.due() == []
     clock.now += 1.001
     assert registry.due() == [session]
-    with pytest.raises(SessionExpired, match="expired"):  # due: refused before the reaper runs
+    with pytest.raises(SessionExpired, match="expired") as failure:  # refused before reaping
         registry.get(session.session_id)
+    assert status_of(failure.value)[0] == grpc.StatusCode.FAILED_PRECONDITION
     registry.remove(session, expired=True)  # the reaper's part
     assert registry.expiries_total == 1 and session not in registry
     with pytest.raises(SessionExpired, match="expired"):

@@ -7,7 +7,7 @@ same prompt (its full blocks come from the prefix cache), fork for parallel samp
 few tokens with the copy-on-write the fork makes necessary, read the stats, free everything.
 Finally it sends SIGTERM and checks that the daemon drains, exits 0 and removes its pool file.
 
-    python -m pagedkv.daemon.demo
+    python -m pagedkv.client.demo
 """
 
 import asyncio
@@ -20,7 +20,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedkv.client import PoolClient, PoolStats, SequenceBlocks, Session, StepResult
+from .client import PoolClient, Session
+from .types import PoolStats, SequenceBlocks, StepResult
 
 # How long the daemon may take to start (imports torch) and to stop (drain grace + exit).
 START_TIMEOUT_S = 60.0

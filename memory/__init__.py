@@ -1,0 +1,9 @@
+"""pagedkv.memory: the pool memory's layout and handle, shared by the daemon and its runners.
+
+`handle` is plain data and imports only the protobuf code; `attach` (torch) maps the memory a
+handle describes: `attach_pool(PoolMemoryHandle.from_proto(info.memory))`.
+"""
+
+from .handle import BLOCK_DIM, POOL_LAYOUT, PoolMemoryHandle, pool_shape
+
+__all__ = ["BLOCK_DIM", "POOL_LAYOUT", "PoolMemoryHandle", "pool_shape"]

@@ -1,0 +1,72 @@
+"""Map the daemon's pool memory into this process: `attach_pool(handle)` -> the pool tensor.
+
+CPU pools are a /dev/shm file mapped with `torch.from_file(shared=True)`; CUDA pools come as a
+pickled CUDA IPC handle, unpickled with nothing but torch's own globals allowed. Both are
+checked against the handle's shape and dtype before the tensor is returned.
+"""
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .handle import PoolMemoryHandle
+
+
+class _TorchOnlyUnpickler(pickle.Unpickler):
+    """Unpickles an IPC payload, refusing any global outside torch (no os.system gadgets)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module != "torch" and not module.startswith("torch."):
+            raise pickle.UnpicklingError(f"IPC payload refers to {module}.{name}, not torch")
+        return super().find_class(module, name)
+
+
+def attach_pool(handle: PoolMemoryHandle) -> torch.Tensor:
+    """A tensor over the pool memory of `handle`, in another process than its creator."""
+    if handle.kind == "shm":
+        return _attach_shm(handle)
+    if handle.kind == "cuda_ipc":
+        return _attach_cuda_ipc(handle)
+    if not handle.kind:
+        raise ValueError("the daemon has no pool memory (bookkeeping only)")
+    raise ValueError(f"unknown pool memory kind {handle.kind!r}")
+
+
+def _attach_shm(handle: PoolMemoryHandle) -> torch.Tensor:
+    """Map the /dev/shm file, once its size matches the handle's shape and dtype."""
+    dtype = _torch_dtype(handle.dtype)
+    numel = int(np.prod(handle.shape))
+    path = Path(handle.shm_path)
+    # Checked first: from_file(shared=True) would silently create a missing file.
+    if not path.is_file():
+        raise ValueError(f"no pool file at {path}")
+    size = path.stat().st_size
+    if size != numel * dtype.itemsize:
+        raise ValueError(f"pool file {path} holds {size} bytes, handle says "
+                         f"{numel * dtype.itemsize}")
+    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(handle.shape)
+
+
+def _attach_cuda_ipc(handle: PoolMemoryHandle) -> torch.Tensor:
+    """Rebuild the CUDA tensor from its IPC payload, allowing only torch's own globals."""
+    dtype = _torch_dtype(handle.dtype)
+    rebuild, args = _TorchOnlyUnpickler(io.BytesIO(handle.ipc_payload)).load()
+    kv = rebuild(*args)
+    if not isinstance(kv, torch.Tensor):
+        raise ValueError(f"IPC payload rebuilt a {type(kv).__name__}, not a tensor")
+    if tuple(kv.shape) != handle.shape or kv.dtype != dtype:
+        raise ValueError(f"IPC payload is {tuple(kv.shape)} {kv.dtype}, handle says "
+                         f"{handle.shape} {dtype}")
+    return kv
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a handle names; handles carry canonical names only ("float16")."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"handle names no torch dtype: {name!r}")
+    return dtype
