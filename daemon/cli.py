@@ -8,7 +8,8 @@ import argparse
 import asyncio
 import sys
 
-from . import logging as daemon_logging
+from pagedkv.process import log_setup
+
 from .config import ConfigError, add_serve_arguments, config_from_args
 from .planner import add_plan_arguments, run_plan
 
@@ -29,7 +30,7 @@ def run_serve(args: argparse.Namespace, prog: str) -> int:
     # setting need neither.
     from .server import StartupError, serve
 
-    daemon_logging.configure(config.log_level, config.log_format)
+    log_setup.configure(config.log_level, config.log_format)
     try:
         asyncio.run(serve(config))
     except ConfigError as exc:  # settings only the server can check (model, pool size)

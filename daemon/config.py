@@ -16,9 +16,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pagedkv.process.log_setup import LOG_FORMATS, LOG_LEVELS, LogFormat
+
 from .addresses import ListenAddress, parse_host_port, parse_listen
 from .geometry import canonical_dtype
-from .logging import LOG_FORMATS, LOG_LEVELS, LogFormat
 from .units import parse_bytes
 
 # Pool size when nothing is said: 512 blocks of the tiny CPU geometry take 16 MiB.

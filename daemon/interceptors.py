@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
-from .logging import get_logger
+from pagedkv.process.log_setup import get_logger
+
 from .metrics import RpcMetrics
 
 # Services any peer may call without a token.

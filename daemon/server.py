@@ -27,6 +27,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client.registry import CollectorRegistry
 
+from pagedkv.process.log_setup import get_logger
+from pagedkv.process.notify import notify, watchdog_interval_s
 from pagedkv.proto import kvpool_pb2
 
 from .addresses import ListenAddress, parse_host_port
@@ -40,9 +42,7 @@ from .kv_memory import (
     num_blocks_for_bytes,
     num_blocks_for_fraction,
 )
-from .logging import get_logger
 from .metrics import PoolCollector, Readiness, RpcMetrics, metrics_app, start_http
-from .notify import notify, watchdog_interval_s
 from .service import PoolService
 from .servicer import KVPoolServicer, add_to_server
 from .units import format_bytes

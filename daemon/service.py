@@ -41,9 +41,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from pagedkv.process.log_setup import get_logger
+
 from .core import BatchAppend, BlockPool, InvalidArgument, PoolError, PoolStats, SeqUpdate
 from .geometry import ModelGeometry
-from .logging import get_logger
 from .operations import (
     Allocate,
     Append,

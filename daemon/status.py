@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
+from pagedkv.process.log_setup import get_logger
+
 from .core import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
-from .logging import get_logger
 from .operations import PoolExhausted
 from .sessions import SessionExpired, SessionNotFound
 

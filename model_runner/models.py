@@ -86,14 +86,19 @@ def load_model(source: ModelSource, device: str = "cpu") -> PreTrainedModel:
     """The model in eval mode on `device`, in its config's dtype (float32 when it names none)."""
     config = model_config(source)
     dtype = _dtype_of(config)
+    model: PreTrainedModel
     if source.path is not None:
         model = AutoModelForCausalLM.from_pretrained(source.path, local_files_only=True,
                                                      dtype=dtype)
     else:
         torch.manual_seed(source.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    result: PreTrainedModel = model.to(device).eval()
-    return result
+        # transformers leaves from_config unannotated.
+        model = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+            config, dtype=dtype)
+    # nn.Module's own methods: transformers' wrappers of to() and eval() are untyped.
+    torch.nn.Module.to(model, torch.device(device))
+    torch.nn.Module.eval(model)
+    return model
 
 
 def _dtype_of(config: PretrainedConfig) -> torch.dtype:

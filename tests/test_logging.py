@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pagedkv.daemon.logging import configure, get_logger, resolve_format
+from pagedkv.process.log_setup import configure, get_logger, resolve_format
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.daemon.notify import notify, watchdog_interval_s
+from pagedkv.process.notify import notify, watchdog_interval_s
 
 
 @pytest.fixture

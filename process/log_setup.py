@@ -1,4 +1,5 @@
-"""One logging setup for the daemon: structlog events and stdlib records, one renderer.
+"""One logging setup for every pagedkv process (daemon, runner): structlog events and stdlib
+records, one renderer.
 
 A person at a terminal gets colored console lines; journald gets one JSON object per line
 (`journalctl -u pagedkvd -o cat | jq`). Records from libraries that use stdlib logging (grpc,
