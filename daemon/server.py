@@ -29,6 +29,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from pagedkv.process.log_setup import get_logger
 from pagedkv.process.notify import notify, watchdog_interval_s
+from pagedkv.process.probes import metrics_app, start_http
 from pagedkv.proto import kvpool_pb2
 
 from .addresses import ListenAddress, parse_host_port
@@ -42,7 +43,7 @@ from .kv_memory import (
     num_blocks_for_bytes,
     num_blocks_for_fraction,
 )
-from .metrics import PoolCollector, Readiness, RpcMetrics, metrics_app, start_http
+from .metrics import PoolCollector, Readiness, RpcMetrics
 from .service import PoolService
 from .servicer import KVPoolServicer, add_to_server
 from .units import format_bytes
@@ -109,7 +110,7 @@ async def _start(config: DaemonConfig, readiness: Readiness,
     readiness.listeners_up = True
     if config.metrics_listen is not None:
         host, port = parse_host_port(config.metrics_listen)
-        http = await start_http(metrics_app(registry, readiness), host, port)
+        http = await start_http(metrics_app(registry, readiness.reason_not_ready), host, port)
         stack.push_async_callback(http.cleanup)
     status = (f"serving pool {service.pool_id}: {service.pool.num_blocks} blocks x "
               f"{service.pool.block_size} tokens, {format_bytes(memory.nbytes, binary=True)}")

@@ -8,9 +8,10 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.daemon.core import BlockPool
-from pagedkv.daemon.metrics import PoolCollector, Readiness, RpcMetrics, metrics_app, start_http
+from pagedkv.daemon.metrics import PoolCollector, Readiness, RpcMetrics
 from pagedkv.daemon.operations import Allocate, Commit
 from pagedkv.daemon.service import PoolService
+from pagedkv.process.probes import metrics_app, start_http
 
 # The pool's lease clock, moved by hand.
 Clock = list[float]
@@ -103,7 +104,7 @@ async def http() -> AsyncIterator[tuple[str, PoolService, Readiness]]:
     service, readiness = make_service([0.0]), Readiness(pool_allocated=True)
     registry = CollectorRegistry()
     registry.register(PoolCollector(service))
-    runner = await start_http(metrics_app(registry, readiness), "127.0.0.1", 0)
+    runner = await start_http(metrics_app(registry, readiness.reason_not_ready), "127.0.0.1", 0)
     port = runner.addresses[0][1]
     yield f"http://127.0.0.1:{port}", service, readiness
     await runner.cleanup()
