@@ -1,4 +1,6 @@
-"""Command lines: `pagedkvd [flags]` runs the daemon; `pagedkv serve|plan` is the umbrella tool.
+"""Command lines: `pagedkvd [flags]` runs the daemon; `pagedkv serve|plan|runner` is the umbrella
+tool. `pagedkv runner` execs the runner process (`python -m pagedkv.model_runner`): the daemon
+never imports model code.
 
 Exit codes: 0 after a clean shutdown, 2 for a bad setting (systemd's unit does not restart on
 it: RestartPreventExitStatus=2), 1 when the daemon could not start or failed while running.
@@ -6,6 +8,7 @@ it: RestartPreventExitStatus=2), 1 when the daemon could not start or failed whi
 
 import argparse
 import asyncio
+import os
 import sys
 
 from pagedkv.process import log_setup
@@ -51,12 +54,18 @@ def serve_main(argv: list[str] | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`pagedkv serve ...` (the daemon) and `pagedkv plan ...` (capacity planning)."""
+    """`pagedkv serve ...` (the daemon), `pagedkv plan ...` (capacity planning) and
+    `pagedkv runner ...` (the model runner, another process)."""
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["runner"]:
+        os.execv(sys.executable, [sys.executable, "-m", "pagedkv.model_runner", *args_in[1:]])
     parser = argparse.ArgumentParser(prog="pagedkv", description="Paged KV-cache service tools.")
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_arguments(commands.add_parser("serve", help="run the daemon (as pagedkvd)"))
     add_plan_arguments(commands.add_parser("plan", help="how many blocks and sequences fit"))
-    args = parser.parse_args(argv)
+    commands.add_parser("runner", help="run the model runner next to the daemon "
+                                       "(pagedkv runner --help)")
+    args = parser.parse_args(args_in)
     if args.command == "serve":
         return run_serve(args, "pagedkv serve")
     return run_plan(args)

@@ -93,6 +93,9 @@ BUILTIN_GEOMETRIES: dict[str, ModelGeometry] = {
     g.name: g
     for g in (
         TINY_CPU_GEOMETRY,
+        # The runner's --random-init presets of the same names (pagedkv.model_runner.models).
+        ModelGeometry("tiny-llama", 2, 2, 32, None, "float32"),
+        ModelGeometry("small-llama", 4, 4, 64, None, "float32"),
         ModelGeometry("llama-3.1-8b", 32, 8, 128, 8.03e9, "bfloat16"),
         ModelGeometry("qwen2.5-7b", 28, 4, 128, 7.62e9, "bfloat16"),
         # No GQA: 40 KV heads x 128 = the 5120 model dimension.
@@ -122,8 +125,8 @@ def geometry_from_hf_config(path: str | Path) -> ModelGeometry:
     heads = int(text.num_attention_heads)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    # Configs without a dtype are served in half precision in practice.
-    dtype = str(getattr(text, "dtype", None) or "float16").removeprefix("torch.")
+    # A config without a dtype loads (and random-initializes) in float32 in transformers.
+    dtype = str(getattr(text, "dtype", None) or "float32").removeprefix("torch.")
     return ModelGeometry(name=str(local), num_layers=int(text.num_hidden_layers),
                          num_kv_heads=int(kv_heads), head_dim=int(head_dim),
                          num_params=None, default_dtype=canonical_dtype(dtype))

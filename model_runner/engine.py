@@ -20,6 +20,7 @@ A step goes through three stages:
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from pagedkv.client import (
 )
 from pagedkv.proto import kvpool_pb2 as pb
 
+from .metrics import RunnerMetrics
 from .runner import ModelRunner, SequenceChunk
 from .sampling import SampledTokens, Sampler, SamplingRow
 from .sequences import SeqState, SessionSequences
@@ -119,6 +121,8 @@ class _Prepared:
     # Set by the forward: one result per request.
     done: asyncio.Future[list[SeqResult]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
+    # When it was ready for a forward (monotonic seconds).
+    ready_at: float = field(default_factory=time.monotonic)
 
     @property
     def num_tokens(self) -> int:
@@ -129,10 +133,11 @@ class StepEngine:
     """Merges concurrent client steps into forward passes over one model and one pool."""
 
     def __init__(self, pool: PoolClient, runner: ModelRunner, *, sampler: Sampler | None = None,
-                 max_batch_tokens: int = 8192) -> None:
+                 max_batch_tokens: int = 8192, metrics: RunnerMetrics | None = None) -> None:
         self.pool = pool
         self.runner = runner
         self.sampler = sampler or Sampler()
+        self.metrics = metrics
         # Most tokens one forward pass computes (steps beyond it wait for the next pass).
         self.max_batch_tokens = max_batch_tokens
         self._sessions: dict[str, SessionSequences] = {}
@@ -165,6 +170,7 @@ class StepEngine:
                    release: Sequence[int] = ()) -> list[SeqResult]:
         """Compute one client step; `release` names sequences to free after it."""
         self._validate(requests, release)
+        started = time.monotonic()
         lock = self._session_locks.setdefault(session_id, asyncio.Lock())
         async with lock:
             known = self._sessions.setdefault(session_id, SessionSequences())
@@ -178,6 +184,8 @@ class StepEngine:
                     results = [self._result(r, s, None) for r, s in
                                zip(requests, prepared.states, strict=True)]
                 await self._finish(session_id, known, prepared, release)
+                if self.metrics is not None:
+                    self.metrics.step(time.monotonic() - started)
             except (SessionExpired, NotFound) as exc:
                 if not isinstance(exc, SequenceNotFound):  # the session is gone: forget it
                     self._sessions.pop(session_id, None)
@@ -329,6 +337,7 @@ class StepEngine:
             self._wake.clear()
             while self._ready:
                 batch = self._take_batch()
+                started = time.monotonic()
                 try:
                     sampled = await loop.run_in_executor(self._forward_thread, self._compute,
                                                          batch)
@@ -337,7 +346,18 @@ class StepEngine:
                         if not prepared.done.done():
                             prepared.done.set_exception(exc)
                     continue
+                self._observe(batch, started)
                 self._deliver(batch, sampled)
+
+    def _observe(self, batch: list[_Prepared], started: float) -> None:
+        if self.metrics is None:
+            return
+        lengths = [len(chunk.token_ids) for prepared in batch for _, chunk in prepared.chunks]
+        decode = sum(1 for n in lengths if n == 1)
+        self.metrics.forward(time.monotonic() - started, len(lengths), sum(lengths) - decode,
+                             decode)
+        for prepared in batch:
+            self.metrics.queue_wait(started - prepared.ready_at)
 
     def _take_batch(self) -> list[_Prepared]:
         """The waiting steps, in arrival order, up to max_batch_tokens (at least one)."""

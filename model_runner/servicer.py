@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
@@ -19,7 +19,7 @@ from pagedkv.client.errors import ERROR_KEY
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 
-from .engine import History, InvalidStep, SeqRequest, SeqResult, StepEngine, UnknownSequence
+from .engine import History, InvalidStep, SeqRequest, SeqResult, UnknownSequence
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 Request = TypeVar("Request")
 Response = TypeVar("Response")
 Handler = Callable[["RunnerServicer", Request, "Context"], Awaitable[Response]]
+# StepEngine.step, behind whatever gate the server puts before it.
+StepFunction = Callable[[str, Sequence[SeqRequest], Sequence[int]], Awaitable[list[SeqResult]]]
 
 
 class RunnerUnavailable(RuntimeError):
@@ -37,7 +39,7 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str, str]:
     """Status code, message and cause name for an exception met by a step."""
     if isinstance(exc, PagedKVError):
         return exc.code, exc.message, type(exc).__name__
-    if isinstance(exc, InvalidStep | ValueError):
+    if isinstance(exc, ValueError):  # InvalidStep, or SamplingParams' own checks
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), "InvalidArgument"
     if isinstance(exc, UnknownSequence):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc), "UnknownSequence"
@@ -66,11 +68,11 @@ def grpc_errors(handler: Handler[Request, Response]) -> Handler[Request, Respons
 
 
 class RunnerServicer(runner_pb2_grpc.RunnerServicer):
-    """Serves `pagedkv.v1.Runner` from one StepEngine."""
+    """Serves `pagedkv.v1.Runner` from a step function (the engine's)."""
 
-    def __init__(self, engine: StepEngine, info: Callable[[], rpb.RunnerInfo],
+    def __init__(self, step: StepFunction, info: Callable[[], rpb.RunnerInfo],
                  log_failure: Callable[[Exception], None]) -> None:
-        self._engine = engine
+        self._step = step
         self._info = info
         self.log_failure = log_failure
 
@@ -83,8 +85,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
     async def Step(self, request: rpb.RunnerStepRequest,
                    context: Context) -> rpb.RunnerStepResponse:
         seqs = [seq_request(seq) for seq in request.seqs]
-        results = await self._engine.step(request.session_id, seqs,
-                                          list(request.release_seq_ids))
+        results = await self._step(request.session_id, seqs, list(request.release_seq_ids))
         return rpb.RunnerStepResponse(outputs=[sequence_output(r) for r in results])
 
 

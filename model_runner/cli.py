@@ -1,0 +1,73 @@
+"""`pagedkv runner` (also `python -m pagedkv.model_runner`): the runner process's command line.
+
+    pagedkvd --model-config tiny-llama &                 # the daemon, its pool laid out for it
+    pagedkv runner --random-init tiny-llama             # the runner next to it
+    pagedkv runner --model /models/qwen2.5-0.5b --daemon unix:///run/pagedkv/pagedkvd.sock
+
+Exit codes as the daemon's: 2 for a bad setting or a model that does not fit the pool (a restart
+would fail the same way), 1 when the runner could not start or failed while running.
+"""
+
+import argparse
+import asyncio
+import sys
+
+from pagedkv.process import log_setup
+
+EXIT_BAD_CONFIG = 2
+EXIT_FAILURE = 1
+
+
+def parser() -> argparse.ArgumentParser:
+    cli = argparse.ArgumentParser(
+        prog="pagedkv runner",
+        description="Serve a Hugging Face model on a pagedkv daemon's KV pool (gRPC Runner).")
+    source = cli.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="PATH",
+                        help="a local Hugging Face model directory (no hub access)")
+    source.add_argument("--random-init", metavar="CONFIG",
+                        help="a config.json path or a preset (tiny, tiny-llama, small-llama), "
+                             "randomly initialized")
+    cli.add_argument("--seed", type=int, default=0, help="seed of --random-init (default 0)")
+    cli.add_argument("--daemon", help="the daemon's gRPC target (default: unix socket in ./run "
+                                      "or $RUNTIME_DIRECTORY)")
+    cli.add_argument("--listen", help="unix:///path of the Runner socket (default: next to the "
+                                      "daemon's, pagedkv-runner.sock)")
+    cli.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
+                     help="Triton kernels on CUDA, the vectorized torch kernels on CPU (auto)")
+    cli.add_argument("--max-batch-tokens", type=int, default=8192,
+                     help="most tokens one merged forward pass computes (default 8192)")
+    cli.add_argument("--metrics-listen", metavar="HOST:PORT",
+                     help="serve /metrics, /healthz and /readyz here")
+    cli.add_argument("--log-level", choices=log_setup.LOG_LEVELS, default="info")
+    cli.add_argument("--log-format", choices=log_setup.LOG_FORMATS, default="auto")
+    return cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    # Imported only now: torch and transformers take seconds to load, --help needs neither.
+    from .models import ModelMismatch, ModelSource
+    from .server import RunnerConfig, serve
+
+    log_setup.configure(args.log_level, args.log_format)
+    try:
+        source = ModelSource(path=args.model, random_init=args.random_init, seed=args.seed)
+        options = {key: value for key, value in (("daemon", args.daemon),
+                                                 ("listen", args.listen),
+                                                 ("metrics_listen", args.metrics_listen))
+                   if value is not None}
+        config = RunnerConfig(model=source, attention_backend=args.attention_backend,
+                              max_batch_tokens=args.max_batch_tokens, **options)
+        asyncio.run(serve(config))
+    except (ModelMismatch, ValueError) as exc:
+        print(f"pagedkv runner: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except Exception as exc:  # the daemon unreachable, a socket in use, ...
+        print(f"pagedkv runner: cannot run: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

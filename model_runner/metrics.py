@@ -1,0 +1,48 @@
+"""The runner's Prometheus figures: step latency, tokens and sequences per forward, prefill vs
+decode tokens, and how long a prepared step waited for its forward."""
+
+import prometheus_client
+from prometheus_client.registry import CollectorRegistry
+
+# A step takes milliseconds (decode) to seconds (a long CPU prefill).
+STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class RunnerMetrics:
+    """Fed by the step engine; exported on the runner's /metrics."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._step = prometheus_client.Histogram(
+            "pagedkv_runner:step_duration_seconds", "A client step, arrival to answer.",
+            registry=registry, buckets=STEP_BUCKETS_S)
+        self._wait = prometheus_client.Histogram(
+            "pagedkv_runner:queue_wait_seconds",
+            "From a step's daemon round trip done to its forward starting.",
+            registry=registry, buckets=STEP_BUCKETS_S)
+        self._forward = prometheus_client.Histogram(
+            "pagedkv_runner:forward_duration_seconds", "One merged forward pass with sampling.",
+            registry=registry, buckets=STEP_BUCKETS_S)
+        self._tokens = prometheus_client.Histogram(
+            "pagedkv_runner:tokens_per_forward", "Tokens computed by one forward pass.",
+            registry=registry, buckets=SIZE_BUCKETS)
+        self._seqs = prometheus_client.Histogram(
+            "pagedkv_runner:sequences_per_forward", "Sequences in one forward pass.",
+            registry=registry, buckets=SIZE_BUCKETS)
+        self._kind = prometheus_client.Counter(
+            "pagedkv_runner:tokens", "Tokens computed, by kind (prefill or decode).", ["kind"],
+            registry=registry)
+
+    def step(self, seconds: float) -> None:
+        self._step.observe(seconds)
+
+    def queue_wait(self, seconds: float) -> None:
+        self._wait.observe(seconds)
+
+    def forward(self, seconds: float, num_seqs: int, prefill_tokens: int,
+                decode_tokens: int) -> None:
+        self._forward.observe(seconds)
+        self._seqs.observe(num_seqs)
+        self._tokens.observe(prefill_tokens + decode_tokens)
+        self._kind.labels("prefill").inc(prefill_tokens)
+        self._kind.labels("decode").inc(decode_tokens)

@@ -1,0 +1,216 @@
+"""The `pagedkv runner` process: map the daemon's pool, load the model, serve the Runner service.
+
+Start, in this order, so READY=1 is true when sent: connect to the daemon and read its pool
+(GetPoolInfo), load the model and refuse one whose KV geometry is not the pool's (the message
+names both), map the pool memory, start the step engine, bind the gRPC listener (Runner, health,
+reflection), start /metrics, then READY=1.
+
+A runner crash loses no KV: the pool lives in the daemon, so a restarted runner maps it again and
+clients go on (a sequence it does not know is resent with its history). A daemon restart is seen
+by a watcher that reads GetPoolInfo every POOL_CHECK_INTERVAL_S: while the daemon is away or the
+pool is new, steps answer UNAVAILABLE with a clear message, and the runner maps the new pool
+(clients' sessions died with the old daemon; they open new ones).
+
+SIGTERM: health NOT_SERVING, stop accepting, let in-flight steps finish for SHUTDOWN_GRACE_S.
+"""
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client.registry import CollectorRegistry
+
+from pagedkv.client import DaemonUnavailable, PoolClient, PoolInfo
+from pagedkv.process.log_setup import get_logger
+from pagedkv.process.notify import notify
+from pagedkv.process.probes import metrics_app, start_http
+from pagedkv.proto import runner_pb2 as rpb
+from pagedkv.proto import runner_pb2_grpc
+
+from .attention_backend import BackendName, get_backend
+from .engine import SeqRequest, SeqResult, StepEngine
+from .metrics import RunnerMetrics
+from .models import ModelSource, check_geometry, kv_geometry, load_model
+from .runner import ModelRunner
+from .servicer import RunnerServicer, RunnerUnavailable
+
+log = get_logger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0
+# How often the watcher asks the daemon which pool it serves.
+POOL_CHECK_INTERVAL_S = 1.0
+RUNNER_SERVICE = rpb.DESCRIPTOR.services_by_name["Runner"].full_name
+SOCKET_NAME = "pagedkv-runner.sock"
+DAEMON_SOCKET_NAME = "pagedkvd.sock"
+# grpc_health's stubs predate its asyncio servicer (`health.aio`).
+AsyncHealthServicer: Any = health.aio.HealthServicer  # type: ignore[attr-defined]
+
+
+def runtime_dir() -> Path:
+    """systemd's RuntimeDirectory when run as a unit, else ./run (where pagedkvd listens)."""
+    folder = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    return Path(folder) if folder else Path.cwd() / "run"
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """Everything `pagedkv runner` needs."""
+
+    # The model to serve.
+    model: ModelSource
+    # The daemon's gRPC target (its unix socket by default).
+    daemon: str = field(default_factory=lambda: f"unix://{runtime_dir() / DAEMON_SOCKET_NAME}")
+    # Where the Runner service listens (a unix socket: the runner is co-located).
+    listen: str = field(default_factory=lambda: f"unix://{runtime_dir() / SOCKET_NAME}")
+    # "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
+    attention_backend: BackendName = "auto"
+    # Prometheus /metrics, /healthz, /readyz on host:port, or None.
+    metrics_listen: str | None = None
+    # Most tokens one forward pass computes.
+    max_batch_tokens: int = 8192
+
+
+class RunnerState:
+    """What the servicer reads about the running runner; replaced when the pool changes."""
+
+    def __init__(self, engine: StepEngine, info: PoolInfo, model: str, backend: str) -> None:
+        self.engine = engine
+        self.info = info
+        self.model = model
+        self.backend = backend
+        # Why steps are refused now (the daemon is away or restarted), or None.
+        self.unavailable: str | None = None
+
+    async def step(self, session_id: str, requests: Sequence[SeqRequest],
+                   release: Sequence[int]) -> list[SeqResult]:
+        """The engine's step, refused while the pool is unavailable."""
+        if self.unavailable is not None:
+            raise RunnerUnavailable(self.unavailable)
+        return await self.engine.step(session_id, requests, release)
+
+    def runner_info(self) -> rpb.RunnerInfo:
+        runner = self.engine.runner
+        layers, kv_heads, head_dim, dtype = kv_geometry(runner.model)
+        eos = runner.model.generation_config.eos_token_id
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return rpb.RunnerInfo(model=self.model, vocab_size=runner.vocab_size,
+                              num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                              dtype=dtype, eos_token_ids=eos_ids, pool_id=self.info.pool_id,
+                              block_size=self.info.block_size,
+                              attention_backend=self.backend)
+
+
+async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the runner until SIGTERM/SIGINT (or until `stop` is set)."""
+    async with contextlib.AsyncExitStack() as stack:
+        if stop is None:
+            stop = stack.enter_context(_stop_on_signals())
+        pool = await PoolClient.connect(config.daemon)
+        stack.push_async_callback(pool.close)
+        info = await pool.pool_info()
+        model = load_model(config.model, device=_pool_device(info))
+        check_geometry(model, info)
+        backend = get_backend(config.attention_backend, model.device)
+        registry = CollectorRegistry()
+        engine = StepEngine(pool, ModelRunner.attach(model, info, backend),
+                            max_batch_tokens=config.max_batch_tokens,
+                            metrics=RunnerMetrics(registry))
+        await engine.start()
+        stack.push_async_callback(engine.stop)
+        state = RunnerState(engine, info, config.model.name, backend.name)
+        server, health_servicer = await stack.enter_async_context(_grpc_server(config, state))
+        if config.metrics_listen is not None:
+            host, _, port = config.metrics_listen.rpartition(":")
+            http = await start_http(metrics_app(registry, lambda: state.unavailable),
+                                    host, int(port))
+            stack.push_async_callback(http.cleanup)
+        watcher = asyncio.create_task(_watch_pool(state, pool, model, backend))
+        stack.push_async_callback(_cancel, watcher)
+        notify("READY=1", f"STATUS=serving {config.model.name} on pool {info.pool_id}")
+        log.info("ready", model=config.model.name, pool_id=info.pool_id, listen=config.listen,
+                 attention_backend=backend.name)
+        await stop.wait()
+        notify("STOPPING=1")
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(SHUTDOWN_GRACE_S)
+    log.info("stopped")
+
+
+def _pool_device(info: PoolInfo) -> str:
+    return "cpu" if info.memory.device_index < 0 else f"cuda:{info.memory.device_index}"
+
+
+@contextlib.asynccontextmanager
+async def _grpc_server(config: RunnerConfig,
+                       state: RunnerState) -> AsyncIterator[tuple[grpc.aio.Server, Any]]:
+    server = grpc.aio.server()
+    servicer = RunnerServicer(state.step, state.runner_info,
+                              lambda exc: log.error("step failed", exc_info=exc))
+    runner_pb2_grpc.add_RunnerServicer_to_server(servicer, server)
+    health_servicer = AsyncHealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (RUNNER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    path = Path(config.listen.removeprefix("unix://").removeprefix("unix:"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    for name in ("", RUNNER_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    try:
+        yield server, health_servicer
+    finally:
+        await server.stop(None)
+        path.unlink(missing_ok=True)
+
+
+async def _watch_pool(state: RunnerState, pool: PoolClient, model: Any, backend: Any) -> None:
+    """Notice a daemon that went away or restarted, and map the new pool when it is back."""
+    while True:
+        await asyncio.sleep(POOL_CHECK_INTERVAL_S)
+        try:
+            info = await pool.pool_info()
+        except DaemonUnavailable:
+            if state.unavailable is None:
+                log.warning("daemon unavailable", daemon_pool=state.info.pool_id)
+            state.unavailable = "the pagedkv daemon is unavailable; the runner is reconnecting"
+            continue
+        if info.pool_id == state.info.pool_id:
+            state.unavailable = None
+            continue
+        log.warning("daemon restarted: mapping its new pool", old=state.info.pool_id,
+                    new=info.pool_id)
+        state.unavailable = "the pagedkv daemon restarted; open a new session"
+        check_geometry(model, info)
+        state.engine.runner = ModelRunner.attach(model, info, backend)
+        state.engine.forget_all()
+        state.info = info
+        state.unavailable = None
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[asyncio.Event]:
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield stop
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def _cancel(task: "asyncio.Task[None]") -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
