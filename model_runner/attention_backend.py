@@ -28,13 +28,15 @@ class StoreKV(Protocol):
 class PagedDecodeAttention(Protocol):
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                 num_splits: int | None = None, *, check_values: bool = True) -> torch.Tensor: ...
+                 num_splits: int | None = None, *, sliding_window: int | None = None,
+                 softcap: float | None = None, check_values: bool = True) -> torch.Tensor: ...
 
 
 class PagedPrefillAttention(Protocol):
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, scale: float, *,
+                 sliding_window: int | None = None, softcap: float | None = None,
                  check_values: bool = True) -> torch.Tensor: ...
 
 

@@ -9,6 +9,7 @@ hot path whose tables come from the block pool may skip them with ``check_values
 Pool layout (one layer's view): ``k_cache``, ``v_cache``: [num_blocks, block_size, H_kv, D].
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +119,21 @@ def check_table_values(
             f"block_tables entries in use must be in [0, {geometry.num_blocks}), "
             f"got [{low}, {high}]"
         )
+
+
+def check_window_softcap(sliding_window: int | None, softcap: float | None) -> tuple[int, float]:
+    """Validate the optional attention variants; return (window, softcap) with 0 meaning off.
+
+    sliding_window: a query at position p sees keys at positions in (p - sliding_window, p];
+    softcap: scores = softcap * tanh(scores / softcap). None or 0 turns either off.
+    """
+    window = 0 if sliding_window is None else sliding_window
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"sliding_window must be None or an int >= 0, got {sliding_window!r}")
+    cap = 0.0 if softcap is None else float(softcap)
+    if not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"softcap must be None or a finite float >= 0, got {softcap!r}")
+    return window, cap
 
 
 def check_attention_args(

@@ -11,16 +11,18 @@ heads that share a KV head are rows of one query tile (padded to GROUP_PAD >= 16
 minimum), so each K/V tile is loaded once for the whole group. Split-K (flash-decoding): a long
 context is cut into `num_splits` ranges of tiles processed in parallel; each writes a normalized
 partial output and its log-sum-exp, and a second kernel merges them. With one split the first
-kernel writes the output directly.
+kernel writes the output directly. With a sliding window of W, the splits cover only the tiles
+the window reaches (at most cdiv(W + TILE_N - 1, TILE_N) of them), starting at the tile of the
+window's first position; `softcap` caps the scaled scores (paged_tile).
 
 The torch version is prefill with one query per sequence (paged_prefill_attention_torch).
 """
 
 import torch
 
-from .paged_checks import check_attention_args
+from .paged_checks import check_attention_args, check_window_softcap
 from .paged_prefill import paged_prefill_attention_torch
-from .paged_tile import LOG2_E, attend_tile, dot_precision, head_dim_pad
+from .paged_tile import attend_tile, dot_precision, head_dim_pad, score_scales
 from .triton_env import require_triton_device, tl, triton
 
 # Context positions per tile.
@@ -36,7 +38,7 @@ MAX_SPLITS = 64
 @triton.jit  # type: ignore[untyped-decorator]
 def _decode_split_kernel(  # type: ignore[no-untyped-def]
     Q, K_cache, V_cache, Block_tables, Seq_lens, Partial, Lse,
-    scale_log2, tiles_per_split,
+    qk_scale, cap_log2, window, tiles_per_split,
     stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -45,7 +47,8 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     stride_ls, stride_lh, stride_lk,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    TILE_N: tl.constexpr, STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TILE_N: tl.constexpr, STORE_LSE: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(GROUP_PAD >= 16)  # tl.dot's minimum rows on GPUs
     tl.static_assert(GROUP_PAD >= GROUP)
@@ -55,9 +58,10 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     kv_head = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(Seq_lens + seq)
-    # -- this split's tiles: each holds at least one position < seq_len, so the first one
-    #    processed counts a position for every row (attend_tile's precondition) --
-    tile_start = split * tiles_per_split
+    # -- this split's tiles, counted from the tile of the first position the query sees; split 0
+    #    starts there, so it is never empty, and a split past the sequence runs no tile --
+    first_pos = tl.maximum(seq_len - window, 0) if WINDOWED else 0
+    tile_start = first_pos // TILE_N + split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, tl.cdiv(seq_len, TILE_N))
     # -- load q: the group's query heads as rows [GROUP_PAD, HEAD_DIM_PAD], in fp32;
     #    padding rows are zero, score 0 everywhere and are never stored --
@@ -75,11 +79,12 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     offs_n = tl.arange(0, TILE_N)
     for tile in range(tile_start, tile_end):
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, scale_log2, K_cache, V_cache, Block_tables + seq * stride_bts,
+            q, m_i, l_i, acc, qk_scale, cap_log2, window,
+            K_cache, V_cache, Block_tables + seq * stride_bts,
             tile * TILE_N + offs_n, q_pos, seq_len, kv_head,
             stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
-            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
+            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, WINDOWED, SOFTCAP, DOT_PRECISION,
         )
     # -- store the normalized partial (an empty split stores 0 with log-sum-exp -inf) --
     nonempty = l_i > 0
@@ -106,7 +111,8 @@ def _decode_merge_kernel(  # type: ignore[no-untyped-def]
     offs_k = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     split_mask = offs_k < num_splits
-    # -- weights [SPLITS_PAD]: split 0 is never empty, so the max is finite --
+    # -- weights [SPLITS_PAD]: split 0 is never empty, so the max is finite; an empty split
+    #    (past the sequence) has lse -inf and weight 0 --
     lse = tl.load(Lse + seq * stride_ls + head * stride_lh + offs_k * stride_lk, mask=split_mask,
                   other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))
@@ -130,9 +136,13 @@ def default_num_splits(num_programs: int, num_tiles: int, num_sms: int) -> int:
 
 
 def split_plan(num_splits: int | None, num_programs: int, max_context: int,
-               device: torch.device) -> tuple[int, int]:
-    """(num_splits, tiles_per_split) covering `max_context`; every split starts inside it."""
+               device: torch.device, window: int = 0) -> tuple[int, int]:
+    """(num_splits, tiles_per_split) covering the tiles one query reads: those of `max_context`
+    positions, or at most those a `window` of positions (0 = none) reaches in any alignment.
+    Every split starts inside them."""
     num_tiles = int(triton.cdiv(max_context, TILE_N))
+    if window:
+        num_tiles = min(num_tiles, int(triton.cdiv(window + TILE_N - 1, TILE_N)))
     if num_splits is None:
         cuda = device.type == "cuda"
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 0
@@ -150,6 +160,8 @@ def paged_decode_attention_triton(
     scale: float,
     num_splits: int | None = None,
     *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     check_values: bool = True,
 ) -> torch.Tensor:
     """Triton: attention of each sequence's one new query over its paged context.
@@ -159,6 +171,7 @@ def paged_decode_attention_triton(
     """
     geometry = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, check_values)
     _check_decode_shapes(query, seq_lens, num_splits)
+    window, cap = check_window_softcap(sliding_window, softcap)
     require_triton_device(query.device, _decode_split_kernel)
     out = torch.empty_like(query)
     num_seqs, num_q_heads, head_dim = query.shape
@@ -166,7 +179,7 @@ def paged_decode_attention_triton(
         return out
     num_splits, tiles_per_split = split_plan(num_splits, num_seqs * geometry.num_kv_heads,
                                              block_tables.shape[1] * geometry.block_size,
-                                             query.device)
+                                             query.device, window)
     group = num_q_heads // geometry.num_kv_heads
     # partial: [S, H_q, num_splits, D]; one split writes the output directly and no lse.
     if num_splits == 1:
@@ -177,12 +190,13 @@ def paged_decode_attention_triton(
     lse = query.new_empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32)
     _decode_split_kernel[(num_seqs, geometry.num_kv_heads, num_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, partial, lse,
-        scale * LOG2_E, tiles_per_split,
+        *score_scales(scale, cap), window, tiles_per_split,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *partial.stride(), *lse.stride(),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=geometry.block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
-        TILE_N=TILE_N, STORE_LSE=num_splits > 1, DOT_PRECISION=dot_precision(query.dtype),
+        TILE_N=TILE_N, STORE_LSE=num_splits > 1, WINDOWED=window > 0, SOFTCAP=cap > 0,
+        DOT_PRECISION=dot_precision(query.dtype),
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:
@@ -212,6 +226,8 @@ def paged_decode_attention_torch(
     scale: float,
     num_splits: int | None = None,
     *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     check_values: bool = True,
 ) -> torch.Tensor:
     """Torch: attention of each sequence's one new query over its paged context.
@@ -221,4 +237,5 @@ def paged_decode_attention_torch(
     _check_decode_shapes(query, seq_lens, num_splits)
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
     return paged_prefill_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
-                                         query_start_loc, scale, check_values=check_values)
+                                         query_start_loc, scale, sliding_window=sliding_window,
+                                         softcap=softcap, check_values=check_values)

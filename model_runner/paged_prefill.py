@@ -8,8 +8,10 @@
     -> out:           [T, H_q, D]
 
 Query token j of sequence s sits at position seq_lens[s] - q_len[s] + j and attends to every
-position up to its own. The chunk's K/V must already be in the cache (store_kv), so a cached
-prefix (a prefix-cache hit, or earlier chunks of a chunked prefill) is read, never recomputed.
+position up to its own, or with `sliding_window` W only to the last W of them; `softcap` caps
+the scaled scores (paged_tile). The chunk's K/V must already be in the cache (store_kv), so a
+cached prefix (a prefix-cache hit, or earlier chunks of a chunked prefill) is read, never
+recomputed.
 
 The Triton kernel runs one program per (sequence, query head, BLOCK_M query rows) and walks the
 context in TILE_N-position tiles (paged_tile.attend_tile). The torch version pads the queries to
@@ -19,8 +21,8 @@ tests' reference, and it holds [S, H_q, max_q_len, max_seq_len] fp32 scores at o
 
 import torch
 
-from .paged_checks import CacheGeometry, check_attention_args, check_index
-from .paged_tile import LOG2_E, attend_tile, dot_precision, head_dim_pad
+from .paged_checks import CacheGeometry, check_attention_args, check_index, check_window_softcap
+from .paged_tile import attend_tile, dot_precision, head_dim_pad, score_scales
 from .triton_env import require_triton_device, tl, triton
 
 # Query rows per program and context positions per tile.
@@ -31,7 +33,7 @@ TILE_N = 64
 @triton.jit  # type: ignore[untyped-decorator]
 def _prefill_kernel(  # type: ignore[no-untyped-def]
     Q, K_cache, V_cache, Block_tables, Seq_lens, Query_start_loc, Out,
-    scale_log2,
+    qk_scale, cap_log2, window,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -39,7 +41,8 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16)  # tl.dot's minimum on GPUs
     tl.static_assert(TILE_N >= 16)
@@ -65,19 +68,24 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    # -- walk the context up to the last row's position; tile 0 counts position 0 for all rows --
+    # -- walk the context from the first row's window start (later rows' windows start later)
+    #    up to the last row's position --
+    first_row_pos = seq_len - q_len + m_tile * BLOCK_M
+    kv_start = tl.maximum(first_row_pos - window + 1, 0) if WINDOWED else 0
     kv_end = tl.minimum(seq_len, seq_len - q_len + (m_tile + 1) * BLOCK_M)
     offs_n = tl.arange(0, TILE_N)
-    for tile in range(0, tl.cdiv(kv_end, TILE_N)):
+    for tile in range(kv_start // TILE_N, tl.cdiv(kv_end, TILE_N)):
         m_i, l_i, acc = attend_tile(
-            q, m_i, l_i, acc, scale_log2, K_cache, V_cache, Block_tables + seq * stride_bts,
+            q, m_i, l_i, acc, qk_scale, cap_log2, window,
+            K_cache, V_cache, Block_tables + seq * stride_bts,
             tile * TILE_N + offs_n, q_pos, seq_len, head // GROUP,
             stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
-            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION,
+            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, WINDOWED, SOFTCAP, DOT_PRECISION,
         )
-    # -- normalize and store the chunk's rows (l_i > 0: every row counted position 0) --
-    out = acc / l_i[:, None]
+    # -- normalize and store the chunk's rows (each counted its own position, so l_i > 0;
+    #    a padding row past the chunk may have counted nothing and is not stored) --
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_rows = (q_start + offs_m)[:, None] * stride_ot
     tl.store(Out + o_rows + head * stride_oh + offs_d[None, :] * stride_od,
              out.to(Out.dtype.element_ty), mask=row_mask)
@@ -115,11 +123,14 @@ def paged_prefill_attention_triton(
     query_start_loc: torch.Tensor,
     scale: float,
     *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     check_values: bool = True,
 ) -> torch.Tensor:
     """Triton: causal attention of each sequence's new chunk over its paged context."""
     geometry = _check_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            check_values)
+    window, cap = check_window_softcap(sliding_window, softcap)
     require_triton_device(query.device, _prefill_kernel)
     out = torch.empty_like(query)
     num_seqs, (num_tokens, num_q_heads, head_dim) = seq_lens.shape[0], query.shape
@@ -130,12 +141,13 @@ def paged_prefill_attention_triton(
     grid = (num_seqs, num_q_heads, triton.cdiv(max_q_len, BLOCK_M))
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * LOG2_E,
+        *score_scales(scale, cap), window,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *out.stride(),
         GROUP=num_q_heads // geometry.num_kv_heads, BLOCK_SIZE=geometry.block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
-        BLOCK_M=BLOCK_M, TILE_N=TILE_N, DOT_PRECISION=dot_precision(query.dtype),
+        BLOCK_M=BLOCK_M, TILE_N=TILE_N, WINDOWED=window > 0, SOFTCAP=cap > 0,
+        DOT_PRECISION=dot_precision(query.dtype),
         num_warps=8, num_stages=2,
     )
     return out
@@ -172,11 +184,14 @@ def paged_prefill_attention_torch(
     query_start_loc: torch.Tensor,
     scale: float,
     *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
     check_values: bool = True,
 ) -> torch.Tensor:
     """Torch: causal attention of each sequence's new chunk over its paged context."""
     geometry = _check_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            check_values)
+    window, cap = check_window_softcap(sliding_window, softcap)
     num_tokens, num_q_heads, head_dim = query.shape
     if num_tokens == 0:
         return torch.empty_like(query)
@@ -191,12 +206,17 @@ def paged_prefill_attention_torch(
     q = query.new_zeros((num_seqs, max_q_len, num_q_heads, head_dim), dtype=torch.float32)
     q[seq_of, row_of] = query.float()
     q = q.view(num_seqs, max_q_len, num_kv_heads, group, head_dim)
-    # -- scores [S, H_kv, G, max_q, L]; row r of sequence s sees positions <= its own --
+    # -- scores [S, H_kv, G, max_q, L]; row r of sequence s sees positions <= its own (the last
+    #    `window` of them); a padding row may see none and turn NaN, and is never returned --
     keys, values, valid = gather_context(k_cache, v_cache, block_tables, seq_lens)
     q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_q_len, device=query.device)
     positions = torch.arange(keys.shape[1], device=query.device)
     counted = valid[:, None, :] & (positions[None, None, :] <= q_pos[:, :, None])  # [S, q, L]
+    if window:
+        counted &= positions[None, None, :] > q_pos[:, :, None] - window
     scores = torch.einsum("sqhgd,slhd->shgql", q, keys) * scale
+    if cap:
+        scores = torch.tanh(scores / cap) * cap
     scores = scores.masked_fill(~counted[:, None, None], float("-inf"))
     out = torch.einsum("shgql,slhd->sqhgd", scores.softmax(-1), values)
     return out.reshape(num_seqs, max_q_len, num_q_heads, head_dim)[seq_of, row_of].to(query.dtype)

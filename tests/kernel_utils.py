@@ -99,12 +99,14 @@ def contiguous_kv(batch: PagedBatch, seq: int) -> tuple[torch.Tensor, torch.Tens
     return torch.cat(keys)[:length], torch.cat(values)[:length]
 
 
-def oracle_attention(query: torch.Tensor, batch: PagedBatch, q_lens: list[int],
-                     scale: float) -> torch.Tensor:
+def oracle_attention(query: torch.Tensor, batch: PagedBatch, q_lens: list[int], scale: float,
+                     sliding_window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The obviously right answer in float64: query [T, H_q, D] -> [T, H_q, D] on the CPU.
 
     Sequence s's queries are its last q_lens[s] positions; each attends to every position up to
-    its own.
+    its own, or with a `sliding_window` W > 0 to the last W of them (transformers'
+    sliding_window_overlay: key > query - W). A `softcap` c > 0 maps the scaled scores through
+    c * tanh(score / c) before the mask (transformers' Gemma2 eager attention).
     """
     out = []
     start = 0
@@ -115,9 +117,14 @@ def oracle_attention(query: torch.Tensor, batch: PagedBatch, q_lens: list[int],
         values = values.repeat_interleave(group, dim=1)
         q = query[start : start + q_len].double().cpu()  # [q_len, H_q, D]
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale  # [H_q, q_len, L]
-        positions = torch.arange(keys.shape[0])
-        own = keys.shape[0] - q_len + torch.arange(q_len)
-        scores = scores.masked_fill(positions[None, None, :] > own[None, :, None], float("-inf"))
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        positions = torch.arange(keys.shape[0])[None, None, :]
+        own = (keys.shape[0] - q_len + torch.arange(q_len))[None, :, None]
+        hidden = positions > own
+        if sliding_window:
+            hidden |= positions <= own - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
         start += q_len
     return torch.cat(out)

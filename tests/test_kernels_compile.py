@@ -38,21 +38,22 @@ def _compile_all() -> None:
 
     def build(name: str, fn: Any, pointers: dict[str, str], constexprs: dict[str, object],
               num_warps: int = 4) -> None:
-        # Every argument that is neither a pointer nor a constexpr is an int32 stride/count,
-        # except the fp32 softmax scale.
+        # Every argument that is neither a pointer nor a constexpr is an int32 stride/count/window,
+        # except the fp32 score scales.
         signature = {arg: "constexpr" if arg in constexprs else pointers.get(arg, "i32")
                      for arg in fn.arg_names}
-        signature |= {arg: "fp32" for arg in signature if arg.startswith("scale")}
+        signature |= {arg: "fp32" for arg in signature if arg in ("qk_scale", "cap_log2")}
         source = ASTSource(fn, signature, constexprs=constexprs)
         kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": num_warps, "num_stages": 2})
         print(f"{name}: {kernel.metadata.shared} bytes")
 
-    for dtype, precision in (("bf16", "tf32"), ("fp32", "ieee")):
+    # bf16 with a sliding window and a softcap (Gemma2's layers), fp32 with neither.
+    for dtype, precision, variant in (("bf16", "tf32", True), ("fp32", "ieee", False)):
         cache = {"K_cache": f"*{dtype}", "V_cache": f"*{dtype}", "Q": f"*{dtype}",
                  "Block_tables": "*i32", "Seq_lens": "*i32"}
         shape = {"BLOCK_SIZE": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128,
-                 "DOT_PRECISION": precision}
+                 "DOT_PRECISION": precision, "WINDOWED": variant, "SOFTCAP": variant}
         build(f"decode_{dtype}", paged_decode._decode_split_kernel,
               cache | {"Partial": "*fp32", "Lse": "*fp32"},
               shape | {"GROUP": 4, "GROUP_PAD": 16, "TILE_N": paged_decode.TILE_N,
@@ -65,7 +66,8 @@ def _compile_all() -> None:
           {"K_cache": "*fp16", "V_cache": "*fp16", "Q": "*fp16", "Block_tables": "*i32",
            "Seq_lens": "*i32", "Partial": "*fp16", "Lse": "*fp32"},
           {"BLOCK_SIZE": 32, "HEAD_DIM": 64, "HEAD_DIM_PAD": 64, "DOT_PRECISION": "tf32",
-           "GROUP": 1, "GROUP_PAD": 16, "TILE_N": paged_decode.TILE_N, "STORE_LSE": False})
+           "GROUP": 1, "GROUP_PAD": 16, "TILE_N": paged_decode.TILE_N, "STORE_LSE": False,
+           "WINDOWED": True, "SOFTCAP": False})
     build("decode_merge", paged_decode._decode_merge_kernel,
           {"Partial": "*fp32", "Lse": "*fp32", "Out": "*bf16"},
           {"SPLITS_PAD": 64, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128})
