@@ -12,8 +12,10 @@ from .errors import (
     SessionExpired,
     SessionNotFound,
     Unauthenticated,
+    UnknownSequence,
 )
 from .ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
+from .runner_client import RunnerClient, SeqOutput, SeqStep
 from .sampling_params import SamplingParams
 from .types import (
     BlockCopy,
@@ -42,7 +44,10 @@ __all__ = [
     "PoolExhausted",
     "PoolInfo",
     "PoolStats",
+    "RunnerClient",
     "SamplingParams",
+    "SeqOutput",
+    "SeqStep",
     "SequenceBlocks",
     "SequenceExists",
     "SequenceNotFound",
@@ -52,4 +57,5 @@ __all__ = [
     "SessionStats",
     "StepResult",
     "Unauthenticated",
+    "UnknownSequence",
 ]

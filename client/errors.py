@@ -58,7 +58,13 @@ class DaemonUnavailable(PagedKVError):
     """UNAVAILABLE: no daemon answers at the target."""
 
 
+class UnknownSequence(PagedKVError):
+    """FAILED_PRECONDITION from a runner that does not know a sequence (it restarted): resend
+    the sequence with its history (`SeqStep.history`); nothing was changed."""
+
+
 _BY_CAUSE: dict[str, type[PagedKVError]] = {
+    "UnknownSequence": UnknownSequence,
     "SessionNotFound": SessionNotFound,
     "SequenceNotFound": SequenceNotFound,
 }
