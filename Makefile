@@ -40,6 +40,8 @@ demo: setup
 bench: setup
 	$(PY) benchmarks/bench_block_pool.py
 	$(PY) benchmarks/bench_daemon_step.py
+	$(PY) benchmarks/bench_batch_cost.py
+	$(PY) benchmarks/bench_keepalive_stall.py
 
 bench-gpu: setup
 	$(PY) benchmarks/bench_kernels_gpu.py

@@ -1,0 +1,263 @@
+"""KeepAlive latency and lease expiries of a light client while another drives heavy memory work.
+
+A real `pagedkvd` (Llama-3.1-8B geometry, bf16, B = 16: 2 MiB a block, a CPU pool in /dev/shm,
+`--zero-freed-blocks`) serves two client processes that start together and run for SECONDS:
+
+- heavy (A): HEAVY_SEQS parents of PARENT_TOKENS tokens (a partial last block each). Each
+  iteration forks every parent (one Batch), Steps the children once (each child writes into
+  its parent's shared partial last block: HEAVY_SEQS copy-on-write copies, 128 MiB), then frees
+  the children (one Batch; their private copies are zeroed, 128 MiB). Every LONG_EVERY
+  iterations it also allocates and frees a LONG_TOKENS sequence (1 GiB zeroed).
+- light (B): a session with a LEASE_MS lease and no background keep-alive; it sends KeepAlive
+  every KEEPALIVE_PERIOD_S from a task of its own and times each round trip, and every
+  SMALL_STEP_PERIOD_S a small Step (SMALL_SEQS sequences) that waits behind A's work.
+
+Figures:
+    keepalive_p50_ms_during_heavy_steps, keepalive_p99_ms_during_heavy_steps  (target p99 <= 20)
+    keepalive_max_ms_during_heavy_steps
+    healthy_sessions_expired     leases the daemon let run out (its pagedkv:lease_expiries
+                                 counter; target 0); both sessions are healthy
+    light_session_failures       calls of B that failed (FAILED_PRECONDITION = expired, ...)
+    heavy_step_ms_p50, heavy_step_ms_p99   A's Step (HEAVY_SEQS copies), for context
+    small_step_ms_p50, small_step_ms_max   B's Step, queued behind A's memory work
+    heavy_copied_gib, zeroed_gib           memory work done in the window
+
+The script also runs the code before the undo journal and the memory worker: PYTHONPATH
+pointing at an old tree's `pagedkv` folder is enough (the daemon and clients inherit it).
+With `--pin`, the daemon gets one CPU of its own and the clients the others.
+Usage: python benchmarks/bench_keepalive_stall.py [--seconds S] [--pin]
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pagedkv.client import Allocate, Fork, Free, PagedKVError, PoolClient
+
+MODEL = "llama-3.1-8b"
+BLOCK_SIZE = 16
+NUM_BLOCKS = 1024  # 2 GiB of pool memory
+HEAVY_SEQS = 64
+PARENT_TOKENS = 40  # 2.5 blocks: the last one partial, shared with the child after a fork
+LONG_TOKENS = 8192  # 512 blocks, 1 GiB to zero when freed
+LONG_EVERY = 4
+LEASE_MS = 300
+KEEPALIVE_PERIOD_S = 0.1
+SMALL_STEP_PERIOD_S = 1.0
+SMALL_SEQS = 4
+SECONDS = 20.0
+# Time for both client processes to start and set up before the timed window opens.
+START_DELAY_S = 4.0
+# Deadline of every client call: a heavy call may legitimately take a while.
+CALL_TIMEOUT_S = 30.0
+SHM = Path("/dev/shm")
+
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def start_daemon(folder: Path, metrics_port: int) -> tuple[subprocess.Popen[bytes], str]:
+    """pagedkvd on a unix socket in `folder` (a tmpfs folder: the pool file lives there)."""
+    target = f"unix://{folder / 'pagedkv.sock'}"
+    command = [sys.executable, "-m", "pagedkv.daemon.cli", "serve", "--listen", target,
+               "--model-config", MODEL, "--num-blocks", str(NUM_BLOCKS),
+               "--block-size", str(BLOCK_SIZE), "--zero-freed-blocks", "--shm-dir", str(folder),
+               "--metrics-listen", f"127.0.0.1:{metrics_port}",
+               "--log-level", "warning", "--log-format", "json"]
+    with (folder / "stderr.log").open("wb") as stderr:
+        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr), target
+
+
+def pin(daemon: subprocess.Popen[bytes]) -> str:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return "unpinned (one CPU)"
+    os.sched_setaffinity(daemon.pid, {cpus[-1]})
+    os.sched_setaffinity(0, set(cpus[:-1]))  # the client processes inherit this
+    return f"daemon on CPU {cpus[-1]}, clients on CPUs {cpus[:-1]}"
+
+
+def lease_expiries(metrics_port: int) -> int:
+    """The daemon's count of sessions it expired, from /metrics."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("pagedkv:lease_expiries_total "):
+                return int(float(line.split()[1]))
+    raise RuntimeError("no pagedkv:lease_expiries_total in /metrics")
+
+
+async def wait_until(moment: float) -> None:
+    await asyncio.sleep(max(0.0, moment - time.time()))
+
+
+# ------------------------------------------------------------------- heavy client (A)
+
+async def heavy(target: str, start_at: float, seconds: float) -> dict[str, Any]:
+    async with await PoolClient.connect(target, timeout=CALL_TIMEOUT_S) as client, \
+            await client.open_session("heavy") as session:
+        parents = list(range(HEAVY_SEQS))
+        children = [HEAVY_SEQS + p for p in parents]
+        long_seq = 2 * HEAVY_SEQS
+        await session.batch([Allocate(p, PARENT_TOKENS) for p in parents])
+        await wait_until(start_at)
+        steps_ms: list[float] = []
+        copies = zeroed = long_frees = 0
+        while time.time() < start_at + seconds:
+            await session.batch([Fork(p, c) for p, c in zip(parents, children, strict=True)])
+            began = time.perf_counter()
+            result = await session.step(children)
+            steps_ms.append((time.perf_counter() - began) * 1000)
+            copies += len(result.copies)
+            await session.batch([Free(c) for c in children])
+            zeroed += len(result.copies)  # the children's private copies, now released
+            if len(steps_ms) % LONG_EVERY == 0:
+                await session.allocate(long_seq, LONG_TOKENS)
+                zeroed += await session.free(long_seq)
+                long_frees += 1
+        return {"steps_ms": steps_ms, "copies": copies, "zeroed": zeroed,
+                "long_frees": long_frees}
+
+
+# ------------------------------------------------------------------- light client (B)
+
+async def light(target: str, start_at: float, seconds: float) -> dict[str, Any]:
+    end_at = start_at + seconds
+    failures: list[str] = []
+    keepalive_ms: list[float] = []
+    small_ms: list[float] = []
+    async with await PoolClient.connect(target, timeout=CALL_TIMEOUT_S) as client:
+        session = await client.open_session("light", lease_ttl_ms=LEASE_MS, keep_alive=False)
+        seqs = list(range(SMALL_SEQS))
+        running = True
+
+        async def call(what: str, timings: list[float] | None, request: Awaitable[Any]) -> None:
+            """Await one call; time its round trip (answer or error) if it began in the window;
+            record it if it failed."""
+            began_at, began = time.time(), time.perf_counter()
+            try:
+                await request
+            except PagedKVError as exc:
+                failures.append(f"{what}: {type(exc).__name__}: {exc.message}")
+            if timings is not None and start_at <= began_at <= end_at:
+                timings.append((time.perf_counter() - began) * 1000)
+
+        async def keep_alives() -> None:
+            next_at = time.time()
+            while running:
+                await call("KeepAlive", keepalive_ms, session.keep_alive())
+                next_at = max(next_at + KEEPALIVE_PERIOD_S, time.time())
+                await wait_until(next_at)
+
+        # Pinging starts at once: a 300 ms lease does not outlast the wait for the window.
+        pings = asyncio.create_task(keep_alives())
+        try:
+            await call("Batch", None, session.batch([Allocate(s, 20) for s in seqs]))
+            await wait_until(start_at)
+            while time.time() < end_at:
+                await call("Step", small_ms, session.step(seqs))
+                await asyncio.sleep(min(SMALL_STEP_PERIOD_S, max(0.0, end_at - time.time())))
+            await call("GetStats", None, session.stats())  # still alive at the end?
+        finally:
+            running = False
+            await pings
+        await session.close()
+        return {"keepalive_ms": keepalive_ms, "small_ms": small_ms, "failures": failures}
+
+
+# ------------------------------------------------------------------------- driver
+
+def run_role(role: str, target: str, start_at: float, seconds: float) -> None:
+    measure = heavy if role == "heavy" else light
+    print(json.dumps(asyncio.run(measure(target, start_at, seconds))))
+
+
+def spawn(role: str, target: str, start_at: float, seconds: float) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, __file__, "--role", role, target, str(start_at),
+                             str(seconds)], stdout=subprocess.PIPE)
+
+
+async def wait_for_daemon(target: str) -> int:
+    """Bytes of one block, once the daemon answers."""
+    async with await PoolClient.connect(target, timeout=120) as client:
+        info = await client.pool_info()
+        return info.bytes_per_block
+
+
+def report(a: dict[str, Any], b: dict[str, Any], expiries: int, block_bytes: int) -> None:
+    keepalive, steps, small = (np.array(values or [np.nan]) for values in (
+        b["keepalive_ms"], a["steps_ms"], b["small_ms"]))
+    gib = block_bytes / 2**30
+    print(f"keepalives_timed: {len(b['keepalive_ms'])} calls")
+    print(f"keepalive_p50_ms_during_heavy_steps: {np.percentile(keepalive, 50):.2f} ms")
+    print(f"keepalive_p99_ms_during_heavy_steps: {np.percentile(keepalive, 99):.2f} ms")
+    print(f"keepalive_max_ms_during_heavy_steps: {keepalive.max():.2f} ms")
+    print(f"healthy_sessions_expired: {expiries} sessions")
+    print(f"light_session_failures: {len(b['failures'])} calls")
+    for failure in b["failures"][:3]:
+        print(f"# light client: {failure}")
+    print(f"heavy_steps: {len(a['steps_ms'])} steps")
+    print(f"heavy_step_ms_p50: {np.percentile(steps, 50):.1f} ms")
+    print(f"heavy_step_ms_p99: {np.percentile(steps, 99):.1f} ms")
+    print(f"small_step_ms_p50: {np.percentile(small, 50):.1f} ms")
+    print(f"small_step_ms_max: {small.max():.1f} ms")
+    print(f"heavy_copied_gib: {a['copies'] * gib:.1f} GiB")
+    print(f"zeroed_gib: {a['zeroed'] * gib:.1f} GiB")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=SECONDS)
+    parser.add_argument("--pin", action="store_true", help="daemon on a CPU of its own")
+    parser.add_argument("--role", nargs=4, metavar=("ROLE", "TARGET", "START_AT", "SECONDS"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role:
+        role, target, start_at, seconds = args.role
+        run_role(role, target, float(start_at), float(seconds))
+        return 0
+    need = NUM_BLOCKS * 2**21 * 5 // 4  # the pool (2 MiB blocks) and some room
+    if shutil.disk_usage(SHM).free < need:
+        print(f"# {SHM} has under {need / 2**30:.1f} GiB free", file=sys.stderr)
+        return 1
+    metrics_port = free_tcp_port()
+    with tempfile.TemporaryDirectory(prefix="pkv-ka-", dir=SHM) as name:
+        folder = Path(name)
+        daemon, target = start_daemon(folder, metrics_port)
+        try:
+            print(f"# {pin(daemon) if args.pin else 'unpinned'}; load average "
+                  f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+            block_bytes = asyncio.run(wait_for_daemon(target))
+            start_at = time.time() + START_DELAY_S
+            clients = [spawn(role, target, start_at, args.seconds) for role in ("heavy", "light")]
+            limit = START_DELAY_S + args.seconds + 60
+            a, b = (json.loads(c.communicate(timeout=limit)[0]) for c in clients)
+            report(a, b, lease_expiries(metrics_port), block_bytes)
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=30)
+            if daemon.returncode:
+                print((folder / "stderr.log").read_text(errors="replace")[-4000:],
+                      file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
