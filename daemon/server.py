@@ -143,6 +143,10 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
     if removed:
         log.info("removed stale pool files", files=[str(path) for path in removed])
     check_device(config.device)
+    # The daemon's only tensor work is the memory worker's block copies and zeroing: one
+    # intra-op thread leaves a core to the event loop (two threads on a loaded 2-core host made
+    # copies 10x slower and stalled KeepAlives; benchmarks/bench_keepalive_stall.py).
+    torch.set_num_threads(1)
     geometry, dtype = pool_geometry(config)
     num_blocks = pool_num_blocks(config, geometry, dtype)
     memory = KVPoolMemory.create(geometry, num_blocks, config.block_size, dtype,
