@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv.daemon import logging as daemon_logging
 from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.operations import Allocate, Append, Free, Operation
 from pagedkv.daemon.service import PoolService
+from pagedkv.process import log_setup
 
 BLOCK_SIZE = 16
 POOL_SIZES = {"8k": 8192, "262k": 262_144}
@@ -180,7 +180,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--reps", type=int, default=REPS, help="calls of each kind per round")
     args = parser.parse_args()
-    daemon_logging.configure("warning")  # no "session opened" lines among the figures
+    log_setup.configure("warning")  # no "session opened" lines among the figures
     asyncio.run(run(args.rounds, args.reps))
     return 0
 

@@ -56,13 +56,16 @@ class StepResult:
     changed_block_id: list[int]
     # Copy-on-write copies done for this step.
     copies: list[BlockCopy]
+    # Each sequence's token count after the step, in the step's order.
+    num_tokens: list[int]
 
     @classmethod
     def from_proto(cls, message: pb.StepResponse) -> "StepResult":
         return cls(list(message.slot_mapping), list(message.changed_seq_index),
                    list(message.changed_logical_block), list(message.changed_block_id),
                    [BlockCopy(s, d) for s, d in zip(message.copy_src, message.copy_dst,
-                                                    strict=True)])
+                                                    strict=True)],
+                   list(message.num_tokens))
 
 
 @dataclass(frozen=True, slots=True)

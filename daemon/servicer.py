@@ -109,7 +109,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
             changed_logical_block=result.changed_logical_block.tolist(),
             changed_block_id=result.changed_block_id.tolist(),
             copy_src=[copy.src for copy in result.copies],
-            copy_dst=[copy.dst for copy in result.copies])
+            copy_dst=[copy.dst for copy in result.copies],
+            num_tokens=result.num_tokens.tolist())
 
     @grpc_errors
     async def GetBlockTables(self, request: pb.GetBlockTablesRequest,

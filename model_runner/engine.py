@@ -232,13 +232,14 @@ class StepEngine:
         unknown = [r for r in requests if not r.new_sequence and known.get(r.seq_id) is None]
         if not unknown:
             return
+        # The daemon first: another session's sequence is NOT_FOUND there, as it must be here.
+        reply = await self.pool.call(self.pool.stub.GetBlockTables, lambda: (
+            pb.GetBlockTablesRequest(session_id=session_id, seq_ids=[r.seq_id for r in unknown])))
         for request in unknown:
             if known.get(request.parent_seq_id or -1) is None and request.history is None:
                 raise UnknownSequence(
                     f"sequence {request.seq_id} is unknown to the runner (forked, or the runner "
                     "restarted): name its parent_seq_id, or resend it with its history")
-        reply = await self.pool.call(self.pool.stub.GetBlockTables, lambda: (
-            pb.GetBlockTablesRequest(session_id=session_id, seq_ids=[r.seq_id for r in unknown])))
         for request, table in zip(unknown, reply.tables, strict=True):
             parent = known.get(request.parent_seq_id or -1)
             if parent is not None:
@@ -269,9 +270,21 @@ class StepEngine:
         for index, logical, block in zip(reply.changed_seq_index, reply.changed_logical_block,
                                          reply.changed_block_id, strict=True):
             states[index].patch(logical, block)
-        for state, token in zip(states, tokens, strict=True):
+        bs = self.runner.block_size
+        for request, state, token, held, slot in zip(requests, states, tokens, reply.num_tokens,
+                                                     reply.slot_mapping, strict=True):
             state.tokens.append(token)
+            if held != len(state.tokens) or state.slots(held - 1, held, bs) != [slot]:
+                self._stale(known, request.seq_id)
         return states
+
+    @staticmethod
+    def _stale(known: SessionSequences, seq_id: int) -> None:
+        """The daemon's answer disagrees with the runner's view of a sequence: the client
+        changed it directly in the daemon. Forget it rather than compute on a stale table."""
+        known.drop([seq_id])
+        raise UnknownSequence(f"sequence {seq_id} changed in the daemon behind the runner (freed "
+                              "or re-created directly): resend it with its history")
 
     async def _batch(self, session_id: str, known: SessionSequences,
                      requests: Sequence[SeqRequest]) -> list[SeqState]:
@@ -302,6 +315,8 @@ class StepEngine:
                 if answer is not None:
                     state.tokens.extend(r.token_ids)
                     state.block_table = list(answer.block_ids)
+                    if answer.num_tokens != len(state.tokens):
+                        self._stale(known, r.seq_id)
             states.append(state)
         return states
 

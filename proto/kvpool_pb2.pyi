@@ -733,6 +733,7 @@ class StepResponse(_message.Message):
     CHANGED_BLOCK_ID_FIELD_NUMBER: _builtins.int
     COPY_SRC_FIELD_NUMBER: _builtins.int
     COPY_DST_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def slot_mapping(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Slots of the appended tokens, sequence-major (len(seq_ids) * num_tokens)."""
@@ -755,6 +756,12 @@ class StepResponse(_message.Message):
 
     @_builtins.property
     def copy_dst(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Each sequence's token count after the call, in request order: what a client that lost an
+        answer compares with GetBlockTables, and what a runner checks its own view against.
+        """
+
     def __init__(
         self,
         *,
@@ -764,10 +771,11 @@ class StepResponse(_message.Message):
         changed_block_id: _abc.Iterable[_builtins.int] | None = ...,
         copy_src: _abc.Iterable[_builtins.int] | None = ...,
         copy_dst: _abc.Iterable[_builtins.int] | None = ...,
+        num_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_block_id", b"changed_block_id", "changed_logical_block", b"changed_logical_block", "changed_seq_index", b"changed_seq_index", "copy_dst", b"copy_dst", "copy_src", b"copy_src", "slot_mapping", b"slot_mapping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_block_id", b"changed_block_id", "changed_logical_block", b"changed_logical_block", "changed_seq_index", b"changed_seq_index", "copy_dst", b"copy_dst", "copy_src", b"copy_src", "num_tokens", b"num_tokens", "slot_mapping", b"slot_mapping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -161,7 +161,7 @@ class BlockPool:
             index = np.concatenate([copied, index])
             logical = np.concatenate([old_nb[copied] - 1, logical])
             taken = np.concatenate([[copy.dst for copy in copies], taken])
-        return BatchAppend(slots.ravel(), index, logical, taken, copies)
+        return BatchAppend(slots.ravel(), index, logical, taken, copies, old + k)
 
     def commit(self, seqs: Sequence[Hashable], num_tokens: npt.ArrayLike | None = None) -> int:
         """The owner certifies that the K/V of the first `num_tokens[i]` tokens of `seqs[i]`

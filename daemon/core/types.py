@@ -56,6 +56,8 @@ class BatchAppend:
     changed_block_id: npt.NDArray[np.int64]
     # Copy-on-write copies made for this call.
     copies: list[BlockCopy]
+    # Each sequence's token count after the call: [num_seqs] int64.
+    num_tokens: npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)
