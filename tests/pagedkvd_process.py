@@ -1,7 +1,9 @@
-"""Runs the real `pagedkvd` as a subprocess for tests, the way systemd would.
+"""Runs the real `pagedkvd` (and `pagedkv runner`) as subprocesses for tests, as systemd would.
 
     with pagedkvd("--num-blocks", "64") as daemon:      # returns once READY=1 arrived
         ... talk to daemon.unix_target ...
+        with pagedkv_runner(daemon, "--random-init", "tiny") as runner:
+            ... talk to runner.unix_target ...
         assert daemon.stop() == 0                        # SIGTERM, wait, exit status
 
 Everything the daemon creates (socket, pool file, notify socket, stderr.log) lives in one
@@ -26,6 +28,8 @@ from pathlib import Path
 
 # The daemon as `pagedkv serve`, through the module so the venv's interpreter is used.
 COMMAND = [sys.executable, "-m", "pagedkv.daemon.cli", "serve"]
+# The runner as `pagedkv runner`.
+RUNNER_COMMAND = [sys.executable, "-m", "pagedkv.model_runner"]
 # Generous: importing torch and grpc takes a few seconds on a loaded 2-core machine.
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
@@ -33,7 +37,7 @@ STOP_TIMEOUT_S = 30.0
 
 @dataclass
 class Pagedkvd:
-    """One daemon process and what a test inspects."""
+    """One daemon (or runner) process and what a test inspects."""
 
     process: subprocess.Popen[bytes]
     # Folder of the pool file, the notify socket, stderr.log and (by default) the socket.
@@ -53,7 +57,7 @@ class Pagedkvd:
                 message = self.notify_socket.recv(4096).decode()
             except TimeoutError:
                 if self.process.poll() is not None:
-                    raise AssertionError(f"pagedkvd exited ({self.process.returncode}) before "
+                    raise AssertionError(f"process exited ({self.process.returncode}) before "
                                          f"{state}:\n{self.stderr()}") from None
                 continue
             self.notifications.append(message)
@@ -102,22 +106,43 @@ def pagedkvd(*args: str, env: dict[str, str] | None = None, wait_ready: bool = T
     With wait_ready=False, return at once (for daemons expected to refuse to start)."""
     with contextlib.ExitStack() as stack:
         folder = workdir or stack.enter_context(short_tmp_dir())
+        unix_target = f"unix://{listen_path or folder / 'pagedkvd.sock'}"
+        yield stack.enter_context(_process(
+            [*COMMAND, "--listen", unix_target, "--shm-dir", str(folder), "--log-format", "json",
+             *args], folder, unix_target, env, wait_ready))
+
+
+@contextmanager
+def pagedkv_runner(daemon: Pagedkvd, *args: str, wait_ready: bool = True) -> Iterator[Pagedkvd]:
+    """Start `pagedkv runner` next to `daemon` with `args` (its model source at least); its
+    socket and stderr.log in a private folder."""
+    with short_tmp_dir() as folder:
+        unix_target = f"unix://{folder / 'runner.sock'}"
+        with _process([*RUNNER_COMMAND, "--daemon", daemon.unix_target, "--listen", unix_target,
+                       "--log-format", "json", *args], folder, unix_target, None,
+                      wait_ready) as runner:
+            yield runner
+
+
+@contextmanager
+def _process(command: list[str], folder: Path, unix_target: str, env: dict[str, str] | None,
+             wait_ready: bool) -> Iterator[Pagedkvd]:
+    """Run `command` with a notify socket in `folder`; wait for READY=1 unless told not to."""
+    with contextlib.ExitStack() as stack:
         notify_path = folder / "notify.sock"
+        notify_path.unlink(missing_ok=True)  # a process restarted in the same folder
         receiver = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))
         receiver.bind(str(notify_path))
         receiver.settimeout(0.2)
-        unix_target = f"unix://{listen_path or folder / 'pagedkvd.sock'}"
-        command = [*COMMAND, "--listen", unix_target, "--shm-dir", str(folder),
-                   "--log-format", "json", *args]
         environment = {**os.environ, "NOTIFY_SOCKET": str(notify_path), **(env or {})}
         with (folder / "stderr.log").open("wb") as stderr:
             process = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL,
                                        stderr=stderr)
         stack.callback(_reap, process)
-        daemon = Pagedkvd(process, folder, unix_target, receiver)
+        started = Pagedkvd(process, folder, unix_target, receiver)
         if wait_ready:
-            daemon.wait_for_notification("READY=1")
-        yield daemon
+            started.wait_for_notification("READY=1")
+        yield started
 
 
 def _reap(process: subprocess.Popen[bytes]) -> None:

@@ -1,0 +1,228 @@
+"""`pagedkv runner` as a process next to a real `pagedkvd`, driven by real client processes.
+
+The daemon plans its pool from the model's config.json and the runner random-initializes the
+same config with the same seed, so this process can build the identical model and compare the
+runner's greedy tokens with transformers' own `generate`.
+"""
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd
+from transformers import LlamaConfig, PreTrainedModel
+
+from pagedkv.client import (
+    DaemonUnavailable,
+    NotFound,
+    PoolClient,
+    RunnerClient,
+    SeqStep,
+    Session,
+    SessionExpired,
+    UnknownSequence,
+)
+from pagedkv.model_runner.models import ModelSource, load_model
+
+CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     initializer_range=0.2, eos_token_id=None, bos_token_id=None,
+                     pad_token_id=None)
+NEW_TOKENS = 8
+PROMPTS = [[(7 * i + 3 * j) % 128 for j in range(n)] for i, n in enumerate((5, 17, 33))]
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("model")
+    CONFIG.save_pretrained(folder)
+    return folder / "config.json"
+
+
+@pytest.fixture(scope="module")
+def reference(config_path: Path) -> PreTrainedModel:
+    """The runner's model, built the same way in this process."""
+    return load_model(ModelSource(random_init=str(config_path), seed=0))
+
+
+@pytest.fixture(scope="module")
+def daemon(config_path: Path) -> Iterator[Pagedkvd]:
+    with pagedkvd("--model-config", str(config_path), "--num-blocks", "128") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def runner(daemon: Pagedkvd, config_path: Path) -> Iterator[Pagedkvd]:
+    with pagedkv_runner(daemon, "--random-init", str(config_path)) as running:
+        yield running
+
+
+@pytest.fixture
+async def clients(daemon: Pagedkvd,
+                  runner: Pagedkvd) -> AsyncIterator[tuple[PoolClient, RunnerClient]]:
+    async with await PoolClient.connect(daemon.unix_target) as pool, \
+            await RunnerClient.connect(runner.unix_target) as compute:
+        yield pool, compute
+
+
+def expected(reference: PreTrainedModel, prompt: list[int]) -> list[int]:
+    output = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
+                                min_new_tokens=NEW_TOKENS, do_sample=False)
+    return list(output[0, len(prompt):].tolist())
+
+
+async def greedy(runner: RunnerClient, session: Session, prompts: Sequence[list[int]],
+                 first_id: int = 0) -> list[list[int]]:
+    """Prefill every prompt in one step, decode the rest one step each, release at the end."""
+    ids = range(first_id, first_id + len(prompts))
+    outs = await runner.step(session, [SeqStep(i, p, new_sequence=True)
+                                       for i, p in zip(ids, prompts, strict=True)])
+    tokens = [[out.token_id] for out in outs]
+    for step in range(NEW_TOKENS - 1):
+        last = step == NEW_TOKENS - 2
+        outs = await runner.step(session, [SeqStep(i, [t[-1]]) for i, t in zip(ids, tokens,
+                                                                              strict=True)],
+                                 release=list(ids) if last else [])
+        for out, toks in zip(outs, tokens, strict=True):
+            toks.append(out.token_id)
+    return tokens
+
+
+async def test_greedy_tokens_match_transformers(
+        clients: tuple[PoolClient, RunnerClient], reference: PreTrainedModel) -> None:
+    pool, runner = clients
+    info = await runner.info()
+    assert (info.num_layers, info.num_kv_heads, info.head_dim, info.dtype) == (2, 2, 16,
+                                                                               "float32")
+    async with await pool.open_session("greedy") as session:
+        tokens = await greedy(runner, session, PROMPTS)
+        assert tokens == [expected(reference, prompt) for prompt in PROMPTS]
+        stats = await session.stats()
+        assert stats.session is not None and stats.session.num_sequences == 0  # released
+
+
+async def test_another_sessions_sequence_is_not_found(
+        clients: tuple[PoolClient, RunnerClient]) -> None:
+    pool, runner = clients
+    async with await pool.open_session("owner") as owner, \
+            await pool.open_session("intruder") as intruder:
+        await runner.step(owner, [SeqStep(1, PROMPTS[0], new_sequence=True)])
+        with pytest.raises(NotFound) as failure:
+            await runner.step(intruder, [SeqStep(1, [5], parent_seq_id=None)])
+        assert failure.value.code == grpc.StatusCode.NOT_FOUND
+        (out,) = await runner.step(owner, [SeqStep(1, [5])])  # the owner's is untouched
+        assert out.num_tokens == len(PROMPTS[0]) + 1
+
+
+CLIENT = """
+import asyncio, json, sys
+from pagedkv.client import PoolClient, RunnerClient, SeqStep
+daemon, target, prompts, steps = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+async def main():
+    async with await PoolClient.connect(daemon) as pool, \\
+            await RunnerClient.connect(target) as runner:
+        session = await pool.open_session("client-process")
+        sys.stdin.readline()  # start together
+        new = [SeqStep(i, p, new_sequence=True) for i, p in enumerate(prompts)]
+        outs = await runner.step(session, new)
+        tokens = [[o.token_id] for o in outs]
+        for _ in range(steps - 1):
+            outs = await runner.step(session, [SeqStep(i, [t[-1]]) for i, t in enumerate(tokens)])
+            for o, t in zip(outs, tokens): t.append(o.token_id)
+        print(json.dumps(tokens))
+        await session.close()
+asyncio.run(main())
+"""
+
+
+def start_client(daemon: Pagedkvd, runner: Pagedkvd,
+                 prompts: list[list[int]]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", CLIENT, daemon.unix_target, runner.unix_target,
+                             json.dumps(prompts), str(NEW_TOKENS)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_two_client_processes_stepping_together_get_what_each_gets_alone(
+        daemon: Pagedkvd, runner: Pagedkvd, reference: PreTrainedModel) -> None:
+    clients = [start_client(daemon, runner, PROMPTS[:2]), start_client(daemon, runner,
+                                                                        PROMPTS[1:])]
+    for client in clients:
+        assert client.stdin is not None
+        client.stdin.write("go\n")
+        client.stdin.flush()
+    results = [json.loads(client.communicate(timeout=120)[0]) for client in clients]
+    assert all(client.returncode == 0 for client in clients)
+    assert results[0] == [expected(reference, p) for p in PROMPTS[:2]]
+    assert results[1] == [expected(reference, p) for p in PROMPTS[1:]]
+
+
+def test_a_model_that_does_not_fit_the_pool_is_refused_at_start(
+        daemon: Pagedkvd, tmp_path: Path) -> None:
+    other = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1)
+    other.save_pretrained(tmp_path)  # one KV head: the pool holds two per layer
+    with pagedkv_runner(daemon, "--random-init", str(tmp_path / "config.json"),
+                        wait_ready=False) as refused:
+        assert refused.process.wait(120) == 2
+        message = refused.stderr()
+    assert "KV heads: model 1, pool 2" in message and "--model-config" in message
+
+
+async def test_a_killed_runner_restarted_continues_with_identical_tokens(
+        daemon: Pagedkvd, config_path: Path, reference: PreTrainedModel) -> None:
+    prompt = PROMPTS[2]
+    async with await PoolClient.connect(daemon.unix_target) as pool, \
+            await pool.open_session("survivor", lease_ttl_ms=300_000) as session:
+        # (a long lease: this test's loop blocks while a runner process starts)
+        with pagedkv_runner(daemon, "--random-init", str(config_path)) as first:
+            async with await RunnerClient.connect(first.unix_target) as runner:
+                (out,) = await runner.step(session, [SeqStep(1, prompt, new_sequence=True)])
+                tokens = [out.token_id]
+                (out,) = await runner.step(session, [SeqStep(1, [tokens[-1]])])
+                tokens.append(out.token_id)
+            first.stop(signal.SIGKILL)
+        with pagedkv_runner(daemon, "--random-init", str(config_path)) as second:
+            async with await RunnerClient.connect(second.unix_target) as runner:
+                step = SeqStep(1, [tokens[-1]])
+                with pytest.raises(UnknownSequence, match="resend it with its history"):
+                    await runner.step(session, [step])
+                held = [*prompt, *tokens[:-1]]  # the last token is not appended yet
+                resumed = SeqStep(1, [tokens[-1]], history=(held, len(prompt), len(held)))
+                while len(tokens) < NEW_TOKENS:
+                    (out,) = await runner.step(session, [resumed])
+                    tokens.append(out.token_id)
+                    resumed = SeqStep(1, [tokens[-1]])
+    assert tokens == expected(reference, prompt)
+
+
+async def test_a_daemon_restart_answers_unavailable_then_the_runner_maps_the_new_pool(
+        config_path: Path, reference: PreTrainedModel) -> None:
+    with pagedkvd("--model-config", str(config_path), "--num-blocks", "64") as first, \
+            pagedkv_runner(first, "--random-init", str(config_path)) as runner_process:
+        async with await RunnerClient.connect(runner_process.unix_target) as runner, \
+                await PoolClient.connect(first.unix_target) as pool:
+            old_pool = (await runner.info()).pool_id
+            stale = await pool.open_session("before-restart", keep_alive=False)
+            assert first.stop() == 0
+            with pytest.raises(DaemonUnavailable) as failure:
+                await runner.step(stale, [SeqStep(1, PROMPTS[0], new_sequence=True)])
+            assert failure.value.code == grpc.StatusCode.UNAVAILABLE
+            socket_path = Path(first.unix_target.removeprefix("unix://"))
+            with pagedkvd("--model-config", str(config_path), "--num-blocks", "64",
+                          workdir=first.workdir, listen_path=socket_path):
+                for _ in range(100):  # the watcher maps the new pool within a second or two
+                    if (await runner.info()).pool_id != old_pool:
+                        break
+                    await asyncio.sleep(0.1)
+                with pytest.raises(SessionExpired, match="before a daemon restart"):
+                    await runner.step(stale, [SeqStep(1, PROMPTS[0], new_sequence=True)])
+                async with await pool.open_session("after-restart") as session:
+                    tokens = await greedy(runner, session, PROMPTS[:1])
+    assert tokens == [expected(reference, PROMPTS[0])]
