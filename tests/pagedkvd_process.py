@@ -113,11 +113,12 @@ def pagedkvd(*args: str, env: dict[str, str] | None = None, wait_ready: bool = T
 
 
 @contextmanager
-def pagedkv_runner(daemon: Pagedkvd, *args: str, wait_ready: bool = True) -> Iterator[Pagedkvd]:
+def pagedkv_runner(daemon: Pagedkvd, *args: str, wait_ready: bool = True,
+                   listen: str | None = None) -> Iterator[Pagedkvd]:
     """Start `pagedkv runner` next to `daemon` with `args` (its model source at least); its
-    socket and stderr.log in a private folder."""
+    stderr.log (and socket, unless `listen` names one) in a private folder."""
     with short_tmp_dir() as folder:
-        unix_target = f"unix://{folder / 'runner.sock'}"
+        unix_target = listen or f"unix://{folder / 'runner.sock'}"
         with _process([*RUNNER_COMMAND, "--daemon", daemon.unix_target, "--listen", unix_target,
                        "--log-format", "json", *args], folder, unix_target, None,
                       wait_ready) as runner:

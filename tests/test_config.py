@@ -196,3 +196,16 @@ def test_the_unit_matches_the_daemon() -> None:
     assert float(unit["TimeoutStopSec"][0].removesuffix("s")) > SHUTDOWN_GRACE_S + 5
     assert unit["RestartPreventExitStatus"] == [str(EXIT_BAD_CONFIG)]
     assert "char-nvidia* rw" in unit["DeviceAllow"]
+
+
+def test_the_runner_unit_follows_the_daemon_and_its_exit_codes() -> None:
+    text = (OPS / "pagedkv-runner.service").read_text()
+    unit: dict[str, list[str]] = {}
+    for line in text.replace("\\\n", " ").splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#"):
+            unit.setdefault(key, []).append(value)
+    assert unit["Type"] == ["notify"] and unit["After"] == ["pagedkvd.service"]
+    assert "pagedkv runner --model" in unit["ExecStart"][0]
+    assert "--daemon unix:///run/pagedkv/pagedkvd.sock" in unit["ExecStart"][0]
+    assert unit["RestartPreventExitStatus"] == [str(EXIT_BAD_CONFIG)]

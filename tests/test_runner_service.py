@@ -10,17 +10,19 @@ import json
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd
+from pagedkvd_process import Pagedkvd, free_tcp_port, pagedkv_runner, pagedkvd
 from transformers import LlamaConfig, PreTrainedModel
 
 from pagedkv.client import (
     DaemonUnavailable,
+    InvalidArgument,
     NotFound,
     PoolClient,
     RunnerClient,
@@ -59,8 +61,14 @@ def daemon(config_path: Path) -> Iterator[Pagedkvd]:
 
 
 @pytest.fixture(scope="module")
-def runner(daemon: Pagedkvd, config_path: Path) -> Iterator[Pagedkvd]:
-    with pagedkv_runner(daemon, "--random-init", str(config_path)) as running:
+def metrics_port() -> int:
+    return free_tcp_port()
+
+
+@pytest.fixture(scope="module")
+def runner(daemon: Pagedkvd, config_path: Path, metrics_port: int) -> Iterator[Pagedkvd]:
+    with pagedkv_runner(daemon, "--random-init", str(config_path), "--metrics-listen",
+                        f"127.0.0.1:{metrics_port}") as running:
         yield running
 
 
@@ -106,6 +114,38 @@ async def test_greedy_tokens_match_transformers(
         assert tokens == [expected(reference, prompt) for prompt in PROMPTS]
         stats = await session.stats()
         assert stats.session is not None and stats.session.num_sequences == 0  # released
+
+
+async def test_a_bad_step_fails_alone_and_changes_nothing(
+        clients: tuple[PoolClient, RunnerClient], reference: PreTrainedModel) -> None:
+    pool, runner = clients
+    async with await pool.open_session("careless") as careless, \
+            await pool.open_session("careful") as careful:
+        await runner.step(careless, [SeqStep(1, PROMPTS[0], new_sequence=True)])
+        bad = runner.step(careless, [SeqStep(1, [5]), SeqStep(2, [999], new_sequence=True)])
+        good = greedy(runner, careful, PROMPTS[1:2])
+        results = await asyncio.gather(bad, good, return_exceptions=True)
+        assert isinstance(results[0], InvalidArgument) and "token ids must be in" in str(
+            results[0])
+        assert results[1] == [expected(reference, PROMPTS[1])]
+        (table,) = await careless.block_tables([1])
+        assert table.num_tokens == len(PROMPTS[0])  # the refused step appended nothing
+
+
+async def test_metrics_count_steps_and_tokens(
+        clients: tuple[PoolClient, RunnerClient], metrics_port: int) -> None:
+    pool, runner = clients
+    async with await pool.open_session("metrics") as session:
+        await greedy(runner, session, PROMPTS[:2])
+    body = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read())
+    text = body.decode()
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                   if line and not line.startswith("#"))
+    assert float(samples["pagedkv_runner:step_duration_seconds_count"]) >= NEW_TOKENS
+    assert float(samples['pagedkv_runner:tokens_total{kind="prefill"}']) >= sum(
+        map(len, PROMPTS[:2]))
+    assert float(samples['pagedkv_runner:tokens_total{kind="decode"}']) >= NEW_TOKENS - 1
 
 
 async def test_another_sessions_sequence_is_not_found(
