@@ -55,7 +55,8 @@ class SeqStep:
             sampling=rpb.SamplingParams(
                 temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                 repetition_penalty=p.repetition_penalty, has_seed=p.seed is not None,
-                seed=p.seed or 0, logprobs=-1 if p.logprobs is None else p.logprobs),
+                seed=p.seed or 0, logprobs=-1 if p.logprobs is None else p.logprobs,
+                stop_token_ids=p.stop_token_ids, max_tokens=p.max_tokens),
             has_parent=self.parent_seq_id is not None, parent_seq_id=self.parent_seq_id or 0)
         if self.history is not None:
             tokens, prompt_len, computed = self.history
@@ -78,12 +79,14 @@ class SeqOutput:
     logprob: float
     top_token_ids: tuple[int, ...]
     top_logprobs: tuple[float, ...]
+    # A stop token was sampled, or max_tokens were generated.
+    finished: bool
 
     @classmethod
     def from_proto(cls, m: rpb.SequenceOutput) -> "SeqOutput":
         return cls(m.seq_id, m.num_tokens, m.num_computed_tokens, m.num_cached_tokens,
                    m.sampled, m.token_id, m.logprob, tuple(m.top_token_ids),
-                   tuple(m.top_logprobs))
+                   tuple(m.top_logprobs), m.finished)
 
 
 class RunnerClient:

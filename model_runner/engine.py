@@ -106,6 +106,8 @@ class SeqResult:
     logprob: float = 0.0
     top_token_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    # The sampled token is a stop token, or max_tokens were generated.
+    finished: bool = False
 
 
 @dataclass
@@ -436,7 +438,7 @@ class StepEngine:
         logprob = float(sampled.logprobs[row]) if sampled.logprobs is not None else 0.0
         return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
                          state.num_cached, True, int(sampled.token_ids[row]), logprob,
-                         top_ids, top_logprobs)
+                         top_ids, top_logprobs, bool(sampled.finished[row]))
 
     # -------------------------------------------------------------- finishing
 

@@ -31,6 +31,10 @@ Handler = Callable[["RunnerServicer", Request, "Context"], Awaitable[Response]]
 StepFunction = Callable[[str, Sequence[SeqRequest], Sequence[int]], Awaitable[list[SeqResult]]]
 
 
+# max_tokens of a request that set none: more than any sequence generates.
+NO_LIMIT = 2**31 - 1
+
+
 class RunnerUnavailable(RuntimeError):
     """The runner cannot compute now (the daemon restarted and it is mapping the new pool)."""
 
@@ -96,7 +100,8 @@ def sampling_params(message: rpb.SamplingParams) -> SamplingParams:
         top_p=message.top_p if 0 < message.top_p <= 1 else 1.0, min_p=message.min_p,
         repetition_penalty=message.repetition_penalty or 1.0,
         seed=message.seed if message.has_seed else None,
-        logprobs=message.logprobs if message.logprobs >= 0 else None)
+        logprobs=message.logprobs if message.logprobs >= 0 else None,
+        stop_token_ids=tuple(message.stop_token_ids), max_tokens=message.max_tokens or NO_LIMIT)
 
 
 def seq_request(message: rpb.SequenceStep) -> SeqRequest:
@@ -116,4 +121,5 @@ def sequence_output(result: SeqResult) -> rpb.SequenceOutput:
         seq_id=result.seq_id, num_tokens=result.num_tokens,
         num_computed_tokens=result.num_computed, num_cached_tokens=result.num_cached,
         sampled=result.sampled, token_id=result.token_id, logprob=result.logprob,
-        top_token_ids=result.top_token_ids, top_logprobs=result.top_logprobs)
+        top_token_ids=result.top_token_ids, top_logprobs=result.top_logprobs,
+        finished=result.finished)

@@ -115,6 +115,8 @@ class SamplingParams(_message.Message):
     HAS_SEED_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 = greedy."""
     top_k: _builtins.int
@@ -130,6 +132,12 @@ class SamplingParams(_message.Message):
     seed: _builtins.int
     logprobs: _builtins.int
     """Return the sampled token's logprob plus this many top logprobs (-1 = no logprobs)."""
+    max_tokens: _builtins.int
+    """Generated tokens after which the sequence is finished; 0 = no limit."""
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Tokens that finish the sequence when sampled (SequenceOutput.finished)."""
+
     def __init__(
         self,
         *,
@@ -141,10 +149,12 @@ class SamplingParams(_message.Message):
         has_seed: _builtins.bool = ...,
         seed: _builtins.int = ...,
         logprobs: _builtins.int = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        max_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_seed", b"has_seed", "logprobs", b"logprobs", "min_p", b"min_p", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_seed", b"has_seed", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -287,6 +297,7 @@ class SequenceOutput(_message.Message):
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    FINISHED_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     num_tokens: _builtins.int
     """Tokens the sequence holds and how many of them are computed after this step."""
@@ -299,6 +310,10 @@ class SequenceOutput(_message.Message):
     logprob: _builtins.float
     """The sampled token's log-probability under the model (raw logits, before penalties or
     temperature), and the top logprobs when asked, most likely first.
+    """
+    finished: _builtins.bool
+    """The sampled token is a stop token, or the sequence generated max_tokens tokens: the client
+    should not append it further (the runner frees nothing by itself; see release_seq_ids).
     """
     @_builtins.property
     def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -316,10 +331,11 @@ class SequenceOutput(_message.Message):
         logprob: _builtins.float = ...,
         top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        finished: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "num_cached_tokens", b"num_cached_tokens", "num_computed_tokens", b"num_computed_tokens", "num_tokens", b"num_tokens", "sampled", b"sampled", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "logprob", b"logprob", "num_cached_tokens", b"num_cached_tokens", "num_computed_tokens", b"num_computed_tokens", "num_tokens", b"num_tokens", "sampled", b"sampled", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

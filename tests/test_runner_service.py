@@ -26,6 +26,7 @@ from pagedkv.client import (
     NotFound,
     PoolClient,
     RunnerClient,
+    SamplingParams,
     SeqStep,
     Session,
     SessionExpired,
@@ -265,4 +266,38 @@ async def test_a_daemon_restart_answers_unavailable_then_the_runner_maps_the_new
                     await runner.step(stale, [SeqStep(1, PROMPTS[0], new_sequence=True)])
                 async with await pool.open_session("after-restart") as session:
                     tokens = await greedy(runner, session, PROMPTS[:1])
+    assert tokens == [expected(reference, PROMPTS[0])]
+
+
+async def test_stop_tokens_and_max_tokens_finish_a_sequence(
+        clients: tuple[PoolClient, RunnerClient], reference: PreTrainedModel) -> None:
+    pool, runner = clients
+    want = expected(reference, PROMPTS[1])
+    stop = SamplingParams(temperature=0.0, stop_token_ids=(want[2],), max_tokens=100)
+    short = SamplingParams(temperature=0.0, max_tokens=2)
+    async with await pool.open_session("stops") as session:
+        outs = await runner.step(session, [SeqStep(1, PROMPTS[1], True, params=stop),
+                                           SeqStep(2, PROMPTS[1], True, params=short)])
+        finished = [[out.finished for out in outs]]
+        for _ in range(2):
+            outs = await runner.step(session, [SeqStep(o.seq_id, [o.token_id],
+                                                       params=stop if o.seq_id == 1 else short)
+                                               for o in outs])
+            finished.append([out.finished for out in outs])
+    first_stop = want.index(want[2])  # the stop token may also come earlier
+    assert [row[0] for row in finished] == [i >= first_stop for i in range(3)]
+    assert [row[1] for row in finished] == [False, True, True]
+
+
+def test_a_local_model_directory_is_served(daemon: Pagedkvd, reference: PreTrainedModel,
+                                           tmp_path: Path) -> None:
+    """--model PATH: config and safetensors weights from a local folder, nothing downloaded."""
+    reference.save_pretrained(tmp_path / "model")
+    assert (tmp_path / "model" / "model.safetensors").exists()
+    with pagedkv_runner(daemon, "--model", str(tmp_path / "model")) as served:
+        client = start_client(daemon, served, PROMPTS[:1])
+        assert client.stdin is not None
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        tokens = json.loads(client.communicate(timeout=120)[0])
     assert tokens == [expected(reference, PROMPTS[0])]
