@@ -14,9 +14,8 @@ unlinked). The next start has a new pool_id: clients recompute their tables from
 
 import asyncio
 import contextlib
-import signal
 import socket
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client.registry import CollectorRegistry
 
+from pagedkv.process.lifecycle import cancel, stop_on_signals
 from pagedkv.process.log_setup import get_logger
 from pagedkv.process.notify import notify, watchdog_interval_s
 from pagedkv.process.probes import metrics_app, start_http
@@ -84,7 +84,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
     readiness = Readiness()
     async with contextlib.AsyncExitStack() as stack:
         if stop is None:
-            stop = stack.enter_context(_stop_on_signals())
+            stop = stack.enter_context(stop_on_signals())
         running = await _start(config, readiness, stack)
         await stop.wait()
         log.info("stopping", grace_s=SHUTDOWN_GRACE_S)
@@ -119,21 +119,8 @@ async def _start(config: DaemonConfig, readiness: Readiness,
              metrics_listen=config.metrics_listen)
     interval = watchdog_interval_s()
     if interval is not None:
-        stack.push_async_callback(_cancel, asyncio.create_task(_feed_watchdog(interval)))
+        stack.push_async_callback(cancel, asyncio.create_task(_feed_watchdog(interval)))
     return running
-
-
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[asyncio.Event]:
-    """An event set by SIGTERM or SIGINT, with the default handlers back on exit."""
-    loop, stop = asyncio.get_running_loop(), asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        yield stop
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
 
 
 @contextlib.asynccontextmanager
@@ -281,9 +268,3 @@ async def _feed_watchdog(interval_s: float) -> None:
     while True:
         notify("WATCHDOG=1")
         await asyncio.sleep(interval_s)
-
-
-async def _cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task

@@ -17,8 +17,7 @@ SIGTERM: health NOT_SERVING, stop accepting, let in-flight steps finish for SHUT
 import asyncio
 import contextlib
 import os
-import signal
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client.registry import CollectorRegistry
 
 from pagedkv.client import DaemonUnavailable, PoolClient, PoolInfo
+from pagedkv.process.lifecycle import cancel, stop_on_signals
 from pagedkv.process.log_setup import get_logger
 from pagedkv.process.notify import notify
 from pagedkv.process.probes import metrics_app, start_http
@@ -112,7 +112,7 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
     """Run the runner until SIGTERM/SIGINT (or until `stop` is set)."""
     async with contextlib.AsyncExitStack() as stack:
         if stop is None:
-            stop = stack.enter_context(_stop_on_signals())
+            stop = stack.enter_context(stop_on_signals())
         pool = await PoolClient.connect(config.daemon)
         stack.push_async_callback(pool.close)
         info = await pool.pool_info()
@@ -133,7 +133,7 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
                                     host, int(port))
             stack.push_async_callback(http.cleanup)
         watcher = asyncio.create_task(_watch_pool(state, pool, model, backend))
-        stack.push_async_callback(_cancel, watcher)
+        stack.push_async_callback(cancel, watcher)
         notify("READY=1", f"STATUS=serving {config.model.name} on pool {info.pool_id}")
         log.info("ready", model=config.model.name, pool_id=info.pool_id, listen=config.listen,
                  attention_backend=backend.name)
@@ -195,22 +195,3 @@ async def _watch_pool(state: RunnerState, pool: PoolClient, model: Any, backend:
         state.engine.forget_all()
         state.info = info
         state.unavailable = None
-
-
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[asyncio.Event]:
-    loop, stop = asyncio.get_running_loop(), asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        yield stop
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-
-
-async def _cancel(task: "asyncio.Task[None]") -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
