@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[runtime,test]'
+	$(PY) -m pip install -q -e '.[runtime,test,bench]'
 	@if $(PY) -m pip list 2>/dev/null | grep -qi '^nvidia-'; then \
 	  if ! command -v nvidia-smi >/dev/null; then echo "nvidia-* packages on a machine without CUDA" >&2; exit 1; fi; fi
 	touch $@
@@ -42,6 +42,7 @@ bench: setup
 	$(PY) benchmarks/bench_daemon_step.py
 	$(PY) benchmarks/bench_batch_cost.py
 	$(PY) benchmarks/bench_keepalive_stall.py
+	$(PY) benchmarks/bench_core_trace.py
 
 bench-gpu: setup
 	$(PY) benchmarks/bench_kernels_gpu.py

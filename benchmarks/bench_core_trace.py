@@ -1,0 +1,204 @@
+"""Core vs reference: the block-pool core against a per-sequence pure-Python block manager.
+
+Prints one figure per line as `name: value unit`. Run with `make bench` (or directly).
+
+One seeded decode trace, replayed in one process through `pagedkv.daemon.core.BlockPool` and
+through `ReferenceBlockManager` (nano-vllm's design, xxhash64 keys, written for speed): 256 live
+sequences, prompts uniform in [20, 300] tokens with their token ids, outputs uniform in
+[20, 650], B = 16, prefix caching on, a pool large enough that no cached block is ever evicted.
+A finished sequence is freed and the next request admitted. The core gets one `append_batch`
+over all live sequences per decode step, `allocate` with the prompt's ids on admission and
+`free` on finish; the reference gets one `append` call per sequence per token.
+
+Only the pool's own calls are timed (admissions, decode steps, frees: the whole trace); a rate
+is decode tokens appended / that time. Each side runs 3 times, interleaved, and reports its
+median; `core_vs_reference_ratio` is the core's median rate over the reference's.
+"""
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.daemon.core import BlockPool, NoFit
+
+from reference_block_manager import ReferenceBlockManager
+from traces import UNIFORM, Request, make_trace
+
+BLOCK_SIZE = 16
+LIVE = 256
+# 2M token slots: more than a 2,000-step replay ever fills (about 50k blocks), so nothing is
+# evicted (the reference counts evictions and the replay checks there were none).
+NUM_BLOCKS = 1 << 17
+VOCAB = 32_000
+
+
+@dataclass
+class Timing:
+    """Where one replay spent its time inside the pool's calls."""
+
+    # Decode tokens appended, and the number of each kind of call.
+    appended: int = 0
+    admissions: int = 0
+    steps: int = 0
+    frees: int = 0
+    # Seconds inside the pool's calls, per kind.
+    admit_s: float = 0.0
+    step_s: float = 0.0
+    free_s: float = 0.0
+
+    @property
+    def pool_s(self) -> float:
+        return self.admit_s + self.step_s + self.free_s
+
+    @property
+    def rate(self) -> float:
+        """Decode tokens appended per second of pool time, admissions and frees included."""
+        return self.appended / self.pool_s
+
+
+class Manager(Protocol):
+    """The calls a replay makes, adapted to one block manager."""
+
+    def allocate(self, seq: int, prompt: npt.NDArray[np.int64]) -> int:
+        """Admit `seq` with its prompt; the number of cached tokens."""
+
+    def step(self, seqs: list[int], tokens: npt.NDArray[np.int64], token_list: list[int]) -> None:
+        """Append one token to each of `seqs` (ids as an array and as a list)."""
+
+    def free(self, seq: int) -> None: ...
+
+    def num_free_blocks(self) -> int: ...
+
+
+class CoreManager:
+    """`BlockPool`: one batched call per decode step."""
+
+    def __init__(self, num_blocks: int = NUM_BLOCKS) -> None:
+        self.pool = BlockPool(num_blocks, BLOCK_SIZE, enable_prefix_caching=True)
+
+    def allocate(self, seq: int, prompt: npt.NDArray[np.int64]) -> int:
+        result = self.pool.allocate(seq, len(prompt), prompt)
+        assert not isinstance(result, NoFit)
+        return result.num_cached_tokens
+
+    def step(self, seqs: list[int], tokens: npt.NDArray[np.int64], token_list: list[int]) -> None:
+        assert not isinstance(self.pool.append_batch(seqs, 1, tokens), NoFit)
+
+    def free(self, seq: int) -> None:
+        self.pool.free(seq)
+
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+
+class ReferenceManager:
+    """`ReferenceBlockManager`: one call per sequence per token."""
+
+    def __init__(self, num_blocks: int = NUM_BLOCKS) -> None:
+        self.blocks = ReferenceBlockManager(num_blocks, BLOCK_SIZE)
+
+    def allocate(self, seq: int, prompt: npt.NDArray[np.int64]) -> int:
+        cached = self.blocks.allocate(seq, prompt)
+        assert cached is not None
+        return cached
+
+    def step(self, seqs: list[int], tokens: npt.NDArray[np.int64], token_list: list[int]) -> None:
+        append = self.blocks.append
+        for seq, token in zip(seqs, token_list, strict=True):
+            append(seq, token)
+
+    def free(self, seq: int) -> None:
+        self.blocks.free(seq)
+
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free_blocks
+
+
+def replay(manager: Manager, trace: list[Request], steps: int,
+           on_event: Callable[[str, Hashable, int], None] | None = None) -> Timing:
+    """Decode `steps` steps of `trace` with LIVE sequences in flight, timing the pool's calls.
+    `on_event(kind, seq, value)` sees each admission ("allocate", cached tokens) and free
+    ("free", free blocks after it), outside the timed calls."""
+    rng = np.random.default_rng(1)
+    queue = iter(enumerate(trace))
+    left: dict[int, int] = {}  # live sequence -> tokens still to generate
+    timing = Timing()
+    clock = time.perf_counter
+
+    def admit() -> None:
+        seq, req = next(queue)
+        start = clock()
+        cached = manager.allocate(seq, req.prompt)
+        timing.admit_s += clock() - start
+        timing.admissions += 1
+        left[seq] = req.output_len
+        if on_event is not None:
+            on_event("allocate", seq, cached)
+
+    for _ in range(LIVE):
+        admit()
+    for _ in range(steps):
+        seqs = list(left)
+        tokens = rng.integers(0, VOCAB, len(seqs), dtype=np.int64)
+        token_list = tokens.tolist()
+        start = clock()
+        manager.step(seqs, tokens, token_list)
+        timing.step_s += clock() - start
+        timing.steps += 1
+        timing.appended += len(seqs)
+        for seq in seqs:
+            left[seq] -= 1
+            if left[seq] == 0:
+                del left[seq]
+                start = clock()
+                manager.free(seq)
+                timing.free_s += clock() - start
+                timing.frees += 1
+                if on_event is not None:
+                    on_event("free", seq, manager.num_free_blocks())
+                admit()
+    return timing
+
+
+def median_run(runs: list[Timing]) -> Timing:
+    return sorted(runs, key=lambda run: run.rate)[len(runs) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000, help="decode steps per run")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side (median)")
+    parser.add_argument("--verbose", action="store_true", help="each run's phases")
+    args = parser.parse_args()
+
+    trace = make_trace(UNIFORM, num_requests=LIVE + args.steps * LIVE // 20, vocab=VOCAB)
+    runs: dict[str, list[Timing]] = {"core": [], "reference": []}
+    for _ in range(args.repeats):  # interleaved, so a noisy stretch hits both sides
+        for name, make in (("core", CoreManager), ("reference", ReferenceManager)):
+            manager = make()
+            gc.collect()
+            timing = replay(manager, trace, args.steps)
+            if isinstance(manager, ReferenceManager):
+                assert manager.blocks.evictions == 0, "the pool is too small: blocks were evicted"
+            runs[name].append(timing)
+            if args.verbose:
+                print(f"# {name}: {timing.rate:,.0f} appends/s; admit {timing.admit_s:.3f} s "
+                      f"({timing.admissions}), steps {timing.step_s:.3f} s ({timing.steps}), "
+                      f"free {timing.free_s:.3f} s ({timing.frees})")
+    core, reference = median_run(runs["core"]), median_run(runs["reference"])
+    ratio = statistics.median(run.rate for run in runs["core"]) / \
+        statistics.median(run.rate for run in runs["reference"])
+    print(f"core_trace_appends_per_s: {core.rate:.0f} appends/s")
+    print(f"reference_trace_appends_per_s: {reference.rate:.0f} appends/s")
+    print(f"core_vs_reference_ratio: {ratio:.3f} ratio")
+
+
+if __name__ == "__main__":
+    main()
