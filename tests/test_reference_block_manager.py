@@ -45,7 +45,7 @@ def prompts_and_outputs(num_requests: int) -> list[tuple[int, np.ndarray, int]]:
 def test_reference_agrees_with_block_pool() -> None:
     pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
     ref = ReferenceBlockManager(NUM_BLOCKS, BLOCK_SIZE)
-    queue = iter(enumerate(prompts_and_outputs(400)))
+    queue = iter(enumerate(prompts_and_outputs(250)))
     live: dict[int, tuple[int, int, int]] = {}  # seq -> (prompt id, tokens held, tokens left)
     cached_total = 0
 
