@@ -7,8 +7,10 @@ through `ReferenceBlockManager` (nano-vllm's design, xxhash64 keys, written for 
 sequences, prompts uniform in [20, 300] tokens with their token ids, outputs uniform in
 [20, 650], B = 16, prefix caching on, a pool large enough that no cached block is ever evicted.
 A finished sequence is freed and the next request admitted. The core gets one `append_batch`
-over all live sequences per decode step, `allocate` with the prompt's ids on admission and
-`free` on finish; the reference gets one `append` call per sequence per token.
+over all live sequences per decode step, preceded by `commit` over the same sequences (the
+service's Step with commit: the blocks the previous forward computed become matchable), `allocate`
+with the prompt's ids on admission and `free` on finish; the reference gets one `append` call per
+sequence per token and keys a block as soon as it fills (it has no pending state).
 
 Only the pool's own calls are timed (admissions, decode steps, frees: the whole trace); a rate
 is decode tokens appended / that time (wall clock; `--clock cpu` counts this thread's CPU time
@@ -78,7 +80,7 @@ class Manager(Protocol):
 
 
 class CoreManager:
-    """`BlockPool`: one batched call per decode step."""
+    """`BlockPool`: one commit and one batched append per decode step."""
 
     def __init__(self, num_blocks: int = NUM_BLOCKS) -> None:
         self.pool = BlockPool(num_blocks, BLOCK_SIZE, enable_prefix_caching=True)
@@ -89,6 +91,9 @@ class CoreManager:
         return result.num_cached_tokens
 
     def step(self, seqs: list[int], tokens: npt.NDArray[np.int64], token_list: list[int]) -> None:
+        # As the service's Step(commit=True): what the last forward computed becomes matchable
+        # (the prompts admitted since, the blocks the last step filled), then the append.
+        self.pool.commit(seqs)
         assert not isinstance(self.pool.append_batch(seqs, 1, tokens), NoFit)
 
     def free(self, seq: int) -> None:

@@ -6,7 +6,8 @@ with shared prefixes, repeated prompts, greedy-like continuations (identical pro
 identical tokens, so decode fills blocks whose content is already cached) and a pool small
 enough that cached blocks get evicted, both must report the same cached tokens per admission,
 the same block tables, the same slot per decoded token, and the same free blocks after every
-call.
+call. The reference keys a block as soon as it fills; the pool keys it pending until `commit`,
+so the replay commits right after every allocation and step.
 """
 
 import numpy as np
@@ -64,6 +65,7 @@ def test_reference_agrees_with_block_pool() -> None:
         result = pool.allocate(seq, len(prompt), prompt)
         cached = ref.allocate(seq, prompt)
         assert not isinstance(result, NoFit) and cached is not None
+        pool.commit([seq])  # the reference keys blocks when they fill: commit at once too
         assert result.num_cached_tokens == cached, f"sequence {seq}"
         assert result.block_table == ref.block_table(seq)
         same_blocks(seq)
@@ -80,6 +82,7 @@ def test_reference_agrees_with_block_pool() -> None:
         tokens = [(live[seq][0] * 7919 + live[seq][1]) % VOCAB for seq in seqs]
         result = pool.append_batch(seqs, 1, np.array(tokens, dtype=np.int64))
         assert not isinstance(result, NoFit)
+        pool.commit(seqs)
         slots = [ref.append(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
         assert result.slot_mapping.tolist() == slots, f"step {steps}"
         same_blocks()
