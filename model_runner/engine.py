@@ -21,6 +21,7 @@ A step goes through three stages:
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -145,7 +146,8 @@ class StepEngine:
         self._sessions: dict[str, SessionSequences] = {}
         # One step at a time per session: its sequences' states must not race.
         self._session_locks: dict[str, asyncio.Lock] = {}
-        self._ready: list[_Prepared] = []
+        # Prepared steps waiting for a forward, in arrival order.
+        self._ready: deque[_Prepared] = deque()
         self._wake = asyncio.Event()
         self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-forward")
         self._loop_task: asyncio.Task[None] | None = None
@@ -382,7 +384,7 @@ class StepEngine:
         tokens = 0
         while self._ready and (not batch or tokens + self._ready[0].num_tokens
                                <= self.max_batch_tokens):
-            prepared = self._ready.pop(0)
+            prepared = self._ready.popleft()
             batch.append(prepared)
             tokens += prepared.num_tokens
         return batch
