@@ -1,0 +1,85 @@
+"""Drives a StepEngine the way a client would, for tests: steps until each sequence has sampled n.
+
+    decoded = await decode(engine, session_id, [new(1, prompt, GREEDY)], n=8)
+    decoded[1].tokens    # the 8 sampled tokens
+    decoded[1].results   # every SeqResult of sequence 1, sampled or not
+
+A recording runner keeps the chunks and logits of every forward, so tests can check what was
+computed (a cached prefix is not) and compare logits with transformers'.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from pagedkv.client import SamplingParams
+from pagedkv.model_runner.attention_backend import AttentionBackend
+from pagedkv.model_runner.engine import SeqRequest, SeqResult, StepEngine
+from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
+
+
+@dataclass
+class Decoded:
+    """What decoding one sequence through the engine gave."""
+
+    # The sampled tokens, in order.
+    tokens: list[int]
+    # Every result the engine returned for the sequence, sampled or not.
+    results: list[SeqResult]
+
+
+def new(seq_id: int, prompt: Sequence[int], params: SamplingParams,
+        max_compute_tokens: int = 0) -> SeqRequest:
+    """The first step of a new sequence."""
+    return SeqRequest(seq_id, True, tuple(prompt), max_compute_tokens, params)
+
+
+async def decode(engine: StepEngine, session_id: str, first: Sequence[SeqRequest], n: int,
+                 release: bool = True) -> dict[int, Decoded]:
+    """Step `first`, then keep stepping every sequence (its last token once one is sampled,
+    else nothing, to go on with a chunked prefill) until each has sampled n tokens. A sequence
+    leaves the batch once done, released on its last step when `release`."""
+    requests = {r.seq_id: r for r in first}
+    decoded = {r.seq_id: Decoded([], []) for r in first}
+    pending: list[SeqRequest] = list(first)
+    while pending:
+        finishing = [r.seq_id for r in pending if len(decoded[r.seq_id].tokens) == n - 1]
+        results = await engine.step(session_id, pending, release=finishing if release else ())
+        pending = []
+        for result in results:
+            seq = decoded[result.seq_id]
+            seq.results.append(result)
+            if result.sampled:
+                seq.tokens.append(result.token_id)
+            if len(seq.tokens) == n:
+                continue
+            request = requests[result.seq_id]
+            tokens = (seq.tokens[-1],) if result.sampled else ()
+            pending.append(SeqRequest(result.seq_id, False, tokens, request.max_compute_tokens,
+                                      request.params))
+    return decoded
+
+
+class RecordingRunner(ModelRunner):
+    """A runner that remembers the chunks and the logits of every forward it ran."""
+
+    def __init__(self, model: PreTrainedModel, pool: torch.Tensor, block_size: int,
+                 backend: AttentionBackend) -> None:
+        super().__init__(model, pool, block_size, backend)
+        # The chunks of each forward, and its logits: [S, V] for S chunks.
+        self.chunks: list[list[SequenceChunk]] = []
+        self.logits: list[torch.Tensor] = []
+
+    def step(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+        logits = super().step(chunks)
+        self.chunks.append(list(chunks))
+        self.logits.append(logits)  # [S, V]
+        return logits
+
+
+def recorder(engine: StepEngine) -> RecordingRunner:
+    """The engine's runner, which must be a RecordingRunner."""
+    assert isinstance(engine.runner, RecordingRunner)
+    return engine.runner

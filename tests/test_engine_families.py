@@ -1,0 +1,390 @@
+"""Every supported model family through the StepEngine over a real pagedkvd, against transformers.
+
+Ten families, each random-initialized (fp32, initializer_range 0.2) from a tiny config: Llama
+(GQA, RoPE), Qwen2 (qkv bias), Qwen3 (q/k norm), Mistral, Gemma (scaled embeddings), Gemma2
+(soft caps, query_pre_attn_scalar), Phi3 (fused qkv), GPT-2 and OPT (learned positions), GPT-NeoX
+(partial rotary). Their KV geometry is the same (2 layers, 2 KV heads, head_dim 32, float32:
+GQA families have 4 query heads of 32, the others 2), so one daemon, its pool laid out from the
+Llama config.json, serves them all.
+
+The engine runs in-process on the test's event loop; each test opens its own session (its own
+cache salt, so tests never share cached blocks). Per family:
+- greedy tokens of a ragged batch of three prompts decoded together equal transformers'
+  `generate(do_sample=False)` with eager attention, and the logits of every position the engine
+  sampled from equal an eager forward's within 1e-4;
+- chunked prefill, a prompt served from the prefix cache, a forked sequence and a freed and
+  recomputed sequence generate those same tokens.
+"""
+
+import copy
+import functools
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import pytest
+import torch
+from engine_driver import RecordingRunner, decode, new, recorder
+from pagedkvd_process import Pagedkvd, pagedkvd
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GemmaConfig,
+    GemmaForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from pagedkv.client import PoolClient, SamplingParams, Session
+from pagedkv.model_runner.attention_backend import get_backend
+from pagedkv.model_runner.engine import (
+    InvalidStep,
+    SeqRequest,
+    SeqResult,
+    StepEngine,
+    UnknownSequence,
+)
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 128
+VOCAB = 128
+NEW_TOKENS = 8
+# Inside one block, just past one, just past two: prefill and decode cross block boundaries.
+PROMPT_LENS = (5, 17, 33)
+LOGITS_ATOL = 1e-4
+# Greedy, with the whole raw distribution (logprobs of every token of the vocabulary).
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=VOCAB)
+
+# Shared by every config: two layers, no special tokens (generate must neither stop early nor
+# infer an attention mask from a pad id), a wide initialization so logits are far from uniform.
+COMMON = {"vocab_size": VOCAB, "num_hidden_layers": 2, "max_position_embeddings": 256,
+          "eos_token_id": None, "bos_token_id": None, "pad_token_id": None}
+# GQA families: 4 query heads sharing 2 KV heads of 32.
+GQA = {**COMMON, "hidden_size": 128, "intermediate_size": 128, "num_attention_heads": 4,
+       "num_key_value_heads": 2, "head_dim": 32, "initializer_range": 0.2}
+# Families without GQA: 2 heads of 32.
+MHA = {**COMMON, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+       "initializer_range": 0.2}
+FAMILIES: dict[str, tuple[type[PreTrainedModel], PretrainedConfig]] = {
+    "llama": (LlamaForCausalLM, LlamaConfig(**GQA)),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config(**GQA)),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**GQA)),
+    # A window shorter than the longer prompts (else Mistral is Llama): chunks, cached prefixes
+    # and forks all attend through it.
+    "mistral": (MistralForCausalLM, MistralConfig(sliding_window=12, **GQA)),
+    # Gemma scales its embeddings by sqrt(hidden_size); with the output layer tied to them, a
+    # tiny random Gemma predicts its input token again and again: untied, its tokens vary.
+    "gemma": (GemmaForCausalLM, GemmaConfig(tie_word_embeddings=False, **GQA)),
+    # Soft caps small enough to bend the scores; the attention scale is not head_dim's.
+    "gemma2": (Gemma2ForCausalLM, Gemma2Config(attn_logit_softcapping=5.0,
+                                               final_logit_softcapping=8.0,
+                                               query_pre_attn_scalar=24,
+                                               tie_word_embeddings=False, **GQA)),
+    "phi3": (Phi3ForCausalLM, Phi3Config(**{k: v for k, v in GQA.items() if k != "head_dim"})),
+    "gpt2": (GPT2LMHeadModel, GPT2Config(
+        vocab_size=VOCAB, n_positions=256, n_embd=64, n_layer=2, n_head=2, n_inner=128,
+        initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=None)),
+    # OPT initializes from init_std; its learned positions are offset by 2.
+    "opt": (OPTForCausalLM, OPTConfig(
+        ffn_dim=128, word_embed_proj_dim=64, init_std=0.2,
+        **{k: v for k, v in MHA.items() if k not in ("intermediate_size", "initializer_range")})),
+    # A quarter of each head's dimensions rotated (rotary_pct 0.25, NeoX's default).
+    "gpt_neox": (GPTNeoXForCausalLM, GPTNeoXConfig(rotary_pct=0.25, **MHA)),
+}
+
+
+# ------------------------------------------------------------------------------ the models
+
+
+@functools.cache
+def reference_model(family: str) -> PreTrainedModel:
+    """The family's model with transformers' eager attention: what the engine must agree with."""
+    model_class, config = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_class(copy.deepcopy(config)).eval()
+    model.set_attn_implementation("eager")
+    return model
+
+
+@functools.cache
+def paged_model(family: str) -> PreTrainedModel:
+    """The same weights, for the runner to switch to paged attention."""
+    return copy.deepcopy(reference_model(family))
+
+
+@functools.cache
+def expected_ids(family: str, prompt: tuple[int, ...], n: int = NEW_TOKENS) -> torch.Tensor:
+    """[1, len(prompt) + n] the prompt and its greedy continuation by transformers."""
+    ids = torch.tensor([prompt])
+    output: torch.Tensor = reference_model(family).generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+        do_sample=False)
+    return output
+
+
+def expected_tokens(family: str, prompt: Sequence[int], n: int = NEW_TOKENS) -> list[int]:
+    prompt = tuple(prompt)
+    return list(expected_ids(family, prompt, n)[0, len(prompt):].tolist())
+
+
+def eager_logits(family: str, prompt: Sequence[int]) -> torch.Tensor:
+    """[NEW_TOKENS, V] an eager forward's logits at every position greedy decoding sampled from:
+    the prompt's last token, then each generated token but the last."""
+    ids = expected_ids(family, tuple(prompt))
+    with torch.no_grad():
+        logits: torch.Tensor = reference_model(family)(ids[:, :-1]).logits
+    return logits[0, len(prompt) - 1:].float()
+
+
+# ---------------------------------------------------------------------------- the fixtures
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pagedkvd]:
+    """One pagedkvd for every family: their pools are laid out alike."""
+    config_dir = tmp_path_factory.mktemp("model")
+    FAMILIES["llama"][1].save_pretrained(config_dir)
+    with pagedkvd("--model-config", str(config_dir / "config.json"), "--dtype", "float32",
+                  "--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS)) as running:
+        yield running
+        assert running.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[tuple[int, ...]]:
+    generator = torch.Generator().manual_seed(1)
+    return [tuple(torch.randint(0, VOCAB, (n,), generator=generator).tolist())
+            for n in PROMPT_LENS]
+
+
+@pytest.fixture
+async def client(daemon: Pagedkvd) -> AsyncIterator[PoolClient]:
+    async with await PoolClient.connect(daemon.unix_target) as connected:
+        yield connected
+
+
+@pytest.fixture
+async def session(client: PoolClient) -> AsyncIterator[Session]:
+    async with await client.open_session("engine-families") as opened:
+        yield opened
+
+
+@pytest.fixture
+async def engine(client: PoolClient, family: str) -> AsyncIterator[StepEngine]:
+    """An engine over the family's paged model (`family` comes from the test's parameters)."""
+    runner = RecordingRunner.attach(paged_model(family), await client.pool_info(),
+                                    get_backend("torch"))
+    started = StepEngine(client, runner)
+    await started.start()
+    yield started
+    await started.stop()
+
+
+def greedy(seq_id: int, prompt: Sequence[int], max_compute_tokens: int = 0) -> SeqRequest:
+    return new(seq_id, prompt, GREEDY, max_compute_tokens)
+
+
+def full_logprobs(result: SeqResult) -> torch.Tensor:
+    """[V] the raw log-distribution a result reports (logprobs=VOCAB: every token)."""
+    assert len(result.top_token_ids) == VOCAB
+    logprobs = torch.full((VOCAB,), float("nan"))
+    logprobs[list(result.top_token_ids)] = torch.tensor(result.top_logprobs)
+    return logprobs
+
+
+FAMILY_NAMES = list(FAMILIES)
+
+
+# ------------------------------------------------------------------------------- the tests
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+async def test_ragged_batch_matches_eager_generate_and_logits(
+    family: str, session: Session, engine: StepEngine,
+    prompts: list[tuple[int, ...]],
+) -> None:
+    """Three prompts of 5, 17 and 33 tokens prefilled in one forward, then decoded together.
+
+    Logits, two ways: the runner's raw logits of each sampled row (every step computes all three
+    sequences, in request order) against an eager forward; and what a client sees, the engine's
+    logprobs of the whole vocabulary, against log_softmax of the eager logits."""
+    decoded = await decode(engine, session.session_id,
+                           [greedy(i, prompt) for i, prompt in enumerate(prompts)], NEW_TOKENS)
+    runner = recorder(engine)
+    assert len(runner.logits) == NEW_TOKENS
+    for i, prompt in enumerate(prompts):
+        assert decoded[i].tokens == expected_tokens(family, prompt), f"prompt {len(prompt)}"
+        eager = eager_logits(family, prompt)  # [NEW_TOKENS, V]
+        paged = torch.stack([logits[i] for logits in runner.logits])
+        torch.testing.assert_close(paged, eager, atol=LOGITS_ATOL, rtol=0)
+        reported = torch.stack([full_logprobs(r) for r in decoded[i].results])
+        torch.testing.assert_close(reported, torch.log_softmax(eager, dim=-1),
+                                   atol=LOGITS_ATOL, rtol=0)
+        assert [r.logprob for r in decoded[i].results] == [
+            r.top_logprobs[0] for r in decoded[i].results]  # greedy: the most likely token
+    assert (await session.stats()).session.num_sequences == 0  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+async def test_chunked_prefill_generates_the_same_tokens(
+    family: str, session: Session, engine: StepEngine,
+    prompts: list[tuple[int, ...]],
+) -> None:
+    """At most 7 tokens per sequence and step: the 33-token prompt takes five steps (7, 7, 7, 7,
+    5) and samples only on the last, while the 5-token prompt already decodes beside it."""
+    decoded = await decode(engine, session.session_id,
+                           [greedy(i, prompt, max_compute_tokens=7)
+                            for i, prompt in enumerate(prompts)], NEW_TOKENS)
+    longest = decoded[2].results
+    assert [r.num_computed for r in longest[:5]] == [7, 14, 21, 28, 33]
+    assert [r.sampled for r in longest[:5]] == [False, False, False, False, True]
+    assert [len(chunk.token_ids) for chunk in recorder(engine).chunks[0]] == [5, 7, 7]
+    for i, prompt in enumerate(prompts):
+        assert decoded[i].tokens == expected_tokens(family, prompt), f"prompt {len(prompt)}"
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+async def test_a_cached_prefix_computes_fewer_tokens_and_the_same_output(
+    family: str, session: Session, engine: StepEngine, prompts: list[tuple[int, ...]],
+) -> None:
+    """A 33-token prompt generated and released (its computed blocks committed, then cached);
+    then, in one step, that prompt plus 7 more tokens and its first 32 tokens alone. Both find
+    the two blocks in the cache: the first computes only its other 8 tokens, the second, all of
+    whose tokens are cached, recomputes its last token for the logits without writing it (slot
+    -1). Their tokens are those of the same prompts computed fresh."""
+    prompt = prompts[2]
+    first = await decode(engine, session.session_id, [greedy(1, prompt)], NEW_TOKENS)
+    assert first[1].tokens == expected_tokens(family, prompt)
+    assert first[1].results[0].num_cached == 0
+    longer, whole_blocks = (*prompt, *prompts[1][:7]), prompt[:2 * BLOCK_SIZE]
+    runner = recorder(engine)
+    runner.chunks = []
+    again = await decode(engine, session.session_id,
+                         [greedy(2, longer), greedy(3, whole_blocks)], NEW_TOKENS)
+    assert [again[i].results[0].num_cached for i in (2, 3)] == [2 * BLOCK_SIZE] * 2
+    suffix, last = runner.chunks[0]
+    assert (suffix.start, len(suffix.token_ids)) == (2 * BLOCK_SIZE, len(longer) - 32)
+    assert (last.start, list(last.token_ids), list(last.slot_mapping)) == (
+        31, [prompt[31]], [-1])
+    assert again[2].tokens == expected_tokens(family, longer)
+    assert again[3].tokens == expected_tokens(family, whole_blocks)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+async def test_a_forked_sequence_continues_like_its_parent(
+    family: str, session: Session, engine: StepEngine,
+    prompts: list[tuple[int, ...]],
+) -> None:
+    """The parent (17-token prompt) samples 3 tokens; the client forks it in the daemon (the
+    shared last block holds 19 tokens' K/V, partly filled), then steps parent and child
+    together, the child naming its parent on its first step: both continue with the parent's
+    greedy tokens, each appending into its own copy of the last block."""
+    prompt = prompts[1]
+    head = await decode(engine, session.session_id, [greedy(1, prompt)], n=3,
+                        release=False)
+    forked = await session.fork(1, 2)
+    assert forked.num_tokens == len(prompt) + 2  # the third token is not appended yet
+    last = head[1].tokens[-1]
+    tails = await decode(engine, session.session_id, [
+        SeqRequest(1, False, (last,), 0, GREEDY),
+        SeqRequest(2, False, (last,), 0, GREEDY, parent_seq_id=1)], n=NEW_TOKENS - 3)
+    expected = expected_tokens(family, prompt)
+    assert head[1].tokens + tails[1].tokens == expected
+    assert head[1].tokens + tails[2].tokens == expected
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+async def test_a_freed_and_recomputed_sequence_gives_the_same_tokens(
+    family: str, client: PoolClient, session: Session, engine: StepEngine,
+    prompts: list[tuple[int, ...]],
+) -> None:
+    """A sequence preempted after 4 tokens (released), then recomputed as a new sequence of the
+    same id holding prompt + those tokens, continues as if never interrupted: in its session,
+    from its committed blocks (one full block cached), and in a fresh session, from nothing."""
+    prompt = prompts[1]
+    expected = expected_tokens(family, prompt)
+    head = await decode(engine, session.session_id, [greedy(1, prompt)], n=4)
+    assert head[1].tokens == expected[:4]
+    resumed = (*prompt, *head[1].tokens)
+    cached = await decode(engine, session.session_id, [greedy(1, resumed)], n=NEW_TOKENS - 4)
+    assert cached[1].results[0].num_cached == BLOCK_SIZE
+    assert head[1].tokens + cached[1].tokens == expected
+    async with await client.open_session("engine-families-fresh") as fresh:
+        recomputed = await decode(engine, fresh.session_id, [greedy(1, resumed)],
+                                  n=NEW_TOKENS - 4)
+    assert recomputed[1].results[0].num_cached == 0
+    assert head[1].tokens + recomputed[1].tokens == expected
+
+
+# ---------------------------------------------------- engine bugs found here (Llama suffices)
+
+
+@pytest.mark.xfail(strict=True, raises=UnknownSequence, reason=(
+    "StepEngine._learn looks the parent up as `known.get(request.parent_seq_id or -1)`: "
+    "parent_seq_id=0, a valid uint64 id (RunnerClient sends has_parent=True for it), is taken "
+    "for 'no parent' and the fork's first step raises UnknownSequence"))
+@pytest.mark.parametrize("family", ["llama"])
+async def test_a_fork_of_sequence_zero_continues_like_its_parent(
+    family: str, session: Session, engine: StepEngine, prompts: list[tuple[int, ...]],
+) -> None:
+    prompt = prompts[1]
+    head = await decode(engine, session.session_id, [greedy(0, prompt)], 3, release=False)
+    await session.fork(0, 1)
+    last = head[0].tokens[-1]
+    tails = await decode(engine, session.session_id, [
+        SeqRequest(0, False, (last,), 0, GREEDY),
+        SeqRequest(1, False, (last,), 0, GREEDY, parent_seq_id=0)], NEW_TOKENS - 3)
+    expected = expected_tokens(family, prompt)
+    assert head[0].tokens + tails[0].tokens == head[0].tokens + tails[1].tokens == expected
+
+
+@pytest.mark.xfail(strict=True, raises=InvalidStep, reason=(
+    "StepEngine._learn gives a fork its parent's whole current history: once the parent has "
+    "stepped past the fork point, the daemon's count (the fork point) and the parent's disagree "
+    "and the child's first step is refused, though the child's history is a prefix of the "
+    "parent's (tokens[:num_tokens], num_computed capped at num_tokens)"))
+@pytest.mark.parametrize("family", ["llama"])
+async def test_a_fork_first_stepped_after_its_parent_continues_like_it(
+    family: str, session: Session, engine: StepEngine, prompts: list[tuple[int, ...]],
+) -> None:
+    """Beam search or a token budget may step the parent before the child it just forked."""
+    prompt = prompts[1]
+    head = await decode(engine, session.session_id, [greedy(1, prompt)], 3, release=False)
+    await session.fork(1, 2)
+    last = head[1].tokens[-1]
+    parent = await decode(engine, session.session_id, [SeqRequest(1, False, (last,), 0, GREEDY)],
+                          NEW_TOKENS - 3, release=False)
+    child = await decode(engine, session.session_id, [
+        SeqRequest(2, False, (last,), 0, GREEDY, parent_seq_id=1)], NEW_TOKENS - 3)
+    assert head[1].tokens + parent[1].tokens == head[1].tokens + child[2].tokens == (
+        expected_tokens(family, prompt))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "StepEngine._finish drops from `release` every id the runner does not know, without a "
+    "word: a sequence the client forked in the daemon and released before stepping it (a "
+    "pruned beam) stays allocated until the session closes"))
+@pytest.mark.parametrize("family", ["llama"])
+async def test_releasing_a_fork_never_stepped_frees_it(
+    family: str, session: Session, engine: StepEngine, prompts: list[tuple[int, ...]],
+) -> None:
+    await decode(engine, session.session_id, [greedy(1, prompts[1])], 1, release=False)
+    await session.fork(1, 2)
+    await engine.step(session.session_id, [], release=[1, 2])
+    stats = (await session.stats()).session
+    assert stats is not None
+    assert stats.num_sequences == 0
