@@ -240,14 +240,16 @@ class StepEngine:
         reply = await self.pool.call(self.pool.stub.GetBlockTables, lambda: (
             pb.GetBlockTablesRequest(session_id=session_id, seq_ids=[r.seq_id for r in unknown])))
         for request in unknown:
-            if known.get(request.parent_seq_id or -1) is None and request.history is None:
+            if self._parent(known, request) is None and request.history is None:
                 raise UnknownSequence(
                     f"sequence {request.seq_id} is unknown to the runner (forked, or the runner "
                     "restarted): name its parent_seq_id, or resend it with its history")
         for request, table in zip(unknown, reply.tables, strict=True):
-            parent = known.get(request.parent_seq_id or -1)
-            if parent is not None:
-                history = History(tuple(parent.tokens), parent.prompt_len, parent.num_computed)
+            parent = self._parent(known, request)
+            if parent is not None:  # a fork holds the parent's first num_tokens tokens
+                n = table.num_tokens
+                history = History(tuple(parent.tokens[:n]), min(parent.prompt_len, n),
+                                  min(parent.num_computed, n))
             else:
                 assert request.history is not None
                 history = request.history
@@ -259,6 +261,10 @@ class StepEngine:
                                   f"{len(history.token_ids)}")
             known.put(request.seq_id, SeqState(list(history.token_ids), history.prompt_len,
                                                history.num_computed, list(table.block_ids)))
+
+    @staticmethod
+    def _parent(known: SessionSequences, request: SeqRequest) -> SeqState | None:
+        return None if request.parent_seq_id is None else known.get(request.parent_seq_id)
 
     async def _decode_step(self, session_id: str, known: SessionSequences,
                            requests: Sequence[SeqRequest]) -> list[SeqState]:
@@ -464,4 +470,8 @@ class StepEngine:
             await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
                 session_id=session_id, ops=[op.batch_op() for op in ops]))
         known.drop(released)
+        for seq_id in set(release) - set(released):  # never stepped here (a pruned fork)
+            request = pb.FreeRequest(session_id=session_id, seq_id=seq_id)
+            with contextlib.suppress(SequenceNotFound):
+                await self.pool.call(self.pool.stub.Free, lambda: request)
 

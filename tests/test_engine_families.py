@@ -52,11 +52,9 @@ from transformers import (
 from pagedkv.client import PoolClient, SamplingParams, Session
 from pagedkv.model_runner.attention_backend import get_backend
 from pagedkv.model_runner.engine import (
-    InvalidStep,
     SeqRequest,
     SeqResult,
     StepEngine,
-    UnknownSequence,
 )
 
 BLOCK_SIZE = 16
@@ -330,13 +328,9 @@ async def test_a_freed_and_recomputed_sequence_gives_the_same_tokens(
     assert head[1].tokens + recomputed[1].tokens == expected
 
 
-# ---------------------------------------------------- engine bugs found here (Llama suffices)
+# ------------------------------------- forks and releases at the edges (Llama suffices)
 
 
-@pytest.mark.xfail(strict=True, raises=UnknownSequence, reason=(
-    "StepEngine._learn looks the parent up as `known.get(request.parent_seq_id or -1)`: "
-    "parent_seq_id=0, a valid uint64 id (RunnerClient sends has_parent=True for it), is taken "
-    "for 'no parent' and the fork's first step raises UnknownSequence"))
 @pytest.mark.parametrize("family", ["llama"])
 async def test_a_fork_of_sequence_zero_continues_like_its_parent(
     family: str, session: Session, engine: StepEngine, prompts: list[tuple[int, ...]],
@@ -352,11 +346,6 @@ async def test_a_fork_of_sequence_zero_continues_like_its_parent(
     assert head[0].tokens + tails[0].tokens == head[0].tokens + tails[1].tokens == expected
 
 
-@pytest.mark.xfail(strict=True, raises=InvalidStep, reason=(
-    "StepEngine._learn gives a fork its parent's whole current history: once the parent has "
-    "stepped past the fork point, the daemon's count (the fork point) and the parent's disagree "
-    "and the child's first step is refused, though the child's history is a prefix of the "
-    "parent's (tokens[:num_tokens], num_computed capped at num_tokens)"))
 @pytest.mark.parametrize("family", ["llama"])
 async def test_a_fork_first_stepped_after_its_parent_continues_like_it(
     family: str, session: Session, engine: StepEngine, prompts: list[tuple[int, ...]],
@@ -374,10 +363,6 @@ async def test_a_fork_first_stepped_after_its_parent_continues_like_it(
         expected_tokens(family, prompt))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "StepEngine._finish drops from `release` every id the runner does not know, without a "
-    "word: a sequence the client forked in the daemon and released before stepping it (a "
-    "pruned beam) stays allocated until the session closes"))
 @pytest.mark.parametrize("family", ["llama"])
 async def test_releasing_a_fork_never_stepped_frees_it(
     family: str, session: Session, engine: StepEngine, prompts: list[tuple[int, ...]],
