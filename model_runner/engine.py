@@ -20,6 +20,7 @@ A step goes through three stages:
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -471,7 +472,7 @@ class StepEngine:
                 session_id=session_id, ops=[op.batch_op() for op in ops]))
         known.drop(released)
         for seq_id in set(release) - set(released):  # never stepped here (a pruned fork)
-            request = pb.FreeRequest(session_id=session_id, seq_id=seq_id)
+            free = functools.partial(pb.FreeRequest, session_id=session_id, seq_id=seq_id)
             with contextlib.suppress(SequenceNotFound):
-                await self.pool.call(self.pool.stub.Free, lambda: request)
+                await self.pool.call(self.pool.stub.Free, free)
 
