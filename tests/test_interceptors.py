@@ -144,10 +144,49 @@ async def test_outcomes_are_counted_and_logged_without_the_session_secret(
             for line in rpc_lines] == [
         ("OpenSession", "OK", "debug", None), ("Allocate", "OK", "debug", "#1"),
         ("Append", "NOT_FOUND", "warning", "#1"), ("GetStats", "UNKNOWN", "warning", "#1"),
-        ("Allocate", "UNAUTHENTICATED", "warning", "#1")]
+        # Refused before its request is parsed, so the line cannot name the session.
+        ("Allocate", "UNAUTHENTICATED", "warning", None)]
     # The bug's traceback is logged once, by the interceptor.
     assert [line["method"] for line in lines if line["event"] == "rpc_failed"] == ["GetStats"]
     assert sid.rpartition("-")[2] not in log_stream.getvalue()
+
+
+async def test_malformed_requests_are_invalid_argument_counted_and_logged_rarely(
+    daemon: Daemon, log_stream: io.StringIO,
+) -> None:
+    # Bytes that are no protobuf message: a field tag whose varint never ends.
+    garbage = b"\xff" * 12
+    assert daemon.tcp_target is not None
+    async with grpc.aio.insecure_channel(daemon.tcp_target) as channel:
+        allocate = channel.unary_unary("/pagedkv.v1.KVPool/Allocate")
+        for _ in range(20):  # no token: refused before the bytes are looked at
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await allocate(garbage)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for _ in range(30):  # with the token: INVALID_ARGUMENT, not UNKNOWN
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await allocate(garbage, metadata=bearer(TOKEN))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid Allocate message" in str(refused.value.details())
+    async with grpc.aio.insecure_channel(daemon.unix_target) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await channel.unary_unary("/pagedkv.v1.KVPool/Allocate")(garbage)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    def calls(code: str) -> float | None:
+        labels = {"service": KVPOOL, "method": "Allocate", "code": code}
+        return daemon.registry.get_sample_value("pagedkv:rpc_requests_total", labels)
+
+    assert calls("UNAUTHENTICATED") == 20
+    assert calls("INVALID_ARGUMENT") == 31
+    assert calls("UNKNOWN") is None
+    lines = [json.loads(line) for line in log_stream.getvalue().splitlines()]
+    # One line for 31 malformed requests within the rate window, no traceback, no error.
+    malformed = [line for line in lines if line["event"] == "malformed_requests"]
+    assert [(line["level"], line["count"]) for line in malformed] == [("warning", 1)]
+    assert not [line for line in lines if line["level"] in ("error", "critical")]
+    assert not [line for line in lines if "exception" in line]
+    assert daemon.pool.stats().num_sequences == 0
 
 
 @pytest.mark.parametrize(
