@@ -30,6 +30,10 @@ SOCKET_NAME = "pagedkvd.sock"
 SIZING_KEYS = ("num_blocks", "kv_memory", "kv_fraction")
 # Longest lease a session may ask for (longer requests are clamped to it).
 MAX_LEASE_TTL_MS = 600_000
+# Mode of the daemon's unix sockets: the owner and its group (the runners) may connect.
+DEFAULT_SOCKET_MODE = 0o660
+# Permission bits for "every local user": refused on the socket and on the pool file.
+WORLD_BITS = 0o007
 
 T = TypeVar("T")
 
@@ -85,10 +89,16 @@ class DaemonConfig:
     # map it; 0o600 keeps it to the daemon's user.
     shm_mode: int = 0o600
 
+    # ---- Access: who may connect and as which tenant (modes, TLS, tenants). ----
+    # Permission bits of the unix sockets, whatever the umask: 0o660 lets the daemon's group
+    # connect (a unix caller needs no token, so this mode is the access control).
+    socket_mode: int = DEFAULT_SOCKET_MODE
+
     def __post_init__(self) -> None:
         self._check_access()
         self._check_pool()
         self._check_service()
+        self._check_modes()
 
     def _check_access(self) -> None:
         """Listeners parse, and TCP ones come with a usable token."""
@@ -120,9 +130,6 @@ class DaemonConfig:
             _check(canonical_dtype, self.dtype, "dtype")
         if not self.shm_dir.is_dir():
             raise ConfigError(f"shm_dir: {self.shm_dir} is not a folder")
-        if self.shm_mode & ~0o777 or self.shm_mode & 0o600 != 0o600:
-            raise ConfigError(f"shm_mode must be permission bits including owner rw (0o600), "
-                              f"got {oct(self.shm_mode)}")
 
     def _check_service(self) -> None:
         """Metrics address, logging and leases."""
@@ -135,6 +142,17 @@ class DaemonConfig:
         if not 0 < self.lease_ttl_ms <= MAX_LEASE_TTL_MS:
             raise ConfigError(f"lease_ttl_ms must be in 1..{MAX_LEASE_TTL_MS}, "
                               f"got {self.lease_ttl_ms}")
+
+    def _check_modes(self) -> None:
+        """The pool file and the sockets: owner rw, and nothing for every other user."""
+        for key in ("shm_mode", "socket_mode"):
+            mode = getattr(self, key)
+            if mode & ~0o777 or mode & 0o600 != 0o600:
+                raise ConfigError(f"{key} must be permission bits including owner rw (0o600), "
+                                  f"got {oct(mode)}")
+            if mode & WORLD_BITS:
+                raise ConfigError(f"{key} {oct(mode)} gives every local user access (every "
+                                  "tenant's K/V, or calls with no token); use 0o660 and a group")
 
     def listeners(self) -> list[ListenAddress]:
         """The parsed listen addresses."""
@@ -225,6 +243,7 @@ _TOML_KEYS: dict[str, Callable[[Any], Any]] = {
     "zero_freed_blocks": _toml_bool,
     "shm_dir": lambda v: Path(_toml_str(v)),
     "shm_mode": _toml_int,
+    "socket_mode": _toml_int,
 }
 assert set(_TOML_KEYS) == {f.name for f in fields(DaemonConfig)}, "a setting has no TOML key"
 
@@ -285,6 +304,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--zero-freed-blocks", action="store_true", help="zero blocks as they are released")
     opt("--shm-dir", type=Path, help="folder of the CPU pool file (default /dev/shm)")
     opt("--shm-mode", type=_octal, help="octal mode of the /dev/shm pool file (default 600)")
+    opt("--socket-mode", type=_octal, help="octal mode of the unix sockets (default 660)")
 
 
 def config_from_args(

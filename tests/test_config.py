@@ -71,8 +71,8 @@ def test_toml_then_flags_override(tmp_path: Path, token_file: Path) -> None:
 
 
 def test_octal_shm_mode_and_zeroing_flags() -> None:
-    config = parse(["--shm-mode", "640", "--zero-freed-blocks"])
-    assert config.shm_mode == 0o640 and config.zero_freed_blocks
+    config = parse(["--shm-mode", "640", "--zero-freed-blocks", "--socket-mode", "600"])
+    assert config.shm_mode == 0o640 and config.zero_freed_blocks and config.socket_mode == 0o600
 
 
 def test_a_sizing_flag_replaces_the_toml_sizing(tmp_path: Path) -> None:
@@ -130,6 +130,10 @@ def test_unusable_token_files_are_refused(
         (["--lease-ttl-ms", "600001"], "lease_ttl_ms must be in"),
         (["--shm-mode", "440"], "shm_mode must be permission bits including owner rw"),
         (["--shm-mode", "1777"], "shm_mode must be"),
+        (["--shm-mode", "666"], "shm_mode 0o666 gives every local user access"),
+        (["--shm-mode", "664"], "shm_mode 0o664 gives every local user access"),
+        (["--socket-mode", "777"], "socket_mode 0o777 gives every local user access"),
+        (["--socket-mode", "600", "--shm-mode", "606"], "shm_mode 0o606 gives every"),
         (["--shm-dir", "/nonexistent-dir"], "shm_dir: /nonexistent-dir is not a folder"),
         (["--listen", "unix://relative"], "unix:///absolute/path"),
         (["--listen", "unix:///" + "x" * 120], "socket path must be"),
