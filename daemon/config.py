@@ -80,8 +80,9 @@ class DaemonConfig:
     lease_ttl_ms: int = 10_000
     # Reuse the blocks of identical prompt prefixes across sequences.
     enable_prefix_caching: bool = True
-    # Zero every block released without committed content (pending ones included), as defense
-    # in depth; committed blocks kept in the prefix cache keep their K/V until evicted.
+    # Zero every block released without committed content (pending ones included), every
+    # cached block evicted for a new owner, and what a private-salt session left cached when it
+    # ends; committed blocks kept in the prefix cache keep their K/V while they are cached.
     zero_freed_blocks: bool = False
     # Folder of the CPU pool's shared-memory file: a tmpfs (or hugetlbfs) mount.
     shm_dir: Path = Path("/dev/shm")

@@ -17,8 +17,10 @@ old K/V still in it. That is safe without zeroing: the API returns block ids and
 contents; the attention kernels mask every slot past a sequence's length, so stale slots are
 never read; and only the trusted runner on this host maps the pool memory. For defense in
 depth, `zero_freed_blocks=True` zeroes every block the pool releases with no cached content
-(pending blocks included). Committed blocks kept in the prefix cache keep their content on
-purpose (that is the cache).
+(pending blocks included) and every cached block evicted for a new owner. Committed blocks
+kept in the prefix cache keep their content on purpose (that is the cache), except that a
+session with a private salt drops (and, with zeroing, zeroes) what it left cached when it
+ends, since no one else could hit it (`cache_hygiene.py`).
 
 Stats. GetStats gives pool-wide figures to any caller, and per-session figures only for the
 caller's own session: session ids are credentials, so no RPC lists other sessions.
@@ -43,6 +45,7 @@ from typing import TypeVar
 
 from pagedkv.process.log_setup import get_logger
 
+from .cache_hygiene import CacheHygiene
 from .core import BatchAppend, BlockPool, InvalidArgument, PoolError, PoolStats, SeqUpdate
 from .geometry import ModelGeometry
 from .operations import (
@@ -83,6 +86,8 @@ class PoolService:
         self.sessions = SessionRegistry(pool_id, default_lease_ttl_ms=default_lease_ttl_ms,
                                         max_lease_ttl_ms=max_lease_ttl_ms, clock=clock)
         self._ops = SessionOps(pool, self.limits, zero_freed_blocks)
+        # Private sessions' cached blocks dropped when they end; evicted blocks zeroed.
+        self._hygiene = CacheHygiene(pool, zero_freed_blocks)
         # Serializes every change of pool state, and the memory work that goes with it.
         self._lock = asyncio.Lock()
         # One thread: memory work runs in call order, off the event loop.
@@ -135,8 +140,10 @@ class PoolService:
         with self.pool.transaction() as journal:
             self.sessions.remove(session, expired=expired)
             journal.record(self.sessions.reinstate, session, expired)
-            for seq_id in list(session.seq_ids):
-                self._ops.free(session, seq_id, work)
+            with self._hygiene.watch(session, work):
+                for seq_id in list(session.seq_ids):
+                    self._ops.free(session, seq_id, work)
+            self._hygiene.session_ended(session, work)
             await self._perform(work)
         return count
 
@@ -163,7 +170,8 @@ class PoolService:
                 self.sessions.check_live(session)
                 work = MemoryWork()
                 with self.pool.transaction():
-                    result = change(session, work)
+                    with self._hygiene.watch(session, work):
+                        result = change(session, work)
                     await self._perform(work)
                 return result
         finally:
@@ -295,3 +303,4 @@ class PoolService:
                 f"{session.label} counts {session.table_entries} table entries, holds {entries}")
             live += len(keys)
         assert live == len(self.pool), "the pool holds sequences of no live session"
+        self._hygiene.check({session.number for session in self.sessions})

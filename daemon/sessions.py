@@ -69,6 +69,12 @@ class Session:
     in_flight: int = 0
 
     @property
+    def private_salt(self) -> bool:
+        """Whether the session's prefix-cache namespace is its own (it gave no cache_salt):
+        then no one else can ever hit the blocks it leaves cached."""
+        return self.salt == private_salt(self.session_id)
+
+    @property
     def label(self) -> str:
         """The name stats and logs use: not the id, which is a credential."""
         return f"{self.client_name}#{self.number}"
@@ -76,6 +82,11 @@ class Session:
     def key(self, seq_id: int) -> tuple[int, int]:
         """The pool's key for one of this session's sequences."""
         return (self.number, seq_id)
+
+
+def private_salt(session_id: str) -> bytes:
+    """The cache salt of a session that shares with no one."""
+    return b"session:" + session_id.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +148,7 @@ class SessionRegistry:
         number = next(self._numbers)
         session_id = f"{self.pool_id}-{number}-{secrets.token_hex(_SECRET_BYTES)}"
         # Distinct prefixes keep a client's salt from ever equalling a per-session default.
-        salt = b"client:" + cache_salt if cache_salt else b"session:" + session_id.encode()
+        salt = b"client:" + cache_salt if cache_salt else private_salt(session_id)
         session = Session(session_id=session_id, number=number, client_name=client_name,
                           lease_ttl_ms=ttl, deadline=self._clock() + ttl / 1000,
                           max_blocks=max_blocks, salt=salt)

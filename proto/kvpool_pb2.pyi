@@ -183,7 +183,9 @@ class OpenSessionRequest(_message.Message):
     max_blocks: _builtins.int
     """Quota on block-table entries held by the session's sequences; 0 = unlimited."""
     cache_salt: _builtins.bytes
-    """Sessions with equal non-empty salts share prefix-cache blocks; empty = share with no one."""
+    """Sessions with equal non-empty salts share prefix-cache blocks; empty = share with no one,
+    and what the session leaves cached is dropped when it ends (closed or expired).
+    """
     def __init__(
         self,
         *,
