@@ -17,6 +17,7 @@ from .errors import (
 from .ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
 from .runner_client import RunnerClient, SeqOutput, SeqStep
 from .sampling_params import SamplingParams
+from .tls import TlsOptions
 from .types import (
     BlockCopy,
     PoolInfo,
@@ -56,6 +57,7 @@ __all__ = [
     "SessionNotFound",
     "SessionStats",
     "StepResult",
+    "TlsOptions",
     "Unauthenticated",
     "UnknownSequence",
 ]

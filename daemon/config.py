@@ -20,6 +20,7 @@ from pagedkv.process.log_setup import LOG_FORMATS, LOG_LEVELS, LogFormat
 
 from .addresses import ListenAddress, parse_host_port, parse_listen
 from .geometry import canonical_dtype
+from .tls import ServerTls, load_server_tls
 from .units import parse_bytes
 
 # Pool size when nothing is said: 512 blocks of the tiny CPU geometry take 16 MiB.
@@ -54,7 +55,8 @@ def default_listen(env: Mapping[str, str]) -> tuple[str, ...]:
 class DaemonConfig:
     """Everything `pagedkvd` needs to start, checked on construction."""
 
-    # gRPC listeners: "unix:///path" or "host:port". TCP listeners require auth_token_file.
+    # gRPC listeners: "unix:///path" or "host:port". TCP listeners require auth_token_file,
+    # and TLS (tls_cert_file, tls_key_file) or insecure_tcp.
     listen: tuple[str, ...] = field(default_factory=lambda: default_listen(os.environ))
     # File holding the bearer token TCP clients must send; unix sockets rely on file modes.
     auth_token_file: Path | None = None
@@ -94,12 +96,20 @@ class DaemonConfig:
     # Permission bits of the unix sockets, whatever the umask: 0o660 lets the daemon's group
     # connect (a unix caller needs no token, so this mode is the access control).
     socket_mode: int = DEFAULT_SOCKET_MODE
+    # PEM certificate chain and private key TCP listeners serve TLS with (both or neither).
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    # PEM CA bundle: TCP clients must present a certificate it signed (mutual TLS).
+    tls_client_ca_file: Path | None = None
+    # Serve TCP without TLS (the token in clear): refused unless set; a warning at start.
+    insecure_tcp: bool = False
 
     def __post_init__(self) -> None:
         self._check_access()
         self._check_pool()
         self._check_service()
         self._check_modes()
+        self._check_tls()
 
     def _check_access(self) -> None:
         """Listeners parse, and TCP ones come with a usable token."""
@@ -154,6 +164,29 @@ class DaemonConfig:
             if mode & WORLD_BITS:
                 raise ConfigError(f"{key} {oct(mode)} gives every local user access (every "
                                   "tenant's K/V, or calls with no token); use 0o660 and a group")
+
+    def _check_tls(self) -> None:
+        """TLS files come as a pair and are usable; TCP listeners use TLS or say they do not."""
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("tls_cert_file and tls_key_file go together: give both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ConfigError("tls_client_ca_file (mutual TLS) needs tls_cert_file and "
+                              "tls_key_file")
+        self.server_tls()
+        tcp = any(lst.is_tcp for lst in self.listeners())
+        if tcp and self.tls_cert_file is None and not self.insecure_tcp:
+            raise ConfigError("listen: a TCP listener needs TLS (tls_cert_file and tls_key_file) "
+                              "or insecure_tcp = true (--insecure-tcp): without TLS the bearer "
+                              "token crosses the network in clear")
+
+    def server_tls(self) -> ServerTls | None:
+        """The TLS material of TCP listeners, read from the files; None without TLS."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        try:
+            return load_server_tls(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
     def listeners(self) -> list[ListenAddress]:
         """The parsed listen addresses."""
@@ -245,6 +278,10 @@ _TOML_KEYS: dict[str, Callable[[Any], Any]] = {
     "shm_dir": lambda v: Path(_toml_str(v)),
     "shm_mode": _toml_int,
     "socket_mode": _toml_int,
+    "tls_cert_file": lambda v: Path(_toml_str(v)),
+    "tls_key_file": lambda v: Path(_toml_str(v)),
+    "tls_client_ca_file": lambda v: Path(_toml_str(v)),
+    "insecure_tcp": _toml_bool,
 }
 assert set(_TOML_KEYS) == {f.name for f in fields(DaemonConfig)}, "a setting has no TOML key"
 
@@ -306,6 +343,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--shm-dir", type=Path, help="folder of the CPU pool file (default /dev/shm)")
     opt("--shm-mode", type=_octal, help="octal mode of the /dev/shm pool file (default 600)")
     opt("--socket-mode", type=_octal, help="octal mode of the unix sockets (default 660)")
+    opt("--tls-cert-file", type=Path, help="PEM certificate chain TCP listeners serve TLS with")
+    opt("--tls-key-file", type=Path, help="PEM private key of --tls-cert-file")
+    opt("--tls-client-ca-file", type=Path, help="PEM CA that TCP clients' certificates must "
+        "chain to (mutual TLS)")
+    opt("--insecure-tcp", action="store_true", help="allow TCP listeners without TLS (the "
+        "token is sent in clear; a warning is logged)")
 
 
 def config_from_args(

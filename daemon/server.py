@@ -53,6 +53,7 @@ from .metrics import PoolCollector, Readiness, RpcMetrics
 from .service import PoolService
 from .servicer import KVPoolServicer, add_to_server
 from .socket_files import SocketInUse, claim_socket_path, socket_umask
+from .tls import ServerTls
 from .units import format_bytes
 
 # How long in-flight calls may run after SIGTERM before they are cancelled. The unit's
@@ -114,7 +115,7 @@ async def _start(config: DaemonConfig, readiness: Readiness,
     token = None if config.auth_token_file is None else read_auth_token(config.auth_token_file)
     running = await stack.enter_async_context(
         grpc_server(service, config.listeners(), auth_token=token, rpc_metrics=rpc_metrics,
-                    socket_mode=config.socket_mode))
+                    socket_mode=config.socket_mode, tls=config.server_tls()))
     readiness.listeners_up = True
     if config.metrics_listen is not None:
         host, port = parse_host_port(config.metrics_listen)
@@ -205,12 +206,14 @@ def pool_num_blocks(config: DaemonConfig, geometry: ModelGeometry, dtype: str) -
 @contextlib.asynccontextmanager
 async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], *,
                       auth_token: str | None, rpc_metrics: RpcMetrics | None,
-                      socket_mode: int = DEFAULT_SOCKET_MODE) -> AsyncIterator[GrpcServer]:
+                      socket_mode: int = DEFAULT_SOCKET_MODE,
+                      tls: ServerTls | None = None) -> AsyncIterator[GrpcServer]:
     """The daemon's gRPC server for `service`, started on every listener and SERVING.
 
     Every call passes the interceptor (TCP calls need `auth_token`; a log line per call, and
     `rpc_metrics` when given); requests over MAX_MESSAGE_BYTES are refused. Unix sockets get
-    exactly `socket_mode` whatever the umask. Stopped, and the socket files it created
+    exactly `socket_mode` whatever the umask; TCP listeners serve TLS with `tls` (plaintext,
+    with a warning, without it). Stopped, and the socket files it created
     removed, on exit. serve() and the tests' daemon both use this.
     """
     server = grpc.aio.server(
@@ -229,7 +232,7 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
     try:
         targets = []
         for listener in listeners:
-            targets.append(_bind(server, listener, socket_mode))
+            targets.append(_bind(server, listener, socket_mode, tls))
             if listener.unix_path is not None:
                 own_sockets.append(listener.unix_path)
         await server.start()
@@ -242,11 +245,12 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
             path.unlink(missing_ok=True)
 
 
-def _bind(server: grpc.aio.Server, listener: ListenAddress, socket_mode: int) -> str:
+def _bind(server: grpc.aio.Server, listener: ListenAddress, socket_mode: int,
+          tls: ServerTls | None) -> str:
     """Add the listener's port; returns the target it serves (with the port TCP got)."""
     try:
         if listener.unix_path is None:
-            port = server.add_insecure_port(listener.target)
+            port = _bind_tcp(server, listener.target, tls)
             return f"{listener.target.rpartition(':')[0]}:{port}"
         claim_socket_path(listener.unix_path, socket_mode)
         with socket_umask(socket_mode):  # grpc binds (creates the file) here
@@ -258,6 +262,16 @@ def _bind(server: grpc.aio.Server, listener: ListenAddress, socket_mode: int) ->
     except RuntimeError as exc:
         raise StartupError(f"cannot listen on {listener.target}: address in use or "
                            "not permitted") from exc
+
+
+def _bind_tcp(server: grpc.aio.Server, target: str, tls: ServerTls | None) -> int:
+    """Add a TCP port, with TLS when given (else plaintext, with a warning); returns it."""
+    if tls is not None:
+        return server.add_secure_port(target, tls.credentials())
+    log.warning("plaintext TCP listener: bearer tokens cross the network in clear; serve TLS "
+                "(tls_cert_file, tls_key_file) unless a private network or a proxy protects it",
+                listen=target)
+    return server.add_insecure_port(target)
 
 
 async def _feed_watchdog(interval_s: float) -> None:

@@ -31,6 +31,7 @@ from pagedkv.daemon.kv_memory import KVPoolMemory
 from pagedkv.daemon.metrics import PoolCollector, RpcMetrics
 from pagedkv.daemon.server import grpc_server
 from pagedkv.daemon.service import PoolService
+from pagedkv.daemon.tls import ServerTls
 
 # The bearer token TCP callers of every test daemon must send.
 TOKEN = "s3cret-token"
@@ -60,9 +61,11 @@ class Daemon:
 
 @asynccontextmanager
 async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memory: bool = False,
-                         tcp: bool = False, pool_id: str | None = None,
+                         tcp: bool = False, tls: ServerTls | None = None,
+                         pool_id: str | None = None,
                          **service_options: Any) -> AsyncIterator[Daemon]:
-    """Start a daemon; `service_options` go to PoolService (leases, limits, zeroing, clock)."""
+    """Start a daemon; `service_options` go to PoolService (leases, limits, zeroing, clock).
+    With `tcp`, a loopback TCP listener too, serving TLS with `tls` when given."""
     async with AsyncExitStack() as stack:
         # Short and private: unix socket paths are limited to ~107 bytes, pytest's tmp_path is
         # long.
@@ -83,6 +86,6 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
         if tcp:
             listeners.append(ANY_LOOPBACK_PORT)
         running = await stack.enter_async_context(grpc_server(
-            service, listeners, auth_token=TOKEN, rpc_metrics=RpcMetrics(registry)))
+            service, listeners, auth_token=TOKEN, rpc_metrics=RpcMetrics(registry), tls=tls))
         tcp_target = running.targets[1] if tcp else None
         yield Daemon(service, running.targets[0], tcp_target, memory, registry)

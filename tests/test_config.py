@@ -96,7 +96,9 @@ def test_tcp_listener_without_token_file_is_refused() -> None:
 
 
 def test_tcp_listener_with_token_file_is_accepted(token_file: Path) -> None:
-    config = parse(["--listen", "[::1]:7001", "--auth-token-file", str(token_file)])
+    config = parse(["--listen", "[::1]:7001", "--auth-token-file", str(token_file),
+                    "--insecure-tcp"])
+    assert config.insecure_tcp
     (listener,) = config.listeners()
     assert listener.is_tcp and listener.target == "[::1]:7001"
 

@@ -92,7 +92,7 @@ async def test_a_port_in_use_stops_the_start_and_frees_the_pool(short_dir: Path)
     await blocker.start()
     try:
         config = DaemonConfig(listen=(f"127.0.0.1:{port}",), auth_token_file=token,
-                              shm_dir=short_dir)
+                              shm_dir=short_dir, insecure_tcp=True)
         with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{port}"):
             await serve(config, asyncio.Event())
     finally:
