@@ -20,6 +20,14 @@ from pagedkv.process.log_setup import LOG_FORMATS, LOG_LEVELS, LogFormat
 
 from .addresses import ListenAddress, parse_host_port, parse_listen
 from .geometry import canonical_dtype
+from .tenants import (
+    DEFAULT_TENANT,
+    Tenants,
+    TenantSpec,
+    build_tenants,
+    check_specs,
+    parse_tenants,
+)
 from .tls import ServerTls, load_server_tls
 from .units import parse_bytes
 
@@ -103,6 +111,11 @@ class DaemonConfig:
     tls_client_ca_file: Path | None = None
     # Serve TCP without TLS (the token in clear): refused unless set; a warning at start.
     insecure_tcp: bool = False
+    # Tenants ([tenants.NAME] tables): token file, limits and cache salts of each; the
+    # auth_token_file above is the "default" tenant's token.
+    tenants: tuple[TenantSpec, ...] = ()
+    # The tenant of unix-socket callers (grpc does not give their uid; see tenants.py).
+    unix_tenant: str = DEFAULT_TENANT
 
     def __post_init__(self) -> None:
         self._check_access()
@@ -112,13 +125,39 @@ class DaemonConfig:
         self._check_tls()
 
     def _check_access(self) -> None:
-        """Listeners parse, and TCP ones come with a usable token."""
+        """Listeners parse, and TCP ones come with a usable token; the tenants are usable."""
         listeners = self.listeners()
-        if any(lst.is_tcp for lst in listeners) and self.auth_token_file is None:
-            raise ConfigError("listen: a TCP listener needs auth_token_file (--auth-token-file): "
-                              "without it anyone who can reach the port could free your blocks")
-        if self.auth_token_file is not None:
-            read_auth_token(self.auth_token_file)
+        tenants = self.build_tenants()
+        if any(lst.is_tcp for lst in listeners) and not tenants.any_token:
+            raise ConfigError("listen: a TCP listener needs auth_token_file (--auth-token-file) "
+                              "or a tenant with a token_file: without one anyone who can reach "
+                              "the port could free your blocks")
+
+    def tenant_specs(self) -> tuple[TenantSpec, ...]:
+        """The configured tenants, with auth_token_file as the "default" tenant's token."""
+        if self.auth_token_file is None:
+            return self.tenants
+        if any(spec.name == DEFAULT_TENANT for spec in self.tenants):
+            raise ConfigError("auth_token_file is the default tenant's token: give it there or "
+                              "as [tenants.default] token_file, not both")
+        return (*self.tenants, TenantSpec(DEFAULT_TENANT, token_file=self.auth_token_file))
+
+    def _token_key(self, spec: TenantSpec) -> str:
+        """The setting that names a tenant's token file, for error messages."""
+        if spec.name == DEFAULT_TENANT and spec.token_file == self.auth_token_file:
+            return "auth_token_file"
+        return f"tenants.{spec.name}.token_file"
+
+    def build_tenants(self) -> Tenants:
+        """The run-time tenants, their tokens read from their files."""
+        specs = self.tenant_specs()
+        try:
+            check_specs(specs, self.unix_tenant)
+            tokens = {spec.name: read_auth_token(spec.token_file, self._token_key(spec))
+                      for spec in specs if spec.token_file is not None}
+            return build_tenants(specs, self.unix_tenant, tokens)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
     def _check_pool(self) -> None:
         """Block size, exactly one pool size, device, dtype and the shm file's place and mode."""
@@ -195,16 +234,17 @@ class DaemonConfig:
         return [_check(parse_listen, text, "listen") for text in self.listen]
 
 
-def read_auth_token(path: Path) -> str:
-    """The token in `path` (surrounding whitespace dropped); ConfigError if unusable."""
+def read_auth_token(path: Path, key: str = "auth_token_file") -> str:
+    """The token in `path` (surrounding whitespace dropped); ConfigError naming the setting
+    `key` if unusable."""
     try:
         token = path.read_text().strip()
     except OSError as exc:
-        raise ConfigError(f"auth_token_file: cannot read {path}: {exc.strerror}") from exc
+        raise ConfigError(f"{key}: cannot read {path}: {exc.strerror}") from exc
     if not token:
-        raise ConfigError(f"auth_token_file: {path} is empty")
+        raise ConfigError(f"{key}: {path} is empty")
     if path.stat().st_mode & 0o004:
-        raise ConfigError(f"auth_token_file: {path} is readable by every user; chmod o-r it")
+        raise ConfigError(f"{key}: {path} is readable by every user; chmod o-r it")
     return token
 
 
@@ -282,6 +322,8 @@ _TOML_KEYS: dict[str, Callable[[Any], Any]] = {
     "tls_key_file": lambda v: Path(_toml_str(v)),
     "tls_client_ca_file": lambda v: Path(_toml_str(v)),
     "insecure_tcp": _toml_bool,
+    "tenants": parse_tenants,
+    "unix_tenant": _toml_str,
 }
 assert set(_TOML_KEYS) == {f.name for f in fields(DaemonConfig)}, "a setting has no TOML key"
 
@@ -349,6 +391,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "chain to (mutual TLS)")
     opt("--insecure-tcp", action="store_true", help="allow TCP listeners without TLS (the "
         "token is sent in clear; a warning is logged)")
+    opt("--unix-tenant", help="tenant of unix-socket callers (default: default); tenants are "
+        "[tenants.NAME] tables of the --config file")
 
 
 def config_from_args(

@@ -1,9 +1,12 @@
 """One gRPC server interceptor: bearer-token auth on TCP, a log line and metrics per RPC.
 
-Auth: a call that arrives over TCP must carry `authorization: Bearer <token>`; a call over a
-unix socket needs none, because the socket file's owner, group and mode already decide who
-may connect. Health checks (grpc.health.v1) are exempt so that load balancers and
-`grpc_health_probe` work without the secret; they reveal only SERVING or NOT_SERVING.
+Auth: a call that arrives over TCP must carry `authorization: Bearer <token>`, the token of
+one of the daemon's tenants, and acts as that tenant; a call over a unix socket needs none,
+because the socket file's owner, group and mode already decide who may connect, and acts as
+the unix tenant (see tenants.py). The caller is set for the call's duration
+(`tenants.calling_as`), where the service and the session registry read it. Health checks
+(grpc.health.v1) are exempt so that load balancers and `grpc_health_probe` work without the
+secret; they reveal only SERVING or NOT_SERVING.
 Reflection is not exempt: `grpcurl -H 'authorization: Bearer ...'` lists the services.
 
 Authentication comes before parsing. grpc would parse a unary request before any handler
@@ -24,7 +27,7 @@ shows as `client_name#7`.
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
 import inspect
 import re
 import time
@@ -37,6 +40,7 @@ import grpc
 from pagedkv.process.log_setup import get_logger
 
 from .metrics import RpcMetrics
+from .tenants import Caller, Tenants, calling_as
 
 # Services any peer may call without a token.
 UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
@@ -128,9 +132,9 @@ def is_unix_peer(peer: str) -> bool:
 class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Auth, logging and metrics around every RPC handler of the server."""
 
-    def __init__(self, auth_token: str | None, rpc_metrics: RpcMetrics | None) -> None:
-        # The expected "Bearer <token>" value, as bytes for the constant-time compare.
-        self._expected = None if auth_token is None else f"Bearer {auth_token}".encode()
+    def __init__(self, tenants: Tenants, rpc_metrics: RpcMetrics | None) -> None:
+        # Who may call: each tenant's token, and the tenant of unix callers.
+        self._tenants = tenants
         self._metrics = rpc_metrics
         self._malformed_log = RateLimitedLog(MALFORMED_LOG_INTERVAL_S)
 
@@ -145,27 +149,28 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
         return _wrap(handler, lambda context: self._call(service, method, context))
 
-    def _authorized(self, service: str, context: Context) -> bool:
-        if service in UNAUTHENTICATED_SERVICES or is_unix_peer(context.peer()):
-            return True
-        if self._expected is None:
-            # No token configured: config refuses TCP listeners then, so this is unreachable
-            # unless a listener was added behind config's back. Refuse rather than trust.
-            return False
+    def _caller(self, context: Context) -> Caller | None:
+        """Who makes the call: the unix tenant over a unix socket, the tenant whose token a
+        TCP call carries, else None (no token: config refuses TCP listeners then, so only a
+        listener added behind config's back gets here; refuse rather than trust)."""
+        if is_unix_peer(context.peer()):
+            return Caller(self._tenants.unix, local=True)
         sent = dict(context.invocation_metadata() or ()).get("authorization", "")
-        value = sent.encode() if isinstance(sent, str) else sent
-        return hmac.compare_digest(value, self._expected)
+        tenant = self._tenants.for_bearer(sent.encode() if isinstance(sent, str) else sent)
+        return None if tenant is None else Caller(tenant, local=False)
 
     @asynccontextmanager
     async def _call(self, service: str, method: str, context: Context) -> AsyncIterator[Rpc]:
         """Runs around one call: refuse it, or time it and record its outcome."""
         rpc = Rpc(service, method)
-        if not self._authorized(service, context):
+        caller = self._caller(context)
+        if caller is None and service not in UNAUTHENTICATED_SERVICES:
             self._record(rpc, grpc.StatusCode.UNAUTHENTICATED)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "TCP calls need metadata 'authorization: Bearer <token>'")
         try:
-            yield rpc
+            with calling_as(caller) if caller is not None else contextlib.nullcontext():
+                yield rpc
         except asyncio.CancelledError:
             self._record(rpc, grpc.StatusCode.CANCELLED)
             raise

@@ -33,13 +33,7 @@ from pagedkv.process.probes import metrics_app, start_http
 from pagedkv.proto import kvpool_pb2
 
 from .addresses import ListenAddress, parse_host_port
-from .config import (
-    DEFAULT_SOCKET_MODE,
-    MAX_LEASE_TTL_MS,
-    ConfigError,
-    DaemonConfig,
-    read_auth_token,
-)
+from .config import DEFAULT_SOCKET_MODE, MAX_LEASE_TTL_MS, ConfigError, DaemonConfig
 from .core import BlockPool
 from .geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
 from .interceptors import ServerInterceptor
@@ -112,9 +106,8 @@ async def _start(config: DaemonConfig, readiness: Readiness,
     registry = CollectorRegistry()
     registry.register(PoolCollector(service))
     rpc_metrics = RpcMetrics(registry) if config.metrics_listen else None
-    token = None if config.auth_token_file is None else read_auth_token(config.auth_token_file)
     running = await stack.enter_async_context(
-        grpc_server(service, config.listeners(), auth_token=token, rpc_metrics=rpc_metrics,
+        grpc_server(service, config.listeners(), rpc_metrics=rpc_metrics,
                     socket_mode=config.socket_mode, tls=config.server_tls()))
     readiness.listeners_up = True
     if config.metrics_listen is not None:
@@ -156,7 +149,8 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
         service = PoolService(pool, memory, pool_id=memory.pool_id,
                               default_lease_ttl_ms=config.lease_ttl_ms,
                               max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,
-                              zero_freed_blocks=config.zero_freed_blocks)
+                              zero_freed_blocks=config.zero_freed_blocks,
+                              tenants=config.build_tenants())
         await service.start()
         try:
             yield service, memory
@@ -205,19 +199,19 @@ def pool_num_blocks(config: DaemonConfig, geometry: ModelGeometry, dtype: str) -
 
 @contextlib.asynccontextmanager
 async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], *,
-                      auth_token: str | None, rpc_metrics: RpcMetrics | None,
+                      rpc_metrics: RpcMetrics | None,
                       socket_mode: int = DEFAULT_SOCKET_MODE,
                       tls: ServerTls | None = None) -> AsyncIterator[GrpcServer]:
     """The daemon's gRPC server for `service`, started on every listener and SERVING.
 
-    Every call passes the interceptor (TCP calls need `auth_token`; a log line per call, and
-    `rpc_metrics` when given); requests over MAX_MESSAGE_BYTES are refused. Unix sockets get
-    exactly `socket_mode` whatever the umask; TCP listeners serve TLS with `tls` (plaintext,
-    with a warning, without it). Stopped, and the socket files it created
-    removed, on exit. serve() and the tests' daemon both use this.
+    Every call passes the interceptor (TCP calls need a token of one of `service.tenants`; a
+    log line per call, and `rpc_metrics` when given); requests over MAX_MESSAGE_BYTES are
+    refused. Unix sockets get exactly `socket_mode` whatever the umask; TCP listeners serve TLS
+    with `tls` (plaintext, with a warning, without it). Stopped, and the socket files it
+    created removed, on exit. serve() and the tests' daemon both use this.
     """
     server = grpc.aio.server(
-        interceptors=[ServerInterceptor(auth_token, rpc_metrics)],
+        interceptors=[ServerInterceptor(service.tenants, rpc_metrics)],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  # Without this a second daemon on the same TCP port would share it silently.
                  ("grpc.so_reuseport", 0)],

@@ -22,6 +22,11 @@ kept in the prefix cache keep their content on purpose (that is the cache), exce
 session with a private salt drops (and, with zeroing, zeroes) what it left cached when it
 ends, since no one else could hit it (`cache_hygiene.py`).
 
+Tenants. Every session belongs to the tenant of the call that opened it (`tenants.py`): the
+tenant's cache salts decide the session's namespace, its max_sessions is checked at open, and
+its max_blocks (block-table entries over all its sessions, the session quota's measure) after
+every change, inside the change's transaction, so a call that would exceed it is undone.
+
 Stats. GetStats gives pool-wide figures to any caller, and per-session figures only for the
 caller's own session: session ids are credentials, so no RPC lists other sessions.
 
@@ -39,7 +44,7 @@ another's session.
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -61,6 +66,7 @@ from .operations import (
 )
 from .session_ops import BlockMemory, MemoryWork, SessionOps
 from .sessions import Session, SessionRegistry, SessionStats
+from .tenants import TenantFigures, Tenants, TenantUsage
 
 log = get_logger(__name__)
 
@@ -77,7 +83,8 @@ class PoolService:
                  default_lease_ttl_ms: int = 10_000, max_lease_ttl_ms: int = 600_000,
                  geometry: ModelGeometry | None = None, zero_freed_blocks: bool = False,
                  limits: RequestLimits | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 tenants: Tenants | None = None) -> None:
         self.pool = pool
         self.memory = memory
         self.pool_id = pool_id
@@ -88,6 +95,9 @@ class PoolService:
         self._ops = SessionOps(pool, self.limits, zero_freed_blocks)
         # Private sessions' cached blocks dropped when they end; evicted blocks zeroed.
         self._hygiene = CacheHygiene(pool, zero_freed_blocks)
+        # Who may call, and each tenant's limits and live sessions.
+        self.tenants = tenants or Tenants.single(None)
+        self._usage = TenantUsage()
         # Serializes every change of pool state, and the memory work that goes with it.
         self._lock = asyncio.Lock()
         # One thread: memory work runs in call order, off the event loop.
@@ -140,6 +150,8 @@ class PoolService:
         with self.pool.transaction() as journal:
             self.sessions.remove(session, expired=expired)
             journal.record(self.sessions.reinstate, session, expired)
+            self._usage.remove(session)
+            journal.record(self._usage.add, session)
             with self._hygiene.watch(session, work):
                 for seq_id in list(session.seq_ids):
                     self._ops.free(session, seq_id, work)
@@ -172,6 +184,7 @@ class PoolService:
                 with self.pool.transaction():
                     with self._hygiene.watch(session, work):
                         result = change(session, work)
+                    self._usage.check_blocks(self.tenants.by_name[session.tenant])
                     await self._perform(work)
                 return result
         finally:
@@ -181,9 +194,14 @@ class PoolService:
 
     def open_session(self, client_name: str, lease_ttl_ms: int = 0, max_blocks: int = 0,
                      cache_salt: bytes = b"") -> Session:
-        session = self.sessions.open(client_name, lease_ttl_ms, max_blocks, cache_salt)
+        """A session of the calling tenant (checked: its max_sessions and salts)."""
+        tenant = self.tenants.caller_tenant()
+        self._usage.check_open(tenant)
+        session = self.sessions.open(client_name, lease_ttl_ms, max_blocks,
+                                     tenant.cache_salt(cache_salt), tenant=tenant.name)
+        self._usage.add(session)
         log.info("session opened", session=session.label, lease_ttl_ms=session.lease_ttl_ms,
-                 max_blocks=max_blocks, shared_cache=bool(cache_salt))
+                 max_blocks=max_blocks, shared_cache=bool(cache_salt), tenant=tenant.name)
         return session
 
     def keep_alive(self, session_id: str) -> int:
@@ -291,6 +309,17 @@ class PoolService:
             lease_ttl_ms=session.lease_ttl_ms, prefix_cache_queries=session.prefix_cache_queries,
             prefix_cache_hits=session.prefix_cache_hits)
 
+    def tenant_figures(self) -> list[TenantFigures]:
+        """Every tenant's sessions and blocks, for the metrics endpoint."""
+        return self._usage.figures(self.tenants, self._distinct_blocks)
+
+    def _distinct_blocks(self, sessions: Iterable[Session]) -> int:
+        held: set[int] = set()
+        for session in sessions:
+            for seq_id in session.seq_ids:
+                held.update(self.pool.block_table(session.key(seq_id)))
+        return len(held)
+
     def check_invariants(self) -> None:
         """Assert the pool's invariants and that sessions and pool agree; for tests."""
         self.pool.check_invariants()
@@ -304,3 +333,8 @@ class PoolService:
             live += len(keys)
         assert live == len(self.pool), "the pool holds sequences of no live session"
         self._hygiene.check({session.number for session in self.sessions})
+        by_tenant = {name: set(sessions) for name, sessions in self._usage.sessions.items()
+                     if sessions}
+        assert by_tenant == {name: {s for s in self.sessions if s.tenant == name}
+                             for name in {s.tenant for s in self.sessions}}, \
+            "the tenants' session sets disagree with the live sessions"
