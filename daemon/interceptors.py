@@ -15,8 +15,9 @@ request that does not parse would end as UNKNOWN with a traceback logged per cal
 interceptor therefore registers every handler with no request deserializer: the handler gets
 the raw bytes, checks the caller, and only then parses them with the method's own
 deserializer. A request that does not parse is answered INVALID_ARGUMENT, counted in the RPC
-metrics like any other outcome, and logged at most once per MALFORMED_LOG_INTERVAL_S (with the
-number of such requests since the last line), never with a traceback.
+metrics like any other outcome, and logged at most once per HOSTILE_LOG_INTERVAL_S (with the
+number of such requests since the last line), never with a traceback. Calls refused for want
+of a token are logged the same way: a peer must not be able to fill the log.
 
 Every handler kind is wrapped (unary or streamed requests and responses, generators or
 context.write), so a new RPC can never slip past the check. Session ids are credentials and
@@ -44,8 +45,9 @@ from .tenants import Caller, Tenants, calling_as
 
 # Services any peer may call without a token.
 UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
-# At most one log line per this many seconds about requests that do not parse.
-MALFORMED_LOG_INTERVAL_S = 10.0
+# At most one log line per this many seconds about requests that do not parse, and one about
+# calls without a valid token.
+HOSTILE_LOG_INTERVAL_S = 10.0
 # "{pool_id}-{number}-{secret}" (see sessions.py): only the number is safe to log.
 _SESSION_NUMBER = re.compile(r"-([0-9]+)-[0-9a-f]+$")
 
@@ -136,7 +138,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         # Who may call: each tenant's token, and the tenant of unix callers.
         self._tenants = tenants
         self._metrics = rpc_metrics
-        self._malformed_log = RateLimitedLog(MALFORMED_LOG_INTERVAL_S)
+        self._malformed_log = RateLimitedLog(HOSTILE_LOG_INTERVAL_S)
+        self._unauthenticated_log = RateLimitedLog(HOSTILE_LOG_INTERVAL_S)
 
     async def intercept_service(
         self,
@@ -165,7 +168,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         rpc = Rpc(service, method)
         caller = self._caller(context)
         if caller is None and service not in UNAUTHENTICATED_SERVICES:
-            self._record(rpc, grpc.StatusCode.UNAUTHENTICATED)
+            self._record(rpc, grpc.StatusCode.UNAUTHENTICATED, log=False)
+            self._log_rarely(self._unauthenticated_log, "unauthenticated_calls", rpc)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "TCP calls need metadata 'authorization: Bearer <token>'")
         try:
@@ -188,11 +192,16 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     async def _refuse_malformed(self, rpc: Rpc, context: Context, message: str) -> None:
         """INVALID_ARGUMENT for a request that does not parse: counted, logged rate-limited."""
         self._record(rpc, grpc.StatusCode.INVALID_ARGUMENT, log=False)
-        count = self._malformed_log.event()
-        if count is not None:
-            _log.warning("malformed_requests", service=rpc.service, method=rpc.method,
-                         count=count, interval_s=MALFORMED_LOG_INTERVAL_S)
+        self._log_rarely(self._malformed_log, "malformed_requests", rpc)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    @staticmethod
+    def _log_rarely(limit: RateLimitedLog, event: str, rpc: Rpc) -> None:
+        """A warning about `rpc` if one is due: how many such calls since the last line."""
+        count = limit.event()
+        if count is not None:
+            _log.warning(event, service=rpc.service, method=rpc.method, count=count,
+                         interval_s=HOSTILE_LOG_INTERVAL_S)
 
     def _record(self, rpc: Rpc, code: grpc.StatusCode, *, log: bool = True) -> None:
         seconds = time.perf_counter() - rpc.start
