@@ -6,6 +6,7 @@ from .errors import (
     InvalidArgument,
     NotFound,
     PagedKVError,
+    PermissionDenied,
     PoolExhausted,
     SequenceExists,
     SequenceNotFound,
@@ -17,6 +18,7 @@ from .errors import (
 from .ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
 from .runner_client import RunnerClient, SeqOutput, SeqStep
 from .sampling_params import SamplingParams
+from .tls import TlsOptions
 from .types import (
     BlockCopy,
     PoolInfo,
@@ -40,6 +42,7 @@ __all__ = [
     "NotFound",
     "Operation",
     "PagedKVError",
+    "PermissionDenied",
     "PoolClient",
     "PoolExhausted",
     "PoolInfo",
@@ -56,6 +59,7 @@ __all__ = [
     "SessionNotFound",
     "SessionStats",
     "StepResult",
+    "TlsOptions",
     "Unauthenticated",
     "UnknownSequence",
 ]

@@ -32,6 +32,7 @@ from .errors import (
     error_from_rpc,
 )
 from .ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
+from .tls import TlsOptions
 from .types import PoolInfo, PoolStats, SequenceBlocks, StepResult
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,13 @@ class PoolClient:
 
     @classmethod
     async def connect(cls, target: str, *, auth_token: str | None = None,
-                      timeout: float = DEFAULT_TIMEOUT_S) -> "PoolClient":
-        """Connect to "unix:/path.sock" or "host:port"; waits up to `timeout` for the daemon."""
-        channel = grpc.aio.insecure_channel(target)
+                      timeout: float = DEFAULT_TIMEOUT_S,
+                      tls: TlsOptions | None = None) -> "PoolClient":
+        """Connect to "unix:/path.sock" or "host:port" (over TLS with `tls`: a daemon's TCP
+        listener serves TLS unless it runs with insecure_tcp); waits up to `timeout` for the
+        daemon, whose certificate must verify."""
+        channel = (grpc.aio.insecure_channel(target) if tls is None else
+                   grpc.aio.secure_channel(target, tls.credentials(), tls.channel_options()))
         try:
             await asyncio.wait_for(channel.channel_ready(), timeout)
         except TimeoutError:

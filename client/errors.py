@@ -54,6 +54,10 @@ class Unauthenticated(PagedKVError):
     """UNAUTHENTICATED: a TCP call without the right bearer token."""
 
 
+class PermissionDenied(PagedKVError):
+    """PERMISSION_DENIED: the caller's tenant may not do this (e.g. use that cache salt)."""
+
+
 class DaemonUnavailable(PagedKVError):
     """UNAVAILABLE: no daemon answers at the target."""
 
@@ -76,6 +80,7 @@ _BY_CODE: dict[grpc.StatusCode, type[PagedKVError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: PoolExhausted,
     grpc.StatusCode.FAILED_PRECONDITION: SessionExpired,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.UNAVAILABLE: DaemonUnavailable,
 }
 

@@ -20,6 +20,15 @@ from pagedkv.process.log_setup import LOG_FORMATS, LOG_LEVELS, LogFormat
 
 from .addresses import ListenAddress, parse_host_port, parse_listen
 from .geometry import canonical_dtype
+from .tenants import (
+    DEFAULT_TENANT,
+    Tenants,
+    TenantSpec,
+    build_tenants,
+    check_specs,
+    parse_tenants,
+)
+from .tls import ServerTls, load_server_tls
 from .units import parse_bytes
 
 # Pool size when nothing is said: 512 blocks of the tiny CPU geometry take 16 MiB.
@@ -30,6 +39,10 @@ SOCKET_NAME = "pagedkvd.sock"
 SIZING_KEYS = ("num_blocks", "kv_memory", "kv_fraction")
 # Longest lease a session may ask for (longer requests are clamped to it).
 MAX_LEASE_TTL_MS = 600_000
+# Mode of the daemon's unix sockets: the owner and its group (the runners) may connect.
+DEFAULT_SOCKET_MODE = 0o660
+# Permission bits for "every local user": refused on the socket and on the pool file.
+WORLD_BITS = 0o007
 
 T = TypeVar("T")
 
@@ -50,7 +63,8 @@ def default_listen(env: Mapping[str, str]) -> tuple[str, ...]:
 class DaemonConfig:
     """Everything `pagedkvd` needs to start, checked on construction."""
 
-    # gRPC listeners: "unix:///path" or "host:port". TCP listeners require auth_token_file.
+    # gRPC listeners: "unix:///path" or "host:port". TCP listeners require auth_token_file,
+    # and TLS (tls_cert_file, tls_key_file) or insecure_tcp.
     listen: tuple[str, ...] = field(default_factory=lambda: default_listen(os.environ))
     # File holding the bearer token TCP clients must send; unix sockets rely on file modes.
     auth_token_file: Path | None = None
@@ -76,8 +90,9 @@ class DaemonConfig:
     lease_ttl_ms: int = 10_000
     # Reuse the blocks of identical prompt prefixes across sequences.
     enable_prefix_caching: bool = True
-    # Zero every block released without committed content (pending ones included), as defense
-    # in depth; committed blocks kept in the prefix cache keep their K/V until evicted.
+    # Zero every block released without committed content (pending ones included), every
+    # cached block evicted for a new owner, and what a private-salt session left cached when it
+    # ends; committed blocks kept in the prefix cache keep their K/V while they are cached.
     zero_freed_blocks: bool = False
     # Folder of the CPU pool's shared-memory file: a tmpfs (or hugetlbfs) mount.
     shm_dir: Path = Path("/dev/shm")
@@ -85,19 +100,64 @@ class DaemonConfig:
     # map it; 0o600 keeps it to the daemon's user.
     shm_mode: int = 0o600
 
+    # ---- Access: who may connect and as which tenant (modes, TLS, tenants). ----
+    # Permission bits of the unix sockets, whatever the umask: 0o660 lets the daemon's group
+    # connect (a unix caller needs no token, so this mode is the access control).
+    socket_mode: int = DEFAULT_SOCKET_MODE
+    # PEM certificate chain and private key TCP listeners serve TLS with (both or neither).
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    # PEM CA bundle: TCP clients must present a certificate it signed (mutual TLS).
+    tls_client_ca_file: Path | None = None
+    # Serve TCP without TLS (the token in clear): refused unless set; a warning at start.
+    insecure_tcp: bool = False
+    # Tenants ([tenants.NAME] tables): token file, limits and cache salts of each; the
+    # auth_token_file above is the "default" tenant's token.
+    tenants: tuple[TenantSpec, ...] = ()
+    # The tenant of unix-socket callers (grpc does not give their uid; see tenants.py).
+    unix_tenant: str = DEFAULT_TENANT
+
     def __post_init__(self) -> None:
         self._check_access()
         self._check_pool()
         self._check_service()
+        self._check_modes()
+        self._check_tls()
 
     def _check_access(self) -> None:
-        """Listeners parse, and TCP ones come with a usable token."""
+        """Listeners parse, and TCP ones come with a usable token; the tenants are usable."""
         listeners = self.listeners()
-        if any(lst.is_tcp for lst in listeners) and self.auth_token_file is None:
-            raise ConfigError("listen: a TCP listener needs auth_token_file (--auth-token-file): "
-                              "without it anyone who can reach the port could free your blocks")
-        if self.auth_token_file is not None:
-            read_auth_token(self.auth_token_file)
+        tenants = self.build_tenants()
+        if any(lst.is_tcp for lst in listeners) and not tenants.any_token:
+            raise ConfigError("listen: a TCP listener needs auth_token_file (--auth-token-file) "
+                              "or a tenant with a token_file: without one anyone who can reach "
+                              "the port could free your blocks")
+
+    def tenant_specs(self) -> tuple[TenantSpec, ...]:
+        """The configured tenants, with auth_token_file as the "default" tenant's token."""
+        if self.auth_token_file is None:
+            return self.tenants
+        if any(spec.name == DEFAULT_TENANT for spec in self.tenants):
+            raise ConfigError("auth_token_file is the default tenant's token: give it there or "
+                              "as [tenants.default] token_file, not both")
+        return (*self.tenants, TenantSpec(DEFAULT_TENANT, token_file=self.auth_token_file))
+
+    def _token_key(self, spec: TenantSpec) -> str:
+        """The setting that names a tenant's token file, for error messages."""
+        if spec.name == DEFAULT_TENANT and spec.token_file == self.auth_token_file:
+            return "auth_token_file"
+        return f"tenants.{spec.name}.token_file"
+
+    def build_tenants(self) -> Tenants:
+        """The run-time tenants, their tokens read from their files."""
+        specs = self.tenant_specs()
+        try:
+            check_specs(specs, self.unix_tenant)
+            tokens = {spec.name: read_auth_token(spec.token_file, self._token_key(spec))
+                      for spec in specs if spec.token_file is not None}
+            return build_tenants(specs, self.unix_tenant, tokens)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
 
     def _check_pool(self) -> None:
         """Block size, exactly one pool size, device, dtype and the shm file's place and mode."""
@@ -120,9 +180,6 @@ class DaemonConfig:
             _check(canonical_dtype, self.dtype, "dtype")
         if not self.shm_dir.is_dir():
             raise ConfigError(f"shm_dir: {self.shm_dir} is not a folder")
-        if self.shm_mode & ~0o777 or self.shm_mode & 0o600 != 0o600:
-            raise ConfigError(f"shm_mode must be permission bits including owner rw (0o600), "
-                              f"got {oct(self.shm_mode)}")
 
     def _check_service(self) -> None:
         """Metrics address, logging and leases."""
@@ -136,6 +193,40 @@ class DaemonConfig:
             raise ConfigError(f"lease_ttl_ms must be in 1..{MAX_LEASE_TTL_MS}, "
                               f"got {self.lease_ttl_ms}")
 
+    def _check_modes(self) -> None:
+        """The pool file and the sockets: owner rw, and nothing for every other user."""
+        for key in ("shm_mode", "socket_mode"):
+            mode = getattr(self, key)
+            if mode & ~0o777 or mode & 0o600 != 0o600:
+                raise ConfigError(f"{key} must be permission bits including owner rw (0o600), "
+                                  f"got {oct(mode)}")
+            if mode & WORLD_BITS:
+                raise ConfigError(f"{key} {oct(mode)} gives every local user access (every "
+                                  "tenant's K/V, or calls with no token); use 0o660 and a group")
+
+    def _check_tls(self) -> None:
+        """TLS files come as a pair and are usable; TCP listeners use TLS or say they do not."""
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("tls_cert_file and tls_key_file go together: give both or neither")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ConfigError("tls_client_ca_file (mutual TLS) needs tls_cert_file and "
+                              "tls_key_file")
+        self.server_tls()
+        tcp = any(lst.is_tcp for lst in self.listeners())
+        if tcp and self.tls_cert_file is None and not self.insecure_tcp:
+            raise ConfigError("listen: a TCP listener needs TLS (tls_cert_file and tls_key_file) "
+                              "or insecure_tcp = true (--insecure-tcp): without TLS the bearer "
+                              "token crosses the network in clear")
+
+    def server_tls(self) -> ServerTls | None:
+        """The TLS material of TCP listeners, read from the files; None without TLS."""
+        if self.tls_cert_file is None or self.tls_key_file is None:
+            return None
+        try:
+            return load_server_tls(self.tls_cert_file, self.tls_key_file, self.tls_client_ca_file)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
     def listeners(self) -> list[ListenAddress]:
         """The parsed listen addresses."""
         if not self.listen:
@@ -143,16 +234,17 @@ class DaemonConfig:
         return [_check(parse_listen, text, "listen") for text in self.listen]
 
 
-def read_auth_token(path: Path) -> str:
-    """The token in `path` (surrounding whitespace dropped); ConfigError if unusable."""
+def read_auth_token(path: Path, key: str = "auth_token_file") -> str:
+    """The token in `path` (surrounding whitespace dropped); ConfigError naming the setting
+    `key` if unusable."""
     try:
         token = path.read_text().strip()
     except OSError as exc:
-        raise ConfigError(f"auth_token_file: cannot read {path}: {exc.strerror}") from exc
+        raise ConfigError(f"{key}: cannot read {path}: {exc.strerror}") from exc
     if not token:
-        raise ConfigError(f"auth_token_file: {path} is empty")
+        raise ConfigError(f"{key}: {path} is empty")
     if path.stat().st_mode & 0o004:
-        raise ConfigError(f"auth_token_file: {path} is readable by every user; chmod o-r it")
+        raise ConfigError(f"{key}: {path} is readable by every user; chmod o-r it")
     return token
 
 
@@ -225,6 +317,13 @@ _TOML_KEYS: dict[str, Callable[[Any], Any]] = {
     "zero_freed_blocks": _toml_bool,
     "shm_dir": lambda v: Path(_toml_str(v)),
     "shm_mode": _toml_int,
+    "socket_mode": _toml_int,
+    "tls_cert_file": lambda v: Path(_toml_str(v)),
+    "tls_key_file": lambda v: Path(_toml_str(v)),
+    "tls_client_ca_file": lambda v: Path(_toml_str(v)),
+    "insecure_tcp": _toml_bool,
+    "tenants": parse_tenants,
+    "unix_tenant": _toml_str,
 }
 assert set(_TOML_KEYS) == {f.name for f in fields(DaemonConfig)}, "a setting has no TOML key"
 
@@ -285,6 +384,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--zero-freed-blocks", action="store_true", help="zero blocks as they are released")
     opt("--shm-dir", type=Path, help="folder of the CPU pool file (default /dev/shm)")
     opt("--shm-mode", type=_octal, help="octal mode of the /dev/shm pool file (default 600)")
+    opt("--socket-mode", type=_octal, help="octal mode of the unix sockets (default 660)")
+    opt("--tls-cert-file", type=Path, help="PEM certificate chain TCP listeners serve TLS with")
+    opt("--tls-key-file", type=Path, help="PEM private key of --tls-cert-file")
+    opt("--tls-client-ca-file", type=Path, help="PEM CA that TCP clients' certificates must "
+        "chain to (mutual TLS)")
+    opt("--insecure-tcp", action="store_true", help="allow TCP listeners without TLS (the "
+        "token is sent in clear; a warning is logged)")
+    opt("--unix-tenant", help="tenant of unix-socket callers (default: default); tenants are "
+        "[tenants.NAME] tables of the --config file")
 
 
 def config_from_args(

@@ -1,10 +1,23 @@
 """One gRPC server interceptor: bearer-token auth on TCP, a log line and metrics per RPC.
 
-Auth: a call that arrives over TCP must carry `authorization: Bearer <token>`; a call over a
-unix socket needs none, because the socket file's owner, group and mode already decide who
-may connect. Health checks (grpc.health.v1) are exempt so that load balancers and
-`grpc_health_probe` work without the secret; they reveal only SERVING or NOT_SERVING.
+Auth: a call that arrives over TCP must carry `authorization: Bearer <token>`, the token of
+one of the daemon's tenants, and acts as that tenant; a call over a unix socket needs none,
+because the socket file's owner, group and mode already decide who may connect, and acts as
+the unix tenant (see tenants.py). The caller is set for the call's duration
+(`tenants.calling_as`), where the service and the session registry read it. Health checks
+(grpc.health.v1) are exempt so that load balancers and `grpc_health_probe` work without the
+secret; they reveal only SERVING or NOT_SERVING.
 Reflection is not exempt: `grpcurl -H 'authorization: Bearer ...'` lists the services.
+
+Authentication comes before parsing. grpc would parse a unary request before any handler
+runs, so a peer without the token could make the daemon parse whatever it sends (and a
+request that does not parse would end as UNKNOWN with a traceback logged per call). The
+interceptor therefore registers every handler with no request deserializer: the handler gets
+the raw bytes, checks the caller, and only then parses them with the method's own
+deserializer. A request that does not parse is answered INVALID_ARGUMENT, counted in the RPC
+metrics like any other outcome, and logged at most once per HOSTILE_LOG_INTERVAL_S (with the
+number of such requests since the last line), never with a traceback. Calls refused for want
+of a token are logged the same way: a peer must not be able to fill the log.
 
 Every handler kind is wrapped (unary or streamed requests and responses, generators or
 context.write), so a new RPC can never slip past the check. Session ids are credentials and
@@ -15,7 +28,7 @@ shows as `client_name#7`.
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
 import inspect
 import re
 import time
@@ -28,9 +41,13 @@ import grpc
 from pagedkv.process.log_setup import get_logger
 
 from .metrics import RpcMetrics
+from .tenants import Caller, Tenants, calling_as
 
 # Services any peer may call without a token.
 UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
+# At most one log line per this many seconds about requests that do not parse, and one about
+# calls without a valid token.
+HOSTILE_LOG_INTERVAL_S = 10.0
 # "{pool_id}-{number}-{secret}" (see sessions.py): only the number is safe to log.
 _SESSION_NUMBER = re.compile(r"-([0-9]+)-[0-9a-f]+$")
 
@@ -40,12 +57,64 @@ if TYPE_CHECKING:
     # Generic in the stubs only: at run time these grpc classes take no type arguments.
     Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
     Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
-    # What runs around one call, given its request and context.
-    CallScope: TypeAlias = Callable[[Any, Context], AbstractAsyncContextManager[None]]
+    # What runs around one call, given its context: auth, then timing and the outcome.
+    CallScope: TypeAlias = Callable[[Context], AbstractAsyncContextManager["Rpc"]]
 
 # A handler's behavior: (request or request iterator, context) -> response or async generator.
 # The stubs type behaviors with the sync context; the aio server passes its own.
 Behavior = Callable[..., Any]
+# A method's request deserializer: wire bytes -> message (None: the handler takes bytes).
+Deserializer = Callable[[bytes], Any] | None
+
+
+class MalformedRequest(Exception):
+    """A request's bytes do not parse as the method's request message."""
+
+
+class Rpc:
+    """One call as the interceptor sees it: what it names, and its request once parsed."""
+
+    def __init__(self, service: str, method: str) -> None:
+        # Full service name and method name, e.g. "pagedkv.v1.KVPool", "Allocate".
+        self.service = service
+        self.method = method
+        # "#<number>" of the session the request names, once parsed (see session_label).
+        self.session: str | None = None
+        # When the call started (perf_counter seconds).
+        self.start = time.perf_counter()
+
+    def parse(self, raw: Any, deserializer: Deserializer) -> Any:
+        """The request message from its wire bytes; MalformedRequest if they do not parse."""
+        if deserializer is None:
+            return raw
+        try:
+            request = deserializer(raw)
+        except Exception as exc:  # protobuf raises DecodeError, and others for odd input
+            raise MalformedRequest(f"the request is not a valid {self.method} message") from exc
+        self.session = session_label(request)
+        return request
+
+
+class RateLimitedLog:
+    """Says when to log an event that may repeat at any rate: the first time, then at most
+    once per interval, with how many happened since the last line."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        # Shortest time between two lines.
+        self.interval_s = interval_s
+        self._clock = clock
+        # Events since the last line, and when that line was written (None: never).
+        self._count = 0
+        self._last: float | None = None
+
+    def event(self) -> int | None:
+        """Count one event; returns how many to report if a line is due now, else None."""
+        self._count += 1
+        now = self._clock()
+        if self._last is not None and now - self._last < self.interval_s:
+            return None
+        count, self._count, self._last = self._count, 0, now
+        return count
 
 
 def session_label(request: object) -> str | None:
@@ -65,10 +134,12 @@ def is_unix_peer(peer: str) -> bool:
 class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Auth, logging and metrics around every RPC handler of the server."""
 
-    def __init__(self, auth_token: str | None, rpc_metrics: RpcMetrics | None) -> None:
-        # The expected "Bearer <token>" value, as bytes for the constant-time compare.
-        self._expected = None if auth_token is None else f"Bearer {auth_token}".encode()
+    def __init__(self, tenants: Tenants, rpc_metrics: RpcMetrics | None) -> None:
+        # Who may call: each tenant's token, and the tenant of unix callers.
+        self._tenants = tenants
         self._metrics = rpc_metrics
+        self._malformed_log = RateLimitedLog(HOSTILE_LOG_INTERVAL_S)
+        self._unauthenticated_log = RateLimitedLog(HOSTILE_LOG_INTERVAL_S)
 
     async def intercept_service(
         self,
@@ -79,54 +150,67 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
             return handler
         service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
-        return _wrap(handler, lambda request, context: self._call(service, method, request,
-                                                                  context))
+        return _wrap(handler, lambda context: self._call(service, method, context))
 
-    def _authorized(self, service: str, context: Context) -> bool:
-        if service in UNAUTHENTICATED_SERVICES or is_unix_peer(context.peer()):
-            return True
-        if self._expected is None:
-            # No token configured: config refuses TCP listeners then, so this is unreachable
-            # unless a listener was added behind config's back. Refuse rather than trust.
-            return False
+    def _caller(self, context: Context) -> Caller | None:
+        """Who makes the call: the unix tenant over a unix socket, the tenant whose token a
+        TCP call carries, else None (no token: config refuses TCP listeners then, so only a
+        listener added behind config's back gets here; refuse rather than trust)."""
+        if is_unix_peer(context.peer()):
+            return Caller(self._tenants.unix, local=True)
         sent = dict(context.invocation_metadata() or ()).get("authorization", "")
-        value = sent.encode() if isinstance(sent, str) else sent
-        return hmac.compare_digest(value, self._expected)
+        tenant = self._tenants.for_bearer(sent.encode() if isinstance(sent, str) else sent)
+        return None if tenant is None else Caller(tenant, local=False)
 
     @asynccontextmanager
-    async def _call(
-        self, service: str, method: str, request: object,
-        context: Context,
-    ) -> AsyncIterator[None]:
+    async def _call(self, service: str, method: str, context: Context) -> AsyncIterator[Rpc]:
         """Runs around one call: refuse it, or time it and record its outcome."""
-        start = time.perf_counter()
-        session = session_label(request)
-        if not self._authorized(service, context):
-            self._record(service, method, session, grpc.StatusCode.UNAUTHENTICATED, start)
+        rpc = Rpc(service, method)
+        caller = self._caller(context)
+        if caller is None and service not in UNAUTHENTICATED_SERVICES:
+            self._record(rpc, grpc.StatusCode.UNAUTHENTICATED, log=False)
+            self._log_rarely(self._unauthenticated_log, "unauthenticated_calls", rpc)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                 "TCP calls need metadata 'authorization: Bearer <token>'")
         try:
-            yield
+            with calling_as(caller) if caller is not None else contextlib.nullcontext():
+                yield rpc
         except asyncio.CancelledError:
-            self._record(service, method, session, grpc.StatusCode.CANCELLED, start)
+            self._record(rpc, grpc.StatusCode.CANCELLED)
             raise
+        except MalformedRequest as exc:
+            await self._refuse_malformed(rpc, context, str(exc))
         except Exception:
             # context.abort() sets the code before it raises; anything else is a bug (UNKNOWN).
             code = context.code()
             if code is None:
-                _log.exception("rpc_failed", method=method, session=session)
-            self._record(service, method, session, code or grpc.StatusCode.UNKNOWN, start)
+                _log.exception("rpc_failed", method=method, session=rpc.session)
+            self._record(rpc, code or grpc.StatusCode.UNKNOWN)
             raise
-        self._record(service, method, session, context.code() or grpc.StatusCode.OK, start)
+        self._record(rpc, context.code() or grpc.StatusCode.OK)
 
-    def _record(self, service: str, method: str, session: str | None,
-                code: grpc.StatusCode, start: float) -> None:
-        seconds = time.perf_counter() - start
+    async def _refuse_malformed(self, rpc: Rpc, context: Context, message: str) -> None:
+        """INVALID_ARGUMENT for a request that does not parse: counted, logged rate-limited."""
+        self._record(rpc, grpc.StatusCode.INVALID_ARGUMENT, log=False)
+        self._log_rarely(self._malformed_log, "malformed_requests", rpc)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    @staticmethod
+    def _log_rarely(limit: RateLimitedLog, event: str, rpc: Rpc) -> None:
+        """A warning about `rpc` if one is due: how many such calls since the last line."""
+        count = limit.event()
+        if count is not None:
+            _log.warning(event, service=rpc.service, method=rpc.method, count=count,
+                         interval_s=HOSTILE_LOG_INTERVAL_S)
+
+    def _record(self, rpc: Rpc, code: grpc.StatusCode, *, log: bool = True) -> None:
+        seconds = time.perf_counter() - rpc.start
         if self._metrics is not None:
-            self._metrics.observe(service, method, code.name, seconds)
-        level = _log.debug if code == grpc.StatusCode.OK else _log.warning
-        level("rpc", service=service, method=method, session=session, code=code.name,
-              latency_ms=round(seconds * 1000, 3))
+            self._metrics.observe(rpc.service, rpc.method, code.name, seconds)
+        if log:
+            level = _log.debug if code == grpc.StatusCode.OK else _log.warning
+            level("rpc", service=rpc.service, method=rpc.method, session=rpc.session,
+                  code=code.name, latency_ms=round(seconds * 1000, 3))
 
 
 # The four handler kinds, and the grpc factory that makes a handler of each kind.
@@ -139,32 +223,48 @@ _HANDLER_KINDS = (
 
 
 def _wrap(handler: Handler, scope: CallScope) -> Handler:
-    """The same handler with every call run inside `scope(request, context)`."""
+    """The same handler taking raw bytes, each call run inside `scope(context)` and its
+    request parsed there, after the scope's auth check."""
     for kind, make in _HANDLER_KINDS:
         behavior = getattr(handler, kind)
         if behavior is not None:
-            wrapped: Handler = make(_scoped(behavior, scope),
-                                    request_deserializer=handler.request_deserializer,
+            streamed = kind.startswith("stream")
+            wrapped: Handler = make(_scoped(behavior, scope, handler.request_deserializer,
+                                            streamed),
+                                    request_deserializer=None,
                                     response_serializer=handler.response_serializer)
             return wrapped
     raise AssertionError(f"a method handler without a behavior: {handler}")
 
 
-def _scoped(behavior: Behavior, scope: CallScope) -> Behavior:
-    """`behavior` run inside `scope`, keeping its shape: grpc treats an async generator (which
-    yields responses) differently from a coroutine (which returns one or calls context.write)."""
+def _scoped(behavior: Behavior, scope: CallScope, deserializer: Deserializer,
+            streamed: bool) -> Behavior:
+    """`behavior` run inside `scope`, its request (or each streamed request) parsed after the
+    scope's checks, keeping its shape: grpc treats an async generator (which yields responses)
+    differently from a coroutine (which returns one or calls context.write)."""
+
+    def parsed(raw: Any, rpc: Rpc) -> Any:
+        return _parse_each(raw, rpc, deserializer) if streamed else rpc.parse(raw, deserializer)
+
     if inspect.isasyncgenfunction(behavior):
 
-        async def stream(request: Any, context: Context) -> Any:
-            async with scope(request, context):
-                async for response in behavior(request, context):
+        async def stream(raw: Any, context: Context) -> Any:
+            async with scope(context) as rpc:
+                async for response in behavior(parsed(raw, rpc), context):
                     yield response
 
         return stream
 
-    async def call(request: Any, context: Context) -> Any:
-        async with scope(request, context):
-            result = behavior(request, context)
+    async def call(raw: Any, context: Context) -> Any:
+        async with scope(context) as rpc:
+            result = behavior(parsed(raw, rpc), context)
             return await result if inspect.isawaitable(result) else result
 
     return call
+
+
+async def _parse_each(raw_requests: AsyncIterator[Any], rpc: Rpc,
+                      deserializer: Deserializer) -> AsyncIterator[Any]:
+    """Parse a request stream message by message, as the handler reads it."""
+    async for raw in raw_requests:
+        yield rpc.parse(raw, deserializer)

@@ -60,6 +60,8 @@ class KVPoolMemory:
                              f"and {block_size}")
         if mode & ~0o777:
             raise ValueError(f"mode must be permission bits only, got {oct(mode)}")
+        if mode & 0o007:  # any local user could read and write every tenant's K/V
+            raise ValueError(f"mode {oct(mode)} gives every user access to the pool")
         name = canonical_dtype(str(dtype))
         shape = pool_shape(num_layers=geometry.num_layers, num_blocks=num_blocks,
                            block_size=block_size, num_kv_heads=geometry.num_kv_heads,

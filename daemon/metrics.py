@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from .core.types import PoolStats
+from .tenants import TenantFigures
 
 # RPCs take tens of microseconds to milliseconds; the top buckets catch a stalled loop.
 RPC_LATENCY_BUCKETS_S = (
@@ -33,6 +34,8 @@ class PoolFigures(Protocol):
 
     @property
     def lease_expiries_total(self) -> int: ...
+
+    def tenant_figures(self) -> list[TenantFigures]: ...
 
 
 class PoolCollector(Collector):
@@ -79,6 +82,28 @@ class PoolCollector(Collector):
             "Sessions closed by the daemon because their lease ran out.",
             value=self._figures.lease_expiries_total,
         )
+        yield from _tenant_families(self._figures.tenant_figures())
+
+
+# Per-tenant gauges: (metric name, help, the TenantFigures field).
+_TENANT_GAUGES = (
+    ("tenant_sessions", "Open sessions of the tenant.", "sessions"),
+    ("tenant_max_sessions", "The tenant's cap on open sessions (0 = none).", "max_sessions"),
+    ("tenant_blocks_held", "Distinct blocks the tenant's sequences reference.", "blocks_held"),
+    ("tenant_block_table_entries",
+     "Block-table entries over the tenant's sessions (what max_blocks bounds).",
+     "block_table_entries"),
+    ("tenant_max_blocks", "The tenant's cap on block-table entries (0 = none).", "max_blocks"),
+)
+
+
+def _tenant_families(figures: list[TenantFigures]) -> Iterator[Metric]:
+    """One gauge family per figure, one sample per tenant (label `tenant`)."""
+    for name, text, attribute in _TENANT_GAUGES:
+        family = GaugeMetricFamily(f"pagedkv:{name}", text, labels=["tenant"])
+        for tenant in figures:
+            family.add_metric([tenant.name], getattr(tenant, attribute))
+        yield family
 
 
 class RpcMetrics:

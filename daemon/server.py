@@ -14,7 +14,7 @@ unlinked). The next start has a new pool_id: clients recompute their tables from
 
 import asyncio
 import contextlib
-import socket
+import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +33,7 @@ from pagedkv.process.probes import metrics_app, start_http
 from pagedkv.proto import kvpool_pb2
 
 from .addresses import ListenAddress, parse_host_port
-from .config import MAX_LEASE_TTL_MS, ConfigError, DaemonConfig, read_auth_token
+from .config import DEFAULT_SOCKET_MODE, MAX_LEASE_TTL_MS, ConfigError, DaemonConfig
 from .core import BlockPool
 from .geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
 from .interceptors import ServerInterceptor
@@ -46,6 +46,8 @@ from .kv_memory import (
 from .metrics import PoolCollector, Readiness, RpcMetrics
 from .service import PoolService
 from .servicer import KVPoolServicer, add_to_server
+from .socket_files import SocketInUse, claim_socket_path, socket_umask
+from .tls import ServerTls
 from .units import format_bytes
 
 # How long in-flight calls may run after SIGTERM before they are cancelled. The unit's
@@ -104,9 +106,9 @@ async def _start(config: DaemonConfig, readiness: Readiness,
     registry = CollectorRegistry()
     registry.register(PoolCollector(service))
     rpc_metrics = RpcMetrics(registry) if config.metrics_listen else None
-    token = None if config.auth_token_file is None else read_auth_token(config.auth_token_file)
     running = await stack.enter_async_context(
-        grpc_server(service, config.listeners(), auth_token=token, rpc_metrics=rpc_metrics))
+        grpc_server(service, config.listeners(), rpc_metrics=rpc_metrics,
+                    socket_mode=config.socket_mode, tls=config.server_tls()))
     readiness.listeners_up = True
     if config.metrics_listen is not None:
         host, port = parse_host_port(config.metrics_listen)
@@ -147,7 +149,8 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
         service = PoolService(pool, memory, pool_id=memory.pool_id,
                               default_lease_ttl_ms=config.lease_ttl_ms,
                               max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,
-                              zero_freed_blocks=config.zero_freed_blocks)
+                              zero_freed_blocks=config.zero_freed_blocks,
+                              tenants=config.build_tenants())
         await service.start()
         try:
             yield service, memory
@@ -196,16 +199,19 @@ def pool_num_blocks(config: DaemonConfig, geometry: ModelGeometry, dtype: str) -
 
 @contextlib.asynccontextmanager
 async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], *,
-                      auth_token: str | None,
-                      rpc_metrics: RpcMetrics | None) -> AsyncIterator[GrpcServer]:
+                      rpc_metrics: RpcMetrics | None,
+                      socket_mode: int = DEFAULT_SOCKET_MODE,
+                      tls: ServerTls | None = None) -> AsyncIterator[GrpcServer]:
     """The daemon's gRPC server for `service`, started on every listener and SERVING.
 
-    Every call passes the interceptor (TCP calls need `auth_token`; a log line per call, and
-    `rpc_metrics` when given); requests over MAX_MESSAGE_BYTES are refused. Stopped, and the
-    socket files it created removed, on exit. serve() and the tests' daemon both use this.
+    Every call passes the interceptor (TCP calls need a token of one of `service.tenants`; a
+    log line per call, and `rpc_metrics` when given); requests over MAX_MESSAGE_BYTES are
+    refused. Unix sockets get exactly `socket_mode` whatever the umask; TCP listeners serve TLS
+    with `tls` (plaintext, with a warning, without it). Stopped, and the socket files it
+    created removed, on exit. serve() and the tests' daemon both use this.
     """
     server = grpc.aio.server(
-        interceptors=[ServerInterceptor(auth_token, rpc_metrics)],
+        interceptors=[ServerInterceptor(service.tenants, rpc_metrics)],
         options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                  # Without this a second daemon on the same TCP port would share it silently.
                  ("grpc.so_reuseport", 0)],
@@ -220,7 +226,7 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
     try:
         targets = []
         for listener in listeners:
-            targets.append(_bind(server, listener))
+            targets.append(_bind(server, listener, socket_mode, tls))
             if listener.unix_path is not None:
                 own_sockets.append(listener.unix_path)
         await server.start()
@@ -233,34 +239,33 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
             path.unlink(missing_ok=True)
 
 
-def _bind(server: grpc.aio.Server, listener: ListenAddress) -> str:
+def _bind(server: grpc.aio.Server, listener: ListenAddress, socket_mode: int,
+          tls: ServerTls | None) -> str:
     """Add the listener's port; returns the target it serves (with the port TCP got)."""
-    if listener.unix_path is not None:
-        claim_socket_path(listener.unix_path)
     try:
-        port = server.add_insecure_port(listener.target)
+        if listener.unix_path is None:
+            port = _bind_tcp(server, listener.target, tls)
+            return f"{listener.target.rpartition(':')[0]}:{port}"
+        claim_socket_path(listener.unix_path, socket_mode)
+        with socket_umask(socket_mode):  # grpc binds (creates the file) here
+            server.add_insecure_port(listener.target)
+        os.chmod(listener.unix_path, socket_mode)
+        return listener.target
+    except SocketInUse as exc:
+        raise StartupError(str(exc)) from exc
     except RuntimeError as exc:
         raise StartupError(f"cannot listen on {listener.target}: address in use or "
                            "not permitted") from exc
-    if listener.is_tcp:
-        return f"{listener.target.rpartition(':')[0]}:{port}"
-    return listener.target
 
 
-def claim_socket_path(path: Path) -> None:
-    """Make room for a unix socket at `path`: remove a dead daemon's socket, refuse a live one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
-        return
-    if not path.is_socket():
-        raise StartupError(f"cannot listen on {path}: it exists and is not a socket")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(str(path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            path.unlink(missing_ok=True)  # nobody listens: left by a daemon that crashed
-            return
-    raise StartupError(f"cannot listen on {path}: another process is serving it")
+def _bind_tcp(server: grpc.aio.Server, target: str, tls: ServerTls | None) -> int:
+    """Add a TCP port, with TLS when given (else plaintext, with a warning); returns it."""
+    if tls is not None:
+        return server.add_secure_port(target, tls.credentials())
+    log.warning("plaintext TCP listener: bearer tokens cross the network in clear; serve TLS "
+                "(tls_cert_file, tls_key_file) unless a private network or a proxy protects it",
+                listen=target)
+    return server.add_insecure_port(target)
 
 
 async def _feed_watchdog(interval_s: float) -> None:

@@ -17,8 +17,15 @@ old K/V still in it. That is safe without zeroing: the API returns block ids and
 contents; the attention kernels mask every slot past a sequence's length, so stale slots are
 never read; and only the trusted runner on this host maps the pool memory. For defense in
 depth, `zero_freed_blocks=True` zeroes every block the pool releases with no cached content
-(pending blocks included). Committed blocks kept in the prefix cache keep their content on
-purpose (that is the cache).
+(pending blocks included) and every cached block evicted for a new owner. Committed blocks
+kept in the prefix cache keep their content on purpose (that is the cache), except that a
+session with a private salt drops (and, with zeroing, zeroes) what it left cached when it
+ends, since no one else could hit it (`cache_hygiene.py`).
+
+Tenants. Every session belongs to the tenant of the call that opened it (`tenants.py`): the
+tenant's cache salts decide the session's namespace, its max_sessions is checked at open, and
+its max_blocks (block-table entries over all its sessions, the session quota's measure) after
+every change, inside the change's transaction, so a call that would exceed it is undone.
 
 Stats. GetStats gives pool-wide figures to any caller, and per-session figures only for the
 caller's own session: session ids are credentials, so no RPC lists other sessions.
@@ -37,12 +44,13 @@ another's session.
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from pagedkv.process.log_setup import get_logger
 
+from .cache_hygiene import CacheHygiene
 from .core import BatchAppend, BlockPool, InvalidArgument, PoolError, PoolStats, SeqUpdate
 from .geometry import ModelGeometry
 from .operations import (
@@ -58,6 +66,7 @@ from .operations import (
 )
 from .session_ops import BlockMemory, MemoryWork, SessionOps
 from .sessions import Session, SessionRegistry, SessionStats
+from .tenants import TenantFigures, Tenants, TenantUsage
 
 log = get_logger(__name__)
 
@@ -74,7 +83,8 @@ class PoolService:
                  default_lease_ttl_ms: int = 10_000, max_lease_ttl_ms: int = 600_000,
                  geometry: ModelGeometry | None = None, zero_freed_blocks: bool = False,
                  limits: RequestLimits | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 tenants: Tenants | None = None) -> None:
         self.pool = pool
         self.memory = memory
         self.pool_id = pool_id
@@ -83,6 +93,11 @@ class PoolService:
         self.sessions = SessionRegistry(pool_id, default_lease_ttl_ms=default_lease_ttl_ms,
                                         max_lease_ttl_ms=max_lease_ttl_ms, clock=clock)
         self._ops = SessionOps(pool, self.limits, zero_freed_blocks)
+        # Private sessions' cached blocks dropped when they end; evicted blocks zeroed.
+        self._hygiene = CacheHygiene(pool, zero_freed_blocks)
+        # Who may call, and each tenant's limits and live sessions.
+        self.tenants = tenants or Tenants.single(None)
+        self._usage = TenantUsage()
         # Serializes every change of pool state, and the memory work that goes with it.
         self._lock = asyncio.Lock()
         # One thread: memory work runs in call order, off the event loop.
@@ -135,8 +150,12 @@ class PoolService:
         with self.pool.transaction() as journal:
             self.sessions.remove(session, expired=expired)
             journal.record(self.sessions.reinstate, session, expired)
-            for seq_id in list(session.seq_ids):
-                self._ops.free(session, seq_id, work)
+            self._usage.remove(session)
+            journal.record(self._usage.add, session)
+            with self._hygiene.watch(session, work):
+                for seq_id in list(session.seq_ids):
+                    self._ops.free(session, seq_id, work)
+            self._hygiene.session_ended(session, work)
             await self._perform(work)
         return count
 
@@ -163,7 +182,9 @@ class PoolService:
                 self.sessions.check_live(session)
                 work = MemoryWork()
                 with self.pool.transaction():
-                    result = change(session, work)
+                    with self._hygiene.watch(session, work):
+                        result = change(session, work)
+                    self._usage.check_blocks(self.tenants.by_name[session.tenant])
                     await self._perform(work)
                 return result
         finally:
@@ -173,9 +194,14 @@ class PoolService:
 
     def open_session(self, client_name: str, lease_ttl_ms: int = 0, max_blocks: int = 0,
                      cache_salt: bytes = b"") -> Session:
-        session = self.sessions.open(client_name, lease_ttl_ms, max_blocks, cache_salt)
+        """A session of the calling tenant (checked: its max_sessions and salts)."""
+        tenant = self.tenants.caller_tenant()
+        self._usage.check_open(tenant)
+        session = self.sessions.open(client_name, lease_ttl_ms, max_blocks,
+                                     tenant.cache_salt(cache_salt), tenant=tenant.name)
+        self._usage.add(session)
         log.info("session opened", session=session.label, lease_ttl_ms=session.lease_ttl_ms,
-                 max_blocks=max_blocks, shared_cache=bool(cache_salt))
+                 max_blocks=max_blocks, shared_cache=bool(cache_salt), tenant=tenant.name)
         return session
 
     def keep_alive(self, session_id: str) -> int:
@@ -283,6 +309,17 @@ class PoolService:
             lease_ttl_ms=session.lease_ttl_ms, prefix_cache_queries=session.prefix_cache_queries,
             prefix_cache_hits=session.prefix_cache_hits)
 
+    def tenant_figures(self) -> list[TenantFigures]:
+        """Every tenant's sessions and blocks, for the metrics endpoint."""
+        return self._usage.figures(self.tenants, self._distinct_blocks)
+
+    def _distinct_blocks(self, sessions: Iterable[Session]) -> int:
+        held: set[int] = set()
+        for session in sessions:
+            for seq_id in session.seq_ids:
+                held.update(self.pool.block_table(session.key(seq_id)))
+        return len(held)
+
     def check_invariants(self) -> None:
         """Assert the pool's invariants and that sessions and pool agree; for tests."""
         self.pool.check_invariants()
@@ -295,3 +332,9 @@ class PoolService:
                 f"{session.label} counts {session.table_entries} table entries, holds {entries}")
             live += len(keys)
         assert live == len(self.pool), "the pool holds sequences of no live session"
+        self._hygiene.check({session.number for session in self.sessions})
+        by_tenant = {name: set(sessions) for name, sessions in self._usage.sessions.items()
+                     if sessions}
+        assert by_tenant == {name: {s for s in self.sessions if s.tenant == name}
+                             for name in {s.tenant for s in self.sessions}}, \
+            "the tenants' session sets disagree with the live sessions"

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from .core import InvalidArgument, PoolError
+from .tenants import DEFAULT_TENANT, may_use_session_of
 
 # Random bytes in the secret part of a session id (64 bits, 16 hex digits).
 _SECRET_BYTES = 8
@@ -57,6 +58,8 @@ class Session:
     max_blocks: int
     # Prefix-cache namespace: only sessions with equal salts share cached blocks.
     salt: bytes
+    # The tenant that opened the session: its limits count the session (tenants.py).
+    tenant: str = DEFAULT_TENANT
     # Client seq ids of the live sequences.
     seq_ids: set[int] = field(default_factory=set)
     # Block-table entries summed over the live sequences (what max_blocks bounds).
@@ -69,6 +72,12 @@ class Session:
     in_flight: int = 0
 
     @property
+    def private_salt(self) -> bool:
+        """Whether the session's prefix-cache namespace is its own (it gave no cache_salt):
+        then no one else can ever hit the blocks it leaves cached."""
+        return self.salt == private_salt(self.session_id)
+
+    @property
     def label(self) -> str:
         """The name stats and logs use: not the id, which is a credential."""
         return f"{self.client_name}#{self.number}"
@@ -76,6 +85,11 @@ class Session:
     def key(self, seq_id: int) -> tuple[int, int]:
         """The pool's key for one of this session's sequences."""
         return (self.number, seq_id)
+
+
+def private_salt(session_id: str) -> bytes:
+    """The cache salt of a session that shares with no one."""
+    return b"session:" + session_id.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +142,7 @@ class SessionRegistry:
         return iter(list(self._sessions.values()))
 
     def open(self, client_name: str, lease_ttl_ms: int, max_blocks: int,
-             cache_salt: bytes) -> Session:
+             cache_salt: bytes, tenant: str = DEFAULT_TENANT) -> Session:
         """A new session; a zero lease means the default, a long one is clamped to the max."""
         if lease_ttl_ms < 0 or max_blocks < 0:
             raise InvalidArgument(f"lease_ttl_ms ({lease_ttl_ms}) and max_blocks ({max_blocks}) "
@@ -137,10 +151,10 @@ class SessionRegistry:
         number = next(self._numbers)
         session_id = f"{self.pool_id}-{number}-{secrets.token_hex(_SECRET_BYTES)}"
         # Distinct prefixes keep a client's salt from ever equalling a per-session default.
-        salt = b"client:" + cache_salt if cache_salt else b"session:" + session_id.encode()
+        salt = b"client:" + cache_salt if cache_salt else private_salt(session_id)
         session = Session(session_id=session_id, number=number, client_name=client_name,
                           lease_ttl_ms=ttl, deadline=self._clock() + ttl / 1000,
-                          max_blocks=max_blocks, salt=salt)
+                          max_blocks=max_blocks, salt=salt, tenant=tenant)
         self._sessions[session_id] = session
         return session
 
@@ -148,8 +162,8 @@ class SessionRegistry:
         """The live session with this id, its lease renewed; raises why there is none.
         A session past its lease with no call in flight is due: refused, never revived."""
         session = self._sessions.get(session_id)
-        if session is None:
-            raise self._missing(session_id)
+        if session is None or not may_use_session_of(session.tenant):
+            raise self._missing(session_id)  # another tenant's session is simply unknown
         now = self._clock()
         if now > session.deadline and not session.in_flight:
             raise SessionExpired(f"session {session_id} expired: no call or KeepAlive within "

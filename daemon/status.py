@@ -21,6 +21,7 @@ from pagedkv.process.log_setup import get_logger
 from .core import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
 from .operations import PoolExhausted
 from .sessions import SessionExpired, SessionNotFound
+from .tenants import PermissionDenied
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -37,6 +38,7 @@ _CODES: tuple[tuple[type[PoolError], grpc.StatusCode], ...] = (
     (SequenceExists, grpc.StatusCode.ALREADY_EXISTS),
     (PoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (SessionExpired, grpc.StatusCode.FAILED_PRECONDITION),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (PoolError, grpc.StatusCode.INVALID_ARGUMENT),
 )

@@ -10,6 +10,14 @@ in pool memory that only a trusted runner on the same host maps (see PoolInfo.me
 External schedulers generate their own stubs from this file: names and field numbers are
 stable; new fields and RPCs are only ever added.
 
+Callers and tenants. Over TCP the daemon serves TLS (unless run with insecure_tcp) and every
+call must carry the metadata `authorization: Bearer <token>`; the token names the caller's
+tenant (else UNAUTHENTICATED, before the request is even parsed). Over a unix socket no
+token is needed: the caller is the daemon's unix tenant. A session belongs to the tenant
+that opened it and counts against the tenant's limits (sessions open at once, block-table
+entries over all its sessions: RESOURCE_EXHAUSTED beyond them); a TCP call naming another
+tenant's session gets NOT_FOUND. A request that does not parse gets INVALID_ARGUMENT.
+
 Prefix sharing: pending and committed blocks. K/V is shareable only once it is written. When
 a sequence's block fills (Allocate of a prompt, or appends), the daemon keys it by content but
 keeps it *pending*: no other prompt can match it, since no runner has computed its K/V yet.
@@ -183,7 +191,12 @@ class OpenSessionRequest(_message.Message):
     max_blocks: _builtins.int
     """Quota on block-table entries held by the session's sequences; 0 = unlimited."""
     cache_salt: _builtins.bytes
-    """Sessions with equal non-empty salts share prefix-cache blocks; empty = share with no one."""
+    """Sessions with equal non-empty salts share prefix-cache blocks; empty = share with no one,
+    and what the session leaves cached is dropped when it ends (closed or expired). The salts
+    a tenant may use are set by the daemon's operator: another is PERMISSION_DENIED. Salts the
+    operator lists for a tenant are shared with other tenants that list them; any other salt
+    is shared only among the sessions of the same tenant.
+    """
     def __init__(
         self,
         *,

@@ -10,6 +10,14 @@ in pool memory that only a trusted runner on the same host maps (see PoolInfo.me
 External schedulers generate their own stubs from this file: names and field numbers are
 stable; new fields and RPCs are only ever added.
 
+Callers and tenants. Over TCP the daemon serves TLS (unless run with insecure_tcp) and every
+call must carry the metadata `authorization: Bearer <token>`; the token names the caller's
+tenant (else UNAUTHENTICATED, before the request is even parsed). Over a unix socket no
+token is needed: the caller is the daemon's unix tenant. A session belongs to the tenant
+that opened it and counts against the tenant's limits (sessions open at once, block-table
+entries over all its sessions: RESOURCE_EXHAUSTED beyond them); a TCP call naming another
+tenant's session gets NOT_FOUND. A request that does not parse gets INVALID_ARGUMENT.
+
 Prefix sharing: pending and committed blocks. K/V is shareable only once it is written. When
 a sequence's block fills (Allocate of a prompt, or appends), the daemon keys it by content but
 keeps it *pending*: no other prompt can match it, since no runner has computed its K/V yet.

@@ -5,7 +5,8 @@
         daemon.service.check_invariants()
 
 The gRPC server is `pagedkv.daemon.server.grpc_server`, the one pagedkvd runs: the same
-interceptor (TCP calls need TOKEN; a log line and metrics per call, in `daemon.registry`),
+interceptor (TCP calls need TOKEN, or a token of the `tenants` given; a log line and metrics
+per call, in `daemon.registry`),
 message limit, health and reflection. The pool is tiny so tests can assert exact block ids;
 `with_memory=True` backs it with a real CPU KVPoolMemory (the tiny geometry, in a private temp
 dir, never /dev/shm).
@@ -31,6 +32,8 @@ from pagedkv.daemon.kv_memory import KVPoolMemory
 from pagedkv.daemon.metrics import PoolCollector, RpcMetrics
 from pagedkv.daemon.server import grpc_server
 from pagedkv.daemon.service import PoolService
+from pagedkv.daemon.tenants import Tenants
+from pagedkv.daemon.tls import ServerTls
 
 # The bearer token TCP callers of every test daemon must send.
 TOKEN = "s3cret-token"
@@ -60,9 +63,12 @@ class Daemon:
 
 @asynccontextmanager
 async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memory: bool = False,
-                         tcp: bool = False, pool_id: str | None = None,
+                         tcp: bool = False, tls: ServerTls | None = None,
+                         pool_id: str | None = None, tenants: Tenants | None = None,
                          **service_options: Any) -> AsyncIterator[Daemon]:
-    """Start a daemon; `service_options` go to PoolService (leases, limits, zeroing, clock)."""
+    """Start a daemon; `service_options` go to PoolService (leases, limits, zeroing, clock).
+    With `tcp`, a loopback TCP listener too, serving TLS with `tls` when given. `tenants`
+    default to one, "default", whose token is TOKEN."""
     async with AsyncExitStack() as stack:
         # Short and private: unix socket paths are limited to ~107 bytes, pytest's tmp_path is
         # long.
@@ -74,7 +80,8 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
                 TINY_CPU_GEOMETRY, num_blocks, block_size, "float32", shm_dir=str(directory)))
         service = PoolService(BlockPool(num_blocks, block_size), memory,
                               pool_id=pool_id or secrets.token_hex(8),
-                              geometry=TINY_CPU_GEOMETRY, **service_options)
+                              geometry=TINY_CPU_GEOMETRY,
+                              tenants=tenants or Tenants.single(TOKEN), **service_options)
         await service.start()
         stack.push_async_callback(service.stop)
         registry = CollectorRegistry()
@@ -83,6 +90,6 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
         if tcp:
             listeners.append(ANY_LOOPBACK_PORT)
         running = await stack.enter_async_context(grpc_server(
-            service, listeners, auth_token=TOKEN, rpc_metrics=RpcMetrics(registry)))
+            service, listeners, rpc_metrics=RpcMetrics(registry), tls=tls))
         tcp_target = running.targets[1] if tcp else None
         yield Daemon(service, running.targets[0], tcp_target, memory, registry)

@@ -13,6 +13,8 @@ from pagedkv.daemon.core import (
     SeqUpdate,
 )
 
+from pool_state import pool_state
+
 
 def ok(result: object) -> SeqUpdate:
     assert isinstance(result, SeqUpdate), result
@@ -341,4 +343,41 @@ def test_a_forked_child_keeps_pending_blocks_and_may_commit_them(pool: BlockPool
     assert pool.stats().pending_blocks == 2
     assert pool.commit(["c"]) == 2                # the child's owner computed them
     assert ok(pool.allocate("x", 8, list(range(8)))).num_cached_tokens == 8
+    pool.check_invariants()
+
+
+class Heard:
+    """Cache events, as the service hears them during a call."""
+
+    def __init__(self) -> None:
+        # ("evicted", blocks) and ("parked", [block]) in the order they happened.
+        self.events: list[tuple[str, list[int]]] = []
+
+    def evicted(self, blocks: list[int]) -> None:
+        self.events.append(("evicted", blocks))
+
+    def parked(self, block: int, key: bytes) -> None:
+        self.events.append(("parked", [block]))
+
+
+def test_cache_events_and_uncache_of_what_no_one_can_hit_any_more() -> None:
+    pool, heard = BlockPool(num_blocks=4, block_size=2), Heard()
+    with pool.cache_events(heard):
+        ok(pool.allocate("a", 4, [1, 2, 3, 4], salt=b"private"))
+        pool.commit(["a"])
+        pool.free("a")  # both blocks stay cached, the deeper one first
+        ok(pool.allocate("b", 6))  # blocks 2, 3, then evicts block 1 (least recently parked)
+    assert heard.events == [("parked", [1]), ("parked", [0]), ("evicted", [1])]
+    keys = pool.cached_keys()
+    assert list(keys) == [0]
+    before = pool_state(pool)
+    with pytest.raises(RuntimeError), pool.transaction():
+        assert pool.uncache({**keys, 3: b"in use", 1: keys[0]}) == [0]
+        raise RuntimeError("undone")
+    assert pool_state(pool) == before
+    assert pool.uncache({0: b"another key"}) == []  # re-keyed content is someone else's
+    assert pool.uncache(keys) == [0]
+    stats = pool.stats()
+    assert (stats.cached_blocks, stats.free_blocks) == (0, 1)
+    assert ok(pool.allocate("c", 2, [1, 2], salt=b"private")).num_cached_tokens == 0
     pool.check_invariants()

@@ -71,8 +71,8 @@ def test_toml_then_flags_override(tmp_path: Path, token_file: Path) -> None:
 
 
 def test_octal_shm_mode_and_zeroing_flags() -> None:
-    config = parse(["--shm-mode", "640", "--zero-freed-blocks"])
-    assert config.shm_mode == 0o640 and config.zero_freed_blocks
+    config = parse(["--shm-mode", "640", "--zero-freed-blocks", "--socket-mode", "600"])
+    assert config.shm_mode == 0o640 and config.zero_freed_blocks and config.socket_mode == 0o600
 
 
 def test_a_sizing_flag_replaces_the_toml_sizing(tmp_path: Path) -> None:
@@ -96,7 +96,9 @@ def test_tcp_listener_without_token_file_is_refused() -> None:
 
 
 def test_tcp_listener_with_token_file_is_accepted(token_file: Path) -> None:
-    config = parse(["--listen", "[::1]:7001", "--auth-token-file", str(token_file)])
+    config = parse(["--listen", "[::1]:7001", "--auth-token-file", str(token_file),
+                    "--insecure-tcp"])
+    assert config.insecure_tcp
     (listener,) = config.listeners()
     assert listener.is_tcp and listener.target == "[::1]:7001"
 
@@ -130,6 +132,10 @@ def test_unusable_token_files_are_refused(
         (["--lease-ttl-ms", "600001"], "lease_ttl_ms must be in"),
         (["--shm-mode", "440"], "shm_mode must be permission bits including owner rw"),
         (["--shm-mode", "1777"], "shm_mode must be"),
+        (["--shm-mode", "666"], "shm_mode 0o666 gives every local user access"),
+        (["--shm-mode", "664"], "shm_mode 0o664 gives every local user access"),
+        (["--socket-mode", "777"], "socket_mode 0o777 gives every local user access"),
+        (["--socket-mode", "600", "--shm-mode", "606"], "shm_mode 0o606 gives every"),
         (["--shm-dir", "/nonexistent-dir"], "shm_dir: /nonexistent-dir is not a folder"),
         (["--listen", "unix://relative"], "unix:///absolute/path"),
         (["--listen", "unix:///" + "x" * 120], "socket path must be"),
@@ -180,7 +186,9 @@ def test_the_shipped_toml_sets_valid_values_and_documents_every_key() -> None:
     config = DaemonConfig(**load_toml(OPS / "pagedkv.toml"))
     assert config.listen == ("unix:///run/pagedkv/pagedkvd.sock",)
     for setting in fields(DaemonConfig):
-        assert f"{setting.name} = " in text, f"{setting.name} is not in ops/pagedkv.toml"
+        # Tables ([tenants.NAME]) are written as tables.
+        written = f"[{setting.name}." if setting.name == "tenants" else f"{setting.name} = "
+        assert written in text, f"{setting.name} is not in ops/pagedkv.toml"
 
 
 def test_the_unit_matches_the_daemon() -> None:

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pagedkv.daemon.interceptors import session_label
+from pagedkv.daemon.interceptors import RateLimitedLog, session_label
 from pagedkv.daemon.servicer import KVPoolServicer
 from pagedkv.process.log_setup import configure
 from pagedkv.proto import kvpool_pb2 as pb
@@ -143,11 +143,65 @@ async def test_outcomes_are_counted_and_logged_without_the_session_secret(
     assert [(line["method"], line["code"], line["level"], line["session"])
             for line in rpc_lines] == [
         ("OpenSession", "OK", "debug", None), ("Allocate", "OK", "debug", "#1"),
-        ("Append", "NOT_FOUND", "warning", "#1"), ("GetStats", "UNKNOWN", "warning", "#1"),
-        ("Allocate", "UNAUTHENTICATED", "warning", "#1")]
+        ("Append", "NOT_FOUND", "warning", "#1"), ("GetStats", "UNKNOWN", "warning", "#1")]
+    # Refused before its request is parsed (no session to name), and logged rate-limited.
+    assert [(line["method"], line["count"]) for line in lines
+            if line["event"] == "unauthenticated_calls"] == [("Allocate", 1)]
     # The bug's traceback is logged once, by the interceptor.
     assert [line["method"] for line in lines if line["event"] == "rpc_failed"] == ["GetStats"]
     assert sid.rpartition("-")[2] not in log_stream.getvalue()
+
+
+async def test_malformed_requests_are_invalid_argument_counted_and_logged_rarely(
+    daemon: Daemon, log_stream: io.StringIO,
+) -> None:
+    # Bytes that are no protobuf message: a field tag whose varint never ends.
+    garbage = b"\xff" * 12
+    assert daemon.tcp_target is not None
+    async with grpc.aio.insecure_channel(daemon.tcp_target) as channel:
+        allocate = channel.unary_unary("/pagedkv.v1.KVPool/Allocate")
+        for _ in range(20):  # no token: refused before the bytes are looked at
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await allocate(garbage)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for _ in range(30):  # with the token: INVALID_ARGUMENT, not UNKNOWN
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await allocate(garbage, metadata=bearer(TOKEN))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid Allocate message" in str(refused.value.details())
+    async with grpc.aio.insecure_channel(daemon.unix_target) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await channel.unary_unary("/pagedkv.v1.KVPool/Allocate")(garbage)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    def calls(code: str) -> float | None:
+        labels = {"service": KVPOOL, "method": "Allocate", "code": code}
+        return daemon.registry.get_sample_value("pagedkv:rpc_requests_total", labels)
+
+    assert calls("UNAUTHENTICATED") == 20
+    assert calls("INVALID_ARGUMENT") == 31
+    assert calls("UNKNOWN") is None
+    lines = [json.loads(line) for line in log_stream.getvalue().splitlines()]
+    # One line for 31 malformed requests within the rate window, and one for 20 calls without
+    # the token; no traceback, no error.
+    for event in ("malformed_requests", "unauthenticated_calls"):
+        assert [(line["level"], line["count"]) for line in lines
+                if line["event"] == event] == [("warning", 1)]
+    assert not [line for line in lines if line["event"] == "rpc" and line["level"] != "debug"]
+    assert not [line for line in lines if line["level"] in ("error", "critical")]
+    assert not [line for line in lines if "exception" in line]
+    assert daemon.pool.stats().num_sequences == 0
+
+
+def test_a_rate_limited_log_reports_what_it_held_back() -> None:
+    now = [0.0]
+    limit = RateLimitedLog(10.0, clock=lambda: now[0])
+    assert limit.event() == 1  # the first at once
+    assert [limit.event() for _ in range(5)] == [None] * 5
+    now[0] = 10.0
+    assert limit.event() == 6  # the five held back, and this one
+    now[0] = 15.0
+    assert limit.event() is None
 
 
 @pytest.mark.parametrize(

@@ -142,6 +142,10 @@ def test_file_mode(tmp_path: Path) -> None:
             assert stat.S_IMODE(os.stat(grouped.handle().shm_path).st_mode) == 0o660
     finally:
         os.umask(old_umask)
+    for mode in (0o666, 0o604):  # every user could read and write every tenant's K/V
+        with pytest.raises(ValueError, match="gives every user access"):
+            KVPoolMemory.create(GEOMETRY, 1, 1, "float32", shm_dir=str(tmp_path), mode=mode)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_close_unlinks_and_is_idempotent() -> None:

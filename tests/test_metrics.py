@@ -43,14 +43,15 @@ async def test_pool_figures_are_read_at_each_scrape() -> None:
 
     # a and b share a 40-token prompt under one salt: a commits its full blocks 0 and 1 (its
     # K/V is written), b finds those 32 tokens cached; 2 and 3 are their partial last blocks.
-    # c's one full block, committed, is cached (evictable) once c's lease lapses and the
-    # reaper frees its sequence; d's, never committed, stays pending.
+    # c's one full block, committed under a shared salt, is cached (evictable) once c's lease
+    # lapses and the reaper frees its sequence (a private salt's would be dropped: no one
+    # could hit it); d's, never committed, stays pending.
     prompt = list(range(100, 140))
     for name in ("a", "b"):
         sid = service.open_session(name, cache_salt=b"team").session_id
         await service.allocate(sid, Allocate(1, 40, prompt))
         await service.commit(sid, Commit([1]))
-    lapsing = service.open_session("c", lease_ttl_ms=100).session_id
+    lapsing = service.open_session("c", lease_ttl_ms=100, cache_salt=b"c-team").session_id
     await service.allocate(lapsing, Allocate(1, 16, list(range(16))))
     await service.commit(lapsing, Commit([1]))
     pending = service.open_session("d").session_id

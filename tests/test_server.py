@@ -1,6 +1,8 @@
 """serve() in-process, and the start-up checks that turn bad settings into clear errors."""
 
 import asyncio
+import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,6 +61,28 @@ async def test_serve_until_the_stop_event(short_dir: Path) -> None:
     assert list(short_dir.iterdir()) == []  # pool file and socket both gone
 
 
+async def test_socket_and_its_folder_get_explicit_modes_under_umask_000(short_dir: Path) -> None:
+    socket_path = short_dir / "run" / "sub" / "d.sock"  # two folders the daemon creates
+    stop = asyncio.Event()
+    previous = os.umask(0)  # as if started from a shell or unit with UMask=0000
+    try:
+        task = asyncio.create_task(serve(DaemonConfig(
+            listen=(f"unix://{socket_path}",), shm_dir=short_dir, num_blocks=8), stop))
+        async with grpc.aio.insecure_channel(f"unix://{socket_path}") as channel:
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), wait_for_ready=True, timeout=30)
+        modes = {path: stat.S_IMODE(path.stat().st_mode)
+                 for path in (socket_path, socket_path.parent, socket_path.parent.parent,
+                              *short_dir.glob("pagedkv-*.kv"))}
+    finally:
+        os.umask(previous)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    assert modes.pop(socket_path) == 0o660
+    assert modes.pop(socket_path.parent) == modes.pop(socket_path.parent.parent) == 0o750
+    assert list(modes.values()) == [0o600]  # the pool file
+
+
 async def test_a_port_in_use_stops_the_start_and_frees_the_pool(short_dir: Path) -> None:
     token = short_dir / "token"
     token.write_text("t")
@@ -68,7 +92,7 @@ async def test_a_port_in_use_stops_the_start_and_frees_the_pool(short_dir: Path)
     await blocker.start()
     try:
         config = DaemonConfig(listen=(f"127.0.0.1:{port}",), auth_token_file=token,
-                              shm_dir=short_dir)
+                              shm_dir=short_dir, insecure_tcp=True)
         with pytest.raises(StartupError, match=f"cannot listen on 127.0.0.1:{port}"):
             await serve(config, asyncio.Event())
     finally:

@@ -15,8 +15,9 @@ operations (a Batch, or an op followed by memory work that may fail) are made al
 `transaction()`, an undo journal whose cost is the work done, never the size of the pool.
 """
 
+import contextlib
 import operator
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import NamedTuple
 
@@ -25,7 +26,7 @@ import numpy.typing as npt
 
 from .errors import InvalidArgument, SequenceExists, SequenceNotFound
 from .journal import Journal
-from .physical_blocks import PhysicalBlocks
+from .physical_blocks import CacheEvents, PhysicalBlocks
 from .prefix_cache import block_key, root_key
 from .seq_table import Int64Array, SeqTable, ragged_arange
 from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
@@ -229,6 +230,25 @@ class BlockPool:
         table = self.block_table(seq)
         self._seqs.remove(seq)
         return self._blocks.release(table)
+
+    @contextlib.contextmanager
+    def cache_events(self, events: CacheEvents) -> Iterator[None]:
+        """Tell `events` of every block evicted from or parked in the prefix cache inside."""
+        self._blocks.events = events
+        try:
+            yield
+        finally:
+            self._blocks.events = None
+
+    def uncache(self, candidates: Mapping[int, bytes]) -> list[int]:
+        """Free the candidate blocks still cached under the given keys (content whose only
+        possible users are gone, e.g. a session's private salt); returns them."""
+        return self._blocks.uncache(candidates)
+
+    def cached_keys(self) -> dict[int, bytes]:
+        """Every evictable cached block and its key (O(cached blocks): for checks)."""
+        cache = self._blocks.cache
+        return {block: cache.key_of[block] or b"" for block in cache.evictable}
 
     # ----------------------------------------------------------- block movement
 

@@ -10,15 +10,32 @@ key (filled, K/V not yet certified); when its last reference goes, the key goes 
 block is free, never cached.
 
 Every change records its undo in the pool's journal (see `journal.py`).
+
+A block leaves or enters the cache on behalf of a call: `events`, when set (the service sets it
+around each call), hears of every block `take` evicts (it holds an earlier owner's K/V) and
+every block `release` parks (its owner's K/V stays behind), so the call can zero the one and
+remember the other.
 """
 
 from collections import deque
+from collections.abc import Mapping
+from typing import Protocol
 
 import numpy as np
 
 from .journal import Journal
 from .prefix_cache import PrefixCache
 from .seq_table import Int64Array
+
+
+class CacheEvents(Protocol):
+    """Told, during a call, which blocks the prefix cache gave up and which it took in."""
+
+    def evicted(self, blocks: list[int]) -> None:
+        """These cached blocks were evicted and handed to a writer."""
+
+    def parked(self, block: int, key: bytes) -> None:
+        """This committed block lost its last reference and stays cached under `key`."""
 
 
 class PhysicalBlocks:
@@ -33,6 +50,8 @@ class PhysicalBlocks:
         self.free: deque[int] = deque(range(num_blocks))
         # Content keys, and the LRU of cached blocks with refcount 0.
         self.cache = PrefixCache(num_blocks, block_size, journal)
+        # Who hears of evictions and parked blocks (None: no one).
+        self.events: CacheEvents | None = None
 
     @property
     def num_available(self) -> int:
@@ -44,6 +63,8 @@ class PhysicalBlocks:
         free = self.free
         from_free = [free.popleft() for _ in range(min(n, len(free)))]
         evicted = self.cache.evict(n - len(from_free)) if len(from_free) < n else []
+        if evicted and self.events is not None:
+            self.events.evicted(evicted)
         taken = np.array(from_free + evicted, dtype=np.int64)
         # Free and cached blocks have refcount 0 (`check` proves the states disjoint).
         self.ref[taken] = 1
@@ -85,6 +106,8 @@ class PhysicalBlocks:
                 continue
             if cache.is_committed(block):
                 cache.park(block)
+                if self.events is not None:
+                    self.events.parked(block, cache.key_of[block] or b"")
             else:
                 cache.forget(block)
                 released.append(block)
@@ -96,6 +119,22 @@ class PhysicalBlocks:
         for _ in range(num_freed):
             self.free.pop()
         self.ref[table] += 1
+
+    def uncache(self, candidates: Mapping[int, bytes]) -> list[int]:
+        """Move every candidate block that is still cached under the given key to the free
+        list, its key dropped (content no one can hit any more). Returns those blocks."""
+        cache = self.cache
+        dropped = [block for block, key in candidates.items()
+                   if block in cache.evictable and cache.key_of[block] == key]
+        for block in dropped:
+            cache.unpark(block)
+        self.free.extend(dropped)
+        self._journal.record(self._unfree, len(dropped))
+        return dropped
+
+    def _unfree(self, count: int) -> None:
+        for _ in range(count):
+            self.free.pop()
 
     def check(self, referenced: Int64Array) -> None:
         """Assert the states above, given every block-table entry of the pool."""

@@ -149,6 +149,17 @@ class PrefixCache:
         self.evictable.push(block)
         self._journal.record(self.evictable.remove, block)
 
+    def unpark(self, block: int) -> None:
+        """Drop an evictable block's content: it leaves the LRU and its committed key (no one
+        may hit it any more); the caller frees it."""
+        prev, nxt = self.evictable.remove(block)
+        self._journal.record(self.evictable.insert, block, prev, nxt)
+        key = self.key_of[block]
+        assert key is not None and self.block_of.get(key) == block, f"block {block} not cached"
+        del self.block_of[key]
+        self._journal.record(self.block_of.__setitem__, key, block)
+        self._drop_key(block)
+
     def revive(self, block: int) -> None:
         """A cache hit on an evictable block takes it back into use."""
         prev, nxt = self.evictable.remove(block)

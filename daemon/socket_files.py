@@ -1,0 +1,68 @@
+"""Unix socket files of the daemon: their folder, their mode, and a dead daemon's leftovers.
+
+Who may connect to a unix socket is decided by the file system: write permission on the socket
+file and search permission on every folder above it. Unix callers need no token, so these
+modes are the access control, and they must not depend on the umask the daemon was started
+with (under `umask 000` a plain bind() makes a socket every local user may connect to). The
+socket is therefore bound under a umask that clears every bit `socket_mode` lacks, then
+chmod'ed to exactly `socket_mode`; each folder the daemon creates for it gets an explicit
+mode too: the owner's rwx, and r-x for the group when the socket grants the group access.
+Folders that already exist (systemd's RuntimeDirectory, ./run) keep the mode they have.
+"""
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+
+class SocketInUse(RuntimeError):
+    """Another live process serves the socket path, or the path is not a socket."""
+
+
+def folder_mode(socket_mode: int) -> int:
+    """Mode of a folder created for a socket of `socket_mode`: owner rwx, group r-x if the
+    socket grants the group anything (connecting needs search permission on the folder)."""
+    return 0o750 if socket_mode & 0o070 else 0o700
+
+
+def make_socket_folder(folder: Path, socket_mode: int) -> None:
+    """Create `folder` and its missing parents, each with `folder_mode`, whatever the umask."""
+    missing = []
+    for path in (folder, *folder.parents):
+        if path.exists():
+            break
+        missing.append(path)
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # created meanwhile by someone else
+            path.mkdir(mode=folder_mode(socket_mode))
+            os.chmod(path, folder_mode(socket_mode))
+
+
+@contextlib.contextmanager
+def socket_umask(socket_mode: int) -> Iterator[None]:
+    """A umask under which bind() creates a socket with no bit `socket_mode` lacks. The umask
+    is per process: only the bind runs under it, at start, before any client work."""
+    previous = os.umask(0o777 & ~socket_mode)
+    try:
+        yield
+    finally:
+        os.umask(previous)
+
+
+def claim_socket_path(path: Path, socket_mode: int) -> None:
+    """Make room for a unix socket at `path`: create its folder, remove a dead daemon's socket,
+    refuse a live one."""
+    make_socket_folder(path.parent, socket_mode)
+    if not path.exists():
+        return
+    if not path.is_socket():
+        raise SocketInUse(f"cannot listen on {path}: it exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)  # nobody listens: left by a daemon that crashed
+            return
+    raise SocketInUse(f"cannot listen on {path}: another process is serving it")
