@@ -30,6 +30,7 @@ from pagedkv.process.lifecycle import cancel, stop_on_signals
 from pagedkv.process.log_setup import get_logger
 from pagedkv.process.notify import notify, watchdog_interval_s
 from pagedkv.process.probes import metrics_app, start_http
+from pagedkv.process.socket_files import SocketInUse, claim_socket_path, socket_umask
 from pagedkv.proto import kvpool_pb2
 
 from .addresses import ListenAddress, parse_host_port
@@ -46,7 +47,6 @@ from .kv_memory import (
 from .metrics import PoolCollector, Readiness, RpcMetrics
 from .service import PoolService
 from .servicer import KVPoolServicer, add_to_server
-from .socket_files import SocketInUse, claim_socket_path, socket_umask
 from .tls import ServerTls
 from .units import format_bytes
 

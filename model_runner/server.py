@@ -32,6 +32,7 @@ from pagedkv.process.lifecycle import cancel, stop_on_signals
 from pagedkv.process.log_setup import get_logger
 from pagedkv.process.notify import notify
 from pagedkv.process.probes import metrics_app, start_http
+from pagedkv.process.socket_files import claim_socket_path, socket_umask
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 
@@ -49,6 +50,8 @@ SHUTDOWN_GRACE_S = 5.0
 POOL_CHECK_INTERVAL_S = 1.0
 RUNNER_SERVICE = rpb.DESCRIPTOR.services_by_name["Runner"].full_name
 SOCKET_NAME = "pagedkv-runner.sock"
+# Group may connect (the clients' group); others may not.
+SOCKET_MODE = 0o660
 DAEMON_SOCKET_NAME = "pagedkvd.sock"
 # grpc_health's stubs predate its asyncio servicer (`health.aio`).
 AsyncHealthServicer: Any = health.aio.HealthServicer  # type: ignore[attr-defined]
@@ -160,9 +163,12 @@ async def _grpc_server(config: RunnerConfig,
     reflection.enable_server_reflection(
         (RUNNER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     path = Path(config.listen.removeprefix("unix://").removeprefix("unix:"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    server.add_insecure_port(f"unix://{path}")
+    # Explicit modes whatever the umask: the socket 0o660 (the pagedkv group), its folder
+    # 0o750; a live runner's socket is refused, a crashed one's removed.
+    claim_socket_path(path, SOCKET_MODE)
+    with socket_umask(SOCKET_MODE):
+        server.add_insecure_port(f"unix://{path}")
+    os.chmod(path, SOCKET_MODE)
     await server.start()
     for name in ("", RUNNER_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

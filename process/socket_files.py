@@ -1,4 +1,4 @@
-"""Unix socket files of the daemon: their folder, their mode, and a dead daemon's leftovers.
+"""Unix socket files of pagedkv processes (daemon, runner): explicit modes whatever the umask.
 
 Who may connect to a unix socket is decided by the file system: write permission on the socket
 file and search permission on every folder above it. Unix callers need no token, so these
