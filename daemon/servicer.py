@@ -44,7 +44,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         return pb.OpenSessionResponse(session_id=session.session_id,
                                       lease_ttl_ms=session.lease_ttl_ms,
                                       pool_id=self._service.pool_id,
-                                      block_size=self._service.pool.block_size)
+                                      block_size=self._service.pool.block_size,
+                                      max_blocks=session.max_blocks)
 
     @grpc_errors
     async def KeepAlive(self, request: pb.KeepAliveRequest,
@@ -91,7 +92,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @grpc_errors
     async def Batch(self, request: pb.BatchRequest, context: Context) -> pb.BatchResponse:
         limits = self._service.limits  # refuse an oversized batch before converting it
-        limits.check_count("ops", len(request.ops), limits.max_batch_ops)
+        limits.check_count("ops", len(request.ops), "max_batch_ops")
         ops = [batch_op(request.session_id, index, op) for index, op in enumerate(request.ops)]
         updates = await self._service.batch(request.session_id, ops)
         return pb.BatchResponse(results=[sequence_blocks(seq_id_of(op), update)

@@ -194,7 +194,7 @@ async def test_batch_op_checks(daemon: Daemon, stub: Stub) -> None:
     await expect(Code.INVALID_ARGUMENT, stub.Batch(pb.BatchRequest(session_id=sid)), "at least")
     too_many = [pb.BatchOp(free=pb.FreeRequest(seq_id=1))] * 1025
     await expect(Code.INVALID_ARGUMENT, stub.Batch(pb.BatchRequest(session_id=sid, ops=too_many)),
-                 "1025 ops in one request; the limit is 1024")
+                 "1025 ops in one request; the limit is max_batch_ops=1024")
 
 
 async def test_status_codes(daemon: Daemon, stub: Stub) -> None:
