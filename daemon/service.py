@@ -20,8 +20,10 @@ depth, `zero_freed_blocks=True` zeroes every block the pool releases with no cac
 (pending blocks included). Committed blocks kept in the prefix cache keep their content on
 purpose (that is the cache).
 
-Stats. GetStats gives pool-wide figures to any caller, and per-session figures only for the
-caller's own session: session ids are credentials, so no RPC lists other sessions.
+Stats. GetStats shows any caller the pool's capacity (`capacity`: num_blocks, block_size,
+free_blocks) and nothing of other sessions' activity; per-session figures only for the
+caller's own session (session ids are credentials, so no RPC lists other sessions). Operators
+get every figure from the metrics endpoint.
 
 Bounds. Every answer is bounded before it is built: each call carries an `AnswerBudget` that
 the call's parts are charged to before the pool does the work (see `answer_size.py`), so a
@@ -278,7 +280,13 @@ class PoolService:
         return await self._change(session_id, tables)
 
     def pool_stats(self) -> PoolStats:
+        """Every pool-wide figure: for the metrics endpoint (operators), not for clients."""
         return self.pool.stats()
+
+    def capacity(self) -> tuple[int, int, int]:
+        """What any client may see of the pool: num_blocks, block_size, free_blocks."""
+        pool = self.pool
+        return pool.num_blocks, pool.block_size, pool.num_free_blocks
 
     @property
     def num_sessions(self) -> int:

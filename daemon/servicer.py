@@ -124,19 +124,12 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @grpc_errors
     async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.PoolStats:
-        # Only the caller's own session: ids are credentials, so no call lists other sessions.
+        # The pool's capacity to anyone, the caller's own session's figures, and nothing of
+        # other sessions' activity (operators read that from /metrics).
         mine = [self._service.stats_of(request.session_id)] if request.session_id else []
-        stats = self._service.pool_stats()
-        return pb.PoolStats(
-            num_blocks=stats.num_blocks, block_size=stats.block_size,
-            free_blocks=stats.free_blocks, used_blocks=stats.used_blocks,
-            cached_blocks=stats.cached_blocks, pending_blocks=stats.pending_blocks,
-            filled_slots=stats.filled_slots,
-            allocated_slots=stats.allocated_slots, logical_tokens=stats.logical_tokens,
-            num_sequences=stats.num_sequences, prefix_cache_queries=stats.prefix_cache_queries,
-            prefix_cache_hits=stats.prefix_cache_hits, utilization=stats.utilization,
-            sharing_ratio=stats.sharing_ratio, num_sessions=self._service.num_sessions,
-            sessions=[session_stats(s) for s in mine])
+        num_blocks, block_size, free_blocks = self._service.capacity()
+        return pb.PoolStats(num_blocks=num_blocks, block_size=block_size,
+                            free_blocks=free_blocks, sessions=[session_stats(s) for s in mine])
 
 
 def add_to_server(servicer: KVPoolServicer, server: grpc.aio.Server) -> None:

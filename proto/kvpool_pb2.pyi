@@ -861,6 +861,13 @@ Global___GetBlockTablesResponse: _TypeAlias = GetBlockTablesResponse  # noqa: Y0
 
 @_typing.final
 class GetStatsRequest(_message.Message):
+    """What a caller may see. Anyone: the pool's capacity (num_blocks, block_size, free_blocks).
+    With its own session_id: that session's figures too (PoolStats.sessions). Nothing of other
+    sessions' activity: the other PoolStats fields are always 0 over this API (they predate the
+    rule and stay for wire compatibility); operators read every pool-wide figure from the
+    daemon's Prometheus endpoint (/metrics).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
@@ -927,6 +934,8 @@ Global___SessionStats: _TypeAlias = SessionStats  # noqa: Y015
 
 @_typing.final
 class PoolStats(_message.Message):
+    """Only num_blocks, block_size, free_blocks and sessions are filled (see GetStatsRequest)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
@@ -950,7 +959,10 @@ class PoolStats(_message.Message):
     free_blocks: _builtins.int
     """Blocks an allocation could take now (never-used, released, and evictable cached blocks)."""
     used_blocks: _builtins.int
-    """Blocks referenced by at least one live sequence."""
+    """Fields 4 to 14 (pool-wide activity): always 0 over this API; operators read them from
+    /metrics (e.g. pagedkv:used_blocks). Their meanings, for the record:
+    Blocks referenced by at least one live sequence.
+    """
     cached_blocks: _builtins.int
     """Evictable cached blocks (a subset of free_blocks)."""
     pending_blocks: _builtins.int
