@@ -19,7 +19,7 @@ import hmac
 import inspect
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -57,6 +57,15 @@ def session_label(request: object) -> str | None:
     return f"#{match.group(1)}" if match else "invalid"
 
 
+def single_authorization(metadata: Iterable[tuple[str, str | bytes]]) -> bytes | None:
+    """The call's one `authorization` value; None when it carries none, or more than one (which
+    of several counts must not depend on their order: such a call is refused)."""
+    values = [value for key, value in metadata if key == "authorization"]
+    if len(values) != 1:
+        return None
+    return values[0].encode() if isinstance(values[0], str) else values[0]
+
+
 def is_unix_peer(peer: str) -> bool:
     """grpc names unix-socket peers "unix:..." or "unix-abstract:...", TCP ones "ipv4:..."."""
     return peer.startswith("unix")
@@ -89,9 +98,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             # No token configured: config refuses TCP listeners then, so this is unreachable
             # unless a listener was added behind config's back. Refuse rather than trust.
             return False
-        sent = dict(context.invocation_metadata() or ()).get("authorization", "")
-        value = sent.encode() if isinstance(sent, str) else sent
-        return hmac.compare_digest(value, self._expected)
+        sent = single_authorization(context.invocation_metadata() or ())
+        return sent is not None and hmac.compare_digest(sent, self._expected)
 
     @asynccontextmanager
     async def _call(
