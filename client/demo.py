@@ -21,7 +21,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .client import PoolClient, Session
+from .client import PoolClient
+from .session import Session
 from .types import PoolStats, SequenceBlocks, StepResult
 
 # How long the daemon may take to start (imports torch) and to stop (drain grace + exit).

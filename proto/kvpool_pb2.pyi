@@ -43,7 +43,8 @@ GetBlockTables, which gives each sequence's num_tokens and table:
 Read back only once the lost call has ended on the client (its deadline passed or its
 connection broke): the daemon cancels a call whose client gave up, and a call either
 completes or is undone as a whole. A session whose calls keep failing with UNAVAILABLE may
-have expired: FAILED_PRECONDITION says so.
+have expired: FAILED_PRECONDITION says so. The bundled Python client follows these rules
+for Allocate, Step and Free (pagedkv.client, RetryPolicy).
 
 Limits. The daemon and its clients accept messages up to 8 MiB (MAX_MESSAGE_BYTES in
 pagedkv.proto.limits) both ways: set grpc.max_send_message_length and
