@@ -6,7 +6,8 @@ simply unknown (NOT_FOUND, never "exists elsewhere"). Sessions share prefix-cach
 when they opened with the same non-empty `cache_salt`; by default each session gets a salt of
 its own, so sharing is opt-in.
 
-Quota. `max_blocks` bounds the block-table entries over the session's sequences: a block shared
+Quota. `max_blocks` (the daemon's `max_blocks_per_session` unless the client asked for less)
+bounds the block-table entries over the session's sequences: a block shared
 by two of its sequences counts twice, a prefix block shared with another session counts for
 each. It is thus an upper bound on the physical blocks the session pins, and it is exact,
 cheap and independent of what other sessions do. The check runs before the pool is touched,

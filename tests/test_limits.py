@@ -242,3 +242,12 @@ async def test_serve_applies_the_configured_limits() -> None:
         stop.set()
         await asyncio.wait_for(task, 30)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_operators_guide_documents_every_limit() -> None:
+    text = (Path(__file__).parents[1] / "ops" / "OPERATIONS.md").read_text()
+    defaults = Limits()
+    for name, spec in LIMITS.items():
+        row = (f"| `{name}` / `--{name.replace('_', '-')}` | {getattr(defaults, name)} | "
+               f"{spec.minimum}..{spec.maximum} |")
+        assert row in text, f"ops/OPERATIONS.md has no row {row}"
