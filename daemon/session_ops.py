@@ -2,12 +2,11 @@
 
 `SessionOps` is the part of the service that touches the pool: it checks ownership, counts,
 the session's caps (sequences, quota) and the answer's size before the pool acts, turns `NoFit`
-into `PoolExhausted`, keeps each session's
-sequence set and table-entry count in step with the pool, and records in a `MemoryWork` the
-copies and zeroing that pool memory owes for the call. Every check runs before the pool is
-touched, so a refused op changes nothing; the session's bookkeeping is changed through the
-pool's journal, so a transaction that fails later (a later op of a Batch, the memory work)
-undoes it together with the pool.
+into `PoolExhausted`, keeps each session's sequence set and table-entry count in step with the
+pool, and records in a `MemoryWork` the copies and zeroing that pool memory owes for the call.
+Every check runs before the pool is touched, so a refused op changes nothing; the session's
+bookkeeping is changed through the pool's journal, so a transaction that fails later (a later
+op of a Batch, the memory work) undoes it together with the pool.
 
 Pool keys are `(session number, seq_id)`: a seq id of another session is simply not found.
 """
