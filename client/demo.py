@@ -4,7 +4,8 @@ Starts `pagedkvd` on its built-in CPU defaults (the tiny geometry, 512 blocks of
 a unix socket in a temporary folder, waits until gRPC health says SERVING, then plays what a
 serving engine does with one request: allocate the prompt, admit a second request with the
 same prompt (its full blocks come from the prefix cache), fork for parallel sampling, decode a
-few tokens with the copy-on-write the fork makes necessary, read the stats, free everything.
+few tokens with the copy-on-write the fork makes necessary, read the session's stats, free
+everything.
 Finally it sends SIGTERM and checks that the daemon drains, exits 0 and removes its pool file.
 
     python -m pagedkv.client.demo
@@ -20,7 +21,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .client import PoolClient, Session
+from .client import PoolClient
+from .session import Session
 from .types import PoolStats, SequenceBlocks, StepResult
 
 # How long the daemon may take to start (imports torch) and to stop (drain grace + exit).
@@ -53,13 +55,14 @@ def describe_step(number: int, seq_ids: list[int], step: StepResult) -> None:
 
 
 def describe_stats(stats: PoolStats) -> None:
-    say(f"  blocks: {stats.used_blocks} used, {stats.free_blocks} free "
-        f"({stats.cached_blocks} of them cached), {stats.num_blocks} in all")
-    say(f"  sequences: {stats.num_sequences}, sessions: {stats.num_sessions}")
-    say(f"  prefix cache: {stats.prefix_cache_hits} of {stats.prefix_cache_queries} "
+    say(f"  pool: {stats.free_blocks} of {stats.num_blocks} blocks free (cached ones included)")
+    mine = stats.session
+    if mine is None:
+        return
+    say(f"  session {mine.name}: {mine.num_sequences} sequences, {mine.blocks_held} blocks held "
+        f"({mine.block_table_entries} table entries of a quota of {mine.max_blocks})")
+    say(f"  prefix cache: {mine.prefix_cache_hits} of {mine.prefix_cache_queries} "
         "prompt tokens found")
-    say(f"  utilization (filled / allocated slots): {stats.utilization:.3f}")
-    say(f"  sharing ratio (logical tokens / filled slots): {stats.sharing_ratio:.3f}")
 
 
 async def wait_until_serving(target: str, process: subprocess.Popen[bytes]) -> None:
@@ -122,7 +125,8 @@ async def run_client(target: str) -> None:
         freed = await session.close()
         say(f"Close the session: its {freed} remaining sequences are freed.")
         say()
-        say("Stats after the close (prompt blocks stay cached for the next request):")
+        say("The pool after the close (prompt blocks stay cached for the next request; other")
+        say("sessions' activity is for operators, on /metrics):")
         describe_stats(await client.stats())
 
 

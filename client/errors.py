@@ -1,8 +1,16 @@
 """Python exceptions for the daemon's gRPC statuses, named after the cause.
 
 The daemon names the cause of a failed call in the trailing metadata `pagedkv-error` (e.g.
-"SequenceNotFound"); codes that mean one thing map directly. Every exception carries the
-status `.code` and the daemon's message.
+"SequenceNotFound"), and the exception is the class of that name. Only a status without a
+cause (from gRPC itself, or a peer that names none) is mapped by its code, and a code never
+stands for a cause it may not mean: a RESOURCE_EXHAUSTED without a cause comes from gRPC's own
+checks (a message over MAX_MESSAGE_BYTES), never from the pool, so it is `MessageTooLarge`,
+not `PoolExhausted`. Every exception carries the status `.code` and the message.
+
+Whether the call changed anything: every error the daemon answers means nothing changed;
+an `OutcomeUnknown` (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, gRPC's RESOURCE_EXHAUSTED)
+means the call may or may not have been applied: read the state back before retrying
+(kvpool.proto, "Retry rules"; `Session` does it for allocate, step and free).
 """
 
 from typing import Any
@@ -46,6 +54,16 @@ class PoolExhausted(PagedKVError):
     """RESOURCE_EXHAUSTED: the pool or the session quota has no room; nothing changed."""
 
 
+class LimitExceeded(PagedKVError):
+    """RESOURCE_EXHAUSTED: a daemon limit (max_sessions, max_seqs_per_session, ...) would be
+    passed; the message names it; nothing changed."""
+
+
+class AnswerTooLarge(LimitExceeded):
+    """RESOURCE_EXHAUSTED: the answer would pass the daemon's max_answer_bytes; nothing
+    changed. Ask for less per call (fewer tokens, ops or seq ids)."""
+
+
 class SessionExpired(PagedKVError):
     """FAILED_PRECONDITION: the session missed its lease or predates a daemon restart."""
 
@@ -58,8 +76,26 @@ class PermissionDenied(PagedKVError):
     """PERMISSION_DENIED: the caller's tenant may not do this (e.g. use that cache salt)."""
 
 
-class DaemonUnavailable(PagedKVError):
-    """UNAVAILABLE: no daemon answers at the target."""
+class OutcomeUnknown(PagedKVError):
+    """The call may or may not have been applied (its answer may be what was lost): read the
+    state back before retrying it."""
+
+
+class DaemonUnavailable(OutcomeUnknown):
+    """UNAVAILABLE: no daemon answers at the target, or the connection broke mid-call."""
+
+
+class DeadlineExceeded(OutcomeUnknown):
+    """DEADLINE_EXCEEDED: no answer within the call's timeout."""
+
+
+class Cancelled(OutcomeUnknown):
+    """CANCELLED: the call was cancelled before its answer arrived (e.g. a daemon stopping)."""
+
+
+class MessageTooLarge(OutcomeUnknown):
+    """RESOURCE_EXHAUSTED from gRPC itself (no daemon cause): the request, or the answer, was
+    over MAX_MESSAGE_BYTES (or over a gRPC concurrency limit). Not retried as it is."""
 
 
 class UnknownSequence(PagedKVError):
@@ -67,21 +103,25 @@ class UnknownSequence(PagedKVError):
     the sequence with its history (`SeqStep.history`); nothing was changed."""
 
 
-_BY_CAUSE: dict[str, type[PagedKVError]] = {
-    "UnknownSequence": UnknownSequence,
-    "SessionNotFound": SessionNotFound,
-    "SequenceNotFound": SequenceNotFound,
-}
+# A cause names the exception class ("PoolExhausted"); a runner relays the client's own names.
+_BY_CAUSE: dict[str, type[PagedKVError]] = {kind.__name__: kind for kind in (
+    NotFound, SessionNotFound, SequenceNotFound, SequenceExists, InvalidArgument, PoolExhausted,
+    LimitExceeded, AnswerTooLarge, SessionExpired, Unauthenticated, PermissionDenied,
+    UnknownSequence,
+    DaemonUnavailable, DeadlineExceeded, Cancelled, MessageTooLarge)}
 
+# Statuses without a cause: what the code alone may mean.
 _BY_CODE: dict[grpc.StatusCode, type[PagedKVError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.ALREADY_EXISTS: SequenceExists,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: PoolExhausted,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: MessageTooLarge,
     grpc.StatusCode.FAILED_PRECONDITION: SessionExpired,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.UNAVAILABLE: DaemonUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+    grpc.StatusCode.CANCELLED: Cancelled,
 }
 
 

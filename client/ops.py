@@ -25,10 +25,14 @@ class Allocate:
     # The prompt's token ids, or empty.
     token_ids: Sequence[int] = ()
 
+    @property
+    def token_count(self) -> int:
+        """The tokens the sequence gets: num_tokens, or len(token_ids) when it is None."""
+        return _count(self.num_tokens, self.token_ids, 0)
+
     def request(self, session_id: str) -> pb.AllocateRequest:
         return pb.AllocateRequest(session_id=session_id, seq_id=self.seq_id,
-                                  num_tokens=_count(self.num_tokens, self.token_ids, 0),
-                                  token_ids=self.token_ids)
+                                  num_tokens=self.token_count, token_ids=self.token_ids)
 
     def batch_op(self) -> pb.BatchOp:
         return pb.BatchOp(allocate=self.request(""))

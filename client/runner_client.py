@@ -20,9 +20,10 @@ import grpc
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 
-from .client import DEFAULT_TIMEOUT_S, Session
+from .client import DEFAULT_TIMEOUT_S
 from .errors import DaemonUnavailable, error_from_rpc
 from .sampling_params import SamplingParams
+from .session import Session
 
 # Greedy decoding: the default of a SeqStep.
 GREEDY = SamplingParams(temperature=0.0)

@@ -123,32 +123,17 @@ class SessionStats:
 
 @dataclass(frozen=True, slots=True)
 class PoolStats:
-    """The pool's occupancy and prefix-cache counters."""
+    """What a client may see of the pool: its capacity, and its own session's figures (other
+    sessions' activity is for operators, on the daemon's /metrics)."""
 
     num_blocks: int
     block_size: int
     # Blocks an allocation could take now (including evictable cached ones).
     free_blocks: int
-    # Blocks referenced by a live sequence.
-    used_blocks: int
-    # Evictable cached blocks (a subset of free_blocks).
-    cached_blocks: int
-    # Used blocks that are full but not yet committed (their K/V not certified written).
-    pending_blocks: int
-    num_sequences: int
-    num_sessions: int
-    # Prefix-cache lookups over all sessions, in tokens.
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    # Filled slots / slots of used blocks, and logical tokens / filled slots.
-    utilization: float
-    sharing_ratio: float
     # The caller's own session, when asked through a Session.
     session: SessionStats | None
 
     @classmethod
     def from_proto(cls, m: pb.PoolStats) -> "PoolStats":
         session = SessionStats.from_proto(m.sessions[0]) if m.sessions else None
-        return cls(m.num_blocks, m.block_size, m.free_blocks, m.used_blocks, m.cached_blocks,
-                   m.pending_blocks, m.num_sequences, m.num_sessions, m.prefix_cache_queries,
-                   m.prefix_cache_hits, m.utilization, m.sharing_ratio, session)
+        return cls(m.num_blocks, m.block_size, m.free_blocks, session)

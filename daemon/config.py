@@ -20,6 +20,7 @@ from pagedkv.process.log_setup import LOG_FORMATS, LOG_LEVELS, LogFormat
 
 from .addresses import ListenAddress, parse_host_port, parse_listen
 from .geometry import canonical_dtype
+from .limits import LIMITS, Limits
 from .tenants import (
     DEFAULT_TENANT,
     Tenants,
@@ -43,6 +44,8 @@ MAX_LEASE_TTL_MS = 600_000
 DEFAULT_SOCKET_MODE = 0o660
 # Permission bits for "every local user": refused on the socket and on the pool file.
 WORLD_BITS = 0o007
+# The limits' defaults (daemon/limits.py), for the fields below.
+_LIMIT_DEFAULTS = Limits()
 
 T = TypeVar("T")
 
@@ -116,6 +119,29 @@ class DaemonConfig:
     tenants: tuple[TenantSpec, ...] = ()
     # The tenant of unix-socket callers (grpc does not give their uid; see tenants.py).
     unix_tenant: str = DEFAULT_TENANT
+    # ---- Limits on what clients may ask: one field per cap of daemon/limits.py, same name,
+    # same TOML key, flag --max-...; each within its range (LIMITS). ops/OPERATIONS.md, "Limits".
+    # Live sessions at once.
+    max_sessions: int = _LIMIT_DEFAULTS.max_sessions
+    # Live sequences in one session.
+    max_seqs_per_session: int = _LIMIT_DEFAULTS.max_seqs_per_session
+    # Block-table entries one session may hold (the quota of a session asking for none or more).
+    max_blocks_per_session: int = _LIMIT_DEFAULTS.max_blocks_per_session
+    # Ops in one Batch; seq ids in one Step, Commit or GetBlockTables; tokens one op adds.
+    max_batch_ops: int = _LIMIT_DEFAULTS.max_batch_ops
+    max_seq_ids: int = _LIMIT_DEFAULTS.max_seq_ids
+    max_tokens: int = _LIMIT_DEFAULTS.max_tokens
+    # Bytes of an OpenSession client_name and cache_salt, and of any request's session_id.
+    max_client_name_bytes: int = _LIMIT_DEFAULTS.max_client_name_bytes
+    max_cache_salt_bytes: int = _LIMIT_DEFAULTS.max_cache_salt_bytes
+    max_session_id_bytes: int = _LIMIT_DEFAULTS.max_session_id_bytes
+    # Encoded bytes of one answer (at most the 8 MiB message size clients accept).
+    max_answer_bytes: int = _LIMIT_DEFAULTS.max_answer_bytes
+
+    def limits(self) -> Limits:
+        """The caps above, as the service takes them."""
+        return Limits(**{name: getattr(self, name) for name in LIMITS})
+    # ---- end of limits
 
     def __post_init__(self) -> None:
         self._check_access()
@@ -123,6 +149,7 @@ class DaemonConfig:
         self._check_service()
         self._check_modes()
         self._check_tls()
+        _check(lambda _: self.limits(), None, "limits")
 
     def _check_access(self) -> None:
         """Listeners parse, and TCP ones come with a usable token; the tenants are usable."""
@@ -324,6 +351,7 @@ _TOML_KEYS: dict[str, Callable[[Any], Any]] = {
     "insecure_tcp": _toml_bool,
     "tenants": parse_tenants,
     "unix_tenant": _toml_str,
+    **dict.fromkeys(LIMITS, _toml_int),
 }
 assert set(_TOML_KEYS) == {f.name for f in fields(DaemonConfig)}, "a setting has no TOML key"
 
@@ -393,6 +421,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "token is sent in clear; a warning is logged)")
     opt("--unix-tenant", help="tenant of unix-socket callers (default: default); tenants are "
         "[tenants.NAME] tables of the --config file")
+    limits = parser.add_argument_group("limits on what clients may ask (override the TOML file)")
+    for name, spec in LIMITS.items():
+        limits.add_argument(f"--{name.replace('_', '-')}", type=int, default=argparse.SUPPRESS,
+                            help=f"{spec.help} (default {getattr(_LIMIT_DEFAULTS, name)}; "
+                                 f"{spec.minimum}..{spec.maximum})")
 
 
 def config_from_args(

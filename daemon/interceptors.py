@@ -32,7 +32,7 @@ import contextlib
 import inspect
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -126,6 +126,15 @@ def session_label(request: object) -> str | None:
     return f"#{match.group(1)}" if match else "invalid"
 
 
+def single_authorization(metadata: Iterable[tuple[str, str | bytes]]) -> bytes | None:
+    """The call's one `authorization` value; None when it carries none, or more than one (which
+    of several counts must not depend on their order: such a call is refused)."""
+    values = [value for key, value in metadata if key == "authorization"]
+    if len(values) != 1:
+        return None
+    return values[0].encode() if isinstance(values[0], str) else values[0]
+
+
 def is_unix_peer(peer: str) -> bool:
     """grpc names unix-socket peers "unix:..." or "unix-abstract:...", TCP ones "ipv4:..."."""
     return peer.startswith("unix")
@@ -158,8 +167,9 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         listener added behind config's back gets here; refuse rather than trust)."""
         if is_unix_peer(context.peer()):
             return Caller(self._tenants.unix, local=True)
-        sent = dict(context.invocation_metadata() or ()).get("authorization", "")
-        tenant = self._tenants.for_bearer(sent.encode() if isinstance(sent, str) else sent)
+        # Exactly one authorization header: which of several counts must not depend on order.
+        sent = single_authorization(context.invocation_metadata() or ())
+        tenant = None if sent is None else self._tenants.for_bearer(sent)
         return None if tenant is None else Caller(tenant, local=False)
 
     @asynccontextmanager

@@ -1,4 +1,4 @@
-"""The requests the pool service understands, free of protobuf, and the caps on their size.
+"""The requests the pool service understands, free of protobuf.
 
 The servicer turns each gRPC request into one of these records; a Batch is a list of them.
 """
@@ -6,28 +6,11 @@ The servicer turns each gRPC request into one of these records; a Batch is a lis
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .core import InvalidArgument, PoolError
+from .core import PoolError
 
 
 class PoolExhausted(PoolError):
     """The pool, or the session's quota, has no room for the request; nothing changed."""
-
-
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    """Caps on one request, so a huge request is refused instead of worked through."""
-
-    # Operations in one Batch.
-    max_batch_ops: int = 1024
-    # Sequence ids in one Step or GetBlockTables.
-    max_seq_ids: int = 65_536
-    # Tokens one operation adds (Allocate/Append num_tokens; a Step's seqs x num_tokens).
-    max_tokens: int = 1 << 20
-
-    def check_count(self, what: str, count: int, limit: int) -> None:
-        """Refuse `count` items of `what` above `limit`, naming the limit."""
-        if count > limit:
-            raise InvalidArgument(f"{count} {what} in one request; the limit is {limit}")
 
 
 @dataclass(frozen=True, slots=True)

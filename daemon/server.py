@@ -32,6 +32,7 @@ from pagedkv.process.notify import notify, watchdog_interval_s
 from pagedkv.process.probes import metrics_app, start_http
 from pagedkv.process.socket_files import SocketInUse, claim_socket_path, socket_umask
 from pagedkv.proto import kvpool_pb2
+from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 
 from .addresses import ListenAddress, parse_host_port
 from .config import DEFAULT_SOCKET_MODE, MAX_LEASE_TTL_MS, ConfigError, DaemonConfig
@@ -53,9 +54,6 @@ from .units import format_bytes
 # How long in-flight calls may run after SIGTERM before they are cancelled. The unit's
 # TimeoutStopSec must be larger, or systemd kills the daemon mid-drain.
 SHUTDOWN_GRACE_S = 5.0
-# Largest request accepted; a bigger one is refused with RESOURCE_EXHAUSTED.
-# 8 MiB holds the token ids of a prompt of over a million tokens (varints of 3 to 5 bytes).
-MAX_MESSAGE_BYTES = 8 * 2**20
 # The gRPC service name clients, health checks and reflection use.
 KVPOOL_SERVICE = kvpool_pb2.DESCRIPTOR.services_by_name["KVPool"].full_name
 
@@ -150,7 +148,7 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
                               default_lease_ttl_ms=config.lease_ttl_ms,
                               max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,
                               zero_freed_blocks=config.zero_freed_blocks,
-                              tenants=config.build_tenants())
+                              tenants=config.build_tenants(), limits=config.limits())
         await service.start()
         try:
             yield service, memory
@@ -205,14 +203,15 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
     """The daemon's gRPC server for `service`, started on every listener and SERVING.
 
     Every call passes the interceptor (TCP calls need a token of one of `service.tenants`; a
-    log line per call, and `rpc_metrics` when given); requests over MAX_MESSAGE_BYTES are
-    refused. Unix sockets get exactly `socket_mode` whatever the umask; TCP listeners serve TLS
-    with `tls` (plaintext, with a warning, without it). Stopped, and the socket files it
-    created removed, on exit. serve() and the tests' daemon both use this.
+    log line per call, and `rpc_metrics` when given); messages over MAX_MESSAGE_BYTES
+    (pagedkv.proto.limits) are neither accepted nor sent, the limit the bundled client shares.
+    Unix sockets get exactly `socket_mode` whatever the umask; TCP listeners serve TLS with
+    `tls` (plaintext, with a warning, without it). Stopped, and the socket files it created
+    removed, on exit. serve() and the tests' daemon both use this.
     """
     server = grpc.aio.server(
         interceptors=[ServerInterceptor(service.tenants, rpc_metrics)],
-        options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        options=[*MESSAGE_SIZE_OPTIONS,
                  # Without this a second daemon on the same TCP port would share it silently.
                  ("grpc.so_reuseport", 0)],
     )

@@ -6,7 +6,8 @@ simply unknown (NOT_FOUND, never "exists elsewhere"). Sessions share prefix-cach
 when they opened with the same non-empty `cache_salt`; by default each session gets a salt of
 its own, so sharing is opt-in.
 
-Quota. `max_blocks` bounds the block-table entries over the session's sequences: a block shared
+Quota. `max_blocks` (the daemon's `max_blocks_per_session` unless the client asked for less)
+bounds the block-table entries over the session's sequences: a block shared
 by two of its sequences counts twice, a prefix block shared with another session counts for
 each. It is thus an upper bound on the physical blocks the session pins, and it is exact,
 cheap and independent of what other sessions do. The check runs before the pool is touched,
@@ -27,8 +28,14 @@ tenant's cache salts decide the session's namespace, its max_sessions is checked
 its max_blocks (block-table entries over all its sessions, the session quota's measure) after
 every change, inside the change's transaction, so a call that would exceed it is undone.
 
-Stats. GetStats gives pool-wide figures to any caller, and per-session figures only for the
-caller's own session: session ids are credentials, so no RPC lists other sessions.
+Stats. GetStats shows any caller the pool's capacity (`capacity`: num_blocks, block_size,
+free_blocks) and nothing of other sessions' activity; per-session figures only for the
+caller's own session (session ids are credentials, so no RPC lists other sessions). Operators
+get every figure from the metrics endpoint.
+
+Bounds. Every answer is bounded before it is built: each call carries an `AnswerBudget` that
+the call's parts are charged to before the pool does the work (see `answer_size.py`), so a
+request that would produce an answer over `max_answer_bytes` is refused with nothing changed.
 
 Concurrency and memory. Pool state changes are serialized by one lock and made all-or-nothing
 by the pool's undo journal (the session's bookkeeping records its undo there too). The memory
@@ -50,9 +57,11 @@ from typing import TypeVar
 
 from pagedkv.process.log_setup import get_logger
 
+from .answer_size import AnswerBudget
 from .cache_hygiene import CacheHygiene
 from .core import BatchAppend, BlockPool, InvalidArgument, PoolError, PoolStats, SeqUpdate
 from .geometry import ModelGeometry
+from .limits import Limits
 from .operations import (
     Allocate,
     Append,
@@ -61,7 +70,6 @@ from .operations import (
     Fork,
     Free,
     Operation,
-    RequestLimits,
     operation_name,
 )
 from .session_ops import BlockMemory, MemoryWork, SessionOps
@@ -82,16 +90,17 @@ class PoolService:
     def __init__(self, pool: BlockPool, memory: BlockMemory | None, *, pool_id: str,
                  default_lease_ttl_ms: int = 10_000, max_lease_ttl_ms: int = 600_000,
                  geometry: ModelGeometry | None = None, zero_freed_blocks: bool = False,
-                 limits: RequestLimits | None = None,
+                 limits: Limits | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  tenants: Tenants | None = None) -> None:
         self.pool = pool
         self.memory = memory
         self.pool_id = pool_id
         self.geometry = geometry
-        self.limits = limits or RequestLimits()
+        self.limits = limits or Limits()
         self.sessions = SessionRegistry(pool_id, default_lease_ttl_ms=default_lease_ttl_ms,
-                                        max_lease_ttl_ms=max_lease_ttl_ms, clock=clock)
+                                        max_lease_ttl_ms=max_lease_ttl_ms, limits=self.limits,
+                                        clock=clock)
         self._ops = SessionOps(pool, self.limits, zero_freed_blocks)
         # Private sessions' cached blocks dropped when they end; evicted blocks zeroed.
         self._hygiene = CacheHygiene(pool, zero_freed_blocks)
@@ -173,9 +182,10 @@ class PoolService:
             await asyncio.wait([done])
             raise
 
-    async def _change(self, session_id: str, change: Callable[[Session, MemoryWork], T]) -> T:
-        """Run `change` for the session all-or-nothing, with its memory work, under the lock.
-        The lease is renewed on arrival and held while the call waits."""
+    async def _change(self, session_id: str,
+                      change: Callable[[Session, MemoryWork, AnswerBudget], T]) -> T:
+        """Run `change` for the session all-or-nothing, with its memory work and its answer's
+        budget, under the lock. The lease is renewed on arrival and held while the call waits."""
         session = self.sessions.arrive(session_id)
         try:
             async with self._lock:
@@ -183,12 +193,17 @@ class PoolService:
                 work = MemoryWork()
                 with self.pool.transaction():
                     with self._hygiene.watch(session, work):
-                        result = change(session, work)
+                        result = change(session, work, self.answer_budget())
                     self._usage.check_blocks(self.tenants.by_name[session.tenant])
                     await self._perform(work)
                 return result
         finally:
             self.sessions.depart(session)
+
+    def answer_budget(self) -> AnswerBudget:
+        """A fresh budget of max_answer_bytes for one call's answer."""
+        return AnswerBudget.for_pool(self.limits.max_answer_bytes, self.pool.num_blocks,
+                                     self.pool.block_size)
 
     # -------------------------------------------------------------- sessions
 
@@ -201,7 +216,8 @@ class PoolService:
                                      tenant.cache_salt(cache_salt), tenant=tenant.name)
         self._usage.add(session)
         log.info("session opened", session=session.label, lease_ttl_ms=session.lease_ttl_ms,
-                 max_blocks=max_blocks, shared_cache=bool(cache_salt), tenant=tenant.name)
+                 max_blocks=session.max_blocks, shared_cache=bool(cache_salt),
+                 tenant=tenant.name)
         return session
 
     def keep_alive(self, session_id: str) -> int:
@@ -236,32 +252,33 @@ class PoolService:
 
     async def commit(self, session_id: str, op: Commit) -> int:
         """Certify K/V written; returns how many blocks became shareable."""
-        return await self._change(
-            session_id, lambda session, _: self._ops.commit(session, op.seq_ids, op.num_tokens))
+        return await self._change(session_id, lambda session, _work, _answer: self._ops.commit(
+            session, op.seq_ids, op.num_tokens))
 
     async def free(self, session_id: str, op: Free) -> int:
         """Drop a sequence; returns how many blocks went back to the pool."""
-        return await self._change(
-            session_id, lambda session, work: self._ops.free(session, op.seq_id, work))
+        return await self._change(session_id, lambda session, work, _answer: self._ops.free(
+            session, op.seq_id, work))
 
     async def _single(self, session_id: str, op: Operation) -> SeqUpdate:
-        return await self._change(session_id,
-                                  lambda session, work: self._ops.apply(session, op, work))
+        return await self._change(session_id, lambda session, work, answer: self._ops.apply(
+            session, op, work, answer))
 
     async def batch(self, session_id: str, ops: Sequence[Operation]) -> list[SeqUpdate]:
         """Apply ops in order, all-or-nothing; one result per op (an empty table for a free
         or a commit)."""
         if not ops:
             raise InvalidArgument("a batch needs at least one op")
-        self.limits.check_count("ops", len(ops), self.limits.max_batch_ops)
-        return await self._change(session_id, lambda session, work: [
-            self._apply_numbered(session, index, op, work) for index, op in enumerate(ops)])
+        self.limits.check_count("ops", len(ops), "max_batch_ops")
+        return await self._change(session_id, lambda session, work, answer: [
+            self._apply_numbered(session, index, op, work, answer)
+            for index, op in enumerate(ops)])
 
     def _apply_numbered(self, session: Session, index: int, op: Operation,
-                        work: MemoryWork) -> SeqUpdate:
+                        work: MemoryWork, answer: AnswerBudget) -> SeqUpdate:
         """Apply one op of a batch; an error says which op failed."""
         try:
-            return self._ops.apply(session, op, work)
+            return self._ops.apply(session, op, work, answer)
         except PoolError as exc:
             raise type(exc)(f"op {index} ({operation_name(op)}): {exc}") from exc
 
@@ -269,24 +286,35 @@ class PoolService:
                    token_ids: Sequence[int] = (), *, commit: bool = False) -> BatchAppend:
         """Append num_tokens tokens to each of many sequences at once, all-or-nothing; with
         `commit`, their pending blocks are committed first."""
-        return await self._change(session_id, lambda session, work: self._ops.step(
-            session, seq_ids, num_tokens, token_ids, work, commit))
+        return await self._change(session_id, lambda session, work, answer: self._ops.step(
+            session, seq_ids, num_tokens, token_ids, work, answer, commit))
 
     # --------------------------------------------------------------- queries
 
     async def block_tables(self, session_id: str, seq_ids: Sequence[int]) -> list[SeqUpdate]:
-        """Each sequence's table and length, in request order."""
+        """Each sequence's table, length and committed (K/V written) tokens, in request order;
+        refused before any table is built if the answer would pass max_answer_bytes."""
         if not seq_ids:
             raise InvalidArgument("no seq_ids given")
-        self.limits.check_count("seq_ids", len(seq_ids), self.limits.max_seq_ids)
+        self._ops.check_seq_ids(seq_ids)
 
-        def tables(session: Session, _: MemoryWork) -> list[SeqUpdate]:
-            keys = [self._ops.own(session, seq_id) for seq_id in seq_ids]
-            return [SeqUpdate(self.pool.block_table(k), self.pool.num_tokens(k)) for k in keys]
+        def tables(session: Session, _: MemoryWork, answer: AnswerBudget) -> list[SeqUpdate]:
+            keys = self._ops.own_all(session, seq_ids)
+            bs = self.pool.block_size
+            for key in keys:
+                answer.sequence("GetBlockTables", -(-self.pool.num_tokens(key) // bs))
+            return [SeqUpdate(self.pool.block_table(k), self.pool.num_tokens(k),
+                              self.pool.committed_tokens(k)) for k in keys]
         return await self._change(session_id, tables)
 
     def pool_stats(self) -> PoolStats:
+        """Every pool-wide figure: for the metrics endpoint (operators), not for clients."""
         return self.pool.stats()
+
+    def capacity(self) -> tuple[int, int, int]:
+        """What any client may see of the pool: num_blocks, block_size, free_blocks."""
+        pool = self.pool
+        return pool.num_blocks, pool.block_size, pool.num_free_blocks
 
     @property
     def num_sessions(self) -> int:

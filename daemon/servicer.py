@@ -44,7 +44,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         return pb.OpenSessionResponse(session_id=session.session_id,
                                       lease_ttl_ms=session.lease_ttl_ms,
                                       pool_id=self._service.pool_id,
-                                      block_size=self._service.pool.block_size)
+                                      block_size=self._service.pool.block_size,
+                                      max_blocks=session.max_blocks)
 
     @grpc_errors
     async def KeepAlive(self, request: pb.KeepAliveRequest,
@@ -91,7 +92,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @grpc_errors
     async def Batch(self, request: pb.BatchRequest, context: Context) -> pb.BatchResponse:
         limits = self._service.limits  # refuse an oversized batch before converting it
-        limits.check_count("ops", len(request.ops), limits.max_batch_ops)
+        limits.check_count("ops", len(request.ops), "max_batch_ops")
         ops = [batch_op(request.session_id, index, op) for index, op in enumerate(request.ops)]
         updates = await self._service.batch(request.session_id, ops)
         return pb.BatchResponse(results=[sequence_blocks(seq_id_of(op), update)
@@ -123,19 +124,12 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @grpc_errors
     async def GetStats(self, request: pb.GetStatsRequest, context: Context) -> pb.PoolStats:
-        # Only the caller's own session: ids are credentials, so no call lists other sessions.
+        # The pool's capacity to anyone, the caller's own session's figures, and nothing of
+        # other sessions' activity (operators read that from /metrics).
         mine = [self._service.stats_of(request.session_id)] if request.session_id else []
-        stats = self._service.pool_stats()
-        return pb.PoolStats(
-            num_blocks=stats.num_blocks, block_size=stats.block_size,
-            free_blocks=stats.free_blocks, used_blocks=stats.used_blocks,
-            cached_blocks=stats.cached_blocks, pending_blocks=stats.pending_blocks,
-            filled_slots=stats.filled_slots,
-            allocated_slots=stats.allocated_slots, logical_tokens=stats.logical_tokens,
-            num_sequences=stats.num_sequences, prefix_cache_queries=stats.prefix_cache_queries,
-            prefix_cache_hits=stats.prefix_cache_hits, utilization=stats.utilization,
-            sharing_ratio=stats.sharing_ratio, num_sessions=self._service.num_sessions,
-            sessions=[session_stats(s) for s in mine])
+        num_blocks, block_size, free_blocks = self._service.capacity()
+        return pb.PoolStats(num_blocks=num_blocks, block_size=block_size,
+                            free_blocks=free_blocks, sessions=[session_stats(s) for s in mine])
 
 
 def add_to_server(servicer: KVPoolServicer, server: grpc.aio.Server) -> None:

@@ -1,16 +1,17 @@
 """One session's operations applied to the block pool, with the session's bookkeeping.
 
-`SessionOps` is the part of the service that touches the pool: it checks ownership, counts and
-the quota before the pool acts, turns `NoFit` into `PoolExhausted`, keeps each session's
-sequence set and table-entry count in step with the pool, and records in a `MemoryWork` the
-copies and zeroing that pool memory owes for the call. Every check runs before the pool is
-touched, so a refused op changes nothing; the session's bookkeeping is changed through the
-pool's journal, so a transaction that fails later (a later op of a Batch, the memory work)
-undoes it together with the pool.
+`SessionOps` is the part of the service that touches the pool: it checks ownership, counts,
+the session's caps (sequences, quota) and the answer's size before the pool acts, turns `NoFit`
+into `PoolExhausted`, keeps each session's sequence set and table-entry count in step with the
+pool, and records in a `MemoryWork` the copies and zeroing that pool memory owes for the call.
+Every check runs before the pool is touched, so a refused op changes nothing; the session's
+bookkeeping is changed through the pool's journal, so a transaction that fails later (a later
+op of a Batch, the memory work) undoes it together with the pool.
 
 Pool keys are `(session number, seq_id)`: a seq id of another session is simply not found.
 """
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from .answer_size import AnswerBudget
 from .core import (
     BatchAppend,
     BlockCopy,
@@ -29,6 +31,7 @@ from .core import (
     SequenceNotFound,
     SeqUpdate,
 )
+from .limits import LimitExceeded, Limits
 from .operations import (
     Allocate,
     Append,
@@ -38,7 +41,6 @@ from .operations import (
     Free,
     Operation,
     PoolExhausted,
-    RequestLimits,
 )
 from .sessions import Session
 
@@ -105,7 +107,7 @@ def _fit(result: Result | NoFit) -> Result:
 class SessionOps:
     """Applies operations of any session to one pool (see the module docstring)."""
 
-    def __init__(self, pool: BlockPool, limits: RequestLimits, zero_freed_blocks: bool) -> None:
+    def __init__(self, pool: BlockPool, limits: Limits, zero_freed_blocks: bool) -> None:
         self.pool = pool
         self.limits = limits
         # Zero blocks the pool releases with no cached content (defense in depth).
@@ -113,15 +115,17 @@ class SessionOps:
         # Where session bookkeeping records its undo (the pool's, inside its transactions).
         self._journal: Journal = pool.journal
 
-    def apply(self, session: Session, op: Operation, work: MemoryWork) -> SeqUpdate:
-        """One op for one session: checks first, then the pool, then the session's books."""
+    def apply(self, session: Session, op: Operation, work: MemoryWork,
+              answer: AnswerBudget) -> SeqUpdate:
+        """One op for one session: checks first (the answer's size among them), then the pool,
+        then the session's books."""
         bs = self.pool.block_size
         match op:
             case Allocate(seq_id, num_tokens, token_ids):
                 tokens = self._check_tokens(num_tokens, token_ids, minimum=0)
-                if seq_id in session.seq_ids:
-                    raise SequenceExists(f"sequence {seq_id} already exists in this session")
+                self._check_new_seq(session, seq_id)
                 self._check_quota(session, _blocks_for(num_tokens, bs))
+                answer.sequence("allocate", _blocks_for(num_tokens, bs), slots=num_tokens)
                 update = _fit(self.pool.allocate(session.key(seq_id), num_tokens, tokens,
                                                  salt=session.salt))
                 self._add_seq(session, seq_id)
@@ -132,27 +136,33 @@ class SessionOps:
                 key = self.own(session, seq_id)
                 old = self.pool.num_tokens(key)
                 self._check_quota(session, _blocks_for(old + num_tokens, bs) - _blocks_for(old, bs))
+                answer.sequence("append", _blocks_for(old + num_tokens, bs), slots=num_tokens,
+                                copies=1)
                 update = _fit(self.pool.append(key, num_tokens, tokens))
                 self._add_entries(session, -_blocks_for(old, bs))
             case Fork(parent_seq_id, child_seq_id):
                 parent = self.own(session, parent_seq_id)
-                if child_seq_id in session.seq_ids:
-                    raise SequenceExists(f"sequence {child_seq_id} already exists in this session")
-                self._check_quota(session, len(self.pool.block_table(parent)))
+                self._check_new_seq(session, child_seq_id)
+                num_blocks = _blocks_for(self.pool.num_tokens(parent), bs)
+                self._check_quota(session, num_blocks)
+                answer.sequence("fork", num_blocks)
                 update = self.pool.fork(parent, session.key(child_seq_id))
                 self._add_seq(session, child_seq_id)
             case CopyOnWrite(seq_id, logical_block):
                 key = self.own(session, seq_id)
-                num_blocks = len(self.pool.block_table(key))
+                num_blocks = _blocks_for(self.pool.num_tokens(key), bs)
                 if not 0 <= logical_block < num_blocks:
                     raise InvalidArgument(f"logical_block {logical_block} is outside the "
                                           f"{num_blocks} blocks of sequence {seq_id}")
+                answer.sequence("copy_on_write", num_blocks, copies=1)
                 update = _fit(self.pool.copy_on_write(key, logical_block))
                 self._add_entries(session, -num_blocks)
             case Commit(seq_ids, num_tokens):
+                answer.sequence("commit", 0)
                 self.commit(session, seq_ids, num_tokens)
                 return SeqUpdate(block_table=[], num_tokens=0)
             case Free(seq_id):
+                answer.sequence("free", 0)
                 self.free(session, seq_id, work)
                 return SeqUpdate(block_table=[], num_tokens=0)
         self._add_entries(session, len(update.block_table))
@@ -177,11 +187,11 @@ class SessionOps:
         num_tokens[i] of seq_ids[i]); returns how many blocks became shareable."""
         if not len(seq_ids):
             raise InvalidArgument("a commit needs at least one seq_id")
-        self.limits.check_count("seq_ids", len(seq_ids), self.limits.max_seq_ids)
+        self.check_seq_ids(seq_ids)
         if len(num_tokens) and len(num_tokens) != len(seq_ids):
             raise InvalidArgument(f"{len(num_tokens)} num_tokens given for {len(seq_ids)} "
                                   "seq_ids; send one per sequence or none")
-        keys = self._own_all(session, seq_ids)
+        keys = self.own_all(session, seq_ids)
         return self.pool.commit(keys, num_tokens if len(num_tokens) else None)
 
     def _add_seq(self, session: Session, seq_id: int) -> None:
@@ -198,7 +208,8 @@ class SessionOps:
         self._journal.record(_shift_prefix, session, -queries, -hits)
 
     def step(self, session: Session, seq_ids: Sequence[int], num_tokens: int,
-             token_ids: Sequence[int], work: MemoryWork, commit: bool = False) -> BatchAppend:
+             token_ids: Sequence[int], work: MemoryWork, answer: AnswerBudget,
+             commit: bool = False) -> BatchAppend:
         """Append num_tokens tokens to each of many sequences, all-or-nothing; the only
         per-sequence Python work is building the pool keys. With `commit`, the sequences'
         pending blocks are committed first (the caller certifies their K/V written).
@@ -208,19 +219,19 @@ class SessionOps:
         count = len(seq_ids)
         if count == 0:
             raise InvalidArgument("a step needs at least one seq_id")
-        self.limits.check_count("seq_ids", count, self.limits.max_seq_ids)
+        self.check_seq_ids(seq_ids)
         if num_tokens < 1:
             raise InvalidArgument(f"num_tokens must be >= 1, got {num_tokens}")
-        self.limits.check_count("tokens", count * num_tokens, self.limits.max_tokens)
+        self.limits.check_count("tokens", count * num_tokens, "max_tokens")
         tokens: npt.NDArray[np.int64] | None = None
         if len(token_ids):
             if len(token_ids) != count * num_tokens:
                 raise InvalidArgument(f"{len(token_ids)} token_ids given for {count} sequences "
                                       f"of {num_tokens} tokens; send exactly that many or none")
             tokens = np.asarray(token_ids, dtype=np.int64)
-        keys = self._own_all(session, seq_ids)
-        if session.max_blocks:
-            self._check_quota(session, self._step_entries(keys, num_tokens))
+        keys = self.own_all(session, seq_ids)
+        self._check_step_quota(session, keys, num_tokens)
+        answer.step(count, num_tokens, self.pool.block_size)
         if commit:
             self.pool.commit(keys)
         result = _fit(self.pool.append_batch(keys, num_tokens, tokens))
@@ -229,7 +240,16 @@ class SessionOps:
         work.copy(result.copies)
         return result
 
-    def _own_all(self, session: Session, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+    def check_seq_ids(self, seq_ids: Sequence[int]) -> None:
+        """At most max_seq_ids seq ids, all distinct (a repeated id would only repeat work and
+        answer)."""
+        self.limits.check_count("seq_ids", len(seq_ids), "max_seq_ids")
+        if len(set(seq_ids)) != len(seq_ids):
+            repeated = next(s for s, n in Counter(seq_ids).items() if n > 1)
+            raise InvalidArgument(f"seq id {repeated} appears more than once; seq ids in one "
+                                  "request must be distinct")
+
+    def own_all(self, session: Session, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
         """Pool keys of many of the session's sequences (one set operation, not a loop)."""
         if not session.seq_ids.issuperset(seq_ids):
             unknown = sorted(set(seq_ids) - session.seq_ids)
@@ -237,8 +257,16 @@ class SessionOps:
         number = session.number
         return [(number, seq_id) for seq_id in seq_ids]
 
+    def _check_step_quota(self, session: Session, keys: list[tuple[int, int]],
+                          num_tokens: int) -> None:
+        """The quota check of a step; the exact count (a Python loop over the sequences) only
+        when the cheap bound, ceil(num_tokens / B) new blocks per sequence, does not fit."""
+        bound = len(keys) * _blocks_for(num_tokens, self.pool.block_size)
+        if session.table_entries + bound > session.max_blocks:
+            self._check_quota(session, self._step_entries(keys, num_tokens))
+
     def _step_entries(self, keys: list[tuple[int, int]], num_tokens: int) -> int:
-        """Block-table entries a step would add (only computed under a quota)."""
+        """Block-table entries a step would add."""
         bs = self.pool.block_size
         old = np.fromiter((self.pool.num_tokens(k) for k in keys), dtype=np.int64,
                           count=len(keys))
@@ -254,7 +282,7 @@ class SessionOps:
                       *, minimum: int) -> Sequence[int] | None:
         if num_tokens < minimum:
             raise InvalidArgument(f"num_tokens must be >= {minimum}, got {num_tokens}")
-        self.limits.check_count("tokens", num_tokens, self.limits.max_tokens)
+        self.limits.check_count("tokens", num_tokens, "max_tokens")
         if not len(token_ids):
             return None
         if len(token_ids) != num_tokens:
@@ -262,8 +290,17 @@ class SessionOps:
                                   "send exactly num_tokens ids or none")
         return token_ids
 
+    def _check_new_seq(self, session: Session, seq_id: int) -> None:
+        """A new sequence's id is free in the session, and the session has room for one more."""
+        if seq_id in session.seq_ids:
+            raise SequenceExists(f"sequence {seq_id} already exists in this session")
+        cap = self.limits.max_seqs_per_session
+        if len(session.seq_ids) >= cap:
+            raise LimitExceeded(f"the session holds {len(session.seq_ids)} sequences; the limit "
+                                f"is max_seqs_per_session={cap}")
+
     def _check_quota(self, session: Session, new_entries: int) -> None:
-        if session.max_blocks and session.table_entries + new_entries > session.max_blocks:
+        if session.table_entries + new_entries > session.max_blocks:
             left = session.max_blocks - session.table_entries
             raise PoolExhausted(f"session quota: the call needs {new_entries} more blocks, "
                                 f"{left} of max_blocks={session.max_blocks} left")

@@ -12,7 +12,12 @@ Session ids are credentials: whoever knows one acts for the session. An id reads
 (FAILED_PRECONDITION) from a mistyped one (NOT_FOUND); the number keys the session's
 sequences in the pool; the random secret makes ids unguessable. Ids of recently expired
 sessions are remembered (a bounded set) so their owners hear "expired", not "unknown".
-Stats and logs name a session by its label `{client_name}#{number}`, never by its id.
+Stats and logs name a session by its label `{client_name}#{number}`, never by its id, and
+errors name it `#{number}`: an id is neither logged nor echoed back.
+
+Bounds (`Limits`): at most `max_sessions` live sessions; a client_name, cache_salt or
+session_id over its byte cap is refused before anything is stored or looked up; a session's
+quota `max_blocks` is the daemon's `max_blocks_per_session` unless the client asks for less.
 """
 
 import re
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from .core import InvalidArgument, PoolError
+from .limits import LimitExceeded, Limits, clip
 from .tenants import DEFAULT_TENANT, may_use_session_of
 
 # Random bytes in the secret part of a session id (64 bits, 16 hex digits).
@@ -54,7 +60,8 @@ class Session:
     # The lease granted, and the monotonic time at which it runs out unless renewed.
     lease_ttl_ms: int
     deadline: float
-    # Quota on block-table entries over the session's sequences; 0 = unlimited.
+    # Quota on block-table entries over the session's sequences (at most the daemon's
+    # max_blocks_per_session).
     max_blocks: int
     # Prefix-cache namespace: only sessions with equal salts share cached blocks.
     salt: bytes
@@ -105,7 +112,7 @@ class SessionStats:
     block_table_entries: int
     # Distinct physical blocks those tables reference.
     blocks_held: int
-    # The quota (0 = unlimited) and the lease.
+    # The quota and the lease.
     max_blocks: int
     lease_ttl_ms: int
     # Prefix-cache lookups of the session's allocations, in tokens.
@@ -117,6 +124,7 @@ class SessionRegistry:
     """Issues session ids, renews leases, and says which sessions are due to expire."""
 
     def __init__(self, pool_id: str, *, default_lease_ttl_ms: int, max_lease_ttl_ms: int,
+                 limits: Limits | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not 0 < default_lease_ttl_ms <= max_lease_ttl_ms:
             raise ValueError("need 0 < default_lease_ttl_ms <= max_lease_ttl_ms, got "
@@ -124,6 +132,8 @@ class SessionRegistry:
         self.pool_id = pool_id
         self.default_lease_ttl_ms = default_lease_ttl_ms
         self.max_lease_ttl_ms = max_lease_ttl_ms
+        # Caps on sessions, their names, salts, ids and quotas.
+        self.limits = limits or Limits()
         # Expiries so far (a counter for metrics).
         self.expiries_total = 0
         self._clock = clock
@@ -143,31 +153,40 @@ class SessionRegistry:
 
     def open(self, client_name: str, lease_ttl_ms: int, max_blocks: int,
              cache_salt: bytes, tenant: str = DEFAULT_TENANT) -> Session:
-        """A new session; a zero lease means the default, a long one is clamped to the max."""
+        """A new session. A zero lease means the default, a long one is clamped to the max;
+        a zero quota means max_blocks_per_session, a larger one is clamped to it."""
         if lease_ttl_ms < 0 or max_blocks < 0:
             raise InvalidArgument(f"lease_ttl_ms ({lease_ttl_ms}) and max_blocks ({max_blocks}) "
                                   "must not be negative")
+        limits = self.limits
+        limits.check_length("client_name", client_name, "max_client_name_bytes")
+        limits.check_length("cache_salt", cache_salt, "max_cache_salt_bytes")
+        if len(self._sessions) >= limits.max_sessions:
+            raise LimitExceeded(f"{len(self._sessions)} sessions are open; the limit is "
+                                f"max_sessions={limits.max_sessions}")
         ttl = min(lease_ttl_ms or self.default_lease_ttl_ms, self.max_lease_ttl_ms)
+        quota = min(max_blocks or limits.max_blocks_per_session, limits.max_blocks_per_session)
         number = next(self._numbers)
         session_id = f"{self.pool_id}-{number}-{secrets.token_hex(_SECRET_BYTES)}"
         # Distinct prefixes keep a client's salt from ever equalling a per-session default.
         salt = b"client:" + cache_salt if cache_salt else private_salt(session_id)
         session = Session(session_id=session_id, number=number, client_name=client_name,
                           lease_ttl_ms=ttl, deadline=self._clock() + ttl / 1000,
-                          max_blocks=max_blocks, salt=salt, tenant=tenant)
+                          max_blocks=quota, salt=salt, tenant=tenant)
         self._sessions[session_id] = session
         return session
 
     def get(self, session_id: str) -> Session:
         """The live session with this id, its lease renewed; raises why there is none.
         A session past its lease with no call in flight is due: refused, never revived."""
+        self.limits.check_length("session_id", session_id, "max_session_id_bytes")
         session = self._sessions.get(session_id)
         if session is None or not may_use_session_of(session.tenant):
             raise self._missing(session_id)  # another tenant's session is simply unknown
         now = self._clock()
         if now > session.deadline and not session.in_flight:
-            raise SessionExpired(f"session {session_id} expired: no call or KeepAlive within "
-                                 "its lease; open a new session")
+            raise SessionExpired(f"session #{session.number} expired: no call or KeepAlive "
+                                 "within its lease; open a new session")
         session.deadline = now + session.lease_ttl_ms / 1000
         return session
 
@@ -210,15 +229,17 @@ class SessionRegistry:
             self.expiries_total -= 1
 
     def _missing(self, session_id: str) -> PoolError:
-        """The error for an id that names no live session."""
+        """The error for an id that names no live session; it names the session by number,
+        never by id (a credential, and input of any length)."""
         if not session_id:
             return InvalidArgument("session_id is empty: open a session first")
-        if session_id in self._expired:
-            return SessionExpired(f"session {session_id} expired: no call or KeepAlive within "
-                                  "its lease; open a new session")
         match = _SESSION_ID.match(session_id)
+        name = f"session #{match['number']}" if match else "session"
+        if session_id in self._expired:
+            return SessionExpired(f"{name} expired: no call or KeepAlive within its lease; open "
+                                  "a new session")
         if match is not None and match["pool"] != self.pool_id:
-            return SessionExpired(f"session {session_id} is from pool {match['pool']}, before a "
-                                  f"daemon restart (the pool is now {self.pool_id}); its "
-                                  "sequences are gone, open a new session")
-        return SessionNotFound(f"unknown session {session_id}")
+            return SessionExpired(f"{name} is from pool {clip(match['pool'])}, before a daemon "
+                                  f"restart (the pool is now {self.pool_id}); its sequences are "
+                                  "gone, open a new session")
+        return SessionNotFound(f"unknown {name}: not an id this daemon run issued, or closed")

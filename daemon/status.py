@@ -19,6 +19,7 @@ import grpc
 from pagedkv.process.log_setup import get_logger
 
 from .core import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
+from .limits import LimitExceeded
 from .operations import PoolExhausted
 from .sessions import SessionExpired, SessionNotFound
 from .tenants import PermissionDenied
@@ -37,6 +38,7 @@ _CODES: tuple[tuple[type[PoolError], grpc.StatusCode], ...] = (
     (SequenceNotFound, grpc.StatusCode.NOT_FOUND),
     (SequenceExists, grpc.StatusCode.ALREADY_EXISTS),
     (PoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (SessionExpired, grpc.StatusCode.FAILED_PRECONDITION),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),

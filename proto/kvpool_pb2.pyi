@@ -33,12 +33,35 @@ leaves the daemon: the daemon performs it (off its event loop) and synchronizes 
 before answering. A runner may use the blocks of an answer at once, with no copies of its own.
 
 Retry rules. Every call is all-or-nothing: a call answered with an error status by the daemon
-changed nothing. A call that ends in DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE may or may not
-have been applied (the answer may be what was lost). Before retrying such a call, read the
-state back: GetBlockTables gives each sequence's num_tokens, which tells whether an Append or
-Step took effect (they are not idempotent); an Allocate or Fork retried after it took effect
-gets ALREADY_EXISTS, a Free gets NOT_FOUND; Commit and KeepAlive are idempotent. A session
-whose calls keep failing with UNAVAILABLE may have expired: FAILED_PRECONDITION says so.
+changed nothing; such a status carries the cause in the trailing metadata `pagedkv-error`
+(e.g. "PoolExhausted", "LimitExceeded", "AnswerTooLarge", "SequenceNotFound"). A call that ends
+in DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE, or in a RESOURCE_EXHAUSTED without that
+metadata (gRPC's own message-size or concurrency check), may or may not have been applied
+(the answer may be what was lost). Before retrying such a call, read the state back with
+GetBlockTables, which gives each sequence's num_tokens and table:
+- Allocate: NOT_FOUND means it was not applied (retry it); found with the requested
+  num_tokens means it was (the table is the answer; slots follow from it, and the table's
+  num_cached_tokens is the Allocate's). Fork alike (the child has the parent's num_tokens).
+- Append, Step (not idempotent): each sequence's num_tokens still the count before the call
+  means not applied (retry); the count plus the call's tokens means applied. Every sequence
+  of one call tells the same, the call being all-or-nothing.
+- Free: NOT_FOUND means applied; found means not (retry). A retried Allocate or Fork that
+  took effect gets ALREADY_EXISTS, a retried Free NOT_FOUND.
+- Commit, KeepAlive and CloseSession are idempotent: retry them as they are.
+Read back only once the lost call has ended on the client (its deadline passed or its
+connection broke): the daemon cancels a call whose client gave up, and a call either
+completes or is undone as a whole. A session whose calls keep failing with UNAVAILABLE may
+have expired: FAILED_PRECONDITION says so. The bundled Python client follows these rules
+for Allocate, Step and Free (pagedkv.client, RetryPolicy).
+
+Limits. The daemon and its clients accept messages up to 8 MiB (MAX_MESSAGE_BYTES in
+pagedkv.proto.limits) both ways: set grpc.max_send_message_length and
+grpc.max_receive_message_length to it on your channel. The daemon bounds every answer before
+building it and refuses one that would pass its `max_answer_bytes` (RESOURCE_EXHAUSTED,
+cause "AnswerTooLarge", nothing changed); it caps sessions, sequences per session, block-table
+entries per session, ops, seq ids and tokens per call, and the bytes of client_name,
+cache_salt and session_id. A refusal's message names the cap (e.g. "max_sessions=1024");
+ops/OPERATIONS.md lists them. Seq ids within one request must be distinct (INVALID_ARGUMENT).
 """
 
 from collections import abc as _abc
@@ -189,7 +212,10 @@ class OpenSessionRequest(_message.Message):
     larger than the daemon's maximum is clamped (the response says what was granted).
     """
     max_blocks: _builtins.int
-    """Quota on block-table entries held by the session's sequences; 0 = unlimited."""
+    """Quota on block-table entries held by the session's sequences. 0 = the daemon's cap
+    (max_blocks_per_session); larger than the cap is clamped (the response says what was
+    granted).
+    """
     cache_salt: _builtins.bytes
     """Sessions with equal non-empty salts share prefix-cache blocks; empty = share with no one,
     and what the session leaves cached is dropped when it ends (closed or expired). The salts
@@ -221,11 +247,14 @@ class OpenSessionResponse(_message.Message):
     LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
     POOL_ID_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    MAX_BLOCKS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     lease_ttl_ms: _builtins.int
     """The lease granted."""
     pool_id: _builtins.str
     block_size: _builtins.int
+    max_blocks: _builtins.int
+    """The quota granted (see OpenSessionRequest.max_blocks)."""
     def __init__(
         self,
         *,
@@ -233,10 +262,11 @@ class OpenSessionResponse(_message.Message):
         lease_ttl_ms: _builtins.int = ...,
         pool_id: _builtins.str = ...,
         block_size: _builtins.int = ...,
+        max_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "lease_ttl_ms", b"lease_ttl_ms", "pool_id", b"pool_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "lease_ttl_ms", b"lease_ttl_ms", "max_blocks", b"max_blocks", "pool_id", b"pool_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -572,8 +602,10 @@ class SequenceBlocks(_message.Message):
     seq_id: _builtins.int
     num_tokens: _builtins.int
     num_cached_tokens: _builtins.int
-    """Leading tokens found in the prefix cache (Allocate only): committed blocks only, so their
-    K/V is written and the runner computes from num_cached_tokens on.
+    """Allocate: leading tokens found in the prefix cache: committed blocks only, so their K/V is
+    written and the runner computes from num_cached_tokens on. GetBlockTables: leading tokens
+    in committed blocks (K/V certified written), which for a sequence just allocated is the
+    Allocate's figure. Other calls: 0.
     """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -802,7 +834,9 @@ class GetBlockTablesRequest(_message.Message):
     SEQ_IDS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     @_builtins.property
-    def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Distinct sequences of the session."""
+
     def __init__(
         self,
         *,
@@ -841,6 +875,13 @@ Global___GetBlockTablesResponse: _TypeAlias = GetBlockTablesResponse  # noqa: Y0
 
 @_typing.final
 class GetStatsRequest(_message.Message):
+    """What a caller may see. Anyone: the pool's capacity (num_blocks, block_size, free_blocks).
+    With its own session_id: that session's figures too (PoolStats.sessions). Nothing of other
+    sessions' activity: the other PoolStats fields are always 0 over this API (they predate the
+    rule and stay for wire compatibility); operators read every pool-wide figure from the
+    daemon's Prometheus endpoint (/metrics).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
@@ -907,6 +948,8 @@ Global___SessionStats: _TypeAlias = SessionStats  # noqa: Y015
 
 @_typing.final
 class PoolStats(_message.Message):
+    """Only num_blocks, block_size, free_blocks and sessions are filled (see GetStatsRequest)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
@@ -930,7 +973,10 @@ class PoolStats(_message.Message):
     free_blocks: _builtins.int
     """Blocks an allocation could take now (never-used, released, and evictable cached blocks)."""
     used_blocks: _builtins.int
-    """Blocks referenced by at least one live sequence."""
+    """Fields 4 to 14 (pool-wide activity): always 0 over this API; operators read them from
+    /metrics (e.g. pagedkv:used_blocks). Their meanings, for the record:
+    Blocks referenced by at least one live sequence.
+    """
     cached_blocks: _builtins.int
     """Evictable cached blocks (a subset of free_blocks)."""
     pending_blocks: _builtins.int

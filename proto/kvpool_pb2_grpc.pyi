@@ -33,12 +33,35 @@ leaves the daemon: the daemon performs it (off its event loop) and synchronizes 
 before answering. A runner may use the blocks of an answer at once, with no copies of its own.
 
 Retry rules. Every call is all-or-nothing: a call answered with an error status by the daemon
-changed nothing. A call that ends in DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE may or may not
-have been applied (the answer may be what was lost). Before retrying such a call, read the
-state back: GetBlockTables gives each sequence's num_tokens, which tells whether an Append or
-Step took effect (they are not idempotent); an Allocate or Fork retried after it took effect
-gets ALREADY_EXISTS, a Free gets NOT_FOUND; Commit and KeepAlive are idempotent. A session
-whose calls keep failing with UNAVAILABLE may have expired: FAILED_PRECONDITION says so.
+changed nothing; such a status carries the cause in the trailing metadata `pagedkv-error`
+(e.g. "PoolExhausted", "LimitExceeded", "AnswerTooLarge", "SequenceNotFound"). A call that ends
+in DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE, or in a RESOURCE_EXHAUSTED without that
+metadata (gRPC's own message-size or concurrency check), may or may not have been applied
+(the answer may be what was lost). Before retrying such a call, read the state back with
+GetBlockTables, which gives each sequence's num_tokens and table:
+- Allocate: NOT_FOUND means it was not applied (retry it); found with the requested
+  num_tokens means it was (the table is the answer; slots follow from it, and the table's
+  num_cached_tokens is the Allocate's). Fork alike (the child has the parent's num_tokens).
+- Append, Step (not idempotent): each sequence's num_tokens still the count before the call
+  means not applied (retry); the count plus the call's tokens means applied. Every sequence
+  of one call tells the same, the call being all-or-nothing.
+- Free: NOT_FOUND means applied; found means not (retry). A retried Allocate or Fork that
+  took effect gets ALREADY_EXISTS, a retried Free NOT_FOUND.
+- Commit, KeepAlive and CloseSession are idempotent: retry them as they are.
+Read back only once the lost call has ended on the client (its deadline passed or its
+connection broke): the daemon cancels a call whose client gave up, and a call either
+completes or is undone as a whole. A session whose calls keep failing with UNAVAILABLE may
+have expired: FAILED_PRECONDITION says so. The bundled Python client follows these rules
+for Allocate, Step and Free (pagedkv.client, RetryPolicy).
+
+Limits. The daemon and its clients accept messages up to 8 MiB (MAX_MESSAGE_BYTES in
+pagedkv.proto.limits) both ways: set grpc.max_send_message_length and
+grpc.max_receive_message_length to it on your channel. The daemon bounds every answer before
+building it and refuses one that would pass its `max_answer_bytes` (RESOURCE_EXHAUSTED,
+cause "AnswerTooLarge", nothing changed); it caps sessions, sequences per session, block-table
+entries per session, ops, seq ids and tokens per call, and the bytes of client_name,
+cache_salt and session_id. A refusal's message names the cap (e.g. "max_sessions=1024");
+ops/OPERATIONS.md lists them. Seq ids within one request must be distinct (INVALID_ARGUMENT).
 """
 
 from collections import abc as _abc

@@ -69,7 +69,8 @@ async def test_typed_results_for_every_call(daemon: Daemon, client: PoolClient) 
         stats = await session.stats()
         assert stats.session is not None
         assert (stats.session.name, stats.session.num_sequences) == ("typed#1", 3)
-        assert stats.num_sessions == 1 and (await client.stats()).session is None
+        assert (stats.num_blocks, stats.free_blocks) == (16, 11)
+        assert (await client.stats()).session is None
         # Block 0 was keyed pending and never committed: it goes back to the free list too.
         assert await session.free(2) == 2
         assert await session.keep_alive() == 10_000

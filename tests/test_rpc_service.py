@@ -106,17 +106,29 @@ async def test_sequence_rpcs(daemon: Daemon, stub: Stub) -> None:
     assert freed.released_blocks == 1
 
 
-async def test_stats_global_and_own_session_only(daemon: Daemon, stub: Stub) -> None:
+async def test_stats_show_capacity_and_own_session_only(daemon: Daemon, stub: Stub) -> None:
+    """Anyone sees the pool's capacity; a session sees its own figures; no caller sees other
+    sessions' activity (sequences, tokens, prefix-cache hits): that is for /metrics."""
     mine, other = await open_session(stub), await open_session(stub)
     await stub.Allocate(pb.AllocateRequest(session_id=mine, seq_id=1, num_tokens=5))
-    await stub.Allocate(pb.AllocateRequest(session_id=other, seq_id=1, num_tokens=1))
+    prompt = list(range(8))
+    await stub.Allocate(pb.AllocateRequest(session_id=other, seq_id=1, num_tokens=8,
+                                           token_ids=prompt))
+    await stub.Commit(pb.CommitRequest(session_id=other, seq_ids=[1]))
+    await stub.Allocate(pb.AllocateRequest(session_id=other, seq_id=2, num_tokens=8,
+                                           token_ids=prompt))  # a prefix-cache hit
     stats = await stub.GetStats(pb.GetStatsRequest(session_id=mine))
-    assert (stats.num_blocks, stats.used_blocks, stats.free_blocks) == (16, 3, 13)
-    assert (stats.num_sessions, stats.num_sequences, stats.logical_tokens) == (2, 2, 6)
-    assert stats.utilization == pytest.approx(6 / 12)
-    assert [(s.name, s.blocks_held, s.num_sequences) for s in stats.sessions] == [("t#1", 2, 1)]
+    assert (stats.num_blocks, stats.block_size, stats.free_blocks) == (16, 4, 12)
+    assert [(s.name, s.blocks_held, s.num_sequences, s.prefix_cache_hits)
+            for s in stats.sessions] == [("t#1", 2, 1, 0)]
     anonymous = await stub.GetStats(pb.GetStatsRequest())
-    assert anonymous.used_blocks == 3 and not anonymous.sessions
+    for seen in (stats, anonymous):  # nothing pool-wide beyond capacity, for anyone
+        assert (seen.used_blocks, seen.cached_blocks, seen.pending_blocks, seen.filled_slots,
+                seen.allocated_slots, seen.logical_tokens, seen.num_sequences,
+                seen.num_sessions, seen.prefix_cache_queries, seen.prefix_cache_hits,
+                seen.utilization, seen.sharing_ratio) == (0,) * 12
+    assert (anonymous.num_blocks, anonymous.free_blocks, list(anonymous.sessions)) == (16, 12, [])
+    assert daemon.pool.stats().prefix_cache_hits == 8  # the operator's view still has it all
 
 
 async def test_step_packs_a_decode_step(daemon: Daemon, stub: Stub) -> None:
@@ -194,7 +206,7 @@ async def test_batch_op_checks(daemon: Daemon, stub: Stub) -> None:
     await expect(Code.INVALID_ARGUMENT, stub.Batch(pb.BatchRequest(session_id=sid)), "at least")
     too_many = [pb.BatchOp(free=pb.FreeRequest(seq_id=1))] * 1025
     await expect(Code.INVALID_ARGUMENT, stub.Batch(pb.BatchRequest(session_id=sid, ops=too_many)),
-                 "1025 ops in one request; the limit is 1024")
+                 "1025 ops in one request; the limit is max_batch_ops=1024")
 
 
 async def test_status_codes(daemon: Daemon, stub: Stub) -> None:
@@ -233,7 +245,7 @@ async def test_unexpected_error_is_internal_and_server_survives(
     def broken(*args: object) -> None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(daemon.service, "pool_stats", broken)
+    monkeypatch.setattr(daemon.service, "capacity", broken)
     await expect(Code.INTERNAL, stub.GetStats(pb.GetStatsRequest()), "RuntimeError")
     monkeypatch.undo()
     assert (await stub.GetStats(pb.GetStatsRequest())).num_blocks == 16

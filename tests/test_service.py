@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pagedkv.daemon.core import BlockPool, InvalidArgument, SequenceExists, SequenceNotFound
 from pagedkv.daemon.geometry import TINY_CPU_GEOMETRY
 from pagedkv.daemon.kv_memory import KVPoolMemory
+from pagedkv.daemon.limits import Limits
 from pagedkv.daemon.operations import (
     Allocate,
     Append,
@@ -24,7 +25,6 @@ from pagedkv.daemon.operations import (
     Free,
     Operation,
     PoolExhausted,
-    RequestLimits,
 )
 from pagedkv.daemon.service import PoolService
 
@@ -187,7 +187,7 @@ async def test_step_happy_path_and_failures_change_nothing(service: PoolService)
     failures: list[tuple[Any, type[Exception], str]] = [
         (lambda: service.step(sid, []), InvalidArgument, "at least one"),
         (lambda: service.step(sid, [1, 9]), SequenceNotFound, r"\[9\]"),
-        (lambda: service.step(sid, [1, 1]), InvalidArgument, "twice"),
+        (lambda: service.step(sid, [1, 1]), InvalidArgument, "more than once"),
         (lambda: service.step(sid, [1, 2], 1, [5]), InvalidArgument, "1 token_ids"),
         (lambda: service.step(sid, [1], 0), InvalidArgument, "num_tokens"),
         (lambda: service.step(sid, [1, 2, 3], 8), PoolExhausted, "pool full"),
@@ -217,13 +217,13 @@ async def test_invalid_arguments_name_the_problem(service: PoolService) -> None:
 
 
 async def test_request_limits_name_the_limit() -> None:
-    service = make_service(limits=RequestLimits(max_batch_ops=2, max_seq_ids=2, max_tokens=8))
+    service = make_service(limits=Limits(max_batch_ops=2, max_seq_ids=2, max_tokens=8))
     sid = service.open_session("a").session_id
-    with pytest.raises(InvalidArgument, match="3 ops in one request; the limit is 2"):
+    with pytest.raises(InvalidArgument, match="3 ops in one request; the limit is max_batch_ops=2"):
         await service.batch(sid, [Allocate(1, 1), Allocate(2, 1), Allocate(3, 1)])
-    with pytest.raises(InvalidArgument, match="the limit is 2"):
+    with pytest.raises(InvalidArgument, match="the limit is max_seq_ids=2"):
         await service.step(sid, [1, 2, 3])
-    with pytest.raises(InvalidArgument, match="9 tokens in one request; the limit is 8"):
+    with pytest.raises(InvalidArgument, match="9 tokens in one request; the limit is max_tokens=8"):
         await service.allocate(sid, Allocate(1, 9))
     assert len(service.pool) == 0
 

@@ -77,6 +77,11 @@ class BlockPool:
     def num_tokens(self, seq: Hashable) -> int:
         return int(self._seqs.num_tokens[self._row(seq)])
 
+    def committed_tokens(self, seq: Hashable) -> int:
+        """Leading tokens of `seq` in committed blocks (K/V certified written): for a sequence
+        just allocated, the prefix-cache hit (`SeqUpdate.num_cached_tokens`)."""
+        return int(self._seqs.committed[self._row(seq)]) * self.block_size
+
     # --------------------------------------------------------------- operations
 
     def allocate(self, seq: Hashable, num_tokens: int, token_ids: TokenIds | None = None,

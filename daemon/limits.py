@@ -1,0 +1,122 @@
+"""The daemon's caps on what clients may ask of it, and how input is echoed back.
+
+Every cap has a default, a maximum, a TOML key and a flag of the same name (`max_sessions`,
+`--max-sessions`); `LIMITS` lists them and ops/OPERATIONS.md ("Limits") documents them. A request
+over a cap is refused before anything changes, with a message naming the cap:
+
+- INVALID_ARGUMENT (`InvalidArgument`) for a request malformed by its own size: too many ops or
+  seq ids in one call, too many tokens in one op, a name, salt or session id too long;
+- RESOURCE_EXHAUSTED (`LimitExceeded`, cause "LimitExceeded"; `AnswerTooLarge` for the answer)
+  for a request that is well formed but would take more than the daemon grants: one session
+  too many, one sequence too many in a session, or an answer over `max_answer_bytes`.
+
+Together the caps bound the daemon's memory: sessions x sequences bound the bookkeeping, the
+pool bounds the blocks, and `max_answer_bytes` (at most `MAX_MESSAGE_BYTES`, the message size
+the daemon and the bundled client both accept) bounds what any one call builds.
+
+Input is never echoed unbounded: `clip` cuts text for error messages and logs, with a marker.
+"""
+
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+from pagedkv.proto.limits import MAX_MESSAGE_BYTES
+
+from .core import InvalidArgument, PoolError
+
+# Characters of client input an error message or log line may quote.
+ECHO_CHARS = 64
+
+
+class LimitExceeded(PoolError):
+    """A well-formed request would take more than the daemon grants (RESOURCE_EXHAUSTED)."""
+
+
+class AnswerTooLarge(LimitExceeded):
+    """The answer would exceed `max_answer_bytes`; the call was refused, nothing changed."""
+
+
+class LimitSpec(NamedTuple):
+    """The range of one cap, and what `--help` says about it."""
+
+    # The smallest and the largest value the daemon accepts for the cap.
+    minimum: int
+    maximum: int
+    # One line for --help.
+    help: str
+
+
+# The caps: name -> range and help. Defaults are the `Limits` fields' defaults.
+LIMITS: dict[str, LimitSpec] = {
+    "max_sessions": LimitSpec(1, 1 << 16, "live sessions at once"),
+    "max_seqs_per_session": LimitSpec(1, 1 << 20, "live sequences in one session"),
+    "max_blocks_per_session": LimitSpec(1, 2**32 - 1, "block-table entries one session may "
+                                        "hold; a session asking for more (or for 0) gets this"),
+    "max_batch_ops": LimitSpec(1, 1 << 16, "ops in one Batch"),
+    "max_seq_ids": LimitSpec(1, 1 << 20, "seq ids in one Step, Commit or GetBlockTables"),
+    "max_tokens": LimitSpec(1, 1 << 24, "tokens one op adds (a Step: sequences x tokens)"),
+    "max_client_name_bytes": LimitSpec(1, 4096, "bytes of an OpenSession client_name"),
+    "max_cache_salt_bytes": LimitSpec(1, 4096, "bytes of an OpenSession cache_salt"),
+    # The daemon's own ids take about 55 bytes.
+    "max_session_id_bytes": LimitSpec(64, 4096, "bytes of a request's session_id"),
+    "max_answer_bytes": LimitSpec(4096, MAX_MESSAGE_BYTES, "encoded bytes of one answer"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Caps on what clients may ask (see the module docstring); checked on construction."""
+
+    # Live sessions at once (OpenSession beyond it: RESOURCE_EXHAUSTED).
+    max_sessions: int = 1024
+    # Live sequences in one session (Allocate or Fork beyond it: RESOURCE_EXHAUSTED).
+    max_seqs_per_session: int = 4096
+    # Block-table entries one session may hold: the quota a session gets when it asks for none,
+    # and the most it may ask for (a larger OpenSession.max_blocks is clamped to it).
+    max_blocks_per_session: int = 1 << 20
+    # Operations in one Batch.
+    max_batch_ops: int = 1024
+    # Sequence ids in one Step, Commit or GetBlockTables (distinct ones only).
+    max_seq_ids: int = 65_536
+    # Tokens one operation adds (Allocate/Append num_tokens; a Step's seqs x num_tokens).
+    max_tokens: int = 1 << 20
+    # UTF-8 bytes of OpenSessionRequest.client_name (shown in stats and logs).
+    max_client_name_bytes: int = 128
+    # Bytes of OpenSessionRequest.cache_salt.
+    max_cache_salt_bytes: int = 256
+    # Bytes of any request's session_id (longer ones are refused before any look-up).
+    max_session_id_bytes: int = 128
+    # Encoded bytes of one answer, bounded before it is built; at most MAX_MESSAGE_BYTES.
+    max_answer_bytes: int = MAX_MESSAGE_BYTES
+
+    def __post_init__(self) -> None:
+        for item in fields(self):
+            value, spec = getattr(self, item.name), LIMITS[item.name]
+            if (isinstance(value, bool) or not isinstance(value, int)
+                    or not spec.minimum <= value <= spec.maximum):
+                raise ValueError(f"{item.name} must be an integer in "
+                                 f"{spec.minimum}..{spec.maximum}, got {value!r}")
+
+    def check_count(self, what: str, count: int, limit: str) -> None:
+        """Refuse `count` items of `what` above the cap named `limit` (INVALID_ARGUMENT)."""
+        cap = getattr(self, limit)
+        if count > cap:
+            raise InvalidArgument(f"{count} {what} in one request; the limit is {limit}={cap}")
+
+    def check_length(self, what: str, value: str | bytes, limit: str) -> None:
+        """Refuse a name, salt or id longer than the cap named `limit` (INVALID_ARGUMENT)."""
+        cap = getattr(self, limit)
+        size = len(value.encode() if isinstance(value, str) else value)
+        if size > cap:
+            raise InvalidArgument(f"{what} of {size} bytes; the limit is {limit}={cap}")
+
+
+assert set(LIMITS) == {f.name for f in fields(Limits)}, "a limit has no spec"
+
+
+def clip(text: str, limit: int = ECHO_CHARS) -> str:
+    """`text` for an error message or a log line: at most `limit` characters, then a marker
+    saying how many were cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...[{len(text) - limit} more chars]"
