@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 # The stateful fuzzer (30,000 calls) and the load run (8 clients, 60 s, a SIGKILLed client)
-# at full size; `make test` runs them briefly (tests/test_fuzz_brief.py). About 5 minutes.
+# at full size; `make test` runs them briefly (tests/test_fuzz_brief.py). About 7 minutes.
 soak: setup
 	$(PY) benchmarks/soak.py
 

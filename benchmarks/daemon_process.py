@@ -28,10 +28,13 @@ class DaemonProcess:
     target: str
     # Holds the socket, the pool file and stderr.log.
     folder: Path
-    # Exit status once stopped (None while it runs).
+    # Exit status once stopped (None while it runs), and its log, kept when the folder goes.
     exit_code: int | None = None
+    final_stderr: str | None = None
 
     def stderr(self) -> str:
+        if self.final_stderr is not None:
+            return self.final_stderr
         return (self.folder / "stderr.log").read_text(errors="replace")
 
 
@@ -56,6 +59,7 @@ def running_pagedkvd(*args: str) -> Iterator[DaemonProcess]:
             except subprocess.TimeoutExpired:
                 process.kill()
                 daemon.exit_code = process.wait(STOP_TIMEOUT_S)
+            daemon.final_stderr = daemon.stderr()
 
 
 def wait_until_serving(daemon: DaemonProcess) -> None:

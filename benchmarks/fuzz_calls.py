@@ -111,7 +111,9 @@ class CallMaker:
         self.shadow = shadow
         self.num_blocks = num_blocks
         self.closed_ids = closed_ids
+        # Per session id: the last seq id handed out, and the ids handed out so far.
         self._next_id: dict[str, int] = {}
+        self._used: dict[str, list[int]] = {}
         # Weighted plan makers; the weights are relative.
         self.makers: list[tuple[float, Callable[[SessionShadow], Plan]]] = [
             (34, self.valid_single), (14, self.step), (6, self.valid_batch),
@@ -128,13 +130,22 @@ class CallMaker:
 
     # ----------------------------------------------------------- valid ops
 
-    def new_id(self, session: SessionShadow) -> int:
-        if self.rng.random() < 0.02:
+    def new_id(self, session: SessionShadow, view: dict[int, int]) -> int:
+        """An id not in `view`: often one the session used before (a freed id reused, maybe
+        within one batch), sometimes an extreme one, else the next of the session's counter."""
+        r = self.rng.random()
+        if r < 0.15:
+            reusable = [s for s in self._used.get(session.session_id, ()) if s not in view]
+            if reusable:
+                return self.rng.choice(reusable)
+        elif r < 0.17:
             candidate = self.rng.choice([0, UINT64_MAX, 1 << 63])
-            if candidate not in session.seqs:
+            if candidate not in view:
                 return candidate
         self._next_id[session.session_id] = self._next_id.get(session.session_id, 0) + 1
-        return self._next_id[session.session_id]
+        seq_id = self._next_id[session.session_id]
+        self._used.setdefault(session.session_id, []).append(seq_id)
+        return seq_id
 
     def prompt(self, session: SessionShadow) -> tuple[int, list[int]]:
         """A prompt's length and ids (none 25% of the time); often a known prefix of a sequence
@@ -169,7 +180,7 @@ class CallMaker:
         kind = self.rng.choices(list(weights), list(weights.values()))[0]
         seq_id = self.rng.choice(list(view)) if view else 0
         if kind == "allocate":
-            new, (n, ids) = self.new_id(session), self.prompt(session)
+            new, (n, ids) = self.new_id(session, view), self.prompt(session)
             view[new] = n
             return pb.BatchOp(allocate=pb.AllocateRequest(seq_id=new, num_tokens=n,
                                                           token_ids=ids))
@@ -179,7 +190,7 @@ class CallMaker:
             return pb.BatchOp(append=pb.AppendRequest(seq_id=seq_id, num_tokens=k,
                                                       token_ids=self.tokens(k)))
         if kind == "fork":
-            child = self.new_id(session)
+            child = self.new_id(session, view)
             view[child] = view[seq_id]
             return pb.BatchOp(fork=pb.ForkRequest(parent_seq_id=seq_id, child_seq_id=child))
         if kind == "copy_on_write" and view[seq_id] > 0:
@@ -367,8 +378,9 @@ class CallMaker:
         if r < 0.4 or not seqs:
             n = self.rng.randint(1, 20)
             ids = [self.rng.choice([-1, -(1 << 63), (1 << 63) - 1, VOCAB * 1000]) for _ in range(n)]
-            op = pb.BatchOp(allocate=pb.AllocateRequest(seq_id=self.new_id(session),
-                                                        num_tokens=n, token_ids=ids))
+            seq_id = self.new_id(session, self.view(session))
+            op = pb.BatchOp(allocate=pb.AllocateRequest(seq_id=seq_id, num_tokens=n,
+                                                        token_ids=ids))
             return single("allocate_odd_token_ids", session, op, Expect.ANY)
         if r < 0.6:
             op = pb.BatchOp(append=pb.AppendRequest(seq_id=self.rng.choice(seqs), num_tokens=0))

@@ -234,9 +234,9 @@ class Fuzzer:
             response = RESPONSES[plan.rpc].FromString(answer) if plan.rpc in RESPONSES else None
             if isinstance(response, pb.OpenSessionResponse):
                 self.close_stray(response.session_id)
-            elif before is not None and self.snapshot(None) != before:
-                raise Violation(f"{describe(plan)} answered OK to nobody's session but changed "
-                                "the pool")
+            elif before is not None and self.snapshot(session) != before:
+                raise Violation(f"{describe(plan)} answered OK to bytes or to a junk session "
+                                "but changed the pool")
             return
         if plan.rpc == "Batch":
             results = pb.BatchResponse.FromString(answer).results

@@ -72,8 +72,10 @@ class LoadConfig:
 class WorkerResult:
     """What one healthy client reports (JSON on its stdout)."""
 
+    # RPCs sent, over this many seconds of the timed run.
     ops: int = 0
     seconds: float = 0.0
+    # Latency of every successful Step.
     step_ms: list[float] = field(default_factory=list)
     # Failed calls by exception name (PoolExhausted is expected: a full pool preempts).
     errors: dict[str, int] = field(default_factory=dict)
@@ -82,16 +84,20 @@ class WorkerResult:
 
 @dataclass
 class LoadReport:
-    seconds: float
+    # RPCs per second of the healthy clients together, and their Step latencies.
     ops_per_s: float
     step_p50_ms: float
     step_p99_ms: float
+    # Healthy clients whose session the daemon expired (must be 0).
     healthy_sessions_expired: int
+    # Used blocks and sequences once every session closed or lapsed (must be 0).
     blocks_leaked: int
     sequences_leaked: int
+    # Victim processes SIGKILLed, and their allocations that succeeded (so the kills had
+    # blocks to leak).
     victim_kills: int
-    # Victims' allocations that succeeded (so the kills had blocks to leak).
     victim_allocations: int
+    # Failed calls of the healthy clients by exception name ("PoolExhausted" is expected).
     errors: Counter[str]
 
     def figures(self) -> list[str]:
@@ -268,8 +274,7 @@ def run_load(target: str, config: LoadConfig) -> LoadReport:
         out, _ = process.communicate()
         kills += 1
         allocations += out.count(b"allocated")
-    results = [WorkerResult(**json.loads(w.communicate(timeout=config.seconds + 120)[0]))
-               for w in workers]
+    results = [worker_result(w, config.seconds + 120) for w in workers]
     stats = wait_for_empty_pool(target)
     steps = [ms for result in results for ms in result.step_ms]
     errors: Counter[str] = Counter()
@@ -277,12 +282,20 @@ def run_load(target: str, config: LoadConfig) -> LoadReport:
         errors.update(result.errors)
     p50, p99 = np.percentile(steps, [50, 99]) if steps else (float("nan"), float("nan"))
     return LoadReport(
-        seconds=config.seconds,
         ops_per_s=sum(r.ops / r.seconds for r in results if r.seconds > 0),
         step_p50_ms=float(p50), step_p99_ms=float(p99),
         healthy_sessions_expired=sum(r.expired for r in results),
         blocks_leaked=stats.used_blocks, sequences_leaked=stats.num_sequences,
         victim_kills=kills, victim_allocations=allocations, errors=errors)
+
+
+def worker_result(worker: subprocess.Popen[bytes], timeout: float) -> WorkerResult:
+    """A healthy client's report; a client that crashed counts as one "crashed" error."""
+    out, _ = worker.communicate(timeout=timeout)
+    try:
+        return WorkerResult(**json.loads(out))
+    except (ValueError, TypeError):
+        return WorkerResult(errors={"crashed": 1})
 
 
 def wait_for_empty_pool(target: str, patience_s: float = 10.0) -> pb.PoolStats:

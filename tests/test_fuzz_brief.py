@@ -1,6 +1,6 @@
 """The stateful fuzzer and the load run, brief, against one real pagedkvd process.
 
-Seeded: a few thousand fuzz calls on a 512-block pool, then 3 client processes for 8 s while a
+Seeded: 2,000 fuzz calls (at most 18 s) on a 512-block pool, then 3 client processes for 7 s while a
 victim with 500 ms leases is SIGKILLed every few seconds. `make soak` runs both at full size
 (benchmarks/soak.py); the tools live in benchmarks/ (fuzz_daemon, fuzz_calls, fuzz_shadow,
 load_daemon).
@@ -31,7 +31,7 @@ def daemon() -> Iterator[Pagedkvd]:
 
 def test_fuzzer_finds_no_internal_error_no_state_change_on_failure_and_no_leak(
         daemon: Pagedkvd) -> None:
-    report = run_fuzz(daemon.unix_target, FuzzConfig(seed=7, calls=2_000, seconds=25))
+    report = run_fuzz(daemon.unix_target, FuzzConfig(seed=7, calls=2_000, seconds=18))
     assert report.violations == []
     # Malformed bytes answered UNKNOWN are counted apart (report.malformed_unknown): a known
     # finding fixed elsewhere. INTERNAL, or UNKNOWN to a well-formed request, is a bug.
@@ -47,7 +47,7 @@ def test_fuzzer_finds_no_internal_error_no_state_change_on_failure_and_no_leak(
 
 def test_load_with_killed_clients_expires_no_healthy_session_and_leaks_nothing(
         daemon: Pagedkvd) -> None:
-    report = run_load(daemon.unix_target, LoadConfig(clients=3, seconds=8, max_live=6,
+    report = run_load(daemon.unix_target, LoadConfig(clients=3, seconds=7, max_live=6,
                                                      warmup_s=3))
     assert report.healthy_sessions_expired == 0
     assert report.blocks_leaked == 0 and report.sequences_leaked == 0
