@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # extra's range is already satisfied and pip never pulls a CUDA build or nvidia-* packages.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup test lint typecheck pytest demo bench bench-gpu proto proto-check clean
+.PHONY: setup soak test lint typecheck pytest demo bench bench-gpu proto proto-check clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml
 	@if $(PY) -m pip list 2>/dev/null | grep -qi '^nvidia-'; then \
 	  if ! command -v nvidia-smi >/dev/null; then echo "nvidia-* packages on a machine without CUDA" >&2; exit 1; fi; fi
 	touch $@
+
+# The stateful fuzzer (30,000 calls) and the load run (8 clients, 60 s, a SIGKILLed client)
+# at full size; `make test` runs them briefly (tests/test_fuzz_brief.py). About 7 minutes.
+soak: setup
+	$(PY) benchmarks/soak.py
 
 test: setup lint typecheck proto-check pytest
 

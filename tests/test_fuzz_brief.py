@@ -1,0 +1,56 @@
+"""The stateful fuzzer and the load run, brief, against one real pagedkvd process.
+
+Seeded: 2,000 fuzz calls (at most 18 s) on a 512-block pool, then 3 client processes for 7 s while a
+victim with 500 ms leases is SIGKILLed every few seconds. `make soak` runs both at full size
+(benchmarks/soak.py); the tools live in benchmarks/ (fuzz_daemon, fuzz_calls, fuzz_shadow,
+load_daemon).
+"""
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from fuzz_daemon import FuzzConfig, run_fuzz
+from load_daemon import LoadConfig, run_load
+from pagedkvd_process import Pagedkvd, pagedkvd
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Pagedkvd]:
+    with pagedkvd("--num-blocks", "512", "--block-size", "16", "--log-level", "warning") as d:
+        yield d
+        assert d.process.poll() is None, f"pagedkvd died:\n{d.stderr()}"
+        assert d.stop() == 0, d.stderr()
+
+
+def test_fuzzer_finds_no_internal_error_no_state_change_on_failure_and_no_leak(
+        daemon: Pagedkvd) -> None:
+    report = run_fuzz(daemon.unix_target, FuzzConfig(seed=7, calls=2_000, seconds=18))
+    assert report.violations == []
+    # Malformed bytes answered UNKNOWN are counted apart (report.malformed_unknown): a known
+    # finding fixed elsewhere. INTERNAL, or UNKNOWN to a well-formed request, is a bug.
+    assert report.internal_errors == []
+    assert report.leaked_blocks == 0 and report.leftover_sequences == 0
+    assert report.calls >= 500 and report.verifications >= 10 and report.expiries >= 1
+    # It shared blocks: prefixes found in the cache, copy-on-write copies.
+    assert report.cache_hits > 0 and report.copies > 0
+    # The mix reached the interesting answers: successes, refusals and a full pool.
+    for code in ("OK", "NOT_FOUND", "INVALID_ARGUMENT", "ALREADY_EXISTS", "RESOURCE_EXHAUSTED"):
+        assert report.codes[code] > 0, report.codes
+
+
+def test_load_with_killed_clients_expires_no_healthy_session_and_leaks_nothing(
+        daemon: Pagedkvd) -> None:
+    report = run_load(daemon.unix_target, LoadConfig(clients=3, seconds=7, max_live=6,
+                                                     warmup_s=3))
+    assert report.healthy_sessions_expired == 0
+    assert report.blocks_leaked == 0 and report.sequences_leaked == 0
+    assert report.victim_kills >= 2 and report.victim_allocations > 0
+    assert set(report.errors) <= {"PoolExhausted"}, report.errors
+    assert report.ops_per_s > 0 and report.step_p99_ms > 0
