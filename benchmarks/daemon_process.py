@@ -6,6 +6,7 @@ answers, stopped with SIGTERM.
     # daemon.exit_code: the daemon's exit status after SIGTERM
 """
 
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +29,8 @@ class DaemonProcess:
     target: str
     # Holds the socket, the pool file and stderr.log.
     folder: Path
+    # host:port of its /metrics (pool-wide figures are for operators, not GetStats).
+    metrics: str
     # Exit status once stopped (None while it runs), and its log, kept when the folder goes.
     exit_code: int | None = None
     final_stderr: str | None = None
@@ -44,11 +47,13 @@ def running_pagedkvd(*args: str) -> Iterator[DaemonProcess]:
     with tempfile.TemporaryDirectory(prefix="pkv-soak-") as name:
         folder = Path(name)
         target = f"unix://{folder / 'pagedkv.sock'}"
+        metrics = f"127.0.0.1:{free_tcp_port()}"
         command = [sys.executable, "-m", "pagedkv.daemon.cli", "serve", "--listen", target,
-                   "--shm-dir", name, "--log-format", "json", "--log-level", "warning", *args]
+                   "--metrics-listen", metrics, "--shm-dir", name, "--log-format", "json",
+                   "--log-level", "warning", *args]
         with (folder / "stderr.log").open("wb") as stderr:
             process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
-        daemon = DaemonProcess(process, target, folder)
+        daemon = DaemonProcess(process, target, folder, metrics)
         try:
             wait_until_serving(daemon)
             yield daemon
@@ -60,6 +65,14 @@ def running_pagedkvd(*args: str) -> Iterator[DaemonProcess]:
                 process.kill()
                 daemon.exit_code = process.wait(STOP_TIMEOUT_S)
             daemon.final_stderr = daemon.stderr()
+
+
+def free_tcp_port() -> int:
+    """A loopback port nobody listens on now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 def wait_until_serving(daemon: DaemonProcess) -> None:

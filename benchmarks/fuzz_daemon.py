@@ -32,6 +32,7 @@ import grpc
 from daemon_process import running_pagedkvd
 from fuzz_calls import OP_RPCS, RESPONSES, CallMaker, Expect, Plan
 from fuzz_shadow import SessionShadow, Shadow, Violation, rpc_code
+from pool_metrics import pool_figures
 
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
@@ -44,9 +45,8 @@ LEASE_TTL_MS = 120_000
 EXPIRING_LEASE_MS = 200
 # The pool the fuzzer is meant for: small, so it runs out often.
 DAEMON_ARGS = ("--num-blocks", "256", "--block-size", "16")
-POOL_FIELDS = ("free_blocks", "used_blocks", "cached_blocks", "pending_blocks", "filled_slots",
-               "allocated_slots", "logical_tokens", "num_sequences", "prefix_cache_queries",
-               "prefix_cache_hits")
+POOL_FIELDS = ("free_blocks", "used_blocks", "cached_blocks", "pending_blocks", "num_sequences",
+               "prefix_cache_queries", "prefix_cache_hits")
 SESSION_FIELDS = ("num_sequences", "block_table_entries", "blocks_held", "prefix_cache_queries",
                   "prefix_cache_hits")
 # Findings kept in full (the counts go on).
@@ -124,7 +124,9 @@ def _short(message: Any) -> str:
 class Fuzzer:
     """Runs plans against one daemon and keeps the shadow and the report."""
 
-    def __init__(self, channel: grpc.Channel, config: FuzzConfig) -> None:
+    def __init__(self, channel: grpc.Channel, metrics: str, config: FuzzConfig) -> None:
+        # host:port of the daemon's /metrics: the pool-wide figures.
+        self.metrics = metrics
         self.channel = channel
         self.config = config
         self.stub = kvpool_pb2_grpc.KVPoolStub(channel)
@@ -212,11 +214,12 @@ class Fuzzer:
     def snapshot(self, session: SessionShadow | None) -> dict[str, Any]:
         """The pool's figures, and the caller's figures and tables."""
         timeout = self.config.timeout_s
-        stats = self.stub.GetStats(pb.GetStatsRequest(
-            session_id=session.session_id if session else ""), timeout=timeout)
-        state: dict[str, Any] = {f"pool.{name}": getattr(stats, name) for name in POOL_FIELDS}
+        pool = pool_figures(self.metrics, timeout)
+        state: dict[str, Any] = {f"pool.{name}": getattr(pool, name) for name in POOL_FIELDS}
         if session is None:
             return state
+        stats = self.stub.GetStats(pb.GetStatsRequest(session_id=session.session_id),
+                                   timeout=timeout)
         state |= {f"session.{name}": getattr(stats.sessions[0], name)
                   for name in SESSION_FIELDS}
         if session.seqs:
@@ -286,7 +289,8 @@ class Fuzzer:
                 raise
 
     def verify(self) -> None:
-        self.shadow.verify(self.stub, self.config.timeout_s)
+        self.shadow.verify(self.stub, lambda: pool_figures(self.metrics, self.config.timeout_s),
+                           self.config.timeout_s)
         self.report.verifications += 1
 
     def expire_one(self) -> None:
@@ -313,8 +317,7 @@ class Fuzzer:
             after = self.snapshot(None)
             if after["pool.num_sequences"] == before["pool.num_sequences"]:
                 break
-        unchanged = ("pool.used_blocks", "pool.free_blocks", "pool.num_sequences",
-                     "pool.filled_slots", "pool.allocated_slots", "pool.logical_tokens")
+        unchanged = ("pool.used_blocks", "pool.free_blocks", "pool.num_sequences")
         self.shadow.expect(all(after[k] == before[k] for k in unchanged),
                            f"an expired session's blocks did not come back: "
                            f"{diff(before, after)}")
@@ -335,7 +338,7 @@ class Fuzzer:
                 self.stub.CloseSession(pb.CloseSessionRequest(session_id=session.session_id),
                                        timeout=self.config.timeout_s)
             self.shadow.sessions = []
-            stats = self.stub.GetStats(pb.GetStatsRequest(), timeout=self.config.timeout_s)
+            stats = pool_figures(self.metrics, self.config.timeout_s)
         except grpc.RpcError as exc:
             self.report.violations.append(f"closing the sessions failed: {exc}")
             return
@@ -353,11 +356,12 @@ def diff(before: dict[str, Any], after: dict[str, Any]) -> str:
                      if before.get(key) != after.get(key))
 
 
-def run_fuzz(target: str, config: FuzzConfig) -> FuzzReport:
-    """Fuzz the daemon at `target` (it must have no other client) and report."""
+def run_fuzz(target: str, metrics: str, config: FuzzConfig) -> FuzzReport:
+    """Fuzz the daemon at `target` (it must have no other client; its /metrics on `metrics`,
+    host:port) and report."""
     with grpc.insecure_channel(target) as channel:
         grpc.channel_ready_future(channel).result(timeout=60)
-        return Fuzzer(channel, config).run()
+        return Fuzzer(channel, metrics, config).run()
 
 
 def main() -> int:
@@ -367,13 +371,14 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=600.0)
     parser.add_argument("--target", help="fuzz this daemon instead of starting one "
                         f"({' '.join(DAEMON_ARGS)})")
+    parser.add_argument("--metrics", help="host:port of --target's /metrics")
     args = parser.parse_args()
     config = FuzzConfig(seed=args.seed, calls=args.calls, seconds=args.seconds)
     if args.target:
-        report = run_fuzz(args.target, config)
+        report = run_fuzz(args.target, args.metrics, config)
     else:
         with running_pagedkvd(*DAEMON_ARGS) as daemon:
-            report = run_fuzz(daemon.target, config)
+            report = run_fuzz(daemon.target, daemon.metrics, config)
     for line in report.figures():
         print(line)
     print(f"# answers: {dict(report.codes.most_common())}")

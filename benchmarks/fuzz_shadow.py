@@ -9,7 +9,7 @@ that changed, and blocks are shared across sessions only under one non-empty cac
 """
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -255,7 +255,8 @@ class Shadow:
 
     # ----------------------------------------------------- daemon vs shadow
 
-    def verify(self, stub: kvpool_pb2_grpc.KVPoolStub, timeout: float) -> None:
+    def verify(self, stub: kvpool_pb2_grpc.KVPoolStub, pool: Callable[[], pb.PoolStats],
+               timeout: float) -> None:
         """The daemon's tables, token counts and figures equal the shadow's (the fuzzer must be
         the daemon's only client)."""
         for session in self.sessions:
@@ -278,7 +279,7 @@ class Shadow:
                         f"session stats {mine} vs shadow ({len(seq_ids)}, {entries}, {held})")
             self.check_shared_within_salt(session, [b for seq in session.seqs.values()
                                                     for b in seq.block_ids])
-        stats = stub.GetStats(pb.GetStatsRequest(), timeout=timeout)
+        stats = pool()
         used = len(self.refcounts())
         self.expect(stats.used_blocks == used and stats.num_sequences == self.num_sequences(),
                     f"pool has {stats.used_blocks} used blocks and {stats.num_sequences} "

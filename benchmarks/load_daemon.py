@@ -28,9 +28,9 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import grpc
 import numpy as np
 from daemon_process import running_pagedkvd
+from pool_metrics import pool_figures
 
 from pagedkv.client import (
     Commit,
@@ -43,7 +43,6 @@ from pagedkv.client import (
     SessionNotFound,
 )
 from pagedkv.proto import kvpool_pb2 as pb
-from pagedkv.proto import kvpool_pb2_grpc
 
 T = TypeVar("T")
 # A pool the full run fits: 8 clients x 12 live requests x ~20 blocks, plus the cache.
@@ -256,7 +255,7 @@ async def victim(target: str, seed: int) -> None:
 
 # ------------------------------------------------------------------- the run
 
-def run_load(target: str, config: LoadConfig) -> LoadReport:
+def run_load(target: str, metrics: str, config: LoadConfig) -> LoadReport:
     """Drive the daemon at `target` (no other client) and report."""
     rng = random.Random(config.seed)
     start_at = time.time() + config.warmup_s
@@ -275,7 +274,7 @@ def run_load(target: str, config: LoadConfig) -> LoadReport:
         kills += 1
         allocations += out.count(b"allocated")
     results = [worker_result(w, config.seconds + 120) for w in workers]
-    stats = wait_for_empty_pool(target)
+    stats = wait_for_empty_pool(metrics)
     steps = [ms for result in results for ms in result.step_ms]
     errors: Counter[str] = Counter()
     for result in results:
@@ -298,17 +297,15 @@ def worker_result(worker: subprocess.Popen[bytes], timeout: float) -> WorkerResu
         return WorkerResult(errors={"crashed": 1})
 
 
-def wait_for_empty_pool(target: str, patience_s: float = 10.0) -> pb.PoolStats:
+def wait_for_empty_pool(metrics: str, patience_s: float = 10.0) -> pb.PoolStats:
     """The pool's figures once no session is left, or after `patience_s` (victims' leases
     lapse within VICTIM_LEASE_MS and the reaper's 100 ms)."""
-    with grpc.insecure_channel(target) as channel:
-        stub = kvpool_pb2_grpc.KVPoolStub(channel)
-        deadline = time.monotonic() + patience_s
-        while True:
-            stats = stub.GetStats(pb.GetStatsRequest(), timeout=10)
-            if stats.num_sessions == 0 or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.1)
+    deadline = time.monotonic() + patience_s
+    while True:
+        stats = pool_figures(metrics)
+        if stats.num_sessions == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
 
 
 def main() -> int:
@@ -318,6 +315,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--target", help="load this daemon instead of starting one "
                         f"({' '.join(DAEMON_ARGS)})")
+    parser.add_argument("--metrics", help="host:port of --target's /metrics")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     parser.add_argument("--victim", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -332,10 +330,10 @@ def main() -> int:
         return 0
     config = LoadConfig(clients=args.clients, seconds=args.seconds, seed=args.seed)
     if args.target:
-        report = run_load(args.target, config)
+        report = run_load(args.target, args.metrics, config)
     else:
         with running_pagedkvd(*DAEMON_ARGS) as daemon:
-            report = run_load(daemon.target, config)
+            report = run_load(daemon.target, daemon.metrics, config)
     for line in report.figures():
         print(line)
     bad = report.healthy_sessions_expired or report.blocks_leaked or report.sequences_leaked

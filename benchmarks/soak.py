@@ -32,7 +32,7 @@ def main() -> int:
     findings: list[str] = []
 
     with running_pagedkvd(*fuzz_daemon.DAEMON_ARGS) as daemon:
-        fuzz = run_fuzz(daemon.target, FuzzConfig(seed=args.seed, calls=args.calls,
+        fuzz = run_fuzz(daemon.target, daemon.metrics, FuzzConfig(seed=args.seed, calls=args.calls,
                                                   seconds=args.fuzz_seconds))
     for line in fuzz.figures():
         print(line, flush=True)
@@ -43,8 +43,8 @@ def main() -> int:
         findings.append(f"fuzz: pagedkvd exited {daemon.exit_code}:\n{daemon.stderr()[-2000:]}")
 
     with running_pagedkvd(*load_daemon.DAEMON_ARGS) as daemon:
-        load = run_load(daemon.target, LoadConfig(clients=args.clients, seconds=args.seconds,
-                                                  seed=args.seed))
+        config = LoadConfig(clients=args.clients, seconds=args.seconds, seed=args.seed)
+        load = run_load(daemon.target, daemon.metrics, config)
     for line in load.figures():
         print(line, flush=True)
     if load.healthy_sessions_expired or load.blocks_leaked or load.sequences_leaked:
