@@ -10,6 +10,7 @@ would fail the same way), 1 when the runner could not start or failed while runn
 
 import argparse
 import asyncio
+import os
 import sys
 
 from pagedkv.process import log_setup
@@ -35,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
                                       "daemon's, pagedkv-runner.sock)")
     cli.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
                      help="Triton kernels on CUDA, the vectorized torch kernels on CPU (auto)")
+    cli.add_argument("--torch-threads", type=int, default=0,
+                     help="intra-op threads of the CPU forward (default: half the cores, at "
+                          "least 1: the daemon and the clients need the others)")
     cli.add_argument("--max-batch-tokens", type=int, default=8192,
                      help="most tokens one merged forward pass computes (default 8192)")
     cli.add_argument("--metrics-listen", metavar="HOST:PORT",
@@ -51,6 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     from .server import RunnerConfig, serve
 
     log_setup.configure(args.log_level, args.log_format)
+    import torch
+
+    # Two OpenMP threads on a 2-core host shared with the daemon made forwards 10-30x slower
+    # (benchmarks/bench_runner.py --threads 0); GPU runs barely use these threads.
+    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 2) // 2))
     try:
         source = ModelSource(path=args.model, random_init=args.random_init, seed=args.seed)
         options = {key: value for key, value in (("daemon", args.daemon),

@@ -10,6 +10,7 @@ The daemon plans its pool from the same config (`pagedkvd --model-config PRESET_
 presets' geometries are in the daemon's built-in table under the same names.
 """
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,7 +75,8 @@ def model_config(source: ModelSource) -> PretrainedConfig:
     target = source.path or source.random_init
     assert target is not None
     if source.random_init in PRESETS:
-        return PRESETS[source.random_init]
+        # A copy: a model owns its config (transformers writes the attention choice into it).
+        return copy.deepcopy(PRESETS[source.random_init])
     if not Path(target).exists():
         known = ", ".join(sorted(PRESETS))
         raise ValueError(f"no model at {target!r}: not a local path nor a preset ({known})")
