@@ -42,6 +42,7 @@ Usage: python benchmarks/bench_runner.py [--rounds 3] [--threads 1]
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -55,7 +56,6 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,23 +83,42 @@ def make_prompts() -> list[list[int]]:
             for _ in range(NUM_PROMPTS)]
 
 
-# ------------------------------------------------------------------ client processes
+# ------------------------------------------------------------------ what a contestant did
 
 
 @dataclass(frozen=True)
-class ClientRun:
-    """One client process's generation loop."""
+class Run:
+    """One timed generation of some prompts."""
 
-    # time.monotonic() (system-wide on Linux) at the first call and at the last answer.
-    start: float
-    end: float
-    # The generated tokens of each of its prompts, in prompt order.
-    tokens: list[list[int]]
+    # Wall time of the timed part.
+    seconds: float
+    # CPU time meanwhile of every process taking part (user + system, all threads).
+    cpu_s: float
+    # Generated tokens by prompt index.
+    tokens: dict[int, list[int]]
+
+    @property
+    def tok_s(self) -> float:
+        return sum(len(t) for t in self.tokens.values()) / self.seconds
+
+    @property
+    def tok_per_cpu_s(self) -> float:
+        return sum(len(t) for t in self.tokens.values()) / self.cpu_s
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of a running process (fields 14 and 15 of /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------ client processes
 
 
 async def drive(daemon: str, runner_target: str, prompts: list[list[int]],
-                wait_for_go: Callable[[], str]) -> ClientRun:
-    """Greedy generation of `prompts` through the runner: one RPC per step."""
+                wait_for_go: Callable[[], str]) -> dict[str, Any]:
+    """Greedy generation of `prompts` through the runner, one RPC per step: its start and end
+    (time.monotonic, system-wide on Linux), CPU seconds and tokens, as JSON-ready values."""
     from pagedkv.client import PoolClient, RunnerClient, SeqStep
 
     seq_ids = list(range(len(prompts)))
@@ -108,7 +127,7 @@ async def drive(daemon: str, runner_target: str, prompts: list[list[int]],
             await pool.open_session("bench-runner") as session:
         print("ready", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, wait_for_go)
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.process_time()
         out = await runner.step(session, [SeqStep(seq_id, prompt, new_sequence=True)
                                           for seq_id, prompt in zip(seq_ids, prompts,
                                                                     strict=True)])
@@ -123,34 +142,19 @@ async def drive(daemon: str, runner_target: str, prompts: list[list[int]],
             out = await runner.step(session, [SeqStep(seq_id, tokens[seq_id][-1:])
                                               for seq_id in seq_ids],
                                     release=seq_ids if last else ())
-        end = time.monotonic()
-    return ClientRun(start, end, tokens)
+        end, cpu = time.monotonic(), time.process_time() - cpu
+    return {"start": start, "end": end, "cpu_s": cpu, "tokens": tokens}
 
 
 def client_main(daemon: str, runner_target: str, first: int, count: int) -> None:
     prompts = make_prompts()[first:first + count]
-    run = asyncio.run(drive(daemon, runner_target, prompts, sys.stdin.readline))
-    print(json.dumps({"start": run.start, "end": run.end, "tokens": run.tokens}), flush=True)
+    print(json.dumps(asyncio.run(drive(daemon, runner_target, prompts, sys.stdin.readline))),
+          flush=True)
 
 
-@dataclass(frozen=True)
-class ClientsRun:
-    """Client processes that ran together."""
-
-    # Generated tokens by prompt index.
-    tokens: dict[int, list[int]]
-    # Last end - first start.
-    seconds: float
-    # The runner's forward passes meanwhile.
-    forwards: "Forwards"
-
-    @property
-    def tok_s(self) -> float:
-        return sum(len(t) for t in self.tokens.values()) / self.seconds
-
-
-def run_clients(pagedkv: "Pagedkv", groups: Sequence[range]) -> ClientsRun:
-    """One client process per group of prompt indices, released together once all are ready."""
+def run_clients(pagedkv: "Pagedkv", groups: Sequence[range]) -> tuple[Run, "Forwards"]:
+    """One client process per group of prompt indices, released together once all are ready.
+    CPU time: the clients' loops plus the daemon's and the runner's meanwhile."""
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--client", pagedkv.daemon, pagedkv.runner,
          str(group.start), str(len(group))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -161,6 +165,7 @@ def run_clients(pagedkv: "Pagedkv", groups: Sequence[range]) -> ClientsRun:
             if proc.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"a client process failed to start (exit {proc.wait()})")
         before = Forwards.read(pagedkv.metrics_url)
+        server_cpu = pagedkv.cpu_s()
         for proc in procs:
             assert proc.stdin is not None
             proc.stdin.write("go\n")
@@ -171,6 +176,7 @@ def run_clients(pagedkv: "Pagedkv", groups: Sequence[range]) -> ClientsRun:
             if proc.returncode != 0:
                 raise RuntimeError(f"a client process failed (exit {proc.returncode})")
             runs.append(json.loads(stdout.strip().splitlines()[-1]))
+        server_cpu = pagedkv.cpu_s() - server_cpu
         forwards = Forwards.read(pagedkv.metrics_url) - before
     finally:
         for proc in procs:
@@ -180,7 +186,7 @@ def run_clients(pagedkv: "Pagedkv", groups: Sequence[range]) -> ClientsRun:
     tokens = {group.start + i: seq for group, run in zip(groups, runs, strict=True)
               for i, seq in enumerate(run["tokens"])}
     seconds = max(r["end"] for r in runs) - min(r["start"] for r in runs)
-    return ClientsRun(tokens, seconds, forwards)
+    return Run(seconds, server_cpu + sum(r["cpu_s"] for r in runs), tokens), forwards
 
 
 # ------------------------------------------------------------------ daemon and runner
@@ -194,9 +200,13 @@ class Pagedkv:
     runner: str
     # The runner's /metrics URL.
     metrics_url: str
+    pids: tuple[int, int]
+
+    def cpu_s(self) -> float:
+        return sum(process_cpu_s(pid) for pid in self.pids)
 
 
-@contextmanager
+@contextlib.contextmanager
 def pagedkv_processes(folder: Path, threads: int) -> Iterator[Pagedkv]:
     """pagedkvd and `pagedkv runner` on unix sockets in `folder`."""
     daemon_target = f"unix://{folder / 'pagedkvd.sock'}"
@@ -218,7 +228,8 @@ def pagedkv_processes(folder: Path, threads: int) -> Iterator[Pagedkv]:
              "--daemon", daemon_target, "--listen", runner_target, "--metrics-listen", metrics,
              "--log-level", "warning", "--log-format", "json"], env=env)
         wait_ready(runner_target, runner, "pagedkv runner")
-        yield Pagedkv(daemon_target, runner_target, f"http://{metrics}/metrics")
+        yield Pagedkv(daemon_target, runner_target, f"http://{metrics}/metrics",
+                      (daemon.pid, runner.pid))
     finally:
         for proc in (runner, daemon):
             if proc is not None:
@@ -288,13 +299,12 @@ def load_hf_model() -> Any:
     return model
 
 
-def hf_generate(model: Any, prompts: Sequence[Sequence[int]],
-                batch_size: int) -> tuple[float, list[list[int]]]:
-    """model.generate over batches of left-padded prompts: (seconds, tokens of each prompt)."""
+def hf_generate(model: Any, prompts: Sequence[Sequence[int]], batch_size: int) -> Run:
+    """model.generate over batches of left-padded prompts."""
     import torch
 
     tokens: list[list[int]] = []
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         for first in range(0, len(prompts), batch_size):
             batch = prompts[first:first + batch_size]
@@ -305,64 +315,75 @@ def hf_generate(model: Any, prompts: Sequence[Sequence[int]],
                                  max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                  do_sample=False, eos_token_id=None, pad_token_id=PAD_ID)
             tokens.extend(out[:, width:].tolist())
-    return time.perf_counter() - start, tokens
+    return Run(time.perf_counter() - start, time.process_time() - cpu, dict(enumerate(tokens)))
 
 
-@dataclass(frozen=True)
-class BatchRun:
-    """One run of transformers' continuous batching."""
+class ContinuousBatching:
+    """transformers' paged continuous batching (what generate_batch runs), default sizing or
+    sized to the pagedkv pool. The manager (cache and I/O tensors) is built once, as a server
+    keeps it, and each run starts from an empty cache (no prefix left from an earlier run)."""
 
-    # Building the manager: cache, I/O tensors (not timed in tok/s).
-    setup_s: float
-    # add_requests until the last request finished.
-    seconds: float
-    tokens: list[list[int]]
+    def __init__(self, model: Any, prompts: Sequence[Sequence[int]], sized: bool) -> None:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching.utils import WorkloadHints
 
-
-def hf_generate_batch(model: Any, prompts: Sequence[Sequence[int]], sized: bool) -> BatchRun:
-    """transformers' paged continuous batching, default sizing or sized to the pagedkv pool."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    config = GenerationConfig(  # type: ignore[no-untyped-call]
-        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=PAD_ID)
-    cb_config = ContinuousBatchingConfig(page_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS) \
-        if sized else None
-    # What generate_batch passes.
-    hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts),
-                          max_generated_length=NEW_TOKENS, num_requests=len(prompts))
-    started = time.perf_counter()
-    with model.continuous_batching_context_manager(
-            generation_config=config, continuous_batching_config=cb_config,
-            workload_hints=hints, block=True, timeout=30) as manager:
+        config = GenerationConfig(  # type: ignore[no-untyped-call]
+            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=PAD_ID)
+        cb_config = ContinuousBatchingConfig(page_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS) \
+            if sized else None
+        # What generate_batch passes.
+        hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts),
+                              max_generated_length=NEW_TOKENS, num_requests=len(prompts))
         start = time.perf_counter()
-        ids = manager.add_requests(inputs=[list(p) for p in prompts], max_new_tokens=NEW_TOKENS)
-        results: dict[str, Any] = {}
-        while len(results) < len(prompts):
-            result = manager.get_result(timeout=60)
-            if result is None:
-                raise RuntimeError("continuous batching stopped before every request finished")
-            if result.is_finished():
-                results[result.request_id] = result
-        seconds = time.perf_counter() - start
-    gc.collect()  # the default sizing's I/O tensors are GiBs: free them before the next contestant
-    tokens = [list(results[request_id].generated_tokens) for request_id in ids]
-    return BatchRun(start - started, seconds, tokens)
+        self.manager = model.init_continuous_batching(
+            generation_config=config, continuous_batching_config=cb_config, workload_hints=hints)
+        self.manager.warmup()  # builds the cache and I/O tensors (no CUDA graphs on CPU)
+        # Seconds building the manager (not part of tok/s).
+        self.setup_s = time.perf_counter() - start
+
+    def run(self, prompts: Sequence[Sequence[int]]) -> Run:
+        """add_requests until the last request finished."""
+        self.manager.batch_processor.cache.reset()  # forget the previous run's prefixes
+        self.manager.start()
+        try:
+            start, cpu = time.perf_counter(), time.process_time()
+            ids = self.manager.add_requests(inputs=[list(p) for p in prompts],
+                                            max_new_tokens=NEW_TOKENS)
+            results: dict[str, Any] = {}
+            while len(results) < len(prompts):
+                result = self.manager.get_result(timeout=60)
+                if result is None:
+                    raise RuntimeError("continuous batching stopped before every request "
+                                       "finished")
+                if result.is_finished():
+                    results[result.request_id] = result
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        finally:
+            self.manager.stop(block=True, timeout=30, keep_for_next_session=True)
+        tokens = {i: list(results[request_id].generated_tokens)
+                  for i, request_id in enumerate(ids)}
+        return Run(seconds, cpu, tokens)
+
+    def close(self) -> None:
+        self.manager.destroy()
+        self.manager = None
+        gc.collect()  # the default sizing's attention-mask buffer alone is GiBs
 
 
 # ------------------------------------------------------------------ the benchmark
 
 
 def check_tokens(name: str, tokens: dict[int, list[int]], reference: dict[int, list[int]]) -> bool:
+    """Whether `tokens` holds the reference's tokens for each reference prompt it generated."""
     ok = True
     for index, expected in reference.items():
-        got = tokens[index]
+        got = tokens.get(index, expected)
         if got != expected:
-            differ = next(i for i, (a, b) in enumerate(zip(got, expected, strict=False))
-                          if a != b) if got[:1] == expected[:1] else 0
+            differ = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False))
+                           if a != b), min(len(got), len(expected)))
             print(f"# MISMATCH {name}: prompt {index} differs from HF at token {differ}: "
-                  f"{got[:differ + 3]} vs {expected[:differ + 3]}", file=sys.stderr)
+                  f"{got[differ:differ + 3]} vs {expected[differ:differ + 3]}", file=sys.stderr)
             ok = False
     return ok
 
@@ -377,8 +398,8 @@ def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def median(values: list[float]) -> float:
-    return statistics.median(values)
+CONTESTANTS = ("hf_generate", "hf_generate_batch_default", "hf_generate_batch_sized", "runner",
+               "runner_1client_8prompts", "runner_4clients")
 
 
 def measure(rounds: int, threads: int) -> int:
@@ -396,41 +417,46 @@ def measure(rounds: int, threads: int) -> int:
     print(f"# load average at start: {load_average()}")
     model = load_hf_model()
     # The reference: each checked prompt alone, unpadded (not timed).
-    reference = {i: hf_generate(model, [prompts[i]], 1)[1][0]
-                 for i in CHECK_PROMPTS}
+    reference = {i: hf_generate(model, [prompts[i]], 1).tokens[0] for i in CHECK_PROMPTS}
+    batching = {name: ContinuousBatching(load_hf_model(), prompts, sized)
+                for name, sized in (("hf_generate_batch_default", False),
+                                    ("hf_generate_batch_sized", True))}
+    for name, contestant in batching.items():
+        print(f"{name}_setup_s: {contestant.setup_s:.2f} s")
     groups = {"runner": [range(0, NUM_PROMPTS)],
               "runner_1client_8prompts": [range(0, PROMPTS_PER_CLIENT)],
               "runner_4clients": [range(c * PROMPTS_PER_CLIENT, (c + 1) * PROMPTS_PER_CLIENT)
                                   for c in range(CLIENTS)]}
     figures: dict[str, list[float]] = {}
     all_ok = True
-    with tempfile.TemporaryDirectory(prefix="pkv-runner-bench-") as folder, \
-            pagedkv_processes(Path(folder), threads) as pagedkv:
+    with contextlib.ExitStack() as stack:
+        for contestant in batching.values():
+            stack.callback(contestant.close)
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="pkv-runner-bench-"))
+        pagedkv = stack.enter_context(pagedkv_processes(Path(folder), threads))
         for round_index in range(rounds):
-            row: dict[str, float] = {}
-            seconds, hf_tokens = hf_generate(model, prompts, HF_BATCH)
-            row["hf_generate"] = NUM_PROMPTS * NEW_TOKENS / seconds
-            for sized, name in ((False, "default"), (True, "sized")):
-                batch = hf_generate_batch(model, prompts, sized)
-                row[f"hf_generate_batch_{name}"] = NUM_PROMPTS * NEW_TOKENS / batch.seconds
-                row[f"hf_generate_batch_{name}_setup_s"] = batch.setup_s
-                all_ok &= check_tokens(f"hf_generate_batch_{name}",
-                                       dict(enumerate(batch.tokens)), reference)
+            runs: dict[str, Run] = {}
+            extra: dict[str, float] = {}
+            runs["hf_generate"] = hf_generate(model, prompts, HF_BATCH)
+            for name, contestant in batching.items():
+                runs[name] = contestant.run(prompts)
             for name, group in groups.items():
-                run = run_clients(pagedkv, group)
-                row[name] = run.tok_s
-                row[f"{name}_forward_ms"] = 1000 * run.forwards.seconds / run.forwards.count
-                row[f"{name}_seqs_per_forward"] = run.forwards.sequences / run.forwards.count
-                all_ok &= check_tokens(name, run.tokens,
-                                       {i: t for i, t in reference.items() if i in run.tokens})
-                if name == "runner":
-                    row["runner_equal_hf_generate_seqs"] = sum(
-                        run.tokens[i] == hf_tokens[i] for i in range(NUM_PROMPTS))
+                runs[name], forwards = run_clients(pagedkv, group)
+                extra[f"{name}_forward_ms"] = 1000 * forwards.seconds / forwards.count
+                extra[f"{name}_seqs_per_forward"] = forwards.sequences / forwards.count
+            for name, run in runs.items():
+                all_ok &= check_tokens(name, run.tokens, reference)
+            extra["runner_equal_hf_generate_seqs"] = sum(
+                runs["runner"].tokens[i] == runs["hf_generate"].tokens[i]
+                for i in range(NUM_PROMPTS))
+            row = {**{name: run.tok_s for name, run in runs.items()},
+                   **{f"{name}_per_cpu": run.tok_per_cpu_s for name, run in runs.items()},
+                   **extra}
             print(f"# round {round_index + 1}: " + ", ".join(
                 f"{k} {v:.1f}" for k, v in row.items()) + f"; load average {load_average()}")
             for key, value in row.items():
                 figures.setdefault(key, []).append(value)
-    report({key: median(values) for key, values in figures.items()},
+    report({key: statistics.median(values) for key, values in figures.items()},
            min(figures["runner_equal_hf_generate_seqs"]), all_ok)
     print(f"# load average at end: {load_average()}")
     if not all_ok:
@@ -441,20 +467,20 @@ def measure(rounds: int, threads: int) -> int:
 
 
 def report(med: dict[str, float], equal_seqs: float, all_ok: bool) -> None:
-    """The figures, medians over the rounds (ratios are of medians)."""
-    for key in ("hf_generate", "hf_generate_batch_default", "hf_generate_batch_sized", "runner"):
-        print(f"{key}_tok_s: {med[key]:.1f} tok/s")
-    print(f"hf_generate_batch_default_setup_s: {med['hf_generate_batch_default_setup_s']:.2f} s")
-    print(f"hf_generate_batch_sized_setup_s: {med['hf_generate_batch_sized_setup_s']:.2f} s")
-    print(f"runner_vs_hf_generate: {med['runner'] / med['hf_generate']:.2f} ratio")
-    print(f"runner_vs_hf_generate_batch: "
-          f"{med['runner'] / med['hf_generate_batch_default']:.2f} ratio")
-    print(f"runner_vs_hf_generate_batch_sized: "
-          f"{med['runner'] / med['hf_generate_batch_sized']:.2f} ratio")
-    print(f"runner_1client_8prompts_tok_s: {med['runner_1client_8prompts']:.1f} tok/s")
-    print(f"runner_4clients_tok_s: {med['runner_4clients']:.1f} tok/s")
-    print(f"runner_4clients_vs_1client: "
-          f"{med['runner_4clients'] / med['runner_1client_8prompts']:.2f} ratio")
+    """The figures: medians over the rounds; ratios are of medians."""
+    for name in CONTESTANTS:
+        print(f"{name}_tok_s: {med[name]:.1f} tok/s")
+    ratios = {"runner_vs_hf_generate": ("runner", "hf_generate"),
+              "runner_vs_hf_generate_batch": ("runner", "hf_generate_batch_default"),
+              "runner_vs_hf_generate_batch_sized": ("runner", "hf_generate_batch_sized"),
+              "runner_4clients_vs_1client": ("runner_4clients", "runner_1client_8prompts")}
+    for key, (a, b) in ratios.items():
+        print(f"{key}: {med[a] / med[b]:.2f} ratio")
+    # The same per CPU second of every process taking part: less sensitive to a busy machine.
+    for name in CONTESTANTS:
+        print(f"{name}_tok_per_cpu_s: {med[f'{name}_per_cpu']:.1f} tok/cpu-s")
+    for key, (a, b) in ratios.items():
+        print(f"{key}_per_cpu: {med[f'{a}_per_cpu'] / med[f'{b}_per_cpu']:.2f} ratio")
     for name in ("runner", "runner_1client_8prompts", "runner_4clients"):
         print(f"{name}_forward_ms: {med[f'{name}_forward_ms']:.1f} ms")
         print(f"{name}_seqs_per_forward: {med[f'{name}_seqs_per_forward']:.1f} seqs")
