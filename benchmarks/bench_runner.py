@@ -10,12 +10,13 @@ ratios are of medians. Process start-up and model loading are never timed.
 - hf_generate: `model.generate` (sdpa), batches of HF_BATCH, left padding (pad id 0 and an
   attention mask), in this process. Timed: the generate calls (padding included).
 - hf_generate_batch (default / sized): transformers' paged continuous batching, in this process,
-  through `continuous_batching_context_manager` (the machinery behind `generate_batch`, with the
-  workload hints generate_batch passes): the default ContinuousBatchingConfig, and one sized to
-  the pagedkv pool (page_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS; max_batch_tokens stays 8192,
-  the runner's default too). Timed: add_requests until the last request finished. Building the
-  manager (cache and I/O tensors) is printed apart, *_setup_s: on CPU the default sizing plans
-  for a fraction of the machine's memory and its attention-mask buffer alone takes GiBs.
+  through the manager behind `generate_batch` (`init_continuous_batching`, with the workload
+  hints generate_batch passes): the default ContinuousBatchingConfig, and one sized to the
+  pagedkv pool (page_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS; max_batch_tokens stays 8192, the
+  runner's default too). Each manager is built once (printed as *_setup_s: on CPU the default
+  sizing plans for a share of the machine's memory, and its attention-mask buffer alone takes
+  GiBs) and every run starts from an empty cache. Timed: add_requests until the last request
+  finished.
 - runner: a pagedkvd process (--num-blocks NUM_BLOCKS, B = BLOCK_SIZE) and a `pagedkv runner`
   process (started once, unpinned), driven by client processes: step 1 allocates every prompt
   of the client (new_sequence), then NEW_TOKENS - 1 decode steps each append the last sampled
@@ -28,8 +29,13 @@ ratios are of medians. Process start-up and model loading are never timed.
 
 Threads: every contestant gets --threads intra-op threads (default 1: torch.set_num_threads here,
 OMP_NUM_THREADS for the runner; the daemon always uses one). With torch's default of one per
-CPU, a 2-CPU machine running a daemon, a runner and clients is oversubscribed and every
-contestant's time is mostly OpenMP waiting (`--threads 0` measures that).
+CPU, a 2-CPU machine running a daemon, a runner and clients is oversubscribed, and the runner's
+and `generate`'s many small ops mostly wait on OpenMP (`--threads 0` measures that).
+
+CPU time: beside wall time, each run's CPU seconds (user + system, every thread) of every process
+taking part are summed (this process for transformers; the clients' loops plus the daemon and the
+runner meanwhile for pagedkv): *_tok_per_cpu_s and the *_per_cpu ratios say what each token
+costs, which a busy shared machine distorts less than wall time.
 
 Figures: hf_generate_tok_s, hf_generate_batch_default_tok_s, hf_generate_batch_sized_tok_s,
 runner_tok_s (one client, all prompts), runner_vs_hf_generate (target >= 1),
