@@ -1,0 +1,515 @@
+"""`pagedkv runner` against transformers' own generation loops, on CPU, measured side by side.
+
+Model: the "tiny-llama" preset (2 layers, hidden 128, 4 heads, 2 KV heads, intermediate 256,
+vocab 1000, fp32), seed 0, built by `load_model` for every contestant, so all share the weights.
+Workload: NUM_PROMPTS random prompts of MIN_PROMPT..MAX_PROMPT tokens (seeded), NEW_TOKENS
+greedy tokens each (no EOS: every sequence generates exactly NEW_TOKENS).
+
+Contestants, each measured --rounds times, interleaved (one of each per round); medians printed,
+ratios are of medians. Process start-up and model loading are never timed.
+- hf_generate: `model.generate` (sdpa), batches of HF_BATCH, left padding (pad id 0 and an
+  attention mask), in this process. Timed: the generate calls (padding included).
+- hf_generate_batch (default / sized): transformers' paged continuous batching, in this process,
+  through the manager behind `generate_batch` (`init_continuous_batching`, with the workload
+  hints generate_batch passes): the default ContinuousBatchingConfig, and one sized to the
+  pagedkv pool (page_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS; max_batch_tokens stays 8192, the
+  runner's default too). Each manager is built once (printed as *_setup_s: on CPU the default
+  sizing plans for a share of the machine's memory, and its attention-mask buffer alone takes
+  GiBs) and every run starts from an empty cache. Timed: add_requests until the last request
+  finished.
+- runner: a pagedkvd process (--num-blocks NUM_BLOCKS, B = BLOCK_SIZE) and a `pagedkv runner`
+  process (started once, unpinned), driven by client processes: step 1 allocates every prompt
+  of the client (new_sequence), then NEW_TOKENS - 1 decode steps each append the last sampled
+  token of every sequence (one RPC per step; the last one also releases them). Timed, in each
+  client: from the first step's call to the last step's answer (connecting and opening the
+  session excluded). Clients start together at a barrier (a line on stdin); total tok/s is
+  all their tokens over (last end - first start). The runner's /metrics give its forward passes
+  meanwhile: *_forward_ms (mean forward + sampling) and *_seqs_per_forward (how many client
+  steps one forward merged).
+
+Threads: every contestant gets --threads intra-op threads (default 1: torch.set_num_threads here,
+OMP_NUM_THREADS for the runner; the daemon always uses one). With torch's default of one per
+CPU, a 2-CPU machine running a daemon, a runner and clients is oversubscribed, and the runner's
+and `generate`'s many small ops mostly wait on OpenMP (`--threads 0` measures that).
+
+CPU time: beside wall time, each run's CPU seconds (user + system, every thread) of every process
+taking part are summed (this process for transformers; the clients' loops plus the daemon and the
+runner meanwhile for pagedkv): *_tok_per_cpu_s and the *_per_cpu ratios say what each token
+costs, which a busy shared machine distorts less than wall time.
+
+Figures: hf_generate_tok_s, hf_generate_batch_default_tok_s, hf_generate_batch_sized_tok_s,
+runner_tok_s (one client, all prompts), runner_vs_hf_generate (target >= 1),
+runner_vs_hf_generate_batch (vs default sizing, target >= 10), runner_1client_8prompts_tok_s,
+runner_4clients_tok_s (4 client processes of 8 prompts each), runner_4clients_vs_1client
+(target >= 2), runner_matches_hf (the runner's and the continuous batching's tokens equal HF
+greedy `generate` run on each of CHECK_PROMPTS alone, unpadded; the script exits 1 if not).
+Usage: python benchmarks/bench_runner.py [--rounds 3] [--threads 1]
+"""
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+NUM_PROMPTS = 32
+MIN_PROMPT, MAX_PROMPT = 20, 120
+NEW_TOKENS = 64
+PROMPT_SEED = 0
+HF_BATCH = 16
+PAD_ID = 0
+BLOCK_SIZE = 16
+# 32 sequences of at most 120 + 64 tokens hold at most 32 * 12 = 384 blocks.
+NUM_BLOCKS = 512
+PRESET = "tiny-llama"
+CLIENTS = 4
+PROMPTS_PER_CLIENT = 8
+# Prompts whose runner tokens are checked against HF generate on the prompt alone.
+CHECK_PROMPTS = (0, 1, 2, 3, 9, 31)
+READY_TIMEOUT_S = 120.0
+
+
+def make_prompts() -> list[list[int]]:
+    rng = random.Random(PROMPT_SEED)
+    return [[rng.randrange(1000) for _ in range(rng.randint(MIN_PROMPT, MAX_PROMPT))]
+            for _ in range(NUM_PROMPTS)]
+
+
+# ------------------------------------------------------------------ what a contestant did
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed generation of some prompts."""
+
+    # Wall time of the timed part.
+    seconds: float
+    # CPU time meanwhile of every process taking part (user + system, all threads).
+    cpu_s: float
+    # Generated tokens by prompt index.
+    tokens: dict[int, list[int]]
+
+    @property
+    def tok_s(self) -> float:
+        return sum(len(t) for t in self.tokens.values()) / self.seconds
+
+    @property
+    def tok_per_cpu_s(self) -> float:
+        return sum(len(t) for t in self.tokens.values()) / self.cpu_s
+
+
+def process_cpu_s(pid: int) -> float:
+    """utime + stime of a running process (fields 14 and 15 of /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------ client processes
+
+
+async def drive(daemon: str, runner_target: str, prompts: list[list[int]],
+                wait_for_go: Callable[[], str]) -> dict[str, Any]:
+    """Greedy generation of `prompts` through the runner, one RPC per step: its start and end
+    (time.monotonic, system-wide on Linux), CPU seconds and tokens, as JSON-ready values."""
+    from pagedkv.client import PoolClient, RunnerClient, SeqStep
+
+    seq_ids = list(range(len(prompts)))
+    async with await PoolClient.connect(daemon) as pool, \
+            await RunnerClient.connect(runner_target) as runner, \
+            await pool.open_session("bench-runner") as session:
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, wait_for_go)
+        start, cpu = time.monotonic(), time.process_time()
+        out = await runner.step(session, [SeqStep(seq_id, prompt, new_sequence=True)
+                                          for seq_id, prompt in zip(seq_ids, prompts,
+                                                                    strict=True)])
+        tokens: list[list[int]] = [[] for _ in prompts]
+        for step in range(1, NEW_TOKENS + 1):
+            for output in out:
+                assert output.sampled, f"sequence {output.seq_id} sampled nothing"
+                tokens[output.seq_id].append(output.token_id)
+            if step == NEW_TOKENS:
+                break
+            last = step == NEW_TOKENS - 1
+            out = await runner.step(session, [SeqStep(seq_id, tokens[seq_id][-1:])
+                                              for seq_id in seq_ids],
+                                    release=seq_ids if last else ())
+        end, cpu = time.monotonic(), time.process_time() - cpu
+    return {"start": start, "end": end, "cpu_s": cpu, "tokens": tokens}
+
+
+def client_main(daemon: str, runner_target: str, first: int, count: int) -> None:
+    prompts = make_prompts()[first:first + count]
+    print(json.dumps(asyncio.run(drive(daemon, runner_target, prompts, sys.stdin.readline))),
+          flush=True)
+
+
+def run_clients(pagedkv: "Pagedkv", groups: Sequence[range]) -> tuple[Run, "Forwards"]:
+    """One client process per group of prompt indices, released together once all are ready.
+    CPU time: the clients' loops plus the daemon's and the runner's meanwhile."""
+    procs = [subprocess.Popen(
+        [sys.executable, __file__, "--client", pagedkv.daemon, pagedkv.runner,
+         str(group.start), str(len(group))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True) for group in groups]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a client process failed to start (exit {proc.wait()})")
+        before = Forwards.read(pagedkv.metrics_url)
+        server_cpu = pagedkv.cpu_s()
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        runs = []
+        for proc in procs:
+            stdout, _ = proc.communicate(timeout=300)
+            if proc.returncode != 0:
+                raise RuntimeError(f"a client process failed (exit {proc.returncode})")
+            runs.append(json.loads(stdout.strip().splitlines()[-1]))
+        server_cpu = pagedkv.cpu_s() - server_cpu
+        forwards = Forwards.read(pagedkv.metrics_url) - before
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    tokens = {group.start + i: seq for group, run in zip(groups, runs, strict=True)
+              for i, seq in enumerate(run["tokens"])}
+    seconds = max(r["end"] for r in runs) - min(r["start"] for r in runs)
+    return Run(seconds, server_cpu + sum(r["cpu_s"] for r in runs), tokens), forwards
+
+
+# ------------------------------------------------------------------ daemon and runner
+
+
+@dataclass(frozen=True)
+class Pagedkv:
+    """The running daemon and runner."""
+
+    daemon: str
+    runner: str
+    # The runner's /metrics URL.
+    metrics_url: str
+    pids: tuple[int, int]
+
+    def cpu_s(self) -> float:
+        return sum(process_cpu_s(pid) for pid in self.pids)
+
+
+@contextlib.contextmanager
+def pagedkv_processes(folder: Path, threads: int) -> Iterator[Pagedkv]:
+    """pagedkvd and `pagedkv runner` on unix sockets in `folder`."""
+    daemon_target = f"unix://{folder / 'pagedkvd.sock'}"
+    runner_target = f"unix://{folder / 'runner.sock'}"
+    metrics = f"127.0.0.1:{free_port()}"
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "pagedkv.daemon.cli", "serve", "--model-config", PRESET,
+         "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+         "--listen", daemon_target, "--shm-dir", str(folder), "--log-level", "warning",
+         "--log-format", "json"])
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    runner = None
+    try:
+        wait_ready(daemon_target, daemon, "pagedkvd")
+        runner = subprocess.Popen(
+            [sys.executable, "-m", "pagedkv.model_runner", "--random-init", PRESET,
+             "--daemon", daemon_target, "--listen", runner_target, "--metrics-listen", metrics,
+             "--log-level", "warning", "--log-format", "json"], env=env)
+        wait_ready(runner_target, runner, "pagedkv runner")
+        yield Pagedkv(daemon_target, runner_target, f"http://{metrics}/metrics",
+                      (daemon.pid, runner.pid))
+    finally:
+        for proc in (runner, daemon):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@dataclass(frozen=True)
+class Forwards:
+    """The runner's forward passes, from its /metrics."""
+
+    count: float
+    seconds: float
+    sequences: float
+
+    @classmethod
+    def read(cls, url: str) -> "Forwards":
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            text = reply.read().decode()
+        values = {sample.name: sample.value for family in text_string_to_metric_families(text)
+                  for sample in family.samples}
+        prefix = "pagedkv_runner:"
+        return cls(values[f"{prefix}forward_duration_seconds_count"],
+                   values[f"{prefix}forward_duration_seconds_sum"],
+                   values[f"{prefix}sequences_per_forward_sum"])
+
+    def __sub__(self, other: "Forwards") -> "Forwards":
+        return Forwards(self.count - other.count, self.seconds - other.seconds,
+                        self.sequences - other.sequences)
+
+
+def wait_ready(target: str, proc: subprocess.Popen[bytes], name: str) -> None:
+    """Until `proc` listens at `target` (each binds its socket once it can serve)."""
+    import grpc
+
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        with grpc.insecure_channel(target) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=0.5)
+                return
+            except grpc.FutureTimeoutError:
+                pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} was not ready after {READY_TIMEOUT_S:.0f} s")
+
+
+# ------------------------------------------------------------------ transformers
+
+
+def load_hf_model() -> Any:
+    from pagedkv.model_runner.models import ModelSource, load_model
+
+    model = load_model(ModelSource(random_init=PRESET))
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def hf_generate(model: Any, prompts: Sequence[Sequence[int]], batch_size: int) -> Run:
+    """model.generate over batches of left-padded prompts."""
+    import torch
+
+    tokens: list[list[int]] = []
+    start, cpu = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        for first in range(0, len(prompts), batch_size):
+            batch = prompts[first:first + batch_size]
+            width = max(len(p) for p in batch)
+            input_ids = torch.tensor([[PAD_ID] * (width - len(p)) + list(p) for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            out = model.generate(input_ids=input_ids, attention_mask=mask,
+                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=PAD_ID)
+            tokens.extend(out[:, width:].tolist())
+    return Run(time.perf_counter() - start, time.process_time() - cpu, dict(enumerate(tokens)))
+
+
+class ContinuousBatching:
+    """transformers' paged continuous batching (what generate_batch runs), default sizing or
+    sized to the pagedkv pool. The manager (cache and I/O tensors) is built once, as a server
+    keeps it, and each run starts from an empty cache (no prefix left from an earlier run)."""
+
+    def __init__(self, model: Any, prompts: Sequence[Sequence[int]], sized: bool) -> None:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        config = GenerationConfig(  # type: ignore[no-untyped-call]
+            max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=PAD_ID)
+        cb_config = ContinuousBatchingConfig(page_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS) \
+            if sized else None
+        # What generate_batch passes.
+        hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts),
+                              max_generated_length=NEW_TOKENS, num_requests=len(prompts))
+        start = time.perf_counter()
+        self.manager = model.init_continuous_batching(
+            generation_config=config, continuous_batching_config=cb_config, workload_hints=hints)
+        self.manager.warmup()  # builds the cache and I/O tensors (no CUDA graphs on CPU)
+        # Seconds building the manager (not part of tok/s).
+        self.setup_s = time.perf_counter() - start
+
+    def run(self, prompts: Sequence[Sequence[int]]) -> Run:
+        """add_requests until the last request finished."""
+        self.manager.batch_processor.cache.reset()  # forget the previous run's prefixes
+        self.manager.start()
+        try:
+            start, cpu = time.perf_counter(), time.process_time()
+            ids = self.manager.add_requests(inputs=[list(p) for p in prompts],
+                                            max_new_tokens=NEW_TOKENS)
+            results: dict[str, Any] = {}
+            while len(results) < len(prompts):
+                result = self.manager.get_result(timeout=60)
+                if result is None:
+                    raise RuntimeError("continuous batching stopped before every request "
+                                       "finished")
+                if result.is_finished():
+                    results[result.request_id] = result
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        finally:
+            self.manager.stop(block=True, timeout=30, keep_for_next_session=True)
+        tokens = {i: list(results[request_id].generated_tokens)
+                  for i, request_id in enumerate(ids)}
+        return Run(seconds, cpu, tokens)
+
+    def close(self) -> None:
+        self.manager.destroy()
+        self.manager = None
+        gc.collect()  # the default sizing's attention-mask buffer alone is GiBs
+
+
+# ------------------------------------------------------------------ the benchmark
+
+
+def check_tokens(name: str, tokens: dict[int, list[int]], reference: dict[int, list[int]]) -> bool:
+    """Whether `tokens` holds the reference's tokens for each reference prompt it generated."""
+    ok = True
+    for index, expected in reference.items():
+        got = tokens.get(index, expected)
+        if got != expected:
+            differ = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False))
+                           if a != b), min(len(got), len(expected)))
+            print(f"# MISMATCH {name}: prompt {index} differs from HF at token {differ}: "
+                  f"{got[differ:differ + 3]} vs {expected[differ:differ + 3]}", file=sys.stderr)
+            ok = False
+    return ok
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                .splitlines() if line.startswith("model name")), platform.machine())
+    return f"{os.cpu_count()} CPUs ({cpu}), Linux {platform.release()}"
+
+
+def load_average() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+CONTESTANTS = ("hf_generate", "hf_generate_batch_default", "hf_generate_batch_sized", "runner",
+               "runner_1client_8prompts", "runner_4clients")
+
+
+def measure(rounds: int, threads: int) -> int:
+    import torch
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    if threads:
+        torch.set_num_threads(threads)
+    prompts = make_prompts()
+    print(f"# {machine()}; torch {torch.__version__}, transformers {transformers.__version__}; "
+          f"intra-op threads: {torch.get_num_threads()} here (HF), runner OMP_NUM_THREADS="
+          f"{threads or 'unset'}")
+    print(f"# load average at start: {load_average()}")
+    model = load_hf_model()
+    # The reference: each checked prompt alone, unpadded (not timed).
+    reference = {i: hf_generate(model, [prompts[i]], 1).tokens[0] for i in CHECK_PROMPTS}
+    batching = {name: ContinuousBatching(load_hf_model(), prompts, sized)
+                for name, sized in (("hf_generate_batch_default", False),
+                                    ("hf_generate_batch_sized", True))}
+    for name, contestant in batching.items():
+        print(f"{name}_setup_s: {contestant.setup_s:.2f} s")
+    groups = {"runner": [range(0, NUM_PROMPTS)],
+              "runner_1client_8prompts": [range(0, PROMPTS_PER_CLIENT)],
+              "runner_4clients": [range(c * PROMPTS_PER_CLIENT, (c + 1) * PROMPTS_PER_CLIENT)
+                                  for c in range(CLIENTS)]}
+    figures: dict[str, list[float]] = {}
+    all_ok = True
+    with contextlib.ExitStack() as stack:
+        for contestant in batching.values():
+            stack.callback(contestant.close)
+        folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="pkv-runner-bench-"))
+        pagedkv = stack.enter_context(pagedkv_processes(Path(folder), threads))
+        for round_index in range(rounds):
+            runs: dict[str, Run] = {}
+            extra: dict[str, float] = {}
+            runs["hf_generate"] = hf_generate(model, prompts, HF_BATCH)
+            for name, contestant in batching.items():
+                runs[name] = contestant.run(prompts)
+            for name, group in groups.items():
+                runs[name], forwards = run_clients(pagedkv, group)
+                extra[f"{name}_forward_ms"] = 1000 * forwards.seconds / forwards.count
+                extra[f"{name}_seqs_per_forward"] = forwards.sequences / forwards.count
+            for name, run in runs.items():
+                all_ok &= check_tokens(name, run.tokens, reference)
+            extra["runner_equal_hf_generate_seqs"] = sum(
+                runs["runner"].tokens[i] == runs["hf_generate"].tokens[i]
+                for i in range(NUM_PROMPTS))
+            row = {**{name: run.tok_s for name, run in runs.items()},
+                   **{f"{name}_per_cpu": run.tok_per_cpu_s for name, run in runs.items()},
+                   **extra}
+            print(f"# round {round_index + 1}: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in row.items()) + f"; load average {load_average()}")
+            for key, value in row.items():
+                figures.setdefault(key, []).append(value)
+    report({key: statistics.median(values) for key, values in figures.items()},
+           min(figures["runner_equal_hf_generate_seqs"]), all_ok)
+    print(f"# load average at end: {load_average()}")
+    if not all_ok:
+        print("bench_runner: tokens differ from HF greedy generate (see MISMATCH lines)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def report(med: dict[str, float], equal_seqs: float, all_ok: bool) -> None:
+    """The figures: medians over the rounds; ratios are of medians."""
+    for name in CONTESTANTS:
+        print(f"{name}_tok_s: {med[name]:.1f} tok/s")
+    ratios = {"runner_vs_hf_generate": ("runner", "hf_generate"),
+              "runner_vs_hf_generate_batch": ("runner", "hf_generate_batch_default"),
+              "runner_vs_hf_generate_batch_sized": ("runner", "hf_generate_batch_sized"),
+              "runner_4clients_vs_1client": ("runner_4clients", "runner_1client_8prompts")}
+    for key, (a, b) in ratios.items():
+        print(f"{key}: {med[a] / med[b]:.2f} ratio")
+    # The same per CPU second of every process taking part: less sensitive to a busy machine.
+    for name in CONTESTANTS:
+        print(f"{name}_tok_per_cpu_s: {med[f'{name}_per_cpu']:.1f} tok/cpu-s")
+    for key, (a, b) in ratios.items():
+        print(f"{key}_per_cpu: {med[f'{a}_per_cpu'] / med[f'{b}_per_cpu']:.2f} ratio")
+    for name in ("runner", "runner_1client_8prompts", "runner_4clients"):
+        print(f"{name}_forward_ms: {med[f'{name}_forward_ms']:.1f} ms")
+        print(f"{name}_seqs_per_forward: {med[f'{name}_seqs_per_forward']:.1f} seqs")
+    print(f"runner_equal_hf_generate_seqs: {equal_seqs:.0f} of {NUM_PROMPTS}")
+    print(f"runner_matches_hf: {int(all_ok)} bool")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3, help="measurements of each (default 3)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads of every contestant: torch.set_num_threads here "
+                             "(transformers), OMP_NUM_THREADS of the runner; 0 = torch's "
+                             "default, one per CPU (default 1)")
+    parser.add_argument("--client", nargs=4, metavar=("DAEMON", "RUNNER", "FIRST", "COUNT"),
+                        help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client:
+        daemon, runner_target, first, count = args.client
+        client_main(daemon, runner_target, int(first), int(count))
+        return 0
+    return measure(args.rounds, args.threads)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
