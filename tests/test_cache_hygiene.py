@@ -87,12 +87,12 @@ async def test_a_private_sessions_cached_blocks_go_when_it_ends(
     async with await PoolClient.connect(daemon.unix_target) as client:
         tenant_a = await client.open_session("a", keep_alive=False)  # private salt
         blocks = await cache_a_prompt(tenant_a, 7.0, daemon)
-        assert (await client.stats()).cached_blocks == 2  # A may reuse them while it lives
+        assert daemon.pool.stats().cached_blocks == 2  # A may reuse them while it lives
         again = await tenant_a.allocate(2, token_ids=PROMPT)
         assert again.num_cached_tokens == 8 and again.block_ids == blocks
         await tenant_a.free(2)
         await end(tenant_a, daemon, clock)  # type: ignore[func-returns-value]
-        stats = await client.stats()
+        stats = daemon.pool.stats()  # pool-wide figures are the operator's, not GetStats'
         assert stats.cached_blocks == 0 and stats.free_blocks == 16  # no one could hit them
         assert holds(daemon, blocks, 0.0) is zeroing
         # Tenant B takes the whole pool: with zeroing, none of A's K/V is in its blocks.
@@ -109,7 +109,7 @@ async def test_evicted_blocks_are_zeroed_before_the_new_owner_and_before_copies_
         tenant_a = await client.open_session("a", cache_salt="team-a")  # a shared salt
         cached = await cache_a_prompt(tenant_a, 7.0, daemon)
         await tenant_a.close()
-        assert (await client.stats()).cached_blocks == 2  # kept: the salt's others may hit
+        assert daemon.pool.stats().cached_blocks == 2  # kept: the salt's others may hit
         tenant_b = await client.open_session("b")
         # 54 tokens: the 14 free blocks, the last one half full. Its K/V is written.
         seq = await tenant_b.allocate(1, 54)
@@ -137,8 +137,8 @@ async def test_a_failed_call_that_evicted_leaves_the_records_as_they_were(
         # 15 blocks evict one of A's cached blocks, then the second op fails: all undone.
         with pytest.raises(PoolExhausted):
             await tenant_a.batch([Allocate(2, 60), Allocate(3, 1000)])
-        assert (await client.stats()).cached_blocks == 2
+        assert daemon.pool.stats().cached_blocks == 2
         daemon.service.check_invariants()
         await tenant_a.close()  # both still known as A's: both dropped
-        assert (await client.stats()).cached_blocks == 0
+        assert daemon.pool.stats().cached_blocks == 0
         daemon.service.check_invariants()
