@@ -39,9 +39,12 @@ from pagedkv.model_runner.paged_attention import (
     PagedContext,
     paged_attention_forward,
 )
-from pagedkv.model_runner.paged_checks import check_window_softcap
-from pagedkv.model_runner.paged_prefill import _check_args as check_prefill_args
-from pagedkv.model_runner.runner import ModelRunner, SequenceChunk, StepInputs, _check_chunks
+from pagedkv.model_runner.paged_checks import (
+    check_attention_args,
+    check_index,
+    check_window_softcap,
+)
+from pagedkv.model_runner.runner import ModelRunner, SequenceChunk, StepInputs
 
 BLOCK_SIZE = 16
 VOCAB = 1000
@@ -64,9 +67,11 @@ def baseline_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      query_start_loc: torch.Tensor, scale: float, *,
                      sliding_window: int | None = None, softcap: float | None = None,
                      check_values: bool = True) -> torch.Tensor:
-    """The torch prefill twin before: padded queries, whole blocks gathered, einsum scores."""
-    geometry = check_prefill_args(query, k_cache, v_cache, block_tables, seq_lens,
-                                  query_start_loc, check_values)
+    """The torch prefill twin before: padded queries, whole blocks gathered, einsum scores
+    (the runner's hook passes check_values=False: only the shape checks ran, as here)."""
+    geometry = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, False)
+    check_index("query_start_loc", query_start_loc, torch.int32, (seq_lens.shape[0] + 1,),
+                k_cache.device)
     window, cap = check_window_softcap(sliding_window, softcap)
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], geometry.num_kv_heads
@@ -116,7 +121,9 @@ class BaselineRunner(ModelRunner):
     """ModelRunner with its input preparation as it was: torch ops, one copy per tensor."""
 
     def prepare(self, chunks: Sequence[SequenceChunk]) -> StepInputs:
-        _check_chunks(chunks)
+        if not chunks or any(not c.token_ids or c.start < 0
+                             or len(c.slot_mapping) != len(c.token_ids) for c in chunks):
+            raise ValueError("bad chunks")
         lens = torch.tensor([len(c.token_ids) for c in chunks])
         starts = torch.tensor([c.start for c in chunks])
         token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
