@@ -15,13 +15,16 @@ kernel writes the output directly. With a sliding window of W, the splits cover 
 the window reaches (at most cdiv(W + TILE_N - 1, TILE_N) of them), starting at the tile of the
 window's first position; `softcap` caps the scaled scores (paged_tile).
 
-The torch version is prefill with one query per sequence (paged_prefill_attention_torch).
+The torch version groups the sequences by context length (length_groups), gathers each group's
+contexts (only the window's blocks) padded to its longest with one index_select per cache, and
+attends with the query heads of a KV head as rows of one SDPA call (paged_prefill.attend): it is
+the CPU backend and the tests' reference.
 """
 
 import torch
 
 from .paged_checks import check_attention_args, check_window_softcap
-from .paged_prefill import paged_prefill_attention_torch
+from .paged_prefill import attend, gather_context
 from .paged_tile import attend_tile, dot_precision, head_dim_pad, score_scales
 from .triton_env import require_triton_device, tl, triton
 
@@ -33,6 +36,10 @@ TILE_N = 64
 PROGRAMS_PER_SM = 2
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
+# Torch decode (the CPU backend) pads a batch's contexts to the longest; it splits the batch into
+# groups of similar length when a split saves at least this many gathered K elements (padded
+# positions x H_kv x D), about what the split's extra ops cost on a CPU.
+GROUP_MIN_SAVED = 1 << 17
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -234,8 +241,66 @@ def paged_decode_attention_torch(
 
     `num_splits` is checked and otherwise ignored: this version attends in one pass.
     """
+    geometry = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, check_values)
     _check_decode_shapes(query, seq_lens, num_splits)
-    query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
-    return paged_prefill_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
-                                         query_start_loc, scale, sliding_window=sliding_window,
-                                         softcap=softcap, check_values=check_values)
+    window, cap = check_window_softcap(sliding_window, softcap)
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    groups = length_groups(_gathered_blocks(seq_lens, geometry.block_size, window),
+                           geometry.block_size * geometry.num_kv_heads * geometry.head_dim,
+                           GROUP_MIN_SAVED)
+    if len(groups) == 1:
+        return _decode_group(query, k_cache, v_cache, block_tables, seq_lens, scale, window, cap)
+    out = torch.empty_like(query)
+    for group in groups:
+        index = torch.tensor(group, device=query.device)
+        out.index_copy_(0, index, _decode_group(
+            query.index_select(0, index), k_cache, v_cache, block_tables.index_select(0, index),
+            seq_lens.index_select(0, index), scale, window, cap))
+    return out
+
+
+def _decode_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
+                  cap: float) -> torch.Tensor:
+    """The torch decode of a batch, padded to its longest context."""
+    num_seqs, num_q_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    # -- the query sees its whole context (the last `window` positions): gather just those --
+    first = (seq_lens.long() - window).clamp_min(0) if window else None
+    keys, values, _, valid = gather_context(k_cache, v_cache, block_tables, seq_lens, first)
+    # -- q [S, H_kv, G, D]: a KV head's G query heads are G rows with the same mask --
+    q = query.float().view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), valid[:, None, None], scale,
+                 cap)
+    return out.reshape(num_seqs, num_q_heads, head_dim).to(query.dtype)
+
+
+def _gathered_blocks(seq_lens: torch.Tensor, block_size: int, window: int) -> list[int]:
+    """Blocks gather_context reads for each sequence's decode query (a host copy of seq_lens)."""
+    lens = seq_lens.tolist()
+    firsts = [max(n - window, 0) // block_size * block_size if window else 0 for n in lens]
+    return [-(-(n - first) // block_size) for n, first in zip(lens, firsts, strict=True)]
+
+
+def length_groups(lengths: list[int], unit_cost: int, min_saved: int) -> list[list[int]]:
+    """Indices of `lengths` in groups of similar length (longest first), so that padding every
+    member of a group to the group's longest wastes little.
+
+    Starting from one group, a group is split in two where that removes the most padding, as
+    long as the padding removed (in lengths x `unit_cost`) is at least `min_saved`.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    pending = [order]
+    while pending:
+        group = pending.pop()
+        longest = lengths[group[0]]
+        # splitting before member k pads group[k:] to lengths[group[k]] instead of `longest`
+        saved, k = max([((len(group) - k) * (longest - lengths[group[k]]), k)
+                        for k in range(1, len(group))], default=(0, 0))
+        if saved * unit_cost >= min_saved:
+            pending += [group[:k], group[k:]]
+        else:
+            groups.append(group)
+    return groups

@@ -14,12 +14,18 @@ cached prefix (a prefix-cache hit, or earlier chunks of a chunked prefill) is re
 recomputed.
 
 The Triton kernel runs one program per (sequence, query head, BLOCK_M query rows) and walks the
-context in TILE_N-position tiles (paged_tile.attend_tile). The torch version pads the queries to
-the longest chunk and masks, with no loop over sequences or tokens; it is the CPU backend and the
-tests' reference, and it holds [S, H_q, max_q_len, max_seq_len] fp32 scores at once.
+context in TILE_N-position tiles (paged_tile.attend_tile). The torch version is the CPU backend
+and the tests' reference, with no loop over sequences or tokens: it pads the queries to the
+longest chunk, gathers every context padded to the longest with one index_select per cache
+(gather_context), and runs one masked SDPA call in fp32 (attend), which holds no score matrix;
+with a softcap, which SDPA lacks, it holds [S, H_q, max_q_len, max_seq_len] fp32 scores at once.
 """
 
+import math
+import threading
+
 import torch
+import torch.nn.functional as F
 
 from .paged_checks import CacheGeometry, check_attention_args, check_index, check_window_softcap
 from .paged_tile import attend_tile, dot_precision, head_dim_pad, score_scales
@@ -153,26 +159,94 @@ def paged_prefill_attention_triton(
     return out
 
 
+class _Workspace(threading.local):
+    """One byte buffer per thread that gather_context reuses for the gathered K/V on the CPU.
+
+    A fresh tensor per call is multi-MB; glibc hands such a block back to the OS when it is freed
+    (mmap above its threshold, or a trim of the heap top), so each call would page-fault every
+    4 KiB page of it again, which on a VM costs more than the gather itself. Grows, never
+    shrinks: it holds the biggest step's context (per thread) for the process's life.
+    """
+
+    buffer: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized CPU tensor of `shape`, valid until the next take on this thread."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.buffer is None or self.buffer.numel() < nbytes:
+            self.buffer = None  # free the old buffer before allocating the new one
+            with torch.inference_mode(False):  # writable inside and outside inference mode
+                self.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buffer[:nbytes].view(dtype).view(shape)
+
+
+_WORKSPACE = _Workspace()
+
+
 def gather_context(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every sequence's context padded to the longest: keys, values [S, L, H_kv, D] fp32 and
-    valid [S, L].
+    seq_lens: torch.Tensor, first: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each sequence's context from position first[s] (default 0) to seq_lens[s], whole blocks,
+    padded to the longest: keys, values [S, L, H_kv, D] fp32, the position of each column
+    [S, L] int64 and valid [S, L] (first[s] <= position < seq_lens[s]).
 
-    Values past a sequence's length are zeroed (stale slots may hold NaN, and 0 * NaN is NaN);
-    keys there are left as read, so callers must mask those scores.
+    Column 0 of row s is the start of the block holding position first[s]. One index_select per
+    cache over its flat [num_blocks * block_size] slot view, no loop, no division per position.
+    A column past the sequence reads the slot of column 0 instead, so every value read is a
+    written token's (stale slots may hold NaN, and a masked NaN still poisons SDPA's products);
+    callers mask the invalid columns' scores. On the CPU, fp32 keys and values are views of this
+    thread's workspace: valid until the next gather_context call on the same thread.
     """
-    block_size = k_cache.shape[1]
-    used_blocks = (seq_lens.long() + block_size - 1) // block_size  # [S]
-    width = int(used_blocks.max())
-    columns = torch.arange(width, device=block_tables.device)
-    # Table entries past a sequence's used blocks may be anything (-1): read block 0 instead.
-    table = torch.where(columns < used_blocks[:, None], block_tables[:, :width], 0).long()
-    valid = torch.arange(width * block_size, device=seq_lens.device) < seq_lens[:, None].long()
-    keys = k_cache[table].flatten(1, 2).float()
-    values = v_cache[table].flatten(1, 2).float().masked_fill(~valid[:, :, None, None], 0.0)
-    return keys, values, valid
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    lens = seq_lens.long()  # [S]
+    num_seqs, device = lens.shape[0], lens.device
+    if first is None:
+        first_block = torch.zeros_like(lens)
+        num_cols = int(triton.cdiv(int(lens.max()), block_size))
+    else:
+        first_block = first // block_size
+        num_cols = int(triton.cdiv(int((lens - first_block * block_size).max()), block_size))
+    # -- [S, num_cols] block ids; columns past the table (short sequences) are clamped, and
+    #    entries past a sequence's used blocks (-1) are read but their slots replaced --
+    cols = first_block[:, None] + torch.arange(num_cols, device=device)
+    blocks = block_tables.gather(1, cols.clamp_max(block_tables.shape[1] - 1)).long()
+    offsets = torch.arange(block_size, device=device)
+    slots = (blocks[:, :, None] * block_size + offsets).view(num_seqs, -1)  # [S, L]
+    positions = (cols[:, :, None] * block_size + offsets).view(num_seqs, -1)  # [S, L]
+    valid = positions < lens[:, None]
+    if first is not None:
+        valid &= positions >= first[:, None]
+    slots = torch.where(valid, slots, slots[:, :1]).flatten()  # [S * L]
+    shape = (2, slots.shape[0], num_kv_heads, head_dim)
+    # [2, S * L, H_kv, D]: K and V rows; a device's caching allocator already keeps its memory
+    cpu = device.type == "cpu"
+    kv = _WORKSPACE.take(shape, k_cache.dtype) if cpu else k_cache.new_empty(shape)
+    for cache, rows in ((k_cache, kv[0]), (v_cache, kv[1])):
+        if cache.stride(0) == block_size * cache.stride(1):  # the slots are one flat view
+            torch.index_select(cache.flatten(0, 1), 0, slots, out=rows)
+        else:
+            rows.copy_(cache[slots // block_size, slots % block_size])
+    keys, values = kv.view(2, num_seqs, -1, num_kv_heads, head_dim).float().unbind(0)
+    return keys, values, positions, valid
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, counted: torch.Tensor,
+           scale: float, cap: float) -> torch.Tensor:
+    """softmax(scores) @ values in fp32, scores = q @ keys^T * scale (capped to cap * tanh(s /
+    cap) when cap > 0) over the `counted` keys only.
+
+    q [S, H_kv, R, D] (R query rows per KV head), keys/values [S, H_kv, L, D] (any strides),
+    counted [S, 1, R, L] bool -> [S, H_kv, R, D]. A row that counts no key is undefined (NaN or
+    0) and must be dropped by the caller. Without a cap this is SDPA's fused kernel (no [R, L]
+    score matrix in memory); SDPA has no softcap, so a cap computes the scores explicitly.
+    """
+    if not cap:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=counted, scale=scale)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [S, H_kv, R, L]
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~counted, float("-inf"))
+    return torch.matmul(scores.softmax(-1), values)
 
 
 def paged_prefill_attention_torch(
@@ -197,26 +271,39 @@ def paged_prefill_attention_torch(
         return torch.empty_like(query)
     num_seqs, num_kv_heads = seq_lens.shape[0], geometry.num_kv_heads
     group = num_q_heads // num_kv_heads
+    device = query.device
+    lens = seq_lens.long()
     q_lens = query_start_loc.diff().long()  # [S]
     max_q_len = int(q_lens.max())
-    # -- scatter the tokens into a padded [S, max_q, H_kv, G, D] query --
-    seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=query.device), q_lens,
-                                     output_size=num_tokens)  # [T]
-    row_of = torch.arange(num_tokens, device=query.device) - query_start_loc[seq_of]  # [T]
-    q = query.new_zeros((num_seqs, max_q_len, num_q_heads, head_dim), dtype=torch.float32)
-    q[seq_of, row_of] = query.float()
-    q = q.view(num_seqs, max_q_len, num_kv_heads, group, head_dim)
-    # -- scores [S, H_kv, G, max_q, L]; row r of sequence s sees positions <= its own (the last
-    #    `window` of them); a padding row may see none and turn NaN, and is never returned --
-    keys, values, valid = gather_context(k_cache, v_cache, block_tables, seq_lens)
-    q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_q_len, device=query.device)
-    positions = torch.arange(keys.shape[1], device=query.device)
-    counted = valid[:, None, :] & (positions[None, None, :] <= q_pos[:, :, None])  # [S, q, L]
+    # -- scatter the tokens into a padded [S, max_q, H_q, D] query (a copy-free view when the
+    #    chunks are equally long) --
+    if num_tokens == num_seqs * max_q_len:
+        seq_of = row_of = None
+        q = query.float().view(num_seqs, max_q_len, num_q_heads, head_dim)
+    else:
+        seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens,
+                                         output_size=num_tokens)  # [T]
+        row_of = torch.arange(num_tokens, device=device) - query_start_loc[seq_of]  # [T]
+        q = query.new_zeros((num_seqs, max_q_len, num_q_heads, head_dim), dtype=torch.float32)
+        q[seq_of, row_of] = query.float()
+    # -- [S, H_kv, G * max_q, D]: a KV head's G query heads are rows of one attention --
+    q = q.view(num_seqs, max_q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, num_kv_heads, group * max_q_len, head_dim)
+    # -- the context from the first row's window start; row r of sequence s sees positions
+    #    <= its own (the last `window` of them); a padding row may see none and is dropped --
+    q_pos = (lens - q_lens)[:, None] + torch.arange(max_q_len, device=device)  # [S, max_q]
+    first = (q_pos[:, 0] - window + 1).clamp_min(0) if window else None
+    keys, values, positions, valid = gather_context(k_cache, v_cache, block_tables, seq_lens,
+                                                    first)
+    positions = positions[:, None, :]  # [S, 1, L]
+    counted = valid[:, None, :] & (positions <= q_pos[:, :, None])  # [S, max_q, L]
     if window:
-        counted &= positions[None, None, :] > q_pos[:, :, None] - window
-    scores = torch.einsum("sqhgd,slhd->shgql", q, keys) * scale
-    if cap:
-        scores = torch.tanh(scores / cap) * cap
-    scores = scores.masked_fill(~counted[:, None, None], float("-inf"))
-    out = torch.einsum("shgql,slhd->sqhgd", scores.softmax(-1), values)
-    return out.reshape(num_seqs, max_q_len, num_q_heads, head_dim)[seq_of, row_of].to(query.dtype)
+        counted &= positions > q_pos[:, :, None] - window
+    if group > 1:
+        counted = counted[:, None].expand(-1, group, -1, -1).flatten(1, 2)  # [S, G * max_q, L]
+    out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), counted[:, None], scale, cap)
+    # [S, H_kv, G * max_q, D] -> [S, max_q, H_q, D] -> the tokens' rows [T, H_q, D]
+    out = out.view(num_seqs, num_q_heads, max_q_len, head_dim).transpose(1, 2)
+    if seq_of is None:
+        return out.reshape(num_tokens, num_q_heads, head_dim).to(query.dtype)
+    return out[seq_of, row_of].to(query.dtype)

@@ -20,10 +20,13 @@ sequences share; writing there, even the same values, would break the rule that 
 writes into a block another table references.
 """
 
-from collections.abc import Sequence
+import itertools
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Self
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -106,46 +109,108 @@ class ModelRunner:
         return logits[0].float()
 
     def prepare(self, chunks: Sequence[SequenceChunk]) -> StepInputs:
-        """Pack and validate the chunks on the host, then move them to the pool's device."""
+        """Pack and validate the chunks on the host (numpy), then move them to the pool's device
+        in one host-to-device copy of one packed buffer, of which the inputs are views."""
         _check_chunks(chunks)
-        lens = torch.tensor([len(c.token_ids) for c in chunks])  # [S]
-        starts = torch.tensor([c.start for c in chunks])  # [S]
-        token_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
-        slots = torch.tensor([s for c in chunks for s in c.slot_mapping], dtype=torch.int64)
-        width = max(len(c.block_table) for c in chunks)
-        tables = torch.tensor([[*c.block_table, *[0] * (width - len(c.block_table))]
-                               for c in chunks], dtype=torch.int64)  # [S, width]
-        if bool((token_ids < 0).any()) or bool((token_ids >= self.vocab_size).any()):
+        num_seqs = len(chunks)
+        lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_seqs)  # [S]
+        starts = np.fromiter((c.start for c in chunks), np.int64, num_seqs)  # [S]
+        table_lens = np.fromiter((len(c.block_table) for c in chunks), np.int64, num_seqs)
+        num_tokens, width = int(lens.sum()), int(table_lens.max())
+        buffer = PackedBuffer([
+            ("input_ids", np.int64, (num_tokens,)), ("positions", np.int64, (num_tokens,)),
+            ("slots", np.int64, (num_tokens,)), ("last", np.int64, (num_seqs,)),
+            ("tables", np.int32, (num_seqs, width)), ("seq_lens", np.int32, (num_seqs,)),
+            ("query_start_loc", np.int32, (num_seqs + 1,)),
+        ])
+        host = buffer.host
+        token_ids = _flatten((c.token_ids for c in chunks), num_tokens)  # [T]
+        if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
-        query_start_loc = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
-        seq_of = torch.repeat_interleave(torch.arange(len(chunks)), lens)  # [T]
-        positions = torch.arange(len(token_ids)) - query_start_loc[seq_of] + starts[seq_of]
-        self._check_tables(tables, torch.tensor([len(c.block_table) for c in chunks]),
-                           starts + lens, seq_of, positions, slots)
-        device = self.pool.device
+        query_start_loc = np.zeros(num_seqs + 1, np.int64)
+        np.cumsum(lens, out=query_start_loc[1:])
+        if num_tokens == num_seqs:  # decode: one token per sequence
+            seq_of, positions = np.arange(num_seqs), starts
+        else:
+            seq_of = np.repeat(np.arange(num_seqs), lens)  # [T]
+            positions = np.arange(num_tokens) - query_start_loc[seq_of] + starts[seq_of]
+        slots = _flatten((c.slot_mapping for c in chunks), num_tokens)  # [T]
+        tables = np.zeros((num_seqs, width), np.int64)  # [S, width], padded with block 0
+        tables[np.arange(width) < table_lens[:, None]] = _flatten(
+            (c.block_table for c in chunks), int(table_lens.sum()))
+        self._check_tables(tables, table_lens, starts + lens, seq_of, positions, slots)
+        host["input_ids"][:] = token_ids
+        host["positions"][:] = positions
+        host["slots"][:] = slots
+        host["last"][:] = query_start_loc[1:] - 1
+        host["tables"][:] = tables
+        host["seq_lens"][:] = starts + lens
+        host["query_start_loc"][:] = query_start_loc
+        device = buffer.to(self.pool.device)
         context = PagedContext(
-            backend=self.backend, pool=self.pool, slot_mapping=slots.to(device),
-            block_tables=tables.to(device, torch.int32),
-            seq_lens=(starts + lens).to(device, torch.int32),
-            query_start_loc=query_start_loc.to(device, torch.int32),
-            is_decode=len(token_ids) == len(chunks))
-        return StepInputs(token_ids[None].to(device), positions[None].to(device),
-                          (query_start_loc[1:] - 1).to(device), context)
+            backend=self.backend, pool=self.pool, slot_mapping=device["slots"],
+            block_tables=device["tables"], seq_lens=device["seq_lens"],
+            query_start_loc=device["query_start_loc"], is_decode=num_tokens == num_seqs)
+        return StepInputs(device["input_ids"][None], device["positions"][None], device["last"],
+                          context)
 
-    def _check_tables(self, tables: torch.Tensor, table_lens: torch.Tensor,
-                      seq_lens: torch.Tensor, seq_of: torch.Tensor, positions: torch.Tensor,
-                      slots: torch.Tensor) -> None:
+    def _check_tables(self, tables: np.ndarray, table_lens: np.ndarray, seq_lens: np.ndarray,
+                      seq_of: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
         """Each table covers its sequence with pool blocks, and each slot is -1 or the slot of
         its token's position in its table (so a runner whose tables went stale fails here)."""
         block_size, num_blocks = self.block_size, self.pool.shape[2]
         if bool((table_lens < (seq_lens + block_size - 1) // block_size).any()):
             raise ValueError("a block table is shorter than its sequence")
-        used = torch.arange(tables.shape[1]) < table_lens[:, None]
-        if bool((tables[used] < 0).any()) or bool((tables[used] >= num_blocks).any()):
+        used = tables[np.arange(tables.shape[1]) < table_lens[:, None]]
+        if int(used.min()) < 0 or int(used.max()) >= num_blocks:
             raise ValueError(f"block ids must be in [0, {num_blocks})")
         expected = tables[seq_of, positions // block_size] * block_size + positions % block_size
         if bool(((slots != expected) & (slots != -1)).any()):
             raise ValueError("a slot is neither -1 nor its token's slot in the block table")
+
+
+class PackedBuffer:
+    """Host arrays laid out back to back (each 16-byte aligned) in one byte buffer, so that they
+    cross to a device in one copy and arrive as views of one device tensor.
+
+        buffer = PackedBuffer([("ids", np.int64, (T,)), ("tables", np.int32, (S, W))])
+        buffer.host["ids"][:] = ...                    # fill the numpy views
+        on_device = buffer.to(device)                  # {"ids": tensor, "tables": tensor}
+    """
+
+    ALIGN = 16  # bytes: every array starts at a multiple (int64 views, vectorized loads)
+
+    def __init__(self, fields: Sequence[tuple[str, type[np.integer], tuple[int, ...]]]) -> None:
+        # name -> (dtype, first element in the buffer viewed as dtype, shape)
+        self.layout: dict[str, tuple[np.dtype, int, tuple[int, ...]]] = {}
+        end = 0
+        for name, dtype, shape in fields:
+            itemsize = np.dtype(dtype).itemsize
+            self.layout[name] = (np.dtype(dtype), end // itemsize, shape)
+            end += -(-itemsize * math.prod(shape) // self.ALIGN) * self.ALIGN
+        self.bytes = np.empty(end, np.uint8)
+        # The numpy view of each array, to fill on the host.
+        typed = {dtype: self.bytes.view(dtype) for dtype, _, _ in self.layout.values()}
+        self.host = {name: typed[dtype][first:first + math.prod(shape)].reshape(shape)
+                     for name, (dtype, first, shape) in self.layout.items()}
+
+    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Every array as a view of ONE copy of the buffer on `device` (none on the CPU)."""
+        packed = torch.from_numpy(self.bytes).to(device)
+        typed = {dtype: packed.view(_TORCH_DTYPES[dtype]) for dtype, _, _ in self.layout.values()}
+        views = {}
+        for name, (dtype, first, shape) in self.layout.items():
+            view = typed[dtype][first:first + math.prod(shape)]
+            views[name] = view if len(shape) == 1 else view.view(shape)
+        return views
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+
+
+def _flatten(rows: Iterable[Iterable[int]], count: int) -> np.ndarray:
+    """The rows' ints back to back, int64 [count]."""
+    return np.fromiter(itertools.chain.from_iterable(rows), np.int64, count)
 
 
 def _check_chunks(chunks: Sequence[SequenceChunk]) -> None:

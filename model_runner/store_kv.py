@@ -108,9 +108,11 @@ def store_kv_torch(
     """Torch: copy key/value rows into the cache at `slot_mapping` (in place)."""
     geometry = _check_args(key, value, k_cache, v_cache, slot_mapping, check_values)
     keep = slot_mapping >= 0  # [T]
-    slots = slot_mapping[keep]
-    blocks = slots // geometry.block_size
-    offsets = slots % geometry.block_size
-    # Advanced-index assignment writes through the (possibly strided) cache view in place.
-    k_cache[blocks, offsets] = key[keep]
-    v_cache[blocks, offsets] = value[keep]
+    if not bool(keep.all()):  # padding tokens write nothing
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    block_size = geometry.block_size
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        if cache.stride(0) == block_size * cache.stride(1):  # the slots are one flat view
+            cache.flatten(0, 1).index_copy_(0, slot_mapping, rows)
+        else:  # advanced-index assignment writes through the strided view in place
+            cache[slot_mapping // block_size, slot_mapping % block_size] = rows

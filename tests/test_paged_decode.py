@@ -12,8 +12,10 @@ import re
 import pytest
 import torch
 
+from pagedkv.model_runner import paged_decode
 from pagedkv.model_runner.paged_decode import (
     default_num_splits,
+    length_groups,
     paged_decode_attention_torch,
     paged_decode_attention_triton,
     split_plan,
@@ -60,6 +62,33 @@ def test_torch_matches_float64_oracle(device, block_size, group, head_dim, dtype
     expected = oracle_attention(query, batch, [1] * len(seq_lens), SCALE)
     assert out.dtype == dtype and out.shape == query.shape
     assert_close_to(out, expected, dtype)
+
+
+def test_length_groups_split_where_padding_is_saved():
+    # Longest first: 44 44 30 10 2 1. Splitting before the 30 saves 4 x 14 = 56 units, before
+    # the 10 3 x 34 = 102: that split comes first. Then [44 44 30] saves at most 1 x 14 = 14,
+    # [10 2 1] 2 x 8 = 16 (before the 2), and [2 1] 1.
+    lengths = [1, 44, 10, 44, 2, 30]
+    assert length_groups(lengths, 1, 10**6) == [[1, 3, 5, 2, 4, 0]]
+    assert sorted(length_groups(lengths, 1, 50)) == [[1, 3, 5], [2, 4, 0]]
+    assert sorted(length_groups(lengths, 1, 16)) == [[1, 3, 5], [2], [4, 0]]
+    assert sorted(length_groups(lengths, 16, 16 * 14)) == [[1, 3], [2], [4, 0], [5]]
+    assert length_groups([7], 1, 1) == [[0]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (20, None), (None, 1.5), (33, 1.5)])
+def test_torch_grouped_by_length_matches_the_oracle(device, window, softcap, monkeypatch):
+    """Every split allowed: each length its own group; the batch's order is not the groups'."""
+    monkeypatch.setattr(paged_decode, "GROUP_MIN_SAVED", 1)
+    seq_lens = [150, 1, 33, 17, 150, 64, 2]
+    batch, query = _batch_and_query(seq_lens, 16, 4, 64, torch.float32, device)
+    out = paged_decode_attention_torch(query, batch.k_cache, batch.v_cache, batch.block_tables,
+                                       batch.seq_lens, SCALE, sliding_window=window,
+                                       softcap=softcap)
+    expected = oracle_attention(query, batch, [1] * len(seq_lens), SCALE, window or 0,
+                                softcap or 0.0)
+    assert_close_to(out, expected, torch.float32)
 
 
 # Each block size, group size, head dim and dtype at least once; 80 and 12 are not powers of two.

@@ -6,11 +6,15 @@ Pools are NaN outside the owned slots (see kernel_utils), so reading past a sequ
 
 import itertools
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from pagedkv.model_runner.paged_decode import paged_decode_attention_triton
+from pagedkv.model_runner.paged_decode import (
+    paged_decode_attention_torch,
+    paged_decode_attention_triton,
+)
 from pagedkv.model_runner.paged_prefill import (
     paged_prefill_attention_torch,
     paged_prefill_attention_triton,
@@ -132,3 +136,24 @@ def test_bad_input_is_refused(impl):
     batch.seq_lens[0] = 1  # shorter than its 2-token chunk
     with pytest.raises(ValueError, match=re.escape("every query length must be in [1, seq_len]")):
         _prefill(impl, batch, query, qsl)
+
+
+def test_torch_twins_reuse_their_workspace_safely():
+    """The torch twins gather K/V into a per-thread workspace that later calls reuse: a result
+    never aliases it, and a workspace first grown under inference mode serves calls outside it
+    (a fresh thread starts with no workspace)."""
+    def run() -> None:
+        small, query, qsl = _setup([5, 20], [2, 3], 16, 2, 64, torch.float32, "cpu")
+        big, big_query, big_qsl = _setup([150, 40], [150, 1], 16, 2, 64, torch.float32, "cpu")
+        with torch.inference_mode():
+            first = _prefill(paged_prefill_attention_torch, small, query, qsl)
+        kept = first.clone()
+        decode = paged_decode_attention_torch(query[:2], small.k_cache, small.v_cache,
+                                              small.block_tables, small.seq_lens, SCALE)
+        _prefill(paged_prefill_attention_torch, big, big_query, big_qsl)  # grows the workspace
+        assert torch.equal(first, kept)
+        assert_close_to(decode, oracle_attention(query[:2], small, [1, 1], SCALE), torch.float32)
+        assert_close_to(first, oracle_attention(query, small, [2, 3], SCALE), torch.float32)
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(run).result()
