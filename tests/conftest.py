@@ -2,4 +2,24 @@
 
 # Decide TRITON_INTERPRET before any test module imports triton (transformers imports it too):
 # without CUDA, Triton kernels run only under the interpreter.
+from collections.abc import AsyncIterator
+
+import pytest
+
 import pagedkv.model_runner.triton_env  # noqa: F401
+from pagedkv.client import PoolClient, Session
+
+
+@pytest.fixture
+async def client(daemon: object) -> AsyncIterator[PoolClient]:
+    """A client of the module's `daemon` fixture (anything with a `unix_target`); a module
+    that needs another client defines its own."""
+    async with await PoolClient.connect(daemon.unix_target) as connected:  # type: ignore[attr-defined]
+        yield connected
+
+
+@pytest.fixture
+async def session(client: PoolClient, request: pytest.FixtureRequest) -> AsyncIterator[Session]:
+    """A session of `client`, named after the test module, closed after the test."""
+    async with await client.open_session(request.module.__name__) as opened:
+        yield opened

@@ -169,17 +169,6 @@ def prompts() -> list[tuple[int, ...]]:
             for n in PROMPT_LENS]
 
 
-@pytest.fixture
-async def client(daemon: Pagedkvd) -> AsyncIterator[PoolClient]:
-    async with await PoolClient.connect(daemon.unix_target) as connected:
-        yield connected
-
-
-@pytest.fixture
-async def session(client: PoolClient) -> AsyncIterator[Session]:
-    async with await client.open_session("engine-families") as opened:
-        yield opened
-
 
 @pytest.fixture
 async def engine(client: PoolClient, family: str) -> AsyncIterator[StepEngine]:

@@ -8,7 +8,7 @@ the runner maps the pool file and computes; greedy tokens must equal transformer
 import copy
 import dataclasses
 import urllib.request
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -77,17 +77,6 @@ def pending_blocks(metrics_port: int) -> float:
     return next(sample.value for family in text_string_to_metric_families(text)
                 for sample in family.samples if sample.name == "pagedkv:pending_blocks")
 
-
-@pytest.fixture
-async def client(daemon: Pagedkvd) -> AsyncIterator[PoolClient]:
-    async with await PoolClient.connect(daemon.unix_target) as connected:
-        yield connected
-
-
-@pytest.fixture
-async def session(client: PoolClient) -> AsyncIterator[Session]:
-    async with await client.open_session("runner-test") as opened:
-        yield opened
 
 
 async def attach(client: PoolClient, model: LlamaForCausalLM, backend: BackendName) -> ModelRunner:

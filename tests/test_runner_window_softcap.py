@@ -12,7 +12,7 @@ share, so one daemon serves them all.
 """
 
 import copy
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -69,17 +69,6 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pagedkvd]:
         yield running
         assert running.stop() == 0
 
-
-@pytest.fixture
-async def client(daemon: Pagedkvd) -> AsyncIterator[PoolClient]:
-    async with await PoolClient.connect(daemon.unix_target) as connected:
-        yield connected
-
-
-@pytest.fixture
-async def session(client: PoolClient) -> AsyncIterator[Session]:
-    async with await client.open_session("families-test") as opened:
-        yield opened
 
 
 @pytest.fixture(scope="module")
