@@ -135,8 +135,7 @@ class BlockPool:
             return NoFit(plan.need, self.num_free_blocks)
         st, bs = self._seqs, self.block_size
         old, old_nb, offset, last, cow = plan.old, plan.old_nb, plan.offset, plan.last, plan.cow
-        # k == 1 writes only past each row's partial ids; k > 1 may wrap into a new block.
-        st.save_rows(rows, old, old_nb, partial=k > 1)
+        st.save_rows(rows, old, old_nb, rows[plan.grow_count.nonzero()[0]])
         copies, copied = [], []
         for i in cow.tolist():
             if self._needs_cow(int(rows[i])):  # the last sharer in the batch keeps the original

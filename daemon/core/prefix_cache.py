@@ -97,14 +97,16 @@ class PrefixCache:
             keys.append(key)
             key_of[block] = key
             parent_of[block] = parent
+        if self._journal.active:  # an evicted block's old ids go back with its old key
+            self._journal.record(self._unkey, block_list, self.tokens_of[blocks])
         self.tokens_of[blocks] = tokens
         self.num_keyed += len(block_list)
-        self._journal.record(self._unkey, block_list)
         return keys
 
-    def _unkey(self, blocks: list[int]) -> None:
+    def _unkey(self, blocks: list[int], tokens: npt.NDArray[np.int64]) -> None:
         for block in blocks:
             self.key_of[block] = self.parent_of[block] = None
+        self.tokens_of[blocks] = tokens
         self.num_keyed -= len(blocks)
 
     def commit(self, block: int) -> bool:

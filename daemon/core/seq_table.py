@@ -105,20 +105,22 @@ class SeqTable:
         self.chain_key[row] = state.chain_key
 
     def save_rows(self, rows: Int64Array, num_tokens: Int64Array, num_blocks: Int64Array,
-                  partial: bool) -> None:
-        """Record the lengths (and, if `partial`, the partial-block ids) of `rows` before a
-        change; table entries past num_blocks need no saving, being meaningless."""
+                  grown: Int64Array) -> None:
+        """Record, in one undo record, the lengths and chain flags of `rows` before an append,
+        and the partial-block ids of `grown`: those of them that start a new block. A call
+        writes ids only past its rows' meaningful ones, except from offset 0 of a new block,
+        where an earlier call of the same transaction may have left ids that become
+        meaningful again once it is undone. Table entries past num_blocks are meaningless."""
         if self._journal.active:
             self._journal.record(self._restore_rows, rows, num_tokens, num_blocks,
-                                 self.chain_ok[rows],
-                                 self.partial[rows] if partial else None)
+                                 self.chain_ok[rows], grown, self.partial[grown])
 
     def _restore_rows(self, rows: Int64Array, num_tokens: Int64Array, num_blocks: Int64Array,
-                      chain_ok: npt.NDArray[np.bool_], partial: Int64Array | None) -> None:
+                      chain_ok: npt.NDArray[np.bool_], grown: Int64Array,
+                      partial: Int64Array) -> None:
         self.num_tokens[rows], self.num_blocks[rows] = num_tokens, num_blocks
         self.chain_ok[rows] = chain_ok
-        if partial is not None:
-            self.partial[rows] = partial
+        self.partial[grown] = partial
 
     def set_entry(self, row: int, logical: int, block: int) -> None:
         """Replace one table entry (copy-on-write)."""
