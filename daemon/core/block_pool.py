@@ -26,7 +26,7 @@ import numpy.typing as npt
 from .errors import InvalidArgument, SequenceExists, SequenceNotFound
 from .journal import Journal
 from .physical_blocks import PhysicalBlocks
-from .prefix_cache import block_key, root_key
+from .prefix_cache import block_keys, chain_keys, root_key
 from .seq_table import Int64Array, SeqTable, ragged_arange
 from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 from .validation import TokenIds, as_int64, batch_tokens, count, seq_tokens
@@ -44,6 +44,8 @@ class BlockPool:
         self._journal = Journal()
         self._blocks = PhysicalBlocks(num_blocks, block_size, self._journal)
         self._seqs = SeqTable(block_size, self._journal)
+        # Offset of each slot in its block, for slot mappings by broadcasting.
+        self._offsets: Int64Array = np.arange(block_size, dtype=np.int64)
 
     @property
     def journal(self) -> Journal:
@@ -89,26 +91,33 @@ class BlockPool:
         if seq in self._seqs.row_of:
             raise SequenceExists(f"sequence {seq!r} already exists")
         tokens = seq_tokens(token_ids, count(num_tokens, "num_tokens", 0))
-        hits, chain_key = self._cache_hits(tokens, root_key(salt))
+        if not self.enable_prefix_caching:
+            tokens = None  # nothing is keyed: the ids are not kept
+        bs, root = self.block_size, root_key(salt)
+        full = num_tokens // bs
+        # Every full block of the prompt hashed once: the keys find the cached prefix, and
+        # the blocks past it are keyed with the same keys.
+        keys = [] if tokens is None else chain_keys(root, tokens[:full * bs].reshape(full, bs))
+        hits = self._blocks.cache.lookup(keys)
         no_fit = self._allocate_fit(num_tokens, hits)
         if no_fit is not None:
             return no_fit
-        keyed = self.enable_prefix_caching and tokens is not None
-        st, cached = self._seqs, len(hits) * self.block_size
-        row = st.add(seq, chain_key, keyed)
+        st, cached = self._seqs, len(hits)
+        row = st.add(seq, keys[-1] if keys else root, tokens is not None)
         self._blocks.share(hits)
-        st.ensure_cols(len(hits))
-        st.tables[row, : len(hits)] = hits
-        st.num_blocks[row] = st.committed[row] = len(hits)
-        fresh = -(-num_tokens // self.block_size) - len(hits)
-        self._grow(np.array([row]), np.array([len(hits)]), np.array([fresh]), fresh)
-        st.num_tokens[row] = num_tokens
-        if keyed:
-            assert tokens is not None
-            self._blocks.cache.count(num_tokens, cached)
-            self._record_tokens(row, cached, tokens[cached:])
-        return SeqUpdate(self.block_table(seq), num_tokens, cached,
-                         self._slots(row, 0, num_tokens), [])
+        taken = self._blocks.take(-(-num_tokens // bs) - cached)
+        table = hits + taken.tolist()
+        st.ensure_cols(len(table))
+        st.tables[row, :len(table)] = table
+        st.num_blocks[row], st.committed[row], st.num_tokens[row] = len(table), cached, num_tokens
+        if tokens is not None:
+            self._blocks.cache.count(num_tokens, cached * bs)
+            parents = [root, *keys][cached:full]
+            if parents:  # the prompt's full blocks past the cached prefix: keyed pending
+                self._blocks.cache.key_blocks(taken[:full - cached], parents, keys[cached:],
+                                              tokens[cached * bs:full * bs].reshape(-1, bs))
+            st.partial[row, :num_tokens - full * bs] = tokens[full * bs:]
+        return SeqUpdate(table, num_tokens, cached * bs, self._slots(row, num_tokens), [])
 
     def append(self, seq: Hashable, num_tokens: int = 1,
                token_ids: TokenIds | None = None) -> SeqUpdate | NoFit:
@@ -263,41 +272,11 @@ class BlockPool:
 
     # --------------------------------------------------------- prefix caching
 
-    def _cache_hits(self, tokens: Int64Array | None, root: bytes) -> tuple[list[int], bytes]:
-        """Blocks holding the longest cached prefix of full blocks of `tokens` in the namespace
-        `root`, and the key of the last of them (`root` if none): the parent of the sequence's
-        next block."""
-        hits: list[int] = []
-        parent, bs = root, self.block_size
-        if tokens is None or not self.enable_prefix_caching:
-            return hits, parent
-        for start in range(0, len(tokens) - bs + 1, bs):
-            key = block_key(parent, tokens[start:start + bs].tobytes())
-            block = self._blocks.cache.lookup(key)
-            if block is None:
-                break
-            hits.append(block)
-            parent = key
-        return hits, parent
-
-    def _record_tokens(self, row: int, start: int, tokens: Int64Array) -> None:
-        """Remember the ids of the tokens from position `start` of `row`, keying each block
-        they fill. One step per block touched, not per token."""
-        if not self._seqs.chain_ok[row]:
-            return
-        bs, pos, done = self.block_size, start, 0
-        while done < len(tokens):
-            offset = pos % bs
-            n = min(bs - offset, len(tokens) - done)
-            self._seqs.partial[row, offset:offset + n] = tokens[done:done + n]
-            done, pos = done + n, pos + n
-            if pos % bs == 0:
-                self._seal(np.array([row]), np.array([pos // bs - 1]))
-
     def _record_batch(self, rows: Int64Array, old: Int64Array, offset: Int64Array,
                       tokens: Int64Array) -> None:
-        """`_record_tokens` for many rows appending the same number of tokens; `offset` is
-        `old % block_size`."""
+        """Remember the ids `tokens` [len(rows), k] appended to `rows` (which held `old`
+        tokens, `offset` = old % block_size), keying each block they fill. One step per token
+        column, not per token."""
         st, bs = self._seqs, self.block_size
         ok = st.chain_ok[rows]
         for j in range(tokens.shape[1]):
@@ -311,9 +290,10 @@ class BlockPool:
     def _seal(self, rows: Int64Array, logical: Int64Array) -> None:
         """These rows just filled these blocks: key each (pending) by its prefix chain."""
         st, row_list = self._seqs, rows.tolist()
-        chain_key = st.chain_key
+        chain_key, tokens = st.chain_key, st.partial[rows]
         parents = [chain_key[row] for row in row_list]
-        keys = self._blocks.cache.key_blocks(st.tables[rows, logical], parents, st.partial[rows])
+        keys = block_keys(parents, tokens)
+        self._blocks.cache.key_blocks(st.tables[rows, logical], parents, keys, tokens)
         st.set_chain(row_list, keys)
 
     # ------------------------------------------------------------ feasibility
@@ -353,10 +333,10 @@ class BlockPool:
         need = grow_total + (self._copies_needed(last[cow]) if len(cow) else 0)
         return _AppendPlan(old, old_nb, offset, grow_count, grow_total, last, cow, need)
 
-    def _slots(self, row: int, start: int, n: int) -> list[int]:
-        pos = np.arange(start, start + n)
-        bs = self.block_size
-        slots: list[int] = (self._seqs.tables[row, pos // bs] * bs + pos % bs).tolist()
+    def _slots(self, row: int, n: int) -> list[int]:
+        """Slots of the first `n` tokens of `row`: every slot of its blocks, cut at n."""
+        blocks = self._seqs.tables[row, : -(-n // self.block_size), None]
+        slots: list[int] = (blocks * self.block_size + self._offsets).ravel()[:n].tolist()
         return slots
 
     def _row(self, seq: Hashable) -> int:

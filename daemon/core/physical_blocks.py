@@ -56,11 +56,13 @@ class PhysicalBlocks:
 
     def share(self, blocks: list[int]) -> None:
         """One more table references each of `blocks` (distinct); cached ones are revived."""
-        ref = self.ref
-        for block in blocks:
-            if ref[block] == 0:
-                self.cache.revive(block)
-        self.add_refs(np.array(blocks, dtype=np.int64), 1)
+        if not blocks:  # an allocation with no cache hit
+            return
+        shared = np.array(blocks, dtype=np.int64)
+        revived = shared[self.ref[shared] == 0]
+        if len(revived):
+            self.cache.revive(revived.tolist())
+        self.add_refs(shared, 1)
 
     def add_refs(self, blocks: Int64Array, delta: int) -> None:
         """Refcounts of distinct `blocks` change by `delta`; no state changes (fork, CoW)."""
