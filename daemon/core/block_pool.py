@@ -27,7 +27,7 @@ from .errors import InvalidArgument, SequenceExists, SequenceNotFound
 from .journal import Journal
 from .physical_blocks import PhysicalBlocks
 from .prefix_cache import block_keys, chain_keys, root_key
-from .seq_table import Int64Array, SeqTable, ragged_arange
+from .seq_table import Int64Array, SeqTable, ragged_arange, ragged_entries
 from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 from .validation import TokenIds, as_int64, batch_tokens, count, seq_tokens
 
@@ -190,12 +190,14 @@ class BlockPool:
                                       "tokens its sequence holds")
             upto = computed // bs
         start = st.committed[rows]
-        cache, matchable = self._blocks.cache, 0
-        for i in (upto > start).nonzero()[0].tolist():
-            row = int(rows[i])
-            for block in st.tables[row, start[i]:upto[i]].tolist():
-                matchable += cache.commit(block)
-            st.set_committed(row, int(upto[i]))
+        todo = (upto > start).nonzero()[0]
+        if not len(todo):
+            return 0
+        rows, start, upto = rows[todo], start[todo], upto[todo]
+        # One gather of every block to commit: rows in order, each row's blocks in table order.
+        blocks = st.tables[ragged_entries(rows, start, upto - start)]
+        matchable = self._blocks.cache.commit(blocks.tolist())
+        st.set_committed(rows, upto)
         return matchable
 
     def fork(self, parent: Hashable, child: Hashable) -> SeqUpdate:

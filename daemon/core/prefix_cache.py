@@ -31,6 +31,9 @@ import numpy.typing as npt
 from .journal import Journal
 from .lru import LruList
 
+# Keys a call dropped, as (block, key, parent key): what its undo gives back.
+DroppedKeys = list[tuple[int, bytes, bytes | None]]
+
 
 @lru_cache(maxsize=256)  # salts are few (one per tenant); the bound keeps a flood of them small
 def root_key(salt: bytes) -> bytes:
@@ -134,21 +137,33 @@ class PrefixCache:
         self.tokens_of[blocks] = tokens
         self.num_keyed -= len(blocks)
 
-    def commit(self, block: int) -> bool:
-        """The K/V of `block` is written: make its pending key matchable. Returns whether that
-        made it matchable. A block whose content another block committed first loses its key."""
-        key = self.key_of[block]
-        if key is None:
-            return False
-        holder = self.block_of.get(key)
-        if holder == block:
-            return False
-        if holder is not None:
-            self._drop_key(block)
-            return False
-        self.block_of[key] = block
-        self._journal.record(self.block_of.pop, key)
-        return True
+    def commit(self, blocks: list[int]) -> int:
+        """The K/V of `blocks` is written: make their pending keys matchable, in order. Returns
+        how many became matchable. A block whose content another block committed first (maybe
+        earlier in `blocks`) loses its key. One loop, one undo record."""
+        key_of, parent_of, block_of = self.key_of, self.parent_of, self.block_of
+        added: list[bytes] = []
+        dropped: DroppedKeys = []
+        for block in blocks:
+            key = key_of[block]
+            if key is None:
+                continue
+            holder = block_of.get(key)
+            if holder is None:
+                block_of[key] = block
+                added.append(key)
+            elif holder != block:  # the same content, committed first elsewhere
+                dropped.append((block, key, parent_of[block]))
+                key_of[block] = parent_of[block] = None
+        self.num_keyed -= len(dropped)
+        self._journal.record(self._uncommit, added, dropped)
+        return len(added)
+
+    def _uncommit(self, added: list[bytes], dropped: DroppedKeys) -> None:
+        for key in reversed(added):
+            del self.block_of[key]
+        for block, key, parent in dropped:
+            self._rekey(block, key, parent)
 
     def forget(self, block: int) -> None:
         """Drop `block`'s key, committed or pending (its content is about to change, or was
@@ -167,7 +182,7 @@ class PrefixCache:
         self.key_of[block] = self.parent_of[block] = None
         self.num_keyed -= 1
 
-    def _rekey(self, block: int, key: bytes, parent: bytes) -> None:
+    def _rekey(self, block: int, key: bytes, parent: bytes | None) -> None:
         self.key_of[block], self.parent_of[block] = key, parent
         self.num_keyed += 1
 

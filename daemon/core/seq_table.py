@@ -142,12 +142,14 @@ class SeqTable:
         for row, key in zip(rows, keys, strict=True):
             chain_key[row] = key
 
-    def set_committed(self, row: int, value: int) -> None:
-        self._journal.record(self._set_committed, row, int(self.committed[row]))
-        self.committed[row] = value
+    def set_committed(self, rows: Int64Array, values: Int64Array) -> None:
+        """New committed-block counts for distinct `rows`."""
+        if self._journal.active:
+            self._journal.record(self._set_committed, rows, self.committed[rows])
+        self.committed[rows] = values
 
-    def _set_committed(self, row: int, value: int) -> None:
-        self.committed[row] = value
+    def _set_committed(self, rows: Int64Array, values: Int64Array) -> None:
+        self.committed[rows] = values
 
     def set_chain_ok(self, row: int, value: bool) -> None:
         self._journal.record(self._set_chain_ok, row, bool(self.chain_ok[row]))
@@ -181,6 +183,15 @@ class SeqTable:
 def ragged_arange(counts: Int64Array) -> Int64Array:
     """0..c-1 for each c in `counts`, concatenated: the logical index of each table entry."""
     return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def ragged_entries(rows: Int64Array, first: Int64Array,
+                   counts: Int64Array) -> tuple[Int64Array, Int64Array]:
+    """Table entries first[i] .. first[i] + counts[i] - 1 of rows[i] (every count >= 1), in
+    order, as (row, logical block) per entry."""
+    if len(rows) == int(counts.sum()):  # one each (a decode step): no ragged ranges needed
+        return rows, first
+    return np.repeat(rows, counts), np.repeat(first, counts) + ragged_arange(counts)
 
 
 class _RowState(NamedTuple):
