@@ -139,37 +139,10 @@ class BlockPool:
         k = count(num_tokens, "num_tokens", 1)
         rows = self._rows(seqs)
         tokens = batch_tokens(token_ids, len(rows), k)
-        plan = self._plan_append(rows, k)
-        if plan.need > self.num_free_blocks:
-            return NoFit(plan.need, self.num_free_blocks)
-        st, bs = self._seqs, self.block_size
-        old, old_nb, offset, last, cow = plan.old, plan.old_nb, plan.offset, plan.last, plan.cow
-        st.save_rows(rows, old, old_nb, rows[plan.grow_count.nonzero()[0]])
-        copies, copied = [], []
-        for i in cow.tolist():
-            if self._needs_cow(int(rows[i])):  # the last sharer in the batch keeps the original
-                copies.append(self._cow(int(rows[i]), int(old_nb[i]) - 1))
-                copied.append(i)
-        index, logical, taken = self._grow(rows, old_nb, plan.grow_count, plan.grow_total)
-        st.num_tokens[rows] = old + k
-        if tokens is None:
-            st.chain_ok[rows] = False
-        elif self.enable_prefix_caching:
-            self._record_batch(rows, old, offset, tokens)
-        if k == 1:  # the decode step: each token lands in the last block, or the new one
-            written = last.copy()
-            written[index] = taken
-            if copied:
-                written[copied] = [copy.dst for copy in copies]
-            slots = written * bs + offset
-        else:
-            pos = old[:, None] + np.arange(k)
-            slots = st.tables[rows[:, None], pos // bs] * bs + pos % bs
-        if copied:
-            index = np.concatenate([copied, index])
-            logical = np.concatenate([old_nb[copied] - 1, logical])
-            taken = np.concatenate([[copy.dst for copy in copies], taken])
-        return BatchAppend(slots.ravel(), index, logical, taken, copies, old + k)
+        plan = self._plan_append(rows)
+        if k == 1 and not len(plan.cow):
+            return self._append_one(rows, tokens, plan)
+        return self._append_many(rows, k, tokens, plan)
 
     def commit(self, seqs: Sequence[Hashable], num_tokens: npt.ArrayLike | None = None) -> int:
         """The owner certifies that the K/V of the first `num_tokens[i]` tokens of `seqs[i]`
@@ -242,6 +215,63 @@ class BlockPool:
 
     # ----------------------------------------------------------- block movement
 
+    def _append_one(self, rows: Int64Array, tokens: Int64Array | None,
+                    plan: "_AppendPlan") -> BatchAppend | NoFit:
+        """The decode step: one token each, no row writing into a shared block. Each token
+        lands in its row's last block, or in a new one where the last block is full."""
+        grow = (plan.offset == 0).nonzero()[0]
+        if len(grow) > self.num_free_blocks:
+            return NoFit(len(grow), self.num_free_blocks)
+        st, old, grown = self._seqs, plan.old, rows[grow]
+        st.save_rows(rows, grown)
+        logical = old[grow] // self.block_size
+        taken = self._take_entries(grown, logical)
+        st.num_blocks[grown] = logical + 1
+        st.num_tokens[rows] = new = old + 1
+        self._record_tokens(rows, old, plan.offset, tokens)
+        written = plan.last  # the plan's own gather: safe to update in place
+        written[grow] = taken
+        return BatchAppend(written * self.block_size + plan.offset, grow, logical, taken, [],
+                           new)
+
+    def _append_many(self, rows: Int64Array, k: int, tokens: Int64Array | None,
+                     plan: "_AppendPlan") -> BatchAppend | NoFit:
+        """Any append: several tokens each (they may fill several blocks), or rows writing
+        into shared blocks, which first get private copies."""
+        st, bs, old = self._seqs, self.block_size, plan.old
+        old_nb = (old + bs - 1) // bs  # tables are ceil(tokens / B) long
+        grow_count = (old + k + bs - 1) // bs - old_nb
+        need = int(grow_count.sum()) + self._copies_needed(plan.last[plan.cow])
+        if need > self.num_free_blocks:
+            return NoFit(need, self.num_free_blocks)
+        grow = grow_count.nonzero()[0]
+        st.save_rows(rows, rows[grow])
+        copies, copied = [], []
+        for i in plan.cow.tolist():
+            if self._needs_cow(int(rows[i])):  # the last sharer in the batch keeps the original
+                copies.append(self._cow(int(rows[i]), int(old_nb[i]) - 1))
+                copied.append(i)
+        index, logical = ragged_entries(grow, old_nb[grow], grow_count[grow])
+        taken = self._take_entries(rows[index], logical)
+        st.num_blocks[rows] = old_nb + grow_count
+        st.num_tokens[rows] = old + k
+        self._record_tokens(rows, old, plan.offset, tokens)
+        pos = old[:, None] + np.arange(k)
+        slots = st.tables[rows[:, None], pos // bs] * bs + pos % bs
+        if copied:
+            index = np.concatenate([copied, index])
+            logical = np.concatenate([old_nb[copied] - 1, logical])
+            taken = np.concatenate([[copy.dst for copy in copies], taken])
+        return BatchAppend(slots.ravel(), index, logical, taken, copies, old + k)
+
+    def _take_entries(self, rows: Int64Array, logical: Int64Array) -> Int64Array:
+        """Fresh blocks for the table entries (rows[i], logical[i]); returns them in order."""
+        taken = self._blocks.take(len(rows))
+        if len(rows):
+            self._seqs.ensure_cols(int(logical.max()) + 1)
+            self._seqs.tables[rows, logical] = taken
+        return taken
+
     def _cow(self, row: int, logical_block: int) -> BlockCopy:
         """Give `row` a private copy of its shared block `logical_block`."""
         src = int(self._seqs.tables[row, logical_block])
@@ -251,41 +281,27 @@ class BlockPool:
         self._seqs.set_entry(row, logical_block, dst)
         return BlockCopy(src, dst)
 
-    def _grow(self, rows: Int64Array, old_nb: Int64Array, grow_count: Int64Array,
-              total: int) -> tuple[Int64Array, Int64Array, Int64Array]:
-        """Append `grow_count[i]` fresh blocks to the table of `rows[i]` (`total` in all).
-        Returns, per new table entry, the index of its row in `rows`, its logical block, and
-        the block put there."""
-        grow = grow_count.nonzero()[0]
-        if not len(grow):
-            return grow, grow, grow
-        if len(grow) == total:  # the decode step: one block each, no ragged ranges needed
-            index, logical = grow, old_nb[grow]
-        else:
-            counts = grow_count[grow]
-            index = np.repeat(grow, counts)
-            logical = np.repeat(old_nb[grow], counts) + ragged_arange(counts)
-        st = self._seqs
-        st.ensure_cols(int(logical.max()) + 1)
-        taken = self._blocks.take(total)
-        st.tables[rows[index], logical] = taken
-        st.num_blocks[rows] = old_nb + grow_count
-        return index, logical, taken
-
     # --------------------------------------------------------- prefix caching
 
-    def _record_batch(self, rows: Int64Array, old: Int64Array, offset: Int64Array,
-                      tokens: Int64Array) -> None:
+    def _record_tokens(self, rows: Int64Array, old: Int64Array, offset: Int64Array,
+                       tokens: Int64Array | None) -> None:
         """Remember the ids `tokens` [len(rows), k] appended to `rows` (which held `old`
-        tokens, `offset` = old % block_size), keying each block they fill. One step per token
+        tokens, `offset` = old % block_size) and key each block they fill. An append without
+        ids breaks the rows' chains: their later blocks are never keyed. One step per token
         column, not per token."""
         st, bs = self._seqs, self.block_size
-        ok = st.chain_ok[rows]
+        if tokens is None:
+            st.chain_ok[rows] = False
+            return
+        if not self.enable_prefix_caching:
+            return
         for j in range(tokens.shape[1]):
             if j:
                 offset = (old + j) % bs
-            st.partial[rows, offset] = tokens[:, j]
-            filled = (ok & (offset == bs - 1)).nonzero()[0]
+            st.partial[rows, offset] = tokens[:, j]  # junk, harmless, in rows not chain_ok
+            filled = (offset == bs - 1).nonzero()[0]
+            if len(filled):
+                filled = filled[st.chain_ok[rows[filled]]]  # rows whose ids are all known
             if len(filled):
                 self._seal(rows[filled], (old[filled] + j) // bs)
 
@@ -321,19 +337,17 @@ class BlockPool:
         return bool(st.num_tokens[row] % self.block_size != 0
                     and self._blocks.ref[st.tables[row, st.num_blocks[row] - 1]] > 1)
 
-    def _plan_append(self, rows: Int64Array, k: int) -> "_AppendPlan":
-        """What appending `k` tokens to each row takes, computed without changing anything."""
+    def _plan_append(self, rows: Int64Array) -> "_AppendPlan":
+        """Where the next token of each row lands, computed without changing anything."""
         st, bs = self._seqs, self.block_size
-        old, old_nb = st.num_tokens[rows], st.num_blocks[rows]
+        old = st.num_tokens[rows]
         offset = old % bs
-        grow_count = (old + (k + bs - 1)) // bs - old_nb
-        # An empty table's "last block" index -1 reads a junk entry, masked by offset == 0.
-        last = st.tables[rows, old_nb - 1]
+        # Each row's last block, column (old - 1) // B (tables are ceil(old / B) long): for an
+        # empty table, column -1 reads a junk entry, masked by offset == 0.
+        last = st.tables[rows, (old - 1) // bs]
         shared = (self._blocks.ref[last] > 1).nonzero()[0]  # few: filter these, not the batch
-        cow = shared[offset[shared] != 0]
-        grow_total = int(grow_count.sum())
-        need = grow_total + (self._copies_needed(last[cow]) if len(cow) else 0)
-        return _AppendPlan(old, old_nb, offset, grow_count, grow_total, last, cow, need)
+        cow = shared[offset[shared] != 0] if len(shared) else shared
+        return _AppendPlan(old, offset, last, cow)
 
     def _slots(self, row: int, n: int) -> list[int]:
         """Slots of the first `n` tokens of `row`: every slot of its blocks, cut at n."""
@@ -406,18 +420,12 @@ class BlockPool:
 
 
 class _AppendPlan(NamedTuple):
-    """The feasibility check of an append over rows, kept for the change that follows it."""
+    """Where an append over rows writes, kept for the change that follows the check."""
 
-    # Tokens and blocks of each row before the append, and old % block_size.
+    # Tokens of each row before the append, and old % block_size.
     old: Int64Array
-    old_nb: Int64Array
     offset: Int64Array
-    # New blocks each row takes, and their sum.
-    grow_count: Int64Array
-    grow_total: int
     # Each row's last block (junk for empty tables, where offset == 0).
     last: Int64Array
-    # Indices of rows whose write lands in a shared, partially filled last block.
+    # Indices of rows whose next write lands in a shared, partially filled last block.
     cow: Int64Array
-    # Blocks the append takes from the free pool: new blocks plus copies.
-    need: int

@@ -104,16 +104,16 @@ class SeqTable:
         self.chain_ok[row] = state.chain_ok
         self.chain_key[row] = state.chain_key
 
-    def save_rows(self, rows: Int64Array, num_tokens: Int64Array, num_blocks: Int64Array,
-                  grown: Int64Array) -> None:
+    def save_rows(self, rows: Int64Array, grown: Int64Array) -> None:
         """Record, in one undo record, the lengths and chain flags of `rows` before an append,
         and the partial-block ids of `grown`: those of them that start a new block. A call
         writes ids only past its rows' meaningful ones, except from offset 0 of a new block,
         where an earlier call of the same transaction may have left ids that become
         meaningful again once it is undone. Table entries past num_blocks are meaningless."""
         if self._journal.active:
-            self._journal.record(self._restore_rows, rows, num_tokens, num_blocks,
-                                 self.chain_ok[rows], grown, self.partial[grown])
+            self._journal.record(self._restore_rows, rows, self.num_tokens[rows],
+                                 self.num_blocks[rows], self.chain_ok[rows], grown,
+                                 self.partial[grown])
 
     def _restore_rows(self, rows: Int64Array, num_tokens: Int64Array, num_blocks: Int64Array,
                       chain_ok: npt.NDArray[np.bool_], grown: Int64Array,
@@ -134,7 +134,8 @@ class SeqTable:
     def set_chain(self, rows: list[int], keys: list[bytes]) -> None:
         """New parent keys for the next blocks of `rows`."""
         chain_key = self.chain_key
-        self._journal.record(self._set_chain, rows, [chain_key[row] for row in rows])
+        if self._journal.active:
+            self._journal.record(self._set_chain, rows, [chain_key[row] for row in rows])
         self._set_chain(rows, keys)
 
     def _set_chain(self, rows: list[int], keys: list[bytes]) -> None:
