@@ -305,6 +305,25 @@ def test_a_transaction_costs_the_work_done_not_the_size_of_the_pool() -> None:
     assert footprints[0] == footprints[1]
 
 
+def test_undo_records_per_call_do_not_grow_with_the_blocks_it_touches() -> None:
+    """Each call records its undo coarsely (a few records per call, never one per block): the
+    same calls over 1-block and 30-block prompts leave the same records."""
+    def records(full_blocks: int) -> list[str]:
+        pool = BlockPool(256, block_size=2)
+        seqs = [0, 1, 2]
+        with pool.transaction() as journal:
+            for seq in seqs:
+                n = 2 * full_blocks + 1
+                ok(pool.allocate(seq, n, list(range(100 * seq, 100 * seq + n))))
+            pool.commit(seqs)
+            pool.append_batch(seqs, 1, [7, 8, 9])  # fills every last block
+            pool.commit(seqs)
+            for seq in seqs:
+                pool.free(seq)
+            return [undo.__name__ for undo, _ in journal._undo or []]
+    assert records(1) == records(30)
+
+
 def test_a_rolled_back_eviction_gives_the_block_back_its_token_ids() -> None:
     pool = BlockPool(num_blocks=2, block_size=2)
     ok(pool.allocate("a", 2, [1, 2]))

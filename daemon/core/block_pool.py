@@ -209,7 +209,7 @@ class BlockPool:
     def free(self, seq: Hashable) -> list[int]:
         """Drop `seq`. Returns the blocks that went back to the free list with no content kept
         (committed blocks stay cached for later prompts; pending ones lose their key)."""
-        table = self.block_table(seq)
+        table = self._seqs.table(self._row(seq)).copy()
         self._seqs.remove(seq)
         return self._blocks.release(table)
 

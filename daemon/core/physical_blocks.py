@@ -72,29 +72,25 @@ class PhysicalBlocks:
     def _add_refs(self, blocks: Int64Array, delta: int) -> None:
         self.ref[blocks] += delta
 
-    def release(self, table: list[int]) -> list[int]:
-        """A table that referenced these blocks is gone. Returns the blocks that went back to
-        the free list with no content kept; committed blocks whose count reaches 0 become
-        cached, pending ones lose their key (their K/V was never certified).
+    def release(self, table: Int64Array) -> list[int]:
+        """A table that referenced these blocks is gone (`table` is the caller's copy: the
+        undo keeps it). Returns the blocks that went back to the free list with no content
+        kept; committed blocks whose count reaches 0 become cached, pending ones lose their key
+        (their K/V was never certified).
 
         Blocks are released deepest first, so among blocks released together the cache evicts
         a sequence's tail before the prefix that other requests are likelier to share.
         """
-        ref, cache, released = self.ref, self.cache, []
-        for block in reversed(table):
-            ref[block] -= 1
-            if ref[block] > 0:
-                continue
-            if cache.is_committed(block):
-                cache.park(block)
-            else:
-                cache.forget(block)
-                released.append(block)
+        deepest = table[::-1]
+        ref = self.ref
+        ref[deepest] -= 1  # a table never holds a block twice: no repeated indices
+        # Only the blocks no other table holds change state: one Python step each.
+        released = self.cache.release(deepest[ref[deepest] == 0].tolist())
         self.free.extend(released)
         self._journal.record(self._unrelease, table, len(released))
         return released
 
-    def _unrelease(self, table: list[int], num_freed: int) -> None:
+    def _unrelease(self, table: Int64Array, num_freed: int) -> None:
         for _ in range(num_freed):
             self.free.pop()
         self.ref[table] += 1

@@ -186,10 +186,32 @@ class PrefixCache:
         self.key_of[block], self.parent_of[block] = key, parent
         self.num_keyed += 1
 
-    def park(self, block: int) -> None:
-        """A committed block's refcount reached 0: keep its content, make it evictable."""
-        self.evictable.push(block)
-        self._journal.record(self.evictable.remove, block)
+    def release(self, blocks: list[int]) -> list[int]:
+        """The refcounts of `blocks` reached 0. Those holding committed content stay cached,
+        evictable in the order given; the others lose their pending key, if any (their K/V was
+        never certified). Returns those others: free, with no content kept."""
+        key_of, parent_of, block_of = self.key_of, self.parent_of, self.block_of
+        parked: list[int] = []
+        freed: list[int] = []
+        dropped: DroppedKeys = []
+        for block in blocks:
+            key = key_of[block]
+            if key is not None and block_of.get(key) == block:
+                parked.append(block)
+                continue
+            if key is not None:
+                dropped.append((block, key, parent_of[block]))
+                key_of[block] = parent_of[block] = None
+            freed.append(block)
+        self.evictable.extend(parked)
+        self.num_keyed -= len(dropped)
+        self._journal.record(self._unrelease, len(parked), dropped)
+        return freed
+
+    def _unrelease(self, num_parked: int, dropped: DroppedKeys) -> None:
+        self.evictable.drop_tail(num_parked)
+        for block, key, parent in dropped:
+            self._rekey(block, key, parent)
 
     def revive(self, blocks: list[int]) -> None:
         """Cache hits on evictable blocks take them back into use."""
