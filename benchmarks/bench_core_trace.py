@@ -17,14 +17,18 @@ is decode tokens appended / that time (wall clock; `--clock cpu` counts this thr
 instead, which a loaded machine disturbs less). Each side runs 3 times, interleaved, and reports
 its median; `core_vs_reference_ratio` is the core's median rate over the reference's. Prompts are
 random, so no admission finds a cached prefix: the trace measures keying, not reuse.
+`--transaction` runs each of the core's calls (an admission, a step, a free) inside
+`BlockPool.transaction()`, as the daemon does, so the undo journal records as it would there.
 """
 
 import argparse
+import contextlib
 import gc
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -80,24 +84,29 @@ class Manager(Protocol):
 
 
 class CoreManager:
-    """`BlockPool`: one commit and one batched append per decode step."""
+    """`BlockPool`: one commit and one batched append per decode step; each call inside a
+    transaction if `transaction`."""
 
-    def __init__(self, num_blocks: int = NUM_BLOCKS) -> None:
+    def __init__(self, num_blocks: int = NUM_BLOCKS, transaction: bool = False) -> None:
         self.pool = BlockPool(num_blocks, BLOCK_SIZE, enable_prefix_caching=True)
+        self.call = self.pool.transaction if transaction else contextlib.nullcontext
 
     def allocate(self, seq: int, prompt: npt.NDArray[np.int64]) -> int:
-        result = self.pool.allocate(seq, len(prompt), prompt)
+        with self.call():
+            result = self.pool.allocate(seq, len(prompt), prompt)
         assert not isinstance(result, NoFit)
         return result.num_cached_tokens
 
     def step(self, seqs: list[int], tokens: npt.NDArray[np.int64], token_list: list[int]) -> None:
         # As the service's Step(commit=True): what the last forward computed becomes matchable
         # (the prompts admitted since, the blocks the last step filled), then the append.
-        self.pool.commit(seqs)
-        assert not isinstance(self.pool.append_batch(seqs, 1, tokens), NoFit)
+        with self.call():
+            self.pool.commit(seqs)
+            assert not isinstance(self.pool.append_batch(seqs, 1, tokens), NoFit)
 
     def free(self, seq: int) -> None:
-        self.pool.free(seq)
+        with self.call():
+            self.pool.free(seq)
 
 
 class ReferenceManager:
@@ -172,14 +181,17 @@ def main() -> None:
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall: perf_counter; cpu: this thread's CPU time, steadier on a "
                              "loaded machine (each timed call then also counts ~1 us of clock)")
+    parser.add_argument("--transaction", action="store_true",
+                        help="each core call inside BlockPool.transaction(), as in the daemon")
     parser.add_argument("--verbose", action="store_true", help="each run's phases")
     args = parser.parse_args()
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
 
     trace = make_trace(UNIFORM, num_requests=LIVE + args.steps * LIVE // 20, vocab=VOCAB)
     runs: dict[str, list[Timing]] = {"core": [], "reference": []}
+    make_core = partial(CoreManager, transaction=args.transaction)
     for _ in range(args.repeats):  # interleaved, so a noisy stretch hits both sides
-        for name, make in (("core", CoreManager), ("reference", ReferenceManager)):
+        for name, make in (("core", make_core), ("reference", ReferenceManager)):
             manager = make()
             gc.collect()
             timing = replay(manager, trace, args.steps, clock)

@@ -1,5 +1,7 @@
 """Exact-block-id scenarios on tiny pools. Blocks come off the free list in id order (FIFO)."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -301,6 +303,55 @@ def test_a_transaction_costs_the_work_done_not_the_size_of_the_pool() -> None:
         footprints.append(([undo.__name__ for undo, _ in records], sizes))
         pool.check_invariants()
     assert footprints[0] == footprints[1]
+
+
+def test_undo_records_per_call_do_not_grow_with_the_blocks_it_touches() -> None:
+    """Each call records its undo coarsely (a few records per call, never one per block): the
+    same calls over 1-block and 30-block prompts leave the same records."""
+    def records(full_blocks: int) -> list[str]:
+        pool = BlockPool(256, block_size=2)
+        seqs = [0, 1, 2]
+        with pool.transaction() as journal:
+            for seq in seqs:
+                n = 2 * full_blocks + 1
+                ok(pool.allocate(seq, n, list(range(100 * seq, 100 * seq + n))))
+            pool.commit(seqs)
+            pool.append_batch(seqs, 1, [7, 8, 9])  # fills every last block
+            pool.commit(seqs)
+            for seq in seqs:
+                pool.free(seq)
+            return [undo.__name__ for undo, _ in journal._undo or []]
+    assert records(1) == records(30)
+
+
+def test_a_rolled_back_eviction_gives_the_block_back_its_token_ids() -> None:
+    pool = BlockPool(num_blocks=2, block_size=2)
+    ok(pool.allocate("a", 2, [1, 2]))
+    pool.commit(["a"])
+    pool.free("a")                                 # block 0 cached; block 1 free
+    before = pool_state(pool)
+    with contextlib.suppress(RuntimeError), pool.transaction():
+        ok(pool.allocate("b", 4, [5, 6, 7, 8]))    # takes block 1, evicts block 0, keys both
+        raise RuntimeError
+    assert pool_state(pool) == before
+    pool.check_invariants()                        # block 0's key matches its ids [1, 2] again
+    assert ok(pool.allocate("c", 2, [1, 2])).num_cached_tokens == 2
+
+
+def test_rolled_back_appends_across_a_block_boundary_keep_the_partial_ids() -> None:
+    """Each append writes ids only past the row's partial ones, but after an earlier append of
+    the same transaction filled the block, the next one writes from offset 0."""
+    pool = BlockPool(num_blocks=4, block_size=2)
+    ok(pool.allocate("a", 1, [7]))
+    before = pool_state(pool)
+    with contextlib.suppress(RuntimeError), pool.transaction():
+        pool.append_batch(["a"], 1, [8])           # fills block 0
+        pool.append_batch(["a"], 1, [9])           # opens block 1: its offset 0 held the 7
+        raise RuntimeError
+    assert pool_state(pool) == before
+    ok(pool.append("a", 1, [8]))                   # block 0 is keyed by its real ids 7, 8
+    pool.commit(["a"])
+    assert ok(pool.allocate("b", 2, [7, 8])).num_cached_tokens == 2
 
 
 def test_pending_blocks_are_matched_only_once_committed(pool: BlockPool) -> None:

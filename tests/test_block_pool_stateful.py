@@ -192,8 +192,10 @@ class PoolMachine(RuleBasedStateMachine):
                 n = data.draw(st.integers(0, 10))
                 self.pool.allocate(data.draw(NAMES), n, data.draw(st.sampled_from(HEADS))[:n]
                                    if n <= 4 else None)
-            case "append":
-                self.pool.append_batch([seq], data.draw(st.integers(1, 5)))
+            case "append":  # with ids, so that the partial-block ids must come back too
+                k = data.draw(st.integers(1, 5))
+                ids = data.draw(st.none() | st.lists(st.integers(0, 3), min_size=k, max_size=k))
+                self.pool.append_batch([seq], k, ids)
             case "fork":
                 self.pool.fork(seq, data.draw(NAMES))
             case "cow":

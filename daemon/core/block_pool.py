@@ -27,8 +27,8 @@ import numpy.typing as npt
 from .errors import InvalidArgument, SequenceExists, SequenceNotFound
 from .journal import Journal
 from .physical_blocks import CacheEvents, PhysicalBlocks
-from .prefix_cache import block_key, root_key
-from .seq_table import Int64Array, SeqTable, ragged_arange
+from .prefix_cache import block_keys, chain_keys, root_key
+from .seq_table import Int64Array, SeqTable, ragged_arange, ragged_entries
 from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 from .validation import TokenIds, as_int64, batch_tokens, count, seq_tokens
 
@@ -45,6 +45,8 @@ class BlockPool:
         self._journal = Journal()
         self._blocks = PhysicalBlocks(num_blocks, block_size, self._journal)
         self._seqs = SeqTable(block_size, self._journal)
+        # Offset of each slot in its block, for slot mappings by broadcasting.
+        self._offsets: Int64Array = np.arange(block_size, dtype=np.int64)
 
     @property
     def journal(self) -> Journal:
@@ -95,26 +97,33 @@ class BlockPool:
         if seq in self._seqs.row_of:
             raise SequenceExists(f"sequence {seq!r} already exists")
         tokens = seq_tokens(token_ids, count(num_tokens, "num_tokens", 0))
-        hits, chain_key = self._cache_hits(tokens, root_key(salt))
+        if not self.enable_prefix_caching:
+            tokens = None  # nothing is keyed: the ids are not kept
+        bs, root = self.block_size, root_key(salt)
+        full = num_tokens // bs
+        # Every full block of the prompt hashed once: the keys find the cached prefix, and
+        # the blocks past it are keyed with the same keys.
+        keys = [] if tokens is None else chain_keys(root, tokens[:full * bs].reshape(full, bs))
+        hits = self._blocks.cache.lookup(keys)
         no_fit = self._allocate_fit(num_tokens, hits)
         if no_fit is not None:
             return no_fit
-        keyed = self.enable_prefix_caching and tokens is not None
-        st, cached = self._seqs, len(hits) * self.block_size
-        row = st.add(seq, chain_key, keyed)
+        st, cached = self._seqs, len(hits)
+        row = st.add(seq, keys[-1] if keys else root, tokens is not None)
         self._blocks.share(hits)
-        st.ensure_cols(len(hits))
-        st.tables[row, : len(hits)] = hits
-        st.num_blocks[row] = st.committed[row] = len(hits)
-        fresh = -(-num_tokens // self.block_size) - len(hits)
-        self._grow(np.array([row]), np.array([len(hits)]), np.array([fresh]), fresh)
-        st.num_tokens[row] = num_tokens
-        if keyed:
-            assert tokens is not None
-            self._blocks.cache.count(num_tokens, cached)
-            self._record_tokens(row, cached, tokens[cached:])
-        return SeqUpdate(self.block_table(seq), num_tokens, cached,
-                         self._slots(row, 0, num_tokens), [])
+        taken = self._blocks.take(-(-num_tokens // bs) - cached)
+        table = hits + taken.tolist()
+        st.ensure_cols(len(table))
+        st.tables[row, :len(table)] = table
+        st.num_blocks[row], st.committed[row], st.num_tokens[row] = len(table), cached, num_tokens
+        if tokens is not None:
+            self._blocks.cache.count(num_tokens, cached * bs)
+            parents = [root, *keys][cached:full]
+            if parents:  # the prompt's full blocks past the cached prefix: keyed pending
+                self._blocks.cache.key_blocks(taken[:full - cached], parents, keys[cached:],
+                                              tokens[cached * bs:full * bs].reshape(-1, bs))
+            st.partial[row, :num_tokens - full * bs] = tokens[full * bs:]
+        return SeqUpdate(table, num_tokens, cached * bs, self._slots(row, num_tokens), [])
 
     def append(self, seq: Hashable, num_tokens: int = 1,
                token_ids: TokenIds | None = None) -> SeqUpdate | NoFit:
@@ -136,38 +145,10 @@ class BlockPool:
         k = count(num_tokens, "num_tokens", 1)
         rows = self._rows(seqs)
         tokens = batch_tokens(token_ids, len(rows), k)
-        plan = self._plan_append(rows, k)
-        if plan.need > self.num_free_blocks:
-            return NoFit(plan.need, self.num_free_blocks)
-        st, bs = self._seqs, self.block_size
-        old, old_nb, offset, last, cow = plan.old, plan.old_nb, plan.offset, plan.last, plan.cow
-        # k == 1 writes only past each row's partial ids; k > 1 may wrap into a new block.
-        st.save_rows(rows, old, old_nb, partial=k > 1)
-        copies, copied = [], []
-        for i in cow.tolist():
-            if self._needs_cow(int(rows[i])):  # the last sharer in the batch keeps the original
-                copies.append(self._cow(int(rows[i]), int(old_nb[i]) - 1))
-                copied.append(i)
-        index, logical, taken = self._grow(rows, old_nb, plan.grow_count, plan.grow_total)
-        st.num_tokens[rows] = old + k
-        if tokens is None:
-            st.chain_ok[rows] = False
-        elif self.enable_prefix_caching:
-            self._record_batch(rows, old, offset, tokens)
-        if k == 1:  # the decode step: each token lands in the last block, or the new one
-            written = last.copy()
-            written[index] = taken
-            if copied:
-                written[copied] = [copy.dst for copy in copies]
-            slots = written * bs + offset
-        else:
-            pos = old[:, None] + np.arange(k)
-            slots = st.tables[rows[:, None], pos // bs] * bs + pos % bs
-        if copied:
-            index = np.concatenate([copied, index])
-            logical = np.concatenate([old_nb[copied] - 1, logical])
-            taken = np.concatenate([[copy.dst for copy in copies], taken])
-        return BatchAppend(slots.ravel(), index, logical, taken, copies, old + k)
+        plan = self._plan_append(rows)
+        if k == 1 and not len(plan.cow):
+            return self._append_one(rows, tokens, plan)
+        return self._append_many(rows, k, tokens, plan)
 
     def commit(self, seqs: Sequence[Hashable], num_tokens: npt.ArrayLike | None = None) -> int:
         """The owner certifies that the K/V of the first `num_tokens[i]` tokens of `seqs[i]`
@@ -188,12 +169,14 @@ class BlockPool:
                                       "tokens its sequence holds")
             upto = computed // bs
         start = st.committed[rows]
-        cache, matchable = self._blocks.cache, 0
-        for i in (upto > start).nonzero()[0].tolist():
-            row = int(rows[i])
-            for block in st.tables[row, start[i]:upto[i]].tolist():
-                matchable += cache.commit(block)
-            st.set_committed(row, int(upto[i]))
+        todo = (upto > start).nonzero()[0]
+        if not len(todo):
+            return 0
+        rows, start, upto = rows[todo], start[todo], upto[todo]
+        # One gather of every block to commit: rows in order, each row's blocks in table order.
+        blocks = st.tables[ragged_entries(rows, start, upto - start)]
+        matchable = self._blocks.cache.commit(blocks.tolist())
+        st.set_committed(rows, upto)
         return matchable
 
     def fork(self, parent: Hashable, child: Hashable) -> SeqUpdate:
@@ -232,7 +215,7 @@ class BlockPool:
     def free(self, seq: Hashable) -> list[int]:
         """Drop `seq`. Returns the blocks that went back to the free list with no content kept
         (committed blocks stay cached for later prompts; pending ones lose their key)."""
-        table = self.block_table(seq)
+        table = self._seqs.table(self._row(seq)).copy()
         self._seqs.remove(seq)
         return self._blocks.release(table)
 
@@ -257,6 +240,63 @@ class BlockPool:
 
     # ----------------------------------------------------------- block movement
 
+    def _append_one(self, rows: Int64Array, tokens: Int64Array | None,
+                    plan: "_AppendPlan") -> BatchAppend | NoFit:
+        """The decode step: one token each, no row writing into a shared block. Each token
+        lands in its row's last block, or in a new one where the last block is full."""
+        grow = (plan.offset == 0).nonzero()[0]
+        if len(grow) > self.num_free_blocks:
+            return NoFit(len(grow), self.num_free_blocks)
+        st, old, grown = self._seqs, plan.old, rows[grow]
+        st.save_rows(rows, grown)
+        logical = old[grow] // self.block_size
+        taken = self._take_entries(grown, logical)
+        st.num_blocks[grown] = logical + 1
+        st.num_tokens[rows] = new = old + 1
+        self._record_tokens(rows, old, plan.offset, tokens)
+        written = plan.last  # the plan's own gather: safe to update in place
+        written[grow] = taken
+        return BatchAppend(written * self.block_size + plan.offset, grow, logical, taken, [],
+                           new)
+
+    def _append_many(self, rows: Int64Array, k: int, tokens: Int64Array | None,
+                     plan: "_AppendPlan") -> BatchAppend | NoFit:
+        """Any append: several tokens each (they may fill several blocks), or rows writing
+        into shared blocks, which first get private copies."""
+        st, bs, old = self._seqs, self.block_size, plan.old
+        old_nb = (old + bs - 1) // bs  # tables are ceil(tokens / B) long
+        grow_count = (old + k + bs - 1) // bs - old_nb
+        need = int(grow_count.sum()) + self._copies_needed(plan.last[plan.cow])
+        if need > self.num_free_blocks:
+            return NoFit(need, self.num_free_blocks)
+        grow = grow_count.nonzero()[0]
+        st.save_rows(rows, rows[grow])
+        copies, copied = [], []
+        for i in plan.cow.tolist():
+            if self._needs_cow(int(rows[i])):  # the last sharer in the batch keeps the original
+                copies.append(self._cow(int(rows[i]), int(old_nb[i]) - 1))
+                copied.append(i)
+        index, logical = ragged_entries(grow, old_nb[grow], grow_count[grow])
+        taken = self._take_entries(rows[index], logical)
+        st.num_blocks[rows] = old_nb + grow_count
+        st.num_tokens[rows] = old + k
+        self._record_tokens(rows, old, plan.offset, tokens)
+        pos = old[:, None] + np.arange(k)
+        slots = st.tables[rows[:, None], pos // bs] * bs + pos % bs
+        if copied:
+            index = np.concatenate([copied, index])
+            logical = np.concatenate([old_nb[copied] - 1, logical])
+            taken = np.concatenate([[copy.dst for copy in copies], taken])
+        return BatchAppend(slots.ravel(), index, logical, taken, copies, old + k)
+
+    def _take_entries(self, rows: Int64Array, logical: Int64Array) -> Int64Array:
+        """Fresh blocks for the table entries (rows[i], logical[i]); returns them in order."""
+        taken = self._blocks.take(len(rows))
+        if len(rows):
+            self._seqs.ensure_cols(int(logical.max()) + 1)
+            self._seqs.tables[rows, logical] = taken
+        return taken
+
     def _cow(self, row: int, logical_block: int) -> BlockCopy:
         """Give `row` a private copy of its shared block `logical_block`."""
         src = int(self._seqs.tables[row, logical_block])
@@ -266,80 +306,37 @@ class BlockPool:
         self._seqs.set_entry(row, logical_block, dst)
         return BlockCopy(src, dst)
 
-    def _grow(self, rows: Int64Array, old_nb: Int64Array, grow_count: Int64Array,
-              total: int) -> tuple[Int64Array, Int64Array, Int64Array]:
-        """Append `grow_count[i]` fresh blocks to the table of `rows[i]` (`total` in all).
-        Returns, per new table entry, the index of its row in `rows`, its logical block, and
-        the block put there."""
-        grow = grow_count.nonzero()[0]
-        if not len(grow):
-            return grow, grow, grow
-        if len(grow) == total:  # the decode step: one block each, no ragged ranges needed
-            index, logical = grow, old_nb[grow]
-        else:
-            counts = grow_count[grow]
-            index = np.repeat(grow, counts)
-            logical = np.repeat(old_nb[grow], counts) + ragged_arange(counts)
-        st = self._seqs
-        st.ensure_cols(int(logical.max()) + 1)
-        taken = self._blocks.take(total)
-        st.tables[rows[index], logical] = taken
-        st.num_blocks[rows] = old_nb + grow_count
-        return index, logical, taken
-
     # --------------------------------------------------------- prefix caching
 
-    def _cache_hits(self, tokens: Int64Array | None, root: bytes) -> tuple[list[int], bytes]:
-        """Blocks holding the longest cached prefix of full blocks of `tokens` in the namespace
-        `root`, and the key of the last of them (`root` if none): the parent of the sequence's
-        next block."""
-        hits: list[int] = []
-        parent, bs = root, self.block_size
-        if tokens is None or not self.enable_prefix_caching:
-            return hits, parent
-        for start in range(0, len(tokens) - bs + 1, bs):
-            key = block_key(parent, tokens[start:start + bs].tobytes())
-            block = self._blocks.cache.lookup(key)
-            if block is None:
-                break
-            hits.append(block)
-            parent = key
-        return hits, parent
-
-    def _record_tokens(self, row: int, start: int, tokens: Int64Array) -> None:
-        """Remember the ids of the tokens from position `start` of `row`, keying each block
-        they fill. One step per block touched, not per token."""
-        if not self._seqs.chain_ok[row]:
-            return
-        bs, pos, done = self.block_size, start, 0
-        while done < len(tokens):
-            offset = pos % bs
-            n = min(bs - offset, len(tokens) - done)
-            self._seqs.partial[row, offset:offset + n] = tokens[done:done + n]
-            done, pos = done + n, pos + n
-            if pos % bs == 0:
-                self._seal(np.array([row]), np.array([pos // bs - 1]))
-
-    def _record_batch(self, rows: Int64Array, old: Int64Array, offset: Int64Array,
-                      tokens: Int64Array) -> None:
-        """`_record_tokens` for many rows appending the same number of tokens; `offset` is
-        `old % block_size`."""
+    def _record_tokens(self, rows: Int64Array, old: Int64Array, offset: Int64Array,
+                       tokens: Int64Array | None) -> None:
+        """Remember the ids `tokens` [len(rows), k] appended to `rows` (which held `old`
+        tokens, `offset` = old % block_size) and key each block they fill. An append without
+        ids breaks the rows' chains: their later blocks are never keyed. One step per token
+        column, not per token."""
         st, bs = self._seqs, self.block_size
-        ok = st.chain_ok[rows]
+        if tokens is None:
+            st.chain_ok[rows] = False
+            return
+        if not self.enable_prefix_caching:
+            return
         for j in range(tokens.shape[1]):
             if j:
                 offset = (old + j) % bs
-            st.partial[rows, offset] = tokens[:, j]
-            filled = (ok & (offset == bs - 1)).nonzero()[0]
+            st.partial[rows, offset] = tokens[:, j]  # junk, harmless, in rows not chain_ok
+            filled = (offset == bs - 1).nonzero()[0]
+            if len(filled):
+                filled = filled[st.chain_ok[rows[filled]]]  # rows whose ids are all known
             if len(filled):
                 self._seal(rows[filled], (old[filled] + j) // bs)
 
     def _seal(self, rows: Int64Array, logical: Int64Array) -> None:
         """These rows just filled these blocks: key each (pending) by its prefix chain."""
         st, row_list = self._seqs, rows.tolist()
-        chain_key = st.chain_key
+        chain_key, tokens = st.chain_key, st.partial[rows]
         parents = [chain_key[row] for row in row_list]
-        keys = self._blocks.cache.key_blocks(st.tables[rows, logical], parents, st.partial[rows])
+        keys = block_keys(parents, tokens)
+        self._blocks.cache.key_blocks(st.tables[rows, logical], parents, keys, tokens)
         st.set_chain(row_list, keys)
 
     # ------------------------------------------------------------ feasibility
@@ -365,24 +362,22 @@ class BlockPool:
         return bool(st.num_tokens[row] % self.block_size != 0
                     and self._blocks.ref[st.tables[row, st.num_blocks[row] - 1]] > 1)
 
-    def _plan_append(self, rows: Int64Array, k: int) -> "_AppendPlan":
-        """What appending `k` tokens to each row takes, computed without changing anything."""
+    def _plan_append(self, rows: Int64Array) -> "_AppendPlan":
+        """Where the next token of each row lands, computed without changing anything."""
         st, bs = self._seqs, self.block_size
-        old, old_nb = st.num_tokens[rows], st.num_blocks[rows]
+        old = st.num_tokens[rows]
         offset = old % bs
-        grow_count = (old + (k + bs - 1)) // bs - old_nb
-        # An empty table's "last block" index -1 reads a junk entry, masked by offset == 0.
-        last = st.tables[rows, old_nb - 1]
+        # Each row's last block, column (old - 1) // B (tables are ceil(old / B) long): for an
+        # empty table, column -1 reads a junk entry, masked by offset == 0.
+        last = st.tables[rows, (old - 1) // bs]
         shared = (self._blocks.ref[last] > 1).nonzero()[0]  # few: filter these, not the batch
-        cow = shared[offset[shared] != 0]
-        grow_total = int(grow_count.sum())
-        need = grow_total + (self._copies_needed(last[cow]) if len(cow) else 0)
-        return _AppendPlan(old, old_nb, offset, grow_count, grow_total, last, cow, need)
+        cow = shared[offset[shared] != 0] if len(shared) else shared
+        return _AppendPlan(old, offset, last, cow)
 
-    def _slots(self, row: int, start: int, n: int) -> list[int]:
-        pos = np.arange(start, start + n)
-        bs = self.block_size
-        slots: list[int] = (self._seqs.tables[row, pos // bs] * bs + pos % bs).tolist()
+    def _slots(self, row: int, n: int) -> list[int]:
+        """Slots of the first `n` tokens of `row`: every slot of its blocks, cut at n."""
+        blocks = self._seqs.tables[row, : -(-n // self.block_size), None]
+        slots: list[int] = (blocks * self.block_size + self._offsets).ravel()[:n].tolist()
         return slots
 
     def _row(self, seq: Hashable) -> int:
@@ -450,18 +445,12 @@ class BlockPool:
 
 
 class _AppendPlan(NamedTuple):
-    """The feasibility check of an append over rows, kept for the change that follows it."""
+    """Where an append over rows writes, kept for the change that follows the check."""
 
-    # Tokens and blocks of each row before the append, and old % block_size.
+    # Tokens of each row before the append, and old % block_size.
     old: Int64Array
-    old_nb: Int64Array
     offset: Int64Array
-    # New blocks each row takes, and their sum.
-    grow_count: Int64Array
-    grow_total: int
     # Each row's last block (junk for empty tables, where offset == 0).
     last: Int64Array
-    # Indices of rows whose write lands in a shared, partially filled last block.
+    # Indices of rows whose next write lands in a shared, partially filled last block.
     cow: Int64Array
-    # Blocks the append takes from the free pool: new blocks plus copies.
-    need: int

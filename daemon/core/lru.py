@@ -1,6 +1,6 @@
 """The LRU of evictable cached blocks: a doubly linked list threaded through two arrays.
 
-Push at the tail (a block released), pop at the head (evict the least recently released), and
+Append at the tail (blocks released), pop at the head (evict the least recently released), and
 remove from the middle (a cache hit revives a block) are all O(1) with no allocation, and each
 is undone exactly by its inverse (the journal replays them newest first, so a removed block's
 old neighbours are its neighbours again when it is put back).
@@ -35,9 +35,22 @@ class LruList:
             yield block
             block = self._next[block]
 
-    def push(self, block: int) -> None:
-        """Append at the tail: the most recently released."""
-        self.insert(block, self._prev[self._sentinel], self._sentinel)
+    def extend(self, blocks: list[int]) -> None:
+        """Append `blocks` at the tail in order: the most recently released. One loop over
+        local lists (a free releases a whole table at once)."""
+        prev, nxt, tail = self._prev, self._next, self._sentinel
+        last = prev[tail]
+        for block in blocks:
+            assert prev[block] == -1, f"block {block} is already in the LRU"
+            nxt[last], prev[block] = block, last
+            last = block
+        nxt[last], prev[tail] = tail, last
+        self._size += len(blocks)
+
+    def drop_tail(self, n: int) -> None:
+        """Undo of `extend` of `n` blocks: unlink the last `n`."""
+        for _ in range(n):
+            self.remove(self._prev[self._sentinel])
 
     def pop_head(self) -> int:
         """Remove and return the least recently released block."""

@@ -77,11 +77,13 @@ class PhysicalBlocks:
 
     def share(self, blocks: list[int]) -> None:
         """One more table references each of `blocks` (distinct); cached ones are revived."""
-        ref = self.ref
-        for block in blocks:
-            if ref[block] == 0:
-                self.cache.revive(block)
-        self.add_refs(np.array(blocks, dtype=np.int64), 1)
+        if not blocks:  # an allocation with no cache hit
+            return
+        shared = np.array(blocks, dtype=np.int64)
+        revived = shared[self.ref[shared] == 0]
+        if len(revived):
+            self.cache.revive(revived.tolist())
+        self.add_refs(shared, 1)
 
     def add_refs(self, blocks: Int64Array, delta: int) -> None:
         """Refcounts of distinct `blocks` change by `delta`; no state changes (fork, CoW)."""
@@ -91,31 +93,31 @@ class PhysicalBlocks:
     def _add_refs(self, blocks: Int64Array, delta: int) -> None:
         self.ref[blocks] += delta
 
-    def release(self, table: list[int]) -> list[int]:
-        """A table that referenced these blocks is gone. Returns the blocks that went back to
-        the free list with no content kept; committed blocks whose count reaches 0 become
-        cached, pending ones lose their key (their K/V was never certified).
+    def release(self, table: Int64Array) -> list[int]:
+        """A table that referenced these blocks is gone (`table` is the caller's copy: the
+        undo keeps it). Returns the blocks that went back to the free list with no content
+        kept; committed blocks whose count reaches 0 become cached, pending ones lose their key
+        (their K/V was never certified).
 
         Blocks are released deepest first, so among blocks released together the cache evicts
         a sequence's tail before the prefix that other requests are likelier to share.
         """
-        ref, cache, released = self.ref, self.cache, []
-        for block in reversed(table):
-            ref[block] -= 1
-            if ref[block] > 0:
-                continue
-            if cache.is_committed(block):
-                cache.park(block)
-                if self.events is not None:
-                    self.events.parked(block, cache.key_of[block] or b"")
-            else:
-                cache.forget(block)
-                released.append(block)
+        deepest = table[::-1]
+        ref = self.ref
+        ref[deepest] -= 1  # a table never holds a block twice: no repeated indices
+        # Only the blocks no other table holds change state: one Python step each.
+        unheld = deepest[ref[deepest] == 0].tolist()
+        released = self.cache.release(unheld)
+        if self.events is not None and len(released) < len(unheld):
+            freed = set(released)
+            for block in unheld:
+                if block not in freed:  # parked: cached with its committed key
+                    self.events.parked(block, self.cache.key_of[block] or b"")
         self.free.extend(released)
         self._journal.record(self._unrelease, table, len(released))
         return released
 
-    def _unrelease(self, table: list[int], num_freed: int) -> None:
+    def _unrelease(self, table: Int64Array, num_freed: int) -> None:
         for _ in range(num_freed):
             self.free.pop()
         self.ref[table] += 1

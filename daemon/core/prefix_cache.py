@@ -22,6 +22,7 @@ Invariants (checked by `check`):
   the content behind every key can be verified.
 """
 
+from functools import lru_cache
 from hashlib import sha256
 
 import numpy as np
@@ -30,7 +31,11 @@ import numpy.typing as npt
 from .journal import Journal
 from .lru import LruList
 
+# Keys a call dropped, as (block, key, parent key): what its undo gives back.
+DroppedKeys = list[tuple[int, bytes, bytes | None]]
 
+
+@lru_cache(maxsize=256)  # salts are few (one per tenant); the bound keeps a flood of them small
 def root_key(salt: bytes) -> bytes:
     """Parent key of the first block of every sequence in the namespace `salt`."""
     return sha256(b"pagedkv-root:" + salt).digest()
@@ -39,6 +44,28 @@ def root_key(salt: bytes) -> bytes:
 def block_key(parent: bytes, tokens: bytes) -> bytes:
     """Content key of a full block: the key of its prefix (rooted in a salt), its token ids."""
     return sha256(parent + tokens).digest()
+
+
+def chain_keys(parent: bytes, tokens: npt.NDArray[np.int64]) -> list[bytes]:
+    """Keys of consecutive full blocks (token ids [n, block_size]) following the block keyed
+    `parent`: each block's parent is the one before it. One buffer, each block hashed once."""
+    data, width = tokens.tobytes(), tokens.shape[1] * tokens.itemsize
+    keys = []
+    for start in range(0, len(data), width):
+        parent = sha256(parent + data[start:start + width]).digest()  # block_key, inline
+        keys.append(parent)
+    return keys
+
+
+def block_keys(parents: list[bytes], tokens: npt.NDArray[np.int64]) -> list[bytes]:
+    """Keys of full blocks (token ids [n, block_size]) of different chains, under their
+    parents' keys: the blocks a decode step filled. One buffer, one loop."""
+    data, width = tokens.tobytes(), tokens.shape[1] * tokens.itemsize
+    keys, start = [], 0
+    for parent in parents:
+        keys.append(sha256(parent + data[start:start + width]).digest())  # block_key, inline
+        start += width
+    return keys
 
 
 class PrefixCache:
@@ -64,9 +91,16 @@ class PrefixCache:
         self.queries = 0
         self.hits = 0
 
-    def lookup(self, key: bytes) -> int | None:
-        """The block holding `key`'s committed content, if any (pending keys never match)."""
-        return self.block_of.get(key)
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """Blocks holding the committed content of the longest prefix of `keys` (a chain from
+        `chain_keys`); a pending key never matches."""
+        get, blocks = self.block_of.get, []
+        for key in keys:
+            block = get(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
 
     def is_committed(self, block: int) -> bool:
         key = self.key_of[block]
@@ -82,46 +116,54 @@ class PrefixCache:
         self.queries -= queries
         self.hits -= hits
 
-    def key_blocks(self, blocks: npt.NDArray[np.int64], parents: list[bytes],
-                   tokens: npt.NDArray[np.int64]) -> list[bytes]:
-        """Key the just-filled `blocks` (tokens [len(blocks), block_size]) under their parents'
-        keys, pending: nothing matches them until `commit`. Returns the keys in order.
-        This runs once per filled block on the decode hot path, hence one tight loop."""
+    def key_blocks(self, blocks: npt.NDArray[np.int64], parents: list[bytes], keys: list[bytes],
+                   tokens: npt.NDArray[np.int64]) -> None:
+        """Key the just-filled `blocks` (tokens [len(blocks), block_size], hashed by
+        `chain_keys` or `block_keys`) pending: nothing matches them until `commit`. This runs
+        for every filled block on the decode hot path: one tight loop."""
         key_of, parent_of = self.key_of, self.parent_of
-        data, width = tokens.tobytes(), tokens.shape[1] * tokens.itemsize
-        keys = []
-        block_list = blocks.tolist()
-        for i, (block, parent) in enumerate(zip(block_list, parents, strict=True)):
-            key = sha256(parent + data[i * width:(i + 1) * width]).digest()  # block_key, inline
+        for block, key, parent in zip(blocks.tolist(), keys, parents, strict=True):
             assert key_of[block] is None, f"block {block} already has a key"
-            keys.append(key)
             key_of[block] = key
             parent_of[block] = parent
+        if self._journal.active:  # an evicted block's old ids go back with its old key
+            self._journal.record(self._unkey, blocks, self.tokens_of[blocks])
         self.tokens_of[blocks] = tokens
-        self.num_keyed += len(block_list)
-        self._journal.record(self._unkey, block_list)
-        return keys
+        self.num_keyed += len(blocks)
 
-    def _unkey(self, blocks: list[int]) -> None:
-        for block in blocks:
+    def _unkey(self, blocks: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64]) -> None:
+        for block in blocks.tolist():
             self.key_of[block] = self.parent_of[block] = None
+        self.tokens_of[blocks] = tokens
         self.num_keyed -= len(blocks)
 
-    def commit(self, block: int) -> bool:
-        """The K/V of `block` is written: make its pending key matchable. Returns whether that
-        made it matchable. A block whose content another block committed first loses its key."""
-        key = self.key_of[block]
-        if key is None:
-            return False
-        holder = self.block_of.get(key)
-        if holder == block:
-            return False
-        if holder is not None:
-            self._drop_key(block)
-            return False
-        self.block_of[key] = block
-        self._journal.record(self.block_of.pop, key)
-        return True
+    def commit(self, blocks: list[int]) -> int:
+        """The K/V of `blocks` is written: make their pending keys matchable, in order. Returns
+        how many became matchable. A block whose content another block committed first (maybe
+        earlier in `blocks`) loses its key. One loop, one undo record."""
+        key_of, parent_of, block_of = self.key_of, self.parent_of, self.block_of
+        added: list[bytes] = []
+        dropped: DroppedKeys = []
+        for block in blocks:
+            key = key_of[block]
+            if key is None:
+                continue
+            holder = block_of.get(key)
+            if holder is None:
+                block_of[key] = block
+                added.append(key)
+            elif holder != block:  # the same content, committed first elsewhere
+                dropped.append((block, key, parent_of[block]))
+                key_of[block] = parent_of[block] = None
+        self.num_keyed -= len(dropped)
+        self._journal.record(self._uncommit, added, dropped)
+        return len(added)
+
+    def _uncommit(self, added: list[bytes], dropped: DroppedKeys) -> None:
+        for key in reversed(added):
+            del self.block_of[key]
+        for block, key, parent in dropped:
+            self._rekey(block, key, parent)
 
     def forget(self, block: int) -> None:
         """Drop `block`'s key, committed or pending (its content is about to change, or was
@@ -140,14 +182,46 @@ class PrefixCache:
         self.key_of[block] = self.parent_of[block] = None
         self.num_keyed -= 1
 
-    def _rekey(self, block: int, key: bytes, parent: bytes) -> None:
+    def _rekey(self, block: int, key: bytes, parent: bytes | None) -> None:
         self.key_of[block], self.parent_of[block] = key, parent
         self.num_keyed += 1
 
-    def park(self, block: int) -> None:
-        """A committed block's refcount reached 0: keep its content, make it evictable."""
-        self.evictable.push(block)
-        self._journal.record(self.evictable.remove, block)
+    def release(self, blocks: list[int]) -> list[int]:
+        """The refcounts of `blocks` reached 0. Those holding committed content stay cached,
+        evictable in the order given; the others lose their pending key, if any (their K/V was
+        never certified). Returns those others: free, with no content kept."""
+        key_of, parent_of, block_of = self.key_of, self.parent_of, self.block_of
+        parked: list[int] = []
+        freed: list[int] = []
+        dropped: DroppedKeys = []
+        for block in blocks:
+            key = key_of[block]
+            if key is not None and block_of.get(key) == block:
+                parked.append(block)
+                continue
+            if key is not None:
+                dropped.append((block, key, parent_of[block]))
+                key_of[block] = parent_of[block] = None
+            freed.append(block)
+        self.evictable.extend(parked)
+        self.num_keyed -= len(dropped)
+        self._journal.record(self._unrelease, len(parked), dropped)
+        return freed
+
+    def _unrelease(self, num_parked: int, dropped: DroppedKeys) -> None:
+        self.evictable.drop_tail(num_parked)
+        for block, key, parent in dropped:
+            self._rekey(block, key, parent)
+
+    def revive(self, blocks: list[int]) -> None:
+        """Cache hits on evictable blocks take them back into use."""
+        remove = self.evictable.remove
+        links = [(block, *remove(block)) for block in blocks]
+        self._journal.record(self._unrevive, links)
+
+    def _unrevive(self, links: list[tuple[int, int, int]]) -> None:
+        for block, prev, nxt in reversed(links):  # newest first: old neighbours are back
+            self.evictable.insert(block, prev, nxt)
 
     def unpark(self, block: int) -> None:
         """Drop an evictable block's content: it leaves the LRU and its committed key (no one
@@ -160,30 +234,31 @@ class PrefixCache:
         self._journal.record(self.block_of.__setitem__, key, block)
         self._drop_key(block)
 
-    def revive(self, block: int) -> None:
-        """A cache hit on an evictable block takes it back into use."""
-        prev, nxt = self.evictable.remove(block)
-        self._journal.record(self.evictable.insert, block, prev, nxt)
 
     def evict(self, n: int) -> list[int]:
         """Take the `n` least recently released cached blocks and drop their keys."""
-        evictable, block_of, key_of = self.evictable, self.block_of, self.key_of
-        blocks = []
+        evictable, block_of, key_of, parent_of = (self.evictable, self.block_of, self.key_of,
+                                                  self.parent_of)
+        blocks, keys, parents = [], [], []
         for _ in range(n):
             block = evictable.pop_head()
             key = key_of[block]
             assert key is not None, f"evictable block {block} has no key"
             del block_of[key]
-            self._journal.record(self._unevict, block, key, self.parent_of[block])
-            key_of[block] = self.parent_of[block] = None
             blocks.append(block)
+            keys.append(key)
+            parents.append(parent_of[block])
+            key_of[block] = parent_of[block] = None
         self.num_keyed -= n
+        self._journal.record(self._unevict, blocks, keys, parents)
         return blocks
 
-    def _unevict(self, block: int, key: bytes, parent: bytes) -> None:
-        self._rekey(block, key, parent)
-        self.block_of[key] = block
-        self.evictable.put_back_head(block)
+    def _unevict(self, blocks: list[int], keys: list[bytes], parents: list[bytes]) -> None:
+        for block, key, parent in zip(reversed(blocks), reversed(keys), reversed(parents),
+                                      strict=True):
+            self._rekey(block, key, parent)
+            self.block_of[key] = block
+            self.evictable.put_back_head(block)
 
     @property
     def num_pending(self) -> int:

@@ -104,21 +104,23 @@ class SeqTable:
         self.chain_ok[row] = state.chain_ok
         self.chain_key[row] = state.chain_key
 
-    def save_rows(self, rows: Int64Array, num_tokens: Int64Array, num_blocks: Int64Array,
-                  partial: bool) -> None:
-        """Record the lengths (and, if `partial`, the partial-block ids) of `rows` before a
-        change; table entries past num_blocks need no saving, being meaningless."""
+    def save_rows(self, rows: Int64Array, grown: Int64Array) -> None:
+        """Record, in one undo record, the lengths and chain flags of `rows` before an append,
+        and the partial-block ids of `grown`: those of them that start a new block. A call
+        writes ids only past its rows' meaningful ones, except from offset 0 of a new block,
+        where an earlier call of the same transaction may have left ids that become
+        meaningful again once it is undone. Table entries past num_blocks are meaningless."""
         if self._journal.active:
-            self._journal.record(self._restore_rows, rows, num_tokens, num_blocks,
-                                 self.chain_ok[rows],
-                                 self.partial[rows] if partial else None)
+            self._journal.record(self._restore_rows, rows, self.num_tokens[rows],
+                                 self.num_blocks[rows], self.chain_ok[rows], grown,
+                                 self.partial[grown])
 
     def _restore_rows(self, rows: Int64Array, num_tokens: Int64Array, num_blocks: Int64Array,
-                      chain_ok: npt.NDArray[np.bool_], partial: Int64Array | None) -> None:
+                      chain_ok: npt.NDArray[np.bool_], grown: Int64Array,
+                      partial: Int64Array) -> None:
         self.num_tokens[rows], self.num_blocks[rows] = num_tokens, num_blocks
         self.chain_ok[rows] = chain_ok
-        if partial is not None:
-            self.partial[rows] = partial
+        self.partial[grown] = partial
 
     def set_entry(self, row: int, logical: int, block: int) -> None:
         """Replace one table entry (copy-on-write)."""
@@ -132,7 +134,8 @@ class SeqTable:
     def set_chain(self, rows: list[int], keys: list[bytes]) -> None:
         """New parent keys for the next blocks of `rows`."""
         chain_key = self.chain_key
-        self._journal.record(self._set_chain, rows, [chain_key[row] for row in rows])
+        if self._journal.active:
+            self._journal.record(self._set_chain, rows, [chain_key[row] for row in rows])
         self._set_chain(rows, keys)
 
     def _set_chain(self, rows: list[int], keys: list[bytes]) -> None:
@@ -140,12 +143,14 @@ class SeqTable:
         for row, key in zip(rows, keys, strict=True):
             chain_key[row] = key
 
-    def set_committed(self, row: int, value: int) -> None:
-        self._journal.record(self._set_committed, row, int(self.committed[row]))
-        self.committed[row] = value
+    def set_committed(self, rows: Int64Array, values: Int64Array) -> None:
+        """New committed-block counts for distinct `rows`."""
+        if self._journal.active:
+            self._journal.record(self._set_committed, rows, self.committed[rows])
+        self.committed[rows] = values
 
-    def _set_committed(self, row: int, value: int) -> None:
-        self.committed[row] = value
+    def _set_committed(self, rows: Int64Array, values: Int64Array) -> None:
+        self.committed[rows] = values
 
     def set_chain_ok(self, row: int, value: bool) -> None:
         self._journal.record(self._set_chain_ok, row, bool(self.chain_ok[row]))
@@ -179,6 +184,15 @@ class SeqTable:
 def ragged_arange(counts: Int64Array) -> Int64Array:
     """0..c-1 for each c in `counts`, concatenated: the logical index of each table entry."""
     return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def ragged_entries(rows: Int64Array, first: Int64Array,
+                   counts: Int64Array) -> tuple[Int64Array, Int64Array]:
+    """Table entries first[i] .. first[i] + counts[i] - 1 of rows[i] (every count >= 1), in
+    order, as (row, logical block) per entry."""
+    if len(rows) == int(counts.sum()):  # one each (a decode step): no ragged ranges needed
+        return rows, first
+    return np.repeat(rows, counts), np.repeat(first, counts) + ragged_arange(counts)
 
 
 class _RowState(NamedTuple):
