@@ -23,7 +23,7 @@ from .errors import (
 )
 from .ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
 from .recovery import RetryPolicy
-from .runner_client import RunnerClient, SeqOutput, SeqStep
+from .runner_client import RunnerClient, SeqOutput, SeqStep, StepOutputs
 from .sampling_params import SamplingParams
 from .session import Session
 from .tls import TlsOptions
@@ -73,6 +73,7 @@ __all__ = [
     "SessionExpired",
     "SessionNotFound",
     "SessionStats",
+    "StepOutputs",
     "StepResult",
     "TlsOptions",
     "Unauthenticated",

@@ -10,10 +10,10 @@ the step's memory operations with it, so the sequences stay the client's. Errors
 """
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Self
+from typing import Self, overload
 
 import grpc
 
@@ -47,6 +47,9 @@ class SeqStep:
     parent_seq_id: int | None = None
     # (tokens held, prompt length, computed) for a runner that restarted, else None.
     history: tuple[Sequence[int], int, int] | None = None
+    # A new sequence without a parent: how many leading token_ids are the prompt (the rest were
+    # generated before a preemption); 0 = all.
+    num_prompt_tokens: int = 0
 
     def message(self) -> rpb.SequenceStep:
         p = self.params
@@ -58,7 +61,8 @@ class SeqStep:
                 repetition_penalty=p.repetition_penalty, has_seed=p.seed is not None,
                 seed=p.seed or 0, logprobs=-1 if p.logprobs is None else p.logprobs,
                 stop_token_ids=p.stop_token_ids, max_tokens=p.max_tokens),
-            has_parent=self.parent_seq_id is not None, parent_seq_id=self.parent_seq_id or 0)
+            has_parent=self.parent_seq_id is not None, parent_seq_id=self.parent_seq_id or 0,
+            num_prompt_tokens=self.num_prompt_tokens)
         if self.history is not None:
             tokens, prompt_len, computed = self.history
             step.history.CopyFrom(rpb.SequenceHistory(token_ids=tokens, prompt_len=prompt_len,
@@ -90,6 +94,28 @@ class SeqOutput:
                    tuple(m.top_logprobs), m.finished)
 
 
+class StepOutputs(Sequence[SeqOutput]):
+    """A step's outputs, one per requested sequence in request order, and the pool's free
+    blocks per the runner's latest daemon answer (what a scheduler admits by)."""
+
+    def __init__(self, outputs: Sequence[SeqOutput], free_blocks: int) -> None:
+        self._outputs = tuple(outputs)
+        self.free_blocks = free_blocks
+
+    @overload
+    def __getitem__(self, index: int) -> SeqOutput: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[SeqOutput]: ...
+    def __getitem__(self, index: int | slice) -> SeqOutput | Sequence[SeqOutput]:
+        return self._outputs[index]
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    def __iter__(self) -> Iterator[SeqOutput]:
+        return iter(self._outputs)
+
+
 class RunnerClient:
     """One channel to a runner. Create with `await RunnerClient.connect(target)`."""
 
@@ -117,7 +143,7 @@ class RunnerClient:
             raise error_from_rpc(exc) from None
 
     async def step(self, session: Session, seqs: Sequence[SeqStep],
-                   release: Sequence[int] = ()) -> list[SeqOutput]:
+                   release: Sequence[int] = ()) -> StepOutputs:
         """Compute one step of the session's sequences; free `release` after it."""
         request = rpb.RunnerStepRequest(session_id=session.session_id,
                                         seqs=[seq.message() for seq in seqs],
@@ -126,7 +152,8 @@ class RunnerClient:
             reply = await self.stub.Step(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
-        return [SeqOutput.from_proto(output) for output in reply.outputs]
+        return StepOutputs([SeqOutput.from_proto(output) for output in reply.outputs],
+                           reply.free_blocks)
 
     async def close(self) -> None:
         await self._channel.close(grace=None)

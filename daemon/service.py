@@ -317,6 +317,11 @@ class PoolService:
         return pool.num_blocks, pool.block_size, pool.num_free_blocks
 
     @property
+    def free_blocks(self) -> int:
+        """Blocks an allocation could take now (capacity's third figure), for answers."""
+        return self.pool.num_free_blocks
+
+    @property
     def num_sessions(self) -> int:
         return len(self.sessions)
 

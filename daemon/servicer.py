@@ -96,7 +96,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         ops = [batch_op(request.session_id, index, op) for index, op in enumerate(request.ops)]
         updates = await self._service.batch(request.session_id, ops)
         return pb.BatchResponse(results=[sequence_blocks(seq_id_of(op), update)
-                                         for op, update in zip(ops, updates, strict=True)])
+                                         for op, update in zip(ops, updates, strict=True)],
+                                free_blocks=self._service.free_blocks)
 
     @grpc_errors
     async def Step(self, request: pb.StepRequest, context: Context) -> pb.StepResponse:
@@ -111,7 +112,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
             changed_block_id=result.changed_block_id.tolist(),
             copy_src=[copy.src for copy in result.copies],
             copy_dst=[copy.dst for copy in result.copies],
-            num_tokens=result.num_tokens.tolist())
+            num_tokens=result.num_tokens.tolist(), free_blocks=self._service.free_blocks)
 
     @grpc_errors
     async def GetBlockTables(self, request: pb.GetBlockTablesRequest,

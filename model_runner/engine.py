@@ -2,14 +2,15 @@
 
     engine = StepEngine(pool_client, model_runner)
     await engine.start()
-    results = await engine.step(session_id, [SeqRequest(7, True, prompt, 0, params)])
+    outcome = await engine.step(session_id, [SeqRequest(7, True, prompt, 0, params)])
 
 A step goes through three stages:
 1. prepare (on the event loop, as soon as the step arrives): validate it (a bad step fails alone,
    before the pool changes), read back sequences the runner does not know, then one daemon call
    under the client's session: `Step` for a batch of single decode tokens (committing what the
-   previous forward computed), else one `Batch` of Allocate/Append ops. The answers are the only
-   source of block tables and slots; the chunks to compute follow from them.
+   previous forward computed), else one `Batch` of Fork ops (parallel samples, beams), then
+   Allocate/Append ops. The answers are the only source of block tables and slots; the chunks to
+   compute follow from them.
 2. forward (on one worker thread, one at a time, so two steps' writes never interleave): every
    prepared step waiting is packed into one forward pass, then each sequence that is fully
    computed samples its next token. A step that arrives while a forward runs is prepared
@@ -33,6 +34,7 @@ from pagedkv.client import (
     Allocate,
     Append,
     Commit,
+    Fork,
     Free,
     NotFound,
     PoolClient,
@@ -76,8 +78,9 @@ class SeqRequest:
 
     # The client's id of the sequence in its KVPool session.
     seq_id: int
-    # A new sequence whose prompt is token_ids (allocated by the runner), or an existing one
-    # that token_ids are appended to.
+    # A new sequence: its prompt is token_ids (allocated by the runner), or with a parent_seq_id
+    # a fork the runner makes that token_ids are appended to; else an existing sequence that
+    # token_ids are appended to.
     new_sequence: bool
     # Tokens to add: a prompt, a decode token, more prompt; may be empty (go on computing).
     token_ids: tuple[int, ...]
@@ -85,10 +88,14 @@ class SeqRequest:
     max_compute_tokens: int
     # How to pick the next token once the sequence is fully computed.
     params: SamplingParams
-    # For the first step of a sequence the client forked: its parent (token history).
+    # The parent of a fork the runner makes (new_sequence), or of a sequence the client forked
+    # itself (its first step): the child inherits the parent's token history.
     parent_seq_id: int | None = None
     # For the first step after a runner restart: what the sequence holds.
     history: History | None = None
+    # A new sequence without a parent: how many leading token_ids are the prompt (the rest were
+    # generated before a preemption); 0 = all.
+    num_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +117,16 @@ class SeqResult:
     top_logprobs: tuple[float, ...] = ()
     # The sampled token is a stop token, or max_tokens were generated.
     finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """A client step's answer."""
+
+    # One result per requested sequence, in request order.
+    results: list[SeqResult]
+    # The pool's free blocks per the daemon's latest answer to this runner.
+    free_blocks: int
 
 
 @dataclass
@@ -152,6 +169,8 @@ class StepEngine:
         self._wake = asyncio.Event()
         self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-forward")
         self._loop_task: asyncio.Task[None] | None = None
+        # The pool's free blocks per the daemon's latest answer (any session's call).
+        self.free_blocks = 0
 
     async def start(self) -> None:
         if self._loop_task is None:
@@ -172,7 +191,7 @@ class StepEngine:
     # ---------------------------------------------------------------- the step
 
     async def step(self, session_id: str, requests: Sequence[SeqRequest],
-                   release: Sequence[int] = ()) -> list[SeqResult]:
+                   release: Sequence[int] = ()) -> StepOutcome:
         """Compute one client step; `release` names sequences to free after it."""
         self._validate(requests, release)
         started = time.monotonic()
@@ -196,7 +215,7 @@ class StepEngine:
                     self._sessions.pop(session_id, None)
                     self._session_locks.pop(session_id, None)
                 raise
-            return results
+            return StepOutcome(results, self.free_blocks)
 
     def _validate(self, requests: Sequence[SeqRequest], release: Sequence[int]) -> None:
         if not requests and not release:
@@ -204,9 +223,18 @@ class StepEngine:
         if len({r.seq_id for r in requests}) != len(requests):
             raise InvalidStep("a sequence appears twice in one step")
         vocab = self.runner.vocab_size
+        new = {r.seq_id for r in requests if r.new_sequence}
         for r in requests:
-            if r.new_sequence and not r.token_ids:
+            if r.new_sequence and not r.token_ids and r.parent_seq_id is None:
                 raise InvalidStep(f"new sequence {r.seq_id} has no prompt tokens")
+            if r.parent_seq_id is not None and r.parent_seq_id in new | {r.seq_id}:
+                raise InvalidStep(f"sequence {r.seq_id}: its parent {r.parent_seq_id} must be an "
+                                  "existing sequence, not new in the same step")
+            if r.num_prompt_tokens and not (r.new_sequence and r.parent_seq_id is None
+                                            and r.num_prompt_tokens <= len(r.token_ids)):
+                raise InvalidStep(f"sequence {r.seq_id}: num_prompt_tokens applies to a new "
+                                  f"sequence without a parent and must be <= its {len(r.token_ids)}"
+                                  " tokens")
             if any(not 0 <= t < vocab for t in r.token_ids):
                 raise InvalidStep(f"sequence {r.seq_id}: token ids must be in [0, {vocab})")
             if r.max_compute_tokens < 0:
@@ -278,6 +306,7 @@ class StepEngine:
         reply = await self.pool.call(self.pool.stub.Step, lambda: pb.StepRequest(
             session_id=session_id, seq_ids=seq_ids, num_tokens=1, token_ids=tokens,
             commit=commit))
+        self.free_blocks = reply.free_blocks
         for index, logical, block in zip(reply.changed_seq_index, reply.changed_logical_block,
                                          reply.changed_block_id, strict=True):
             states[index].patch(logical, block)
@@ -299,27 +328,44 @@ class StepEngine:
 
     async def _batch(self, session_id: str, known: SessionSequences,
                      requests: Sequence[SeqRequest]) -> list[SeqState]:
-        """One daemon Batch: Allocate each new sequence, Append to the others."""
-        ops: list[Allocate | Append] = []
+        """One daemon Batch: Fork the forks first (a child holds what its parent held before the
+        step), Allocate each other new sequence, Append to the rest."""
+        forks = [r for r in requests if r.new_sequence and r.parent_seq_id is not None]
+        # The parents as they are before this step appends to them: what the children inherit.
+        inherited = {r.seq_id: self._fork_parent(known, r) for r in forks}
+        ops: list[Fork | Allocate | Append] = [
+            Fork(r.parent_seq_id, r.seq_id) for r in forks if r.parent_seq_id is not None]
         for r in requests:
-            if r.new_sequence:
+            if r.new_sequence and r.parent_seq_id is None:
                 ops.append(Allocate(r.seq_id, token_ids=r.token_ids))
             elif r.token_ids:
-                self._known(known, r.seq_id)
+                if not r.new_sequence:
+                    self._known(known, r.seq_id)
                 ops.append(Append(r.seq_id, token_ids=r.token_ids))
         answers: list[SequenceBlocks] = []
         if ops:
             reply = await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
                 session_id=session_id, ops=[op.batch_op() for op in ops]))
+            self.free_blocks = reply.free_blocks
             answers = [SequenceBlocks.from_proto(result) for result in reply.results]
+        # A fork's Append answer comes after its Fork answer: the later one wins.
         by_seq = {answer.seq_id: answer for answer in answers}
         states = []
         for r in requests:
             answer = by_seq.get(r.seq_id)
-            if r.new_sequence:
+            if r.seq_id in inherited:
                 assert answer is not None
-                state = SeqState(list(r.token_ids), len(r.token_ids), answer.num_cached_tokens,
-                                 list(answer.block_ids), answer.num_cached_tokens)
+                state = inherited[r.seq_id]
+                state.tokens.extend(r.token_ids)
+                state.block_table = list(answer.block_ids)
+                known.put(r.seq_id, state)
+                if answer.num_tokens != len(state.tokens):
+                    self._stale(known, r.seq_id)
+            elif r.new_sequence:
+                assert answer is not None
+                state = SeqState(list(r.token_ids), r.num_prompt_tokens or len(r.token_ids),
+                                 answer.num_cached_tokens, list(answer.block_ids),
+                                 answer.num_cached_tokens)
                 known.put(r.seq_id, state)
             else:
                 state = self._known(known, r.seq_id)
@@ -330,6 +376,17 @@ class StepEngine:
                         self._stale(known, r.seq_id)
             states.append(state)
         return states
+
+    def _fork_parent(self, known: SessionSequences, request: SeqRequest) -> SeqState:
+        """A copy of the parent's state for a fork's child; the parent must be fully computed
+        (else the child would compute K/V into blocks it shares with the parent)."""
+        assert request.parent_seq_id is not None
+        parent = self._known(known, request.parent_seq_id)
+        if parent.num_computed != len(parent.tokens):
+            raise InvalidStep(f"sequence {request.seq_id}: its parent {request.parent_seq_id} is "
+                              "not fully computed yet; fork it after its prefill")
+        return SeqState(list(parent.tokens), parent.prompt_len, parent.num_computed,
+                        list(parent.block_table))
 
     def _known(self, known: SessionSequences, seq_id: int) -> SeqState:
         state = known.get(seq_id)
@@ -468,8 +525,9 @@ class StepEngine:
             ops.append(Commit(released, computed))
             ops.extend(Free(seq_id) for seq_id in released)
         if ops:
-            await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
+            reply = await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
                 session_id=session_id, ops=[op.batch_op() for op in ops]))
+            self.free_blocks = reply.free_blocks
         known.drop(released)
         for seq_id in set(release) - set(released):  # never stepped here (a pruned fork)
             free = functools.partial(pb.FreeRequest, session_id=session_id, seq_id=seq_id)

@@ -37,7 +37,7 @@ from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 
 from .attention_backend import BackendName, get_backend
-from .engine import SeqRequest, SeqResult, StepEngine
+from .engine import SeqRequest, StepEngine, StepOutcome
 from .metrics import RunnerMetrics
 from .models import ModelSource, check_geometry, kv_geometry, load_model
 from .runner import ModelRunner
@@ -93,7 +93,7 @@ class RunnerState:
         self.unavailable: str | None = None
 
     async def step(self, session_id: str, requests: Sequence[SeqRequest],
-                   release: Sequence[int]) -> list[SeqResult]:
+                   release: Sequence[int]) -> StepOutcome:
         """The engine's step, refused while the pool is unavailable."""
         if self.unavailable is not None:
             raise RunnerUnavailable(self.unavailable)

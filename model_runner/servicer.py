@@ -19,7 +19,7 @@ from pagedkv.client.errors import ERROR_KEY
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 
-from .engine import History, InvalidStep, SeqRequest, SeqResult, UnknownSequence
+from .engine import History, InvalidStep, SeqRequest, SeqResult, StepOutcome, UnknownSequence
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -28,7 +28,7 @@ Request = TypeVar("Request")
 Response = TypeVar("Response")
 Handler = Callable[["RunnerServicer", Request, "Context"], Awaitable[Response]]
 # StepEngine.step, behind whatever gate the server puts before it.
-StepFunction = Callable[[str, Sequence[SeqRequest], Sequence[int]], Awaitable[list[SeqResult]]]
+StepFunction = Callable[[str, Sequence[SeqRequest], Sequence[int]], Awaitable[StepOutcome]]
 
 
 # max_tokens of a request that set none: more than any sequence generates.
@@ -89,8 +89,9 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
     async def Step(self, request: rpb.RunnerStepRequest,
                    context: Context) -> rpb.RunnerStepResponse:
         seqs = [seq_request(seq) for seq in request.seqs]
-        results = await self._step(request.session_id, seqs, list(request.release_seq_ids))
-        return rpb.RunnerStepResponse(outputs=[sequence_output(r) for r in results])
+        outcome = await self._step(request.session_id, seqs, list(request.release_seq_ids))
+        return rpb.RunnerStepResponse(outputs=[sequence_output(r) for r in outcome.results],
+                                      free_blocks=outcome.free_blocks)
 
 
 def sampling_params(message: rpb.SamplingParams) -> SamplingParams:
@@ -113,7 +114,8 @@ def seq_request(message: rpb.SequenceStep) -> SeqRequest:
         raise InvalidStep(f"sequence {message.seq_id}: temperature must be finite")
     return SeqRequest(message.seq_id, message.new_sequence, tuple(message.token_ids),
                       message.max_compute_tokens, sampling_params(message.sampling),
-                      message.parent_seq_id if message.has_parent else None, history)
+                      message.parent_seq_id if message.has_parent else None, history,
+                      message.num_prompt_tokens)
 
 
 def sequence_output(result: SeqResult) -> rpb.SequenceOutput:

@@ -709,6 +709,11 @@ class BatchResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RESULTS_FIELD_NUMBER: _builtins.int
+    FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    free_blocks: _builtins.int
+    """Blocks an allocation could take as the answer was built (GetStats' free_blocks): what a
+    scheduler admits new sequences by, without another call.
+    """
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceBlocks]:
         """One result per op, in order."""
@@ -717,10 +722,11 @@ class BatchResponse(_message.Message):
         self,
         *,
         results: _abc.Iterable[Global___SequenceBlocks] | None = ...,
+        free_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_blocks", b"free_blocks", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -779,6 +785,9 @@ class StepResponse(_message.Message):
     COPY_SRC_FIELD_NUMBER: _builtins.int
     COPY_DST_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    free_blocks: _builtins.int
+    """Blocks an allocation could take as the answer was built (see BatchResponse.free_blocks)."""
     @_builtins.property
     def slot_mapping(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Slots of the appended tokens, sequence-major (len(seq_ids) * num_tokens)."""
@@ -817,10 +826,11 @@ class StepResponse(_message.Message):
         copy_src: _abc.Iterable[_builtins.int] | None = ...,
         copy_dst: _abc.Iterable[_builtins.int] | None = ...,
         num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        free_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_block_id", b"changed_block_id", "changed_logical_block", b"changed_logical_block", "changed_seq_index", b"changed_seq_index", "copy_dst", b"copy_dst", "copy_src", b"copy_src", "num_tokens", b"num_tokens", "slot_mapping", b"slot_mapping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changed_block_id", b"changed_block_id", "changed_logical_block", b"changed_logical_block", "changed_seq_index", b"changed_seq_index", "copy_dst", b"copy_dst", "copy_src", b"copy_src", "free_blocks", b"free_blocks", "num_tokens", b"num_tokens", "slot_mapping", b"slot_mapping"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

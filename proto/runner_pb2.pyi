@@ -172,10 +172,16 @@ class SequenceStep(_message.Message):
     HAS_PARENT_FIELD_NUMBER: _builtins.int
     PARENT_SEQ_ID_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     new_sequence: _builtins.bool
-    """True: a new sequence whose prompt is token_ids (the runner allocates it in the daemon; its
-    committed prefix-cache hit is not recomputed). False: token_ids are appended to it.
+    """True: a new sequence. Without a parent its prompt is token_ids (the runner allocates it in
+    the daemon; its committed prefix-cache hit is not recomputed). With has_parent the runner
+    forks the parent in the daemon (before any append of this step, so the child holds what the
+    parent held before the step: blocks shared, the partial last block copied on the child's
+    first append) and appends token_ids to the child; a child with no token_ids recomputes its
+    last token (writing nothing) to sample a token of its own: parallel sampling from one
+    prefill, a beam's extra continuation. False: token_ids are appended to the sequence.
     """
     max_compute_tokens: _builtins.int
     """Most tokens of this sequence to compute in this step, 0 = all that are not computed yet
@@ -183,10 +189,16 @@ class SequenceStep(_message.Message):
     the whole sequence is computed.
     """
     has_parent: _builtins.bool
-    """First step of a sequence the client forked in the daemon (KVPool.Fork): the parent's id, so
-    the child inherits the parent's token history (repetition penalty, seeds).
+    """The parent of a fork (new_sequence: the runner forks it; otherwise the first step of a
+    sequence the client forked itself with KVPool.Fork): the child inherits the parent's token
+    history (repetition penalty, seeds). The parent must not be new in the same step.
     """
     parent_seq_id: _builtins.int
+    num_prompt_tokens: _builtins.int
+    """A new sequence without a parent: how many leading token_ids are the prompt; the rest were
+    generated before (a request re-admitted after preemption, recomputing prompt + output), so
+    max_tokens, seeds and penalties go on as if it had never been preempted. 0 = all.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens to add: the prompt (new), a decode token, or more prompt (chunked prefill)."""
@@ -211,10 +223,11 @@ class SequenceStep(_message.Message):
         has_parent: _builtins.bool = ...,
         parent_seq_id: _builtins.int = ...,
         history: Global___SequenceHistory | None = ...,
+        num_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_parent", b"has_parent", "history", b"history", "max_compute_tokens", b"max_compute_tokens", "new_sequence", b"new_sequence", "parent_seq_id", b"parent_seq_id", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_parent", b"has_parent", "history", b"history", "max_compute_tokens", b"max_compute_tokens", "new_sequence", b"new_sequence", "num_prompt_tokens", b"num_prompt_tokens", "parent_seq_id", b"parent_seq_id", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -346,6 +359,11 @@ class RunnerStepResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     OUTPUTS_FIELD_NUMBER: _builtins.int
+    FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    free_blocks: _builtins.int
+    """The pool's free blocks per the daemon's last answer in this step (KVPool free_blocks): what
+    a scheduler admits new sequences and plans preemption by.
+    """
     @_builtins.property
     def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceOutput]:
         """One per requested sequence, in request order."""
@@ -354,10 +372,11 @@ class RunnerStepResponse(_message.Message):
         self,
         *,
         outputs: _abc.Iterable[Global___SequenceOutput] | None = ...,
+        free_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_blocks", b"free_blocks", "outputs", b"outputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

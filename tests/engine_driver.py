@@ -46,7 +46,8 @@ async def decode(engine: StepEngine, session_id: str, first: Sequence[SeqRequest
     pending: list[SeqRequest] = list(first)
     while pending:
         finishing = [r.seq_id for r in pending if len(decoded[r.seq_id].tokens) == n - 1]
-        results = await engine.step(session_id, pending, release=finishing if release else ())
+        results = (await engine.step(session_id, pending,
+                                     release=finishing if release else ())).results
         pending = []
         for result in results:
             seq = decoded[result.seq_id]
