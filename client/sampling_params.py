@@ -4,12 +4,15 @@ Torch-free (it lives in the client); the runner's `pagedkv.model_runner.sampling
 them, in the order its module docstring gives. Names and "off" values follow vLLM's
 `SamplingParams`, so a request written for vLLM reads the same here.
 
-Room is left for later fields (`n`, `best_of`, beam search, `min_tokens`, `ignore_eos`, frequency
-and presence penalties): each is one more field whose default keeps today's behaviour.
+The request-level fields (`n`, `best_of`, beam search) are the client scheduler's
+(`pagedkv.client.engine`): the runner sees one SamplingParams per sequence and ignores them.
+Room is left for later fields (`min_tokens`, `ignore_eos`, frequency and presence penalties): each
+is one more field whose default keeps today's behaviour.
 """
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 # Temperatures below this are greedy, as in vLLM (`_SAMPLING_EPS`): dividing logits by a
 # near-zero temperature overflows to inf, and the limit of sampling is the argmax anyway.
@@ -47,6 +50,19 @@ class SamplingParams:
     # None = no logprobs; k >= 0 = the sampled token's logprob plus the k most likely tokens'
     # logprobs (k = 0: the sampled token's only). Logprobs are of the raw model distribution.
     logprobs: int | None = None
+    # Outputs returned per request (parallel samples, or the best beams), >= 1.
+    n: int = 1
+    # Samples generated per request, of which the n with the highest cumulative logprob are
+    # returned; None = n. The prompt is computed once and forked.
+    best_of: int | None = None
+    # Beam search with this many beams (0 = off): the rules of transformers'
+    # `generate(num_beams=beam_width, do_sample=False)`; needs temperature 0 and n <= beam_width.
+    beam_width: int = 0
+    # Beam search: a hypothesis scores sum(logprobs) / generated_length ** length_penalty.
+    length_penalty: float = 1.0
+    # Beam search: True stops once beam_width hypotheses are finished; False stops when no
+    # running beam can still beat them (transformers' heuristic); "never" checks exactly.
+    early_stopping: bool | Literal["never"] = False
 
     def __post_init__(self) -> None:
         _check_float("temperature", self.temperature)
@@ -84,6 +100,36 @@ class SamplingParams:
             if self.logprobs < 0:
                 raise ValueError(
                     f"logprobs must be >= 0 (number of top logprobs) or None, got {self.logprobs}")
+        self._check_request_fields()
+
+    def _check_request_fields(self) -> None:
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.best_of is not None:
+            _check_int("best_of", self.best_of)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        _check_int("beam_width", self.beam_width)
+        if self.beam_width < 0:
+            raise ValueError(f"beam_width must be >= 1, or 0 for no beam search, got "
+                             f"{self.beam_width}")
+        _check_float("length_penalty", self.length_penalty)
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got "
+                             f"{self.early_stopping!r}")
+        if self.beam_width:
+            if not self.is_greedy:
+                raise ValueError("beam search needs temperature=0 (transformers' do_sample=False)"
+                                 f", got temperature={self.temperature}")
+            if self.n > self.beam_width or self.best_of is not None:
+                raise ValueError(f"beam search returns n <= beam_width ({self.beam_width}) beams"
+                                 f" and takes no best_of, got n={self.n}, best_of={self.best_of}")
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences sampled per request without beam search: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     @property
     def is_greedy(self) -> bool:

@@ -9,22 +9,16 @@ max_tokens and seeds go on as before.
 """
 
 import pytest
-from engine_driver import decode, new
-from test_engine_families import (  # noqa: F401 (fixtures)
-    BLOCK_SIZE,
-    GREEDY,
-    NEW_TOKENS,
-    daemon,
-    engine,
-    expected_tokens,
-    prompts,
-    recorder,
-)
+import test_engine_families as families
+from engine_driver import decode, new, recorder
+from test_engine_families import BLOCK_SIZE, GREEDY, NEW_TOKENS, expected_tokens
 
 from pagedkv.client import SamplingParams, Session
 from pagedkv.model_runner.engine import InvalidStep, SeqRequest, StepEngine
 
 FAMILY = "llama"
+# The families module's fixtures: its daemon, prompts and per-family engine.
+daemon, prompts, engine = families.daemon, families.prompts, families.engine
 
 
 @pytest.mark.parametrize("family", [FAMILY])

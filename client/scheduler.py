@@ -1,0 +1,174 @@
+"""Continuous batching: which sequences each step computes, which requests wait or are preempted.
+
+Pure bookkeeping, no I/O: the engine asks for a `Plan` with the pool's free blocks from the
+runner's latest answer (the daemon's figure, never a guess), sends it as one runner step, and
+hands the answers back. Each step:
+1. every running request's sequences are stepped together: decodes (one token each) first,
+   then prefill chunks in admission order while `max_num_batched_tokens` lasts;
+2. if those steps need more blocks than are free, the most recently admitted request is
+   preempted instead (its sequences are freed by a release-only step; their committed prefix
+   blocks stay cached, so recomputing them is cheap) and the plan is made again;
+3. waiting requests are admitted, oldest first (preempted ones go back to the front), while
+   `max_num_seqs` and the token budget allow and the free blocks stay above the watermark.
+Finished and dropped sequences are released with the next step (a step frees only after it
+computes, so when the blocks are short a release-only step goes first).
+"""
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .requests import Request
+from .runner_client import SeqOutput, SeqStep
+from .sequences import Seq
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one client's batch (vLLM's names and defaults where they exist)."""
+
+    # Most sequences stepped together.
+    max_num_seqs: int = 256
+    # Most tokens computed per step (decodes count one each); longer prompts are chunked.
+    max_num_batched_tokens: int = 2048
+    # Fraction of the pool's blocks kept free when admitting, for running sequences to grow.
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1, got "
+                             f"{self.max_num_seqs} and {self.max_num_batched_tokens}")
+        if not 0 <= self.watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass
+class Plan:
+    """One runner step, or a preemption to carry out first."""
+
+    # The sequences to step and what to send for each, in the same order.
+    seqs: list[Seq] = field(default_factory=list)
+    steps: list[SeqStep] = field(default_factory=list)
+    # Sequences to free after the step (finished, dropped or preempted).
+    release: list[int] = field(default_factory=list)
+    # Requests to preempt (a release-only step), then plan again.
+    preempt: list[Request] = field(default_factory=list)
+    # Requests admitted by this plan (running once the step succeeds).
+    admit: list[Request] = field(default_factory=list)
+    # Blocks the steps may take (an upper bound).
+    blocks: int = 0
+
+
+class Scheduler:
+    """The waiting and running requests of one client."""
+
+    def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.watermark_blocks = int(config.watermark * num_blocks)
+        self.waiting: deque[Request] = deque()
+        # In admission order: the last is the first to be preempted.
+        self.running: list[Request] = []
+        # Sequence ids to free with the next step.
+        self.to_release: list[int] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.to_release)
+
+    @property
+    def num_running_seqs(self) -> int:
+        return sum(len(r.seqs) for r in self.running)
+
+    # ------------------------------------------------------------------ planning
+
+    def plan(self, free_blocks: int) -> Plan:
+        plan = Plan(release=list(self.to_release))
+        budget = self.config.max_num_batched_tokens
+        for request in self.running:
+            budget = self._add_request(plan, request, budget)
+        if plan.blocks > free_blocks:
+            if plan.release:  # a step frees only after it computes: free them first
+                return Plan(release=plan.release)
+            if len(self.running) > 1:
+                return Plan(preempt=[self.running[-1]])
+            return plan  # one request alone: the daemon's answer decides
+        self._admit(plan, free_blocks, budget)
+        return plan
+
+    def _add_request(self, plan: Plan, request: Request, budget: int) -> int:
+        """Add a request's sequences to the plan; return the token budget left."""
+        ready = [seq for seq in request.seqs if seq.finish_reason is None and seq.ready()]
+        forked_from = {id(seq.parent) for seq in ready if seq.parent is not None}
+        for seq in ready:
+            chunk = 0
+            if seq.is_prefilling:
+                if budget <= 0:
+                    continue  # its prefill goes on next step
+                chunk = min(budget, seq.prompt_tokens_left())
+                budget -= chunk
+            else:
+                budget -= 1
+            plan.seqs.append(seq)
+            plan.steps.append(seq.step(chunk))
+            plan.blocks += seq.blocks_needed(self.block_size, id(seq) in forked_from)
+        return budget
+
+    def _admit(self, plan: Plan, free_blocks: int, budget: int) -> None:
+        num_seqs = self.num_running_seqs
+        while self.waiting and budget > 0:
+            request = self.waiting[0]
+            size = max(request.params.num_samples, request.params.beam_width, len(request.seqs))
+            if num_seqs + size > self.config.max_num_seqs and (num_seqs or plan.admit):
+                return
+            if plan.blocks + self.blocks_to_admit(request) + self.watermark_blocks > free_blocks:
+                return
+            self.waiting.popleft()
+            plan.admit.append(request)
+            num_seqs += size
+            budget = self._add_request(plan, request, budget)
+
+    def blocks_to_admit(self, request: Request) -> int:
+        """An upper bound on the blocks admitting `request` takes (its prompt, or after a
+        preemption every token of each of its sequences)."""
+        return sum(seq.blocks_needed(self.block_size, False) for seq in request.seqs)
+
+    # ------------------------------------------------------------------ outcomes
+
+    def preempted(self, plan: Plan) -> None:
+        """The plan's preemption was carried out: requeue its requests first in line."""
+        for request in plan.preempt:
+            self.running.remove(request)
+            self.waiting.appendleft(request)
+            self.num_preemptions += 1
+
+    def preempt_ids(self, plan: Plan) -> list[int]:
+        """The sequences a preemption plan frees (and marks them freed)."""
+        return [seq_id for request in plan.preempt for seq_id in request.preempt()]
+
+    def unadmit(self, plan: Plan) -> None:
+        """The plan's step failed (nothing changed): its admissions wait again, in order."""
+        for request in reversed(plan.admit):
+            self.waiting.appendleft(request)
+
+    def update(self, plan: Plan, outputs: Sequence[SeqOutput]) -> list[Request]:
+        """Apply a step's answers; return the requests that made progress (finished ones are
+        no longer running)."""
+        self.to_release = [i for i in self.to_release if i not in set(plan.release)]
+        self.running.extend(plan.admit)
+        by_request: dict[int, list[tuple[Seq, SeqOutput]]] = {}
+        owner = {id(seq): request for request in self.running for seq in request.seqs}
+        requests: dict[int, Request] = {}
+        for seq, out in zip(plan.seqs, outputs, strict=True):
+            request = owner[id(seq)]
+            requests[id(request)] = request
+            by_request.setdefault(id(request), []).append((seq, out))
+        for key, results in by_request.items():
+            self.to_release.extend(requests[key].on_outputs(results))
+        progressed = list(requests.values())
+        self.running = [r for r in self.running if not r.finished]
+        return progressed
