@@ -51,6 +51,11 @@ from .sampling import SampledTokens, Sampler, SamplingRow
 from .sequences import SeqState, SessionSequences
 
 
+# When a step still waiting for its forward first renews its session's lease (then every third
+# of the lease): most steps are answered long before.
+FIRST_HOLD_S = 0.1
+
+
 class InvalidStep(ValueError):
     """A client's step is malformed (mapped to INVALID_ARGUMENT); nothing was changed."""
 
@@ -203,7 +208,11 @@ class StepEngine:
                 if prepared.chunks:
                     self._ready.append(prepared)
                     self._wake.set()
-                    results = await prepared.done
+                    holder = asyncio.create_task(self._hold_lease(session_id))
+                    try:
+                        results = await prepared.done
+                    finally:
+                        holder.cancel()
                 else:
                     results = [self._result(r, s, None) for r, s in
                                zip(requests, prepared.states, strict=True)]
@@ -216,6 +225,20 @@ class StepEngine:
                     self._session_locks.pop(session_id, None)
                 raise
             return StepOutcome(results, self.free_blocks)
+
+    async def _hold_lease(self, session_id: str) -> None:
+        """Keep the session's lease while its prepared step waits for and goes through a
+        forward: a client that dies meanwhile stops its own KeepAlive, and a lease expiring
+        mid-step would free blocks this forward still writes into."""
+        period = FIRST_HOLD_S
+        while True:
+            await asyncio.sleep(period)
+            try:
+                reply = await self.pool.call(self.pool.stub.KeepAlive, lambda: (
+                    pb.KeepAliveRequest(session_id=session_id)))
+            except (SessionExpired, NotFound):
+                return  # gone already: the step fails at its finish
+            period = reply.lease_ttl_ms / 3000
 
     def _validate(self, requests: Sequence[SeqRequest], release: Sequence[int]) -> None:
         if not requests and not release:
@@ -487,7 +510,8 @@ class StepEngine:
                                     picks.get(i, 0))
                        for i, (request, state) in enumerate(
                            zip(prepared.requests, prepared.states, strict=True))]
-            prepared.done.set_result(results)
+            if not prepared.done.done():  # its caller is gone (cancelled): the K/V stays
+                prepared.done.set_result(results)
 
     @staticmethod
     def _result(request: SeqRequest, state: SeqState, sampled: SampledTokens | None,

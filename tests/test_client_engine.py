@@ -7,6 +7,9 @@ are preempted and recomputed.
 """
 
 import asyncio
+import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import torch
 from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd
 from transformers import LlamaConfig, PreTrainedModel
 
-from pagedkv.client import SamplingParams
+from pagedkv.client import PoolClient, SamplingParams
 from pagedkv.client.engine import Engine, StepRecord
 from pagedkv.client.scheduler import SchedulerConfig
 from pagedkv.model_runner.models import ModelSource, load_model
@@ -209,3 +212,74 @@ async def test_a_small_pool_admits_by_free_blocks_and_preempts_without_changing_
         stats = await engine.session.stats()
         assert stats.session is not None and stats.session.num_sequences == 0
 
+
+
+# ---------------------------------------------------------------- client processes
+
+ENGINE_CLIENT = """
+import asyncio, json, sys
+from pagedkv.client import PoolClient, SamplingParams
+from pagedkv.client.engine import Engine
+daemon, runner, prompts, lease = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+async def main():
+    async with await Engine.connect(daemon, runner, lease_ttl_ms=lease) as engine:
+        print("ready", flush=True)
+        sys.stdin.readline()  # start together
+        params = SamplingParams(temperature=0, max_tokens=int(sys.argv[5]))
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        print(json.dumps([list(o.outputs[0].token_ids) for o in outs]), flush=True)
+asyncio.run(main())
+"""
+
+
+def start_engine_client(daemon: Pagedkvd, runner: Pagedkvd, prompts: list[list[int]],
+                        max_tokens: int, lease_ms: int = 10_000) -> subprocess.Popen[str]:
+    client = subprocess.Popen(
+        [sys.executable, "-c", ENGINE_CLIENT, daemon.unix_target, runner.unix_target,
+         json.dumps(prompts), str(lease_ms), str(max_tokens)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert client.stdout is not None and client.stdout.readline() == "ready\n"
+    return client
+
+
+def go(*clients: subprocess.Popen[str]) -> None:
+    for client in clients:
+        assert client.stdin is not None
+        client.stdin.write("go\n")
+        client.stdin.flush()
+
+
+def test_two_client_processes_share_the_daemon_and_the_runner(
+        roomy: tuple[Pagedkvd, Pagedkvd], reference: PreTrainedModel) -> None:
+    daemon, runner = roomy
+    clients = [start_engine_client(daemon, runner, PROMPTS[:4], 10),
+               start_engine_client(daemon, runner, PROMPTS[4:], 10)]
+    go(*clients)
+    results = [json.loads(client.communicate(timeout=120)[0]) for client in clients]
+    assert all(client.returncode == 0 for client in clients)
+    assert results == [[hf_greedy(reference, p, 10) for p in PROMPTS[:4]],
+                       [hf_greedy(reference, p, 10) for p in PROMPTS[4:]]]
+
+
+async def test_a_killed_client_loses_only_its_requests_and_its_blocks_come_back(
+        roomy: tuple[Pagedkvd, Pagedkvd], reference: PreTrainedModel) -> None:
+    """Two clients generate; one is SIGKILLed mid-generation (its session lease is 1 s). The
+    other finishes with its exact tokens, and within the lease every block the killed one held
+    is free again."""
+    daemon, runner = roomy
+    async with await PoolClient.connect(daemon.unix_target) as pool:
+        free_before = (await pool.stats()).free_blocks
+        doomed = start_engine_client(daemon, runner, PROMPTS, 400, lease_ms=1000)
+        survivor = start_engine_client(daemon, runner, PROMPTS[:3], 30)
+        go(doomed, survivor)
+        while (await pool.stats()).free_blocks > free_before - len(PROMPTS):
+            await asyncio.sleep(0.05)  # the doomed client's sequences are in the pool
+        doomed.kill()
+        doomed.wait()
+        out, _ = await asyncio.to_thread(survivor.communicate, timeout=120)
+        assert survivor.returncode == 0
+        assert json.loads(out) == [hf_greedy(reference, p, 30) for p in PROMPTS[:3]]
+        deadline = asyncio.get_running_loop().time() + 5
+        while (await pool.stats()).free_blocks != free_before:
+            assert asyncio.get_running_loop().time() < deadline, "the killed client's blocks"
+            await asyncio.sleep(0.1)
