@@ -50,7 +50,6 @@ from .runner import ModelRunner, SequenceChunk
 from .sampling import SampledTokens, Sampler, SamplingRow
 from .sequences import SeqState, SessionSequences
 
-
 # When a step still waiting for its forward first renews its session's lease (then every third
 # of the lease): most steps are answered long before.
 FIRST_HOLD_S = 0.1
