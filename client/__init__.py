@@ -1,6 +1,8 @@
-"""pagedkv.client: a typed async client for the pagedkv daemon (imports only grpc and protobuf)."""
+"""pagedkv.client: a typed async client for the pagedkv daemon and runner, and the scheduler that
+drives them (`Engine`); imports only grpc and protobuf."""
 
 from .client import DEFAULT_TIMEOUT_S, PoolClient
+from .engine import Engine, StepRecord
 from .errors import (
     AnswerTooLarge,
     Cancelled,
@@ -22,9 +24,11 @@ from .errors import (
     UnknownSequence,
 )
 from .ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
+from .outputs import CompletionOutput, RequestOutput
 from .recovery import RetryPolicy
 from .runner_client import RunnerClient, SeqOutput, SeqStep, StepOutputs
 from .sampling_params import SamplingParams
+from .scheduler import SchedulerConfig
 from .session import Session
 from .tls import TlsOptions
 from .types import (
@@ -44,9 +48,11 @@ __all__ = [
     "BlockCopy",
     "Cancelled",
     "Commit",
+    "CompletionOutput",
     "CopyOnWrite",
     "DaemonUnavailable",
     "DeadlineExceeded",
+    "Engine",
     "Fork",
     "Free",
     "InvalidArgument",
@@ -61,9 +67,11 @@ __all__ = [
     "PoolExhausted",
     "PoolInfo",
     "PoolStats",
+    "RequestOutput",
     "RetryPolicy",
     "RunnerClient",
     "SamplingParams",
+    "SchedulerConfig",
     "SeqOutput",
     "SeqStep",
     "SequenceBlocks",
@@ -74,6 +82,7 @@ __all__ = [
     "SessionNotFound",
     "SessionStats",
     "StepOutputs",
+    "StepRecord",
     "StepResult",
     "TlsOptions",
     "Unauthenticated",
