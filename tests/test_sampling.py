@@ -359,6 +359,14 @@ def test_params_defaults_and_normalization() -> None:
     ({"stop_token_ids": ("a",)}, "stop_token_ids must be an int"),
     ({"max_tokens": 0}, "max_tokens must be >= 1"),
     ({"logprobs": -1}, "logprobs must be >= 0"),
+    ({"n": 0}, "n must be >= 1"),
+    ({"n": 3, "best_of": 2}, r"best_of must be >= n \(3\)"),
+    ({"beam_width": -1}, "beam_width must be >= 1, or 0"),
+    ({"beam_width": 2}, "beam search needs temperature=0"),
+    ({"beam_width": 2, "temperature": 0, "n": 3}, r"n <= beam_width \(2\)"),
+    ({"beam_width": 2, "temperature": 0, "best_of": 2}, "takes no best_of"),
+    ({"early_stopping": "sometimes"}, "early_stopping must be True, False or 'never'"),
+    ({"length_penalty": float("nan")}, "length_penalty must be finite"),
 ])
 def test_params_validation(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
