@@ -53,6 +53,9 @@ from .sequences import SeqState, SessionSequences
 # When a step still waiting for its forward first renews its session's lease (then every third
 # of the lease): most steps are answered long before.
 FIRST_HOLD_S = 0.1
+# How long a forward waits at most (and at most half the last forward's time) for clients of
+# the last forward to send their next step, so concurrent clients share forwards (`_gather`).
+MAX_GATHER_S = 0.005
 
 
 class InvalidStep(ValueError):
@@ -437,22 +440,44 @@ class StepEngine:
 
     async def _forward_loop(self) -> None:
         loop = asyncio.get_running_loop()
+        # The sessions of the last forward, and how long it took.
+        recent: set[str] = set()
+        last_forward_s = 0.0
         while True:
-            await self._wake.wait()
+            if not self._ready:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._gather(recent, min(MAX_GATHER_S, last_forward_s / 2))
+            batch = self._take_batch()
+            started = time.monotonic()
+            try:
+                sampled = await loop.run_in_executor(self._forward_thread, self._compute, batch)
+            except Exception as exc:  # a failed forward fails the steps it carried
+                for prepared in batch:
+                    if not prepared.done.done():
+                        prepared.done.set_exception(exc)
+                continue
+            last_forward_s = time.monotonic() - started
+            recent = {prepared.session_id for prepared in batch}
+            self._observe(batch, started)
+            self._deliver(batch, sampled)
+
+    async def _gather(self, recent: set[str], window: float) -> None:
+        """Wait up to `window` for the sessions of the last forward to send their next step.
+
+        Their answers just left, while the steps of other clients were prepared during that
+        forward: without waiting, the clients split into two groups whose half-size forwards
+        alternate; with it, they merge into one forward."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + window
+        while recent - {prepared.session_id for prepared in self._ready}:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
             self._wake.clear()
-            while self._ready:
-                batch = self._take_batch()
-                started = time.monotonic()
-                try:
-                    sampled = await loop.run_in_executor(self._forward_thread, self._compute,
-                                                         batch)
-                except Exception as exc:  # a failed forward fails the steps it carried
-                    for prepared in batch:
-                        if not prepared.done.done():
-                            prepared.done.set_exception(exc)
-                    continue
-                self._observe(batch, started)
-                self._deliver(batch, sampled)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
 
     def _observe(self, batch: list[_Prepared], started: float) -> None:
         if self.metrics is None:
