@@ -105,9 +105,10 @@ class SessionStats:
     # "client_name#number".
     name: str
     num_sequences: int
-    # Block-table entries over the session's sequences: what max_blocks bounds.
+    # Block-table entries over the session's sequences: what max_blocks bounds (a contiguous
+    # daemon counts each sequence's whole reservation).
     block_table_entries: int
-    # Distinct physical blocks referenced.
+    # Distinct physical blocks referenced (contiguous: reserved).
     blocks_held: int
     max_blocks: int
     # Prefix-cache lookups of the session's allocations, in tokens.
@@ -128,7 +129,8 @@ class PoolStats:
 
     num_blocks: int
     block_size: int
-    # Blocks an allocation could take now (including evictable cached ones).
+    # Blocks an allocation could take now (including evictable cached ones); on a contiguous
+    # daemon, those whole max_model_len reservations can take (one per new sequence).
     free_blocks: int
     # The caller's own session, when asked through a Session.
     session: SessionStats | None

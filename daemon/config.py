@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from pagedkv.process.log_setup import LOG_FORMATS, LOG_LEVELS, LogFormat
 
 from .addresses import ListenAddress, parse_host_port, parse_listen
+from .core import ALLOCATORS, AllocatorKind
 from .geometry import canonical_dtype
 from .limits import LIMITS, Limits
 from .tenants import (
@@ -93,6 +94,13 @@ class DaemonConfig:
     lease_ttl_ms: int = 10_000
     # Reuse the blocks of identical prompt prefixes across sequences.
     enable_prefix_caching: bool = True
+    # How blocks are handed out: "paged" (as sequences grow; shared by forks and the prefix
+    # cache) or "contiguous" (the baseline paging replaced, for comparison: each sequence
+    # reserves max_model_len slots as one run of blocks, first fit; nothing shared or cached).
+    allocator: AllocatorKind = "paged"
+    # The tokens every sequence reserves, and the most it may hold: required with
+    # allocator = "contiguous", refused with "paged" (which reserves nothing).
+    max_model_len: int | None = None
     # Zero every block released without committed content (pending ones included), every
     # cached block evicted for a new owner, and what a private-salt session left cached when it
     # ends; committed blocks kept in the prefix cache keep their K/V while they are cached.
@@ -207,6 +215,34 @@ class DaemonConfig:
             _check(canonical_dtype, self.dtype, "dtype")
         if not self.shm_dir.is_dir():
             raise ConfigError(f"shm_dir: {self.shm_dir} is not a folder")
+        self._check_allocator()
+
+    def _check_allocator(self) -> None:
+        """A known allocator; max_model_len exactly when contiguous, and fitting the pool when
+        its size is known here (else `check_reservation` runs once it is)."""
+        if self.allocator not in ALLOCATORS:
+            raise ConfigError(f"allocator must be one of {', '.join(ALLOCATORS)}, "
+                              f"got {self.allocator!r}")
+        if self.allocator == "paged":
+            if self.max_model_len is not None:
+                raise ConfigError("max_model_len is what each sequence reserves with allocator "
+                                  "= \"contiguous\"; paged sequences reserve nothing: remove "
+                                  "it, or set allocator = \"contiguous\"")
+            return
+        if self.max_model_len is None:
+            raise ConfigError("allocator = \"contiguous\" needs max_model_len "
+                              "(--max-model-len): the tokens every sequence reserves")
+        if self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_blocks is not None:
+            self.check_reservation(self.num_blocks)
+
+    def check_reservation(self, num_blocks: int) -> None:
+        """A contiguous reservation of max_model_len slots fits in a pool of `num_blocks`."""
+        if self.max_model_len is not None and self.max_model_len > num_blocks * self.block_size:
+            raise ConfigError(f"max_model_len {self.max_model_len} does not fit in the pool: "
+                              f"{num_blocks} blocks x {self.block_size} slots = "
+                              f"{num_blocks * self.block_size} slots")
 
     def _check_service(self) -> None:
         """Metrics address, logging and leases."""
@@ -341,6 +377,8 @@ _TOML_KEYS: dict[str, Callable[[Any], Any]] = {
     "log_level": _toml_str,
     "lease_ttl_ms": _toml_int,
     "enable_prefix_caching": _toml_bool,
+    "allocator": _toml_str,
+    "max_model_len": _toml_int,
     "zero_freed_blocks": _toml_bool,
     "shm_dir": lambda v: Path(_toml_str(v)),
     "shm_mode": _toml_int,
@@ -409,6 +447,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--lease-ttl-ms", type=int, help="default session lease in milliseconds")
     opt("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
         help="never share blocks between identical prompt prefixes")
+    opt("--allocator", choices=ALLOCATORS, help="paged (default): blocks taken as sequences "
+        "grow, shared by forks and the prefix cache; contiguous: the baseline paging replaced, "
+        "for comparison: each sequence reserves --max-model-len slots as one run of blocks "
+        "(first fit), forks copy, nothing is cached, and free_blocks counts only blocks whole "
+        "reservations can take")
+    opt("--max-model-len", type=int, help="tokens each sequence reserves, and the most it may "
+        "hold (required with --allocator contiguous; must fit in the pool)")
     opt("--zero-freed-blocks", action="store_true", help="zero blocks as they are released")
     opt("--shm-dir", type=Path, help="folder of the CPU pool file (default /dev/shm)")
     opt("--shm-mode", type=_octal, help="octal mode of the /dev/shm pool file (default 600)")

@@ -36,7 +36,7 @@ from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 
 from .addresses import ListenAddress, parse_host_port
 from .config import DEFAULT_SOCKET_MODE, MAX_LEASE_TTL_MS, ConfigError, DaemonConfig
-from .core import BlockPool
+from .core import make_pool
 from .geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
 from .interceptors import ServerInterceptor
 from .kv_memory import (
@@ -113,7 +113,8 @@ async def _start(config: DaemonConfig, readiness: Readiness,
         http = await start_http(metrics_app(registry, readiness.reason_not_ready), host, port)
         stack.push_async_callback(http.cleanup)
     status = (f"serving pool {service.pool_id}: {service.pool.num_blocks} blocks x "
-              f"{service.pool.block_size} tokens, {format_bytes(memory.nbytes, binary=True)}")
+              f"{service.pool.block_size} tokens, {format_bytes(memory.nbytes, binary=True)}, "
+              f"{config.allocator}")
     notify("READY=1", f"STATUS={status}")
     log.info("ready", status=status, listen=list(running.targets),
              metrics_listen=config.metrics_listen)
@@ -136,14 +137,18 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
     torch.set_num_threads(1)
     geometry, dtype = pool_geometry(config)
     num_blocks = pool_num_blocks(config, geometry, dtype)
+    config.check_reservation(num_blocks)
     memory = KVPoolMemory.create(geometry, num_blocks, config.block_size, dtype,
                                  device=config.device, shm_dir=str(config.shm_dir),
                                  mode=config.shm_mode)
     try:
         log.info("pool allocated", pool_id=memory.pool_id, model=geometry.name, dtype=dtype,
                  device=config.device, num_blocks=num_blocks, block_size=config.block_size,
-                 bytes=memory.nbytes, shm_path=memory.handle().shm_path or None)
-        pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+                 bytes=memory.nbytes, shm_path=memory.handle().shm_path or None,
+                 allocator=config.allocator, max_model_len=config.max_model_len)
+        pool = make_pool(config.allocator, num_blocks, config.block_size,
+                         enable_prefix_caching=config.enable_prefix_caching,
+                         max_model_len=config.max_model_len)
         service = PoolService(pool, memory, pool_id=memory.pool_id,
                               default_lease_ttl_ms=config.lease_ttl_ms,
                               max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,

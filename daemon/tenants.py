@@ -1,9 +1,10 @@
 """Tenants: who a caller is, what it may open, and what its sessions may hold together.
 
 A tenant has a bearer token (TCP callers send it; it names the tenant), limits over all its
-sessions (`max_blocks`: block-table entries, the measure of the session quota; `max_sessions`:
-sessions open at once; 0 = unlimited) and the prefix-cache salts its sessions may use. Every
-session belongs to the tenant that opened it, and counts against that tenant's limits.
+sessions (`max_blocks`: block-table entries, or a contiguous pool's reserved blocks, the
+measure of the session quota; `max_sessions`: sessions open at once; 0 = unlimited) and the
+prefix-cache salts its sessions may use. Every session belongs to the tenant that opened it,
+and counts against that tenant's limits.
 
 Who is calling. The interceptor identifies each call: a TCP caller by its token, a unix-socket
 caller as the configured `unix_tenant` ("default" unless set). grpc's Python API does not

@@ -422,7 +422,9 @@ class ForkRequest(_message.Message):
     session_id: _builtins.str
     parent_seq_id: _builtins.int
     child_seq_id: _builtins.int
-    """A new seq id; the child shares every block of the parent."""
+    """A new seq id; the child shares every block of the parent (pagedkvd --allocator contiguous:
+    gets a reservation of its own holding a copy of them, reported as the answer's copies).
+    """
     def __init__(
         self,
         *,
@@ -928,9 +930,11 @@ class SessionStats(_message.Message):
     """"client_name#number": a label that is not the (secret) session id."""
     num_sequences: _builtins.int
     block_table_entries: _builtins.int
-    """Block-table entries over the session's sequences (what max_blocks bounds)."""
+    """Block-table entries over the session's sequences (what max_blocks bounds); with
+    pagedkvd --allocator contiguous, the blocks of their reservations.
+    """
     blocks_held: _builtins.int
-    """Distinct physical blocks the session's sequences reference."""
+    """Distinct physical blocks the session's sequences reference (contiguous: reserve)."""
     max_blocks: _builtins.int
     prefix_cache_queries: _builtins.int
     """Prefix-cache lookups of the session's Allocate calls, in tokens."""
@@ -981,7 +985,10 @@ class PoolStats(_message.Message):
     num_blocks: _builtins.int
     block_size: _builtins.int
     free_blocks: _builtins.int
-    """Blocks an allocation could take now (never-used, released, and evictable cached blocks)."""
+    """Blocks an allocation could take now (never-used, released, and evictable cached blocks).
+    With pagedkvd --allocator contiguous: the free blocks whole max_model_len reservations can
+    take (a free run shorter than one is left out); each new sequence needs one reservation.
+    """
     used_blocks: _builtins.int
     """Fields 4 to 14 (pool-wide activity): always 0 over this API; operators read them from
     /metrics (e.g. pagedkv:used_blocks). Their meanings, for the record:

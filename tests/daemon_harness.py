@@ -26,7 +26,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from pagedkv.daemon.addresses import ListenAddress, parse_listen
-from pagedkv.daemon.core import BlockPool
+from pagedkv.daemon.core import AllocatorKind, PoolAllocator, make_pool
 from pagedkv.daemon.geometry import TINY_CPU_GEOMETRY
 from pagedkv.daemon.kv_memory import KVPoolMemory
 from pagedkv.daemon.metrics import PoolCollector, RpcMetrics
@@ -57,7 +57,7 @@ class Daemon:
     registry: CollectorRegistry
 
     @property
-    def pool(self) -> BlockPool:
+    def pool(self) -> PoolAllocator:
         return self.service.pool
 
 
@@ -65,10 +65,12 @@ class Daemon:
 async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memory: bool = False,
                          tcp: bool = False, tls: ServerTls | None = None,
                          pool_id: str | None = None, tenants: Tenants | None = None,
+                         allocator: AllocatorKind = "paged", max_model_len: int | None = None,
                          **service_options: Any) -> AsyncIterator[Daemon]:
     """Start a daemon; `service_options` go to PoolService (leases, limits, zeroing, clock).
     With `tcp`, a loopback TCP listener too, serving TLS with `tls` when given. `tenants`
-    default to one, "default", whose token is TOKEN."""
+    default to one, "default", whose token is TOKEN. `allocator` and `max_model_len` choose
+    the pool's bookkeeping as pagedkvd's settings of the same names do."""
     async with AsyncExitStack() as stack:
         # Short and private: unix socket paths are limited to ~107 bytes, pytest's tmp_path is
         # long.
@@ -78,7 +80,8 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
         if with_memory:
             memory = stack.enter_context(KVPoolMemory.create(
                 TINY_CPU_GEOMETRY, num_blocks, block_size, "float32", shm_dir=str(directory)))
-        service = PoolService(BlockPool(num_blocks, block_size), memory,
+        pool = make_pool(allocator, num_blocks, block_size, max_model_len=max_model_len)
+        service = PoolService(pool, memory,
                               pool_id=pool_id or secrets.token_hex(8),
                               geometry=TINY_CPU_GEOMETRY,
                               tenants=tenants or Tenants.single(TOKEN), **service_options)
