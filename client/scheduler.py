@@ -62,9 +62,12 @@ class Plan:
 class Scheduler:
     """The waiting and running requests of one client."""
 
-    def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int,
+                 reservation_blocks: int = 0) -> None:
         self.config = config
         self.block_size = block_size
+        # Blocks a contiguous daemon reserves per sequence (PoolInfo); 0 when paged.
+        self.reservation_blocks = reservation_blocks
         self.watermark_blocks = int(config.watermark * num_blocks)
         self.waiting: deque[Request] = deque()
         # In admission order: the last is the first to be preempted.
@@ -115,7 +118,8 @@ class Scheduler:
                 budget -= 1
             plan.seqs.append(seq)
             plan.steps.append(seq.step(chunk))
-            plan.blocks += seq.blocks_needed(self.block_size, id(seq) in forked_from)
+            plan.blocks += seq.blocks_needed(self.block_size, id(seq) in forked_from,
+                                             self.reservation_blocks)
         return budget
 
     def _admit(self, plan: Plan, free_blocks: int, budget: int) -> None:
@@ -135,7 +139,8 @@ class Scheduler:
     def blocks_to_admit(self, request: Request) -> int:
         """An upper bound on the blocks admitting `request` takes (its prompt, or after a
         preemption every token of each of its sequences)."""
-        return sum(seq.blocks_needed(self.block_size, False) for seq in request.seqs)
+        return sum(seq.blocks_needed(self.block_size, False, self.reservation_blocks)
+                   for seq in request.seqs)
 
     # ------------------------------------------------------------------ outcomes
 

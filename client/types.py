@@ -90,12 +90,15 @@ class PoolInfo:
     # attach_pool(PoolMemoryHandle.from_proto(info.memory)) (pagedkv.memory); kind "" when the
     # daemon keeps bookkeeping only.
     memory: pb.PoolMemory
+    # Blocks each sequence reserves when allocated or forked (a contiguous daemon); 0 = paged.
+    reservation_blocks: int = 0
 
     @classmethod
     def from_proto(cls, message: pb.PoolInfo) -> "PoolInfo":
         return cls(message.pool_id, message.num_blocks, message.block_size, message.model,
                    message.num_layers, message.num_kv_heads, message.head_dim, message.dtype,
-                   message.bytes_per_block, message.layout, message.memory)
+                   message.bytes_per_block, message.layout, message.memory,
+                   message.reservation_blocks)
 
 
 @dataclass(frozen=True, slots=True)

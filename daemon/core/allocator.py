@@ -46,6 +46,10 @@ class PoolAllocator(Protocol):
     def num_free_blocks(self) -> int:
         """Blocks a new sequence could take now (a contiguous one needs a whole reservation)."""
 
+    @property
+    def reservation_blocks(self) -> int:
+        """Blocks each sequence reserves when allocated or forked; 0: taken as tokens need."""
+
     def __contains__(self, seq: Hashable) -> bool: ...
 
     def __len__(self) -> int: ...

@@ -67,6 +67,10 @@ class BlockPool:
     # ------------------------------------------------------------------ queries
 
     @property
+    def reservation_blocks(self) -> int:
+        return 0  # paged: blocks are taken as tokens need them
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now: free plus evictable cached blocks."""
         return self._blocks.num_available

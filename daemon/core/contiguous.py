@@ -83,6 +83,10 @@ class ContiguousPool:
     # ------------------------------------------------------------------ queries
 
     @property
+    def reservation_blocks(self) -> int:
+        return self.reservation
+
+    @property
     def num_free_blocks(self) -> int:
         """Free blocks that new reservations can take: those in runs of at least
         `reservation` blocks, rounded down to whole reservations."""
