@@ -22,8 +22,10 @@ from .addresses import ListenAddress, parse_host_port, parse_listen
 from .core import ALLOCATORS, AllocatorKind
 from .geometry import canonical_dtype
 from .limits import LIMITS, Limits
+from .peer_gate import check_gate_paths
 from .tenants import (
     DEFAULT_TENANT,
+    UNMAPPED_UIDS,
     Tenants,
     TenantSpec,
     build_tenants,
@@ -125,8 +127,12 @@ class DaemonConfig:
     # Tenants ([tenants.NAME] tables): token file, limits and cache salts of each; the
     # auth_token_file above is the "default" tenant's token.
     tenants: tuple[TenantSpec, ...] = ()
-    # The tenant of unix-socket callers (grpc does not give their uid; see tenants.py).
+    # The tenant of unix-socket callers when no tenant lists uids, and of unmapped uids with
+    # unmapped_uids = "unix_tenant".
     unix_tenant: str = DEFAULT_TENANT
+    # When tenants list uids: a unix caller whose uid none lists is "refuse"d
+    # (PERMISSION_DENIED) or is "unix_tenant".
+    unmapped_uids: str = "refuse"
     # ---- Limits on what clients may ask: one field per cap of daemon/limits.py, same name,
     # same TOML key, flag --max-...; each within its range (LIMITS). ops/OPERATIONS.md, "Limits".
     # Live sessions at once.
@@ -145,6 +151,8 @@ class DaemonConfig:
     max_session_id_bytes: int = _LIMIT_DEFAULTS.max_session_id_bytes
     # Encoded bytes of one answer (at most the 8 MiB message size clients accept).
     max_answer_bytes: int = _LIMIT_DEFAULTS.max_answer_bytes
+    # Unix-socket connections open at once through the peer-credential gate (tenants' uids).
+    max_unix_connections: int = _LIMIT_DEFAULTS.max_unix_connections
 
     def limits(self) -> Limits:
         """The caps above, as the service takes them."""
@@ -167,6 +175,10 @@ class DaemonConfig:
             raise ConfigError("listen: a TCP listener needs auth_token_file (--auth-token-file) "
                               "or a tenant with a token_file: without one anyone who can reach "
                               "the port could free your blocks")
+        if tenants.maps_uids:
+            for listener in listeners:
+                if listener.unix_path is not None:
+                    _check(check_gate_paths, listener.unix_path, "listen")
 
     def tenant_specs(self) -> tuple[TenantSpec, ...]:
         """The configured tenants, with auth_token_file as the "default" tenant's token."""
@@ -187,10 +199,10 @@ class DaemonConfig:
         """The run-time tenants, their tokens read from their files."""
         specs = self.tenant_specs()
         try:
-            check_specs(specs, self.unix_tenant)
+            check_specs(specs, self.unix_tenant, self.unmapped_uids)
             tokens = {spec.name: read_auth_token(spec.token_file, self._token_key(spec))
                       for spec in specs if spec.token_file is not None}
-            return build_tenants(specs, self.unix_tenant, tokens)
+            return build_tenants(specs, self.unix_tenant, self.unmapped_uids, tokens)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 
@@ -389,6 +401,7 @@ _TOML_KEYS: dict[str, Callable[[Any], Any]] = {
     "insecure_tcp": _toml_bool,
     "tenants": parse_tenants,
     "unix_tenant": _toml_str,
+    "unmapped_uids": _toml_str,
     **dict.fromkeys(LIMITS, _toml_int),
 }
 assert set(_TOML_KEYS) == {f.name for f in fields(DaemonConfig)}, "a setting has no TOML key"
@@ -466,6 +479,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "token is sent in clear; a warning is logged)")
     opt("--unix-tenant", help="tenant of unix-socket callers (default: default); tenants are "
         "[tenants.NAME] tables of the --config file")
+    opt("--unmapped-uids", choices=UNMAPPED_UIDS, help="when tenants list uids, a unix caller "
+        "whose uid none lists is refused (default) or is --unix-tenant")
     limits = parser.add_argument_group("limits on what clients may ask (override the TOML file)")
     for name, spec in LIMITS.items():
         limits.add_argument(f"--{name.replace('_', '-')}", type=int, default=argparse.SUPPRESS,

@@ -30,6 +30,7 @@ from pagedkv.daemon.core import AllocatorKind, PoolAllocator, make_pool
 from pagedkv.daemon.geometry import TINY_CPU_GEOMETRY
 from pagedkv.daemon.kv_memory import KVPoolMemory
 from pagedkv.daemon.metrics import PoolCollector, RpcMetrics
+from pagedkv.daemon.peer_gate import PeerGate
 from pagedkv.daemon.server import grpc_server
 from pagedkv.daemon.service import PoolService
 from pagedkv.daemon.tenants import Tenants
@@ -55,6 +56,8 @@ class Daemon:
     memory: KVPoolMemory | None
     # The daemon's Prometheus figures: pool collector and per-RPC metrics.
     registry: CollectorRegistry
+    # The peer-credential gate serving the unix socket, when the tenants list uids.
+    gate: PeerGate | None = None
 
     @property
     def pool(self) -> PoolAllocator:
@@ -95,4 +98,4 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
         running = await stack.enter_async_context(grpc_server(
             service, listeners, rpc_metrics=RpcMetrics(registry), tls=tls))
         tcp_target = running.targets[1] if tcp else None
-        yield Daemon(service, running.targets[0], tcp_target, memory, registry)
+        yield Daemon(service, running.targets[0], tcp_target, memory, registry, running.gate)
