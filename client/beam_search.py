@@ -1,4 +1,4 @@
-"""Beam search with the rules of Hugging Face transformers' `generate(num_beams=k, do_sample=False)`.
+"""Beam search with the rules of transformers' `generate(num_beams=k, do_sample=False)`.
 
 Torch-free (it lives in the client). A scheduler drives it: each step it sends every live beam
 (`BeamSearch.beams`) to the model runner, which returns each beam's `candidates_per_beam` most
