@@ -32,7 +32,7 @@ lint: setup
 # mypy cannot follow setuptools' package-dir mapping: link the folders under their import names.
 typecheck: setup
 	mkdir -p .mypy-src/pagedkv
-	for pkg in daemon client proto memory model_runner process; do ln -sfn ../../$$pkg .mypy-src/pagedkv/$$pkg; done
+	for pkg in daemon client proto memory model_runner process llm; do ln -sfn ../../$$pkg .mypy-src/pagedkv/$$pkg; done
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy benchmarks
 
