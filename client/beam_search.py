@@ -48,6 +48,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from .checks import check_float, check_int, token_ids
+
 EarlyStopping = bool | Literal["never"]
 
 
@@ -75,29 +77,22 @@ class BeamParams:
     num_return: int = 1
 
     def __post_init__(self) -> None:
-        _check_int("beam_width", self.beam_width)
+        check_int("beam_width", self.beam_width)
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
-        _check_int("max_tokens", self.max_tokens)
+        check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        # Accept any iterable of ints from untyped callers; store a tuple (hashable, frozen).
-        eos_token_ids = tuple(self.eos_token_ids)
-        for token_id in eos_token_ids:
-            _check_int("eos_token_ids", token_id)
-            if token_id < 0:
-                raise ValueError(f"eos_token_ids must be >= 0, got {token_id}")
+        eos_token_ids = token_ids("eos_token_ids", self.eos_token_ids)
         if len(set(eos_token_ids)) != len(eos_token_ids):
             raise ValueError(f"eos_token_ids has duplicates: {eos_token_ids}")
         object.__setattr__(self, "eos_token_ids", eos_token_ids)
-        lp = self.length_penalty
-        if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
-            raise ValueError(f"length_penalty must be a finite number, got {lp!r}")
-        object.__setattr__(self, "length_penalty", float(lp))
+        check_float("length_penalty", self.length_penalty)
+        object.__setattr__(self, "length_penalty", float(self.length_penalty))
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise ValueError(
                 f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
-        _check_int("num_return", self.num_return)
+        check_int("num_return", self.num_return)
         if not 1 <= self.num_return <= self.beam_width:
             raise ValueError(
                 f"num_return must be in [1, beam_width={self.beam_width}], got {self.num_return}")
@@ -239,8 +234,3 @@ def _f32(value: float) -> float:
         return math.copysign(math.inf, value)
     return rounded
 
-
-def _check_int(name: str, value: object) -> None:
-    # bool is an int subclass: `beam_width=True` is a mistake, not 1.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")

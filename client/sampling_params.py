@@ -10,9 +10,10 @@ Room is left for later fields (`min_tokens`, `ignore_eos`, frequency and presenc
 is one more field whose default keeps today's behaviour.
 """
 
-import math
 from dataclasses import dataclass
 from typing import Literal
+
+from .checks import check_float, check_int, token_ids
 
 # Temperatures below this are greedy, as in vLLM (`_SAMPLING_EPS`): dividing logits by a
 # near-zero temperature overflows to inf, and the limit of sampling is the argmax anyway.
@@ -65,56 +66,51 @@ class SamplingParams:
     early_stopping: bool | Literal["never"] = False
 
     def __post_init__(self) -> None:
-        _check_float("temperature", self.temperature)
+        check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        _check_int("top_k", self.top_k)
+        check_int("top_k", self.top_k)
         if self.top_k < -1:
             raise ValueError(f"top_k must be >= 1, or 0 or -1 to turn it off, got {self.top_k}")
-        _check_float("top_p", self.top_p)
+        check_float("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        _check_float("min_p", self.min_p)
+        check_float("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
-        _check_float("repetition_penalty", self.repetition_penalty)
+        check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            check_int("seed", self.seed)
             if not 0 <= self.seed <= MAX_SEED:
                 raise ValueError(f"seed must be in [0, 2**64) or None, got {self.seed}")
-        # Accept any iterable of ints from untyped callers; store a tuple (hashable, frozen).
-        stop_token_ids = tuple(self.stop_token_ids)
-        for token_id in stop_token_ids:
-            _check_int("stop_token_ids", token_id)
-            if token_id < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {token_id}")
-        object.__setattr__(self, "stop_token_ids", stop_token_ids)
-        _check_int("max_tokens", self.max_tokens)
+        object.__setattr__(self, "stop_token_ids", token_ids("stop_token_ids",
+                                                             self.stop_token_ids))
+        check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
+            check_int("logprobs", self.logprobs)
             if self.logprobs < 0:
                 raise ValueError(
                     f"logprobs must be >= 0 (number of top logprobs) or None, got {self.logprobs}")
         self._check_request_fields()
 
     def _check_request_fields(self) -> None:
-        _check_int("n", self.n)
+        check_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.best_of is not None:
-            _check_int("best_of", self.best_of)
+            check_int("best_of", self.best_of)
             if self.best_of < self.n:
                 raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
-        _check_int("beam_width", self.beam_width)
+        check_int("beam_width", self.beam_width)
         if self.beam_width < 0:
             raise ValueError(f"beam_width must be >= 1, or 0 for no beam search, got "
                              f"{self.beam_width}")
-        _check_float("length_penalty", self.length_penalty)
+        check_float("length_penalty", self.length_penalty)
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got "
                              f"{self.early_stopping!r}")
@@ -140,15 +136,3 @@ class SamplingParams:
         """Whether sampling `token_id` finishes the sequence (max_tokens aside)."""
         return token_id in self.stop_token_ids
 
-
-def _check_int(name: str, value: object) -> None:
-    # bool is an int subclass: `top_k=True` is a mistake, not 1.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-
-
-def _check_float(name: str, value: object) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
