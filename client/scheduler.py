@@ -12,6 +12,12 @@ hands the answers back. Each step:
    `max_num_seqs` and the token budget allow and the free blocks stay above the watermark.
 Finished and dropped sequences are released with the next step (a step frees only after it
 computes, so when the blocks are short a release-only step goes first).
+
+Against a contiguous daemon (`pagedkvd --allocator contiguous`, the baseline paging replaces)
+the engine is told the tokens each sequence reserves (`SchedulerConfig.reserve_tokens`): a
+sequence then takes its whole reservation when it is made (allocated, forked or re-admitted)
+and no block as it grows, so nothing is kept back for growth (no watermark) and a running
+request is never preempted to make room for its own decode.
 """
 
 from collections import deque
@@ -20,7 +26,7 @@ from dataclasses import dataclass, field
 
 from .requests import Request
 from .runner_client import SeqOutput, SeqStep
-from .sequences import Seq
+from .sequences import Seq, blocks_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +39,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # Fraction of the pool's blocks kept free when admitting, for running sequences to grow.
     watermark: float = 0.01
+    # Tokens a contiguous daemon reserves for each sequence (its --max-model-len); 0 for a
+    # paging daemon, whose sequences take blocks as they grow.
+    reserve_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -40,6 +49,8 @@ class SchedulerConfig:
                              f"{self.max_num_seqs} and {self.max_num_batched_tokens}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.reserve_tokens < 0:
+            raise ValueError(f"reserve_tokens must be >= 0, got {self.reserve_tokens}")
 
 
 @dataclass
@@ -65,7 +76,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int) -> None:
         self.config = config
         self.block_size = block_size
-        self.watermark_blocks = int(config.watermark * num_blocks)
+        # Blocks of one contiguous reservation (0: the daemon pages).
+        self.reserve_blocks = blocks_for(config.reserve_tokens, block_size)
+        # Reservations never grow: nothing to keep back for them.
+        self.watermark_blocks = 0 if self.reserve_blocks else int(config.watermark * num_blocks)
         self.waiting: deque[Request] = deque()
         # In admission order: the last is the first to be preempted.
         self.running: list[Request] = []
@@ -115,27 +129,41 @@ class Scheduler:
                 budget -= 1
             plan.seqs.append(seq)
             plan.steps.append(seq.step(chunk))
-            plan.blocks += seq.blocks_needed(self.block_size, id(seq) in forked_from)
+            plan.blocks += self._blocks_needed(seq, id(seq) in forked_from)
         return budget
 
     def _admit(self, plan: Plan, free_blocks: int, budget: int) -> None:
         num_seqs = self.num_running_seqs
+        # Contiguous: the reservations that requests admitted by this plan take next step, when
+        # their samples or beams fork from the computed prompt.
+        forks_ahead = 0
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            size = max(request.params.num_samples, request.params.beam_width, len(request.seqs))
+            size = _width(request)
             if num_seqs + size > self.config.max_num_seqs and (num_seqs or plan.admit):
                 return
-            if plan.blocks + self.blocks_to_admit(request) + self.watermark_blocks > free_blocks:
+            need = self.blocks_to_admit(request)
+            if plan.blocks + forks_ahead + need + self.watermark_blocks > free_blocks:
                 return
             self.waiting.popleft()
             plan.admit.append(request)
             num_seqs += size
+            if self.reserve_blocks:
+                forks_ahead += need - self.reserve_blocks * len(request.seqs)
             budget = self._add_request(plan, request, budget)
 
     def blocks_to_admit(self, request: Request) -> int:
         """An upper bound on the blocks admitting `request` takes (its prompt, or after a
-        preemption every token of each of its sequences)."""
-        return sum(seq.blocks_needed(self.block_size, False) for seq in request.seqs)
+        preemption every token of each of its sequences). Contiguous: a reservation for each
+        sequence it runs at once, forks to come included (a paged fork shares its blocks)."""
+        if self.reserve_blocks:
+            return _width(request) * self.reserve_blocks
+        return sum(self._blocks_needed(seq, False) for seq in request.seqs)
+
+    def _blocks_needed(self, seq: Seq, forked_from: bool) -> int:
+        if self.reserve_blocks:
+            return 0 if seq.allocated else self.reserve_blocks
+        return seq.blocks_needed(self.block_size, forked_from)
 
     # ------------------------------------------------------------------ outcomes
 
@@ -172,3 +200,9 @@ class Scheduler:
         progressed = list(requests.values())
         self.running = [r for r in self.running if not r.finished]
         return progressed
+
+
+def _width(request: Request) -> int:
+    """The sequences `request` runs at once: its samples (best_of of them), beams or live
+    sequences, whichever is most."""
+    return max(request.params.num_samples, request.params.beam_width, len(request.seqs))
