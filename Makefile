@@ -32,7 +32,7 @@ lint: setup
 # mypy cannot follow setuptools' package-dir mapping: link the folders under their import names.
 typecheck: setup
 	mkdir -p .mypy-src/pagedkv
-	for pkg in daemon client proto memory model_runner process; do ln -sfn ../../$$pkg .mypy-src/pagedkv/$$pkg; done
+	for pkg in daemon client proto memory model_runner process llm; do ln -sfn ../../$$pkg .mypy-src/pagedkv/$$pkg; done
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy benchmarks
 
@@ -47,6 +47,7 @@ bench: setup
 	$(PY) benchmarks/bench_daemon_step.py
 	$(PY) benchmarks/bench_batch_cost.py
 	$(PY) benchmarks/bench_keepalive_stall.py
+	$(PY) benchmarks/bench_peer_gate.py
 	$(PY) benchmarks/bench_core_trace.py
 	$(PY) benchmarks/bench_runner_cpu.py
 	$(PY) benchmarks/bench_runner.py

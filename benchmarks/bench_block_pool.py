@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv.daemon.core import BlockPool, ContiguousAllocator, NoFit
+from pagedkv.daemon.core import BlockPool, ContiguousPool, NoFit
 
 from traces import ALPACA, SHAREGPT, Request, TraceSpec, make_trace
 
@@ -32,7 +32,7 @@ LIVE = 256
 # Enough blocks for 256 full-length reservations: neither allocator ever runs out.
 NUM_BLOCKS = LIVE * MAX_MODEL_LEN // BLOCK_SIZE
 
-Allocator = BlockPool | ContiguousAllocator
+Allocator = BlockPool | ContiguousPool
 
 
 @dataclass
@@ -66,7 +66,7 @@ def replay(alloc: Allocator, trace: list[Request], steps: int, batched: bool,
         seqs = list(left)
         tokens = rng.integers(0, 32_000, len(seqs), dtype=np.int64)
         before = time.perf_counter()
-        if batched and isinstance(alloc, BlockPool):
+        if batched:
             assert not isinstance(alloc.append_batch(seqs, 1, tokens), NoFit)
         else:
             for seq, token in zip(seqs, tokens.tolist(), strict=True):
@@ -119,8 +119,8 @@ def waste(spec: TraceSpec, alloc: Allocator, steps: int) -> Waste:
         stats = alloc.stats()
         allocated, filled = stats.allocated_slots, stats.filled_slots
         # Paged pools allocate lazily: nothing is held for tokens still to come.
-        ahead = sum(left.values()) if isinstance(alloc, ContiguousAllocator) else 0
-        external = alloc.external_fragmentation() if isinstance(alloc, ContiguousAllocator) \
+        ahead = sum(left.values()) if isinstance(alloc, ContiguousPool) else 0
+        external = alloc.external_fragmentation() if isinstance(alloc, ContiguousPool) \
             else 0.0  # every free block fits any sequence
         samples.append((filled / allocated, ahead / allocated,
                         (allocated - filled - ahead) / allocated, external))
@@ -135,7 +135,7 @@ def worked_example() -> tuple[int, int, int]:
     num_blocks = (14 * 2**30) // (bytes_per_token * BLOCK_SIZE)
     counts = []
     for alloc in (BlockPool(num_blocks, BLOCK_SIZE),
-                  ContiguousAllocator(num_blocks, BLOCK_SIZE, MAX_MODEL_LEN)):
+                  ContiguousPool(num_blocks, BLOCK_SIZE, MAX_MODEL_LEN)):
         admitted = 0
         while not isinstance(alloc.allocate(admitted, 256), NoFit):
             admitted += 1
@@ -160,7 +160,7 @@ def main() -> None:
     for spec in (SHAREGPT, ALPACA):
         paged = waste(spec, BlockPool(NUM_BLOCKS, BLOCK_SIZE), args.steps)
         contiguous = waste(
-            spec, ContiguousAllocator(NUM_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN), args.steps)
+            spec, ContiguousPool(NUM_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN), args.steps)
         for kind, figures in (("paged", paged), ("contiguous", contiguous)):
             print(f"utilization_{kind}_{spec.name}: {figures.utilization:.4f} fraction")
             print(f"over_reservation_{kind}_{spec.name}: {figures.over_reservation:.4f} fraction")

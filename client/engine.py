@@ -61,13 +61,13 @@ class Engine:
 
     def __init__(self, pool: PoolClient, session: Session, runner: RunnerClient, *,
                  vocab_size: int, eos_token_ids: Sequence[int], num_blocks: int,
-                 free_blocks: int, config: SchedulerConfig) -> None:
+                 free_blocks: int, config: SchedulerConfig, reservation_blocks: int = 0) -> None:
         self.pool = pool
         self.session = session
         self.runner = runner
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
-        self.scheduler = Scheduler(config, session.block_size, num_blocks)
+        self.scheduler = Scheduler(config, session.block_size, num_blocks, reservation_blocks)
         self.num_blocks = num_blocks
         # Called with each step's record (from the engine's task).
         self.observers: list[Callable[[StepRecord], None]] = []
@@ -100,12 +100,14 @@ class Engine:
                 raise ValueError(f"the runner at {runner} computes on pool {info.pool_id}, not "
                                  f"on the pool of the daemon at {daemon} ({session.pool_id})")
             stats = await session.stats()
+            reservation = (await pool.pool_info()).reservation_blocks
         except BaseException:
             await pool.close()
             raise
         return cls(pool, session, runner_client, vocab_size=info.vocab_size,
                    eos_token_ids=info.eos_token_ids, num_blocks=stats.num_blocks,
-                   free_blocks=stats.free_blocks, config=config or SchedulerConfig())
+                   free_blocks=stats.free_blocks, config=config or SchedulerConfig(),
+                   reservation_blocks=reservation)
 
     # ------------------------------------------------------------------ requests
 

@@ -13,11 +13,10 @@ hands the answers back. Each step:
 Finished and dropped sequences are released with the next step (a step frees only after it
 computes, so when the blocks are short a release-only step goes first).
 
-Against a contiguous daemon (`pagedkvd --allocator contiguous`, the baseline paging replaces)
-the engine is told the tokens each sequence reserves (`SchedulerConfig.reserve_tokens`): a
-sequence then takes its whole reservation when it is made (allocated, forked or re-admitted)
-and no block as it grows, so nothing is kept back for growth (no watermark) and a running
-request is never preempted to make room for its own decode.
+On a contiguous daemon (PoolInfo.reservation_blocks) a sequence takes a whole reservation when
+it is made (allocated, forked or re-admitted) and no block as it grows: no watermark is kept,
+and a request is admitted only with a reservation for each sequence it runs at once, so its
+forks do not push out the requests admitted after it.
 """
 
 from collections import deque
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 
 from .requests import Request
 from .runner_client import SeqOutput, SeqStep
-from .sequences import Seq, blocks_for
+from .sequences import Seq
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +38,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # Fraction of the pool's blocks kept free when admitting, for running sequences to grow.
     watermark: float = 0.01
-    # Tokens a contiguous daemon reserves for each sequence (its --max-model-len); 0 for a
-    # paging daemon, whose sequences take blocks as they grow.
-    reserve_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -49,8 +45,6 @@ class SchedulerConfig:
                              f"{self.max_num_seqs} and {self.max_num_batched_tokens}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.reserve_tokens < 0:
-            raise ValueError(f"reserve_tokens must be >= 0, got {self.reserve_tokens}")
 
 
 @dataclass
@@ -73,13 +67,14 @@ class Plan:
 class Scheduler:
     """The waiting and running requests of one client."""
 
-    def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int,
+                 reservation_blocks: int = 0) -> None:
         self.config = config
         self.block_size = block_size
-        # Blocks of one contiguous reservation (0: the daemon pages).
-        self.reserve_blocks = blocks_for(config.reserve_tokens, block_size)
+        # Blocks a contiguous daemon reserves per sequence (PoolInfo); 0 when paged.
+        self.reservation_blocks = reservation_blocks
         # Reservations never grow: nothing to keep back for them.
-        self.watermark_blocks = 0 if self.reserve_blocks else int(config.watermark * num_blocks)
+        self.watermark_blocks = 0 if reservation_blocks else int(config.watermark * num_blocks)
         self.waiting: deque[Request] = deque()
         # In admission order: the last is the first to be preempted.
         self.running: list[Request] = []
@@ -129,7 +124,8 @@ class Scheduler:
                 budget -= 1
             plan.seqs.append(seq)
             plan.steps.append(seq.step(chunk))
-            plan.blocks += self._blocks_needed(seq, id(seq) in forked_from)
+            plan.blocks += seq.blocks_needed(self.block_size, id(seq) in forked_from,
+                                             self.reservation_blocks)
         return budget
 
     def _admit(self, plan: Plan, free_blocks: int, budget: int) -> None:
@@ -148,22 +144,17 @@ class Scheduler:
             self.waiting.popleft()
             plan.admit.append(request)
             num_seqs += size
-            if self.reserve_blocks:
-                forks_ahead += need - self.reserve_blocks * len(request.seqs)
+            if self.reservation_blocks:
+                forks_ahead += need - self.reservation_blocks * len(request.seqs)
             budget = self._add_request(plan, request, budget)
 
     def blocks_to_admit(self, request: Request) -> int:
         """An upper bound on the blocks admitting `request` takes (its prompt, or after a
         preemption every token of each of its sequences). Contiguous: a reservation for each
         sequence it runs at once, forks to come included (a paged fork shares its blocks)."""
-        if self.reserve_blocks:
-            return _width(request) * self.reserve_blocks
-        return sum(self._blocks_needed(seq, False) for seq in request.seqs)
-
-    def _blocks_needed(self, seq: Seq, forked_from: bool) -> int:
-        if self.reserve_blocks:
-            return 0 if seq.allocated else self.reserve_blocks
-        return seq.blocks_needed(self.block_size, forked_from)
+        if self.reservation_blocks:
+            return _width(request) * self.reservation_blocks
+        return sum(seq.blocks_needed(self.block_size, False) for seq in request.seqs)
 
     # ------------------------------------------------------------------ outcomes
 

@@ -86,9 +86,12 @@ class Seq:
         return SeqStep(self.seq_id, self.tokens[self.held:], max_compute_tokens=max_compute_tokens,
                        params=self.params)
 
-    def blocks_needed(self, block_size: int, forked_from: bool) -> int:
+    def blocks_needed(self, block_size: int, forked_from: bool, reservation: int = 0) -> int:
         """An upper bound on the free blocks its step takes (`forked_from`: a child forks from
-        it in the same step, so its own append copies the shared last block)."""
+        it in the same step, so its own append copies the shared last block; `reservation`: the
+        blocks a contiguous daemon reserves per sequence, 0 when paged)."""
+        if reservation:  # a new sequence or fork takes a reservation, appends fill it
+            return 0 if self.allocated else reservation
         if not self.allocated and self.parent is None:
             return blocks_for(len(self.tokens), block_size)
         base = self.parent.held if not self.allocated and self.parent else self.held

@@ -90,12 +90,15 @@ class PoolInfo:
     # attach_pool(PoolMemoryHandle.from_proto(info.memory)) (pagedkv.memory); kind "" when the
     # daemon keeps bookkeeping only.
     memory: pb.PoolMemory
+    # Blocks each sequence reserves when allocated or forked (a contiguous daemon); 0 = paged.
+    reservation_blocks: int = 0
 
     @classmethod
     def from_proto(cls, message: pb.PoolInfo) -> "PoolInfo":
         return cls(message.pool_id, message.num_blocks, message.block_size, message.model,
                    message.num_layers, message.num_kv_heads, message.head_dim, message.dtype,
-                   message.bytes_per_block, message.layout, message.memory)
+                   message.bytes_per_block, message.layout, message.memory,
+                   message.reservation_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +108,10 @@ class SessionStats:
     # "client_name#number".
     name: str
     num_sequences: int
-    # Block-table entries over the session's sequences: what max_blocks bounds.
+    # Block-table entries over the session's sequences: what max_blocks bounds (a contiguous
+    # daemon counts each sequence's whole reservation).
     block_table_entries: int
-    # Distinct physical blocks referenced.
+    # Distinct physical blocks referenced (contiguous: reserved).
     blocks_held: int
     max_blocks: int
     # Prefix-cache lookups of the session's allocations, in tokens.
@@ -128,7 +132,8 @@ class PoolStats:
 
     num_blocks: int
     block_size: int
-    # Blocks an allocation could take now (including evictable cached ones).
+    # Blocks an allocation could take now (including evictable cached ones); on a contiguous
+    # daemon, those whole max_model_len reservations can take (one per new sequence).
     free_blocks: int
     # The caller's own session, when asked through a Session.
     session: SessionStats | None

@@ -20,7 +20,7 @@ journal, so a call that fails leaves it as it was.
 
 import contextlib
 
-from .core import BlockPool, CacheEvents, Journal
+from .core import CacheEvents, Journal, PoolAllocator
 from .session_ops import MemoryWork
 from .sessions import Session
 
@@ -115,7 +115,7 @@ class _CallEvents(CacheEvents):
 class CacheHygiene:
     """The service's part in keeping one tenant's cached K/V from the next (module docstring)."""
 
-    def __init__(self, pool: BlockPool, zero_blocks: bool) -> None:
+    def __init__(self, pool: PoolAllocator, zero_blocks: bool) -> None:
         self._pool = pool
         # Zero evicted blocks, and the blocks dropped when a private session ends.
         self.zero_blocks = zero_blocks

@@ -19,10 +19,13 @@ from typing import Any, TypeVar
 from pagedkv.process.log_setup import LOG_FORMATS, LOG_LEVELS, LogFormat
 
 from .addresses import ListenAddress, parse_host_port, parse_listen
+from .core import ALLOCATORS, AllocatorKind
 from .geometry import canonical_dtype
 from .limits import LIMITS, Limits
+from .peer_gate import check_gate_paths
 from .tenants import (
     DEFAULT_TENANT,
+    UNMAPPED_UIDS,
     Tenants,
     TenantSpec,
     build_tenants,
@@ -93,6 +96,13 @@ class DaemonConfig:
     lease_ttl_ms: int = 10_000
     # Reuse the blocks of identical prompt prefixes across sequences.
     enable_prefix_caching: bool = True
+    # How blocks are handed out: "paged" (as sequences grow; shared by forks and the prefix
+    # cache) or "contiguous" (the baseline paging replaced, for comparison: each sequence
+    # reserves max_model_len slots as one run of blocks, first fit; nothing shared or cached).
+    allocator: AllocatorKind = "paged"
+    # The tokens every sequence reserves, and the most it may hold: required with
+    # allocator = "contiguous", refused with "paged" (which reserves nothing).
+    max_model_len: int | None = None
     # Zero every block released without committed content (pending ones included), every
     # cached block evicted for a new owner, and what a private-salt session left cached when it
     # ends; committed blocks kept in the prefix cache keep their K/V while they are cached.
@@ -117,8 +127,12 @@ class DaemonConfig:
     # Tenants ([tenants.NAME] tables): token file, limits and cache salts of each; the
     # auth_token_file above is the "default" tenant's token.
     tenants: tuple[TenantSpec, ...] = ()
-    # The tenant of unix-socket callers (grpc does not give their uid; see tenants.py).
+    # The tenant of unix-socket callers when no tenant lists uids, and of unmapped uids with
+    # unmapped_uids = "unix_tenant".
     unix_tenant: str = DEFAULT_TENANT
+    # When tenants list uids: a unix caller whose uid none lists is "refuse"d
+    # (PERMISSION_DENIED) or is "unix_tenant".
+    unmapped_uids: str = "refuse"
     # ---- Limits on what clients may ask: one field per cap of daemon/limits.py, same name,
     # same TOML key, flag --max-...; each within its range (LIMITS). ops/OPERATIONS.md, "Limits".
     # Live sessions at once.
@@ -137,6 +151,8 @@ class DaemonConfig:
     max_session_id_bytes: int = _LIMIT_DEFAULTS.max_session_id_bytes
     # Encoded bytes of one answer (at most the 8 MiB message size clients accept).
     max_answer_bytes: int = _LIMIT_DEFAULTS.max_answer_bytes
+    # Unix-socket connections open at once through the peer-credential gate (tenants' uids).
+    max_unix_connections: int = _LIMIT_DEFAULTS.max_unix_connections
 
     def limits(self) -> Limits:
         """The caps above, as the service takes them."""
@@ -159,6 +175,10 @@ class DaemonConfig:
             raise ConfigError("listen: a TCP listener needs auth_token_file (--auth-token-file) "
                               "or a tenant with a token_file: without one anyone who can reach "
                               "the port could free your blocks")
+        if tenants.maps_uids:
+            for listener in listeners:
+                if listener.unix_path is not None:
+                    _check(check_gate_paths, listener.unix_path, "listen")
 
     def tenant_specs(self) -> tuple[TenantSpec, ...]:
         """The configured tenants, with auth_token_file as the "default" tenant's token."""
@@ -179,10 +199,10 @@ class DaemonConfig:
         """The run-time tenants, their tokens read from their files."""
         specs = self.tenant_specs()
         try:
-            check_specs(specs, self.unix_tenant)
+            check_specs(specs, self.unix_tenant, self.unmapped_uids)
             tokens = {spec.name: read_auth_token(spec.token_file, self._token_key(spec))
                       for spec in specs if spec.token_file is not None}
-            return build_tenants(specs, self.unix_tenant, tokens)
+            return build_tenants(specs, self.unix_tenant, self.unmapped_uids, tokens)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
 
@@ -207,6 +227,34 @@ class DaemonConfig:
             _check(canonical_dtype, self.dtype, "dtype")
         if not self.shm_dir.is_dir():
             raise ConfigError(f"shm_dir: {self.shm_dir} is not a folder")
+        self._check_allocator()
+
+    def _check_allocator(self) -> None:
+        """A known allocator; max_model_len exactly when contiguous, and fitting the pool when
+        its size is known here (else `check_reservation` runs once it is)."""
+        if self.allocator not in ALLOCATORS:
+            raise ConfigError(f"allocator must be one of {', '.join(ALLOCATORS)}, "
+                              f"got {self.allocator!r}")
+        if self.allocator == "paged":
+            if self.max_model_len is not None:
+                raise ConfigError("max_model_len is what each sequence reserves with allocator "
+                                  "= \"contiguous\"; paged sequences reserve nothing: remove "
+                                  "it, or set allocator = \"contiguous\"")
+            return
+        if self.max_model_len is None:
+            raise ConfigError("allocator = \"contiguous\" needs max_model_len "
+                              "(--max-model-len): the tokens every sequence reserves")
+        if self.max_model_len <= 0:
+            raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.num_blocks is not None:
+            self.check_reservation(self.num_blocks)
+
+    def check_reservation(self, num_blocks: int) -> None:
+        """A contiguous reservation of max_model_len slots fits in a pool of `num_blocks`."""
+        if self.max_model_len is not None and self.max_model_len > num_blocks * self.block_size:
+            raise ConfigError(f"max_model_len {self.max_model_len} does not fit in the pool: "
+                              f"{num_blocks} blocks x {self.block_size} slots = "
+                              f"{num_blocks * self.block_size} slots")
 
     def _check_service(self) -> None:
         """Metrics address, logging and leases."""
@@ -341,6 +389,8 @@ _TOML_KEYS: dict[str, Callable[[Any], Any]] = {
     "log_level": _toml_str,
     "lease_ttl_ms": _toml_int,
     "enable_prefix_caching": _toml_bool,
+    "allocator": _toml_str,
+    "max_model_len": _toml_int,
     "zero_freed_blocks": _toml_bool,
     "shm_dir": lambda v: Path(_toml_str(v)),
     "shm_mode": _toml_int,
@@ -351,6 +401,7 @@ _TOML_KEYS: dict[str, Callable[[Any], Any]] = {
     "insecure_tcp": _toml_bool,
     "tenants": parse_tenants,
     "unix_tenant": _toml_str,
+    "unmapped_uids": _toml_str,
     **dict.fromkeys(LIMITS, _toml_int),
 }
 assert set(_TOML_KEYS) == {f.name for f in fields(DaemonConfig)}, "a setting has no TOML key"
@@ -409,6 +460,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--lease-ttl-ms", type=int, help="default session lease in milliseconds")
     opt("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
         help="never share blocks between identical prompt prefixes")
+    opt("--allocator", choices=ALLOCATORS, help="paged (default): blocks taken as sequences "
+        "grow, shared by forks and the prefix cache; contiguous: the baseline paging replaced, "
+        "for comparison: each sequence reserves --max-model-len slots as one run of blocks "
+        "(first fit), forks copy, nothing is cached, and free_blocks counts only blocks whole "
+        "reservations can take")
+    opt("--max-model-len", type=int, help="tokens each sequence reserves, and the most it may "
+        "hold (required with --allocator contiguous; must fit in the pool)")
     opt("--zero-freed-blocks", action="store_true", help="zero blocks as they are released")
     opt("--shm-dir", type=Path, help="folder of the CPU pool file (default /dev/shm)")
     opt("--shm-mode", type=_octal, help="octal mode of the /dev/shm pool file (default 600)")
@@ -421,6 +479,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "token is sent in clear; a warning is logged)")
     opt("--unix-tenant", help="tenant of unix-socket callers (default: default); tenants are "
         "[tenants.NAME] tables of the --config file")
+    opt("--unmapped-uids", choices=UNMAPPED_UIDS, help="when tenants list uids, a unix caller "
+        "whose uid none lists is refused (default) or is --unix-tenant")
     limits = parser.add_argument_group("limits on what clients may ask (override the TOML file)")
     for name, spec in LIMITS.items():
         limits.add_argument(f"--{name.replace('_', '-')}", type=int, default=argparse.SUPPRESS,

@@ -3,7 +3,10 @@
 Auth: a call that arrives over TCP must carry `authorization: Bearer <token>`, the token of
 one of the daemon's tenants, and acts as that tenant; a call over a unix socket needs none,
 because the socket file's owner, group and mode already decide who may connect, and acts as
-the unix tenant (see tenants.py). The caller is set for the call's duration
+the tenant listing its caller's uid when tenants list uids (the peer-credential gate names the
+connection by uid, peer_gate.py; a uid no tenant lists is PERMISSION_DENIED unless
+`unmapped_uids = "unix_tenant"`), else as the unix tenant (see tenants.py). The caller is set
+for the call's duration
 (`tenants.calling_as`), where the service and the session registry read it. Health checks
 (grpc.health.v1) are exempt so that load balancers and `grpc_health_probe` work without the
 secret; they reveal only SERVING or NOT_SERVING.
@@ -17,7 +20,8 @@ the raw bytes, checks the caller, and only then parses them with the method's ow
 deserializer. A request that does not parse is answered INVALID_ARGUMENT, counted in the RPC
 metrics like any other outcome, and logged at most once per HOSTILE_LOG_INTERVAL_S (with the
 number of such requests since the last line), never with a traceback. Calls refused for want
-of a token are logged the same way: a peer must not be able to fill the log.
+of a token, or for an unmapped uid, are logged the same way: a peer must not be able to fill
+the log.
 
 Every handler kind is wrapped (unary or streamed requests and responses, generators or
 context.write), so a new RPC can never slip past the check. Session ids are credentials and
@@ -34,20 +38,19 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
-from pagedkv.process.log_setup import get_logger
+from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, get_logger
 
 from .metrics import RpcMetrics
+from .peer_gate import peer_uid
 from .tenants import Caller, Tenants, calling_as
 
 # Services any peer may call without a token.
 UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
-# At most one log line per this many seconds about requests that do not parse, and one about
-# calls without a valid token.
-HOSTILE_LOG_INTERVAL_S = 10.0
 # "{pool_id}-{number}-{secret}" (see sessions.py): only the number is safe to log.
 _SESSION_NUMBER = re.compile(r"-([0-9]+)-[0-9a-f]+$")
 
@@ -69,6 +72,35 @@ Deserializer = Callable[[bytes], Any] | None
 
 class MalformedRequest(Exception):
     """A request's bytes do not parse as the method's request message."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a caller may not call (health checks excepted)."""
+
+    # The status it gets, and the message.
+    code: grpc.StatusCode
+    message: str
+    # The warning logged (rate-limited) about such calls.
+    event: str
+
+
+# A TCP call without exactly one valid token.
+NO_TOKEN = Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                   "TCP calls need metadata 'authorization: Bearer <token>'",
+                   "unauthenticated_calls")
+# A unix caller the peer-credential gate did not name (only the daemon's own user can reach
+# gRPC's socket in the gate's folder).
+NOT_THROUGH_GATE = Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                           "unix callers are identified by uid through the daemon's socket",
+                           "unidentified_unix_calls")
+
+
+def unmapped_uid(uid: int) -> Refusal:
+    """A unix caller whose uid no tenant lists, with unmapped_uids = "refuse"."""
+    return Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                   f"uid {uid} is in no tenant's uids, and the daemon refuses unix callers "
+                   "of other uids (unmapped_uids = \"refuse\")", "unmapped_uid_calls")
 
 
 class Rpc:
@@ -93,28 +125,6 @@ class Rpc:
             raise MalformedRequest(f"the request is not a valid {self.method} message") from exc
         self.session = session_label(request)
         return request
-
-
-class RateLimitedLog:
-    """Says when to log an event that may repeat at any rate: the first time, then at most
-    once per interval, with how many happened since the last line."""
-
-    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        # Shortest time between two lines.
-        self.interval_s = interval_s
-        self._clock = clock
-        # Events since the last line, and when that line was written (None: never).
-        self._count = 0
-        self._last: float | None = None
-
-    def event(self) -> int | None:
-        """Count one event; returns how many to report if a line is due now, else None."""
-        self._count += 1
-        now = self._clock()
-        if self._last is not None and now - self._last < self.interval_s:
-            return None
-        count, self._count, self._last = self._count, 0, now
-        return count
 
 
 def session_label(request: object) -> str | None:
@@ -143,12 +153,16 @@ def is_unix_peer(peer: str) -> bool:
 class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Auth, logging and metrics around every RPC handler of the server."""
 
-    def __init__(self, tenants: Tenants, rpc_metrics: RpcMetrics | None) -> None:
-        # Who may call: each tenant's token, and the tenant of unix callers.
+    def __init__(self, tenants: Tenants, rpc_metrics: RpcMetrics | None,
+                 gate_folders: frozenset[str]) -> None:
+        # Who may call: each tenant's token and uids, and the tenant of unix callers.
         self._tenants = tenants
         self._metrics = rpc_metrics
+        # The peer-credential gate's private folders: unix peers named there carry a uid.
+        self._gate_folders = gate_folders
         self._malformed_log = RateLimitedLog(HOSTILE_LOG_INTERVAL_S)
-        self._unauthenticated_log = RateLimitedLog(HOSTILE_LOG_INTERVAL_S)
+        # One rate limit per kind of refused call (Refusal.event).
+        self._refusal_logs: dict[str, RateLimitedLog] = {}
 
     async def intercept_service(
         self,
@@ -161,29 +175,43 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
         return _wrap(handler, lambda context: self._call(service, method, context))
 
-    def _caller(self, context: Context) -> Caller | None:
-        """Who makes the call: the unix tenant over a unix socket, the tenant whose token a
-        TCP call carries, else None (no token: config refuses TCP listeners then, so only a
-        listener added behind config's back gets here; refuse rather than trust)."""
-        if is_unix_peer(context.peer()):
-            return Caller(self._tenants.unix, local=True)
+    def _caller(self, context: Context) -> Caller | Refusal:
+        """Who makes the call: a unix caller by uid or as the unix tenant, a TCP caller as the
+        tenant whose token it carries; else why it is refused (no token: config refuses TCP
+        listeners then, so only a listener added behind config's back gets here; refuse
+        rather than trust)."""
+        peer = context.peer()
+        if is_unix_peer(peer):
+            return self._unix_caller(peer)
         # Exactly one authorization header: which of several counts must not depend on order.
         sent = single_authorization(context.invocation_metadata() or ())
         tenant = None if sent is None else self._tenants.for_bearer(sent)
-        return None if tenant is None else Caller(tenant, local=False)
+        return NO_TOKEN if tenant is None else Caller(tenant, local=False)
+
+    def _unix_caller(self, peer: str) -> Caller | Refusal:
+        """The unix tenant, or when tenants list uids the tenant of the uid the gate gave."""
+        if not self._tenants.maps_uids:
+            return Caller(self._tenants.unix, local=True)
+        uid = peer_uid(peer, self._gate_folders)
+        if uid is None:
+            return NOT_THROUGH_GATE
+        tenant = self._tenants.for_uid(uid)
+        return unmapped_uid(uid) if tenant is None else Caller(tenant, local=True)
 
     @asynccontextmanager
     async def _call(self, service: str, method: str, context: Context) -> AsyncIterator[Rpc]:
         """Runs around one call: refuse it, or time it and record its outcome."""
         rpc = Rpc(service, method)
         caller = self._caller(context)
-        if caller is None and service not in UNAUTHENTICATED_SERVICES:
-            self._record(rpc, grpc.StatusCode.UNAUTHENTICATED, log=False)
-            self._log_rarely(self._unauthenticated_log, "unauthenticated_calls", rpc)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "TCP calls need metadata 'authorization: Bearer <token>'")
+        if isinstance(caller, Refusal) and service not in UNAUTHENTICATED_SERVICES:
+            self._record(rpc, caller.code, log=False)
+            limit = self._refusal_logs.setdefault(
+                caller.event, RateLimitedLog(HOSTILE_LOG_INTERVAL_S))
+            self._log_rarely(limit, caller.event, rpc)
+            await context.abort(caller.code, caller.message)
         try:
-            with calling_as(caller) if caller is not None else contextlib.nullcontext():
+            with (calling_as(caller) if isinstance(caller, Caller)
+                  else contextlib.nullcontext()):
                 yield rpc
         except asyncio.CancelledError:
             self._record(rpc, grpc.StatusCode.CANCELLED)

@@ -229,11 +229,11 @@ def num_blocks_for_fraction(fraction: float, bytes_per_block: int, device: str,
         budget = int(fraction * total) - (total - free)
     else:
         fs = os.statvfs(shm_dir)
-        budget = min(int(fraction * _available_ram()), fs.f_bavail * fs.f_frsize)
+        budget = min(int(fraction * available_ram()), fs.f_bavail * fs.f_frsize)
     return num_blocks_for_bytes(budget, bytes_per_block)
 
 
-def _available_ram() -> int:
+def available_ram() -> int:
     """MemAvailable from /proc/meminfo; free pages from sysconf where that file is missing."""
     try:
         with open("/proc/meminfo") as meminfo:

@@ -10,6 +10,11 @@ over a cap is refused before anything changes, with a message naming the cap:
   for a request that is well formed but would take more than the daemon grants: one session
   too many, one sequence too many in a session, or an answer over `max_answer_bytes`.
 
+One cap comes before any call: a unix-socket connection beyond `max_unix_connections` (only
+counted when the peer-credential gate serves the unix sockets, peer_gate.py) is closed as soon
+as it is accepted, and a warning naming the cap is logged (rate-limited); the caller sees
+UNAVAILABLE.
+
 Together the caps bound the daemon's memory: sessions x sequences bound the bookkeeping, the
 pool bounds the blocks, and `max_answer_bytes` (at most `MAX_MESSAGE_BYTES`, the message size
 the daemon and the bundled client both accept) bounds what any one call builds.
@@ -60,6 +65,10 @@ LIMITS: dict[str, LimitSpec] = {
     # The daemon's own ids take about 55 bytes.
     "max_session_id_bytes": LimitSpec(64, 4096, "bytes of a request's session_id"),
     "max_answer_bytes": LimitSpec(4096, MAX_MESSAGE_BYTES, "encoded bytes of one answer"),
+    # Each takes 3 file descriptors (the caller's, the gate's to gRPC, gRPC's): the maximum
+    # stays under the unit's LimitNOFILE=65536.
+    "max_unix_connections": LimitSpec(1, 16384, "unix-socket connections open at once through "
+                                      "the peer-credential gate (when tenants list uids)"),
 }
 
 
@@ -88,6 +97,9 @@ class Limits:
     max_session_id_bytes: int = 128
     # Encoded bytes of one answer, bounded before it is built; at most MAX_MESSAGE_BYTES.
     max_answer_bytes: int = MAX_MESSAGE_BYTES
+    # Unix-socket connections open at once through the peer-credential gate (peer_gate.py);
+    # one more is closed at once, with a warning naming this limit.
+    max_unix_connections: int = 1024
 
     def __post_init__(self) -> None:
         for item in fields(self):

@@ -63,8 +63,10 @@ class PoolCollector(Collector):
         )
         for name, value, text in (
             ("num_blocks", stats.num_blocks, "Physical blocks in the pool."),
-            ("free_blocks", stats.free_blocks, "Blocks an allocation could take now."),
-            ("used_blocks", stats.used_blocks, "Blocks referenced by a live sequence."),
+            ("free_blocks", stats.free_blocks, "Blocks an allocation could take now "
+             "(contiguous: free blocks in runs that hold whole reservations)."),
+            ("used_blocks", stats.used_blocks, "Blocks referenced (contiguous: reserved) by a "
+             "live sequence."),
             ("cached_blocks", stats.cached_blocks, "Evictable cached blocks (part of free)."),
             ("pending_blocks", stats.pending_blocks,
              "Full blocks not yet committed (K/V not certified written; never shared)."),

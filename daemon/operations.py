@@ -39,9 +39,10 @@ class Append:
 
 @dataclass(frozen=True, slots=True)
 class Fork:
-    """A new sequence sharing every block of its parent."""
+    """A new sequence holding its parent's tokens: sharing every block of it (paged), or a
+    copy in a reservation of its own (contiguous)."""
 
-    # The sequence whose blocks are shared.
+    # The sequence whose tokens the child starts with.
     parent_seq_id: int
     # The new sequence's id.
     child_seq_id: int

@@ -36,7 +36,7 @@ from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 
 from .addresses import ListenAddress, parse_host_port
 from .config import DEFAULT_SOCKET_MODE, MAX_LEASE_TTL_MS, ConfigError, DaemonConfig
-from .core import BlockPool
+from .core import make_pool
 from .geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
 from .interceptors import ServerInterceptor
 from .kv_memory import (
@@ -46,6 +46,7 @@ from .kv_memory import (
     num_blocks_for_fraction,
 )
 from .metrics import PoolCollector, Readiness, RpcMetrics
+from .peer_gate import PeerGate, gate_folder
 from .service import PoolService
 from .servicer import KVPoolServicer, add_to_server
 from .tls import ServerTls
@@ -77,6 +78,8 @@ class GrpcServer:
     health: Any
     # The target each listener serves, in order; a TCP port 0 becomes the port it got.
     targets: tuple[str, ...]
+    # The peer-credential gate serving the unix listeners, when tenants list uids.
+    gate: PeerGate | None = None
 
 
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
@@ -113,7 +116,8 @@ async def _start(config: DaemonConfig, readiness: Readiness,
         http = await start_http(metrics_app(registry, readiness.reason_not_ready), host, port)
         stack.push_async_callback(http.cleanup)
     status = (f"serving pool {service.pool_id}: {service.pool.num_blocks} blocks x "
-              f"{service.pool.block_size} tokens, {format_bytes(memory.nbytes, binary=True)}")
+              f"{service.pool.block_size} tokens, {format_bytes(memory.nbytes, binary=True)}, "
+              f"{config.allocator}")
     notify("READY=1", f"STATUS={status}")
     log.info("ready", status=status, listen=list(running.targets),
              metrics_listen=config.metrics_listen)
@@ -136,14 +140,18 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
     torch.set_num_threads(1)
     geometry, dtype = pool_geometry(config)
     num_blocks = pool_num_blocks(config, geometry, dtype)
+    config.check_reservation(num_blocks)
     memory = KVPoolMemory.create(geometry, num_blocks, config.block_size, dtype,
                                  device=config.device, shm_dir=str(config.shm_dir),
                                  mode=config.shm_mode)
     try:
         log.info("pool allocated", pool_id=memory.pool_id, model=geometry.name, dtype=dtype,
                  device=config.device, num_blocks=num_blocks, block_size=config.block_size,
-                 bytes=memory.nbytes, shm_path=memory.handle().shm_path or None)
-        pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching)
+                 bytes=memory.nbytes, shm_path=memory.handle().shm_path or None,
+                 allocator=config.allocator, max_model_len=config.max_model_len)
+        pool = make_pool(config.allocator, num_blocks, config.block_size,
+                         enable_prefix_caching=config.enable_prefix_caching,
+                         max_model_len=config.max_model_len)
         service = PoolService(pool, memory, pool_id=memory.pool_id,
                               default_lease_ttl_ms=config.lease_ttl_ms,
                               max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,
@@ -205,12 +213,17 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
     Every call passes the interceptor (TCP calls need a token of one of `service.tenants`; a
     log line per call, and `rpc_metrics` when given); messages over MAX_MESSAGE_BYTES
     (pagedkv.proto.limits) are neither accepted nor sent, the limit the bundled client shares.
-    Unix sockets get exactly `socket_mode` whatever the umask; TCP listeners serve TLS with
-    `tls` (plaintext, with a warning, without it). Stopped, and the socket files it created
-    removed, on exit. serve() and the tests' daemon both use this.
+    Unix sockets get exactly `socket_mode` whatever the umask, and are served through the
+    peer-credential gate when the tenants list uids (peer_gate.py); TCP listeners serve TLS with
+    `tls` (plaintext, with a warning, without it). Stopped, and the socket files and gate
+    folders it created removed, on exit. serve() and the tests' daemon both use this.
     """
+    # The gate, when unix callers are told apart by uid; its folders are known before binding.
+    gate = PeerGate(service.limits.max_unix_connections) if service.tenants.maps_uids else None
+    folders = frozenset(str(gate_folder(lst.unix_path)) for lst in listeners
+                        if gate is not None and lst.unix_path is not None)
     server = grpc.aio.server(
-        interceptors=[ServerInterceptor(service.tenants, rpc_metrics)],
+        interceptors=[ServerInterceptor(service.tenants, rpc_metrics, folders)],
         options=[*MESSAGE_SIZE_OPTIONS,
                  # Without this a second daemon on the same TCP port would share it silently.
                  ("grpc.so_reuseport", 0)],
@@ -225,27 +238,37 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
     try:
         targets = []
         for listener in listeners:
-            targets.append(_bind(server, listener, socket_mode, tls))
+            targets.append(_bind(server, listener, socket_mode, tls, gate))
             if listener.unix_path is not None:
                 own_sockets.append(listener.unix_path)
         await server.start()
+        if gate is not None:
+            assert gate.folders == folders, "the interceptor knows every gate folder"
+            await gate.start()
         for name in ("", KVPOOL_SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        yield GrpcServer(server, health_servicer, tuple(targets))
+        yield GrpcServer(server, health_servicer, tuple(targets), gate)
     finally:
         await server.stop(None)
+        if gate is not None:  # after gRPC: the calls it drained needed the gate
+            await gate.stop()
         for path in own_sockets:
             path.unlink(missing_ok=True)
 
 
 def _bind(server: grpc.aio.Server, listener: ListenAddress, socket_mode: int,
-          tls: ServerTls | None) -> str:
-    """Add the listener's port; returns the target it serves (with the port TCP got)."""
+          tls: ServerTls | None, gate: PeerGate | None) -> str:
+    """Add the listener's port (a unix one through `gate` when given); returns the target it
+    serves (with the port TCP got)."""
     try:
         if listener.unix_path is None:
             port = _bind_tcp(server, listener.target, tls)
             return f"{listener.target.rpartition(':')[0]}:{port}"
         claim_socket_path(listener.unix_path, socket_mode)
+        if gate is not None:
+            # gRPC's own socket is in the gate's private folder: the folder's mode guards it.
+            server.add_insecure_port(gate.add(listener.unix_path, socket_mode))
+            return listener.target
         with socket_umask(socket_mode):  # grpc binds (creates the file) here
             server.add_insecure_port(listener.target)
         os.chmod(listener.unix_path, socket_mode)

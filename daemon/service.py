@@ -10,8 +10,9 @@ Quota. `max_blocks` (the daemon's `max_blocks_per_session` unless the client ask
 bounds the block-table entries over the session's sequences: a block shared
 by two of its sequences counts twice, a prefix block shared with another session counts for
 each. It is thus an upper bound on the physical blocks the session pins, and it is exact,
-cheap and independent of what other sessions do. The check runs before the pool is touched,
-so a refused call changes nothing.
+cheap and independent of what other sessions do. In a contiguous pool each sequence counts
+its whole reservation instead (the pool's `quota_blocks`), which is what it pins. The check
+runs before the pool is touched, so a refused call changes nothing.
 
 Block reuse across tenants. A block released by one session may be handed to another with the
 old K/V still in it. That is safe without zeroing: the API returns block ids and slots, never
@@ -59,7 +60,7 @@ from pagedkv.process.log_setup import get_logger
 
 from .answer_size import AnswerBudget
 from .cache_hygiene import CacheHygiene
-from .core import BatchAppend, BlockPool, InvalidArgument, PoolError, PoolStats, SeqUpdate
+from .core import BatchAppend, InvalidArgument, PoolAllocator, PoolError, PoolStats, SeqUpdate
 from .geometry import ModelGeometry
 from .limits import Limits
 from .operations import (
@@ -87,7 +88,7 @@ T = TypeVar("T")
 class PoolService:
     """Session-scoped operations on one block pool and its memory; the servicer's domain."""
 
-    def __init__(self, pool: BlockPool, memory: BlockMemory | None, *, pool_id: str,
+    def __init__(self, pool: PoolAllocator, memory: BlockMemory | None, *, pool_id: str,
                  default_lease_ttl_ms: int = 10_000, max_lease_ttl_ms: int = 600_000,
                  geometry: ModelGeometry | None = None, zero_freed_blocks: bool = False,
                  limits: Limits | None = None,
@@ -334,7 +335,7 @@ class PoolService:
         session = self.sessions.get(session_id)
         held: set[int] = set()
         for seq_id in session.seq_ids:
-            held.update(self.pool.block_table(session.key(seq_id)))
+            held.update(self.pool.held_blocks(session.key(seq_id)))
         return SessionStats(
             name=session.label, client_name=session.client_name,
             num_sequences=len(session.seq_ids), block_table_entries=session.table_entries,
@@ -350,7 +351,7 @@ class PoolService:
         held: set[int] = set()
         for session in sessions:
             for seq_id in session.seq_ids:
-                held.update(self.pool.block_table(session.key(seq_id)))
+                held.update(self.pool.held_blocks(session.key(seq_id)))
         return len(held)
 
     def check_invariants(self) -> None:
@@ -360,9 +361,9 @@ class PoolService:
         for session in self.sessions:
             keys = [session.key(seq_id) for seq_id in session.seq_ids]
             assert all(k in self.pool for k in keys), f"{session.label} lost a sequence"
-            entries = sum(len(self.pool.block_table(k)) for k in keys)
+            entries = sum(self.pool.quota_blocks(self.pool.num_tokens(k)) for k in keys)
             assert entries == session.table_entries, (
-                f"{session.label} counts {session.table_entries} table entries, holds {entries}")
+                f"{session.label} counts {session.table_entries} quota blocks, holds {entries}")
             live += len(keys)
         assert live == len(self.pool), "the pool holds sequences of no live session"
         self._hygiene.check({session.number for session in self.sessions})

@@ -204,7 +204,8 @@ def pool_info(service: PoolService) -> pb.PoolInfo:
     """Geometry and attach instructions; geometry fields stay 0 for a bookkeeping-only pool."""
     pool, geometry = service.pool, service.geometry
     info = pb.PoolInfo(pool_id=service.pool_id, num_blocks=pool.num_blocks,
-                       block_size=pool.block_size, layout=POOL_LAYOUT)
+                       block_size=pool.block_size, layout=POOL_LAYOUT,
+                       reservation_blocks=pool.reservation_blocks)
     memory = service.memory.handle() if service.memory is not None else None
     if memory is not None:
         info.memory.CopyFrom(memory.to_proto())

@@ -23,10 +23,10 @@ from .answer_size import AnswerBudget
 from .core import (
     BatchAppend,
     BlockCopy,
-    BlockPool,
     InvalidArgument,
     Journal,
     NoFit,
+    PoolAllocator,
     SequenceExists,
     SequenceNotFound,
     SeqUpdate,
@@ -107,7 +107,7 @@ def _fit(result: Result | NoFit) -> Result:
 class SessionOps:
     """Applies operations of any session to one pool (see the module docstring)."""
 
-    def __init__(self, pool: BlockPool, limits: Limits, zero_freed_blocks: bool) -> None:
+    def __init__(self, pool: PoolAllocator, limits: Limits, zero_freed_blocks: bool) -> None:
         self.pool = pool
         self.limits = limits
         # Zero blocks the pool releases with no cached content (defense in depth).
@@ -119,12 +119,13 @@ class SessionOps:
               answer: AnswerBudget) -> SeqUpdate:
         """One op for one session: checks first (the answer's size among them), then the pool,
         then the session's books."""
-        bs = self.pool.block_size
+        bs, quota = self.pool.block_size, self.pool.quota_blocks
         match op:
             case Allocate(seq_id, num_tokens, token_ids):
                 tokens = self._check_tokens(num_tokens, token_ids, minimum=0)
                 self._check_new_seq(session, seq_id)
-                self._check_quota(session, _blocks_for(num_tokens, bs))
+                charge = quota(num_tokens)
+                self._check_quota(session, charge)
                 answer.sequence("allocate", _blocks_for(num_tokens, bs), slots=num_tokens)
                 update = _fit(self.pool.allocate(session.key(seq_id), num_tokens, tokens,
                                                  salt=session.salt))
@@ -135,18 +136,20 @@ class SessionOps:
                 tokens = self._check_tokens(num_tokens, token_ids, minimum=1)
                 key = self.own(session, seq_id)
                 old = self.pool.num_tokens(key)
-                self._check_quota(session, _blocks_for(old + num_tokens, bs) - _blocks_for(old, bs))
+                charge = quota(old + num_tokens) - quota(old)
+                self._check_quota(session, charge)
                 answer.sequence("append", _blocks_for(old + num_tokens, bs), slots=num_tokens,
                                 copies=1)
                 update = _fit(self.pool.append(key, num_tokens, tokens))
-                self._add_entries(session, -_blocks_for(old, bs))
             case Fork(parent_seq_id, child_seq_id):
                 parent = self.own(session, parent_seq_id)
                 self._check_new_seq(session, child_seq_id)
-                num_blocks = _blocks_for(self.pool.num_tokens(parent), bs)
-                self._check_quota(session, num_blocks)
-                answer.sequence("fork", num_blocks)
-                update = self.pool.fork(parent, session.key(child_seq_id))
+                held = self.pool.num_tokens(parent)
+                charge = quota(held)
+                self._check_quota(session, charge)
+                answer.sequence("fork", _blocks_for(held, bs),
+                                copies=self.pool.fork_copies(held))
+                update = _fit(self.pool.fork(parent, session.key(child_seq_id)))
                 self._add_seq(session, child_seq_id)
             case CopyOnWrite(seq_id, logical_block):
                 key = self.own(session, seq_id)
@@ -156,7 +159,7 @@ class SessionOps:
                                           f"{num_blocks} blocks of sequence {seq_id}")
                 answer.sequence("copy_on_write", num_blocks, copies=1)
                 update = _fit(self.pool.copy_on_write(key, logical_block))
-                self._add_entries(session, -num_blocks)
+                charge = 0  # a copy replaces a table entry
             case Commit(seq_ids, num_tokens):
                 answer.sequence("commit", 0)
                 self.commit(session, seq_ids, num_tokens)
@@ -165,18 +168,18 @@ class SessionOps:
                 answer.sequence("free", 0)
                 self.free(session, seq_id, work)
                 return SeqUpdate(block_table=[], num_tokens=0)
-        self._add_entries(session, len(update.block_table))
+        self._add_entries(session, charge)
         work.copy(update.copies)
         return update
 
     def free(self, session: Session, seq_id: int, work: MemoryWork) -> int:
         """Drop one of the session's sequences; returns how many blocks the pool released."""
         key = self.own(session, seq_id)
-        entries = len(self.pool.block_table(key))
+        charge = self.pool.quota_blocks(self.pool.num_tokens(key))
         released = self.pool.free(key)
         session.seq_ids.discard(seq_id)
         self._journal.record(session.seq_ids.add, seq_id)
-        self._add_entries(session, -entries)
+        self._add_entries(session, -charge)
         if self.zero_freed_blocks:
             work.zero(released)
         return len(released)
@@ -235,8 +238,7 @@ class SessionOps:
         if commit:
             self.pool.commit(keys)
         result = _fit(self.pool.append_batch(keys, num_tokens, tokens))
-        # Each copy-on-write replaces an entry; every other changed entry is a new block.
-        self._add_entries(session, len(result.changed_seq_index) - len(result.copies))
+        self._add_entries(session, result.charged_blocks)
         work.copy(result.copies)
         return result
 
@@ -260,17 +262,17 @@ class SessionOps:
     def _check_step_quota(self, session: Session, keys: list[tuple[int, int]],
                           num_tokens: int) -> None:
         """The quota check of a step; the exact count (a Python loop over the sequences) only
-        when the cheap bound, ceil(num_tokens / B) new blocks per sequence, does not fit."""
-        bound = len(keys) * _blocks_for(num_tokens, self.pool.block_size)
+        when the cheap bound does not fit: no sequence's charge grows by more than an empty
+        one's would (paged: ceil(num_tokens / B) new blocks; contiguous: 0)."""
+        quota = self.pool.quota_blocks
+        bound = len(keys) * (quota(num_tokens) - quota(0))
         if session.table_entries + bound > session.max_blocks:
-            self._check_quota(session, self._step_entries(keys, num_tokens))
+            self._check_quota(session, self._step_charge(keys, num_tokens))
 
-    def _step_entries(self, keys: list[tuple[int, int]], num_tokens: int) -> int:
-        """Block-table entries a step would add."""
-        bs = self.pool.block_size
-        old = np.fromiter((self.pool.num_tokens(k) for k in keys), dtype=np.int64,
-                          count=len(keys))
-        return int(((old + num_tokens + bs - 1) // bs - (old + bs - 1) // bs).sum())
+    def _step_charge(self, keys: list[tuple[int, int]], num_tokens: int) -> int:
+        """What a step would add to the session's quota charge."""
+        quota, held = self.pool.quota_blocks, self.pool.num_tokens
+        return sum(quota(n + num_tokens) - quota(n) for n in map(held, keys))
 
     def own(self, session: Session, seq_id: int) -> tuple[int, int]:
         """The pool key of one of the session's sequences; others' are simply not found."""

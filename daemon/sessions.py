@@ -69,7 +69,8 @@ class Session:
     tenant: str = DEFAULT_TENANT
     # Client seq ids of the live sequences.
     seq_ids: set[int] = field(default_factory=set)
-    # Block-table entries summed over the live sequences (what max_blocks bounds).
+    # Block-table entries summed over the live sequences (what max_blocks bounds); in a
+    # contiguous pool, their reservations' blocks (the pool's `quota_blocks`).
     table_entries: int = 0
     # Tokens offered for prefix reuse by this session's allocations, and tokens found cached.
     prefix_cache_queries: int = 0

@@ -1,18 +1,24 @@
 """Tenants: who a caller is, what it may open, and what its sessions may hold together.
 
-A tenant has a bearer token (TCP callers send it; it names the tenant), limits over all its
-sessions (`max_blocks`: block-table entries, the measure of the session quota; `max_sessions`:
-sessions open at once; 0 = unlimited) and the prefix-cache salts its sessions may use. Every
-session belongs to the tenant that opened it, and counts against that tenant's limits.
+A tenant has a bearer token (TCP callers send it; it names the tenant), the uids of the local
+users whose unix-socket calls are its own, limits over all its sessions (`max_blocks`:
+block-table entries, or a contiguous pool's reserved blocks, the measure of the session quota;
+`max_sessions`: sessions open at once; 0 = unlimited) and the prefix-cache salts its sessions
+may use. Every session belongs to the tenant that opened it, and counts against that tenant's
+limits.
 
-Who is calling. The interceptor identifies each call: a TCP caller by its token, a unix-socket
-caller as the configured `unix_tenant` ("default" unless set). grpc's Python API does not
-expose a unix caller's uid: `context.peer()` is just "unix:" and `auth_context()` holds no
-peer credentials (grpc's local credentials do not read SO_PEERCRED), so callers cannot be
-told apart by uid; the socket's mode decides who may connect at all. The interceptor puts the
-caller in a context variable for the call; the service reads it when a session opens, and
-the session registry when a call names a session: a TCP caller naming another tenant's
-session gets NOT_FOUND, as for an unknown id. Unix callers may name any session: the
+Who is calling. The interceptor identifies each call: a TCP caller by its token; a unix-socket
+caller by its uid when some tenant lists `uids`, else as the configured `unix_tenant`
+("default" unless set). grpc's Python API does not expose a unix caller's uid
+(`context.peer()` is "unix:" plus the address the caller's socket was bound to, and the auth
+context holds no peer credentials), so when a tenant lists uids the public unix socket is
+served by the peer-credential gate (peer_gate.py), which reads each connection's uid
+(SO_PEERCRED) and hands it to gRPC as the name of the connection's peer. A uid no tenant lists
+is refused (PERMISSION_DENIED), or is `unix_tenant` with `unmapped_uids = "unix_tenant"`. Who
+may connect at all is still the socket's mode. The interceptor puts the caller in a context
+variable for the call; the service reads it when a session opens, and the session registry
+when a call names a session: a TCP caller naming another tenant's session gets NOT_FOUND, as
+for an unknown id. Unix callers, by uid or not, may name any session whose id they hold: the
 co-located runner acts with its clients' sessions, whatever their tenant.
 
 Cache salts. No salt: the session's own namespace (nothing shared). A tenant configured with
@@ -23,7 +29,6 @@ sessions share with each other, never with another tenant.
 The old single `auth_token_file` is the one-tenant shortcut: the "default" tenant, no limits,
 any salt in its namespace; unix callers are that tenant too.
 """
-
 import contextlib
 import hmac
 import re
@@ -44,7 +49,12 @@ DEFAULT_TENANT = "default"
 # Tenant names: they appear in metrics labels and logs.
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Keys of a [tenants.NAME] table.
-TENANT_KEYS = ("token_file", "max_blocks", "max_sessions", "salts")
+TENANT_KEYS = ("token_file", "uids", "max_blocks", "max_sessions", "salts")
+# What a unix caller whose uid no tenant lists gets (the `unmapped_uids` setting): refused, or
+# the unix tenant.
+UNMAPPED_UIDS = ("refuse", "unix_tenant")
+# The largest uid: (uid_t)-1 means "no uid" to the kernel.
+MAX_UID = 2**32 - 2
 
 
 class PermissionDenied(PoolError):
@@ -59,6 +69,8 @@ class TenantSpec:
     name: str
     # File holding the bearer token its TCP callers send; None: reachable over unix only.
     token_file: Path | None = None
+    # Uids of the local users whose unix-socket calls act as this tenant (none: by uid, no one).
+    uids: tuple[int, ...] = ()
     # Block-table entries over all its sessions; 0 = unlimited.
     max_blocks: int = 0
     # Sessions open at once; 0 = unlimited.
@@ -80,6 +92,8 @@ class Tenant:
     max_sessions: int = 0
     # Cache salts it may use (global); None: any salt, in its own namespace.
     salts: frozenset[bytes] | None = None
+    # Uids whose unix-socket calls act as this tenant.
+    uids: frozenset[int] = frozenset()
 
     def cache_salt(self, requested: bytes) -> bytes:
         """The salt a session of this tenant gets for `requested` (b"": its own namespace);
@@ -129,13 +143,20 @@ def may_use_session_of(tenant: str) -> bool:
 
 
 class Tenants:
-    """The daemon's tenants, by name and by token."""
+    """The daemon's tenants, by name, by token and by uid."""
 
-    def __init__(self, tenants: Iterable[Tenant], unix_tenant: str = DEFAULT_TENANT) -> None:
+    def __init__(self, tenants: Iterable[Tenant], unix_tenant: str = DEFAULT_TENANT,
+                 unmapped_uids: str = "refuse") -> None:
         self.by_name = {tenant.name: tenant for tenant in tenants}
         self.by_name.setdefault(DEFAULT_TENANT, Tenant(DEFAULT_TENANT))
-        # The tenant of unix-socket callers.
+        # The tenant of unix-socket callers when no tenant lists uids.
         self.unix = self.by_name[unix_tenant]
+        # Uid -> the tenant listing it (check_specs makes each uid listed once).
+        self.by_uid = {uid: tenant for tenant in self.by_name.values() for uid in tenant.uids}
+        assert len(self.by_uid) == sum(len(t.uids) for t in self.by_name.values()), \
+            "a uid in two tenants"
+        # The tenant of a unix caller whose uid no tenant lists; None: refused.
+        self.unmapped = self.unix if unmapped_uids == "unix_tenant" else None
 
     @classmethod
     def single(cls, token: str | None) -> "Tenants":
@@ -150,6 +171,17 @@ class Tenants:
     @property
     def any_token(self) -> bool:
         return any(tenant.bearer is not None for tenant in self.by_name.values())
+
+    @property
+    def maps_uids(self) -> bool:
+        """Whether unix callers are told apart by uid (then the peer-credential gate serves
+        the unix sockets)."""
+        return bool(self.by_uid)
+
+    def for_uid(self, uid: int) -> Tenant | None:
+        """The tenant of a unix caller with `uid`: the tenant listing it, else the unmapped
+        uids' tenant; None: refused."""
+        return self.by_uid.get(uid, self.unmapped)
 
     def for_bearer(self, sent: bytes) -> Tenant | None:
         """The tenant whose "Bearer <token>" was sent, compared in constant time per tenant."""
@@ -242,10 +274,6 @@ def parse_tenants(raw: Any) -> tuple[TenantSpec, ...]:
 def _parse_tenant(name: str, table: Any) -> TenantSpec:
     if not isinstance(table, Mapping):
         raise TypeError(f"tenants.{name}: expected a table")
-    if "uids" in table:
-        raise ValueError(f"tenants.{name}.uids: grpc does not tell the daemon a unix caller's "
-                         "uid, so unix callers cannot be mapped by uid; they are all "
-                         "`unix_tenant` (the socket's mode decides who may connect)")
     unknown = sorted(set(table) - set(TENANT_KEYS))
     if unknown:
         raise ValueError(f"tenants.{name}: unknown key(s) {', '.join(unknown)}; known: "
@@ -258,6 +286,7 @@ def _parse_tenant(name: str, table: Any) -> TenantSpec:
     if token_file is not None and not isinstance(token_file, str):
         raise TypeError(f"tenants.{name}.token_file: expected a path")
     return TenantSpec(name=name, token_file=None if token_file is None else Path(token_file),
+                      uids=_uids(table, name),
                       max_blocks=_count(table, name, "max_blocks"),
                       max_sessions=_count(table, name, "max_sessions"),
                       salts=None if salts is None else tuple(salts))
@@ -271,8 +300,26 @@ def _count(table: Mapping[str, Any], name: str, key: str) -> int:
     return value
 
 
-def check_specs(specs: Iterable[TenantSpec], unix_tenant: str) -> None:
-    """Names usable as labels, and unix_tenant naming a tenant; ValueError otherwise."""
+def _uids(table: Mapping[str, Any], name: str) -> tuple[int, ...]:
+    """The tenant's `uids`: a non-empty list of distinct uids (absent: none)."""
+    if "uids" not in table:
+        return ()
+    uids = table["uids"]
+    if (not isinstance(uids, list) or not uids
+            or not all(isinstance(u, int) and not isinstance(u, bool) for u in uids)):
+        raise TypeError(f"tenants.{name}.uids: expected a non-empty list of uids (integers), "
+                        f"got {uids!r}")
+    for uid in uids:
+        if not 0 <= uid <= MAX_UID:
+            raise ValueError(f"tenants.{name}.uids: {uid} is not a uid (0..{MAX_UID})")
+    if len(set(uids)) != len(uids):
+        raise ValueError(f"tenants.{name}.uids: a uid is listed twice")
+    return tuple(uids)
+
+
+def check_specs(specs: Iterable[TenantSpec], unix_tenant: str, unmapped_uids: str) -> None:
+    """Names usable as labels, unix_tenant naming a tenant, each uid in one tenant at most and
+    a known unmapped_uids; ValueError otherwise."""
     names = {spec.name for spec in specs} | {DEFAULT_TENANT}
     for name in names:
         if not _NAME.match(name):
@@ -281,9 +328,19 @@ def check_specs(specs: Iterable[TenantSpec], unix_tenant: str) -> None:
     if unix_tenant not in names:
         raise ValueError(f"unix_tenant: no tenant named {unix_tenant!r} "
                          f"(tenants: {', '.join(sorted(names))})")
+    owners: dict[int, str] = {}
+    for spec in specs:
+        for uid in spec.uids:
+            if uid in owners:
+                raise ValueError(f"uid {uid} is in the uids of tenants {owners[uid]} and "
+                                 f"{spec.name}: a unix caller has one tenant")
+            owners[uid] = spec.name
+    if unmapped_uids not in UNMAPPED_UIDS:
+        raise ValueError(f"unmapped_uids: expected one of {', '.join(UNMAPPED_UIDS)}, "
+                         f"got {unmapped_uids!r}")
 
 
-def build_tenants(specs: Iterable[TenantSpec], unix_tenant: str,
+def build_tenants(specs: Iterable[TenantSpec], unix_tenant: str, unmapped_uids: str,
                   tokens: Mapping[str, str]) -> Tenants:
     """The run-time tenants from their specs and the tokens read from their files (by name);
     ValueError if two tenants share a token."""
@@ -295,5 +352,6 @@ def build_tenants(specs: Iterable[TenantSpec], unix_tenant: str,
     return Tenants([Tenant(
         spec.name, bearer_of(tokens[spec.name]) if spec.name in tokens else None,
         spec.max_blocks, spec.max_sessions,
-        None if spec.salts is None else frozenset(s.encode() for s in spec.salts))
-        for spec in specs], unix_tenant)
+        None if spec.salts is None else frozenset(s.encode() for s in spec.salts),
+        frozenset(spec.uids))
+        for spec in specs], unix_tenant, unmapped_uids)

@@ -30,6 +30,9 @@ def parser() -> argparse.ArgumentParser:
                         help="a config.json path or a preset (tiny, tiny-llama, small-llama), "
                              "randomly initialized")
     cli.add_argument("--seed", type=int, default=0, help="seed of --random-init (default 0)")
+    cli.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+                     help="load the weights in this dtype (default: the config's); start the "
+                          "daemon with the same --dtype")
     cli.add_argument("--daemon", help="the daemon's gRPC target (default: unix socket in ./run "
                                       "or $RUNTIME_DIRECTORY)")
     cli.add_argument("--listen", help="unix:///path of the Runner socket (default: next to the "
@@ -61,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     # (benchmarks/bench_runner.py --threads 0); GPU runs barely use these threads.
     torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 2) // 2))
     try:
-        source = ModelSource(path=args.model, random_init=args.random_init, seed=args.seed)
+        source = ModelSource(path=args.model, random_init=args.random_init, seed=args.seed,
+                             dtype=args.dtype)
         options = {key: value for key, value in (("daemon", args.daemon),
                                                  ("listen", args.listen),
                                                  ("metrics_listen", args.metrics_listen))

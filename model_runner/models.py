@@ -46,6 +46,10 @@ PRESETS: dict[str, LlamaConfig] = {
 }
 
 
+# The dtypes a model may be loaded in (the pool's: pagedkv.daemon.geometry.DTYPE_BYTES).
+LOADABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 class ModelMismatch(ValueError):
     """The model's KV geometry is not the pool's; the message names both."""
 
@@ -60,6 +64,8 @@ class ModelSource:
     random_init: str | None = None
     # Seed of the random initialization.
     seed: int = 0
+    # The dtype to load the weights in ("float16", "bfloat16", "float32"); None: the config's.
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.random_init is None):
@@ -85,9 +91,10 @@ def model_config(source: ModelSource) -> PretrainedConfig:
 
 
 def load_model(source: ModelSource, device: str = "cpu") -> PreTrainedModel:
-    """The model in eval mode on `device`, in its config's dtype (float32 when it names none)."""
+    """The model in eval mode on `device`, in `source.dtype`, else its config's dtype (float32
+    when it names none)."""
     config = model_config(source)
-    dtype = _dtype_of(config)
+    dtype = torch_dtype(source.dtype or getattr(config.get_text_config(), "dtype", None))
     model: PreTrainedModel
     if source.path is not None:
         model = AutoModelForCausalLM.from_pretrained(source.path, local_files_only=True,
@@ -103,10 +110,16 @@ def load_model(source: ModelSource, device: str = "cpu") -> PreTrainedModel:
     return model
 
 
-def _dtype_of(config: PretrainedConfig) -> torch.dtype:
-    dtype = getattr(config.get_text_config(), "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."))
+def torch_dtype(name: str | torch.dtype | None) -> torch.dtype:
+    """A dtype named as configs and flags name it ("float16", "torch.bfloat16"); None is
+    float32, transformers' default; ValueError for anything else."""
+    if name is None:
+        return torch.float32
+    if isinstance(name, torch.dtype):
+        return name
+    dtype = getattr(torch, name.strip().removeprefix("torch."), None)
+    if dtype not in LOADABLE_DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; known: float16, bfloat16, float32")
     assert isinstance(dtype, torch.dtype)
     return dtype
 

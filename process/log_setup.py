@@ -8,6 +8,8 @@ aiohttp) pass through the same processors, so every line has the same shape.
 
 import logging
 import sys
+import time
+from collections.abc import Callable
 from typing import Any, Literal, TextIO
 
 import structlog
@@ -15,6 +17,9 @@ import structlog
 LogFormat = Literal["json", "console", "auto"]
 LOG_FORMATS: tuple[LogFormat, ...] = ("json", "console", "auto")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+# At most one log line per this many seconds about each kind of event a hostile peer can repeat
+# at will (requests that do not parse, calls without a valid token, refused connections).
+HOSTILE_LOG_INTERVAL_S = 10.0
 
 
 def resolve_format(fmt: LogFormat, stream: TextIO) -> Literal["json", "console"]:
@@ -80,3 +85,25 @@ def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     """A structlog logger named like a stdlib one (the module's __name__)."""
     logger: structlog.stdlib.BoundLogger = structlog.stdlib.get_logger(name)
     return logger
+
+
+class RateLimitedLog:
+    """Says when to log an event that may repeat at any rate: the first time, then at most
+    once per interval, with how many happened since the last line."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        # Shortest time between two lines.
+        self.interval_s = interval_s
+        self._clock = clock
+        # Events since the last line, and when that line was written (None: never).
+        self._count = 0
+        self._last: float | None = None
+
+    def event(self) -> int | None:
+        """Count one event; returns how many to report if a line is due now, else None."""
+        self._count += 1
+        now = self._clock()
+        if self._last is not None and now - self._last < self.interval_s:
+            return None
+        count, self._count, self._last = self._count, 0, now
+        return count

@@ -8,11 +8,16 @@ socket is therefore bound under a umask that clears every bit `socket_mode` lack
 chmod'ed to exactly `socket_mode`; each folder the daemon creates for it gets an explicit
 mode too: the owner's rwx, and r-x for the group when the socket grants the group access.
 Folders that already exist (systemd's RuntimeDirectory, ./run) keep the mode they have.
+A server that accepts on its own binds its socket the same way (`bind_unix_socket`), and a
+folder only the daemon's user may enter (`make_private_folder`) is made afresh, never reused
+from another user.
 """
 
 import contextlib
 import os
+import shutil
 import socket
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,3 +71,37 @@ def claim_socket_path(path: Path, socket_mode: int) -> None:
             path.unlink(missing_ok=True)  # nobody listens: left by a daemon that crashed
             return
     raise SocketInUse(f"cannot listen on {path}: another process is serving it")
+
+
+def bind_unix_socket(path: Path, socket_mode: int) -> socket.socket:
+    """A listening unix socket at `path` (claimed first: `claim_socket_path`) with exactly
+    `socket_mode`, for a server that accepts on its own rather than through grpc."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with socket_umask(socket_mode):
+            listener.bind(str(path))
+        os.chmod(path, socket_mode)
+        listener.listen(socket.SOMAXCONN)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def make_private_folder(folder: Path) -> None:
+    """A new, empty `folder` only this user may enter (0o700). One this user left behind (a
+    daemon that crashed) is replaced; anything else there (a file, a link, another user's
+    folder, one made meanwhile) is SocketInUse: its owner could reach what goes inside."""
+    try:
+        info = folder.lstat()
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            raise SocketInUse(f"cannot use {folder}: it exists and is not a folder of this user")
+        shutil.rmtree(folder)
+    try:
+        folder.mkdir(mode=0o700)  # never wider, whatever the umask; chmod makes it exact
+    except FileExistsError as exc:
+        raise SocketInUse(f"cannot use {folder}: another process created it meanwhile") from exc
+    os.chmod(folder, 0o700)

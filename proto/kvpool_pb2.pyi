@@ -155,6 +155,7 @@ class PoolInfo(_message.Message):
     BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     MEMORY_FIELD_NUMBER: _builtins.int
+    RESERVATION_BLOCKS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     """Random id of this daemon run; changes on every start. Session ids embed it."""
     num_blocks: _builtins.int
@@ -172,6 +173,11 @@ class PoolInfo(_message.Message):
     """Axes of the pool tensor: "num_layers,2,num_blocks,block_size,num_kv_heads,head_dim" (the 2
     is K then V); slot s of a sequence is [layer, k_or_v, s // block_size, s % block_size].
     """
+    reservation_blocks: _builtins.int
+    """Blocks every sequence reserves when it is allocated or forked (pagedkvd --allocator
+    contiguous: ceil(max_model_len / block_size), and appends then take none); 0 = paged:
+    blocks are taken as tokens need them. What a scheduler admits by.
+    """
     @_builtins.property
     def memory(self) -> Global___PoolMemory: ...
     def __init__(
@@ -188,10 +194,11 @@ class PoolInfo(_message.Message):
         bytes_per_block: _builtins.int = ...,
         layout: _builtins.str = ...,
         memory: Global___PoolMemory | None = ...,
+        reservation_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "dtype", b"dtype", "head_dim", b"head_dim", "layout", b"layout", "memory", b"memory", "model", b"model", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "dtype", b"dtype", "head_dim", b"head_dim", "layout", b"layout", "memory", b"memory", "model", b"model", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "reservation_blocks", b"reservation_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -422,7 +429,9 @@ class ForkRequest(_message.Message):
     session_id: _builtins.str
     parent_seq_id: _builtins.int
     child_seq_id: _builtins.int
-    """A new seq id; the child shares every block of the parent."""
+    """A new seq id; the child shares every block of the parent (pagedkvd --allocator contiguous:
+    gets a reservation of its own holding a copy of them, reported as the answer's copies).
+    """
     def __init__(
         self,
         *,
@@ -928,9 +937,11 @@ class SessionStats(_message.Message):
     """"client_name#number": a label that is not the (secret) session id."""
     num_sequences: _builtins.int
     block_table_entries: _builtins.int
-    """Block-table entries over the session's sequences (what max_blocks bounds)."""
+    """Block-table entries over the session's sequences (what max_blocks bounds); with
+    pagedkvd --allocator contiguous, the blocks of their reservations.
+    """
     blocks_held: _builtins.int
-    """Distinct physical blocks the session's sequences reference."""
+    """Distinct physical blocks the session's sequences reference (contiguous: reserve)."""
     max_blocks: _builtins.int
     prefix_cache_queries: _builtins.int
     """Prefix-cache lookups of the session's Allocate calls, in tokens."""
@@ -981,7 +992,10 @@ class PoolStats(_message.Message):
     num_blocks: _builtins.int
     block_size: _builtins.int
     free_blocks: _builtins.int
-    """Blocks an allocation could take now (never-used, released, and evictable cached blocks)."""
+    """Blocks an allocation could take now (never-used, released, and evictable cached blocks).
+    With pagedkvd --allocator contiguous: the free blocks whole max_model_len reservations can
+    take (a free run shorter than one is left out); each new sequence needs one reservation.
+    """
     used_blocks: _builtins.int
     """Fields 4 to 14 (pool-wide activity): always 0 over this API; operators read them from
     /metrics (e.g. pagedkv:used_blocks). Their meanings, for the record:

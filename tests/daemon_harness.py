@@ -26,10 +26,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from pagedkv.daemon.addresses import ListenAddress, parse_listen
-from pagedkv.daemon.core import BlockPool
+from pagedkv.daemon.core import AllocatorKind, PoolAllocator, make_pool
 from pagedkv.daemon.geometry import TINY_CPU_GEOMETRY
 from pagedkv.daemon.kv_memory import KVPoolMemory
 from pagedkv.daemon.metrics import PoolCollector, RpcMetrics
+from pagedkv.daemon.peer_gate import PeerGate
 from pagedkv.daemon.server import grpc_server
 from pagedkv.daemon.service import PoolService
 from pagedkv.daemon.tenants import Tenants
@@ -55,9 +56,11 @@ class Daemon:
     memory: KVPoolMemory | None
     # The daemon's Prometheus figures: pool collector and per-RPC metrics.
     registry: CollectorRegistry
+    # The peer-credential gate serving the unix socket, when the tenants list uids.
+    gate: PeerGate | None = None
 
     @property
-    def pool(self) -> BlockPool:
+    def pool(self) -> PoolAllocator:
         return self.service.pool
 
 
@@ -65,10 +68,12 @@ class Daemon:
 async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memory: bool = False,
                          tcp: bool = False, tls: ServerTls | None = None,
                          pool_id: str | None = None, tenants: Tenants | None = None,
+                         allocator: AllocatorKind = "paged", max_model_len: int | None = None,
                          **service_options: Any) -> AsyncIterator[Daemon]:
     """Start a daemon; `service_options` go to PoolService (leases, limits, zeroing, clock).
     With `tcp`, a loopback TCP listener too, serving TLS with `tls` when given. `tenants`
-    default to one, "default", whose token is TOKEN."""
+    default to one, "default", whose token is TOKEN. `allocator` and `max_model_len` choose
+    the pool's bookkeeping as pagedkvd's settings of the same names do."""
     async with AsyncExitStack() as stack:
         # Short and private: unix socket paths are limited to ~107 bytes, pytest's tmp_path is
         # long.
@@ -78,7 +83,8 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
         if with_memory:
             memory = stack.enter_context(KVPoolMemory.create(
                 TINY_CPU_GEOMETRY, num_blocks, block_size, "float32", shm_dir=str(directory)))
-        service = PoolService(BlockPool(num_blocks, block_size), memory,
+        pool = make_pool(allocator, num_blocks, block_size, max_model_len=max_model_len)
+        service = PoolService(pool, memory,
                               pool_id=pool_id or secrets.token_hex(8),
                               geometry=TINY_CPU_GEOMETRY,
                               tenants=tenants or Tenants.single(TOKEN), **service_options)
@@ -92,4 +98,4 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
         running = await stack.enter_async_context(grpc_server(
             service, listeners, rpc_metrics=RpcMetrics(registry), tls=tls))
         tcp_target = running.targets[1] if tcp else None
-        yield Daemon(service, running.targets[0], tcp_target, memory, registry)
+        yield Daemon(service, running.targets[0], tcp_target, memory, registry, running.gate)

@@ -1,5 +1,7 @@
 """The command lines: `pagedkvd` and `pagedkv serve|plan` dispatch, and bad settings exit 2."""
 
+from pathlib import Path
+
 import pytest
 
 from pagedkv.daemon.cli import EXIT_BAD_CONFIG, main, serve_main
@@ -15,6 +17,16 @@ def test_pagedkvd_refuses_a_tcp_listener_without_a_token(
 def test_pagedkv_serve_names_itself_in_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--num-blocks", "0"]) == EXIT_BAD_CONFIG
     assert "pagedkv serve: error: num_blocks must be positive" in capsys.readouterr().err
+
+
+def test_a_reservation_larger_than_the_sized_pool_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 1 MiB of the tiny geometry (32 KiB a block of 16) is 32 blocks: 512 slots.
+    argv = ["--kv-memory", "1MiB", "--allocator", "contiguous", "--max-model-len", "513",
+            "--shm-dir", str(tmp_path), "--listen", f"unix://{tmp_path}/s.sock"]
+    assert serve_main(argv) == EXIT_BAD_CONFIG
+    assert "max_model_len 513 does not fit in the pool: 32 blocks" in capsys.readouterr().err
 
 
 def test_pagedkv_plan_prints_figures(capsys: pytest.CaptureFixture[str]) -> None:

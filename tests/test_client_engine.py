@@ -67,6 +67,15 @@ def small(config_path: Path) -> Iterator[tuple[Pagedkvd, Pagedkvd]]:
         yield daemon, runner
 
 
+@pytest.fixture(scope="module")
+def contiguous(config_path: Path) -> Iterator[tuple[Pagedkvd, Pagedkvd]]:
+    """The baseline: 12 blocks as max-length reservations of 64 tokens (4 blocks each)."""
+    with pagedkvd("--model-config", str(config_path), "--num-blocks", "12", "--allocator",
+                  "contiguous", "--max-model-len", "64") as daemon, \
+            pagedkv_runner(daemon, "--random-init", str(config_path)) as runner:
+        yield daemon, runner
+
+
 @pytest.fixture
 async def engine(roomy: tuple[Pagedkvd, Pagedkvd]) -> AsyncIterator[Engine]:
     daemon, runner = roomy
@@ -283,3 +292,22 @@ async def test_a_killed_client_loses_only_its_requests_and_its_blocks_come_back(
         while (await pool.stats()).free_blocks != free_before:
             assert asyncio.get_running_loop().time() < deadline, "the killed client's blocks"
             await asyncio.sleep(0.1)
+
+
+async def test_on_a_contiguous_daemon_admission_counts_whole_reservations(
+        contiguous: tuple[Pagedkvd, Pagedkvd], reference: PreTrainedModel) -> None:
+    """The same eight requests on the contiguous baseline: three 4-block reservations fit in 12
+    blocks, so at most three sequences run at once; nothing is preempted or refused (the
+    engine admits by the reservation the daemon reports), and the tokens are the same."""
+    daemon, runner = contiguous
+    params = SamplingParams(temperature=0, max_tokens=20)
+    records: list[StepRecord] = []
+    async with await Engine.connect(daemon.unix_target, runner.unix_target,
+                                    config=SchedulerConfig(watermark=0.0)) as engine:
+        assert engine.scheduler.reservation_blocks == 4
+        engine.observers.append(records.append)
+        outputs = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
+        for prompt, output in zip(PROMPTS, outputs, strict=True):
+            assert list(output.outputs[0].token_ids) == hf_greedy(reference, prompt, 20)
+        assert max(r.running_seqs for r in records) == 3
+        assert engine.scheduler.num_preemptions == 0

@@ -90,6 +90,57 @@ def test_flags_not_given_leave_the_toml_values(tmp_path: Path) -> None:
     assert config.dtype == "bf16" and config.log_format == "json"
 
 
+def test_the_allocator_and_its_reservation_from_flags_and_toml(tmp_path: Path) -> None:
+    default = parse([])
+    assert (default.allocator, default.max_model_len) == ("paged", None)
+    config = parse(["--allocator", "contiguous", "--max-model-len", "2048"])
+    assert (config.allocator, config.max_model_len) == ("contiguous", 2048)
+    toml = tmp_path / "pagedkv.toml"
+    toml.write_text('allocator = "contiguous"\nmax_model_len = 512\n')
+    config = parse(["--config", str(toml), "--max-model-len", "8192"])
+    assert (config.allocator, config.max_model_len) == ("contiguous", 8192)  # flag wins
+
+
+@pytest.mark.parametrize(
+    ("toml", "argv", "message"),
+    [
+        ("", ["--allocator", "contiguous"], "contiguous\" needs max_model_len"),
+        ("", ["--max-model-len", "2048"], "paged sequences reserve nothing"),
+        ("", ["--allocator", "contiguous", "--max-model-len", "0"],
+         "max_model_len must be positive"),
+        # The default pool: 512 blocks of 16 slots.
+        ("", ["--allocator", "contiguous", "--max-model-len", "8193"],
+         "max_model_len 8193 does not fit in the pool: 512 blocks x 16 slots = 8192 slots"),
+        ('allocator = "buddy"\n', [], "allocator must be one of paged, contiguous, got 'buddy'"),
+        ('allocator = "contiguous"\nmax_model_len = "long"\n', [],
+         "max_model_len in .*expected an integer"),
+    ],
+)
+def test_bad_allocator_settings_are_refused(tmp_path: Path, toml: str, argv: list[str],
+                                            message: str) -> None:
+    path = tmp_path / "pagedkv.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=message):
+        parse(["--config", str(path), *argv])
+
+
+def test_an_unknown_allocator_flag_is_refused_by_the_parser(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse(["--allocator", "buddy"])
+    assert info.value.code == EXIT_BAD_CONFIG
+    assert "invalid choice: 'buddy'" in capsys.readouterr().err
+
+
+def test_a_reservation_is_checked_against_a_pool_sized_later() -> None:
+    # kv_memory and kv_fraction give the block count only at start (server.py checks then).
+    config = DaemonConfig(num_blocks=None, kv_memory=2**20, allocator="contiguous",
+                          max_model_len=4096)
+    config.check_reservation(256)
+    with pytest.raises(ConfigError, match="max_model_len 4096 does not fit in the pool"):
+        config.check_reservation(255)
+
+
 def test_tcp_listener_without_token_file_is_refused() -> None:
     with pytest.raises(ConfigError, match="TCP listener needs auth_token_file"):
         parse(["--listen", "127.0.0.1:7001"])

@@ -229,7 +229,7 @@ def test_num_blocks_for_bytes() -> None:
 
 def test_num_blocks_for_fraction_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Half of 1000 KiB available RAM, with a roomy shm dir: 500 blocks of 1 KiB.
-    monkeypatch.setattr(kv_memory, "_available_ram", lambda: 1000 * 1024)
+    monkeypatch.setattr(kv_memory, "available_ram", lambda: 1000 * 1024)
     assert num_blocks_for_fraction(0.5, 1024, "cpu", shm_dir=str(tmp_path)) == 500
     # A 64 KiB shm dir (Docker's default is 64 MB) caps the pool below the RAM share.
     free = os.statvfs(tmp_path)
@@ -243,4 +243,4 @@ def test_num_blocks_for_fraction_on_cpu(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_available_ram_is_plausible() -> None:
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    assert 0 < kv_memory._available_ram() <= total
+    assert 0 < kv_memory.available_ram() <= total

@@ -301,3 +301,12 @@ def test_a_local_model_directory_is_served(daemon: Pagedkvd, reference: PreTrain
         client.stdin.flush()
         tokens = json.loads(client.communicate(timeout=120)[0])
     assert tokens == [expected(reference, PROMPTS[0])]
+
+
+def test_the_weights_load_in_the_dtype_asked_for(config_path: Path) -> None:
+    """--dtype overrides the config's dtype (the daemon's pool is started with the same)."""
+    assert load_model(ModelSource(random_init=str(config_path))).dtype == torch.float32
+    assert load_model(ModelSource(random_init=str(config_path),
+                                  dtype="bfloat16")).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        load_model(ModelSource(random_init=str(config_path), dtype="int8"))

@@ -120,7 +120,7 @@ def test_a_contiguous_daemon_charges_a_reservation_per_new_sequence_and_nothing_
     admitted (no watermark: reservations never grow), the third waits. Their next tokens start
     a second block, which a paging daemon would need (the test above preempts for it); here
     they decode with no block free."""
-    scheduler = make(SchedulerConfig(reserve_tokens=64))
+    scheduler = Scheduler(SchedulerConfig(), BS, 100, reservation_blocks=4)
     first, second, third = request(16), request(16), request(3)
     for r in (first, second, third):
         scheduler.add(r)
@@ -132,7 +132,7 @@ def test_a_contiguous_daemon_charges_a_reservation_per_new_sequence_and_nothing_
     assert [list(s.token_ids) for s in plan.steps] == [[7], [7]]
     # Parallel samples are admitted with a reservation for each (n=3: 12 blocks), taken by the
     # parent, then by its forks; the room for the forks is not given to the next request.
-    samples = make(SchedulerConfig(reserve_tokens=64))
+    samples = Scheduler(SchedulerConfig(), BS, 100, reservation_blocks=4)
     parallel, after = request(20, SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=4)), \
         request(3)
     samples.add(parallel)

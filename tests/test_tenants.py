@@ -168,7 +168,14 @@ salts = ["shared"]
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[tenants.a]\nuids = [1000]\n", "uids: grpc does not tell the daemon a unix caller's uid"),
+        ("[tenants.a]\nuids = 1000\n", r"tenants.a.uids: expected a non-empty list of uids"),
+        ("[tenants.a]\nuids = []\n", r"tenants.a.uids: expected a non-empty list of uids"),
+        ("[tenants.a]\nuids = [true]\n", r"tenants.a.uids: expected a non-empty list of uids"),
+        ("[tenants.a]\nuids = [-1]\n", r"tenants.a.uids: -1 is not a uid \(0..4294967294\)"),
+        ("[tenants.a]\nuids = [7, 7]\n", r"tenants.a.uids: a uid is listed twice"),
+        ("[tenants.a]\nuids = [7]\n[tenants.b]\nuids = [8, 7]\n",
+         "uid 7 is in the uids of tenants a and b: a unix caller has one tenant"),
+        ('unmapped_uids = "allow"\n', "unmapped_uids: expected one of refuse, unix_tenant"),
         ("[tenants.a]\nmax_blocks = -1\n", r"tenants.a.max_blocks: expected an integer >= 0"),
         ("[tenants.a]\nmax_sessions = true\n", "expected an integer"),
         ("[tenants.a]\nsalts = \"s\"\n", "expected a list of non-empty strings"),
@@ -181,6 +188,24 @@ salts = ["shared"]
 def test_bad_tenant_settings_are_refused(tmp_path: Path, text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         toml_config(tmp_path, text)
+
+
+def test_uids_map_unix_callers_and_unmapped_ones_follow_the_setting(tmp_path: Path) -> None:
+    text = ('unix_tenant = "ops"\n[tenants.ops]\n[tenants.alice]\nuids = [1000, 1001]\n'
+            '[tenants.bob]\nuids = [0]\n')
+    tenants = toml_config(tmp_path, text).build_tenants()
+    assert tenants.maps_uids
+    assert [tenants.for_uid(uid).name for uid in (1000, 1001, 0)] == ["alice", "alice", "bob"]
+    assert tenants.for_uid(1002) is None  # refused by default
+    lenient = toml_config(tmp_path, text, unmapped_uids="unix_tenant").build_tenants()
+    assert lenient.for_uid(1002) is lenient.by_name["ops"]
+    assert not toml_config(tmp_path, "[tenants.ops]\n").build_tenants().maps_uids
+    # The gate names each connection beside the socket: a path too long for that is refused.
+    long_socket = f"unix:///{'s' * 75}/d.sock"
+    with pytest.raises(ConfigError, match=r"listen: .* the peer-credential gate names each "
+                                          r"connection in .*d.sock.gate .* bytes over the 107"):
+        toml_config(tmp_path, text, listen=(long_socket,))
+    assert toml_config(tmp_path, "", listen=(long_socket,))  # without uids, no gate: fine
 
 
 def test_tokens_are_distinct_readable_and_not_given_twice(tmp_path: Path) -> None:

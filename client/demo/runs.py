@@ -156,8 +156,7 @@ def _worker(stack: Stack, index: int, quick: bool) -> Iterator[subprocess.Popen[
     it still runs."""
     command = [sys.executable, "-m", "pagedkv.client.demo.worker", "--daemon",
                stack.daemon.unix_target, "--runner", stack.runner.unix_target, "--index",
-               str(index), "--reserve-tokens", str(stack.max_model_len or 0),
-               *(["--quick"] if quick else [])]
+               str(index), *(["--quick"] if quick else [])]
     with _log_path(stack.daemon.workdir, index).open("w") as log:
         process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=log, text=True)

@@ -2,7 +2,7 @@
 of the workload and reports what it saw as one JSON line.
 
     python -m pagedkv.client.demo.worker --daemon unix:///tmp/d/pagedkvd.sock \\
-        --runner unix:///tmp/d/runner/runner.sock --index 0 [--quick] [--reserve-tokens 256]
+        --runner unix:///tmp/d/runner/runner.sock --index 0 [--quick]
 
 Protocol on its pipes: once connected it prints "ready", then waits for a line on stdin (the
 demo starts every client at once), submits each request at its arrival time, and prints its
@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass
 
 from ..engine import Engine
 from ..outputs import RequestOutput
-from ..scheduler import SchedulerConfig
 from .workload import SHARED_SALT, DemoRequest, Kind, workload
 
 READY = "ready"
@@ -62,11 +61,9 @@ class WorkerResult:
         return cls(**{**raw, "requests": [RequestFigures(**r) for r in raw["requests"]]})
 
 
-async def run(daemon: str, runner: str, index: int, quick: bool,
-              reserve_tokens: int) -> WorkerResult:
+async def run(daemon: str, runner: str, index: int, quick: bool) -> WorkerResult:
     requests = workload(index, quick)
-    config = SchedulerConfig(reserve_tokens=reserve_tokens)
-    async with await Engine.connect(daemon, runner, config=config, client_name=f"demo-{index}",
+    async with await Engine.connect(daemon, runner, client_name=f"demo-{index}",
                                     cache_salt=SHARED_SALT) as engine:
         print(READY, flush=True)
         await asyncio.to_thread(sys.stdin.readline)
@@ -99,11 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--runner", required=True, help="the runner's gRPC target")
     cli.add_argument("--index", type=int, required=True, help="which client's workload")
     cli.add_argument("--quick", action="store_true", help="the reduced workload")
-    cli.add_argument("--reserve-tokens", type=int, default=0,
-                     help="tokens a contiguous daemon reserves per sequence (0: it pages)")
     args = cli.parse_args(argv)
-    result = asyncio.run(run(args.daemon, args.runner, args.index, args.quick,
-                             args.reserve_tokens))
+    result = asyncio.run(run(args.daemon, args.runner, args.index, args.quick))
     print(result.to_json(), flush=True)
     return 0
 

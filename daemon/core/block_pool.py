@@ -16,7 +16,6 @@ operations (a Batch, or an op followed by memory work that may fail) are made al
 """
 
 import contextlib
-import operator
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import NamedTuple
@@ -24,13 +23,20 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from .errors import InvalidArgument, SequenceExists, SequenceNotFound
+from .errors import SequenceExists
 from .journal import Journal
 from .physical_blocks import CacheEvents, PhysicalBlocks
 from .prefix_cache import block_keys, chain_keys, root_key
-from .seq_table import Int64Array, SeqTable, ragged_arange, ragged_entries
+from .seq_table import Int64Array, SeqTable, ragged_arange, ragged_entries, row_of, rows_of
 from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
-from .validation import TokenIds, as_int64, batch_tokens, count, seq_tokens
+from .validation import (
+    TokenIds,
+    batch_tokens,
+    check_logical_block,
+    commit_counts,
+    count,
+    seq_tokens,
+)
 
 
 class BlockPool:
@@ -61,6 +67,10 @@ class BlockPool:
     # ------------------------------------------------------------------ queries
 
     @property
+    def reservation_blocks(self) -> int:
+        return 0  # paged: blocks are taken as tokens need them
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take now: free plus evictable cached blocks."""
         return self._blocks.num_available
@@ -83,6 +93,18 @@ class BlockPool:
         """Leading tokens of `seq` in committed blocks (K/V certified written): for a sequence
         just allocated, the prefix-cache hit (`SeqUpdate.num_cached_tokens`)."""
         return int(self._seqs.committed[self._row(seq)]) * self.block_size
+
+    def held_blocks(self, seq: Hashable) -> list[int]:
+        """The blocks `seq` keeps from new sequences: its table (others may share them)."""
+        return self.block_table(seq)
+
+    def quota_blocks(self, num_tokens: int) -> int:
+        """What a sequence of `num_tokens` tokens counts against quotas: its table entries."""
+        return -(-num_tokens // self.block_size)
+
+    def fork_copies(self, num_tokens: int) -> int:
+        """Copies a fork of a sequence of `num_tokens` tokens makes: none, it shares."""
+        return 0
 
     # --------------------------------------------------------------- operations
 
@@ -156,18 +178,7 @@ class BlockPool:
         matchable by later prompts. Returns how many blocks became matchable."""
         rows = self._rows(seqs)
         st, bs = self._seqs, self.block_size
-        held = st.num_tokens[rows]
-        if num_tokens is None:
-            upto = held // bs
-        else:
-            computed = as_int64(num_tokens).ravel()
-            if len(computed) != len(rows):
-                raise InvalidArgument(f"{len(computed)} token counts given for {len(rows)} "
-                                      "sequences")
-            if ((computed < 0) | (computed > held)).any():
-                raise InvalidArgument("a committed token count is negative or exceeds the "
-                                      "tokens its sequence holds")
-            upto = computed // bs
+        upto = commit_counts(num_tokens, st.num_tokens[rows]) // bs
         start = st.committed[rows]
         todo = (upto > start).nonzero()[0]
         if not len(todo):
@@ -196,11 +207,7 @@ class BlockPool:
         its content is about to change. Either way the sequence's later blocks are not keyed.
         """
         row = self._row(seq)
-        nb = int(self._seqs.num_blocks[row])
-        if isinstance(logical_block, bool) or not isinstance(logical_block, int) \
-                or not 0 <= logical_block < nb:
-            raise InvalidArgument(f"logical_block {logical_block!r} is outside the {nb} blocks "
-                                  f"of sequence {seq!r}")
+        check_logical_block(logical_block, int(self._seqs.num_blocks[row]), seq)
         block = int(self._seqs.tables[row, logical_block])
         copies: list[BlockCopy] = []
         if self._blocks.ref[block] > 1:
@@ -257,7 +264,7 @@ class BlockPool:
         written = plan.last  # the plan's own gather: safe to update in place
         written[grow] = taken
         return BatchAppend(written * self.block_size + plan.offset, grow, logical, taken, [],
-                           new)
+                           new, len(grow))
 
     def _append_many(self, rows: Int64Array, k: int, tokens: Int64Array | None,
                      plan: "_AppendPlan") -> BatchAppend | NoFit:
@@ -266,7 +273,8 @@ class BlockPool:
         st, bs, old = self._seqs, self.block_size, plan.old
         old_nb = (old + bs - 1) // bs  # tables are ceil(tokens / B) long
         grow_count = (old + k + bs - 1) // bs - old_nb
-        need = int(grow_count.sum()) + self._copies_needed(plan.last[plan.cow])
+        grown = int(grow_count.sum())
+        need = grown + self._copies_needed(plan.last[plan.cow])
         if need > self.num_free_blocks:
             return NoFit(need, self.num_free_blocks)
         grow = grow_count.nonzero()[0]
@@ -287,7 +295,7 @@ class BlockPool:
             index = np.concatenate([copied, index])
             logical = np.concatenate([old_nb[copied] - 1, logical])
             taken = np.concatenate([[copy.dst for copy in copies], taken])
-        return BatchAppend(slots.ravel(), index, logical, taken, copies, old + k)
+        return BatchAppend(slots.ravel(), index, logical, taken, copies, old + k, grown)
 
     def _take_entries(self, rows: Int64Array, logical: Int64Array) -> Int64Array:
         """Fresh blocks for the table entries (rows[i], logical[i]); returns them in order."""
@@ -381,24 +389,10 @@ class BlockPool:
         return slots
 
     def _row(self, seq: Hashable) -> int:
-        try:
-            return self._seqs.row_of[seq]
-        except KeyError:
-            raise SequenceNotFound(f"sequence {seq!r} does not exist") from None
+        return row_of(self._seqs.row_of, seq)
 
     def _rows(self, seqs: Sequence[Hashable]) -> Int64Array:
-        if len(seqs) == 0:
-            raise InvalidArgument("no sequences given")
-        try:
-            found = operator.itemgetter(*seqs)(self._seqs.row_of)
-        except KeyError as missing:
-            raise SequenceNotFound(f"sequence {missing.args[0]!r} does not exist") from None
-        if len(seqs) == 1:
-            return np.array([found], dtype=np.int64)
-        rows = np.fromiter(found, dtype=np.int64, count=len(found))
-        if np.bincount(rows).max() > 1:
-            raise InvalidArgument("a sequence appears twice in one batch")
-        return rows
+        return rows_of(self._seqs.row_of, seqs)
 
     # -------------------------------------------------------- stats, invariants
 

@@ -1,108 +1,295 @@
 """The baseline PagedAttention replaced: one contiguous max-length reservation per sequence.
 
-`ContiguousAllocator` answers the calls a serving trace makes of `BlockPool` (allocate, append,
-free, stats) over the same memory, but reserves `max_model_len` slots per sequence in one range
-chosen first fit. It has no fork or copy-on-write: two sequences cannot share the middle of one
-slab, so a contiguous fork is a full copy into a new reservation.
-It exists only to measure, on the same trace, the three kinds of waste paging removes:
-over-reservation and internal fragmentation (reserved but never filled slots) and external
-fragmentation (free slots that no new reservation can use because no hole is large enough).
+`ContiguousPool` answers every call the service makes of `BlockPool` over the same memory, the
+way serving systems before paging managed a KV cache: a new sequence reserves `max_model_len`
+token slots at once, as one run of `reservation = ceil(max_model_len / B)` consecutive blocks
+chosen first fit (`FirstFit`), and keeps them until it is freed. It exists to be measured
+against the paged pool on the same trace (`pagedkvd --allocator contiguous`).
+
+- Appends fill the reservation in place and never need a block; a sequence may not grow past
+  `max_model_len` (a caller mistake, `InvalidArgument`).
+- Nothing is shared: no prefix cache (`num_cached_tokens` is 0, commit does nothing), and a
+  fork reserves a run of its own and copies the parent's filled blocks into it (the copies are
+  reported like copy-on-write copies, done in pool memory before the answer). Copy-on-write has
+  nothing to copy.
+- A block table lists the blocks that hold the sequence's tokens, ceil(num_tokens / B) of
+  them, as in the paged pool: block i of the reservation at `start` is `start + i`, and token
+  t's slot is `start * B + t`. Runners compute on it unchanged.
+- `num_free_blocks` counts only the free blocks whole reservations can take, so a scheduler
+  that admits by it never admits into a hole too small; a sequence costs `reservation` of them.
+
+All-or-nothing as in `BlockPool`: every check runs before anything changes, and every change
+records its undo in the pool's journal, so `transaction()` makes any run of calls atomic.
 """
 
-import bisect
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
-from .errors import InvalidArgument, SequenceExists, SequenceNotFound
-from .types import NoFit, PoolStats, SeqUpdate
+import numpy as np
+import numpy.typing as npt
+
+from .errors import InvalidArgument, SequenceExists
+from .first_fit import FirstFit
+from .journal import Journal
+from .physical_blocks import CacheEvents
+from .seq_table import Int64Array, ragged_entries, row_of, rows_of
+from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
+from .validation import (
+    TokenIds,
+    batch_tokens,
+    check_logical_block,
+    commit_counts,
+    count,
+    seq_tokens,
+)
 
 
-class ContiguousAllocator:
-    """First-fit allocator of fixed `max_model_len`-slot reservations."""
+class ContiguousPool:
+    """Owns the metadata of one pool of KV blocks handed out as max-length reservations."""
 
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int) -> None:
-        if max_model_len < 1 or max_model_len > num_blocks * block_size:
-            raise InvalidArgument(f"max_model_len {max_model_len} does not fit in the pool")
+        count(num_blocks, "num_blocks", 1)
+        count(block_size, "block_size", 1)
+        count(max_model_len, "max_model_len", 1)
+        if max_model_len > num_blocks * block_size:
+            raise InvalidArgument(f"max_model_len {max_model_len} does not fit in a pool of "
+                                  f"{num_blocks} blocks x {block_size} slots")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.num_slots = num_blocks * block_size
-        # Free ranges as sorted, non-adjacent [start, end) pairs.
-        self._holes: list[tuple[int, int]] = [(0, self.num_slots)]
-        # Sequence -> (first slot of its reservation, tokens filled).
-        self._seqs: dict[Hashable, tuple[int, int]] = {}
+        # Never on: contiguous reservations share nothing.
+        self.enable_prefix_caching = False
+        # Blocks each sequence reserves.
+        self.reservation = -(-max_model_len // block_size)
+        self._journal = Journal()
+        self._runs = FirstFit(num_blocks, self.reservation, self._journal)
+        capacity = num_blocks // self.reservation  # live sequences never exceed it
+        # Sequence key -> row; rows not in use, reused last freed first.
+        self._row_of: dict[Hashable, int] = {}
+        self._free_rows: list[int] = list(range(capacity - 1, -1, -1))
+        # First block of each row's reservation, and the tokens the row's sequence holds.
+        self._start: Int64Array = np.zeros(capacity, dtype=np.int64)
+        self._num_tokens: Int64Array = np.zeros(capacity, dtype=np.int64)
 
-    def allocate(self, seq: Hashable, num_tokens: int, token_ids: object = None,
-                 salt: bytes = b"") -> SeqUpdate | NoFit:
-        """Reserve `max_model_len` slots for `seq` and fill the first `num_tokens`."""
-        del token_ids, salt  # no sharing without block tables
-        if seq in self._seqs:
-            raise SequenceExists(f"sequence {seq!r} already exists")
-        self._check_length(num_tokens)
-        for i, (start, end) in enumerate(self._holes):
-            if end - start >= self.max_model_len:
-                self._take(i, start, end)
-                self._seqs[seq] = (start, num_tokens)
-                return SeqUpdate([], num_tokens, 0, list(range(start, start + num_tokens)))
-        return NoFit(self.max_model_len // self.block_size, self.largest_hole() // self.block_size)
+    @property
+    def journal(self) -> Journal:
+        """Where changes record their undo; callers add their own inside `transaction()`."""
+        return self._journal
 
-    def append(self, seq: Hashable, num_tokens: int = 1, token_ids: object = None) -> SeqUpdate:
-        """Fill `num_tokens` more slots of the reservation; it never grows."""
-        del token_ids
-        start, filled = self._entry(seq)
-        self._check_length(filled + num_tokens)
-        self._seqs[seq] = (start, filled + num_tokens)
-        slots = list(range(start + filled, start + filled + num_tokens))
-        return SeqUpdate([], filled + num_tokens, 0, slots)
+    def transaction(self) -> AbstractContextManager[Journal]:
+        """Run several operations all-or-nothing (see `BlockPool.transaction`)."""
+        return self._journal.transaction()
 
-    def free(self, seq: Hashable) -> list[int]:
-        """Return the reservation to the free ranges, merging with its neighbours."""
-        start, _ = self._entry(seq)
-        del self._seqs[seq]
-        end = start + self.max_model_len
-        i = bisect.bisect_left(self._holes, (start, end))
-        if i < len(self._holes) and self._holes[i][0] == end:
-            end = self._holes.pop(i)[1]
-        if i > 0 and self._holes[i - 1][1] == start:
-            i -= 1
-            start = self._holes.pop(i)[0]
-        self._holes.insert(i, (start, end))
-        return []
+    # ------------------------------------------------------------------ queries
 
-    def largest_hole(self) -> int:
-        """Slots in the largest free range."""
-        return max((end - start for start, end in self._holes), default=0)
+    @property
+    def reservation_blocks(self) -> int:
+        return self.reservation
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks that new reservations can take: those in runs of at least
+        `reservation` blocks, rounded down to whole reservations."""
+        return self._runs.usable
+
+    def __contains__(self, seq: Hashable) -> bool:
+        return seq in self._row_of
+
+    def __len__(self) -> int:
+        return len(self._row_of)
+
+    def block_table(self, seq: Hashable) -> list[int]:
+        """The blocks that hold the tokens of `seq`: the first ceil(n / B) of its reservation."""
+        row = row_of(self._row_of, seq)
+        return self._table(int(self._start[row]), int(self._num_tokens[row]))
+
+    def num_tokens(self, seq: Hashable) -> int:
+        return int(self._num_tokens[row_of(self._row_of, seq)])
+
+    def committed_tokens(self, seq: Hashable) -> int:
+        """Always 0: nothing is ever cached for reuse."""
+        row_of(self._row_of, seq)
+        return 0
+
+    def held_blocks(self, seq: Hashable) -> list[int]:
+        """The blocks `seq` keeps from new sequences: its whole reservation."""
+        start = int(self._start[row_of(self._row_of, seq)])
+        return list(range(start, start + self.reservation))
+
+    def quota_blocks(self, num_tokens: int) -> int:
+        """What any sequence counts against quotas: its whole reservation."""
+        return self.reservation
+
+    def fork_copies(self, num_tokens: int) -> int:
+        """Copies a fork of a sequence of `num_tokens` tokens makes: one per filled block."""
+        return -(-num_tokens // self.block_size)
 
     def external_fragmentation(self) -> float:
-        """Fraction of all slots that are free but in holes too small for a reservation."""
-        stranded = sum(end - start for start, end in self._holes
-                       if end - start < self.max_model_len)
-        return stranded / self.num_slots
+        """Fraction of the pool's blocks that are free but in runs too short to reserve."""
+        return (self._runs.free_blocks() - self._runs.usable) / self.num_blocks
+
+    # --------------------------------------------------------------- operations
+
+    def allocate(self, seq: Hashable, num_tokens: int, token_ids: TokenIds | None = None,
+                 salt: bytes = b"") -> SeqUpdate | NoFit:
+        """A new sequence of `num_tokens` tokens in a reservation of its own, first fit.
+        Token ids are checked, then dropped: nothing is cached."""
+        if seq in self._row_of:
+            raise SequenceExists(f"sequence {seq!r} already exists")
+        seq_tokens(token_ids, self._check_length(count(num_tokens, "num_tokens", 0)))
+        start = self._reserve(seq, num_tokens)
+        if start is None:
+            return self._no_fit()
+        return SeqUpdate(self._table(start, num_tokens), num_tokens, 0,
+                         list(range(start * self.block_size, start * self.block_size
+                                    + num_tokens)))
+
+    def append(self, seq: Hashable, num_tokens: int = 1,
+               token_ids: TokenIds | None = None) -> SeqUpdate:
+        """Fill `num_tokens` more slots of the reservation of `seq`."""
+        tokens = seq_tokens(token_ids, count(num_tokens, "num_tokens", 1))
+        result = self.append_batch([seq], num_tokens, tokens)
+        return SeqUpdate(self.block_table(seq), self.num_tokens(seq), 0,
+                         result.slot_mapping.tolist())
+
+    def append_batch(self, seqs: Sequence[Hashable], num_tokens: int = 1,
+                     token_ids: npt.ArrayLike | None = None) -> BatchAppend:
+        """Append `num_tokens` tokens to each of many sequences, all or none; a table entry
+        changes where a sequence enters the next block of its reservation."""
+        k = count(num_tokens, "num_tokens", 1)
+        rows = rows_of(self._row_of, seqs)
+        batch_tokens(token_ids, len(rows), k)
+        old = self._num_tokens[rows]
+        longest = int(old.max()) + k
+        if longest > self.max_model_len:
+            self._check_length(longest)
+        self._journal.record(self._set_tokens, rows, old)
+        new = old + k
+        self._num_tokens[rows] = new
+        bs, start = self.block_size, self._start[rows]
+        slots = (start[:, None] * bs + old[:, None] + np.arange(k)).ravel()
+        old_nb = (old + bs - 1) // bs
+        grow_count = (new + bs - 1) // bs - old_nb
+        grow = grow_count.nonzero()[0]
+        index, logical = ragged_entries(grow, old_nb[grow], grow_count[grow])
+        return BatchAppend(slots, index, logical, start[index] + logical, [], new, 0)
+
+    def commit(self, seqs: Sequence[Hashable], num_tokens: npt.ArrayLike | None = None) -> int:
+        """Checked like `BlockPool.commit`, then nothing: no block is ever shared."""
+        commit_counts(num_tokens, self._num_tokens[rows_of(self._row_of, seqs)])
+        return 0
+
+    def fork(self, parent: Hashable, child: Hashable) -> SeqUpdate | NoFit:
+        """`child` gets a reservation of its own, first fit, and a copy of every block that
+        holds a token of `parent`."""
+        src = row_of(self._row_of, parent)
+        if child in self._row_of:
+            raise SequenceExists(f"sequence {child!r} already exists")
+        n, parent_start = int(self._num_tokens[src]), int(self._start[src])
+        start = self._reserve(child, n)
+        if start is None:
+            return self._no_fit()
+        copies = [BlockCopy(parent_start + i, start + i) for i in range(self.fork_copies(n))]
+        return SeqUpdate(self._table(start, n), n, copies=copies)
+
+    def copy_on_write(self, seq: Hashable, logical_block: int) -> SeqUpdate:
+        """Nothing to copy: every block of a reservation is private already."""
+        row = row_of(self._row_of, seq)
+        start, n = int(self._start[row]), int(self._num_tokens[row])
+        check_logical_block(logical_block, -(-n // self.block_size), seq)
+        return SeqUpdate(self._table(start, n), n)
+
+    def free(self, seq: Hashable) -> list[int]:
+        """Drop `seq`; its whole reservation goes back to the free runs and is returned."""
+        row = row_of(self._row_of, seq)
+        start = int(self._start[row])
+        del self._row_of[seq]
+        self._free_rows.append(row)
+        self._journal.record(self._unfree, seq, row, start, int(self._num_tokens[row]))
+        self._runs.give_back(start)
+        return list(range(start, start + self.reservation))
+
+    def cache_events(self, events: CacheEvents) -> AbstractContextManager[None]:
+        """Nothing is ever cached, so `events` never hears of anything."""
+        return nullcontext()
+
+    def uncache(self, candidates: Mapping[int, bytes]) -> list[int]:
+        """Nothing is ever cached: no candidate is freed."""
+        return []
+
+    def cached_keys(self) -> dict[int, bytes]:
+        return {}
+
+    # ------------------------------------------------------------- internals
+
+    def _reserve(self, seq: Hashable, num_tokens: int) -> int | None:
+        """Cut a reservation for `seq`, a new sequence of `num_tokens` tokens; returns its
+        first block, or None (nothing changed) if no free run holds one."""
+        start = self._runs.take()
+        if start is None:
+            return None
+        row = self._free_rows.pop()
+        self._row_of[seq] = row
+        self._start[row], self._num_tokens[row] = start, num_tokens
+        self._journal.record(self._unreserve, seq)
+        return start
+
+    def _unreserve(self, seq: Hashable) -> None:
+        self._free_rows.append(self._row_of.pop(seq))
+
+    def _unfree(self, seq: Hashable, row: int, start: int, num_tokens: int) -> None:
+        popped = self._free_rows.pop()
+        assert popped == row, f"undo of free found row {popped}, expected {row}"
+        self._row_of[seq] = row
+        # A later reserve of the same transaction may have reused the row: set both again.
+        self._start[row], self._num_tokens[row] = start, num_tokens
+
+    def _set_tokens(self, rows: Int64Array, num_tokens: Int64Array) -> None:
+        self._num_tokens[rows] = num_tokens
+
+    def _no_fit(self) -> NoFit:
+        return NoFit(self.reservation, self._runs.largest())
+
+    def _table(self, start: int, num_tokens: int) -> list[int]:
+        return list(range(start, start - (-num_tokens // self.block_size)))
+
+    def _check_length(self, num_tokens: int) -> int:
+        if num_tokens > self.max_model_len:
+            raise InvalidArgument(f"a sequence of {num_tokens} tokens does not fit its "
+                                  f"reservation: the limit is max_model_len={self.max_model_len}")
+        return num_tokens
+
+    # -------------------------------------------------------- stats, invariants
+
+    def _live_rows(self) -> Int64Array:
+        return np.fromiter(self._row_of.values(), dtype=np.int64, count=len(self._row_of))
 
     def stats(self) -> PoolStats:
-        """The same figures as `BlockPool.stats`, counting reservations as allocated slots."""
-        filled = sum(tokens for _, tokens in self._seqs.values())
-        reserved = len(self._seqs) * self.max_model_len
+        """Occupancy: every live sequence uses its whole reservation; free_blocks counts only
+        what new reservations can take (`num_free_blocks`)."""
+        rows = self._live_rows()
+        filled = int(self._num_tokens[rows].sum())
+        used = len(rows) * self.reservation
         return PoolStats(
             num_blocks=self.num_blocks, block_size=self.block_size,
-            free_blocks=(self.num_slots - reserved) // self.block_size,
-            used_blocks=reserved // self.block_size, cached_blocks=0, pending_blocks=0,
-            filled_slots=filled,
-            allocated_slots=reserved, logical_tokens=filled, num_sequences=len(self._seqs),
-            prefix_cache_queries=0, prefix_cache_hits=0)
+            free_blocks=self.num_free_blocks, used_blocks=used, cached_blocks=0,
+            pending_blocks=0, filled_slots=filled, allocated_slots=used * self.block_size,
+            logical_tokens=filled, num_sequences=len(rows), prefix_cache_queries=0,
+            prefix_cache_hits=0)
 
-    def _take(self, i: int, start: int, end: int) -> None:
-        if end - start == self.max_model_len:
-            del self._holes[i]
-        else:
-            self._holes[i] = (start + self.max_model_len, end)
-
-    def _entry(self, seq: Hashable) -> tuple[int, int]:
-        try:
-            return self._seqs[seq]
-        except KeyError:
-            raise SequenceNotFound(f"sequence {seq!r} does not exist") from None
-
-    def _check_length(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self.max_model_len:
-            raise InvalidArgument(f"{num_tokens} tokens do not fit a reservation of "
-                                  f"max_model_len={self.max_model_len}")
+    def check_invariants(self) -> None:
+        """Assert that the free runs and the reservations tile the pool exactly, and that every
+        sequence fits its reservation."""
+        self._runs.check()
+        rows = self._live_rows()
+        cover = np.zeros(self.num_blocks, dtype=np.int64)
+        for start, end in self._runs.runs:
+            cover[start:end] += 1
+        for start in self._start[rows].tolist():
+            assert 0 <= start <= self.num_blocks - self.reservation, f"reservation at {start}"
+            cover[start:start + self.reservation] += 1
+        assert (cover == 1).all(), "a block is in two reservations or runs, or in none"
+        held = self._num_tokens[rows]
+        assert ((held >= 0) & (held <= self.max_model_len)).all(), "a sequence overflows"
+        assert not set(self._free_rows) & set(rows.tolist()), "a live row is on the free list"
+        assert len(self._free_rows) + len(rows) == len(self._start), "a row is unaccounted"

@@ -16,12 +16,14 @@ Changes record their undo in the pool's journal; the hot path records whole arra
 once (`save_rows`), not one entry per sequence.
 """
 
-from collections.abc import Hashable
+import operator
+from collections.abc import Hashable, Mapping, Sequence
 from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from .errors import InvalidArgument, SequenceNotFound
 from .journal import Journal
 
 Int64Array = npt.NDArray[np.int64]
@@ -179,6 +181,31 @@ class SeqTable:
             setattr(self, name, np.concatenate([array, np.zeros_like(array)]))
         self.chain_key.extend([b""] * have)
         self.free_rows.extend(range(2 * have - 1, have - 1, -1))
+
+
+def row_of(rows: Mapping[Hashable, int], seq: Hashable) -> int:
+    """The row of `seq`, or SequenceNotFound."""
+    try:
+        return rows[seq]
+    except KeyError:
+        raise SequenceNotFound(f"sequence {seq!r} does not exist") from None
+
+
+def rows_of(rows: Mapping[Hashable, int], seqs: Sequence[Hashable]) -> Int64Array:
+    """The rows of distinct `seqs` (at least one), in order: SequenceNotFound for an unknown
+    one, InvalidArgument for none or a repeated one. One lookup for all, no Python loop."""
+    if len(seqs) == 0:
+        raise InvalidArgument("no sequences given")
+    try:
+        found = operator.itemgetter(*seqs)(rows)
+    except KeyError as missing:
+        raise SequenceNotFound(f"sequence {missing.args[0]!r} does not exist") from None
+    if len(seqs) == 1:
+        return np.array([found], dtype=np.int64)
+    result = np.fromiter(found, dtype=np.int64, count=len(found))
+    if np.bincount(result).max() > 1:
+        raise InvalidArgument("a sequence appears twice in one batch")
+    return result
 
 
 def ragged_arange(counts: Int64Array) -> Int64Array:

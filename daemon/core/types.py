@@ -22,7 +22,8 @@ class NoFit:
 
     # Blocks the operation would have taken from the free pool.
     needed: int
-    # Blocks that could be taken now (free plus evictable cached blocks).
+    # Blocks that could be taken now: free plus evictable cached blocks (paged), or the
+    # longest run of free blocks (contiguous: a reservation needs one run).
     available: int
 
 
@@ -58,6 +59,10 @@ class BatchAppend:
     copies: list[BlockCopy]
     # Each sequence's token count after the call: [num_seqs] int64.
     num_tokens: npt.NDArray[np.int64]
+    # Blocks the call added to the sequences' quota charge (`quota_blocks`): the new table
+    # entries of a paged pool (a copy-on-write replaces an entry, adds none); 0 in a contiguous
+    # one, whose sequences were charged their whole reservation when they were made.
+    charged_blocks: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +73,10 @@ class PoolStats:
     num_blocks: int
     block_size: int
     # Blocks an allocation could take now: never-used or released blocks plus evictable
-    # cached ones (refcount 0, content still cached).
+    # cached ones (refcount 0, content still cached). Contiguous: the free blocks whole
+    # reservations can take (a run shorter than one is left out).
     free_blocks: int
-    # Blocks referenced by at least one live sequence.
+    # Blocks referenced by at least one live sequence (contiguous: reserved by one).
     used_blocks: int
     # Evictable cached blocks (a subset of free_blocks).
     cached_blocks: int
@@ -79,7 +85,7 @@ class PoolStats:
     pending_blocks: int
     # Distinct physical slots that hold a live token (shared slots count once).
     filled_slots: int
-    # Slots of the used blocks: used_blocks * block_size.
+    # Slots of the used blocks: used_blocks * block_size (contiguous: reserved slots).
     allocated_slots: int
     # Tokens summed over all live sequences (a shared token counts once per sequence).
     logical_tokens: int

@@ -1,6 +1,6 @@
 """Argument checks shared by the pool's operations: caller mistakes become `InvalidArgument`."""
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -49,3 +49,25 @@ def batch_tokens(token_ids: npt.ArrayLike | None, num_seqs: int,
         raise InvalidArgument(f"{tokens.size} token_ids given for {num_seqs} sequences of "
                               f"{num_tokens} tokens")
     return tokens.reshape(num_seqs, num_tokens)
+
+
+def commit_counts(num_tokens: npt.ArrayLike | None, held: Int64Array) -> Int64Array:
+    """Tokens to commit of each sequence of a commit: all it holds (`held`) when None, else
+    the counts given, one per sequence, each in 0..held."""
+    if num_tokens is None:
+        return held
+    computed = as_int64(num_tokens).ravel()
+    if len(computed) != len(held):
+        raise InvalidArgument(f"{len(computed)} token counts given for {len(held)} sequences")
+    if ((computed < 0) | (computed > held)).any():
+        raise InvalidArgument("a committed token count is negative or exceeds the tokens its "
+                              "sequence holds")
+    return computed
+
+
+def check_logical_block(logical_block: int, num_blocks: int, seq: Hashable) -> None:
+    """`logical_block` indexes one of the `num_blocks` blocks of `seq`'s table."""
+    if isinstance(logical_block, bool) or not isinstance(logical_block, int) \
+            or not 0 <= logical_block < num_blocks:
+        raise InvalidArgument(f"logical_block {logical_block!r} is outside the {num_blocks} "
+                              f"blocks of sequence {seq!r}")

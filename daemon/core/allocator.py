@@ -1,0 +1,112 @@
+"""What the service needs of a pool's bookkeeping, and the two kinds that provide it.
+
+`PoolAllocator` is every call the service, its session books and its cache hygiene make of a
+pool: `BlockPool` (paged: blocks taken as sequences grow, shared by forks and the prefix cache)
+and `ContiguousPool` (the baseline paging replaced: one max-length reservation per sequence)
+both provide it, so one daemon serves either behind the same API (`pagedkvd --allocator`).
+Both keep the same contract: block tables and slots in answers, `NoFit` for "does not fit",
+a `PoolError` for a caller mistake, both with nothing changed, and an undo journal that makes
+any run of calls all-or-nothing (`transaction()`).
+"""
+
+from collections.abc import Hashable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Literal, Protocol, get_args
+
+import numpy.typing as npt
+
+from .block_pool import BlockPool
+from .contiguous import ContiguousPool
+from .errors import InvalidArgument
+from .journal import Journal
+from .physical_blocks import CacheEvents
+from .types import BatchAppend, NoFit, PoolStats, SeqUpdate
+from .validation import TokenIds
+
+AllocatorKind = Literal["paged", "contiguous"]
+# The kinds, as `--allocator` and the TOML key `allocator` spell them.
+ALLOCATORS: tuple[AllocatorKind, ...] = get_args(AllocatorKind)
+
+
+class PoolAllocator(Protocol):
+    """The bookkeeping of one pool of KV blocks (see `BlockPool` for each call's contract)."""
+
+    # Physical blocks in the pool, and token slots per block.
+    num_blocks: int
+    block_size: int
+    # Whether identical prompt prefixes share blocks (never in a contiguous pool).
+    enable_prefix_caching: bool
+
+    @property
+    def journal(self) -> Journal: ...
+
+    def transaction(self) -> AbstractContextManager[Journal]: ...
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new sequence could take now (a contiguous one needs a whole reservation)."""
+
+    @property
+    def reservation_blocks(self) -> int:
+        """Blocks each sequence reserves when allocated or forked; 0: taken as tokens need."""
+
+    def __contains__(self, seq: Hashable) -> bool: ...
+
+    def __len__(self) -> int: ...
+
+    def block_table(self, seq: Hashable) -> list[int]: ...
+
+    def num_tokens(self, seq: Hashable) -> int: ...
+
+    def committed_tokens(self, seq: Hashable) -> int: ...
+
+    def held_blocks(self, seq: Hashable) -> list[int]:
+        """The blocks `seq` keeps from new sequences: its table, or its whole reservation."""
+
+    def quota_blocks(self, num_tokens: int) -> int:
+        """What a sequence of `num_tokens` tokens counts against session and tenant quotas."""
+
+    def fork_copies(self, num_tokens: int) -> int:
+        """Block copies a fork of a sequence of `num_tokens` tokens reports."""
+
+    def allocate(self, seq: Hashable, num_tokens: int, token_ids: TokenIds | None = None,
+                 salt: bytes = b"") -> SeqUpdate | NoFit: ...
+
+    def append(self, seq: Hashable, num_tokens: int = 1,
+               token_ids: TokenIds | None = None) -> SeqUpdate | NoFit: ...
+
+    def append_batch(self, seqs: Sequence[Hashable], num_tokens: int = 1,
+                     token_ids: npt.ArrayLike | None = None) -> BatchAppend | NoFit: ...
+
+    def commit(self, seqs: Sequence[Hashable],
+               num_tokens: npt.ArrayLike | None = None) -> int: ...
+
+    def fork(self, parent: Hashable, child: Hashable) -> SeqUpdate | NoFit: ...
+
+    def copy_on_write(self, seq: Hashable, logical_block: int) -> SeqUpdate | NoFit: ...
+
+    def free(self, seq: Hashable) -> list[int]: ...
+
+    def cache_events(self, events: CacheEvents) -> AbstractContextManager[None]: ...
+
+    def uncache(self, candidates: Mapping[int, bytes]) -> list[int]: ...
+
+    def cached_keys(self) -> dict[int, bytes]: ...
+
+    def stats(self) -> PoolStats: ...
+
+    def check_invariants(self) -> None: ...
+
+
+def make_pool(kind: AllocatorKind, num_blocks: int, block_size: int, *,
+              enable_prefix_caching: bool = True,
+              max_model_len: int | None = None) -> PoolAllocator:
+    """The pool bookkeeping of `kind`; a contiguous pool needs `max_model_len`, the tokens
+    every sequence reserves."""
+    if kind == "paged":
+        return BlockPool(num_blocks, block_size, enable_prefix_caching)
+    if kind != "contiguous":
+        raise InvalidArgument(f"allocator must be one of {', '.join(ALLOCATORS)}, got {kind!r}")
+    if max_model_len is None:
+        raise InvalidArgument("a contiguous pool needs max_model_len")
+    return ContiguousPool(num_blocks, block_size, max_model_len)

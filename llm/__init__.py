@@ -1,0 +1,17 @@
+"""pagedkv.llm: offline generation, vLLM's `LLM` API, over a pagedkv daemon and runner that it
+starts (or finds running); text through the model directory's tokenizer (transformers).
+
+    from pagedkv.llm import LLM, SamplingParams
+
+    with LLM(model="/models/qwen2.5-0.5b") as llm:
+        outputs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0.7))
+        print(outputs[0].outputs[0].text)
+"""
+
+from pagedkv.client.outputs import CompletionOutput, RequestOutput
+from pagedkv.client.sampling_params import SamplingParams
+
+from .config import LLMConfig
+from .llm import LLM
+
+__all__ = ["LLM", "CompletionOutput", "LLMConfig", "RequestOutput", "SamplingParams"]
