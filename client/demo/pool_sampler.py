@@ -2,8 +2,8 @@
 
 A client's GetStats shows only its own session; blocks used by every session, and the distinct
 blocks behind all the block-table entries (sharing across sessions included), are pool-wide
-figures on /metrics (daemon/metrics.py). The demo's sessions all come through the unix socket,
-so they are all one tenant's, and that tenant's gauges cover every demo client.
+figures on /metrics (daemon/metrics.py). The demo's clients all connect as one user through the
+unix socket, so they are one tenant's, and that tenant's gauges cover every one of them.
 """
 
 import threading
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 
-# Seconds between two scrapes: a few per step of the engines, at a cost of about a
-# millisecond of the daemon's time each.
+# Seconds between two scrapes: fine enough for runs of seconds, while each scrape (the daemon
+# renders every figure) stays a small part of the daemon's time.
 PERIOD_S = 0.1
 
 

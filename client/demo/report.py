@@ -75,49 +75,46 @@ def figures(run: RunResult) -> Figures:
 
 def report(paged: RunResult, contiguous: RunResult) -> str:
     """The report's text: the paged run, then the contiguous run beside it."""
-    mine = figures(paged)
+    p, c = figures(paged), figures(contiguous)
     kinds = Counter(r.kind for w in paged.workers for r in w.requests)
-    lines = [
+    return "\n".join([
         f"pagedkv demo: {NUM_WORKERS} client processes, one pagedkvd, one runner "
         f"({MODEL!r} model, random weights, CPU)",
         f"pool: {paged.stack.num_blocks} blocks x {BLOCK_SIZE} tokens; workload: "
         + ", ".join(f"{kinds[kind]} {KIND_NAMES[kind]}" for kind in KINDS),
         "",
-        _line("requests", f"{mine.num_requests} in {mine.wall_s:.1f} s"),
-        _line("tokens per second", f"{mine.tokens_per_s:.0f} ({mine.generated_tokens:,} "
-                                   "tokens generated)"),
-        _line("peak concurrent sequences", f"{mine.peak_seqs}"),
-        _utilization(mine, paged.stack.num_blocks),
-        _line("blocks saved by sharing", f"{mine.sharing_saved:.0%} (1 - blocks held / "
+        _line("requests", f"{p.num_requests} in {p.wall_s:.1f} s"),
+        _line("tokens per second", f"{p.tokens_per_s:.0f} ({p.generated_tokens:,} tokens "
+                                   "generated)"),
+        _line("peak concurrent sequences", f"{p.peak_seqs}"),
+        _utilization(p, paged.stack.num_blocks),
+        _line("blocks saved by sharing", f"{p.sharing_saved:.0%} (1 - blocks held / "
                                          "block-table entries, mean over the run)"),
-        _line("prefix-cache hit rate", f"{_ratio(mine.cached_tokens, mine.prompt_tokens):.0%} "
-                                       f"of prompt tokens ({mine.cached_tokens:,} of "
-                                       f"{mine.prompt_tokens:,}); "
-                                       f"{_ratio(mine.prefix_hits, mine.prefix_queries):.0%} "
-                                       "with re-admissions after preemption"),
-        _line("preemptions", f"{mine.preemptions}"),
-    ]
-    theirs = figures(contiguous)
-    lines += [
+        _line("prefix-cache hit rate", f"{_ratio(p.cached_tokens, p.prompt_tokens):.0%} of "
+                                       f"prompt tokens ({p.cached_tokens:,} of "
+                                       f"{p.prompt_tokens:,}); "
+                                       f"{_ratio(p.prefix_hits, p.prefix_queries):.0%} with "
+                                       "re-admissions after preemption"),
+        _line("preemptions", f"{p.preemptions}"),
         "",
         f"the same workload, contiguous max-length reservation "
         f"({contiguous.stack.max_model_len} tokens a sequence):",
-        _line("peak concurrent sequences", f"{theirs.peak_seqs} (paged: {mine.peak_seqs}, "
-                                           f"{_ratio(mine.peak_seqs, theirs.peak_seqs):.1f}x)"),
-        _utilization(theirs, contiguous.stack.num_blocks),
-        _line("requests", f"{theirs.num_requests} in {theirs.wall_s:.1f} s "
-                          f"({theirs.tokens_per_s:.0f} tokens per second)"),
-        _line("preemptions", f"{theirs.preemptions} (each fork of a sample or a beam needs a "
-                             "whole reservation)"),
-    ]
-    return "\n".join(lines) + "\n"
+        _line("peak concurrent sequences", f"{c.peak_seqs} (paged: {p.peak_seqs}, "
+                                           f"{_ratio(p.peak_seqs, c.peak_seqs):.1f}x)"),
+        _utilization(c, contiguous.stack.num_blocks),
+        _line("requests", f"{c.num_requests} in {c.wall_s:.1f} s ({c.tokens_per_s:.0f} "
+                          "tokens per second)"),
+        _line("preemptions", f"{c.preemptions} (each fork of a sample or a beam needs a whole "
+                             "reservation)"),
+    ]) + "\n"
 
 
 def chart(runs: Sequence[RunResult]) -> str:
     """KV blocks used over each run's time, one line per run."""
     return line_chart(
         [Series(run.stack.allocator, [(s.time_s - run.started_s, s.used_blocks)
-                                      for s in run.samples]) for run in runs],
+                                      for s in run.samples if s.time_s >= run.started_s])
+         for run in runs],
         title="KV blocks used over time, same workload", x_label="seconds since start",
         y_label="blocks used (dashed: the pool)",
         y_limit=max(run.stack.num_blocks for run in runs))

@@ -7,7 +7,7 @@
 Daemons and runners are started as systemd would (`pagedkv.process.launch`: ready on READY=1),
 each in its own folder. Every daemon starts at once, then every runner (a runner connects to
 its daemon as it starts): on a 2-core machine most of a start is importing torch, and the
-imports overlap. An idle stack costs nothing while another one runs. The clients are `worker`
+imports overlap. An idle stack costs little while another one runs. The clients are `worker`
 processes, started together. The demo fails (`DemoFailed`, with the log) unless every process
 exits with status 0 and each daemon leaves no pool file behind.
 """
@@ -87,15 +87,15 @@ def started_stacks(folder: Path, num_blocks: int,
     addresses = [f"127.0.0.1:{free_tcp_port()}" for _ in reservations]
     for allocator in allocators:
         (folder / allocator / "runner").mkdir(parents=True)
-    with contextlib.ExitStack() as stack:
-        daemons = [stack.enter_context(start_daemon(
+    with contextlib.ExitStack() as exits:
+        daemons = [exits.enter_context(start_daemon(
             folder / allocator, *_daemon_args(num_blocks, max_model_len, address),
             wait_ready=False))
             for allocator, max_model_len, address in zip(allocators, reservations, addresses,
                                                          strict=True)]
         for daemon in daemons:
             daemon.wait_for_notification(READY_STATE)
-        runners = [stack.enter_context(start_runner(
+        runners = [exits.enter_context(start_runner(
             daemon.unix_target, folder / allocator / "runner", "--random-init", MODEL,
             "--log-level", "warning", wait_ready=False))
             for daemon, allocator in zip(daemons, allocators, strict=True)]
@@ -138,8 +138,8 @@ def _daemon_args(num_blocks: int, max_model_len: int | None, metrics: str) -> li
 def run_workload(stack: Stack, quick: bool) -> RunResult:
     """Every client's workload once against `stack`, the clients started together."""
     folder = stack.daemon.workdir
-    with contextlib.ExitStack() as workers_stack:
-        workers = [workers_stack.enter_context(_worker(stack, index, quick))
+    with contextlib.ExitStack() as exits:
+        workers = [exits.enter_context(_worker(stack, index, quick))
                    for index in range(NUM_WORKERS)]
         for index, worker in enumerate(workers):
             _expect_ready(worker, folder, index)

@@ -34,14 +34,12 @@ class RequestFigures:
     cached_tokens: int
     # Tokens generated over all of its sequences.
     generated_tokens: int
-    preemptions: int
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerResult:
     """What one client saw over its run."""
 
-    index: int
     # Monotonic seconds of the start signal and of its last request's answer.
     started_s: float
     finished_s: float
@@ -73,7 +71,7 @@ async def run(daemon: str, runner: str, index: int, quick: bool) -> WorkerResult
         session = (await engine.session.stats()).session
         assert session is not None, "GetStats of an open session names it"
         return WorkerResult(
-            index, started, finished,
+            started, finished,
             [_figures(r, out) for r, out in zip(requests, outputs, strict=True)],
             engine.scheduler.num_preemptions, session.prefix_cache_queries,
             session.prefix_cache_hits)
@@ -86,7 +84,7 @@ async def _submit(engine: Engine, request: DemoRequest, started: float) -> Reque
 
 def _figures(request: DemoRequest, output: RequestOutput) -> RequestFigures:
     return RequestFigures(request.kind, output.num_prompt_tokens, output.num_cached_tokens,
-                          output.num_generated_tokens, output.num_preemptions)
+                          output.num_generated_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
