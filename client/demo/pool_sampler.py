@@ -18,6 +18,10 @@ from typing import Self
 PERIOD_S = 0.1
 
 
+class ScrapeFailed(RuntimeError):
+    """/metrics did not answer during the run (the daemon is gone)."""
+
+
 @dataclass(frozen=True, slots=True)
 class PoolSample:
     """One scrape of the pool."""
@@ -68,7 +72,7 @@ class PoolSampler:
     def __init__(self, address: str) -> None:
         self.address = address
         self.samples: list[PoolSample] = []
-        # What stopped the thread early (a failed scrape), raised again at the end.
+        # What stopped the thread early (a failed scrape), reported at the end.
         self._error: Exception | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pool-sampler", daemon=True)
@@ -78,7 +82,7 @@ class PoolSampler:
             while not self._stop.is_set():
                 self.samples.append(sample(self.address))
                 self._stop.wait(PERIOD_S)
-        except Exception as error:  # the daemon died: the run fails, say why at its end
+        except Exception as error:  # no answer, or not the daemon's figures: the run fails
             self._error = error
 
     def __enter__(self) -> Self:
@@ -90,4 +94,4 @@ class PoolSampler:
         self._stop.set()
         self._thread.join()
         if self._error is not None and exc is None:
-            raise RuntimeError(f"reading {self.address}/metrics failed") from self._error
+            raise ScrapeFailed(f"reading {self.address}/metrics failed: {self._error}")

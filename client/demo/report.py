@@ -84,7 +84,7 @@ def report(paged: RunResult, contiguous: RunResult) -> str:
         + ", ".join(f"{kinds[kind]} {KIND_NAMES[kind]}" for kind in KINDS),
         "",
         _line("requests", f"{p.num_requests} in {p.wall_s:.1f} s"),
-        _line("tokens per second", f"{p.tokens_per_s:.0f} ({p.generated_tokens:,} tokens "
+        _line("tokens per second", f"{p.tokens_per_s:,.0f} ({p.generated_tokens:,} tokens "
                                    "generated)"),
         _line("peak concurrent sequences", f"{p.peak_seqs}"),
         _utilization(p, paged.stack.num_blocks),
@@ -102,7 +102,7 @@ def report(paged: RunResult, contiguous: RunResult) -> str:
         _line("peak concurrent sequences", f"{c.peak_seqs} (paged: {p.peak_seqs}, "
                                            f"{_ratio(p.peak_seqs, c.peak_seqs):.1f}x)"),
         _utilization(c, contiguous.stack.num_blocks),
-        _line("requests", f"{c.num_requests} in {c.wall_s:.1f} s ({c.tokens_per_s:.0f} "
+        _line("requests", f"{c.num_requests} in {c.wall_s:.1f} s ({c.tokens_per_s:,.0f} "
                           "tokens per second)"),
         _line("preemptions", f"{c.preemptions} (each fork of a sample or a beam needs a whole "
                              "reservation)"),

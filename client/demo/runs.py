@@ -29,7 +29,7 @@ from pagedkv.process.launch import (
     start_runner,
 )
 
-from .pool_sampler import PoolSample, PoolSampler
+from .pool_sampler import PoolSample, PoolSampler, ScrapeFailed
 from .worker import READY, WorkerResult
 from .workload import BLOCK_SIZE, MODEL, NUM_WORKERS
 
@@ -143,10 +143,14 @@ def run_workload(stack: Stack, quick: bool) -> RunResult:
                    for index in range(NUM_WORKERS)]
         for index, worker in enumerate(workers):
             _expect_ready(worker, folder, index)
-        with PoolSampler(stack.metrics) as sampler:
-            for worker in workers:
-                _send_go(worker)
-            results = [_result(worker, folder, index) for index, worker in enumerate(workers)]
+        try:
+            with PoolSampler(stack.metrics) as sampler:
+                for worker in workers:
+                    _send_go(worker)
+                results = [_result(worker, folder, index)
+                           for index, worker in enumerate(workers)]
+        except ScrapeFailed as error:
+            raise DemoFailed(f"{error}; pagedkvd's log:\n{_tail(stack.daemon.stderr())}") from None
     return RunResult(stack, results, sampler.samples)
 
 
