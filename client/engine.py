@@ -185,10 +185,10 @@ class Engine:
                 continue
             try:
                 outputs = await self.runner.step(self.session, plan.steps, plan.release)
-            except PoolExhausted as exc:
+            except PoolExhausted:
                 self._finals = finals
                 exhausted += 1
-                await self._exhausted(plan, exc, exhausted)
+                await self._exhausted(plan, exhausted)
                 continue
             except PagedKVError as exc:
                 self._finals = finals
@@ -227,24 +227,21 @@ class Engine:
         self._free_blocks = outputs.free_blocks
         self.scheduler.preempted(plan)
 
-    async def _exhausted(self, plan: Plan, exc: PoolExhausted, times: int) -> None:
+    async def _exhausted(self, plan: Plan, times: int) -> None:
         """The pool was fuller than the runner's last answer said (another client took blocks,
         or a step needed more than planned): nothing changed. Read the free blocks back and plan
-        again; the second time in a row, preempt the newest request, or fail the only one."""
+        again. The second time in a row, preempt the newest request, even one running alone, or
+        with nothing running let the oldest waiting request wait: other clients' blocks come
+        back, and one that could never fit the pool fails (`_wait_for_room`)."""
         self.scheduler.unadmit(plan)
         self._free_blocks = (await self.session.stats()).free_blocks
         if times < 2:
             return
         running = self.scheduler.running
-        if len(running) > 1:
+        if running:
             await self._preempt(Plan(preempt=[running[-1]]))
-        elif running:
-            self._fail_request(running[0], PoolExhausted(
-                exc.code, f"the pool cannot hold request {running[0].request_id} alone: "
-                f"{exc.message}"))
-        elif plan.admit:
-            self.scheduler.waiting.remove(plan.admit[0])
-            self._fail_request(plan.admit[0], exc)
+        elif self.scheduler.waiting:
+            await self._wait_for_room()
 
     def _fail(self, plan: Plan, exc: PagedKVError) -> None:
         """A step failed for a reason a retry would not cure: fail the requests it carried."""

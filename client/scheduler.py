@@ -12,6 +12,11 @@ hands the answers back. Each step:
    `max_num_seqs` and the token budget allow and the free blocks stay above the watermark.
 Finished and dropped sequences are released with the next step (a step frees only after it
 computes, so when the blocks are short a release-only step goes first).
+
+On a contiguous daemon (PoolInfo.reservation_blocks) a sequence takes a whole reservation when
+it is made (allocated, forked or re-admitted) and no block as it grows: no watermark is kept,
+and a request is admitted only with a reservation for each sequence it runs at once, so its
+forks do not push out the requests admitted after it.
 """
 
 from collections import deque
@@ -68,7 +73,8 @@ class Scheduler:
         self.block_size = block_size
         # Blocks a contiguous daemon reserves per sequence (PoolInfo); 0 when paged.
         self.reservation_blocks = reservation_blocks
-        self.watermark_blocks = int(config.watermark * num_blocks)
+        # Reservations never grow: nothing to keep back for them.
+        self.watermark_blocks = 0 if reservation_blocks else int(config.watermark * num_blocks)
         self.waiting: deque[Request] = deque()
         # In admission order: the last is the first to be preempted.
         self.running: list[Request] = []
@@ -124,23 +130,31 @@ class Scheduler:
 
     def _admit(self, plan: Plan, free_blocks: int, budget: int) -> None:
         num_seqs = self.num_running_seqs
+        # Contiguous: the reservations that requests admitted by this plan take next step, when
+        # their samples or beams fork from the computed prompt.
+        forks_ahead = 0
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            size = max(request.params.num_samples, request.params.beam_width, len(request.seqs))
+            size = _width(request)
             if num_seqs + size > self.config.max_num_seqs and (num_seqs or plan.admit):
                 return
-            if plan.blocks + self.blocks_to_admit(request) + self.watermark_blocks > free_blocks:
+            need = self.blocks_to_admit(request)
+            if plan.blocks + forks_ahead + need + self.watermark_blocks > free_blocks:
                 return
             self.waiting.popleft()
             plan.admit.append(request)
             num_seqs += size
+            if self.reservation_blocks:
+                forks_ahead += need - self.reservation_blocks * len(request.seqs)
             budget = self._add_request(plan, request, budget)
 
     def blocks_to_admit(self, request: Request) -> int:
         """An upper bound on the blocks admitting `request` takes (its prompt, or after a
-        preemption every token of each of its sequences)."""
-        return sum(seq.blocks_needed(self.block_size, False, self.reservation_blocks)
-                   for seq in request.seqs)
+        preemption every token of each of its sequences). Contiguous: a reservation for each
+        sequence it runs at once, forks to come included (a paged fork shares its blocks)."""
+        if self.reservation_blocks:
+            return _width(request) * self.reservation_blocks
+        return sum(seq.blocks_needed(self.block_size, False) for seq in request.seqs)
 
     # ------------------------------------------------------------------ outcomes
 
@@ -177,3 +191,9 @@ class Scheduler:
         progressed = list(requests.values())
         self.running = [r for r in self.running if not r.finished]
         return progressed
+
+
+def _width(request: Request) -> int:
+    """The sequences `request` runs at once: its samples (best_of of them), beams or live
+    sequences, whichever is most."""
+    return max(request.params.num_samples, request.params.beam_width, len(request.seqs))

@@ -1,15 +1,59 @@
-"""`make demo` keeps working: the narrated session against a real pagedkvd exits 0."""
+"""`make demo` keeps working: its reduced run (`--quick`) starts the daemons and runners, runs the
+workload from two client processes, stops everything cleanly, and writes the report and the
+chart."""
 
+import re
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+SVG = "{http://www.w3.org/2000/svg}"
+PAGED_LINES = ["requests", "tokens per second", "peak concurrent sequences", "KV utilization",
+               "blocks saved by sharing", "prefix-cache hit rate", "preemptions"]
+CONTIGUOUS_LINES = ["peak concurrent sequences", "KV utilization", "requests", "preemptions"]
 
 
-def test_demo_runs_the_scripted_session_and_stops_the_daemon() -> None:
-    result = subprocess.run([sys.executable, "-m", "pagedkv.client.demo"],
-                            capture_output=True, text=True, timeout=120)
+def figure(line: str) -> float:
+    """The first number after the label."""
+    match = re.search(r":\s+([\d,.]+)", line)
+    assert match, line
+    return float(match.group(1).replace(",", ""))
+
+
+@pytest.mark.slow
+def test_the_quick_demo_reports_both_runs_and_stops_every_process(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "pagedkv.client.demo", "--quick",
+                             "--output", str(tmp_path)],
+                            capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    assert "pagedkvd is SERVING (gRPC health)." in out
-    assert "32 from the prefix cache" in out  # the second prompt reused 2 full blocks
-    assert "copy-on-write: block" in out  # the fork's shared last block was copied
-    assert "pagedkvd exited with status 0; its pool file is gone." in out
+    assert ("Stopped: every runner and daemon exited with status 0 on SIGTERM; no pool file "
+            "left.") in out
+    assert f"Written: {tmp_path / 'report.txt'}, {tmp_path / 'kv_blocks.svg'}" in out
+
+    report = (tmp_path / "report.txt").read_text()
+    assert report in out
+    paged, _, contiguous = report.partition("the same workload, contiguous max-length "
+                                            "reservation")
+    paged_lines = {line.split(":")[0]: line for line in paged.splitlines() if ":" in line}
+    contiguous_lines = {line.split(":")[0]: line for line in contiguous.splitlines()[1:]}
+    assert set(PAGED_LINES) <= set(paged_lines), paged
+    assert set(CONTIGUOUS_LINES) <= set(contiguous_lines), contiguous
+    requests = figure(paged_lines["requests"])
+    assert requests == figure(contiguous_lines["requests"]) == 12  # the quick workload
+    assert figure(paged_lines["tokens per second"]) > 0
+    peak_paged = figure(paged_lines["peak concurrent sequences"])
+    peak_contiguous = figure(contiguous_lines["peak concurrent sequences"])
+    assert 1 <= peak_contiguous < peak_paged  # reservations hold fewer sequences
+    assert 0 < figure(paged_lines["blocks saved by sharing"]) < 100  # n=4 and beams fork
+    assert 0 <= figure(paged_lines["prefix-cache hit rate"]) < 100  # hits depend on timing
+
+    chart = ET.parse(tmp_path / "kv_blocks.svg").getroot()
+    assert chart.tag == f"{SVG}svg"
+    series = {line.get("data-name"): line.get("points", "").split()
+              for line in chart.iter(f"{SVG}polyline") if line.get("class") == "series"}
+    assert set(series) == {"paged", "contiguous"}
+    assert all(len(points) >= 2 for points in series.values())

@@ -115,6 +115,36 @@ def test_the_newest_request_is_preempted_when_decodes_need_more_blocks() -> None
         (False, [7], 0), (True, [*range(1, 17), 7], 16)]
 
 
+def test_a_contiguous_daemon_charges_a_reservation_per_new_sequence_and_nothing_to_grow() -> None:
+    """Each sequence reserves 64 tokens (4 blocks): with 10 free blocks two 16-token prompts are
+    admitted (no watermark: reservations never grow), the third waits. Their next tokens start
+    a second block, which a paging daemon would need (the test above preempts for it); here
+    they decode with no block free."""
+    scheduler = Scheduler(SchedulerConfig(), BS, 100, reservation_blocks=4)
+    first, second, third = request(16), request(16), request(3)
+    for r in (first, second, third):
+        scheduler.add(r)
+    plan = scheduler.plan(free_blocks=10)
+    assert (plan.admit, plan.blocks) == ([first, second], 8)
+    scheduler.update(plan, answer(plan))
+    plan = scheduler.plan(free_blocks=0)
+    assert not plan.preempt and plan.admit == [] and plan.blocks == 0
+    assert [list(s.token_ids) for s in plan.steps] == [[7], [7]]
+    # Parallel samples are admitted with a reservation for each (n=3: 12 blocks), taken by the
+    # parent, then by its forks; the room for the forks is not given to the next request.
+    samples = Scheduler(SchedulerConfig(), BS, 100, reservation_blocks=4)
+    parallel, after = request(20, SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=4)), \
+        request(3)
+    samples.add(parallel)
+    samples.add(after)
+    assert samples.plan(free_blocks=11).admit == []
+    plan = samples.plan(free_blocks=15)
+    assert (plan.admit, plan.blocks) == ([parallel], 4)
+    samples.update(plan, answer(plan))
+    # Two children to fork, 4 blocks each; the parent decodes inside its own reservation.
+    assert samples.plan(free_blocks=11).blocks == 2 * 4
+
+
 def test_a_short_step_releases_finished_sequences_first() -> None:
     scheduler = make(SchedulerConfig(watermark=0.0))
     done, going = request(16, SamplingParams(temperature=0, max_tokens=1)), request(16)

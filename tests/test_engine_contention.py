@@ -1,0 +1,89 @@
+"""The engine when another client holds the pool, with a scripted runner (no daemon, no model):
+a request whose steps find the pool full twice in a row is preempted and waits for the blocks,
+even when it runs alone; one not admitted yet waits; one that could never fit the pool fails."""
+
+import types
+from collections.abc import Sequence
+
+import grpc
+import pytest
+
+from pagedkv.client import (
+    PoolExhausted,
+    PoolStats,
+    SamplingParams,
+    SeqOutput,
+    SeqStep,
+    StepOutputs,
+)
+from pagedkv.client.engine import Engine
+from pagedkv.client.scheduler import SchedulerConfig
+
+BS = 16
+NUM_BLOCKS = 8
+
+
+class ScriptedRunner:
+    """Computes every step at once and samples token 7, except the steps numbered in `full`
+    (from 1), which fail as a daemon with another client's blocks in the pool would."""
+
+    def __init__(self, full: set[int]) -> None:
+        self.full = full
+        self.calls = 0
+        self.held: dict[int, int] = {}
+
+    async def step(self, session: object, seqs: Sequence[SeqStep],
+                   release: Sequence[int] = ()) -> StepOutputs:
+        self.calls += 1
+        if self.calls in self.full:
+            raise PoolExhausted(grpc.StatusCode.RESOURCE_EXHAUSTED, "pool full")
+        outputs = []
+        for seq in seqs:
+            held = (0 if seq.new_sequence else self.held[seq.seq_id]) + len(seq.token_ids)
+            self.held[seq.seq_id] = held
+            outputs.append(SeqOutput(seq.seq_id, held, held, 0, True, 7, -0.5, (), (), False))
+        for seq_id in release:
+            self.held.pop(seq_id)
+        return StepOutputs(outputs, NUM_BLOCKS)
+
+    async def close(self) -> None:
+        pass
+
+
+async def free_pool() -> PoolStats:
+    return PoolStats(NUM_BLOCKS, BS, NUM_BLOCKS, None)
+
+
+def engine(runner: ScriptedRunner) -> Engine:
+    session = types.SimpleNamespace(block_size=BS, stats=free_pool)
+    pool = types.SimpleNamespace(close=runner.close)
+    return Engine(pool, session, runner, vocab_size=100, eos_token_ids=(),  # type: ignore[arg-type]
+                  num_blocks=NUM_BLOCKS, free_blocks=NUM_BLOCKS, config=SchedulerConfig())
+
+
+async def test_a_request_alone_in_a_full_pool_is_preempted_and_finishes_later() -> None:
+    """Its prefill goes through; its first two decodes find the pool full (another client):
+    it is preempted (a release-only step), re-admitted from its tokens, and finishes."""
+    runner = ScriptedRunner(full={2, 3})
+    generating = engine(runner)
+    output = await generating.generate(list(range(20)), SamplingParams(temperature=0,
+                                                                       max_tokens=4))
+    await generating.close()
+    assert output.num_preemptions == 1
+    assert list(output.outputs[0].token_ids) == [7, 7, 7, 7]
+
+
+async def test_an_admission_that_finds_the_pool_full_waits() -> None:
+    runner = ScriptedRunner(full={1, 2, 3})
+    generating = engine(runner)
+    output = await generating.generate([1] * 20, SamplingParams(temperature=0, max_tokens=2))
+    await generating.close()
+    assert (output.num_preemptions, list(output.outputs[0].token_ids)) == (0, [7, 7])
+    assert runner.calls == 6  # three refused, the prefill, a decode, the release
+
+
+async def test_a_request_larger_than_the_pool_fails() -> None:
+    generating = engine(ScriptedRunner(full=set()))
+    with pytest.raises(PoolExhausted, match="needs 9 blocks; the pool has 8"):
+        await generating.generate([1] * 9 * BS, SamplingParams(max_tokens=1))
+    await generating.close()
