@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from pagedkv.client.errors import PagedKVError
 from pagedkv.client.outputs import RequestOutput
 from pagedkv.client.sampling_params import SamplingParams
+from pagedkv.process.launch import NoNotification
 
-from .child_process import ChildFailed
 from .llm import LLM
 
 EXIT_BAD_INPUT = 2
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except (ChildFailed, PagedKVError) as exc:
+    except (NoNotification, PagedKVError) as exc:
         print(f"{PROG}: failed: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     return 0

@@ -74,9 +74,7 @@ class LLM:
         if self.config.daemon is not None and self.config.runner is not None:
             return self.config.daemon, self.config.runner
         assert model is not None, "LLMConfig requires a model when starting the services"
-        services = start_services(self.config, model)
-        self._resources.callback(services.stop)
-        return services.daemon_target, services.runner_target
+        return start_services(self.config, model, self._resources)
 
     def _check_tokenizer(self) -> None:
         vocab_size = self._engine.vocab_size

@@ -1,15 +1,20 @@
 """Start pagedkv processes (the daemon, the runner) as systemd would, and stop them.
 
-    with start_daemon(folder, "--num-blocks", "64") as daemon:     # returns once READY=1 came
+    with start_daemon(folder, "--num-blocks", "64") as daemon:   # started, not ready yet
+        daemon.wait_for_notification(READY_STATE)                # NoNotification, with its log
         with start_runner(daemon.unix_target, folder, "--random-init", "tiny") as runner:
+            runner.wait_for_notification(READY_STATE)
             ...                                                  # talk to runner.unix_target
         assert daemon.stop() == 0                                # SIGTERM, wait, exit status
+    # leaving the `with` block kills a process that still runs
 
 Readiness is systemd's own signal (`notify` is the sending side): a datagram socket bound in
 the process's folder is passed as NOTIFY_SOCKET, and both processes send READY=1 only once
-their pool is allocated or mapped and every listener is up. Their stderr goes to stderr.log in
-the same folder, so a failed start can be shown. `make demo` and the tests start processes
-through this module. Standard library only: a client program may import it.
+their pool is allocated or mapped and every listener is up. Their stderr goes to a log in the
+same folder, whose tail explains a process that exits, or stays silent, while it is awaited.
+Each file is named after the process ("pagedkvd.log", "runner.notify"), so a daemon and its
+runner may share a folder. The demo, the tests and the `LLM` start their processes through
+this module. Standard library only: a client program may import it.
 """
 
 import contextlib
@@ -19,33 +24,40 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
+from typing import Self
 
 # `pagedkv serve` (pagedkvd) and `pagedkv runner`, through their modules so this interpreter
 # (the venv's) runs them.
 DAEMON_COMMAND = (sys.executable, "-m", "pagedkv.daemon.cli", "serve")
 RUNNER_COMMAND = (sys.executable, "-m", "pagedkv.model_runner")
+READY_STATE = "READY=1"
 # Generous: importing torch and grpc takes a few seconds on a loaded 2-core machine.
 START_TIMEOUT_S = 60.0
+# How long a process may take to exit after a signal (its drain grace and cleanup) before SIGKILL.
 STOP_TIMEOUT_S = 30.0
+# Bytes of a process's log quoted in an error.
+LOG_TAIL_BYTES = 4000
 # How long one wait on the notify socket lasts before checking that the process still runs.
 _POLL_S = 0.2
 
 
 class NoNotification(RuntimeError):
     """The process exited, or the time ran out, before it sent the awaited state; the message
-    holds its stderr."""
+    quotes the tail of its log."""
 
 
 @dataclass
 class Launched:
-    """One daemon or runner process, and what its starter inspects."""
+    """One started process, and what its starter inspects. Leaving its `with` block kills it if
+    it still runs."""
 
+    # Its name in messages and of its files: "pagedkvd", "runner".
+    name: str
     process: subprocess.Popen[bytes]
-    # Folder of the notify socket and stderr.log (and the daemon's pool file and socket, when
-    # it is told to put them there).
+    # Folder of its notify socket and log (and the daemon's pool file when `--shm-dir` names it).
     workdir: Path
     # gRPC target of its unix socket.
     unix_target: str
@@ -54,84 +66,114 @@ class Launched:
     # Every sd_notify message received so far, in order.
     notifications: list[str] = field(default_factory=list)
 
+    @property
+    def log_path(self) -> Path:
+        """Its stderr."""
+        return self.workdir / f"{self.name}.log"
+
     def wait_for_notification(self, state: str, timeout: float = START_TIMEOUT_S) -> str:
-        """Block until a message holding `state` (e.g. "READY=1") arrives; return it."""
+        """Block until a message holding `state` (e.g. READY_STATE) arrives; return it.
+        NoNotification as soon as the process exits, or once `timeout` seconds have passed."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                message = self.notify_socket.recv(4096).decode()
+                message = self.notify_socket.recv(4096).decode(errors="replace")
             except TimeoutError:
                 if self.process.poll() is not None:
-                    raise NoNotification(f"process exited ({self.process.returncode}) before "
-                                         f"{state}:\n{self.stderr()}") from None
+                    raise NoNotification(
+                        f"the {self.name} process exited with status {self.process.returncode} "
+                        f"before it sent {state}:\n{log_tail(self.log_path)}") from None
                 continue
             self.notifications.append(message)
             if state in message.split("\n"):
                 return message
-        raise NoNotification(f"no {state} within {timeout} s:\n{self.stderr()}")
+        raise NoNotification(f"the {self.name} process sent no {state} within {timeout:g} s:\n"
+                             f"{log_tail(self.log_path)}")
 
     def pool_files(self) -> list[Path]:
         """The daemon's CPU pool files in workdir (none once it stopped cleanly)."""
         return sorted(self.workdir.glob("pagedkv-*.kv"))
 
     def stderr(self) -> str:
-        return (self.workdir / "stderr.log").read_text(errors="replace")
+        """Its whole log."""
+        return self.log_path.read_text(errors="replace")
 
     def send(self, sig: signal.Signals) -> None:
         self.process.send_signal(sig)
 
+    def wait_for_exit(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """Wait for the process to exit, SIGKILL it if it outlives `timeout`; its exit status."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
-        """Signal the process, wait for it, and return its exit status."""
-        self.send(sig)
-        return self.process.wait(STOP_TIMEOUT_S)
+        """Signal the process unless it has exited, wait for it (SIGKILL after STOP_TIMEOUT_S),
+        close the notify socket; return its exit status. Idempotent."""
+        if self.process.poll() is None:
+            self.send(sig)
+        code = self.wait_for_exit()
+        self.notify_socket.close()
+        return code
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.stop(signal.SIGKILL)
 
 
-@contextlib.contextmanager
-def launched(command: Sequence[str], folder: Path, unix_target: str,
-             env: dict[str, str] | None = None, wait_ready: bool = True) -> Iterator[Launched]:
-    """Run `command` with a notify socket in `folder`; wait for READY=1 unless told not to
-    (a process expected to refuse to start). Killed on exit if it still runs."""
-    with contextlib.ExitStack() as stack:
-        notify_path = folder / "notify.sock"
-        notify_path.unlink(missing_ok=True)  # a process restarted in the same folder
-        receiver = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM))
+def start_process(name: str, command: list[str], folder: Path, unix_target: str,
+                  env: dict[str, str] | None = None) -> Launched:
+    """Start `command` with its notify socket (NAME.notify) and its stderr (NAME.log) in
+    `folder`, which must be short: unix socket paths are limited to ~107 bytes. Returns at once;
+    the caller waits for READY_STATE and stops it."""
+    notify_path = folder / f"{name}.notify"
+    notify_path.unlink(missing_ok=True)  # a process restarted in the same folder
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
         receiver.bind(str(notify_path))
         receiver.settimeout(_POLL_S)
         environment = {**os.environ, "NOTIFY_SOCKET": str(notify_path), **(env or {})}
-        with (folder / "stderr.log").open("wb") as stderr:
-            process = subprocess.Popen(command, env=environment, stdout=subprocess.DEVNULL,
-                                       stderr=stderr)
-        stack.callback(_reap, process)
-        started = Launched(process, folder, unix_target, receiver)
-        if wait_ready:
-            started.wait_for_notification("READY=1")
-        yield started
+        with (folder / f"{name}.log").open("wb") as log:
+            process = subprocess.Popen(command, env=environment, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, stderr=log)
+    except BaseException:
+        receiver.close()
+        raise
+    return Launched(name, process, folder, unix_target, receiver)
 
 
-@contextlib.contextmanager
 def start_daemon(folder: Path, *args: str, listen_path: Path | None = None,
-                 env: dict[str, str] | None = None, wait_ready: bool = True) -> Iterator[Launched]:
-    """`pagedkvd` with `args`, logging JSON; its pool file, notify socket, stderr.log and (unless
-    `listen_path` names another) its socket in `folder`, which must be short: unix socket paths
-    are limited to ~107 bytes."""
+                 env: dict[str, str] | None = None) -> Launched:
+    """`pagedkvd` with `args`, logging JSON; its files in `folder`, its socket there too
+    (pagedkvd.sock) unless `listen_path` names another. Its pool file goes where `--shm-dir`
+    says (/dev/shm by default)."""
     unix_target = f"unix://{listen_path or folder / 'pagedkvd.sock'}"
-    command = [*DAEMON_COMMAND, "--listen", unix_target, "--shm-dir", str(folder),
-               "--log-format", "json", *args]
-    with launched(command, folder, unix_target, env, wait_ready) as daemon:
-        yield daemon
+    return start_process("pagedkvd", [*DAEMON_COMMAND, "--listen", unix_target,
+                                      "--log-format", "json", *args], folder, unix_target, env)
 
 
-@contextlib.contextmanager
-def start_runner(daemon_target: str, folder: Path, *args: str, listen: str | None = None,
-                 wait_ready: bool = True) -> Iterator[Launched]:
+def start_runner(daemon_target: str, folder: Path, *args: str,
+                 listen: str | None = None) -> Launched:
     """`pagedkv runner` on the daemon at `daemon_target` with `args` (its model source at
-    least), logging JSON; its notify socket, stderr.log and (unless `listen` names another) its
-    socket in `folder`, which must not be the daemon's (each has its own notify socket)."""
+    least), logging JSON; its files in `folder`, its socket there too (runner.sock) unless
+    `listen` names another."""
     unix_target = listen or f"unix://{folder / 'runner.sock'}"
-    command = [*RUNNER_COMMAND, "--daemon", daemon_target, "--listen", unix_target,
-               "--log-format", "json", *args]
-    with launched(command, folder, unix_target, None, wait_ready) as runner:
-        yield runner
+    return start_process("runner", [*RUNNER_COMMAND, "--daemon", daemon_target, "--listen",
+                                    unix_target, "--log-format", "json", *args],
+                         folder, unix_target)
+
+
+def log_tail(path: Path) -> str:
+    """The last LOG_TAIL_BYTES of the log at `path` ("" if there is none)."""
+    with contextlib.suppress(OSError), path.open("rb") as log:
+        log.seek(max(0, log.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+        return log.read().decode(errors="replace")
+    return ""
 
 
 def free_tcp_port() -> int:
@@ -140,9 +182,3 @@ def free_tcp_port() -> int:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
         return port
-
-
-def _reap(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.kill()
-        process.wait(STOP_TIMEOUT_S)

@@ -6,7 +6,7 @@
             ... talk to runner.unix_target ...
         assert daemon.stop() == 0                        # SIGTERM, wait, exit status
 
-Everything the daemon creates (socket, pool file, notify socket, stderr.log) lives in one
+Everything the daemon creates (socket, pool file, notify socket, log) lives in one
 short private folder: unix socket paths are limited to ~107 bytes, and /dev/shm stays
 untouched. Starting and readiness (systemd's notify socket) are `pagedkv.process.launch`'s, the
 same code `make demo` starts its processes with.
@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pagedkv.process.launch import (
     DAEMON_COMMAND,
+    READY_STATE,
     Launched,
     free_tcp_port,
     start_daemon,
@@ -48,20 +49,26 @@ def short_tmp_dir() -> Iterator[Path]:
 @contextmanager
 def pagedkvd(*args: str, env: dict[str, str] | None = None, wait_ready: bool = True,
              workdir: Path | None = None, listen_path: Path | None = None) -> Iterator[Launched]:
-    """Start `pagedkvd` with `args`, its files in `workdir` (default: a private folder) and its
-    socket at `listen_path` (default: in workdir). Killed on exit if the test did not stop it.
-    With wait_ready=False, return at once (for daemons expected to refuse to start)."""
+    """Start `pagedkvd` with `args`, its files (pool file included) in `workdir` (default: a
+    private folder) and its socket at `listen_path` (default: in workdir). Killed on exit if the
+    test did not stop it. With wait_ready=False, return at once (for daemons expected to refuse
+    to start)."""
     with contextlib.ExitStack() as stack:
         folder = workdir or stack.enter_context(short_tmp_dir())
-        yield stack.enter_context(start_daemon(folder, *args, listen_path=listen_path, env=env,
-                                               wait_ready=wait_ready))
+        daemon = stack.enter_context(start_daemon(folder, "--shm-dir", str(folder), *args,
+                                                  listen_path=listen_path, env=env))
+        if wait_ready:
+            daemon.wait_for_notification(READY_STATE)
+        yield daemon
 
 
 @contextmanager
 def pagedkv_runner(daemon: Launched, *args: str, wait_ready: bool = True,
                    listen: str | None = None) -> Iterator[Launched]:
     """Start `pagedkv runner` next to `daemon` with `args` (its model source at least); its
-    stderr.log (and socket, unless `listen` names one) in a private folder."""
+    log (and socket, unless `listen` names one) in a private folder."""
     with short_tmp_dir() as folder, start_runner(daemon.unix_target, folder, *args,
-                                                 listen=listen, wait_ready=wait_ready) as runner:
+                                                 listen=listen) as runner:
+        if wait_ready:
+            runner.wait_for_notification(READY_STATE)
         yield runner

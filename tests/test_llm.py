@@ -9,6 +9,7 @@ that prompt ends with `<eos>` after a few tokens (a relabelling of the vocabular
 is otherwise the same random model).
 """
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pagedkvd_process import short_tmp_dir
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
@@ -25,7 +27,6 @@ from transformers import (
 )
 
 from pagedkv.llm import LLM, SamplingParams
-from pagedkv.llm.child_process import ChildFailed, start_child
 from pagedkv.llm.pool_budget import CPU_KV_CAP, DeviceMemory, kv_budget
 from pagedkv.llm.progress import Progress
 
@@ -260,6 +261,20 @@ def test_a_preset_and_the_children_stop_at_interpreter_exit() -> None:
     assert not folder.exists()
 
 
+def test_a_child_that_fails_to_start_is_reported_with_its_log() -> None:
+    """The daemon refuses a device that does not exist: `pagedkv generate` fails at once,
+    quoting the daemon's log, and the LLM's private folder is removed."""
+    with short_tmp_dir() as parent:
+        done = subprocess.run([sys.executable, "-m", "pagedkv.llm", "--model", "tiny-llama",
+                               "--device", "cuda:99", "--num-blocks", "64", "hello"],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "TMPDIR": str(parent)})
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.startswith("pagedkv generate: failed: the pagedkvd process exited "
+                                      "with status "), done.stderr
+        assert "before it sent READY=1:\n" in done.stderr and "cuda:99" in done.stderr
+        assert list(parent.iterdir()) == []
+
 def processes_mentioning(text: str) -> list[int]:
     """Live processes whose command line holds `text`."""
     found = []
@@ -274,24 +289,6 @@ def processes_mentioning(text: str) -> list[int]:
 
 
 # ---------------------------------------------------------------- pieces, without a model
-
-def test_a_child_that_dies_while_starting_explains_itself(tmp_path: Path) -> None:
-    child = start_child("broken", [sys.executable, "-c", "import sys; "
-                                   "sys.exit('cannot load the model')"], tmp_path)
-    with pytest.raises(ChildFailed, match="the broken process exited with status 1 "
-                                          "while starting:\ncannot load the model"):
-        child.wait_ready(30)
-    child.stop()
-
-
-def test_a_ready_child_is_stopped_by_sigterm(tmp_path: Path) -> None:
-    child = start_child("sleeper", [sys.executable, "-c", "import time; "
-                                    "from pagedkv.process.notify import notify; "
-                                    "notify('READY=1'); time.sleep(600)"], tmp_path)
-    child.wait_ready(30)
-    child.stop()
-    assert child.process.returncode == -15
-
 
 def test_pool_budget_on_cuda_and_cpu() -> None:
     """CUDA: utilization x total - in use - weights - 1 GiB of activations; CPU: a quarter of

@@ -5,9 +5,9 @@
         stop_stacks(stacks)
 
 Daemons and runners are started as systemd would (`pagedkv.process.launch`: ready on READY=1),
-each in its own folder. Every daemon starts at once, then every runner (a runner connects to
-its daemon as it starts): on a 2-core machine most of a start is importing torch, and the
-imports overlap. An idle stack costs little while another one runs. The clients are `worker`
+each stack in its own folder. Every daemon starts at once, then every runner (a runner
+connects to its daemon as it starts): on a 2-core machine most of a start is importing torch,
+and the imports overlap. An idle stack costs little while another one runs. The clients are `worker`
 processes, started together. The demo fails (`DemoFailed`, with the log) unless every process
 exits with status 0 and each daemon leaves no pool file behind.
 """
@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Literal
 
 from pagedkv.process.launch import (
-    STOP_TIMEOUT_S,
+    READY_STATE,
     Launched,
     free_tcp_port,
+    log_tail,
     start_daemon,
     start_runner,
 )
@@ -34,15 +35,12 @@ from .worker import READY, WorkerResult
 from .workload import BLOCK_SIZE, MODEL, NUM_WORKERS
 
 Allocator = Literal["paged", "contiguous"]
-READY_STATE = "READY=1"
 # Longest a client may take for its whole workload (the full demo takes well under a minute).
 RUN_TIMEOUT_S = 300.0
-# Lines of a failed process's log shown in the error.
-LOG_TAIL_LINES = 30
 
 
 class DemoFailed(RuntimeError):
-    """A process of the demo failed; the message holds the tail of its log."""
+    """A process of the demo failed; the message quotes the tail of its log."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,19 +84,18 @@ def started_stacks(folder: Path, num_blocks: int,
     allocators = [_allocator(max_model_len) for max_model_len in reservations]
     addresses = [f"127.0.0.1:{free_tcp_port()}" for _ in reservations]
     for allocator in allocators:
-        (folder / allocator / "runner").mkdir(parents=True)
+        (folder / allocator).mkdir()
     with contextlib.ExitStack() as exits:
         daemons = [exits.enter_context(start_daemon(
-            folder / allocator, *_daemon_args(num_blocks, max_model_len, address),
-            wait_ready=False))
+            folder / allocator, "--shm-dir", str(folder / allocator),
+            *_daemon_args(num_blocks, max_model_len, address)))
             for allocator, max_model_len, address in zip(allocators, reservations, addresses,
                                                          strict=True)]
         for daemon in daemons:
             daemon.wait_for_notification(READY_STATE)
         runners = [exits.enter_context(start_runner(
-            daemon.unix_target, folder / allocator / "runner", "--random-init", MODEL,
-            "--log-level", "warning", wait_ready=False))
-            for daemon, allocator in zip(daemons, allocators, strict=True)]
+            daemon.unix_target, daemon.workdir, "--random-init", MODEL, "--log-level", "warning"))
+            for daemon in daemons]
         for runner in runners:
             runner.wait_for_notification(READY_STATE)
         yield [Stack(allocator, num_blocks, max_model_len, address, daemon, runner)
@@ -115,10 +112,10 @@ def stop_stacks(stacks: Sequence[Stack]) -> None:
         for _, process in group:
             process.send(signal.SIGTERM)
         for name, process in group:
-            code = process.process.wait(STOP_TIMEOUT_S)
+            code = process.wait_for_exit()
             if code != 0:
                 raise DemoFailed(f"{name} exited with {code} on SIGTERM:\n"
-                                 f"{_tail(process.stderr())}")
+                                 f"{log_tail(process.log_path)}")
     for stack in stacks:
         if stack.daemon.pool_files():
             raise DemoFailed(f"pagedkvd left its pool file: {stack.daemon.pool_files()}")
@@ -150,7 +147,8 @@ def run_workload(stack: Stack, quick: bool) -> RunResult:
                 results = [_result(worker, folder, index)
                            for index, worker in enumerate(workers)]
         except ScrapeFailed as error:
-            raise DemoFailed(f"{error}; pagedkvd's log:\n{_tail(stack.daemon.stderr())}") from None
+            log = log_tail(stack.daemon.log_path)
+            raise DemoFailed(f"{error}; pagedkvd's log:\n{log}") from None
     return RunResult(stack, results, sampler.samples)
 
 
@@ -177,7 +175,7 @@ def _expect_ready(worker: subprocess.Popen[str], folder: Path, index: int) -> No
     if worker.stdout.readline().strip() != READY:
         worker.wait(RUN_TIMEOUT_S)
         raise DemoFailed(f"client {index} exited ({worker.returncode}) before it was ready:\n"
-                         f"{_tail(_log_path(folder, index).read_text())}")
+                         f"{log_tail(_log_path(folder, index))}")
 
 
 def _send_go(worker: subprocess.Popen[str]) -> None:
@@ -190,13 +188,10 @@ def _result(worker: subprocess.Popen[str], folder: Path, index: int) -> WorkerRe
     out, _ = worker.communicate(timeout=RUN_TIMEOUT_S)
     if worker.returncode != 0:
         raise DemoFailed(f"client {index} exited with {worker.returncode}:\n"
-                         f"{_tail(_log_path(folder, index).read_text())}")
+                         f"{log_tail(_log_path(folder, index))}")
     return WorkerResult.from_json(out)
 
 
 def _log_path(folder: Path, index: int) -> Path:
     return folder / f"worker-{index}.log"
 
-
-def _tail(log: str) -> str:
-    return "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
