@@ -51,6 +51,11 @@ bench: setup
 	$(PY) benchmarks/bench_core_trace.py
 	$(PY) benchmarks/bench_runner_cpu.py
 	$(PY) benchmarks/bench_runner.py
+	$(PY) benchmarks/bench_e2e_concurrency.py
+	$(PY) benchmarks/bench_sharing.py
+	$(PY) benchmarks/bench_prefix.py
+	$(PY) benchmarks/bench_preempt.py
+	$(PY) benchmarks/bench_scheduler.py
 
 bench-gpu: setup
 	$(PY) benchmarks/bench_kernels_gpu.py

@@ -9,9 +9,10 @@
 One engine is one client of the pool: its own daemon session (a lease kept alive in the
 background, so a dying client's blocks come back within its lease) and a runner that computes
 for it. A background task loops: plan a step (`Scheduler`), send it as one runner RPC, hand the
-answers back, and push each request's progress to its waiters. A failed step changed nothing
-(the runner's contract), so the plan is simply dropped: admissions wait again, and a pool that
-turned out fuller than the runner last said preempts the newest request.
+answers back, and push each request's progress to its waiter (`stream`: an output per step;
+`generate`: the final one only). A failed step changed nothing (the runner's contract), so the
+plan is simply dropped: admissions wait again, and a pool that turned out fuller than the runner
+last said preempts the newest request.
 """
 
 import asyncio
@@ -77,6 +78,8 @@ class Engine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # Requests whose waiter wants only the final output (`generate`).
+        self._final_only: set[str] = set()
         # Finished requests whose sequences the next step releases: their final output is
         # published once that step is answered, so a finished request holds no blocks.
         self._finals: list[Request] = []
@@ -116,17 +119,25 @@ class Engine:
                        request_id: str | None = None) -> RequestOutput:
         """Generate to the end; the final output."""
         final = None
-        async for output in self.stream(prompt_token_ids, params, request_id):
+        async for output in self._outputs(prompt_token_ids, params, request_id, False):
             final = output
         assert final is not None and final.finished
         return final
 
-    async def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """The request's output after each step that changed it; the last one is finished."""
+        return self._outputs(prompt_token_ids, params, request_id, True)
+
+    async def _outputs(self, prompt_token_ids: Sequence[int], params: SamplingParams | None,
+                       request_id: str | None, every_step: bool) -> AsyncIterator[RequestOutput]:
+        """The request's outputs: after each step that changed it, or only the final one (an
+        output per step costs the engine's loop a copy of every token so far)."""
         request = self._request(prompt_token_ids, params or SamplingParams(), request_id)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request.request_id] = queue
+        if not every_step:
+            self._final_only.add(request.request_id)
         self.scheduler.add(request)
         self._wake.set()
         try:
@@ -139,6 +150,7 @@ class Engine:
                     return
         finally:
             self._streams.pop(request.request_id, None)
+            self._final_only.discard(request.request_id)
 
     def _request(self, prompt: Sequence[int], params: SamplingParams,
                  request_id: str | None) -> Request:
@@ -202,7 +214,7 @@ class Engine:
             for request in progressed:
                 if request.finished:
                     self._finals.append(request)
-                else:
+                elif request.request_id not in self._final_only:
                     self._publish(request)
             self._observe(plan, outputs.free_blocks, planned + time.monotonic() - began,
                           sum(out.sampled for out in outputs))

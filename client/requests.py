@@ -107,7 +107,7 @@ class Request:
 
     def _sample_step(self, sampled: Sequence[tuple[Seq, SeqOutput]]) -> list[int]:
         for seq, out in sampled:
-            if seq.index == 0 and len(seq.generated) == 0 and self.params.num_samples > 1:
+            if seq.index == 0 and seq.num_generated == 0 and self.params.num_samples > 1:
                 # Sample 0's prefill is done: the other samples fork from it next step.
                 self.live.extend(self._seq(list(seq.tokens), index, parent=seq)
                                  for index in range(1, self.params.num_samples))
@@ -124,7 +124,7 @@ class Request:
     def _finish_reason(self, seq: Seq, out: SeqOutput) -> FinishReason | None:
         if out.token_id in self.stop_ids:
             return "stop"
-        if len(seq.generated) + 1 >= self.params.max_tokens:
+        if seq.num_generated + 1 >= self.params.max_tokens:
             return "length"
         return None
 

@@ -51,9 +51,10 @@ class SchedulerConfig:
 class Plan:
     """One runner step, or a preemption to carry out first."""
 
-    # The sequences to step and what to send for each, in the same order.
+    # The sequences to step, what to send for each and the request of each, in the same order.
     seqs: list[Seq] = field(default_factory=list)
     steps: list[SeqStep] = field(default_factory=list)
+    owners: list[Request] = field(default_factory=list)
     # Sequences to free after the step (finished, dropped or preempted).
     release: list[int] = field(default_factory=list)
     # Requests to preempt (a release-only step), then plan again.
@@ -124,6 +125,7 @@ class Scheduler:
                 budget -= 1
             plan.seqs.append(seq)
             plan.steps.append(seq.step(chunk))
+            plan.owners.append(request)
             plan.blocks += seq.blocks_needed(self.block_size, id(seq) in forked_from,
                                              self.reservation_blocks)
         return budget
@@ -177,18 +179,20 @@ class Scheduler:
     def update(self, plan: Plan, outputs: Sequence[SeqOutput]) -> list[Request]:
         """Apply a step's answers; return the requests that made progress (finished ones are
         no longer running)."""
-        self.to_release = [i for i in self.to_release if i not in set(plan.release)]
+        released = set(plan.release)
+        self.to_release = [i for i in self.to_release if i not in released]
         self.running.extend(plan.admit)
-        by_request: dict[int, list[tuple[Seq, SeqOutput]]] = {}
-        owner = {id(seq): request for request in self.running for seq in request.seqs}
-        requests: dict[int, Request] = {}
-        for seq, out in zip(plan.seqs, outputs, strict=True):
-            request = owner[id(seq)]
-            requests[id(request)] = request
-            by_request.setdefault(id(request), []).append((seq, out))
-        for key, results in by_request.items():
-            self.to_release.extend(requests[key].on_outputs(results))
-        progressed = list(requests.values())
+        # Each request's answers, requests in the order of their first sequence in the plan.
+        by_request: dict[int, tuple[Request, list[tuple[Seq, SeqOutput]]]] = {}
+        for request, seq, out in zip(plan.owners, plan.seqs, outputs, strict=True):
+            entry = by_request.get(id(request))
+            if entry is None:
+                by_request[id(request)] = (request, [(seq, out)])
+            else:
+                entry[1].append((seq, out))
+        for request, results in by_request.values():
+            self.to_release.extend(request.on_outputs(results))
+        progressed = [request for request, _ in by_request.values()]
         self.running = [r for r in self.running if not r.finished]
         return progressed
 

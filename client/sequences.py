@@ -51,6 +51,11 @@ class Seq:
         return self.tokens[self.prompt_len:]
 
     @property
+    def num_generated(self) -> int:
+        """len(generated), without copying the tokens."""
+        return len(self.tokens) - self.prompt_len
+
+    @property
     def is_prefilling(self) -> bool:
         """Whether tokens it holds (or will hold once allocated) are not computed yet."""
         if not self.allocated:
