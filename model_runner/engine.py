@@ -53,7 +53,7 @@ from .sequences import SeqState, SessionSequences
 # When a step still waiting for its forward first renews its session's lease (then every third
 # of the lease): most steps are answered long before.
 FIRST_HOLD_S = 0.1
-# How long a forward waits at most (and at most half the last forward's time) for clients of
+# How long a forward waits at most (and at most as long as the last forward took) for clients of
 # the last forward to send their next step, so concurrent clients share forwards (`_gather`).
 MAX_GATHER_S = 0.005
 
@@ -448,7 +448,7 @@ class StepEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._gather(recent, min(MAX_GATHER_S, last_forward_s / 2))
+            await self._gather(recent, min(MAX_GATHER_S, last_forward_s))
             batch = self._take_batch()
             started = time.monotonic()
             try:
