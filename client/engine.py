@@ -148,9 +148,12 @@ class Engine:
                 yield item
                 if item.finished:
                     return
-        finally:
+        finally:  # finished, failed, or its caller went away: then free it
             self._streams.pop(request.request_id, None)
             self._final_only.discard(request.request_id)
+            if not request.finished:
+                self.scheduler.abort(request)
+                self._wake.set()
 
     def _request(self, prompt: Sequence[int], params: SamplingParams,
                  request_id: str | None) -> Request:

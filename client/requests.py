@@ -48,6 +48,8 @@ class Request:
         self.first_token_at: float | None = None
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        # Its caller went away (a cancelled generate, a stream left early): free it.
+        self.aborted = False
         # Every sequence still to step, in output order (beams: BeamSearch's order).
         self.live: list[Seq] = []
         # Sequences done generating (plain and parallel sampling).

@@ -96,7 +96,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------ planning
 
+    def abort(self, request: Request) -> None:
+        """Drop `request` at the next plan (its sequences are released with that step): its
+        caller went away. Safe while a step carrying it is in flight."""
+        request.aborted = True
+
+    def _drop_aborted(self) -> None:
+        if any(r.aborted for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if not r.aborted)
+        for request in [r for r in self.running if r.aborted]:
+            self.running.remove(request)
+            self.to_release.extend(seq.seq_id for seq in request.holding())
+
     def plan(self, free_blocks: int) -> Plan:
+        self._drop_aborted()
         plan = Plan(release=list(self.to_release))
         budget = self.config.max_num_batched_tokens
         for request in self.running:

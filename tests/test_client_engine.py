@@ -132,6 +132,35 @@ async def test_a_long_prompt_is_chunked_and_a_repeated_prefix_is_cached(
     assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 96)
 
 
+async def test_a_caller_that_goes_away_aborts_its_request_and_frees_its_blocks(
+        engine: Engine, reference: PreTrainedModel) -> None:
+    """A stream left after two outputs, and a generate cancelled by its timeout, are aborted:
+    their sequences are freed while another request goes on to its exact tokens, and the
+    engine samples far fewer than the 2 x 200 tokens they asked for."""
+    records: list[StepRecord] = []
+    engine.observers.append(records.append)
+    params = SamplingParams(temperature=0, max_tokens=200)
+    survivor = asyncio.create_task(engine.generate(PROMPTS[2], GREEDY))
+    seen = 0
+    async for partial in engine.stream(PROMPTS[4], params):
+        seen += 1
+        if seen == 2:
+            assert not partial.finished
+            break
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(engine.generate(PROMPTS[5], params), timeout=0.3)
+    output = await survivor
+    assert list(output.outputs[0].token_ids) == hf_greedy(reference, PROMPTS[2], 12)
+    async with asyncio.timeout(10):
+        while True:
+            stats = (await engine.session.stats()).session
+            assert stats is not None
+            if stats.num_sequences == 0 and not engine.scheduler.has_work:
+                break
+            await asyncio.sleep(0.05)
+    assert sum(r.num_sampled for r in records) < 200
+
+
 async def test_seeded_sampling_is_reproducible(engine: Engine) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10)
     one, two = await asyncio.gather(engine.generate(PROMPTS[1], params),

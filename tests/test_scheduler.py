@@ -199,3 +199,17 @@ def test_beams_continue_in_their_sequence_fork_for_extra_continuations_and_free_
     assert [(s.seq_id, list(s.token_ids), s.parent_seq_id) for s in plan.steps] == [
         (fork.seq_id, [30], None), (r.seqs[1].seq_id, [31], fork.seq_id)]
     assert plan.release == [first.seq_id]
+
+
+def test_an_aborted_request_is_dropped_and_its_sequences_released_by_the_next_plan() -> None:
+    scheduler = make()
+    running, waiting = request(20), request(20)
+    scheduler.add(running)
+    plan = scheduler.plan(free_blocks=3)
+    scheduler.update(plan, answer(plan))
+    scheduler.add(waiting)
+    scheduler.abort(running)
+    scheduler.abort(waiting)
+    plan = scheduler.plan(free_blocks=50)
+    assert (plan.steps, plan.release, plan.admit) == ([], [running.seqs[0].seq_id], [])
+    assert scheduler.running == [] and list(scheduler.waiting) == []
