@@ -271,7 +271,10 @@ class Engine:
     def _fail_request(self, request: Request, exc: BaseException) -> None:
         if request in self.scheduler.running:
             self.scheduler.running.remove(request)
-            self.scheduler.to_release.extend(seq.seq_id for seq in request.holding())
+            # Every sequence, not only those it knows held: after a lost answer (UNAVAILABLE,
+            # DEADLINE_EXCEEDED) the step may have allocated more; the runner ignores frees of
+            # sequences that do not exist.
+            self.scheduler.to_release.extend(seq.seq_id for seq in request.seqs)
         queue = self._streams.get(request.request_id)
         if queue is not None:
             queue.put_nowait(exc)
