@@ -8,15 +8,17 @@ A client keeps its own KVPool session (proto kvpool.proto) and schedules its seq
 runner computes them. One Step carries a client's whole step: for each sequence, the tokens to
 add and compute and how to sample its next token. The runner never trusts a block table or a
 slot from a client: it performs the step's memory operations with the daemon itself, under
-the client's session (Allocate for a new sequence, Append/Step for the others), so a client
-step costs one client RPC, and a sequence of another session is NOT_FOUND exactly as from the
-daemon. Blocks a step computes are committed to the prefix cache only after their K/V is
+the client's session (Fork for a new sequence naming a parent, Allocate for another new
+sequence, Append/Step for the others, all in one call), so a client step costs one client
+RPC, and a sequence of another session is NOT_FOUND exactly as from the daemon. Blocks a step computes are committed to the prefix cache only after their K/V is
 written. Steps of several clients that arrive together run in one forward pass; one client's
 bad step fails alone.
 
 Retry rules: as kvpool.proto's. A Step answered with an error status changed nothing in the
 pool. After DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE read the sequences' num_tokens back
-(KVPool.GetBlockTables) before retrying: the appends may have been applied.
+(KVPool.GetBlockTables) before retrying: the appends (and forks) may have been applied; a
+client that gives up instead releases every sequence the step named (frees of sequences
+that do not exist are ignored).
 """
 
 from collections import abc as _abc
