@@ -23,7 +23,8 @@ Figures:
     heavy_copied_gib, zeroed_gib           memory work done in the window
 
 The script also runs the code before the undo journal and the memory worker: PYTHONPATH
-pointing at an old tree's `pagedkv` folder is enough (the daemon and clients inherit it).
+pointing at an old tree's `pagedkv` folder is enough (the daemon and clients inherit it; the
+launcher, `pagedkv.process`, is this tree's where the old folder has none).
 With `--pin`, the daemon gets one CPU of its own and the clients the others.
 Usage: python benchmarks/bench_keepalive_stall.py [--seconds S] [--pin]
 """
@@ -33,7 +34,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv.client import Allocate, Fork, Free, PagedKVError, PoolClient
+from pagedkv.process.launch import READY_STATE, free_tcp_port, log_tail, start_daemon
 
 MODEL = "llama-3.1-8b"
 BLOCK_SIZE = 16
@@ -64,25 +65,6 @@ START_DELAY_S = 4.0
 # Deadline of every client call: a heavy call may legitimately take a while.
 CALL_TIMEOUT_S = 30.0
 SHM = Path("/dev/shm")
-
-
-def free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def start_daemon(folder: Path, metrics_port: int) -> tuple[subprocess.Popen[bytes], str]:
-    """pagedkvd on a unix socket in `folder` (a tmpfs folder: the pool file lives there)."""
-    target = f"unix://{folder / 'pagedkv.sock'}"
-    command = [sys.executable, "-m", "pagedkv.daemon.cli", "serve", "--listen", target,
-               "--model-config", MODEL, "--num-blocks", str(NUM_BLOCKS),
-               "--block-size", str(BLOCK_SIZE), "--zero-freed-blocks", "--shm-dir", str(folder),
-               "--metrics-listen", f"127.0.0.1:{metrics_port}",
-               "--log-level", "warning", "--log-format", "json"]
-    with (folder / "stderr.log").open("wb") as stderr:
-        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr), target
 
 
 def pin(daemon: subprocess.Popen[bytes]) -> str:
@@ -194,9 +176,9 @@ def spawn(role: str, target: str, start_at: float, seconds: float) -> subprocess
                              str(seconds)], stdout=subprocess.PIPE)
 
 
-async def wait_for_daemon(target: str) -> int:
-    """Bytes of one block, once the daemon answers."""
-    async with await PoolClient.connect(target, timeout=120) as client:
+async def bytes_per_block(target: str) -> int:
+    """Bytes of one block of the daemon's pool."""
+    async with await PoolClient.connect(target, timeout=CALL_TIMEOUT_S) as client:
         info = await client.pool_info()
         return info.bytes_per_block
 
@@ -238,24 +220,26 @@ def main() -> int:
         print(f"# {SHM} has under {need / 2**30:.1f} GiB free", file=sys.stderr)
         return 1
     metrics_port = free_tcp_port()
-    with tempfile.TemporaryDirectory(prefix="pkv-ka-", dir=SHM) as name:
-        folder = Path(name)
-        daemon, target = start_daemon(folder, metrics_port)
+    # The daemon's socket, log and pool file in a tmpfs folder.
+    with tempfile.TemporaryDirectory(prefix="pkv-ka-", dir=SHM) as name, \
+            start_daemon(Path(name), "--model-config", MODEL, "--num-blocks", str(NUM_BLOCKS),
+                         "--block-size", str(BLOCK_SIZE), "--zero-freed-blocks", "--shm-dir", name,
+                         "--metrics-listen", f"127.0.0.1:{metrics_port}",
+                         "--log-level", "warning") as daemon:
         try:
-            print(f"# {pin(daemon) if args.pin else 'unpinned'}; load average "
+            print(f"# {pin(daemon.process) if args.pin else 'unpinned'}; load average "
                   f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-            block_bytes = asyncio.run(wait_for_daemon(target))
+            daemon.wait_for_notification(READY_STATE)
+            block_bytes = asyncio.run(bytes_per_block(daemon.unix_target))
             start_at = time.time() + START_DELAY_S
-            clients = [spawn(role, target, start_at, args.seconds) for role in ("heavy", "light")]
+            clients = [spawn(role, daemon.unix_target, start_at, args.seconds)
+                       for role in ("heavy", "light")]
             limit = START_DELAY_S + args.seconds + 60
             a, b = (json.loads(c.communicate(timeout=limit)[0]) for c in clients)
             report(a, b, lease_expiries(metrics_port), block_bytes)
         finally:
-            daemon.terminate()
-            daemon.wait(timeout=30)
-            if daemon.returncode:
-                print((folder / "stderr.log").read_text(errors="replace")[-4000:],
-                      file=sys.stderr)
+            if daemon.stop():
+                print(log_tail(daemon.log_path), file=sys.stderr)
     return 0
 
 

@@ -54,7 +54,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +64,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pagedkv.process.launch import READY_STATE, free_tcp_port, start_daemon, start_runner
 
 NUM_PROMPTS = 32
 MIN_PROMPT, MAX_PROMPT = 20, 120
@@ -80,7 +81,6 @@ CLIENTS = 4
 PROMPTS_PER_CLIENT = 8
 # Prompts whose runner tokens are checked against HF generate on the prompt alone.
 CHECK_PROMPTS = (0, 1, 2, 3, 9, 31)
-READY_TIMEOUT_S = 120.0
 
 
 def make_prompts() -> list[list[int]]:
@@ -214,40 +214,21 @@ class Pagedkv:
 
 @contextlib.contextmanager
 def pagedkv_processes(folder: Path, threads: int) -> Iterator[Pagedkv]:
-    """pagedkvd and `pagedkv runner` on unix sockets in `folder`."""
-    daemon_target = f"unix://{folder / 'pagedkvd.sock'}"
-    runner_target = f"unix://{folder / 'runner.sock'}"
-    metrics = f"127.0.0.1:{free_port()}"
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "pagedkv.daemon.cli", "serve", "--model-config", PRESET,
-         "--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
-         "--listen", daemon_target, "--shm-dir", str(folder), "--log-level", "warning",
-         "--log-format", "json"])
-    env = dict(os.environ)
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    runner = None
-    try:
-        wait_ready(daemon_target, daemon, "pagedkvd")
-        runner = subprocess.Popen(
-            [sys.executable, "-m", "pagedkv.model_runner", "--random-init", PRESET,
-             "--daemon", daemon_target, "--listen", runner_target, "--metrics-listen", metrics,
-             "--log-level", "warning", "--log-format", "json"], env=env)
-        wait_ready(runner_target, runner, "pagedkv runner")
-        yield Pagedkv(daemon_target, runner_target, f"http://{metrics}/metrics",
-                      (daemon.pid, runner.pid))
-    finally:
-        for proc in (runner, daemon):
-            if proc is not None:
-                proc.terminate()
-                proc.wait(timeout=30)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """pagedkvd and `pagedkv runner` with their sockets, logs and pool file in `folder`. The
+    runner stops first, so no step is in flight when the daemon drains."""
+    metrics = f"127.0.0.1:{free_tcp_port()}"
+    with start_daemon(folder, "--model-config", PRESET, "--num-blocks", str(NUM_BLOCKS),
+                      "--block-size", str(BLOCK_SIZE), "--shm-dir", str(folder),
+                      "--log-level", "warning") as daemon:
+        daemon.wait_for_notification(READY_STATE)
+        with start_runner(daemon.unix_target, folder, "--random-init", PRESET,
+                          "--metrics-listen", metrics, "--log-level", "warning",
+                          env={"OMP_NUM_THREADS": str(threads)} if threads else None) as runner:
+            runner.wait_for_notification(READY_STATE)
+            yield Pagedkv(daemon.unix_target, runner.unix_target, f"http://{metrics}/metrics",
+                          (daemon.process.pid, runner.process.pid))
+            runner.stop()
+        daemon.stop()
 
 
 @dataclass(frozen=True)
@@ -274,24 +255,6 @@ class Forwards:
     def __sub__(self, other: "Forwards") -> "Forwards":
         return Forwards(self.count - other.count, self.seconds - other.seconds,
                         self.sequences - other.sequences)
-
-
-def wait_ready(target: str, proc: subprocess.Popen[bytes], name: str) -> None:
-    """Until `proc` listens at `target` (each binds its socket once it can serve)."""
-    import grpc
-
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:
-        with grpc.insecure_channel(target) as channel:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=0.5)
-                return
-            except grpc.FutureTimeoutError:
-                pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode} before it was ready")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{name} was not ready after {READY_TIMEOUT_S:.0f} s")
 
 
 # ------------------------------------------------------------------ transformers

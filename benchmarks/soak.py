@@ -40,7 +40,7 @@ def main() -> int:
     if fuzz.leaked_blocks != 0:
         findings.append(f"fuzz: {fuzz.leaked_blocks} blocks leaked")
     if daemon.exit_code != 0:
-        findings.append(f"fuzz: pagedkvd exited {daemon.exit_code}:\n{daemon.stderr()[-2000:]}")
+        findings.append(f"fuzz: pagedkvd exited {daemon.exit_code}:\n{daemon.log[-2000:]}")
 
     with running_pagedkvd(*load_daemon.DAEMON_ARGS) as daemon:
         config = LoadConfig(clients=args.clients, seconds=args.seconds, seed=args.seed)
@@ -55,7 +55,7 @@ def main() -> int:
     if unexpected:
         findings.append(f"load: unexpected errors {unexpected}")
     if daemon.exit_code != 0:
-        findings.append(f"load: pagedkvd exited {daemon.exit_code}:\n{daemon.stderr()[-2000:]}")
+        findings.append(f"load: pagedkvd exited {daemon.exit_code}:\n{daemon.log[-2000:]}")
 
     for finding in [*findings, *fuzz.trailer_overflows[:3]]:
         print(f"# {finding}")

@@ -13,8 +13,8 @@ the process's folder is passed as NOTIFY_SOCKET, and both processes send READY=1
 their pool is allocated or mapped and every listener is up. Their stderr goes to a log in the
 same folder, whose tail explains a process that exits, or stays silent, while it is awaited.
 Each file is named after the process ("pagedkvd.log", "runner.notify"), so a daemon and its
-runner may share a folder. The demo, the tests and the `LLM` start their processes through
-this module. Standard library only: a client program may import it.
+runner may share a folder. The demo, the tests, the benchmarks and the `LLM` start their
+processes through this module. Standard library only: a client program may import it.
 """
 
 import contextlib
@@ -157,15 +157,15 @@ def start_daemon(folder: Path, *args: str, listen_path: Path | None = None,
                                       "--log-format", "json", *args], folder, unix_target, env)
 
 
-def start_runner(daemon_target: str, folder: Path, *args: str,
-                 listen: str | None = None) -> Launched:
+def start_runner(daemon_target: str, folder: Path, *args: str, listen: str | None = None,
+                 env: dict[str, str] | None = None) -> Launched:
     """`pagedkv runner` on the daemon at `daemon_target` with `args` (its model source at
     least), logging JSON; its files in `folder`, its socket there too (runner.sock) unless
     `listen` names another."""
     unix_target = listen or f"unix://{folder / 'runner.sock'}"
     return start_process("runner", [*RUNNER_COMMAND, "--daemon", daemon_target, "--listen",
                                     unix_target, "--log-format", "json", *args],
-                         folder, unix_target)
+                         folder, unix_target, env)
 
 
 def log_tail(path: Path) -> str:
