@@ -28,8 +28,8 @@ ratios are of medians. Process start-up and model loading are never timed.
   steps one forward merged).
 
 Threads: every contestant gets --threads intra-op threads (default 1: torch.set_num_threads here,
-OMP_NUM_THREADS for the runner; the daemon always uses one). With torch's default of one per
-CPU, a 2-CPU machine running a daemon, a runner and clients is oversubscribed, and the runner's
+--torch-threads and OMP_NUM_THREADS for the runner; the daemon always uses one). With torch's
+default of one per CPU, a 2-CPU machine running a daemon, a runner and clients is oversubscribed, and the runner's
 and `generate`'s many small ops mostly wait on OpenMP (`--threads 0` measures that).
 
 CPU time: beside wall time, each run's CPU seconds (user + system, every thread) of every process
@@ -221,8 +221,12 @@ def pagedkv_processes(folder: Path, threads: int) -> Iterator[Pagedkv]:
                       "--block-size", str(BLOCK_SIZE), "--shm-dir", str(folder),
                       "--log-level", "warning") as daemon:
         daemon.wait_for_notification(READY_STATE)
+        # The runner sets its own intra-op threads (--torch-threads, default half the CPUs):
+        # tell it, as well as OpenMP, what every contestant gets.
+        runner_threads = threads or os.cpu_count() or 1
         with start_runner(daemon.unix_target, folder, "--random-init", PRESET,
                           "--metrics-listen", metrics, "--log-level", "warning",
+                          "--torch-threads", str(runner_threads),
                           env={"OMP_NUM_THREADS": str(threads)} if threads else None) as runner:
             runner.wait_for_notification(READY_STATE)
             yield Pagedkv(daemon.unix_target, runner.unix_target, f"http://{metrics}/metrics",
@@ -462,8 +466,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="measurements of each (default 3)")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads of every contestant: torch.set_num_threads here "
-                             "(transformers), OMP_NUM_THREADS of the runner; 0 = torch's "
-                             "default, one per CPU (default 1)")
+                             "(transformers), --torch-threads and OMP_NUM_THREADS of the runner;"
+                             " 0 = torch's default, one per CPU (default 1)")
     parser.add_argument("--client", nargs=4, metavar=("DAEMON", "RUNNER", "FIRST", "COUNT"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
