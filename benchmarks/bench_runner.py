@@ -29,8 +29,9 @@ ratios are of medians. Process start-up and model loading are never timed.
 
 Threads: every contestant gets --threads intra-op threads (default 1: torch.set_num_threads here,
 --torch-threads and OMP_NUM_THREADS for the runner; the daemon always uses one). With torch's
-default of one per CPU, a 2-CPU machine running a daemon, a runner and clients is oversubscribed, and the runner's
-and `generate`'s many small ops mostly wait on OpenMP (`--threads 0` measures that).
+default of one per CPU, a 2-CPU machine running a daemon, a runner and clients is
+oversubscribed, and the runner's and `generate`'s many small ops mostly wait on OpenMP
+(`--threads 0` measures that).
 
 CPU time: beside wall time, each run's CPU seconds (user + system, every thread) of every process
 taking part are summed (this process for transformers; the clients' loops plus the daemon and the
