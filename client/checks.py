@@ -20,10 +20,11 @@ def check_float(name: str, value: object) -> None:
 def token_ids(name: str, values: Iterable[object]) -> tuple[int, ...]:
     """Token ids (ints >= 0) as a tuple: any iterable from an untyped caller is accepted, and a
     tuple keeps the dataclass hashable and frozen."""
-    ids = tuple(values)
-    for token_id in ids:
+    ids: list[int] = []
+    for token_id in values:
         check_int(name, token_id)
-        assert isinstance(token_id, int)
+        assert isinstance(token_id, int)  # for mypy: check_int raised otherwise
         if token_id < 0:
             raise ValueError(f"{name} must be >= 0, got {token_id}")
-    return ids  # type: ignore[return-value]  # every element was checked to be an int
+        ids.append(token_id)
+    return tuple(ids)

@@ -228,7 +228,6 @@ class Engine:
         head = self.scheduler.waiting[0]
         need = self.scheduler.blocks_to_admit(head)
         if need > self.num_blocks:
-            self.scheduler.waiting.popleft()
             self._fail_request(head, PoolExhausted(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {head.request_id} needs {need} "
                 f"blocks; the pool has {self.num_blocks}"))
@@ -259,22 +258,13 @@ class Engine:
             await self._wait_for_room()
 
     def _fail(self, plan: Plan, exc: PagedKVError) -> None:
-        """A step failed for a reason a retry would not cure: fail the requests it carried."""
-        self.scheduler.unadmit(plan)
-        for request in plan.admit:
-            self.scheduler.waiting.remove(request)
+        """A step failed for a reason a retry would not cure: fail the requests it carried
+        (those it admitted included)."""
+        for request in dict.fromkeys([*plan.admit, *plan.owners]):
             self._fail_request(request, exc)
-        for request in list(self.scheduler.running):
-            if any(seq in plan.seqs for seq in request.seqs):
-                self._fail_request(request, exc)
 
     def _fail_request(self, request: Request, exc: BaseException) -> None:
-        if request in self.scheduler.running:
-            self.scheduler.running.remove(request)
-            # Every sequence, not only those it knows held: after a lost answer (UNAVAILABLE,
-            # DEADLINE_EXCEEDED) the step may have allocated more; the runner ignores frees of
-            # sequences that do not exist.
-            self.scheduler.to_release.extend(seq.seq_id for seq in request.seqs)
+        self.scheduler.drop(request)
         queue = self._streams.get(request.request_id)
         if queue is not None:
             queue.put_nowait(exc)

@@ -87,10 +87,6 @@ class Request:
     def finished(self) -> bool:
         return not self.live
 
-    def holding(self) -> list[Seq]:
-        """Its sequences the daemon holds."""
-        return [seq for seq in self.live if seq.allocated]
-
     # ------------------------------------------------------------------ outputs of a step
 
     def on_outputs(self, results: Sequence[tuple[Seq, SeqOutput]]) -> list[int]:

@@ -101,12 +101,21 @@ class Scheduler:
         caller went away. Safe while a step carrying it is in flight."""
         request.aborted = True
 
-    def _drop_aborted(self) -> None:
-        if any(r.aborted for r in self.waiting):
-            self.waiting = deque(r for r in self.waiting if not r.aborted)
-        for request in [r for r in self.running if r.aborted]:
+    def drop(self, request: Request) -> None:
+        """Forget `request` (it failed, or its caller went away). A waiting request holds
+        nothing; any other has every one of its sequences released with the next step: after a
+        lost answer (UNAVAILABLE, DEADLINE_EXCEEDED) the step may have allocated more than it
+        knows, and the runner ignores frees of sequences that do not exist."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+            return
+        if request in self.running:
             self.running.remove(request)
-            self.to_release.extend(seq.seq_id for seq in request.holding())
+        self.to_release.extend(seq.seq_id for seq in request.seqs)
+
+    def _drop_aborted(self) -> None:
+        for request in [r for r in (*self.waiting, *self.running) if r.aborted]:
+            self.drop(request)
 
     def plan(self, free_blocks: int) -> Plan:
         self._drop_aborted()

@@ -314,8 +314,7 @@ class PoolService:
 
     def capacity(self) -> tuple[int, int, int]:
         """What any client may see of the pool: num_blocks, block_size, free_blocks."""
-        pool = self.pool
-        return pool.num_blocks, pool.block_size, pool.num_free_blocks
+        return self.pool.num_blocks, self.pool.block_size, self.free_blocks
 
     @property
     def free_blocks(self) -> int:
