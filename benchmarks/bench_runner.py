@@ -123,19 +123,23 @@ def process_cpu_s(pid: int) -> float:
 
 
 async def drive(daemon: str, runner_target: str, prompts: list[list[int]],
-                wait_for_go: Callable[[], str]) -> dict[str, Any]:
-    """Greedy generation of `prompts` through the runner, one RPC per step: its start and end
-    (time.monotonic, system-wide on Linux), CPU seconds and tokens, as JSON-ready values."""
-    from pagedkv.client import PoolClient, RunnerClient, SeqStep
+                wait_for_go: Callable[[], str], ahead: bool) -> dict[str, Any]:
+    """Greedy generation of `prompts` through the runner, one RPC per step (each sequence marked
+    decode_ahead when `ahead`): its start and end (time.monotonic, system-wide on Linux), CPU
+    seconds and tokens, as JSON-ready values."""
+    from pagedkv.client import PoolClient, RunnerClient, SamplingParams, SeqStep
 
     seq_ids = list(range(len(prompts)))
+    # Greedy, finished by the runner at the last token (so it decodes nothing ahead past it).
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     async with await PoolClient.connect(daemon) as pool, \
             await RunnerClient.connect(runner_target) as runner, \
             await pool.open_session("bench-runner") as session:
         print("ready", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, wait_for_go)
         start, cpu = time.monotonic(), time.process_time()
-        out = await runner.step(session, [SeqStep(seq_id, prompt, new_sequence=True)
+        out = await runner.step(session, [SeqStep(seq_id, prompt, new_sequence=True,
+                                                  params=params, decode_ahead=ahead)
                                           for seq_id, prompt in zip(seq_ids, prompts,
                                                                     strict=True)])
         tokens: list[list[int]] = [[] for _ in prompts]
@@ -146,26 +150,28 @@ async def drive(daemon: str, runner_target: str, prompts: list[list[int]],
             if step == NEW_TOKENS:
                 break
             last = step == NEW_TOKENS - 1
-            out = await runner.step(session, [SeqStep(seq_id, tokens[seq_id][-1:])
+            out = await runner.step(session, [SeqStep(seq_id, tokens[seq_id][-1:],
+                                                      params=params, decode_ahead=ahead)
                                               for seq_id in seq_ids],
                                     release=seq_ids if last else ())
         end, cpu = time.monotonic(), time.process_time() - cpu
     return {"start": start, "end": end, "cpu_s": cpu, "tokens": tokens}
 
 
-def client_main(daemon: str, runner_target: str, first: int, count: int) -> None:
+def client_main(daemon: str, runner_target: str, first: int, count: int, ahead: bool) -> None:
     prompts = make_prompts()[first:first + count]
-    print(json.dumps(asyncio.run(drive(daemon, runner_target, prompts, sys.stdin.readline))),
-          flush=True)
+    print(json.dumps(asyncio.run(drive(daemon, runner_target, prompts, sys.stdin.readline,
+                                       ahead))), flush=True)
 
 
-def run_clients(pagedkv: "Pagedkv", groups: Sequence[range]) -> tuple[Run, "Forwards"]:
+def run_clients(pagedkv: "Pagedkv", groups: Sequence[range],
+                ahead: bool) -> tuple[Run, "Forwards"]:
     """One client process per group of prompt indices, released together once all are ready.
     CPU time: the clients' loops plus the daemon's and the runner's meanwhile."""
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--client", pagedkv.daemon, pagedkv.runner,
-         str(group.start), str(len(group))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        text=True) for group in groups]
+         str(group.start), str(len(group)), "ahead" if ahead else "no-ahead"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for group in groups]
     try:
         for proc in procs:
             assert proc.stdout is not None
@@ -373,7 +379,7 @@ def load_average() -> str:
 
 
 CONTESTANTS = ("hf_generate", "hf_generate_batch_default", "hf_generate_batch_sized", "runner",
-               "runner_1client_8prompts", "runner_4clients")
+               "runner_no_ahead", "runner_1client_8prompts", "runner_4clients")
 
 
 def measure(rounds: int, threads: int) -> int:
@@ -397,10 +403,12 @@ def measure(rounds: int, threads: int) -> int:
                                     ("hf_generate_batch_sized", True))}
     for name, contestant in batching.items():
         print(f"{name}_setup_s: {contestant.setup_s:.2f} s")
-    groups = {"runner": [range(0, NUM_PROMPTS)],
-              "runner_1client_8prompts": [range(0, PROMPTS_PER_CLIENT)],
-              "runner_4clients": [range(c * PROMPTS_PER_CLIENT, (c + 1) * PROMPTS_PER_CLIENT)
-                                  for c in range(CLIENTS)]}
+    # Client processes of each runner contestant, and whether they decode ahead.
+    groups = {"runner": ([range(0, NUM_PROMPTS)], True),
+              "runner_no_ahead": ([range(0, NUM_PROMPTS)], False),
+              "runner_1client_8prompts": ([range(0, PROMPTS_PER_CLIENT)], True),
+              "runner_4clients": ([range(c * PROMPTS_PER_CLIENT, (c + 1) * PROMPTS_PER_CLIENT)
+                                   for c in range(CLIENTS)], True)}
     figures: dict[str, list[float]] = {}
     all_ok = True
     with contextlib.ExitStack() as stack:
@@ -414,8 +422,8 @@ def measure(rounds: int, threads: int) -> int:
             runs["hf_generate"] = hf_generate(model, prompts, HF_BATCH)
             for name, contestant in batching.items():
                 runs[name] = contestant.run(prompts)
-            for name, group in groups.items():
-                runs[name], forwards = run_clients(pagedkv, group)
+            for name, (group, ahead) in groups.items():
+                runs[name], forwards = run_clients(pagedkv, group, ahead)
                 extra[f"{name}_forward_ms"] = 1000 * forwards.seconds / forwards.count
                 extra[f"{name}_seqs_per_forward"] = forwards.sequences / forwards.count
             for name, run in runs.items():
@@ -447,7 +455,8 @@ def report(med: dict[str, float], equal_seqs: float, all_ok: bool) -> None:
     ratios = {"runner_vs_hf_generate": ("runner", "hf_generate"),
               "runner_vs_hf_generate_batch": ("runner", "hf_generate_batch_default"),
               "runner_vs_hf_generate_batch_sized": ("runner", "hf_generate_batch_sized"),
-              "runner_4clients_vs_1client": ("runner_4clients", "runner_1client_8prompts")}
+              "runner_4clients_vs_1client": ("runner_4clients", "runner_1client_8prompts"),
+              "runner_ahead_speedup": ("runner", "runner_no_ahead")}
     for key, (a, b) in ratios.items():
         print(f"{key}: {med[a] / med[b]:.2f} ratio")
     # The same per CPU second of every process taking part: less sensitive to a busy machine.
@@ -455,7 +464,7 @@ def report(med: dict[str, float], equal_seqs: float, all_ok: bool) -> None:
         print(f"{name}_tok_per_cpu_s: {med[f'{name}_per_cpu']:.1f} tok/cpu-s")
     for key, (a, b) in ratios.items():
         print(f"{key}_per_cpu: {med[f'{a}_per_cpu'] / med[f'{b}_per_cpu']:.2f} ratio")
-    for name in ("runner", "runner_1client_8prompts", "runner_4clients"):
+    for name in ("runner", "runner_no_ahead", "runner_1client_8prompts", "runner_4clients"):
         print(f"{name}_forward_ms: {med[f'{name}_forward_ms']:.1f} ms")
         print(f"{name}_seqs_per_forward: {med[f'{name}_seqs_per_forward']:.1f} seqs")
     print(f"runner_equal_hf_generate_seqs: {equal_seqs:.0f} of {NUM_PROMPTS}")
@@ -469,12 +478,13 @@ def main() -> int:
                         help="intra-op threads of every contestant: torch.set_num_threads here "
                              "(transformers), --torch-threads and OMP_NUM_THREADS of the runner;"
                              " 0 = torch's default, one per CPU (default 1)")
-    parser.add_argument("--client", nargs=4, metavar=("DAEMON", "RUNNER", "FIRST", "COUNT"),
+    parser.add_argument("--client", nargs=5,
+                        metavar=("DAEMON", "RUNNER", "FIRST", "COUNT", "AHEAD"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
-        daemon, runner_target, first, count = args.client
-        client_main(daemon, runner_target, int(first), int(count))
+        daemon, runner_target, first, count, ahead = args.client
+        client_main(daemon, runner_target, int(first), int(count), ahead == "ahead")
         return 0
     return measure(args.rounds, args.threads)
 

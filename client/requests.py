@@ -87,6 +87,13 @@ class Request:
     def finished(self) -> bool:
         return not self.live
 
+    def forks_later(self, seq: Seq, ready: Sequence[Seq]) -> bool:
+        """Whether sequences fork from `seq` after the step of the `ready` ones: the other
+        parallel samples once sample 0's prefill sampled, or children not ready yet."""
+        if seq.index == 0 and seq.num_generated == 0 and self.params.num_samples > 1:
+            return True
+        return any(other.parent is seq and other not in ready for other in self.live)
+
     # ------------------------------------------------------------------ outputs of a step
 
     def on_outputs(self, results: Sequence[tuple[Seq, SeqOutput]]) -> list[int]:

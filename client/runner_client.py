@@ -50,6 +50,9 @@ class SeqStep:
     # A new sequence without a parent: how many leading token_ids are the prompt (the rest were
     # generated before a preemption); 0 = all.
     num_prompt_tokens: int = 0
+    # The next step of this sequence appends exactly the token this one samples (or releases
+    # it): the runner may compute that step ahead, while the answer travels.
+    decode_ahead: bool = False
 
     def message(self) -> rpb.SequenceStep:
         p = self.params
@@ -62,7 +65,7 @@ class SeqStep:
                 seed=p.seed or 0, logprobs=-1 if p.logprobs is None else p.logprobs,
                 stop_token_ids=p.stop_token_ids, max_tokens=p.max_tokens),
             has_parent=self.parent_seq_id is not None, parent_seq_id=self.parent_seq_id or 0,
-            num_prompt_tokens=self.num_prompt_tokens)
+            num_prompt_tokens=self.num_prompt_tokens, decode_ahead=self.decode_ahead)
         if self.history is not None:
             tokens, prompt_len, computed = self.history
             step.history.CopyFrom(rpb.SequenceHistory(token_ids=tokens, prompt_len=prompt_len,

@@ -38,6 +38,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # Fraction of the pool's blocks kept free when admitting, for running sequences to grow.
     watermark: float = 0.01
+    # Let the runner compute a sequence's next decode step before this client sends it
+    # (runner.proto's decode_ahead): sampled sequences, not beams, whose token the next step
+    # appends as sampled.
+    decode_ahead: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -136,6 +140,9 @@ class Scheduler:
         """Add a request's sequences to the plan; return the token budget left."""
         ready = [seq for seq in request.seqs if seq.finish_reason is None and seq.ready()]
         forked_from = {id(seq.parent) for seq in ready if seq.parent is not None}
+        # A parent that samples fork from in a later step must hold then what it holds now: no
+        # token appended ahead. A beam's next token is chosen by the search, not sampled.
+        ahead = self.config.decode_ahead and request.beam is None
         for seq in ready:
             chunk = 0
             if seq.is_prefilling:
@@ -146,7 +153,7 @@ class Scheduler:
             else:
                 budget -= 1
             plan.seqs.append(seq)
-            plan.steps.append(seq.step(chunk))
+            plan.steps.append(seq.step(chunk, ahead and not request.forks_later(seq, ready)))
             plan.owners.append(request)
             plan.blocks += seq.blocks_needed(self.block_size, id(seq) in forked_from,
                                              self.reservation_blocks)

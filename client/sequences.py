@@ -78,18 +78,21 @@ class Seq:
             return len(self.tokens) if self.parent is None else 0
         return self.held - self.computed
 
-    def step(self, max_compute_tokens: int = 0) -> SeqStep:
-        """What to send for it this step (max_compute_tokens: 0 = all)."""
+    def step(self, max_compute_tokens: int = 0, decode_ahead: bool = False) -> SeqStep:
+        """What to send for it this step (max_compute_tokens: 0 = all; decode_ahead: its next
+        step appends the token this one samples)."""
         if not self.allocated and self.parent is not None:
             return SeqStep(self.seq_id, self.tokens[self.parent.held:], new_sequence=True,
-                           params=self.params, parent_seq_id=self.parent.seq_id)
+                           params=self.params, parent_seq_id=self.parent.seq_id,
+                           decode_ahead=decode_ahead)
         if not self.allocated:
             readmitted = len(self.tokens) > self.prompt_len
             return SeqStep(self.seq_id, list(self.tokens), new_sequence=True,
                            max_compute_tokens=max_compute_tokens, params=self.params,
-                           num_prompt_tokens=self.prompt_len if readmitted else 0)
+                           num_prompt_tokens=self.prompt_len if readmitted else 0,
+                           decode_ahead=decode_ahead)
         return SeqStep(self.seq_id, self.tokens[self.held:], max_compute_tokens=max_compute_tokens,
-                       params=self.params)
+                       params=self.params, decode_ahead=decode_ahead)
 
     def blocks_needed(self, block_size: int, forked_from: bool, reservation: int = 0) -> int:
         """An upper bound on the free blocks its step takes (`forked_from`: a child forks from

@@ -17,6 +17,13 @@ A step goes through three stages:
    meanwhile: its daemon round trip overlaps that forward.
 3. finish (on the loop): commit the blocks a prefill computed (decode blocks are committed by the
    next Step), free the sequences the client released, answer.
+
+Decode ahead (runner.proto's `decode_ahead`, vLLM v1's async scheduling): when a client marks a
+sequence whose step sampled a token that does not finish it, the runner keeps the session's lock
+after answering and takes the client's next step itself: one daemon Step appends the sampled
+tokens, then a forward computes them, while the answer travels and the client plans. The
+client's next step names the same tokens and is answered from those results (`Ahead`); the
+lock keeps every other step of the session, and so every release, behind that forward.
 """
 
 import asyncio
@@ -38,7 +45,6 @@ from pagedkv.client import (
     Free,
     NotFound,
     PoolClient,
-    SamplingParams,
     SequenceBlocks,
     SequenceNotFound,
     SessionExpired,
@@ -48,7 +54,8 @@ from pagedkv.proto import kvpool_pb2 as pb
 from .metrics import RunnerMetrics
 from .runner import ModelRunner, SequenceChunk
 from .sampling import SampledTokens, Sampler, SamplingRow
-from .sequences import SeqState, SessionSequences
+from .sequences import Ahead, SeqState, SessionSequences
+from .steps import History, InvalidStep, SeqRequest, SeqResult, StepOutcome, UnknownSequence
 
 # When a step still waiting for its forward first renews its session's lease (then every third
 # of the lease): most steps are answered long before.
@@ -56,84 +63,6 @@ FIRST_HOLD_S = 0.1
 # How long a forward waits at most (and at most as long as the last forward took) for clients of
 # the last forward to send their next step, so concurrent clients share forwards (`_gather`).
 MAX_GATHER_S = 0.005
-
-
-class InvalidStep(ValueError):
-    """A client's step is malformed (mapped to INVALID_ARGUMENT); nothing was changed."""
-
-
-class UnknownSequence(RuntimeError):
-    """An existing sequence the runner has never seen and cannot read back: the client must
-    resend it with its history (FAILED_PRECONDITION); nothing was changed."""
-
-
-@dataclass(frozen=True, slots=True)
-class History:
-    """What a sequence holds, sent by a client to a runner that does not know it (restart)."""
-
-    # Every token the sequence holds in the daemon.
-    token_ids: tuple[int, ...]
-    # How many are the prompt.
-    prompt_len: int
-    # How many leading tokens have their K/V written.
-    num_computed: int
-
-
-@dataclass(frozen=True, slots=True)
-class SeqRequest:
-    """One sequence of a client's step."""
-
-    # The client's id of the sequence in its KVPool session.
-    seq_id: int
-    # A new sequence: its prompt is token_ids (allocated by the runner), or with a parent_seq_id
-    # a fork the runner makes that token_ids are appended to; else an existing sequence that
-    # token_ids are appended to.
-    new_sequence: bool
-    # Tokens to add: a prompt, a decode token, more prompt; may be empty (go on computing).
-    token_ids: tuple[int, ...]
-    # Most tokens to compute in this step; 0 = everything not yet computed.
-    max_compute_tokens: int
-    # How to pick the next token once the sequence is fully computed.
-    params: SamplingParams
-    # The parent of a fork the runner makes (new_sequence), or of a sequence the client forked
-    # itself (its first step): the child inherits the parent's token history.
-    parent_seq_id: int | None = None
-    # For the first step after a runner restart: what the sequence holds.
-    history: History | None = None
-    # A new sequence without a parent: how many leading token_ids are the prompt (the rest were
-    # generated before a preemption); 0 = all.
-    num_prompt_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class SeqResult:
-    """What a step did to one sequence."""
-
-    seq_id: int
-    # Tokens held, and how many of them are computed.
-    num_tokens: int
-    num_computed: int
-    # Prompt tokens the prefix cache served (new sequences).
-    num_cached: int
-    # Whether a token was sampled (not while a chunked prefill goes on).
-    sampled: bool
-    token_id: int = -1
-    # Raw log-probability of the sampled token, and the top ones when asked.
-    logprob: float = 0.0
-    top_token_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
-    # The sampled token is a stop token, or max_tokens were generated.
-    finished: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutcome:
-    """A client step's answer."""
-
-    # One result per requested sequence, in request order.
-    results: list[SeqResult]
-    # The pool's free blocks per the daemon's latest answer to this runner.
-    free_blocks: int
 
 
 @dataclass
@@ -146,6 +75,10 @@ class _Prepared:
     states: list[SeqState]
     # (index into requests, chunk) of the sequences computed in this step.
     chunks: list[tuple[int, SequenceChunk]]
+    # Requests whose token the runner appended ahead (index -> what it did), and the results
+    # of those it also computed with the same sampling: no chunk, no daemon call.
+    claimed: dict[int, Ahead] = field(default_factory=dict)
+    ready: dict[int, SeqResult] = field(default_factory=dict)
     # Set by the forward: one result per request.
     done: asyncio.Future[list[SeqResult]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -176,6 +109,8 @@ class StepEngine:
         self._wake = asyncio.Event()
         self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-forward")
         self._loop_task: asyncio.Task[None] | None = None
+        # Steps being decoded ahead (each holds its session's lock).
+        self._ahead_tasks: set[asyncio.Task[None]] = set()
         # The pool's free blocks per the daemon's latest answer (any session's call).
         self.free_blocks = 0
 
@@ -184,6 +119,9 @@ class StepEngine:
             self._loop_task = asyncio.create_task(self._forward_loop(), name="pagedkv-forward")
 
     async def stop(self) -> None:
+        for task in list(self._ahead_tasks):
+            task.cancel()
+        await asyncio.gather(*self._ahead_tasks, return_exceptions=True)
         if self._loop_task is not None:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -203,30 +141,47 @@ class StepEngine:
         self._validate(requests, release)
         started = time.monotonic()
         lock = self._session_locks.setdefault(session_id, asyncio.Lock())
-        async with lock:
+        await lock.acquire()
+        handed_off = False
+        try:
             known = self._sessions.setdefault(session_id, SessionSequences())
             try:
                 prepared = await self._prepare(session_id, known, requests)
-                if prepared.chunks:
-                    self._ready.append(prepared)
-                    self._wake.set()
-                    holder = asyncio.create_task(self._hold_lease(session_id))
-                    try:
-                        results = await prepared.done
-                    finally:
-                        holder.cancel()
-                else:
-                    results = [self._result(r, s, None) for r, s in
-                               zip(requests, prepared.states, strict=True)]
+                results = await self._run(prepared) if prepared.chunks else [
+                    prepared.ready.get(i) or self._result(r, s, None)
+                    for i, (r, s) in enumerate(zip(requests, prepared.states, strict=True))]
                 await self._finish(session_id, known, prepared, release)
-                if self.metrics is not None:
-                    self.metrics.step(time.monotonic() - started)
             except (SessionExpired, NotFound) as exc:
                 if not isinstance(exc, SequenceNotFound):  # the session is gone: forget it
                     self._sessions.pop(session_id, None)
                     self._session_locks.pop(session_id, None)
                 raise
+            for index in prepared.claimed:
+                prepared.states[index].ahead = None
+            if self.metrics is not None:
+                self.metrics.step(time.monotonic() - started)
+                self.metrics.ahead_used(len(prepared.ready))
+            ahead = self._ahead_requests(requests, results, release)
+            if ahead:  # the lock goes with the task, which releases it
+                task = asyncio.create_task(self._decode_ahead(session_id, known, ahead, lock))
+                self._ahead_tasks.add(task)
+                task.add_done_callback(self._ahead_tasks.discard)
+                handed_off = True
             return StepOutcome(results, self.free_blocks)
+        finally:
+            if not handed_off:
+                lock.release()
+
+    async def _run(self, prepared: _Prepared) -> list[SeqResult]:
+        """Queue a prepared step for a forward and wait for its results, holding the session's
+        lease meanwhile."""
+        self._ready.append(prepared)
+        self._wake.set()
+        holder = asyncio.create_task(self._hold_lease(prepared.session_id))
+        try:
+            return await prepared.done
+        finally:
+            holder.cancel()
 
     async def _hold_lease(self, session_id: str) -> None:
         """Keep the session's lease while its prepared step waits for and goes through a
@@ -241,6 +196,45 @@ class StepEngine:
             except (SessionExpired, NotFound):
                 return  # gone already: the step fails at its finish
             period = reply.lease_ttl_ms / 3000
+
+    # ------------------------------------------------------------ decode ahead
+
+    @staticmethod
+    def _ahead_requests(requests: Sequence[SeqRequest], results: Sequence[SeqResult],
+                        release: Sequence[int]) -> list[SeqRequest]:
+        """The client's next step of the sequences it marked decode_ahead whose token this
+        step sampled and that go on: append that token, sample the same way."""
+        released = set(release)
+        return [SeqRequest(r.seq_id, False, (result.token_id,), 0, r.params)
+                for r, result in zip(requests, results, strict=True)
+                if r.decode_ahead and result.sampled and not result.finished
+                and r.seq_id not in released]
+
+    async def _decode_ahead(self, session_id: str, known: SessionSequences,
+                            requests: Sequence[SeqRequest], lock: asyncio.Lock) -> None:
+        """[holds the session's lock; releases it] Take the client's next step: append the
+        tokens in the daemon, compute them, keep the results for the step that names them.
+
+        A failure changes nothing the client's own step cannot redo: a daemon Step either
+        appended every token (each recorded as ahead) or none, and a token appended but not
+        computed is computed by the client's step."""
+        try:
+            states = await self._decode_step(session_id, known, requests, ahead=True)
+            chunks = [(i, chunk) for i, (r, state) in enumerate(zip(requests, states, strict=True))
+                      if (chunk := self._chunk(r, state)) is not None]
+            results = await self._run(_Prepared(session_id, requests, states, chunks))
+            for state, result in zip(states, results, strict=True):
+                if state.ahead is not None:
+                    state.ahead.result = result
+            if self.metrics is not None:
+                self.metrics.ahead_computed(len(results))
+        except Exception:  # the client's next step meets the cause itself, if it lasts
+            if self.metrics is not None:
+                self.metrics.ahead_failed(len(requests))
+        finally:
+            lock.release()
+
+    # ---------------------------------------------------------------- checks
 
     def _validate(self, requests: Sequence[SeqRequest], release: Sequence[int]) -> None:
         if not requests and not release:
@@ -267,21 +261,48 @@ class StepEngine:
 
     async def _prepare(self, session_id: str, known: SessionSequences,
                        requests: Sequence[SeqRequest]) -> _Prepared:
-        """Learn unknown sequences, then one daemon call that appends every new token."""
+        """Learn unknown sequences, then one daemon call that appends every new token (but the
+        tokens the runner appended ahead)."""
         await self._learn(session_id, known, requests)
-        existing = [r for r in requests if not r.new_sequence]
-        decode_only = existing and len(existing) == len(requests) and all(
-            len(r.token_ids) == 1 for r in requests)
-        if decode_only:
-            states = await self._decode_step(session_id, known, requests)
-        else:
-            states = await self._batch(session_id, known, requests)
+        claimed = self._claim_ahead(known, requests)
+        todo = [r for i, r in enumerate(requests) if i not in claimed]
+        appended = iter(await self._append(session_id, known, todo) if todo else [])
+        states = [self._known(known, r.seq_id) if i in claimed else next(appended)
+                  for i, r in enumerate(requests)]
+        # An ahead result holds if the client kept the sampling; else sample that position again.
+        ready = {i: ahead.result for i, ahead in claimed.items()
+                 if ahead.result is not None and ahead.params == requests[i].params}
         chunks = []
         for index, (request, state) in enumerate(zip(requests, states, strict=True)):
-            chunk = self._chunk(request, state)
+            chunk = None if index in ready else self._chunk(request, state, index in claimed)
             if chunk is not None:
                 chunks.append((index, chunk))
-        return _Prepared(session_id, requests, states, chunks)
+        return _Prepared(session_id, requests, states, chunks, claimed, ready)
+
+    async def _append(self, session_id: str, known: SessionSequences,
+                      requests: Sequence[SeqRequest]) -> list[SeqState]:
+        """One daemon call for the step's memory operations: `Step` for single decode tokens,
+        else a `Batch`."""
+        if all(not r.new_sequence and len(r.token_ids) == 1 for r in requests):
+            return await self._decode_step(session_id, known, requests)
+        return await self._batch(session_id, known, requests)
+
+    def _claim_ahead(self, known: SessionSequences,
+                     requests: Sequence[SeqRequest]) -> dict[int, Ahead]:
+        """The step's sequences whose token the runner appended ahead: it must be the one
+        token each names. Nothing changes here: a failed step leaves them claimable."""
+        claimed = {}
+        for index, request in enumerate(requests):
+            state = None if request.new_sequence else known.get(request.seq_id)
+            if state is None or state.ahead is None:
+                continue
+            if tuple(request.token_ids) != (state.ahead.token_id,):
+                raise InvalidStep(
+                    f"sequence {request.seq_id}: the runner decoded it ahead (decode_ahead), "
+                    f"appending its sampled token {state.ahead.token_id}; its next step must "
+                    "name exactly that token, or release the sequence")
+            claimed[index] = state.ahead
+        return claimed
 
     async def _learn(self, session_id: str, known: SessionSequences,
                      requests: Sequence[SeqRequest]) -> None:
@@ -307,22 +328,33 @@ class StepEngine:
             else:
                 assert request.history is not None
                 history = request.history
-            if len(history.token_ids) != table.num_tokens or not (
-                    0 <= history.num_computed <= table.num_tokens
-                    and 0 <= history.prompt_len <= table.num_tokens):
+            tokens = list(history.token_ids)
+            # One token more in the daemon: the runner that restarted appended it ahead (the
+            # client's last answer sampled it, and this step names it).
+            ahead = (parent is None and len(request.token_ids) == 1
+                     and table.num_tokens == len(tokens) + 1)
+            if ahead:
+                tokens.append(request.token_ids[0])
+            if len(tokens) != table.num_tokens or not (
+                    0 <= history.num_computed <= len(history.token_ids)
+                    and 0 <= history.prompt_len <= len(history.token_ids)):
                 raise InvalidStep(f"sequence {request.seq_id}: the daemon holds "
                                   f"{table.num_tokens} tokens, its history says "
                                   f"{len(history.token_ids)}")
-            known.put(request.seq_id, SeqState(list(history.token_ids), history.prompt_len,
-                                               history.num_computed, list(table.block_ids)))
+            state = SeqState(tokens, history.prompt_len, history.num_computed,
+                             list(table.block_ids))
+            if ahead:
+                state.ahead = Ahead(request.token_ids[0], request.params)
+            known.put(request.seq_id, state)
 
     @staticmethod
     def _parent(known: SessionSequences, request: SeqRequest) -> SeqState | None:
         return None if request.parent_seq_id is None else known.get(request.parent_seq_id)
 
     async def _decode_step(self, session_id: str, known: SessionSequences,
-                           requests: Sequence[SeqRequest]) -> list[SeqState]:
-        """One daemon Step appending one token to each sequence (the decode hot path)."""
+                           requests: Sequence[SeqRequest], ahead: bool = False) -> list[SeqState]:
+        """One daemon Step appending one token to each sequence (the decode hot path); `ahead`:
+        the runner's own step, ahead of the client, which each state then records."""
         states = [self._known(known, r.seq_id) for r in requests]
         # If the previous forward computed everything they hold, the Step commits it.
         commit = all(s.num_computed == len(s.tokens) for s in states)
@@ -339,6 +371,8 @@ class StepEngine:
         for request, state, token, held, slot in zip(requests, states, tokens, reply.num_tokens,
                                                      reply.slot_mapping, strict=True):
             state.tokens.append(token)
+            if ahead:
+                state.ahead = Ahead(token, request.params)
             if held != len(state.tokens) or state.slots(held - 1, held, bs) != [slot]:
                 self._stale(known, request.seq_id)
         return states
@@ -410,6 +444,10 @@ class StepEngine:
         if parent.num_computed != len(parent.tokens):
             raise InvalidStep(f"sequence {request.seq_id}: its parent {request.parent_seq_id} is "
                               "not fully computed yet; fork it after its prefill")
+        if parent.ahead is not None:
+            raise InvalidStep(f"sequence {request.seq_id}: its parent {request.parent_seq_id} "
+                              "holds a token decoded ahead (decode_ahead); fork it in a step "
+                              "after the one that names that token")
         return SeqState(list(parent.tokens), parent.prompt_len, parent.num_computed,
                         list(parent.block_table))
 
@@ -420,15 +458,18 @@ class StepEngine:
                               "sequence, or name its parent on a fork's first step")
         return state
 
-    def _chunk(self, request: SeqRequest, state: SeqState) -> SequenceChunk | None:
-        """The tokens of `state` to compute in this step, or None if all are computed."""
+    def _chunk(self, request: SeqRequest, state: SeqState,
+               resample: bool = False) -> SequenceChunk | None:
+        """The tokens of `state` to compute in this step, or None if all are computed (unless
+        the step is to sample again a position already computed: `resample`)."""
         bs = self.runner.block_size
         total = len(state.tokens)
         start = state.num_computed
         if start == total:
-            # Everything is cached (a prompt of whole cached blocks): recompute the last token
-            # for its logits, writing nothing (its K/V is in a block others may share).
-            if not request.new_sequence:
+            # Everything is cached (a prompt of whole cached blocks), or computed ahead: recompute
+            # the last token for its logits, writing nothing (its K/V is in a block others may
+            # share).
+            if not (request.new_sequence or resample):
                 return None
             return SequenceChunk(state.tokens[-1:], total - 1, [-1], state.block_table)
         end = total if not request.max_compute_tokens else min(
@@ -530,8 +571,9 @@ class StepEngine:
                 if state.num_computed == len(state.tokens):
                     picks[index] = row
                     row += 1
-            results = [self._result(request, state, sampled if i in picks else None,
-                                    picks.get(i, 0))
+            results = [prepared.ready.get(i) or self._result(request, state,
+                                                             sampled if i in picks else None,
+                                                             picks.get(i, 0))
                        for i, (request, state) in enumerate(
                            zip(prepared.requests, prepared.states, strict=True))]
             if not prepared.done.done():  # its caller is gone (cancelled): the K/V stays

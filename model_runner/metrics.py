@@ -32,12 +32,26 @@ class RunnerMetrics:
         self._kind = prometheus_client.Counter(
             "pagedkv_runner:tokens", "Tokens computed, by kind (prefill or decode).", ["kind"],
             registry=registry)
+        self._ahead = prometheus_client.Counter(
+            "pagedkv_runner:decode_ahead_tokens",
+            "Decode tokens computed ahead of their client's step (decode_ahead), answered from "
+            "those results, and ahead steps that failed (the client's step redid them).",
+            ["outcome"], registry=registry)
 
     def step(self, seconds: float) -> None:
         self._step.observe(seconds)
 
     def queue_wait(self, seconds: float) -> None:
         self._wait.observe(seconds)
+
+    def ahead_computed(self, num_tokens: int) -> None:
+        self._ahead.labels("computed").inc(num_tokens)
+
+    def ahead_used(self, num_tokens: int) -> None:
+        self._ahead.labels("used").inc(num_tokens)
+
+    def ahead_failed(self, num_tokens: int) -> None:
+        self._ahead.labels("failed").inc(num_tokens)
 
     def forward(self, seconds: float, num_seqs: int, prefill_tokens: int,
                 decode_tokens: int) -> None:

@@ -11,6 +11,23 @@ back from the daemon (`GetBlockTables`) before it is used.
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedkv.client import SamplingParams
+
+from .steps import SeqResult
+
+
+@dataclass
+class Ahead:
+    """A step the runner took for a sequence before its client asked (runner.proto's
+    decode_ahead): the sampled token appended in the daemon, then its forward."""
+
+    # The token appended: what the client's last answer sampled, so its next step names it.
+    token_id: int
+    # The sampling of the step computed ahead.
+    params: SamplingParams
+    # That step's result, once its forward is done (None if it has not run or failed).
+    result: SeqResult | None = None
+
 
 @dataclass
 class SeqState:
@@ -26,6 +43,9 @@ class SeqState:
     block_table: list[int]
     # Leading tokens the prefix cache served when the sequence was allocated.
     num_cached: int = 0
+    # The runner appended a token ahead of the client (the last token of `tokens`), until the
+    # client's next step names it.
+    ahead: Ahead | None = None
 
     def slots(self, start: int, end: int, block_size: int) -> list[int]:
         """Pool slots of positions [start, end), from the block table."""

@@ -37,11 +37,12 @@ from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 
 from .attention_backend import BackendName, get_backend
-from .engine import SeqRequest, StepEngine, StepOutcome
+from .engine import StepEngine
 from .metrics import RunnerMetrics
 from .models import ModelSource, check_geometry, kv_geometry, load_model
 from .runner import ModelRunner
 from .servicer import RunnerServicer, RunnerUnavailable
+from .steps import SeqRequest, StepOutcome
 
 log = get_logger(__name__)
 

@@ -19,7 +19,7 @@ from pagedkv.client.errors import ERROR_KEY
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 
-from .engine import History, InvalidStep, SeqRequest, SeqResult, StepOutcome, UnknownSequence
+from .steps import History, InvalidStep, SeqRequest, SeqResult, StepOutcome, UnknownSequence
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -115,7 +115,7 @@ def seq_request(message: rpb.SequenceStep) -> SeqRequest:
     return SeqRequest(message.seq_id, message.new_sequence, tuple(message.token_ids),
                       message.max_compute_tokens, sampling_params(message.sampling),
                       message.parent_seq_id if message.has_parent else None, history,
-                      message.num_prompt_tokens)
+                      message.num_prompt_tokens, message.decode_ahead)
 
 
 def sequence_output(result: SeqResult) -> rpb.SequenceOutput:

@@ -18,7 +18,9 @@ Retry rules: as kvpool.proto's. A Step answered with an error status changed not
 pool. After DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE read the sequences' num_tokens back
 (KVPool.GetBlockTables) before retrying: the appends (and forks) may have been applied; a
 client that gives up instead releases every sequence the step named (frees of sequences
-that do not exist are ignored).
+that do not exist are ignored). A sequence marked decode_ahead may hold one token more in
+the daemon than the last answer says (the sampled token, appended ahead): count it when
+comparing, and release such a sequence rather than resend it if that answer was lost.
 """
 
 from collections import abc as _abc
@@ -175,6 +177,7 @@ class SequenceStep(_message.Message):
     PARENT_SEQ_ID_FIELD_NUMBER: _builtins.int
     HISTORY_FIELD_NUMBER: _builtins.int
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    DECODE_AHEAD_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     new_sequence: _builtins.bool
     """True: a new sequence. Without a parent its prompt is token_ids (the runner allocates it in
@@ -201,6 +204,19 @@ class SequenceStep(_message.Message):
     generated before (a request re-admitted after preemption, recomputing prompt + output), so
     max_tokens, seeds and penalties go on as if it had never been preempted. 0 = all.
     """
+    decode_ahead: _builtins.bool
+    """Decode ahead (the async scheduling of vLLM v1 and SGLang's overlap): the client promises
+    that its next step of this sequence appends exactly the token this step samples, with the
+    same sampling, or releases the sequence. When this step samples a token that does not
+    finish the sequence, the runner appends it in the daemon at once and computes the next
+    step's forward before the client asks, so the client's round trip overlaps that forward
+    and its next step is answered from the result. Meanwhile the daemon holds one token more
+    than the answer says (num_tokens). The next step must name the sequence with that one
+    token (else INVALID_ARGUMENT, nothing changed); it may change the sampling (the runner
+    then samples again from the same position); forking the sequence waits until that step.
+    After a runner restart, resend the sequence's history without the token and the token as
+    token_ids: the runner takes the daemon's one extra token for it.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens to add: the prompt (new), a decode token, or more prompt (chunked prefill)."""
@@ -226,10 +242,11 @@ class SequenceStep(_message.Message):
         parent_seq_id: _builtins.int = ...,
         history: Global___SequenceHistory | None = ...,
         num_prompt_tokens: _builtins.int = ...,
+        decode_ahead: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_parent", b"has_parent", "history", b"history", "max_compute_tokens", b"max_compute_tokens", "new_sequence", b"new_sequence", "num_prompt_tokens", b"num_prompt_tokens", "parent_seq_id", b"parent_seq_id", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ahead", b"decode_ahead", "has_parent", b"has_parent", "history", b"history", "max_compute_tokens", b"max_compute_tokens", "new_sequence", b"new_sequence", "num_prompt_tokens", b"num_prompt_tokens", "parent_seq_id", b"parent_seq_id", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

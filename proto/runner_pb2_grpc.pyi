@@ -18,7 +18,9 @@ Retry rules: as kvpool.proto's. A Step answered with an error status changed not
 pool. After DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE read the sequences' num_tokens back
 (KVPool.GetBlockTables) before retrying: the appends (and forks) may have been applied; a
 client that gives up instead releases every sequence the step named (frees of sequences
-that do not exist are ignored).
+that do not exist are ignored). A sequence marked decode_ahead may hold one token more in
+the daemon than the last answer says (the sampled token, appended ahead): count it when
+comparing, and release such a sequence rather than resend it if that answer was lost.
 """
 
 from collections import abc as _abc

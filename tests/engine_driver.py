@@ -8,6 +8,7 @@ A recording runner keeps the chunks and logits of every forward, so tests can ch
 computed (a cached prefix is not) and compare logits with transformers'.
 """
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,8 +17,9 @@ from transformers import PreTrainedModel
 
 from pagedkv.client import SamplingParams
 from pagedkv.model_runner.attention_backend import AttentionBackend
-from pagedkv.model_runner.engine import SeqRequest, SeqResult, StepEngine
+from pagedkv.model_runner.engine import StepEngine
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
+from pagedkv.model_runner.steps import SeqRequest, SeqResult
 
 
 @dataclass
@@ -37,10 +39,13 @@ def new(seq_id: int, prompt: Sequence[int], params: SamplingParams,
 
 
 async def decode(engine: StepEngine, session_id: str, first: Sequence[SeqRequest], n: int,
-                 release: bool = True) -> dict[int, Decoded]:
+                 release: bool = True, decode_ahead: bool = False) -> dict[int, Decoded]:
     """Step `first`, then keep stepping every sequence (its last token once one is sampled,
     else nothing, to go on with a chunked prefill) until each has sampled n tokens. A sequence
-    leaves the batch once done, released on its last step when `release`."""
+    leaves the batch once done, released on its last step when `release`. `decode_ahead` marks
+    every step so (with release=False, the runner then holds one token more per sequence)."""
+    if decode_ahead:
+        first = [dataclasses.replace(r, decode_ahead=True) for r in first]
     requests = {r.seq_id: r for r in first}
     decoded = {r.seq_id: Decoded([], []) for r in first}
     pending: list[SeqRequest] = list(first)
@@ -59,7 +64,7 @@ async def decode(engine: StepEngine, session_id: str, first: Sequence[SeqRequest
             request = requests[result.seq_id]
             tokens = (seq.tokens[-1],) if result.sampled else ()
             pending.append(SeqRequest(result.seq_id, False, tokens, request.max_compute_tokens,
-                                      request.params))
+                                      request.params, decode_ahead=decode_ahead))
     return decoded
 
 

@@ -51,11 +51,8 @@ from transformers import (
 
 from pagedkv.client import PoolClient, SamplingParams, Session
 from pagedkv.model_runner.attention_backend import get_backend
-from pagedkv.model_runner.engine import (
-    SeqRequest,
-    SeqResult,
-    StepEngine,
-)
+from pagedkv.model_runner.engine import StepEngine
+from pagedkv.model_runner.steps import SeqRequest, SeqResult
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 128

@@ -19,8 +19,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedkv.client import PoolClient, SamplingParams
 from pagedkv.model_runner.attention_backend import get_backend
-from pagedkv.model_runner.engine import SeqRequest, StepEngine
+from pagedkv.model_runner.engine import StepEngine
 from pagedkv.model_runner.runner import SequenceChunk
+from pagedkv.model_runner.steps import SeqRequest
 
 from daemon_harness import Daemon, running_daemon
 

@@ -213,3 +213,27 @@ def test_an_aborted_request_is_dropped_and_its_sequences_released_by_the_next_pl
     plan = scheduler.plan(free_blocks=50)
     assert (plan.steps, plan.release, plan.admit) == ([], [running.seqs[0].seq_id], [])
     assert scheduler.running == [] and list(scheduler.waiting) == []
+
+
+def test_sampled_sequences_decode_ahead_but_a_parent_before_its_forks_and_beams() -> None:
+    """decode_ahead marks a sequence whose next step appends its sampled token: a plain request
+    from its prefill on; sample 0 of n=3 not on its prefill (the others fork from it next step,
+    holding what it holds now) but from then on, with its forks; never a beam."""
+    scheduler = make()
+    plain = request(20)
+    samples = request(20, SamplingParams(temperature=1.0, n=3, max_tokens=8))
+    beams = request(20, SamplingParams(temperature=0, beam_width=2, max_tokens=8))
+    for r in (plain, samples, beams):
+        scheduler.add(r)
+    plan = scheduler.plan(free_blocks=50)
+    assert [s.decode_ahead for s in plan.steps] == [True, False, False]
+    scheduler.update(plan, answer(plan, tops=[top(beams, (7, -0.5))] * 3))
+    plan = scheduler.plan(free_blocks=40)
+    names = {id(plain): "plain", id(samples): "samples", id(beams): "beams"}
+    assert sorted((names[id(owner)], seq.index, step.decode_ahead)
+                  for seq, step, owner in zip(plan.seqs, plan.steps, plan.owners, strict=True)) \
+        == [("beams", 0, False), ("beams", 1, False), ("plain", 0, True), ("samples", 0, True),
+            ("samples", 1, True), ("samples", 2, True)]
+    off = make(SchedulerConfig(decode_ahead=False))
+    off.add(request(20))
+    assert [s.decode_ahead for s in off.plan(free_blocks=50).steps] == [False]

@@ -1,0 +1,87 @@
+"""What a client's step is made of, as the runner's step engine sees it: the sequences asked
+for, what each got, and the two ways a step is refused before anything changes."""
+
+from dataclasses import dataclass
+
+from pagedkv.client import SamplingParams
+
+
+class InvalidStep(ValueError):
+    """A client's step is malformed (mapped to INVALID_ARGUMENT); nothing was changed."""
+
+
+class UnknownSequence(RuntimeError):
+    """An existing sequence the runner has never seen and cannot read back: the client must
+    resend it with its history (FAILED_PRECONDITION); nothing was changed."""
+
+
+@dataclass(frozen=True, slots=True)
+class History:
+    """What a sequence holds, sent by a client to a runner that does not know it (restart)."""
+
+    # Every token the sequence holds in the daemon.
+    token_ids: tuple[int, ...]
+    # How many are the prompt.
+    prompt_len: int
+    # How many leading tokens have their K/V written.
+    num_computed: int
+
+
+@dataclass(frozen=True, slots=True)
+class SeqRequest:
+    """One sequence of a client's step."""
+
+    # The client's id of the sequence in its KVPool session.
+    seq_id: int
+    # A new sequence: its prompt is token_ids (allocated by the runner), or with a parent_seq_id
+    # a fork the runner makes that token_ids are appended to; else an existing sequence that
+    # token_ids are appended to.
+    new_sequence: bool
+    # Tokens to add: a prompt, a decode token, more prompt; may be empty (go on computing).
+    token_ids: tuple[int, ...]
+    # Most tokens to compute in this step; 0 = everything not yet computed.
+    max_compute_tokens: int
+    # How to pick the next token once the sequence is fully computed.
+    params: SamplingParams
+    # The parent of a fork the runner makes (new_sequence), or of a sequence the client forked
+    # itself (its first step): the child inherits the parent's token history.
+    parent_seq_id: int | None = None
+    # For the first step after a runner restart: what the sequence holds.
+    history: History | None = None
+    # A new sequence without a parent: how many leading token_ids are the prompt (the rest were
+    # generated before a preemption); 0 = all.
+    num_prompt_tokens: int = 0
+    # The client's next step appends the token this step samples (or releases the sequence):
+    # the runner may append it and compute that step ahead (runner.proto's decode_ahead).
+    decode_ahead: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SeqResult:
+    """What a step did to one sequence."""
+
+    seq_id: int
+    # Tokens held, and how many of them are computed.
+    num_tokens: int
+    num_computed: int
+    # Prompt tokens the prefix cache served (new sequences).
+    num_cached: int
+    # Whether a token was sampled (not while a chunked prefill goes on).
+    sampled: bool
+    token_id: int = -1
+    # Raw log-probability of the sampled token, and the top ones when asked.
+    logprob: float = 0.0
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+    # The sampled token is a stop token, or max_tokens were generated.
+    finished: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """A client step's answer."""
+
+    # One result per requested sequence, in request order.
+    results: list[SeqResult]
+    # The pool's free blocks per the daemon's latest answer to this runner.
+    free_blocks: int
