@@ -53,7 +53,7 @@ from pagedkv.proto import kvpool_pb2 as pb
 
 from .metrics import RunnerMetrics
 from .runner import ModelRunner, SequenceChunk
-from .sampling import SampledTokens, Sampler, SamplingRow
+from .sampling import Pick, Sampler, SamplingRow, picks
 from .sequences import Ahead, SeqState, SessionSequences
 from .steps import History, InvalidStep, SeqRequest, SeqResult, StepOutcome, UnknownSequence
 
@@ -541,8 +541,9 @@ class StepEngine:
             tokens += prepared.num_tokens
         return batch
 
-    def _compute(self, batch: list[_Prepared]) -> SampledTokens | None:
-        """[forward thread] One forward over every chunk, then sampling where it is due."""
+    def _compute(self, batch: list[_Prepared]) -> list[Pick]:
+        """[forward thread] One forward over every chunk, then sampling where it is due; the
+        picks come back as host values, so the loop thread touches no tensor."""
         chunks = [chunk for prepared in batch for _, chunk in prepared.chunks]
         logits = self.runner.step(chunks)
         rows, keep = [], []
@@ -557,44 +558,36 @@ class StepEngine:
                     keep.append(position)
                 position += 1
         if not rows:
-            return None
-        return self.sampler(logits[torch.tensor(keep)], rows)
+            return []
+        if len(keep) < len(chunks):
+            logits = logits[torch.tensor(keep)]
+        return picks(self.sampler(logits, rows), rows)
 
-    def _deliver(self, batch: list[_Prepared], sampled: SampledTokens | None) -> None:
+    def _deliver(self, batch: list[_Prepared], sampled: list[Pick]) -> None:
         """Advance each sequence's computed count and answer each step."""
         row = 0
         for prepared in batch:
-            picks: dict[int, int] = {}
+            chosen: dict[int, Pick] = {}
             for index, chunk in prepared.chunks:
                 state = prepared.states[index]
                 state.num_computed = max(state.num_computed, chunk.start + len(chunk.token_ids))
                 if state.num_computed == len(state.tokens):
-                    picks[index] = row
+                    chosen[index] = sampled[row]
                     row += 1
-            results = [prepared.ready.get(i) or self._result(request, state,
-                                                             sampled if i in picks else None,
-                                                             picks.get(i, 0))
+            results = [prepared.ready.get(i) or self._result(request, state, chosen.get(i))
                        for i, (request, state) in enumerate(
                            zip(prepared.requests, prepared.states, strict=True))]
             if not prepared.done.done():  # its caller is gone (cancelled): the K/V stays
                 prepared.done.set_result(results)
 
     @staticmethod
-    def _result(request: SeqRequest, state: SeqState, sampled: SampledTokens | None,
-                row: int = 0) -> SeqResult:
-        if sampled is None:
+    def _result(request: SeqRequest, state: SeqState, pick: Pick | None) -> SeqResult:
+        if pick is None:
             return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
                              state.num_cached, sampled=False)
-        top_ids: tuple[int, ...] = ()
-        top_logprobs: tuple[float, ...] = ()
-        if sampled.topk_ids is not None and sampled.topk_logprobs is not None:
-            asked = request.params.logprobs or 0
-            top_ids = tuple(sampled.topk_ids[row, :asked].tolist())
-            top_logprobs = tuple(sampled.topk_logprobs[row, :asked].tolist())
-        logprob = float(sampled.logprobs[row]) if sampled.logprobs is not None else 0.0
         return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
-                         state.num_cached, True, int(sampled.token_ids[row]), logprob,
-                         top_ids, top_logprobs, bool(sampled.finished[row]))
+                         state.num_cached, True, pick.token_id, pick.logprob,
+                         pick.top_token_ids, pick.top_logprobs, pick.finished)
 
     # -------------------------------------------------------------- finishing
 

@@ -68,6 +68,36 @@ class SampledTokens:
     finished: torch.Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """One row's sampled token as Python values (what a step's answer carries)."""
+
+    token_id: int
+    # Raw logprob of the token (0.0 when no row of the batch asked for logprobs).
+    logprob: float
+    # The row's own top logprobs (as many as it asked), most likely first.
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+    # A stop token, or max_tokens reached.
+    finished: bool
+
+
+def picks(sampled: SampledTokens, rows: Sequence[SamplingRow]) -> list[Pick]:
+    """Each row's result on the host: one device-to-host copy per field, not one per row."""
+    tokens, finished = sampled.token_ids.tolist(), sampled.finished.tolist()
+    logprobs = [0.0] * len(rows) if sampled.logprobs is None else sampled.logprobs.tolist()
+    top_ids: list[list[int]] = [[] for _ in rows]
+    top_logprobs: list[list[float]] = [[] for _ in rows]
+    if sampled.topk_ids is not None and sampled.topk_logprobs is not None:
+        top_ids, top_logprobs = sampled.topk_ids.tolist(), sampled.topk_logprobs.tolist()
+    out = []
+    for i, row in enumerate(rows):
+        asked = row.params.logprobs or 0
+        out.append(Pick(tokens[i], logprobs[i], tuple(top_ids[i][:asked]),
+                        tuple(top_logprobs[i][:asked]), finished[i]))
+    return out
+
+
 class Sampler:
     """Samples a batch of rows; holds only the unseeded rows' generator."""
 
