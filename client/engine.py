@@ -37,6 +37,8 @@ from .session import Session
 
 # How often an idle engine whose next request does not fit reads the pool's free blocks again.
 ROOM_POLL_S = 0.05
+# How long close waits for the runner to release the engine's sequences (its forwards first).
+CLOSE_RELEASE_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,8 @@ class Engine:
         # published once that step is answered, so a finished request holds no blocks.
         self._finals: list[Request] = []
         self._wake = asyncio.Event()
+        # The step being sent, until it is answered (close releases its sequences too).
+        self._in_flight: Plan | None = None
         self._started = time.monotonic()
         self._task = asyncio.create_task(self._loop(), name="pagedkv-engine")
 
@@ -199,7 +203,9 @@ class Engine:
                 await self._wait_for_room()
                 continue
             try:
+                self._in_flight = plan
                 outputs = await self.runner.step(self.session, plan.steps, plan.release)
+                self._in_flight = None
             except PoolExhausted:
                 self._finals = finals
                 exhausted += 1
@@ -292,14 +298,30 @@ class Engine:
     # ------------------------------------------------------------------ closing
 
     async def close(self) -> None:
-        """Stop the loop, fail what is still pending, close the session and channels."""
+        """Stop the loop, fail what is still pending, release the sequences through the runner,
+        close the session and channels."""
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         for queue in self._streams.values():
             queue.put_nowait(asyncio.CancelledError("the engine was closed"))
+        await self._release_all()
         await self.runner.close()
         await self.pool.close()  # closes the session: the daemon frees its sequences
+
+    async def _release_all(self) -> None:
+        """Free every sequence the engine may hold with a release-only runner step: the runner
+        answers it only after any forward it still runs for this session (a step cancelled by
+        close, a step decoded ahead), so closing the session never frees blocks under it.
+        Sequences that do not exist (an admission whose step was cancelled) are ignored."""
+        held = {seq.seq_id for request in self.scheduler.running for seq in request.seqs}
+        held.update(self.scheduler.to_release)
+        if self._in_flight is not None:
+            held.update(seq.seq_id for seq in self._in_flight.seqs)
+        if held:
+            with contextlib.suppress(PagedKVError, TimeoutError):
+                await asyncio.wait_for(self.runner.step(self.session, [], sorted(held)),
+                                       CLOSE_RELEASE_S)
 
     async def __aenter__(self) -> Self:
         return self

@@ -2,6 +2,7 @@
 a request whose steps find the pool full twice in a row is preempted and waits for the blocks,
 even when it runs alone; one not admitted yet waits; one that could never fit the pool fails."""
 
+import asyncio
 import types
 from collections.abc import Sequence
 
@@ -87,3 +88,28 @@ async def test_a_request_larger_than_the_pool_fails() -> None:
     with pytest.raises(PoolExhausted, match="needs 9 blocks; the pool has 8"):
         await generating.generate([1] * 9 * BS, SamplingParams(max_tokens=1))
     await generating.close()
+
+
+class SteppingRunner(ScriptedRunner):
+    """A ScriptedRunner whose steps take a moment, as a real runner's do."""
+
+    async def step(self, session: object, seqs: Sequence[SeqStep],
+                   release: Sequence[int] = ()) -> StepOutputs:
+        await asyncio.sleep(0.001)
+        return await super().step(session, seqs, release)
+
+
+async def test_close_releases_the_running_sequences_through_the_runner() -> None:
+    """A request still generating when the engine closes: its sequences are released by a
+    last runner step (which the runner answers after any forward it still runs for the
+    session, such as one decoded ahead) before the session closes."""
+    runner = SteppingRunner(full=set())
+    generating = engine(runner)
+    task = asyncio.create_task(generating.generate([1] * 20, SamplingParams(max_tokens=1000)))
+    while runner.calls < 3:
+        await asyncio.sleep(0.001)
+    assert runner.held
+    await generating.close()
+    assert runner.held == {}
+    with pytest.raises(asyncio.CancelledError):
+        await task
