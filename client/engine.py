@@ -64,12 +64,15 @@ class Engine:
 
     def __init__(self, pool: PoolClient, session: Session, runner: RunnerClient, *,
                  vocab_size: int, eos_token_ids: Sequence[int], num_blocks: int,
-                 free_blocks: int, config: SchedulerConfig, reservation_blocks: int = 0) -> None:
+                 free_blocks: int, config: SchedulerConfig, reservation_blocks: int = 0,
+                 max_model_len: int = 0) -> None:
         self.pool = pool
         self.session = session
         self.runner = runner
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        # The most tokens a sequence may hold (the runner's RunnerInfo.max_model_len; 0 = none).
+        self.max_model_len = max_model_len
         self.scheduler = Scheduler(config, session.block_size, num_blocks, reservation_blocks)
         self.num_blocks = num_blocks
         # Called with each step's record (from the engine's task).
@@ -114,7 +117,7 @@ class Engine:
         return cls(pool, session, runner_client, vocab_size=info.vocab_size,
                    eos_token_ids=info.eos_token_ids, num_blocks=stats.num_blocks,
                    free_blocks=stats.free_blocks, config=config or SchedulerConfig(),
-                   reservation_blocks=reservation)
+                   reservation_blocks=reservation, max_model_len=info.max_model_len)
 
     # ------------------------------------------------------------------ requests
 
@@ -167,6 +170,14 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}) (the model's "
                              f"vocabulary), got {bad[:5]}")
+        limit = self.max_model_len
+        if limit and len(prompt) > limit:
+            raise ValueError(f"the prompt has {len(prompt)} tokens; the model takes at most "
+                             f"{limit} positions (max_model_len)")
+        if limit and params.beam_width and len(prompt) + params.max_tokens > limit:
+            raise ValueError(f"beam search over {len(prompt)} prompt tokens + max_tokens "
+                             f"{params.max_tokens} exceeds the model's {limit} positions "
+                             "(max_model_len): lower max_tokens")
         name = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if name in self._streams:
             raise ValueError(f"request id {name!r} is already running")

@@ -129,8 +129,8 @@ class Request:
     def _finish_reason(self, seq: Seq, out: SeqOutput) -> FinishReason | None:
         if out.token_id in self.stop_ids:
             return "stop"
-        if seq.num_generated + 1 >= self.params.max_tokens:
-            return "length"
+        if seq.num_generated + 1 >= self.params.max_tokens or out.finished:
+            return "length"  # out.finished: max_tokens, or the model's context is full
         return None
 
     def _beam_step(self, sampled: Sequence[tuple[Seq, SeqOutput]]) -> list[int]:

@@ -265,6 +265,7 @@ class StepEngine:
         tokens the runner appended ahead)."""
         await self._learn(session_id, known, requests)
         claimed = self._claim_ahead(known, requests)
+        self._check_lengths(known, requests, claimed)
         todo = [r for i, r in enumerate(requests) if i not in claimed]
         appended = iter(await self._append(session_id, known, todo) if todo else [])
         states = [self._known(known, r.seq_id) if i in claimed else next(appended)
@@ -278,6 +279,22 @@ class StepEngine:
             if chunk is not None:
                 chunks.append((index, chunk))
         return _Prepared(session_id, requests, states, chunks, claimed, ready)
+
+    def _check_lengths(self, known: SessionSequences, requests: Sequence[SeqRequest],
+                       claimed: dict[int, Ahead]) -> None:
+        """No sequence may hold more tokens than the model has positions (checked before the
+        pool changes, so such a step fails alone)."""
+        limit = self.runner.max_model_len
+        for index, request in enumerate(requests):
+            held = 0
+            if request.new_sequence and request.parent_seq_id is not None:
+                held = len(self._known(known, request.parent_seq_id).tokens)
+            elif not request.new_sequence:
+                held = len(self._known(known, request.seq_id).tokens)
+            added = 0 if index in claimed else len(request.token_ids)
+            if held + added > limit:
+                raise InvalidStep(f"sequence {request.seq_id} would hold {held + added} tokens; "
+                                  f"the model takes at most {limit} positions (max_model_len)")
 
     async def _append(self, session_id: str, known: SessionSequences,
                       requests: Sequence[SeqRequest]) -> list[SeqState]:
@@ -580,14 +597,15 @@ class StepEngine:
             if not prepared.done.done():  # its caller is gone (cancelled): the K/V stays
                 prepared.done.set_result(results)
 
-    @staticmethod
-    def _result(request: SeqRequest, state: SeqState, pick: Pick | None) -> SeqResult:
+    def _result(self, request: SeqRequest, state: SeqState, pick: Pick | None) -> SeqResult:
         if pick is None:
             return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
                              state.num_cached, sampled=False)
+        # A sequence that holds max_model_len tokens has no position for its sampled token.
+        full = len(state.tokens) >= self.runner.max_model_len
         return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
                          state.num_cached, True, pick.token_id, pick.logprob,
-                         pick.top_token_ids, pick.top_logprobs, pick.finished)
+                         pick.top_token_ids, pick.top_logprobs, pick.finished or full)
 
     # -------------------------------------------------------------- finishing
 

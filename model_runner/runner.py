@@ -87,7 +87,11 @@ class ModelRunner:
         self.pool = pool
         self.block_size = block_size
         self.backend = backend
-        self.vocab_size = int(model.config.get_text_config().vocab_size)
+        text_config = model.config.get_text_config()
+        self.vocab_size = int(text_config.vocab_size)
+        # The longest context the model takes: GPT-2 and OPT have no embedding for a later
+        # position, and no model was trained past it (vLLM's max_model_len).
+        self.max_model_len = int(text_config.max_position_embeddings)
         enable_paged_attention(model)
 
     @classmethod

@@ -109,7 +109,8 @@ class RunnerState:
                               num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                               dtype=dtype, eos_token_ids=eos_ids, pool_id=self.info.pool_id,
                               block_size=self.info.block_size,
-                              attention_backend=self.backend)
+                              attention_backend=self.backend,
+                              max_model_len=runner.max_model_len)
 
 
 async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None:

@@ -67,6 +67,7 @@ class RunnerInfo(_message.Message):
     POOL_ID_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     ATTENTION_BACKEND_FIELD_NUMBER: _builtins.int
+    MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model: a name (config's model_type and a local path or preset) and its geometry."""
     vocab_size: _builtins.int
@@ -79,6 +80,11 @@ class RunnerInfo(_message.Message):
     block_size: _builtins.int
     attention_backend: _builtins.str
     """"torch" or "triton": the attention kernels in use."""
+    max_model_len: _builtins.int
+    """The most tokens a sequence may hold: the model's max_position_embeddings. A step that
+    would take a sequence past it is INVALID_ARGUMENT; a token sampled by a sequence that holds
+    this many is reported finished (it has no position to be appended at).
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids of the model's generation config (may be empty)."""
@@ -96,10 +102,11 @@ class RunnerInfo(_message.Message):
         pool_id: _builtins.str = ...,
         block_size: _builtins.int = ...,
         attention_backend: _builtins.str = ...,
+        max_model_len: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "model", b"model", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "max_model_len", b"max_model_len", "model", b"model", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -344,8 +351,9 @@ class SequenceOutput(_message.Message):
     temperature), and the top logprobs when asked, most likely first.
     """
     finished: _builtins.bool
-    """The sampled token is a stop token, or the sequence generated max_tokens tokens: the client
-    should not append it further (the runner frees nothing by itself; see release_seq_ids).
+    """The sampled token is a stop token, or the sequence generated max_tokens tokens, or it holds
+    RunnerInfo.max_model_len tokens: the client should not append it (the runner frees nothing
+    by itself; see release_seq_ids).
     """
     @_builtins.property
     def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...

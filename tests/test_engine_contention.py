@@ -55,11 +55,12 @@ async def free_pool() -> PoolStats:
     return PoolStats(NUM_BLOCKS, BS, NUM_BLOCKS, None)
 
 
-def engine(runner: ScriptedRunner) -> Engine:
+def engine(runner: ScriptedRunner, max_model_len: int = 0) -> Engine:
     session = types.SimpleNamespace(block_size=BS, stats=free_pool)
     pool = types.SimpleNamespace(close=runner.close)
     return Engine(pool, session, runner, vocab_size=100, eos_token_ids=(),  # type: ignore[arg-type]
-                  num_blocks=NUM_BLOCKS, free_blocks=NUM_BLOCKS, config=SchedulerConfig())
+                  num_blocks=NUM_BLOCKS, free_blocks=NUM_BLOCKS, config=SchedulerConfig(),
+                  max_model_len=max_model_len)
 
 
 async def test_a_request_alone_in_a_full_pool_is_preempted_and_finishes_later() -> None:
