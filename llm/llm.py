@@ -94,7 +94,7 @@ class LLM:
         if not self._finalizer.alive:
             raise RuntimeError("this LLM is closed")
         encoded = encode_prompts(prompts, self.tokenizer, self._engine.vocab_size,
-                                 self._no_tokenizer)
+                                 self._no_tokenizer, self._engine.max_model_len)
         params = _params_per_prompt(sampling_params, len(encoded))
         return self._loop.run(self._generate(encoded, params, progress))
 
@@ -107,8 +107,14 @@ class LLM:
             bar.advance()
             return self._with_text(output, prompt.text)
 
+        tasks = [asyncio.create_task(one(p, s)) for p, s in zip(prompts, params, strict=True)]
         try:
-            return list(await asyncio.gather(*map(one, prompts, params)))
+            return list(await asyncio.gather(*tasks))
+        except BaseException:  # one failed (or Ctrl-C): abort the others, which frees them
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         finally:
             bar.close()
 

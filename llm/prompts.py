@@ -41,9 +41,10 @@ def split_prompts(prompts: Prompts) -> list[object]:
 
 
 def encode_prompts(prompts: Prompts, tokenizer: Tokenizer | None, vocab_size: int,
-                   no_tokenizer: str) -> list[EncodedPrompt]:
-    """Every prompt as token ids in [0, vocab_size); ValueError naming the first bad prompt.
-    `no_tokenizer` says why there is no tokenizer, for a text prompt when there is none."""
+                   no_tokenizer: str, max_model_len: int = 0) -> list[EncodedPrompt]:
+    """Every prompt as token ids in [0, vocab_size), at most max_model_len of them (0: no
+    limit); ValueError naming the first bad prompt. `no_tokenizer` says why there is no
+    tokenizer, for a text prompt when there is none."""
     encoded = []
     for index, prompt in enumerate(split_prompts(prompts)):
         if isinstance(prompt, str):
@@ -56,6 +57,9 @@ def encode_prompts(prompts: Prompts, tokenizer: Tokenizer | None, vocab_size: in
         else:
             encoded.append(EncodedPrompt(None, _token_ids(index, prompt)))
         _check_vocabulary(index, encoded[-1].token_ids, vocab_size)
+        if max_model_len and len(encoded[-1].token_ids) > max_model_len:
+            raise ValueError(f"prompt {index} has {len(encoded[-1].token_ids)} tokens; the model "
+                             f"takes at most {max_model_len} positions (max_model_len)")
     return encoded
 
 

@@ -171,11 +171,28 @@ def test_an_llm_on_running_daemon_and_runner(llm: LLM, model_dir: Path) -> None:
     (["fine", 3.5], "prompt 1 must be a str or a list of int token ids"),
     ([[1, True]], "prompt 0 must be a str or a list of int token ids"),
     ([""], "prompt 0 \\(''\\) encodes to no tokens"),
+    ([[1], [1] * 513], "prompt 1 has 513 tokens; the model takes at most 512 positions"),
 ])
 def test_bad_prompts_are_refused_before_anything_runs(llm: LLM, prompts: list[object],
                                                       message: str) -> None:
     with pytest.raises(ValueError, match=message):
         llm.generate(prompts, GREEDY)  # type: ignore[arg-type]
+
+
+def test_a_failing_prompt_aborts_the_others(llm: LLM) -> None:
+    """Beam search past the model's 512 positions fails its prompt when the engine takes it;
+    the call raises that error and the other prompt, already queued, is aborted (no one waits
+    for it; the engine frees it with its next step) instead of running on unseen."""
+    beam_past_the_end = SamplingParams(temperature=0, beam_width=2, max_tokens=20)
+    long_greedy = SamplingParams(temperature=0, max_tokens=400)
+    with pytest.raises(ValueError, match="exceeds the model's 512 positions"):
+        llm.generate([[5] * 10, [5] * 500], [long_greedy, beam_past_the_end])
+
+    async def waited_for() -> list[str]:  # requests whose outputs someone still awaits
+        return list(llm._engine._streams)
+
+    assert llm._loop.run(waited_for()) == []
+    assert llm.generate([[5] * 10], GREEDY)[0].outputs[0].token_ids
 
 
 def test_bad_arguments_are_refused(llm: LLM, model_dir: Path, tmp_path: Path) -> None:
