@@ -17,14 +17,12 @@ Usage: python benchmarks/bench_daemon_step.py
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
+from daemon_process import pin, running_pagedkvd
 
 from pagedkv.client import Allocate, Free, PoolClient, Session
 
@@ -41,27 +39,6 @@ PROCESS_SECONDS = 2.0
 RECYCLE_STEPS = 64
 BLOCK_SIZE = 16
 NUM_BLOCKS = 8192
-
-
-def pin_daemon(daemon: subprocess.Popen[bytes]) -> str:
-    """Give the daemon a CPU of its own and the clients the others, as a deployment would:
-    on a 2-core machine, sharing cores adds scheduler jitter to every round trip."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return "unpinned (one CPU)"
-    os.sched_setaffinity(daemon.pid, {cpus[-1]})
-    os.sched_setaffinity(0, set(cpus[:-1]))  # worker processes inherit this
-    return f"daemon on CPU {cpus[-1]}, clients on CPUs {cpus[:-1]}"
-
-
-def start_daemon(folder: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """pagedkvd on a unix socket in `folder`, its pool file there too (tiny model, fp16)."""
-    socket = folder / "pagedkv.sock"
-    command = [sys.executable, "-m", "pagedkv.daemon.cli", "serve",
-               "--listen", f"unix://{socket}", "--num-blocks", str(NUM_BLOCKS),
-               "--block-size", str(BLOCK_SIZE), "--dtype", "float16",
-               "--shm-dir", str(folder), "--log-level", "warning", "--log-format", "json"]
-    return subprocess.Popen(command), f"unix://{socket}"
 
 
 async def allocate_all(session: Session, seq_ids: list[int]) -> None:
@@ -168,15 +145,11 @@ def main() -> int:
         target, start_at, seconds = args.worker
         print(asyncio.run(worker(target, float(start_at), float(seconds))))
         return 0
-    with tempfile.TemporaryDirectory(prefix="pkv-bench-") as folder:
-        daemon, target = start_daemon(Path(folder))
-        print(f"# {pin_daemon(daemon)}")
-        try:
-            asyncio.run(measure_single_client(target))
-            measure_processes(target)
-        finally:
-            daemon.terminate()
-            daemon.wait(timeout=30)
+    with running_pagedkvd("--num-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE),
+                          "--dtype", "float16") as daemon:
+        print(f"# {pin(daemon.launched.process)}")
+        asyncio.run(measure_single_client(daemon.target))
+        measure_processes(daemon.target)
     return 0
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from daemon_process import pin
 
 from pagedkv.client import Allocate, Fork, Free, PagedKVError, PoolClient
 from pagedkv.process.launch import READY_STATE, free_tcp_port, log_tail, start_daemon
@@ -65,15 +66,6 @@ START_DELAY_S = 4.0
 # Deadline of every client call: a heavy call may legitimately take a while.
 CALL_TIMEOUT_S = 30.0
 SHM = Path("/dev/shm")
-
-
-def pin(daemon: subprocess.Popen[bytes]) -> str:
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        return "unpinned (one CPU)"
-    os.sched_setaffinity(daemon.pid, {cpus[-1]})
-    os.sched_setaffinity(0, set(cpus[:-1]))  # the client processes inherit this
-    return f"daemon on CPU {cpus[-1]}, clients on CPUs {cpus[:-1]}"
 
 
 def lease_expiries(metrics_port: int) -> int:
