@@ -1,18 +1,19 @@
-"""The runner's forward waits briefly for the clients of its last forward (`StepEngine._gather`),
+"""The runner's forward waits briefly for the clients of its last forward (`ForwardLoop._gather`),
 so concurrent clients share forwards instead of alternating two half batches."""
 
 import asyncio
 
-from pagedkv.model_runner.engine import StepEngine, _Prepared
+from pagedkv.model_runner.forward_loop import ForwardLoop, Prepared
+from pagedkv.model_runner.sampling import Sampler
 
 
-def prepared(session_id: str) -> _Prepared:
-    return _Prepared(session_id, [], [], [])
+def prepared(session_id: str) -> Prepared:
+    return Prepared(session_id, [], [], [])
 
 
-def engine() -> StepEngine:
-    # _gather reads only the ready queue and the wake-up event: no pool, no model needed.
-    return StepEngine(None, None)  # type: ignore[arg-type]
+def engine() -> ForwardLoop:
+    # _gather reads only the ready queue and the wake-up event: no model needed.
+    return ForwardLoop(lambda: None, Sampler())  # type: ignore[arg-type,return-value]
 
 
 async def test_a_forward_waits_for_the_last_forwards_sessions_then_goes() -> None:

@@ -157,7 +157,7 @@ async def test_a_seeded_request_samples_alike_in_a_forward_merged_across_clients
             [new(1, prompts["short"], UNSEEDED), new(2, prompts["long"], OTHER_SEED)],
             [new(1, prompts["seeded"], SEEDED)])]
         async with asyncio.timeout(WAIT_S):
-            while len(gated._ready) < 2:  # both prepared, queued behind the gated forward
+            while len(gated.forwards._ready) < 2:  # both prepared, queued behind the gated forward
                 await asyncio.sleep(0.01)
         GatedRunner.gate.set()
         await blocker

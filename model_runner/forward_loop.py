@@ -1,0 +1,206 @@
+"""The runner's forward passes: one at a time, over every prepared client step waiting.
+
+    forwards = ForwardLoop(lambda: model_runner, Sampler())
+    await forwards.start()
+    results = await forwards.compute(prepared)     # a step whose daemon call is done
+
+Steps prepared by several clients (their daemon round trips done, their chunks known) wait in
+one queue; the loop packs every waiting step into one forward pass on one worker thread (so two
+steps' writes never interleave and the event loop never blocks on the model), samples each fully
+computed sequence, and answers each step. Before a forward it waits briefly for the clients of
+the last forward (`_gather`), so concurrent clients share forwards.
+"""
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from .metrics import RunnerMetrics
+from .runner import ModelRunner, SequenceChunk
+from .sampling import Pick, Sampler, SamplingRow, picks
+from .sequences import Ahead, SeqState
+from .steps import SeqRequest, SeqResult
+
+# How long a forward waits at most (and at most as long as the last forward took) for clients of
+# the last forward to send their next step, so concurrent clients share forwards (`_gather`).
+MAX_GATHER_S = 0.005
+
+
+@dataclass
+class Prepared:
+    """A client step between prepare and finish."""
+
+    session_id: str
+    requests: Sequence[SeqRequest]
+    # The state of each requested sequence, in request order.
+    states: list[SeqState]
+    # (index into requests, chunk) of the sequences computed in this step.
+    chunks: list[tuple[int, SequenceChunk]]
+    # Requests whose token the runner appended ahead (index -> what it did), and the results
+    # of those it also computed with the same sampling: no chunk, no daemon call.
+    claimed: dict[int, Ahead] = field(default_factory=dict)
+    ready: dict[int, SeqResult] = field(default_factory=dict)
+    # Set by the forward: one result per request.
+    done: asyncio.Future[list[SeqResult]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+    # When it was ready for a forward (monotonic seconds).
+    ready_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(chunk.token_ids) for _, chunk in self.chunks)
+
+
+
+class ForwardLoop:
+    """Runs the forward passes of every client's prepared steps, merged."""
+
+    def __init__(self, runner: Callable[[], ModelRunner], sampler: Sampler, *,
+                 max_batch_tokens: int = 8192, metrics: RunnerMetrics | None = None) -> None:
+        # The model runner in use (it is replaced when the daemon restarts).
+        self._runner = runner
+        self.sampler = sampler
+        self.metrics = metrics
+        # Most tokens one forward pass computes (steps beyond it wait for the next pass).
+        self.max_batch_tokens = max_batch_tokens
+        # Prepared steps waiting for a forward, in arrival order.
+        self._ready: deque[Prepared] = deque()
+        self._wake = asyncio.Event()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-forward")
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="pagedkv-forward")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._thread.shutdown(wait=True)
+
+    async def compute(self, prepared: Prepared) -> list[SeqResult]:
+        """Queue a prepared step for the next forward; its results, one per request."""
+        self._ready.append(prepared)
+        self._wake.set()
+        return await prepared.done
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        # The sessions of the last forward, and how long it took.
+        recent: set[str] = set()
+        last_forward_s = 0.0
+        while True:
+            if not self._ready:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._gather(recent, min(MAX_GATHER_S, last_forward_s))
+            batch = self._take_batch()
+            started = time.monotonic()
+            try:
+                sampled = await loop.run_in_executor(self._thread, self._compute, batch)
+            except Exception as exc:  # a failed forward fails the steps it carried
+                for prepared in batch:
+                    if not prepared.done.done():
+                        prepared.done.set_exception(exc)
+                continue
+            last_forward_s = time.monotonic() - started
+            recent = {prepared.session_id for prepared in batch}
+            self._observe(batch, started)
+            self._deliver(batch, sampled)
+
+    async def _gather(self, recent: set[str], window: float) -> None:
+        """Wait up to `window` for the sessions of the last forward to send their next step.
+
+        Their answers just left, while the steps of other clients were prepared during that
+        forward: without waiting, the clients split into two groups whose half-size forwards
+        alternate; with it, they merge into one forward."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + window
+        while recent - {prepared.session_id for prepared in self._ready}:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
+
+    def _observe(self, batch: list[Prepared], started: float) -> None:
+        if self.metrics is None:
+            return
+        lengths = [len(chunk.token_ids) for prepared in batch for _, chunk in prepared.chunks]
+        decode = sum(1 for n in lengths if n == 1)
+        self.metrics.forward(time.monotonic() - started, len(lengths), sum(lengths) - decode,
+                             decode)
+        for prepared in batch:
+            self.metrics.queue_wait(started - prepared.ready_at)
+
+    def _take_batch(self) -> list[Prepared]:
+        """The waiting steps, in arrival order, up to max_batch_tokens (at least one)."""
+        batch: list[Prepared] = []
+        tokens = 0
+        while self._ready and (not batch or tokens + self._ready[0].num_tokens
+                               <= self.max_batch_tokens):
+            prepared = self._ready.popleft()
+            batch.append(prepared)
+            tokens += prepared.num_tokens
+        return batch
+
+    def _compute(self, batch: list[Prepared]) -> list[Pick]:
+        """[forward thread] One forward over every chunk, then sampling where it is due; the
+        picks come back as host values, so the loop thread touches no tensor."""
+        chunks = [chunk for prepared in batch for _, chunk in prepared.chunks]
+        logits = self._runner().step(chunks)
+        rows, keep = [], []
+        position = 0
+        for prepared in batch:
+            for index, chunk in prepared.chunks:
+                state = prepared.states[index]
+                if chunk.start + len(chunk.token_ids) == len(state.tokens):
+                    rows.append(SamplingRow(prepared.requests[index].params,
+                                            state.tokens[:state.prompt_len],
+                                            state.tokens[state.prompt_len:]))
+                    keep.append(position)
+                position += 1
+        if not rows:
+            return []
+        if len(keep) < len(chunks):
+            logits = logits[torch.tensor(keep)]
+        return picks(self.sampler(logits, rows), rows)
+
+    def _deliver(self, batch: list[Prepared], sampled: list[Pick]) -> None:
+        """Advance each sequence's computed count and answer each step."""
+        row = 0
+        for prepared in batch:
+            chosen: dict[int, Pick] = {}
+            for index, chunk in prepared.chunks:
+                state = prepared.states[index]
+                state.num_computed = max(state.num_computed, chunk.start + len(chunk.token_ids))
+                if state.num_computed == len(state.tokens):
+                    chosen[index] = sampled[row]
+                    row += 1
+            results = [prepared.ready.get(i) or self.result(request, state, chosen.get(i))
+                       for i, (request, state) in enumerate(
+                           zip(prepared.requests, prepared.states, strict=True))]
+            if not prepared.done.done():  # its caller is gone (cancelled): the K/V stays
+                prepared.done.set_result(results)
+
+    def result(self, request: SeqRequest, state: SeqState, pick: Pick | None) -> SeqResult:
+        """What a step did to one sequence (`pick`: its sampled token, if it sampled)."""
+        if pick is None:
+            return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
+                             state.num_cached, sampled=False)
+        # A sequence that holds max_model_len tokens has no position for its sampled token.
+        full = len(state.tokens) >= self._runner().max_model_len
+        return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
+                         state.num_cached, True, pick.token_id, pick.logprob,
+                         pick.top_token_ids, pick.top_logprobs, pick.finished or full)

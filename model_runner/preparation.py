@@ -1,0 +1,293 @@
+"""A client step's memory operations, done with the daemon under the client's session before
+the step's forward: what the runner knows of each sequence comes only from those answers.
+
+    preparer = Preparer(pool_client, lambda: model_runner)
+    preparer.validate(requests, release)                       # InvalidStep: nothing changed
+    prepared = await preparer.prepare(session_id, known, requests)
+
+`prepare` reads back sequences the runner does not know (a fork's parent, a sequence from before
+a runner restart), claims the tokens decoded ahead, checks the model's positions, then makes one
+daemon call: `Step` for single decode tokens (committing what the previous forward computed),
+else one `Batch` of Fork ops (parallel samples, beams), then Allocate/Append ops. The chunks to
+compute follow from the answers.
+"""
+
+from collections.abc import Callable, Sequence
+
+from pagedkv.client import Allocate, Append, Fork, PoolClient, SequenceBlocks
+from pagedkv.proto import kvpool_pb2 as pb
+
+from .forward_loop import Prepared
+from .runner import ModelRunner, SequenceChunk
+from .sequences import Ahead, SeqState, SessionSequences
+from .steps import History, InvalidStep, SeqRequest, UnknownSequence
+
+
+class Preparer:
+    """Validates client steps and performs their memory operations with the daemon."""
+
+    def __init__(self, pool: PoolClient, runner: Callable[[], ModelRunner]) -> None:
+        self.pool = pool
+        # The model runner in use (its block size, vocabulary and positions).
+        self._runner = runner
+        # The pool's free blocks per the daemon's latest answer (any session's call).
+        self.free_blocks = 0
+
+    def validate(self, requests: Sequence[SeqRequest], release: Sequence[int]) -> None:
+        """InvalidStep for a malformed step, before anything is read or changed."""
+        if not requests and not release:
+            raise InvalidStep("a step needs at least one sequence")
+        if len({r.seq_id for r in requests}) != len(requests):
+            raise InvalidStep("a sequence appears twice in one step")
+        vocab = self._runner().vocab_size
+        new = {r.seq_id for r in requests if r.new_sequence}
+        for r in requests:
+            if r.new_sequence and not r.token_ids and r.parent_seq_id is None:
+                raise InvalidStep(f"new sequence {r.seq_id} has no prompt tokens")
+            if r.parent_seq_id is not None and r.parent_seq_id in new | {r.seq_id}:
+                raise InvalidStep(f"sequence {r.seq_id}: its parent {r.parent_seq_id} must be an "
+                                  "existing sequence, not new in the same step")
+            if r.num_prompt_tokens and not (r.new_sequence and r.parent_seq_id is None
+                                            and r.num_prompt_tokens <= len(r.token_ids)):
+                raise InvalidStep(f"sequence {r.seq_id}: num_prompt_tokens applies to a new "
+                                  f"sequence without a parent and must be <= its {len(r.token_ids)}"
+                                  " tokens")
+            if any(not 0 <= t < vocab for t in r.token_ids):
+                raise InvalidStep(f"sequence {r.seq_id}: token ids must be in [0, {vocab})")
+            if r.max_compute_tokens < 0:
+                raise InvalidStep(f"sequence {r.seq_id}: max_compute_tokens must be >= 0")
+
+    async def prepare(self, session_id: str, known: SessionSequences,
+                      requests: Sequence[SeqRequest]) -> Prepared:
+        """Learn unknown sequences, then one daemon call that appends every new token (but the
+        tokens the runner appended ahead)."""
+        await self._learn(session_id, known, requests)
+        claimed = self._claim_ahead(known, requests)
+        self._check_lengths(known, requests, claimed)
+        todo = [r for i, r in enumerate(requests) if i not in claimed]
+        appended = iter(await self._append(session_id, known, todo) if todo else [])
+        states = [self.known_state(known, r.seq_id) if i in claimed else next(appended)
+                  for i, r in enumerate(requests)]
+        # An ahead result holds if the client kept the sampling; else sample that position again.
+        ready = {i: ahead.result for i, ahead in claimed.items()
+                 if ahead.result is not None and ahead.params == requests[i].params}
+        chunks = []
+        for index, (request, state) in enumerate(zip(requests, states, strict=True)):
+            chunk = None if index in ready else self.chunk(request, state, index in claimed)
+            if chunk is not None:
+                chunks.append((index, chunk))
+        return Prepared(session_id, requests, states, chunks, claimed, ready)
+
+    def _check_lengths(self, known: SessionSequences, requests: Sequence[SeqRequest],
+                       claimed: dict[int, Ahead]) -> None:
+        """No sequence may hold more tokens than the model has positions (checked before the
+        pool changes, so such a step fails alone)."""
+        limit = self._runner().max_model_len
+        for index, request in enumerate(requests):
+            held = 0
+            if request.new_sequence and request.parent_seq_id is not None:
+                held = len(self.known_state(known, request.parent_seq_id).tokens)
+            elif not request.new_sequence:
+                held = len(self.known_state(known, request.seq_id).tokens)
+            added = 0 if index in claimed else len(request.token_ids)
+            if held + added > limit:
+                raise InvalidStep(f"sequence {request.seq_id} would hold {held + added} tokens; "
+                                  f"the model takes at most {limit} positions (max_model_len)")
+
+    async def _append(self, session_id: str, known: SessionSequences,
+                      requests: Sequence[SeqRequest]) -> list[SeqState]:
+        """One daemon call for the step's memory operations: `Step` for single decode tokens,
+        else a `Batch`."""
+        if all(not r.new_sequence and len(r.token_ids) == 1 for r in requests):
+            return await self.decode_step(session_id, known, requests)
+        return await self._batch(session_id, known, requests)
+
+    def _claim_ahead(self, known: SessionSequences,
+                     requests: Sequence[SeqRequest]) -> dict[int, Ahead]:
+        """The step's sequences whose token the runner appended ahead: it must be the one
+        token each names. Nothing changes here: a failed step leaves them claimable."""
+        claimed = {}
+        for index, request in enumerate(requests):
+            state = None if request.new_sequence else known.get(request.seq_id)
+            if state is None or state.ahead is None:
+                continue
+            if tuple(request.token_ids) != (state.ahead.token_id,):
+                raise InvalidStep(
+                    f"sequence {request.seq_id}: the runner decoded it ahead (decode_ahead), "
+                    f"appending its sampled token {state.ahead.token_id}; its next step must "
+                    "name exactly that token, or release the sequence")
+            claimed[index] = state.ahead
+        return claimed
+
+    async def _learn(self, session_id: str, known: SessionSequences,
+                     requests: Sequence[SeqRequest]) -> None:
+        """Read back existing sequences the runner has not seen: a fork (its parent's history)
+        or a sequence from before a runner restart (the history the client sends)."""
+        unknown = [r for r in requests if not r.new_sequence and known.get(r.seq_id) is None]
+        if not unknown:
+            return
+        # The daemon first: another session's sequence is NOT_FOUND there, as it must be here.
+        reply = await self.pool.call(self.pool.stub.GetBlockTables, lambda: (
+            pb.GetBlockTablesRequest(session_id=session_id, seq_ids=[r.seq_id for r in unknown])))
+        for request in unknown:
+            if self._parent(known, request) is None and request.history is None:
+                raise UnknownSequence(
+                    f"sequence {request.seq_id} is unknown to the runner (forked, or the runner "
+                    "restarted): name its parent_seq_id, or resend it with its history")
+        for request, table in zip(unknown, reply.tables, strict=True):
+            parent = self._parent(known, request)
+            if parent is not None:  # a fork holds the parent's first num_tokens tokens
+                n = table.num_tokens
+                history = History(tuple(parent.tokens[:n]), min(parent.prompt_len, n),
+                                  min(parent.num_computed, n))
+            else:
+                assert request.history is not None
+                history = request.history
+            tokens = list(history.token_ids)
+            # One token more in the daemon: the runner that restarted appended it ahead (the
+            # client's last answer sampled it, and this step names it).
+            ahead = (parent is None and len(request.token_ids) == 1
+                     and table.num_tokens == len(tokens) + 1)
+            if ahead:
+                tokens.append(request.token_ids[0])
+            if len(tokens) != table.num_tokens or not (
+                    0 <= history.num_computed <= len(history.token_ids)
+                    and 0 <= history.prompt_len <= len(history.token_ids)):
+                raise InvalidStep(f"sequence {request.seq_id}: the daemon holds "
+                                  f"{table.num_tokens} tokens, its history says "
+                                  f"{len(history.token_ids)}")
+            state = SeqState(tokens, history.prompt_len, history.num_computed,
+                             list(table.block_ids))
+            if ahead:
+                state.ahead = Ahead(request.token_ids[0], request.params)
+            known.put(request.seq_id, state)
+
+    @staticmethod
+    def _parent(known: SessionSequences, request: SeqRequest) -> SeqState | None:
+        return None if request.parent_seq_id is None else known.get(request.parent_seq_id)
+
+    async def decode_step(self, session_id: str, known: SessionSequences,
+                          requests: Sequence[SeqRequest], ahead: bool = False) -> list[SeqState]:
+        """One daemon Step appending one token to each sequence (the decode hot path); `ahead`:
+        the runner's own step, ahead of the client, which each state then records."""
+        states = [self.known_state(known, r.seq_id) for r in requests]
+        # If the previous forward computed everything they hold, the Step commits it.
+        commit = all(s.num_computed == len(s.tokens) for s in states)
+        seq_ids = [r.seq_id for r in requests]
+        tokens = [r.token_ids[0] for r in requests]
+        reply = await self.pool.call(self.pool.stub.Step, lambda: pb.StepRequest(
+            session_id=session_id, seq_ids=seq_ids, num_tokens=1, token_ids=tokens,
+            commit=commit))
+        self.free_blocks = reply.free_blocks
+        for index, logical, block in zip(reply.changed_seq_index, reply.changed_logical_block,
+                                         reply.changed_block_id, strict=True):
+            states[index].patch(logical, block)
+        bs = self._runner().block_size
+        for request, state, token, held, slot in zip(requests, states, tokens, reply.num_tokens,
+                                                     reply.slot_mapping, strict=True):
+            state.tokens.append(token)
+            if ahead:
+                state.ahead = Ahead(token, request.params)
+            if held != len(state.tokens) or state.slots(held - 1, held, bs) != [slot]:
+                self._stale(known, request.seq_id)
+        return states
+
+    @staticmethod
+    def _stale(known: SessionSequences, seq_id: int) -> None:
+        """The daemon's answer disagrees with the runner's view of a sequence: the client
+        changed it directly in the daemon. Forget it rather than compute on a stale table."""
+        known.drop([seq_id])
+        raise UnknownSequence(f"sequence {seq_id} changed in the daemon behind the runner (freed "
+                              "or re-created directly): resend it with its history")
+
+    async def _batch(self, session_id: str, known: SessionSequences,
+                     requests: Sequence[SeqRequest]) -> list[SeqState]:
+        """One daemon Batch: Fork the forks first (a child holds what its parent held before the
+        step), Allocate each other new sequence, Append to the rest."""
+        forks = [r for r in requests if r.new_sequence and r.parent_seq_id is not None]
+        # The parents as they are before this step appends to them: what the children inherit.
+        inherited = {r.seq_id: self._fork_parent(known, r) for r in forks}
+        ops: list[Fork | Allocate | Append] = [
+            Fork(r.parent_seq_id, r.seq_id) for r in forks if r.parent_seq_id is not None]
+        for r in requests:
+            if r.new_sequence and r.parent_seq_id is None:
+                ops.append(Allocate(r.seq_id, token_ids=r.token_ids))
+            elif r.token_ids:
+                if not r.new_sequence:
+                    self.known_state(known, r.seq_id)
+                ops.append(Append(r.seq_id, token_ids=r.token_ids))
+        answers: list[SequenceBlocks] = []
+        if ops:
+            reply = await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
+                session_id=session_id, ops=[op.batch_op() for op in ops]))
+            self.free_blocks = reply.free_blocks
+            answers = [SequenceBlocks.from_proto(result) for result in reply.results]
+        # A fork's Append answer comes after its Fork answer: the later one wins.
+        by_seq = {answer.seq_id: answer for answer in answers}
+        states = []
+        for r in requests:
+            answer = by_seq.get(r.seq_id)
+            if r.seq_id in inherited:
+                assert answer is not None
+                state = inherited[r.seq_id]
+                state.tokens.extend(r.token_ids)
+                state.block_table = list(answer.block_ids)
+                known.put(r.seq_id, state)
+                if answer.num_tokens != len(state.tokens):
+                    self._stale(known, r.seq_id)
+            elif r.new_sequence:
+                assert answer is not None
+                state = SeqState(list(r.token_ids), r.num_prompt_tokens or len(r.token_ids),
+                                 answer.num_cached_tokens, list(answer.block_ids),
+                                 answer.num_cached_tokens)
+                known.put(r.seq_id, state)
+            else:
+                state = self.known_state(known, r.seq_id)
+                if answer is not None:
+                    state.tokens.extend(r.token_ids)
+                    state.block_table = list(answer.block_ids)
+                    if answer.num_tokens != len(state.tokens):
+                        self._stale(known, r.seq_id)
+            states.append(state)
+        return states
+
+    def _fork_parent(self, known: SessionSequences, request: SeqRequest) -> SeqState:
+        """A copy of the parent's state for a fork's child; the parent must be fully computed
+        (else the child would compute K/V into blocks it shares with the parent)."""
+        assert request.parent_seq_id is not None
+        parent = self.known_state(known, request.parent_seq_id)
+        if parent.num_computed != len(parent.tokens):
+            raise InvalidStep(f"sequence {request.seq_id}: its parent {request.parent_seq_id} is "
+                              "not fully computed yet; fork it after its prefill")
+        if parent.ahead is not None:
+            raise InvalidStep(f"sequence {request.seq_id}: its parent {request.parent_seq_id} "
+                              "holds a token decoded ahead (decode_ahead); fork it in a step "
+                              "after the one that names that token")
+        return SeqState(list(parent.tokens), parent.prompt_len, parent.num_computed,
+                        list(parent.block_table))
+
+    def known_state(self, known: SessionSequences, seq_id: int) -> SeqState:
+        state = known.get(seq_id)
+        if state is None:
+            raise InvalidStep(f"sequence {seq_id} is not known to the runner: send it as a new "
+                              "sequence, or name its parent on a fork's first step")
+        return state
+
+    def chunk(self, request: SeqRequest, state: SeqState,
+              resample: bool = False) -> SequenceChunk | None:
+        """The tokens of `state` to compute in this step, or None if all are computed (unless
+        the step is to sample again a position already computed: `resample`)."""
+        bs = self._runner().block_size
+        total = len(state.tokens)
+        start = state.num_computed
+        if start == total:
+            # Everything is cached (a prompt of whole cached blocks), or computed ahead: recompute
+            # the last token for its logits, writing nothing (its K/V is in a block others may
+            # share).
+            if not (request.new_sequence or resample):
+                return None
+            return SequenceChunk(state.tokens[-1:], total - 1, [-1], state.block_table)
+        end = total if not request.max_compute_tokens else min(
+            total, start + request.max_compute_tokens)
+        return SequenceChunk(state.tokens[start:end], start, state.slots(start, end, bs),
+                             state.block_table)
