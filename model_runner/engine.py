@@ -40,6 +40,7 @@ from pagedkv.client import (
     SequenceNotFound,
     SessionExpired,
 )
+from pagedkv.process.lifecycle import cancel
 from pagedkv.proto import kvpool_pb2 as pb
 
 from .forward_loop import ForwardLoop, Prepared
@@ -77,9 +78,7 @@ class StepEngine:
         await self.forwards.start()
 
     async def stop(self) -> None:
-        for task in list(self._ahead_tasks):
-            task.cancel()
-        await asyncio.gather(*self._ahead_tasks, return_exceptions=True)
+        await cancel(*self._ahead_tasks)
         await self.forwards.stop()
 
     def forget_all(self) -> None:
@@ -100,9 +99,8 @@ class StepEngine:
             known = self._sessions.setdefault(session_id, SessionSequences())
             try:
                 prepared = await self.preparer.prepare(session_id, known, requests)
-                results = await self._run(prepared) if prepared.chunks else [
-                    prepared.ready.get(i) or self.forwards.result(r, s, None)
-                    for i, (r, s) in enumerate(zip(requests, prepared.states, strict=True))]
+                results = (await self._run(prepared) if prepared.chunks
+                           else self.forwards.results(prepared, {}))
                 await self._finish(session_id, known, prepared, release)
             except (SessionExpired, NotFound) as exc:
                 if not isinstance(exc, SequenceNotFound):  # the session is gone: forget it

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.process.lifecycle import cancel
+
 from .metrics import RunnerMetrics
 from .runner import ModelRunner, SequenceChunk
 from .sampling import Pick, Sampler, SamplingRow, picks
@@ -81,9 +83,7 @@ class ForwardLoop:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel(self._task)
             self._task = None
         self._thread.shutdown(wait=True)
 
@@ -188,13 +188,17 @@ class ForwardLoop:
                 if state.num_computed == len(state.tokens):
                     chosen[index] = sampled[row]
                     row += 1
-            results = [prepared.ready.get(i) or self.result(request, state, chosen.get(i))
-                       for i, (request, state) in enumerate(
-                           zip(prepared.requests, prepared.states, strict=True))]
             if not prepared.done.done():  # its caller is gone (cancelled): the K/V stays
-                prepared.done.set_result(results)
+                prepared.done.set_result(self.results(prepared, chosen))
 
-    def result(self, request: SeqRequest, state: SeqState, pick: Pick | None) -> SeqResult:
+    def results(self, prepared: Prepared, chosen: dict[int, Pick]) -> list[SeqResult]:
+        """One result per request of `prepared`: computed ahead, or from this step (`chosen`:
+        the sampled token of each request that sampled, by index)."""
+        return [prepared.ready.get(i) or self._result(request, state, chosen.get(i))
+                for i, (request, state) in enumerate(
+                    zip(prepared.requests, prepared.states, strict=True))]
+
+    def _result(self, request: SeqRequest, state: SeqState, pick: Pick | None) -> SeqResult:
         """What a step did to one sequence (`pick`: its sampled token, if it sampled)."""
         if pick is None:
             return SeqResult(request.seq_id, len(state.tokens), state.num_computed,

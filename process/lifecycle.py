@@ -1,5 +1,5 @@
 """Process lifecycle helpers shared by the daemon and the runner: SIGTERM/SIGINT as an event,
-and cancelling a background task on the way out."""
+and cancelling background tasks on the way out."""
 
 import asyncio
 import contextlib
@@ -21,8 +21,11 @@ def stop_on_signals() -> Iterator[asyncio.Event]:
             loop.remove_signal_handler(sig)
 
 
-async def cancel(task: "asyncio.Task[Any]") -> None:
-    """Cancel a background task and wait until it is gone."""
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+async def cancel(*tasks: "asyncio.Task[Any]") -> None:
+    """Cancel background tasks and wait until all are gone; an error one of them raised on the
+    way out (anything but its cancellation) is raised here."""
+    for task in tasks:
+        task.cancel()
+    for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+        if isinstance(outcome, Exception):
+            raise outcome

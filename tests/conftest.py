@@ -2,12 +2,22 @@
 
 # Decide TRITON_INTERPRET before any test module imports triton (transformers imports it too):
 # without CUDA, Triton kernels run only under the interpreter.
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
 import pagedkv.model_runner.triton_env  # noqa: F401
 from pagedkv.client import PoolClient, Session
+
+
+@pytest.fixture
+def restore_root_logger() -> Iterator[None]:
+    """log_setup.configure() replaces the root logger's handlers; put pytest's back after."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers, root.level = handlers, level
 
 
 @pytest.fixture

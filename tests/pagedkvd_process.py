@@ -15,9 +15,12 @@ same code `make demo` starts its processes with.
 import contextlib
 import shutil
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.process.launch import (
     DAEMON_COMMAND,
@@ -28,12 +31,20 @@ from pagedkv.process.launch import (
     start_runner,
 )
 
-__all__ = ["COMMAND", "Pagedkvd", "free_tcp_port", "pagedkv_runner", "pagedkvd", "short_tmp_dir"]
+__all__ = ["COMMAND", "Pagedkvd", "free_tcp_port", "pagedkv_runner", "pagedkvd", "short_tmp_dir",
+           "tenant_samples"]
 
 # The daemon's command line, for tests that run it to completion (`pagedkv serve`).
 COMMAND = list(DAEMON_COMMAND)
 # One started daemon or runner process.
 Pagedkvd = Launched
+
+
+def tenant_samples(metrics: str) -> dict[tuple[str, str | None], float]:
+    """The daemon's /metrics at host:port `metrics`: (name, tenant label) -> value."""
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+    return {(s.name, s.labels.get("tenant")): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 @contextmanager

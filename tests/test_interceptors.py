@@ -6,8 +6,7 @@ checks the same rules once more against a real pagedkvd process.
 
 import io
 import json
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -27,13 +26,10 @@ KVPOOL = "pagedkv.v1.KVPool"
 
 
 @pytest.fixture(autouse=True)
-def log_stream() -> Iterator[io.StringIO]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+def log_stream(restore_root_logger: None) -> io.StringIO:
     stream = io.StringIO()
     configure("debug", "json", stream)
-    yield stream
-    root.handlers, root.level = handlers, level
+    return stream
 
 
 @pytest.fixture

@@ -3,20 +3,12 @@
 import io
 import json
 import logging
-from collections.abc import Iterator
 
 import pytest
 
 from pagedkv.process.log_setup import configure, get_logger, resolve_format
 
-
-@pytest.fixture(autouse=True)
-def restore_root_logger() -> Iterator[None]:
-    """configure() replaces the root handlers; put pytest's back afterwards."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers, root.level = handlers, level
+pytestmark = pytest.mark.usefixtures("restore_root_logger")
 
 
 def lines(stream: io.StringIO) -> list[dict[str, object]]:

@@ -10,20 +10,17 @@ skipped, not passed.
 import asyncio
 import io
 import json
-import logging
 import os
 import signal
 import socket
 import sys
-import urllib.request
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagedkvd_process import free_tcp_port, pagedkvd, short_tmp_dir
-from prometheus_client.parser import text_string_to_metric_families
+from pagedkvd_process import free_tcp_port, pagedkvd, short_tmp_dir, tenant_samples
 
 from pagedkv.client import (
     DaemonUnavailable,
@@ -145,14 +142,11 @@ async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> No
 
 
 @pytest.fixture
-def log_lines() -> Iterator[io.StringIO]:
+def log_lines(restore_root_logger: None) -> io.StringIO:
     """The daemon's log as JSON lines (the gate logs from its own thread)."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
     stream = io.StringIO()
     configure("info", "json", stream)
-    yield stream
-    root.handlers, root.level = handlers, level
+    return stream
 
 
 def events(stream: io.StringIO, name: str) -> list[dict[str, object]]:
@@ -248,10 +242,7 @@ async def test_a_real_daemon_maps_uids_from_its_config() -> None:
                 assert (await child.outcome())["error"] == (
                     "PoolExhausted: RESOURCE_EXHAUSTED: tenant me has 1 sessions open, its "
                     "max_sessions; close one first")
-                text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read()
-                samples = {(s.name, s.labels.get("tenant")): s.value
-                           for family in text_string_to_metric_families(text.decode())
-                           for s in family.samples}
+                samples = tenant_samples(metrics)
                 assert samples[("pagedkv:tenant_sessions", "me")] == 1
                 assert samples[("pagedkv:tenant_sessions", "default")] == 0
                 assert sorted(p.name for p in gate_folder(folder / "pagedkvd.sock").iterdir()) \

@@ -6,14 +6,12 @@ own namespace) and carol (salt "shared" too); unix callers are the default tenan
 [tenants.NAME] settings, and a real pagedkvd configured with them.
 """
 
-import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
-from pagedkvd_process import free_tcp_port, pagedkvd
-from prometheus_client.parser import text_string_to_metric_families
+from pagedkvd_process import free_tcp_port, pagedkvd, tenant_samples
 
 from pagedkv.client import (
     NotFound,
@@ -236,10 +234,7 @@ async def test_a_real_daemon_serves_its_configured_tenants(tmp_path: Path) -> No
             await alice.open_session("only")
             with pytest.raises(PoolExhausted, match="tenant alice has 1 sessions open"):
                 await alice.open_session("second")
-            text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read()
-            samples = {(s.name, s.labels.get("tenant")): s.value
-                       for family in text_string_to_metric_families(text.decode())
-                       for s in family.samples}
+            samples = tenant_samples(metrics)
             assert samples[("pagedkv:tenant_sessions", "alice")] == 1
             assert samples[("pagedkv:tenant_max_sessions", "alice")] == 1
             assert samples[("pagedkv:tenant_sessions", "default")] == 0
