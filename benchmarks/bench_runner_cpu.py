@@ -44,6 +44,7 @@ from pagedkv.model_runner.paged_checks import (
     check_index,
     check_window_softcap,
 )
+from pagedkv.model_runner.per_forward import PerForward
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk, StepInputs
 
 BLOCK_SIZE = 16
@@ -66,9 +67,11 @@ def baseline_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float, *,
                      sliding_window: int | None = None, softcap: float | None = None,
-                     check_values: bool = True) -> torch.Tensor:
+                     check_values: bool = True,
+                     per_forward: PerForward | None = None) -> torch.Tensor:
     """The torch prefill twin before: padded queries, whole blocks gathered, einsum scores
-    (the runner's hook passes check_values=False: only the shape checks ran, as here)."""
+    (the runner's hook passes check_values=False: only the shape checks ran, as here), all of
+    it in every layer (per_forward unused)."""
     geometry = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, False)
     check_index("query_start_loc", query_start_loc, torch.int32, (seq_lens.shape[0] + 1,),
                 k_cache.device)
@@ -105,7 +108,8 @@ def baseline_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def baseline_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     num_splits: int | None = None, *, sliding_window: int | None = None,
-                    softcap: float | None = None, check_values: bool = True) -> torch.Tensor:
+                    softcap: float | None = None, check_values: bool = True,
+                    per_forward: PerForward | None = None) -> torch.Tensor:
     """The torch decode twin before: prefill with one query per sequence."""
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
     return baseline_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,

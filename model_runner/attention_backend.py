@@ -13,6 +13,7 @@ import torch
 
 from .paged_decode import paged_decode_attention_torch, paged_decode_attention_triton
 from .paged_prefill import paged_prefill_attention_torch, paged_prefill_attention_triton
+from .per_forward import PerForward
 from .store_kv import store_kv_torch, store_kv_triton
 from .triton_env import require_triton_device
 
@@ -29,7 +30,8 @@ class PagedDecodeAttention(Protocol):
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  num_splits: int | None = None, *, sliding_window: int | None = None,
-                 softcap: float | None = None, check_values: bool = True) -> torch.Tensor: ...
+                 softcap: float | None = None, check_values: bool = True,
+                 per_forward: PerForward | None = None) -> torch.Tensor: ...
 
 
 class PagedPrefillAttention(Protocol):
@@ -37,7 +39,8 @@ class PagedPrefillAttention(Protocol):
                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, scale: float, *,
                  sliding_window: int | None = None, softcap: float | None = None,
-                 check_values: bool = True) -> torch.Tensor: ...
+                 check_values: bool = True, per_forward: PerForward | None = None
+                 ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

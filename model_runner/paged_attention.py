@@ -23,7 +23,7 @@ attention, attention sinks) is refused by `enable_paged_attention`, before any
 forward: running it anyway would produce silently wrong tokens.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from torch import nn
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from .attention_backend import AttentionBackend
+from .per_forward import PerForward
 
 # The name under which transformers knows our attention.
 ATTENTION_NAME = "pagedkv"
@@ -65,6 +66,9 @@ class PagedContext:
     query_start_loc: torch.Tensor
     # Every sequence brings exactly one token (T == S): the decode kernel runs.
     is_decode: bool
+    # What the attention of the first layer computes for every layer (gather indices, the
+    # launch grid): one fresh dict per forward (per_forward.py).
+    per_forward: PerForward = field(default_factory=dict)
 
 
 def paged_attention_forward(
@@ -98,12 +102,14 @@ def paged_attention_forward(
     if context.is_decode:
         out = backend.paged_decode_attention(q, k_cache, v_cache, context.block_tables,
                                              context.seq_lens, scale, sliding_window=window,
-                                             softcap=softcap, check_values=False)
+                                             softcap=softcap, check_values=False,
+                                             per_forward=context.per_forward)
     else:
         out = backend.paged_prefill_attention(q, k_cache, v_cache, context.block_tables,
                                               context.seq_lens, context.query_start_loc, scale,
                                               sliding_window=window, softcap=softcap,
-                                              check_values=False)
+                                              check_values=False,
+                                              per_forward=context.per_forward)
     return out.unsqueeze(0), None
 
 

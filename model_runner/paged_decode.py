@@ -21,11 +21,14 @@ attends with the query heads of a KV head as rows of one SDPA call (paged_prefil
 the CPU backend and the tests' reference.
 """
 
+from dataclasses import dataclass
+
 import torch
 
-from .paged_checks import check_attention_args, check_window_softcap
-from .paged_prefill import attend, gather_context
+from .paged_checks import CacheGeometry, check_attention_args, check_window_softcap
+from .paged_prefill import ContextIndex, attend, context_index, gather_context
 from .paged_tile import attend_tile, dot_precision, head_dim_pad, score_scales
+from .per_forward import PerForward, shared
 from .triton_env import require_triton_device, tl, triton
 
 # Context positions per tile.
@@ -170,6 +173,7 @@ def paged_decode_attention_triton(
     sliding_window: int | None = None,
     softcap: float | None = None,
     check_values: bool = True,
+    per_forward: PerForward | None = None,
 ) -> torch.Tensor:
     """Triton: attention of each sequence's one new query over its paged context.
 
@@ -184,9 +188,9 @@ def paged_decode_attention_triton(
     num_seqs, num_q_heads, head_dim = query.shape
     if num_seqs == 0:
         return out
-    num_splits, tiles_per_split = split_plan(num_splits, num_seqs * geometry.num_kv_heads,
-                                             block_tables.shape[1] * geometry.block_size,
-                                             query.device, window)
+    num_splits, tiles_per_split = shared(per_forward, ("splits", window), lambda: split_plan(
+        num_splits, num_seqs * geometry.num_kv_heads, block_tables.shape[1] * geometry.block_size,
+        query.device, window))
     group = num_q_heads // geometry.num_kv_heads
     # partial: [S, H_q, num_splits, D]; one split writes the output directly and no lse.
     if num_splits == 1:
@@ -236,6 +240,7 @@ def paged_decode_attention_torch(
     sliding_window: int | None = None,
     softcap: float | None = None,
     check_values: bool = True,
+    per_forward: PerForward | None = None,
 ) -> torch.Tensor:
     """Torch: attention of each sequence's one new query over its paged context.
 
@@ -246,38 +251,65 @@ def paged_decode_attention_torch(
     window, cap = check_window_softcap(sliding_window, softcap)
     if query.shape[0] == 0:
         return torch.empty_like(query)
-    groups = length_groups(_gathered_blocks(seq_lens, geometry.block_size, window),
-                           geometry.block_size * geometry.num_kv_heads * geometry.head_dim,
-                           GROUP_MIN_SAVED)
-    if len(groups) == 1:
-        return _decode_group(query, k_cache, v_cache, block_tables, seq_lens, scale, window, cap)
+    groups = shared(per_forward, ("decode", window), lambda: _decode_plan(
+        block_tables, seq_lens, geometry, window))
+    if len(groups) == 1 and groups[0].members is None:
+        return _decode_group(query, k_cache, v_cache, groups[0], scale, cap)
     out = torch.empty_like(query)
     for group in groups:
-        index = torch.tensor(group, device=query.device)
-        out.index_copy_(0, index, _decode_group(
-            query.index_select(0, index), k_cache, v_cache, block_tables.index_select(0, index),
-            seq_lens.index_select(0, index), scale, window, cap))
+        assert group.members is not None  # several groups name their members
+        out.index_copy_(0, group.members, _decode_group(
+            query.index_select(0, group.members), k_cache, v_cache, group, scale, cap))
     return out
 
 
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """Sequences of similar context length, padded to the longest; computed once per forward
+    (per_forward) for every layer."""
+
+    # [S_g] int64: the group's rows of the batch; None when the group is the whole batch.
+    members: torch.Tensor | None
+    # Their contexts (the last `window` positions only).
+    index: ContextIndex
+    # [S_g, 1, 1, L] bool: the columns each query counts.
+    counted: torch.Tensor
+
+
+def _decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, geometry: CacheGeometry,
+                 window: int) -> list[_DecodeGroup]:
+    """The batch in groups of similar length (length_groups), each with its gather index."""
+    groups = length_groups(_gathered_blocks(seq_lens, geometry.block_size, window),
+                           geometry.block_size * geometry.num_kv_heads * geometry.head_dim,
+                           GROUP_MIN_SAVED)
+    plan = []
+    for group in groups:
+        members = None
+        tables, lens = block_tables, seq_lens
+        if len(groups) > 1:
+            members = torch.tensor(group, device=seq_lens.device)
+            tables, lens = block_tables.index_select(0, members), seq_lens.index_select(0, members)
+        # -- the query sees its whole context (the last `window` positions): gather just those
+        first = (lens.long() - window).clamp_min(0) if window else None
+        index = context_index(tables, lens, geometry.block_size, first)
+        plan.append(_DecodeGroup(members, index, index.valid[:, None, None]))
+    return plan
+
+
 def _decode_group(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int,
-                  cap: float) -> torch.Tensor:
-    """The torch decode of a batch, padded to its longest context."""
+                  group: _DecodeGroup, scale: float, cap: float) -> torch.Tensor:
+    """The torch decode of a group's queries (query: [S_g, H_q, D])."""
     num_seqs, num_q_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    # -- the query sees its whole context (the last `window` positions): gather just those --
-    first = (seq_lens.long() - window).clamp_min(0) if window else None
-    keys, values, _, valid = gather_context(k_cache, v_cache, block_tables, seq_lens, first)
+    keys, values = gather_context(k_cache, v_cache, group.index)
     # -- q [S, H_kv, G, D]: a KV head's G query heads are G rows with the same mask --
     q = query.float().view(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), valid[:, None, None], scale,
-                 cap)
+    out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), group.counted, scale, cap)
     return out.reshape(num_seqs, num_q_heads, head_dim).to(query.dtype)
 
 
 def _gathered_blocks(seq_lens: torch.Tensor, block_size: int, window: int) -> list[int]:
-    """Blocks gather_context reads for each sequence's decode query (a host copy of seq_lens)."""
+    """Blocks context_index covers for each sequence's decode query (a host copy of seq_lens)."""
     lens = seq_lens.tolist()
     firsts = [max(n - window, 0) // block_size * block_size if window else 0 for n in lens]
     return [-(-(n - first) // block_size) for n, first in zip(lens, firsts, strict=True)]

@@ -23,12 +23,14 @@ with a softcap, which SDPA lacks, it holds [S, H_q, max_q_len, max_seq_len] fp32
 
 import math
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .paged_checks import CacheGeometry, check_attention_args, check_index, check_window_softcap
 from .paged_tile import attend_tile, dot_precision, head_dim_pad, score_scales
+from .per_forward import PerForward, shared
 from .triton_env import require_triton_device, tl, triton
 
 # Query rows per program and context positions per tile.
@@ -132,6 +134,7 @@ def paged_prefill_attention_triton(
     sliding_window: int | None = None,
     softcap: float | None = None,
     check_values: bool = True,
+    per_forward: PerForward | None = None,
 ) -> torch.Tensor:
     """Triton: causal attention of each sequence's new chunk over its paged context."""
     geometry = _check_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
@@ -142,8 +145,9 @@ def paged_prefill_attention_triton(
     num_seqs, (num_tokens, num_q_heads, head_dim) = seq_lens.shape[0], query.shape
     if num_tokens == 0:
         return out
-    # The grid needs the longest chunk: one read-back, small next to a prefill's work.
-    max_q_len = int(query_start_loc.diff().max())
+    # The grid needs the longest chunk: one read-back per forward, not per layer.
+    max_q_len = shared(per_forward, ("max_q_len", 0),
+                       lambda: int(query_start_loc.diff().max()))
     grid = (num_seqs, num_q_heads, triton.cdiv(max_q_len, BLOCK_M))
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
@@ -183,22 +187,25 @@ class _Workspace(threading.local):
 _WORKSPACE = _Workspace()
 
 
-def gather_context(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, first: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each sequence's context from position first[s] (default 0) to seq_lens[s], whole blocks,
-    padded to the longest: keys, values [S, L, H_kv, D] fp32, the position of each column
-    [S, L] int64 and valid [S, L] (first[s] <= position < seq_lens[s]).
+@dataclass(frozen=True)
+class ContextIndex:
+    """Where each sequence's context lies in a cache, padded to the longest (gather_context):
+    the same for every layer of a forward, so it is computed once per forward (per_forward)."""
 
-    Column 0 of row s is the start of the block holding position first[s]. One index_select per
-    cache over its flat [num_blocks * block_size] slot view, no loop, no division per position.
-    A column past the sequence reads the slot of column 0 instead, so every value read is a
-    written token's (stale slots may hold NaN, and a masked NaN still poisons SDPA's products);
-    callers mask the invalid columns' scores. On the CPU, fp32 keys and values are views of this
-    thread's workspace: valid until the next gather_context call on the same thread.
-    """
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    # [S * L] int64: the flat slot of each column of each row (column 0's slot past the row's
+    # context, so every value read is a written token's).
+    slots: torch.Tensor
+    # [S, L] int64: the position of each column.
+    positions: torch.Tensor
+    # [S, L] bool: first[s] <= position < seq_lens[s].
+    valid: torch.Tensor
+
+
+def context_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                  first: torch.Tensor | None = None) -> ContextIndex:
+    """Each sequence's context from position first[s] (default 0) to seq_lens[s], whole blocks,
+    padded to the longest. Column 0 of row s is the start of the block holding position
+    first[s]. No loop, no division per position."""
     lens = seq_lens.long()  # [S]
     num_seqs, device = lens.shape[0], lens.device
     if first is None:
@@ -217,18 +224,31 @@ def gather_context(
     valid = positions < lens[:, None]
     if first is not None:
         valid &= positions >= first[:, None]
-    slots = torch.where(valid, slots, slots[:, :1]).flatten()  # [S * L]
+    return ContextIndex(torch.where(valid, slots, slots[:, :1]).flatten(), positions, valid)
+
+
+def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   index: ContextIndex) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of `index`'s columns: [S, L, H_kv, D] fp32 each, one index_select per
+    cache over its flat [num_blocks * block_size] slot view. Columns past a sequence hold a
+    written token's values (stale slots may hold NaN, and a masked NaN still poisons SDPA's
+    products); callers mask their scores. On the CPU they are views of this thread's workspace:
+    valid until the next gather_context call on the same thread.
+    """
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    slots = index.slots
     shape = (2, slots.shape[0], num_kv_heads, head_dim)
     # [2, S * L, H_kv, D]: K and V rows; a device's caching allocator already keeps its memory
-    cpu = device.type == "cpu"
+    cpu = slots.device.type == "cpu"
     kv = _WORKSPACE.take(shape, k_cache.dtype) if cpu else k_cache.new_empty(shape)
     for cache, rows in ((k_cache, kv[0]), (v_cache, kv[1])):
         if cache.stride(0) == block_size * cache.stride(1):  # the slots are one flat view
             torch.index_select(cache.flatten(0, 1), 0, slots, out=rows)
         else:
             rows.copy_(cache[slots // block_size, slots % block_size])
+    num_seqs = index.valid.shape[0]
     keys, values = kv.view(2, num_seqs, -1, num_kv_heads, head_dim).float().unbind(0)
-    return keys, values, positions, valid
+    return keys, values
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, counted: torch.Tensor,
@@ -261,6 +281,7 @@ def paged_prefill_attention_torch(
     sliding_window: int | None = None,
     softcap: float | None = None,
     check_values: bool = True,
+    per_forward: PerForward | None = None,
 ) -> torch.Tensor:
     """Torch: causal attention of each sequence's new chunk over its paged context."""
     geometry = _check_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
@@ -270,40 +291,66 @@ def paged_prefill_attention_torch(
     if num_tokens == 0:
         return torch.empty_like(query)
     num_seqs, num_kv_heads = seq_lens.shape[0], geometry.num_kv_heads
-    group = num_q_heads // num_kv_heads
-    device = query.device
+    plan = shared(per_forward, ("prefill", window), lambda: _prefill_plan(
+        block_tables, seq_lens, query_start_loc, num_tokens, num_q_heads // num_kv_heads,
+        geometry.block_size, window))
+    max_q_len = plan.max_q_len
+    # -- scatter the tokens into a padded [S, max_q, H_q, D] query (a copy-free view when the
+    #    chunks are equally long) --
+    if plan.seq_of is None or plan.row_of is None:
+        q = query.float().view(num_seqs, max_q_len, num_q_heads, head_dim)
+    else:
+        q = query.new_zeros((num_seqs, max_q_len, num_q_heads, head_dim), dtype=torch.float32)
+        q[plan.seq_of, plan.row_of] = query.float()
+    # -- [S, H_kv, G * max_q, D]: a KV head's G query heads are rows of one attention --
+    q = q.view(num_seqs, max_q_len, num_kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, num_kv_heads, -1, head_dim)
+    keys, values = gather_context(k_cache, v_cache, plan.index)
+    out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), plan.counted, scale, cap)
+    # [S, H_kv, G * max_q, D] -> [S, max_q, H_q, D] -> the tokens' rows [T, H_q, D]
+    out = out.view(num_seqs, num_q_heads, max_q_len, head_dim).transpose(1, 2)
+    if plan.seq_of is None or plan.row_of is None:
+        return out.reshape(num_tokens, num_q_heads, head_dim).to(query.dtype)
+    return out[plan.seq_of, plan.row_of].to(query.dtype)
+
+
+@dataclass(frozen=True)
+class _PrefillPlan:
+    """What a torch prefill computes once per forward (per_forward), for every layer."""
+
+    # The longest chunk: queries are padded to [S, max_q_len].
+    max_q_len: int
+    # [T] int64: the sequence and padded row of each query token; None when every chunk is
+    # max_q_len long (the padded query is then a view).
+    seq_of: torch.Tensor | None
+    row_of: torch.Tensor | None
+    # The contexts, from the first row's window start.
+    index: ContextIndex
+    # [S, 1, G * max_q, L] bool: the keys each padded query row counts.
+    counted: torch.Tensor
+
+
+def _prefill_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, num_tokens: int, group: int, block_size: int,
+                  window: int) -> _PrefillPlan:
+    num_seqs, device = seq_lens.shape[0], seq_lens.device
     lens = seq_lens.long()
     q_lens = query_start_loc.diff().long()  # [S]
     max_q_len = int(q_lens.max())
-    # -- scatter the tokens into a padded [S, max_q, H_q, D] query (a copy-free view when the
-    #    chunks are equally long) --
-    if num_tokens == num_seqs * max_q_len:
-        seq_of = row_of = None
-        q = query.float().view(num_seqs, max_q_len, num_q_heads, head_dim)
-    else:
+    seq_of = row_of = None
+    if num_tokens != num_seqs * max_q_len:
         seq_of = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens,
                                          output_size=num_tokens)  # [T]
         row_of = torch.arange(num_tokens, device=device) - query_start_loc[seq_of]  # [T]
-        q = query.new_zeros((num_seqs, max_q_len, num_q_heads, head_dim), dtype=torch.float32)
-        q[seq_of, row_of] = query.float()
-    # -- [S, H_kv, G * max_q, D]: a KV head's G query heads are rows of one attention --
-    q = q.view(num_seqs, max_q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(num_seqs, num_kv_heads, group * max_q_len, head_dim)
     # -- the context from the first row's window start; row r of sequence s sees positions
     #    <= its own (the last `window` of them); a padding row may see none and is dropped --
     q_pos = (lens - q_lens)[:, None] + torch.arange(max_q_len, device=device)  # [S, max_q]
     first = (q_pos[:, 0] - window + 1).clamp_min(0) if window else None
-    keys, values, positions, valid = gather_context(k_cache, v_cache, block_tables, seq_lens,
-                                                    first)
-    positions = positions[:, None, :]  # [S, 1, L]
-    counted = valid[:, None, :] & (positions <= q_pos[:, :, None])  # [S, max_q, L]
+    index = context_index(block_tables, seq_lens, block_size, first)
+    positions = index.positions[:, None, :]  # [S, 1, L]
+    counted = index.valid[:, None, :] & (positions <= q_pos[:, :, None])  # [S, max_q, L]
     if window:
         counted &= positions > q_pos[:, :, None] - window
     if group > 1:
         counted = counted[:, None].expand(-1, group, -1, -1).flatten(1, 2)  # [S, G * max_q, L]
-    out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), counted[:, None], scale, cap)
-    # [S, H_kv, G * max_q, D] -> [S, max_q, H_q, D] -> the tokens' rows [T, H_q, D]
-    out = out.view(num_seqs, num_q_heads, max_q_len, head_dim).transpose(1, 2)
-    if seq_of is None:
-        return out.reshape(num_tokens, num_q_heads, head_dim).to(query.dtype)
-    return out[seq_of, row_of].to(query.dtype)
+    return _PrefillPlan(max_q_len, seq_of, row_of, index, counted[:, None])

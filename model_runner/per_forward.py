@@ -1,0 +1,28 @@
+"""Work the attention of every layer of one forward shares, done by the first layer only.
+
+The gather indices of the torch kernels and the launch grid of the Triton prefill depend on the
+batch (block tables, sequence lengths, query layout) and the sliding window, never on the layer.
+A forward's `PagedContext.per_forward` is a fresh dict that the attention calls of its layers
+pass to the kernels; the first call under a key computes the value, the others reuse it:
+
+    plan = shared(per_forward, ("decode", window), lambda: decode_plan(...))
+
+A kernel called without one (`per_forward=None`, a direct call) computes it every time.
+"""
+
+from collections.abc import Callable
+from typing import TypeVar, cast
+
+T = TypeVar("T")
+
+# (what, sliding window or 0) -> the value computed for this forward's batch.
+PerForward = dict[tuple[str, int], object]
+
+
+def shared(per_forward: PerForward | None, key: tuple[str, int], make: Callable[[], T]) -> T:
+    """make()'s value, computed once per forward under `key`."""
+    if per_forward is None:
+        return make()
+    if key not in per_forward:
+        per_forward[key] = make()
+    return cast(T, per_forward[key])
