@@ -188,9 +188,10 @@ def paged_decode_attention_triton(
     num_seqs, num_q_heads, head_dim = query.shape
     if num_seqs == 0:
         return out
-    num_splits, tiles_per_split = shared(per_forward, ("splits", window), lambda: split_plan(
-        num_splits, num_seqs * geometry.num_kv_heads, block_tables.shape[1] * geometry.block_size,
-        query.device, window))
+    requested = num_splits
+    num_splits, tiles_per_split = shared(per_forward, ("splits", window, requested), lambda: (
+        split_plan(requested, num_seqs * geometry.num_kv_heads,
+                   block_tables.shape[1] * geometry.block_size, query.device, window)))
     group = num_q_heads // geometry.num_kv_heads
     # partial: [S, H_q, num_splits, D]; one split writes the output directly and no lse.
     if num_splits == 1:
@@ -244,7 +245,8 @@ def paged_decode_attention_torch(
 ) -> torch.Tensor:
     """Torch: attention of each sequence's one new query over its paged context.
 
-    `num_splits` is checked and otherwise ignored: this version attends in one pass.
+    `num_splits` is checked and otherwise ignored: this version attends in one pass. The length
+    groups and their gather indices are computed once per forward (`per_forward`).
     """
     geometry = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, check_values)
     _check_decode_shapes(query, seq_lens, num_splits)
@@ -253,7 +255,7 @@ def paged_decode_attention_torch(
         return torch.empty_like(query)
     groups = shared(per_forward, ("decode", window), lambda: _decode_plan(
         block_tables, seq_lens, geometry, window))
-    if len(groups) == 1 and groups[0].members is None:
+    if groups[0].members is None:  # one group: the whole batch
         return _decode_group(query, k_cache, v_cache, groups[0], scale, cap)
     out = torch.empty_like(query)
     for group in groups:

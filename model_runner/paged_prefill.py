@@ -291,9 +291,9 @@ def paged_prefill_attention_torch(
     if num_tokens == 0:
         return torch.empty_like(query)
     num_seqs, num_kv_heads = seq_lens.shape[0], geometry.num_kv_heads
-    plan = shared(per_forward, ("prefill", window), lambda: _prefill_plan(
-        block_tables, seq_lens, query_start_loc, num_tokens, num_q_heads // num_kv_heads,
-        geometry.block_size, window))
+    group = num_q_heads // num_kv_heads
+    plan = shared(per_forward, ("prefill", window, group), lambda: _prefill_plan(
+        block_tables, seq_lens, query_start_loc, num_tokens, group, geometry.block_size, window))
     max_q_len = plan.max_q_len
     # -- scatter the tokens into a padded [S, max_q, H_q, D] query (a copy-free view when the
     #    chunks are equally long) --

@@ -1,7 +1,8 @@
 """Work the attention of every layer of one forward shares, done by the first layer only.
 
-The gather indices of the torch kernels and the launch grid of the Triton prefill depend on the
-batch (block tables, sequence lengths, query layout) and the sliding window, never on the layer.
+The gather indices of the torch kernels and the launch grid of the Triton kernels depend on the
+batch (block tables, sequence lengths, query layout), the sliding window and the model's head
+counts, never on anything else of a layer: the key names what they depend on beyond the batch.
 A forward's `PagedContext.per_forward` is a fresh dict that the attention calls of its layers
 pass to the kernels; the first call under a key computes the value, the others reuse it:
 
@@ -10,16 +11,17 @@ pass to the kernels; the first call under a key computes the value, the others r
 A kernel called without one (`per_forward=None`, a direct call) computes it every time.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TypeVar, cast
 
 T = TypeVar("T")
 
-# (what, sliding window or 0) -> the value computed for this forward's batch.
-PerForward = dict[tuple[str, int], object]
+# (what, then everything else it depends on besides the batch: the sliding window, ...) -> the
+# value computed for this forward's batch.
+PerForward = dict[tuple[Hashable, ...], object]
 
 
-def shared(per_forward: PerForward | None, key: tuple[str, int], make: Callable[[], T]) -> T:
+def shared(per_forward: PerForward | None, key: tuple[Hashable, ...], make: Callable[[], T]) -> T:
     """make()'s value, computed once per forward under `key`."""
     if per_forward is None:
         return make()

@@ -75,7 +75,9 @@ def test_layers_sharing_a_dict_get_what_each_call_computes_alone(kernel, monkeyp
         alone = call(None)
         assert index_calls[0] == before + 1
         torch.testing.assert_close(call(per_forward), alone, rtol=0, atol=0)
-    assert sorted(per_forward) == [(kernel, 0), (kernel, 16)]
+    group = 2  # 4 query heads over 2 KV heads
+    assert sorted(per_forward) == ([(kernel, 0), (kernel, 16)] if kernel == "decode"
+                                   else [(kernel, 0, group), (kernel, 16, group)])
     # one index per call alone (3), one per window in the shared dict (2)
     assert index_calls[0] == 5
 
