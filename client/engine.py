@@ -12,7 +12,9 @@ for it. A background task loops: plan a step (`Scheduler`), send it as one runne
 answers back, and push each request's progress to its waiter (`stream`: an output per step;
 `generate`: the final one only). A failed step changed nothing (the runner's contract), so the
 plan is simply dropped: admissions wait again, and a pool that turned out fuller than the runner
-last said preempts the newest request.
+last said preempts the newest request. A runner that restarts under the engine (the KV stays in
+the daemon) gets the step again with each sequence's history (`RunnerLink`), and the requests
+go on with the tokens they would have had.
 """
 
 import asyncio
@@ -31,6 +33,7 @@ from .errors import PagedKVError, PoolExhausted
 from .outputs import RequestOutput
 from .requests import Request
 from .runner_client import RunnerClient
+from .runner_link import RunnerLink
 from .sampling_params import SamplingParams
 from .scheduler import Plan, Scheduler, SchedulerConfig
 from .session import Session
@@ -65,10 +68,12 @@ class Engine:
     def __init__(self, pool: PoolClient, session: Session, runner: RunnerClient, *,
                  vocab_size: int, eos_token_ids: Sequence[int], num_blocks: int,
                  free_blocks: int, config: SchedulerConfig, reservation_blocks: int = 0,
-                 max_model_len: int = 0) -> None:
+                 max_model_len: int = 0, runner_id: str = "") -> None:
         self.pool = pool
         self.session = session
         self.runner = runner
+        # The runner's steps, carried across its restarts (runner_id: RunnerInfo's).
+        self.link = RunnerLink(runner, session, runner_id)
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         # The most tokens a sequence may hold (the runner's RunnerInfo.max_model_len; 0 = none).
@@ -117,7 +122,8 @@ class Engine:
         return cls(pool, session, runner_client, vocab_size=info.vocab_size,
                    eos_token_ids=info.eos_token_ids, num_blocks=stats.num_blocks,
                    free_blocks=stats.free_blocks, config=config or SchedulerConfig(),
-                   reservation_blocks=reservation, max_model_len=info.max_model_len)
+                   reservation_blocks=reservation, max_model_len=info.max_model_len,
+                   runner_id=info.runner_id)
 
     # ------------------------------------------------------------------ requests
 
@@ -215,7 +221,7 @@ class Engine:
                 continue
             try:
                 self._in_flight = plan
-                outputs = await self.runner.step(self.session, plan.steps, plan.release)
+                outputs = await self.link.step(plan.seqs, plan.steps, plan.release)
                 self._in_flight = None
             except PoolExhausted:
                 self._finals = finals
@@ -254,7 +260,7 @@ class Engine:
 
     async def _preempt(self, plan: Plan) -> None:
         ids = self.scheduler.preempt_ids(plan)
-        outputs = await self.runner.step(self.session, [], ids)
+        outputs = await self.link.step([], [], ids)
         self._free_blocks = outputs.free_blocks
         self.scheduler.preempted(plan)
 

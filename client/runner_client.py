@@ -139,9 +139,11 @@ class RunnerClient:
                                     f"no pagedkv runner answered at {target}") from None
         return cls(channel, timeout)
 
-    async def info(self) -> rpb.RunnerInfo:
+    async def info(self, timeout: float | None = None) -> rpb.RunnerInfo:
+        """The runner's RunnerInfo (`timeout`: this call's deadline instead of the client's)."""
         try:
-            return await self.stub.GetRunnerInfo(rpb.GetRunnerInfoRequest(), timeout=self.timeout)
+            return await self.stub.GetRunnerInfo(rpb.GetRunnerInfoRequest(),
+                                                 timeout=timeout or self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
 

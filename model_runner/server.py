@@ -17,6 +17,7 @@ SIGTERM: health NOT_SERVING, stop accepting, let in-flight steps finish for SHUT
 import asyncio
 import contextlib
 import os
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,13 +84,16 @@ class RunnerConfig:
 
 
 class RunnerState:
-    """What the servicer reads about the running runner; replaced when the pool changes."""
+    """What the servicer reads about the running runner; updated when the pool changes."""
 
     def __init__(self, engine: StepEngine, info: PoolInfo, model: str, backend: str) -> None:
         self.engine = engine
         self.info = info
         self.model = model
         self.backend = backend
+        # This process's RunnerInfo.runner_id: a client that sees it change after a lost
+        # answer knows the runner restarted and holds none of its sequences.
+        self.runner_id = uuid.uuid4().hex
         # Why steps are refused now (the daemon is away or restarted), or None.
         self.unavailable: str | None = None
 
@@ -110,7 +114,7 @@ class RunnerState:
                               dtype=dtype, eos_token_ids=eos_ids, pool_id=self.info.pool_id,
                               block_size=self.info.block_size,
                               attention_backend=self.backend,
-                              max_model_len=runner.max_model_len)
+                              max_model_len=runner.max_model_len, runner_id=self.runner_id)
 
 
 async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None:

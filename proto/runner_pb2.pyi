@@ -68,6 +68,7 @@ class RunnerInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     ATTENTION_BACKEND_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
+    RUNNER_ID_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model: a name (config's model_type and a local path or preset) and its geometry."""
     vocab_size: _builtins.int
@@ -84,6 +85,13 @@ class RunnerInfo(_message.Message):
     """The most tokens a sequence may hold: the model's max_position_embeddings. A step that
     would take a sequence past it is INVALID_ARGUMENT; a token sampled by a sequence that holds
     this many is reported finished (it has no position to be appended at).
+    """
+    runner_id: _builtins.str
+    """Drawn when the runner process starts. After a step that failed without an answer
+    (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED), another id means the runner restarted and
+    knows none of the client's sequences: free the step's new sequences (its allocations may
+    have happened) and resend it with the others' history. The same id means the step may
+    have been applied by a runner that still knows them: do not resend it as it was.
     """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -103,10 +111,11 @@ class RunnerInfo(_message.Message):
         block_size: _builtins.int = ...,
         attention_backend: _builtins.str = ...,
         max_model_len: _builtins.int = ...,
+        runner_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "max_model_len", b"max_model_len", "model", b"model", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "max_model_len", b"max_model_len", "model", b"model", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "runner_id", b"runner_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
