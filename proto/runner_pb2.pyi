@@ -243,7 +243,8 @@ class SequenceStep(_message.Message):
     def history(self) -> Global___SequenceHistory:
         """First step of an existing sequence the runner does not know (it restarted): what the
         sequence holds, so the runner can go on with identical tokens. Sent after the runner
-        answered FAILED_PRECONDITION naming the sequence as unknown.
+        answered FAILED_PRECONDITION naming the sequence as unknown, or after a step without an
+        answer when RunnerInfo.runner_id changed (the runner restarted).
         """
 
     def __init__(
