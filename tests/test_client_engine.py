@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd
+from served_model import hf_greedy, reference_model, write_config
 from transformers import LlamaConfig, PreTrainedModel
 
 from pagedkv.client import PoolClient, SamplingParams
 from pagedkv.client.engine import Engine, StepRecord
 from pagedkv.client.scheduler import SchedulerConfig
-from pagedkv.model_runner.models import ModelSource, load_model
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -34,23 +34,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("model")
-    CONFIG.save_pretrained(folder)
-    return folder / "config.json"
+    return write_config(CONFIG, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def reference(config_path: Path) -> PreTrainedModel:
-    """The runner's model, built the same way in this process (eager attention)."""
-    model = load_model(ModelSource(random_init=str(config_path), seed=0))
-    model.set_attn_implementation("eager")
-    return model
-
-
-def hf_greedy(reference: PreTrainedModel, prompt: list[int], n: int) -> list[int]:
-    output = reference.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                                do_sample=False)
-    return list(output[0, len(prompt):].tolist())
+    return reference_model(config_path, attention="eager")
 
 
 @pytest.fixture(scope="module")

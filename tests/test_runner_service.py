@@ -2,10 +2,13 @@
 
 The daemon plans its pool from the model's config.json and the runner random-initializes the
 same config with the same seed, so this process can build the identical model and compare the
-runner's greedy tokens with transformers' own `generate`.
+runner's greedy tokens with transformers' own `generate`. A runner killed with SIGKILL and
+restarted on the same socket loses nothing: clients (`RunnerLink`, the engine) go on with the
+tokens transformers gives, without recomputing what the daemon holds.
 """
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
@@ -17,11 +20,14 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from pagedkvd_process import Pagedkvd, free_tcp_port, pagedkv_runner, pagedkvd
+from pagedkvd_process import Pagedkvd, free_tcp_port, pagedkv_runner, pagedkvd, short_tmp_dir
+from served_model import TINY, hf_greedy, reference_model, write_config
 from transformers import LlamaConfig, PreTrainedModel
 
 from pagedkv.client import (
     DaemonUnavailable,
+    DeadlineExceeded,
+    Engine,
     InvalidArgument,
     NotFound,
     PoolClient,
@@ -32,27 +38,25 @@ from pagedkv.client import (
     SessionExpired,
     UnknownSequence,
 )
+from pagedkv.client.runner_link import RunnerLink
+from pagedkv.client.sequences import Seq
 from pagedkv.model_runner.models import ModelSource, load_model
 
-CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                     initializer_range=0.2, eos_token_id=None, bos_token_id=None,
-                     pad_token_id=None)
 NEW_TOKENS = 8
+# The lease of sessions that outlive a runner: this test's event loop blocks while a runner
+# process starts.
+LEASE_MS = 300_000
 PROMPTS = [[(7 * i + 3 * j) % 128 for j in range(n)] for i, n in enumerate((5, 17, 33))]
 
 
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("model")
-    CONFIG.save_pretrained(folder)
-    return folder / "config.json"
+    return write_config(TINY, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def reference(config_path: Path) -> PreTrainedModel:
-    """The runner's model, built the same way in this process."""
-    return load_model(ModelSource(random_init=str(config_path), seed=0))
+    return reference_model(config_path)
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +86,7 @@ async def clients(daemon: Pagedkvd,
 
 
 def expected(reference: PreTrainedModel, prompt: list[int]) -> list[int]:
-    output = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
-                                min_new_tokens=NEW_TOKENS, do_sample=False)
-    return list(output[0, len(prompt):].tolist())
+    return hf_greedy(reference, prompt, NEW_TOKENS)
 
 
 async def greedy(runner: RunnerClient, session: Session, prompts: Sequence[list[int]],
@@ -220,8 +222,7 @@ async def test_a_killed_runner_restarted_continues_with_identical_tokens(
         daemon: Pagedkvd, config_path: Path, reference: PreTrainedModel) -> None:
     prompt = PROMPTS[2]
     async with await PoolClient.connect(daemon.unix_target) as pool, \
-            await pool.open_session("survivor", lease_ttl_ms=300_000) as session:
-        # (a long lease: this test's loop blocks while a runner process starts)
+            await pool.open_session("survivor", lease_ttl_ms=LEASE_MS) as session:
         with pagedkv_runner(daemon, "--random-init", str(config_path)) as first:
             async with await RunnerClient.connect(first.unix_target) as runner:
                 (out,) = await runner.step(session, [SeqStep(1, prompt, new_sequence=True)])
@@ -310,3 +311,114 @@ def test_the_weights_load_in_the_dtype_asked_for(config_path: Path) -> None:
                                   dtype="bfloat16")).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
         load_model(ModelSource(random_init=str(config_path), dtype="int8"))
+
+
+# ------------------------------------------------ a runner restart under a client
+
+# Tests of a runner restart under a client generate longer, to restart mid-decode.
+RESTART_NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=RESTART_NEW_TOKENS)
+
+
+@pytest.fixture
+def listen() -> Iterator[str]:
+    """A runner socket path that outlives one runner process."""
+    with short_tmp_dir() as folder:
+        yield f"unix://{folder / 'runner.sock'}"
+
+
+async def test_engine_requests_finish_with_identical_tokens_across_a_runner_restart(
+        daemon: Pagedkvd, config_path: Path, reference: PreTrainedModel, listen: str) -> None:
+    """SIGKILL the runner while three requests decode (ahead), start another on the same
+    socket: the engine's step fails without an answer, the link sees a new runner_id and
+    resends it with histories; every request ends with transformers' tokens."""
+    with contextlib.ExitStack() as runners:
+        first = runners.enter_context(pagedkv_runner(daemon, "--random-init", str(config_path),
+                                                     listen=listen))
+        async with await Engine.connect(daemon.unix_target, listen,
+                                        lease_ttl_ms=LEASE_MS) as engine:
+            others = [asyncio.create_task(engine.generate(p, GREEDY)) for p in PROMPTS[1:]]
+            restarted_at = 0
+            async for output in engine.stream(PROMPTS[0], GREEDY):
+                done = len(output.outputs[0].token_ids)
+                if not restarted_at and done >= 4:
+                    first.stop(signal.SIGKILL)
+                    runners.enter_context(pagedkv_runner(daemon, "--random-init",
+                                                         str(config_path), listen=listen))
+                    restarted_at = done
+                final = output
+            results = [final, *await asyncio.gather(*others)]
+            assert engine.link.restarts >= 1
+            stats = (await engine.session.stats()).session
+    assert 4 <= restarted_at < RESTART_NEW_TOKENS
+    for prompt, result in zip(PROMPTS, results, strict=True):
+        assert list(result.outputs[0].token_ids) == hf_greedy(reference, prompt, RESTART_NEW_TOKENS)
+    assert stats is not None
+    assert stats.num_sequences == 0  # every sequence released, none left behind by the restart
+
+
+async def greedy_step(link: RunnerLink, seqs: list[Seq]) -> None:
+    """One step of every sequence (a prefill first), as the engine's scheduler sends it."""
+    outputs = await link.step(seqs, [seq.step() for seq in seqs], ())
+    for seq, out in zip(seqs, outputs, strict=True):
+        seq.stepped(out)
+        seq.record(out, None)
+
+
+def new_seqs() -> list[Seq]:
+    return [Seq(i, list(p), len(p), GREEDY) for i, p in enumerate(PROMPTS)]
+
+
+async def test_a_restarted_runner_that_does_not_know_the_sequences_gets_their_history(
+        daemon: Pagedkvd, config_path: Path, reference: PreTrainedModel, listen: str) -> None:
+    """The new runner answers the next step UnknownSequence (nothing changed); the link
+    resends it with each sequence's history, and the tokens go on as before, with the K/V of
+    the prompts read from the daemon's pool (computed once: the new runner computes only the
+    decode tokens)."""
+    seqs = new_seqs()
+    async with await PoolClient.connect(daemon.unix_target) as pool, \
+            await pool.open_session("link", lease_ttl_ms=LEASE_MS) as session:
+        with pagedkv_runner(daemon, "--random-init", str(config_path), listen=listen) as first:
+            async with await RunnerClient.connect(listen) as runner:
+                link = RunnerLink(runner, session, (await runner.info()).runner_id)
+                for _ in range(3):
+                    await greedy_step(link, seqs)
+            first.stop(signal.SIGKILL)
+        with pagedkv_runner(daemon, "--random-init", str(config_path), listen=listen):
+            async with await RunnerClient.connect(listen) as runner:
+                # a new channel: the first call reaches the new runner
+                link = RunnerLink(runner, session, link.runner_id)
+                computed_before = [seq.computed for seq in seqs]
+                await greedy_step(link, seqs)
+                assert link.restarts == 1
+                # the resent step computed one token per sequence, not the prompts again
+                assert [seq.computed for seq in seqs] == [n + 1 for n in computed_before]
+                for _ in range(RESTART_NEW_TOKENS - 4):
+                    await greedy_step(link, seqs)
+                assert link.restarts == 1
+            await release(session, seqs)
+    for prompt, seq in zip(PROMPTS, seqs, strict=True):
+        assert seq.generated == hf_greedy(reference, prompt, RESTART_NEW_TOKENS)
+
+
+async def test_a_step_lost_by_a_runner_that_still_runs_is_not_resent(
+        daemon: Pagedkvd, config_path: Path, listen: str) -> None:
+    """No answer, but the same runner_id answers its info: the runner may have applied the
+    step and still knows the sequences, so the error stands and nothing is sent again."""
+    seqs = new_seqs()
+    async with await PoolClient.connect(daemon.unix_target) as pool, \
+            await pool.open_session("same-runner", lease_ttl_ms=LEASE_MS) as session:
+        with pagedkv_runner(daemon, "--random-init", str(config_path), listen=listen):
+            async with await RunnerClient.connect(listen) as runner:
+                link = RunnerLink(runner, session, (await runner.info()).runner_id)
+                runner.timeout = 1e-6  # every step's deadline passes at once
+                with pytest.raises(DeadlineExceeded):
+                    await greedy_step(link, seqs)
+                assert link.restarts == 0
+            await release(session, seqs, missing_ok=True)  # the step may have allocated them
+
+
+async def release(session: Session, seqs: list[Seq], missing_ok: bool = False) -> None:
+    for seq in seqs:
+        with contextlib.suppress(*((NotFound,) if missing_ok else ())):
+            await session.free(seq.seq_id)
