@@ -42,7 +42,8 @@ class RunnerLink:
                  restart_wait_s: float = RESTART_WAIT_S) -> None:
         self.runner = runner
         self.session = session
-        # The runner_id of the runner that answered last.
+        # The runner_id of the runner that answered last ("" = unknown: a step that got no
+        # answer is then never resent).
         self.runner_id = runner_id
         self.restart_wait_s = restart_wait_s
         # Steps sent again because the runner restarted.
@@ -74,7 +75,8 @@ class RunnerLink:
                     return False
                 await asyncio.sleep(RESTART_POLL_S)
                 continue
-            restarted = info.runner_id != self.runner_id
+            # An empty id (unknown, or a runner that draws none) never proves a restart.
+            restarted = bool(self.runner_id) and info.runner_id != self.runner_id
             self.runner_id = info.runner_id
             return restarted
 

@@ -401,16 +401,19 @@ async def test_a_restarted_runner_that_does_not_know_the_sequences_gets_their_hi
         assert seq.generated == hf_greedy(reference, prompt, RESTART_NEW_TOKENS)
 
 
+@pytest.mark.parametrize("known_id", [True, False], ids=["same-id", "unknown-id"])
 async def test_a_step_lost_by_a_runner_that_still_runs_is_not_resent(
-        daemon: Pagedkvd, config_path: Path, listen: str) -> None:
-    """No answer, but the same runner_id answers its info: the runner may have applied the
-    step and still knows the sequences, so the error stands and nothing is sent again."""
+        daemon: Pagedkvd, config_path: Path, listen: str, known_id: bool) -> None:
+    """No answer, but the same runner_id answers its info (or the link never knew one): the
+    runner may have applied the step and still knows the sequences, so the error stands and
+    nothing is sent again."""
     seqs = new_seqs()
     async with await PoolClient.connect(daemon.unix_target) as pool, \
             await pool.open_session("same-runner", lease_ttl_ms=LEASE_MS) as session:
         with pagedkv_runner(daemon, "--random-init", str(config_path), listen=listen):
             async with await RunnerClient.connect(listen) as runner:
-                link = RunnerLink(runner, session, (await runner.info()).runner_id)
+                runner_id = (await runner.info()).runner_id if known_id else ""
+                link = RunnerLink(runner, session, runner_id)
                 runner.timeout = 1e-6  # every step's deadline passes at once
                 with pytest.raises(DeadlineExceeded):
                     await greedy_step(link, seqs)
