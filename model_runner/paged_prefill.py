@@ -146,8 +146,7 @@ def paged_prefill_attention_triton(
     if num_tokens == 0:
         return out
     # The grid needs the longest chunk: one read-back per forward, not per layer.
-    max_q_len = shared(per_forward, ("max_q_len", 0),
-                       lambda: int(query_start_loc.diff().max()))
+    max_q_len = shared(per_forward, ("max_q_len",), lambda: int(query_start_loc.diff().max()))
     grid = (num_seqs, num_q_heads, triton.cdiv(max_q_len, BLOCK_M))
     _prefill_kernel[grid](
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
@@ -303,8 +302,8 @@ def paged_prefill_attention_torch(
         q = query.new_zeros((num_seqs, max_q_len, num_q_heads, head_dim), dtype=torch.float32)
         q[plan.seq_of, plan.row_of] = query.float()
     # -- [S, H_kv, G * max_q, D]: a KV head's G query heads are rows of one attention --
-    q = q.view(num_seqs, max_q_len, num_kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(num_seqs, num_kv_heads, -1, head_dim)
+    q = q.view(num_seqs, max_q_len, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, num_kv_heads, group * max_q_len, head_dim)
     keys, values = gather_context(k_cache, v_cache, plan.index)
     out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), plan.counted, scale, cap)
     # [S, H_kv, G * max_q, D] -> [S, max_q, H_q, D] -> the tokens' rows [T, H_q, D]
