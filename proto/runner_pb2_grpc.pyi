@@ -10,9 +10,10 @@ add and compute and how to sample its next token. The runner never trusts a bloc
 slot from a client: it performs the step's memory operations with the daemon itself, under
 the client's session (Fork for a new sequence naming a parent, Allocate for another new
 sequence, Append/Step for the others, all in one call), so a client step costs one client
-RPC, and a sequence of another session is NOT_FOUND exactly as from the daemon. Blocks a step computes are committed to the prefix cache only after their K/V is
-written. Steps of several clients that arrive together run in one forward pass; one client's
-bad step fails alone.
+RPC, and a sequence of another session is NOT_FOUND exactly as from the daemon. Blocks a
+step computes are committed to the prefix cache only after their K/V is written. Steps of
+several clients that arrive together run in one forward pass; one client's bad step fails
+alone.
 
 Retry rules: as kvpool.proto's. A Step answered with an error status changed nothing in the
 pool. After DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE read the sequences' num_tokens back
@@ -20,7 +21,11 @@ pool. After DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE read the sequences' num_
 client that gives up instead releases every sequence the step named (frees of sequences
 that do not exist are ignored). A sequence marked decode_ahead may hold one token more in
 the daemon than the last answer says (the sampled token, appended ahead): count it when
-comparing, and release such a sequence rather than resend it if that answer was lost.
+comparing, and release such a sequence rather than resend it if that answer was lost. A
+runner_id (GetRunnerInfo) other than before the lost answer means the runner restarted and
+knows none of the session's sequences, while the daemon kept them: free the step's new
+sequences and resend the step with each existing sequence's history (SequenceStep.history;
+the runner takes the daemon's one extra token for the token the step names).
 """
 
 from collections import abc as _abc
