@@ -33,7 +33,7 @@ from .errors import PagedKVError, PoolExhausted
 from .outputs import RequestOutput
 from .requests import Request
 from .runner_client import RunnerClient
-from .runner_link import RunnerLink
+from .runner_link import RESTART_WAIT_S, RunnerLink
 from .sampling_params import SamplingParams
 from .scheduler import Plan, Scheduler, SchedulerConfig
 from .session import Session
@@ -68,12 +68,14 @@ class Engine:
     def __init__(self, pool: PoolClient, session: Session, runner: RunnerClient, *,
                  vocab_size: int, eos_token_ids: Sequence[int], num_blocks: int,
                  free_blocks: int, config: SchedulerConfig, reservation_blocks: int = 0,
-                 max_model_len: int = 0, runner_id: str = "") -> None:
+                 max_model_len: int = 0, runner_id: str = "",
+                 runner_restart_wait_s: float = RESTART_WAIT_S) -> None:
         self.pool = pool
         self.session = session
         self.runner = runner
-        # The runner's steps, carried across its restarts (runner_id: RunnerInfo's).
-        self.link = RunnerLink(runner, session, runner_id)
+        # The runner's steps, carried across its restarts (runner_id: RunnerInfo's; a step
+        # that got no answer waits up to runner_restart_wait_s for a restarted runner).
+        self.link = RunnerLink(runner, session, runner_id, restart_wait_s=runner_restart_wait_s)
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         # The most tokens a sequence may hold (the runner's RunnerInfo.max_model_len; 0 = none).
@@ -103,8 +105,11 @@ class Engine:
     async def connect(cls, daemon: str, runner: str, *,
                       config: SchedulerConfig | None = None, client_name: str = "engine",
                       auth_token: str | None = None, cache_salt: bytes | str = b"",
-                      lease_ttl_ms: int = 0) -> Self:
-        """Open a session on the daemon and a channel to the runner computing on its pool."""
+                      lease_ttl_ms: int = 0,
+                      runner_restart_wait_s: float = RESTART_WAIT_S) -> Self:
+        """Open a session on the daemon and a channel to the runner computing on its pool.
+        `runner_restart_wait_s`: how long a step that got no answer waits for a restarted
+        runner (0 when nothing restarts it) before its requests fail."""
         pool = await PoolClient.connect(daemon, auth_token=auth_token)
         try:
             session = await pool.open_session(client_name, lease_ttl_ms, cache_salt=cache_salt)
@@ -123,7 +128,7 @@ class Engine:
                    eos_token_ids=info.eos_token_ids, num_blocks=stats.num_blocks,
                    free_blocks=stats.free_blocks, config=config or SchedulerConfig(),
                    reservation_blocks=reservation, max_model_len=info.max_model_len,
-                   runner_id=info.runner_id)
+                   runner_id=info.runner_id, runner_restart_wait_s=runner_restart_wait_s)
 
     # ------------------------------------------------------------------ requests
 

@@ -32,6 +32,7 @@ from typing import Any, Self
 
 from pagedkv.client.engine import Engine
 from pagedkv.client.outputs import RequestOutput
+from pagedkv.client.runner_link import RESTART_WAIT_S
 from pagedkv.client.sampling_params import SamplingParams
 
 from .config import LLMConfig
@@ -58,20 +59,29 @@ class LLM:
         self._finalizer = weakref.finalize(self, self._resources.close)
         try:
             self.daemon_target, self.runner_target = self._services(model_ref)
+            # A runner this LLM started is not restarted by anyone: a step it leaves unanswered
+            # fails at once instead of waiting for a restart.
+            restart_wait_s = RESTART_WAIT_S if self._connected_to_services else 0.0
             self._loop = LoopThread("pagedkv-llm")
             self._resources.callback(self._loop.close)
             self._engine = self._loop.run(Engine.connect(
                 self.daemon_target, self.runner_target, config=self.config.scheduler(),
-                client_name=CLIENT_NAME))
+                client_name=CLIENT_NAME, runner_restart_wait_s=restart_wait_s))
             self._resources.callback(_close_engine, self._loop, self._engine)
             self._check_tokenizer()
         except BaseException:
             self.close()
             raise
 
+    @property
+    def _connected_to_services(self) -> bool:
+        """Whether this LLM uses a running daemon and runner (else it starts its own)."""
+        return self.config.daemon is not None and self.config.runner is not None
+
     def _services(self, model: ModelRef | None) -> tuple[str, str]:
         """The daemon's and the runner's targets: the given ones, or those of children."""
-        if self.config.daemon is not None and self.config.runner is not None:
+        if self._connected_to_services:
+            assert self.config.daemon is not None and self.config.runner is not None
             return self.config.daemon, self.config.runner
         assert model is not None, "LLMConfig requires a model when starting the services"
         return start_services(self.config, model, self._resources)

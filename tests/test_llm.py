@@ -10,6 +10,7 @@ is otherwise the same random model).
 """
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from pagedkv.client import DaemonUnavailable
+from pagedkv.client.runner_link import RESTART_WAIT_S
 from pagedkv.llm import LLM, SamplingParams
 from pagedkv.llm.pool_budget import CPU_KV_CAP, DeviceMemory, kv_budget
 from pagedkv.llm.progress import Progress
@@ -156,9 +159,12 @@ def test_parallel_samples_and_beam_search(llm: LLM, reference: PreTrainedModel,
 
 def test_an_llm_on_running_daemon_and_runner(llm: LLM, model_dir: Path) -> None:
     """A second LLM uses the first one's daemon and runner (its model folder for the
-    tokenizer only); closing it leaves them running."""
+    tokenizer only); closing it leaves them running. It would wait for a restarted runner
+    (someone else runs it), the first one would not (it started it)."""
     expected = llm.generate(PROMPTS, GREEDY)
     with LLM(model=str(model_dir), daemon=llm.daemon_target, runner=llm.runner_target) as other:
+        assert other._engine.link.restart_wait_s == RESTART_WAIT_S
+        assert llm._engine.link.restart_wait_s == 0.0
         assert [o.outputs[0].text for o in other.generate(PROMPTS, GREEDY)] == [
             o.outputs[0].text for o in expected]
     assert llm.generate(PROMPTS[0], GREEDY)[0].outputs[0].text == expected[0].outputs[0].text
@@ -250,8 +256,25 @@ def test_close_stops_the_children(llm: LLM) -> None:
     llm.close()  # idempotent
 
 
+def test_a_dead_runner_the_llm_started_fails_its_steps_at_once() -> None:
+    """Nothing restarts the runner an LLM started itself: a step it leaves unanswered fails at
+    once, with no wait for a restarted runner (an LLM on running services waits for one: see
+    test_an_llm_on_running_daemon_and_runner)."""
+    llm = LLM("tiny-llama", num_blocks=64)
+    try:
+        assert llm._engine.link.restart_wait_s == 0.0
+        (runner,) = processes_mentioning(llm.runner_target.removeprefix("unix://"))
+        os.kill(runner, signal.SIGKILL)
+        with pytest.raises(DaemonUnavailable):
+            llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4))
+    finally:
+        llm.close()
+
+
 # A script that starts an LLM on a preset and exits without closing it.
 PRESET_SCRIPT = """
+from pagedkv.client import DaemonUnavailable
+from pagedkv.client.runner_link import RESTART_WAIT_S
 from pagedkv.llm import LLM, SamplingParams
 llm = LLM("tiny-llama", num_blocks=64)
 print(llm.daemon_target)
