@@ -194,17 +194,20 @@ class ForwardLoop:
     def results(self, prepared: Prepared, chosen: dict[int, Pick]) -> list[SeqResult]:
         """One result per request of `prepared`: computed ahead, or from this step (`chosen`:
         the sampled token of each request that sampled, by index)."""
-        return [prepared.ready.get(i) or self._result(request, state, chosen.get(i))
+        limit = self._runner().max_model_len
+        return [prepared.ready.get(i) or _result(request, state, chosen.get(i), limit)
                 for i, (request, state) in enumerate(
                     zip(prepared.requests, prepared.states, strict=True))]
 
-    def _result(self, request: SeqRequest, state: SeqState, pick: Pick | None) -> SeqResult:
-        """What a step did to one sequence (`pick`: its sampled token, if it sampled)."""
-        if pick is None:
-            return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
-                             state.num_cached, sampled=False)
-        # A sequence that holds max_model_len tokens has no position for its sampled token.
-        full = len(state.tokens) >= self._runner().max_model_len
+
+def _result(request: SeqRequest, state: SeqState, pick: Pick | None,
+            max_model_len: int) -> SeqResult:
+    """What a step did to one sequence (`pick`: its sampled token, if it sampled)."""
+    if pick is None:
         return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
-                         state.num_cached, True, pick.token_id, pick.logprob,
-                         pick.top_token_ids, pick.top_logprobs, pick.finished or full)
+                         state.num_cached, sampled=False)
+    # A sequence that holds max_model_len tokens has no position for its sampled token.
+    full = len(state.tokens) >= max_model_len
+    return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
+                     state.num_cached, True, pick.token_id, pick.logprob,
+                     pick.top_token_ids, pick.top_logprobs, pick.finished or full)

@@ -212,9 +212,7 @@ class Preparer:
         for r in requests:
             if r.new_sequence and r.parent_seq_id is None:
                 ops.append(Allocate(r.seq_id, token_ids=r.token_ids))
-            elif r.token_ids:
-                if not r.new_sequence:
-                    self.known_state(known, r.seq_id)
+            elif r.token_ids:  # an existing sequence: _learn made it known
                 ops.append(Append(r.seq_id, token_ids=r.token_ids))
         answers: list[SequenceBlocks] = []
         if ops:
