@@ -24,7 +24,7 @@ REQUESTS: dict[str, type[Message]] = {
     "KeepAlive": pb.KeepAliveRequest, "CloseSession": pb.CloseSessionRequest,
     "Allocate": pb.AllocateRequest, "Append": pb.AppendRequest, "Fork": pb.ForkRequest,
     "CopyOnWrite": pb.CopyOnWriteRequest, "Free": pb.FreeRequest, "Commit": pb.CommitRequest,
-    "Batch": pb.BatchRequest, "Step": pb.StepRequest,
+    "Batch": pb.BatchRequest, "Step": pb.StepRequest, "StepMany": pb.StepManyRequest,
     "GetBlockTables": pb.GetBlockTablesRequest, "GetStats": pb.GetStatsRequest,
 }
 RESPONSES: dict[str, type[Message]] = {
@@ -32,7 +32,7 @@ RESPONSES: dict[str, type[Message]] = {
     "KeepAlive": pb.KeepAliveResponse, "CloseSession": pb.CloseSessionResponse,
     "Allocate": pb.SequenceBlocks, "Append": pb.SequenceBlocks, "Fork": pb.SequenceBlocks,
     "CopyOnWrite": pb.SequenceBlocks, "Free": pb.FreeResponse, "Commit": pb.CommitResponse,
-    "Batch": pb.BatchResponse, "Step": pb.StepResponse,
+    "Batch": pb.BatchResponse, "Step": pb.StepResponse, "StepMany": pb.StepManyResponse,
     "GetBlockTables": pb.GetBlockTablesResponse, "GetStats": pb.PoolStats,
 }
 READ_ONLY = {"GetPoolInfo", "KeepAlive", "GetBlockTables", "GetStats"}
@@ -66,6 +66,8 @@ class Plan:
     expect: Expect
     # Single ops and Batch: the ops the shadow applies on success.
     ops: list[pb.BatchOp] = field(default_factory=list)
+    # StepMany: the Step plan of each entry (each is judged, and applied, on its own).
+    entries: list["Plan"] = field(default_factory=list)
 
     @property
     def mutating(self) -> bool:
@@ -118,7 +120,8 @@ class CallMaker:
         self.makers: list[tuple[float, Callable[[SessionShadow], Plan]]] = [
             (34, self.valid_single), (14, self.step), (6, self.valid_batch),
             (14, self.invalid_single), (4, self.invalid_step), (4, self.invalid_batch),
-            (4, self.block_tables), (3, self.odd_values), (5, self.junk_session),
+            (4, self.step_many), (4, self.block_tables), (3, self.odd_values),
+            (5, self.junk_session),
             (2, self.session_calls), (6, self.raw_bytes), (0.2, self.oversized),
         ]
 
@@ -227,6 +230,25 @@ class CallMaker:
         request = pb.StepRequest(session_id=session.session_id, seq_ids=seq_ids, num_tokens=k,
                                  token_ids=ids, commit=self.rng.random() < 0.5)
         return Plan("step", "Step", request, session, Expect.OK)
+
+    def step_many(self, session: SessionShadow) -> Plan:
+        """1-4 Steps of random sessions (the same one maybe twice), valid and invalid ones and
+        junk-session ones mixed: each entry must fare as that Step alone would."""
+        entries = []
+        for _ in range(self.rng.randint(1, 4)):
+            owner = self.rng.choice(self.shadow.sessions)
+            r = self.rng.random()
+            if r < 0.6 and owner.seqs:
+                entries.append(self.step(owner))
+            elif r < 0.9:
+                entries.append(self.invalid_step(owner))
+            else:
+                request = pb.StepRequest(session_id=self.junk_id(owner)[:200], seq_ids=[1])
+                entries.append(Plan("step_junk_session", "Step", request, None, Expect.FAIL))
+        steps = [entry.request for entry in entries if isinstance(entry.request, pb.StepRequest)]
+        assert len(steps) == len(entries)
+        return Plan("step_many", "StepMany", pb.StepManyRequest(steps=steps), None, Expect.OK,
+                    entries=entries)
 
     # --------------------------------------------------------- invalid ops
 

@@ -34,6 +34,7 @@ from fuzz_calls import OP_RPCS, RESPONSES, CallMaker, Expect, Plan
 from fuzz_shadow import SessionShadow, Shadow, Violation, rpc_code
 from pool_metrics import pool_figures
 
+from pagedkv.client.errors import STATUS_BY_NUMBER
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 
@@ -233,6 +234,9 @@ class Fuzzer:
 
     def apply(self, plan: Plan, answer: bytes, before: dict[str, Any] | None) -> None:
         session, shadow = plan.session, self.shadow
+        if plan.entries:
+            self.apply_entries(plan, pb.StepManyResponse.FromString(answer))
+            return
         if isinstance(plan.request, bytes) or session is None:
             response = RESPONSES[plan.rpc].FromString(answer) if plan.rpc in RESPONSES else None
             if isinstance(response, pb.OpenSessionResponse):
@@ -271,6 +275,27 @@ class Fuzzer:
             index = shadow.sessions.index(session)
             self.closed_ids.append(session.session_id)
             shadow.sessions[index] = self.open(session.salt, session.max_blocks)
+
+    def apply_entries(self, plan: Plan, answer: pb.StepManyResponse) -> None:
+        """A StepMany's entries, each judged as its Step alone: applied to the shadow when OK
+        (a failed entry changed nothing, which the next verification proves)."""
+        report = self.report
+        self.shadow.expect(len(answer.results) == len(plan.entries), "StepMany: one result per "
+                           "entry")
+        for entry, result in zip(plan.entries, answer.results, strict=True):
+            code = STATUS_BY_NUMBER.get(result.code, grpc.StatusCode.UNKNOWN)
+            report.outcomes[f"{entry.label}_entry", code.name] += 1
+            if code is grpc.StatusCode.OK:
+                if entry.expect is Expect.FAIL:
+                    raise Violation(f"invalid StepMany entry accepted: {describe(entry)}")
+                assert entry.session is not None and isinstance(entry.request, pb.StepRequest)
+                self.shadow.apply_step(entry.session, entry.request, result.step)
+            elif code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                report.internal_errors.append(f"{code.name} ({result.message}) for StepMany "
+                                              f"entry {describe(entry)}")
+            elif entry.expect is Expect.OK and code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                report.refusals.append(f"{code.name} ({result.message}) for StepMany entry "
+                                       f"{describe(entry)}")
 
     def open(self, salt: bytes, max_blocks: int) -> SessionShadow:
         reply = self.stub.OpenSession(pb.OpenSessionRequest(

@@ -14,7 +14,7 @@ alive, and recovers calls whose answer was lost as `retry` says (`recovery.py`).
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Self, TypeVar
 
@@ -24,7 +24,14 @@ from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 
-from .errors import DaemonUnavailable, InvalidArgument, PagedKVError, error_from_rpc
+from .errors import (
+    STATUS_BY_NUMBER,
+    DaemonUnavailable,
+    InvalidArgument,
+    PagedKVError,
+    error_from_rpc,
+    error_from_status,
+)
 from .recovery import RetryPolicy
 from .session import Session
 from .tls import TlsOptions
@@ -111,6 +118,20 @@ class PoolClient:
         if keep_alive:
             session.start_keep_alive()
         return session
+
+    async def step_many(self, steps: Sequence[pb.StepRequest]
+                        ) -> list[pb.StepResponse | PagedKVError]:
+        """Several sessions' Steps in one call (kvpool.proto StepMany): per entry, in order, its
+        answer or the exception of its own status (that entry changed nothing). Not retried: a
+        lost call raises OutcomeUnknown, and each entry may or may not have been applied."""
+        reply = await self.call(self.stub.StepMany, lambda: pb.StepManyRequest(steps=steps))
+        if len(reply.results) != len(steps):
+            raise PagedKVError(grpc.StatusCode.INTERNAL, f"StepMany answered {len(reply.results)}"
+                               f" results for {len(steps)} entries")
+        return [result.step if result.code == 0 else error_from_status(
+                    STATUS_BY_NUMBER.get(result.code, grpc.StatusCode.UNKNOWN), result.cause,
+                    result.message)
+                for result in reply.results]
 
     def forget(self, session: "Session") -> None:
         self._sessions.discard(session)

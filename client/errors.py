@@ -127,9 +127,18 @@ _BY_CODE: dict[grpc.StatusCode, type[PagedKVError]] = {
 
 def error_from_rpc(error: grpc.aio.AioRpcError) -> PagedKVError:
     """The exception for a failed call, from its status and `pagedkv-error` metadata."""
-    code = error.code()
-    kind = _BY_CAUSE.get(_cause(error)) or _BY_CODE.get(code, PagedKVError)
-    return kind(code, error.details() or "")
+    return error_from_status(error.code(), _cause(error), error.details() or "")
+
+
+def error_from_status(code: grpc.StatusCode, cause: str, message: str) -> PagedKVError:
+    """The exception for a status with its cause ("" when none): a failed call's, or a failed
+    entry's of a call that fails per entry (StepMany)."""
+    kind = _BY_CAUSE.get(cause) or _BY_CODE.get(code, PagedKVError)
+    return kind(code, message)
+
+
+# grpc.StatusCode by its number (the code of a StepMany entry).
+STATUS_BY_NUMBER: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _cause(error: grpc.aio.AioRpcError) -> str:

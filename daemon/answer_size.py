@@ -27,6 +27,20 @@ _PACKED = 1 + _U32
 SEQUENCE_FIXED = (1 + _U32) + (1 + _U64) + 2 * (1 + _U32) + 2 * _PACKED
 # A StepResponse's seven packed fields' headers.
 STEP_FIXED = 7 * _PACKED
+# A failed StepMany entry's message and cause are cut to these many bytes.
+ENTRY_MESSAGE_BYTES = 256
+ENTRY_CAUSE_BYTES = 32
+# One StepManyResult around its StepResponse: its tag and length, code, cause, message, the
+# StepResponse's tag and length and its free_blocks (charged for every entry, failed or not,
+# before any is applied); then the StepManyResponse's own free_blocks.
+STEP_MANY_ENTRY = ((1 + _U32) + (1 + _U32) + (2 + ENTRY_CAUSE_BYTES) + (3 + ENTRY_MESSAGE_BYTES)
+                   + (1 + _U32) + (1 + _U32))
+STEP_MANY_FIXED = 1 + _U32
+
+
+def cut_utf8(text: str, nbytes: int) -> str:
+    """`text` cut to at most `nbytes` bytes of UTF-8, never inside a character."""
+    return text.encode()[:nbytes].decode(errors="ignore")
 
 
 def varint_bytes(value: int) -> int:
@@ -50,6 +64,11 @@ class AnswerBudget:
     @classmethod
     def for_pool(cls, limit: int, num_blocks: int, block_size: int) -> "AnswerBudget":
         return cls(limit, varint_bytes(num_blocks - 1), varint_bytes(num_blocks * block_size - 1))
+
+    def step_many(self, entries: int) -> None:
+        """A StepManyResponse's envelope for `entries` entries (each entry's Step answer is
+        charged when the entry is applied)."""
+        self.charge(STEP_MANY_FIXED + entries * STEP_MANY_ENTRY, "StepMany")
 
     def charge(self, nbytes: int, what: str) -> None:
         """Add `nbytes` for `what`; AnswerTooLarge if the answer would pass the limit."""

@@ -141,8 +141,10 @@ class DaemonConfig:
     max_seqs_per_session: int = _LIMIT_DEFAULTS.max_seqs_per_session
     # Block-table entries one session may hold (the quota of a session asking for none or more).
     max_blocks_per_session: int = _LIMIT_DEFAULTS.max_blocks_per_session
-    # Ops in one Batch; seq ids in one Step, Commit or GetBlockTables; tokens one op adds.
+    # Ops in one Batch; Step entries in one StepMany; seq ids in one Step, Commit or
+    # GetBlockTables; tokens one op adds.
     max_batch_ops: int = _LIMIT_DEFAULTS.max_batch_ops
+    max_steps_per_call: int = _LIMIT_DEFAULTS.max_steps_per_call
     max_seq_ids: int = _LIMIT_DEFAULTS.max_seq_ids
     max_tokens: int = _LIMIT_DEFAULTS.max_tokens
     # Bytes of an OpenSession client_name and cache_salt, and of any request's session_id.

@@ -4,8 +4,9 @@ Every cap has a default, a maximum, a TOML key and a flag of the same name (`max
 `--max-sessions`); `LIMITS` lists them and ops/OPERATIONS.md ("Limits") documents them. A request
 over a cap is refused before anything changes, with a message naming the cap:
 
-- INVALID_ARGUMENT (`InvalidArgument`) for a request malformed by its own size: too many ops or
-  seq ids in one call, too many tokens in one op, a name, salt or session id too long;
+- INVALID_ARGUMENT (`InvalidArgument`) for a request malformed by its own size: too many ops,
+  Step entries or seq ids in one call, too many tokens in one op, a name, salt or session id
+  too long;
 - RESOURCE_EXHAUSTED (`LimitExceeded`, cause "LimitExceeded"; `AnswerTooLarge` for the answer)
   for a request that is well formed but would take more than the daemon grants: one session
   too many, one sequence too many in a session, or an answer over `max_answer_bytes`.
@@ -58,6 +59,8 @@ LIMITS: dict[str, LimitSpec] = {
     "max_blocks_per_session": LimitSpec(1, 2**32 - 1, "block-table entries one session may "
                                         "hold; a session asking for more (or for 0) gets this"),
     "max_batch_ops": LimitSpec(1, 1 << 16, "ops in one Batch"),
+    # pagedkv runner sends up to 64 (model_runner/daemon_steps.py).
+    "max_steps_per_call": LimitSpec(64, 4096, "Step entries in one StepMany"),
     "max_seq_ids": LimitSpec(1, 1 << 20, "seq ids in one Step, Commit or GetBlockTables"),
     "max_tokens": LimitSpec(1, 1 << 24, "tokens one op adds (a Step: sequences x tokens)"),
     "max_client_name_bytes": LimitSpec(1, 4096, "bytes of an OpenSession client_name"),
@@ -85,6 +88,8 @@ class Limits:
     max_blocks_per_session: int = 1 << 20
     # Operations in one Batch.
     max_batch_ops: int = 1024
+    # Step entries in one StepMany (each entry's own Step limits apply to it).
+    max_steps_per_call: int = 256
     # Sequence ids in one Step, Commit or GetBlockTables (distinct ones only).
     max_seq_ids: int = 65_536
     # Tokens one operation adds (Allocate/Append num_tokens; a Step's seqs x num_tokens).

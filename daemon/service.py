@@ -184,9 +184,11 @@ class PoolService:
             raise
 
     async def _change(self, session_id: str,
-                      change: Callable[[Session, MemoryWork, AnswerBudget], T]) -> T:
+                      change: Callable[[Session, MemoryWork, AnswerBudget], T],
+                      answer: AnswerBudget | None = None) -> T:
         """Run `change` for the session all-or-nothing, with its memory work and its answer's
-        budget, under the lock. The lease is renewed on arrival and held while the call waits."""
+        budget (`answer`: one shared with other parts of the answer, else a fresh one), under
+        the lock. The lease is renewed on arrival and held while the call waits."""
         session = self.sessions.arrive(session_id)
         try:
             async with self._lock:
@@ -194,7 +196,7 @@ class PoolService:
                 work = MemoryWork()
                 with self.pool.transaction():
                     with self._hygiene.watch(session, work):
-                        result = change(session, work, self.answer_budget())
+                        result = change(session, work, answer or self.answer_budget())
                     self._usage.check_blocks(self.tenants.by_name[session.tenant])
                     await self._perform(work)
                 return result
@@ -284,11 +286,13 @@ class PoolService:
             raise type(exc)(f"op {index} ({operation_name(op)}): {exc}") from exc
 
     async def step(self, session_id: str, seq_ids: Sequence[int], num_tokens: int = 1,
-                   token_ids: Sequence[int] = (), *, commit: bool = False) -> BatchAppend:
+                   token_ids: Sequence[int] = (), *, commit: bool = False,
+                   answer: AnswerBudget | None = None) -> BatchAppend:
         """Append num_tokens tokens to each of many sequences at once, all-or-nothing; with
-        `commit`, their pending blocks are committed first."""
-        return await self._change(session_id, lambda session, work, answer: self._ops.step(
-            session, seq_ids, num_tokens, token_ids, work, answer, commit))
+        `commit`, their pending blocks are committed first. `answer`: the budget of a larger
+        answer this step's is part of (StepMany), else its own."""
+        return await self._change(session_id, lambda session, work, budget: self._ops.step(
+            session, seq_ids, num_tokens, token_ids, work, budget, commit), answer)
 
     # --------------------------------------------------------------- queries
 

@@ -1,8 +1,9 @@
 """The gRPC servicer: thin translations between kvpool.proto messages and `PoolService`.
 
 Nothing here decides anything: requests become operation records, the service acts, results
-become messages. `grpc_errors` maps the service's exceptions to status codes. Step, the decode
-hot path, moves packed arrays straight between protobuf and numpy with no per-sequence objects.
+become messages. `grpc_errors` maps the service's exceptions to status codes (StepMany puts each
+failed entry's status in its result instead). Step, the decode hot path, moves packed arrays
+straight between protobuf and numpy with no per-sequence objects.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from pagedkv.memory import POOL_LAYOUT
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 
+from .answer_size import ENTRY_CAUSE_BYTES, ENTRY_MESSAGE_BYTES, AnswerBudget, cut_utf8
 from .core import InvalidArgument, SeqUpdate
 from .geometry import dtype_bytes
 from .operations import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation, seq_id_of
 from .service import PoolService
 from .sessions import SessionStats
-from .status import grpc_errors
+from .status import failure_of, grpc_errors
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -101,10 +103,38 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @grpc_errors
     async def Step(self, request: pb.StepRequest, context: Context) -> pb.StepResponse:
+        return await self._step(request)
+
+    @grpc_errors
+    async def StepMany(self, request: pb.StepManyRequest,
+                       context: Context) -> pb.StepManyResponse:
+        # Refused as a whole, before any entry is applied: too many entries, or their envelopes
+        # past max_answer_bytes. Each entry's own answer is charged as it is applied.
+        self._service.limits.check_count("steps", len(request.steps), "max_steps_per_call")
+        answer = self._service.answer_budget()
+        answer.step_many(len(request.steps))
+        results = [await self._step_entry(step, answer) for step in request.steps]
+        return pb.StepManyResponse(results=results, free_blocks=self._service.free_blocks)
+
+    async def _step_entry(self, request: pb.StepRequest,
+                          answer: AnswerBudget) -> pb.StepManyResult:
+        """One StepMany entry, which fails alone: its status in its result, not the call's."""
+        used = answer.used
+        try:
+            return pb.StepManyResult(step=await self._step(request, answer))
+        except Exception as exc:
+            answer.used = used  # its answer is the status, charged with the envelope
+            code, cause, message = failure_of(exc, "StepMany")
+            assert len(cause) <= ENTRY_CAUSE_BYTES, cause
+            return pb.StepManyResult(code=code.value[0], cause=cause,
+                                     message=cut_utf8(message, ENTRY_MESSAGE_BYTES))
+
+    async def _step(self, request: pb.StepRequest,
+                    answer: AnswerBudget | None = None) -> pb.StepResponse:
         # list() of a packed field is one C loop; numpy reads the token ids field directly.
         result = await self._service.step(request.session_id, list(request.seq_ids),
                                           request.num_tokens or 1, request.token_ids,
-                                          commit=request.commit)
+                                          commit=request.commit, answer=answer)
         return pb.StepResponse(
             slot_mapping=result.slot_mapping.tolist(),
             changed_seq_index=result.changed_seq_index.tolist(),

@@ -54,6 +54,17 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the daemon log"
 
 
+def failure_of(exc: Exception, rpc: str) -> tuple[grpc.StatusCode, str, str]:
+    """(code, cause, message) of a failed call, or of one failed entry of a call that fails per
+    entry (StepMany); the cause is empty for an internal error, which is logged with its
+    traceback."""
+    code, message = status_of(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.exception("unexpected error in an RPC", rpc=rpc)
+        return code, "", message
+    return code, type(exc).__name__, message
+
+
 Servicer = TypeVar("Servicer")
 Request = TypeVar("Request")
 Response = TypeVar("Response")
@@ -71,11 +82,10 @@ def grpc_errors(handler: Handler[Servicer, Request, Response],
         except grpc.aio.AbortError:
             raise  # the handler aborted with a status of its own
         except Exception as exc:
-            code, message = status_of(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("unexpected error in an RPC", rpc=handler.__name__)
-                await context.abort(code, message)
-            # Tells clients apart causes that share a code (unknown session vs sequence).
-            await context.abort(code, message, trailing_metadata=((ERROR_KEY, type(exc).__name__),))
+            code, cause, message = failure_of(exc, handler.__name__)
+            # The cause tells clients apart causes that share a code (unknown session vs
+            # sequence).
+            await context.abort(code, message,
+                                trailing_metadata=((ERROR_KEY, cause),) if cause else ())
 
     return wrapper

@@ -67,7 +67,7 @@ class StepEngine:
         self.metrics = metrics
         self.forwards = ForwardLoop(lambda: self.runner, sampler or Sampler(),
                                     max_batch_tokens=max_batch_tokens, metrics=metrics)
-        self.preparer = Preparer(pool, lambda: self.runner)
+        self.preparer = Preparer(pool, lambda: self.runner, metrics)
         self._sessions: dict[str, SessionSequences] = {}
         # One step at a time per session: its sequences' states must not race.
         self._session_locks: dict[str, asyncio.Lock] = {}

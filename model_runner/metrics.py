@@ -1,5 +1,6 @@
 """The runner's Prometheus figures: step latency, tokens and sequences per forward, prefill vs
-decode tokens, and how long a prepared step waited for its forward."""
+decode tokens, how long a prepared step waited for its forward, and how many sessions' daemon
+Steps shared one call."""
 
 import prometheus_client
 from prometheus_client.registry import CollectorRegistry
@@ -37,6 +38,13 @@ class RunnerMetrics:
             "Decode tokens computed ahead of their client's step (decode_ahead), answered from "
             "those results, and ahead steps that failed (the client's step redid them).",
             ["outcome"], registry=registry)
+        self._daemon_steps = prometheus_client.Histogram(
+            "pagedkv_runner:steps_per_daemon_call",
+            "Sessions' daemon Steps sent in one StepMany call (daemon_steps.py).",
+            registry=registry, buckets=SIZE_BUCKETS)
+
+    def daemon_steps(self, entries: int) -> None:
+        self._daemon_steps.observe(entries)
 
     def step(self, seconds: float) -> None:
         self._step.observe(seconds)

@@ -7,7 +7,8 @@ the step's forward: what the runner knows of each sequence comes only from those
 
 `prepare` reads back sequences the runner does not know (a fork's parent, a sequence from before
 a runner restart), claims the tokens decoded ahead, checks the model's positions, then makes one
-daemon call: `Step` for single decode tokens (committing what the previous forward computed),
+daemon call: a `Step` for single decode tokens (committing what the previous forward computed;
+sent in one StepMany with the Steps other sessions make at the same moment, daemon_steps.py),
 else one `Batch` of Fork ops (parallel samples, beams), then Allocate/Append ops. The chunks to
 compute follow from the answers.
 """
@@ -17,7 +18,9 @@ from collections.abc import Callable, Sequence
 from pagedkv.client import Allocate, Append, Fork, PoolClient, SequenceBlocks
 from pagedkv.proto import kvpool_pb2 as pb
 
+from .daemon_steps import DaemonSteps
 from .forward_loop import Prepared
+from .metrics import RunnerMetrics
 from .runner import ModelRunner, SequenceChunk
 from .sequences import Ahead, SeqState, SessionSequences
 from .steps import History, InvalidStep, SeqRequest, UnknownSequence
@@ -26,8 +29,11 @@ from .steps import History, InvalidStep, SeqRequest, UnknownSequence
 class Preparer:
     """Validates client steps and performs their memory operations with the daemon."""
 
-    def __init__(self, pool: PoolClient, runner: Callable[[], ModelRunner]) -> None:
+    def __init__(self, pool: PoolClient, runner: Callable[[], ModelRunner],
+                 metrics: RunnerMetrics | None = None) -> None:
         self.pool = pool
+        # Decode Steps, those of several sessions made together sent as one StepMany.
+        self.steps = DaemonSteps(pool, metrics)
         # The model runner in use (its block size, vocabulary and positions).
         self._runner = runner
         # The pool's free blocks per the daemon's latest answer (any session's call).
@@ -175,7 +181,7 @@ class Preparer:
         commit = all(s.num_computed == len(s.tokens) for s in states)
         seq_ids = [r.seq_id for r in requests]
         tokens = [r.token_ids[0] for r in requests]
-        reply = await self.pool.call(self.pool.stub.Step, lambda: pb.StepRequest(
+        reply = await self.steps.step(pb.StepRequest(
             session_id=session_id, seq_ids=seq_ids, num_tokens=1, token_ids=tokens,
             commit=commit))
         self.free_blocks = reply.free_blocks

@@ -32,9 +32,10 @@ freed blocks) is complete and visible to every process that maps the pool when t
 leaves the daemon: the daemon performs it (off its event loop) and synchronizes the device
 before answering. A runner may use the blocks of an answer at once, with no copies of its own.
 
-Retry rules. Every call is all-or-nothing: a call answered with an error status by the daemon
-changed nothing; such a status carries the cause in the trailing metadata `pagedkv-error`
-(e.g. "PoolExhausted", "LimitExceeded", "AnswerTooLarge", "SequenceNotFound"). A call that ends
+Retry rules. Every call is all-or-nothing (StepMany: each of its entries): a call answered
+with an error status by the daemon changed nothing; such a status carries the cause in the
+trailing metadata `pagedkv-error` (e.g. "PoolExhausted", "LimitExceeded", "AnswerTooLarge",
+"SequenceNotFound"). A call that ends
 in DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE, or in a RESOURCE_EXHAUSTED without that
 metadata (gRPC's own message-size or concurrency check), may or may not have been applied
 (the answer may be what was lost). Before retrying such a call, read the state back with
@@ -45,6 +46,10 @@ GetBlockTables, which gives each sequence's num_tokens and table:
 - Append, Step (not idempotent): each sequence's num_tokens still the count before the call
   means not applied (retry); the count plus the call's tokens means applied. Every sequence
   of one call tells the same, the call being all-or-nothing.
+- StepMany: all-or-nothing per entry, not as a whole. An error status for the whole call
+  changed nothing; a failed entry (its StepManyResult.code) changed nothing of that entry. A
+  lost StepMany is read back entry by entry, each as a lost Step: some entries may have been
+  applied and others not.
 - Free: NOT_FOUND means applied; found means not (retry). A retried Allocate or Fork that
   took effect gets ALREADY_EXISTS, a retried Free NOT_FOUND.
 - Commit, KeepAlive and CloseSession are idempotent: retry them as they are.
@@ -59,9 +64,10 @@ pagedkv.proto.limits) both ways: set grpc.max_send_message_length and
 grpc.max_receive_message_length to it on your channel. The daemon bounds every answer before
 building it and refuses one that would pass its `max_answer_bytes` (RESOURCE_EXHAUSTED,
 cause "AnswerTooLarge", nothing changed); it caps sessions, sequences per session, block-table
-entries per session, ops, seq ids and tokens per call, and the bytes of client_name,
-cache_salt and session_id. A refusal's message names the cap (e.g. "max_sessions=1024");
-ops/OPERATIONS.md lists them. Seq ids within one request must be distinct (INVALID_ARGUMENT).
+entries per session, ops, Step entries, seq ids and tokens per call, and the bytes of
+client_name, cache_salt and session_id. A refusal's message names the cap (e.g.
+"max_sessions=1024"); ops/OPERATIONS.md lists them. Seq ids within one request must be
+distinct (INVALID_ARGUMENT).
 """
 
 from collections import abc as _abc
@@ -844,6 +850,95 @@ class StepResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepResponse: _TypeAlias = StepResponse  # noqa: Y015
+
+@_typing.final
+class StepManyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEPS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def steps(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepRequest]:
+        """At most max_steps_per_call entries (INVALID_ARGUMENT beyond, nothing changed). Entries may
+        name different sessions, of the caller's tenant (another tenant's: that entry NOT_FOUND);
+        each entry's Step limits apply to it alone.
+        """
+
+    def __init__(
+        self,
+        *,
+        steps: _abc.Iterable[Global___StepRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["steps", b"steps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepManyRequest: _TypeAlias = StepManyRequest  # noqa: Y015
+
+@_typing.final
+class StepManyResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """The entry's gRPC status code (google.rpc.Code numbering): 0 (OK) with `step` set, or the
+    status a Step call with the same request would have got, which changed nothing of it.
+    """
+    cause: _builtins.str
+    """The failed entry's cause, as a failed call's `pagedkv-error` metadata (e.g.
+    "SequenceNotFound"); empty on OK and for an internal error.
+    """
+    message: _builtins.str
+    """What was wrong with the entry (at most 256 bytes); empty on OK."""
+    @_builtins.property
+    def step(self) -> Global___StepResponse:
+        """The entry's answer when code is 0."""
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        cause: _builtins.str = ...,
+        message: _builtins.str = ...,
+        step: Global___StepResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cause", b"cause", "code", b"code", "message", b"message", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepManyResult: _TypeAlias = StepManyResult  # noqa: Y015
+
+@_typing.final
+class StepManyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    free_blocks: _builtins.int
+    """Blocks an allocation could take once every entry was applied (see BatchResponse)."""
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepManyResult]:
+        """One result per entry, in request order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___StepManyResult] | None = ...,
+        free_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_blocks", b"free_blocks", "results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepManyResponse: _TypeAlias = StepManyResponse  # noqa: Y015
 
 @_typing.final
 class GetBlockTablesRequest(_message.Message):

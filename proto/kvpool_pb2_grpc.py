@@ -94,6 +94,11 @@ class KVPoolStub:
                 request_serializer=pagedkv_dot_proto_dot_kvpool__pb2.StepRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepMany = channel.unary_unary(
+                '/pagedkv.v1.KVPool/StepMany',
+                request_serializer=pagedkv_dot_proto_dot_kvpool__pb2.StepManyRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.StepManyResponse.FromString,
+                _registered_method=True)
         self.GetBlockTables = channel.unary_unary(
                 '/pagedkv.v1.KVPool/GetBlockTables',
                 request_serializer=pagedkv_dot_proto_dot_kvpool__pb2.GetBlockTablesRequest.SerializeToString,
@@ -188,6 +193,16 @@ class KVPoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepMany(self, request, context):
+        """Several sessions' Steps in one round trip (a runner serving many clients makes one call per
+        forward, not one per client). Unlike every other call it is not all-or-nothing as a whole:
+        each entry is a Step on its own (its session authorized and its lease renewed, applied
+        all-or-nothing, failing alone with its own status), in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetBlockTables(self, request, context):
         """Queries.
         """
@@ -263,6 +278,11 @@ def add_KVPoolServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.StepRequest.FromString,
                     response_serializer=pagedkv_dot_proto_dot_kvpool__pb2.StepResponse.SerializeToString,
+            ),
+            'StepMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.StepMany,
+                    request_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.StepManyRequest.FromString,
+                    response_serializer=pagedkv_dot_proto_dot_kvpool__pb2.StepManyResponse.SerializeToString,
             ),
             'GetBlockTables': grpc.unary_unary_rpc_method_handler(
                     servicer.GetBlockTables,
@@ -599,6 +619,33 @@ class KVPool:
             '/pagedkv.v1.KVPool/Step',
             pagedkv_dot_proto_dot_kvpool__pb2.StepRequest.SerializeToString,
             pagedkv_dot_proto_dot_kvpool__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.KVPool/StepMany',
+            pagedkv_dot_proto_dot_kvpool__pb2.StepManyRequest.SerializeToString,
+            pagedkv_dot_proto_dot_kvpool__pb2.StepManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

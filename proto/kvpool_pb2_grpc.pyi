@@ -32,9 +32,10 @@ freed blocks) is complete and visible to every process that maps the pool when t
 leaves the daemon: the daemon performs it (off its event loop) and synchronizes the device
 before answering. A runner may use the blocks of an answer at once, with no copies of its own.
 
-Retry rules. Every call is all-or-nothing: a call answered with an error status by the daemon
-changed nothing; such a status carries the cause in the trailing metadata `pagedkv-error`
-(e.g. "PoolExhausted", "LimitExceeded", "AnswerTooLarge", "SequenceNotFound"). A call that ends
+Retry rules. Every call is all-or-nothing (StepMany: each of its entries): a call answered
+with an error status by the daemon changed nothing; such a status carries the cause in the
+trailing metadata `pagedkv-error` (e.g. "PoolExhausted", "LimitExceeded", "AnswerTooLarge",
+"SequenceNotFound"). A call that ends
 in DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE, or in a RESOURCE_EXHAUSTED without that
 metadata (gRPC's own message-size or concurrency check), may or may not have been applied
 (the answer may be what was lost). Before retrying such a call, read the state back with
@@ -45,6 +46,10 @@ GetBlockTables, which gives each sequence's num_tokens and table:
 - Append, Step (not idempotent): each sequence's num_tokens still the count before the call
   means not applied (retry); the count plus the call's tokens means applied. Every sequence
   of one call tells the same, the call being all-or-nothing.
+- StepMany: all-or-nothing per entry, not as a whole. An error status for the whole call
+  changed nothing; a failed entry (its StepManyResult.code) changed nothing of that entry. A
+  lost StepMany is read back entry by entry, each as a lost Step: some entries may have been
+  applied and others not.
 - Free: NOT_FOUND means applied; found means not (retry). A retried Allocate or Fork that
   took effect gets ALREADY_EXISTS, a retried Free NOT_FOUND.
 - Commit, KeepAlive and CloseSession are idempotent: retry them as they are.
@@ -59,9 +64,10 @@ pagedkv.proto.limits) both ways: set grpc.max_send_message_length and
 grpc.max_receive_message_length to it on your channel. The daemon bounds every answer before
 building it and refuses one that would pass its `max_answer_bytes` (RESOURCE_EXHAUSTED,
 cause "AnswerTooLarge", nothing changed); it caps sessions, sequences per session, block-table
-entries per session, ops, seq ids and tokens per call, and the bytes of client_name,
-cache_salt and session_id. A refusal's message names the cap (e.g. "max_sessions=1024");
-ops/OPERATIONS.md lists them. Seq ids within one request must be distinct (INVALID_ARGUMENT).
+entries per session, ops, Step entries, seq ids and tokens per call, and the bytes of
+client_name, cache_salt and session_id. A refusal's message names the cap (e.g.
+"max_sessions=1024"); ops/OPERATIONS.md lists them. Seq ids within one request must be
+distinct (INVALID_ARGUMENT).
 """
 
 from collections import abc as _abc
@@ -112,6 +118,12 @@ class KVPoolStub:
     """Several operations in order, all-or-nothing as a whole."""
     Step: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.StepRequest, _kvpool_pb2.StepResponse]
     """The decode hot path: append tokens to many sequences in one round trip, packed arrays only."""
+    StepMany: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.StepManyRequest, _kvpool_pb2.StepManyResponse]
+    """Several sessions' Steps in one round trip (a runner serving many clients makes one call per
+    forward, not one per client). Unlike every other call it is not all-or-nothing as a whole:
+    each entry is a Step on its own (its session authorized and its lease renewed, applied
+    all-or-nothing, failing alone with its own status), in order.
+    """
     GetBlockTables: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.GetBlockTablesRequest, _kvpool_pb2.GetBlockTablesResponse]
     """Queries."""
     GetStats: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.GetStatsRequest, _kvpool_pb2.PoolStats]
@@ -139,6 +151,12 @@ class KVPoolAsyncStub(KVPoolStub):
     """Several operations in order, all-or-nothing as a whole."""
     Step: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.StepRequest, _kvpool_pb2.StepResponse]  # type: ignore[assignment]
     """The decode hot path: append tokens to many sequences in one round trip, packed arrays only."""
+    StepMany: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.StepManyRequest, _kvpool_pb2.StepManyResponse]  # type: ignore[assignment]
+    """Several sessions' Steps in one round trip (a runner serving many clients makes one call per
+    forward, not one per client). Unlike every other call it is not all-or-nothing as a whole:
+    each entry is a Step on its own (its session authorized and its lease renewed, applied
+    all-or-nothing, failing alone with its own status), in order.
+    """
     GetBlockTables: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.GetBlockTablesRequest, _kvpool_pb2.GetBlockTablesResponse]  # type: ignore[assignment]
     """Queries."""
     GetStats: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.GetStatsRequest, _kvpool_pb2.PoolStats]  # type: ignore[assignment]
@@ -235,6 +253,18 @@ class KVPoolServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_kvpool_pb2.StepResponse, _abc.Awaitable[_kvpool_pb2.StepResponse]]:
         """The decode hot path: append tokens to many sequences in one round trip, packed arrays only."""
+
+    @_abc_1.abstractmethod
+    def StepMany(
+        self,
+        request: _kvpool_pb2.StepManyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvpool_pb2.StepManyResponse, _abc.Awaitable[_kvpool_pb2.StepManyResponse]]:
+        """Several sessions' Steps in one round trip (a runner serving many clients makes one call per
+        forward, not one per client). Unlike every other call it is not all-or-nothing as a whole:
+        each entry is a Step on its own (its session authorized and its lease renewed, applied
+        all-or-nothing, failing alone with its own status), in order.
+        """
 
     @_abc_1.abstractmethod
     def GetBlockTables(

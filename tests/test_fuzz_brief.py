@@ -51,6 +51,9 @@ def test_fuzzer_finds_no_internal_error_no_state_change_on_failure_and_no_leak(
     # The mix reached the interesting answers: successes, refusals and a full pool.
     for code in ("OK", "NOT_FOUND", "INVALID_ARGUMENT", "ALREADY_EXISTS", "RESOURCE_EXHAUSTED"):
         assert report.codes[code] > 0, report.codes
+    # StepMany entries, each judged alone: some applied, some refused.
+    entries = {code for (label, code) in report.outcomes if label.endswith("_entry")}
+    assert "OK" in entries and entries - {"OK"}, entries
 
 
 def test_load_with_killed_clients_expires_no_healthy_session_and_leaks_nothing(

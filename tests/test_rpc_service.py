@@ -13,6 +13,8 @@ import grpc
 import pytest
 import torch
 
+from pagedkv.daemon.answer_size import STEP_MANY_ENTRY, STEP_MANY_FIXED
+from pagedkv.daemon.limits import Limits
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 
@@ -260,3 +262,79 @@ async def test_session_from_before_a_restart_is_failed_precondition() -> None:
         call = kvpool_pb2_grpc.KVPoolStub(channel).Allocate(
             pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=1))
         await expect(Code.FAILED_PRECONDITION, call, "pool first, before a daemon restart")
+
+
+async def test_step_many_applies_each_entry_alone(daemon: Daemon, stub: Stub) -> None:
+    """Each entry is a Step of its own session: a failed entry changes nothing of it and fails
+    alone, with the status and cause a Step call would have got."""
+    alice, bob = await open_session(stub), await open_session(stub)
+    await stub.Allocate(pb.AllocateRequest(session_id=alice, seq_id=1, num_tokens=4))  # block 0
+    await stub.Allocate(pb.AllocateRequest(session_id=bob, seq_id=1, num_tokens=2))  # block 1
+    steps = [
+        pb.StepRequest(session_id=alice, seq_ids=[1], token_ids=[5], commit=True),  # block 2
+        pb.StepRequest(session_id=bob, seq_ids=[1, 9]),  # 9 is not bob's
+        pb.StepRequest(session_id=bob, seq_ids=[1], num_tokens=2),  # fills bob's block 1
+        pb.StepRequest(session_id=alice, seq_ids=[1], num_tokens=100),  # more than the pool
+        pb.StepRequest(session_id="nope", seq_ids=[1]),
+        pb.StepRequest(session_id=alice, seq_ids=[1], token_ids=[1, 2]),
+    ]
+    reply = await stub.StepMany(pb.StepManyRequest(steps=steps))
+    assert [(r.code, r.cause) for r in reply.results] == [
+        (0, ""), (Code.NOT_FOUND.value[0], "SequenceNotFound"), (0, ""),
+        (Code.RESOURCE_EXHAUSTED.value[0], "PoolExhausted"),
+        (Code.NOT_FOUND.value[0], "SessionNotFound"),
+        (Code.INVALID_ARGUMENT.value[0], "InvalidArgument")]
+    assert "[9]" in reply.results[1].message and "pool full" in reply.results[3].message
+    assert "2 token_ids" in reply.results[5].message
+    assert not any(r.HasField("step") for r in reply.results if r.code)
+    first, third = reply.results[0].step, reply.results[2].step
+    assert (list(first.slot_mapping), list(first.changed_block_id), list(first.num_tokens)) == (
+        [8], [2], [5])
+    assert (list(third.slot_mapping), list(third.changed_block_id), list(third.num_tokens)) == (
+        [6, 7], [], [4])
+    assert reply.free_blocks == 16 - 3 == daemon.service.free_blocks
+    # Its third field: the tokens committed (the first entry's commit: alice's 4, none of bob's).
+    mine = await stub.GetBlockTables(pb.GetBlockTablesRequest(session_id=alice, seq_ids=[1]))
+    theirs = await stub.GetBlockTables(pb.GetBlockTablesRequest(session_id=bob, seq_ids=[1]))
+    assert [(list(t.block_ids), t.num_tokens, t.num_cached_tokens)
+            for t in (*mine.tables, *theirs.tables)] == [([0, 2], 5, 4), ([1], 4, 0)]
+
+
+async def test_step_many_refused_as_a_whole(stub: Stub) -> None:
+    """Too many entries, or envelopes past max_answer_bytes: the whole call is refused before
+    any entry is applied."""
+    sid = await open_session(stub)
+    await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=1))
+    step = pb.StepRequest(session_id=sid, seq_ids=[1])
+    await expect(Code.INVALID_ARGUMENT, stub.StepMany(pb.StepManyRequest(steps=[step] * 257)),
+                 "257 steps in one request; the limit is max_steps_per_call=256")
+    tables = await stub.GetBlockTables(pb.GetBlockTablesRequest(session_id=sid, seq_ids=[1]))
+    assert tables.tables[0].num_tokens == 1
+    reply = await stub.StepMany(pb.StepManyRequest())
+    assert not reply.results
+
+
+async def test_step_many_shares_one_answer_budget() -> None:
+    """The entries' answers share max_answer_bytes: the envelopes are charged first (all or the
+    call is refused), then each entry's Step answer as it is applied, and an entry whose answer
+    no longer fits fails alone (AnswerTooLarge) while the others are applied."""
+    async with running_daemon(num_blocks=4096, block_size=4,
+                              limits=Limits(max_answer_bytes=4096)) as running, \
+            grpc.aio.insecure_channel(running.unix_target) as channel:
+        stub = kvpool_pb2_grpc.KVPoolStub(channel)
+        sid = await open_session(stub)
+        await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=1))
+        fits = (4096 - STEP_MANY_FIXED) // STEP_MANY_ENTRY
+        await expect(Code.RESOURCE_EXHAUSTED, stub.StepMany(pb.StepManyRequest(
+            steps=[pb.StepRequest(session_id=sid, seq_ids=[1])] * (fits + 1))),
+            "the limit is max_answer_bytes=4096", cause="AnswerTooLarge")
+        # Room left after 2 envelopes: about 3,450 bytes. A Step of 600 tokens is charged about
+        # 2,000 (a 2-byte slot per token, a new 2-byte block id per 4 tokens): once, not twice.
+        big = pb.StepRequest(session_id=sid, seq_ids=[1], num_tokens=600)
+        reply = await stub.StepMany(pb.StepManyRequest(steps=[big, big]))
+        assert [(r.code, r.cause) for r in reply.results] == [
+            (0, ""), (Code.RESOURCE_EXHAUSTED.value[0], "AnswerTooLarge")]
+        assert "max_answer_bytes=4096" in reply.results[1].message
+        assert reply.results[0].step.num_tokens == [601]
+        assert reply.ByteSize() <= 4096
+        running.service.check_invariants()

@@ -18,6 +18,7 @@ from pagedkv.client import (
     PermissionDenied,
     PoolClient,
     PoolExhausted,
+    SessionNotFound,
     Unauthenticated,
 )
 from pagedkv.daemon.config import ConfigError, DaemonConfig, load_toml
@@ -114,6 +115,14 @@ async def test_tcp_callers_see_only_their_tenants_sessions(daemon: Daemon) -> No
         with pytest.raises(NotFound):
             await bob.call(stub.KeepAlive, lambda: pb.KeepAliveRequest(
                 session_id=mine.session_id))
+        # In a StepMany, alice's entry fails alone, as that Step would; bob's own is applied.
+        his = await bob.open_session("b")
+        await his.allocate(1, 4)
+        answers = await bob.step_many([pb.StepRequest(session_id=s.session_id, seq_ids=[1])
+                                       for s in (mine, his)])
+        assert isinstance(answers[0], SessionNotFound) and "unknown session" in str(answers[0])
+        assert isinstance(answers[1], pb.StepResponse) and list(answers[1].num_tokens) == [5]
+        assert (await mine.block_tables([1]))[0].num_tokens == 4
         # A unix caller (the co-located runner) acts with any session it is given.
         reply = await local.call(local.stub.Allocate, lambda: pb.AllocateRequest(
             session_id=mine.session_id, seq_id=2, num_tokens=4))

@@ -1,0 +1,117 @@
+"""The runner's daemon Steps (`DaemonSteps`): Steps made together go as one StepMany, each entry
+succeeding or failing alone; over a real daemon (in-process, production gRPC server) and the
+bundled client. Pool: 256 blocks of 4 slots; fresh blocks come out in id order."""
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pagedkv.client import OutcomeUnknown, PoolClient, SequenceNotFound, Session
+from pagedkv.model_runner.daemon_steps import MAX_STEP_ENTRIES, DaemonSteps
+from pagedkv.model_runner.metrics import RunnerMetrics
+from pagedkv.proto import kvpool_pb2 as pb
+
+from daemon_harness import Daemon, running_daemon
+
+
+@pytest.fixture
+async def daemon() -> AsyncIterator[Daemon]:
+    async with running_daemon(num_blocks=256, block_size=4) as running:
+        yield running
+        running.service.check_invariants()
+
+
+@pytest.fixture
+async def pool(daemon: Daemon) -> AsyncIterator[PoolClient]:
+    async with await PoolClient.connect(daemon.unix_target) as client:
+        yield client
+
+
+class Calls:
+    """What the runner's metrics and the daemon's say about the calls made."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.registry = CollectorRegistry()
+        self.metrics = RunnerMetrics(self.registry)
+        self.daemon = daemon
+
+    def entries(self) -> tuple[float | None, float | None]:
+        """(StepMany calls, entries in them), per the runner's histogram."""
+        name = "pagedkv_runner:steps_per_daemon_call"
+        return (self.registry.get_sample_value(f"{name}_count"),
+                self.registry.get_sample_value(f"{name}_sum"))
+
+    def daemon_calls(self, method: str) -> float:
+        """Calls of `method` the daemon answered, per its RPC histogram."""
+        return self.daemon.registry.get_sample_value(
+            "pagedkv:rpc_duration_seconds_count",
+            {"service": "pagedkv.v1.KVPool", "method": method}) or 0.0
+
+
+async def session_with(pool: PoolClient, *seq_ids: int) -> Session:
+    session = await pool.open_session("runner-test")
+    for seq_id in seq_ids:
+        await session.allocate(seq_id, token_ids=[seq_id % 1000])
+    return session
+
+
+def step(session: Session, *seq_ids: int) -> pb.StepRequest:
+    return pb.StepRequest(session_id=session.session_id, seq_ids=list(seq_ids),
+                          token_ids=[7] * len(seq_ids))
+
+
+async def test_steps_made_together_share_one_call(daemon: Daemon, pool: PoolClient) -> None:
+    calls = Calls(daemon)
+    steps = DaemonSteps(pool, calls.metrics)
+    alice, bob = await session_with(pool, 1), await session_with(pool, 1, 2)
+    answers = await asyncio.gather(steps.step(step(alice, 1)), steps.step(step(bob, 1, 2)),
+                                   steps.step(step(bob, 9)), return_exceptions=True)
+    # Blocks 0-2 hold the three prompts; each sequence's second token lands in its block.
+    assert [list(a.slot_mapping) for a in answers[:2]] == [[1], [5, 9]]  # type: ignore[union-attr]
+    assert isinstance(answers[2], SequenceNotFound) and "[9]" in str(answers[2])
+    assert calls.entries() == (1, 3)
+    assert calls.daemon_calls("StepMany") == 1 and calls.daemon_calls("Step") == 0
+    # A lone Step leaves at once, in a call of its own.
+    answer = await steps.step(step(alice, 1))
+    assert list(answer.slot_mapping) == [2]
+    assert calls.entries() == (2, 4)
+
+
+async def test_a_burst_larger_than_one_call_is_split(daemon: Daemon, pool: PoolClient) -> None:
+    calls = Calls(daemon)
+    steps = DaemonSteps(pool, calls.metrics)
+    count = MAX_STEP_ENTRIES + 1
+    session = await session_with(pool, *range(count))
+    answers = await asyncio.gather(*(steps.step(step(session, s)) for s in range(count)))
+    # Sequence s holds block s; its second token is slot 4 s + 1.
+    assert [list(a.slot_mapping) for a in answers] == [[4 * s + 1] for s in range(count)]
+    assert calls.entries() == (2, count)
+
+
+async def test_a_step_cancelled_before_the_call_is_left_out(daemon: Daemon,
+                                                           pool: PoolClient) -> None:
+    calls = Calls(daemon)
+    steps = DaemonSteps(pool, calls.metrics)
+    session = await session_with(pool, 1, 2)
+    cancelled = asyncio.create_task(steps.step(step(session, 1)))
+    kept = asyncio.create_task(steps.step(step(session, 2)))
+    await asyncio.sleep(0)  # both queued; the call has not left
+    cancelled.cancel()
+    assert list((await kept).num_tokens) == [2]
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert [t.num_tokens for t in await session.block_tables([1, 2])] == [1, 2]
+    assert calls.entries() == (1, 1)
+
+
+async def test_a_call_without_answer_fails_every_entry() -> None:
+    """No daemon at the target: every entry gets the call's OutcomeUnknown."""
+    async with grpc.aio.insecure_channel("unix:///nonexistent/pagedkv.sock") as channel:
+        steps = DaemonSteps(PoolClient(channel, timeout=0.5))
+        answers = await asyncio.gather(
+            steps.step(pb.StepRequest(session_id="a", seq_ids=[1])),
+            steps.step(pb.StepRequest(session_id="b", seq_ids=[1])), return_exceptions=True)
+    assert all(isinstance(a, OutcomeUnknown) for a in answers), answers
