@@ -42,7 +42,17 @@ class DaemonSteps:
         self._queued.append((request, future))
         if self._sender is None:
             self._sender = asyncio.create_task(self._send(), name="pagedkv-daemon-steps")
+            self._sender.add_done_callback(self._sender_done)
         return await future
+
+    def _sender_done(self, sender: asyncio.Task[None]) -> None:
+        """A sender cancelled before its burst left (the runner stopping, maybe before the
+        sender ever ran): its callers are cancelled, and the next Step starts a new sender."""
+        if sender is self._sender:
+            for _, future in self._queued:
+                future.cancel()
+            self._queued.clear()
+            self._sender = None
 
     async def _send(self) -> None:
         """Wait for the burst to end, then send it in calls of at most MAX_STEP_ENTRIES. A Step

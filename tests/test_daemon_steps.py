@@ -115,3 +115,22 @@ async def test_a_call_without_answer_fails_every_entry() -> None:
             steps.step(pb.StepRequest(session_id="a", seq_ids=[1])),
             steps.step(pb.StepRequest(session_id="b", seq_ids=[1])), return_exceptions=True)
     assert all(isinstance(a, OutcomeUnknown) for a in answers), answers
+
+
+async def test_a_sender_cancelled_before_the_call_cancels_its_steps(daemon: Daemon,
+                                                                   pool: PoolClient) -> None:
+    """The event loop stopping while a burst gathers: its callers are cancelled, nothing is
+    sent, and the next Step starts a sender of its own."""
+    calls = Calls(daemon)
+    steps = DaemonSteps(pool, calls.metrics)
+    session = await session_with(pool, 1)
+    waiting = asyncio.create_task(steps.step(step(session, 1)))
+    await asyncio.sleep(0)  # queued, its sender created but not run
+    sender = steps._sender
+    assert sender is not None
+    sender.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert (await session.block_tables([1]))[0].num_tokens == 1
+    assert list((await steps.step(step(session, 1))).num_tokens) == [2]
+    assert calls.entries() == (1, 1)
