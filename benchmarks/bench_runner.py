@@ -24,8 +24,9 @@ ratios are of medians. Process start-up and model loading are never timed.
   client: from the first step's call to the last step's answer (connecting and opening the
   session excluded). Clients start together at a barrier (a line on stdin); total tok/s is
   all their tokens over (last end - first start). The runner's /metrics give its forward passes
-  meanwhile: *_forward_ms (mean forward + sampling) and *_seqs_per_forward (how many client
-  steps one forward merged).
+  meanwhile: *_forward_ms (mean forward + sampling), *_seqs_per_forward (how many client
+  steps one forward merged) and *_steps_per_daemon_call (how many sessions' decode Steps one
+  StepMany to the daemon carried).
 
 Threads: every contestant gets --threads intra-op threads (default 1: torch.set_num_threads here,
 --torch-threads and OMP_NUM_THREADS for the runner; the daemon always uses one). With torch's
@@ -249,6 +250,9 @@ class Forwards:
     count: float
     seconds: float
     sequences: float
+    # The runner's StepMany calls to the daemon, and the sessions' Steps they carried.
+    daemon_calls: float
+    daemon_steps: float
 
     @classmethod
     def read(cls, url: str) -> "Forwards":
@@ -261,11 +265,14 @@ class Forwards:
         prefix = "pagedkv_runner:"
         return cls(values[f"{prefix}forward_duration_seconds_count"],
                    values[f"{prefix}forward_duration_seconds_sum"],
-                   values[f"{prefix}sequences_per_forward_sum"])
+                   values[f"{prefix}sequences_per_forward_sum"],
+                   values[f"{prefix}steps_per_daemon_call_count"],
+                   values[f"{prefix}steps_per_daemon_call_sum"])
 
     def __sub__(self, other: "Forwards") -> "Forwards":
         return Forwards(self.count - other.count, self.seconds - other.seconds,
-                        self.sequences - other.sequences)
+                        self.sequences - other.sequences, self.daemon_calls - other.daemon_calls,
+                        self.daemon_steps - other.daemon_steps)
 
 
 # ------------------------------------------------------------------ transformers
@@ -426,6 +433,8 @@ def measure(rounds: int, threads: int) -> int:
                 runs[name], forwards = run_clients(pagedkv, group, ahead)
                 extra[f"{name}_forward_ms"] = 1000 * forwards.seconds / forwards.count
                 extra[f"{name}_seqs_per_forward"] = forwards.sequences / forwards.count
+                extra[f"{name}_steps_per_daemon_call"] = (forwards.daemon_steps
+                                                          / forwards.daemon_calls)
             for name, run in runs.items():
                 all_ok &= check_tokens(name, run.tokens, reference)
             extra["runner_equal_hf_generate_seqs"] = sum(
@@ -467,6 +476,7 @@ def report(med: dict[str, float], equal_seqs: float, all_ok: bool) -> None:
     for name in ("runner", "runner_no_ahead", "runner_1client_8prompts", "runner_4clients"):
         print(f"{name}_forward_ms: {med[f'{name}_forward_ms']:.1f} ms")
         print(f"{name}_seqs_per_forward: {med[f'{name}_seqs_per_forward']:.1f} seqs")
+        print(f"{name}_steps_per_daemon_call: {med[f'{name}_steps_per_daemon_call']:.2f} steps")
     print(f"runner_equal_hf_generate_seqs: {equal_seqs:.0f} of {NUM_PROMPTS}")
     print(f"runner_matches_hf: {int(all_ok)} bool")
 
