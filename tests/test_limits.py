@@ -17,6 +17,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import pytest
 
+from pagedkv.daemon.answer_size import (
+    ENTRY_CAUSE_BYTES,
+    ENTRY_MESSAGE_BYTES,
+    STEP_MANY_ENTRY,
+    STEP_MANY_FIXED,
+    cut_utf8,
+    varint_bytes,
+)
 from pagedkv.daemon.config import ConfigError, DaemonConfig, add_serve_arguments, config_from_args
 from pagedkv.daemon.limits import LIMITS, Limits, clip
 from pagedkv.daemon.server import serve
@@ -251,3 +259,17 @@ def test_the_operators_guide_documents_every_limit() -> None:
         row = (f"| `{name}` / `--{name.replace('_', '-')}` | {getattr(defaults, name)} | "
                f"{spec.minimum}..{spec.maximum} |")
         assert row in text, f"ops/OPERATIONS.md has no row {row}"
+
+
+def test_a_step_many_envelope_bounds_its_encoding() -> None:
+    """What StepMany charges per entry before applying any covers the largest failed entry (a
+    cause of ENTRY_CAUSE_BYTES, a message cut to ENTRY_MESSAGE_BYTES of 2-byte characters) and
+    a successful entry's wrapping (its Step's packed fields are charged as it is applied)."""
+    failed = pb.StepManyResult(code=16, cause="C" * ENTRY_CAUSE_BYTES,
+                               message=cut_utf8("é" * 300, ENTRY_MESSAGE_BYTES))
+    applied = pb.StepManyResult(step=pb.StepResponse(free_blocks=2**32 - 1))
+    assert len(failed.message.encode()) == ENTRY_MESSAGE_BYTES
+    for result in (failed, applied):  # in a repeated field: tag, length, then the message
+        assert 1 + varint_bytes(result.ByteSize()) + result.ByteSize() <= STEP_MANY_ENTRY
+    answer = pb.StepManyResponse(results=[failed, applied, failed], free_blocks=2**32 - 1)
+    assert answer.ByteSize() <= STEP_MANY_FIXED + 3 * STEP_MANY_ENTRY
