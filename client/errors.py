@@ -17,8 +17,7 @@ from typing import Any
 
 import grpc
 
-# Trailing-metadata key the daemon puts the cause of a failure in (pagedkv.daemon.status).
-ERROR_KEY = "pagedkv-error"
+from pagedkv.proto.metadata import ERROR_KEY
 
 
 class PagedKVError(Exception):

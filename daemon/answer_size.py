@@ -15,6 +15,7 @@ block twice); slots are below num_blocks x block_size.
 
 from dataclasses import dataclass
 
+from .core import blocks_for
 from .limits import AnswerTooLarge
 
 # Largest varint of a uint32 length or count, and of a uint64.
@@ -86,7 +87,7 @@ class AnswerBudget:
     def step(self, num_seqs: int, num_tokens: int, block_size: int) -> None:
         """A StepResponse for `num_tokens` tokens appended to each of `num_seqs` sequences: at
         most ceil(num_tokens / block_size) new blocks and one copy-on-write per sequence."""
-        changed = num_seqs * (-(-num_tokens // block_size) + 1)
+        changed = num_seqs * (blocks_for(num_tokens, block_size) + 1)
         entry = varint_bytes(max(num_seqs - 1, 0)) + 2 * self.block_bytes
         self.charge(STEP_FIXED + num_seqs * num_tokens * self.slot_bytes + changed * entry
                     + num_seqs * 2 * self.block_bytes + num_seqs * _U32, "step")

@@ -16,6 +16,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from .core import blocks_for
 from .geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
 from .units import format_bytes, parse_bytes
 
@@ -71,7 +72,7 @@ def plan(geometry: ModelGeometry, device_memory: int, weights_memory: int | None
     per_token = geometry.bytes_per_token(dtype_bytes)
     per_block = geometry.bytes_per_block(block_size, dtype_bytes)
     num_blocks = kv_budget // per_block
-    blocks_per_seq = -(-seq_len // block_size)
+    blocks_per_seq = blocks_for(seq_len, block_size)
     return Plan(bytes_per_token=per_token, bytes_per_block=per_block, block_size=block_size,
                 weights_memory=weights_memory, kv_budget=kv_budget, num_blocks=num_blocks,
                 token_capacity=num_blocks * block_size, seq_len=seq_len,

@@ -60,7 +60,15 @@ from pagedkv.process.log_setup import get_logger
 
 from .answer_size import AnswerBudget
 from .cache_hygiene import CacheHygiene
-from .core import BatchAppend, InvalidArgument, PoolAllocator, PoolError, PoolStats, SeqUpdate
+from .core import (
+    BatchAppend,
+    InvalidArgument,
+    PoolAllocator,
+    PoolError,
+    PoolStats,
+    SeqUpdate,
+    blocks_for,
+)
 from .geometry import ModelGeometry
 from .limits import Limits
 from .operations import (
@@ -307,7 +315,7 @@ class PoolService:
             keys = self._ops.own_all(session, seq_ids)
             bs = self.pool.block_size
             for key in keys:
-                answer.sequence("GetBlockTables", -(-self.pool.num_tokens(key) // bs))
+                answer.sequence("GetBlockTables", blocks_for(self.pool.num_tokens(key), bs))
             return [SeqUpdate(self.pool.block_table(k), self.pool.num_tokens(k),
                               self.pool.committed_tokens(k)) for k in keys]
         return await self._change(session_id, tables)

@@ -30,6 +30,7 @@ from .core import (
     SequenceExists,
     SequenceNotFound,
     SeqUpdate,
+    blocks_for,
 )
 from .limits import LimitExceeded, Limits
 from .operations import (
@@ -92,10 +93,6 @@ class MemoryWork:
         memory.synchronize()
 
 
-def _blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
 def _fit(result: Result | NoFit) -> Result:
     """The pool's result, or PoolExhausted saying what was needed and what was free."""
     if isinstance(result, NoFit):
@@ -126,7 +123,7 @@ class SessionOps:
                 self._check_new_seq(session, seq_id)
                 charge = quota(num_tokens)
                 self._check_quota(session, charge)
-                answer.sequence("allocate", _blocks_for(num_tokens, bs), slots=num_tokens)
+                answer.sequence("allocate", blocks_for(num_tokens, bs), slots=num_tokens)
                 update = _fit(self.pool.allocate(session.key(seq_id), num_tokens, tokens,
                                                  salt=session.salt))
                 self._add_seq(session, seq_id)
@@ -138,7 +135,7 @@ class SessionOps:
                 old = self.pool.num_tokens(key)
                 charge = quota(old + num_tokens) - quota(old)
                 self._check_quota(session, charge)
-                answer.sequence("append", _blocks_for(old + num_tokens, bs), slots=num_tokens,
+                answer.sequence("append", blocks_for(old + num_tokens, bs), slots=num_tokens,
                                 copies=1)
                 update = _fit(self.pool.append(key, num_tokens, tokens))
             case Fork(parent_seq_id, child_seq_id):
@@ -147,13 +144,13 @@ class SessionOps:
                 held = self.pool.num_tokens(parent)
                 charge = quota(held)
                 self._check_quota(session, charge)
-                answer.sequence("fork", _blocks_for(held, bs),
+                answer.sequence("fork", blocks_for(held, bs),
                                 copies=self.pool.fork_copies(held))
                 update = _fit(self.pool.fork(parent, session.key(child_seq_id)))
                 self._add_seq(session, child_seq_id)
             case CopyOnWrite(seq_id, logical_block):
                 key = self.own(session, seq_id)
-                num_blocks = _blocks_for(self.pool.num_tokens(key), bs)
+                num_blocks = blocks_for(self.pool.num_tokens(key), bs)
                 if not 0 <= logical_block < num_blocks:
                     raise InvalidArgument(f"logical_block {logical_block} is outside the "
                                           f"{num_blocks} blocks of sequence {seq_id}")

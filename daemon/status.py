@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from pagedkv.process.log_setup import get_logger
+from pagedkv.proto.metadata import ERROR_KEY
 
 from .core import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
 from .limits import LimitExceeded
@@ -29,8 +30,6 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-# Trailing-metadata key naming the domain exception of a failed call ("SequenceNotFound").
-ERROR_KEY = "pagedkv-error"
 
 # First match wins: subclasses before their bases.
 _CODES: tuple[tuple[type[PoolError], grpc.StatusCode], ...] = (

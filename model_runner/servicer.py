@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from pagedkv.client import PagedKVError, SamplingParams
-from pagedkv.client.errors import ERROR_KEY
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
+from pagedkv.proto.metadata import ERROR_KEY
 
 from .steps import History, InvalidStep, SeqRequest, SeqResult, StepOutcome, UnknownSequence
 

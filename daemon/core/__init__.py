@@ -6,7 +6,7 @@ from .contiguous import ContiguousPool
 from .errors import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
 from .journal import Journal
 from .physical_blocks import CacheEvents
-from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
+from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate, blocks_for
 
 __all__ = [
     "ALLOCATORS",
@@ -25,5 +25,6 @@ __all__ = [
     "SeqUpdate",
     "SequenceExists",
     "SequenceNotFound",
+    "blocks_for",
     "make_pool",
 ]

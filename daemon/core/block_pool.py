@@ -28,7 +28,7 @@ from .journal import Journal
 from .physical_blocks import CacheEvents, PhysicalBlocks
 from .prefix_cache import block_keys, chain_keys, root_key
 from .seq_table import Int64Array, SeqTable, ragged_arange, ragged_entries, row_of, rows_of
-from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
+from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate, blocks_for
 from .validation import (
     TokenIds,
     batch_tokens,
@@ -100,7 +100,7 @@ class BlockPool:
 
     def quota_blocks(self, num_tokens: int) -> int:
         """What a sequence of `num_tokens` tokens counts against quotas: its table entries."""
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def fork_copies(self, num_tokens: int) -> int:
         """Copies a fork of a sequence of `num_tokens` tokens makes: none, it shares."""
@@ -133,7 +133,7 @@ class BlockPool:
         st, cached = self._seqs, len(hits)
         row = st.add(seq, keys[-1] if keys else root, tokens is not None)
         self._blocks.share(hits)
-        taken = self._blocks.take(-(-num_tokens // bs) - cached)
+        taken = self._blocks.take(blocks_for(num_tokens, bs) - cached)
         table = hits + taken.tolist()
         st.ensure_cols(len(table))
         st.tables[row, :len(table)] = table
@@ -350,7 +350,7 @@ class BlockPool:
     # ------------------------------------------------------------ feasibility
 
     def _allocate_fit(self, num_tokens: int, hits: list[int]) -> NoFit | None:
-        fresh = -(-num_tokens // self.block_size) - len(hits)
+        fresh = blocks_for(num_tokens, self.block_size) - len(hits)
         revived = sum(1 for block in hits if self._blocks.ref[block] == 0)
         available = self.num_free_blocks - revived
         return NoFit(fresh, available) if fresh > available else None
@@ -384,7 +384,7 @@ class BlockPool:
 
     def _slots(self, row: int, n: int) -> list[int]:
         """Slots of the first `n` tokens of `row`: every slot of its blocks, cut at n."""
-        blocks = self._seqs.tables[row, : -(-n // self.block_size), None]
+        blocks = self._seqs.tables[row, : blocks_for(n, self.block_size), None]
         slots: list[int] = (blocks * self.block_size + self._offsets).ravel()[:n].tolist()
         return slots
 

@@ -33,7 +33,7 @@ from .first_fit import FirstFit
 from .journal import Journal
 from .physical_blocks import CacheEvents
 from .seq_table import Int64Array, ragged_entries, row_of, rows_of
-from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
+from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate, blocks_for
 from .validation import (
     TokenIds,
     batch_tokens,
@@ -60,7 +60,7 @@ class ContiguousPool:
         # Never on: contiguous reservations share nothing.
         self.enable_prefix_caching = False
         # Blocks each sequence reserves.
-        self.reservation = -(-max_model_len // block_size)
+        self.reservation = blocks_for(max_model_len, block_size)
         self._journal = Journal()
         self._runs = FirstFit(num_blocks, self.reservation, self._journal)
         capacity = num_blocks // self.reservation  # live sequences never exceed it
@@ -122,7 +122,7 @@ class ContiguousPool:
 
     def fork_copies(self, num_tokens: int) -> int:
         """Copies a fork of a sequence of `num_tokens` tokens makes: one per filled block."""
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     def external_fragmentation(self) -> float:
         """Fraction of the pool's blocks that are free but in runs too short to reserve."""
@@ -196,7 +196,7 @@ class ContiguousPool:
         """Nothing to copy: every block of a reservation is private already."""
         row = row_of(self._row_of, seq)
         start, n = int(self._start[row]), int(self._num_tokens[row])
-        check_logical_block(logical_block, -(-n // self.block_size), seq)
+        check_logical_block(logical_block, blocks_for(n, self.block_size), seq)
         return SeqUpdate(self._table(start, n), n)
 
     def free(self, seq: Hashable) -> list[int]:

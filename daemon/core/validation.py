@@ -6,8 +6,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import InvalidArgument
+from .seq_table import Int64Array
 
-Int64Array = npt.NDArray[np.int64]
 TokenIds = Sequence[int] | npt.NDArray[np.integer]
 
 
