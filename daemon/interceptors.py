@@ -21,7 +21,8 @@ deserializer. A request that does not parse is answered INVALID_ARGUMENT, counte
 metrics like any other outcome, and logged at most once per HOSTILE_LOG_INTERVAL_S (with the
 number of such requests since the last line), never with a traceback. Calls refused for want
 of a token, or for an unmapped uid, are logged the same way: a peer must not be able to fill
-the log.
+the log. So are failed calls of authenticated and unix callers (one warning per method and
+status code per interval, with the count); every outcome is still counted in the metrics.
 
 Every handler kind is wrapped (unary or streamed requests and responses, generators or
 context.write), so a new RPC can never slip past the check. Session ids are credentials and
@@ -161,7 +162,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         # The peer-credential gate's private folders: unix peers named there carry a uid.
         self._gate_folders = gate_folders
         self._malformed_log = RateLimitedLog(HOSTILE_LOG_INTERVAL_S)
-        # One rate limit per kind of refused call (Refusal.event).
+        # One rate limit per kind of refused call (Refusal.event), and per method and code of
+        # failed calls ("rpc Allocate NOT_FOUND"): a bounded set of keys.
         self._refusal_logs: dict[str, RateLimitedLog] = {}
 
     async def intercept_service(
@@ -245,10 +247,20 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         seconds = time.perf_counter() - rpc.start
         if self._metrics is not None:
             self._metrics.observe(rpc.service, rpc.method, code.name, seconds)
-        if log:
-            level = _log.debug if code == grpc.StatusCode.OK else _log.warning
-            level("rpc", service=rpc.service, method=rpc.method, session=rpc.session,
-                  code=code.name, latency_ms=round(seconds * 1000, 3))
+        if not log:
+            return
+        fields = {"service": rpc.service, "method": rpc.method, "session": rpc.session,
+                  "code": code.name, "latency_ms": round(seconds * 1000, 3)}
+        if code == grpc.StatusCode.OK:
+            _log.debug("rpc", **fields)
+            return
+        # A caller may fail calls as fast as it likes: one line per method and code at most
+        # every HOSTILE_LOG_INTERVAL_S, counting the failures it stands for.
+        limit = self._refusal_logs.setdefault(
+            f"rpc {rpc.method} {code.name}", RateLimitedLog(HOSTILE_LOG_INTERVAL_S))
+        count = limit.event()
+        if count is not None:
+            _log.warning("rpc", **fields, count=count, interval_s=HOSTILE_LOG_INTERVAL_S)
 
 
 # The four handler kinds, and the grpc factory that makes a handler of each kind.

@@ -207,3 +207,27 @@ def test_a_rate_limited_log_reports_what_it_held_back() -> None:
 def test_session_label_never_shows_the_secret(session_id: str, label: str | None) -> None:
     assert session_label(pb.GetStatsRequest(session_id=session_id)) == label
     assert session_label(object()) is None
+
+
+async def test_failed_calls_are_logged_rarely_for_every_caller(
+    daemon: Daemon, log_stream: io.StringIO,
+) -> None:
+    # Issue 17 #15: a burst of failing calls, from a unix caller and an authenticated TCP one.
+    burst = 200
+    assert daemon.tcp_target is not None
+    for target, metadata in ((daemon.unix_target, None), (daemon.tcp_target, bearer(TOKEN))):
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = kvpool_pb2_grpc.KVPoolStub(channel)
+            sid = (await stub.OpenSession(pb.OpenSessionRequest(client_name="t"),
+                                          metadata=metadata)).session_id
+            for _ in range(burst):
+                with pytest.raises(grpc.aio.AioRpcError) as failure:
+                    await stub.Free(pb.FreeRequest(session_id=sid, seq_id=9), metadata=metadata)
+                assert failure.value.code() == grpc.StatusCode.NOT_FOUND
+    labels = {"service": KVPOOL, "method": "Free", "code": "NOT_FOUND"}
+    assert daemon.registry.get_sample_value("pagedkv:rpc_requests_total", labels) == 2 * burst
+    lines = [json.loads(line) for line in log_stream.getvalue().splitlines()]
+    warnings = [line for line in lines if line["event"] == "rpc" and line["level"] == "warning"]
+    # Every failure counted, one line for the lot within the rate window.
+    assert [(line["method"], line["code"], line["count"]) for line in warnings] == [
+        ("Free", "NOT_FOUND", 1)]
