@@ -213,9 +213,11 @@ class Session:
         self._lengths.set_many(seq_ids, result.num_tokens)
         return result
 
-    async def block_tables(self, seq_ids: Sequence[int]) -> list[SequenceBlocks]:
-        """Each sequence's table, num_tokens and committed tokens (num_cached_tokens)."""
-        return [self._track(table) for table in await self._read_tables(seq_ids)]
+    async def block_tables(self, seq_ids: Sequence[int],
+                           token_ids: bool = False) -> list[SequenceBlocks]:
+        """Each sequence's table, num_tokens and committed tokens (num_cached_tokens), and with
+        `token_ids` every token id the daemon holds for it (empty if it does not know them)."""
+        return [self._track(table) for table in await self._read_tables(seq_ids, token_ids)]
 
     async def stats(self) -> PoolStats:
         """The pool's capacity plus this session's figures (`.session`)."""
@@ -253,9 +255,11 @@ class Session:
                 lost = exc
         raise lost
 
-    async def _read_tables(self, seq_ids: Sequence[int]) -> list[SequenceBlocks]:
+    async def _read_tables(self, seq_ids: Sequence[int],
+                           token_ids: bool = False) -> list[SequenceBlocks]:
         reply = await self._client.call(self._stub.GetBlockTables, lambda: (
-            pb.GetBlockTablesRequest(session_id=self.session_id, seq_ids=seq_ids)))
+            pb.GetBlockTablesRequest(session_id=self.session_id, seq_ids=seq_ids,
+                                     include_token_ids=token_ids)))
         return [SequenceBlocks.from_proto(table) for table in reply.tables]
 
     async def _table_or_none(self, seq_id: int) -> SequenceBlocks | None:

@@ -4,7 +4,7 @@ Only ids, counts and slots travel; no numpy, and no protobuf objects leak to the
 PoolInfo.memory: the pool-memory handle's wire form, which only `pagedkv.memory` reads.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedkv.proto import kvpool_pb2 as pb
 
@@ -35,12 +35,15 @@ class SequenceBlocks:
     slot_mapping: list[int]
     # Copy-on-write copies done for this call.
     copies: list[BlockCopy]
+    # Every token id the sequence holds (block_tables(token_ids=True) only; empty when the
+    # daemon does not know them all).
+    token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, message: pb.SequenceBlocks) -> "SequenceBlocks":
         return cls(message.seq_id, list(message.block_ids), message.num_tokens,
                    message.num_cached_tokens, list(message.slot_mapping),
-                   [BlockCopy(c.src, c.dst) for c in message.copies])
+                   [BlockCopy(c.src, c.dst) for c in message.copies], list(message.token_ids))
 
 
 @dataclass(frozen=True, slots=True)

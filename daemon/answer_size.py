@@ -78,11 +78,14 @@ class AnswerBudget:
                                  f"bytes; the limit is max_answer_bytes={self.limit}")
         self.used += nbytes
 
-    def sequence(self, what: str, blocks: int, slots: int = 0, copies: int = 0) -> None:
-        """One SequenceBlocks: a table of `blocks` entries, `slots` slots and `copies` copies."""
+    def sequence(self, what: str, blocks: int, slots: int = 0, copies: int = 0,
+                 token_ids: int = 0) -> None:
+        """One SequenceBlocks: a table of `blocks` entries, `slots` slots, `copies` copies and
+        `token_ids` token ids (int64: up to ten bytes each, in a packed field of their own)."""
         copy_bytes = 2 + 2 * (1 + self.block_bytes)  # tag, length, src and dst
+        id_bytes = _PACKED + token_ids * _U64 if token_ids else 0
         self.charge(SEQUENCE_FIXED + blocks * self.block_bytes + slots * self.slot_bytes
-                    + copies * copy_bytes, what)
+                    + copies * copy_bytes + id_bytes, what)
 
     def step(self, num_seqs: int, num_tokens: int, block_size: int) -> None:
         """A StepResponse for `num_tokens` tokens appended to each of `num_seqs` sequences: at

@@ -27,7 +27,10 @@ ends, since no one else could hit it (`cache_hygiene.py`).
 Tenants. Every session belongs to the tenant of the call that opened it (`tenants.py`): the
 tenant's cache salts decide the session's namespace, its max_sessions is checked at open, and
 its max_blocks (block-table entries over all its sessions, the session quota's measure) after
-every change, inside the change's transaction, so a call that would exceed it is undone.
+every change, inside the change's transaction, so a call that would exceed it is undone. A call
+that commits (Commit, a Batch with a commit op, a Step with commit) is checked before its
+transaction opens: under a salt other tenants share, only a runner or a certifying tenant may
+commit (`Tenants.check_commit`).
 
 Stats. GetStats shows any caller the pool's capacity (`capacity`: num_blocks, block_size,
 free_blocks) and nothing of other sessions' activity; per-session figures only for the
@@ -193,14 +196,17 @@ class PoolService:
 
     async def _change(self, session_id: str,
                       change: Callable[[Session, MemoryWork, AnswerBudget], T],
-                      answer: AnswerBudget | None = None) -> T:
+                      answer: AnswerBudget | None = None, *, commits: bool = False) -> T:
         """Run `change` for the session all-or-nothing, with its memory work and its answer's
         budget (`answer`: one shared with other parts of the answer, else a fresh one), under
-        the lock. The lease is renewed on arrival and held while the call waits."""
+        the lock; a change that `commits` is refused first if the caller may not commit. The
+        lease is renewed on arrival and held while the call waits."""
         session = self.sessions.arrive(session_id)
         try:
             async with self._lock:
                 self.sessions.check_live(session)
+                if commits:
+                    self.tenants.check_commit(session.tenant, session.shared_salt)
                 work = MemoryWork()
                 with self.pool.transaction():
                     with self._hygiene.watch(session, work):
@@ -224,7 +230,8 @@ class PoolService:
         tenant = self.tenants.caller_tenant()
         self._usage.check_open(tenant)
         session = self.sessions.open(client_name, lease_ttl_ms, max_blocks,
-                                     tenant.cache_salt(cache_salt), tenant=tenant.name)
+                                     tenant.cache_salt(cache_salt), tenant=tenant.name,
+                                     shared_salt=tenant.shared_salt(cache_salt))
         self._usage.add(session)
         log.info("session opened", session=session.label, lease_ttl_ms=session.lease_ttl_ms,
                  max_blocks=session.max_blocks, shared_cache=bool(cache_salt),
@@ -264,7 +271,7 @@ class PoolService:
     async def commit(self, session_id: str, op: Commit) -> int:
         """Certify K/V written; returns how many blocks became shareable."""
         return await self._change(session_id, lambda session, _work, _answer: self._ops.commit(
-            session, op.seq_ids, op.num_tokens))
+            session, op.seq_ids, op.num_tokens), commits=True)
 
     async def free(self, session_id: str, op: Free) -> int:
         """Drop a sequence; returns how many blocks went back to the pool."""
@@ -283,7 +290,7 @@ class PoolService:
         self.limits.check_count("ops", len(ops), "max_batch_ops")
         return await self._change(session_id, lambda session, work, answer: [
             self._apply_numbered(session, index, op, work, answer)
-            for index, op in enumerate(ops)])
+            for index, op in enumerate(ops)], commits=any(isinstance(op, Commit) for op in ops))
 
     def _apply_numbered(self, session: Session, index: int, op: Operation,
                         work: MemoryWork, answer: AnswerBudget) -> SeqUpdate:
@@ -300,13 +307,17 @@ class PoolService:
         `commit`, their pending blocks are committed first. `answer`: the budget of a larger
         answer this step's is part of (StepMany), else its own."""
         return await self._change(session_id, lambda session, work, budget: self._ops.step(
-            session, seq_ids, num_tokens, token_ids, work, budget, commit), answer)
+            session, seq_ids, num_tokens, token_ids, work, budget, commit), answer,
+            commits=commit)
 
     # --------------------------------------------------------------- queries
 
-    async def block_tables(self, session_id: str, seq_ids: Sequence[int]) -> list[SeqUpdate]:
-        """Each sequence's table, length and committed (K/V written) tokens, in request order;
-        refused before any table is built if the answer would pass max_answer_bytes."""
+    async def block_tables(self, session_id: str, seq_ids: Sequence[int],
+                           with_token_ids: bool = False) -> list[SeqUpdate]:
+        """Each sequence's table, length and committed (K/V written) tokens, in request order,
+        and `with_token_ids` every token id it holds (what a runner checks a client's history
+        against); refused before any table is built if the answer would pass
+        max_answer_bytes."""
         if not seq_ids:
             raise InvalidArgument("no seq_ids given")
         self._ops.check_seq_ids(seq_ids)
@@ -315,9 +326,13 @@ class PoolService:
             keys = self._ops.own_all(session, seq_ids)
             bs = self.pool.block_size
             for key in keys:
-                answer.sequence("GetBlockTables", blocks_for(self.pool.num_tokens(key), bs))
+                n = self.pool.num_tokens(key)
+                answer.sequence("GetBlockTables", blocks_for(n, bs),
+                                token_ids=n if with_token_ids else 0)
             return [SeqUpdate(self.pool.block_table(k), self.pool.num_tokens(k),
-                              self.pool.committed_tokens(k)) for k in keys]
+                              self.pool.committed_tokens(k),
+                              token_ids=(self.pool.token_ids(k) or []) if with_token_ids
+                              else None) for k in keys]
         return await self._change(session_id, tables)
 
     def pool_stats(self) -> PoolStats:

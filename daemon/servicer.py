@@ -23,6 +23,7 @@ from .operations import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Opera
 from .service import PoolService
 from .sessions import SessionStats
 from .status import failure_of, grpc_errors
+from .tenants import trusted_caller
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -36,7 +37,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @grpc_errors
     async def GetPoolInfo(self, request: pb.GetPoolInfoRequest, context: Context) -> pb.PoolInfo:
-        return pool_info(self._service)
+        # The memory handle maps every tenant's K/V: runners (the runner socket) alone get it.
+        return pool_info(self._service, with_memory=trusted_caller())
 
     @grpc_errors
     async def OpenSession(self, request: pb.OpenSessionRequest,
@@ -148,7 +150,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     async def GetBlockTables(self, request: pb.GetBlockTablesRequest,
                              context: Context) -> pb.GetBlockTablesResponse:
         seq_ids = list(request.seq_ids)
-        updates = await self._service.block_tables(request.session_id, seq_ids)
+        updates = await self._service.block_tables(request.session_id, seq_ids,
+                                                   request.include_token_ids)
         return pb.GetBlockTablesResponse(tables=[sequence_blocks(seq_id, update) for
                                                  seq_id, update in zip(seq_ids, updates,
                                                                        strict=True)])
@@ -219,7 +222,8 @@ def sequence_blocks(seq_id: int, update: SeqUpdate) -> pb.SequenceBlocks:
     return pb.SequenceBlocks(
         seq_id=seq_id, block_ids=update.block_table, num_tokens=update.num_tokens,
         num_cached_tokens=update.num_cached_tokens, slot_mapping=update.slot_mapping,
-        copies=[pb.BlockCopy(src=c.src, dst=c.dst) for c in update.copies])
+        copies=[pb.BlockCopy(src=c.src, dst=c.dst) for c in update.copies],
+        token_ids=update.token_ids or ())
 
 
 def session_stats(stats: SessionStats) -> pb.SessionStats:
@@ -230,14 +234,15 @@ def session_stats(stats: SessionStats) -> pb.SessionStats:
         prefix_cache_hits=stats.prefix_cache_hits, lease_ttl_ms=stats.lease_ttl_ms)
 
 
-def pool_info(service: PoolService) -> pb.PoolInfo:
-    """Geometry and attach instructions; geometry fields stay 0 for a bookkeeping-only pool."""
+def pool_info(service: PoolService, *, with_memory: bool) -> pb.PoolInfo:
+    """Geometry, and attach instructions `with_memory`; geometry fields stay 0 for a
+    bookkeeping-only pool."""
     pool, geometry = service.pool, service.geometry
     info = pb.PoolInfo(pool_id=service.pool_id, num_blocks=pool.num_blocks,
                        block_size=pool.block_size, layout=POOL_LAYOUT,
                        reservation_blocks=pool.reservation_blocks)
     memory = service.memory.handle() if service.memory is not None else None
-    if memory is not None:
+    if memory is not None and with_memory:
         info.memory.CopyFrom(memory.to_proto())
     if geometry is not None:
         info.dtype = memory.dtype if memory is not None else geometry.default_dtype

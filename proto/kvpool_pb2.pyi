@@ -614,6 +614,7 @@ class SequenceBlocks(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     SLOT_MAPPING_FIELD_NUMBER: _builtins.int
     COPIES_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     num_tokens: _builtins.int
     num_cached_tokens: _builtins.int
@@ -634,6 +635,14 @@ class SequenceBlocks(_message.Message):
     def copies(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockCopy]:
         """Copy-on-write copies done for this call."""
 
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """GetBlockTables with include_token_ids: every token id the sequence holds, in order, or
+        empty when the daemon does not know them all (a token came without its id, the sequence
+        was CopyOnWrite'd, or prefix caching is off). Other calls: empty. What a runner checks a
+        client's claimed history against.
+        """
+
     def __init__(
         self,
         *,
@@ -643,10 +652,11 @@ class SequenceBlocks(_message.Message):
         num_cached_tokens: _builtins.int = ...,
         slot_mapping: _abc.Iterable[_builtins.int] | None = ...,
         copies: _abc.Iterable[Global___BlockCopy] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "copies", b"copies", "num_cached_tokens", b"num_cached_tokens", "num_tokens", b"num_tokens", "seq_id", b"seq_id", "slot_mapping", b"slot_mapping"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "copies", b"copies", "num_cached_tokens", b"num_cached_tokens", "num_tokens", b"num_tokens", "seq_id", b"seq_id", "slot_mapping", b"slot_mapping", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -946,7 +956,12 @@ class GetBlockTablesRequest(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     SEQ_IDS_FIELD_NUMBER: _builtins.int
+    INCLUDE_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    include_token_ids: _builtins.bool
+    """Return each sequence's token ids too (SequenceBlocks.token_ids), charged in the answer's
+    max_answer_bytes at ten bytes a token.
+    """
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Distinct sequences of the session."""
@@ -956,10 +971,11 @@ class GetBlockTablesRequest(_message.Message):
         *,
         session_id: _builtins.str = ...,
         seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+        include_token_ids: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["seq_ids", b"seq_ids", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_token_ids", b"include_token_ids", "seq_ids", b"seq_ids", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -972,7 +988,9 @@ class GetBlockTablesResponse(_message.Message):
     TABLES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tables(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceBlocks]:
-        """One per requested seq id, in request order (slot_mapping and copies empty)."""
+        """One per requested seq id, in request order (slot_mapping and copies empty; token_ids
+        only with include_token_ids).
+        """
 
     def __init__(
         self,

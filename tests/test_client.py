@@ -77,6 +77,25 @@ async def test_typed_results_for_every_call(daemon: Daemon, client: PoolClient) 
     assert daemon.pool.stats().used_blocks == 0
 
 
+async def test_block_tables_give_the_token_ids_the_daemon_holds(client: PoolClient) -> None:
+    """Every id (cached blocks', pending blocks', the partial block's), across forks and
+    appends; none for a sequence one of whose tokens came without an id."""
+    async with await client.open_session("ids") as session:
+        await session.allocate(1, token_ids=[5, 6, 7, 8, 9, 10])
+        await session.commit([1])
+        await session.allocate(2, token_ids=[5, 6, 7, 8, 1])  # hits the committed block 0
+        await session.fork(2, 3)
+        await session.step([2, 3], token_ids=[2, 3])
+        await session.append(2, token_ids=[4, 4])
+        await session.allocate(4, token_ids=[9, 9])
+        await session.append(4)  # no id: the daemon no longer knows them all
+        tables = await session.block_tables([1, 2, 3, 4], token_ids=True)
+        assert [t.token_ids for t in tables] == [
+            [5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 1, 2, 4, 4], [5, 6, 7, 8, 1, 3], []]
+        assert [t.num_cached_tokens for t in tables] == [4, 4, 4, 0]
+        assert [t.token_ids for t in await session.block_tables([1, 2])] == [[], []]
+
+
 async def test_errors_are_named_after_the_cause(client: PoolClient) -> None:
     session = await client.open_session("errors", max_blocks=3)
     await session.allocate(1, 4)

@@ -60,6 +60,10 @@ class PoolAllocator(Protocol):
 
     def committed_tokens(self, seq: Hashable) -> int: ...
 
+    def token_ids(self, seq: Hashable) -> list[int] | None:
+        """Every token id `seq` holds, or None when some came without an id (or the pool keeps
+        none): what a runner checks a client's claimed history against."""
+
     def held_blocks(self, seq: Hashable) -> list[int]:
         """The blocks `seq` keeps from new sequences: its table, or its whole reservation."""
 

@@ -27,7 +27,8 @@ from .errors import SequenceExists
 from .journal import Journal
 from .physical_blocks import CacheEvents, PhysicalBlocks
 from .prefix_cache import block_keys, chain_keys, root_key
-from .seq_table import Int64Array, SeqTable, ragged_arange, ragged_entries, row_of, rows_of
+from .seq_table import Int64Array, SeqTable, ragged_entries, row_of, rows_of
+from .table_store import ragged_arange
 from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate, blocks_for
 from .validation import (
     TokenIds,
@@ -94,6 +95,19 @@ class BlockPool:
         just allocated, the prefix-cache hit (`SeqUpdate.num_cached_tokens`)."""
         return int(self._seqs.committed[self._row(seq)]) * self.block_size
 
+    def token_ids(self, seq: Hashable) -> list[int] | None:
+        """Every token id of `seq` while its chain is whole (each token came with its id):
+        its full blocks' ids as keyed (a block whose key a commit race dropped keeps them, and
+        a held block is never keyed again), then its partial last block's. None otherwise."""
+        row, st, bs = self._row(seq), self._seqs, self.block_size
+        if not st.chain_ok[row]:
+            return None
+        n = int(st.num_tokens[row])
+        full = st.table(row)[:n // bs]
+        ids: list[int] = self._blocks.cache.tokens_of[full].reshape(-1).tolist()
+        ids.extend(st.partial[row, :n % bs].tolist())
+        return ids
+
     def held_blocks(self, seq: Hashable) -> list[int]:
         """The blocks `seq` keeps from new sequences: its table (others may share them)."""
         return self.block_table(seq)
@@ -135,8 +149,7 @@ class BlockPool:
         self._blocks.share(hits)
         taken = self._blocks.take(blocks_for(num_tokens, bs) - cached)
         table = hits + taken.tolist()
-        st.ensure_cols(len(table))
-        st.tables[row, :len(table)] = table
+        st.put_table(row, table)
         st.num_blocks[row], st.committed[row], st.num_tokens[row] = len(table), cached, num_tokens
         if tokens is not None:
             self._blocks.cache.count(num_tokens, cached * bs)
@@ -185,7 +198,7 @@ class BlockPool:
             return 0
         rows, start, upto = rows[todo], start[todo], upto[todo]
         # One gather of every block to commit: rows in order, each row's blocks in table order.
-        blocks = st.tables[ragged_entries(rows, start, upto - start)]
+        blocks = st.entries(*ragged_entries(rows, start, upto - start))
         matchable = self._blocks.cache.commit(blocks.tolist())
         st.set_committed(rows, upto)
         return matchable
@@ -208,7 +221,7 @@ class BlockPool:
         """
         row = self._row(seq)
         check_logical_block(logical_block, int(self._seqs.num_blocks[row]), seq)
-        block = int(self._seqs.tables[row, logical_block])
+        block = self._seqs.entry(row, logical_block)
         copies: list[BlockCopy] = []
         if self._blocks.ref[block] > 1:
             if self.num_free_blocks < 1:
@@ -290,7 +303,7 @@ class BlockPool:
         st.num_tokens[rows] = old + k
         self._record_tokens(rows, old, plan.offset, tokens)
         pos = old[:, None] + np.arange(k)
-        slots = st.tables[rows[:, None], pos // bs] * bs + pos % bs
+        slots = st.entries(rows[:, None], pos // bs) * bs + pos % bs
         if copied:
             index = np.concatenate([copied, index])
             logical = np.concatenate([old_nb[copied] - 1, logical])
@@ -301,13 +314,12 @@ class BlockPool:
         """Fresh blocks for the table entries (rows[i], logical[i]); returns them in order."""
         taken = self._blocks.take(len(rows))
         if len(rows):
-            self._seqs.ensure_cols(int(logical.max()) + 1)
-            self._seqs.tables[rows, logical] = taken
+            self._seqs.put_entries(rows, logical, taken)
         return taken
 
     def _cow(self, row: int, logical_block: int) -> BlockCopy:
         """Give `row` a private copy of its shared block `logical_block`."""
-        src = int(self._seqs.tables[row, logical_block])
+        src = self._seqs.entry(row, logical_block)
         dst = int(self._blocks.take(1)[0])
         self._blocks.add_refs(np.array([src]), -1)
         assert self._blocks.ref[src] > 0, f"copy-on-write of unshared block {src}"
@@ -344,7 +356,7 @@ class BlockPool:
         chain_key, tokens = st.chain_key, st.partial[rows]
         parents = [chain_key[row] for row in row_list]
         keys = block_keys(parents, tokens)
-        self._blocks.cache.key_blocks(st.tables[rows, logical], parents, keys, tokens)
+        self._blocks.cache.key_blocks(st.entries(rows, logical), parents, keys, tokens)
         st.set_chain(row_list, keys)
 
     # ------------------------------------------------------------ feasibility
@@ -368,23 +380,23 @@ class BlockPool:
         """Whether the next write to `row` lands in a shared, partially filled last block."""
         st = self._seqs
         return bool(st.num_tokens[row] % self.block_size != 0
-                    and self._blocks.ref[st.tables[row, st.num_blocks[row] - 1]] > 1)
+                    and self._blocks.ref[st.entry(row, int(st.num_blocks[row]) - 1)] > 1)
 
     def _plan_append(self, rows: Int64Array) -> "_AppendPlan":
         """Where the next token of each row lands, computed without changing anything."""
         st, bs = self._seqs, self.block_size
         old = st.num_tokens[rows]
         offset = old % bs
-        # Each row's last block, column (old - 1) // B (tables are ceil(old / B) long): for an
-        # empty table, column -1 reads a junk entry, masked by offset == 0.
-        last = st.tables[rows, (old - 1) // bs]
+        # Each row's last block, entry (old - 1) // B (tables are ceil(old / B) long): for an
+        # empty table, entry -1 reads a junk entry (of the store), masked by offset == 0.
+        last = st.entries(rows, (old - 1) // bs)
         shared = (self._blocks.ref[last] > 1).nonzero()[0]  # few: filter these, not the batch
         cow = shared[offset[shared] != 0] if len(shared) else shared
         return _AppendPlan(old, offset, last, cow)
 
     def _slots(self, row: int, n: int) -> list[int]:
         """Slots of the first `n` tokens of `row`: every slot of its blocks, cut at n."""
-        blocks = self._seqs.tables[row, : blocks_for(n, self.block_size), None]
+        blocks = self._seqs.table(row)[: blocks_for(n, self.block_size), None]
         slots: list[int] = (blocks * self.block_size + self._offsets).ravel()[:n].tolist()
         return slots
 
@@ -420,7 +432,7 @@ class BlockPool:
         entry_row = np.repeat(rows, counts)
         logical = ragged_arange(counts)
         fills = np.minimum(bs, st.num_tokens[entry_row] - logical * bs)
-        return rows, st.tables[entry_row, logical], fills
+        return rows, st.entries(entry_row, logical), fills
 
     def check_invariants(self) -> None:
         """Assert the invariants of the blocks (`PhysicalBlocks`, `PrefixCache`) and the
@@ -428,6 +440,7 @@ class BlockPool:
         rows, blocks, _ = self._table_entries()
         self._blocks.check(blocks)
         st = self._seqs
+        st.check()
         expected = (st.num_tokens[rows] + self.block_size - 1) // self.block_size
         assert (st.num_blocks[rows] == expected).all(), "a table is not ceil(tokens / B) long"
         assert (st.committed[rows] <= st.num_tokens[rows] // self.block_size).all(), \

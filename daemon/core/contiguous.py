@@ -111,6 +111,11 @@ class ContiguousPool:
         row_of(self._row_of, seq)
         return 0
 
+    def token_ids(self, seq: Hashable) -> list[int] | None:
+        """Always None: no token ids are kept (nothing is cached for reuse)."""
+        row_of(self._row_of, seq)
+        return None
+
     def held_blocks(self, seq: Hashable) -> list[int]:
         """The blocks `seq` keeps from new sequences: its whole reservation."""
         start = int(self._start[row_of(self._row_of, seq)])

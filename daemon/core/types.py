@@ -47,6 +47,9 @@ class SeqUpdate:
     slot_mapping: list[int] = field(default_factory=list)
     # Copy-on-write copies made for this call, to be done before the table is used.
     copies: list[BlockCopy] = field(default_factory=list)
+    # GetBlockTables asked for token ids: every id the sequence holds, or [] when the pool does
+    # not know them all (a token came without its id); None when not asked.
+    token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
