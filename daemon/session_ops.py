@@ -259,10 +259,10 @@ class SessionOps:
     def _check_step_quota(self, session: Session, keys: list[tuple[int, int]],
                           num_tokens: int) -> None:
         """The quota check of a step; the exact count (a Python loop over the sequences) only
-        when the cheap bound does not fit: no sequence's charge grows by more than an empty
-        one's would (paged: ceil(num_tokens / B) new blocks; contiguous: 0)."""
-        quota = self.pool.quota_blocks
-        bound = len(keys) * (quota(num_tokens) - quota(0))
+        when the cheap bound does not fit: no sequence's charge grows by more than that of one
+        whose last block is full (paged: ceil(num_tokens / B) new blocks; contiguous: 0)."""
+        quota, bs = self.pool.quota_blocks, self.pool.block_size
+        bound = len(keys) * (quota(bs + num_tokens) - quota(bs))
         if session.table_entries + bound > session.max_blocks:
             self._check_quota(session, self._step_charge(keys, num_tokens))
 

@@ -113,8 +113,10 @@ class BlockPool:
         return self.block_table(seq)
 
     def quota_blocks(self, num_tokens: int) -> int:
-        """What a sequence of `num_tokens` tokens counts against quotas: its table entries."""
-        return blocks_for(num_tokens, self.block_size)
+        """What a sequence of `num_tokens` tokens counts against quotas: its table entries,
+        and at least one, so that empty sequences (which cost the daemon a row each) are never
+        free: a quota bounds the sequences as well as the blocks."""
+        return max(1, blocks_for(num_tokens, self.block_size))
 
     def fork_copies(self, num_tokens: int) -> int:
         """Copies a fork of a sequence of `num_tokens` tokens makes: none, it shares."""
@@ -276,8 +278,9 @@ class BlockPool:
         self._record_tokens(rows, old, plan.offset, tokens)
         written = plan.last  # the plan's own gather: safe to update in place
         written[grow] = taken
+        # An empty row's first block adds no charge: it was charged one while empty.
         return BatchAppend(written * self.block_size + plan.offset, grow, logical, taken, [],
-                           new, len(grow))
+                           new, int(np.count_nonzero(logical)))
 
     def _append_many(self, rows: Int64Array, k: int, tokens: Int64Array | None,
                      plan: "_AppendPlan") -> BatchAppend | NoFit:
@@ -308,7 +311,8 @@ class BlockPool:
             index = np.concatenate([copied, index])
             logical = np.concatenate([old_nb[copied] - 1, logical])
             taken = np.concatenate([[copy.dst for copy in copies], taken])
-        return BatchAppend(slots.ravel(), index, logical, taken, copies, old + k, grown)
+        charged = grown - int(np.count_nonzero(old == 0))  # as in _append_one
+        return BatchAppend(slots.ravel(), index, logical, taken, copies, old + k, charged)
 
     def _take_entries(self, rows: Int64Array, logical: Int64Array) -> Int64Array:
         """Fresh blocks for the table entries (rows[i], logical[i]); returns them in order."""

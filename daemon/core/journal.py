@@ -6,6 +6,9 @@ restores the state exactly: block ids, refcounts, free-list and LRU order, keys,
 that succeeds drops them. Outside a transaction nothing is recorded; every operation checks
 before it changes anything, so a refused single call needs no undo.
 
+Housekeeping that would invalidate undo records (the block tables' rows renumbered to shrink
+their arrays) waits for the transaction to succeed (`after`).
+
 The service records its own bookkeeping (session sequences, quotas) in the same journal, so a
 call that fails after the pool changed (an op late in a Batch, or the pool memory's work)
 leaves both exactly as they were.
@@ -21,10 +24,12 @@ Undo = tuple[Callable[..., Any], tuple[Any, ...]]
 class Journal:
     """Undo records of the open transaction (None when no transaction is open)."""
 
-    __slots__ = ("_undo",)
+    __slots__ = ("_after", "_undo")
 
     def __init__(self) -> None:
         self._undo: list[Undo] | None = None
+        # Housekeeping to run once the open transaction succeeds, each task once.
+        self._after: list[Callable[[], None]] = []
 
     @property
     def active(self) -> bool:
@@ -36,6 +41,14 @@ class Journal:
         if self._undo is not None:
             self._undo.append((undo, args))
 
+    def after(self, task: Callable[[], None]) -> None:
+        """Run `task()` once the open transaction succeeds (dropped if it fails), or now when
+        none is open; a task queued twice runs once."""
+        if self._undo is None:
+            task()
+        elif task not in self._after:
+            self._after.append(task)
+
     @contextmanager
     def transaction(self) -> Iterator["Journal"]:
         """Everything changed inside is undone if the block raises; transactions do not nest."""
@@ -44,10 +57,14 @@ class Journal:
         try:
             yield self
         except BaseException:
+            self._after.clear()
             self._rollback()
             raise
         finally:
             self._undo = None
+        tasks, self._after = self._after, []
+        for task in tasks:
+            task()
 
     def _rollback(self) -> None:
         undo = self._undo

@@ -6,11 +6,16 @@ block tables of many sequences with a handful of numpy operations instead of a P
 Invariants:
 - `num_blocks[r] == ceil(num_tokens[r] / block_size)`: blocks are handed out lazily, so a
   sequence wastes at most block_size - 1 slots, all in its last block.
-- `tables[r, :num_blocks[r]]` is the block table of row r; entries past it are meaningless.
+- Row r's block table is `store.data[start[r] : start[r] + num_blocks[r]]`, inside a region of
+  `capacity[r]` entries (`TableStore`); entries past num_blocks are meaningless.
 - `partial[r, : num_tokens[r] % block_size]` holds the token ids of the unfilled last block
   while `chain_ok[r]` (every token so far came with its id), so the block can be keyed when full.
 - `committed[r] <= num_tokens[r] // block_size`: the owner certified the K/V of the first
   `committed[r]` blocks as written; later full blocks may still be pending.
+
+Memory follows what is held: tables take regions sized to them, and once a transaction that
+freed sequences succeeds, rows and regions are packed when under a quarter of them are in use
+(`_shrink`), so the arrays return near their initial size when the sequences are gone.
 
 Changes record their undo in the pool's journal; the hot path records whole arrays of rows at
 once (`save_rows`), not one entry per sequence.
@@ -25,14 +30,21 @@ import numpy.typing as npt
 
 from .errors import InvalidArgument, SequenceNotFound
 from .journal import Journal
+from .table_store import Int64Array as Int64Array  # the core's alias, re-exported
+from .table_store import TableStore, ragged_arange, region_size
 
-Int64Array = npt.NDArray[np.int64]
+# Rows of a new table, and the least it shrinks to.
+INITIAL_ROWS = 64
+# The row arrays, all indexed by row (`_grow_rows` and `_shrink_rows` resize them together).
+_ROW_ARRAYS = ("num_tokens", "num_blocks", "committed", "start", "capacity", "partial",
+               "chain_ok")
 
 
 class SeqTable:
-    """Rows of sequence state, grown by doubling; a dict maps sequence keys to rows."""
+    """Rows of sequence state, grown by doubling and packed when sparse; a dict maps sequence
+    keys to rows."""
 
-    def __init__(self, block_size: int, journal: Journal, rows: int = 64, cols: int = 8) -> None:
+    def __init__(self, block_size: int, journal: Journal, rows: int = INITIAL_ROWS) -> None:
         self.block_size = block_size
         self._journal = journal
         # Sequence key -> row.
@@ -45,8 +57,11 @@ class SeqTable:
         self.num_blocks: Int64Array = np.zeros(rows, dtype=np.int64)
         # Leading blocks of each row whose K/V the owner certified (`BlockPool.commit`).
         self.committed: Int64Array = np.zeros(rows, dtype=np.int64)
-        # Block tables: tables[r, i] is the physical block of logical block i of row r.
-        self.tables: Int64Array = np.zeros((rows, cols), dtype=np.int64)
+        # Where each row's table lies in `store`, and the entries its region holds (0: none).
+        self.start: Int64Array = np.zeros(rows, dtype=np.int64)
+        self.capacity: Int64Array = np.zeros(rows, dtype=np.int64)
+        # The block tables: entry i of row r is store.data[start[r] + i].
+        self.store = TableStore()
         # Token ids of each row's unfilled last block (see the module docstring).
         self.partial: Int64Array = np.zeros((rows, block_size), dtype=np.int64)
         # Whether each row's token ids are all known, so its full blocks can be keyed.
@@ -68,26 +83,28 @@ class SeqTable:
         return row
 
     def _unadd(self, seq: Hashable) -> None:
-        self.free_rows.append(self.row_of.pop(seq))
+        row = self.row_of.pop(seq)
+        self._release_region(row)
+        self.free_rows.append(row)
 
     def clone(self, src: int, seq: Hashable) -> int:
         """A row for `seq` that starts as an exact copy of row `src` (fork)."""
         row = self.add(seq, self.chain_key[src], bool(self.chain_ok[src]))
-        nb = int(self.num_blocks[src])
-        self.ensure_cols(nb)
+        self.put_table(row, self.table(src))
         self.num_tokens[row] = self.num_tokens[src]
-        self.num_blocks[row] = nb
+        self.num_blocks[row] = self.num_blocks[src]
         self.committed[row] = self.committed[src]
-        self.tables[row, :nb] = self.tables[src, :nb]
         self.partial[row] = self.partial[src]
         return row
 
     def remove(self, seq: Hashable) -> int:
         """Forget `seq`; its row is reused by a later sequence (so the undo keeps its state)."""
         row = self.row_of.pop(seq)
-        self.free_rows.append(row)
         if self._journal.active:
             self._journal.record(self._unremove, seq, row, self._row_state(row))
+        self._release_region(row)
+        self.free_rows.append(row)
+        self._journal.after(self._shrink)
         return row
 
     def _row_state(self, row: int) -> "_RowState":
@@ -101,7 +118,7 @@ class SeqTable:
         self.row_of[seq] = row
         self.num_tokens[row], self.committed[row] = state.num_tokens, state.committed
         self.num_blocks[row] = len(state.table)
-        self.tables[row, :len(state.table)] = state.table
+        self.put_table(row, state.table)
         self.partial[row] = state.partial
         self.chain_ok[row] = state.chain_ok
         self.chain_key[row] = state.chain_key
@@ -126,12 +143,12 @@ class SeqTable:
 
     def set_entry(self, row: int, logical: int, block: int) -> None:
         """Replace one table entry (copy-on-write)."""
-        self._journal.record(self._set_entry, row, logical, int(self.tables[row, logical]))
-        self.tables[row, logical] = block
+        self._journal.record(self._set_entry, row, logical, int(self.entry(row, logical)))
+        self._set_entry(row, logical, block)
 
     def _set_entry(self, row: int, logical: int, block: int) -> None:
-        # By attribute at undo time: ensure_cols may have replaced the array since.
-        self.tables[row, logical] = block
+        # Through start at undo time: the row's table may have moved to a larger region since.
+        self.store.data[self.start[row] + logical] = block
 
     def set_chain(self, rows: list[int], keys: list[bytes]) -> None:
         """New parent keys for the next blocks of `rows`."""
@@ -161,26 +178,99 @@ class SeqTable:
     def _set_chain_ok(self, row: int, value: bool) -> None:
         self.chain_ok[row] = value
 
-    def table(self, row: int) -> Int64Array:
-        """The block table of a row (a view)."""
-        return self.tables[row, : self.num_blocks[row]]
+    # ------------------------------------------------------------ table entries
 
-    def ensure_cols(self, cols: int) -> None:
-        """Make room for block tables of `cols` entries (never undone: wider is harmless)."""
-        have = self.tables.shape[1]
-        if cols > have:
-            grown = np.zeros((self.tables.shape[0], max(cols, 2 * have)), dtype=np.int64)
-            grown[:, :have] = self.tables
-            self.tables = grown
+    def table(self, row: int) -> Int64Array:
+        """The block table of a row (a view, valid until the next change)."""
+        start = int(self.start[row])
+        return self.store.data[start : start + self.num_blocks[row]]
+
+    def entry(self, row: int, logical: int) -> int:
+        """Entry `logical` of row `row`'s table."""
+        return int(self.store.data[self.start[row] + logical])
+
+    def entries(self, rows: Int64Array, logical: Int64Array) -> Int64Array:
+        """Entries logical[i] of rows[i] (broadcast like numpy indices), in one gather."""
+        found: Int64Array = self.store.data[self.start[rows] + logical]
+        return found
+
+    def put_entries(self, rows: Int64Array, logical: Int64Array, blocks: Int64Array) -> None:
+        """Write entries logical[i] of rows[i], moving tables whose region is too small to a
+        larger one first (table writes are undone by the callers' own records)."""
+        short = (logical >= self.capacity[rows]).nonzero()[0]
+        if len(short):
+            need: dict[int, int] = {}
+            for row, entry in zip(rows[short].tolist(), logical[short].tolist(), strict=True):
+                need[row] = max(need.get(row, 0), entry + 1)
+            for row, entries in need.items():
+                self._move(row, entries)
+        self.store.data[self.start[rows] + logical] = blocks
+
+    def put_table(self, row: int, table: npt.ArrayLike) -> None:
+        """Write a whole table into row `row` (new, or freshly restored), from entry 0."""
+        values = np.asarray(table, dtype=np.int64)
+        if len(values) > self.capacity[row]:
+            self._move(row, len(values))
+        start = int(self.start[row])
+        self.store.data[start : start + len(values)] = values
+
+    def _move(self, row: int, entries: int) -> None:
+        """Give `row` a region of at least `entries` entries, its current entries copied."""
+        old, have = int(self.start[row]), int(self.capacity[row])
+        capacity = region_size(entries)
+        new = self.store.take(capacity)
+        data = self.store.data  # after take: it may have grown
+        data[new : new + have] = data[old : old + have]
+        self.store.release(old, have)
+        self.start[row], self.capacity[row] = new, capacity
+
+    def _release_region(self, row: int) -> None:
+        self.store.release(int(self.start[row]), int(self.capacity[row]))
+        self.start[row] = self.capacity[row] = 0
+
+    # ------------------------------------------------------------------ sizing
 
     def _grow_rows(self) -> None:
         """Double the rows (never undone: more free rows are harmless)."""
         have = len(self.num_tokens)
-        for name in ("num_tokens", "num_blocks", "committed", "tables", "partial", "chain_ok"):
+        for name in _ROW_ARRAYS:
             array = getattr(self, name)
             setattr(self, name, np.concatenate([array, np.zeros_like(array)]))
         self.chain_key.extend([b""] * have)
         self.free_rows.extend(range(2 * have - 1, have - 1, -1))
+
+    def _shrink(self) -> None:
+        """Pack rows and regions when under a quarter of them are in use (run once a
+        transaction that freed sequences succeeded: it renumbers rows, which undo records
+        name). Each packing costs O(what is kept), paid for by the frees since the last."""
+        rows = len(self.num_tokens)
+        if rows > INITIAL_ROWS and 4 * len(self.row_of) < rows:
+            self._shrink_rows(max(INITIAL_ROWS, region_size(2 * len(self.row_of))))
+        if self.store.sparse:
+            live = np.fromiter(self.row_of.values(), dtype=np.int64, count=len(self.row_of))
+            self.start[live], self.capacity[live] = self.store.pack(self.start[live],
+                                                                    self.num_blocks[live])
+
+    def _shrink_rows(self, rows: int) -> None:
+        """Renumber the live rows 0..n-1, in arrays of `rows` rows."""
+        live = np.fromiter(self.row_of.values(), dtype=np.int64, count=len(self.row_of))
+        n = len(live)
+        for name in _ROW_ARRAYS:
+            array = getattr(self, name)
+            packed = np.zeros((rows, *array.shape[1:]), dtype=array.dtype)
+            packed[:n] = array[live]
+            setattr(self, name, packed)
+        self.chain_key = [self.chain_key[row] for row in live.tolist()] + [b""] * (rows - n)
+        self.row_of = dict(zip(self.row_of, range(n), strict=True))
+        self.free_rows = list(range(rows - 1, n - 1, -1))
+
+    def check(self) -> None:
+        """Assert that the live rows' tables lie in their regions, which overlap nothing."""
+        live = np.fromiter(self.row_of.values(), dtype=np.int64, count=len(self.row_of))
+        self.store.check(self.start[live], self.capacity[live], self.num_blocks[live])
+        free = np.array(self.free_rows, dtype=np.int64)
+        assert not self.capacity[free].any(), "a free row keeps a region"
+        assert len(self.free_rows) + len(live) == len(self.num_tokens), "a row is unaccounted"
 
 
 def row_of(rows: Mapping[Hashable, int], seq: Hashable) -> int:
@@ -206,11 +296,6 @@ def rows_of(rows: Mapping[Hashable, int], seqs: Sequence[Hashable]) -> Int64Arra
     if np.bincount(result).max() > 1:
         raise InvalidArgument("a sequence appears twice in one batch")
     return result
-
-
-def ragged_arange(counts: Int64Array) -> Int64Array:
-    """0..c-1 for each c in `counts`, concatenated: the logical index of each table entry."""
-    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def ragged_entries(rows: Int64Array, first: Int64Array,

@@ -69,8 +69,9 @@ class BatchAppend:
     # Each sequence's token count after the call: [num_seqs] int64.
     num_tokens: npt.NDArray[np.int64]
     # Blocks the call added to the sequences' quota charge (`quota_blocks`): the new table
-    # entries of a paged pool (a copy-on-write replaces an entry, adds none); 0 in a contiguous
-    # one, whose sequences were charged their whole reservation when they were made.
+    # entries of a paged pool (a copy-on-write replaces an entry, adds none), less one for each
+    # sequence that was empty (it was charged one entry already); 0 in a contiguous one, whose
+    # sequences were charged their whole reservation when they were made.
     charged_blocks: int
 
 
