@@ -25,7 +25,8 @@ BYTES_PER_HELD = 256
 
 def table_bytes(pool: BlockPool) -> int:
     """Bytes of every numpy array the pool's per-sequence state keeps, however it is laid out."""
-    held = [*vars(pool._seqs).values(), *vars(getattr(pool._seqs, "store", object())).values()]
+    parts = [pool._seqs, getattr(pool._seqs, "store", None)]  # the store: ragged tables
+    held = [value for part in parts if part is not None for value in vars(part).values()]
     return sum(value.nbytes for value in held if isinstance(value, np.ndarray))
 
 
