@@ -151,7 +151,8 @@ class DaemonConfig:
     max_client_name_bytes: int = _LIMIT_DEFAULTS.max_client_name_bytes
     max_cache_salt_bytes: int = _LIMIT_DEFAULTS.max_cache_salt_bytes
     max_session_id_bytes: int = _LIMIT_DEFAULTS.max_session_id_bytes
-    # Encoded bytes of one answer (at most the 8 MiB message size clients accept).
+    # Encoded bytes of one answer (by default under gRPC's default 4 MiB receive limit; at most
+    # the 8 MiB message size the bundled client accepts).
     max_answer_bytes: int = _LIMIT_DEFAULTS.max_answer_bytes
     # Unix-socket connections open at once through the peer-credential gate (tenants' uids).
     max_unix_connections: int = _LIMIT_DEFAULTS.max_unix_connections

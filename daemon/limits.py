@@ -17,8 +17,9 @@ as it is accepted, and a warning naming the cap is logged (rate-limited); the ca
 UNAVAILABLE.
 
 Together the caps bound the daemon's memory: sessions x sequences bound the bookkeeping, the
-pool bounds the blocks, and `max_answer_bytes` (at most `MAX_MESSAGE_BYTES`, the message size
-the daemon and the bundled client both accept) bounds what any one call builds.
+pool bounds the blocks, and `max_answer_bytes` (by default under gRPC's default 4 MiB receive
+limit, at most `MAX_MESSAGE_BYTES`, the message size the daemon and the bundled client both
+accept) bounds what any one call builds.
 
 Input is never echoed unbounded: `clip` cuts text for error messages and logs, with a marker.
 """
@@ -26,7 +27,7 @@ Input is never echoed unbounded: `clip` cuts text for error messages and logs, w
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
-from pagedkv.proto.limits import MAX_MESSAGE_BYTES
+from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
 
 from .core import InvalidArgument, PoolError
 
@@ -100,8 +101,9 @@ class Limits:
     max_cache_salt_bytes: int = 256
     # Bytes of any request's session_id (longer ones are refused before any look-up).
     max_session_id_bytes: int = 128
-    # Encoded bytes of one answer, bounded before it is built; at most MAX_MESSAGE_BYTES.
-    max_answer_bytes: int = MAX_MESSAGE_BYTES
+    # Encoded bytes of one answer, bounded before it is built; at most MAX_MESSAGE_BYTES. The
+    # default fits gRPC's default receive limit (4 MiB), which stock clients keep.
+    max_answer_bytes: int = DEFAULT_ANSWER_BYTES
     # Unix-socket connections open at once through the peer-credential gate (peer_gate.py);
     # one more is closed at once, with a warning naming this limit.
     max_unix_connections: int = 1024

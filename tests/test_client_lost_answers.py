@@ -28,8 +28,10 @@ from pagedkv.client import (
     Session,
 )
 from pagedkv.client.errors import error_from_rpc
+from pagedkv.daemon.limits import Limits
 from pagedkv.daemon.operations import Allocate, Append
 from pagedkv.daemon.servicer import KVPoolServicer
+from pagedkv.proto.limits import MAX_MESSAGE_BYTES
 
 from daemon_harness import Daemon, running_daemon
 
@@ -117,8 +119,10 @@ def calls(daemon: Daemon, method: str, code: str = "OK") -> float:
 async def test_an_answer_over_grpc_default_4_mib_reaches_the_client(losses: Losses) -> None:
     """The issue: the third ~2^20-token Allocate on a 200k-block pool answered 4,390,927 bytes;
     the client's default 4 MiB limit refused it as PoolExhausted while the daemon kept the
-    sequence. Both sides now accept 8 MiB, and the daemon refuses anything larger itself."""
-    async with running_daemon(num_blocks=200_000, block_size=16) as daemon:
+    sequence. The daemon's default answers fit 4 MiB; where its operator raised
+    max_answer_bytes to 8 MiB, the bundled client, which accepts 8 MiB, receives them."""
+    raised = Limits(max_answer_bytes=MAX_MESSAGE_BYTES)
+    async with running_daemon(num_blocks=200_000, block_size=16, limits=raised) as daemon:
         async with await PoolClient.connect(daemon.unix_target, timeout=30) as client, \
                 await client.open_session("big") as session:
             for seq_id in (1, 2):  # the first 2^21 slots: 3-byte varints, 4-byte ones after

@@ -30,7 +30,7 @@ from pagedkv.daemon.limits import LIMITS, Limits, clip
 from pagedkv.daemon.server import serve
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
-from pagedkv.proto.limits import MAX_MESSAGE_BYTES, MESSAGE_SIZE_OPTIONS
+from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES, MESSAGE_SIZE_OPTIONS
 
 from daemon_harness import Daemon, running_daemon
 
@@ -140,8 +140,8 @@ async def test_every_growing_answer_is_bounded_before_it_is_built() -> None:
 
 async def test_a_batch_cannot_amplify_its_answer_with_default_limits() -> None:
     """A 100-byte Batch of (Allocate 400,000 tokens, Free) pairs asked for an answer of many
-    megabytes: the default max_answer_bytes (8 MiB, what clients accept) refuses it at the
-    op that would pass it, before that op's work, and the ops before are undone."""
+    megabytes: the default max_answer_bytes (under 4 MiB, what stock clients accept) refuses it
+    at the op that would pass it, before that op's work, and the ops before are undone."""
     async with daemon_and_stub(num_blocks=1 << 16, block_size=16) as (daemon, stub):
         sid = (await open_session(stub)).session_id
         ops = []
@@ -150,8 +150,8 @@ async def test_a_batch_cannot_amplify_its_answer_with_default_limits() -> None:
                     pb.BatchOp(free=pb.FreeRequest(seq_id=seq_id))]
         message = await refused(daemon, Code.RESOURCE_EXHAUSTED, stub.Batch(
             pb.BatchRequest(session_id=sid, ops=ops)),
-            f"the limit is max_answer_bytes={MAX_MESSAGE_BYTES}", "AnswerTooLarge")
-        assert message.startswith("op 12 (allocate)")  # the seventh allocate
+            f"the limit is max_answer_bytes={DEFAULT_ANSWER_BYTES}", "AnswerTooLarge")
+        assert message.startswith("op 6 (allocate)")  # the fourth allocate
         assert daemon.pool.stats().used_blocks == 0
 
 
