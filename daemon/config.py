@@ -156,6 +156,9 @@ class DaemonConfig:
     max_answer_bytes: int = _LIMIT_DEFAULTS.max_answer_bytes
     # Unix-socket connections open at once through the peer-credential gate (tenants' uids).
     max_unix_connections: int = _LIMIT_DEFAULTS.max_unix_connections
+    # Of those, connections one uid may hold at once; and how long one may pass no byte.
+    max_unix_connections_per_uid: int = _LIMIT_DEFAULTS.max_unix_connections_per_uid
+    max_unix_connection_idle_ms: int = _LIMIT_DEFAULTS.max_unix_connection_idle_ms
 
     def limits(self) -> Limits:
         """The caps above, as the service takes them."""

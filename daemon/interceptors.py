@@ -4,8 +4,9 @@ Auth: a call that arrives over TCP must carry `authorization: Bearer <token>`, t
 one of the daemon's tenants, and acts as that tenant; a call over a unix socket needs none,
 because the socket file's owner, group and mode already decide who may connect, and acts as
 the tenant listing its caller's uid when tenants list uids (the peer-credential gate names the
-connection by uid, peer_gate.py; a uid no tenant lists is PERMISSION_DENIED unless
-`unmapped_uids = "unix_tenant"`), else as the unix tenant (see tenants.py). The caller is set
+connection by uid, peer_gate.py; a uid no tenant lists is closed at accept there, and
+PERMISSION_DENIED here, unless `unmapped_uids = "unix_tenant"`), else as the unix tenant (see
+tenants.py). The caller is set
 for the call's duration
 (`tenants.calling_as`), where the service and the session registry read it. Health checks
 (grpc.health.v1) are exempt so that load balancers and `grpc_health_probe` work without the
@@ -98,7 +99,8 @@ NOT_THROUGH_GATE = Refusal(grpc.StatusCode.UNAUTHENTICATED,
 
 
 def unmapped_uid(uid: int) -> Refusal:
-    """A unix caller whose uid no tenant lists, with unmapped_uids = "refuse"."""
+    """A unix caller whose uid no tenant lists, with unmapped_uids = "refuse" (the gate
+    closes such connections at accept: this is the second check)."""
     return Refusal(grpc.StatusCode.PERMISSION_DENIED,
                    f"uid {uid} is in no tenant's uids, and the daemon refuses unix callers "
                    "of other uids (unmapped_uids = \"refuse\")", "unmapped_uid_calls")

@@ -11,10 +11,11 @@ over a cap is refused before anything changes, with a message naming the cap:
   for a request that is well formed but would take more than the daemon grants: one session
   too many, one sequence too many in a session, or an answer over `max_answer_bytes`.
 
-One cap comes before any call: a unix-socket connection beyond `max_unix_connections` (only
-counted when the peer-credential gate serves the unix sockets, peer_gate.py) is closed as soon
-as it is accepted, and a warning naming the cap is logged (rate-limited); the caller sees
-UNAVAILABLE.
+Three caps come before any call, on unix-socket connections when the peer-credential gate
+serves the unix sockets (peer_gate.py): a connection beyond `max_unix_connections` (all uids)
+or `max_unix_connections_per_uid` (its uid's share) is closed as soon as it is accepted, and a
+warning naming the cap is logged (rate-limited); the caller sees UNAVAILABLE. A connection idle
+(no byte either way) for `max_unix_connection_idle_ms` is closed.
 
 Together the caps bound the daemon's memory: sessions x sequences bound the bookkeeping, the
 pool bounds the blocks, and `max_answer_bytes` (by default under gRPC's default 4 MiB receive
@@ -73,6 +74,12 @@ LIMITS: dict[str, LimitSpec] = {
     # stays under the unit's LimitNOFILE=65536.
     "max_unix_connections": LimitSpec(1, 16384, "unix-socket connections open at once through "
                                       "the peer-credential gate (when tenants list uids)"),
+    "max_unix_connections_per_uid": LimitSpec(1, 16384, "of those, connections one uid may "
+                                              "hold open at once"),
+    # At least 100 ms: a client between two calls of one step must not be cut off.
+    "max_unix_connection_idle_ms": LimitSpec(100, 86_400_000, "milliseconds a gate connection "
+                                             "may pass no byte either way before it is "
+                                             "closed"),
 }
 
 
@@ -107,6 +114,12 @@ class Limits:
     # Unix-socket connections open at once through the peer-credential gate (peer_gate.py);
     # one more is closed at once, with a warning naming this limit.
     max_unix_connections: int = 1024
+    # Of those, connections one uid may hold at once: its share, so that one uid (one tenant,
+    # or a runaway client) cannot take every connection and lock the other uids out.
+    max_unix_connections_per_uid: int = 64
+    # A gate connection passing no byte either way this long is closed (a gRPC client
+    # reconnects on its next call), so idle connections do not hold their uid's share forever.
+    max_unix_connection_idle_ms: int = 120_000
 
     def __post_init__(self) -> None:
         for item in fields(self):

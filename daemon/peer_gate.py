@@ -17,9 +17,18 @@ gRPC reports the calls of that connection as coming from "unix:<socket>.gate/pee
 and the interceptor maps the uid to a tenant (`peer_uid`; tenants.py). The folder is the
 daemon's (mode 0o700, made afresh at start), so only the daemon's user can bind a name in it
 or connect to gRPC's socket there: a peer named in it was named by the gate. The gate decides
-nothing but the uid, and holds one cap: at most `max_unix_connections` connections at once
-(limits.py); one more is closed as soon as it is accepted, with a rate-limited warning naming
-the cap.
+nothing but the uid, and bounds what one uid can hold (limits.py), so that no caller can lock
+the others out by holding connections open:
+
+- a uid no tenant lists is closed as soon as it is accepted when `unmapped_uids = "refuse"`
+  (it could make no call but a health check, yet it would hold a connection);
+- at most `max_unix_connections_per_uid` connections of one uid are open at once, and at most
+  `max_unix_connections` of all uids together;
+- a connection that passes no byte either way for `max_unix_connection_idle_ms` is closed (a
+  gRPC client reconnects on its next call).
+
+A connection refused is closed at once (the caller sees UNAVAILABLE), with a warning naming the
+setting, rate-limited per setting.
 
 The gate runs its own event loop on its own thread, so copying never waits behind a callback
 of the daemon's loop and puts none on it (it still shares the interpreter lock with the
@@ -35,6 +44,8 @@ import shutil
 import socket
 import struct
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +55,8 @@ from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, ge
 from pagedkv.process.socket_files import bind_unix_socket, make_private_folder
 
 from .addresses import MAX_UNIX_PATH_BYTES
-from .tenants import MAX_UID
+from .limits import Limits
+from .tenants import MAX_UID, Tenants
 
 # The private folder beside a public socket is "<socket>.gate"; gRPC listens in it here.
 GATE_SUFFIX = ".gate"
@@ -112,17 +124,26 @@ class PeerGate:
     """Unix sockets served on the gate's own thread, each connection named by its caller's
     uid. Used from the daemon's loop: `add` each socket, `start`, and at the end `stop`."""
 
-    def __init__(self, max_connections: int) -> None:
-        # Connections open at once, at most (max_unix_connections).
-        self.max_connections = max_connections
-        # Connections open now; changed on the gate's loop only (others may read it).
+    def __init__(self, limits: Limits, tenants: Tenants) -> None:
+        # Connections open at once: all uids together, and one uid.
+        self.max_connections = limits.max_unix_connections
+        self.max_per_uid = limits.max_unix_connections_per_uid
+        # Seconds a connection may pass no byte either way before it is closed.
+        self.idle_s = limits.max_unix_connection_idle_ms / 1000
+        # Who may connect: a uid the tenants map (all of them, with unmapped_uids =
+        # "unix_tenant").
+        self._tenants = tenants
+        # Connections open now, all and by uid; changed on the gate's loop only (others may
+        # read them).
         self.open_connections = 0
+        self.open_by_uid: Counter[int] = Counter()
         # The public sockets served.
         self._routes: list[_Route] = []
         # The open connections, by their caller's side (to close them at stop).
         self._links: set[_CallerSide] = set()
         self._numbers = itertools.count()
-        self._refusals = RateLimitedLog(HOSTILE_LOG_INTERVAL_S)
+        # One rate limit per setting a refusal names.
+        self._refusals: dict[str, RateLimitedLog] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._servers: list[asyncio.Server] = []
@@ -184,20 +205,37 @@ class PeerGate:
         await asyncio.sleep(0)  # let the aborted transports report their loss
 
     def admit(self, link: "_CallerSide") -> bool:
-        """Count a new connection in, unless max_connections are open (then warn, rarely)."""
-        if self.open_connections >= self.max_connections:
-            count = self._refusals.event()
+        """Count a new connection in, unless its uid may not connect or holds its share, or
+        the gate is full (then warn, rarely, naming the setting)."""
+        refusal = self._refusal(link.uid)
+        if refusal is not None:
+            setting, value = refusal
+            count = self._refusals.setdefault(
+                setting, RateLimitedLog(HOSTILE_LOG_INTERVAL_S)).event()
             if count is not None:
-                _log.warning("unix_connections_refused", limit="max_unix_connections",
-                             max_unix_connections=self.max_connections, count=count,
-                             interval_s=HOSTILE_LOG_INTERVAL_S)
+                _log.warning("unix_connections_refused", limit=setting, **{setting: value},
+                             uid=link.uid, count=count, interval_s=HOSTILE_LOG_INTERVAL_S)
             return False
         self.open_connections += 1
+        self.open_by_uid[link.uid] += 1
         self._links.add(link)
         return True
 
+    def _refusal(self, uid: int) -> tuple[str, object] | None:
+        """The setting refusing a new connection of `uid`, and its value; None to admit it."""
+        if self._tenants.for_uid(uid) is None:
+            return "unmapped_uids", "refuse"
+        if self.open_by_uid[uid] >= self.max_per_uid:
+            return "max_unix_connections_per_uid", self.max_per_uid
+        if self.open_connections >= self.max_connections:
+            return "max_unix_connections", self.max_connections
+        return None
+
     def release(self, link: "_CallerSide") -> None:
         self.open_connections -= 1
+        self.open_by_uid[link.uid] -= 1
+        if not self.open_by_uid[link.uid]:
+            del self.open_by_uid[link.uid]
         self._links.discard(link)
 
     async def connect_grpc(self, folder: Path, uid: int,
@@ -235,6 +273,12 @@ class _Side(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._other_transport().write(data)
+        self.caller_side().last_bytes = time.monotonic()
+
+    def caller_side(self) -> "_CallerSide":
+        """The connection's caller side, which keeps its idle clock (this is the gRPC side)."""
+        assert isinstance(self.other, _CallerSide), "the gRPC side's other is the caller's"
+        return self.other
 
     def pause_writing(self) -> None:
         self._other_transport().pause_reading()
@@ -261,25 +305,48 @@ class _CallerSide(_Side):
         self._gate = gate
         # The private folder of the public socket this caller came through.
         self._folder = folder
+        # The caller's uid (SO_PEERCRED), read once connected.
+        self.uid = -1
+        # When a byte last passed either way (time.monotonic()), and the timer that closes the
+        # connection once none has for the gate's idle_s.
+        self.last_bytes = time.monotonic()
+        self._idle_timer: asyncio.TimerHandle | None = None
         # Opening the gRPC side; None if the gate refused the connection (it is not counted).
         self.joining: asyncio.Task[None] | None = None
+
+    def caller_side(self) -> "_CallerSide":
+        return self
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         assert self.transport is not None
-        uid = caller_uid(self.transport.get_extra_info("socket"))
+        self.uid = caller_uid(self.transport.get_extra_info("socket"))
         if not self._gate.admit(self):
             self.transport.abort()
             return
         self.transport.pause_reading()
-        self.joining = asyncio.get_running_loop().create_task(self._join(uid))
+        self._arm_idle_timer(self._gate.idle_s)
+        self.joining = asyncio.get_running_loop().create_task(self._join())
 
-    async def _join(self, uid: int) -> None:
+    def _arm_idle_timer(self, delay_s: float) -> None:
+        self._idle_timer = asyncio.get_running_loop().call_later(delay_s, self._check_idle)
+
+    def _check_idle(self) -> None:
+        """Close the connection if no byte passed for idle_s; else look again when that could
+        first be so."""
+        idle_s = time.monotonic() - self.last_bytes
+        if idle_s < self._gate.idle_s:
+            self._arm_idle_timer(self._gate.idle_s - idle_s)
+            return
+        _log.debug("unix_connection_idle_closed", uid=self.uid, idle_s=round(idle_s, 3))
+        self.abort()
+
+    async def _join(self) -> None:
         assert self.transport is not None
         try:
-            await self._gate.connect_grpc(self._folder, uid, self._grpc_side)
+            await self._gate.connect_grpc(self._folder, self.uid, self._grpc_side)
         except OSError as exc:  # gRPC stopping, or out of file descriptors
-            _log.debug("unix_connection_failed", uid=uid, error=str(exc))
+            _log.debug("unix_connection_failed", uid=self.uid, error=str(exc))
             self.transport.close()
             return
         if self.transport.is_closing():  # the caller left meanwhile
@@ -295,11 +362,13 @@ class _CallerSide(_Side):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         if self.joining is not None:
             self._gate.release(self)
 
     def abort(self) -> None:
-        """Close both sides at once (the gate is stopping)."""
+        """Close both sides at once (the gate is stopping, or the connection was idle)."""
         if self.joining is not None:
             self.joining.cancel()
         for side in (self, self.other):

@@ -219,7 +219,7 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
     folders it created removed, on exit. serve() and the tests' daemon both use this.
     """
     # The gate, when unix callers are told apart by uid; its folders are known before binding.
-    gate = PeerGate(service.limits.max_unix_connections) if service.tenants.maps_uids else None
+    gate = PeerGate(service.limits, service.tenants) if service.tenants.maps_uids else None
     folders = frozenset(str(gate_folder(lst.unix_path)) for lst in listeners
                         if gate is not None and lst.unix_path is not None)
     server = grpc.aio.server(

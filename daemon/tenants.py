@@ -14,7 +14,8 @@ caller by its uid when some tenant lists `uids`, else as the configured `unix_te
 context holds no peer credentials), so when a tenant lists uids the public unix socket is
 served by the peer-credential gate (peer_gate.py), which reads each connection's uid
 (SO_PEERCRED) and hands it to gRPC as the name of the connection's peer. A uid no tenant lists
-is refused (PERMISSION_DENIED), or is `unix_tenant` with `unmapped_uids = "unix_tenant"`. Who
+is refused (the gate closes its connections at accept; the interceptor's PERMISSION_DENIED is
+the second check), or is `unix_tenant` with `unmapped_uids = "unix_tenant"`. Who
 may connect at all is still the socket's mode. The interceptor puts the caller in a context
 variable for the call; the service reads it when a session opens, and the session registry
 when a call names a session: a TCP caller naming another tenant's session gets NOT_FOUND, as

@@ -4,15 +4,19 @@ Daemons here serve a real unix socket through the production `grpc_server` (in-p
 a real `pagedkvd` process; the clients whose uid matters are separate processes, so the uid
 the gate reads (SO_PEERCRED) is the kernel's record of another process. Mapping a second uid
 needs a client that can change its uid, i.e. tests running as root; without root that test is
-skipped, not passed.
+skipped, not passed. The tests of the gate's caps (one uid against the others) run as any
+user: `own_process_is` makes the gate read another uid for the connections this test process
+makes, while child processes keep their real uid.
 """
 
 import asyncio
+import contextlib
 import io
 import json
 import os
 import signal
 import socket
+import struct
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -30,6 +34,7 @@ from pagedkv.client import (
     TlsOptions,
     Unauthenticated,
 )
+from pagedkv.daemon import peer_gate
 from pagedkv.daemon.addresses import parse_listen
 from pagedkv.daemon.limits import Limits
 from pagedkv.daemon.peer_gate import GRPC_SOCKET_NAME, PeerGate, gate_folder
@@ -61,7 +66,12 @@ async def main(target, uid):
     if uid != os.getuid():
         os.setuid(uid)  # after the imports: the new uid may not read the code
     outcome = {"uid": os.getuid()}
-    async with await PoolClient.connect(target) as client:
+    try:
+        client = await PoolClient.connect(target, timeout=5)
+    except PagedKVError as exc:  # the gate closed the connection
+        print(json.dumps({**outcome, "error": type(exc).__name__}), flush=True)
+        return
+    async with client:
         try:
             session = await client.open_session("child")
             await session.allocate(1, 8)
@@ -93,6 +103,57 @@ class Child:
         assert self.process.stdin is not None
         self.process.stdin.close()
         assert await asyncio.wait_for(self.process.wait(), timeout=30) == 0
+
+
+# An HTTP/2 client's preface and an empty SETTINGS frame: a connection that makes no call.
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+async def idle_connection(path: Path) -> socket.socket:
+    """A connection that sends the HTTP/2 preface and then nothing, as an idle gRPC channel."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(30)
+    await asyncio.to_thread(sock.connect, str(path))
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # closed already
+        sock.sendall(HTTP2_PREFACE)
+    return sock
+
+
+def receive(sock: socket.socket, size: int) -> bytes:
+    """What `sock` receives, b"" once the gate closed it (aborted, with our bytes unread, the
+    kernel reports a reset)."""
+    try:
+        return sock.recv(size)
+    except ConnectionResetError:
+        return b""
+
+
+async def answered(sock: socket.socket) -> bool:
+    """Whether gRPC answered the preface (its SETTINGS frame: admitted) rather than the gate
+    closing the connection (refused)."""
+    return await asyncio.to_thread(receive, sock, 9) != b""
+
+
+async def read_to_end(sock: socket.socket) -> None:
+    """Read until the gate closes the connection (TimeoutError after the socket's timeout)."""
+    while await asyncio.to_thread(receive, sock, 4096):
+        pass
+
+
+@pytest.fixture
+def own_process_is(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
+    """Make the gate read `uid` for connections made by this test process (SO_PEERCRED's pid is
+    ours); other processes keep their real uid. One uid's connections against another's,
+    without root."""
+    real = peer_gate.caller_uid
+
+    def set_uid(uid: int) -> None:
+        def read(sock: socket.socket) -> int:
+            pid, _uid, _gid = struct.unpack("=iII", sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("=iII")))
+            return uid if pid == os.getpid() else real(sock)
+        monkeypatch.setattr(peer_gate, "caller_uid", read)
+    return set_uid
 
 
 async def start_child(target: str, uid: int = UID) -> Child:
@@ -180,24 +241,39 @@ async def test_a_unix_caller_process_is_the_tenant_listing_its_uid(daemon: Daemo
     daemon.service.check_invariants()
 
 
-@pytest.mark.parametrize("unmapped_uids", ["refuse", "unix_tenant"])
-async def test_a_uid_no_tenant_lists_is_refused_or_the_unix_tenant(unmapped_uids: str) -> None:
-    async with running_daemon(tenants=tenants(unmapped_uids=unmapped_uids, mine=False)) as daemon:
+async def test_a_uid_no_tenant_lists_is_refused_at_accept(log_lines: io.StringIO) -> None:
+    async with running_daemon(tenants=tenants(mine=False)) as daemon:
+        assert daemon.gate is not None
         child = await start_child(daemon.unix_target)
         try:
-            outcome = await child.outcome()
-            if unmapped_uids == "refuse":
-                assert outcome == {"uid": UID, "error": f"PermissionDenied: PERMISSION_DENIED: "
-                                   f"uid {UID} is in no tenant's uids, and the daemon refuses "
-                                   "unix callers of other uids (unmapped_uids = \"refuse\")"}
-                assert figure(daemon, "tenant_sessions", "default") == 0
-            else:  # the unix tenant, "default": no limits, so the second session opens too
-                assert outcome == {"uid": UID, "opened": True}
-                assert figure(daemon, "tenant_sessions", "default") == 2
+            assert await child.outcome() == {"uid": UID, "error": "DaemonUnavailable"}
+        finally:
+            await child.close()
+        with await idle_connection(socket_path(daemon)) as sock:
+            assert not await answered(sock)  # closed as it arrived: it holds no connection
+        # Not even a health check: such a caller could make no other call.
+        async with grpc.aio.insecure_channel(daemon.unix_target) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert daemon.gate.open_connections == 0
+        assert figure(daemon, "tenant_sessions", "default") == 0
+        [line, *_] = events(log_lines, "unix_connections_refused")
+        assert (line["limit"], line["unmapped_uids"], line["uid"]) == ("unmapped_uids",
+                                                                       "refuse", UID)
+
+
+async def test_a_uid_no_tenant_lists_is_the_unix_tenant_when_so_configured() -> None:
+    async with running_daemon(tenants=tenants(unmapped_uids="unix_tenant", mine=False)) as daemon:
+        child = await start_child(daemon.unix_target)
+        try:
+            # The unix tenant, "default": no limits, so the second session opens too.
+            assert await child.outcome() == {"uid": UID, "opened": True}
+            assert figure(daemon, "tenant_sessions", "default") == 2
             assert figure(daemon, "tenant_sessions", "me") == 0
         finally:
             await child.close()
-        # Health checks stay open to every caller who may connect.
         async with grpc.aio.insecure_channel(daemon.unix_target) as channel:
             reply = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=10)
@@ -218,9 +294,8 @@ async def test_another_uid_is_mapped_to_its_own_tenant() -> None:
             assert (await other.outcome()) == {
                 "uid": OTHER_UID, "opened": True, "error": "PoolExhausted: RESOURCE_EXHAUSTED: "
                 "tenant other has 1 sessions open, its max_sessions; close one first"}
-            assert (await stranger.outcome())["error"] == (
-                f"PermissionDenied: PERMISSION_DENIED: uid {THIRD_UID} is in no tenant's uids, "
-                "and the daemon refuses unix callers of other uids (unmapped_uids = \"refuse\")")
+            # Listed nowhere: the gate closes its connections as they arrive.
+            assert await stranger.outcome() == {"uid": THIRD_UID, "error": "DaemonUnavailable"}
             assert figure(daemon, "tenant_sessions", "me") == 1
             assert figure(daemon, "tenant_sessions", "other") == 1
             assert figure(daemon, "tenant_block_table_entries", "other") == 2
@@ -280,6 +355,74 @@ async def test_connections_over_the_limit_are_closed_and_named_in_the_log(
         await eventually(lambda: daemon.gate is not None and daemon.gate.open_connections == 0)
         async with await PoolClient.connect(daemon.unix_target) as again:  # room again
             assert (await again.stats()).num_blocks == 16
+
+
+async def test_an_unmapped_uid_holding_idle_connections_locks_no_tenant_out(
+    own_process_is: Callable[[int], None], log_lines: io.StringIO,
+) -> None:
+    """The probe: a uid no tenant lists opens the cap's worth of idle HTTP/2 connections; the
+    tenant listing another uid must still be served."""
+    own_process_is(THIRD_UID)  # listed nowhere
+    async with running_daemon(tenants=tenants(), limits=Limits(max_unix_connections=4)) as daemon:
+        assert daemon.gate is not None
+        hostile = [await idle_connection(socket_path(daemon)) for _ in range(4)]
+        try:
+            child = await start_child(daemon.unix_target)  # our real uid: tenant "me"
+            try:
+                assert (await child.outcome()).get("opened") is True
+            finally:
+                await child.close()
+            assert [await answered(sock) for sock in hostile] == [False] * 4
+        finally:
+            for sock in hostile:
+                sock.close()
+        assert daemon.gate.open_connections == 0
+        lines = events(log_lines, "unix_connections_refused")
+        assert {(line["limit"], line["uid"]) for line in lines} == {("unmapped_uids", THIRD_UID)}
+
+
+async def test_one_uid_holds_at_most_its_share_of_the_connections(
+    own_process_is: Callable[[int], None], log_lines: io.StringIO,
+) -> None:
+    """A mapped uid (tenant "other") fills its share with idle gRPC connections and tries for
+    more; another tenant's uid still connects."""
+    own_process_is(OTHER_UID)
+    limits = Limits(max_unix_connections=4, max_unix_connections_per_uid=2)
+    async with running_daemon(tenants=tenants(), limits=limits) as daemon:
+        assert daemon.gate is not None
+        held = [await own_connection(daemon.unix_target) for _ in range(2)]
+        try:
+            await held[0].stats()
+            more = [await idle_connection(socket_path(daemon)) for _ in range(2)]
+            assert [await answered(sock) for sock in more] == [False, False]
+            assert daemon.gate.open_by_uid == {OTHER_UID: 2}
+            child = await start_child(daemon.unix_target)
+            try:
+                assert (await child.outcome()).get("opened") is True
+                assert daemon.gate.open_by_uid == {OTHER_UID: 2, UID: 1}
+            finally:
+                await child.close()
+            [line, *_] = events(log_lines, "unix_connections_refused")
+            assert (line["limit"], line["max_unix_connections_per_uid"], line["uid"]) == (
+                "max_unix_connections_per_uid", 2, OTHER_UID)
+        finally:
+            for client in held:
+                await client.close()
+        await eventually(lambda: daemon.gate is not None and not daemon.gate.open_by_uid)
+
+
+async def test_an_idle_connection_is_closed_and_its_client_reconnects() -> None:
+    limits = Limits(max_unix_connection_idle_ms=200)
+    async with running_daemon(tenants=tenants(), limits=limits) as daemon:
+        assert daemon.gate is not None
+        async with await own_connection(daemon.unix_target) as client:
+            await client.stats()
+            with await idle_connection(socket_path(daemon)) as sock:
+                assert await answered(sock)
+                await read_to_end(sock)  # no byte either way: closed by the gate
+            await eventually(lambda: daemon.gate is not None and daemon.gate.open_connections == 0)
+            assert (await client.stats()).num_blocks == 16  # on a new connection
+            assert daemon.gate.open_connections == 1
 
 
 async def test_peer_names_go_at_once_and_the_gate_folder_with_the_daemon() -> None:
@@ -359,7 +502,7 @@ async def test_the_gate_names_the_uid_copies_exactly_and_holds_back_a_fast_write
             sent = start + (1 << 16)
         writer.close()
 
-    gate = PeerGate(max_connections=4)
+    gate = PeerGate(Limits(max_unix_connections=4), tenants())
     with short_tmp_dir() as directory:
         public = directory / "g.sock"
         internal = gate.add(public, 0o600).removeprefix("unix://")
