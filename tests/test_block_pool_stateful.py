@@ -9,10 +9,15 @@ wrong content, and a block handed to two owners. `check_invariants()` runs after
 Blocks are shareable only once committed: `commit` certifies a sequence's tokens written, and a
 request whose prefill fails (garbage in its slots, then freed) must never be matched later. A
 rolled-back transaction of random ops must leave the whole state exactly as it was.
+
+The pool counts the blocks held by two groupings of the sequences (as the service does by session
+and by tenant), and keeps its figures as operations run: `check_invariants()` compares both with
+a recount from every table entry.
 """
 
 import contextlib
 import itertools
+from collections.abc import Hashable
 
 import numpy as np
 from hypothesis import settings
@@ -29,6 +34,7 @@ from pagedkv.daemon.core import (
     SequenceNotFound,
     SeqUpdate,
 )
+from pagedkv.daemon.core.validation import TokenIds
 
 from pool_state import pool_state
 
@@ -39,10 +45,33 @@ NAMES = st.sampled_from("abcdefg")
 HEADS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
 
 
+def groups_of(seq: str) -> tuple[int, int]:
+    """Two groupings of the names that cut across salts and forks, so blocks are shared
+    between groups."""
+    return "abcdefg".index(seq) % 3, "abcdefg".index(seq) % 2
+
+
+class GroupedPool(BlockPool):
+    """A pool whose sequences belong to the groups of their names."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self.track_holders(2)
+
+    def allocate(self, seq: Hashable, num_tokens: int, token_ids: TokenIds | None = None,
+                 salt: bytes = b"") -> SeqUpdate | NoFit:
+        with self.holding(groups_of(str(seq))):
+            return super().allocate(seq, num_tokens, token_ids, salt)
+
+    def fork(self, parent: Hashable, child: Hashable) -> SeqUpdate:
+        with self.holding(groups_of(str(child))):
+            return super().fork(parent, child)
+
+
 class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE)
+        self.pool = GroupedPool(NUM_BLOCKS, BLOCK_SIZE)
         self.memory = np.full(NUM_BLOCKS * BLOCK_SIZE, -1, dtype=np.int64)
         self.tokens: dict[str, list[int]] = {}
         self.salts: dict[str, bytes] = {}  # namespaces never share a block

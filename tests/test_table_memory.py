@@ -75,6 +75,7 @@ def test_random_ops_with_packing_keep_every_table(monkeypatch: pytest.MonkeyPatc
     the state exactly as it was."""
     monkeypatch.setattr(seq_table, "INITIAL_ROWS", 2)
     monkeypatch.setattr(table_store, "INITIAL_ENTRIES", 4)
+    monkeypatch.setattr(table_store, "MIN_REGION", 1)
     rng = random.Random(seed)
     pool = BlockPool(num_blocks=256, block_size=2)
     pool._seqs = seq_table.SeqTable(2, pool.journal, rows=2)

@@ -93,6 +93,16 @@ class PoolAllocator(Protocol):
 
     def cache_events(self, events: CacheEvents) -> AbstractContextManager[None]: ...
 
+    def track_holders(self, levels: int) -> None:
+        """Count, from now on, the distinct blocks held by each group of sequences, for
+        `levels` ways of grouping them; before any sequence exists."""
+
+    def holding(self, groups: Sequence[int]) -> AbstractContextManager[None]:
+        """Sequences made inside belong to `groups`, one per level of `track_holders`."""
+
+    def blocks_held(self, level: int, group: int) -> int:
+        """Distinct blocks the sequences of one group reference (O(1))."""
+
     def uncache(self, candidates: Mapping[int, bytes]) -> list[int]: ...
 
     def cached_keys(self) -> dict[int, bytes]: ...

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .errors import SequenceExists
+from .holders import HeldBlocks
 from .journal import Journal
 from .physical_blocks import CacheEvents, PhysicalBlocks
 from .prefix_cache import block_keys, chain_keys, root_key
@@ -54,6 +55,11 @@ class BlockPool:
         self._seqs = SeqTable(block_size, self._journal)
         # Offset of each slot in its block, for slot mappings by broadcasting.
         self._offsets: Int64Array = np.arange(block_size, dtype=np.int64)
+        # Sum over shared partially filled blocks of (refcount - 1) x their empty slots: what
+        # summing each table's empty slots counts too many (`stats`).
+        self._shared_waste = 0
+        # Distinct blocks held per group of sequences (`track_holders`).
+        self._held = HeldBlocks()
 
     @property
     def journal(self) -> Journal:
@@ -122,6 +128,23 @@ class BlockPool:
         """Copies a fork of a sequence of `num_tokens` tokens makes: none, it shares."""
         return 0
 
+    def track_holders(self, levels: int) -> None:
+        """From now on, count the distinct blocks held by each group of sequences, for
+        `levels` ways of grouping them (the service: by session, by tenant), so that
+        `blocks_held` costs O(1). Call before any sequence exists; every sequence is then made
+        inside `holding`."""
+        assert not len(self), "track_holders on a pool that holds sequences"
+        self._held.track(levels, self.num_blocks, self._journal)
+        self._seqs.groups = np.zeros((len(self._seqs.num_tokens), levels), dtype=np.int64)
+
+    def holding(self, groups: Sequence[int]) -> AbstractContextManager[None]:
+        """Sequences allocated or forked inside belong to `groups`, one per level."""
+        return self._held.holding(groups)
+
+    def blocks_held(self, level: int, group: int) -> int:
+        """Distinct blocks the sequences of `group` (at `level`) reference: O(1)."""
+        return self._held.held(level, group)
+
     # --------------------------------------------------------------- operations
 
     def allocate(self, seq: Hashable, num_tokens: int, token_ids: TokenIds | None = None,
@@ -148,11 +171,16 @@ class BlockPool:
             return no_fit
         st, cached = self._seqs, len(hits)
         row = st.add(seq, keys[-1] if keys else root, tokens is not None)
+        before = self._blocks.ref[hits] if self._held.levels else None
         self._blocks.share(hits)
         taken = self._blocks.take(blocks_for(num_tokens, bs) - cached)
         table = hits + taken.tolist()
         st.put_table(row, table)
         st.num_blocks[row], st.committed[row], st.num_tokens[row] = len(table), cached, num_tokens
+        st.grew(num_tokens, len(table))
+        if before is not None:
+            self._hold_new(row, np.asarray(table, dtype=np.int64),
+                           np.concatenate([before, np.zeros(len(taken), dtype=np.int64)]))
         if tokens is not None:
             self._blocks.cache.count(num_tokens, cached * bs)
             parents = [root, *keys][cached:full]
@@ -212,7 +240,10 @@ class BlockPool:
             raise SequenceExists(f"sequence {child!r} already exists")
         row = self._seqs.clone(src, child)
         table = self._seqs.table(row).copy()
+        before = self._blocks.ref[table]
         self._blocks.add_refs(table, 1)  # a table never holds a block twice: distinct indices
+        self._hold_new(row, table, before)
+        self._shift_waste(self._last_waste(row))  # its partial last block has one more sharer
         return SeqUpdate(table.tolist(), int(self._seqs.num_tokens[row]))
 
     def copy_on_write(self, seq: Hashable, logical_block: int) -> SeqUpdate | NoFit:
@@ -237,9 +268,15 @@ class BlockPool:
     def free(self, seq: Hashable) -> list[int]:
         """Drop `seq`. Returns the blocks that went back to the free list with no content kept
         (committed blocks stay cached for later prompts; pending ones lose their key)."""
-        table = self._seqs.table(self._row(seq)).copy()
+        row = self._row(seq)
+        table, groups = self._seqs.table(row).copy(), self._seqs.groups[row].copy()
+        if len(table) and self._blocks.ref[table[-1]] > 1:
+            self._shift_waste(-self._last_waste(row))  # one sharer fewer
         self._seqs.remove(seq)
-        return self._blocks.release(table)
+        released = self._blocks.release(table)
+        if self._held.levels:
+            self._held.drop(groups, table, self._blocks.ref[table])
+        return released
 
     @contextlib.contextmanager
     def cache_events(self, events: CacheEvents) -> Iterator[None]:
@@ -275,6 +312,7 @@ class BlockPool:
         taken = self._take_entries(grown, logical)
         st.num_blocks[grown] = logical + 1
         st.num_tokens[rows] = new = old + 1
+        st.grew(len(rows), len(grow))
         self._record_tokens(rows, old, plan.offset, tokens)
         written = plan.last  # the plan's own gather: safe to update in place
         written[grow] = taken
@@ -304,6 +342,7 @@ class BlockPool:
         taken = self._take_entries(rows[index], logical)
         st.num_blocks[rows] = old_nb + grow_count
         st.num_tokens[rows] = old + k
+        st.grew(len(rows) * k, grown)
         self._record_tokens(rows, old, plan.offset, tokens)
         pos = old[:, None] + np.arange(k)
         slots = st.entries(rows[:, None], pos // bs) * bs + pos % bs
@@ -319,16 +358,43 @@ class BlockPool:
         taken = self._blocks.take(len(rows))
         if len(rows):
             self._seqs.put_entries(rows, logical, taken)
+            for level, holders in enumerate(self._held.levels):
+                holders.add(self._seqs.groups[rows, level], taken, np.zeros_like(taken))
         return taken
 
     def _cow(self, row: int, logical_block: int) -> BlockCopy:
         """Give `row` a private copy of its shared block `logical_block`."""
         src = self._seqs.entry(row, logical_block)
-        dst = int(self._blocks.take(1)[0])
+        taken = self._blocks.take(1)
+        dst = int(taken[0])
         self._blocks.add_refs(np.array([src]), -1)
         assert self._blocks.ref[src] > 0, f"copy-on-write of unshared block {src}"
+        if logical_block == self._seqs.num_blocks[row] - 1:
+            self._shift_waste(-self._last_waste(row))  # one sharer fewer
         self._seqs.set_entry(row, logical_block, dst)
+        if self._held.levels:
+            groups, replaced = self._seqs.groups[row], np.array([src])
+            self._held.add(groups, taken, np.zeros(1, dtype=np.int64))
+            self._held.drop(groups, replaced, self._blocks.ref[replaced])
         return BlockCopy(src, dst)
+
+    # ------------------------------------------------------ holders, waste
+
+    def _hold_new(self, row: int, blocks: Int64Array, before: Int64Array) -> None:
+        """A new row (of the groups `holding` names) references `blocks`, whose refcounts
+        were `before`."""
+        if self._held.levels:  # else nothing is counted: no cost
+            self._seqs.groups[row] = self._held.current()
+            self._held.add(self._seqs.groups[row], blocks, before)
+
+    def _last_waste(self, row: int) -> int:
+        """Empty slots in the last block of `row` (0 when it is full or the table empty)."""
+        return int(-self._seqs.num_tokens[row] % self.block_size)
+
+    def _shift_waste(self, delta: int) -> None:
+        if delta:
+            self._shared_waste += delta
+            self._journal.record(self._shift_waste, -delta)
 
     # --------------------------------------------------------- prefix caching
 
@@ -413,7 +479,24 @@ class BlockPool:
     # -------------------------------------------------------- stats, invariants
 
     def stats(self) -> PoolStats:
-        """Occupancy and prefix-cache counters (O(total table entries), not for the hot path)."""
+        """Occupancy and prefix-cache counters, from totals the operations keep: O(1).
+
+        Every used block is filled except the empty slots of partially filled ones, and those
+        are last blocks. Summing each table's empty slots (block_size x entries - tokens)
+        counts a partial block once per table sharing it (forks), `_shared_waste` too many."""
+        st, bs, cache = self._seqs, self.block_size, self._blocks.cache
+        used = self.num_blocks - len(self._blocks.free) - len(cache.evictable)
+        empty = bs * st.total_entries - st.total_tokens - self._shared_waste
+        return PoolStats(
+            num_blocks=self.num_blocks, block_size=bs,
+            free_blocks=self.num_free_blocks, used_blocks=used,
+            cached_blocks=len(cache.evictable), pending_blocks=cache.num_pending,
+            filled_slots=used * bs - empty, allocated_slots=used * bs,
+            logical_tokens=st.total_tokens, num_sequences=len(st.row_of),
+            prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits)
+
+    def _recount_stats(self) -> PoolStats:
+        """`stats` recounted from every table entry (O(entries): for checks)."""
         rows, blocks, fills = self._table_entries()
         per_block = np.zeros(self.num_blocks, dtype=np.int64)
         np.maximum.at(per_block, blocks, fills)  # a shared block counts once, at its fullest
@@ -453,6 +536,11 @@ class BlockPool:
             table = st.table(row)
             assert len(np.unique(table)) == len(table), f"row {row} holds a block twice"
         assert not set(st.free_rows) & set(rows.tolist()), "a live row is on the free list"
+        assert self.stats() == self._recount_stats(), \
+            f"figures kept {self.stats()} differ from a recount {self._recount_stats()}"
+        entry_rows = np.repeat(rows, st.num_blocks[rows])
+        for level, holders in enumerate(self._held.levels):
+            holders.check(st.groups[entry_rows, level], blocks)
 
 
 class _AppendPlan(NamedTuple):

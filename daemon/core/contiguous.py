@@ -30,6 +30,7 @@ import numpy.typing as npt
 
 from .errors import InvalidArgument, SequenceExists
 from .first_fit import FirstFit
+from .holders import HeldBlocks
 from .journal import Journal
 from .physical_blocks import CacheEvents
 from .seq_table import Int64Array, ragged_entries, row_of, rows_of
@@ -70,6 +71,9 @@ class ContiguousPool:
         # First block of each row's reservation, and the tokens the row's sequence holds.
         self._start: Int64Array = np.zeros(capacity, dtype=np.int64)
         self._num_tokens: Int64Array = np.zeros(capacity, dtype=np.int64)
+        # Distinct blocks held per group of sequences, and each row's groups (`track_holders`).
+        self._held = HeldBlocks()
+        self._groups: Int64Array = np.zeros((capacity, 0), dtype=np.int64)
 
     @property
     def journal(self) -> Journal:
@@ -132,6 +136,19 @@ class ContiguousPool:
     def external_fragmentation(self) -> float:
         """Fraction of the pool's blocks that are free but in runs too short to reserve."""
         return (self._runs.free_blocks() - self._runs.usable) / self.num_blocks
+
+    def track_holders(self, levels: int) -> None:
+        """Count the blocks held by each group of sequences (see `BlockPool.track_holders`):
+        here each sequence holds its whole reservation."""
+        assert not len(self), "track_holders on a pool that holds sequences"
+        self._held.track(levels, self.num_blocks, self._journal)
+        self._groups = np.zeros((len(self._start), levels), dtype=np.int64)
+
+    def holding(self, groups: Sequence[int]) -> AbstractContextManager[None]:
+        return self._held.holding(groups)
+
+    def blocks_held(self, level: int, group: int) -> int:
+        return self._held.held(level, group)
 
     # --------------------------------------------------------------- operations
 
@@ -210,9 +227,12 @@ class ContiguousPool:
         start = int(self._start[row])
         del self._row_of[seq]
         self._free_rows.append(row)
-        self._journal.record(self._unfree, seq, row, start, int(self._num_tokens[row]))
+        self._journal.record(self._unfree, seq, row, start, int(self._num_tokens[row]),
+                             self._groups[row].copy())
         self._runs.give_back(start)
-        return list(range(start, start + self.reservation))
+        blocks = np.arange(start, start + self.reservation)
+        self._held.drop(self._groups[row], blocks, np.zeros_like(blocks))
+        return blocks.tolist()
 
     def cache_events(self, events: CacheEvents) -> AbstractContextManager[None]:
         """Nothing is ever cached, so `events` never hears of anything."""
@@ -237,17 +257,22 @@ class ContiguousPool:
         self._row_of[seq] = row
         self._start[row], self._num_tokens[row] = start, num_tokens
         self._journal.record(self._unreserve, seq)
+        if self._held.levels:
+            self._groups[row] = self._held.current()
+            blocks = np.arange(start, start + self.reservation)
+            self._held.add(self._groups[row], blocks, np.zeros_like(blocks))
         return start
 
     def _unreserve(self, seq: Hashable) -> None:
         self._free_rows.append(self._row_of.pop(seq))
 
-    def _unfree(self, seq: Hashable, row: int, start: int, num_tokens: int) -> None:
+    def _unfree(self, seq: Hashable, row: int, start: int, num_tokens: int,
+                groups: Int64Array) -> None:
         popped = self._free_rows.pop()
         assert popped == row, f"undo of free found row {popped}, expected {row}"
         self._row_of[seq] = row
-        # A later reserve of the same transaction may have reused the row: set both again.
-        self._start[row], self._num_tokens[row] = start, num_tokens
+        # A later reserve of the same transaction may have reused the row: set all again.
+        self._start[row], self._num_tokens[row], self._groups[row] = start, num_tokens, groups
 
     def _set_tokens(self, rows: Int64Array, num_tokens: Int64Array) -> None:
         self._num_tokens[rows] = num_tokens
@@ -298,3 +323,6 @@ class ContiguousPool:
         assert ((held >= 0) & (held <= self.max_model_len)).all(), "a sequence overflows"
         assert not set(self._free_rows) & set(rows.tolist()), "a live row is on the free list"
         assert len(self._free_rows) + len(rows) == len(self._start), "a row is unaccounted"
+        blocks = (self._start[rows][:, None] + np.arange(self.reservation)).ravel()
+        for level, holders in enumerate(self._held.levels):
+            holders.check(np.repeat(self._groups[rows, level], self.reservation), blocks)

@@ -37,7 +37,7 @@ from .table_store import TableStore, ragged_arange, region_size
 INITIAL_ROWS = 64
 # The row arrays, all indexed by row (`_grow_rows` and `_shrink_rows` resize them together).
 _ROW_ARRAYS = ("num_tokens", "num_blocks", "committed", "start", "capacity", "partial",
-               "chain_ok")
+               "chain_ok", "groups")
 
 
 class SeqTable:
@@ -69,6 +69,12 @@ class SeqTable:
         # Key of each row's last full block (its salt's root key before the first): the parent
         # of the next block's key.
         self.chain_key: list[bytes] = [b""] * rows
+        # The groups each row's sequence belongs to, one per level of `BlockPool.track_holders`
+        # (none until it is called).
+        self.groups: Int64Array = np.zeros((rows, 0), dtype=np.int64)
+        # Tokens and table entries summed over the live rows, kept as rows change (figures).
+        self.total_tokens = 0
+        self.total_entries = 0
 
     def add(self, seq: Hashable, chain_key: bytes, chain_ok: bool) -> int:
         """A row for a new, empty sequence whose next block's parent key is `chain_key`."""
@@ -84,6 +90,7 @@ class SeqTable:
 
     def _unadd(self, seq: Hashable) -> None:
         row = self.row_of.pop(seq)
+        self.grew(-int(self.num_tokens[row]), -int(self.num_blocks[row]))
         self._release_region(row)
         self.free_rows.append(row)
 
@@ -95,6 +102,7 @@ class SeqTable:
         self.num_blocks[row] = self.num_blocks[src]
         self.committed[row] = self.committed[src]
         self.partial[row] = self.partial[src]
+        self.grew(int(self.num_tokens[row]), int(self.num_blocks[row]))
         return row
 
     def remove(self, seq: Hashable) -> int:
@@ -102,6 +110,7 @@ class SeqTable:
         row = self.row_of.pop(seq)
         if self._journal.active:
             self._journal.record(self._unremove, seq, row, self._row_state(row))
+        self.grew(-int(self.num_tokens[row]), -int(self.num_blocks[row]))
         self._release_region(row)
         self.free_rows.append(row)
         self._journal.after(self._shrink)
@@ -110,7 +119,7 @@ class SeqTable:
     def _row_state(self, row: int) -> "_RowState":
         return _RowState(int(self.num_tokens[row]), int(self.committed[row]),
                          self.table(row).copy(), self.partial[row].copy(),
-                         bool(self.chain_ok[row]), self.chain_key[row])
+                         bool(self.chain_ok[row]), self.chain_key[row], self.groups[row].copy())
 
     def _unremove(self, seq: Hashable, row: int, state: "_RowState") -> None:
         popped = self.free_rows.pop()
@@ -118,10 +127,12 @@ class SeqTable:
         self.row_of[seq] = row
         self.num_tokens[row], self.committed[row] = state.num_tokens, state.committed
         self.num_blocks[row] = len(state.table)
+        self.grew(state.num_tokens, len(state.table))
         self.put_table(row, state.table)
         self.partial[row] = state.partial
         self.chain_ok[row] = state.chain_ok
         self.chain_key[row] = state.chain_key
+        self.groups[row] = state.groups
 
     def save_rows(self, rows: Int64Array, grown: Int64Array) -> None:
         """Record, in one undo record, the lengths and chain flags of `rows` before an append,
@@ -137,9 +148,18 @@ class SeqTable:
     def _restore_rows(self, rows: Int64Array, num_tokens: Int64Array, num_blocks: Int64Array,
                       chain_ok: npt.NDArray[np.bool_], grown: Int64Array,
                       partial: Int64Array) -> None:
+        self.grew(int((num_tokens - self.num_tokens[rows]).sum()),
+                  int((num_blocks - self.num_blocks[rows]).sum()))
         self.num_tokens[rows], self.num_blocks[rows] = num_tokens, num_blocks
         self.chain_ok[rows] = chain_ok
         self.partial[grown] = partial
+
+    def grew(self, tokens: int, entries: int) -> None:
+        """The live rows gained `tokens` tokens and `entries` table entries (the totals). The
+        undo of the change that grew them restores the totals too (`_restore_rows`, `_unadd`,
+        `_unremove`)."""
+        self.total_tokens += tokens
+        self.total_entries += entries
 
     def set_entry(self, row: int, logical: int, block: int) -> None:
         """Replace one table entry (copy-on-write)."""
@@ -219,9 +239,10 @@ class SeqTable:
         old, have = int(self.start[row]), int(self.capacity[row])
         capacity = region_size(entries)
         new = self.store.take(capacity)
-        data = self.store.data  # after take: it may have grown
-        data[new : new + have] = data[old : old + have]
-        self.store.release(old, have)
+        if have:
+            data = self.store.data  # after take: it may have grown
+            data[new : new + have] = data[old : old + have]
+            self.store.release(old, have)
         self.start[row], self.capacity[row] = new, capacity
 
     def _release_region(self, row: int) -> None:
@@ -245,7 +266,7 @@ class SeqTable:
         name). Each packing costs O(what is kept), paid for by the frees since the last."""
         rows = len(self.num_tokens)
         if rows > INITIAL_ROWS and 4 * len(self.row_of) < rows:
-            self._shrink_rows(max(INITIAL_ROWS, region_size(2 * len(self.row_of))))
+            self._shrink_rows(max(INITIAL_ROWS, 1 << (2 * len(self.row_of)).bit_length()))
         if self.store.sparse:
             live = np.fromiter(self.row_of.values(), dtype=np.int64, count=len(self.row_of))
             self.start[live], self.capacity[live] = self.store.pack(self.start[live],
@@ -271,6 +292,8 @@ class SeqTable:
         free = np.array(self.free_rows, dtype=np.int64)
         assert not self.capacity[free].any(), "a free row keeps a region"
         assert len(self.free_rows) + len(live) == len(self.num_tokens), "a row is unaccounted"
+        assert self.total_tokens == int(self.num_tokens[live].sum()), "total_tokens is off"
+        assert self.total_entries == int(self.num_blocks[live].sum()), "total_entries is off"
 
 
 def row_of(rows: Mapping[Hashable, int], seq: Hashable) -> int:
@@ -316,3 +339,4 @@ class _RowState(NamedTuple):
     partial: Int64Array
     chain_ok: bool
     chain_key: bytes
+    groups: Int64Array

@@ -4,12 +4,12 @@ Entry i of a table whose region starts at `start` lives at `data[start + i]`, so
 or writes one entry of many tables with one gather or scatter (the decode path stays vectorized)
 while memory follows the entries held, not rows x the longest table.
 
-Regions hold a power of two of entries. A table that outgrows its region moves to one twice as
-large, and the region it leaves goes on the free list of its size, where the next region of that
-size is taken from; new regions are cut from the end of the array, which doubles when full. An
-empty table needs no region. When the regions in use cover under a quarter of the array, the
-owner packs the live tables into a fresh array sized for them (`pack`): the array shrinks back
-as tables are freed, at a cost paid for by the frees since the last packing.
+Regions hold a power of two of entries, at least MIN_REGION. A table that outgrows its region
+moves to one twice as large, and the region it leaves goes on the free list of its size, where
+the next region of that size is taken from; new regions are cut from the end of the array, which
+doubles when full. An empty table needs no region. When the regions in use cover under a quarter
+of the array, the owner packs the live tables into a fresh array sized for them (`pack`): the
+array shrinks back as tables are freed, at a cost paid for by the frees since the last packing.
 
 Regions are bookkeeping below the tables, never undone: a region taken inside a transaction that
 fails stays with its table (wider is harmless) or goes back to a free list.
@@ -24,11 +24,15 @@ Int64Array = npt.NDArray[np.int64]
 
 # Entries of a new store, and the least it shrinks to.
 INITIAL_ENTRIES = 1024
+# The smallest region: most tables then never move while they grow (a move is a Python step
+# on the decode path), for 128 bytes, what a row's partial block costs at block size 16.
+MIN_REGION = 16
 
 
 def region_size(entries: int) -> int:
-    """The capacity of a region for `entries` entries: 0 for none, else a power of two."""
-    return 0 if entries <= 0 else 1 << (entries - 1).bit_length()
+    """The capacity of a region for `entries` entries: 0 for none, else a power of two of at
+    least MIN_REGION."""
+    return 0 if entries <= 0 else max(MIN_REGION, 1 << (entries - 1).bit_length())
 
 
 class TableStore:
