@@ -19,7 +19,7 @@ import torch
 from engine_driver import RecordingRunner, decode, new
 from test_engine_families import GREEDY, NEW_TOKENS, VOCAB, expected_tokens
 
-from pagedkv.client import PoolClient, SeqStep, SequenceNotFound, Session
+from pagedkv.client import PoolClient, SeqStep, SequenceNotFound, Session, SessionExpired
 from pagedkv.client import StepNotComputed as ClientStepNotComputed
 from pagedkv.client.runner_link import RunnerLink
 from pagedkv.model_runner.attention_backend import get_backend
@@ -31,6 +31,8 @@ FAMILY = "llama"
 daemon, prompts = families.daemon, families.prompts
 # How many event-loop polls a test waits for a state the engine reaches at once (10 ms each).
 POLLS = 500
+# The lease of a client that dies mid-step.
+DYING_LEASE_MS = 1000
 
 
 class GatedRunner(RecordingRunner):
@@ -241,6 +243,32 @@ async def test_a_cancelled_steps_blocks_are_not_released_before_its_forward_ends
     await release
     with pytest.raises(SequenceNotFound):
         await session.block_tables([1])
+
+
+async def test_a_dead_clients_lease_is_kept_until_its_forward_ends(
+    engine: StepEngine, client: PoolClient, prompts: list[tuple[int, ...]],
+) -> None:
+    """A client that dies mid-step (no KeepAlive of its own, its step cancelled) keeps its
+    session, and so its blocks, while the forward is held: the runner renews the lease until
+    the forward ends; then the lease lapses and the daemon frees everything."""
+    dying = await client.open_session("dying", lease_ttl_ms=DYING_LEASE_MS, keep_alive=False)
+    prompt = prompts[1]
+    await engine.step(dying.session_id, [new(1, prompt, GREEDY)])
+    runner = gated(engine)
+    runner.gate.clear()
+    runner.entered.clear()
+    step = asyncio.create_task(engine.step(dying.session_id, [
+        decode_step(1, expected_tokens(FAMILY, prompt)[0])]))
+    await until(runner.entered.is_set)
+    step.cancel()
+    await asyncio.sleep(2.5 * DYING_LEASE_MS / 1000)  # past two leases
+    assert await held(dying, 1) == len(prompt) + 1
+    runner.gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    await asyncio.sleep(2.5 * DYING_LEASE_MS / 1000)
+    with pytest.raises(SessionExpired):
+        await dying.block_tables([1])
 
 
 # ---------------------------------------------------------- 16: the session table
