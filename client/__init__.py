@@ -20,7 +20,6 @@ from .errors import (
     SequenceNotFound,
     SessionExpired,
     SessionNotFound,
-    StepNotComputed,
     Unauthenticated,
     UnknownSequence,
 )
@@ -82,7 +81,6 @@ __all__ = [
     "SessionExpired",
     "SessionNotFound",
     "SessionStats",
-    "StepNotComputed",
     "StepOutputs",
     "StepRecord",
     "StepResult",

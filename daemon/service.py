@@ -118,6 +118,10 @@ class PoolService:
         self._hygiene = CacheHygiene(pool, zero_freed_blocks)
         # Who may call, and each tenant's limits and live sessions.
         self.tenants = tenants or Tenants.single(None)
+        # The pool counts the blocks each session and each tenant holds (`_groups`), so
+        # GetStats and /metrics cost O(sessions), not O(table entries); tenants by number.
+        self._tenant_number = {name: i for i, name in enumerate(self.tenants.by_name)}
+        pool.track_holders(2)
         self._usage = TenantUsage()
         # Serializes every change of pool state, and the memory work that goes with it.
         self._lock = asyncio.Lock()
@@ -209,7 +213,8 @@ class PoolService:
                     self.tenants.check_commit(session.tenant, session.shared_salt)
                 work = MemoryWork()
                 with self.pool.transaction():
-                    with self._hygiene.watch(session, work):
+                    with self._hygiene.watch(session, work), self.pool.holding(
+                            self._groups(session)):
                         result = change(session, work, answer or self.answer_budget())
                     self._usage.check_blocks(self.tenants.by_name[session.tenant])
                     await self._perform(work)
@@ -359,21 +364,24 @@ class PoolService:
     def stats_of(self, session_id: str) -> SessionStats:
         """One session's figures (renews its lease, like any call naming it)."""
         session = self.sessions.get(session_id)
-        held: set[int] = set()
-        for seq_id in session.seq_ids:
-            held.update(self.pool.held_blocks(session.key(seq_id)))
         return SessionStats(
             name=session.label, client_name=session.client_name,
             num_sequences=len(session.seq_ids), block_table_entries=session.table_entries,
-            blocks_held=len(held), max_blocks=session.max_blocks,
+            blocks_held=self.pool.blocks_held(0, session.number), max_blocks=session.max_blocks,
             lease_ttl_ms=session.lease_ttl_ms, prefix_cache_queries=session.prefix_cache_queries,
             prefix_cache_hits=session.prefix_cache_hits)
 
     def tenant_figures(self) -> list[TenantFigures]:
         """Every tenant's sessions and blocks, for the metrics endpoint."""
-        return self._usage.figures(self.tenants, self._distinct_blocks)
+        return self._usage.figures(self.tenants, lambda name: self.pool.blocks_held(
+            1, self._tenant_number[name]))
 
-    def _distinct_blocks(self, sessions: Iterable[Session]) -> int:
+    def _groups(self, session: Session) -> tuple[int, int]:
+        """The pool's groups of a session's sequences: by session, by tenant."""
+        return session.number, self._tenant_number[session.tenant]
+
+    def _recount_held(self, sessions: Iterable[Session]) -> int:
+        """Distinct blocks the sessions' sequences reference, from their tables (checks)."""
         held: set[int] = set()
         for session in sessions:
             for seq_id in session.seq_ids:
@@ -390,6 +398,8 @@ class PoolService:
             entries = sum(self.pool.quota_blocks(self.pool.num_tokens(k)) for k in keys)
             assert entries == session.table_entries, (
                 f"{session.label} counts {session.table_entries} quota blocks, holds {entries}")
+            assert self.pool.blocks_held(0, session.number) == self._recount_held([session]), \
+                f"{session.label}: blocks_held differs from a recount"
             live += len(keys)
         assert live == len(self.pool), "the pool holds sequences of no live session"
         self._hygiene.check({session.number for session in self.sessions})
@@ -398,3 +408,6 @@ class PoolService:
         assert by_tenant == {name: {s for s in self.sessions if s.tenant == name}
                              for name in {s.tenant for s in self.sessions}}, \
             "the tenants' session sets disagree with the live sessions"
+        for figures in self.tenant_figures():
+            assert figures.blocks_held == self._recount_held(by_tenant.get(figures.name, ())), \
+                f"tenant {figures.name}: blocks_held differs from a recount"
