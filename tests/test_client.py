@@ -12,6 +12,7 @@ import pytest
 
 from pagedkv.client import (
     Allocate,
+    AnswerTooLarge,
     Append,
     BlockCopy,
     CopyOnWrite,
@@ -27,6 +28,7 @@ from pagedkv.client import (
     SequenceNotFound,
     SessionNotFound,
 )
+from pagedkv.daemon.limits import Limits
 from pagedkv.daemon.servicer import KVPoolServicer
 
 from daemon_harness import Daemon, running_daemon
@@ -94,6 +96,18 @@ async def test_block_tables_give_the_token_ids_the_daemon_holds(client: PoolClie
             [5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 1, 2, 4, 4], [5, 6, 7, 8, 1, 3], []]
         assert [t.num_cached_tokens for t in tables] == [4, 4, 4, 0]
         assert [t.token_ids for t in await session.block_tables([1, 2])] == [[], []]
+
+
+async def test_token_ids_are_charged_in_the_answer_budget_before_it_is_built() -> None:
+    """500 ids at up to ten bytes each pass a 4,096-byte answer limit: refused (AnswerTooLarge,
+    nothing built); the same table without ids fits."""
+    async with running_daemon(num_blocks=128, limits=Limits(max_answer_bytes=4096)) as daemon, \
+            await PoolClient.connect(daemon.unix_target) as connected, \
+            await connected.open_session("budget") as session:
+        await session.allocate(1, token_ids=[3] * 500)
+        assert (await session.block_tables([1]))[0].num_tokens == 500
+        with pytest.raises(AnswerTooLarge, match="max_answer_bytes=4096"):
+            await session.block_tables([1], token_ids=True)
 
 
 async def test_errors_are_named_after_the_cause(client: PoolClient) -> None:
