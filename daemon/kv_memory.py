@@ -35,6 +35,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 from pagedkv.memory import BLOCK_DIM, PoolMemoryHandle, pool_shape
 
 from .geometry import ModelGeometry, canonical_dtype, torch_dtype
+from .shm_holders import reserve_failure
 from .units import format_bytes
 
 # Block ids as the block pool hands them out: a list, or an int64 array on the batch path.
@@ -194,8 +195,7 @@ def _create_shm(path: Path, shape: tuple[int, ...], dtype: str, mode: int) -> to
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
         path.unlink(missing_ok=True)
-        raise OSError(exc.errno, f"cannot reserve {format_bytes(nbytes)} for the KV pool in "
-                                 f"{path.parent}: {exc.strerror}") from exc
+        raise OSError(exc.errno, reserve_failure(path, nbytes, exc)) from exc
     finally:
         os.close(fd)
     return torch.from_file(str(path), shared=True, size=numel, dtype=torch_dtype(dtype)).view(shape)

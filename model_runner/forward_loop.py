@@ -87,6 +87,11 @@ class ForwardLoop:
             self._task = None
         self._thread.shutdown(wait=True)
 
+    async def between_forwards(self, work: Callable[[], None]) -> None:
+        """Run `work` on the forward thread: after the forward in progress, before the next
+        (nothing else runs there, so no forward runs meanwhile)."""
+        await asyncio.get_running_loop().run_in_executor(self._thread, work)
+
     async def compute(self, prepared: Prepared) -> list[SeqResult]:
         """Queue a prepared step for the next forward; its results, one per request."""
         self._ready.append(prepared)

@@ -67,6 +67,11 @@ class StepInputs:
     context: PagedContext
 
 
+class PoolReleased(RuntimeError):
+    """The runner dropped its mapping of the pool: its daemon went away (it maps the pool again
+    once the daemon answers)."""
+
+
 class ModelRunner:
     """Runs `model` with its KV cache in `pool` (switches the model to "pagedkv" attention).
 
@@ -84,7 +89,8 @@ class ModelRunner:
                              f"on {model.device}")
         # Heads and head_dim are checked by store_kv in the first layer, before any write.
         self.model = model
-        self.pool = pool
+        # The pool's memory, mapped; None once released (`release_pool`).
+        self._pool: torch.Tensor | None = pool
         self.block_size = block_size
         self.backend = backend
         text_config = model.config.get_text_config()
@@ -100,6 +106,26 @@ class ModelRunner:
         """A runner over the memory of the daemon that answered `info` (client.pool_info())."""
         pool = attach_pool(PoolMemoryHandle.from_proto(info.memory))
         return cls(model, pool, info.block_size, backend)
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """The pool memory; PoolReleased once `release_pool` dropped it."""
+        if self._pool is None:
+            raise PoolReleased("the runner released the pool memory: its daemon went away")
+        return self._pool
+
+    @property
+    def released(self) -> bool:
+        """Whether `release_pool` dropped the pool memory."""
+        return self._pool is None
+
+    def release_pool(self) -> None:
+        """Drop this runner's reference to the pool memory. Its pages are freed once no tensor
+        views them any more: a dead daemon's /dev/shm pool stays allocated for as long as a
+        runner maps it, and a new daemon may need that room. Call it between forwards
+        (`ForwardLoop.between_forwards`): a running forward holds the pool until it ends, and
+        a later step on this runner raises PoolReleased before it reads the pool."""
+        self._pool = None
 
     @torch.inference_mode()
     def step(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:

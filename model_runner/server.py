@@ -9,7 +9,11 @@ A runner crash loses no KV: the pool lives in the daemon, so a restarted runner 
 clients go on (a sequence it does not know is resent with its history). A daemon restart is seen
 by a watcher that reads GetPoolInfo every POOL_CHECK_INTERVAL_S: while the daemon is away or the
 pool is new, steps answer UNAVAILABLE with a clear message, and the runner maps the new pool
-(clients' sessions died with the old daemon; they open new ones).
+(clients' sessions died with the old daemon; they open new ones). As soon as the daemon does not
+answer, the runner unmaps its pool, between two forwards: a crashed daemon's /dev/shm pool keeps
+its pages for as long as any process maps it, and a new daemon sized for the same /dev/shm
+could not create its own. It maps the pool again when the daemon answers (the same one, if the
+daemon was only unreachable).
 
 SIGTERM: health NOT_SERVING, stop accepting, let in-flight steps finish for SHUTDOWN_GRACE_S.
 """
@@ -195,8 +199,12 @@ async def _watch_pool(state: RunnerState, pool: PoolClient, model: Any, backend:
             if state.unavailable is None:
                 log.warning("daemon unavailable", daemon_pool=state.info.pool_id)
             state.unavailable = "the pagedkv daemon is unavailable; the runner is reconnecting"
+            await _release_pool(state)
             continue
         if info.pool_id == state.info.pool_id:
+            if state.engine.runner.released:  # the daemon was only unreachable
+                state.engine.runner = ModelRunner.attach(model, info, backend)
+                log.info("pool mapped again", pool_id=info.pool_id)
             state.unavailable = None
             continue
         log.warning("daemon restarted: mapping its new pool", old=state.info.pool_id,
@@ -207,3 +215,12 @@ async def _watch_pool(state: RunnerState, pool: PoolClient, model: Any, backend:
         state.engine.forget_all()
         state.info = info
         state.unavailable = None
+
+
+async def _release_pool(state: RunnerState) -> None:
+    """Unmap the pool of a daemon that does not answer, once no forward runs (steps are refused
+    already): its memory is freed if the daemon is gone, and a new daemon has room for its own."""
+    runner = state.engine.runner
+    if not runner.released:
+        await state.engine.forwards.between_forwards(runner.release_pool)
+        log.warning("pool released: the daemon is away", pool_id=state.info.pool_id)
