@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pagedkv.daemon.core import BlockPool
+from pagedkv.daemon.core import BlockPool, ContiguousPool
 from pagedkv.daemon.metrics import PoolCollector
 from pagedkv.daemon.operations import Allocate, Commit, Fork
 from pagedkv.daemon.service import PoolService
@@ -41,3 +41,24 @@ async def test_get_stats_and_metrics_read_no_table_entry(monkeypatch: pytest.Mon
     assert expected[0].blocks_held == 8 and expected[2][0].blocks_held == 9
     families = {metric.name: metric for metric in PoolCollector(service).collect()}
     assert families["pagedkv:num_sequences"].samples[0].value == 4
+
+
+def test_a_contiguous_pool_counts_whole_reservations_per_group() -> None:
+    pool = ContiguousPool(num_blocks=16, block_size=4, max_model_len=16)  # 4 blocks a sequence
+    pool.track_holders(2)
+    with pool.holding((1, 0)):
+        pool.allocate("a", 3)
+        pool.fork("a", "b")
+    with pool.holding((2, 0)):
+        pool.allocate("c", 0)
+    assert [pool.blocks_held(0, g) for g in (1, 2)] == [8, 4] and pool.blocks_held(1, 0) == 12
+    with pytest.raises(RuntimeError), pool.transaction():
+        pool.free("a")
+        with pool.holding((2, 0)):
+            pool.allocate("d", 1)  # may reuse a's row and blocks
+        raise RuntimeError("undo")
+    assert [pool.blocks_held(0, g) for g in (1, 2)] == [8, 4] and pool.blocks_held(1, 0) == 12
+    pool.check_invariants()
+    pool.free("a")
+    assert pool.blocks_held(0, 1) == 4
+    pool.check_invariants()
