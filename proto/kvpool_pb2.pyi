@@ -225,9 +225,9 @@ class OpenSessionRequest(_message.Message):
     larger than the daemon's maximum is clamped (the response says what was granted).
     """
     max_blocks: _builtins.int
-    """Quota on block-table entries held by the session's sequences. 0 = the daemon's cap
-    (max_blocks_per_session); larger than the cap is clamped (the response says what was
-    granted).
+    """Quota on block-table entries held by the session's sequences, an empty sequence counting
+    one. 0 = the daemon's cap (max_blocks_per_session); larger than the cap is clamped (the
+    response says what was granted).
     """
     cache_salt: _builtins.bytes
     """Sessions with equal non-empty salts share prefix-cache blocks; empty = share with no one,
@@ -1050,8 +1050,8 @@ class SessionStats(_message.Message):
     """"client_name#number": a label that is not the (secret) session id."""
     num_sequences: _builtins.int
     block_table_entries: _builtins.int
-    """Block-table entries over the session's sequences (what max_blocks bounds); with
-    pagedkvd --allocator contiguous, the blocks of their reservations.
+    """Block-table entries over the session's sequences, an empty one counting one (what
+    max_blocks bounds); with pagedkvd --allocator contiguous, the blocks of their reservations.
     """
     blocks_held: _builtins.int
     """Distinct physical blocks the session's sequences reference (contiguous: reserve)."""
