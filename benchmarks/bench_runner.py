@@ -232,7 +232,7 @@ def pagedkv_processes(folder: Path, threads: int) -> Iterator[Pagedkv]:
         # The runner sets its own intra-op threads (--torch-threads, default half the CPUs):
         # tell it, as well as OpenMP, what every contestant gets.
         runner_threads = threads or os.cpu_count() or 1
-        with start_runner(daemon.unix_target, folder, "--random-init", PRESET,
+        with start_runner(daemon.runners_target, folder, "--random-init", PRESET,
                           "--metrics-listen", metrics, "--log-level", "warning",
                           "--torch-threads", str(runner_threads),
                           env={"OMP_NUM_THREADS": str(threads)} if threads else None) as runner:

@@ -74,7 +74,7 @@ def serving(num_blocks: int, *daemon_args: str) -> Iterator[Stack]:
                           "--block-size", str(BLOCK_SIZE), *daemon_args) as daemon:
             daemon.wait_for_notification(READY_STATE)
             metrics = f"127.0.0.1:{free_tcp_port()}"
-            with start_runner(daemon.unix_target, folder, "--random-init", PRESET,
+            with start_runner(daemon.runners_target, folder, "--random-init", PRESET,
                               "--torch-threads", "1", "--metrics-listen", metrics,
                               "--log-level", "warning") as runner:
                 runner.wait_for_notification(READY_STATE)

@@ -20,6 +20,7 @@ from .errors import (
     SequenceNotFound,
     SessionExpired,
     SessionNotFound,
+    StepNotComputed,
     Unauthenticated,
     UnknownSequence,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "SessionExpired",
     "SessionNotFound",
     "SessionStats",
+    "StepNotComputed",
     "StepOutputs",
     "StepRecord",
     "StepResult",

@@ -102,11 +102,18 @@ class UnknownSequence(PagedKVError):
     the sequence with its history (`SeqStep.history`); nothing was changed."""
 
 
+class StepNotComputed(PagedKVError):
+    """ABORTED from a runner: the step's daemon calls were applied (its sequences hold its
+    tokens, in the daemon and the runner) but its forward failed. Never resend it as it was
+    (it would append twice): resend it without token_ids, every sequence as an existing one,
+    or release its sequences."""
+
+
 # A cause names the exception class ("PoolExhausted"); a runner relays the client's own names.
 _BY_CAUSE: dict[str, type[PagedKVError]] = {kind.__name__: kind for kind in (
     NotFound, SessionNotFound, SequenceNotFound, SequenceExists, InvalidArgument, PoolExhausted,
     LimitExceeded, AnswerTooLarge, SessionExpired, Unauthenticated, PermissionDenied,
-    UnknownSequence,
+    UnknownSequence, StepNotComputed,
     DaemonUnavailable, DeadlineExceeded, Cancelled, MessageTooLarge)}
 
 # Statuses without a cause: what the code alone may mean.

@@ -14,7 +14,9 @@ restart in one of two ways:
   appended it ahead), and the runner takes it for the token the step names (runner.proto). The
   same `runner_id` means a living runner may have applied the step: the error stands.
 
-A step is sent at most twice; a second failure is the engine's to report.
+A step is sent at most twice; a second failure is the engine's to report. Any other error is
+never resent: `StepNotComputed` (the step was applied, its forward failed) resent as it was would
+append its tokens twice.
 """
 
 import asyncio

@@ -9,6 +9,7 @@ setting stops the daemon before it allocates anything, with a message naming the
 
 import argparse
 import functools
+import grp
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pagedkv.process.log_setup import LOG_FORMATS, LOG_LEVELS, LogFormat
+from pagedkv.process.socket_files import DAEMON_RUNNER_SOCKET_NAME, DAEMON_SOCKET_NAME
 
 from .addresses import ListenAddress, parse_host_port, parse_listen
 from .core import ALLOCATORS, AllocatorKind
@@ -37,14 +39,15 @@ from .units import parse_bytes
 
 # Pool size when nothing is said: 512 blocks of the tiny CPU geometry take 16 MiB.
 DEFAULT_NUM_BLOCKS = 512
-# The socket file name inside $RUNTIME_DIRECTORY (systemd) or ./run.
-SOCKET_NAME = "pagedkvd.sock"
 # Settings that size the pool; at most one per layer, exactly one in the end.
 SIZING_KEYS = ("num_blocks", "kv_memory", "kv_fraction")
 # Longest lease a session may ask for (longer requests are clamped to it).
 MAX_LEASE_TTL_MS = 600_000
-# Mode of the daemon's unix sockets: the owner and its group (the runners) may connect.
+# Mode of the daemon's public unix sockets: the owner and its group (the clients) may connect.
 DEFAULT_SOCKET_MODE = 0o660
+# Mode of the runner socket and of the pool file: the daemon's user, and runner_group if set.
+RUNNERS_ONLY_MODE = 0o600
+RUNNER_GROUP_MODE = 0o660
 # Permission bits for "every local user": refused on the socket and on the pool file.
 WORLD_BITS = 0o007
 # The limits' defaults (daemon/limits.py), for the fields below.
@@ -62,7 +65,7 @@ def default_listen(env: Mapping[str, str]) -> tuple[str, ...]:
     # RUNTIME_DIRECTORY lists one path per RuntimeDirectory= entry, colon-separated.
     runtime_dir = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
     folder = Path(runtime_dir) if runtime_dir else Path.cwd() / "run"
-    return (f"unix://{folder.absolute() / SOCKET_NAME}",)
+    return (f"unix://{folder.absolute() / DAEMON_SOCKET_NAME}",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,16 +110,22 @@ class DaemonConfig:
     # cached block evicted for a new owner, and what a private-salt session left cached when it
     # ends; committed blocks kept in the prefix cache keep their K/V while they are cached.
     zero_freed_blocks: bool = False
-    # Folder of the CPU pool's shared-memory file: a tmpfs (or hugetlbfs) mount.
+    # Folder of the CPU pool's shared-memory file: a tmpfs (or hugetlbfs) mount. The file is
+    # mode 0o600 (the daemon's user), or 0o660 with runner_group as its group.
     shm_dir: Path = Path("/dev/shm")
-    # Permission bits of the /dev/shm pool file: 0o660 lets the daemon's group (the runners)
-    # map it; 0o600 keeps it to the daemon's user.
-    shm_mode: int = 0o600
 
     # ---- Access: who may connect and as which tenant (modes, TLS, tenants). ----
-    # Permission bits of the unix sockets, whatever the umask: 0o660 lets the daemon's group
-    # connect (a unix caller needs no token, so this mode is the access control).
+    # Permission bits of the public unix sockets, whatever the umask: 0o660 lets the daemon's
+    # group connect (a unix caller needs no token, so this mode is the access control).
     socket_mode: int = DEFAULT_SOCKET_MODE
+    # The socket runners call through (they alone get the pool memory, may name any session
+    # and commit under any salt); None: pagedkvd-runners.sock beside the first unix listener,
+    # else in $RUNTIME_DIRECTORY or ./run. Mode 0o600 (the daemon's user), 0o660 with
+    # runner_group.
+    runner_socket: Path | None = None
+    # Group (name or gid) of the runner socket and the pool file, whose members may act as
+    # runners and map every tenant's K/V; None: only the daemon's user.
+    runner_group: str | None = None
     # PEM certificate chain and private key TCP listeners serve TLS with (both or neither).
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
@@ -174,8 +183,14 @@ class DaemonConfig:
         _check(lambda _: self.limits(), None, "limits")
 
     def _check_access(self) -> None:
-        """Listeners parse, and TCP ones come with a usable token; the tenants are usable."""
+        """Listeners parse, and TCP ones come with a usable token; the tenants are usable; the
+        runner socket is none of the listeners and its group exists."""
         listeners = self.listeners()
+        runner = self.runner_listener()
+        if any(lst.unix_path == runner.unix_path for lst in listeners):
+            raise ConfigError(f"runner_socket: {runner.unix_path} is also a listen address; "
+                              "runners need a socket of their own")
+        self.runner_gid()
         tenants = self.build_tenants()
         if any(lst.is_tcp for lst in listeners) and not tenants.any_token:
             raise ConfigError("listen: a TCP listener needs auth_token_file (--auth-token-file) "
@@ -185,6 +200,33 @@ class DaemonConfig:
             for listener in listeners:
                 if listener.unix_path is not None:
                     _check(check_gate_paths, listener.unix_path, "listen")
+
+    def runner_listener(self) -> ListenAddress:
+        """The runner socket (see the field)."""
+        if self.runner_socket is not None:
+            return _check(parse_listen, f"unix://{self.runner_socket.absolute()}",
+                          "runner_socket")
+        folder = next((lst.unix_path.parent for lst in self.listeners()
+                       if lst.unix_path is not None), None)
+        default = Path(default_listen(os.environ)[0].removeprefix("unix://")).parent
+        path = (folder or default) / DAEMON_RUNNER_SOCKET_NAME
+        return _check(parse_listen, f"unix://{path}", "runner_socket")
+
+    def runner_gid(self) -> int | None:
+        """The gid of runner_group; None without one."""
+        if self.runner_group is None:
+            return None
+        if self.runner_group.isdigit():
+            return int(self.runner_group)
+        try:
+            return grp.getgrnam(self.runner_group).gr_gid
+        except KeyError:
+            raise ConfigError(f"runner_group: no group named {self.runner_group!r}") from None
+
+    @property
+    def runners_mode(self) -> int:
+        """Mode of the runner socket and the pool file."""
+        return RUNNERS_ONLY_MODE if self.runner_group is None else RUNNER_GROUP_MODE
 
     def tenant_specs(self) -> tuple[TenantSpec, ...]:
         """The configured tenants, with auth_token_file as the "default" tenant's token."""
@@ -213,7 +255,7 @@ class DaemonConfig:
             raise ConfigError(str(exc)) from exc
 
     def _check_pool(self) -> None:
-        """Block size, exactly one pool size, device, dtype and the shm file's place and mode."""
+        """Block size, exactly one pool size, device, dtype and the shm file's place."""
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a positive power of two, got {self.block_size}")
         chosen = [key for key in SIZING_KEYS if getattr(self, key) is not None]
@@ -275,15 +317,14 @@ class DaemonConfig:
                               f"got {self.lease_ttl_ms}")
 
     def _check_modes(self) -> None:
-        """The pool file and the sockets: owner rw, and nothing for every other user."""
-        for key in ("shm_mode", "socket_mode"):
-            mode = getattr(self, key)
-            if mode & ~0o777 or mode & 0o600 != 0o600:
-                raise ConfigError(f"{key} must be permission bits including owner rw (0o600), "
-                                  f"got {oct(mode)}")
-            if mode & WORLD_BITS:
-                raise ConfigError(f"{key} {oct(mode)} gives every local user access (every "
-                                  "tenant's K/V, or calls with no token); use 0o660 and a group")
+        """The public sockets: owner rw, and nothing for every other user."""
+        mode = self.socket_mode
+        if mode & ~0o777 or mode & 0o600 != 0o600:
+            raise ConfigError(f"socket_mode must be permission bits including owner rw (0o600), "
+                              f"got {oct(mode)}")
+        if mode & WORLD_BITS:
+            raise ConfigError(f"socket_mode {oct(mode)} gives every local user access (calls "
+                              "with no token); use 0o660 and a group")
 
     def _check_tls(self) -> None:
         """TLS files come as a pair and are usable; TCP listeners use TLS or say they do not."""
@@ -399,8 +440,9 @@ _TOML_KEYS: dict[str, Callable[[Any], Any]] = {
     "max_model_len": _toml_int,
     "zero_freed_blocks": _toml_bool,
     "shm_dir": lambda v: Path(_toml_str(v)),
-    "shm_mode": _toml_int,
     "socket_mode": _toml_int,
+    "runner_socket": lambda v: Path(_toml_str(v)),
+    "runner_group": _toml_str,
     "tls_cert_file": lambda v: Path(_toml_str(v)),
     "tls_key_file": lambda v: Path(_toml_str(v)),
     "tls_client_ca_file": lambda v: Path(_toml_str(v)),
@@ -422,6 +464,10 @@ def load_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config: cannot read {path}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config: {path} is not valid TOML: {exc}") from exc
+    if "shm_mode" in raw:
+        raise ConfigError(f"config: shm_mode in {path} is gone: the pool file is mode 0o600, or "
+                          "0o660 for runner_group alone (set runner_group to share it with "
+                          "runners of another user)")
     unknown = sorted(set(raw) - set(_TOML_KEYS))
     if unknown:
         raise ConfigError(f"config: unknown key(s) {', '.join(unknown)} in {path}; "
@@ -475,8 +521,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "hold (required with --allocator contiguous; must fit in the pool)")
     opt("--zero-freed-blocks", action="store_true", help="zero blocks as they are released")
     opt("--shm-dir", type=Path, help="folder of the CPU pool file (default /dev/shm)")
-    opt("--shm-mode", type=_octal, help="octal mode of the /dev/shm pool file (default 600)")
-    opt("--socket-mode", type=_octal, help="octal mode of the unix sockets (default 660)")
+    opt("--socket-mode", type=_octal, help="octal mode of the public unix sockets (default 660)")
+    opt("--runner-socket", type=Path, help="path of the socket runners call through (default: "
+        f"{DAEMON_RUNNER_SOCKET_NAME} beside the first unix listener)")
+    opt("--runner-group", help="group of the runner socket and the pool file (default: none, "
+        "only the daemon's user may be a runner)")
     opt("--tls-cert-file", type=Path, help="PEM certificate chain TCP listeners serve TLS with")
     opt("--tls-key-file", type=Path, help="PEM private key of --tls-cert-file")
     opt("--tls-client-ca-file", type=Path, help="PEM CA that TCP clients' certificates must "

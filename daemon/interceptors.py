@@ -6,8 +6,9 @@ because the socket file's owner, group and mode already decide who may connect, 
 the tenant listing its caller's uid when tenants list uids (the peer-credential gate names the
 connection by uid, peer_gate.py; a uid no tenant lists is closed at accept there, and
 PERMISSION_DENIED here, unless `unmapped_uids = "unix_tenant"`), else as the unix tenant (see
-tenants.py). The caller is set
-for the call's duration
+tenants.py). The runner socket
+has a server and an interceptor of its own (`runners=True`): every call there is a runner's. The
+caller is set for the call's duration
 (`tenants.calling_as`), where the service and the session registry read it. Health checks
 (grpc.health.v1) are exempt so that load balancers and `grpc_health_probe` work without the
 secret; they reveal only SERVING or NOT_SERVING.
@@ -157,9 +158,11 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Auth, logging and metrics around every RPC handler of the server."""
 
     def __init__(self, tenants: Tenants, rpc_metrics: RpcMetrics | None,
-                 gate_folders: frozenset[str]) -> None:
+                 gate_folders: frozenset[str], *, runners: bool = False) -> None:
         # Who may call: each tenant's token and uids, and the tenant of unix callers.
         self._tenants = tenants
+        # It serves the runner socket, whose mode alone decides who connects: runners.
+        self._runners = runners
         self._metrics = rpc_metrics
         # The peer-credential gate's private folders: unix peers named there carry a uid.
         self._gate_folders = gate_folders
@@ -185,22 +188,24 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         listeners then, so only a listener added behind config's back gets here; refuse
         rather than trust)."""
         peer = context.peer()
+        if self._runners and is_unix_peer(peer):
+            return Caller(self._tenants.unix, runner=True)
         if is_unix_peer(peer):
             return self._unix_caller(peer)
         # Exactly one authorization header: which of several counts must not depend on order.
         sent = single_authorization(context.invocation_metadata() or ())
         tenant = None if sent is None else self._tenants.for_bearer(sent)
-        return NO_TOKEN if tenant is None else Caller(tenant, local=False)
+        return NO_TOKEN if tenant is None else Caller(tenant)
 
     def _unix_caller(self, peer: str) -> Caller | Refusal:
         """The unix tenant, or when tenants list uids the tenant of the uid the gate gave."""
         if not self._tenants.maps_uids:
-            return Caller(self._tenants.unix, local=True)
+            return Caller(self._tenants.unix)
         uid = peer_uid(peer, self._gate_folders)
         if uid is None:
             return NOT_THROUGH_GATE
         tenant = self._tenants.for_uid(uid)
-        return unmapped_uid(uid) if tenant is None else Caller(tenant, local=True)
+        return unmapped_uid(uid) if tenant is None else Caller(tenant)
 
     @asynccontextmanager
     async def _call(self, service: str, method: str, context: Context) -> AsyncIterator[Rpc]:

@@ -7,7 +7,9 @@ copying or zeroing a block is one indexed op over BLOCK_DIM.
 Two backings, chosen by the device:
 - CPU: a file in /dev/shm (tmpfs) sized exactly and reserved up front with posix_fallocate, so
   a too-small /dev/shm fails at start instead of with SIGBUS later; mapped with
-  `torch.from_file(shared=True)`. Its name carries the owner's pid so that a restarted daemon
+  `torch.from_file(shared=True)`. Whoever may open the file reads and writes every tenant's
+  K/V: it is the daemon's user's alone (0o600), or its runner group's too (0o660), never
+  every user's. Its name carries the owner's pid so that a restarted daemon
   can remove what a crashed one left (`cleanup_stale_files`).
 - CUDA: a device tensor, plus a CUDA IPC handle (`reduce_tensor`) pickled once into bytes.
   The daemon keeps the tensor alive for as long as runners may be attached.
@@ -54,8 +56,10 @@ class KVPoolMemory:
     @classmethod
     def create(cls, geometry: ModelGeometry, num_blocks: int, block_size: int,
                dtype: str | torch.dtype, device: str = "cpu", shm_dir: str = "/dev/shm",
-               name_prefix: str = "pagedkv", mode: int = 0o600) -> KVPoolMemory:
-        """Allocate a zeroed pool; `mode` is the shm file's (0o660 to share with a group)."""
+               name_prefix: str = "pagedkv", mode: int = 0o600,
+               group: int | None = None) -> KVPoolMemory:
+        """Allocate a zeroed pool; `mode` is the shm file's (0o660 to share with `group`, the
+        runners' gid: the file's group is the daemon's own without it)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} "
                              f"and {block_size}")
@@ -71,7 +75,7 @@ class KVPoolMemory:
         target = _device(device)
         if target.type == "cpu":
             path = Path(shm_dir) / f"{name_prefix}-{os.getpid()}-{pool_id}.kv"
-            kv = _create_shm(path, shape, name, mode)
+            kv = _create_shm(path, shape, name, mode, group)
             return cls(kv, PoolMemoryHandle("shm", str(path), shape, name, -1, b""), pool_id)
         # Zeroed, not empty: the caching allocator may hand back another tensor's data.
         kv = torch.zeros(shape, dtype=torch_dtype(name), device=target)
@@ -185,11 +189,22 @@ def _device(device: str) -> torch.device:
     return target
 
 
-def _create_shm(path: Path, shape: tuple[int, ...], dtype: str, mode: int) -> torch.Tensor:
-    """Create the shm file exclusively, reserve its pages, and map it."""
+def _create_shm(path: Path, shape: tuple[int, ...], dtype: str, mode: int,
+                group: int | None) -> torch.Tensor:
+    """Create the shm file exclusively (the owner's alone until it has its group), reserve its
+    pages, and map it."""
     numel = int(np.prod(shape))
     nbytes = numel * torch_dtype(dtype).itemsize
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    if group is not None:
+        try:
+            os.fchown(fd, -1, group)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise PermissionError(exc.errno, f"cannot give the pool file {path} to group "
+                                             f"{group} (runner_group): {exc.strerror}; the "
+                                             "daemon's user must be a member") from exc
     try:
         os.fchmod(fd, mode)  # the umask may have cleared bits that `mode` asks for
         os.posix_fallocate(fd, 0, nbytes)

@@ -1,10 +1,11 @@
 """The pagedkvd process: allocate the pool, serve gRPC, tell systemd, drain on SIGTERM.
 
 Start, in this order, so that READY=1 is true when sent: remove pool files left by a crashed
-daemon, allocate the pool memory and the block pool, build the gRPC server (`grpc_server`:
-interceptor, message limit, KVPool, health, reflection), bind every listener, start it, start
-the metrics HTTP server, then READY=1. The tests' in-process daemon builds its gRPC server
-with the same `grpc_server`.
+daemon, allocate the pool memory and the block pool, build the gRPC servers (`grpc_server`:
+interceptor, message limit, KVPool, health, reflection; one for the listeners, one for the
+runner socket, whose every caller is a runner), bind every listener, start them, start the
+metrics HTTP server, then READY=1. The tests' in-process daemon builds its gRPC servers with
+the same `grpc_server`.
 
 Stop (SIGTERM or SIGINT): STOPPING=1 and health NOT_SERVING so balancers and clients move
 away, then the gRPC server stops accepting and lets in-flight calls finish for up to
@@ -14,6 +15,7 @@ unlinked). The next start has a new pool_id: clients recompute their tables from
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -35,7 +37,14 @@ from pagedkv.proto import kvpool_pb2
 from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 
 from .addresses import ListenAddress, parse_host_port
-from .config import DEFAULT_SOCKET_MODE, MAX_LEASE_TTL_MS, ConfigError, DaemonConfig
+from .config import (
+    DEFAULT_SOCKET_MODE,
+    MAX_LEASE_TTL_MS,
+    RUNNER_GROUP_MODE,
+    RUNNERS_ONLY_MODE,
+    ConfigError,
+    DaemonConfig,
+)
 from .core import make_pool
 from .geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
 from .interceptors import ServerInterceptor
@@ -80,6 +89,15 @@ class GrpcServer:
     targets: tuple[str, ...]
     # The peer-credential gate serving the unix listeners, when tenants list uids.
     gate: PeerGate | None = None
+    # The server of the runner socket (its callers are runners), and its target; None: none.
+    runner_server: grpc.aio.Server | None = None
+    runner_target: str | None = None
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop both servers: new calls refused at once, in-flight ones cancelled after
+        `grace` seconds."""
+        await asyncio.gather(*(server.stop(grace) for server in (self.server, self.runner_server)
+                               if server is not None))
 
 
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
@@ -95,7 +113,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
         readiness.draining = True
         await running.health.enter_graceful_shutdown()
         # Refuses new calls at once; in-flight ones get the grace period, then are cancelled.
-        await running.server.stop(SHUTDOWN_GRACE_S)
+        await running.stop(SHUTDOWN_GRACE_S)
     log.info("stopped")
 
 
@@ -109,7 +127,9 @@ async def _start(config: DaemonConfig, readiness: Readiness,
     rpc_metrics = RpcMetrics(registry) if config.metrics_listen else None
     running = await stack.enter_async_context(
         grpc_server(service, config.listeners(), rpc_metrics=rpc_metrics,
-                    socket_mode=config.socket_mode, tls=config.server_tls()))
+                    socket_mode=config.socket_mode, tls=config.server_tls(),
+                    runner_socket=config.runner_listener().unix_path,
+                    runner_gid=config.runner_gid()))
     readiness.listeners_up = True
     if config.metrics_listen is not None:
         host, port = parse_host_port(config.metrics_listen)
@@ -120,7 +140,7 @@ async def _start(config: DaemonConfig, readiness: Readiness,
               f"{config.allocator}")
     notify("READY=1", f"STATUS={status}")
     log.info("ready", status=status, listen=list(running.targets),
-             metrics_listen=config.metrics_listen)
+             runner_socket=running.runner_target, metrics_listen=config.metrics_listen)
     interval = watchdog_interval_s()
     if interval is not None:
         stack.push_async_callback(cancel, asyncio.create_task(_feed_watchdog(interval)))
@@ -143,7 +163,7 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
     config.check_reservation(num_blocks)
     memory = KVPoolMemory.create(geometry, num_blocks, config.block_size, dtype,
                                  device=config.device, shm_dir=str(config.shm_dir),
-                                 mode=config.shm_mode)
+                                 mode=config.runners_mode, group=config.runner_gid())
     try:
         log.info("pool allocated", pool_id=memory.pool_id, model=geometry.name, dtype=dtype,
                  device=config.device, num_blocks=num_blocks, block_size=config.block_size,
@@ -207,8 +227,11 @@ def pool_num_blocks(config: DaemonConfig, geometry: ModelGeometry, dtype: str) -
 async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], *,
                       rpc_metrics: RpcMetrics | None,
                       socket_mode: int = DEFAULT_SOCKET_MODE,
-                      tls: ServerTls | None = None) -> AsyncIterator[GrpcServer]:
-    """The daemon's gRPC server for `service`, started on every listener and SERVING.
+                      tls: ServerTls | None = None, runner_socket: Path | None = None,
+                      runner_gid: int | None = None) -> AsyncIterator[GrpcServer]:
+    """The daemon's gRPC server for `service`, started on every listener and SERVING, and a
+    second one for runners on `runner_socket` when given (mode 0o600, or 0o660 with group
+    `runner_gid`; every call there is a runner's).
 
     Every call passes the interceptor (TCP calls need a token of one of `service.tenants`; a
     log line per call, and `rpc_metrics` when given); messages over MAX_MESSAGE_BYTES
@@ -222,17 +245,13 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
     gate = PeerGate(service.limits, service.tenants) if service.tenants.maps_uids else None
     folders = frozenset(str(gate_folder(lst.unix_path)) for lst in listeners
                         if gate is not None and lst.unix_path is not None)
-    server = grpc.aio.server(
-        interceptors=[ServerInterceptor(service.tenants, rpc_metrics, folders)],
-        options=[*MESSAGE_SIZE_OPTIONS,
-                 # Without this a second daemon on the same TCP port would share it silently.
-                 ("grpc.so_reuseport", 0)],
-    )
-    add_to_server(KVPoolServicer(service), server)
     health_servicer = AsyncHealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (KVPOOL_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    server = _kvpool_server(service, ServerInterceptor(
+        service.tenants, rpc_metrics, folders), health_servicer)
+    runners = None if runner_socket is None else _kvpool_server(
+        service, ServerInterceptor(service.tenants, rpc_metrics, frozenset(), runners=True),
+        health_servicer)
+    running = GrpcServer(server, health_servicer, (), gate, runners)
     # Socket files this daemon created; only these are removed (never a live daemon's).
     own_sockets: list[Path] = []
     try:
@@ -241,19 +260,62 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
             targets.append(_bind(server, listener, socket_mode, tls, gate))
             if listener.unix_path is not None:
                 own_sockets.append(listener.unix_path)
+        runner_target = None
+        if runners is not None and runner_socket is not None:  # after the listeners' folders
+            runner_target = _bind_runners(runners, runner_socket, runner_gid)
+            own_sockets.append(runner_socket)
+            await runners.start()
         await server.start()
         if gate is not None:
             assert gate.folders == folders, "the interceptor knows every gate folder"
             await gate.start()
         for name in ("", KVPOOL_SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        yield GrpcServer(server, health_servicer, tuple(targets), gate)
+        yield dataclasses.replace(running, targets=tuple(targets), runner_target=runner_target)
     finally:
-        await server.stop(None)
+        await running.stop(None)
         if gate is not None:  # after gRPC: the calls it drained needed the gate
             await gate.stop()
         for path in own_sockets:
             path.unlink(missing_ok=True)
+
+
+def _kvpool_server(service: PoolService, interceptor: ServerInterceptor,
+                   health_servicer: Any) -> grpc.aio.Server:
+    """A gRPC server of KVPool, health and reflection, every call through `interceptor`."""
+    server = grpc.aio.server(
+        interceptors=[interceptor],
+        options=[*MESSAGE_SIZE_OPTIONS,
+                 # Without this a second daemon on the same TCP port would share it silently.
+                 ("grpc.so_reuseport", 0)],
+    )
+    add_to_server(KVPoolServicer(service), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (KVPOOL_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return server
+
+
+def _bind_runners(server: grpc.aio.Server, path: Path, gid: int | None) -> str:
+    """Bind the runner socket: created 0o600 whatever the umask, then given to group `gid`
+    and opened to it (0o660) only once it is that group's; returns its target."""
+    target, mode = f"unix://{path}", RUNNERS_ONLY_MODE if gid is None else RUNNER_GROUP_MODE
+    try:
+        claim_socket_path(path, mode)  # a folder it creates lets the group in with 0o660
+        with socket_umask(RUNNERS_ONLY_MODE):
+            server.add_insecure_port(target)
+        if gid is not None:
+            os.chown(path, -1, gid)
+        os.chmod(path, mode)
+    except SocketInUse as exc:
+        raise StartupError(f"runner_socket: {exc}") from exc
+    except RuntimeError as exc:
+        raise StartupError(f"cannot listen on {target}: address in use or not "
+                           "permitted") from exc
+    except PermissionError as exc:
+        raise StartupError(f"runner_group: cannot give {path} to group {gid}: {exc.strerror} "
+                           "(the daemon's user must be a member)") from exc
+    return target
 
 
 def _bind(server: grpc.aio.Server, listener: ListenAddress, socket_mode: int,

@@ -65,6 +65,9 @@ class Session:
     max_blocks: int
     # Prefix-cache namespace: only sessions with equal salts share cached blocks.
     salt: bytes
+    # The global salt the client asked for when it is one its tenant lists (shared with other
+    # tenants listing it: who may commit under it is checked); b"" otherwise.
+    shared_salt: bytes = b""
     # The tenant that opened the session: its limits count the session (tenants.py).
     tenant: str = DEFAULT_TENANT
     # Client seq ids of the live sequences.
@@ -153,7 +156,8 @@ class SessionRegistry:
         return iter(list(self._sessions.values()))
 
     def open(self, client_name: str, lease_ttl_ms: int, max_blocks: int,
-             cache_salt: bytes, tenant: str = DEFAULT_TENANT) -> Session:
+             cache_salt: bytes, tenant: str = DEFAULT_TENANT,
+             shared_salt: bytes = b"") -> Session:
         """A new session. A zero lease means the default, a long one is clamped to the max;
         a zero quota means max_blocks_per_session, a larger one is clamped to it."""
         if lease_ttl_ms < 0 or max_blocks < 0:
@@ -173,7 +177,8 @@ class SessionRegistry:
         salt = b"client:" + cache_salt if cache_salt else private_salt(session_id)
         session = Session(session_id=session_id, number=number, client_name=client_name,
                           lease_ttl_ms=ttl, deadline=self._clock() + ttl / 1000,
-                          max_blocks=quota, salt=salt, tenant=tenant)
+                          max_blocks=quota, salt=salt, shared_salt=shared_salt,
+                          tenant=tenant)
         self._sessions[session_id] = session
         return session
 

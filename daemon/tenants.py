@@ -3,9 +3,9 @@
 A tenant has a bearer token (TCP callers send it; it names the tenant), the uids of the local
 users whose unix-socket calls are its own, limits over all its sessions (`max_blocks`:
 block-table entries, or a contiguous pool's reserved blocks, the measure of the session quota;
-`max_sessions`: sessions open at once; 0 = unlimited) and the prefix-cache salts its sessions
-may use. Every session belongs to the tenant that opened it, and counts against that tenant's
-limits.
+`max_sessions`: sessions open at once; 0 = unlimited), the prefix-cache salts its sessions
+may use and those of them it certifies. Every session belongs to the tenant that opened it,
+and counts against that tenant's limits.
 
 Who is calling. The interceptor identifies each call: a TCP caller by its token; a unix-socket
 caller by its uid when some tenant lists `uids`, else as the configured `unix_tenant`
@@ -18,14 +18,27 @@ is refused (the gate closes its connections at accept; the interceptor's PERMISS
 the second check), or is `unix_tenant` with `unmapped_uids = "unix_tenant"`. Who
 may connect at all is still the socket's mode. The interceptor puts the caller in a context
 variable for the call; the service reads it when a session opens, and the session registry
-when a call names a session: a TCP caller naming another tenant's session gets NOT_FOUND, as
-for an unknown id. Unix callers, by uid or not, may name any session whose id they hold: the
-co-located runner acts with its clients' sessions, whatever their tenant.
+when a call names a session: a caller naming another tenant's session gets NOT_FOUND, as for
+an unknown id.
+
+Runners. The daemon's runner socket (`runner_socket`, its mode and `runner_group` say who may
+connect) serves runners: the processes that compute K/V into the pool. A runner may name any
+session whose id it holds (it acts for its clients, whatever their tenant), may commit under
+any salt, and alone gets the pool memory's handle from GetPoolInfo. Every other caller, unix
+or TCP, is a tenant's client.
 
 Cache salts. No salt: the session's own namespace (nothing shared). A tenant configured with
 `salts = [...]` may use only those, and they are global: tenants that list the same salt share
 its cached blocks. A tenant without `salts` may use any salt, inside its own namespace: its
 sessions share with each other, never with another tenant.
+
+Who may commit. A commit certifies that blocks hold the K/V of their tokens; other sessions
+under the same salt are then served that memory. Under a global salt that another tenant also
+lists, a session's commit (Commit, a Batch commit op, StepRequest.commit) is refused
+(PermissionDenied, nothing changed) unless the caller is a runner or the session's tenant
+`certifies` that salt: sharing a salt is a statement of trust, and certifying says which
+tenants' clients the others trust to tell the truth about K/V. Private, namespaced and
+single-tenant salts are unaffected: a wrong commit there misleads only its own tenant.
 
 The old single `auth_token_file` is the one-tenant shortcut: the "default" tenant, no limits,
 any salt in its namespace; unix callers are that tenant too.
@@ -50,7 +63,7 @@ DEFAULT_TENANT = "default"
 # Tenant names: they appear in metrics labels and logs.
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Keys of a [tenants.NAME] table.
-TENANT_KEYS = ("token_file", "uids", "max_blocks", "max_sessions", "salts")
+TENANT_KEYS = ("token_file", "uids", "max_blocks", "max_sessions", "salts", "certifies")
 # What a unix caller whose uid no tenant lists gets (the `unmapped_uids` setting): refused, or
 # the unix tenant.
 UNMAPPED_UIDS = ("refuse", "unix_tenant")
@@ -78,6 +91,9 @@ class TenantSpec:
     max_sessions: int = 0
     # Cache salts its sessions may use (global); None: any salt, in its own namespace.
     salts: tuple[str, ...] | None = None
+    # Those of its salts under which its own sessions may commit K/V that other tenants
+    # listing the salt will read (a subset of salts).
+    certifies: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +111,13 @@ class Tenant:
     salts: frozenset[bytes] | None = None
     # Uids whose unix-socket calls act as this tenant.
     uids: frozenset[int] = frozenset()
+    # Global salts under which its sessions may commit though other tenants list them.
+    certifies: frozenset[bytes] = frozenset()
+
+    def shared_salt(self, requested: bytes) -> bytes:
+        """The global salt `requested` is for this tenant's sessions (one of its `salts`), or
+        b"" when it is private or in its own namespace."""
+        return requested if self.salts is not None else b""
 
     def cache_salt(self, requested: bytes) -> bytes:
         """The salt a session of this tenant gets for `requested` (b"": its own namespace);
@@ -113,10 +136,10 @@ class Tenant:
 class Caller:
     """Who makes the call being served."""
 
-    # The tenant the call acts as.
+    # The tenant the call acts as (a runner's: the unix tenant, for sessions it opens).
     tenant: Tenant
-    # It came over a unix socket (the host's users, the runner), not TCP.
-    local: bool
+    # It came over the daemon's runner socket: a runner (module docstring).
+    runner: bool = False
 
 
 # The caller of the RPC being served; None outside the gRPC server (in-process use, tests).
@@ -137,10 +160,16 @@ def current_caller() -> Caller | None:
     return _CALLER.get()
 
 
+def trusted_caller() -> bool:
+    """Whether the current caller is a runner, or code of the daemon's own process (no call)."""
+    caller = _CALLER.get()
+    return caller is None or caller.runner
+
+
 def may_use_session_of(tenant: str) -> bool:
     """Whether the current caller may name a session of `tenant` (module docstring)."""
     caller = _CALLER.get()
-    return caller is None or caller.local or caller.tenant.name == tenant
+    return caller is None or caller.runner or caller.tenant.name == tenant
 
 
 class Tenants:
@@ -158,6 +187,11 @@ class Tenants:
             "a uid in two tenants"
         # The tenant of a unix caller whose uid no tenant lists; None: refused.
         self.unmapped = self.unix if unmapped_uids == "unix_tenant" else None
+        # Global salt -> the tenants listing it.
+        self.salt_users: dict[bytes, set[str]] = {}
+        for tenant in self.by_name.values():
+            for salt in tenant.salts or ():
+                self.salt_users.setdefault(salt, set()).add(tenant.name)
 
     @classmethod
     def single(cls, token: str | None) -> "Tenants":
@@ -191,6 +225,20 @@ class Tenants:
             if tenant.bearer is not None and hmac.compare_digest(sent, tenant.bearer):
                 found = tenant
         return found
+
+    def check_commit(self, tenant: str, shared_salt: bytes) -> None:
+        """Refuse a commit by the current caller on a session of `tenant` under global salt
+        `shared_salt` (b"": none) unless it may certify K/V there (module docstring)."""
+        if not shared_salt or trusted_caller():
+            return
+        if shared_salt in self.by_name[tenant].certifies:
+            return
+        if self.salt_users.get(shared_salt, set()) <= {tenant}:
+            return  # no other tenant reads what is committed under it
+        raise PermissionDenied(
+            f"tenant {tenant} may not commit K/V under cache salt {shared_salt!r}: other "
+            f"tenants list it, and tenants.{tenant}.certifies in the daemon's config does not; "
+            "only a runner that computed the blocks, or a certifying tenant, may commit there")
 
     def caller_tenant(self) -> Tenant:
         """The tenant of the call being served (the default tenant outside a call)."""
@@ -283,6 +331,7 @@ def _parse_tenant(name: str, table: Any) -> TenantSpec:
     if salts is not None and (not isinstance(salts, list)
                               or not all(isinstance(s, str) and s for s in salts)):
         raise TypeError(f"tenants.{name}.salts: expected a list of non-empty strings")
+    certifies = _certifies(table, name, salts)
     token_file = table.get("token_file")
     if token_file is not None and not isinstance(token_file, str):
         raise TypeError(f"tenants.{name}.token_file: expected a path")
@@ -290,7 +339,19 @@ def _parse_tenant(name: str, table: Any) -> TenantSpec:
                       uids=_uids(table, name),
                       max_blocks=_count(table, name, "max_blocks"),
                       max_sessions=_count(table, name, "max_sessions"),
-                      salts=None if salts is None else tuple(salts))
+                      salts=None if salts is None else tuple(salts), certifies=certifies)
+
+
+def _certifies(table: Mapping[str, Any], name: str, salts: list[str] | None) -> tuple[str, ...]:
+    """The tenant's `certifies`: some of its `salts` (absent: none)."""
+    certifies = table.get("certifies", [])
+    if not isinstance(certifies, list) or not all(isinstance(s, str) for s in certifies):
+        raise TypeError(f"tenants.{name}.certifies: expected a list of salts, got {certifies!r}")
+    outside = [salt for salt in certifies if salt not in (salts or ())]
+    if outside:
+        raise ValueError(f"tenants.{name}.certifies: {outside[0]!r} is not in "
+                         f"tenants.{name}.salts; a tenant certifies only global salts it uses")
+    return tuple(certifies)
 
 
 def _count(table: Mapping[str, Any], name: str, key: str) -> int:
@@ -354,5 +415,5 @@ def build_tenants(specs: Iterable[TenantSpec], unix_tenant: str, unmapped_uids: 
         spec.name, bearer_of(tokens[spec.name]) if spec.name in tokens else None,
         spec.max_blocks, spec.max_sessions,
         None if spec.salts is None else frozenset(s.encode() for s in spec.salts),
-        frozenset(spec.uids))
+        frozenset(spec.uids), frozenset(s.encode() for s in spec.certifies))
         for spec in specs], unix_tenant, unmapped_uids)

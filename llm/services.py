@@ -25,8 +25,8 @@ from .pool_budget import pool_size_args
 # Children log warnings and errors only (as JSON lines: their log tail explains a failed start).
 CHILD_LOG_ARGS = ["--log-level", "warning"]
 # Longest private folder path: a unix socket path has at most 107 bytes, and the longest file
-# in the folder is "pagedkvd.notify".
-MAX_FOLDER_CHARS = 90
+# in the folder is the daemon's runner socket, "pagedkvd-runners.sock".
+MAX_FOLDER_CHARS = 85
 
 
 def start_services(config: LLMConfig, model: ModelRef,
@@ -44,7 +44,7 @@ def start_services(config: LLMConfig, model: ModelRef,
                           "--device", device, *dtype_args, *pool_args, *CHILD_LOG_ARGS)
     resources.callback(daemon.stop)
     daemon.wait_for_notification(READY_STATE, config.startup_timeout_s)
-    runner = start_runner(daemon.unix_target, folder, *model.runner_args(config.seed),
+    runner = start_runner(daemon.runners_target, folder, *model.runner_args(config.seed),
                           *dtype_args, *CHILD_LOG_ARGS)
     resources.callback(runner.stop)
     runner.wait_for_notification(READY_STATE, config.startup_timeout_s)

@@ -2,7 +2,7 @@
 
     pagedkvd --model-config tiny-llama &                 # the daemon, its pool laid out for it
     pagedkv runner --random-init tiny-llama             # the runner next to it
-    pagedkv runner --model /models/qwen2.5-0.5b --daemon unix:///run/pagedkv/pagedkvd.sock
+    pagedkv runner --model /models/qwen2.5-0.5b --daemon unix:///run/pagedkv/pagedkvd-runners.sock
 
 Exit codes as the daemon's: 2 for a bad setting or a model that does not fit the pool (a restart
 would fail the same way), 1 when the runner could not start or failed while running.
@@ -33,8 +33,8 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
                      help="load the weights in this dtype (default: the config's); start the "
                           "daemon with the same --dtype")
-    cli.add_argument("--daemon", help="the daemon's gRPC target (default: unix socket in ./run "
-                                      "or $RUNTIME_DIRECTORY)")
+    cli.add_argument("--daemon", help="the daemon's runner socket, unix:///path (default: "
+                                      "pagedkvd-runners.sock in ./run or $RUNTIME_DIRECTORY)")
     cli.add_argument("--listen", help="unix:///path of the Runner socket (default: next to the "
                                       "daemon's, pagedkv-runner.sock)")
     cli.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",

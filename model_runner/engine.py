@@ -24,6 +24,12 @@ after answering and takes the client's next step itself: one daemon Step appends
 tokens, then a forward computes them, while the answer travels and the client plans. The
 client's next step names the same tokens and is answered from those results (`Ahead`); the
 lock keeps every other step of the session, and so every release, behind that forward.
+
+No release before the forward: a step whose caller is cancelled (its client gone) keeps the
+session's lock and lease until its forward is done, so no release through the runner and no
+lease expiry frees blocks that a queued or running forward still writes (blocks another session
+could get meanwhile). A step whose daemon calls were applied but whose forward failed answers
+StepNotComputed (runner.proto's retry rules), never "nothing changed".
 """
 
 import asyncio
@@ -45,11 +51,12 @@ from pagedkv.proto import kvpool_pb2 as pb
 
 from .forward_loop import ForwardLoop, Prepared
 from .metrics import RunnerMetrics
-from .preparation import Preparer
+from .preparation import Preparer, check_writes
 from .runner import ModelRunner
 from .sampling import Sampler
 from .sequences import SessionSequences
-from .steps import SeqRequest, SeqResult, StepOutcome
+from .sessions import SessionEntry, SessionTable
+from .steps import SeqRequest, SeqResult, StepNotComputed, StepOutcome
 
 # When a step still waiting for its forward first renews its session's lease (then every third
 # of the lease): most steps are answered long before.
@@ -68,11 +75,12 @@ class StepEngine:
         self.forwards = ForwardLoop(lambda: self.runner, sampler or Sampler(),
                                     max_batch_tokens=max_batch_tokens, metrics=metrics)
         self.preparer = Preparer(pool, lambda: self.runner, metrics)
-        self._sessions: dict[str, SessionSequences] = {}
-        # One step at a time per session: its sequences' states must not race.
-        self._session_locks: dict[str, asyncio.Lock] = {}
+        # Each client session's sequences and lock, forgotten when the session ends.
+        self.sessions = SessionTable()
         # Steps being decoded ahead (each holds its session's lock).
         self._ahead_tasks: set[asyncio.Task[None]] = set()
+        # Forwards of cancelled steps, waited for before their session's lock goes.
+        self._orphans: set[asyncio.Future[list[SeqResult]]] = set()
 
     async def start(self) -> None:
         await self.forwards.start()
@@ -80,10 +88,12 @@ class StepEngine:
     async def stop(self) -> None:
         await cancel(*self._ahead_tasks)
         await self.forwards.stop()
+        for forward in self._orphans:  # the loop is gone: nothing writes any more
+            forward.cancel()
 
     def forget_all(self) -> None:
         """Drop every session's state (the daemon restarted: its pool and sessions are gone)."""
-        self._sessions.clear()
+        self.sessions.forget_all()
 
     # ---------------------------------------------------------------- the step
 
@@ -92,20 +102,23 @@ class StepEngine:
         """Compute one client step; `release` names sequences to free after it."""
         self.preparer.validate(requests, release)
         started = time.monotonic()
-        lock = self._session_locks.setdefault(session_id, asyncio.Lock())
-        await lock.acquire()
+        entry = self.sessions.enter(session_id)
+        try:
+            await entry.lock.acquire()
+        except BaseException:
+            self.sessions.leave(session_id, entry)
+            raise
         handed_off = False
         try:
-            known = self._sessions.setdefault(session_id, SessionSequences())
+            known = entry.sequences
             try:
                 prepared = await self.preparer.prepare(session_id, known, requests)
                 results = (await self._run(prepared) if prepared.chunks
                            else self.forwards.results(prepared, {}))
                 await self._finish(session_id, known, prepared, release)
             except (SessionExpired, NotFound) as exc:
-                if not isinstance(exc, SequenceNotFound):  # the session is gone: forget it
-                    self._sessions.pop(session_id, None)
-                    self._session_locks.pop(session_id, None)
+                # The session is gone: forget it once no step uses it.
+                entry.ended = entry.ended or not isinstance(exc, SequenceNotFound)
                 raise
             for index in prepared.claimed:
                 prepared.states[index].ahead = None
@@ -114,20 +127,41 @@ class StepEngine:
                 self.metrics.ahead_used(len(prepared.ready))
             ahead = self._ahead_requests(requests, results, release)
             if ahead:  # the lock goes with the task, which releases it
-                task = asyncio.create_task(self._decode_ahead(session_id, known, ahead, lock))
+                task = asyncio.create_task(self._decode_ahead(session_id, entry, ahead))
                 self._ahead_tasks.add(task)
                 task.add_done_callback(self._ahead_tasks.discard)
                 handed_off = True
             return StepOutcome(results, self.preparer.free_blocks)
         finally:
             if not handed_off:
-                lock.release()
+                self._let_go(session_id, entry)
+
+    def _let_go(self, session_id: str, entry: SessionEntry) -> None:
+        entry.lock.release()
+        self.sessions.leave(session_id, entry)
 
     async def _run(self, prepared: Prepared) -> list[SeqResult]:
-        """A prepared step's forward and results, holding the session's lease meanwhile."""
+        """A prepared step's forward and results, holding the session's lease meanwhile. Its
+        daemon calls are applied: a forward that fails makes it StepNotComputed, and a caller
+        cancelled meanwhile waits for the forward (which may be writing the session's blocks)
+        before the lock and the lease go."""
+        check_writes(prepared)
         holder = asyncio.create_task(self._hold_lease(prepared.session_id))
+        forward = asyncio.ensure_future(self.forwards.compute(prepared))
         try:
-            return await self.forwards.compute(prepared)
+            return await asyncio.shield(forward)
+        except asyncio.CancelledError:
+            self._orphans.add(forward)
+            try:
+                await _outlive(forward)
+            finally:
+                self._orphans.discard(forward)
+            raise
+        except Exception as exc:
+            raise StepNotComputed(
+                f"the step's tokens were appended but its forward failed ({type(exc).__name__}):"
+                " resend it without token_ids, every sequence as an existing one, or release "
+                "its sequences") from exc
         finally:
             holder.cancel()
 
@@ -158,8 +192,8 @@ class StepEngine:
                 if r.decode_ahead and result.sampled and not result.finished
                 and r.seq_id not in released]
 
-    async def _decode_ahead(self, session_id: str, known: SessionSequences,
-                            requests: Sequence[SeqRequest], lock: asyncio.Lock) -> None:
+    async def _decode_ahead(self, session_id: str, entry: SessionEntry,
+                            requests: Sequence[SeqRequest]) -> None:
         """[holds the session's lock; releases it] Take the client's next step: append the
         tokens in the daemon, compute them, keep the results for the step that names them.
 
@@ -167,7 +201,8 @@ class StepEngine:
         appended every token (each recorded as ahead) or none, and a token appended but not
         computed is computed by the client's step."""
         try:
-            states = await self.preparer.decode_step(session_id, known, requests, ahead=True)
+            states = await self.preparer.decode_step(session_id, entry.sequences, requests,
+                                                     ahead=True)
             chunks = [(i, chunk) for i, (r, state) in enumerate(zip(requests, states, strict=True))
                       if (chunk := self.preparer.chunk(r, state)) is not None]
             results = await self._run(Prepared(session_id, requests, states, chunks))
@@ -180,27 +215,29 @@ class StepEngine:
             if self.metrics is not None:
                 self.metrics.ahead_failed(len(requests))
         finally:
-            lock.release()
+            self._let_go(session_id, entry)
 
     # -------------------------------------------------------------- finishing
 
     async def _finish(self, session_id: str, known: SessionSequences, prepared: Prepared,
                       release: Sequence[int]) -> None:
         """Commit what prefill chunks computed; free the released sequences (their computed
-        blocks committed first, so they stay cached)."""
+        blocks committed first, so they stay cached). Only sequences whose ids the runner knows
+        are the daemon's are committed (SeqState.verified)."""
         bs = self.runner.block_size
         prefilled = [(prepared.requests[i].seq_id, prepared.states[i].num_computed)
                      for i, chunk in prepared.chunks
-                     if len(chunk.token_ids) > 1 and prepared.states[i].num_computed >= bs]
+                     if len(chunk.token_ids) > 1 and prepared.states[i].num_computed >= bs
+                     and prepared.states[i].verified]
         ops: list[Commit | Free] = []
         if prefilled:
             ops.append(Commit([seq_id for seq_id, _ in prefilled], [n for _, n in prefilled]))
         released = [seq_id for seq_id in release if known.get(seq_id) is not None]
-        if released:
-            computed = [self.preparer.known_state(known, seq_id).num_computed
-                        for seq_id in released]
-            ops.append(Commit(released, computed))
-            ops.extend(Free(seq_id) for seq_id in released)
+        certified = [(seq_id, state.num_computed) for seq_id in released
+                     if (state := self.preparer.known_state(known, seq_id)).verified]
+        if certified:
+            ops.append(Commit([seq_id for seq_id, _ in certified], [n for _, n in certified]))
+        ops.extend(Free(seq_id) for seq_id in released)
         if ops:
             reply = await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
                 session_id=session_id, ops=[op.batch_op() for op in ops]))
@@ -211,3 +248,11 @@ class StepEngine:
             with contextlib.suppress(SequenceNotFound):
                 await self.pool.call(self.pool.stub.Free, free)
 
+
+
+async def _outlive(forward: asyncio.Future[list[SeqResult]]) -> None:
+    """Wait for `forward` to end, however often the waiter is cancelled (the engine cancels
+    `forward` itself when it stops)."""
+    while not forward.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({forward})

@@ -23,7 +23,7 @@ from .forward_loop import Prepared
 from .metrics import RunnerMetrics
 from .runner import ModelRunner, SequenceChunk
 from .sequences import Ahead, SeqState, SessionSequences
-from .steps import History, InvalidStep, SeqRequest, UnknownSequence
+from .steps import History, InvalidStep, SeqRequest, StepNotComputed, UnknownSequence
 
 
 class Preparer:
@@ -58,8 +58,10 @@ class Preparer:
                 raise InvalidStep(f"sequence {r.seq_id}: num_prompt_tokens applies to a new "
                                   f"sequence without a parent and must be <= its {len(r.token_ids)}"
                                   " tokens")
-            if any(not 0 <= t < vocab for t in r.token_ids):
-                raise InvalidStep(f"sequence {r.seq_id}: token ids must be in [0, {vocab})")
+            _check_ids(r.seq_id, "token_ids", r.token_ids, vocab)
+            _check_ids(r.seq_id, "sampling.stop_token_ids", r.params.stop_token_ids, vocab)
+            if r.history is not None:
+                _check_history(r.seq_id, r.history, vocab)
             if r.max_compute_tokens < 0:
                 raise InvalidStep(f"sequence {r.seq_id}: max_compute_tokens must be >= 0")
 
@@ -128,45 +130,72 @@ class Preparer:
     async def _learn(self, session_id: str, known: SessionSequences,
                      requests: Sequence[SeqRequest]) -> None:
         """Read back existing sequences the runner has not seen: a fork (its parent's history)
-        or a sequence from before a runner restart (the history the client sends)."""
+        or a sequence from before a runner restart (the history the client sends). Nothing a
+        client states is believed: its tokens must be the ids the daemon holds, and only the
+        daemon's committed tokens (or the parent's own blocks) count as computed; the rest is
+        computed again. All are checked before any is known."""
         unknown = [r for r in requests if not r.new_sequence and known.get(r.seq_id) is None]
         if not unknown:
             return
         # The daemon first: another session's sequence is NOT_FOUND there, as it must be here.
         reply = await self.pool.call(self.pool.stub.GetBlockTables, lambda: (
-            pb.GetBlockTablesRequest(session_id=session_id, seq_ids=[r.seq_id for r in unknown])))
+            pb.GetBlockTablesRequest(session_id=session_id, seq_ids=[r.seq_id for r in unknown],
+                                     include_token_ids=True)))
         for request in unknown:
             if self._parent(known, request) is None and request.history is None:
                 raise UnknownSequence(
                     f"sequence {request.seq_id} is unknown to the runner (forked, or the runner "
                     "restarted): name its parent_seq_id, or resend it with its history")
-        for request, table in zip(unknown, reply.tables, strict=True):
-            parent = self._parent(known, request)
-            if parent is not None:  # a fork holds the parent's first num_tokens tokens
-                n = table.num_tokens
-                history = History(tuple(parent.tokens[:n]), min(parent.prompt_len, n),
-                                  min(parent.num_computed, n))
-            else:
-                assert request.history is not None
-                history = request.history
-            tokens = list(history.token_ids)
-            # One token more in the daemon: the runner that restarted appended it ahead (the
-            # client's last answer sampled it, and this step names it).
-            ahead = (parent is None and len(request.token_ids) == 1
-                     and table.num_tokens == len(tokens) + 1)
-            if ahead:
-                tokens.append(request.token_ids[0])
-            if len(tokens) != table.num_tokens or not (
-                    0 <= history.num_computed <= len(history.token_ids)
-                    and 0 <= history.prompt_len <= len(history.token_ids)):
-                raise InvalidStep(f"sequence {request.seq_id}: the daemon holds "
-                                  f"{table.num_tokens} tokens, its history says "
-                                  f"{len(history.token_ids)}")
-            state = SeqState(tokens, history.prompt_len, history.num_computed,
-                             list(table.block_ids))
-            if ahead:
-                state.ahead = Ahead(request.token_ids[0], request.params)
+        learnt = [self._adopt(known, request, SequenceBlocks.from_proto(table))
+                  for request, table in zip(unknown, reply.tables, strict=True)]
+        for request, state in zip(unknown, learnt, strict=True):
             known.put(request.seq_id, state)
+
+    def _adopt(self, known: SessionSequences, request: SeqRequest,
+               table: SequenceBlocks) -> SeqState:
+        """The state of a sequence the client forked itself (its parent's tokens) or resends
+        after a runner restart (its history), checked against the daemon's `table`."""
+        parent = self._parent(known, request)
+        if parent is not None:
+            return self._adopt_fork(request, parent, table)
+        assert request.history is not None
+        history = request.history
+        tokens = list(history.token_ids)
+        # One token more in the daemon: the runner that restarted appended it ahead (the
+        # client's last answer sampled it, and this step names it).
+        ahead = len(request.token_ids) == 1 and table.num_tokens == len(tokens) + 1
+        if ahead:
+            tokens.append(request.token_ids[0])
+        if len(tokens) != table.num_tokens:
+            raise InvalidStep(f"sequence {request.seq_id}: the daemon holds {table.num_tokens} "
+                              f"tokens, its history says {len(history.token_ids)}")
+        _check_daemon_ids(request.seq_id, tokens, table)
+        # Computed: the daemon's committed tokens only, whatever history.num_computed says.
+        state = SeqState(tokens, history.prompt_len, table.num_cached_tokens,
+                         list(table.block_ids), committed=table.num_cached_tokens,
+                         verified=bool(table.token_ids) or not tokens)
+        if ahead:
+            state.ahead = Ahead(request.token_ids[0], request.params)
+        return state
+
+    @staticmethod
+    def _adopt_fork(request: SeqRequest, parent: SeqState,
+                    table: SequenceBlocks) -> SeqState:
+        """A sequence the client forked from `parent` holds its first num_tokens tokens. What
+        the parent computed counts only if the child's table holds the parent's very blocks
+        (the same K/V); else the daemon's committed tokens."""
+        n = table.num_tokens
+        tokens = parent.tokens[:n]
+        if len(tokens) != n:
+            raise InvalidStep(f"sequence {request.seq_id}: the daemon holds {n} tokens, more "
+                              f"than its parent {request.parent_seq_id}'s {len(parent.tokens)}")
+        _check_daemon_ids(request.seq_id, tokens, table)
+        computed = min(parent.num_computed, n)
+        if table.block_ids != parent.block_table[:len(table.block_ids)]:
+            computed = table.num_cached_tokens
+        return SeqState(tokens, min(parent.prompt_len, n), computed, list(table.block_ids),
+                        committed=table.num_cached_tokens,
+                        verified=bool(table.token_ids) or not tokens)
 
     @staticmethod
     def _parent(known: SessionSequences, request: SeqRequest) -> SeqState | None:
@@ -177,8 +206,9 @@ class Preparer:
         """One daemon Step appending one token to each sequence (the decode hot path); `ahead`:
         the runner's own step, ahead of the client, which each state then records."""
         states = [self.known_state(known, r.seq_id) for r in requests]
-        # If the previous forward computed everything they hold, the Step commits it.
-        commit = all(s.num_computed == len(s.tokens) for s in states)
+        # If the previous forward computed everything they hold, the Step commits it (never a
+        # sequence whose ids the runner could not check against the daemon's).
+        commit = all(s.num_computed == len(s.tokens) and s.verified for s in states)
         seq_ids = [r.seq_id for r in requests]
         tokens = [r.token_ids[0] for r in requests]
         reply = await self.steps.step(pb.StepRequest(
@@ -243,7 +273,7 @@ class Preparer:
                 assert answer is not None
                 state = SeqState(list(r.token_ids), r.num_prompt_tokens or len(r.token_ids),
                                  answer.num_cached_tokens, list(answer.block_ids),
-                                 answer.num_cached_tokens)
+                                 answer.num_cached_tokens, answer.num_cached_tokens)
                 known.put(r.seq_id, state)
             else:
                 state = self.known_state(known, r.seq_id)
@@ -268,7 +298,8 @@ class Preparer:
                               "holds a token decoded ahead (decode_ahead); fork it in a step "
                               "after the one that names that token")
         return SeqState(list(parent.tokens), parent.prompt_len, parent.num_computed,
-                        list(parent.block_table))
+                        list(parent.block_table), committed=parent.committed,
+                        verified=parent.verified)
 
     def known_state(self, known: SessionSequences, seq_id: int) -> SeqState:
         state = known.get(seq_id)
@@ -295,3 +326,38 @@ class Preparer:
             total, start + request.max_compute_tokens)
         return SequenceChunk(state.tokens[start:end], start, state.slots(start, end, bs),
                              state.block_table)
+
+
+def check_writes(prepared: Prepared) -> None:
+    """Defence in depth, before a step joins a forward: no chunk writes a slot below its
+    sequence's committed tokens (certified K/V that other sequences, other tenants', read)."""
+    for index, chunk in prepared.chunks:
+        state = prepared.states[index]
+        inside = chunk.slot_mapping[:max(state.committed - chunk.start, 0)]
+        if any(slot >= 0 for slot in inside):
+            raise StepNotComputed(
+                f"sequence {prepared.requests[index].seq_id}: the runner would write position "
+                f"{chunk.start}, inside its {state.committed} committed tokens; refused")
+
+
+def _check_ids(seq_id: int, field: str, ids: Sequence[int], vocab: int) -> None:
+    if any(not 0 <= t < vocab for t in ids):
+        raise InvalidStep(f"sequence {seq_id}: {field} must be in [0, {vocab})")
+
+
+def _check_history(seq_id: int, history: History, vocab: int) -> None:
+    _check_ids(seq_id, "history.token_ids", history.token_ids, vocab)
+    n = len(history.token_ids)
+    if not (0 <= history.prompt_len <= n and 0 <= history.num_computed <= n):
+        raise InvalidStep(f"sequence {seq_id}: history.prompt_len and history.num_computed must "
+                          f"be at most its {n} token ids")
+
+
+def _check_daemon_ids(seq_id: int, tokens: Sequence[int], table: SequenceBlocks) -> None:
+    """A sequence's tokens as the client states them must be the ids the daemon holds (when
+    it knows them): else the runner would compute other tokens' K/V into its blocks."""
+    if table.token_ids and list(tokens) != table.token_ids:
+        first = next(i for i, (a, b) in enumerate(zip(tokens, table.token_ids, strict=True))
+                     if a != b)
+        raise InvalidStep(f"sequence {seq_id}: its history differs from the token ids the "
+                          f"daemon holds (first at position {first}); nothing changed")

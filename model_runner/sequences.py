@@ -5,7 +5,9 @@ comes only from the daemon's answers to calls the runner makes under the client'
 runner keeps, per (session, sequence), the tokens the sequence holds, how many of them are
 computed, and its block table, so a decode step needs one daemon Step and no table transfer.
 A sequence the runner does not know (forked by the client, or after a runner restart) is read
-back from the daemon (`GetBlockTables`) before it is used.
+back from the daemon (`GetBlockTables`, with the token ids it holds) before it is used: what a
+client says it holds must be those ids, and only the daemon's committed tokens count as
+computed.
 """
 
 from collections.abc import Sequence
@@ -43,6 +45,13 @@ class SeqState:
     block_table: list[int]
     # Leading tokens the prefix cache served when the sequence was allocated.
     num_cached: int = 0
+    # Leading tokens in committed blocks when the runner learnt the sequence from the daemon
+    # (shared K/V others read): no forward may write a slot below it.
+    committed: int = 0
+    # Whether `tokens` are known to be the ids the daemon holds (the runner sent them, or
+    # checked a client's history against the daemon's): the runner commits only such a
+    # sequence, else it would certify K/V of tokens that are not the blocks' keys.
+    verified: bool = True
     # The runner appended a token ahead of the client (the last token of `tokens`), until the
     # client's next step names it.
     ahead: Ahead | None = None

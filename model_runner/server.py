@@ -37,7 +37,11 @@ from pagedkv.process.lifecycle import cancel, stop_on_signals
 from pagedkv.process.log_setup import get_logger
 from pagedkv.process.notify import notify
 from pagedkv.process.probes import metrics_app, start_http
-from pagedkv.process.socket_files import claim_socket_path, socket_umask
+from pagedkv.process.socket_files import (
+    DAEMON_RUNNER_SOCKET_NAME,
+    claim_socket_path,
+    socket_umask,
+)
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 
@@ -58,7 +62,6 @@ RUNNER_SERVICE = rpb.DESCRIPTOR.services_by_name["Runner"].full_name
 SOCKET_NAME = "pagedkv-runner.sock"
 # Group may connect (the clients' group); others may not.
 SOCKET_MODE = 0o660
-DAEMON_SOCKET_NAME = "pagedkvd.sock"
 # grpc_health's stubs predate its asyncio servicer (`health.aio`).
 AsyncHealthServicer: Any = health.aio.HealthServicer  # type: ignore[attr-defined]
 
@@ -75,8 +78,9 @@ class RunnerConfig:
 
     # The model to serve.
     model: ModelSource
-    # The daemon's gRPC target (its unix socket by default).
-    daemon: str = field(default_factory=lambda: f"unix://{runtime_dir() / DAEMON_SOCKET_NAME}")
+    # The daemon's runner socket: runners alone get the pool memory and act for any session.
+    daemon: str = field(
+        default_factory=lambda: f"unix://{runtime_dir() / DAEMON_RUNNER_SOCKET_NAME}")
     # Where the Runner service listens (a unix socket: the runner is co-located).
     listen: str = field(default_factory=lambda: f"unix://{runtime_dir() / SOCKET_NAME}")
     # "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
@@ -129,6 +133,10 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
         pool = await PoolClient.connect(config.daemon)
         stack.push_async_callback(pool.close)
         info = await pool.pool_info()
+        if not info.memory.kind:
+            raise ValueError(f"the daemon at {config.daemon} gave no pool memory: connect the "
+                             "runner to the daemon's runner socket (its runner_socket, "
+                             f"{DAEMON_RUNNER_SOCKET_NAME} by default), not its public one")
         model = load_model(config.model, device=_pool_device(info))
         check_geometry(model, info)
         backend = get_backend(config.attention_backend, model.device)

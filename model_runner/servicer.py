@@ -19,7 +19,15 @@ from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 from pagedkv.proto.metadata import ERROR_KEY
 
-from .steps import History, InvalidStep, SeqRequest, SeqResult, StepOutcome, UnknownSequence
+from .steps import (
+    History,
+    InvalidStep,
+    SeqRequest,
+    SeqResult,
+    StepNotComputed,
+    StepOutcome,
+    UnknownSequence,
+)
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -52,6 +60,8 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), "InvalidArgument"
     if isinstance(exc, UnknownSequence):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc), "UnknownSequence"
+    if isinstance(exc, StepNotComputed):  # applied in the daemon: not "nothing changed"
+        return grpc.StatusCode.ABORTED, str(exc), "StepNotComputed"
     if isinstance(exc, RunnerUnavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc), "RunnerUnavailable"
     return (grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the runner log",

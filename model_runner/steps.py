@@ -1,5 +1,6 @@
 """What a client's step is made of, as the runner's step engine sees it: the sequences asked
-for, what each got, and the two ways a step is refused before anything changes."""
+for, what each got, the two ways a step is refused before anything changes, and the one way it
+fails after its daemon calls were applied."""
 
 from dataclasses import dataclass
 
@@ -15,6 +16,13 @@ class UnknownSequence(RuntimeError):
     resend it with its history (FAILED_PRECONDITION); nothing was changed."""
 
 
+class StepNotComputed(RuntimeError):
+    """A client's step failed after its daemon calls were applied (its forward failed): its
+    sequences hold the step's tokens, in the daemon and in the runner, not computed (ABORTED,
+    cause "StepNotComputed"). Resend the step without token_ids, every sequence as an existing
+    one, to compute them; or release them. Never resend it as it was: it would append twice."""
+
+
 @dataclass(frozen=True, slots=True)
 class History:
     """What a sequence holds, sent by a client to a runner that does not know it (restart)."""
@@ -23,7 +31,8 @@ class History:
     token_ids: tuple[int, ...]
     # How many are the prompt.
     prompt_len: int
-    # How many leading tokens have their K/V written.
+    # How many leading tokens have their K/V written, per the client: never believed (the
+    # runner computes from the daemon's committed count), only checked to be in range.
     num_computed: int
 
 

@@ -2,7 +2,7 @@
 
     with start_daemon(folder, "--num-blocks", "64") as daemon:   # started, not ready yet
         daemon.wait_for_notification(READY_STATE)                # NoNotification, with its log
-        with start_runner(daemon.unix_target, folder, "--random-init", "tiny") as runner:
+        with start_runner(daemon.runners_target, folder, "--random-init", "tiny") as runner:
             runner.wait_for_notification(READY_STATE)
             ...                                                  # talk to runner.unix_target
         assert daemon.stop() == 0                                # SIGTERM, wait, exit status
@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+
+from .socket_files import DAEMON_RUNNER_SOCKET_NAME, DAEMON_SOCKET_NAME
 
 # `pagedkv serve` (pagedkvd) and `pagedkv runner`, through their modules so this interpreter
 # (the venv's) runs them.
@@ -65,6 +67,11 @@ class Launched:
     notify_socket: socket.socket
     # Every sd_notify message received so far, in order.
     notifications: list[str] = field(default_factory=list)
+
+    @property
+    def runners_target(self) -> str:
+        """A daemon's runner socket (start_daemon puts it in workdir): where runners connect."""
+        return f"unix://{self.workdir / DAEMON_RUNNER_SOCKET_NAME}"
 
     @property
     def log_path(self) -> Path:
@@ -149,19 +156,20 @@ def start_process(name: str, command: list[str], folder: Path, unix_target: str,
 
 def start_daemon(folder: Path, *args: str, listen_path: Path | None = None,
                  env: dict[str, str] | None = None) -> Launched:
-    """`pagedkvd` with `args`, logging JSON; its files in `folder`, its socket there too
-    (pagedkvd.sock) unless `listen_path` names another. Its pool file goes where `--shm-dir`
-    says (/dev/shm by default)."""
-    unix_target = f"unix://{listen_path or folder / 'pagedkvd.sock'}"
+    """`pagedkvd` with `args`, logging JSON; its files in `folder`, its public socket there
+    too (pagedkvd.sock) unless `listen_path` names another, its runner socket there always
+    (`runners_target`). Its pool file goes where `--shm-dir` says (/dev/shm by default)."""
+    unix_target = f"unix://{listen_path or folder / DAEMON_SOCKET_NAME}"
     return start_process("pagedkvd", [*DAEMON_COMMAND, "--listen", unix_target,
+                                      "--runner-socket", str(folder / DAEMON_RUNNER_SOCKET_NAME),
                                       "--log-format", "json", *args], folder, unix_target, env)
 
 
 def start_runner(daemon_target: str, folder: Path, *args: str, listen: str | None = None,
                  env: dict[str, str] | None = None) -> Launched:
-    """`pagedkv runner` on the daemon at `daemon_target` with `args` (its model source at
-    least), logging JSON; its files in `folder`, its socket there too (runner.sock) unless
-    `listen` names another."""
+    """`pagedkv runner` on the daemon whose runner socket is `daemon_target` (a daemon's
+    `runners_target`) with `args` (its model source at least), logging JSON; its files in
+    `folder`, its socket there too (runner.sock) unless `listen` names another."""
     unix_target = listen or f"unix://{folder / 'runner.sock'}"
     return start_process("runner", [*RUNNER_COMMAND, "--daemon", daemon_target, "--listen",
                                     unix_target, "--log-format", "json", *args],

@@ -4,6 +4,15 @@ isort:skip_file
 The pagedkv runner's API: a co-located process that computes Hugging Face models on the
 daemon's pool memory for many clients.
 
+Trust. The runner writes K/V that other sessions, of other tenants sharing a cache salt,
+read from the prefix cache, so it believes nothing a client states about the pool: every
+token id it is given (token_ids, history, stop_token_ids) must be in [0, vocab_size); a
+sequence it learns from a client (a history, or the parent of a client's own fork) must hold
+exactly the token ids the daemon holds for it (KVPool.GetBlockTables include_token_ids);
+only the daemon's committed tokens count as computed there (the rest is computed again); no
+forward writes a slot of a committed block; and it commits only K/V it computed itself.
+Each refusal is INVALID_ARGUMENT naming the sequence and the field, nothing changed.
+
 A client keeps its own KVPool session (proto kvpool.proto) and schedules its sequences; the
 runner computes them. One Step carries a client's whole step: for each sequence, the tokens to
 add and compute and how to sample its next token. The runner never trusts a block table or a
@@ -16,7 +25,12 @@ several clients that arrive together run in one forward pass; one client's bad s
 alone.
 
 Retry rules: as kvpool.proto's. A Step answered with an error status changed nothing in the
-pool. After DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE read the sequences' num_tokens back
+pool, but for ABORTED with cause (pagedkv-error) "StepNotComputed": the step's daemon calls
+were applied (its new sequences allocated, its tokens appended, in the daemon and the runner)
+and its forward pass failed. Never resend such a step as it was (it would append twice):
+resend it with no token_ids, every sequence as an existing one (new_sequence false), to
+compute them, or release its sequences. A step whose client cancels it keeps the session's
+blocks and lease until its forward is done (a release or the lease's end waits for it). After DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE read the sequences' num_tokens back
 (KVPool.GetBlockTables) before retrying: the appends (and forks) may have been applied; a
 client that gives up instead releases every sequence the step named (frees of sequences
 that do not exist are ignored). A sequence marked decode_ahead may hold one token more in
@@ -284,10 +298,16 @@ class SequenceHistory(_message.Message):
     prompt_len: _builtins.int
     """How many of them are the prompt (the rest were generated)."""
     num_computed: _builtins.int
-    """How many leading tokens have their K/V computed (the last answer's num_computed_tokens)."""
+    """How many leading tokens have their K/V computed (the last answer's num_computed_tokens).
+    Checked to be at most len(token_ids), never believed: the runner counts as computed only
+    the daemon's committed tokens and computes the rest again (after a runner restart a
+    resent sequence so costs a recompute of its tail past its last committed block).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Every token the sequence holds in the daemon (before this step's token_ids)."""
+        """Every token the sequence holds in the daemon (before this step's token_ids): they must be
+        the ids the daemon holds (when it knows them), else INVALID_ARGUMENT, nothing changed.
+        """
 
     def __init__(
         self,

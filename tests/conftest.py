@@ -29,6 +29,14 @@ async def client(daemon: object) -> AsyncIterator[PoolClient]:
 
 
 @pytest.fixture
+async def runner_client(daemon: object) -> AsyncIterator[PoolClient]:
+    """A client of the `daemon` fixture's runner socket (`runners_target`): what a runner
+    uses (the pool memory's handle, any session it is given)."""
+    async with await PoolClient.connect(daemon.runners_target) as connected:  # type: ignore[attr-defined]
+        yield connected
+
+
+@pytest.fixture
 async def session(client: PoolClient, request: pytest.FixtureRequest) -> AsyncIterator[Session]:
     """A session of `client`, named after the test module, closed after the test."""
     async with await client.open_session(request.module.__name__) as opened:

@@ -2,6 +2,7 @@
 
     async with running_daemon(num_blocks=16, block_size=4, with_memory=True) as daemon:
         async with await PoolClient.connect(daemon.unix_target) as client: ...
+        async with await PoolClient.connect(daemon.runners_target) as runner: ...  # a runner
         daemon.service.check_invariants()
 
 The gRPC server is `pagedkv.daemon.server.grpc_server`, the one pagedkvd runs: the same
@@ -50,6 +51,8 @@ class Daemon:
     service: PoolService
     # "unix:///.../pagedkv.sock", always served.
     unix_target: str
+    # "unix:///.../runners.sock", the runner socket (its callers are runners), always served.
+    runners_target: str
     # "127.0.0.1:<port>" when started with tcp=True, else None.
     tcp_target: str | None
     # The pool memory when started with with_memory=True.
@@ -96,6 +99,9 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
         if tcp:
             listeners.append(ANY_LOOPBACK_PORT)
         running = await stack.enter_async_context(grpc_server(
-            service, listeners, rpc_metrics=RpcMetrics(registry), tls=tls))
+            service, listeners, rpc_metrics=RpcMetrics(registry), tls=tls,
+            runner_socket=directory / "runners.sock"))
         tcp_target = running.targets[1] if tcp else None
-        yield Daemon(service, running.targets[0], tcp_target, memory, registry, running.gate)
+        assert running.runner_target is not None
+        yield Daemon(service, running.targets[0], running.runner_target, tcp_target, memory,
+                     registry, running.gate)

@@ -78,7 +78,7 @@ def pagedkv_runner(daemon: Launched, *args: str, wait_ready: bool = True,
                    listen: str | None = None) -> Iterator[Launched]:
     """Start `pagedkv runner` next to `daemon` with `args` (its model source at least); its
     log (and socket, unless `listen` names one) in a private folder."""
-    with short_tmp_dir() as folder, start_runner(daemon.unix_target, folder, *args,
+    with short_tmp_dir() as folder, start_runner(daemon.runners_target, folder, *args,
                                                  listen=listen) as runner:
         if wait_ready:
             runner.wait_for_notification(READY_STATE)

@@ -58,7 +58,7 @@ def test_toml_then_flags_override(tmp_path: Path, token_file: Path) -> None:
         f'listen = ["unix:///tmp/a.sock", "127.0.0.1:7001"]\n'
         f'auth_token_file = "{token_file}"\n'
         'block_size = 32\nkv_memory = "64MiB"\nlog_level = "debug"\n'
-        "enable_prefix_caching = false\nlease_ttl_ms = 5000\nshm_mode = 0o660\n"
+        "enable_prefix_caching = false\nlease_ttl_ms = 5000\nrunner_group = \"0\"\n"
     )
     config = parse(["--config", str(toml), "--block-size", "8", "--listen", "unix:///tmp/b.sock"])
     assert config.block_size == 8  # flag wins
@@ -67,12 +67,21 @@ def test_toml_then_flags_override(tmp_path: Path, token_file: Path) -> None:
     assert config.log_level == "debug" and config.lease_ttl_ms == 5000
     assert not config.enable_prefix_caching
     assert config.auth_token_file == token_file
-    assert config.shm_mode == 0o660 and not config.zero_freed_blocks
+    assert config.runner_gid() == 0 and config.runners_mode == 0o660
+    assert not config.zero_freed_blocks
 
 
-def test_octal_shm_mode_and_zeroing_flags() -> None:
-    config = parse(["--shm-mode", "640", "--zero-freed-blocks", "--socket-mode", "600"])
-    assert config.shm_mode == 0o640 and config.zero_freed_blocks and config.socket_mode == 0o600
+def test_the_retired_shm_mode_says_what_replaced_it(tmp_path: Path) -> None:
+    toml = tmp_path / "pagedkv.toml"
+    toml.write_text("shm_mode = 0o660\n")  # it gave the public socket's group every K/V
+    with pytest.raises(ConfigError, match=r"shm_mode .* is gone: .*set runner_group"):
+        parse(["--config", str(toml)])
+
+
+def test_octal_socket_mode_and_zeroing_flags() -> None:
+    config = parse(["--zero-freed-blocks", "--socket-mode", "600"])
+    assert config.zero_freed_blocks and config.socket_mode == 0o600
+    assert config.runners_mode == 0o600  # no runner_group: the daemon's user alone
 
 
 def test_a_sizing_flag_replaces_the_toml_sizing(tmp_path: Path) -> None:
@@ -181,12 +190,12 @@ def test_unusable_token_files_are_refused(
         (["--metrics-listen", "localhost"], "metrics_listen: 'localhost' is not host:port"),
         (["--lease-ttl-ms", "-1"], "lease_ttl_ms must be in 1..600000"),
         (["--lease-ttl-ms", "600001"], "lease_ttl_ms must be in"),
-        (["--shm-mode", "440"], "shm_mode must be permission bits including owner rw"),
-        (["--shm-mode", "1777"], "shm_mode must be"),
-        (["--shm-mode", "666"], "shm_mode 0o666 gives every local user access"),
-        (["--shm-mode", "664"], "shm_mode 0o664 gives every local user access"),
+        (["--socket-mode", "440"], "socket_mode must be permission bits including owner rw"),
+        (["--socket-mode", "1777"], "socket_mode must be"),
         (["--socket-mode", "777"], "socket_mode 0o777 gives every local user access"),
-        (["--socket-mode", "600", "--shm-mode", "606"], "shm_mode 0o606 gives every"),
+        (["--runner-group", "no-such-group-here"], "runner_group: no group named"),
+        (["--listen", "unix:///tmp/r.sock", "--runner-socket", "/tmp/r.sock"],
+         "runner_socket: /tmp/r.sock is also a listen address"),
         (["--shm-dir", "/nonexistent-dir"], "shm_dir: /nonexistent-dir is not a folder"),
         (["--listen", "unix://relative"], "unix:///absolute/path"),
         (["--listen", "unix:///" + "x" * 120], "socket path must be"),
@@ -266,5 +275,8 @@ def test_the_runner_unit_follows_the_daemon_and_its_exit_codes() -> None:
             unit.setdefault(key, []).append(value)
     assert unit["Type"] == ["notify"] and unit["After"] == ["pagedkvd.service"]
     assert "pagedkv runner --model" in unit["ExecStart"][0]
-    assert "--daemon unix:///run/pagedkv/pagedkvd.sock" in unit["ExecStart"][0]
+    # The runner calls through the daemon's runner socket, the one ops/pagedkv.toml names.
+    assert "--daemon unix:///run/pagedkv/pagedkvd-runners.sock" in unit["ExecStart"][0]
+    config = DaemonConfig(**load_toml(OPS / "pagedkv.toml"))
+    assert str(config.runner_listener().unix_path) == "/run/pagedkv/pagedkvd-runners.sock"
     assert unit["RestartPreventExitStatus"] == [str(EXIT_BAD_CONFIG)]

@@ -34,7 +34,7 @@ async def greedy(allocator: AllocatorKind, model: LlamaForCausalLM) -> list[list
     max_model_len = MAX_MODEL_LEN if allocator == "contiguous" else None
     async with running_daemon(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, with_memory=True,
                               allocator=allocator, max_model_len=max_model_len) as daemon, \
-            await PoolClient.connect(daemon.unix_target) as client, \
+            await PoolClient.connect(daemon.runners_target) as client, \
             await client.open_session(allocator) as session:
         runner = ModelRunner.attach(model, await client.pool_info(), get_backend("torch"))
         generations = await generate(session, runner, PROMPTS, NEW_TOKENS)

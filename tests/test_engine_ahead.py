@@ -40,8 +40,9 @@ async def start_engine(client: PoolClient, registry: CollectorRegistry) -> StepE
 
 
 @pytest.fixture
-async def engine(client: PoolClient, registry: CollectorRegistry) -> AsyncIterator[StepEngine]:
-    started = await start_engine(client, registry)
+async def engine(runner_client: PoolClient,
+                 registry: CollectorRegistry) -> AsyncIterator[StepEngine]:
+    started = await start_engine(runner_client, registry)
     yield started
     await started.stop()
 
@@ -195,8 +196,8 @@ async def test_an_ahead_step_that_does_not_fit_is_left_to_the_clients_step(
 
 
 async def test_a_restarted_runner_takes_the_token_appended_ahead_from_the_client(
-    client: PoolClient, session: Session, engine: StepEngine, registry: CollectorRegistry,
-    prompts: list[tuple[int, ...]],
+    runner_client: PoolClient, session: Session, engine: StepEngine,
+    registry: CollectorRegistry, prompts: list[tuple[int, ...]],
 ) -> None:
     """The runner appended a token ahead, then restarted (a new engine that knows nothing): the
     client resends the sequence's history without that token and the token itself; the daemon
@@ -207,7 +208,7 @@ async def test_a_restarted_runner_takes_the_token_appended_ahead_from_the_client
         dataclasses.replace(new(1, prompt, GREEDY), decode_ahead=True)])
     await settled(engine)
     assert await held(session, 1) == len(prompt) + 1
-    restarted = await start_engine(client, CollectorRegistry())
+    restarted = await start_engine(runner_client, CollectorRegistry())
     try:
         history = History(prompt, len(prompt), len(prompt))
         resent = dataclasses.replace(step(1, first.results[0].token_id), history=history)

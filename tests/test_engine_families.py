@@ -168,11 +168,12 @@ def prompts() -> list[tuple[int, ...]]:
 
 
 @pytest.fixture
-async def engine(client: PoolClient, family: str) -> AsyncIterator[StepEngine]:
-    """An engine over the family's paged model (`family` comes from the test's parameters)."""
-    runner = RecordingRunner.attach(paged_model(family), await client.pool_info(),
+async def engine(runner_client: PoolClient, family: str) -> AsyncIterator[StepEngine]:
+    """An engine over the family's paged model (`family` comes from the test's parameters), on
+    the daemon's runner socket as a runner is."""
+    runner = RecordingRunner.attach(paged_model(family), await runner_client.pool_info(),
                                     get_backend("torch"))
-    started = StepEngine(client, runner)
+    started = StepEngine(runner_client, runner)
     await started.start()
     yield started
     await started.stop()

@@ -73,7 +73,8 @@ async def daemon() -> AsyncIterator[Daemon]:
 
 @pytest.fixture
 async def client(daemon: Daemon) -> AsyncIterator[PoolClient]:
-    async with await PoolClient.connect(daemon.unix_target) as connected:
+    """The engine's client and its clients' in one: the runner socket, as a runner's."""
+    async with await PoolClient.connect(daemon.runners_target) as connected:
         yield connected
 
 

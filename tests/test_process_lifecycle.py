@@ -69,10 +69,12 @@ async def test_start_serve_drain_and_exit_cleanly(tmp_path: Path) -> None:
             assert "STATUS=serving pool" in ready and "64 blocks x 8 tokens" in ready
             assert not stale.exists()
             (pool_file,) = daemon.pool_files()
+            async with await PoolClient.connect(daemon.runners_target) as runner:
+                assert (await runner.pool_info()).memory.shm_path == str(pool_file)
             async with await PoolClient.connect(daemon.unix_target) as client:
                 info = await client.pool_info()
                 assert (info.num_blocks, info.block_size) == (64, 8)
-                assert info.memory.shm_path == str(pool_file)
+                assert info.memory.kind == ""  # only runners get the memory
                 session = await client.open_session("lifecycle")
                 await session.allocate(1, token_ids=list(range(20)))
                 assert (await client.stats()).free_blocks == 64 - 3

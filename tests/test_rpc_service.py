@@ -67,8 +67,11 @@ async def test_pool_info_describes_geometry_and_memory(daemon: Daemon, stub: Stu
     assert info.dtype == "float32"
     assert info.bytes_per_block == 2 * 2 * 2 * 64 * 4 * 4
     assert info.layout.startswith("num_layers,2,num_blocks")
+    assert not info.HasField("memory")  # the public socket's callers never get the memory
     assert daemon.memory is not None
     handle = daemon.memory.handle()
+    async with grpc.aio.insecure_channel(daemon.runners_target) as channel:
+        info = await kvpool_pb2_grpc.KVPoolStub(channel).GetPoolInfo(pb.GetPoolInfoRequest())
     assert (info.memory.kind, info.memory.shm_path) == ("shm", handle.shm_path)
     assert tuple(info.memory.shape) == handle.shape == (2, 2, 16, 4, 2, 64)
 

@@ -8,7 +8,7 @@ the runner maps the pool file and computes; greedy tokens must equal transformer
 import copy
 import dataclasses
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 
 import pytest
 import torch
@@ -68,6 +68,13 @@ def daemon(tmp_path_factory: pytest.TempPathFactory, metrics_port: int) -> Itera
                   "--metrics-listen", f"127.0.0.1:{metrics_port}") as running:
         yield running
         assert running.stop() == 0
+
+
+@pytest.fixture
+async def client(daemon: Pagedkvd) -> AsyncIterator[PoolClient]:
+    """The test process is the runner here: it calls through the daemon's runner socket."""
+    async with await PoolClient.connect(daemon.runners_target) as connected:
+        yield connected
 
 
 def pending_blocks(metrics_port: int) -> float:

@@ -128,7 +128,7 @@ async def test_a_bad_step_fails_alone_and_changes_nothing(
         bad = runner.step(careless, [SeqStep(1, [5]), SeqStep(2, [999], new_sequence=True)])
         good = greedy(runner, careful, PROMPTS[1:2])
         results = await asyncio.gather(bad, good, return_exceptions=True)
-        assert isinstance(results[0], InvalidArgument) and "token ids must be in" in str(
+        assert isinstance(results[0], InvalidArgument) and "token_ids must be in" in str(
             results[0])
         assert results[1] == [expected(reference, PROMPTS[1])]
         (table,) = await careless.block_tables([1])

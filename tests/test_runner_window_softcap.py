@@ -113,10 +113,11 @@ PARITY_CASES = [*((family, "torch") for family in FAMILIES), ("gemma2", "triton"
 
 @pytest.mark.parametrize(("family", "backend"), PARITY_CASES)
 async def test_greedy_tokens_and_logits_match_eager_transformers(
-    client: PoolClient, session: Session, prompts: list[list[int]], family: str, backend: str,
+    runner_client: PoolClient, session: Session, prompts: list[list[int]], family: str,
+    backend: str,
 ) -> None:
     reference = reference_model(family)
-    runner = LogitsRunner.attach(copy.deepcopy(reference), await client.pool_info(),
+    runner = LogitsRunner.attach(copy.deepcopy(reference), await runner_client.pool_info(),
                                  get_backend(backend))
     runner.logits = []
     results = await generate(session, runner, prompts, NEW_TOKENS)

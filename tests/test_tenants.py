@@ -1,9 +1,10 @@
 """Tenants: tokens name tenants, each with limits over all its sessions and its cache salts.
 
 In-process daemons (production `grpc_server`, plaintext TCP for brevity; TLS is test_tls.py's)
-with three tenants: alice (2 sessions, 4 blocks, salt "shared" only), bob (any salt, in his
-own namespace) and carol (salt "shared" too); unix callers are the default tenant. Then the
-[tenants.NAME] settings, and a real pagedkvd configured with them.
+with three tenants: alice (2 sessions, 4 blocks, salt "shared" only, which she certifies), bob
+(any salt, in his own namespace) and carol (salt "shared" too); unix callers are the default
+tenant. Then the [tenants.NAME] settings, and a real pagedkvd configured with them. Who may
+commit and who gets the pool memory is test_trust.py's.
 """
 
 from collections.abc import AsyncIterator
@@ -30,7 +31,7 @@ from daemon_harness import Daemon, running_daemon
 PROMPT = list(range(100, 108))  # two full blocks of 4 tokens
 TENANTS = Tenants([
     Tenant("alice", bearer_of("alice-token"), max_blocks=4, max_sessions=2,
-           salts=frozenset({b"shared"})),
+           salts=frozenset({b"shared"}), certifies=frozenset({b"shared"})),
     Tenant("bob", bearer_of("bob-token")),
     Tenant("carol", bearer_of("carol-token"), salts=frozenset({b"shared"})),
 ])
@@ -91,7 +92,7 @@ async def test_salts_are_the_tenants_to_use(daemon: Daemon) -> None:
             await alice.open_session("a", cache_salt="other")
         writer = await alice.open_session("a", cache_salt="shared")
         await writer.allocate(1, token_ids=PROMPT)
-        await writer.commit([1])
+        await writer.commit([1])  # alice certifies "shared"
         # carol lists the same salt: she shares alice's committed prefix.
         shared = await carol.open_session("c", cache_salt="shared")
         assert (await shared.allocate(1, token_ids=PROMPT)).num_cached_tokens == 8
@@ -115,6 +116,9 @@ async def test_tcp_callers_see_only_their_tenants_sessions(daemon: Daemon) -> No
         with pytest.raises(NotFound):
             await bob.call(stub.KeepAlive, lambda: pb.KeepAliveRequest(
                 session_id=mine.session_id))
+        with pytest.raises(NotFound):  # a public unix caller is a tenant's client too
+            await local.call(local.stub.Allocate, lambda: pb.AllocateRequest(
+                session_id=mine.session_id, seq_id=2, num_tokens=4))
         # In a StepMany, alice's entry fails alone, as that Step would; bob's own is applied.
         his = await bob.open_session("b")
         await his.allocate(1, 4)
@@ -123,9 +127,10 @@ async def test_tcp_callers_see_only_their_tenants_sessions(daemon: Daemon) -> No
         assert isinstance(answers[0], SessionNotFound) and "unknown session" in str(answers[0])
         assert isinstance(answers[1], pb.StepResponse) and list(answers[1].num_tokens) == [5]
         assert (await mine.block_tables([1]))[0].num_tokens == 4
-        # A unix caller (the co-located runner) acts with any session it is given.
-        reply = await local.call(local.stub.Allocate, lambda: pb.AllocateRequest(
-            session_id=mine.session_id, seq_id=2, num_tokens=4))
+        # A runner (the runner socket) acts with any session it is given.
+        async with await PoolClient.connect(daemon.runners_target) as runner:
+            reply = await runner.call(runner.stub.Allocate, lambda: pb.AllocateRequest(
+                session_id=mine.session_id, seq_id=2, num_tokens=4))
         assert len(reply.block_ids) == 1
         assert tenant_figure(daemon, "tenant_block_table_entries", "alice") == 2  # alice's
         # Unix callers open sessions as the default tenant.
@@ -187,6 +192,11 @@ salts = ["shared"]
         ("[tenants.a]\nmax_sessions = true\n", "expected an integer"),
         ("[tenants.a]\nsalts = \"s\"\n", "expected a list of non-empty strings"),
         ("[tenants.a]\nquota = 1\n", "unknown key.*quota"),
+        ("[tenants.a]\nsalts = [\"s\"]\ncertifies = \"s\"\n",
+         r"tenants.a.certifies: expected a list of salts"),
+        ("[tenants.a]\nsalts = [\"s\"]\ncertifies = [\"t\"]\n",
+         r"tenants.a.certifies: 't' is not in tenants.a.salts"),
+        ("[tenants.a]\ncertifies = [\"t\"]\n", r"'t' is not in tenants.a.salts"),
         ("[tenants.\"a b\"]\n", "a tenant name is 1 to 64 letters"),
         ('unix_tenant = "nobody"\n', "unix_tenant: no tenant named 'nobody'"),
         ("tenants = 3\n", "expected .tenants.NAME. tables"),

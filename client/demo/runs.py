@@ -94,7 +94,8 @@ def started_stacks(folder: Path, num_blocks: int,
         for daemon in daemons:
             daemon.wait_for_notification(READY_STATE)
         runners = [exits.enter_context(start_runner(
-            daemon.unix_target, daemon.workdir, "--random-init", MODEL, "--log-level", "warning"))
+            daemon.runners_target, daemon.workdir, "--random-init", MODEL,
+            "--log-level", "warning"))
             for daemon in daemons]
         for runner in runners:
             runner.wait_for_notification(READY_STATE)
