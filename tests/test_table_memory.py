@@ -82,7 +82,7 @@ def test_random_ops_with_packing_keep_every_table(monkeypatch: pytest.MonkeyPatc
     pool._seqs.store = table_store.TableStore(4)
     shadow: dict[int, list[int]] = {}
     names = iter(range(10**6))
-    for _ in range(300):
+    for _ in range(200):
         before, tables = pool_state(pool), dict(shadow)
         fail = rng.random() < 0.3
         try:
@@ -136,3 +136,21 @@ async def test_an_empty_sequence_counts_against_the_quota() -> None:
     assert service.stats_of(sid).block_table_entries == 3
     service.check_invariants()
     await service.close_session(sid)
+
+
+async def test_closing_the_sessions_gives_the_table_memory_back() -> None:
+    """The finding's probe through the service: many empty sequences over several sessions and
+    one long table, then every session closes."""
+    pool = BlockPool(num_blocks=4096, block_size=4)
+    service = PoolService(pool, None, pool_id="close")
+    start = table_bytes(pool)
+    sids = [service.open_session(f"s{i}").session_id for i in range(8)]
+    for sid in sids:
+        for seq_id in range(250):
+            await service.allocate(sid, Allocate(seq_id, 0))
+    await service.append(sids[0], Append(0, 4 * 2000))
+    assert table_bytes(pool) <= start + BYTES_PER_HELD * (8 * 250 + 2000)
+    for sid in sids:
+        await service.close_session(sid)
+    assert table_bytes(pool) <= 2 * start, f"{table_bytes(pool)} bytes left, {start} at start"
+    service.check_invariants()
