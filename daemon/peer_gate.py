@@ -11,7 +11,7 @@ itself: this gate does, and gRPC listens in a private folder beside each one,
    connect, not anything the caller sends);
 2. connects to gRPC's socket from a socket bound to `<socket>.gate/peer-<uid>-<n>`, and removes
    that file at once: the connection keeps the name as its address, the file is not needed;
-3. copies bytes both ways until either side closes, then closes both.
+3. copies bytes both ways until either side closes, then closes both (gate_link.py).
 
 gRPC reports the calls of that connection as coming from "unix:<socket>.gate/peer-<uid>-<n>",
 and the interceptor maps the uid to a tenant (`peer_uid`; tenants.py). The folder is the
@@ -42,9 +42,7 @@ import os
 import re
 import shutil
 import socket
-import struct
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
@@ -55,6 +53,7 @@ from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, ge
 from pagedkv.process.socket_files import bind_unix_socket, make_private_folder
 
 from .addresses import MAX_UNIX_PATH_BYTES
+from .gate_link import CallerSide
 from .limits import Limits
 from .tenants import MAX_UID, Tenants
 
@@ -64,8 +63,6 @@ GRPC_SOCKET_NAME = "grpc.sock"
 # A connection's name is removed once it is connected, so its number need only differ from
 # the few names bound at the same moment; wrapping keeps names (and the path check) bounded.
 NAME_NUMBERS = 10**9
-# SO_PEERCRED's struct ucred: pid, uid, gid.
-_UCRED = struct.Struct("=iII")
 # A connection's name in the private folder: its caller's uid, then a number.
 _PEER_NAME = re.compile(r"^peer-([0-9]+)-[0-9]+$")
 
@@ -102,13 +99,6 @@ def peer_uid(peer: str, folders: Collection[str]) -> int | None:
     return int(match.group(1)) if match is not None and folder in folders else None
 
 
-def caller_uid(sock: Any) -> int:
-    """The uid of the process that connected `sock` (a socket, or asyncio's wrapper of one)."""
-    _pid, uid, _gid = _UCRED.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    return int(uid)
-
-
 @dataclass(frozen=True, slots=True)
 class _Route:
     """One public socket the gate serves."""
@@ -140,7 +130,7 @@ class PeerGate:
         # The public sockets served.
         self._routes: list[_Route] = []
         # The open connections, by their caller's side (to close them at stop).
-        self._links: set[_CallerSide] = set()
+        self._links: set[CallerSide] = set()
         self._numbers = itertools.count()
         # One rate limit per setting a refusal names.
         self._refusals: dict[str, RateLimitedLog] = {}
@@ -192,7 +182,7 @@ class PeerGate:
         loop = asyncio.get_running_loop()
         for route in self._routes:
             self._servers.append(await loop.create_unix_server(
-                functools.partial(_CallerSide, self, route.folder), sock=route.listener))
+                functools.partial(CallerSide, self, route.folder), sock=route.listener))
 
     async def _close_all(self) -> None:
         for server in self._servers:
@@ -204,7 +194,7 @@ class PeerGate:
                              return_exceptions=True)
         await asyncio.sleep(0)  # let the aborted transports report their loss
 
-    def admit(self, link: "_CallerSide") -> bool:
+    def admit(self, link: "CallerSide") -> bool:
         """Count a new connection in, unless its uid may not connect or holds its share, or
         the gate is full (then warn, rarely, naming the setting)."""
         refusal = self._refusal(link.uid)
@@ -231,7 +221,7 @@ class PeerGate:
             return "max_unix_connections", self.max_connections
         return None
 
-    def release(self, link: "_CallerSide") -> None:
+    def release(self, link: "CallerSide") -> None:
         self.open_connections -= 1
         self.open_by_uid[link.uid] -= 1
         if not self.open_by_uid[link.uid]:
@@ -255,122 +245,3 @@ class PeerGate:
         except BaseException:
             sock.close()
             raise
-
-
-class _Side(asyncio.Protocol):
-    """One socket of a connection through the gate: what it receives is written to the other
-    side. Backpressure passes through: while this side cannot write as fast as the other
-    reads, the other stops reading."""
-
-    def __init__(self, other: "_Side | None" = None) -> None:
-        self.transport: asyncio.Transport | None = None
-        # The other side; the caller's side gets it when the gRPC side is made.
-        self.other = other
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self._other_transport().write(data)
-        self.caller_side().last_bytes = time.monotonic()
-
-    def caller_side(self) -> "_CallerSide":
-        """The connection's caller side, which keeps its idle clock (this is the gRPC side)."""
-        assert isinstance(self.other, _CallerSide), "the gRPC side's other is the caller's"
-        return self.other
-
-    def pause_writing(self) -> None:
-        self._other_transport().pause_reading()
-
-    def resume_writing(self) -> None:
-        self._other_transport().resume_reading()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.other is not None and self.other.transport is not None:
-            self.other.transport.close()  # once it has written what it holds
-
-    def _other_transport(self) -> asyncio.Transport:
-        assert self.other is not None and self.other.transport is not None, \
-            "a side reads, or is written to, only once both sides are connected"
-        return self.other.transport
-
-
-class _CallerSide(_Side):
-    """The side a caller connected to: admitted (or closed) by the gate, it opens the gRPC
-    side and reads nothing until that is connected."""
-
-    def __init__(self, gate: PeerGate, folder: Path) -> None:
-        super().__init__()
-        self._gate = gate
-        # The private folder of the public socket this caller came through.
-        self._folder = folder
-        # The caller's uid (SO_PEERCRED), read once connected.
-        self.uid = -1
-        # When a byte last passed either way (time.monotonic()), and the timer that closes the
-        # connection once none has for the gate's idle_s.
-        self.last_bytes = time.monotonic()
-        self._idle_timer: asyncio.TimerHandle | None = None
-        # Opening the gRPC side; None if the gate refused the connection (it is not counted).
-        self.joining: asyncio.Task[None] | None = None
-
-    def caller_side(self) -> "_CallerSide":
-        return self
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        assert self.transport is not None
-        self.uid = caller_uid(self.transport.get_extra_info("socket"))
-        if not self._gate.admit(self):
-            self.transport.abort()
-            return
-        self.transport.pause_reading()
-        self._arm_idle_timer(self._gate.idle_s)
-        self.joining = asyncio.get_running_loop().create_task(self._join())
-
-    def _arm_idle_timer(self, delay_s: float) -> None:
-        self._idle_timer = asyncio.get_running_loop().call_later(delay_s, self._check_idle)
-
-    def _check_idle(self) -> None:
-        """Close the connection if no byte passed for idle_s; else look again when that could
-        first be so."""
-        idle_s = time.monotonic() - self.last_bytes
-        if idle_s < self._gate.idle_s:
-            self._arm_idle_timer(self._gate.idle_s - idle_s)
-            return
-        _log.debug("unix_connection_idle_closed", uid=self.uid, idle_s=round(idle_s, 3))
-        self.abort()
-
-    async def _join(self) -> None:
-        assert self.transport is not None
-        try:
-            await self._gate.connect_grpc(self._folder, self.uid, self._grpc_side)
-        except OSError as exc:  # gRPC stopping, or out of file descriptors
-            _log.debug("unix_connection_failed", uid=self.uid, error=str(exc))
-            self.transport.close()
-            return
-        if self.transport.is_closing():  # the caller left meanwhile
-            self._other_transport().close()
-            return
-        self.transport.resume_reading()
-
-    def _grpc_side(self) -> _Side:
-        """The gRPC side's protocol, joined to this side before it reads anything (gRPC
-        speaks first: its settings frame)."""
-        self.other = _Side(other=self)
-        return self.other
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-        if self.joining is not None:
-            self._gate.release(self)
-
-    def abort(self) -> None:
-        """Close both sides at once (the gate is stopping, or the connection was idle)."""
-        if self.joining is not None:
-            self.joining.cancel()
-        for side in (self, self.other):
-            if side is not None and side.transport is not None:
-                side.transport.abort()

@@ -34,7 +34,7 @@ from pagedkv.client import (
     TlsOptions,
     Unauthenticated,
 )
-from pagedkv.daemon import peer_gate
+from pagedkv.daemon import gate_link
 from pagedkv.daemon.addresses import parse_listen
 from pagedkv.daemon.limits import Limits
 from pagedkv.daemon.peer_gate import GRPC_SOCKET_NAME, PeerGate, gate_folder
@@ -145,14 +145,14 @@ def own_process_is(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
     """Make the gate read `uid` for connections made by this test process (SO_PEERCRED's pid is
     ours); other processes keep their real uid. One uid's connections against another's,
     without root."""
-    real = peer_gate.caller_uid
+    real = gate_link.caller_uid
 
     def set_uid(uid: int) -> None:
         def read(sock: socket.socket) -> int:
             pid, _uid, _gid = struct.unpack("=iII", sock.getsockopt(
                 socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("=iII")))
             return uid if pid == os.getpid() else real(sock)
-        monkeypatch.setattr(peer_gate, "caller_uid", read)
+        monkeypatch.setattr(gate_link, "caller_uid", read)
     return set_uid
 
 
