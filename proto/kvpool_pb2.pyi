@@ -5,27 +5,45 @@ The pagedkv daemon's API: a paged KV-cache block pool shared by many LLM-serving
 
 A client opens a session (a lease it keeps alive), then allocates, extends, forks and frees
 sequences; every call answers with block ids and token slots, never KV data. The KV data lives
-in pool memory that only a trusted runner on the same host maps (see PoolInfo.memory).
+in pool memory that only a runner on the same host maps (see PoolInfo.memory).
 
 External schedulers generate their own stubs from this file: names and field numbers are
 stable; new fields and RPCs are only ever added.
 
 Callers and tenants. Over TCP the daemon serves TLS (unless run with insecure_tcp) and every
 call must carry the metadata `authorization: Bearer <token>`; the token names the caller's
-tenant (else UNAUTHENTICATED, before the request is even parsed). Over a unix socket no
-token is needed: the caller is the daemon's unix tenant. A session belongs to the tenant
-that opened it and counts against the tenant's limits (sessions open at once, block-table
-entries over all its sessions: RESOURCE_EXHAUSTED beyond them); a TCP call naming another
-tenant's session gets NOT_FOUND. A request that does not parse gets INVALID_ARGUMENT.
+tenant (else UNAUTHENTICATED, before the request is even parsed). Over the daemon's public
+unix socket no token is needed: the caller is the tenant listing its uid, else the daemon's
+unix tenant. A session belongs to the tenant that opened it and counts against the tenant's
+limits (sessions open at once, block-table entries over all its sessions: RESOURCE_EXHAUSTED
+beyond them); a call naming another tenant's session gets NOT_FOUND, as for an unknown id.
+A request that does not parse gets INVALID_ARGUMENT.
+
+Runners. The daemon's runner socket (its `runner_socket` setting; only the daemon's user and
+its `runner_group` may connect) serves the runners, which compute K/V into the pool. A
+runner's calls may name any session whose id it holds (it acts for its clients, whatever
+their tenant), may commit under any cache salt, and alone get the pool memory's handle in
+GetPoolInfo. Every other caller is a tenant's client.
+
+Who may commit. A commit (the Commit RPC, a Batch commit op, StepRequest.commit) certifies
+that blocks hold the K/V of their tokens, and later prompts under the same cache salt are
+served that memory. So a session's commit is refused with PERMISSION_DENIED (cause
+"PermissionDenied", nothing changed: a Step or Batch that commits is refused whole) when its
+cache salt is one its tenant shares with other tenants (a salt several tenants list in the
+daemon's [tenants] config), unless the caller is a runner or the session's tenant certifies
+that salt (`certifies` in its config). A session with no salt, with a salt of its tenant's
+own namespace, or with a salt no other tenant lists may always commit: it misleads no one
+else. External schedulers that compute K/V are runners: connect them to the runner socket.
 
 Prefix sharing: pending and committed blocks. K/V is shareable only once it is written. When
 a sequence's block fills (Allocate of a prompt, or appends), the daemon keys it by content but
 keeps it *pending*: no other prompt can match it, since no runner has computed its K/V yet.
 The block becomes *committed*, and matchable by later prompts under the same cache salt, only
 when the sequence's owner certifies that its K/V is written: the Commit RPC, a Batch commit
-op, or StepRequest.commit. A pending block whose last reference goes (Free, CloseSession,
-lease expiry) loses its key and is never handed out as cached. Two sequences computing the
-same prefix at once each compute their own copy; the first to commit is the one shared.
+op, or StepRequest.commit (see "Who may commit"). A pending block whose last reference
+goes (Free, CloseSession, lease expiry) loses its key and is never handed out as cached. Two
+sequences computing the same prefix at once each compute their own copy; the first to commit
+is the one shared.
 
 Memory ordering. Every memory effect an answer reports (copy-on-write copies, zeroing of
 freed blocks) is complete and visible to every process that maps the pool when the answer
@@ -59,13 +77,15 @@ completes or is undone as a whole. A session whose calls keep failing with UNAVA
 have expired: FAILED_PRECONDITION says so. The bundled Python client follows these rules
 for Allocate, Step and Free (pagedkv.client, RetryPolicy).
 
-Limits. The daemon and its clients accept messages up to 8 MiB (MAX_MESSAGE_BYTES in
-pagedkv.proto.limits) both ways: set grpc.max_send_message_length and
-grpc.max_receive_message_length to it on your channel. The daemon bounds every answer before
+Limits. The daemon accepts requests up to 8 MiB (MAX_MESSAGE_BYTES in
+pagedkv.proto.limits; gRPC clients send any size by default). It bounds every answer before
 building it and refuses one that would pass its `max_answer_bytes` (RESOURCE_EXHAUSTED,
-cause "AnswerTooLarge", nothing changed); it caps sessions, sequences per session, block-table
-entries per session, ops, Step entries, seq ids and tokens per call, and the bytes of
-client_name, cache_salt and session_id. A refusal's message names the cap (e.g.
+cause "AnswerTooLarge", nothing changed). The default, 4 MiB less 4 KiB, fits gRPC's default
+receive limit (4 MiB), so a stock channel receives every answer; where the operator raised
+max_answer_bytes (up to 8 MiB), set grpc.max_receive_message_length on your channel to at
+least that (the bundled client's is 8 MiB). The daemon caps sessions, sequences per session,
+block-table entries per session, ops, Step entries, seq ids and tokens per call, and the
+bytes of client_name, cache_salt and session_id. A refusal's message names the cap (e.g.
 "max_sessions=1024"); ops/OPERATIONS.md lists them. Seq ids within one request must be
 distinct (INVALID_ARGUMENT).
 """
@@ -114,7 +134,7 @@ class PoolMemory(_message.Message):
     IPC_PAYLOAD_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """"shm" (a file in /dev/shm, CPU) or "cuda_ipc" (a CUDA IPC handle); empty when the daemon
-    holds no memory (a bookkeeping-only pool).
+    holds no memory (a bookkeeping-only pool), or when the caller is not a runner.
     """
     shm_path: _builtins.str
     """Path of the shared-memory file ("shm" only)."""
@@ -185,7 +205,11 @@ class PoolInfo(_message.Message):
     blocks are taken as tokens need them. What a scheduler admits by.
     """
     @_builtins.property
-    def memory(self) -> Global___PoolMemory: ...
+    def memory(self) -> Global___PoolMemory:
+        """How to map the pool memory, which holds every tenant's K/V: set only for callers on the
+        daemon's runner socket; unset (kind "") for every other caller, unix or TCP.
+        """
+
     def __init__(
         self,
         *,
@@ -773,6 +797,7 @@ class StepRequest(_message.Message):
     """Before appending, commit the sequences' pending blocks: the caller certifies that the K/V
     of every token they already hold is written (true in a decode loop whose forward produced
     these token ids; false when steps overlap the forward that writes the previous tokens).
+    Who may: see "Who may commit" above (PERMISSION_DENIED, the whole Step refused).
     """
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:

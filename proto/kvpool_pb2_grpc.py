@@ -115,7 +115,8 @@ class KVPoolServicer:
     """Missing associated documentation comment in .proto file."""
 
     def GetPoolInfo(self, request, context):
-        """Geometry of the pool and how a co-located runner maps its memory.
+        """Geometry of the pool, and how a co-located runner maps its memory (runners only: see
+        PoolInfo.memory).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -174,6 +175,8 @@ class KVPoolServicer:
 
     def Commit(self, request, context):
         """Certify that the K/V of sequences is written: their pending full blocks become shareable.
+        PERMISSION_DENIED under a salt other tenants share, unless the caller may certify there
+        (see "Who may commit" above).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -5,27 +5,45 @@ The pagedkv daemon's API: a paged KV-cache block pool shared by many LLM-serving
 
 A client opens a session (a lease it keeps alive), then allocates, extends, forks and frees
 sequences; every call answers with block ids and token slots, never KV data. The KV data lives
-in pool memory that only a trusted runner on the same host maps (see PoolInfo.memory).
+in pool memory that only a runner on the same host maps (see PoolInfo.memory).
 
 External schedulers generate their own stubs from this file: names and field numbers are
 stable; new fields and RPCs are only ever added.
 
 Callers and tenants. Over TCP the daemon serves TLS (unless run with insecure_tcp) and every
 call must carry the metadata `authorization: Bearer <token>`; the token names the caller's
-tenant (else UNAUTHENTICATED, before the request is even parsed). Over a unix socket no
-token is needed: the caller is the daemon's unix tenant. A session belongs to the tenant
-that opened it and counts against the tenant's limits (sessions open at once, block-table
-entries over all its sessions: RESOURCE_EXHAUSTED beyond them); a TCP call naming another
-tenant's session gets NOT_FOUND. A request that does not parse gets INVALID_ARGUMENT.
+tenant (else UNAUTHENTICATED, before the request is even parsed). Over the daemon's public
+unix socket no token is needed: the caller is the tenant listing its uid, else the daemon's
+unix tenant. A session belongs to the tenant that opened it and counts against the tenant's
+limits (sessions open at once, block-table entries over all its sessions: RESOURCE_EXHAUSTED
+beyond them); a call naming another tenant's session gets NOT_FOUND, as for an unknown id.
+A request that does not parse gets INVALID_ARGUMENT.
+
+Runners. The daemon's runner socket (its `runner_socket` setting; only the daemon's user and
+its `runner_group` may connect) serves the runners, which compute K/V into the pool. A
+runner's calls may name any session whose id it holds (it acts for its clients, whatever
+their tenant), may commit under any cache salt, and alone get the pool memory's handle in
+GetPoolInfo. Every other caller is a tenant's client.
+
+Who may commit. A commit (the Commit RPC, a Batch commit op, StepRequest.commit) certifies
+that blocks hold the K/V of their tokens, and later prompts under the same cache salt are
+served that memory. So a session's commit is refused with PERMISSION_DENIED (cause
+"PermissionDenied", nothing changed: a Step or Batch that commits is refused whole) when its
+cache salt is one its tenant shares with other tenants (a salt several tenants list in the
+daemon's [tenants] config), unless the caller is a runner or the session's tenant certifies
+that salt (`certifies` in its config). A session with no salt, with a salt of its tenant's
+own namespace, or with a salt no other tenant lists may always commit: it misleads no one
+else. External schedulers that compute K/V are runners: connect them to the runner socket.
 
 Prefix sharing: pending and committed blocks. K/V is shareable only once it is written. When
 a sequence's block fills (Allocate of a prompt, or appends), the daemon keys it by content but
 keeps it *pending*: no other prompt can match it, since no runner has computed its K/V yet.
 The block becomes *committed*, and matchable by later prompts under the same cache salt, only
 when the sequence's owner certifies that its K/V is written: the Commit RPC, a Batch commit
-op, or StepRequest.commit. A pending block whose last reference goes (Free, CloseSession,
-lease expiry) loses its key and is never handed out as cached. Two sequences computing the
-same prefix at once each compute their own copy; the first to commit is the one shared.
+op, or StepRequest.commit (see "Who may commit"). A pending block whose last reference
+goes (Free, CloseSession, lease expiry) loses its key and is never handed out as cached. Two
+sequences computing the same prefix at once each compute their own copy; the first to commit
+is the one shared.
 
 Memory ordering. Every memory effect an answer reports (copy-on-write copies, zeroing of
 freed blocks) is complete and visible to every process that maps the pool when the answer
@@ -59,13 +77,15 @@ completes or is undone as a whole. A session whose calls keep failing with UNAVA
 have expired: FAILED_PRECONDITION says so. The bundled Python client follows these rules
 for Allocate, Step and Free (pagedkv.client, RetryPolicy).
 
-Limits. The daemon and its clients accept messages up to 8 MiB (MAX_MESSAGE_BYTES in
-pagedkv.proto.limits) both ways: set grpc.max_send_message_length and
-grpc.max_receive_message_length to it on your channel. The daemon bounds every answer before
+Limits. The daemon accepts requests up to 8 MiB (MAX_MESSAGE_BYTES in
+pagedkv.proto.limits; gRPC clients send any size by default). It bounds every answer before
 building it and refuses one that would pass its `max_answer_bytes` (RESOURCE_EXHAUSTED,
-cause "AnswerTooLarge", nothing changed); it caps sessions, sequences per session, block-table
-entries per session, ops, Step entries, seq ids and tokens per call, and the bytes of
-client_name, cache_salt and session_id. A refusal's message names the cap (e.g.
+cause "AnswerTooLarge", nothing changed). The default, 4 MiB less 4 KiB, fits gRPC's default
+receive limit (4 MiB), so a stock channel receives every answer; where the operator raised
+max_answer_bytes (up to 8 MiB), set grpc.max_receive_message_length on your channel to at
+least that (the bundled client's is 8 MiB). The daemon caps sessions, sequences per session,
+block-table entries per session, ops, Step entries, seq ids and tokens per call, and the
+bytes of client_name, cache_salt and session_id. A refusal's message names the cap (e.g.
 "max_sessions=1024"); ops/OPERATIONS.md lists them. Seq ids within one request must be
 distinct (INVALID_ARGUMENT).
 """
@@ -99,7 +119,9 @@ class KVPoolStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> KVPoolAsyncStub: ...
     GetPoolInfo: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.GetPoolInfoRequest, _kvpool_pb2.PoolInfo]
-    """Geometry of the pool and how a co-located runner maps its memory."""
+    """Geometry of the pool, and how a co-located runner maps its memory (runners only: see
+    PoolInfo.memory).
+    """
     OpenSession: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.OpenSessionRequest, _kvpool_pb2.OpenSessionResponse]
     """Sessions: every sequence belongs to one; a session that misses its lease is closed by the
     daemon and all its sequences freed.
@@ -113,7 +135,10 @@ class KVPoolStub:
     CopyOnWrite: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.CopyOnWriteRequest, _kvpool_pb2.SequenceBlocks]
     Free: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.FreeRequest, _kvpool_pb2.FreeResponse]
     Commit: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.CommitRequest, _kvpool_pb2.CommitResponse]
-    """Certify that the K/V of sequences is written: their pending full blocks become shareable."""
+    """Certify that the K/V of sequences is written: their pending full blocks become shareable.
+    PERMISSION_DENIED under a salt other tenants share, unless the caller may certify there
+    (see "Who may commit" above).
+    """
     Batch: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.BatchRequest, _kvpool_pb2.BatchResponse]
     """Several operations in order, all-or-nothing as a whole."""
     Step: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.StepRequest, _kvpool_pb2.StepResponse]
@@ -132,7 +157,9 @@ class KVPoolStub:
 class KVPoolAsyncStub(KVPoolStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetPoolInfo: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.GetPoolInfoRequest, _kvpool_pb2.PoolInfo]  # type: ignore[assignment]
-    """Geometry of the pool and how a co-located runner maps its memory."""
+    """Geometry of the pool, and how a co-located runner maps its memory (runners only: see
+    PoolInfo.memory).
+    """
     OpenSession: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.OpenSessionRequest, _kvpool_pb2.OpenSessionResponse]  # type: ignore[assignment]
     """Sessions: every sequence belongs to one; a session that misses its lease is closed by the
     daemon and all its sequences freed.
@@ -146,7 +173,10 @@ class KVPoolAsyncStub(KVPoolStub):
     CopyOnWrite: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.CopyOnWriteRequest, _kvpool_pb2.SequenceBlocks]  # type: ignore[assignment]
     Free: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.FreeRequest, _kvpool_pb2.FreeResponse]  # type: ignore[assignment]
     Commit: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.CommitRequest, _kvpool_pb2.CommitResponse]  # type: ignore[assignment]
-    """Certify that the K/V of sequences is written: their pending full blocks become shareable."""
+    """Certify that the K/V of sequences is written: their pending full blocks become shareable.
+    PERMISSION_DENIED under a salt other tenants share, unless the caller may certify there
+    (see "Who may commit" above).
+    """
     Batch: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.BatchRequest, _kvpool_pb2.BatchResponse]  # type: ignore[assignment]
     """Several operations in order, all-or-nothing as a whole."""
     Step: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.StepRequest, _kvpool_pb2.StepResponse]  # type: ignore[assignment]
@@ -168,7 +198,9 @@ class KVPoolServicer(metaclass=_abc_1.ABCMeta):
         request: _kvpool_pb2.GetPoolInfoRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvpool_pb2.PoolInfo, _abc.Awaitable[_kvpool_pb2.PoolInfo]]:
-        """Geometry of the pool and how a co-located runner maps its memory."""
+        """Geometry of the pool, and how a co-located runner maps its memory (runners only: see
+        PoolInfo.memory).
+        """
 
     @_abc_1.abstractmethod
     def OpenSession(
@@ -236,7 +268,10 @@ class KVPoolServicer(metaclass=_abc_1.ABCMeta):
         request: _kvpool_pb2.CommitRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvpool_pb2.CommitResponse, _abc.Awaitable[_kvpool_pb2.CommitResponse]]:
-        """Certify that the K/V of sequences is written: their pending full blocks become shareable."""
+        """Certify that the K/V of sequences is written: their pending full blocks become shareable.
+        PERMISSION_DENIED under a salt other tenants share, unless the caller may certify there
+        (see "Who may commit" above).
+        """
 
     @_abc_1.abstractmethod
     def Batch(
