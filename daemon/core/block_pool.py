@@ -269,13 +269,13 @@ class BlockPool:
         """Drop `seq`. Returns the blocks that went back to the free list with no content kept
         (committed blocks stay cached for later prompts; pending ones lose their key)."""
         row = self._row(seq)
-        table, groups = self._seqs.table(row).copy(), self._seqs.groups[row].copy()
+        table, groups = self._seqs.table(row).copy(), self._seqs.groups[row].tolist()
         if len(table) and self._blocks.ref[table[-1]] > 1:
             self._shift_waste(-self._last_waste(row))  # one sharer fewer
         self._seqs.remove(seq)
         released = self._blocks.release(table)
-        if self._held.levels:
-            self._held.drop(groups, table, self._blocks.ref[table])
+        if groups:
+            self._held.drop(np.array(groups), table, self._blocks.ref[table])
         return released
 
     @contextlib.contextmanager
