@@ -117,8 +117,7 @@ class StepEngine:
                            else self.forwards.results(prepared, {}))
                 await self._finish(session_id, known, prepared, release)
             except (SessionExpired, NotFound) as exc:
-                # The session is gone: forget it once no step uses it.
-                entry.ended = entry.ended or not isinstance(exc, SequenceNotFound)
+                entry.ended = entry.ended or _session_gone(exc)
                 raise
             for index in prepared.claimed:
                 prepared.states[index].ahead = None
@@ -211,7 +210,8 @@ class StepEngine:
                     state.ahead.result = result
             if self.metrics is not None:
                 self.metrics.ahead_computed(len(results))
-        except Exception:  # the client's next step meets the cause itself, if it lasts
+        except Exception as exc:  # the client's next step meets the cause itself, if it lasts
+            entry.ended = entry.ended or _session_gone(exc)
             if self.metrics is not None:
                 self.metrics.ahead_failed(len(requests))
         finally:
@@ -248,6 +248,12 @@ class StepEngine:
             with contextlib.suppress(SequenceNotFound):
                 await self.pool.call(self.pool.stub.Free, free)
 
+
+
+def _session_gone(exc: Exception) -> bool:
+    """The daemon said the session is gone (closed, expired, unknown): the runner forgets it
+    once no step uses it."""
+    return isinstance(exc, (SessionExpired, NotFound)) and not isinstance(exc, SequenceNotFound)
 
 
 async def _outlive(forward: asyncio.Future[list[SeqResult]]) -> None:
