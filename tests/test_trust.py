@@ -18,10 +18,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from pagedkvd_process import pagedkvd
+from pagedkvd_process import pagedkvd, short_tmp_dir
 
 from pagedkv.client import Commit, NotFound, PermissionDenied, PoolClient, Session
 from pagedkv.daemon.tenants import Tenant, Tenants, bearer_of
+from pagedkv.model_runner.cli import EXIT_BAD_CONFIG
+from pagedkv.process.launch import START_TIMEOUT_S, start_runner
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 
@@ -161,3 +163,12 @@ async def test_the_pool_file_and_runner_socket_are_the_runner_groups_alone() -> 
         async with await PoolClient.connect(daemon.runners_target) as runner:
             assert (await runner.pool_info()).memory.shm_path == str(pool_file)
         assert daemon.stop() == 0
+
+
+def test_a_runner_on_the_public_socket_refuses_to_start() -> None:
+    """An old unit's `--daemon .../pagedkvd.sock`: the runner says where to connect instead."""
+    with pagedkvd() as daemon, short_tmp_dir() as folder, \
+            start_runner(daemon.unix_target, folder, "--random-init", "tiny") as runner:
+        assert runner.wait_for_exit(START_TIMEOUT_S) == EXIT_BAD_CONFIG, runner.stderr()
+        assert "gave no pool memory: connect the runner to the daemon's runner socket" in \
+            runner.stderr()
