@@ -21,10 +21,12 @@ from test_engine_families import GREEDY, NEW_TOKENS, VOCAB, expected_tokens
 
 from pagedkv.client import PoolClient, SeqStep, SequenceNotFound, Session, SessionExpired
 from pagedkv.client import StepNotComputed as ClientStepNotComputed
+from pagedkv.client.errors import error_from_status
 from pagedkv.client.runner_link import RunnerLink
 from pagedkv.model_runner.attention_backend import get_backend
 from pagedkv.model_runner.engine import StepEngine
 from pagedkv.model_runner.runner import SequenceChunk
+from pagedkv.model_runner.servicer import status_of
 from pagedkv.model_runner.steps import History, InvalidStep, SeqRequest, StepNotComputed
 
 FAMILY = "llama"
@@ -314,3 +316,11 @@ async def test_the_client_link_never_resends_a_step_that_was_applied_but_not_com
     with pytest.raises(ClientStepNotComputed):
         await link.step([], [SeqStep(1, [5])], [])
     assert len(sent) == 1 and link.restarts == 0
+
+
+def test_a_step_not_computed_reaches_the_client_as_its_own_class() -> None:
+    """ABORTED with cause StepNotComputed on the wire, the client's StepNotComputed back."""
+    code, message, cause = status_of(StepNotComputed("forward failed"))
+    assert (code, message, cause) == (grpc.StatusCode.ABORTED, "forward failed",
+                                      "StepNotComputed")
+    assert isinstance(error_from_status(code, cause, message), ClientStepNotComputed)
