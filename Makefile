@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 	  if ! command -v nvidia-smi >/dev/null; then echo "nvidia-* packages on a machine without CUDA" >&2; exit 1; fi; fi
 	touch $@
 
-# The stateful fuzzer (30,000 calls) and the load run (8 clients, 60 s, a SIGKILLed client)
-# at full size; `make test` runs them briefly (tests/test_fuzz_brief.py). About 7 minutes.
+# The stateful fuzzer (30,000 calls), the load run (8 clients, 60 s, a SIGKILLed client) and
+# the runner fuzzer (120 s: honest clients checked token by token, hostile and killed ones) at
+# full size; `make test` runs them briefly (tests/test_fuzz_brief.py). About 10 minutes.
 soak: setup
 	$(PY) benchmarks/soak.py
 

@@ -1,14 +1,19 @@
-"""`make soak`: the stateful fuzzer and the load run at full size, each on a fresh pagedkvd.
+"""`make soak`: the stateful fuzzers and the load run at full size, each on fresh processes.
 
-    fuzz   30,000 seeded calls on a 256-block pool (block size 16), six sessions
-    load   8 client processes for 60 s on a 4,096-block pool, and a victim process with
-           500 ms leases SIGKILLed every 1.5-4 s
+    fuzz         30,000 seeded calls on a 256-block pool (block size 16), six sessions
+    load         8 client processes for 60 s on a 4,096-block pool, and a victim process with
+                 500 ms leases SIGKILLed every 1.5-4 s
+    runner fuzz  a pagedkvd and a runner (tiny Llama) for 120 s: 3 honest clients checked token
+                 by token against a private recomputation, a hostile client, client processes
+                 SIGKILLed mid-step (fuzz_runner.py)
 
 Prints every figure as `name: value unit` (fuzz_calls, fuzz_internal_errors, fuzz_leaked_blocks,
-load_ops_per_s, load_step_p99_ms, load_healthy_sessions_expired, load_blocks_leaked, ...),
-then `# ` lines naming any finding; exits 1 if there is one (malformed bytes answered UNKNOWN
-and over-long error details are counted, not failed: known findings).
+load_ops_per_s, load_step_p99_ms, load_healthy_sessions_expired, load_blocks_leaked,
+runner_fuzz_steps, runner_fuzz_wrong_tokens, runner_fuzz_leaked_blocks, ...), then `# ` lines
+naming any finding; exits 1 if there is one (malformed bytes answered UNKNOWN and over-long
+error details are counted, not failed: known findings).
 Usage: python benchmarks/soak.py [--seed 1] [--calls 30000] [--clients 8] [--seconds 60]
+       [--runner-seconds 120]
 """
 
 import argparse
@@ -18,6 +23,7 @@ import fuzz_daemon
 import load_daemon
 from daemon_process import running_pagedkvd
 from fuzz_daemon import FuzzConfig, run_fuzz
+from fuzz_runner import RunnerFuzzConfig, run_runner_fuzz, running_stack
 from load_daemon import LoadConfig, run_load
 
 
@@ -28,6 +34,7 @@ def main() -> int:
     parser.add_argument("--fuzz-seconds", type=float, default=900.0)
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--runner-seconds", type=float, default=120.0)
     args = parser.parse_args()
     findings: list[str] = []
 
@@ -56,6 +63,17 @@ def main() -> int:
         findings.append(f"load: unexpected errors {unexpected}")
     if daemon.exit_code != 0:
         findings.append(f"load: pagedkvd exited {daemon.exit_code}:\n{daemon.log[-2000:]}")
+
+    with running_stack() as stack:
+        runner_fuzz = run_runner_fuzz(stack.daemon, stack.runner, stack.metrics, stack.tenancy,
+                                      RunnerFuzzConfig(seed=args.seed,
+                                                       seconds=args.runner_seconds))
+    for line in runner_fuzz.figures():
+        print(line, flush=True)
+    findings += [f"runner fuzz: {finding}" for finding in runner_fuzz.findings()]
+    if stack.exit_codes != (0, 0):
+        findings.append(f"runner fuzz: pagedkvd and the runner exited {stack.exit_codes}:\n"
+                        f"{stack.logs}")
 
     for finding in [*findings, *fuzz.trailer_overflows[:3]]:
         print(f"# {finding}")

@@ -1,9 +1,10 @@
-"""The stateful fuzzer and the load run, brief, against one real pagedkvd process.
+"""The stateful fuzzers and the load run, brief, against real pagedkvd (and runner) processes.
 
 Seeded: 2,000 fuzz calls (at most 18 s) on a 512-block pool, then 3 client processes for 7 s while a
-victim with 500 ms leases is SIGKILLed every few seconds. `make soak` runs both at full size
-(benchmarks/soak.py); the tools live in benchmarks/ (fuzz_daemon, fuzz_calls, fuzz_shadow,
-load_daemon).
+victim with 500 ms leases is SIGKILLed every few seconds; then the runner fuzzer for 12 s on a
+daemon and a runner serving the tests' tiny Llama (served_model.TINY). `make soak` runs them at
+full size (benchmarks/soak.py); the tools live in benchmarks/ (fuzz_daemon, fuzz_calls,
+fuzz_shadow, load_daemon, fuzz_runner*).
 """
 
 import sys
@@ -15,8 +16,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from fuzz_daemon import FuzzConfig, run_fuzz
+from fuzz_runner import RunnerFuzzConfig, run_runner_fuzz
+from fuzz_runner_hostile import KINDS
+from fuzz_runner_report import MUST_REFUSE
+from fuzz_runner_tenants import write_tenancy
 from load_daemon import LoadConfig, run_load
-from pagedkvd_process import Pagedkvd, free_tcp_port, pagedkvd
+from pagedkvd_process import Pagedkvd, free_tcp_port, pagedkv_runner, pagedkvd
+from served_model import TINY, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +71,35 @@ def test_load_with_killed_clients_expires_no_healthy_session_and_leaks_nothing(
     assert report.victim_kills >= 2 and report.victim_allocations > 0
     assert set(report.errors) <= {"PoolExhausted"}, report.errors
     assert report.ops_per_s > 0 and report.step_p99_ms > 0
+
+
+def test_runner_fuzzer_gives_honest_clients_only_right_tokens_refuses_attacks_and_leaks_nothing(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Honest clients (prefix hits across sessions, chunked prefills, forks, decode ahead) beside
+    forged histories, out-of-vocabulary ids, cancelled steps, uncomputed commits and killed
+    client processes: every honest token equals the private recomputation's."""
+    config_path = str(write_config(TINY, tmp_path_factory))
+    # Honest clients and the hostile one are two tenants sharing the cache salt.
+    tenancy = write_tenancy(tmp_path_factory.mktemp("tenants"))
+    metrics = f"127.0.0.1:{free_tcp_port()}"
+    with pagedkvd("--model-config", config_path, "--num-blocks", "256", "--block-size", "16",
+                  "--log-level", "warning", "--metrics-listen", metrics,
+                  *tenancy.daemon_args) as daemon, \
+            pagedkv_runner(daemon, "--random-init", config_path, "--torch-threads", "1",
+                           "--log-level", "warning") as runner:
+        report = run_runner_fuzz(daemon.unix_target, runner.unix_target, metrics, tenancy,
+                                 RunnerFuzzConfig(seed=3, seconds=12, model=config_path))
+        assert runner.stop() == 0, runner.stderr()
+        assert daemon.stop() == 0, daemon.stderr()
+    summary = "\n".join([*report.figures(), *report.findings()])
+    assert report.wrong_tokens == [], summary
+    assert report.internal_errors == [] and report.honest_findings == [], summary
+    assert report.leaked_blocks == 0 and report.leftover_sequences == 0
+    # The honest clients did the interesting things: prefix hits across sessions, forks.
+    assert report.checked_tokens >= 50 and report.cached_sequences > 0 and report.forks > 0
+    # Every hostile kind happened; each attack was refused.
+    kinds = report.kinds()
+    assert set(kinds) == {*KINDS, "killed_client"}, summary
+    assert report.not_refused() == {}, summary
+    for kind in MUST_REFUSE:
+        assert any(outcome.startswith("refused") for outcome in kinds[kind]), summary

@@ -1,0 +1,282 @@
+"""The runner fuzzer's hostile and careless clients: actions that must be refused or harmless.
+
+    hostile = Hostile(seed, corpus, pool_client, runner_client, report, max_model_len)
+    await hostile.run(deadline)                       # one random action after another
+    await kill_clients(daemon, runner, seed, corpus, report, deadline)   # SIGKILLed processes
+
+Every action opens a session of its own under the honest clients' cache salt (so it meets their
+cached blocks), acts, and closes it. Kinds (`KINDS`; MUST_REFUSE in fuzz_runner_report):
+- forged_history: allocate a corpus prefix directly in the daemon (a cache hit on honest
+  blocks), then step it through the runner with a history of other tokens, num_computed 0;
+- computed_lie: the same with the true tokens but num_computed lying (0: recompute the shared
+  blocks; all: K/V nobody computed), then released so the runner commits it;
+- oov_history / oov_token: a token id outside the vocabulary in a history / a step;
+- junk_session: a step for a session id nobody holds;
+- cancelled_step / cancelled_then_closed: a prefill cancelled mid-flight, then released through
+  the runner, or (queued behind another session's long forward) the session closed at once:
+  its blocks go back while its forward may still be queued;
+- commit_uncomputed / step_commit_uncomputed: allocate a corpus prefix and certify it (Commit,
+  or a Step with commit) without computing anything.
+The attacks on uncomputed K/V (computed_lie, *_uncomputed) probe for a corpus prefix with a block
+the cache does not hold yet: honest prompts will hit it later.
+Killed clients are processes (this file with --victim) that step long prompts through the
+runner and are SIGKILLed mid-step; their sessions lapse with their lease.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import random
+import sys
+from collections.abc import Awaitable
+
+import grpc
+from fuzz_runner_corpus import GREEDY, SHARED_SALT, Corpus
+from fuzz_runner_report import RunnerFuzzReport
+
+from pagedkv.client import PagedKVError, PoolClient, RunnerClient, SeqStep, Session
+from pagedkv.client.errors import error_from_rpc
+from pagedkv.proto import runner_pb2 as rpb
+
+KINDS = ("forged_history", "computed_lie", "oov_history", "oov_token", "junk_session",
+         "cancelled_step", "cancelled_then_closed", "commit_uncomputed",
+         "step_commit_uncomputed")
+# Seconds between two hostile actions; how long a cancelled step may run before its cancel.
+PAUSE_S = (0.02, 0.2)
+CANCEL_AFTER_S = (0.0, 0.05)
+# The long forward a step cancelled then closed waits behind: sequences of random tokens (at
+# most max_model_len - 1 each), sent this long before the cancelled step.
+BLOCKER_SEQS = 4
+BLOCKER_TOKENS = 240
+BLOCKER_LEAD_S = 0.005
+# A killed client's lease, and how long it steps before its SIGKILL (after its first step).
+VICTIM_LEASE_MS = 1000
+VICTIM_LIFE_S = (0.0, 0.6)
+# Corpus prefixes an attack on uncomputed K/V tries before it settles for a cached one.
+PROBES = 4
+
+
+class Hostile:
+    """One hostile client: rounds of every kind in `kinds` (seeded order), each action counted
+    by outcome."""
+
+    def __init__(self, seed: int, corpus: Corpus, pool: PoolClient, runner: RunnerClient,
+                 report: RunnerFuzzReport, max_model_len: int,
+                 kinds: tuple[str, ...] = KINDS) -> None:
+        self.rng = random.Random(f"hostile-{seed}")
+        # The runner's RunnerInfo.max_model_len: no sequence may hold more tokens.
+        self.max_model_len = max_model_len
+        self.corpus = corpus
+        self.pool = pool
+        self.runner = runner
+        self.report = report
+        self.kinds = kinds
+        self.actions = 0
+
+    async def run(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        order: list[str] = []
+        while loop.time() < deadline:
+            if not order:  # every kind once per round, in a seeded order
+                order = self.rng.sample(self.kinds, len(self.kinds))
+            kind = order.pop()
+            self.actions += 1
+            self.report.hostile_started(kind, f"(action {self.actions})")
+            session = await self.pool.open_session("hostile", cache_salt=SHARED_SALT,
+                                                   keep_alive=False)
+            try:
+                outcome = await getattr(self, kind)(session)
+            except PagedKVError as exc:  # a setup call failed (a full pool): no attack made
+                outcome = f"skipped {exc.code.name}"
+            finally:
+                with contextlib.suppress(PagedKVError):
+                    await session.close()
+            self.report.hostile_action(kind, outcome, f"(action {self.actions})")
+            await asyncio.sleep(self.rng.uniform(*PAUSE_S))
+
+    async def outcome(self, call: Awaitable[object]) -> str:
+        """"accepted", or "refused CODE"; INTERNAL and UNKNOWN are findings too."""
+        try:
+            await call
+        except PagedKVError as exc:
+            if exc.code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                self.report.internal_errors.append(f"hostile action {self.actions}: "
+                                                   f"{exc.code.name} {exc.message[:200]}")
+            return f"refused {exc.code.name}"
+        return "accepted"
+
+    def token(self) -> int:
+        return self.rng.randrange(self.corpus.vocab_size)
+
+    async def allocate_uncached(self, session: Session) -> list[int]:
+        """Allocate sequence 1 as a corpus prefix with a block the cache does not hold (one of
+        PROBES tries): certified without being computed, it is what honest prompts will hit."""
+        for _ in range(PROBES - 1):
+            tokens = self.corpus.blocks(self.rng)
+            if (await session.allocate(1, token_ids=tokens)).num_cached_tokens < len(tokens):
+                return tokens
+            await session.free(1)
+        tokens = self.corpus.blocks(self.rng)
+        await session.allocate(1, token_ids=tokens)
+        return tokens
+
+    # ------------------------------------------------------------------ forged histories
+
+    async def forged_history(self, session: Session) -> str:
+        real = self.corpus.blocks(self.rng)
+        await session.allocate(1, token_ids=real)
+        forged = list(real)
+        for i in self.rng.sample(range(len(forged)), self.rng.randint(1, len(forged))):
+            forged[i] = (forged[i] + self.rng.randrange(1, self.corpus.vocab_size)) \
+                % self.corpus.vocab_size
+        step = SeqStep(1, [self.token()], params=GREEDY, history=(forged, len(forged), 0))
+        return await self.outcome(self.runner.step(session, [step], [1]))
+
+    async def computed_lie(self, session: Session) -> str:
+        real = await self.allocate_uncached(session)
+        computed = self.rng.choice((0, len(real)))
+        step = SeqStep(1, [self.token()], params=GREEDY, history=(real, len(real), computed))
+        return await self.outcome(self.runner.step(session, [step], [1]))
+
+    async def oov_history(self, session: Session) -> str:
+        tokens = self.corpus.tokens(self.rng, self.rng.randint(1, 40))
+        await session.allocate(1, token_ids=tokens)
+        tokens[self.rng.randrange(len(tokens))] = self.corpus.vocab_size + self.rng.randrange(9)
+        step = SeqStep(1, [self.token()], params=GREEDY, history=(tokens, len(tokens), 0))
+        return await self.outcome(self.runner.step(session, [step], [1]))
+
+    async def oov_token(self, session: Session) -> str:
+        tokens = self.corpus.prompt(self.rng)
+        bad = self.rng.choice((self.corpus.vocab_size + self.rng.randrange(9), -1))
+        tokens[self.rng.randrange(len(tokens))] = bad
+        step = SeqStep(1, tokens, new_sequence=True, params=GREEDY)
+        return await self.outcome(self.runner.step(session, [step], [1]))
+
+    async def junk_session(self, session: Session) -> str:
+        request = rpb.RunnerStepRequest(session_id=f"junk-{self.rng.randrange(1 << 30)}",
+                                        seqs=[SeqStep(1, [self.token()], new_sequence=True,
+                                                      params=GREEDY).message()])
+
+        async def call() -> None:
+            try:
+                await self.runner.stub.Step(request, timeout=self.runner.timeout)
+            except grpc.aio.AioRpcError as exc:
+                raise error_from_rpc(exc) from None
+
+        return await self.outcome(call())
+
+    # ------------------------------------------------------------------ cancelled steps
+
+    async def cancelled_step(self, session: Session) -> str:
+        """Cancel a prefill mid-flight, then release what it named (the retry rules)."""
+        outcome = await self.cancel_prefill(session)
+        with contextlib.suppress(PagedKVError):
+            await self.runner.step(session, [], [1])
+        return outcome
+
+    async def cancelled_then_closed(self, session: Session) -> str:
+        """A long forward of another session first, so the prefill cancelled next waits in the
+        runner's queue; the session is closed at once: its blocks go back to the pool while
+        its forward may still be queued, and honest forks' copy-on-write may get them."""
+        blocker = await self.pool.open_session("hostile-blocker", cache_salt=SHARED_SALT,
+                                               keep_alive=False)
+        try:
+            length = min(BLOCKER_TOKENS, self.max_model_len - 1)
+            seqs = [SeqStep(i, self.corpus.tokens(self.rng, length), new_sequence=True,
+                            params=GREEDY) for i in range(1, BLOCKER_SEQS + 1)]
+            long_forward = asyncio.create_task(self.runner.step(blocker, seqs,
+                                                                [s.seq_id for s in seqs]))
+            await asyncio.sleep(BLOCKER_LEAD_S)
+            outcome = await self.cancel_prefill(session)
+            await session.close()
+            with contextlib.suppress(PagedKVError):
+                await long_forward
+        finally:
+            with contextlib.suppress(PagedKVError):
+                await blocker.close()
+        return outcome
+
+    async def cancel_prefill(self, session: Session) -> str:
+        """A new sequence's step, cancelled after a random moment: "cancelled", or the outcome
+        of a step that was answered first."""
+        prompt = self.corpus.prompt(self.rng) + self.corpus.tokens(self.rng,
+                                                                  self.rng.randint(0, 64))
+        task = asyncio.create_task(self.runner.step(
+            session, [SeqStep(1, prompt, new_sequence=True, params=GREEDY)]))
+        await asyncio.sleep(self.rng.uniform(*CANCEL_AFTER_S))
+        if task.done():
+            return await self.outcome(task)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, PagedKVError):
+            await task
+        return "cancelled"
+
+    # ------------------------------------------------------------------ K/V nobody computed
+
+    async def commit_uncomputed(self, session: Session) -> str:
+        await self.allocate_uncached(session)
+        return await self.outcome(session.commit([1]))
+
+    async def step_commit_uncomputed(self, session: Session) -> str:
+        await self.allocate_uncached(session)
+        return await self.outcome(session.step([1], [self.token()], commit=True))
+
+
+# ---------------------------------------------------------------------- killed clients
+
+async def kill_clients(daemon: str, runner: str, seed: int, corpus: Corpus,
+                       report: RunnerFuzzReport, deadline: float) -> None:
+    """Start a client process, let it step through the runner, SIGKILL it mid-step; again."""
+    rng, loop = random.Random(f"killer-{seed}"), asyncio.get_running_loop()
+    while loop.time() < deadline:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--victim", daemon, runner, str(rng.randrange(1 << 30)),
+            str(corpus.vocab_size), str(corpus.block_size), str(seed),
+            stdout=asyncio.subprocess.PIPE)
+        assert process.stdout is not None
+        report.hostile_started("killed_client", f"(pid {process.pid})")
+        with contextlib.suppress(TimeoutError):  # its first step began (or it took too long)
+            await asyncio.wait_for(process.stdout.readline(), max(1.0, deadline - loop.time()))
+        await asyncio.sleep(rng.uniform(*VICTIM_LIFE_S))
+        process.kill()
+        out, _ = await process.communicate()
+        report.hostile_action("killed_client", "killed", f"(pid {process.pid}, in its step "
+                              f"{out.count(b'step') + 1})")
+
+
+async def victim(daemon: str, runner_target: str, seed: int, corpus: Corpus) -> None:
+    """Step long prompts and decodes through the runner until SIGKILLed; print a line per
+    step sent."""
+    rng = random.Random(seed)
+    async with await PoolClient.connect(daemon, timeout=30) as pool, \
+            await RunnerClient.connect(runner_target) as runner:
+        session = await pool.open_session("victim", lease_ttl_ms=VICTIM_LEASE_MS,
+                                          cache_salt=SHARED_SALT)
+        seq_id = 0
+        while True:
+            seq_id += 1
+            prompt = corpus.prompt(rng) + corpus.tokens(rng, rng.randint(0, 64))
+            print("step", flush=True)
+            with contextlib.suppress(PagedKVError):
+                out = await runner.step(session, [SeqStep(seq_id, prompt, new_sequence=True,
+                                                          params=GREEDY)])
+                for _ in range(rng.randint(0, 4)):
+                    print("step", flush=True)
+                    out = await runner.step(session, [SeqStep(seq_id, [out[0].token_id],
+                                                              params=GREEDY)])
+            print("step", flush=True)
+            with contextlib.suppress(PagedKVError):
+                await runner.step(session, [], [seq_id])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="a runner fuzzer client killed mid-step")
+    parser.add_argument("--victim", nargs=6, required=True,
+                        metavar=("DAEMON", "RUNNER", "SEED", "VOCAB", "BLOCK", "CORPUS_SEED"))
+    args = parser.parse_args().victim
+    corpus = Corpus(int(args[5]), int(args[3]), int(args[4]))
+    asyncio.run(victim(args[0], args[1], int(args[2]), corpus))
+
+
+if __name__ == "__main__":
+    main()
