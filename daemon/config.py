@@ -163,6 +163,16 @@ class DaemonConfig:
     # Encoded bytes of one answer (by default under gRPC's default 4 MiB receive limit; at most
     # the 8 MiB message size the bundled client accepts).
     max_answer_bytes: int = _LIMIT_DEFAULTS.max_answer_bytes
+    # Items one call names or adds (ops, seq ids, blocks of new tokens).
+    max_call_work: int = _LIMIT_DEFAULTS.max_call_work
+    # Wire bytes of the large requests parsed and not yet answered; one more waits, unparsed.
+    max_queued_request_bytes: int = _LIMIT_DEFAULTS.max_queued_request_bytes
+    # Calls each gRPC server serves at once (one more: RESOURCE_EXHAUSTED from gRPC); a silent
+    # connection's keepalive ping and its answer's timeout; a connection without calls closed.
+    max_concurrent_rpcs: int = _LIMIT_DEFAULTS.max_concurrent_rpcs
+    keepalive_time_ms: int = _LIMIT_DEFAULTS.keepalive_time_ms
+    keepalive_timeout_ms: int = _LIMIT_DEFAULTS.keepalive_timeout_ms
+    max_connection_idle_ms: int = _LIMIT_DEFAULTS.max_connection_idle_ms
     # Unix-socket connections open at once through the peer-credential gate (tenants' uids).
     max_unix_connections: int = _LIMIT_DEFAULTS.max_unix_connections
     # Of those, connections one uid may hold at once; and how long one may pass no byte.

@@ -26,6 +26,11 @@ of a token, or for an unmapped uid, are logged the same way: a peer must not be 
 the log. So are failed calls of authenticated and unix callers (one warning per method and
 status code per interval, with the count); every outcome is still counted in the metrics.
 
+Admission comes before parsing too: after the auth check, a request over 64 KiB takes its wire
+bytes from the daemon's request budget (`request_budget.py`, max_queued_request_bytes) and
+waits there, unparsed, while the budget is full; it gives them back when the call ends. So
+calls queued for the pool lock hold their wire bytes, not their parsed expansion.
+
 Every handler kind is wrapped (unary or streamed requests and responses, generators or
 context.write), so a new RPC can never slip past the check. Session ids are credentials and
 never logged: a log line names the session by its number (`session=#7`), which GetStats
@@ -50,6 +55,7 @@ from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, ge
 
 from .metrics import RpcMetrics
 from .peer_gate import peer_uid
+from .request_budget import RequestBudget
 from .tenants import Caller, Tenants, calling_as
 
 # Services any peer may call without a token.
@@ -64,7 +70,9 @@ if TYPE_CHECKING:
     Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
     Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
     # What runs around one call, given its context: auth, then timing and the outcome.
-    CallScope: TypeAlias = Callable[[Context], AbstractAsyncContextManager["Rpc"]]
+    # What runs around one call, given its context and its request's wire bytes (0 for a
+    # request stream): auth, admission, then timing and the outcome.
+    CallScope: TypeAlias = Callable[[Context, int], AbstractAsyncContextManager["Rpc"]]
 
 # A handler's behavior: (request or request iterator, context) -> response or async generator.
 # The stubs type behaviors with the sync context; the aio server passes its own.
@@ -158,7 +166,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Auth, logging and metrics around every RPC handler of the server."""
 
     def __init__(self, tenants: Tenants, rpc_metrics: RpcMetrics | None,
-                 gate_folders: frozenset[str], *, runners: bool = False) -> None:
+                 gate_folders: frozenset[str], *, runners: bool = False,
+                 requests: RequestBudget | None = None) -> None:
         # Who may call: each tenant's token and uids, and the tenant of unix callers.
         self._tenants = tenants
         # It serves the runner socket, whose mode alone decides who connects: runners.
@@ -167,6 +176,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         # The peer-credential gate's private folders: unix peers named there carry a uid.
         self._gate_folders = gate_folders
         self._malformed_log = RateLimitedLog(HOSTILE_LOG_INTERVAL_S)
+        # Admits each large request before it is parsed (request_budget.py); None: no bound.
+        self._requests = requests
         # One rate limit per kind of refused call (Refusal.event), and per method and code of
         # failed calls ("rpc Allocate NOT_FOUND"): a bounded set of keys.
         self._refusal_logs: dict[str, RateLimitedLog] = {}
@@ -180,7 +191,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
             return handler
         service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
-        return _wrap(handler, lambda context: self._call(service, method, context))
+        return _wrap(handler, lambda context, nbytes: self._call(service, method, context,
+                                                                  nbytes))
 
     def _caller(self, context: Context) -> Caller | Refusal:
         """Who makes the call: a unix caller by uid or as the unix tenant, a TCP caller as the
@@ -208,8 +220,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         return unmapped_uid(uid) if tenant is None else Caller(tenant)
 
     @asynccontextmanager
-    async def _call(self, service: str, method: str, context: Context) -> AsyncIterator[Rpc]:
-        """Runs around one call: refuse it, or time it and record its outcome."""
+    async def _call(self, service: str, method: str, context: Context,
+                    nbytes: int) -> AsyncIterator[Rpc]:
+        """Runs around one call: refuse it, or admit its `nbytes` of request to the request
+        budget (waiting, unparsed, for room) and time it and record its outcome."""
         rpc = Rpc(service, method)
         caller = self._caller(context)
         if isinstance(caller, Refusal) and service not in UNAUTHENTICATED_SERVICES:
@@ -218,10 +232,13 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 caller.event, RateLimitedLog(HOSTILE_LOG_INTERVAL_S))
             self._log_rarely(limit, caller.event, rpc)
             await context.abort(caller.code, caller.message)
+        admitted = (contextlib.nullcontext() if self._requests is None
+                    else self._requests.admit(nbytes))
         try:
-            with (calling_as(caller) if isinstance(caller, Caller)
-                  else contextlib.nullcontext()):
-                yield rpc
+            async with admitted:
+                with (calling_as(caller) if isinstance(caller, Caller)
+                      else contextlib.nullcontext()):
+                    yield rpc
         except asyncio.CancelledError:
             self._record(rpc, grpc.StatusCode.CANCELLED)
             raise
@@ -280,8 +297,8 @@ _HANDLER_KINDS = (
 
 
 def _wrap(handler: Handler, scope: CallScope) -> Handler:
-    """The same handler taking raw bytes, each call run inside `scope(context)` and its
-    request parsed there, after the scope's auth check."""
+    """The same handler taking raw bytes, each call run inside `scope(context, nbytes)` and
+    its request parsed there, after the scope's auth check and admission."""
     for kind, make in _HANDLER_KINDS:
         behavior = getattr(handler, kind)
         if behavior is not None:
@@ -306,14 +323,14 @@ def _scoped(behavior: Behavior, scope: CallScope, deserializer: Deserializer,
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(raw: Any, context: Context) -> Any:
-            async with scope(context) as rpc:
+            async with scope(context, 0 if streamed else len(raw)) as rpc:
                 async for response in behavior(parsed(raw, rpc), context):
                     yield response
 
         return stream
 
     async def call(raw: Any, context: Context) -> Any:
-        async with scope(context) as rpc:
+        async with scope(context, 0 if streamed else len(raw)) as rpc:
             result = behavior(parsed(raw, rpc), context)
             return await result if inspect.isawaitable(result) else result
 

@@ -5,8 +5,8 @@ Every cap has a default, a maximum, a TOML key and a flag of the same name (`max
 over a cap is refused before anything changes, with a message naming the cap:
 
 - INVALID_ARGUMENT (`InvalidArgument`) for a request malformed by its own size: too many ops,
-  Step entries or seq ids in one call, too many tokens in one op, a name, salt or session id
-  too long;
+  Step entries or seq ids in one call, too many tokens in one op, more work in one call than
+  `max_call_work` (call_work.py), a name, salt or session id too long;
 - RESOURCE_EXHAUSTED (`LimitExceeded`, cause "LimitExceeded"; `AnswerTooLarge` for the answer)
   for a request that is well formed but would take more than the daemon grants: one session
   too many, one sequence too many in a session, or an answer over `max_answer_bytes`.
@@ -17,8 +17,16 @@ or `max_unix_connections_per_uid` (its uid's share) is closed as soon as it is a
 warning naming the cap is logged (rate-limited); the caller sees UNAVAILABLE. A connection idle
 (no byte either way) for `max_unix_connection_idle_ms` is closed.
 
+Others bound calls and connections rather than refuse a request: each gRPC server serves at
+most `max_concurrent_rpcs` calls at once (one more is refused by gRPC itself, RESOURCE_EXHAUSTED
+with no cause) and closes silent or idle connections (`keepalive_time_ms`,
+`keepalive_timeout_ms`, `max_connection_idle_ms`; pagedkv.process.server_bounds, which the
+runner's server shares); a request over 64 KiB waits, unparsed, while the requests parsed and not
+yet answered take `max_queued_request_bytes` (request_budget.py).
+
 Together the caps bound the daemon's memory: sessions x sequences bound the bookkeeping, the
-pool bounds the blocks, and `max_answer_bytes` (by default under gRPC's default 4 MiB receive
+pool bounds the blocks, calls in flight and their parsed requests are bounded as just said, and
+`max_answer_bytes` (by default under gRPC's default 4 MiB receive
 limit, at most `MAX_MESSAGE_BYTES`, the message size the daemon and the bundled client both
 accept) bounds what any one call builds.
 
@@ -28,6 +36,7 @@ Input is never echoed unbounded: `clip` cuts text for error messages and logs, w
 from dataclasses import dataclass, fields
 from typing import NamedTuple
 
+from pagedkv.process.server_bounds import SERVER_BOUNDS, ServerBounds
 from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
 
 from .core import InvalidArgument, PoolError
@@ -70,6 +79,14 @@ LIMITS: dict[str, LimitSpec] = {
     # The daemon's own ids take about 55 bytes.
     "max_session_id_bytes": LimitSpec(64, 4096, "bytes of a request's session_id"),
     "max_answer_bytes": LimitSpec(4096, MAX_MESSAGE_BYTES, "encoded bytes of one answer"),
+    "max_call_work": LimitSpec(1024, 1 << 24, "items one call names or adds: ops, seq ids and "
+                               "blocks of new tokens, over all its ops or entries"),
+    # At least the largest request gRPC accepts, which must always fit.
+    "max_queued_request_bytes": LimitSpec(MAX_MESSAGE_BYTES, 1 << 36, "wire bytes of the "
+                                          "requests over 64 KiB parsed and not yet answered; "
+                                          "one more waits, unparsed"),
+    # Both gRPC servers' bounds on calls and connections (pagedkv.process.server_bounds).
+    **{name: LimitSpec(*spec) for name, spec in SERVER_BOUNDS.items()},
     # Each takes 3 file descriptors (the caller's, the gate's to gRPC, gRPC's): the maximum
     # stays under the unit's LimitNOFILE=65536.
     "max_unix_connections": LimitSpec(1, 16384, "unix-socket connections open at once through "
@@ -111,6 +128,18 @@ class Limits:
     # Encoded bytes of one answer, bounded before it is built; at most MAX_MESSAGE_BYTES. The
     # default fits gRPC's default receive limit (4 MiB), which stock clients keep.
     max_answer_bytes: int = DEFAULT_ANSWER_BYTES
+    # Items one call names or adds (ops or StepMany entries, seq ids, blocks of the tokens it
+    # adds), counted from the request before the lock: a call's work, not only its answer, is
+    # bounded, so no call holds the pool lock for long (1,024 Commits of 4,096 seq ids took
+    # 0.85 s).
+    max_call_work: int = 1 << 18
+    # Wire bytes of the requests over 64 KiB parsed and not yet answered (request_budget.py).
+    max_queued_request_bytes: int = 32 * 2**20
+    # Calls each gRPC server serves at once, and its connections' keepalive and idle bounds.
+    max_concurrent_rpcs: int = ServerBounds().max_concurrent_rpcs
+    keepalive_time_ms: int = ServerBounds().keepalive_time_ms
+    keepalive_timeout_ms: int = ServerBounds().keepalive_timeout_ms
+    max_connection_idle_ms: int = ServerBounds().max_connection_idle_ms
     # Unix-socket connections open at once through the peer-credential gate (peer_gate.py);
     # one more is closed at once, with a warning naming this limit.
     max_unix_connections: int = 1024
@@ -128,6 +157,10 @@ class Limits:
                     or not spec.minimum <= value <= spec.maximum):
                 raise ValueError(f"{item.name} must be an integer in "
                                  f"{spec.minimum}..{spec.maximum}, got {value!r}")
+
+    def server_bounds(self) -> ServerBounds:
+        """The gRPC servers' bounds among these limits."""
+        return ServerBounds(**{name: getattr(self, name) for name in SERVER_BOUNDS})
 
     def check_count(self, what: str, count: int, limit: str) -> None:
         """Refuse `count` items of `what` above the cap named `limit` (INVALID_ARGUMENT)."""

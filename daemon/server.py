@@ -246,10 +246,12 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
     folders = frozenset(str(gate_folder(lst.unix_path)) for lst in listeners
                         if gate is not None and lst.unix_path is not None)
     health_servicer = AsyncHealthServicer()
+    # Both servers' calls queue for the same pool: they share its request budget.
     server = _kvpool_server(service, ServerInterceptor(
-        service.tenants, rpc_metrics, folders), health_servicer)
+        service.tenants, rpc_metrics, folders, requests=service.requests), health_servicer)
     runners = None if runner_socket is None else _kvpool_server(
-        service, ServerInterceptor(service.tenants, rpc_metrics, frozenset(), runners=True),
+        service, ServerInterceptor(service.tenants, rpc_metrics, frozenset(), runners=True,
+                                   requests=service.requests),
         health_servicer)
     running = GrpcServer(server, health_servicer, (), gate, runners)
     # Socket files this daemon created; only these are removed (never a live daemon's).
@@ -285,9 +287,12 @@ def _kvpool_server(service: PoolService, interceptor: ServerInterceptor,
     """A gRPC server of KVPool, health and reflection, every call through `interceptor`."""
     server = grpc.aio.server(
         interceptors=[interceptor],
-        options=[*MESSAGE_SIZE_OPTIONS,
+        options=[*MESSAGE_SIZE_OPTIONS, *service.limits.server_bounds().options(),
                  # Without this a second daemon on the same TCP port would share it silently.
                  ("grpc.so_reuseport", 0)],
+        # One call more is refused by gRPC itself (RESOURCE_EXHAUSTED): what calls waiting for
+        # the pool hold is bounded (with the request budget, request_budget.py).
+        maximum_concurrent_rpcs=service.limits.max_concurrent_rpcs,
     )
     add_to_server(KVPoolServicer(service), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

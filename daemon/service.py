@@ -63,6 +63,7 @@ from pagedkv.process.log_setup import get_logger
 
 from .answer_size import AnswerBudget
 from .cache_hygiene import CacheHygiene
+from .call_work import check_work, op_work, step_work
 from .core import (
     BatchAppend,
     InvalidArgument,
@@ -84,6 +85,7 @@ from .operations import (
     Operation,
     operation_name,
 )
+from .request_budget import RequestBudget
 from .session_ops import BlockMemory, MemoryWork, SessionOps
 from .sessions import Session, SessionRegistry, SessionStats
 from .tenants import TenantFigures, Tenants, TenantUsage
@@ -125,6 +127,9 @@ class PoolService:
         self._usage = TenantUsage()
         # Serializes every change of pool state, and the memory work that goes with it.
         self._lock = asyncio.Lock()
+        # The wire bytes of large requests parsed and not yet answered (the interceptor admits
+        # each before parsing it): what calls queued for the lock may hold.
+        self.requests = RequestBudget(self.limits.max_queued_request_bytes)
         # One thread: memory work runs in call order, off the event loop.
         self._memory_worker = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-memory")
         self._reaper: asyncio.Task[None] | None = None
@@ -275,6 +280,7 @@ class PoolService:
 
     async def commit(self, session_id: str, op: Commit) -> int:
         """Certify K/V written; returns how many blocks became shareable."""
+        check_work(self.limits, op_work(op, self.pool.block_size), "Commit")
         return await self._change(session_id, lambda session, _work, _answer: self._ops.commit(
             session, op.seq_ids, op.num_tokens), commits=True)
 
@@ -284,6 +290,7 @@ class PoolService:
             session, op.seq_id, work))
 
     async def _single(self, session_id: str, op: Operation) -> SeqUpdate:
+        check_work(self.limits, op_work(op, self.pool.block_size), operation_name(op))
         return await self._change(session_id, lambda session, work, answer: self._ops.apply(
             session, op, work, answer))
 
@@ -293,6 +300,7 @@ class PoolService:
         if not ops:
             raise InvalidArgument("a batch needs at least one op")
         self.limits.check_count("ops", len(ops), "max_batch_ops")
+        check_work(self.limits, (op_work(op, self.pool.block_size) for op in ops), "Batch")
         return await self._change(session_id, lambda session, work, answer: [
             self._apply_numbered(session, index, op, work, answer)
             for index, op in enumerate(ops)], commits=any(isinstance(op, Commit) for op in ops))
@@ -311,6 +319,8 @@ class PoolService:
         """Append num_tokens tokens to each of many sequences at once, all-or-nothing; with
         `commit`, their pending blocks are committed first. `answer`: the budget of a larger
         answer this step's is part of (StepMany), else its own."""
+        check_work(self.limits, step_work(len(seq_ids), num_tokens, self.pool.block_size),
+                   "Step")
         return await self._change(session_id, lambda session, work, budget: self._ops.step(
             session, seq_ids, num_tokens, token_ids, work, budget, commit), answer,
             commits=commit)
@@ -326,6 +336,7 @@ class PoolService:
         if not seq_ids:
             raise InvalidArgument("no seq_ids given")
         self._ops.check_seq_ids(seq_ids)
+        check_work(self.limits, len(seq_ids), "GetBlockTables")
 
         def tables(session: Session, _: MemoryWork, answer: AnswerBudget) -> list[SeqUpdate]:
             keys = self._ops.own_all(session, seq_ids)

@@ -17,6 +17,7 @@ from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 
 from .answer_size import ENTRY_CAUSE_BYTES, ENTRY_MESSAGE_BYTES, AnswerBudget, cut_utf8
+from .call_work import check_work, step_work
 from .core import InvalidArgument, SeqUpdate
 from .geometry import dtype_bytes
 from .operations import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation, seq_id_of
@@ -110,9 +111,13 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @grpc_errors
     async def StepMany(self, request: pb.StepManyRequest,
                        context: Context) -> pb.StepManyResponse:
-        # Refused as a whole, before any entry is applied: too many entries, or their envelopes
-        # past max_answer_bytes. Each entry's own answer is charged as it is applied.
-        self._service.limits.check_count("steps", len(request.steps), "max_steps_per_call")
+        # Refused as a whole, before any entry is applied: too many entries, their work past
+        # max_call_work, or their envelopes past max_answer_bytes. Each entry's own answer is
+        # charged as it is applied.
+        limits, block_size = self._service.limits, self._service.pool.block_size
+        limits.check_count("steps", len(request.steps), "max_steps_per_call")
+        check_work(limits, (step_work(len(step.seq_ids), step.num_tokens or 1, block_size)
+                            for step in request.steps), "StepMany")
         answer = self._service.answer_budget()
         answer.step_many(len(request.steps))
         results = [await self._step_entry(step, answer) for step in request.steps]
@@ -173,12 +178,14 @@ def add_to_server(servicer: KVPoolServicer, server: grpc.aio.Server) -> None:
 
 # ------------------------------------------------------------ proto -> domain
 
+# Token ids stay in their packed protobuf field until the pool reads them, under the lock, into
+# one int64 array: a list of Python ints would take 30-40 bytes a token while the call queues.
 def allocate_op(request: pb.AllocateRequest) -> Allocate:
-    return Allocate(request.seq_id, request.num_tokens, list(request.token_ids))
+    return Allocate(request.seq_id, request.num_tokens, request.token_ids)
 
 
 def append_op(request: pb.AppendRequest) -> Append:
-    return Append(request.seq_id, request.num_tokens, list(request.token_ids))
+    return Append(request.seq_id, request.num_tokens, request.token_ids)
 
 
 def fork_op(request: pb.ForkRequest) -> Fork:

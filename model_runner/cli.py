@@ -14,6 +14,7 @@ import os
 import sys
 
 from pagedkv.process import log_setup
+from pagedkv.process.server_bounds import SERVER_BOUNDS, ServerBounds
 
 EXIT_BAD_CONFIG = 2
 EXIT_FAILURE = 1
@@ -46,6 +47,11 @@ def parser() -> argparse.ArgumentParser:
                      help="most tokens one merged forward pass computes (default 8192)")
     cli.add_argument("--metrics-listen", metavar="HOST:PORT",
                      help="serve /metrics, /healthz and /readyz here")
+    defaults = ServerBounds()
+    for name, spec in SERVER_BOUNDS.items():  # the daemon's settings of the same names
+        cli.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
+                         help=f"{spec.help} (default {getattr(defaults, name)}; "
+                              f"{spec.minimum}..{spec.maximum})")
     cli.add_argument("--log-level", choices=log_setup.LOG_LEVELS, default="info")
     cli.add_argument("--log-format", choices=log_setup.LOG_FORMATS, default="auto")
     return cli
@@ -70,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
                                                  ("listen", args.listen),
                                                  ("metrics_listen", args.metrics_listen))
                    if value is not None}
+        bounds = ServerBounds(**{name: getattr(args, name) for name in SERVER_BOUNDS})
         config = RunnerConfig(model=source, attention_backend=args.attention_backend,
+                              server_bounds=bounds,
                               max_batch_tokens=args.max_batch_tokens, **options)
         asyncio.run(serve(config))
     except (ModelMismatch, ValueError) as exc:

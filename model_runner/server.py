@@ -37,6 +37,7 @@ from pagedkv.process.lifecycle import cancel, stop_on_signals
 from pagedkv.process.log_setup import get_logger
 from pagedkv.process.notify import notify
 from pagedkv.process.probes import metrics_app, start_http
+from pagedkv.process.server_bounds import ServerBounds
 from pagedkv.process.socket_files import (
     DAEMON_RUNNER_SOCKET_NAME,
     claim_socket_path,
@@ -89,6 +90,9 @@ class RunnerConfig:
     metrics_listen: str | None = None
     # Most tokens one forward pass computes.
     max_batch_tokens: int = 8192
+    # Calls the Runner server serves at once (one more: RESOURCE_EXHAUSTED from gRPC), and its
+    # connections' keepalive and idle bounds.
+    server_bounds: ServerBounds = field(default_factory=ServerBounds)
 
 
 class RunnerState:
@@ -172,7 +176,9 @@ def _pool_device(info: PoolInfo) -> str:
 @contextlib.asynccontextmanager
 async def _grpc_server(config: RunnerConfig,
                        state: RunnerState) -> AsyncIterator[tuple[grpc.aio.Server, Any]]:
-    server = grpc.aio.server()
+    bounds = config.server_bounds
+    server = grpc.aio.server(options=bounds.options(),
+                             maximum_concurrent_rpcs=bounds.max_concurrent_rpcs)
     servicer = RunnerServicer(state.step, state.runner_info,
                               lambda exc: log.error("step failed", exc_info=exc))
     runner_pb2_grpc.add_RunnerServicer_to_server(servicer, server)

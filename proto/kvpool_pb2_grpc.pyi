@@ -84,10 +84,13 @@ cause "AnswerTooLarge", nothing changed). The default, 4 MiB less 4 KiB, fits gR
 receive limit (4 MiB), so a stock channel receives every answer; where the operator raised
 max_answer_bytes (up to 8 MiB), set grpc.max_receive_message_length on your channel to at
 least that (the bundled client's is 8 MiB). The daemon caps sessions, sequences per session,
-block-table entries per session, ops, Step entries, seq ids and tokens per call, and the
-bytes of client_name, cache_salt and session_id. A refusal's message names the cap (e.g.
-"max_sessions=1024"); ops/OPERATIONS.md lists them. Seq ids within one request must be
-distinct (INVALID_ARGUMENT).
+block-table entries per session, ops, Step entries, seq ids and tokens per call, the work of
+one call (`max_call_work`: ops, seq ids named, blocks of new tokens; INVALID_ARGUMENT: split
+the call), and the bytes of client_name, cache_salt and session_id. It serves a bounded
+number of calls at once (`max_concurrent_rpcs`): one more is refused by gRPC itself with
+RESOURCE_EXHAUSTED and no "pagedkv-error" cause, nothing applied; retry it later. A
+refusal's message names the cap (e.g. "max_sessions=1024"); ops/OPERATIONS.md lists them.
+Seq ids within one request must be distinct (INVALID_ARGUMENT).
 """
 
 from collections import abc as _abc
