@@ -25,15 +25,8 @@ from .core import ALLOCATORS, AllocatorKind
 from .geometry import canonical_dtype
 from .limits import LIMITS, Limits
 from .peer_gate import check_gate_paths
-from .tenants import (
-    DEFAULT_TENANT,
-    UNMAPPED_UIDS,
-    Tenants,
-    TenantSpec,
-    build_tenants,
-    check_specs,
-    parse_tenants,
-)
+from .tenant_config import TenantSpec, build_tenants, check_specs, parse_tenants
+from .tenants import DEFAULT_TENANT, UNMAPPED_UIDS, Tenants
 from .tls import ServerTls, load_server_tls
 from .units import parse_bytes
 
