@@ -6,7 +6,8 @@ of 1,024 Commits naming 4,096 sequences each answers a few kilobytes, yet held t
 So each call's work is bounded too, by `max_call_work` items, where an item is what costs the
 pool a unit of Python work:
 
-- each op of a Batch, and each entry of a StepMany;
+- each op of a Batch (a StepMany's entries hold the pool one at a time: each is counted as
+  a Step of its own, and one over the limit fails alone);
 - each seq id a Commit, Step or GetBlockTables names;
 - each block the tokens an op adds may fill (ceil(tokens / block_size) + 1 per sequence: the
   blocks it takes, keys and hashes, and a copy-on-write of its last one).
@@ -37,7 +38,7 @@ def op_work(op: Operation, block_size: int) -> int:
 
 
 def step_work(num_seqs: int, num_tokens: int, block_size: int) -> int:
-    """Items of one Step (or StepMany entry): each sequence named, and the blocks its tokens
+    """Items of one Step (or one StepMany entry): each sequence named, and the blocks its tokens
     may fill."""
     return 1 + num_seqs * (1 + blocks_for(num_tokens, block_size) + 1)
 

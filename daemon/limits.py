@@ -80,7 +80,7 @@ LIMITS: dict[str, LimitSpec] = {
     "max_session_id_bytes": LimitSpec(64, 4096, "bytes of a request's session_id"),
     "max_answer_bytes": LimitSpec(4096, MAX_MESSAGE_BYTES, "encoded bytes of one answer"),
     "max_call_work": LimitSpec(1024, 1 << 24, "items one call names or adds: ops, seq ids and "
-                               "blocks of new tokens, over all its ops or entries"),
+                               "blocks of new tokens, over all its ops (a StepMany: each entry)"),
     # At least the largest request gRPC accepts, which must always fit.
     "max_queued_request_bytes": LimitSpec(MAX_MESSAGE_BYTES, 1 << 36, "wire bytes of the "
                                           "requests over 64 KiB parsed and not yet answered; "
@@ -128,10 +128,10 @@ class Limits:
     # Encoded bytes of one answer, bounded before it is built; at most MAX_MESSAGE_BYTES. The
     # default fits gRPC's default receive limit (4 MiB), which stock clients keep.
     max_answer_bytes: int = DEFAULT_ANSWER_BYTES
-    # Items one call names or adds (ops or StepMany entries, seq ids, blocks of the tokens it
-    # adds), counted from the request before the lock: a call's work, not only its answer, is
-    # bounded, so no call holds the pool lock for long (1,024 Commits of 4,096 seq ids took
-    # 0.85 s).
+    # Items one call names or adds (Batch ops, seq ids, blocks of the tokens it adds; each
+    # StepMany entry alone), counted from the request before the lock: a call's work, not only
+    # its answer, is bounded, so no call holds the pool lock for long (1,024 Commits of 4,096
+    # seq ids took 0.85 s).
     max_call_work: int = 1 << 18
     # Wire bytes of the requests over 64 KiB parsed and not yet answered (request_budget.py).
     max_queued_request_bytes: int = 32 * 2**20

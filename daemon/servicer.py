@@ -17,7 +17,6 @@ from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 
 from .answer_size import ENTRY_CAUSE_BYTES, ENTRY_MESSAGE_BYTES, AnswerBudget, cut_utf8
-from .call_work import check_work, step_work
 from .core import InvalidArgument, SeqUpdate
 from .geometry import dtype_bytes
 from .operations import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation, seq_id_of
@@ -111,13 +110,10 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @grpc_errors
     async def StepMany(self, request: pb.StepManyRequest,
                        context: Context) -> pb.StepManyResponse:
-        # Refused as a whole, before any entry is applied: too many entries, their work past
-        # max_call_work, or their envelopes past max_answer_bytes. Each entry's own answer is
-        # charged as it is applied.
-        limits, block_size = self._service.limits, self._service.pool.block_size
-        limits.check_count("steps", len(request.steps), "max_steps_per_call")
-        check_work(limits, (step_work(len(step.seq_ids), step.num_tokens or 1, block_size)
-                            for step in request.steps), "StepMany")
+        # Refused as a whole, before any entry is applied: too many entries, or their envelopes
+        # past max_answer_bytes. Each entry's own answer is charged as it is applied; each
+        # entry holds the pool alone, and one past max_call_work fails alone (service.step).
+        self._service.limits.check_count("steps", len(request.steps), "max_steps_per_call")
         answer = self._service.answer_budget()
         answer.step_many(len(request.steps))
         results = [await self._step_entry(step, answer) for step in request.steps]

@@ -192,3 +192,21 @@ async def test_the_runner_server_refuses_a_call_beyond_max_concurrent_rpcs() -> 
             raise AssertionError("a second call was served at once")
         held.cancel()
     shutil.rmtree(folder, ignore_errors=True)
+
+
+async def test_a_step_many_entry_past_max_call_work_fails_alone() -> None:
+    # Each entry holds the pool on its own: one too large fails, the others are applied.
+    async with running_daemon(num_blocks=256, block_size=16,
+                              limits=Limits(max_call_work=1024)) as daemon, \
+            grpc.aio.insecure_channel(daemon.unix_target) as channel:
+        stub = Stub(channel)
+        sid = (await stub.OpenSession(pb.OpenSessionRequest(client_name="t"))).session_id
+        await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=1))
+        small = pb.StepRequest(session_id=sid, seq_ids=[1], num_tokens=1)
+        large = pb.StepRequest(session_id=sid, seq_ids=[1], num_tokens=1024 * 16)  # 1,027 items
+        reply = await stub.StepMany(pb.StepManyRequest(steps=[small, large, small]))
+        assert [result.code for result in reply.results] == [
+            0, grpc.StatusCode.INVALID_ARGUMENT.value[0], 0]
+        assert "max_call_work=1024" in reply.results[1].message
+        assert daemon.pool.num_tokens(daemon.service.sessions.get(sid).key(1)) == 3
+        daemon.service.check_invariants()
