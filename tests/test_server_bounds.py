@@ -4,7 +4,7 @@
 options) receives the largest answer the daemon allows by default.
 #11: a call beyond max_concurrent_rpcs is refused by gRPC, by the daemon's server and by the
 runner's; large requests queued for the pool lock hold at most max_queued_request_bytes parsed,
-the others wait unparsed.
+the others wait unparsed; a connection without calls is closed after max_connection_idle_ms.
 #12: a call's work is bounded before it waits for the lock (the issue's 1,024-Commit Batch).
 """
 
@@ -210,3 +210,16 @@ async def test_a_step_many_entry_past_max_call_work_fails_alone() -> None:
         assert "max_call_work=1024" in reply.results[1].message
         assert daemon.pool.num_tokens(daemon.service.sessions.get(sid).key(1)) == 3
         daemon.service.check_invariants()
+
+
+async def test_a_connection_without_calls_is_closed_after_max_connection_idle_ms() -> None:
+    async with running_daemon(limits=Limits(max_connection_idle_ms=1000)) as daemon, \
+            grpc.aio.insecure_channel(daemon.unix_target) as channel:
+        stub = Stub(channel)
+        await stub.GetPoolInfo(pb.GetPoolInfoRequest())
+        assert channel.get_state() == grpc.ChannelConnectivity.READY
+        # The server closes it (GOAWAY) once it carried no call for a second; never without
+        # the setting, so the wait would time out.
+        await asyncio.wait_for(channel.wait_for_state_change(grpc.ChannelConnectivity.READY), 20)
+        assert channel.get_state() != grpc.ChannelConnectivity.READY
+        await stub.GetPoolInfo(pb.GetPoolInfoRequest())  # the client reconnects on its own
