@@ -51,11 +51,12 @@ from pagedkv.proto import kvpool_pb2 as pb
 
 from .forward_loop import ForwardLoop, Prepared
 from .metrics import RunnerMetrics
-from .preparation import Preparer, check_writes
+from .preparation import Preparer
 from .runner import ModelRunner
 from .sampling import Sampler
 from .sequences import SessionSequences
 from .sessions import SessionEntry, SessionTable
+from .step_checks import check_writes
 from .steps import SeqRequest, SeqResult, StepNotComputed, StepOutcome
 
 # When a step still waiting for its forward first renews its session's lease (then every third

@@ -23,7 +23,8 @@ from .forward_loop import Prepared
 from .metrics import RunnerMetrics
 from .runner import ModelRunner, SequenceChunk
 from .sequences import Ahead, SeqState, SessionSequences
-from .steps import History, InvalidStep, SeqRequest, StepNotComputed, UnknownSequence
+from .step_checks import check_daemon_ids, validate_step
+from .steps import InvalidStep, SeqRequest, UnknownSequence
 
 
 class Preparer:
@@ -41,29 +42,7 @@ class Preparer:
 
     def validate(self, requests: Sequence[SeqRequest], release: Sequence[int]) -> None:
         """InvalidStep for a malformed step, before anything is read or changed."""
-        if not requests and not release:
-            raise InvalidStep("a step needs at least one sequence")
-        if len({r.seq_id for r in requests}) != len(requests):
-            raise InvalidStep("a sequence appears twice in one step")
-        vocab = self._runner().vocab_size
-        new = {r.seq_id for r in requests if r.new_sequence}
-        for r in requests:
-            if r.new_sequence and not r.token_ids and r.parent_seq_id is None:
-                raise InvalidStep(f"new sequence {r.seq_id} has no prompt tokens")
-            if r.parent_seq_id is not None and r.parent_seq_id in new | {r.seq_id}:
-                raise InvalidStep(f"sequence {r.seq_id}: its parent {r.parent_seq_id} must be an "
-                                  "existing sequence, not new in the same step")
-            if r.num_prompt_tokens and not (r.new_sequence and r.parent_seq_id is None
-                                            and r.num_prompt_tokens <= len(r.token_ids)):
-                raise InvalidStep(f"sequence {r.seq_id}: num_prompt_tokens applies to a new "
-                                  f"sequence without a parent and must be <= its {len(r.token_ids)}"
-                                  " tokens")
-            _check_ids(r.seq_id, "token_ids", r.token_ids, vocab)
-            _check_ids(r.seq_id, "sampling.stop_token_ids", r.params.stop_token_ids, vocab)
-            if r.history is not None:
-                _check_history(r.seq_id, r.history, vocab)
-            if r.max_compute_tokens < 0:
-                raise InvalidStep(f"sequence {r.seq_id}: max_compute_tokens must be >= 0")
+        validate_step(requests, release, self._runner().vocab_size)
 
     async def prepare(self, session_id: str, known: SessionSequences,
                       requests: Sequence[SeqRequest]) -> Prepared:
@@ -169,7 +148,7 @@ class Preparer:
         if len(tokens) != table.num_tokens:
             raise InvalidStep(f"sequence {request.seq_id}: the daemon holds {table.num_tokens} "
                               f"tokens, its history says {len(history.token_ids)}")
-        _check_daemon_ids(request.seq_id, tokens, table)
+        check_daemon_ids(request.seq_id, tokens, table)
         # Computed: the daemon's committed tokens only, whatever history.num_computed says.
         state = SeqState(tokens, history.prompt_len, table.num_cached_tokens,
                          list(table.block_ids), committed=table.num_cached_tokens,
@@ -189,7 +168,7 @@ class Preparer:
         if len(tokens) != n:
             raise InvalidStep(f"sequence {request.seq_id}: the daemon holds {n} tokens, more "
                               f"than its parent {request.parent_seq_id}'s {len(parent.tokens)}")
-        _check_daemon_ids(request.seq_id, tokens, table)
+        check_daemon_ids(request.seq_id, tokens, table)
         computed = min(parent.num_computed, n)
         if table.block_ids != parent.block_table[:len(table.block_ids)]:
             computed = table.num_cached_tokens
@@ -327,37 +306,3 @@ class Preparer:
         return SequenceChunk(state.tokens[start:end], start, state.slots(start, end, bs),
                              state.block_table)
 
-
-def check_writes(prepared: Prepared) -> None:
-    """Defence in depth, before a step joins a forward: no chunk writes a slot below its
-    sequence's committed tokens (certified K/V that other sequences, other tenants', read)."""
-    for index, chunk in prepared.chunks:
-        state = prepared.states[index]
-        inside = chunk.slot_mapping[:max(state.committed - chunk.start, 0)]
-        if any(slot >= 0 for slot in inside):
-            raise StepNotComputed(
-                f"sequence {prepared.requests[index].seq_id}: the runner would write position "
-                f"{chunk.start}, inside its {state.committed} committed tokens; refused")
-
-
-def _check_ids(seq_id: int, field: str, ids: Sequence[int], vocab: int) -> None:
-    if any(not 0 <= t < vocab for t in ids):
-        raise InvalidStep(f"sequence {seq_id}: {field} must be in [0, {vocab})")
-
-
-def _check_history(seq_id: int, history: History, vocab: int) -> None:
-    _check_ids(seq_id, "history.token_ids", history.token_ids, vocab)
-    n = len(history.token_ids)
-    if not (0 <= history.prompt_len <= n and 0 <= history.num_computed <= n):
-        raise InvalidStep(f"sequence {seq_id}: history.prompt_len and history.num_computed must "
-                          f"be at most its {n} token ids")
-
-
-def _check_daemon_ids(seq_id: int, tokens: Sequence[int], table: SequenceBlocks) -> None:
-    """A sequence's tokens as the client states them must be the ids the daemon holds (when
-    it knows them): else the runner would compute other tokens' K/V into its blocks."""
-    if table.token_ids and list(tokens) != table.token_ids:
-        first = next(i for i, (a, b) in enumerate(zip(tokens, table.token_ids, strict=True))
-                     if a != b)
-        raise InvalidStep(f"sequence {seq_id}: its history differs from the token ids the "
-                          f"daemon holds (first at position {first}); nothing changed")
