@@ -19,6 +19,7 @@ import grpc
 
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
+from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 
 from .client import DEFAULT_TIMEOUT_S
 from .errors import DaemonUnavailable, error_from_rpc
@@ -130,7 +131,8 @@ class RunnerClient:
 
     @classmethod
     async def connect(cls, target: str, *, timeout: float = 10 * DEFAULT_TIMEOUT_S) -> Self:
-        channel = grpc.aio.insecure_channel(target)
+        # The runner's answers stay within max_answer_bytes (at most MAX_MESSAGE_BYTES).
+        channel = grpc.aio.insecure_channel(target, options=list(MESSAGE_SIZE_OPTIONS))
         try:
             await asyncio.wait_for(channel.channel_ready(), DEFAULT_TIMEOUT_S)
         except TimeoutError:

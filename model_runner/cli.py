@@ -15,6 +15,9 @@ import sys
 
 from pagedkv.process import log_setup
 from pagedkv.process.server_bounds import SERVER_BOUNDS, ServerBounds
+from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
+
+from .answer_limits import DEFAULT_MAX_LOGPROBS, AnswerLimits
 
 EXIT_BAD_CONFIG = 2
 EXIT_FAILURE = 1
@@ -44,7 +47,15 @@ def parser() -> argparse.ArgumentParser:
                      help="intra-op threads of the CPU forward (default: half the cores, at "
                           "least 1: the daemon and the clients need the others)")
     cli.add_argument("--max-batch-tokens", type=int, default=8192,
-                     help="most tokens one merged forward pass computes (default 8192)")
+                     help="most tokens one merged forward pass computes; a longer prefill is "
+                          "split across forwards, other clients' decodes between (default 8192)")
+    cli.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
+                     help="most top logprobs a sequence may ask for (default "
+                          f"{DEFAULT_MAX_LOGPROBS}, vLLM's)")
+    cli.add_argument("--max-answer-bytes", type=int, default=DEFAULT_ANSWER_BYTES,
+                     help="most encoded bytes of one step's answer; a step that could pass it "
+                          f"is refused (default {DEFAULT_ANSWER_BYTES}, under gRPC's default "
+                          f"receive limit; at most {MAX_MESSAGE_BYTES})")
     cli.add_argument("--metrics-listen", metavar="HOST:PORT",
                      help="serve /metrics, /healthz and /readyz here")
     defaults = ServerBounds()
@@ -79,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         bounds = ServerBounds(**{name: getattr(args, name) for name in SERVER_BOUNDS})
         config = RunnerConfig(model=source, attention_backend=args.attention_backend,
                               server_bounds=bounds,
-                              max_batch_tokens=args.max_batch_tokens, **options)
+                              max_batch_tokens=args.max_batch_tokens,
+                              answer_limits=AnswerLimits(args.max_logprobs,
+                                                         args.max_answer_bytes), **options)
         asyncio.run(serve(config))
     except (ModelMismatch, ValueError) as exc:
         print(f"pagedkv runner: error: {exc}", file=sys.stderr)

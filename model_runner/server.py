@@ -45,7 +45,9 @@ from pagedkv.process.socket_files import (
 )
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
+from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 
+from .answer_limits import AnswerLimits
 from .attention_backend import BackendName, get_backend
 from .engine import StepEngine
 from .metrics import RunnerMetrics
@@ -88,11 +90,13 @@ class RunnerConfig:
     attention_backend: BackendName = "auto"
     # Prometheus /metrics, /healthz, /readyz on host:port, or None.
     metrics_listen: str | None = None
-    # Most tokens one forward pass computes.
+    # Most tokens one forward pass computes (a longer prefill is split across forwards).
     max_batch_tokens: int = 8192
     # Calls the Runner server serves at once (one more: RESOURCE_EXHAUSTED from gRPC), and its
     # connections' keepalive and idle bounds.
     server_bounds: ServerBounds = field(default_factory=ServerBounds)
+    # What one step may ask for: logprobs per sequence, and its answer's encoded size.
+    answer_limits: AnswerLimits = field(default_factory=AnswerLimits)
 
 
 class RunnerState:
@@ -176,11 +180,13 @@ def _pool_device(info: PoolInfo) -> str:
 @contextlib.asynccontextmanager
 async def _grpc_server(config: RunnerConfig,
                        state: RunnerState) -> AsyncIterator[tuple[grpc.aio.Server, Any]]:
+    # Answers are bounded below MAX_MESSAGE_BYTES (answer_limits); requests up to it.
     bounds = config.server_bounds
-    server = grpc.aio.server(options=bounds.options(),
+    server = grpc.aio.server(options=[*MESSAGE_SIZE_OPTIONS, *bounds.options()],
                              maximum_concurrent_rpcs=bounds.max_concurrent_rpcs)
     servicer = RunnerServicer(state.step, state.runner_info,
-                              lambda exc: log.error("step failed", exc_info=exc))
+                              lambda exc: log.error("step failed", exc_info=exc),
+                              config.answer_limits)
     runner_pb2_grpc.add_RunnerServicer_to_server(servicer, server)
     health_servicer = AsyncHealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -19,6 +19,7 @@ from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 from pagedkv.proto.metadata import ERROR_KEY
 
+from .answer_limits import AnswerLimits
 from .steps import (
     History,
     InvalidStep,
@@ -90,10 +91,12 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
     """Serves `pagedkv.v1.Runner` from a step function (the engine's)."""
 
     def __init__(self, step: StepFunction, info: Callable[[], rpb.RunnerInfo],
-                 log_failure: Callable[[Exception], None]) -> None:
+                 log_failure: Callable[[Exception], None], limits: AnswerLimits) -> None:
         self._step = step
         self._info = info
         self.log_failure = log_failure
+        # What a step may ask for (logprobs, its answer's size), checked before it starts.
+        self._limits = limits
 
     @grpc_errors
     async def GetRunnerInfo(self, request: rpb.GetRunnerInfoRequest,
@@ -103,6 +106,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
     @grpc_errors
     async def Step(self, request: rpb.RunnerStepRequest,
                    context: Context) -> rpb.RunnerStepResponse:
+        self._limits.check(request)
         seqs = [seq_request(seq) for seq in request.seqs]
         outcome = await self._step(request.session_id, seqs, list(request.release_seq_ids))
         return rpb.RunnerStepResponse(outputs=[sequence_output(r) for r in outcome.results],

@@ -22,7 +22,20 @@ sequence, Append/Step for the others, all in one call), so a client step costs o
 RPC, and a sequence of another session is NOT_FOUND exactly as from the daemon. Blocks a
 step computes are committed to the prefix cache only after their K/V is written. Steps of
 several clients that arrive together run in one forward pass; one client's bad step fails
-alone.
+alone. No forward pass computes more than the runner's max_batch_tokens (`pagedkv runner
+--max-batch-tokens`, 8192 by default): a longer prefill is computed over several passes, the
+decode steps of other clients joining each of them, and its step is answered (and its blocks
+committed) once all its tokens are computed.
+
+Answers are bounded before a step starts, so a step is never applied at the daemon and its
+answer then refused by the client's size check: a sequence may ask for at most the runner's
+max_logprobs top logprobs (`--max-logprobs`, 20 by default, as vLLM's; more is
+INVALID_ARGUMENT naming max_logprobs), and a step whose answer could pass the runner's
+max_answer_bytes (`--max-answer-bytes`, by default 4 MiB less 4 KiB, under gRPC's default
+receive limit, so stock channels receive every answer) is RESOURCE_EXHAUSTED naming it
+(pagedkv-error `AnswerTooLarge`); neither changed anything. The bound is 6 bytes plus, per
+sequence, 67 bytes and 14 per logprob asked: 347 bytes a sequence at 20 logprobs. Requests
+may be up to 8 MiB (proto/limits.py's MAX_MESSAGE_BYTES), as the daemon's.
 
 Retry rules: as kvpool.proto's. A Step answered with an error status changed nothing in the
 pool, but for ABORTED with cause (pagedkv-error) "StepNotComputed": the step's daemon calls

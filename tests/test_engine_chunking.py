@@ -1,0 +1,114 @@
+"""A long prefill is split across forwards by `max_batch_tokens`, and other clients' decodes
+join those forwards instead of waiting for the whole prompt (issue 17, finding 13).
+
+The runner's forwards are gated: each waits for a permit the test gives, so the test knows what
+is queued when a forward goes and the forwards' composition is exact, never a matter of timing.
+One daemon for the module (the families' Llama pool), an in-process engine per test.
+"""
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import pytest
+import test_engine_families as families
+import torch
+from engine_driver import RecordingRunner, new
+from test_engine_families import GREEDY, expected_tokens, paged_model
+
+from pagedkv.client import PoolClient, Session
+from pagedkv.model_runner.attention_backend import get_backend
+from pagedkv.model_runner.engine import StepEngine
+from pagedkv.model_runner.runner import SequenceChunk
+from pagedkv.model_runner.steps import SeqRequest, StepOutcome
+
+daemon = families.daemon
+
+MAX_BATCH_TOKENS = 16
+# A prefill of nine forwards or more at 16 tokens each, and a prompt that decodes beside it.
+LONG, SHORT = 150, 5
+
+
+class GatedRunner(RecordingRunner):
+    """Each forward waits for a permit (`go`), so the test decides what is queued when it goes."""
+
+    entered = 0  # forwards that started (each waits for its permit)
+    released = 0  # permits given
+
+    def step(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+        self.entered += 1
+        self.permits.acquire()
+        return super().step(chunks)
+
+    def go(self) -> None:
+        self.released += 1
+        self.permits.release()
+
+    @property
+    def waiting(self) -> bool:
+        """A forward waits for its permit."""
+        return self.entered > self.released
+
+
+@pytest.fixture
+async def engine(runner_client: PoolClient) -> AsyncIterator[StepEngine]:
+    """An engine on the daemon's runner socket, as a runner is, its forwards gated."""
+    runner = GatedRunner.attach(paged_model("llama"), await runner_client.pool_info(),
+                                get_backend("torch"))
+    runner.permits = threading.Semaphore(0)
+    started = StepEngine(runner_client, runner, max_batch_tokens=MAX_BATCH_TOKENS)
+    await started.start()
+    yield started
+    runner.permits.release(1000)  # a failed test leaves no forward waiting
+    await started.stop()
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
+async def answered(runner: GatedRunner, step: "asyncio.Task[StepOutcome]") -> StepOutcome:
+    """Let the forwards go one at a time until `step` is answered."""
+    while not step.done():
+        await until(lambda: runner.waiting or step.done())
+        if not step.done():
+            runner.go()
+    return step.result()
+
+
+def prompt(n: int, salt: int) -> tuple[int, ...]:
+    return tuple((7 * i + salt) % 127 + 1 for i in range(n))
+
+
+async def test_decodes_of_another_client_run_between_the_chunks_of_a_long_prefill(
+        client: PoolClient, session: Session, engine: StepEngine) -> None:
+    runner = engine.runner
+    assert isinstance(runner, GatedRunner)
+    long, short = prompt(LONG, 3), prompt(SHORT, 5)
+    async with await client.open_session("decoding") as other:
+        first = asyncio.create_task(engine.step(other.session_id, [new(1, short, GREEDY)]))
+        decoded = [(await answered(runner, first)).results[0].token_id]
+        prefill = asyncio.create_task(engine.step(session.session_id, [new(1, long, GREEDY)]))
+        for _ in range(3):
+            await until(lambda: runner.waiting)  # a piece of the prefill waits for its permit
+            decode = asyncio.create_task(engine.step(other.session_id, [
+                SeqRequest(1, False, (decoded[-1],), 0, GREEDY)]))
+            await until(lambda: any(p.session_id == other.session_id
+                                    for p in engine.forwards._ready))
+            decoded.append((await answered(runner, decode)).results[0].token_id)
+            assert not prefill.done()  # answered between two pieces of the prefill
+        result = (await answered(runner, prefill)).results[0]
+        sizes = [[len(chunk.token_ids) for chunk in forward] for forward in runner.chunks]
+        # The short prefill; then the prefill's pieces, each decode first in the forward
+        # after it arrived (1 + 15 tokens), the rest 16 at a time.
+        assert sizes == [[5], [16], [1, 15], [16], [1, 15], [16], [1, 15], [16], [16], [16], [9]]
+        assert decoded == expected_tokens("llama", short, 4)
+        assert result.sampled and result.token_id == expected_tokens("llama", long, 1)[0]
+        assert (result.num_tokens, result.num_computed) == (LONG, LONG)
+        # Its blocks were committed once all were computed: the same prompt again is served
+        # from the cache (its 9 whole blocks) and gives the same token.
+        again = asyncio.create_task(engine.step(session.session_id, [new(2, long, GREEDY)]))
+        cached = (await answered(runner, again)).results[0]
+        assert cached.num_cached == LONG // 16 * 16
+        assert cached.token_id == result.token_id
