@@ -114,14 +114,14 @@ class StepEngine:
             known = entry.sequences
             try:
                 prepared = await self.preparer.prepare(session_id, known, requests)
+                for index in prepared.claimed:  # this step holds the tokens appended ahead now
+                    prepared.states[index].ahead = None
                 results = (await self._run(prepared) if prepared.chunks
                            else self.forwards.results(prepared, {}))
                 await self._finish(session_id, known, prepared, release)
             except (SessionExpired, NotFound) as exc:
                 entry.ended = entry.ended or _session_gone(exc)
                 raise
-            for index in prepared.claimed:
-                prepared.states[index].ahead = None
             if self.metrics is not None:
                 self.metrics.step(time.monotonic() - started)
                 self.metrics.ahead_used(len(prepared.ready))

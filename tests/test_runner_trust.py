@@ -8,6 +8,7 @@ runs, are decided by the test, not by timing.
 """
 
 import asyncio
+import dataclasses
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -213,6 +214,26 @@ async def test_a_forward_that_fails_after_the_appends_says_so_and_a_resend_compu
     resent = await engine.step(session.session_id, [SeqRequest(1, False, (), 0, GREEDY)])
     assert (resent.results[0].token_id, resent.results[0].num_tokens) == (
         expected[1], len(prompt) + 1)
+    assert await held(session, 1) == len(prompt) + 1
+
+
+async def test_a_step_not_computed_that_named_a_token_decoded_ahead_is_resent_without_it(
+    engine: StepEngine, session: Session, prompts: list[tuple[int, ...]],
+) -> None:
+    """The runner appended a token ahead and its forward failed; the client's step naming the
+    token fails in its forward too (StepNotComputed): resent without the token, as every
+    StepNotComputed is, it computes that token, appending nothing more."""
+    prompt = prompts[1]
+    expected = expected_tokens(FAMILY, prompt)
+    await engine.step(session.session_id, [
+        dataclasses.replace(new(1, prompt, GREEDY), decode_ahead=True)])
+    gated(engine).fail_next = True  # the forward ahead, which starts after this answer
+    await asyncio.gather(*engine._ahead_tasks)
+    gated(engine).fail_next = True
+    with pytest.raises(StepNotComputed):
+        await engine.step(session.session_id, [decode_step(1, expected[0])])
+    resent = await engine.step(session.session_id, [SeqRequest(1, False, (), 0, GREEDY)])
+    assert resent.results[0].token_id == expected[1]
     assert await held(session, 1) == len(prompt) + 1
 
 
