@@ -269,9 +269,11 @@ class BlockPool:
         """Drop `seq`. Returns the blocks that went back to the free list with no content kept
         (committed blocks stay cached for later prompts; pending ones lose their key)."""
         row = self._row(seq)
-        table, groups = self._seqs.table(row).copy(), self._seqs.groups[row].tolist()
-        if len(table) and self._blocks.ref[table[-1]] > 1:
-            self._shift_waste(-self._last_waste(row))  # one sharer fewer
+        table = self._seqs.table(row).copy()
+        groups = self._seqs.groups[row].tolist() if self._held.levels else []
+        waste = self._last_waste(row)
+        if waste and self._blocks.ref[table[-1]] > 1:
+            self._shift_waste(-waste)  # one sharer fewer
         self._seqs.remove(seq)
         released = self._blocks.release(table)
         if groups:

@@ -113,7 +113,8 @@ class SeqTable:
         self.grew(-int(self.num_tokens[row]), -int(self.num_blocks[row]))
         self._release_region(row)
         self.free_rows.append(row)
-        self._journal.after(self._shrink)
+        if 4 * len(self.row_of) < len(self.num_tokens) or self.store.sparse:
+            self._journal.after(self._shrink)  # rows or regions may be packed
         return row
 
     def _row_state(self, row: int) -> "_RowState":
@@ -226,16 +227,15 @@ class SeqTable:
                 self._move(row, entries)
         self.store.data[self.start[rows] + logical] = blocks
 
-    def put_table(self, row: int, table: npt.ArrayLike) -> None:
+    def put_table(self, row: int, table: Sequence[int] | Int64Array) -> None:
         """Write a whole table into row `row` (new, or freshly restored), from entry 0."""
-        values = np.asarray(table, dtype=np.int64)
-        if len(values) > self.capacity[row]:
-            self._move(row, len(values))
-        start = int(self.start[row])
-        self.store.data[start : start + len(values)] = values
+        n = len(table)
+        start = self._move(row, n) if n > self.capacity[row] else int(self.start[row])
+        self.store.data[start : start + n] = table
 
-    def _move(self, row: int, entries: int) -> None:
-        """Give `row` a region of at least `entries` entries, its current entries copied."""
+    def _move(self, row: int, entries: int) -> int:
+        """Give `row` a region of at least `entries` entries, its current entries copied;
+        returns where the region starts."""
         old, have = int(self.start[row]), int(self.capacity[row])
         capacity = region_size(entries)
         new = self.store.take(capacity)
@@ -244,6 +244,7 @@ class SeqTable:
             data[new : new + have] = data[old : old + have]
             self.store.release(old, have)
         self.start[row], self.capacity[row] = new, capacity
+        return new
 
     def _release_region(self, row: int) -> None:
         self.store.release(int(self.start[row]), int(self.capacity[row]))

@@ -71,7 +71,8 @@ class TableStore:
         """Give back the region of `capacity` entries at `start` (capacity 0: no region)."""
         if capacity:
             k = capacity.bit_length() - 1
-            self._free.extend([] for _ in range(k + 1 - len(self._free)))
+            if k >= len(self._free):
+                self._free.extend([] for _ in range(k + 1 - len(self._free)))
             self._free[k].append(start)
             self.in_use -= capacity
 
