@@ -19,7 +19,9 @@ from test_engine_families import GREEDY, expected_tokens, paged_model
 from pagedkv.client import PoolClient, Session
 from pagedkv.model_runner.attention_backend import get_backend
 from pagedkv.model_runner.engine import StepEngine
+from pagedkv.model_runner.forward_loop import Batch, ForwardLoop, Prepared
 from pagedkv.model_runner.runner import SequenceChunk
+from pagedkv.model_runner.sampling import Sampler
 from pagedkv.model_runner.steps import SeqRequest, StepOutcome
 
 daemon = families.daemon
@@ -112,3 +114,43 @@ async def test_decodes_of_another_client_run_between_the_chunks_of_a_long_prefil
         cached = (await answered(runner, again)).results[0]
         assert cached.num_cached == LONG // 16 * 16
         assert cached.token_id == result.token_id
+
+
+def tokens(n: int, start: int = 0) -> SequenceChunk:
+    """A chunk of n tokens from `start` (ids and slots do not matter to the batching)."""
+    return SequenceChunk(list(range(n)), start, list(range(start, start + n)), [0])
+
+
+def shape(batch: Batch) -> list[tuple[str, list[tuple[int, int, int]]]]:
+    """Each step of a forward, with its pieces as (request index, start, tokens)."""
+    return [(prepared.session_id, [(i, c.start, len(c.token_ids)) for i, c in pieces])
+            for prepared, pieces in batch]
+
+
+async def test_a_forward_takes_decodes_first_then_pieces_of_the_others_in_arrival_order() -> None:
+    """Budget 8: A (a prefill of 10 + 3) arrived first, then B (two decodes), then C (5)."""
+    forwards = ForwardLoop(lambda: None, Sampler(), max_batch_tokens=8)  # type: ignore[arg-type,return-value]
+    a = Prepared("A", [], [], [(0, tokens(10)), (1, tokens(3))])
+    b = Prepared("B", [], [], [(0, tokens(1, 40)), (1, tokens(1, 50))])
+    c = Prepared("C", [], [], [(0, tokens(5))])
+    forwards._ready.extend([a, b, c])
+    assert shape(forwards._take_batch()) == [("B", [(0, 40, 1), (1, 50, 1)]), ("A", [(0, 0, 6)])]
+    assert list(forwards._ready) == [c]
+    forwards._ready.appendleft(a)  # what the loop does after the forward: A goes on first
+    assert shape(forwards._take_batch()) == [("A", [(0, 6, 4), (1, 0, 3)]), ("C", [(0, 0, 1)])]
+    forwards._ready.appendleft(c)
+    assert shape(forwards._take_batch()) == [("C", [(0, 1, 4)])]
+    assert not a.left and not c.left
+
+
+async def test_a_decode_step_wider_than_the_budget_is_split_by_sequences() -> None:
+    forwards = ForwardLoop(lambda: None, Sampler(), max_batch_tokens=2)  # type: ignore[arg-type,return-value]
+    wide = Prepared("W", [], [], [(i, tokens(1, 16 * i)) for i in range(3)])
+    forwards._ready.append(wide)
+    assert shape(forwards._take_batch()) == [("W", [(0, 0, 1), (1, 16, 1)])]
+    assert [index for index, _ in wide.left] == [2]
+
+
+def test_a_budget_below_one_token_is_refused() -> None:
+    with pytest.raises(ValueError, match="max_batch_tokens must be >= 1"):
+        ForwardLoop(lambda: None, Sampler(), max_batch_tokens=0)  # type: ignore[arg-type,return-value]
