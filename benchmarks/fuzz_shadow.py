@@ -272,7 +272,8 @@ class Shadow:
                                 f"({table.num_tokens} tokens), shadow {seq}")
             mine = stub.GetStats(pb.GetStatsRequest(session_id=session.session_id),
                                  timeout=timeout).sessions[0]
-            entries = sum(len(seq.block_ids) for seq in session.seqs.values())
+            # An empty sequence counts one entry: it costs quota (kvpool.proto, max_blocks).
+            entries = sum(max(1, len(seq.block_ids)) for seq in session.seqs.values())
             held = len({b for seq in session.seqs.values() for b in seq.block_ids})
             self.expect((mine.num_sequences, mine.block_table_entries, mine.blocks_held)
                         == (len(seq_ids), entries, held),
