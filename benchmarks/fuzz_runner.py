@@ -10,9 +10,10 @@ tiny Llama) serve:
   hits cross clients; chunked prefills, decodes, decode ahead, forks, releases), greedy with
   logprobs; the shadow (`fuzz_runner_shadow`) recomputes each client's own tokens with the same
   model in this process: any token it refutes is a wrong token;
-- a hostile client (`fuzz_runner_hostile`): forged histories, num_computed lies, token ids
-  outside the vocabulary, junk sessions, steps cancelled mid-flight, K/V certified without
-  being computed (Commit, Step with commit);
+- a hostile client (`fuzz_runner_hostile`), another tenant sharing the cache salt
+  (`fuzz_runner_tenants`): forged histories, num_computed lies, token ids outside the
+  vocabulary, junk sessions, steps cancelled mid-flight, K/V certified without being computed
+  (Commit, Step with commit);
 - client processes SIGKILLed mid-step, their sessions left to lapse.
 At the end every session is closed (killed ones lapse): the pool must hold no used block and no
 sequence. Each client's random choices follow from the seed (the interleaving of the clients
