@@ -17,7 +17,8 @@ runs before the pool is touched, so a refused call changes nothing.
 Block reuse across tenants. A block released by one session may be handed to another with the
 old K/V still in it. That is safe without zeroing: the API returns block ids and slots, never
 contents; the attention kernels mask every slot past a sequence's length, so stale slots are
-never read; and only the trusted runner on this host maps the pool memory. For defense in
+never read; and only runners map the pool memory (its handle goes to the runner socket alone,
+its file is the daemon's user's and runner_group's: tenants.py). For defense in
 depth, `zero_freed_blocks=True` zeroes every block the pool releases with no cached content
 (pending blocks included) and every cached block evicted for a new owner. Committed blocks
 kept in the prefix cache keep their content on purpose (that is the cache), except that a
