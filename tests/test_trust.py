@@ -20,7 +20,7 @@ import grpc
 import pytest
 from pagedkvd_process import pagedkvd, short_tmp_dir
 
-from pagedkv.client import Commit, NotFound, PermissionDenied, PoolClient, Session
+from pagedkv.client import Allocate, Commit, NotFound, PermissionDenied, PoolClient, Session
 from pagedkv.daemon.tenants import Tenant, Tenants, bearer_of
 from pagedkv.model_runner.cli import EXIT_BAD_CONFIG
 from pagedkv.process.launch import START_TIMEOUT_S, start_runner
@@ -75,7 +75,7 @@ async def test_a_tenant_that_does_not_certify_a_shared_salt_may_not_commit(
                                                r"b'shared'.*tenants.bob.certifies"):
         await forger.commit([1])
     with pytest.raises(PermissionDenied, match=r"tenants\.bob\.certifies"):
-        await forger.batch([Commit([1])])
+        await forger.batch([Allocate(2, token_ids=R), Commit([1])])  # refused whole
     with pytest.raises(PermissionDenied, match=r"tenants\.bob\.certifies"):
         await forger.step([1], [7], commit=True)  # nor appends: the step is refused whole
     (entry,) = await bob.step_many([pb.StepRequest(session_id=forger.session_id, seq_ids=[1],
