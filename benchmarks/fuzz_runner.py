@@ -14,7 +14,7 @@ tiny Llama) serve:
   (`fuzz_runner_tenants`): forged histories, num_computed lies, token ids outside the
   vocabulary, junk sessions, steps cancelled mid-flight, K/V certified without being computed
   (Commit, Step with commit);
-- client processes SIGKILLed mid-step, their sessions left to lapse.
+- client processes SIGKILLed mid-step (`fuzz_runner_victim`), their sessions left to lapse.
 At the end every session is closed (killed ones lapse): the pool must hold no used block and no
 sequence. Each client's random choices follow from the seed (the interleaving of the clients
 does not: a finding names the seed, the client, its step and the hostile actions just before).
@@ -38,10 +38,11 @@ import torch
 from daemon_process import running_pagedkvd
 from fuzz_runner_corpus import SHARED_SALT, Corpus
 from fuzz_runner_honest import HonestClient
-from fuzz_runner_hostile import KINDS, Hostile, kill_clients
+from fuzz_runner_hostile import KINDS, Hostile
 from fuzz_runner_report import RunnerFuzzReport
 from fuzz_runner_shadow import Reference
 from fuzz_runner_tenants import Tenancy, write_tenancy
+from fuzz_runner_victim import kill_clients
 from load_daemon import wait_for_empty_pool
 
 from pagedkv.client import PagedKVError, PoolClient, RunnerClient

@@ -1,8 +1,7 @@
 """The runner fuzzer's hostile and careless clients: actions that must be refused or harmless.
 
     hostile = Hostile(seed, corpus, pool_client, runner_client, report, max_model_len)
-    await hostile.run(deadline)                       # one random action after another
-    await kill_clients(daemon, runner, seed, corpus, report, deadline)   # SIGKILLed processes
+    await hostile.run(deadline)                       # rounds of every kind, seeded order
 
 Every action opens a session of its own under the honest clients' cache salt (so it meets their
 cached blocks), acts, and closes it. Kinds (`KINDS`; MUST_REFUSE in fuzz_runner_report):
@@ -12,34 +11,31 @@ cached blocks), acts, and closes it. Kinds (`KINDS`; MUST_REFUSE in fuzz_runner_
   blocks; all: K/V nobody computed), then released so the runner commits it;
 - oov_history / oov_token: a token id outside the vocabulary in a history / a step;
 - junk_session: a step for a session id nobody holds;
-- cancelled_step / cancelled_then_closed: a prefill cancelled mid-flight, then released through
-  the runner, or (queued behind another session's long forward) the session closed at once:
-  its blocks go back while its forward may still be queued;
+- cancelled_step / cancelled_then_closed / closed_mid_step: a prefill cancelled mid-flight, then
+  released through the runner; or, queued behind another session's long forward, cancelled or
+  not, its session closed at once: its blocks go back while its forward may still be queued;
 - commit_uncomputed / step_commit_uncomputed: allocate a corpus prefix and certify it (Commit,
   or a Step with commit) without computing anything.
 The attacks on uncomputed K/V (computed_lie, *_uncomputed) probe for a corpus prefix with a block
 the cache does not hold yet: honest prompts will hit it later.
-Killed clients are processes (this file with --victim) that step long prompts through the
-runner and are SIGKILLed mid-step; their sessions lapse with their lease.
+Killed client processes are fuzz_runner_victim's.
 """
 
-import argparse
 import asyncio
 import contextlib
 import random
-import sys
 from collections.abc import Awaitable
 
 import grpc
 from fuzz_runner_corpus import GREEDY, SHARED_SALT, Corpus
 from fuzz_runner_report import RunnerFuzzReport
 
-from pagedkv.client import PagedKVError, PoolClient, RunnerClient, SeqStep, Session
+from pagedkv.client import PagedKVError, PoolClient, RunnerClient, SeqStep, Session, StepOutputs
 from pagedkv.client.errors import error_from_rpc
 from pagedkv.proto import runner_pb2 as rpb
 
 KINDS = ("forged_history", "computed_lie", "oov_history", "oov_token", "junk_session",
-         "cancelled_step", "cancelled_then_closed", "commit_uncomputed",
+         "cancelled_step", "cancelled_then_closed", "closed_mid_step", "commit_uncomputed",
          "step_commit_uncomputed")
 # Seconds between two hostile actions; how long a cancelled step may run before its cancel.
 PAUSE_S = (0.02, 0.2)
@@ -49,9 +45,6 @@ CANCEL_AFTER_S = (0.0, 0.05)
 BLOCKER_SEQS = 4
 BLOCKER_TOKENS = 240
 BLOCKER_LEAD_S = 0.005
-# A killed client's lease, and how long it steps before its SIGKILL (after its first step).
-VICTIM_LEASE_MS = 1000
-VICTIM_LIFE_S = (0.0, 0.6)
 # Corpus prefixes an attack on uncomputed K/V tries before it settles for a cached one.
 PROBES = 4
 
@@ -169,7 +162,8 @@ class Hostile:
 
     async def cancelled_step(self, session: Session) -> str:
         """Cancel a prefill mid-flight, then release what it named (the retry rules)."""
-        outcome = await self.cancel_prefill(session)
+        task = await self.prefill_in_flight(session)
+        outcome = await self.outcome(task) if task.done() else await self.cancelled(task)
         with contextlib.suppress(PagedKVError):
             await self.runner.step(session, [], [1])
         return outcome
@@ -178,6 +172,15 @@ class Hostile:
         """A long forward of another session first, so the prefill cancelled next waits in the
         runner's queue; the session is closed at once: its blocks go back to the pool while
         its forward may still be queued, and honest forks' copy-on-write may get them."""
+        return await self.behind_long_forward(session, cancel=True)
+
+    async def closed_mid_step(self, session: Session) -> str:
+        """The same without the cancel: the session is closed while its step is in flight."""
+        return await self.behind_long_forward(session, cancel=False)
+
+    async def behind_long_forward(self, session: Session, cancel: bool) -> str:
+        """Another session's long forward, then a prefill of `session` (cancelled or not), then
+        `session` closed at once."""
         blocker = await self.pool.open_session("hostile-blocker", cache_salt=SHARED_SALT,
                                                keep_alive=False)
         try:
@@ -187,8 +190,7 @@ class Hostile:
             long_forward = asyncio.create_task(self.runner.step(blocker, seqs,
                                                                 [s.seq_id for s in seqs]))
             await asyncio.sleep(BLOCKER_LEAD_S)
-            outcome = await self.cancel_prefill(session)
-            await session.close()
+            outcome = await self.prefill_then_close(session, cancel)
             with contextlib.suppress(PagedKVError):
                 await long_forward
         finally:
@@ -196,16 +198,33 @@ class Hostile:
                 await blocker.close()
         return outcome
 
-    async def cancel_prefill(self, session: Session) -> str:
-        """A new sequence's step, cancelled after a random moment: "cancelled", or the outcome
-        of a step that was answered first."""
+    async def prefill_then_close(self, session: Session, cancel: bool) -> str:
+        """A prefill in flight, cancelled (`cancel`) or not, then its session closed at once:
+        "cancelled", "closed" (closed under the step, whatever the step answered then), or the
+        outcome of a step answered before."""
+        task = await self.prefill_in_flight(session)
+        if task.done():
+            outcome = await self.outcome(task)
+        elif cancel:
+            outcome = await self.cancelled(task)
+        else:
+            outcome = "closed"
+        await session.close()
+        with contextlib.suppress(asyncio.CancelledError, PagedKVError):
+            await task
+        return outcome
+
+    async def prefill_in_flight(self, session: Session) -> "asyncio.Task[StepOutputs]":
+        """A new sequence's step, sent and left to run a random moment."""
         prompt = self.corpus.prompt(self.rng) + self.corpus.tokens(self.rng,
                                                                   self.rng.randint(0, 64))
         task = asyncio.create_task(self.runner.step(
             session, [SeqStep(1, prompt, new_sequence=True, params=GREEDY)]))
         await asyncio.sleep(self.rng.uniform(*CANCEL_AFTER_S))
-        if task.done():
-            return await self.outcome(task)
+        return task
+
+    @staticmethod
+    async def cancelled(task: "asyncio.Task[StepOutputs]") -> str:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError, PagedKVError):
             await task
@@ -220,63 +239,3 @@ class Hostile:
     async def step_commit_uncomputed(self, session: Session) -> str:
         await self.allocate_uncached(session)
         return await self.outcome(session.step([1], [self.token()], commit=True))
-
-
-# ---------------------------------------------------------------------- killed clients
-
-async def kill_clients(daemon: str, runner: str, seed: int, corpus: Corpus,
-                       report: RunnerFuzzReport, deadline: float) -> None:
-    """Start a client process, let it step through the runner, SIGKILL it mid-step; again."""
-    rng, loop = random.Random(f"killer-{seed}"), asyncio.get_running_loop()
-    while loop.time() < deadline:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, __file__, "--victim", daemon, runner, str(rng.randrange(1 << 30)),
-            str(corpus.vocab_size), str(corpus.block_size), str(seed),
-            stdout=asyncio.subprocess.PIPE)
-        assert process.stdout is not None
-        report.hostile_started("killed_client", f"(pid {process.pid})")
-        with contextlib.suppress(TimeoutError):  # its first step began (or it took too long)
-            await asyncio.wait_for(process.stdout.readline(), max(1.0, deadline - loop.time()))
-        await asyncio.sleep(rng.uniform(*VICTIM_LIFE_S))
-        process.kill()
-        out, _ = await process.communicate()
-        report.hostile_action("killed_client", "killed", f"(pid {process.pid}, in its step "
-                              f"{out.count(b'step') + 1})")
-
-
-async def victim(daemon: str, runner_target: str, seed: int, corpus: Corpus) -> None:
-    """Step long prompts and decodes through the runner until SIGKILLed; print a line per
-    step sent."""
-    rng = random.Random(seed)
-    async with await PoolClient.connect(daemon, timeout=30) as pool, \
-            await RunnerClient.connect(runner_target) as runner:
-        session = await pool.open_session("victim", lease_ttl_ms=VICTIM_LEASE_MS,
-                                          cache_salt=SHARED_SALT)
-        seq_id = 0
-        while True:
-            seq_id += 1
-            prompt = corpus.prompt(rng) + corpus.tokens(rng, rng.randint(0, 64))
-            print("step", flush=True)
-            with contextlib.suppress(PagedKVError):
-                out = await runner.step(session, [SeqStep(seq_id, prompt, new_sequence=True,
-                                                          params=GREEDY)])
-                for _ in range(rng.randint(0, 4)):
-                    print("step", flush=True)
-                    out = await runner.step(session, [SeqStep(seq_id, [out[0].token_id],
-                                                              params=GREEDY)])
-            print("step", flush=True)
-            with contextlib.suppress(PagedKVError):
-                await runner.step(session, [], [seq_id])
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description="a runner fuzzer client killed mid-step")
-    parser.add_argument("--victim", nargs=6, required=True,
-                        metavar=("DAEMON", "RUNNER", "SEED", "VOCAB", "BLOCK", "CORPUS_SEED"))
-    args = parser.parse_args().victim
-    corpus = Corpus(int(args[5]), int(args[3]), int(args[4]))
-    asyncio.run(victim(args[0], args[1], int(args[2]), corpus))
-
-
-if __name__ == "__main__":
-    main()
