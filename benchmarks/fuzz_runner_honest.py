@@ -98,7 +98,6 @@ class HonestClient:
             steps.append(SeqStep(seq_id, own, new_sequence=True, params=GREEDY,
                                  parent_seq_id=parent_id))
             after[seq_id] = HonestSeq([*parent.tokens, *own], None, False, parent.stop_at)
-            self.report.forks += 1
         if len(self.live) < MAX_LIVE and (not self.live or rng.random() < 0.3):
             prompt = self.corpus.prompt(rng)
             seq_id = self.new_id()
@@ -137,6 +136,8 @@ class HonestClient:
             if step.new_sequence and step.parent_seq_id is None:
                 self.report.sequences += 1
                 self.report.cached_sequences += out.num_cached > 0
+            elif step.new_sequence:
+                self.report.forks += 1
             self.live[step.seq_id] = seq
             self.check(step, seq, out.num_tokens, out.sampled, out.token_id, out.logprob)
             if out.sampled:
