@@ -57,6 +57,10 @@ bench: setup
 	$(PY) benchmarks/bench_prefix.py
 	$(PY) benchmarks/bench_preempt.py
 	$(PY) benchmarks/bench_scheduler.py
+	$(PY) benchmarks/bench_call_work.py
+	$(PY) benchmarks/bench_queued_requests.py
+	$(PY) benchmarks/bench_figures.py
+	$(PY) benchmarks/bench_prefill_fairness.py
 
 bench-gpu: setup
 	$(PY) benchmarks/bench_kernels_gpu.py
