@@ -67,6 +67,13 @@ class SessionExpired(PagedKVError):
     """FAILED_PRECONDITION: the session missed its lease or predates a daemon restart."""
 
 
+class SessionBusy(PagedKVError):
+    """FAILED_PRECONDITION: a Free, CloseSession or Batch free while a runner holds the session
+    (its forward may still write the session's blocks); nothing changed. Release the sequences
+    through the runner (it frees them after its forwards and ends the hold), or retry once the
+    hold is over (the message says how long it lasts; kvpool.proto, "Runner holds")."""
+
+
 class Unauthenticated(PagedKVError):
     """UNAUTHENTICATED: a TCP call without the right bearer token."""
 
@@ -112,7 +119,8 @@ class StepNotComputed(PagedKVError):
 # A cause names the exception class ("PoolExhausted"); a runner relays the client's own names.
 _BY_CAUSE: dict[str, type[PagedKVError]] = {kind.__name__: kind for kind in (
     NotFound, SessionNotFound, SequenceNotFound, SequenceExists, InvalidArgument, PoolExhausted,
-    LimitExceeded, AnswerTooLarge, SessionExpired, Unauthenticated, PermissionDenied,
+    LimitExceeded, AnswerTooLarge, SessionExpired, SessionBusy, Unauthenticated,
+    PermissionDenied,
     UnknownSequence, StepNotComputed,
     DaemonUnavailable, DeadlineExceeded, Cancelled, MessageTooLarge)}
 

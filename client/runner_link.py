@@ -8,11 +8,12 @@ restart in one of two ways:
   nothing changed. The step is sent again with the history of each sequence it names.
 - The old runner died while the step ran: an `OutcomeUnknown` (UNAVAILABLE, ...). The link asks
   for the runner's info until one answers (at most `restart_wait_s`). Another `runner_id` means
-  the runner restarted: the step's new sequences are freed in the daemon (their allocation may
-  have happened), and the step is sent again with histories. The daemon then holds at most one
-  token more of a sequence than the last answer said (the lost step appended it, or the runner
-  appended it ahead), and the runner takes it for the token the step names (runner.proto). The
-  same `runner_id` means a living runner may have applied the step: the error stands.
+  the runner restarted: the step's new sequences are freed in the daemon through the new runner
+  (their allocation may have happened), and the step is sent again with histories. The daemon
+  then holds at most one token more of a sequence than the last answer said (the lost step
+  appended it, or the runner appended it ahead), and the runner takes it for the token the step
+  names (runner.proto). The same `runner_id` means a living runner may have applied the step:
+  the error stands.
 
 A step is sent at most twice; a second failure is the engine's to report. Any other error is
 never resent: `StepNotComputed` (the step was applied, its forward failed) resent as it was would
@@ -84,11 +85,13 @@ class RunnerLink:
 
     async def _free_new(self, steps: Sequence[SeqStep]) -> None:
         """Free the step's new sequences in the daemon, where the lost step may have allocated
-        them (the new runner knows nothing of them, so nothing writes their blocks)."""
-        for step in steps:
-            if step.new_sequence:
-                with contextlib.suppress(NotFound):
-                    await self.session.free(step.seq_id)
+        them, through the new runner (it knows nothing of them, so nothing writes their blocks):
+        the old runner's hold on the session may outlast it, and the daemon refuses the
+        client's own Free while it lasts (SessionBusy)."""
+        new = [step.seq_id for step in steps if step.new_sequence]
+        if new:
+            with contextlib.suppress(NotFound):
+                await self.runner.step(self.session, [], new)
 
 
 def with_history(seqs: Sequence[Seq], steps: Sequence[SeqStep]) -> list[SeqStep]:

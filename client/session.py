@@ -18,7 +18,7 @@ import grpc
 
 from pagedkv.proto import kvpool_pb2 as pb
 
-from .errors import NotFound, PagedKVError, SequenceNotFound, SessionExpired
+from .errors import NotFound, PagedKVError, SequenceNotFound, SessionBusy, SessionExpired
 from .ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
 from .recovery import (
     LOST,
@@ -36,6 +36,11 @@ if TYPE_CHECKING:
     from .client import PoolClient
 
 log = logging.getLogger(__name__)
+
+# How long `close` waits for a runner's hold on the session to end (kvpool.proto's "Runner
+# holds": a forward of the session may still write its blocks), and how often it asks again.
+CLOSE_BUSY_WAIT_S = 30.0
+CLOSE_BUSY_POLL_S = (0.02, 0.2)
 
 Request = TypeVar("Request")
 T = TypeVar("T")
@@ -91,7 +96,10 @@ class Session:
     async def close(self) -> int:
         """Free every sequence and end the session; returns how many sequences were freed.
 
-        Idempotent; a session the daemon already expired has nothing left to free (0). A close
+        Idempotent; a session the daemon already expired has nothing left to free (0). While a
+        runner holds the session (a step sent to it may still be computing) the daemon refuses
+        the close (SessionBusy): it is asked again until the hold ends, for CLOSE_BUSY_WAIT_S
+        at most (release the sequences through the runner first and there is no wait). A close
         that fails otherwise (INTERNAL, UNAVAILABLE) changed nothing and may be retried.
         """
         if self._keep_alive_task is not None:
@@ -102,14 +110,27 @@ class Session:
         if self._closed:
             return 0
         try:
-            reply = await self._client.call(self._stub.CloseSession,
-                                            self._session_request(pb.CloseSessionRequest))
-            freed = reply.freed_sequences
+            freed = await self._close_when_free()
         except (SessionExpired, NotFound):
             freed = 0
         self._closed = True
         self._client.forget(self)
         return freed
+
+    async def _close_when_free(self) -> int:
+        """CloseSession, asked again while a runner holds the session (SessionBusy)."""
+        deadline = asyncio.get_running_loop().time() + CLOSE_BUSY_WAIT_S
+        poll, most = CLOSE_BUSY_POLL_S
+        while True:
+            try:
+                reply = await self._client.call(self._stub.CloseSession,
+                                                self._session_request(pb.CloseSessionRequest))
+                return reply.freed_sequences
+            except SessionBusy:
+                if asyncio.get_running_loop().time() + poll > deadline:
+                    raise
+            await asyncio.sleep(poll)
+            poll = min(2 * poll, most)
 
     async def __aenter__(self) -> Self:
         return self

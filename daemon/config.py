@@ -153,6 +153,8 @@ class DaemonConfig:
     max_client_name_bytes: int = _LIMIT_DEFAULTS.max_client_name_bytes
     max_cache_salt_bytes: int = _LIMIT_DEFAULTS.max_cache_salt_bytes
     max_session_id_bytes: int = _LIMIT_DEFAULTS.max_session_id_bytes
+    # Milliseconds one runner call may hold a session (kvpool.proto's "Runner holds").
+    max_hold_ms: int = _LIMIT_DEFAULTS.max_hold_ms
     # Encoded bytes of one answer (by default under gRPC's default 4 MiB receive limit; at most
     # the 8 MiB message size the bundled client accepts).
     max_answer_bytes: int = _LIMIT_DEFAULTS.max_answer_bytes

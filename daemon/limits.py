@@ -78,6 +78,11 @@ LIMITS: dict[str, LimitSpec] = {
     "max_cache_salt_bytes": LimitSpec(1, 4096, "bytes of an OpenSession cache_salt"),
     # The daemon's own ids take about 55 bytes.
     "max_session_id_bytes": LimitSpec(64, 4096, "bytes of a request's session_id"),
+    # A runner renews its hold well before it lapses; past a minute a crashed runner would
+    # keep clients from freeing for too long.
+    "max_hold_ms": LimitSpec(100, 60_000, "milliseconds a runner may hold a session in one "
+                             "call (hold_ms): no Free or CloseSession of other callers until "
+                             "the hold ends"),
     "max_answer_bytes": LimitSpec(4096, MAX_MESSAGE_BYTES, "encoded bytes of one answer"),
     "max_call_work": LimitSpec(1024, 1 << 24, "items one call names or adds: ops, seq ids and "
                                "blocks of new tokens, over all its ops (a StepMany: each entry)"),
@@ -125,6 +130,9 @@ class Limits:
     max_cache_salt_bytes: int = 256
     # Bytes of any request's session_id (longer ones are refused before any look-up).
     max_session_id_bytes: int = 128
+    # The most a runner's call may hold a session for (hold_ms; kvpool.proto's "Runner
+    # holds"): what a runner that died mid-forward keeps its clients' frees refused for.
+    max_hold_ms: int = 10_000
     # Encoded bytes of one answer, bounded before it is built; at most MAX_MESSAGE_BYTES. The
     # default fits gRPC's default receive limit (4 MiB), which stock clients keep.
     max_answer_bytes: int = DEFAULT_ANSWER_BYTES

@@ -33,6 +33,10 @@ that commits (Commit, a Batch with a commit op, a Step with commit) is checked b
 transaction opens: under a salt other tenants share, only a runner or a certifying tenant may
 commit (`Tenants.check_commit`).
 
+Runner holds. A runner's call may hold the session while its forward writes the blocks the
+call answered (`holds.py`): a Free, CloseSession or Batch free of another caller is then refused
+under the lock, before the transaction opens, and the reaper leaves a held session alone.
+
 Stats. GetStats shows any caller the pool's capacity (`capacity`: num_blocks, block_size,
 free_blocks) and nothing of other sessions' activity; per-session figures only for the
 caller's own session (session ids are credentials, so no RPC lists other sessions). Operators
@@ -75,6 +79,7 @@ from .core import (
     blocks_for,
 )
 from .geometry import ModelGeometry
+from .holds import NO_HOLD, Hold, apply_hold, check_hold, check_release
 from .limits import Limits
 from .operations import (
     Allocate,
@@ -162,8 +167,8 @@ class PoolService:
         for session in self.sessions.due():
             try:
                 async with self._lock:
-                    if session.in_flight or session not in self.sessions:
-                        continue  # a call arrived, or it closed, while we waited
+                    if session not in self.sessions or not self.sessions.is_due(session):
+                        continue  # a call or a hold arrived, or it closed, while we waited
                     freed = await self._drop_session(session, expired=True)
             except Exception:  # the reaper must outlive any failure of one expiry
                 log.exception("lease expiry failed", session=session.label)
@@ -206,17 +211,23 @@ class PoolService:
 
     async def _change(self, session_id: str,
                       change: Callable[[Session, MemoryWork, AnswerBudget], T],
-                      answer: AnswerBudget | None = None, *, commits: bool = False) -> T:
+                      answer: AnswerBudget | None = None, *, commits: bool = False,
+                      frees: str = "", hold: Hold = NO_HOLD) -> T:
         """Run `change` for the session all-or-nothing, with its memory work and its answer's
         budget (`answer`: one shared with other parts of the answer, else a fresh one), under
-        the lock; a change that `commits` is refused first if the caller may not commit. The
-        lease is renewed on arrival and held while the call waits."""
+        the lock; a change that `commits` is refused first if the caller may not commit, one
+        that `frees` (the RPC's name) if a runner holds the session (holds.py); once applied,
+        the session's hold is set or ended as `hold` asks. The lease is renewed on arrival and
+        held while the call waits."""
+        check_hold(hold, self.limits)
         session = self.sessions.arrive(session_id)
         try:
             async with self._lock:
                 self.sessions.check_live(session)
                 if commits:
                     self.tenants.check_commit(session.tenant, session.shared_salt)
+                if frees:
+                    check_release(session, self.sessions.now(), frees)
                 work = MemoryWork()
                 with self.pool.transaction():
                     with self._hygiene.watch(session, work), self.pool.holding(
@@ -224,6 +235,7 @@ class PoolService:
                         result = change(session, work, answer or self.answer_budget())
                     self._usage.check_blocks(self.tenants.by_name[session.tenant])
                     await self._perform(work)
+                apply_hold(session, hold, self.sessions.now())
                 return result
         finally:
             self.sessions.depart(session)
@@ -249,9 +261,13 @@ class PoolService:
                  tenant=tenant.name)
         return session
 
-    def keep_alive(self, session_id: str) -> int:
-        """Renew the lease (every call does); returns the lease in ms."""
-        return self.sessions.get(session_id).lease_ttl_ms
+    def keep_alive(self, session_id: str, hold: Hold = NO_HOLD) -> int:
+        """Renew the lease (every call does), and set or end a runner's hold as `hold` asks;
+        returns the lease in ms."""
+        check_hold(hold, self.limits)
+        session = self.sessions.get(session_id)
+        apply_hold(session, hold, self.sessions.now())
+        return session.lease_ttl_ms
 
     async def close_session(self, session_id: str) -> int:
         """Close a session and free its sequences; returns how many were freed."""
@@ -259,6 +275,7 @@ class PoolService:
         try:
             async with self._lock:
                 self.sessions.check_live(session)
+                check_release(session, self.sessions.now(), "CloseSession")
                 freed = await self._drop_session(session, expired=False)
         finally:
             self.sessions.depart(session)
@@ -288,23 +305,25 @@ class PoolService:
     async def free(self, session_id: str, op: Free) -> int:
         """Drop a sequence; returns how many blocks went back to the pool."""
         return await self._change(session_id, lambda session, work, _answer: self._ops.free(
-            session, op.seq_id, work))
+            session, op.seq_id, work), frees="Free")
 
     async def _single(self, session_id: str, op: Operation) -> SeqUpdate:
         check_work(self.limits, op_work(op, self.pool.block_size), operation_name(op))
         return await self._change(session_id, lambda session, work, answer: self._ops.apply(
             session, op, work, answer))
 
-    async def batch(self, session_id: str, ops: Sequence[Operation]) -> list[SeqUpdate]:
+    async def batch(self, session_id: str, ops: Sequence[Operation],
+                    hold: Hold = NO_HOLD) -> list[SeqUpdate]:
         """Apply ops in order, all-or-nothing; one result per op (an empty table for a free
-        or a commit)."""
+        or a commit). `hold`: a runner's, set or ended once the batch is applied."""
         if not ops:
             raise InvalidArgument("a batch needs at least one op")
         self.limits.check_count("ops", len(ops), "max_batch_ops")
         check_work(self.limits, (op_work(op, self.pool.block_size) for op in ops), "Batch")
         return await self._change(session_id, lambda session, work, answer: [
             self._apply_numbered(session, index, op, work, answer)
-            for index, op in enumerate(ops)], commits=any(isinstance(op, Commit) for op in ops))
+            for index, op in enumerate(ops)], commits=any(isinstance(op, Commit) for op in ops),
+            frees="Batch" if any(isinstance(op, Free) for op in ops) else "", hold=hold)
 
     def _apply_numbered(self, session: Session, index: int, op: Operation,
                         work: MemoryWork, answer: AnswerBudget) -> SeqUpdate:
@@ -316,15 +335,16 @@ class PoolService:
 
     async def step(self, session_id: str, seq_ids: Sequence[int], num_tokens: int = 1,
                    token_ids: Sequence[int] = (), *, commit: bool = False,
-                   answer: AnswerBudget | None = None) -> BatchAppend:
+                   answer: AnswerBudget | None = None, hold_ms: int = 0) -> BatchAppend:
         """Append num_tokens tokens to each of many sequences at once, all-or-nothing; with
         `commit`, their pending blocks are committed first. `answer`: the budget of a larger
-        answer this step's is part of (StepMany), else its own."""
+        answer this step's is part of (StepMany), else its own. `hold_ms`: a runner's hold,
+        set once the step is applied (its forward writes the slots answered)."""
         check_work(self.limits, step_work(len(seq_ids), num_tokens, self.pool.block_size),
                    "Step")
         return await self._change(session_id, lambda session, work, budget: self._ops.step(
             session, seq_ids, num_tokens, token_ids, work, budget, commit), answer,
-            commits=commit)
+            commits=commit, hold=Hold(hold_ms))
 
     # --------------------------------------------------------------- queries
 

@@ -19,6 +19,7 @@ from pagedkv.proto import kvpool_pb2_grpc
 from .answer_size import ENTRY_CAUSE_BYTES, ENTRY_MESSAGE_BYTES, AnswerBudget, cut_utf8
 from .core import InvalidArgument, SeqUpdate
 from .geometry import dtype_bytes
+from .holds import Hold
 from .operations import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation, seq_id_of
 from .service import PoolService
 from .sessions import SessionStats
@@ -54,7 +55,9 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @grpc_errors
     async def KeepAlive(self, request: pb.KeepAliveRequest,
                         context: Context) -> pb.KeepAliveResponse:
-        return pb.KeepAliveResponse(lease_ttl_ms=self._service.keep_alive(request.session_id))
+        lease_ttl_ms = self._service.keep_alive(request.session_id,
+                                                Hold(request.hold_ms, request.end_hold))
+        return pb.KeepAliveResponse(lease_ttl_ms=lease_ttl_ms)
 
     @grpc_errors
     async def CloseSession(self, request: pb.CloseSessionRequest,
@@ -98,7 +101,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         limits = self._service.limits  # refuse an oversized batch before converting it
         limits.check_count("ops", len(request.ops), "max_batch_ops")
         ops = [batch_op(request.session_id, index, op) for index, op in enumerate(request.ops)]
-        updates = await self._service.batch(request.session_id, ops)
+        updates = await self._service.batch(request.session_id, ops,
+                                            Hold(request.hold_ms, request.end_hold))
         return pb.BatchResponse(results=[sequence_blocks(seq_id_of(op), update)
                                          for op, update in zip(ops, updates, strict=True)],
                                 free_blocks=self._service.free_blocks)
@@ -137,7 +141,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         # list() of a packed field is one C loop; numpy reads the token ids field directly.
         result = await self._service.step(request.session_id, list(request.seq_ids),
                                           request.num_tokens or 1, request.token_ids,
-                                          commit=request.commit, answer=answer)
+                                          commit=request.commit, answer=answer,
+                                          hold_ms=request.hold_ms)
         return pb.StepResponse(
             slot_mapping=result.slot_mapping.tolist(),
             changed_seq_index=result.changed_seq_index.tolist(),

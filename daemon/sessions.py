@@ -2,7 +2,8 @@
 
 A session is a lease. Every call that names the session renews it when the call *arrives*,
 before it waits for the pool behind other clients' work, and again when it finishes; a session
-with a call in flight never expires (the grace for calls queued behind work). One that misses
+with a call in flight never expires (the grace for calls queued behind work), nor does one a
+runner holds (holds.py: its forward may still write the session's blocks). One that misses
 its lease (no call and no KeepAlive within `lease_ttl_ms`) is due, and the service's reaper
 frees all its sequences. So a client process that dies never leaks blocks, and a client that
 keeps calling is never expired by another client's slow call.
@@ -81,6 +82,9 @@ class Session:
     # Calls naming the session that have arrived and not finished: while any is in flight the
     # session cannot expire.
     in_flight: int = 0
+    # Monotonic time until which a runner holds the session (holds.py): no free by another
+    # caller, and no expiry, before it; 0.0: no hold.
+    hold_until: float = 0.0
 
     @property
     def private_salt(self) -> bool:
@@ -190,7 +194,7 @@ class SessionRegistry:
         if session is None or not may_use_session_of(session.tenant):
             raise self._missing(session_id)  # another tenant's session is simply unknown
         now = self._clock()
-        if now > session.deadline and not session.in_flight:
+        if self._is_due(session, now):
             raise SessionExpired(f"session #{session.number} expired: no call or KeepAlive "
                                  "within its lease; open a new session")
         session.deadline = now + session.lease_ttl_ms / 1000
@@ -213,9 +217,24 @@ class SessionRegistry:
             raise self._missing(session.session_id)
 
     def due(self) -> list[Session]:
-        """Sessions past their lease with no call in flight: the reaper's to expire."""
+        """Sessions past their lease with no call in flight and no runner hold: the reaper's to
+        expire."""
         now = self._clock()
-        return [s for s in self._sessions.values() if now > s.deadline and not s.in_flight]
+        return [s for s in self._sessions.values() if self._is_due(s, now)]
+
+    def is_due(self, session: Session) -> bool:
+        """Whether `session` is due to expire now (checked again under the pool lock)."""
+        return self._is_due(session, self._clock())
+
+    @staticmethod
+    def _is_due(session: Session, now: float) -> bool:
+        """Past its lease, with no call in flight and no runner holding it (a held session
+        waits for its hold to end: a forward may still write its blocks)."""
+        return now > session.deadline and not session.in_flight and now >= session.hold_until
+
+    def now(self) -> float:
+        """The registry's clock (monotonic seconds): what leases and holds are measured by."""
+        return self._clock()
 
     def remove(self, session: Session, *, expired: bool) -> None:
         """Take a session out of the registry (closed, or expired by the reaper); the caller

@@ -20,6 +20,7 @@ from pagedkv.process.log_setup import get_logger
 from pagedkv.proto.metadata import ERROR_KEY
 
 from .core import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
+from .holds import SessionBusy
 from .limits import LimitExceeded
 from .operations import PoolExhausted
 from .sessions import SessionExpired, SessionNotFound
@@ -39,6 +40,7 @@ _CODES: tuple[tuple[type[PoolError], grpc.StatusCode], ...] = (
     (PoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (SessionExpired, grpc.StatusCode.FAILED_PRECONDITION),
+    (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
     (PoolError, grpc.StatusCode.INVALID_ARGUMENT),

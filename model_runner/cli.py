@@ -18,6 +18,7 @@ from pagedkv.process.server_bounds import SERVER_BOUNDS, ServerBounds
 from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
 
 from .answer_limits import DEFAULT_MAX_LOGPROBS, AnswerLimits
+from .holds import DEFAULT_HOLD_MS
 
 EXIT_BAD_CONFIG = 2
 EXIT_FAILURE = 1
@@ -49,6 +50,11 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--max-batch-tokens", type=int, default=8192,
                      help="most tokens one merged forward pass computes; a longer prefill is "
                           "split across forwards, other clients' decodes between (default 8192)")
+    cli.add_argument("--hold-ms", type=int, default=DEFAULT_HOLD_MS,
+                     help="how long each daemon call before a forward holds the client's "
+                          "session: no client frees its blocks meanwhile; renewed while the "
+                          "forward runs; at most the daemon's max_hold_ms (default "
+                          f"{DEFAULT_HOLD_MS})")
     cli.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
                      help="most top logprobs a sequence may ask for (default "
                           f"{DEFAULT_MAX_LOGPROBS}, vLLM's)")
@@ -90,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         bounds = ServerBounds(**{name: getattr(args, name) for name in SERVER_BOUNDS})
         config = RunnerConfig(model=source, attention_backend=args.attention_backend,
                               server_bounds=bounds,
-                              max_batch_tokens=args.max_batch_tokens,
+                              max_batch_tokens=args.max_batch_tokens, hold_ms=args.hold_ms,
                               answer_limits=AnswerLimits(args.max_logprobs,
                                                          args.max_answer_bytes), **options)
         asyncio.run(serve(config))

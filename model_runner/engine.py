@@ -26,15 +26,23 @@ client's next step names the same tokens and is answered from those results (`Ah
 lock keeps every other step of the session, and so every release, behind that forward.
 
 No release before the forward: a step whose caller is cancelled (its client gone) keeps the
-session's lock and lease until its forward is done, so no release through the runner and no
-lease expiry frees blocks that a queued or running forward still writes (blocks another session
-could get meanwhile). A step whose daemon calls were applied but whose forward failed answers
-StepNotComputed (runner.proto's retry rules), never "nothing changed".
+session's lock until its forward is done, so no release through the runner frees blocks that a
+queued or running forward still writes (blocks another session could get meanwhile). Nor does
+the client itself, or its lease: every daemon call that precedes a forward holds the session for
+`hold_ms` (kvpool.proto's "Runner holds": the daemon refuses the client's own Free and
+CloseSession, SessionBusy, and expires no held session), `_run` renews the hold while the
+forward waits and runs, and the hold ends (`end_hold`) once no forward of the session is left:
+in the Batch that frees released sequences (else a KeepAlive), after a cancelled step's forward,
+and once the session is idle (holds.py). A hold not ended (the runner died) lapses hold_ms after
+its last renewal. A step whose daemon calls
+were applied but whose forward failed answers StepNotComputed (runner.proto's retry rules),
+never "nothing changed".
 """
 
 import asyncio
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Sequence
 
@@ -42,6 +50,7 @@ from pagedkv.client import (
     Commit,
     Free,
     NotFound,
+    PagedKVError,
     PoolClient,
     SequenceNotFound,
     SessionExpired,
@@ -50,6 +59,7 @@ from pagedkv.process.lifecycle import cancel
 from pagedkv.proto import kvpool_pb2 as pb
 
 from .forward_loop import ForwardLoop, Prepared
+from .holds import DEFAULT_HOLD_MS, SessionHolds
 from .metrics import RunnerMetrics
 from .preparation import Preparer
 from .runner import ModelRunner
@@ -59,25 +69,24 @@ from .sessions import SessionEntry, SessionTable
 from .step_checks import check_writes
 from .steps import SeqRequest, SeqResult, StepNotComputed, StepOutcome
 
-# When a step still waiting for its forward first renews its session's lease (then every third
-# of the lease): most steps are answered long before.
-FIRST_HOLD_S = 0.1
-
 
 class StepEngine:
     """Merges concurrent client steps into forward passes over one model and one pool."""
 
     def __init__(self, pool: PoolClient, runner: ModelRunner, *, sampler: Sampler | None = None,
-                 max_batch_tokens: int = 8192, metrics: RunnerMetrics | None = None) -> None:
+                 max_batch_tokens: int = 8192, metrics: RunnerMetrics | None = None,
+                 hold_ms: int = DEFAULT_HOLD_MS) -> None:
         self.pool = pool
         # The model runner (replaced by the server when the daemon restarts).
         self.runner = runner
         self.metrics = metrics
         self.forwards = ForwardLoop(lambda: self.runner, sampler or Sampler(),
                                     max_batch_tokens=max_batch_tokens, metrics=metrics)
-        self.preparer = Preparer(pool, lambda: self.runner, metrics)
+        self.preparer = Preparer(pool, lambda: self.runner, metrics, hold_ms=hold_ms)
         # Each client session's sequences and lock, forgotten when the session ends.
         self.sessions = SessionTable()
+        # The daemon's holds on the sessions while their forwards may write (hold_ms each).
+        self.holds = SessionHolds(pool, self.sessions, hold_ms=hold_ms)
         # Steps being decoded ahead (each holds its session's lock).
         self._ahead_tasks: set[asyncio.Task[None]] = set()
         # Forwards of cancelled steps, waited for before their session's lock goes.
@@ -87,10 +96,12 @@ class StepEngine:
         await self.forwards.start()
 
     async def stop(self) -> None:
+        """Stop computing; then no forward writes any more, and every hold ends."""
         await cancel(*self._ahead_tasks)
         await self.forwards.stop()
         for forward in self._orphans:  # the loop is gone: nothing writes any more
             forward.cancel()
+        await self.holds.stop()
 
     def forget_all(self) -> None:
         """Drop every session's state (the daemon restarted: its pool and sessions are gone)."""
@@ -116,7 +127,7 @@ class StepEngine:
                 prepared = await self.preparer.prepare(session_id, known, requests)
                 for index in prepared.claimed:  # this step holds the tokens appended ahead now
                     prepared.states[index].ahead = None
-                results = (await self._run(prepared) if prepared.chunks
+                results = (await self._run(prepared, known) if prepared.chunks
                            else self.forwards.results(prepared, {}))
                 await self._finish(session_id, known, prepared, release)
             except (SessionExpired, NotFound) as exc:
@@ -137,16 +148,21 @@ class StepEngine:
                 self._let_go(session_id, entry)
 
     def _let_go(self, session_id: str, entry: SessionEntry) -> None:
+        """Let go of the session's lock (no forward of it is left): its hold ends once idle."""
         entry.lock.release()
         self.sessions.leave(session_id, entry)
+        self.holds.after_step(session_id, entry)
 
-    async def _run(self, prepared: Prepared) -> list[SeqResult]:
-        """A prepared step's forward and results, holding the session's lease meanwhile. Its
-        daemon calls are applied: a forward that fails makes it StepNotComputed, and a caller
-        cancelled meanwhile waits for the forward (which may be writing the session's blocks)
-        before the lock and the lease go."""
+    async def _run(self, prepared: Prepared, known: SessionSequences) -> list[SeqResult]:
+        """A prepared step's forward and results, holding the session (its blocks and its
+        lease) meanwhile: a step whose daemon calls did not just hold it (it made none) holds it
+        first. Its daemon calls are applied: a forward that fails makes it StepNotComputed, and
+        a caller cancelled meanwhile waits for the forward (which may be writing the session's
+        blocks) before the hold ends and the lock goes."""
         check_writes(prepared)
-        holder = asyncio.create_task(self._hold_lease(prepared.session_id))
+        session_id = prepared.session_id
+        await self.holds.ensure(session_id, known)
+        holder = asyncio.create_task(self.holds.keep(session_id, known))
         forward = asyncio.ensure_future(self.forwards.compute(prepared))
         try:
             return await asyncio.shield(forward)
@@ -156,6 +172,9 @@ class StepEngine:
                 await _outlive(forward)
             finally:
                 self._orphans.discard(forward)
+            holder.cancel()
+            with contextlib.suppress(asyncio.CancelledError, PagedKVError):
+                await self.holds.hold(session_id, known, end=True)  # else it lapses
             raise
         except Exception as exc:
             raise StepNotComputed(
@@ -164,20 +183,6 @@ class StepEngine:
                 "its sequences") from exc
         finally:
             holder.cancel()
-
-    async def _hold_lease(self, session_id: str) -> None:
-        """Keep the session's lease while its prepared step waits for and goes through a
-        forward: a client that dies meanwhile stops its own KeepAlive, and a lease expiring
-        mid-step would free blocks this forward still writes into."""
-        period = FIRST_HOLD_S
-        while True:
-            await asyncio.sleep(period)
-            try:
-                reply = await self.pool.call(self.pool.stub.KeepAlive, lambda: (
-                    pb.KeepAliveRequest(session_id=session_id)))
-            except (SessionExpired, NotFound):
-                return  # gone already: the step fails at its finish
-            period = reply.lease_ttl_ms / 3000
 
     # ------------------------------------------------------------ decode ahead
 
@@ -205,7 +210,8 @@ class StepEngine:
                                                      ahead=True)
             chunks = [(i, chunk) for i, (r, state) in enumerate(zip(requests, states, strict=True))
                       if (chunk := self.preparer.chunk(r, state)) is not None]
-            results = await self._run(Prepared(session_id, requests, states, chunks))
+            results = await self._run(Prepared(session_id, requests, states, chunks),
+                                      entry.sequences)
             for state, result in zip(states, results, strict=True):
                 if state.ahead is not None:
                     state.ahead.result = result
@@ -224,7 +230,9 @@ class StepEngine:
                       release: Sequence[int]) -> None:
         """Commit what prefill chunks computed; free the released sequences (their computed
         blocks committed first, so they stay cached). Only sequences whose ids the runner knows
-        are the daemon's are committed (SeqState.verified)."""
+        are the daemon's are committed (SeqState.verified). The step's forward is done and the
+        session's lock held, so no forward of it is left: the hold ends, with the Batch (else,
+        when sequences were released, with a KeepAlive), and the client may close at once."""
         bs = self.runner.block_size
         prefilled = [(prepared.requests[i].seq_id, prepared.states[i].num_computed)
                      for i, chunk in prepared.chunks
@@ -241,13 +249,16 @@ class StepEngine:
         ops.extend(Free(seq_id) for seq_id in released)
         if ops:
             reply = await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
-                session_id=session_id, ops=[op.batch_op() for op in ops]))
+                session_id=session_id, ops=[op.batch_op() for op in ops], end_hold=True))
+            known.held_at = -math.inf
             self.preparer.free_blocks = reply.free_blocks
         known.drop(released)
         for seq_id in set(release) - set(released):  # never stepped here (a pruned fork)
             free = functools.partial(pb.FreeRequest, session_id=session_id, seq_id=seq_id)
             with contextlib.suppress(SequenceNotFound):
                 await self.pool.call(self.pool.stub.Free, free)
+        if release and not ops:  # a hold of a forgotten entry's too
+            await self.holds.hold(session_id, known, end=True)
 
 
 

@@ -10,9 +10,12 @@ a runner restart), claims the tokens decoded ahead, checks the model's positions
 daemon call: a `Step` for single decode tokens (committing what the previous forward computed;
 sent in one StepMany with the Steps other sessions make at the same moment, daemon_steps.py),
 else one `Batch` of Fork ops (parallel samples, beams), then Allocate/Append ops. The chunks to
-compute follow from the answers.
+compute follow from the answers. Those calls hold the session for `hold_ms` (kvpool.proto's
+"Runner holds"): until the forward that follows them is done (the engine renews or ends the
+hold), no client frees the blocks they answered.
 """
 
+import time
 from collections.abc import Callable, Sequence
 
 from pagedkv.client import Allocate, Append, Fork, PoolClient, SequenceBlocks
@@ -31,8 +34,10 @@ class Preparer:
     """Validates client steps and performs their memory operations with the daemon."""
 
     def __init__(self, pool: PoolClient, runner: Callable[[], ModelRunner],
-                 metrics: RunnerMetrics | None = None) -> None:
+                 metrics: RunnerMetrics | None = None, *, hold_ms: int) -> None:
         self.pool = pool
+        # How long each daemon call preceding a forward holds the session.
+        self.hold_ms = hold_ms
         # Decode Steps, those of several sessions made together sent as one StepMany.
         self.steps = DaemonSteps(pool, metrics)
         # The model runner in use (its block size, vocabulary and positions).
@@ -190,9 +195,11 @@ class Preparer:
         commit = all(s.num_computed == len(s.tokens) and s.verified for s in states)
         seq_ids = [r.seq_id for r in requests]
         tokens = [r.token_ids[0] for r in requests]
+        sent = time.monotonic()
         reply = await self.steps.step(pb.StepRequest(
             session_id=session_id, seq_ids=seq_ids, num_tokens=1, token_ids=tokens,
-            commit=commit))
+            commit=commit, hold_ms=self.hold_ms))
+        known.held_at = sent
         self.free_blocks = reply.free_blocks
         for index, logical, block in zip(reply.changed_seq_index, reply.changed_logical_block,
                                          reply.changed_block_id, strict=True):
@@ -231,8 +238,11 @@ class Preparer:
                 ops.append(Append(r.seq_id, token_ids=r.token_ids))
         answers: list[SequenceBlocks] = []
         if ops:
+            sent = time.monotonic()
             reply = await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
-                session_id=session_id, ops=[op.batch_op() for op in ops]))
+                session_id=session_id, ops=[op.batch_op() for op in ops],
+                hold_ms=self.hold_ms))
+            known.held_at = sent
             self.free_blocks = reply.free_blocks
             answers = [SequenceBlocks.from_proto(result) for result in reply.results]
         # A fork's Append answer comes after its Fork answer: the later one wins.

@@ -10,6 +10,7 @@ client says it holds must be those ids, and only the daemon's committed tokens c
 computed.
 """
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -72,10 +73,14 @@ class SeqState:
 
 @dataclass
 class SessionSequences:
-    """The sequences of one client session the runner has seen."""
+    """The sequences of one client session the runner has seen, and its hold on them."""
 
     # seq_id -> state.
     seqs: dict[int, SeqState] = field(default_factory=dict)
+    # When the runner last asked the daemon to hold the session (kvpool.proto's "Runner holds":
+    # no client frees its blocks until then + hold_ms), monotonic seconds taken before the
+    # call; -inf: no hold asked, or the hold ended.
+    held_at: float = -math.inf
 
     def get(self, seq_id: int) -> SeqState | None:
         return self.seqs.get(seq_id)

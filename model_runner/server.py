@@ -50,6 +50,7 @@ from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 from .answer_limits import AnswerLimits
 from .attention_backend import BackendName, get_backend
 from .engine import StepEngine
+from .holds import DEFAULT_HOLD_MS
 from .metrics import RunnerMetrics
 from .models import ModelSource, check_geometry, kv_geometry, load_model
 from .runner import ModelRunner
@@ -92,6 +93,9 @@ class RunnerConfig:
     metrics_listen: str | None = None
     # Most tokens one forward pass computes (a longer prefill is split across forwards).
     max_batch_tokens: int = 8192
+    # How long each daemon call before a forward holds the client's session (kvpool.proto's
+    # "Runner holds"); at most the daemon's max_hold_ms.
+    hold_ms: int = DEFAULT_HOLD_MS
     # Calls the Runner server serves at once (one more: RESOURCE_EXHAUSTED from gRPC), and its
     # connections' keepalive and idle bounds.
     server_bounds: ServerBounds = field(default_factory=ServerBounds)
@@ -151,7 +155,7 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
         registry = CollectorRegistry()
         engine = StepEngine(pool, ModelRunner.attach(model, info, backend),
                             max_batch_tokens=config.max_batch_tokens,
-                            metrics=RunnerMetrics(registry))
+                            metrics=RunnerMetrics(registry), hold_ms=config.hold_ms)
         await engine.start()
         stack.push_async_callback(engine.stop)
         state = RunnerState(engine, info, config.model.name, backend.name)

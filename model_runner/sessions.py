@@ -49,6 +49,14 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def get(self, session_id: str) -> SessionEntry | None:
+        """The session's entry if kept (not counted as in use, not moved)."""
+        return self._entries.get(session_id)
+
+    def items(self) -> list[tuple[str, SessionEntry]]:
+        """Every kept session's id and entry."""
+        return list(self._entries.items())
+
     def enter(self, session_id: str) -> SessionEntry:
         """The session's entry (a new one for a session not kept), in use until `leave`."""
         entry = self._entries.get(session_id)

@@ -124,7 +124,7 @@ class KVPoolServicer:
 
     def OpenSession(self, request, context):
         """Sessions: every sequence belongs to one; a session that misses its lease is closed by the
-        daemon and all its sequences freed.
+        daemon and all its sequences freed (once no runner holds it: see "Runner holds").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -25,6 +25,28 @@ runner's calls may name any session whose id it holds (it acts for its clients, 
 their tenant), may commit under any cache salt, and alone get the pool memory's handle in
 GetPoolInfo. Every other caller is a tenant's client.
 
+Runner holds. A runner's forward writes K/V into the blocks its daemon calls returned, after
+those calls are answered; a client that frees the same blocks directly (Free, CloseSession, a
+Batch free op) while that forward is queued or running would let another session get them and
+the forward write into them. So a runner's call may carry `hold_ms`: "this runner writes the
+session's blocks until now + hold_ms" (StepRequest, each StepMany entry, BatchRequest,
+KeepAliveRequest). The session's hold deadline becomes the later of the two; a runner renews
+it with KeepAlive(hold_ms) while a long forward runs, and ends it at once with `end_hold`
+(BatchRequest, KeepAliveRequest) once no forward of the session is queued or running (when it
+releases a client's sequences, after a cancelled step's forward). Until the deadline, a Free,
+CloseSession or Batch with a free op from a caller that is not a runner is refused with
+FAILED_PRECONDITION, cause "SessionBusy", nothing changed (the message names the session by
+its client_name, says how long the hold still lasts, and to release through the runner); the
+lease does not expire a held session (expiry waits for the hold to end). Runner calls are
+never refused by a hold. hold_ms is at most the daemon's `max_hold_ms` (INVALID_ARGUMENT
+beyond); a caller that is not a runner sending hold_ms or end_hold gets INVALID_ARGUMENT.
+A hold the runner does not end lapses by itself hold_ms after its last call (the pagedkv
+runner's --hold-ms, 5 s by default): a client that frees directly right after a runner step
+may get SessionBusy for that long. Release sequences through the runner instead (its
+RunnerStepRequest.release_seq_ids: the runner frees them after its forwards and ends the
+hold), then close the session; or retry a SessionBusy close later (the bundled client's
+Session.close waits for the hold to end).
+
 Who may commit. A commit (the Commit RPC, a Batch commit op, StepRequest.commit) certifies
 that blocks hold the K/V of their tokens, and later prompts under the same cache salt are
 served that memory. So a session's commit is refused with PERMISSION_DENIED (cause
@@ -71,6 +93,9 @@ GetBlockTables, which gives each sequence's num_tokens and table:
 - Free: NOT_FOUND means applied; found means not (retry). A retried Allocate or Fork that
   took effect gets ALREADY_EXISTS, a retried Free NOT_FOUND.
 - Commit, KeepAlive and CloseSession are idempotent: retry them as they are.
+- SessionBusy (FAILED_PRECONDITION, a Free, CloseSession or Batch free while a runner holds
+  the session) changed nothing: release through the runner, or retry after the hold (the
+  message says how long it still lasts).
 Read back only once the lost call has ended on the client (its deadline passed or its
 connection broke): the daemon cancels a call whose client gave up, and a call either
 completes or is undone as a whole. A session whose calls keep failing with UNAVAILABLE may
@@ -86,7 +111,8 @@ max_answer_bytes (up to 8 MiB), set grpc.max_receive_message_length on your chan
 least that (the bundled client's is 8 MiB). The daemon caps sessions, sequences per session,
 block-table entries per session, ops, Step entries, seq ids and tokens per call, the work of
 one call (`max_call_work`: ops, seq ids named, blocks of new tokens; INVALID_ARGUMENT: split
-the call), and the bytes of client_name, cache_salt and session_id. It serves a bounded
+the call), the bytes of client_name, cache_salt and session_id, and a runner's hold_ms
+(`max_hold_ms`). It serves a bounded
 number of calls at once (`max_concurrent_rpcs`): one more is refused by gRPC itself with
 RESOURCE_EXHAUSTED and no "pagedkv-error" cause, nothing applied; retry it later. A
 refusal's message names the cap (e.g. "max_sessions=1024"); ops/OPERATIONS.md lists them.
@@ -127,7 +153,7 @@ class KVPoolStub:
     """
     OpenSession: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.OpenSessionRequest, _kvpool_pb2.OpenSessionResponse]
     """Sessions: every sequence belongs to one; a session that misses its lease is closed by the
-    daemon and all its sequences freed.
+    daemon and all its sequences freed (once no runner holds it: see "Runner holds").
     """
     KeepAlive: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.KeepAliveRequest, _kvpool_pb2.KeepAliveResponse]
     CloseSession: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.CloseSessionRequest, _kvpool_pb2.CloseSessionResponse]
@@ -165,7 +191,7 @@ class KVPoolAsyncStub(KVPoolStub):
     """
     OpenSession: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.OpenSessionRequest, _kvpool_pb2.OpenSessionResponse]  # type: ignore[assignment]
     """Sessions: every sequence belongs to one; a session that misses its lease is closed by the
-    daemon and all its sequences freed.
+    daemon and all its sequences freed (once no runner holds it: see "Runner holds").
     """
     KeepAlive: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.KeepAliveRequest, _kvpool_pb2.KeepAliveResponse]  # type: ignore[assignment]
     CloseSession: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.CloseSessionRequest, _kvpool_pb2.CloseSessionResponse]  # type: ignore[assignment]
@@ -212,7 +238,7 @@ class KVPoolServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_kvpool_pb2.OpenSessionResponse, _abc.Awaitable[_kvpool_pb2.OpenSessionResponse]]:
         """Sessions: every sequence belongs to one; a session that misses its lease is closed by the
-        daemon and all its sequences freed.
+        daemon and all its sequences freed (once no runner holds it: see "Runner holds").
         """
 
     @_abc_1.abstractmethod

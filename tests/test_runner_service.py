@@ -35,6 +35,7 @@ from pagedkv.client import (
     SamplingParams,
     SeqStep,
     Session,
+    SessionBusy,
     SessionExpired,
     UnknownSequence,
 )
@@ -317,6 +318,9 @@ def test_the_weights_load_in_the_dtype_asked_for(config_path: Path) -> None:
 
 # Tests of a runner restart under a client generate longer, to restart mid-decode.
 RESTART_NEW_TOKENS = 16
+# How often a direct Free asks again while a runner holds the session (0.05 s apart; a hold
+# lasts 5 s at most past the runner's last forward).
+HOLD_POLLS = 200
 GREEDY = SamplingParams(temperature=0.0, max_tokens=RESTART_NEW_TOKENS)
 
 
@@ -422,6 +426,13 @@ async def test_a_step_lost_by_a_runner_that_still_runs_is_not_resent(
 
 
 async def release(session: Session, seqs: list[Seq], missing_ok: bool = False) -> None:
+    """Free the sequences directly in the daemon, once the runner's hold on the session is
+    over (SessionBusy until then: a step's forward may still write their blocks)."""
     for seq in seqs:
-        with contextlib.suppress(*((NotFound,) if missing_ok else ())):
-            await session.free(seq.seq_id)
+        for _ in range(HOLD_POLLS):
+            try:
+                with contextlib.suppress(*((NotFound,) if missing_ok else ())):
+                    await session.free(seq.seq_id)
+                break
+            except SessionBusy:
+                await asyncio.sleep(0.05)

@@ -20,7 +20,14 @@ import torch
 from engine_driver import RecordingRunner, decode, new
 from test_engine_families import GREEDY, NEW_TOKENS, VOCAB, expected_tokens
 
-from pagedkv.client import PoolClient, SeqStep, SequenceNotFound, Session, SessionExpired
+from pagedkv.client import (
+    PoolClient,
+    SeqStep,
+    SequenceNotFound,
+    Session,
+    SessionBusy,
+    SessionExpired,
+)
 from pagedkv.client import StepNotComputed as ClientStepNotComputed
 from pagedkv.client.errors import error_from_status
 from pagedkv.client.runner_link import RunnerLink
@@ -29,6 +36,7 @@ from pagedkv.model_runner.engine import StepEngine
 from pagedkv.model_runner.runner import SequenceChunk
 from pagedkv.model_runner.servicer import status_of
 from pagedkv.model_runner.steps import History, InvalidStep, SeqRequest, StepNotComputed
+from pagedkv.proto import kvpool_pb2 as pb
 
 FAMILY = "llama"
 daemon, prompts = families.daemon, families.prompts
@@ -294,6 +302,43 @@ async def test_a_dead_clients_lease_is_kept_until_its_forward_ends(
         await dying.block_tables([1])
 
 
+async def test_a_session_closed_directly_under_its_step_keeps_its_blocks_until_the_forward(
+    engine: StepEngine, client: PoolClient, prompts: list[tuple[int, ...]],
+) -> None:
+    """The last hole of #4 (the runner fuzzer's closed_mid_step): a client sends a step, then
+    closes its session (or frees its sequence) directly in the daemon while the step's forward
+    is held. The runner's hold makes the daemon refuse both (SessionBusy, nothing freed), so
+    another session's copy-on-write gets none of its blocks; once the forward is done the hold
+    ends, the close succeeds, and the other session decodes the tokens of a private run."""
+    expected = expected_tokens(FAMILY, prompts[1])
+    async with await client.open_session("bystander") as bystander:
+        await engine.step(bystander.session_id, [new(1, prompts[1], GREEDY)])
+        attacker = await client.open_session("attacker", keep_alive=False)
+        runner = gated(engine)
+        runner.gate.clear()
+        runner.entered.clear()
+        step = asyncio.create_task(engine.step(attacker.session_id, [new(1, prompts[2], GREEDY)]))
+        await until(runner.entered.is_set)
+        (table,) = await attacker.block_tables([1])
+        with pytest.raises(SessionBusy, match=r"CloseSession refused: a runner holds session "
+                                              r"attacker#\d+ for \d+ ms more"):
+            await client.call(client.stub.CloseSession, lambda: pb.CloseSessionRequest(
+                session_id=attacker.session_id))
+        with pytest.raises(SessionBusy, match="release the sequences through the runner"):
+            await attacker.free(1)
+        assert (await attacker.block_tables([1]))[0].block_ids == table.block_ids
+        await bystander.allocate(5, token_ids=prompts[1])
+        await bystander.fork(5, 6)
+        copied = await bystander.step([6], [expected[0]])  # the shared partial block copied
+        assert copied.copies and not {c.dst for c in copied.copies} & set(table.block_ids)
+        runner.gate.set()
+        await step
+        assert await attacker.close() == 1  # the runner ended its hold after the forward
+        decoded = await decode(engine, bystander.session_id, [decode_step(1, expected[0])],
+                               NEW_TOKENS - 1)
+        assert decoded[1].tokens == expected[1:]
+
+
 # ---------------------------------------------------------- 16: the session table
 
 
@@ -320,7 +365,8 @@ async def test_the_runner_forgets_sessions_that_ended_or_hold_nothing(
             await engine.step(idle.session_id, [new(1, prompts[0], GREEDY)])
         assert len(engine.sessions) == 2
     finally:
-        for idle in opened:
+        for idle in opened:  # through the runner: it ends the holds of forgotten sessions too
+            await engine.step(idle.session_id, [], release=[1])
             await idle.close()
 
 
