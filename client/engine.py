@@ -334,7 +334,8 @@ class Engine:
     async def _release_all(self) -> None:
         """Free every sequence the engine may hold with a release-only runner step: the runner
         answers it only after any forward it still runs for this session (a step cancelled by
-        close, a step decoded ahead), so closing the session never frees blocks under it.
+        close, a step decoded ahead), so closing the session never frees blocks under it (and
+        its release ends the runner's hold: the daemon does not refuse the close).
         Sequences that do not exist (an admission whose step was cancelled) are ignored."""
         held = {seq.seq_id for request in self.scheduler.running for seq in request.seqs}
         held.update(self.scheduler.to_release)

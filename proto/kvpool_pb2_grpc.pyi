@@ -40,10 +40,11 @@ its client_name, says how long the hold still lasts, and to release through the 
 lease does not expire a held session (expiry waits for the hold to end). Runner calls are
 never refused by a hold. hold_ms is at most the daemon's `max_hold_ms` (INVALID_ARGUMENT
 beyond); a caller that is not a runner sending hold_ms or end_hold gets INVALID_ARGUMENT.
-A hold the runner does not end lapses by itself hold_ms after its last call (the pagedkv
-runner's --hold-ms, 5 s by default): a client that frees directly right after a runner step
-may get SessionBusy for that long. Release sequences through the runner instead (its
-RunnerStepRequest.release_seq_ids: the runner frees them after its forwards and ends the
+The pagedkv runner holds for --hold-ms (5 s by default) and also ends its hold once a
+session has had no step for 0.1 s; a hold the runner does not end (it died) lapses by itself
+hold_ms after its last call. So a client that frees directly right after a runner step may
+get SessionBusy for a moment, or up to hold_ms. Release sequences through the runner instead
+(RunnerStepRequest.release_seq_ids: the runner frees them after its forwards and ends the
 hold), then close the session; or retry a SessionBusy close later (the bundled client's
 Session.close waits for the hold to end).
 
