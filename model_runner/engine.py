@@ -82,11 +82,11 @@ class StepEngine:
         self.metrics = metrics
         self.forwards = ForwardLoop(lambda: self.runner, sampler or Sampler(),
                                     max_batch_tokens=max_batch_tokens, metrics=metrics)
-        self.preparer = Preparer(pool, lambda: self.runner, metrics, hold_ms=hold_ms)
         # Each client session's sequences and lock, forgotten when the session ends.
         self.sessions = SessionTable()
         # The daemon's holds on the sessions while their forwards may write (hold_ms each).
         self.holds = SessionHolds(pool, self.sessions, hold_ms=hold_ms)
+        self.preparer = Preparer(pool, lambda: self.runner, metrics, holds=self.holds)
         # Steps being decoded ahead (each holds its session's lock).
         self._ahead_tasks: set[asyncio.Task[None]] = set()
         # Forwards of cancelled steps, waited for before their session's lock goes.

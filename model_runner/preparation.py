@@ -1,7 +1,7 @@
 """A client step's memory operations, done with the daemon under the client's session before
 the step's forward: what the runner knows of each sequence comes only from those answers.
 
-    preparer = Preparer(pool_client, lambda: model_runner)
+    preparer = Preparer(pool_client, lambda: model_runner, holds=session_holds)
     preparer.validate(requests, release)                       # InvalidStep: nothing changed
     prepared = await preparer.prepare(session_id, known, requests)
 
@@ -23,6 +23,7 @@ from pagedkv.proto import kvpool_pb2 as pb
 
 from .daemon_steps import DaemonSteps
 from .forward_loop import Prepared
+from .holds import SessionHolds
 from .metrics import RunnerMetrics
 from .runner import ModelRunner, SequenceChunk
 from .sequences import Ahead, SeqState, SessionSequences
@@ -34,10 +35,10 @@ class Preparer:
     """Validates client steps and performs their memory operations with the daemon."""
 
     def __init__(self, pool: PoolClient, runner: Callable[[], ModelRunner],
-                 metrics: RunnerMetrics | None = None, *, hold_ms: int) -> None:
+                 metrics: RunnerMetrics | None = None, *, holds: SessionHolds) -> None:
         self.pool = pool
-        # How long each daemon call preceding a forward holds the session.
-        self.hold_ms = hold_ms
+        # The runner's holds: how long each daemon call preceding a forward holds the session.
+        self.holds = holds
         # Decode Steps, those of several sessions made together sent as one StepMany.
         self.steps = DaemonSteps(pool, metrics)
         # The model runner in use (its block size, vocabulary and positions).
@@ -198,7 +199,7 @@ class Preparer:
         sent = time.monotonic()
         reply = await self.steps.step(pb.StepRequest(
             session_id=session_id, seq_ids=seq_ids, num_tokens=1, token_ids=tokens,
-            commit=commit, hold_ms=self.hold_ms))
+            commit=commit, hold_ms=self.holds.hold_ms))
         known.held_at = sent
         self.free_blocks = reply.free_blocks
         for index, logical, block in zip(reply.changed_seq_index, reply.changed_logical_block,
@@ -241,7 +242,7 @@ class Preparer:
             sent = time.monotonic()
             reply = await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
                 session_id=session_id, ops=[op.batch_op() for op in ops],
-                hold_ms=self.hold_ms))
+                hold_ms=self.holds.hold_ms))
             known.held_at = sent
             self.free_blocks = reply.free_blocks
             answers = [SequenceBlocks.from_proto(result) for result in reply.results]

@@ -8,6 +8,7 @@ runs, are decided by the test, not by timing.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import uuid
@@ -44,6 +45,9 @@ daemon, prompts = families.daemon, families.prompts
 POLLS = 500
 # The lease of a client that dies mid-step.
 DYING_LEASE_MS = 1000
+# A short runner hold, and how many of its halves a held forward outlasts.
+SHORT_HOLD_MS = 1000
+HELD_HALVES = 5
 
 
 class GatedRunner(RecordingRunner):
@@ -337,6 +341,37 @@ async def test_a_session_closed_directly_under_its_step_keeps_its_blocks_until_t
         decoded = await decode(engine, bystander.session_id, [decode_step(1, expected[0])],
                                NEW_TOKENS - 1)
         assert decoded[1].tokens == expected[1:]
+
+
+async def test_a_forward_longer_than_the_hold_keeps_the_session_held(
+    engine: StepEngine, client: PoolClient, prompts: list[tuple[int, ...]],
+) -> None:
+    """The runner renews its hold at half its length while a forward waits or runs: the
+    client's own Free is refused for as long as the forward is held (here two and a half holds),
+    and once the forward is done and the session idle the runner ends the hold."""
+    engine.holds.hold_ms = SHORT_HOLD_MS
+    expected = expected_tokens(FAMILY, prompts[1])
+    async with await client.open_session("long-forward") as session:
+        await engine.step(session.session_id, [new(1, prompts[1], GREEDY)])
+        runner = gated(engine)
+        runner.gate.clear()
+        runner.entered.clear()
+        step = asyncio.create_task(engine.step(session.session_id,
+                                               [decode_step(1, expected[0])]))
+        await until(runner.entered.is_set)
+        for _ in range(HELD_HALVES):
+            with pytest.raises(SessionBusy):
+                await session.free(1)
+            await asyncio.sleep(SHORT_HOLD_MS / 2000)
+        runner.gate.set()
+        assert (await step).results[0].token_id == expected[1]
+        for _ in range(POLLS):  # the runner ends it once the session is idle
+            with contextlib.suppress(SessionBusy):
+                assert await session.free(1) >= 0
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(SequenceNotFound):
+            await session.block_tables([1])
 
 
 # ---------------------------------------------------------- 16: the session table
