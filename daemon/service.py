@@ -349,11 +349,11 @@ class PoolService:
     # --------------------------------------------------------------- queries
 
     async def block_tables(self, session_id: str, seq_ids: Sequence[int],
-                           with_token_ids: bool = False) -> list[SeqUpdate]:
+                           with_token_ids: bool = False, hold_ms: int = 0) -> list[SeqUpdate]:
         """Each sequence's table, length and committed (K/V written) tokens, in request order,
         and `with_token_ids` every token id it holds (what a runner checks a client's history
         against); refused before any table is built if the answer would pass
-        max_answer_bytes."""
+        max_answer_bytes. `hold_ms`: a runner's hold, set once the tables are read."""
         if not seq_ids:
             raise InvalidArgument("no seq_ids given")
         self._ops.check_seq_ids(seq_ids)
@@ -370,7 +370,7 @@ class PoolService:
                               self.pool.committed_tokens(k),
                               token_ids=(self.pool.token_ids(k) or []) if with_token_ids
                               else None) for k in keys]
-        return await self._change(session_id, tables)
+        return await self._change(session_id, tables, hold=Hold(hold_ms))
 
     def pool_stats(self) -> PoolStats:
         """Every pool-wide figure: for the metrics endpoint (operators), not for clients."""

@@ -157,7 +157,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
                              context: Context) -> pb.GetBlockTablesResponse:
         seq_ids = list(request.seq_ids)
         updates = await self._service.block_tables(request.session_id, seq_ids,
-                                                   request.include_token_ids)
+                                                   request.include_token_ids, request.hold_ms)
         return pb.GetBlockTablesResponse(tables=[sequence_blocks(seq_id, update) for
                                                  seq_id, update in zip(seq_ids, updates,
                                                                        strict=True)])

@@ -118,23 +118,52 @@ class Preparer:
         or a sequence from before a runner restart (the history the client sends). Nothing a
         client states is believed: its tokens must be the ids the daemon holds, and only the
         daemon's committed tokens (or the parent's own blocks) count as computed; the rest is
-        computed again. All are checked before any is known."""
+        computed again. All are checked before any is known. In the same call (holding the
+        session) the sequences the step computes without appending to them are read back too:
+        the client may have freed or changed them directly since the runner's last call (no
+        hold then), and their blocks may be another session's now (UnknownSequence)."""
         unknown = [r for r in requests if not r.new_sequence and known.get(r.seq_id) is None]
-        if not unknown:
+        idle = [r.seq_id for r in requests if self._unappended(known, r)]
+        if not unknown and not idle:
             return
         # The daemon first: another session's sequence is NOT_FOUND there, as it must be here.
+        sent = time.monotonic()
         reply = await self.pool.call(self.pool.stub.GetBlockTables, lambda: (
-            pb.GetBlockTablesRequest(session_id=session_id, seq_ids=[r.seq_id for r in unknown],
-                                     include_token_ids=True)))
+            pb.GetBlockTablesRequest(session_id=session_id,
+                                     seq_ids=[r.seq_id for r in unknown] + idle,
+                                     include_token_ids=True, hold_ms=self.holds.hold_ms)))
+        known.held_at = sent
+        for seq_id, table in zip(idle, reply.tables[len(unknown):], strict=True):
+            self._check_unchanged(known, seq_id, SequenceBlocks.from_proto(table))
         for request in unknown:
             if self._parent(known, request) is None and request.history is None:
                 raise UnknownSequence(
                     f"sequence {request.seq_id} is unknown to the runner (forked, or the runner "
                     "restarted): name its parent_seq_id, or resend it with its history")
         learnt = [self._adopt(known, request, SequenceBlocks.from_proto(table))
-                  for request, table in zip(unknown, reply.tables, strict=True)]
+                  for request, table in zip(unknown, reply.tables[:len(unknown)], strict=True)]
         for request, state in zip(unknown, learnt, strict=True):
             known.put(request.seq_id, state)
+
+    @staticmethod
+    def _unappended(known: SessionSequences, request: SeqRequest) -> bool:
+        """A known sequence the step computes (it holds tokens not computed) with no daemon call
+        of its own: nothing appended (a chunked prefill going on, a resend without tokens), or
+        only its token decoded ahead, whose forward failed."""
+        state = None if request.new_sequence else known.get(request.seq_id)
+        if state is None or state.num_computed == len(state.tokens):
+            return False
+        ahead = state.ahead is not None and tuple(request.token_ids) == (state.ahead.token_id,)
+        return not request.token_ids or ahead
+
+    def _check_unchanged(self, known: SessionSequences, seq_id: int,
+                         table: SequenceBlocks) -> None:
+        """UnknownSequence (the sequence forgotten) unless the daemon holds what the runner
+        knows of it: its tokens and its blocks."""
+        state = self.known_state(known, seq_id)
+        if (table.num_tokens != len(state.tokens) or table.block_ids != state.block_table
+                or (table.token_ids and table.token_ids != state.tokens)):
+            self._stale(known, seq_id)
 
     def _adopt(self, known: SessionSequences, request: SeqRequest,
                table: SequenceBlocks) -> SeqState:

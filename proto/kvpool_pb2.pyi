@@ -30,7 +30,7 @@ those calls are answered; a client that frees the same blocks directly (Free, Cl
 Batch free op) while that forward is queued or running would let another session get them and
 the forward write into them. So a runner's call may carry `hold_ms`: "this runner writes the
 session's blocks until now + hold_ms" (StepRequest, each StepMany entry, BatchRequest,
-KeepAliveRequest). The session's hold deadline becomes the later of the two; a runner renews
+GetBlockTablesRequest, KeepAliveRequest). The session's hold deadline becomes the later of the two; a runner renews
 it with KeepAlive(hold_ms) while a long forward runs, and ends it at once with `end_hold`
 (BatchRequest, KeepAliveRequest) once no forward of the session is queued or running (when it
 releases a client's sequences, after a cancelled step's forward). Until the deadline, a Free,
@@ -1038,10 +1038,15 @@ class GetBlockTablesRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     SEQ_IDS_FIELD_NUMBER: _builtins.int
     INCLUDE_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    HOLD_MS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     include_token_ids: _builtins.bool
     """Return each sequence's token ids too (SequenceBlocks.token_ids), charged in the answer's
     max_answer_bytes at ten bytes a token.
+    """
+    hold_ms: _builtins.int
+    """Runners only (see "Runner holds"): hold the session until now + hold_ms once the tables
+    are read, so the blocks read stay the sequences' until the forward that writes them.
     """
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -1053,10 +1058,11 @@ class GetBlockTablesRequest(_message.Message):
         session_id: _builtins.str = ...,
         seq_ids: _abc.Iterable[_builtins.int] | None = ...,
         include_token_ids: _builtins.bool = ...,
+        hold_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_token_ids", b"include_token_ids", "seq_ids", b"seq_ids", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hold_ms", b"hold_ms", "include_token_ids", b"include_token_ids", "seq_ids", b"seq_ids", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

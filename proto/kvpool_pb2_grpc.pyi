@@ -30,7 +30,7 @@ those calls are answered; a client that frees the same blocks directly (Free, Cl
 Batch free op) while that forward is queued or running would let another session get them and
 the forward write into them. So a runner's call may carry `hold_ms`: "this runner writes the
 session's blocks until now + hold_ms" (StepRequest, each StepMany entry, BatchRequest,
-KeepAliveRequest). The session's hold deadline becomes the later of the two; a runner renews
+GetBlockTablesRequest, KeepAliveRequest). The session's hold deadline becomes the later of the two; a runner renews
 it with KeepAlive(hold_ms) while a long forward runs, and ends it at once with `end_hold`
 (BatchRequest, KeepAliveRequest) once no forward of the session is queued or running (when it
 releases a client's sequences, after a cancelled step's forward). Until the deadline, a Free,

@@ -121,8 +121,13 @@ async def test_a_runner_hold_refuses_other_callers_frees_until_the_runner_ends_i
 
 async def test_a_runner_is_never_refused_and_its_batch_ends_the_hold(
         daemon: Daemon, client: PoolClient, runner: PoolClient, app: Session) -> None:
-    """The runner's release path: its own Batch frees under its hold, and ends it."""
-    await runner_step(runner, app, HOLD_MS)
+    """The runner's release path: its own Batch frees under its hold, and ends it. (A read
+    back of the tables holds too: what the runner does before computing a sequence it does not
+    append to.)"""
+    await runner.call(runner.stub.GetBlockTables, lambda: pb.GetBlockTablesRequest(
+        session_id=app.session_id, seq_ids=[1], hold_ms=HOLD_MS))
+    with pytest.raises(SessionBusy):
+        await app.free(1)
     await runner.call(runner.stub.Batch, lambda: pb.BatchRequest(
         session_id=app.session_id, ops=[Free(1).batch_op()], end_hold=True))
     assert await app.close() == 1
@@ -164,6 +169,8 @@ async def test_hold_fields_are_for_runners_only_and_bounded(
                                      end_hold=True), "end_hold is for runners only"),
             (client, pb.KeepAliveRequest(session_id=app.session_id, hold_ms=10),
              "hold_ms is for runners only"),
+            (client, pb.GetBlockTablesRequest(session_id=app.session_id, seq_ids=[1],
+                                              hold_ms=10), "hold_ms is for runners only"),
             (runner, pb.StepRequest(session_id=app.session_id, seq_ids=[1], hold_ms=10_001),
              "hold_ms=10001; the limit is max_hold_ms=10000"),
             (runner, pb.KeepAliveRequest(session_id=app.session_id, hold_ms=5, end_hold=True),

@@ -36,7 +36,13 @@ from pagedkv.model_runner.attention_backend import get_backend
 from pagedkv.model_runner.engine import StepEngine
 from pagedkv.model_runner.runner import SequenceChunk
 from pagedkv.model_runner.servicer import status_of
-from pagedkv.model_runner.steps import History, InvalidStep, SeqRequest, StepNotComputed
+from pagedkv.model_runner.steps import (
+    History,
+    InvalidStep,
+    SeqRequest,
+    StepNotComputed,
+    UnknownSequence,
+)
 from pagedkv.proto import kvpool_pb2 as pb
 
 FAMILY = "llama"
@@ -372,6 +378,34 @@ async def test_a_forward_longer_than_the_hold_keeps_the_session_held(
             await asyncio.sleep(0.01)
         with pytest.raises(SequenceNotFound):
             await session.block_tables([1])
+
+
+async def test_a_sequence_changed_directly_between_steps_is_read_back_before_a_write(
+    engine: StepEngine, client: PoolClient, prompts: list[tuple[int, ...]],
+) -> None:
+    """A chunked prefill goes on with no append, so no daemon call of its own; between its
+    steps (no hold then) the client freed and re-created the sequence directly, its old blocks
+    free for any session. The runner reads the sequence back under its hold before computing,
+    finds other blocks, and refuses the step (UnknownSequence) with no forward: it never writes
+    from its stale table."""
+    prompt = prompts[2]
+    async with await client.open_session("chunker") as chunker:
+        first = await engine.step(chunker.session_id, [new(1, prompt, GREEDY, 16)])
+        assert first.results[0].num_computed == 16
+        kept = engine.sessions.get(chunker.session_id)
+        assert kept is not None
+        stale = list(kept.sequences.seqs[1].block_table)
+        for _ in range(POLLS):  # the runner ends its hold once the session is idle
+            with contextlib.suppress(SessionBusy):
+                await chunker.free(1)
+                break
+            await asyncio.sleep(0.01)
+        recreated = await chunker.allocate(1, token_ids=prompt)
+        assert recreated.block_ids != stale  # freed blocks queue last: others come first
+        forwards = len(gated(engine).chunks)
+        with pytest.raises(UnknownSequence, match="changed in the daemon behind the runner"):
+            await engine.step(chunker.session_id, [SeqRequest(1, False, (), 16, GREEDY)])
+        assert len(gated(engine).chunks) == forwards
 
 
 # ---------------------------------------------------------- 16: the session table
