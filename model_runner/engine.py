@@ -130,8 +130,10 @@ class StepEngine:
                 results = (await self._run(prepared, known) if prepared.chunks
                            else self.forwards.results(prepared, {}))
                 await self._finish(session_id, known, prepared, release)
-            except (SessionExpired, NotFound) as exc:
+            except Exception as exc:
                 entry.ended = entry.ended or _session_gone(exc)
+                if not entry.ended:  # no forward of the session is left: the client may free
+                    await self.holds.end_quietly(session_id, known)
                 raise
             if self.metrics is not None:
                 self.metrics.step(time.monotonic() - started)

@@ -17,8 +17,9 @@ kept for as long as a forward of the session may write, and no longer:
 - `keep`: renewed at half its length while the forward waits and runs (KeepAlive, which renews
   the lease too);
 - ended (`end_hold`) once no forward of the session is queued or running: by the engine in the
-  Batch that frees released sequences, after a cancelled step's forward (`hold(end=True)`), and
-  here once the session has been idle for IDLE_END_S (`after_step`), and when the runner stops.
+  Batch that frees released sequences, after a cancelled step's forward (`hold(end=True)`),
+  before a failed step answers (`end_quietly`), and here once the session has been idle for
+  IDLE_END_S (`after_step`), and when the runner stops.
   The idle end runs under the session's lock, so it never ends a later step's hold, and is sent
   only if no step renewed the hold meanwhile: a client stepping back to back costs no call.
 
@@ -73,6 +74,13 @@ class SessionHolds:
         await self.pool.call(self.pool.stub.KeepAlive, lambda: pb.KeepAliveRequest(
             session_id=session_id, hold_ms=0 if end else self.hold_ms, end_hold=end))
         known.held_at = -math.inf if end else sent
+
+    async def end_quietly(self, session_id: str, known: SessionSequences) -> None:
+        """End the hold, if any, before a failed step answers (its client may free at once);
+        one that cannot be ended lapses by itself."""
+        if known.held_at > -math.inf:
+            with contextlib.suppress(PagedKVError):
+                await self.hold(session_id, known, end=True)
 
     async def ensure(self, session_id: str, known: SessionSequences) -> None:
         """Hold the session now unless a daemon call just did (before a forward)."""
