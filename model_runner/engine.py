@@ -33,10 +33,10 @@ the client itself, or its lease: every daemon call that precedes a forward holds
 CloseSession, SessionBusy, and expires no held session), `_run` renews the hold while the
 forward waits and runs, and the hold ends (`end_hold`) once no forward of the session is left:
 in the Batch that frees released sequences (else a KeepAlive), after a cancelled step's forward,
-and once the session is idle (holds.py). A hold not ended (the runner died) lapses hold_ms after
-its last renewal. A step whose daemon calls
-were applied but whose forward failed answers StepNotComputed (runner.proto's retry rules),
-never "nothing changed".
+before a failed step answers, and once the session is idle (holds.py). A hold not ended (the
+runner died) lapses hold_ms after its last renewal. A step whose daemon calls were applied but
+whose forward failed answers StepNotComputed (runner.proto's retry rules), never "nothing
+changed".
 """
 
 import asyncio
