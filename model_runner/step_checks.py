@@ -51,7 +51,8 @@ def check_daemon_ids(seq_id: int, tokens: Sequence[int], table: SequenceBlocks) 
     it knows them): else the runner would compute other tokens' K/V into its blocks."""
     if table.token_ids and list(tokens) != table.token_ids:
         # The first differing position, or the shorter length when one is a prefix of the other.
-        first = next((i for i, (a, b) in enumerate(zip(tokens, table.token_ids)) if a != b),
+        first = next((i for i, (a, b) in enumerate(zip(tokens, table.token_ids, strict=False))
+                      if a != b),
                      min(len(tokens), len(table.token_ids)))
         raise InvalidStep(f"sequence {seq_id}: its history differs from the token ids the "
                           f"daemon holds (first at position {first}); nothing changed")
