@@ -34,9 +34,8 @@ Input is never echoed unbounded: `clip` cuts text for error messages and logs, w
 """
 
 from dataclasses import dataclass, fields
-from typing import NamedTuple
 
-from pagedkv.process.server_bounds import SERVER_BOUNDS, ServerBounds
+from pagedkv.process.server_bounds import SERVER_BOUNDS, BoundSpec, ServerBounds, check_ranges
 from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
 
 from .core import InvalidArgument, PoolError
@@ -53,14 +52,8 @@ class AnswerTooLarge(LimitExceeded):
     """The answer would exceed `max_answer_bytes`; the call was refused, nothing changed."""
 
 
-class LimitSpec(NamedTuple):
-    """The range of one cap, and what `--help` says about it."""
-
-    # The smallest and the largest value the daemon accepts for the cap.
-    minimum: int
-    maximum: int
-    # One line for --help.
-    help: str
+# The range of one cap and its --help line: the same record as the servers' bounds.
+LimitSpec = BoundSpec
 
 
 # The caps: name -> range and help. Defaults are the `Limits` fields' defaults.
@@ -91,7 +84,7 @@ LIMITS: dict[str, LimitSpec] = {
                                           "requests over 64 KiB parsed and not yet answered; "
                                           "one more waits, unparsed"),
     # Both gRPC servers' bounds on calls and connections (pagedkv.process.server_bounds).
-    **{name: LimitSpec(*spec) for name, spec in SERVER_BOUNDS.items()},
+    **SERVER_BOUNDS,
     # Each takes 3 file descriptors (the caller's, the gate's to gRPC, gRPC's): the maximum
     # stays under the unit's LimitNOFILE=65536.
     "max_unix_connections": LimitSpec(1, 16384, "unix-socket connections open at once through "
@@ -159,12 +152,7 @@ class Limits:
     max_unix_connection_idle_ms: int = 120_000
 
     def __post_init__(self) -> None:
-        for item in fields(self):
-            value, spec = getattr(self, item.name), LIMITS[item.name]
-            if (isinstance(value, bool) or not isinstance(value, int)
-                    or not spec.minimum <= value <= spec.maximum):
-                raise ValueError(f"{item.name} must be an integer in "
-                                 f"{spec.minimum}..{spec.maximum}, got {value!r}")
+        check_ranges(self, LIMITS)
 
     def server_bounds(self) -> ServerBounds:
         """The gRPC servers' bounds among these limits."""

@@ -17,8 +17,9 @@ an idle connection forever. `ServerBounds` names the settings that bound them, w
 and flags of the same names), the runner as flags.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 
 class BoundSpec(NamedTuple):
@@ -43,6 +44,17 @@ SERVER_BOUNDS: dict[str, BoundSpec] = {
 }
 
 
+def check_ranges(record: Any, specs: Mapping[str, BoundSpec]) -> None:
+    """ValueError naming the first field of the dataclass `record` that is not an integer in
+    its spec's range (the daemon's Limits and ServerBounds share this one check)."""
+    for item in fields(record):
+        value, spec = getattr(record, item.name), specs[item.name]
+        if (isinstance(value, bool) or not isinstance(value, int)
+                or not spec.minimum <= value <= spec.maximum):
+            raise ValueError(f"{item.name} must be an integer in "
+                             f"{spec.minimum}..{spec.maximum}, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerBounds:
     """What a gRPC server bounds (see the module docstring); checked on construction."""
@@ -58,12 +70,7 @@ class ServerBounds:
     max_connection_idle_ms: int = 300_000
 
     def __post_init__(self) -> None:
-        for item in fields(self):
-            value, spec = getattr(self, item.name), SERVER_BOUNDS[item.name]
-            if (isinstance(value, bool) or not isinstance(value, int)
-                    or not spec.minimum <= value <= spec.maximum):
-                raise ValueError(f"{item.name} must be an integer in "
-                                 f"{spec.minimum}..{spec.maximum}, got {value!r}")
+        check_ranges(self, SERVER_BOUNDS)
 
     def options(self) -> list[tuple[str, int]]:
         """The gRPC server options of the connection bounds (max_concurrent_rpcs is the
