@@ -41,6 +41,7 @@ from pagedkv.model_runner.steps import (
     InvalidStep,
     SeqRequest,
     StepNotComputed,
+    StepOutcome,
     UnknownSequence,
 )
 from pagedkv.proto import kvpool_pb2 as pb
@@ -99,14 +100,16 @@ async def until(condition: Callable[[], bool]) -> None:
     raise AssertionError("the engine never reached the state waited for")
 
 
-async def hold_a_forward(engine: StepEngine, session: Session) -> "asyncio.Task[object]":
-    """Close the gate and start a step whose forward then waits in the runner."""
+async def hold_a_forward(engine: StepEngine, session_id: str,
+                         requests: list[SeqRequest]) -> "asyncio.Task[StepOutcome]":
+    """Close the gate and start the step `requests`, whose forward then waits in the runner
+    (until the test opens the gate: `gated(engine).gate.set()`)."""
     runner = gated(engine)
     runner.gate.clear()
     runner.entered.clear()
-    blocker = asyncio.create_task(engine.step(session.session_id, [new(99, (1, 2, 3), GREEDY)]))
+    step = asyncio.create_task(engine.step(session_id, requests))
     await until(runner.entered.is_set)
-    return blocker
+    return step
 
 
 async def held(session: Session, seq_id: int) -> int:
@@ -203,7 +206,8 @@ async def test_an_out_of_vocabulary_history_fails_alone_before_a_merged_forward(
         await engine.step(good.session_id, [new(1, prompt, GREEDY)])
         await bad.allocate(5, token_ids=prompts[0])
         history = History((*prompts[0][:-1], VOCAB + 3), len(prompts[0]), 0)
-        blocker = await hold_a_forward(engine, blocker_session)
+        blocker = await hold_a_forward(engine, blocker_session.session_id,
+                                       [new(99, (1, 2, 3), GREEDY)])
         good_step = asyncio.create_task(engine.step(good.session_id,
                                                     [decode_step(1, expected[0])]))
         bad_step = asyncio.create_task(engine.step(bad.session_id,
@@ -267,11 +271,8 @@ async def test_a_cancelled_steps_blocks_are_not_released_before_its_forward_ends
     prompt = prompts[1]
     await engine.step(session.session_id, [new(1, prompt, GREEDY)])
     runner = gated(engine)
-    runner.gate.clear()
-    runner.entered.clear()
-    step = asyncio.create_task(engine.step(session.session_id, [
-        decode_step(1, expected_tokens(FAMILY, prompt)[0])]))
-    await until(runner.entered.is_set)
+    step = await hold_a_forward(engine, session.session_id,
+                                [decode_step(1, expected_tokens(FAMILY, prompt)[0])])
     step.cancel()
     release = asyncio.create_task(engine.step(session.session_id, [], release=[1]))
     for _ in range(20):  # time for a release that did not wait to reach the daemon
@@ -296,11 +297,8 @@ async def test_a_dead_clients_lease_is_kept_until_its_forward_ends(
     prompt = prompts[1]
     await engine.step(dying.session_id, [new(1, prompt, GREEDY)])
     runner = gated(engine)
-    runner.gate.clear()
-    runner.entered.clear()
-    step = asyncio.create_task(engine.step(dying.session_id, [
-        decode_step(1, expected_tokens(FAMILY, prompt)[0])]))
-    await until(runner.entered.is_set)
+    step = await hold_a_forward(engine, dying.session_id,
+                                [decode_step(1, expected_tokens(FAMILY, prompt)[0])])
     step.cancel()
     await asyncio.sleep(2.5 * DYING_LEASE_MS / 1000)  # past two leases
     assert await held(dying, 1) == len(prompt) + 1
@@ -325,10 +323,7 @@ async def test_a_session_closed_directly_under_its_step_keeps_its_blocks_until_t
         await engine.step(bystander.session_id, [new(1, prompts[1], GREEDY)])
         attacker = await client.open_session("attacker", keep_alive=False)
         runner = gated(engine)
-        runner.gate.clear()
-        runner.entered.clear()
-        step = asyncio.create_task(engine.step(attacker.session_id, [new(1, prompts[2], GREEDY)]))
-        await until(runner.entered.is_set)
+        step = await hold_a_forward(engine, attacker.session_id, [new(1, prompts[2], GREEDY)])
         (table,) = await attacker.block_tables([1])
         with pytest.raises(SessionBusy, match=r"CloseSession refused: a runner holds session "
                                               r"attacker#\d+ for \d+ ms more"):
@@ -360,11 +355,7 @@ async def test_a_forward_longer_than_the_hold_keeps_the_session_held(
     async with await client.open_session("long-forward") as session:
         await engine.step(session.session_id, [new(1, prompts[1], GREEDY)])
         runner = gated(engine)
-        runner.gate.clear()
-        runner.entered.clear()
-        step = asyncio.create_task(engine.step(session.session_id,
-                                               [decode_step(1, expected[0])]))
-        await until(runner.entered.is_set)
+        step = await hold_a_forward(engine, session.session_id, [decode_step(1, expected[0])])
         for _ in range(HELD_HALVES):
             with pytest.raises(SessionBusy):
                 await session.free(1)
