@@ -33,7 +33,7 @@ lint: setup
 # mypy cannot follow setuptools' package-dir mapping: link the folders under their import names.
 typecheck: setup
 	mkdir -p .mypy-src/pagedkv
-	for pkg in daemon client proto memory model_runner process llm; do ln -sfn ../../$$pkg .mypy-src/pagedkv/$$pkg; done
+	for pkg in vocab demo daemon client proto memory model_runner process llm; do ln -sfn ../../$$pkg .mypy-src/pagedkv/$$pkg; done
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy benchmarks
 
@@ -41,7 +41,7 @@ pytest: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
 demo: setup
-	$(PY) -m pagedkv.client.demo
+	$(PY) -m pagedkv.demo
 
 bench: setup
 	$(PY) benchmarks/bench_block_pool.py

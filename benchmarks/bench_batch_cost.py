@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from pagedkv.daemon.core import BlockPool
-from pagedkv.daemon.operations import Allocate, Append, Free, Operation
-from pagedkv.daemon.service import PoolService
+from pagedkv.daemon.service.operations import Allocate, Append, Free, Operation
+from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.process import log_setup
 
 BLOCK_SIZE = 16

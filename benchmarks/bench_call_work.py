@@ -2,7 +2,7 @@
 
 Issue 17 #12: a Batch of 1,024 Commits, each naming the 4,096 sequences of its session, answers
 a few kilobytes yet held the pool lock for 0.85 s; another client's Allocate + Free waited as
-long. `max_call_work` (daemon/call_work.py) refuses such a call before the lock; the most a
+long. `max_call_work` (daemon/service/call_work.py) refuses such a call before the lock; the most a
 client can then ask in one call is max_call_work items (here: Commits of 4,096 seq ids each).
 
 Measured in process, through the service layer (`PoolService`, a real `BlockPool`, no pool
@@ -26,9 +26,9 @@ import statistics
 import time
 
 from pagedkv.daemon.core import BlockPool, InvalidArgument
-from pagedkv.daemon.limits import LIMITS, Limits
-from pagedkv.daemon.operations import Allocate, Commit, Free, Operation
-from pagedkv.daemon.service import PoolService
+from pagedkv.daemon.service.limits import LIMITS, Limits
+from pagedkv.daemon.service.operations import Allocate, Commit, Free, Operation
+from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.process import log_setup
 
 BLOCK_SIZE = 16

@@ -45,7 +45,7 @@ from e2e import (
     serving,
 )
 
-from pagedkv.client.scheduler import SchedulerConfig
+from pagedkv.client.engine.scheduler import SchedulerConfig
 
 from traces import TraceSpec, make_trace
 

@@ -24,10 +24,10 @@ import prometheus_client
 from prometheus_client.registry import CollectorRegistry
 
 from pagedkv.daemon.core import BlockPool, PoolStats
-from pagedkv.daemon.metrics import PoolCollector
-from pagedkv.daemon.operations import Allocate, Fork
-from pagedkv.daemon.service import PoolService
-from pagedkv.daemon.tenants import TenantFigures
+from pagedkv.daemon.process.metrics import PoolCollector
+from pagedkv.daemon.service.operations import Allocate, Fork
+from pagedkv.daemon.service.pool_service import PoolService
+from pagedkv.daemon.service.tenants import TenantFigures
 
 BLOCK_SIZE = 16
 TABLE_BLOCKS = 10_000

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedkv.model_runner.attention_backend import TORCH_BACKEND, TRITON_BACKEND
-from pagedkv.model_runner.triton_env import triton
+from pagedkv.model_runner.kernels.attention_backend import TORCH_BACKEND, TRITON_BACKEND
+from pagedkv.model_runner.kernels.triton_env import triton
 
 # Llama-3.1-8B attention geometry.
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16

@@ -23,7 +23,7 @@ import statistics
 
 from e2e import VOCAB, add_quick_flag, figure, greedy, jobs_from_trace, run_trace, serving
 
-from pagedkv.client.scheduler import SchedulerConfig
+from pagedkv.client.engine.scheduler import SchedulerConfig
 
 from traces import SHAREGPT, make_trace
 

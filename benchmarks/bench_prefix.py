@@ -23,8 +23,8 @@ import numpy as np
 from e2e import VOCAB, Stack, add_quick_flag, figure, serving
 
 from pagedkv.client import SamplingParams
-from pagedkv.client.engine import Engine
-from pagedkv.client.outputs import RequestOutput
+from pagedkv.client.engine.engine import Engine
+from pagedkv.client.engine.outputs import RequestOutput
 
 SYSTEM_TOKENS = 1000
 SUFFIX_TOKENS = 24

@@ -3,7 +3,7 @@
 Issue 17 #11: eight Allocates of 6.3 MB (a million token ids each) queued for the pool lock
 added 410-430 MiB to the daemon: each was parsed and its token ids copied into a Python list
 while it waited. Now token ids stay packed until the call holds the lock, and a request over
-64 KiB is parsed only once `max_queued_request_bytes` has room (daemon/request_budget.py).
+64 KiB is parsed only once `max_queued_request_bytes` has room (daemon/service/request_budget.py).
 
 A real `pagedkvd` (tiny pool); one client keeps the pool lock busy with the largest Batch of
 Commits `max_call_work` allows, while REQUESTS Allocates of TOKENS token ids (6.3 MB each, in a
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import grpc
 from daemon_process import running_pagedkvd
 
-from pagedkv.daemon.limits import LIMITS
+from pagedkv.daemon.service.limits import LIMITS
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS

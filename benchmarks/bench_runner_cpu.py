@@ -33,18 +33,18 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
-from pagedkv.model_runner.attention_backend import TORCH_BACKEND, AttentionBackend
-from pagedkv.model_runner.paged_attention import (
+from pagedkv.model_runner.kernels.attention_backend import TORCH_BACKEND, AttentionBackend
+from pagedkv.model_runner.kernels.paged_attention import (
     ATTENTION_NAME,
     PagedContext,
     paged_attention_forward,
 )
-from pagedkv.model_runner.paged_checks import (
+from pagedkv.model_runner.kernels.paged_checks import (
     check_attention_args,
     check_index,
     check_window_softcap,
 )
-from pagedkv.model_runner.per_forward import PerForward
+from pagedkv.model_runner.kernels.per_forward import PerForward
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk, StepInputs
 
 BLOCK_SIZE = 16

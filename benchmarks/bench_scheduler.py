@@ -25,7 +25,7 @@ import numpy as np
 from e2e import VOCAB, Job, Stack, TraceRun, add_quick_flag, figure, run_trace, serving
 
 from pagedkv.client import SamplingParams
-from pagedkv.client.scheduler import SchedulerConfig
+from pagedkv.client.engine.scheduler import SchedulerConfig
 
 NUM_SEQS = 256
 PROMPT_TOKENS = 32

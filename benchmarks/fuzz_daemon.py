@@ -34,7 +34,7 @@ from fuzz_calls import OP_RPCS, RESPONSES, CallMaker, Expect, Plan
 from fuzz_shadow import SessionShadow, Shadow, Violation, rpc_code
 from pool_metrics import pool_figures
 
-from pagedkv.client.errors import STATUS_BY_NUMBER
+from pagedkv.client.pool.errors import STATUS_BY_NUMBER
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 

@@ -31,7 +31,7 @@ from fuzz_runner_corpus import GREEDY, SHARED_SALT, Corpus
 from fuzz_runner_report import RunnerFuzzReport
 
 from pagedkv.client import PagedKVError, PoolClient, RunnerClient, SeqStep, Session, StepOutputs
-from pagedkv.client.errors import error_from_rpc
+from pagedkv.client.pool.errors import error_from_rpc
 from pagedkv.proto import runner_pb2 as rpb
 
 KINDS = ("forged_history", "computed_lie", "oov_history", "oov_token", "junk_session",

@@ -1,9 +1,12 @@
 """pagedkv.client: a typed async client for the pagedkv daemon and runner, and the scheduler that
 drives them (`Engine`); imports only grpc and protobuf."""
 
-from .client import DEFAULT_TIMEOUT_S, PoolClient
-from .engine import Engine, StepRecord
-from .errors import (
+from pagedkv.client.engine.engine import Engine, StepRecord
+from pagedkv.client.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.client.engine.sampling_params import SamplingParams
+from pagedkv.client.engine.scheduler import SchedulerConfig
+from pagedkv.client.pool.client import DEFAULT_TIMEOUT_S, PoolClient
+from pagedkv.client.pool.errors import (
     AnswerTooLarge,
     Cancelled,
     DaemonUnavailable,
@@ -25,15 +28,12 @@ from .errors import (
     Unauthenticated,
     UnknownSequence,
 )
-from .ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
-from .outputs import CompletionOutput, RequestOutput
-from .recovery import RetryPolicy
-from .runner_client import RunnerClient, SeqOutput, SeqStep, StepOutputs
-from .sampling_params import SamplingParams
-from .scheduler import SchedulerConfig
-from .session import Session
-from .tls import TlsOptions
-from .types import (
+from pagedkv.client.pool.ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
+from pagedkv.client.pool.recovery import RetryPolicy
+from pagedkv.client.pool.runner_client import RunnerClient, SeqOutput, SeqStep, StepOutputs
+from pagedkv.client.pool.session import Session
+from pagedkv.client.pool.tls import TlsOptions
+from pagedkv.client.pool.types import (
     BlockCopy,
     PoolInfo,
     PoolStats,

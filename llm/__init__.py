@@ -8,10 +8,9 @@ starts (or finds running); text through the model directory's tokenizer (transfo
         print(outputs[0].outputs[0].text)
 """
 
-from pagedkv.client.outputs import CompletionOutput, RequestOutput
-from pagedkv.client.sampling_params import SamplingParams
-
-from .config import LLMConfig
-from .llm import LLM
+from pagedkv.client.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.client.engine.sampling_params import SamplingParams
+from pagedkv.llm.config import LLMConfig
+from pagedkv.llm.llm import LLM
 
 __all__ = ["LLM", "CompletionOutput", "LLMConfig", "RequestOutput", "SamplingParams"]

@@ -18,12 +18,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pagedkv.client.errors import PagedKVError
-from pagedkv.client.outputs import RequestOutput
-from pagedkv.client.sampling_params import SamplingParams
+from pagedkv.client.engine.outputs import RequestOutput
+from pagedkv.client.engine.sampling_params import SamplingParams
+from pagedkv.client.pool.errors import PagedKVError
+from pagedkv.llm.llm import LLM
 from pagedkv.process.launch import NoNotification
-
-from .llm import LLM
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1

@@ -2,9 +2,9 @@
 
 from dataclasses import dataclass
 
-from pagedkv.client.scheduler import SchedulerConfig
-from pagedkv.daemon.geometry import canonical_dtype
-from pagedkv.daemon.units import parse_bytes
+from pagedkv.client.engine.scheduler import SchedulerConfig
+from pagedkv.vocab.geometry import canonical_dtype
+from pagedkv.vocab.units import parse_bytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,18 +30,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-from pagedkv.client.engine import Engine
-from pagedkv.client.outputs import RequestOutput
-from pagedkv.client.runner_link import RESTART_WAIT_S
-from pagedkv.client.sampling_params import SamplingParams
-
-from .config import LLMConfig
-from .loop_thread import LoopThread
-from .model_ref import ModelRef, resolve_model
-from .progress import Progress
-from .prompts import EncodedPrompt, Prompts, encode_prompts
-from .services import start_services
-from .tokenizer import TOKENIZER_FILES, Tokenizer, decode, load_tokenizer
+from pagedkv.client.engine.engine import Engine
+from pagedkv.client.engine.outputs import RequestOutput
+from pagedkv.client.engine.runner_link import RESTART_WAIT_S
+from pagedkv.client.engine.sampling_params import SamplingParams
+from pagedkv.llm.config import LLMConfig
+from pagedkv.llm.loop_thread import LoopThread
+from pagedkv.llm.model_ref import ModelRef, resolve_model
+from pagedkv.llm.progress import Progress
+from pagedkv.llm.prompts import EncodedPrompt, Prompts, encode_prompts
+from pagedkv.llm.services import start_services
+from pagedkv.llm.tokenizer import TOKENIZER_FILES, Tokenizer, decode, load_tokenizer
 
 # The name of the LLM's daemon session (shows in the daemon's logs and metrics).
 CLIENT_NAME = "pagedkv-llm"

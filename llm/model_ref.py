@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.daemon.geometry import canonical_dtype, dtype_bytes
+from pagedkv.vocab.geometry import canonical_dtype, dtype_bytes
 
 # Checkpoint files whose sizes add up to the weights' memory; safetensors when there are any
 # (a folder may hold both formats of the same weights).

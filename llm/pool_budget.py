@@ -18,9 +18,8 @@ The daemon turns a byte budget into whole blocks of the model's geometry (`--kv-
 import os
 from dataclasses import dataclass
 
-from pagedkv.daemon.units import format_bytes
-
-from .config import LLMConfig
+from pagedkv.llm.config import LLMConfig
+from pagedkv.vocab.units import format_bytes
 
 # CUDA: memory kept for the forward's activations beyond the weights and the pool.
 ACTIVATION_RESERVE = 2**30
@@ -73,7 +72,7 @@ def measure(device: str) -> DeviceMemory:
 
         free, total = torch.cuda.mem_get_info(torch.device(device))
         return DeviceMemory(device, total=total, free=free)
-    from pagedkv.daemon.kv_memory import available_ram
+    from pagedkv.daemon.memory.kv_memory import available_ram
 
     shm = os.statvfs(SHM_DIR)
     return DeviceMemory(device, total=0, free=available_ram(),

@@ -11,7 +11,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .tokenizer import Tokenizer
+from pagedkv.llm.tokenizer import Tokenizer
 
 # One prompt: text, or token ids.
 Prompt = str | Sequence[int]

@@ -16,11 +16,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pagedkv.llm.config import LLMConfig
+from pagedkv.llm.model_ref import ModelRef
+from pagedkv.llm.pool_budget import pool_size_args
 from pagedkv.process.launch import READY_STATE, start_daemon, start_runner
-
-from .config import LLMConfig
-from .model_ref import ModelRef
-from .pool_budget import pool_size_args
 
 # Children log warnings and errors only (as JSON lines: their log tail explains a failed start).
 CHILD_LOG_ARGS = ["--log-level", "warning"]

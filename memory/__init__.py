@@ -4,6 +4,6 @@
 handle describes: `attach_pool(PoolMemoryHandle.from_proto(info.memory))`.
 """
 
-from .handle import BLOCK_DIM, POOL_LAYOUT, PoolMemoryHandle, pool_shape
+from pagedkv.memory.handle import BLOCK_DIM, POOL_LAYOUT, PoolMemoryHandle, pool_shape
 
 __all__ = ["BLOCK_DIM", "POOL_LAYOUT", "PoolMemoryHandle", "pool_shape"]

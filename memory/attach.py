@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .handle import PoolMemoryHandle
+from pagedkv.memory.handle import PoolMemoryHandle
 
 
 class _TorchOnlyUnpickler(pickle.Unpickler):

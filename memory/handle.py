@@ -9,7 +9,7 @@ and each slot holds its heads' vectors ("NHD"). Physical block `b` of every laye
 `kv[:, :, b]`, so copying or zeroing a block is one indexed op over dim 2, and the slot
 `b * block_size + offset` of the block pool addresses `kv[layer, k_or_v, b, offset]`.
 
-The daemon creates the memory and its handle (`pagedkv.daemon.kv_memory`) and sends the handle
+The daemon creates the memory and its handle (`daemon/memory/kv_memory.py`) and sends the handle
 in GetPoolInfo as a `PoolMemory` message (`to_proto`); a runner turns the message back into a
 handle (`from_proto`) and maps it (`pagedkv.memory.attach`). No torch here: the daemon's
 bookkeeping, the client and the planner may import this module without it.

@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from pagedkv.model_runner.process.cli import main
 
 sys.exit(main())

@@ -46,7 +46,7 @@ PRESETS: dict[str, LlamaConfig] = {
 }
 
 
-# The dtypes a model may be loaded in (the pool's: pagedkv.daemon.geometry.DTYPE_BYTES).
+# The dtypes a model may be loaded in (the pool's: pagedkv.vocab.geometry.DTYPE_BYTES).
 LOADABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -33,9 +33,12 @@ from transformers import PreTrainedModel
 from pagedkv.client import Allocate, Commit, Free, PoolInfo, SequenceBlocks, Session, StepResult
 from pagedkv.memory import PoolMemoryHandle
 from pagedkv.memory.attach import attach_pool
-
-from .attention_backend import AttentionBackend
-from .paged_attention import CONTEXT_KWARG, PagedContext, enable_paged_attention
+from pagedkv.model_runner.kernels.attention_backend import AttentionBackend
+from pagedkv.model_runner.kernels.paged_attention import (
+    CONTEXT_KWARG,
+    PagedContext,
+    enable_paged_attention,
+)
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from .socket_files import DAEMON_RUNNER_SOCKET_NAME, DAEMON_SOCKET_NAME
+from pagedkv.process.socket_files import DAEMON_RUNNER_SOCKET_NAME, DAEMON_SOCKET_NAME
 
 # `pagedkv serve` (pagedkvd) and `pagedkv runner`, through their modules so this interpreter
 # (the venv's) runs them.
-DAEMON_COMMAND = (sys.executable, "-m", "pagedkv.daemon.cli", "serve")
+DAEMON_COMMAND = (sys.executable, "-m", "pagedkv.daemon.process.cli", "serve")
 RUNNER_COMMAND = (sys.executable, "-m", "pagedkv.model_runner")
 READY_STATE = "READY=1"
 # Generous: importing torch and grpc takes a few seconds on a loaded 2-core machine.

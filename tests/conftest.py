@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-import pagedkv.model_runner.triton_env  # noqa: F401
+import pagedkv.model_runner.kernels.triton_env  # noqa: F401
 from pagedkv.client import PoolClient, Session
 
 

@@ -5,7 +5,7 @@
         async with await PoolClient.connect(daemon.runners_target) as runner: ...  # a runner
         daemon.service.check_invariants()
 
-The gRPC server is `pagedkv.daemon.server.grpc_server`, the one pagedkvd runs: the same
+The gRPC server is `pagedkv.daemon.process.server.grpc_server`, the one pagedkvd runs: the same
 interceptor (TCP calls need TOKEN, or a token of the `tenants` given; a log line and metrics
 per call, in `daemon.registry`),
 message limit, health and reflection. The pool is tiny so tests can assert exact block ids;
@@ -26,16 +26,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pagedkv.daemon.addresses import ListenAddress, parse_listen
 from pagedkv.daemon.core import AllocatorKind, PoolAllocator, make_pool
-from pagedkv.daemon.geometry import TINY_CPU_GEOMETRY
-from pagedkv.daemon.kv_memory import KVPoolMemory
-from pagedkv.daemon.metrics import PoolCollector, RpcMetrics
-from pagedkv.daemon.peer_gate import PeerGate
-from pagedkv.daemon.server import grpc_server
-from pagedkv.daemon.service import PoolService
-from pagedkv.daemon.tenants import Tenants
-from pagedkv.daemon.tls import ServerTls
+from pagedkv.daemon.edge.addresses import ListenAddress, parse_listen
+from pagedkv.daemon.edge.peer_gate import PeerGate
+from pagedkv.daemon.edge.tls import ServerTls
+from pagedkv.daemon.memory.kv_memory import KVPoolMemory
+from pagedkv.daemon.process.metrics import PoolCollector, RpcMetrics
+from pagedkv.daemon.process.server import grpc_server
+from pagedkv.daemon.service.pool_service import PoolService
+from pagedkv.daemon.service.tenants import Tenants
+from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
 
 # The bearer token TCP callers of every test daemon must send.
 TOKEN = "s3cret-token"

@@ -16,10 +16,10 @@ import torch
 from transformers import PreTrainedModel
 
 from pagedkv.client import SamplingParams
-from pagedkv.model_runner.attention_backend import AttentionBackend
-from pagedkv.model_runner.engine import StepEngine
+from pagedkv.model_runner.engine.step_engine import StepEngine
+from pagedkv.model_runner.engine.steps import SeqRequest, SeqResult
+from pagedkv.model_runner.kernels.attention_backend import AttentionBackend
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
-from pagedkv.model_runner.steps import SeqRequest, SeqResult
 
 
 @dataclass

@@ -10,9 +10,13 @@ import sys
 import pytest
 import torch
 
-from pagedkv.model_runner.attention_backend import TORCH_BACKEND, TRITON_BACKEND, get_backend
-from pagedkv.model_runner.store_kv import _store_kv_kernel
-from pagedkv.model_runner.triton_env import is_interpreted, triton
+from pagedkv.model_runner.kernels.attention_backend import (
+    TORCH_BACKEND,
+    TRITON_BACKEND,
+    get_backend,
+)
+from pagedkv.model_runner.kernels.store_kv import _store_kv_kernel
+from pagedkv.model_runner.kernels.triton_env import is_interpreted, triton
 
 from kernel_utils import assert_close_to, make_paged_batch, oracle_attention, random_tokens
 
@@ -48,7 +52,7 @@ def test_triton_imported_before_the_switch_is_a_clear_error():
     # interpreted kernels could not call them: the launcher must say why instead.
     script = (
         "import triton, torch\n"
-        "from pagedkv.model_runner.store_kv import store_kv_triton\n"
+        "from pagedkv.model_runner.kernels.store_kv import store_kv_triton\n"
         "cache = torch.zeros(2, 4, 1, 16)\n"
         "try:\n"
         "    store_kv_triton(cache[0, :1], cache[0, :1], cache, cache, torch.tensor([0]))\n"

@@ -1,4 +1,4 @@
-"""pagedkv.client.beam_search: hand-made steps with exact expected beams, and a reference driver
+"""client/engine/beam_search.py: hand-made steps with exact expected beams, and a reference driver
 that feeds it a real (tiny, random) transformers model and compares with `model.generate`."""
 
 import collections
@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pagedkv.client.beam_search import BeamParams, BeamResult, BeamSearch, EarlyStopping
+from pagedkv.client.engine.beam_search import BeamParams, BeamResult, BeamSearch, EarlyStopping
 
 # ---------------------------------------------------------------------------------------------
 # Hand-made steps. Logprobs are multiples of 1/8 (exact in float32) unless a test says otherwise.
@@ -202,7 +202,7 @@ def test_params_normalize_types() -> None:
 
 
 def test_imports_neither_torch_nor_numpy() -> None:
-    code = ("import sys; import pagedkv.client.beam_search; "
+    code = ("import sys; import pagedkv.client.engine.beam_search; "
             "assert not {'torch', 'numpy'} & set(sys.modules), 'torch or numpy was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -10,7 +10,7 @@ from bench_e2e_concurrency import contiguous_args, contiguous_config
 from e2e import VOCAB, Job, Stack, greedy, jobs_from_trace, run_trace, serving
 
 from pagedkv.client import SamplingParams
-from pagedkv.client.scheduler import SchedulerConfig
+from pagedkv.client.engine.scheduler import SchedulerConfig
 
 from traces import TraceSpec, make_trace
 

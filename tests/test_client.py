@@ -28,8 +28,8 @@ from pagedkv.client import (
     SequenceNotFound,
     SessionNotFound,
 )
-from pagedkv.daemon.limits import Limits
-from pagedkv.daemon.servicer import KVPoolServicer
+from pagedkv.daemon.edge.servicer import KVPoolServicer
+from pagedkv.daemon.service.limits import Limits
 
 from daemon_harness import Daemon, running_daemon
 

@@ -20,8 +20,8 @@ from served_model import hf_greedy, reference_model, write_config
 from transformers import LlamaConfig, PreTrainedModel
 
 from pagedkv.client import PoolClient, SamplingParams
-from pagedkv.client.engine import Engine, StepRecord
-from pagedkv.client.scheduler import SchedulerConfig
+from pagedkv.client.engine.engine import Engine, StepRecord
+from pagedkv.client.engine.scheduler import SchedulerConfig
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -246,7 +246,7 @@ async def test_a_small_pool_admits_by_free_blocks_and_preempts_without_changing_
 ENGINE_CLIENT = """
 import asyncio, json, sys
 from pagedkv.client import PoolClient, SamplingParams
-from pagedkv.client.engine import Engine
+from pagedkv.client.engine.engine import Engine
 daemon, runner, prompts, lease = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 async def main():
     async with await Engine.connect(daemon, runner, lease_ttl_ms=lease) as engine:

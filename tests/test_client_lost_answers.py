@@ -27,10 +27,10 @@ from pagedkv.client import (
     SequenceBlocks,
     Session,
 )
-from pagedkv.client.errors import error_from_rpc
-from pagedkv.daemon.limits import Limits
-from pagedkv.daemon.operations import Allocate, Append
-from pagedkv.daemon.servicer import KVPoolServicer
+from pagedkv.client.pool.errors import error_from_rpc
+from pagedkv.daemon.edge.servicer import KVPoolServicer
+from pagedkv.daemon.service.limits import Limits
+from pagedkv.daemon.service.operations import Allocate, Append
 from pagedkv.proto.limits import MAX_MESSAGE_BYTES
 
 from daemon_harness import Daemon, running_daemon

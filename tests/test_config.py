@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.daemon.addresses import parse_listen
-from pagedkv.daemon.cli import EXIT_BAD_CONFIG
-from pagedkv.daemon.config import (
+from pagedkv.daemon.edge.addresses import parse_listen
+from pagedkv.daemon.process.cli import EXIT_BAD_CONFIG
+from pagedkv.daemon.process.config import (
     DEFAULT_NUM_BLOCKS,
     ConfigError,
     DaemonConfig,
@@ -17,7 +17,7 @@ from pagedkv.daemon.config import (
     default_listen,
     load_toml,
 )
-from pagedkv.daemon.server import SHUTDOWN_GRACE_S
+from pagedkv.daemon.process.server import SHUTDOWN_GRACE_S
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> DaemonConfig:

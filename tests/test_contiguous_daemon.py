@@ -23,7 +23,7 @@ from pagedkv.client import (
     PoolExhausted,
     Session,
 )
-from pagedkv.daemon.kv_memory import KVPoolMemory
+from pagedkv.daemon.memory.kv_memory import KVPoolMemory
 from pagedkv.memory import PoolMemoryHandle
 
 from daemon_harness import Daemon, running_daemon

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedkv.client import PoolClient
 from pagedkv.daemon.core import AllocatorKind
-from pagedkv.model_runner.attention_backend import get_backend
+from pagedkv.model_runner.kernels.attention_backend import get_backend
 from pagedkv.model_runner.runner import ModelRunner, generate
 
 from daemon_harness import running_daemon

@@ -10,8 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pagedkv.client import OutcomeUnknown, PoolClient, SequenceNotFound, Session
-from pagedkv.model_runner.daemon_steps import MAX_STEP_ENTRIES, DaemonSteps
-from pagedkv.model_runner.metrics import RunnerMetrics
+from pagedkv.model_runner.engine.daemon_steps import MAX_STEP_ENTRIES, DaemonSteps
+from pagedkv.model_runner.process.metrics import RunnerMetrics
 from pagedkv.proto import kvpool_pb2 as pb
 
 from daemon_harness import Daemon, running_daemon

@@ -17,10 +17,10 @@ from prometheus_client import CollectorRegistry
 from test_engine_families import BLOCK_SIZE, GREEDY, NEW_TOKENS, VOCAB, expected_tokens
 
 from pagedkv.client import PoolClient, PoolExhausted, SamplingParams, SequenceNotFound, Session
-from pagedkv.model_runner.attention_backend import get_backend
-from pagedkv.model_runner.engine import StepEngine
-from pagedkv.model_runner.metrics import RunnerMetrics
-from pagedkv.model_runner.steps import History, InvalidStep, SeqRequest
+from pagedkv.model_runner.engine.step_engine import StepEngine
+from pagedkv.model_runner.engine.steps import History, InvalidStep, SeqRequest
+from pagedkv.model_runner.kernels.attention_backend import get_backend
+from pagedkv.model_runner.process.metrics import RunnerMetrics
 
 FAMILY = "llama"
 daemon, prompts = families.daemon, families.prompts

@@ -17,12 +17,12 @@ from engine_driver import RecordingRunner, new
 from test_engine_families import GREEDY, expected_tokens, paged_model
 
 from pagedkv.client import PoolClient, Session
-from pagedkv.model_runner.attention_backend import get_backend
-from pagedkv.model_runner.engine import StepEngine
-from pagedkv.model_runner.forward_loop import Batch, ForwardLoop, Prepared
+from pagedkv.model_runner.engine.forward_loop import Batch, ForwardLoop, Prepared
+from pagedkv.model_runner.engine.sampling import Sampler
+from pagedkv.model_runner.engine.step_engine import StepEngine
+from pagedkv.model_runner.engine.steps import SeqRequest, StepOutcome
+from pagedkv.model_runner.kernels.attention_backend import get_backend
 from pagedkv.model_runner.runner import SequenceChunk
-from pagedkv.model_runner.sampling import Sampler
-from pagedkv.model_runner.steps import SeqRequest, StepOutcome
 
 daemon = families.daemon
 

@@ -17,8 +17,8 @@ from pagedkv.client import (
     SeqStep,
     StepOutputs,
 )
-from pagedkv.client.engine import Engine
-from pagedkv.client.scheduler import SchedulerConfig
+from pagedkv.client.engine.engine import Engine
+from pagedkv.client.engine.scheduler import SchedulerConfig
 
 BS = 16
 NUM_BLOCKS = 8

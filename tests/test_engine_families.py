@@ -50,9 +50,9 @@ from transformers import (
 )
 
 from pagedkv.client import PoolClient, SamplingParams, Session
-from pagedkv.model_runner.attention_backend import get_backend
-from pagedkv.model_runner.engine import StepEngine
-from pagedkv.model_runner.steps import SeqRequest, SeqResult
+from pagedkv.model_runner.engine.step_engine import StepEngine
+from pagedkv.model_runner.engine.steps import SeqRequest, SeqResult
+from pagedkv.model_runner.kernels.attention_backend import get_backend
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 128

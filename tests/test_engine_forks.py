@@ -14,8 +14,8 @@ from engine_driver import decode, new, recorder
 from test_engine_families import BLOCK_SIZE, GREEDY, NEW_TOKENS, expected_tokens
 
 from pagedkv.client import SamplingParams, Session
-from pagedkv.model_runner.engine import StepEngine
-from pagedkv.model_runner.steps import InvalidStep, SeqRequest
+from pagedkv.model_runner.engine.step_engine import StepEngine
+from pagedkv.model_runner.engine.steps import InvalidStep, SeqRequest
 
 FAMILY = "llama"
 # The families module's fixtures: its daemon, prompts and per-family engine.

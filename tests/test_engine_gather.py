@@ -3,8 +3,8 @@ so concurrent clients share forwards instead of alternating two half batches."""
 
 import asyncio
 
-from pagedkv.model_runner.forward_loop import ForwardLoop, Prepared
-from pagedkv.model_runner.sampling import Sampler
+from pagedkv.model_runner.engine.forward_loop import ForwardLoop, Prepared
+from pagedkv.model_runner.engine.sampling import Sampler
 
 
 def prepared(session_id: str) -> Prepared:

@@ -15,8 +15,8 @@ from engine_driver import new
 from test_engine_families import GREEDY, expected_tokens
 
 from pagedkv.client import PoolClient, SequenceNotFound, Session
-from pagedkv.model_runner.engine import StepEngine
-from pagedkv.model_runner.steps import InvalidStep, SeqRequest
+from pagedkv.model_runner.engine.step_engine import StepEngine
+from pagedkv.model_runner.engine.steps import InvalidStep, SeqRequest
 
 daemon, prompts, engine = families.daemon, families.prompts, families.engine
 

@@ -18,10 +18,10 @@ from engine_driver import Decoded, RecordingRunner, decode, new, recorder
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedkv.client import PoolClient, SamplingParams
-from pagedkv.model_runner.attention_backend import get_backend
-from pagedkv.model_runner.engine import StepEngine
+from pagedkv.model_runner.engine.step_engine import StepEngine
+from pagedkv.model_runner.engine.steps import SeqRequest
+from pagedkv.model_runner.kernels.attention_backend import get_backend
 from pagedkv.model_runner.runner import SequenceChunk
-from pagedkv.model_runner.steps import SeqRequest
 
 from daemon_harness import Daemon, running_daemon
 

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from pagedkv.daemon.core import BlockPool, ContiguousPool
-from pagedkv.daemon.metrics import PoolCollector
-from pagedkv.daemon.operations import Allocate, Commit, Fork
-from pagedkv.daemon.service import PoolService
+from pagedkv.daemon.process.metrics import PoolCollector
+from pagedkv.daemon.service.operations import Allocate, Commit, Fork
+from pagedkv.daemon.service.pool_service import PoolService
 
 
 def _walking(*_: Any) -> Any:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.daemon.geometry import (
+from pagedkv.vocab.geometry import (
     BUILTIN_GEOMETRIES,
     TINY_CPU_GEOMETRY,
     ModelGeometry,
@@ -118,6 +118,6 @@ def test_unknown_dtype() -> None:
 
 
 def test_geometry_and_planner_import_without_torch() -> None:
-    code = ("import sys; import pagedkv.daemon.planner, pagedkv.daemon.geometry; "
+    code = ("import sys; import pagedkv.daemon.memory.planner, pagedkv.vocab.geometry; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

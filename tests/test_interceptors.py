@@ -14,8 +14,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from pagedkv.daemon.interceptors import session_label
-from pagedkv.daemon.servicer import KVPoolServicer
+from pagedkv.daemon.edge.interceptors import session_label
+from pagedkv.daemon.edge.servicer import KVPoolServicer
 from pagedkv.process.log_setup import RateLimitedLog, configure
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc

@@ -31,8 +31,8 @@ def _compile_all() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from pagedkv.model_runner import paged_decode, paged_prefill, store_kv
-    from pagedkv.model_runner.triton_env import is_interpreted, triton
+    from pagedkv.model_runner.kernels import paged_decode, paged_prefill, store_kv
+    from pagedkv.model_runner.kernels.triton_env import is_interpreted, triton
 
     assert not is_interpreted(store_kv._store_kv_kernel), "run with TRITON_INTERPRET=0"
 

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from pagedkv.daemon import kv_memory
-from pagedkv.daemon.geometry import ModelGeometry
-from pagedkv.daemon.kv_memory import (
+from pagedkv.daemon.memory import kv_memory
+from pagedkv.daemon.memory.kv_memory import (
     KVPoolMemory,
     cleanup_stale_files,
     num_blocks_for_bytes,
     num_blocks_for_fraction,
 )
+from pagedkv.vocab.geometry import ModelGeometry
 
 # 3 layers, 2 KV heads, head_dim 4: small, yet every dim of the layout has a distinct size.
 GEOMETRY = ModelGeometry("test", num_layers=3, num_kv_heads=2, head_dim=4, num_params=None,

@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import pytest
 
-from pagedkv.daemon.answer_size import (
+from pagedkv.daemon.process.config import (
+    ConfigError,
+    DaemonConfig,
+    add_serve_arguments,
+    config_from_args,
+)
+from pagedkv.daemon.process.server import serve
+from pagedkv.daemon.service.answer_size import (
     ENTRY_CAUSE_BYTES,
     ENTRY_MESSAGE_BYTES,
     STEP_MANY_ENTRY,
@@ -25,9 +32,7 @@ from pagedkv.daemon.answer_size import (
     cut_utf8,
     varint_bytes,
 )
-from pagedkv.daemon.config import ConfigError, DaemonConfig, add_serve_arguments, config_from_args
-from pagedkv.daemon.limits import LIMITS, Limits, clip
-from pagedkv.daemon.server import serve
+from pagedkv.daemon.service.limits import LIMITS, Limits, clip
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES, MESSAGE_SIZE_OPTIONS

@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from pagedkv.client import DaemonUnavailable
-from pagedkv.client.runner_link import RESTART_WAIT_S
+from pagedkv.client.engine.runner_link import RESTART_WAIT_S
 from pagedkv.llm import LLM, SamplingParams
 from pagedkv.llm.pool_budget import CPU_KV_CAP, DeviceMemory, kv_budget
 from pagedkv.llm.progress import Progress
@@ -225,7 +225,7 @@ def test_the_cli_prints_completions(llm: LLM, model_dir: Path) -> None:
     a terminal, so no progress bar."""
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5))
     done = subprocess.run(
-        [sys.executable, "-m", "pagedkv.daemon.cli", "generate", "--model", str(model_dir),
+        [sys.executable, "-m", "pagedkv.daemon.process.cli", "generate", "--model", str(model_dir),
          "--daemon", llm.daemon_target, "--runner", llm.runner_target, "--temperature", "0",
          "--max-tokens", "5", *PROMPTS], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -274,7 +274,7 @@ def test_a_dead_runner_the_llm_started_fails_its_steps_at_once() -> None:
 # A script that starts an LLM on a preset and exits without closing it.
 PRESET_SCRIPT = """
 from pagedkv.client import DaemonUnavailable
-from pagedkv.client.runner_link import RESTART_WAIT_S
+from pagedkv.client.engine.runner_link import RESTART_WAIT_S
 from pagedkv.llm import LLM, SamplingParams
 llm = LLM("tiny-llama", num_blocks=64)
 print(llm.daemon_target)

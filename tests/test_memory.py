@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedkv.daemon.geometry import ModelGeometry
-from pagedkv.daemon.kv_memory import KVPoolMemory
+from pagedkv.daemon.memory.kv_memory import KVPoolMemory
 from pagedkv.memory import POOL_LAYOUT, PoolMemoryHandle, pool_shape
 from pagedkv.memory.attach import attach_pool
 from pagedkv.proto import kvpool_pb2 as pb
+from pagedkv.vocab.geometry import ModelGeometry
 
 # 3 layers, 2 KV heads, head_dim 4: small, yet every dim of the layout has a distinct size.
 GEOMETRY = ModelGeometry("test", num_layers=3, num_kv_heads=2, head_dim=4, num_params=None,

@@ -23,12 +23,12 @@ import torch
 
 from pagedkv.client import PagedKVError, PoolClient, Session
 from pagedkv.daemon.core import BlockPool
-from pagedkv.daemon.geometry import resolve_geometry
-from pagedkv.daemon.kv_memory import KVPoolMemory
-from pagedkv.daemon.operations import Allocate, Fork
-from pagedkv.daemon.service import PoolService
+from pagedkv.daemon.memory.kv_memory import KVPoolMemory
+from pagedkv.daemon.service.operations import Allocate, Fork
+from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.memory import PoolMemoryHandle
 from pagedkv.memory.attach import attach_pool
+from pagedkv.vocab.geometry import resolve_geometry
 
 from daemon_harness import Daemon, running_daemon
 from pool_state import pool_state

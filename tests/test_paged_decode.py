@@ -12,8 +12,8 @@ import re
 import pytest
 import torch
 
-from pagedkv.model_runner import paged_decode
-from pagedkv.model_runner.paged_decode import (
+from pagedkv.model_runner.kernels import paged_decode
+from pagedkv.model_runner.kernels.paged_decode import (
     default_num_splits,
     length_groups,
     paged_decode_attention_torch,

@@ -14,12 +14,12 @@ import re
 import pytest
 import torch
 
-from pagedkv.model_runner.paged_decode import (
+from pagedkv.model_runner.kernels.paged_decode import (
     paged_decode_attention_torch,
     paged_decode_attention_triton,
     split_plan,
 )
-from pagedkv.model_runner.paged_prefill import (
+from pagedkv.model_runner.kernels.paged_prefill import (
     paged_prefill_attention_torch,
     paged_prefill_attention_triton,
 )

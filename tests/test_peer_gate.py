@@ -34,13 +34,13 @@ from pagedkv.client import (
     TlsOptions,
     Unauthenticated,
 )
-from pagedkv.daemon import gate_link
-from pagedkv.daemon.addresses import parse_listen
-from pagedkv.daemon.limits import Limits
-from pagedkv.daemon.peer_gate import GRPC_SOCKET_NAME, PeerGate, gate_folder
-from pagedkv.daemon.server import StartupError, grpc_server
-from pagedkv.daemon.tenants import Tenant, Tenants, bearer_of
-from pagedkv.daemon.tls import load_server_tls
+from pagedkv.daemon.edge import gate_link
+from pagedkv.daemon.edge.addresses import parse_listen
+from pagedkv.daemon.edge.peer_gate import GRPC_SOCKET_NAME, PeerGate, gate_folder
+from pagedkv.daemon.edge.tls import load_server_tls
+from pagedkv.daemon.process.server import StartupError, grpc_server
+from pagedkv.daemon.service.limits import Limits
+from pagedkv.daemon.service.tenants import Tenant, Tenants, bearer_of
 from pagedkv.process.log_setup import configure
 
 from daemon_harness import Daemon, running_daemon

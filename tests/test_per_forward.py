@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pagedkv.model_runner import paged_decode, paged_prefill
-from pagedkv.model_runner.attention_backend import TORCH_BACKEND
-from pagedkv.model_runner.paged_decode import paged_decode_attention_torch
-from pagedkv.model_runner.paged_prefill import paged_prefill_attention_torch
-from pagedkv.model_runner.per_forward import PerForward, shared
+from pagedkv.model_runner.kernels import paged_decode, paged_prefill
+from pagedkv.model_runner.kernels.attention_backend import TORCH_BACKEND
+from pagedkv.model_runner.kernels.paged_decode import paged_decode_attention_torch
+from pagedkv.model_runner.kernels.paged_prefill import paged_prefill_attention_torch
+from pagedkv.model_runner.kernels.per_forward import PerForward, shared
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 
 from kernel_utils import make_paged_batch, query_start_loc, random_tokens

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.daemon.geometry import BUILTIN_GEOMETRIES
-from pagedkv.daemon.planner import main, plan
-from pagedkv.daemon.units import format_bytes, parse_bytes
+from pagedkv.daemon.memory.planner import main, plan
+from pagedkv.vocab.geometry import BUILTIN_GEOMETRIES
+from pagedkv.vocab.units import format_bytes, parse_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GIB = 2**30

@@ -25,7 +25,7 @@ def figure(line: str) -> float:
 
 @pytest.mark.slow
 def test_the_quick_demo_reports_both_runs_and_stops_every_process(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "pagedkv.client.demo", "--quick",
+    result = subprocess.run([sys.executable, "-m", "pagedkv.demo", "--quick",
                              "--output", str(tmp_path)],
                             capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stderr

@@ -13,8 +13,8 @@ import grpc
 import pytest
 import torch
 
-from pagedkv.daemon.answer_size import STEP_MANY_ENTRY, STEP_MANY_FIXED
-from pagedkv.daemon.limits import Limits
+from pagedkv.daemon.service.answer_size import STEP_MANY_ENTRY, STEP_MANY_FIXED
+from pagedkv.daemon.service.limits import Limits
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 

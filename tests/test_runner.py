@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedkv.client import PoolClient, Session
-from pagedkv.model_runner.attention_backend import BackendName, get_backend
-from pagedkv.model_runner.paged_attention import CONTEXT_KWARG
+from pagedkv.model_runner.kernels.attention_backend import BackendName, get_backend
+from pagedkv.model_runner.kernels.paged_attention import CONTEXT_KWARG
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk, generate
 
 BLOCK_SIZE = 16

@@ -28,14 +28,14 @@ from pagedkv.client import (
     SeqStep,
     Session,
 )
-from pagedkv.model_runner.answer_limits import (
+from pagedkv.model_runner.engine.answer_limits import (
     ANSWER_FIXED,
     DEFAULT_MAX_LOGPROBS,
     AnswerLimits,
     output_bytes,
 )
-from pagedkv.model_runner.cli import parser
-from pagedkv.model_runner.steps import InvalidStep
+from pagedkv.model_runner.engine.steps import InvalidStep
+from pagedkv.model_runner.process.cli import parser
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 from pagedkv.proto.limits import GRPC_DEFAULT_RECEIVE_BYTES

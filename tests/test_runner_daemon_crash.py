@@ -22,12 +22,12 @@ from pagedkvd_process import pagedkv_runner, pagedkvd, short_tmp_dir
 from served_model import TINY, hf_greedy, reference_model, write_config
 
 from pagedkv.client import PoolClient, RunnerClient, SeqStep
-from pagedkv.daemon.geometry import ModelGeometry
-from pagedkv.daemon.kv_memory import KVPoolMemory
-from pagedkv.daemon.units import format_bytes
-from pagedkv.model_runner.forward_loop import ForwardLoop, Prepared
+from pagedkv.daemon.memory.kv_memory import KVPoolMemory
+from pagedkv.model_runner.engine.forward_loop import ForwardLoop, Prepared
+from pagedkv.model_runner.engine.sampling import Sampler
 from pagedkv.model_runner.runner import SequenceChunk
-from pagedkv.model_runner.sampling import Sampler
+from pagedkv.vocab.geometry import ModelGeometry
+from pagedkv.vocab.units import format_bytes
 
 PROMPT = [5, 17, 33, 2, 9, 71]
 GEOMETRY = ModelGeometry("test", num_layers=2, num_kv_heads=2, head_dim=16, num_params=None,

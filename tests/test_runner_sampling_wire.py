@@ -5,8 +5,8 @@ is the remembered validated object; an invalid or long message is never remember
 import pytest
 
 from pagedkv.client import SamplingParams
-from pagedkv.model_runner import servicer
-from pagedkv.model_runner.servicer import NO_LIMIT, PARAMS_CACHE_BYTES, sampling_params
+from pagedkv.model_runner.process import servicer
+from pagedkv.model_runner.process.servicer import NO_LIMIT, PARAMS_CACHE_BYTES, sampling_params
 from pagedkv.proto import runner_pb2 as rpb
 
 

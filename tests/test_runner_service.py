@@ -39,8 +39,8 @@ from pagedkv.client import (
     SessionExpired,
     UnknownSequence,
 )
-from pagedkv.client.runner_link import RunnerLink
-from pagedkv.client.sequences import Seq
+from pagedkv.client.engine.runner_link import RunnerLink
+from pagedkv.client.engine.sequences import Seq
 from pagedkv.model_runner.models import ModelSource, load_model
 
 NEW_TOKENS = 8

@@ -30,13 +30,10 @@ from pagedkv.client import (
     SessionExpired,
 )
 from pagedkv.client import StepNotComputed as ClientStepNotComputed
-from pagedkv.client.errors import error_from_status
-from pagedkv.client.runner_link import RunnerLink
-from pagedkv.model_runner.attention_backend import get_backend
-from pagedkv.model_runner.engine import StepEngine
-from pagedkv.model_runner.runner import SequenceChunk
-from pagedkv.model_runner.servicer import status_of
-from pagedkv.model_runner.steps import (
+from pagedkv.client.engine.runner_link import RunnerLink
+from pagedkv.client.pool.errors import error_from_status
+from pagedkv.model_runner.engine.step_engine import StepEngine
+from pagedkv.model_runner.engine.steps import (
     History,
     InvalidStep,
     SeqRequest,
@@ -44,6 +41,9 @@ from pagedkv.model_runner.steps import (
     StepOutcome,
     UnknownSequence,
 )
+from pagedkv.model_runner.kernels.attention_backend import get_backend
+from pagedkv.model_runner.process.servicer import status_of
+from pagedkv.model_runner.runner import SequenceChunk
 from pagedkv.proto import kvpool_pb2 as pb
 
 FAMILY = "llama"

@@ -34,8 +34,11 @@ from transformers import (
 )
 
 from pagedkv.client import PoolClient, Session
-from pagedkv.model_runner.attention_backend import get_backend
-from pagedkv.model_runner.paged_attention import enable_paged_attention, layer_sliding_window
+from pagedkv.model_runner.kernels.attention_backend import get_backend
+from pagedkv.model_runner.kernels.paged_attention import (
+    enable_paged_attention,
+    layer_sliding_window,
+)
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk, generate
 
 BLOCK_SIZE = 16

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from pagedkv.client import SamplingParams
-from pagedkv.model_runner.sampling import (
+from pagedkv.model_runner.engine.sampling import (
     SampledTokens,
     Sampler,
     SamplingRow,

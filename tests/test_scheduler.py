@@ -9,8 +9,8 @@ import itertools
 from collections.abc import Sequence
 
 from pagedkv.client import SamplingParams, SeqOutput
-from pagedkv.client.requests import Request
-from pagedkv.client.scheduler import Plan, Scheduler, SchedulerConfig
+from pagedkv.client.engine.requests import Request
+from pagedkv.client.engine.scheduler import Plan, Scheduler, SchedulerConfig
 
 BS = 16
 

@@ -12,10 +12,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedkv.daemon import server
-from pagedkv.daemon.config import ConfigError, DaemonConfig
-from pagedkv.daemon.geometry import TINY_CPU_GEOMETRY
-from pagedkv.daemon.server import (
+from pagedkv.daemon.process import server
+from pagedkv.daemon.process.config import ConfigError, DaemonConfig
+from pagedkv.daemon.process.server import (
     StartupError,
     check_device,
     pool_geometry,
@@ -25,6 +24,7 @@ from pagedkv.daemon.server import (
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 from pagedkv.proto.limits import MAX_MESSAGE_BYTES
+from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
 
 # The tiny geometry in float32: 2 layers x 2 (K, V) x 2 heads x 64 x 4 bytes x 16 slots.
 BLOCK_BYTES = 2 * 2 * 2 * 64 * 4 * 16

@@ -17,11 +17,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pagedkv.daemon.answer_size import SEQUENCE_FIXED
-from pagedkv.daemon.limits import Limits
+from pagedkv.daemon.service.answer_size import SEQUENCE_FIXED
+from pagedkv.daemon.service.limits import Limits
+from pagedkv.model_runner.engine.steps import StepOutcome
 from pagedkv.model_runner.models import ModelSource
-from pagedkv.model_runner.server import RunnerConfig, _grpc_server
-from pagedkv.model_runner.steps import StepOutcome
+from pagedkv.model_runner.process.server import RunnerConfig, _grpc_server
 from pagedkv.process.server_bounds import ServerBounds
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc, runner_pb2_grpc

@@ -13,10 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedkv.daemon.core import BlockPool, InvalidArgument, SequenceExists, SequenceNotFound
-from pagedkv.daemon.geometry import TINY_CPU_GEOMETRY
-from pagedkv.daemon.kv_memory import KVPoolMemory
-from pagedkv.daemon.limits import Limits
-from pagedkv.daemon.operations import (
+from pagedkv.daemon.memory.kv_memory import KVPoolMemory
+from pagedkv.daemon.service.limits import Limits
+from pagedkv.daemon.service.operations import (
     Allocate,
     Append,
     Commit,
@@ -26,7 +25,8 @@ from pagedkv.daemon.operations import (
     Operation,
     PoolExhausted,
 )
-from pagedkv.daemon.service import PoolService
+from pagedkv.daemon.service.pool_service import PoolService
+from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
 
 
 def make_service(num_blocks: int = 8, block_size: int = 4, **options: Any) -> PoolService:

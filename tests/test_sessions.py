@@ -3,10 +3,10 @@
 import grpc
 import pytest
 
-from pagedkv.daemon import sessions as sessions_module
 from pagedkv.daemon.core import InvalidArgument
-from pagedkv.daemon.sessions import SessionExpired, SessionNotFound, SessionRegistry
-from pagedkv.daemon.status import status_of
+from pagedkv.daemon.edge.status import status_of
+from pagedkv.daemon.service import sessions as sessions_module
+from pagedkv.daemon.service.sessions import SessionExpired, SessionNotFound, SessionRegistry
 
 
 class FakeClock:

@@ -1,6 +1,6 @@
 """store_kv: new K/V rows land in their slots, padding slots and every other slot stay untouched.
 
-Triton runs under the interpreter on CPU (pagedkv.model_runner.triton_env turns it on when there
+Triton runs under the interpreter on CPU (kernels/triton_env.py turns it on when there
 is no CUDA) and compiled on a GPU (the `gpu`-marked twins).
 """
 
@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from pagedkv.model_runner.store_kv import store_kv_torch, store_kv_triton
+from pagedkv.model_runner.kernels.store_kv import store_kv_torch, store_kv_triton
 
 from kernel_utils import DEVICES
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from pagedkv.daemon.core import BlockPool, NoFit, seq_table, table_store
-from pagedkv.daemon.operations import Allocate, Append, PoolExhausted
-from pagedkv.daemon.service import PoolService
+from pagedkv.daemon.service.operations import Allocate, Append, PoolExhausted
+from pagedkv.daemon.service.pool_service import PoolService
 
 from pool_state import pool_state
 

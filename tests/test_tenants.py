@@ -22,8 +22,8 @@ from pagedkv.client import (
     SessionNotFound,
     Unauthenticated,
 )
-from pagedkv.daemon.config import ConfigError, DaemonConfig, load_toml
-from pagedkv.daemon.tenants import Tenant, Tenants, bearer_of
+from pagedkv.daemon.process.config import ConfigError, DaemonConfig, load_toml
+from pagedkv.daemon.service.tenants import Tenant, Tenants, bearer_of
 from pagedkv.proto import kvpool_pb2 as pb
 
 from daemon_harness import Daemon, running_daemon

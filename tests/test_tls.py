@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from pagedkv.client import DaemonUnavailable, PoolClient, TlsOptions, Unauthenticated
-from pagedkv.daemon.config import ConfigError, DaemonConfig
-from pagedkv.daemon.tls import ServerTls, load_server_tls
+from pagedkv.daemon.edge.tls import ServerTls, load_server_tls
+from pagedkv.daemon.process.config import ConfigError, DaemonConfig
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 

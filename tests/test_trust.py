@@ -21,8 +21,8 @@ import pytest
 from pagedkvd_process import pagedkvd, short_tmp_dir
 
 from pagedkv.client import Allocate, Commit, NotFound, PermissionDenied, PoolClient, Session
-from pagedkv.daemon.tenants import Tenant, Tenants, bearer_of
-from pagedkv.model_runner.cli import EXIT_BAD_CONFIG
+from pagedkv.daemon.service.tenants import Tenant, Tenants, bearer_of
+from pagedkv.model_runner.process.cli import EXIT_BAD_CONFIG
 from pagedkv.process.launch import START_TIMEOUT_S, start_runner
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc

@@ -1,12 +1,19 @@
 """The block-pool core: pure bookkeeping of KV blocks (numpy only; no torch, no grpc)."""
 
-from .allocator import ALLOCATORS, AllocatorKind, PoolAllocator, make_pool
-from .block_pool import BlockPool
-from .contiguous import ContiguousPool
-from .errors import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
-from .journal import Journal
-from .physical_blocks import CacheEvents
-from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate, blocks_for
+from pagedkv.daemon.core.allocator import ALLOCATORS, AllocatorKind, PoolAllocator, make_pool
+from pagedkv.daemon.core.block_pool import BlockPool
+from pagedkv.daemon.core.contiguous import ContiguousPool
+from pagedkv.daemon.core.errors import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
+from pagedkv.daemon.core.journal import Journal
+from pagedkv.daemon.core.physical_blocks import CacheEvents
+from pagedkv.daemon.core.types import (
+    BatchAppend,
+    BlockCopy,
+    NoFit,
+    PoolStats,
+    SeqUpdate,
+    blocks_for,
+)
 
 __all__ = [
     "ALLOCATORS",

@@ -15,13 +15,13 @@ from typing import Literal, Protocol, get_args
 
 import numpy.typing as npt
 
-from .block_pool import BlockPool
-from .contiguous import ContiguousPool
-from .errors import InvalidArgument
-from .journal import Journal
-from .physical_blocks import CacheEvents
-from .types import BatchAppend, NoFit, PoolStats, SeqUpdate
-from .validation import TokenIds
+from pagedkv.daemon.core.block_pool import BlockPool
+from pagedkv.daemon.core.contiguous import ContiguousPool
+from pagedkv.daemon.core.errors import InvalidArgument
+from pagedkv.daemon.core.journal import Journal
+from pagedkv.daemon.core.physical_blocks import CacheEvents
+from pagedkv.daemon.core.types import BatchAppend, NoFit, PoolStats, SeqUpdate
+from pagedkv.daemon.core.validation import TokenIds
 
 AllocatorKind = Literal["paged", "contiguous"]
 # The kinds, as `--allocator` and the TOML key `allocator` spell them.

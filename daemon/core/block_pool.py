@@ -23,15 +23,22 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from .errors import SequenceExists
-from .holders import HeldBlocks
-from .journal import Journal
-from .physical_blocks import CacheEvents, PhysicalBlocks
-from .prefix_cache import block_keys, chain_keys, root_key
-from .seq_table import Int64Array, SeqTable, ragged_entries, row_of, rows_of
-from .table_store import ragged_arange
-from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate, blocks_for
-from .validation import (
+from pagedkv.daemon.core.errors import SequenceExists
+from pagedkv.daemon.core.holders import HeldBlocks
+from pagedkv.daemon.core.journal import Journal
+from pagedkv.daemon.core.physical_blocks import CacheEvents, PhysicalBlocks
+from pagedkv.daemon.core.prefix_cache import block_keys, chain_keys, root_key
+from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, ragged_entries, row_of, rows_of
+from pagedkv.daemon.core.table_store import ragged_arange
+from pagedkv.daemon.core.types import (
+    BatchAppend,
+    BlockCopy,
+    NoFit,
+    PoolStats,
+    SeqUpdate,
+    blocks_for,
+)
+from pagedkv.daemon.core.validation import (
     TokenIds,
     batch_tokens,
     check_logical_block,

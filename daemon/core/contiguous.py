@@ -28,14 +28,21 @@ from contextlib import AbstractContextManager, nullcontext
 import numpy as np
 import numpy.typing as npt
 
-from .errors import InvalidArgument, SequenceExists
-from .first_fit import FirstFit
-from .holders import HeldBlocks
-from .journal import Journal
-from .physical_blocks import CacheEvents
-from .seq_table import Int64Array, ragged_entries, row_of, rows_of
-from .types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate, blocks_for
-from .validation import (
+from pagedkv.daemon.core.errors import InvalidArgument, SequenceExists
+from pagedkv.daemon.core.first_fit import FirstFit
+from pagedkv.daemon.core.holders import HeldBlocks
+from pagedkv.daemon.core.journal import Journal
+from pagedkv.daemon.core.physical_blocks import CacheEvents
+from pagedkv.daemon.core.seq_table import Int64Array, ragged_entries, row_of, rows_of
+from pagedkv.daemon.core.types import (
+    BatchAppend,
+    BlockCopy,
+    NoFit,
+    PoolStats,
+    SeqUpdate,
+    blocks_for,
+)
+from pagedkv.daemon.core.validation import (
     TokenIds,
     batch_tokens,
     check_logical_block,

@@ -14,7 +14,7 @@ reservations can take from them. Every change records its undo in the pool's jou
 
 import bisect
 
-from .journal import Journal
+from pagedkv.daemon.core.journal import Journal
 
 # A free run of blocks: [start, end).
 Run = tuple[int, int]

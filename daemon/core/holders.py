@@ -19,8 +19,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from .journal import Journal
-from .table_store import Int64Array
+from pagedkv.daemon.core.journal import Journal
+from pagedkv.daemon.core.table_store import Int64Array
 
 # `owner` of a block referenced by tables of several groups.
 MIXED = -1

@@ -23,9 +23,9 @@ from typing import Protocol
 
 import numpy as np
 
-from .journal import Journal
-from .prefix_cache import PrefixCache
-from .seq_table import Int64Array
+from pagedkv.daemon.core.journal import Journal
+from pagedkv.daemon.core.prefix_cache import PrefixCache
+from pagedkv.daemon.core.seq_table import Int64Array
 
 
 class CacheEvents(Protocol):

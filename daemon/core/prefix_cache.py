@@ -28,8 +28,8 @@ from hashlib import sha256
 import numpy as np
 import numpy.typing as npt
 
-from .journal import Journal
-from .lru import LruList
+from pagedkv.daemon.core.journal import Journal
+from pagedkv.daemon.core.lru import LruList
 
 # Keys a call dropped, as (block, key, parent key): what its undo gives back.
 DroppedKeys = list[tuple[int, bytes, bytes | None]]

@@ -28,10 +28,12 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from .errors import InvalidArgument, SequenceNotFound
-from .journal import Journal
-from .table_store import Int64Array as Int64Array  # the core's alias, re-exported
-from .table_store import TableStore, ragged_arange, region_size
+from pagedkv.daemon.core.errors import InvalidArgument, SequenceNotFound
+from pagedkv.daemon.core.journal import Journal
+from pagedkv.daemon.core.table_store import (
+    Int64Array as Int64Array,  # the core's alias, re-exported
+)
+from pagedkv.daemon.core.table_store import TableStore, ragged_arange, region_size
 
 # Rows of a new table, and the least it shrinks to.
 INITIAL_ROWS = 64

@@ -5,8 +5,8 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from .errors import InvalidArgument
-from .seq_table import Int64Array
+from pagedkv.daemon.core.errors import InvalidArgument
+from pagedkv.daemon.core.seq_table import Int64Array
 
 TokenIds = Sequence[int] | npt.NDArray[np.integer]
 

@@ -1,0 +1,103 @@
+"""The engine's runner steps, carried across a runner restart.
+
+The KV cache lives in the daemon, so a runner that crashes and comes back (systemd restarts it
+on the same socket) loses nothing but what it knew of the client's sequences. A step meets the
+restart in one of two ways:
+
+- It reaches the new runner, which does not know the sequences it names: `UnknownSequence`,
+  nothing changed. The step is sent again with the history of each sequence it names.
+- The old runner died while the step ran: an `OutcomeUnknown` (UNAVAILABLE, ...). The link asks
+  for the runner's info until one answers (at most `restart_wait_s`). Another `runner_id` means
+  the runner restarted: the step's new sequences are freed in the daemon through the new runner
+  (their allocation may have happened), and the step is sent again with histories. The daemon
+  then holds at most one token more of a sequence than the last answer said (the lost step
+  appended it, or the runner appended it ahead), and the runner takes it for the token the step
+  names (runner.proto). The same `runner_id` means a living runner may have applied the step:
+  the error stands.
+
+A step is sent at most twice; a second failure is the engine's to report. Any other error is
+never resent: `StepNotComputed` (the step was applied, its forward failed) resent as it was would
+append its tokens twice.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Sequence
+
+from pagedkv.client.engine.sequences import Seq
+from pagedkv.client.pool.errors import NotFound, OutcomeUnknown, UnknownSequence
+from pagedkv.client.pool.runner_client import RunnerClient, SeqStep, StepOutputs
+from pagedkv.client.pool.session import Session
+
+# How long a step waits for a runner that stopped answering to answer again (a restart takes a
+# process start and a model load), how often it asks, and the deadline of each question.
+RESTART_WAIT_S = 120.0
+RESTART_POLL_S = 0.2
+INFO_TIMEOUT_S = 5.0
+
+
+class RunnerLink:
+    """Steps of one session through one runner, across the runner's restarts."""
+
+    def __init__(self, runner: RunnerClient, session: Session, runner_id: str, *,
+                 restart_wait_s: float = RESTART_WAIT_S) -> None:
+        self.runner = runner
+        self.session = session
+        # The runner_id of the runner that answered last ("" = unknown: a step that got no
+        # answer is then never resent).
+        self.runner_id = runner_id
+        self.restart_wait_s = restart_wait_s
+        # Steps sent again because the runner restarted.
+        self.restarts = 0
+
+    async def step(self, seqs: Sequence[Seq], steps: Sequence[SeqStep],
+                   release: Sequence[int]) -> StepOutputs:
+        """One step (`steps[i]` is what to send for `seqs[i]`), sent again once if the runner
+        restarted under it."""
+        try:
+            return await self.runner.step(self.session, steps, release)
+        except UnknownSequence:
+            pass
+        except OutcomeUnknown:
+            if not await self._restarted():
+                raise
+            await self._free_new(steps)
+        self.restarts += 1
+        return await self.runner.step(self.session, with_history(seqs, steps), release)
+
+    async def _restarted(self) -> bool:
+        """Whether the runner that answers now (waiting for one) is another than before."""
+        deadline = time.monotonic() + self.restart_wait_s
+        while True:
+            try:
+                info = await self.runner.info(timeout=INFO_TIMEOUT_S)
+            except OutcomeUnknown:
+                if time.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(RESTART_POLL_S)
+                continue
+            # An empty id (unknown, or a runner that draws none) never proves a restart.
+            restarted = bool(self.runner_id) and info.runner_id != self.runner_id
+            self.runner_id = info.runner_id
+            return restarted
+
+    async def _free_new(self, steps: Sequence[SeqStep]) -> None:
+        """Free the step's new sequences in the daemon, where the lost step may have allocated
+        them, through the new runner (it knows nothing of them, so nothing writes their blocks):
+        the old runner's hold on the session may outlast it, and the daemon refuses the
+        client's own Free while it lasts (SessionBusy)."""
+        new = [step.seq_id for step in steps if step.new_sequence]
+        if new:
+            with contextlib.suppress(NotFound):
+                await self.runner.step(self.session, [], new)
+
+
+def with_history(seqs: Sequence[Seq], steps: Sequence[SeqStep]) -> list[SeqStep]:
+    """`steps`, each existing sequence's with what the daemon holds of it per the last answer
+    (the tokens, the prompt's length, how many are computed)."""
+    return [dataclasses.replace(step, history=(seq.tokens[:seq.held], seq.prompt_len,
+                                               seq.computed))
+            if seq.allocated and not step.new_sequence else step
+            for seq, step in zip(seqs, steps, strict=True)]

@@ -1,0 +1,150 @@
+"""A thin typed async client for the pagedkv daemon.
+
+    async with await PoolClient.connect("unix:/run/pagedkv/pagedkv.sock") as client:
+        async with await client.open_session("scheduler-1", lease_ttl_ms=10_000) as session:
+            seq = await session.allocate(1, token_ids=prompt)
+            step = await session.step([1, 2, 3])        # one round trip for the whole batch
+
+Every call has a deadline (`timeout`), sends the bearer token when one is given (TCP
+listeners need it), and raises a `PagedKVError` subclass named after the cause. The channel
+sends and accepts messages up to MAX_MESSAGE_BYTES, the limit the daemon bounds its answers by,
+so an answer the daemon sends is never refused here. A session (`session.py`) keeps its lease
+alive, and recovers calls whose answer was lost as `retry` says (`recovery.py`).
+"""
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Self, TypeVar
+
+import grpc
+
+from pagedkv.client.pool.errors import (
+    STATUS_BY_NUMBER,
+    DaemonUnavailable,
+    InvalidArgument,
+    PagedKVError,
+    error_from_rpc,
+    error_from_status,
+)
+from pagedkv.client.pool.recovery import RetryPolicy
+from pagedkv.client.pool.session import Session
+from pagedkv.client.pool.tls import TlsOptions
+from pagedkv.client.pool.types import PoolInfo, PoolStats
+from pagedkv.proto import kvpool_pb2 as pb
+from pagedkv.proto import kvpool_pb2_grpc
+from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
+
+# Seconds every call may take unless the client is told otherwise.
+DEFAULT_TIMEOUT_S = 5.0
+# How sessions recover calls whose answer was lost, unless told otherwise.
+DEFAULT_RETRY = RetryPolicy()
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+
+
+class PoolClient:
+    """One channel to the daemon; opens sessions. Create with `await PoolClient.connect(...)`."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, auth_token: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT_S,
+                 retry: RetryPolicy | None = DEFAULT_RETRY) -> None:
+        self._channel = channel
+        self.stub = kvpool_pb2_grpc.KVPoolStub(channel)
+        # Deadline of every call, in seconds.
+        self.timeout = timeout
+        # How sessions recover a call whose answer was lost; None: they raise at once.
+        self.retry = retry
+        self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        self._sessions: set[Session] = set()
+
+    @classmethod
+    async def connect(cls, target: str, *, auth_token: str | None = None,
+                      timeout: float = DEFAULT_TIMEOUT_S,
+                      tls: TlsOptions | None = None,
+                      retry: RetryPolicy | None = DEFAULT_RETRY) -> "PoolClient":
+        """Connect to "unix:/path.sock" or "host:port" (over TLS with `tls`: a daemon's TCP
+        listener serves TLS unless it runs with insecure_tcp); waits up to `timeout` for the
+        daemon, whose certificate must verify. `retry=None` turns off the recovery of calls
+        whose answer was lost."""
+        options = list(MESSAGE_SIZE_OPTIONS)
+        channel = (grpc.aio.insecure_channel(target, options=options) if tls is None else
+                   grpc.aio.secure_channel(target, tls.credentials(),
+                                           options + tls.channel_options()))
+        try:
+            await asyncio.wait_for(channel.channel_ready(), timeout)
+        except TimeoutError:
+            await channel.close(grace=None)
+            raise DaemonUnavailable(grpc.StatusCode.UNAVAILABLE, f"no pagedkv daemon answered "
+                                    f"at {target} within {timeout} s") from None
+        return cls(channel, auth_token=auth_token, timeout=timeout, retry=retry)
+
+    async def call(self, method: "grpc.aio.UnaryUnaryMultiCallable[Request, Response]",
+                   make_request: Callable[[], Request], timeout: float | None = None) -> Response:
+        """Build the request, call with deadline and token, map errors to exceptions."""
+        try:
+            request = make_request()
+        except (TypeError, ValueError) as exc:  # protobuf refuses e.g. a negative seq_id
+            raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        try:
+            return await method(request, timeout=timeout or self.timeout,
+                                metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    async def pool_info(self) -> PoolInfo:
+        reply = await self.call(self.stub.GetPoolInfo, pb.GetPoolInfoRequest)
+        return PoolInfo.from_proto(reply)
+
+    async def stats(self) -> PoolStats:
+        """The pool's capacity (a Session's `stats()` adds its own figures)."""
+        return PoolStats.from_proto(await self.call(self.stub.GetStats, pb.GetStatsRequest))
+
+    async def open_session(self, client_name: str = "", lease_ttl_ms: int = 0,
+                           max_blocks: int = 0, cache_salt: bytes | str = b"", *,
+                           keep_alive: bool = True) -> "Session":
+        """A new session. lease_ttl_ms=0: the daemon's default; max_blocks=0: the daemon's
+        max_blocks_per_session (more is clamped to it; `Session.max_blocks` says what was
+        granted); sessions with the same non-empty cache_salt share prefix-cache blocks."""
+        salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
+        reply = await self.call(self.stub.OpenSession, lambda: pb.OpenSessionRequest(
+            client_name=client_name, lease_ttl_ms=lease_ttl_ms, max_blocks=max_blocks,
+            cache_salt=salt))
+        session = Session(self, reply)
+        self._sessions.add(session)
+        if keep_alive:
+            session.start_keep_alive()
+        return session
+
+    async def step_many(self, steps: Sequence[pb.StepRequest]
+                        ) -> list[pb.StepResponse | PagedKVError]:
+        """Several sessions' Steps in one call (kvpool.proto StepMany): per entry, in order, its
+        answer or the exception of its own status (that entry changed nothing). Not retried: a
+        lost call raises OutcomeUnknown, and each entry may or may not have been applied."""
+        reply = await self.call(self.stub.StepMany, lambda: pb.StepManyRequest(steps=steps))
+        if len(reply.results) != len(steps):
+            raise PagedKVError(grpc.StatusCode.INTERNAL, f"StepMany answered {len(reply.results)}"
+                               f" results for {len(steps)} entries")
+        return [result.step if result.code == 0 else error_from_status(
+                    STATUS_BY_NUMBER.get(result.code, grpc.StatusCode.UNKNOWN), result.cause,
+                    result.message)
+                for result in reply.results]
+
+    def forget(self, session: "Session") -> None:
+        self._sessions.discard(session)
+
+    async def close(self) -> None:
+        """Close the sessions still open (best effort), then the channel."""
+        for session in list(self._sessions):
+            with contextlib.suppress(PagedKVError):
+                await session.close()
+        await self._channel.close(grace=None)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()

@@ -1,0 +1,143 @@
+"""Calls whose answer was lost: the retry rules of kvpool.proto, as the bundled client runs them.
+
+A call that ends in UNAVAILABLE, DEADLINE_EXCEEDED or CANCELLED (`LOST`) may or may not have
+been applied. `Session` then reads the state back with GetBlockTables and decides from it
+(kvpool.proto, "Retry rules"), once the lost call has ended:
+
+- allocate: the sequence NOT_FOUND -> not applied: send it again; found with the requested
+  num_tokens -> applied: the answer is rebuilt from the table (slots follow from it, and the
+  table's num_cached_tokens is the Allocate's); found with another length -> unknown.
+- step: every sequence at its length before the step -> not applied: send it again; every one at
+  that length plus the step's tokens -> applied: the answer is rebuilt (slots from the tables;
+  as changed entries every entry the step's tokens touch, a superset of those that changed; no
+  copies: the daemon made them before it answered). The lengths before the step come from the
+  session's record of its sequences (`SequenceLengths`, kept from every answer it received): a
+  sequence changed by someone else (a runner under this session) leaves the outcome unknown.
+- free: NOT_FOUND -> applied (the released-block count was in the lost answer: 0); found ->
+  not applied: send it again.
+
+When the outcome is unknown, or the attempts run out, the lost call's error is raised.
+`RetryPolicy` says how often to try; `PoolClient(retry=None)` turns all this off.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from pagedkv.client.pool.errors import Cancelled, DaemonUnavailable, DeadlineExceeded
+from pagedkv.client.pool.types import SequenceBlocks, StepResult
+
+T = TypeVar("T")
+
+# The errors after which a call may or may not have been applied, and the client reads back.
+LOST = (DaemonUnavailable, DeadlineExceeded, Cancelled)
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How the client recovers a call whose answer was lost."""
+
+    # Tries in all, the first call included: each later one reads the state back and, if the
+    # call was not applied, sends it again. 1 turns recovery off.
+    attempts: int = 3
+    # Pause before the first read-back, in seconds; doubled before each later one.
+    backoff_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.backoff_s < 0:
+            raise ValueError(f"need attempts >= 1 and backoff_s >= 0, got {self.attempts} "
+                             f"and {self.backoff_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class Applied(Generic[T]):
+    """The lost call was applied; its answer, rebuilt from the state read back."""
+
+    # What the call would have returned.
+    answer: T
+
+
+@dataclass(frozen=True, slots=True)
+class NotApplied:
+    """The lost call changed nothing: it may be sent again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Unknown:
+    """The state read back fits neither outcome (another party changed the sequences)."""
+
+    # What did not fit, for the log.
+    reason: str
+
+
+Outcome = Applied[T] | NotApplied | Unknown
+
+
+class SequenceLengths:
+    """Each sequence's token count as the session's last answer about it said."""
+
+    def __init__(self) -> None:
+        # seq id -> num_tokens.
+        self._lengths: dict[int, int] = {}
+
+    def set(self, seq_id: int, num_tokens: int) -> None:
+        self._lengths[seq_id] = num_tokens
+
+    def set_many(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        self._lengths.update(zip(seq_ids, num_tokens, strict=True))
+
+    def forget(self, seq_id: int) -> None:
+        self._lengths.pop(seq_id, None)
+
+    def of(self, seq_ids: Sequence[int]) -> list[int] | None:
+        """The lengths of all of `seq_ids`, or None if one is not known."""
+        lengths = self._lengths
+        if not all(seq_id in lengths for seq_id in seq_ids):
+            return None
+        return [lengths[seq_id] for seq_id in seq_ids]
+
+
+def slots_of(block_ids: Sequence[int], start: int, stop: int, block_size: int) -> list[int]:
+    """Slots of token positions start..stop-1 of a sequence with this block table."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+
+
+def allocate_outcome(table: SequenceBlocks | None, num_tokens: int,
+                     block_size: int) -> Outcome[SequenceBlocks]:
+    """What a lost Allocate of `num_tokens` did, from the sequence read back (None: NOT_FOUND)."""
+    if table is None:
+        return NotApplied()
+    if table.num_tokens != num_tokens:
+        return Unknown(f"sequence {table.seq_id} holds {table.num_tokens} tokens, the lost "
+                       f"allocate asked for {num_tokens}")
+    return Applied(SequenceBlocks(table.seq_id, table.block_ids, num_tokens,
+                                  table.num_cached_tokens,
+                                  slots_of(table.block_ids, 0, num_tokens, block_size), []))
+
+
+def step_outcome(tables: Sequence[SequenceBlocks], before: Sequence[int], num_tokens: int,
+                 block_size: int) -> Outcome[StepResult]:
+    """What a lost Step of `num_tokens` tokens per sequence did, from the tables read back and
+    the sequences' lengths before it."""
+    after = [table.num_tokens for table in tables]
+    if after == list(before):
+        return NotApplied()
+    if after != [count + num_tokens for count in before]:
+        return Unknown(f"lengths {after} are neither {list(before)} nor those plus {num_tokens}")
+    slots: list[int] = []
+    index: list[int] = []
+    logical: list[int] = []
+    blocks: list[int] = []
+    for i, (table, start) in enumerate(zip(tables, before, strict=True)):
+        stop = start + num_tokens
+        slots += slots_of(table.block_ids, start, stop, block_size)
+        touched = range(start // block_size, -(-stop // block_size))
+        index += [i] * len(touched)
+        logical += touched
+        blocks += [table.block_ids[lb] for lb in touched]
+    return Applied(StepResult(slots, index, logical, blocks, [], after))
+
+
+def free_outcome(table: SequenceBlocks | None) -> Outcome[int]:
+    """What a lost Free did, from the sequence read back (None: NOT_FOUND)."""
+    return Applied(0) if table is None else NotApplied()

@@ -1,0 +1,173 @@
+"""A typed async client of the runner (`pagedkv.v1.Runner`): one RPC per client step.
+
+    async with await RunnerClient.connect("unix:///run/pagedkv/pagedkv-runner.sock") as runner:
+        out = await runner.step(session, [SeqStep(1, prompt, new_sequence=True)])
+        out = await runner.step(session, [SeqStep(1, [out[0].token_id])])   # decode
+
+The session is the client's own KVPool session (`PoolClient.open_session`): the runner performs
+the step's memory operations with it, so the sequences stay the client's. Errors are the same
+`PagedKVError` classes as the daemon's.
+"""
+
+import asyncio
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self, overload
+
+import grpc
+
+from pagedkv.client.engine.sampling_params import SamplingParams
+from pagedkv.client.pool.client import DEFAULT_TIMEOUT_S
+from pagedkv.client.pool.errors import DaemonUnavailable, error_from_rpc
+from pagedkv.client.pool.session import Session
+from pagedkv.proto import runner_pb2 as rpb
+from pagedkv.proto import runner_pb2_grpc
+from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
+
+# Greedy decoding: the default of a SeqStep.
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class SeqStep:
+    """One sequence of a step (see runner.proto's SequenceStep)."""
+
+    # The sequence's id in the client's session.
+    seq_id: int
+    # The prompt (new_sequence), or tokens to append (a decode token, more prompt), or empty.
+    token_ids: Sequence[int]
+    # Whether the runner allocates it (a new prompt).
+    new_sequence: bool = False
+    # Most tokens to compute now (chunked prefill); 0 = all.
+    max_compute_tokens: int = 0
+    # How to sample its next token.
+    params: SamplingParams = GREEDY
+    # The parent of a sequence the client just forked (first step only).
+    parent_seq_id: int | None = None
+    # (tokens held, prompt length, computed) for a runner that restarted, else None.
+    history: tuple[Sequence[int], int, int] | None = None
+    # A new sequence without a parent: how many leading token_ids are the prompt (the rest were
+    # generated before a preemption); 0 = all.
+    num_prompt_tokens: int = 0
+    # The next step of this sequence appends exactly the token this one samples (or releases
+    # it): the runner may compute that step ahead, while the answer travels.
+    decode_ahead: bool = False
+
+    def message(self) -> rpb.SequenceStep:
+        p = self.params
+        step = rpb.SequenceStep(
+            seq_id=self.seq_id, new_sequence=self.new_sequence, token_ids=self.token_ids,
+            max_compute_tokens=self.max_compute_tokens,
+            sampling=rpb.SamplingParams(
+                temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                repetition_penalty=p.repetition_penalty, has_seed=p.seed is not None,
+                seed=p.seed or 0, logprobs=-1 if p.logprobs is None else p.logprobs,
+                stop_token_ids=p.stop_token_ids, max_tokens=p.max_tokens),
+            has_parent=self.parent_seq_id is not None, parent_seq_id=self.parent_seq_id or 0,
+            num_prompt_tokens=self.num_prompt_tokens, decode_ahead=self.decode_ahead)
+        if self.history is not None:
+            tokens, prompt_len, computed = self.history
+            step.history.CopyFrom(rpb.SequenceHistory(token_ids=tokens, prompt_len=prompt_len,
+                                                      num_computed=computed))
+        return step
+
+
+@dataclass(frozen=True, slots=True)
+class SeqOutput:
+    """What a step did to one sequence (see runner.proto's SequenceOutput)."""
+
+    seq_id: int
+    num_tokens: int
+    num_computed: int
+    num_cached: int
+    # Whether token_id holds a sampled token (not while a chunked prefill goes on).
+    sampled: bool
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+    # A stop token was sampled, or max_tokens were generated.
+    finished: bool
+
+    @classmethod
+    def from_proto(cls, m: rpb.SequenceOutput) -> "SeqOutput":
+        return cls(m.seq_id, m.num_tokens, m.num_computed_tokens, m.num_cached_tokens,
+                   m.sampled, m.token_id, m.logprob, tuple(m.top_token_ids),
+                   tuple(m.top_logprobs), m.finished)
+
+
+class StepOutputs(Sequence[SeqOutput]):
+    """A step's outputs, one per requested sequence in request order, and the pool's free
+    blocks per the runner's latest daemon answer (what a scheduler admits by)."""
+
+    def __init__(self, outputs: Sequence[SeqOutput], free_blocks: int) -> None:
+        self._outputs = tuple(outputs)
+        self.free_blocks = free_blocks
+
+    @overload
+    def __getitem__(self, index: int) -> SeqOutput: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[SeqOutput]: ...
+    def __getitem__(self, index: int | slice) -> SeqOutput | Sequence[SeqOutput]:
+        return self._outputs[index]
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    def __iter__(self) -> Iterator[SeqOutput]:
+        return iter(self._outputs)
+
+
+class RunnerClient:
+    """One channel to a runner. Create with `await RunnerClient.connect(target)`."""
+
+    def __init__(self, channel: grpc.aio.Channel, timeout: float) -> None:
+        self._channel = channel
+        self.stub = runner_pb2_grpc.RunnerStub(channel)
+        # Deadline of every call, in seconds (a long CPU prefill needs a generous one).
+        self.timeout = timeout
+
+    @classmethod
+    async def connect(cls, target: str, *, timeout: float = 10 * DEFAULT_TIMEOUT_S) -> Self:
+        # The runner's answers stay within max_answer_bytes (at most MAX_MESSAGE_BYTES).
+        channel = grpc.aio.insecure_channel(target, options=list(MESSAGE_SIZE_OPTIONS))
+        try:
+            await asyncio.wait_for(channel.channel_ready(), DEFAULT_TIMEOUT_S)
+        except TimeoutError:
+            await channel.close(grace=None)
+            raise DaemonUnavailable(grpc.StatusCode.UNAVAILABLE,
+                                    f"no pagedkv runner answered at {target}") from None
+        return cls(channel, timeout)
+
+    async def info(self, timeout: float | None = None) -> rpb.RunnerInfo:
+        """The runner's RunnerInfo (`timeout`: this call's deadline instead of the client's)."""
+        try:
+            return await self.stub.GetRunnerInfo(rpb.GetRunnerInfoRequest(),
+                                                 timeout=timeout or self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    async def step(self, session: Session, seqs: Sequence[SeqStep],
+                   release: Sequence[int] = ()) -> StepOutputs:
+        """Compute one step of the session's sequences; free `release` after it."""
+        request = rpb.RunnerStepRequest(session_id=session.session_id,
+                                        seqs=[seq.message() for seq in seqs],
+                                        release_seq_ids=release)
+        try:
+            reply = await self.stub.Step(request, timeout=self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise error_from_rpc(exc) from None
+        return StepOutputs([SeqOutput.from_proto(output) for output in reply.outputs],
+                           reply.free_blocks)
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+

@@ -1,0 +1,343 @@
+"""One gRPC server interceptor: bearer-token auth on TCP, a log line and metrics per RPC.
+
+Auth: a call that arrives over TCP must carry `authorization: Bearer <token>`, the token of
+one of the daemon's tenants, and acts as that tenant; a call over a unix socket needs none,
+because the socket file's owner, group and mode already decide who may connect, and acts as
+the tenant listing its caller's uid when tenants list uids (the peer-credential gate names the
+connection by uid, peer_gate.py; a uid no tenant lists is closed at accept there, and
+PERMISSION_DENIED here, unless `unmapped_uids = "unix_tenant"`), else as the unix tenant (see
+tenants.py). The runner socket
+has a server and an interceptor of its own (`runners=True`): every call there is a runner's. The
+caller is set for the call's duration
+(`tenants.calling_as`), where the service and the session registry read it. Health checks
+(grpc.health.v1) are exempt so that load balancers and `grpc_health_probe` work without the
+secret; they reveal only SERVING or NOT_SERVING.
+Reflection is not exempt: `grpcurl -H 'authorization: Bearer ...'` lists the services.
+
+Authentication comes before parsing. grpc would parse a unary request before any handler
+runs, so a peer without the token could make the daemon parse whatever it sends (and a
+request that does not parse would end as UNKNOWN with a traceback logged per call). The
+interceptor therefore registers every handler with no request deserializer: the handler gets
+the raw bytes, checks the caller, and only then parses them with the method's own
+deserializer. A request that does not parse is answered INVALID_ARGUMENT, counted in the RPC
+metrics like any other outcome, and logged at most once per HOSTILE_LOG_INTERVAL_S (with the
+number of such requests since the last line), never with a traceback. Calls refused for want
+of a token, or for an unmapped uid, are logged the same way: a peer must not be able to fill
+the log. So are failed calls of authenticated and unix callers (one warning per method and
+status code per interval, with the count); every outcome is still counted in the metrics.
+
+Admission comes before parsing too: after the auth check, a request over 64 KiB takes its wire
+bytes from the daemon's request budget (`request_budget.py`, max_queued_request_bytes) and
+waits there, unparsed, while the budget is full; it gives them back when the call ends. So
+calls queued for the pool lock hold their wire bytes, not their parsed expansion.
+
+Every handler kind is wrapped (unary or streamed requests and responses, generators or
+context.write), so a new RPC can never slip past the check. Session ids are credentials and
+never logged: a log line names the session by its number (`session=#7`), which GetStats
+shows as `client_name#7`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import grpc
+
+from pagedkv.daemon.edge.peer_gate import peer_uid
+from pagedkv.daemon.process.metrics import RpcMetrics
+from pagedkv.daemon.service.request_budget import RequestBudget
+from pagedkv.daemon.service.tenants import Caller, Tenants, calling_as
+from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, get_logger
+
+# Services any peer may call without a token.
+UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
+# "{pool_id}-{number}-{secret}" (see sessions.py): only the number is safe to log.
+_SESSION_NUMBER = re.compile(r"-([0-9]+)-[0-9a-f]+$")
+
+_log = get_logger(__name__)
+
+if TYPE_CHECKING:
+    # Generic in the stubs only: at run time these grpc classes take no type arguments.
+    Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+    Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+    # What runs around one call, given its context: auth, then timing and the outcome.
+    # What runs around one call, given its context and its request's wire bytes (0 for a
+    # request stream): auth, admission, then timing and the outcome.
+    CallScope: TypeAlias = Callable[[Context, int], AbstractAsyncContextManager["Rpc"]]
+
+# A handler's behavior: (request or request iterator, context) -> response or async generator.
+# The stubs type behaviors with the sync context; the aio server passes its own.
+Behavior = Callable[..., Any]
+# A method's request deserializer: wire bytes -> message (None: the handler takes bytes).
+Deserializer = Callable[[bytes], Any] | None
+
+
+class MalformedRequest(Exception):
+    """A request's bytes do not parse as the method's request message."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a caller may not call (health checks excepted)."""
+
+    # The status it gets, and the message.
+    code: grpc.StatusCode
+    message: str
+    # The warning logged (rate-limited) about such calls.
+    event: str
+
+
+# A TCP call without exactly one valid token.
+NO_TOKEN = Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                   "TCP calls need metadata 'authorization: Bearer <token>'",
+                   "unauthenticated_calls")
+# A unix caller the peer-credential gate did not name (only the daemon's own user can reach
+# gRPC's socket in the gate's folder).
+NOT_THROUGH_GATE = Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                           "unix callers are identified by uid through the daemon's socket",
+                           "unidentified_unix_calls")
+
+
+def unmapped_uid(uid: int) -> Refusal:
+    """A unix caller whose uid no tenant lists, with unmapped_uids = "refuse" (the gate
+    closes such connections at accept: this is the second check)."""
+    return Refusal(grpc.StatusCode.PERMISSION_DENIED,
+                   f"uid {uid} is in no tenant's uids, and the daemon refuses unix callers "
+                   "of other uids (unmapped_uids = \"refuse\")", "unmapped_uid_calls")
+
+
+class Rpc:
+    """One call as the interceptor sees it: what it names, and its request once parsed."""
+
+    def __init__(self, service: str, method: str) -> None:
+        # Full service name and method name, e.g. "pagedkv.v1.KVPool", "Allocate".
+        self.service = service
+        self.method = method
+        # "#<number>" of the session the request names, once parsed (see session_label).
+        self.session: str | None = None
+        # When the call started (perf_counter seconds).
+        self.start = time.perf_counter()
+
+    def parse(self, raw: Any, deserializer: Deserializer) -> Any:
+        """The request message from its wire bytes; MalformedRequest if they do not parse."""
+        if deserializer is None:
+            return raw
+        try:
+            request = deserializer(raw)
+        except Exception as exc:  # protobuf raises DecodeError, and others for odd input
+            raise MalformedRequest(f"the request is not a valid {self.method} message") from exc
+        self.session = session_label(request)
+        return request
+
+
+def session_label(request: object) -> str | None:
+    """"#<number>" for a request naming a session, "invalid" for a malformed id, else None."""
+    session_id = getattr(request, "session_id", None)
+    if not isinstance(session_id, str) or not session_id:
+        return None
+    match = _SESSION_NUMBER.search(session_id)
+    return f"#{match.group(1)}" if match else "invalid"
+
+
+def single_authorization(metadata: Iterable[tuple[str, str | bytes]]) -> bytes | None:
+    """The call's one `authorization` value; None when it carries none, or more than one (which
+    of several counts must not depend on their order: such a call is refused)."""
+    values = [value for key, value in metadata if key == "authorization"]
+    if len(values) != 1:
+        return None
+    return values[0].encode() if isinstance(values[0], str) else values[0]
+
+
+def is_unix_peer(peer: str) -> bool:
+    """grpc names unix-socket peers "unix:..." or "unix-abstract:...", TCP ones "ipv4:..."."""
+    return peer.startswith("unix")
+
+
+class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Auth, logging and metrics around every RPC handler of the server."""
+
+    def __init__(self, tenants: Tenants, rpc_metrics: RpcMetrics | None,
+                 gate_folders: frozenset[str], *, runners: bool = False,
+                 requests: RequestBudget | None = None) -> None:
+        # Who may call: each tenant's token and uids, and the tenant of unix callers.
+        self._tenants = tenants
+        # It serves the runner socket, whose mode alone decides who connects: runners.
+        self._runners = runners
+        self._metrics = rpc_metrics
+        # The peer-credential gate's private folders: unix peers named there carry a uid.
+        self._gate_folders = gate_folders
+        self._malformed_log = RateLimitedLog(HOSTILE_LOG_INTERVAL_S)
+        # Admits each large request before it is parsed (request_budget.py); None: no bound.
+        self._requests = requests
+        # One rate limit per kind of refused call (Refusal.event), and per method and code of
+        # failed calls ("rpc Allocate NOT_FOUND"): a bounded set of keys.
+        self._refusal_logs: dict[str, RateLimitedLog] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED itself
+            return handler
+        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
+        return _wrap(handler, lambda context, nbytes: self._call(service, method, context,
+                                                                  nbytes))
+
+    def _caller(self, context: Context) -> Caller | Refusal:
+        """Who makes the call: a unix caller by uid or as the unix tenant, a TCP caller as the
+        tenant whose token it carries; else why it is refused (no token: config refuses TCP
+        listeners then, so only a listener added behind config's back gets here; refuse
+        rather than trust)."""
+        peer = context.peer()
+        if self._runners and is_unix_peer(peer):
+            return Caller(self._tenants.unix, runner=True)
+        if is_unix_peer(peer):
+            return self._unix_caller(peer)
+        # Exactly one authorization header: which of several counts must not depend on order.
+        sent = single_authorization(context.invocation_metadata() or ())
+        tenant = None if sent is None else self._tenants.for_bearer(sent)
+        return NO_TOKEN if tenant is None else Caller(tenant)
+
+    def _unix_caller(self, peer: str) -> Caller | Refusal:
+        """The unix tenant, or when tenants list uids the tenant of the uid the gate gave."""
+        if not self._tenants.maps_uids:
+            return Caller(self._tenants.unix)
+        uid = peer_uid(peer, self._gate_folders)
+        if uid is None:
+            return NOT_THROUGH_GATE
+        tenant = self._tenants.for_uid(uid)
+        return unmapped_uid(uid) if tenant is None else Caller(tenant)
+
+    @asynccontextmanager
+    async def _call(self, service: str, method: str, context: Context,
+                    nbytes: int) -> AsyncIterator[Rpc]:
+        """Runs around one call: refuse it, or admit its `nbytes` of request to the request
+        budget (waiting, unparsed, for room) and time it and record its outcome."""
+        rpc = Rpc(service, method)
+        caller = self._caller(context)
+        if isinstance(caller, Refusal) and service not in UNAUTHENTICATED_SERVICES:
+            self._record(rpc, caller.code, log=False)
+            limit = self._refusal_logs.setdefault(
+                caller.event, RateLimitedLog(HOSTILE_LOG_INTERVAL_S))
+            self._log_rarely(limit, caller.event, rpc)
+            await context.abort(caller.code, caller.message)
+        admitted = (contextlib.nullcontext() if self._requests is None
+                    else self._requests.admit(nbytes))
+        try:
+            async with admitted:
+                with (calling_as(caller) if isinstance(caller, Caller)
+                      else contextlib.nullcontext()):
+                    yield rpc
+        except asyncio.CancelledError:
+            self._record(rpc, grpc.StatusCode.CANCELLED)
+            raise
+        except MalformedRequest as exc:
+            await self._refuse_malformed(rpc, context, str(exc))
+        except Exception:
+            # context.abort() sets the code before it raises; anything else is a bug (UNKNOWN).
+            code = context.code()
+            if code is None:
+                _log.exception("rpc_failed", method=method, session=rpc.session)
+            self._record(rpc, code or grpc.StatusCode.UNKNOWN)
+            raise
+        self._record(rpc, context.code() or grpc.StatusCode.OK)
+
+    async def _refuse_malformed(self, rpc: Rpc, context: Context, message: str) -> None:
+        """INVALID_ARGUMENT for a request that does not parse: counted, logged rate-limited."""
+        self._record(rpc, grpc.StatusCode.INVALID_ARGUMENT, log=False)
+        self._log_rarely(self._malformed_log, "malformed_requests", rpc)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    @staticmethod
+    def _log_rarely(limit: RateLimitedLog, event: str, rpc: Rpc) -> None:
+        """A warning about `rpc` if one is due: how many such calls since the last line."""
+        count = limit.event()
+        if count is not None:
+            _log.warning(event, service=rpc.service, method=rpc.method, count=count,
+                         interval_s=HOSTILE_LOG_INTERVAL_S)
+
+    def _record(self, rpc: Rpc, code: grpc.StatusCode, *, log: bool = True) -> None:
+        seconds = time.perf_counter() - rpc.start
+        if self._metrics is not None:
+            self._metrics.observe(rpc.service, rpc.method, code.name, seconds)
+        if not log:
+            return
+        fields = {"service": rpc.service, "method": rpc.method, "session": rpc.session,
+                  "code": code.name, "latency_ms": round(seconds * 1000, 3)}
+        if code == grpc.StatusCode.OK:
+            _log.debug("rpc", **fields)
+            return
+        # A caller may fail calls as fast as it likes: one line per method and code at most
+        # every HOSTILE_LOG_INTERVAL_S, counting the failures it stands for.
+        limit = self._refusal_logs.setdefault(
+            f"rpc {rpc.method} {code.name}", RateLimitedLog(HOSTILE_LOG_INTERVAL_S))
+        count = limit.event()
+        if count is not None:
+            _log.warning("rpc", **fields, count=count, interval_s=HOSTILE_LOG_INTERVAL_S)
+
+
+# The four handler kinds, and the grpc factory that makes a handler of each kind.
+_HANDLER_KINDS = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler),
+)
+
+
+def _wrap(handler: Handler, scope: CallScope) -> Handler:
+    """The same handler taking raw bytes, each call run inside `scope(context, nbytes)` and
+    its request parsed there, after the scope's auth check and admission."""
+    for kind, make in _HANDLER_KINDS:
+        behavior = getattr(handler, kind)
+        if behavior is not None:
+            streamed = kind.startswith("stream")
+            wrapped: Handler = make(_scoped(behavior, scope, handler.request_deserializer,
+                                            streamed),
+                                    request_deserializer=None,
+                                    response_serializer=handler.response_serializer)
+            return wrapped
+    raise AssertionError(f"a method handler without a behavior: {handler}")
+
+
+def _scoped(behavior: Behavior, scope: CallScope, deserializer: Deserializer,
+            streamed: bool) -> Behavior:
+    """`behavior` run inside `scope`, its request (or each streamed request) parsed after the
+    scope's checks, keeping its shape: grpc treats an async generator (which yields responses)
+    differently from a coroutine (which returns one or calls context.write)."""
+
+    def parsed(raw: Any, rpc: Rpc) -> Any:
+        return _parse_each(raw, rpc, deserializer) if streamed else rpc.parse(raw, deserializer)
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(raw: Any, context: Context) -> Any:
+            async with scope(context, 0 if streamed else len(raw)) as rpc:
+                async for response in behavior(parsed(raw, rpc), context):
+                    yield response
+
+        return stream
+
+    async def call(raw: Any, context: Context) -> Any:
+        async with scope(context, 0 if streamed else len(raw)) as rpc:
+            result = behavior(parsed(raw, rpc), context)
+            return await result if inspect.isawaitable(result) else result
+
+    return call
+
+
+async def _parse_each(raw_requests: AsyncIterator[Any], rpc: Rpc,
+                      deserializer: Deserializer) -> AsyncIterator[Any]:
+    """Parse a request stream message by message, as the handler reads it."""
+    async for raw in raw_requests:
+        yield rpc.parse(raw, deserializer)

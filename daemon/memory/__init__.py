@@ -1,0 +1,3 @@
+"""The daemon's device memory: the pool tensor, what holds a CPU pool's tmpfs, and capacity
+planning.
+"""

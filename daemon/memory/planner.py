@@ -1,0 +1,157 @@
+"""Capacity planning: how many KV blocks, tokens and sequences fit on a device.
+
+    KV budget        = device memory - weights - reserve (CUDA context, activations)
+    num_blocks       = floor(KV budget / bytes_per_block)
+    token_capacity   = num_blocks x block_size
+    paged_seqs       = floor(num_blocks / ceil(seq_len / block_size))
+    contiguous_seqs  = floor(KV budget / (max_model_len x bytes_per_token))
+
+Paged sequences hold only the blocks their tokens need; contiguous ones each reserve a slab
+for the longest allowed sequence, which is the waste paging removes. Run as `pagedkv plan`
+(the CLI calls `add_plan_arguments` and `run_plan`) or `python -m pagedkv.daemon.memory.planner`.
+This module never imports torch: planning must work on a machine without it.
+"""
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from pagedkv.daemon.core import blocks_for
+from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
+from pagedkv.vocab.units import format_bytes, parse_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The figures of one capacity plan; every size is in bytes."""
+
+    # K and V of one token, all layers.
+    bytes_per_token: int
+    # One physical block of block_size tokens.
+    bytes_per_block: int
+    # Token slots per block.
+    block_size: int
+    # Weights' memory: as given, or num_params x dtype bytes.
+    weights_memory: int
+    # Memory left for the KV pool after weights and reserve.
+    kv_budget: int
+    # Blocks the KV budget holds.
+    num_blocks: int
+    # Token slots in those blocks.
+    token_capacity: int
+    # Length of the sequences being counted, and the longest one the server admits.
+    seq_len: int
+    max_model_len: int
+    # Blocks one sequence of seq_len takes under paging.
+    blocks_per_seq: int
+    # Sequences of seq_len that fit when each takes only the blocks it needs.
+    paged_seqs: int
+    # Sequences that fit when each reserves max_model_len contiguous slots.
+    contiguous_seqs: int
+
+
+def plan(geometry: ModelGeometry, device_memory: int, weights_memory: int | None, reserve: int,
+         block_size: int, dtype_bytes: int, seq_len: int, max_model_len: int) -> Plan:
+    """Plan a pool; ValueError when the inputs are inconsistent or leave no room for KV."""
+    for name, value in (("block_size", block_size), ("dtype_bytes", dtype_bytes),
+                        ("seq_len", seq_len), ("max_model_len", max_model_len)):
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if seq_len > max_model_len:
+        raise ValueError(f"seq_len {seq_len} exceeds max_model_len {max_model_len}")
+    if weights_memory is None:
+        if geometry.num_params is None:
+            raise ValueError(f"the parameter count of {geometry.name!r} is unknown: "
+                             "give the weights' memory")
+        weights_memory = round(geometry.num_params * dtype_bytes)
+    kv_budget = device_memory - weights_memory - reserve
+    if kv_budget <= 0:
+        raise ValueError(f"no memory left for the KV cache: device {format_bytes(device_memory)}"
+                         f" - weights {format_bytes(weights_memory)}"
+                         f" - reserve {format_bytes(reserve)} = {format_bytes(kv_budget)}")
+    per_token = geometry.bytes_per_token(dtype_bytes)
+    per_block = geometry.bytes_per_block(block_size, dtype_bytes)
+    num_blocks = kv_budget // per_block
+    blocks_per_seq = blocks_for(seq_len, block_size)
+    return Plan(bytes_per_token=per_token, bytes_per_block=per_block, block_size=block_size,
+                weights_memory=weights_memory, kv_budget=kv_budget, num_blocks=num_blocks,
+                token_capacity=num_blocks * block_size, seq_len=seq_len,
+                max_model_len=max_model_len, blocks_per_seq=blocks_per_seq,
+                paged_seqs=num_blocks // blocks_per_seq,
+                contiguous_seqs=kv_budget // (max_model_len * per_token))
+
+
+def format_plan(p: Plan, title: str = "") -> str:
+    """One `name: value unit` line per figure, then `title` and a short table for people."""
+    figures = [
+        ("bytes_per_token", p.bytes_per_token, "B"),
+        ("bytes_per_block", p.bytes_per_block, "B"),
+        ("weights_memory", p.weights_memory, "B"),
+        ("kv_budget", p.kv_budget, "B"),
+        ("num_blocks", p.num_blocks, "blocks"),
+        ("token_capacity", p.token_capacity, "tokens"),
+        ("blocks_per_seq", p.blocks_per_seq, "blocks"),
+        ("paged_seqs", p.paged_seqs, "seqs"),
+        ("contiguous_seqs", p.contiguous_seqs, "seqs"),
+    ]
+    lines = [f"{name}: {value} {unit}" for name, value, unit in figures]
+    paged_slab = p.blocks_per_seq * p.bytes_per_block
+    contiguous_slab = p.max_model_len * p.bytes_per_token
+    lines += [
+        "",
+        *([title] if title else []),
+        f"KV budget {format_bytes(p.kv_budget)} = {p.num_blocks} blocks x {p.block_size} tokens"
+        f" = {p.token_capacity} tokens",
+        f"{'sequences of ' + str(p.seq_len) + ' tokens':<28}{'memory each':>14}{'fit':>8}",
+        f"{'paged':<28}{format_bytes(paged_slab):>14}{p.paged_seqs:>8}",
+        f"{'contiguous (' + str(p.max_model_len) + ' reserved)':<28}"
+        f"{format_bytes(contiguous_slab):>14}{p.contiguous_seqs:>8}",
+    ]
+    return "\n".join(lines)
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `pagedkv plan`."""
+    parser.add_argument("--model", required=True,
+                        help="a built-in model name (e.g. qwen2.5-7b) or a local config.json path")
+    parser.add_argument("--device-memory", required=True,
+                        help="device memory, e.g. 24GB (GB = 10^9, GiB = 2^30)")
+    parser.add_argument("--weights-memory", default=None,
+                        help="weights' memory; default: parameter count x dtype bytes")
+    parser.add_argument("--reserve", default="0",
+                        help="memory kept back for the runtime (CUDA context, activations)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--dtype", default=None, help="KV dtype; default: the model's")
+    parser.add_argument("--seq-len", type=int, default=256,
+                        help="length of the sequences to count")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="longest sequence; what a contiguous cache reserves per sequence")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the plan for parsed `pagedkv plan` arguments; 0 on success, 2 on bad input."""
+    try:
+        geometry = resolve_geometry(args.model)
+        dtype = canonical_dtype(args.dtype or geometry.default_dtype)
+        weights = None if args.weights_memory is None else parse_bytes(args.weights_memory)
+        result = plan(geometry, device_memory=parse_bytes(args.device_memory),
+                      weights_memory=weights, reserve=parse_bytes(args.reserve),
+                      block_size=args.block_size, dtype_bytes=dtype_bytes(dtype),
+                      seq_len=args.seq_len, max_model_len=args.max_model_len)
+    except ValueError as exc:
+        print(f"pagedkv plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_plan(result, title=f"{geometry.name}: {geometry.num_layers} layers, "
+                      f"{geometry.num_kv_heads} KV heads, head_dim {geometry.head_dim}, {dtype}"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point for tests and `python -m pagedkv.daemon.memory.planner`."""
+    parser = argparse.ArgumentParser(prog="pagedkv plan", description="KV pool capacity plan")
+    add_plan_arguments(parser)
+    return run_plan(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Prometheus metrics and HTTP probes: /metrics, /healthz, /readyz on --metrics-listen.
+
+Pool figures are read from the service when Prometheus scrapes (a custom collector), so there
+is no polling loop and a scrape always sees the pool as it is. The scrape runs on the event
+loop, the same thread as every pool operation, so it needs no lock. Names follow vLLM's where
+the figure is the same (`vllm:kv_cache_usage_perc` is `pagedkv:kv_cache_usage_perc` here), so
+existing dashboards carry over.
+"""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import prometheus_client
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from pagedkv.daemon.core.types import PoolStats
+from pagedkv.daemon.service.tenants import TenantFigures
+
+# RPCs take tens of microseconds to milliseconds; the top buckets catch a stalled loop.
+RPC_LATENCY_BUCKETS_S = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0,
+)
+
+
+class PoolFigures(Protocol):
+    """What the collector reads from the pool service (PoolService provides it)."""
+
+    def pool_stats(self) -> PoolStats: ...
+
+    @property
+    def num_sessions(self) -> int: ...
+
+    @property
+    def lease_expiries_total(self) -> int: ...
+
+    def tenant_figures(self) -> list[TenantFigures]: ...
+
+
+class PoolCollector(Collector):
+    """Turns one PoolStats snapshot per scrape into metric families."""
+
+    def __init__(self, figures: PoolFigures) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._figures.pool_stats()
+        yield GaugeMetricFamily(
+            "pagedkv:kv_cache_usage_perc",
+            "KV-cache usage: used blocks / all blocks (1 means 100 percent).",
+            value=stats.used_blocks / stats.num_blocks,
+        )
+        yield CounterMetricFamily(
+            "pagedkv:prefix_cache_queries",
+            "Prefix-cache lookups, in tokens offered for reuse.",
+            value=stats.prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            "pagedkv:prefix_cache_hits",
+            "Prefix-cache hits, in tokens found cached.",
+            value=stats.prefix_cache_hits,
+        )
+        for name, value, text in (
+            ("num_blocks", stats.num_blocks, "Physical blocks in the pool."),
+            ("free_blocks", stats.free_blocks, "Blocks an allocation could take now "
+             "(contiguous: free blocks in runs that hold whole reservations)."),
+            ("used_blocks", stats.used_blocks, "Blocks referenced (contiguous: reserved) by a "
+             "live sequence."),
+            ("cached_blocks", stats.cached_blocks, "Evictable cached blocks (part of free)."),
+            ("pending_blocks", stats.pending_blocks,
+             "Full blocks not yet committed (K/V not certified written; never shared)."),
+            ("num_sequences", stats.num_sequences, "Live sequences."),
+            ("num_sessions", self._figures.num_sessions, "Open sessions."),
+        ):
+            yield GaugeMetricFamily(f"pagedkv:{name}", text, value=value)
+        yield GaugeMetricFamily(
+            "pagedkv:kv_cache_utilization",
+            "Filled token slots / slots of used blocks (internal fragmentation is 1 - this).",
+            value=stats.utilization,
+        )
+        yield CounterMetricFamily(
+            "pagedkv:lease_expiries",
+            "Sessions closed by the daemon because their lease ran out.",
+            value=self._figures.lease_expiries_total,
+        )
+        yield from _tenant_families(self._figures.tenant_figures())
+
+
+# Per-tenant gauges: (metric name, help, the TenantFigures field).
+_TENANT_GAUGES = (
+    ("tenant_sessions", "Open sessions of the tenant.", "sessions"),
+    ("tenant_max_sessions", "The tenant's cap on open sessions (0 = none).", "max_sessions"),
+    ("tenant_blocks_held", "Distinct blocks the tenant's sequences reference.", "blocks_held"),
+    ("tenant_block_table_entries",
+     "Block-table entries over the tenant's sessions (what max_blocks bounds).",
+     "block_table_entries"),
+    ("tenant_max_blocks", "The tenant's cap on block-table entries (0 = none).", "max_blocks"),
+)
+
+
+def _tenant_families(figures: list[TenantFigures]) -> Iterator[Metric]:
+    """One gauge family per figure, one sample per tenant (label `tenant`)."""
+    for name, text, attribute in _TENANT_GAUGES:
+        family = GaugeMetricFamily(f"pagedkv:{name}", text, labels=["tenant"])
+        for tenant in figures:
+            family.add_metric([tenant.name], getattr(tenant, attribute))
+        yield family
+
+
+class RpcMetrics:
+    """Per-method RPC latency and outcome counts, fed by the gRPC interceptor."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._latency = prometheus_client.Histogram(
+            "pagedkv:rpc_duration_seconds", "Time from RPC start to its answer.",
+            ["service", "method"], registry=registry, buckets=RPC_LATENCY_BUCKETS_S,
+        )
+        self._calls = prometheus_client.Counter(
+            "pagedkv:rpc_requests", "Finished RPCs by status code.",
+            ["service", "method", "code"], registry=registry,
+        )
+
+    def observe(self, service: str, method: str, code: str, seconds: float) -> None:
+        self._latency.labels(service, method).observe(seconds)
+        self._calls.labels(service, method, code).inc()
+
+
+@dataclass
+class Readiness:
+    """What /readyz reports; the server flips these as it starts and stops."""
+
+    # The pool memory and the block pool exist.
+    pool_allocated: bool = False
+    # Every gRPC listener is bound and the server started.
+    listeners_up: bool = False
+    # SIGTERM arrived: no new work should be routed here.
+    draining: bool = False
+
+    def reason_not_ready(self) -> str | None:
+        if self.draining:
+            return "draining"
+        if not self.pool_allocated:
+            return "pool not allocated"
+        if not self.listeners_up:
+            return "listeners not up"
+        return None

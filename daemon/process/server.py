@@ -1,0 +1,363 @@
+"""The pagedkvd process: allocate the pool, serve gRPC, tell systemd, drain on SIGTERM.
+
+Start, in this order, so that READY=1 is true when sent: remove pool files left by a crashed
+daemon, allocate the pool memory and the block pool, build the gRPC servers (`grpc_server`:
+interceptor, message limit, KVPool, health, reflection; one for the listeners, one for the
+runner socket, whose every caller is a runner), bind every listener, start them, start the
+metrics HTTP server, then READY=1. The tests' in-process daemon builds its gRPC servers with
+the same `grpc_server`.
+
+Stop (SIGTERM or SIGINT): STOPPING=1 and health NOT_SERVING so balancers and clients move
+away, then the gRPC server stops accepting and lets in-flight calls finish for up to
+SHUTDOWN_GRACE_S, then the lease reaper stops and the pool memory is released (its shm file
+unlinked). The next start has a new pool_id: clients recompute their tables from scratch.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client.registry import CollectorRegistry
+
+from pagedkv.daemon.core import make_pool
+from pagedkv.daemon.edge.addresses import ListenAddress, parse_host_port
+from pagedkv.daemon.edge.interceptors import ServerInterceptor
+from pagedkv.daemon.edge.peer_gate import PeerGate, gate_folder
+from pagedkv.daemon.edge.servicer import KVPoolServicer, add_to_server
+from pagedkv.daemon.edge.tls import ServerTls
+from pagedkv.daemon.memory.kv_memory import (
+    KVPoolMemory,
+    cleanup_stale_files,
+    num_blocks_for_bytes,
+    num_blocks_for_fraction,
+)
+from pagedkv.daemon.process.config import (
+    DEFAULT_SOCKET_MODE,
+    MAX_LEASE_TTL_MS,
+    RUNNER_GROUP_MODE,
+    RUNNERS_ONLY_MODE,
+    ConfigError,
+    DaemonConfig,
+)
+from pagedkv.daemon.process.metrics import PoolCollector, Readiness, RpcMetrics
+from pagedkv.daemon.service.pool_service import PoolService
+from pagedkv.process.lifecycle import cancel, stop_on_signals
+from pagedkv.process.log_setup import get_logger
+from pagedkv.process.notify import notify, watchdog_interval_s
+from pagedkv.process.probes import metrics_app, start_http
+from pagedkv.process.socket_files import SocketInUse, claim_socket_path, socket_umask
+from pagedkv.proto import kvpool_pb2
+from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
+from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
+from pagedkv.vocab.units import format_bytes
+
+# How long in-flight calls may run after SIGTERM before they are cancelled. The unit's
+# TimeoutStopSec must be larger, or systemd kills the daemon mid-drain.
+SHUTDOWN_GRACE_S = 5.0
+# The gRPC service name clients, health checks and reflection use.
+KVPOOL_SERVICE = kvpool_pb2.DESCRIPTOR.services_by_name["KVPool"].full_name
+
+log = get_logger(__name__)
+
+# grpc_health's stubs predate its asyncio servicer (`health.aio`), so mypy sees it as Any.
+AsyncHealthServicer: Any = health.aio.HealthServicer  # type: ignore[attr-defined]
+
+
+class StartupError(RuntimeError):
+    """The daemon could not start for a reason outside its settings (e.g. a port in use)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcServer:
+    """A started gRPC server and what its owner stops or inspects."""
+
+    # KVPool, health and reflection, every call through the interceptor.
+    server: grpc.aio.Server
+    # The health servicer: serve() turns it NOT_SERVING before draining.
+    health: Any
+    # The target each listener serves, in order; a TCP port 0 becomes the port it got.
+    targets: tuple[str, ...]
+    # The peer-credential gate serving the unix listeners, when tenants list uids.
+    gate: PeerGate | None = None
+    # The server of the runner socket (its callers are runners), and its target; None: none.
+    runner_server: grpc.aio.Server | None = None
+    runner_target: str | None = None
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop both servers: new calls refused at once, in-flight ones cancelled after
+        `grace` seconds."""
+        await asyncio.gather(*(server.stop(grace) for server in (self.server, self.runner_server)
+                               if server is not None))
+
+
+async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the daemon until SIGTERM/SIGINT (or until `stop` is set, when given)."""
+    readiness = Readiness()
+    async with contextlib.AsyncExitStack() as stack:
+        if stop is None:
+            stop = stack.enter_context(stop_on_signals())
+        running = await _start(config, readiness, stack)
+        await stop.wait()
+        log.info("stopping", grace_s=SHUTDOWN_GRACE_S)
+        notify("STOPPING=1", "STATUS=draining")
+        readiness.draining = True
+        await running.health.enter_graceful_shutdown()
+        # Refuses new calls at once; in-flight ones get the grace period, then are cancelled.
+        await running.stop(SHUTDOWN_GRACE_S)
+    log.info("stopped")
+
+
+async def _start(config: DaemonConfig, readiness: Readiness,
+                 stack: contextlib.AsyncExitStack) -> GrpcServer:
+    """Everything up to READY=1, each part's clean-up pushed on `stack` (undone in reverse)."""
+    service, memory = await stack.enter_async_context(_pool_service(config))
+    readiness.pool_allocated = True
+    registry = CollectorRegistry()
+    registry.register(PoolCollector(service))
+    rpc_metrics = RpcMetrics(registry) if config.metrics_listen else None
+    running = await stack.enter_async_context(
+        grpc_server(service, config.listeners(), rpc_metrics=rpc_metrics,
+                    socket_mode=config.socket_mode, tls=config.server_tls(),
+                    runner_socket=config.runner_listener().unix_path,
+                    runner_gid=config.runner_gid()))
+    readiness.listeners_up = True
+    if config.metrics_listen is not None:
+        host, port = parse_host_port(config.metrics_listen)
+        http = await start_http(metrics_app(registry, readiness.reason_not_ready), host, port)
+        stack.push_async_callback(http.cleanup)
+    status = (f"serving pool {service.pool_id}: {service.pool.num_blocks} blocks x "
+              f"{service.pool.block_size} tokens, {format_bytes(memory.nbytes, binary=True)}, "
+              f"{config.allocator}")
+    notify("READY=1", f"STATUS={status}")
+    log.info("ready", status=status, listen=list(running.targets),
+             runner_socket=running.runner_target, metrics_listen=config.metrics_listen)
+    interval = watchdog_interval_s()
+    if interval is not None:
+        stack.push_async_callback(cancel, asyncio.create_task(_feed_watchdog(interval)))
+    return running
+
+
+@contextlib.asynccontextmanager
+async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService, KVPoolMemory]]:
+    """The pool memory, the block pool and the service with its lease reaper."""
+    removed = cleanup_stale_files(str(config.shm_dir))
+    if removed:
+        log.info("removed stale pool files", files=[str(path) for path in removed])
+    check_device(config.device)
+    # The daemon's only tensor work is the memory worker's block copies and zeroing: one
+    # intra-op thread leaves a core to the event loop (two threads on a loaded 2-core host made
+    # copies 10x slower and stalled KeepAlives; benchmarks/bench_keepalive_stall.py).
+    torch.set_num_threads(1)
+    geometry, dtype = pool_geometry(config)
+    num_blocks = pool_num_blocks(config, geometry, dtype)
+    config.check_reservation(num_blocks)
+    memory = KVPoolMemory.create(geometry, num_blocks, config.block_size, dtype,
+                                 device=config.device, shm_dir=str(config.shm_dir),
+                                 mode=config.runners_mode, group=config.runner_gid())
+    try:
+        log.info("pool allocated", pool_id=memory.pool_id, model=geometry.name, dtype=dtype,
+                 device=config.device, num_blocks=num_blocks, block_size=config.block_size,
+                 bytes=memory.nbytes, shm_path=memory.handle().shm_path or None,
+                 allocator=config.allocator, max_model_len=config.max_model_len)
+        pool = make_pool(config.allocator, num_blocks, config.block_size,
+                         enable_prefix_caching=config.enable_prefix_caching,
+                         max_model_len=config.max_model_len)
+        service = PoolService(pool, memory, pool_id=memory.pool_id,
+                              default_lease_ttl_ms=config.lease_ttl_ms,
+                              max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,
+                              zero_freed_blocks=config.zero_freed_blocks,
+                              tenants=config.build_tenants(), limits=config.limits())
+        await service.start()
+        try:
+            yield service, memory
+        finally:
+            await service.stop()
+    finally:
+        memory.close()
+
+
+def check_device(device: str) -> None:
+    """A clear StartupError when a CUDA device is asked for and torch cannot see it."""
+    if not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise StartupError(f"device {device}: torch sees no CUDA device (driver, "
+                           "CUDA_VISIBLE_DEVICES, or a CPU-only torch build)")
+    index = torch.device(device).index or 0
+    if index >= torch.cuda.device_count():
+        raise StartupError(f"device {device}: only {torch.cuda.device_count()} CUDA "
+                           "device(s) visible")
+
+
+def pool_geometry(config: DaemonConfig) -> tuple[ModelGeometry, str]:
+    """The model geometry and the canonical KV dtype the pool is laid out for."""
+    try:
+        geometry = resolve_geometry(config.model_config)
+    except ValueError as exc:
+        raise ConfigError(f"model_config: {exc}") from exc
+    return geometry, canonical_dtype(config.dtype or geometry.default_dtype)
+
+
+def pool_num_blocks(config: DaemonConfig, geometry: ModelGeometry, dtype: str) -> int:
+    """Blocks in the pool: given, or what kv_memory or kv_fraction of the device holds."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    per_block = geometry.bytes_per_block(config.block_size, dtype_bytes(dtype))
+    try:
+        if config.kv_memory is not None:
+            return num_blocks_for_bytes(config.kv_memory, per_block)
+        assert config.kv_fraction is not None, "config guarantees one sizing setting"
+        return num_blocks_for_fraction(config.kv_fraction, per_block, config.device,
+                                       str(config.shm_dir))
+    except ValueError as exc:
+        raise ConfigError(f"pool size: {exc}") from exc
+
+
+@contextlib.asynccontextmanager
+async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], *,
+                      rpc_metrics: RpcMetrics | None,
+                      socket_mode: int = DEFAULT_SOCKET_MODE,
+                      tls: ServerTls | None = None, runner_socket: Path | None = None,
+                      runner_gid: int | None = None) -> AsyncIterator[GrpcServer]:
+    """The daemon's gRPC server for `service`, started on every listener and SERVING, and a
+    second one for runners on `runner_socket` when given (mode 0o600, or 0o660 with group
+    `runner_gid`; every call there is a runner's).
+
+    Every call passes the interceptor (TCP calls need a token of one of `service.tenants`; a
+    log line per call, and `rpc_metrics` when given); messages over MAX_MESSAGE_BYTES
+    (pagedkv.proto.limits) are neither accepted nor sent, the limit the bundled client shares.
+    Unix sockets get exactly `socket_mode` whatever the umask, and are served through the
+    peer-credential gate when the tenants list uids (peer_gate.py); TCP listeners serve TLS with
+    `tls` (plaintext, with a warning, without it). Stopped, and the socket files and gate
+    folders it created removed, on exit. serve() and the tests' daemon both use this.
+    """
+    # The gate, when unix callers are told apart by uid; its folders are known before binding.
+    gate = PeerGate(service.limits, service.tenants) if service.tenants.maps_uids else None
+    folders = frozenset(str(gate_folder(lst.unix_path)) for lst in listeners
+                        if gate is not None and lst.unix_path is not None)
+    health_servicer = AsyncHealthServicer()
+    # Both servers' calls queue for the same pool: they share its request budget.
+    server = _kvpool_server(service, ServerInterceptor(
+        service.tenants, rpc_metrics, folders, requests=service.requests), health_servicer)
+    runners = None if runner_socket is None else _kvpool_server(
+        service, ServerInterceptor(service.tenants, rpc_metrics, frozenset(), runners=True,
+                                   requests=service.requests),
+        health_servicer)
+    running = GrpcServer(server, health_servicer, (), gate, runners)
+    # Socket files this daemon created; only these are removed (never a live daemon's).
+    own_sockets: list[Path] = []
+    try:
+        targets = []
+        for listener in listeners:
+            targets.append(_bind(server, listener, socket_mode, tls, gate))
+            if listener.unix_path is not None:
+                own_sockets.append(listener.unix_path)
+        runner_target = None
+        if runners is not None and runner_socket is not None:  # after the listeners' folders
+            runner_target = _bind_runners(runners, runner_socket, runner_gid)
+            own_sockets.append(runner_socket)
+            await runners.start()
+        await server.start()
+        if gate is not None:
+            assert gate.folders == folders, "the interceptor knows every gate folder"
+            await gate.start()
+        for name in ("", KVPOOL_SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        yield dataclasses.replace(running, targets=tuple(targets), runner_target=runner_target)
+    finally:
+        await running.stop(None)
+        if gate is not None:  # after gRPC: the calls it drained needed the gate
+            await gate.stop()
+        for path in own_sockets:
+            path.unlink(missing_ok=True)
+
+
+def _kvpool_server(service: PoolService, interceptor: ServerInterceptor,
+                   health_servicer: Any) -> grpc.aio.Server:
+    """A gRPC server of KVPool, health and reflection, every call through `interceptor`."""
+    server = grpc.aio.server(
+        interceptors=[interceptor],
+        options=[*MESSAGE_SIZE_OPTIONS, *service.limits.server_bounds().options(),
+                 # Without this a second daemon on the same TCP port would share it silently.
+                 ("grpc.so_reuseport", 0)],
+        # One call more is refused by gRPC itself (RESOURCE_EXHAUSTED): what calls waiting for
+        # the pool hold is bounded (with the request budget, request_budget.py).
+        maximum_concurrent_rpcs=service.limits.max_concurrent_rpcs,
+    )
+    add_to_server(KVPoolServicer(service), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (KVPOOL_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    return server
+
+
+def _bind_runners(server: grpc.aio.Server, path: Path, gid: int | None) -> str:
+    """Bind the runner socket: created 0o600 whatever the umask, then given to group `gid`
+    and opened to it (0o660) only once it is that group's; returns its target."""
+    target, mode = f"unix://{path}", RUNNERS_ONLY_MODE if gid is None else RUNNER_GROUP_MODE
+    try:
+        claim_socket_path(path, mode)  # a folder it creates lets the group in with 0o660
+        with socket_umask(RUNNERS_ONLY_MODE):
+            server.add_insecure_port(target)
+        if gid is not None:
+            os.chown(path, -1, gid)
+        os.chmod(path, mode)
+    except SocketInUse as exc:
+        raise StartupError(f"runner_socket: {exc}") from exc
+    except RuntimeError as exc:
+        raise StartupError(f"cannot listen on {target}: address in use or not "
+                           "permitted") from exc
+    except PermissionError as exc:
+        raise StartupError(f"runner_group: cannot give {path} to group {gid}: {exc.strerror} "
+                           "(the daemon's user must be a member)") from exc
+    return target
+
+
+def _bind(server: grpc.aio.Server, listener: ListenAddress, socket_mode: int,
+          tls: ServerTls | None, gate: PeerGate | None) -> str:
+    """Add the listener's port (a unix one through `gate` when given); returns the target it
+    serves (with the port TCP got)."""
+    try:
+        if listener.unix_path is None:
+            port = _bind_tcp(server, listener.target, tls)
+            return f"{listener.target.rpartition(':')[0]}:{port}"
+        claim_socket_path(listener.unix_path, socket_mode)
+        if gate is not None:
+            # gRPC's own socket is in the gate's private folder: the folder's mode guards it.
+            server.add_insecure_port(gate.add(listener.unix_path, socket_mode))
+            return listener.target
+        with socket_umask(socket_mode):  # grpc binds (creates the file) here
+            server.add_insecure_port(listener.target)
+        os.chmod(listener.unix_path, socket_mode)
+        return listener.target
+    except SocketInUse as exc:
+        raise StartupError(str(exc)) from exc
+    except RuntimeError as exc:
+        raise StartupError(f"cannot listen on {listener.target}: address in use or "
+                           "not permitted") from exc
+
+
+def _bind_tcp(server: grpc.aio.Server, target: str, tls: ServerTls | None) -> int:
+    """Add a TCP port, with TLS when given (else plaintext, with a warning); returns it."""
+    if tls is not None:
+        return server.add_secure_port(target, tls.credentials())
+    log.warning("plaintext TCP listener: bearer tokens cross the network in clear; serve TLS "
+                "(tls_cert_file, tls_key_file) unless a private network or a proxy protects it",
+                listen=target)
+    return server.add_insecure_port(target)
+
+
+async def _feed_watchdog(interval_s: float) -> None:
+    """WATCHDOG=1 every interval from the event loop: a stuck loop stops the pings."""
+    while True:
+        notify("WATCHDOG=1")
+        await asyncio.sleep(interval_s)

@@ -1,0 +1,444 @@
+"""The pool service: sessions, leases, quotas and tenancy around the block pool.
+
+Every sequence belongs to a session, and the pool keys it `(session number, seq_id)`, so one
+session can neither see, extend nor free another's sequences: a seq id of another session is
+simply unknown (NOT_FOUND, never "exists elsewhere"). Sessions share prefix-cache blocks only
+when they opened with the same non-empty `cache_salt`; by default each session gets a salt of
+its own, so sharing is opt-in.
+
+Quota. `max_blocks` (the daemon's `max_blocks_per_session` unless the client asked for less)
+bounds the block-table entries over the session's sequences: a block shared
+by two of its sequences counts twice, a prefix block shared with another session counts for
+each. It is thus an upper bound on the physical blocks the session pins, and it is exact,
+cheap and independent of what other sessions do. In a contiguous pool each sequence counts
+its whole reservation instead (the pool's `quota_blocks`), which is what it pins. The check
+runs before the pool is touched, so a refused call changes nothing.
+
+Block reuse across tenants. A block released by one session may be handed to another with the
+old K/V still in it. That is safe without zeroing: the API returns block ids and slots, never
+contents; the attention kernels mask every slot past a sequence's length, so stale slots are
+never read; and only runners map the pool memory (its handle goes to the runner socket alone,
+its file is the daemon's user's and runner_group's: tenants.py). For defense in
+depth, `zero_freed_blocks=True` zeroes every block the pool releases with no cached content
+(pending blocks included) and every cached block evicted for a new owner. Committed blocks
+kept in the prefix cache keep their content on purpose (that is the cache), except that a
+session with a private salt drops (and, with zeroing, zeroes) what it left cached when it
+ends, since no one else could hit it (`cache_hygiene.py`).
+
+Tenants. Every session belongs to the tenant of the call that opened it (`tenants.py`): the
+tenant's cache salts decide the session's namespace, its max_sessions is checked at open, and
+its max_blocks (block-table entries over all its sessions, the session quota's measure) after
+every change, inside the change's transaction, so a call that would exceed it is undone. A call
+that commits (Commit, a Batch with a commit op, a Step with commit) is checked before its
+transaction opens: under a salt other tenants share, only a runner or a certifying tenant may
+commit (`Tenants.check_commit`).
+
+Runner holds. A runner's call may hold the session while its forward writes the blocks the
+call answered (`holds.py`): a Free, CloseSession or Batch free of another caller is then refused
+under the lock, before the transaction opens, and the reaper leaves a held session alone.
+
+Stats. GetStats shows any caller the pool's capacity (`capacity`: num_blocks, block_size,
+free_blocks) and nothing of other sessions' activity; per-session figures only for the
+caller's own session (session ids are credentials, so no RPC lists other sessions). Operators
+get every figure from the metrics endpoint.
+
+Bounds. Every answer is bounded before it is built: each call carries an `AnswerBudget` that
+the call's parts are charged to before the pool does the work (see `answer_size.py`), so a
+request that would produce an answer over `max_answer_bytes` is refused with nothing changed.
+
+Concurrency and memory. Pool state changes are serialized by one lock and made all-or-nothing
+by the pool's undo journal (the session's bookkeeping records its undo there too). The memory
+work a call owes (copy-on-write copies, zeroing) runs on one worker thread, off the event loop,
+while the call holds the lock, and the answer leaves only once it is complete and synchronized
+(CUDA): a runner that reads the answer's blocks sees their data. If the memory work fails, the
+journal undoes the call and the caller gets INTERNAL with nothing changed. Calls that do not
+touch the pool (KeepAlive, OpenSession) never wait for the lock, and a call renews its
+session's lease when it arrives (see `sessions.py`), so one client's slow step cannot expire
+another's session.
+"""
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from pagedkv.daemon.core import (
+    BatchAppend,
+    InvalidArgument,
+    PoolAllocator,
+    PoolError,
+    PoolStats,
+    SeqUpdate,
+    blocks_for,
+)
+from pagedkv.daemon.service.answer_size import AnswerBudget
+from pagedkv.daemon.service.cache_hygiene import CacheHygiene
+from pagedkv.daemon.service.call_work import check_work, op_work, step_work
+from pagedkv.daemon.service.holds import NO_HOLD, Hold, apply_hold, check_hold, check_release
+from pagedkv.daemon.service.limits import Limits
+from pagedkv.daemon.service.operations import (
+    Allocate,
+    Append,
+    Commit,
+    CopyOnWrite,
+    Fork,
+    Free,
+    Operation,
+    operation_name,
+)
+from pagedkv.daemon.service.request_budget import RequestBudget
+from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, SessionOps
+from pagedkv.daemon.service.sessions import Session, SessionRegistry, SessionStats
+from pagedkv.daemon.service.tenants import TenantFigures, Tenants, TenantUsage
+from pagedkv.process.log_setup import get_logger
+from pagedkv.vocab.geometry import ModelGeometry
+
+log = get_logger(__name__)
+
+# How often the reaper looks for lapsed leases: a session is freed within this of its expiry.
+REAP_INTERVAL_S = 0.1
+
+T = TypeVar("T")
+
+
+class PoolService:
+    """Session-scoped operations on one block pool and its memory; the servicer's domain."""
+
+    def __init__(self, pool: PoolAllocator, memory: BlockMemory | None, *, pool_id: str,
+                 default_lease_ttl_ms: int = 10_000, max_lease_ttl_ms: int = 600_000,
+                 geometry: ModelGeometry | None = None, zero_freed_blocks: bool = False,
+                 limits: Limits | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 tenants: Tenants | None = None) -> None:
+        self.pool = pool
+        self.memory = memory
+        self.pool_id = pool_id
+        self.geometry = geometry
+        self.limits = limits or Limits()
+        self.sessions = SessionRegistry(pool_id, default_lease_ttl_ms=default_lease_ttl_ms,
+                                        max_lease_ttl_ms=max_lease_ttl_ms, limits=self.limits,
+                                        clock=clock)
+        self._ops = SessionOps(pool, self.limits, zero_freed_blocks)
+        # Private sessions' cached blocks dropped when they end; evicted blocks zeroed.
+        self._hygiene = CacheHygiene(pool, zero_freed_blocks)
+        # Who may call, and each tenant's limits and live sessions.
+        self.tenants = tenants or Tenants.single(None)
+        # The pool counts the blocks each session and each tenant holds (`_groups`), so
+        # GetStats and /metrics cost O(sessions), not O(table entries); tenants by number.
+        self._tenant_number = {name: i for i, name in enumerate(self.tenants.by_name)}
+        pool.track_holders(2)
+        self._usage = TenantUsage()
+        # Serializes every change of pool state, and the memory work that goes with it.
+        self._lock = asyncio.Lock()
+        # The wire bytes of large requests parsed and not yet answered (the interceptor admits
+        # each before parsing it): what calls queued for the lock may hold.
+        self.requests = RequestBudget(self.limits.max_queued_request_bytes)
+        # One thread: memory work runs in call order, off the event loop.
+        self._memory_worker = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-memory")
+        self._reaper: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Start the lease reaper (idempotent)."""
+        if self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_forever(), name="pagedkv-lease-reaper")
+
+    async def stop(self) -> None:
+        """Stop the lease reaper and the memory worker; sessions stay as they are."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+        self._memory_worker.shutdown(wait=True)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            await self.expire_due()
+
+    async def expire_due(self) -> int:
+        """Expire every session past its lease with no call in flight; returns how many."""
+        expired = 0
+        for session in self.sessions.due():
+            try:
+                async with self._lock:
+                    if session not in self.sessions or not self.sessions.is_due(session):
+                        continue  # a call or a hold arrived, or it closed, while we waited
+                    freed = await self._drop_session(session, expired=True)
+            except Exception:  # the reaper must outlive any failure of one expiry
+                log.exception("lease expiry failed", session=session.label)
+                continue
+            expired += 1
+            log.info("session expired", session=session.label, freed_sequences=freed,
+                     lease_ttl_ms=session.lease_ttl_ms)
+        return expired
+
+    async def _drop_session(self, session: Session, *, expired: bool) -> int:
+        """Remove a session and free its sequences, all-or-nothing; returns how many.
+        The caller holds the lock."""
+        work = MemoryWork()
+        count = len(session.seq_ids)
+        with self.pool.transaction() as journal:
+            self.sessions.remove(session, expired=expired)
+            journal.record(self.sessions.reinstate, session, expired)
+            self._usage.remove(session)
+            journal.record(self._usage.add, session)
+            with self._hygiene.watch(session, work):
+                for seq_id in list(session.seq_ids):
+                    self._ops.free(session, seq_id, work)
+            self._hygiene.session_ended(session, work)
+            await self._perform(work)
+        return count
+
+    async def _perform(self, work: MemoryWork) -> None:
+        """Do a call's memory work on the worker thread and wait until it is complete.
+        A cancelled call still waits for it: the lock must not pass to the next call while
+        memory is being written for blocks the journal is about to release."""
+        if not work.steps or self.memory is None:
+            return
+        done = asyncio.get_running_loop().run_in_executor(self._memory_worker, work.perform,
+                                                          self.memory)
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            await asyncio.wait([done])
+            raise
+
+    async def _change(self, session_id: str,
+                      change: Callable[[Session, MemoryWork, AnswerBudget], T],
+                      answer: AnswerBudget | None = None, *, commits: bool = False,
+                      frees: str = "", hold: Hold = NO_HOLD) -> T:
+        """Run `change` for the session all-or-nothing, with its memory work and its answer's
+        budget (`answer`: one shared with other parts of the answer, else a fresh one), under
+        the lock; a change that `commits` is refused first if the caller may not commit, one
+        that `frees` (the RPC's name) if a runner holds the session (holds.py); once applied,
+        the session's hold is set or ended as `hold` asks. The lease is renewed on arrival and
+        held while the call waits."""
+        check_hold(hold, self.limits)
+        session = self.sessions.arrive(session_id)
+        try:
+            async with self._lock:
+                self.sessions.check_live(session)
+                if commits:
+                    self.tenants.check_commit(session.tenant, session.shared_salt)
+                if frees:
+                    check_release(session, self.sessions.now(), frees)
+                work = MemoryWork()
+                with self.pool.transaction():
+                    with self._hygiene.watch(session, work), self.pool.holding(
+                            self._groups(session)):
+                        result = change(session, work, answer or self.answer_budget())
+                    self._usage.check_blocks(self.tenants.by_name[session.tenant])
+                    await self._perform(work)
+                apply_hold(session, hold, self.sessions.now())
+                return result
+        finally:
+            self.sessions.depart(session)
+
+    def answer_budget(self) -> AnswerBudget:
+        """A fresh budget of max_answer_bytes for one call's answer."""
+        return AnswerBudget.for_pool(self.limits.max_answer_bytes, self.pool.num_blocks,
+                                     self.pool.block_size)
+
+    # -------------------------------------------------------------- sessions
+
+    def open_session(self, client_name: str, lease_ttl_ms: int = 0, max_blocks: int = 0,
+                     cache_salt: bytes = b"") -> Session:
+        """A session of the calling tenant (checked: its max_sessions and salts)."""
+        tenant = self.tenants.caller_tenant()
+        self._usage.check_open(tenant)
+        session = self.sessions.open(client_name, lease_ttl_ms, max_blocks,
+                                     tenant.cache_salt(cache_salt), tenant=tenant.name,
+                                     shared_salt=tenant.shared_salt(cache_salt))
+        self._usage.add(session)
+        log.info("session opened", session=session.label, lease_ttl_ms=session.lease_ttl_ms,
+                 max_blocks=session.max_blocks, shared_cache=bool(cache_salt),
+                 tenant=tenant.name)
+        return session
+
+    def keep_alive(self, session_id: str, hold: Hold = NO_HOLD) -> int:
+        """Renew the lease (every call does), and set or end a runner's hold as `hold` asks;
+        returns the lease in ms."""
+        check_hold(hold, self.limits)
+        session = self.sessions.get(session_id)
+        apply_hold(session, hold, self.sessions.now())
+        return session.lease_ttl_ms
+
+    async def close_session(self, session_id: str) -> int:
+        """Close a session and free its sequences; returns how many were freed."""
+        session = self.sessions.arrive(session_id)
+        try:
+            async with self._lock:
+                self.sessions.check_live(session)
+                check_release(session, self.sessions.now(), "CloseSession")
+                freed = await self._drop_session(session, expired=False)
+        finally:
+            self.sessions.depart(session)
+        log.info("session closed", session=session.label, freed_sequences=freed)
+        return freed
+
+    # ------------------------------------------------------------ operations
+
+    async def allocate(self, session_id: str, op: Allocate) -> SeqUpdate:
+        return await self._single(session_id, op)
+
+    async def append(self, session_id: str, op: Append) -> SeqUpdate:
+        return await self._single(session_id, op)
+
+    async def fork(self, session_id: str, op: Fork) -> SeqUpdate:
+        return await self._single(session_id, op)
+
+    async def copy_on_write(self, session_id: str, op: CopyOnWrite) -> SeqUpdate:
+        return await self._single(session_id, op)
+
+    async def commit(self, session_id: str, op: Commit) -> int:
+        """Certify K/V written; returns how many blocks became shareable."""
+        check_work(self.limits, op_work(op, self.pool.block_size), "Commit")
+        return await self._change(session_id, lambda session, _work, _answer: self._ops.commit(
+            session, op.seq_ids, op.num_tokens), commits=True)
+
+    async def free(self, session_id: str, op: Free) -> int:
+        """Drop a sequence; returns how many blocks went back to the pool."""
+        return await self._change(session_id, lambda session, work, _answer: self._ops.free(
+            session, op.seq_id, work), frees="Free")
+
+    async def _single(self, session_id: str, op: Operation) -> SeqUpdate:
+        check_work(self.limits, op_work(op, self.pool.block_size), operation_name(op))
+        return await self._change(session_id, lambda session, work, answer: self._ops.apply(
+            session, op, work, answer))
+
+    async def batch(self, session_id: str, ops: Sequence[Operation],
+                    hold: Hold = NO_HOLD) -> list[SeqUpdate]:
+        """Apply ops in order, all-or-nothing; one result per op (an empty table for a free
+        or a commit). `hold`: a runner's, set or ended once the batch is applied."""
+        if not ops:
+            raise InvalidArgument("a batch needs at least one op")
+        self.limits.check_count("ops", len(ops), "max_batch_ops")
+        check_work(self.limits, (op_work(op, self.pool.block_size) for op in ops), "Batch")
+        return await self._change(session_id, lambda session, work, answer: [
+            self._apply_numbered(session, index, op, work, answer)
+            for index, op in enumerate(ops)], commits=any(isinstance(op, Commit) for op in ops),
+            frees="Batch" if any(isinstance(op, Free) for op in ops) else "", hold=hold)
+
+    def _apply_numbered(self, session: Session, index: int, op: Operation,
+                        work: MemoryWork, answer: AnswerBudget) -> SeqUpdate:
+        """Apply one op of a batch; an error says which op failed."""
+        try:
+            return self._ops.apply(session, op, work, answer)
+        except PoolError as exc:
+            raise type(exc)(f"op {index} ({operation_name(op)}): {exc}") from exc
+
+    async def step(self, session_id: str, seq_ids: Sequence[int], num_tokens: int = 1,
+                   token_ids: Sequence[int] = (), *, commit: bool = False,
+                   answer: AnswerBudget | None = None, hold_ms: int = 0) -> BatchAppend:
+        """Append num_tokens tokens to each of many sequences at once, all-or-nothing; with
+        `commit`, their pending blocks are committed first. `answer`: the budget of a larger
+        answer this step's is part of (StepMany), else its own. `hold_ms`: a runner's hold,
+        set once the step is applied (its forward writes the slots answered)."""
+        check_work(self.limits, step_work(len(seq_ids), num_tokens, self.pool.block_size),
+                   "Step")
+        return await self._change(session_id, lambda session, work, budget: self._ops.step(
+            session, seq_ids, num_tokens, token_ids, work, budget, commit), answer,
+            commits=commit, hold=Hold(hold_ms))
+
+    # --------------------------------------------------------------- queries
+
+    async def block_tables(self, session_id: str, seq_ids: Sequence[int],
+                           with_token_ids: bool = False, hold_ms: int = 0) -> list[SeqUpdate]:
+        """Each sequence's table, length and committed (K/V written) tokens, in request order,
+        and `with_token_ids` every token id it holds (what a runner checks a client's history
+        against); refused before any table is built if the answer would pass
+        max_answer_bytes. `hold_ms`: a runner's hold, set once the tables are read."""
+        if not seq_ids:
+            raise InvalidArgument("no seq_ids given")
+        self._ops.check_seq_ids(seq_ids)
+        check_work(self.limits, len(seq_ids), "GetBlockTables")
+
+        def tables(session: Session, _: MemoryWork, answer: AnswerBudget) -> list[SeqUpdate]:
+            keys = self._ops.own_all(session, seq_ids)
+            bs = self.pool.block_size
+            for key in keys:
+                n = self.pool.num_tokens(key)
+                answer.sequence("GetBlockTables", blocks_for(n, bs),
+                                token_ids=n if with_token_ids else 0)
+            return [SeqUpdate(self.pool.block_table(k), self.pool.num_tokens(k),
+                              self.pool.committed_tokens(k),
+                              token_ids=(self.pool.token_ids(k) or []) if with_token_ids
+                              else None) for k in keys]
+        return await self._change(session_id, tables, hold=Hold(hold_ms))
+
+    def pool_stats(self) -> PoolStats:
+        """Every pool-wide figure: for the metrics endpoint (operators), not for clients."""
+        return self.pool.stats()
+
+    def capacity(self) -> tuple[int, int, int]:
+        """What any client may see of the pool: num_blocks, block_size, free_blocks."""
+        return self.pool.num_blocks, self.pool.block_size, self.free_blocks
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks an allocation could take now (capacity's third figure), for answers."""
+        return self.pool.num_free_blocks
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self.sessions)
+
+    @property
+    def lease_expiries_total(self) -> int:
+        return self.sessions.expiries_total
+
+    def stats_of(self, session_id: str) -> SessionStats:
+        """One session's figures (renews its lease, like any call naming it)."""
+        session = self.sessions.get(session_id)
+        return SessionStats(
+            name=session.label, client_name=session.client_name,
+            num_sequences=len(session.seq_ids), block_table_entries=session.table_entries,
+            blocks_held=self.pool.blocks_held(0, session.number), max_blocks=session.max_blocks,
+            lease_ttl_ms=session.lease_ttl_ms, prefix_cache_queries=session.prefix_cache_queries,
+            prefix_cache_hits=session.prefix_cache_hits)
+
+    def tenant_figures(self) -> list[TenantFigures]:
+        """Every tenant's sessions and blocks, for the metrics endpoint."""
+        return self._usage.figures(self.tenants, lambda name: self.pool.blocks_held(
+            1, self._tenant_number[name]))
+
+    def _groups(self, session: Session) -> tuple[int, int]:
+        """The pool's groups of a session's sequences: by session, by tenant."""
+        return session.number, self._tenant_number[session.tenant]
+
+    def _recount_held(self, sessions: Iterable[Session]) -> int:
+        """Distinct blocks the sessions' sequences reference, from their tables (checks)."""
+        held: set[int] = set()
+        for session in sessions:
+            for seq_id in session.seq_ids:
+                held.update(self.pool.held_blocks(session.key(seq_id)))
+        return len(held)
+
+    def check_invariants(self) -> None:
+        """Assert the pool's invariants and that sessions and pool agree; for tests."""
+        self.pool.check_invariants()
+        live = 0
+        for session in self.sessions:
+            keys = [session.key(seq_id) for seq_id in session.seq_ids]
+            assert all(k in self.pool for k in keys), f"{session.label} lost a sequence"
+            entries = sum(self.pool.quota_blocks(self.pool.num_tokens(k)) for k in keys)
+            assert entries == session.table_entries, (
+                f"{session.label} counts {session.table_entries} quota blocks, holds {entries}")
+            assert self.pool.blocks_held(0, session.number) == self._recount_held([session]), \
+                f"{session.label}: blocks_held differs from a recount"
+            live += len(keys)
+        assert live == len(self.pool), "the pool holds sequences of no live session"
+        self._hygiene.check({session.number for session in self.sessions})
+        by_tenant = {name: set(sessions) for name, sessions in self._usage.sessions.items()
+                     if sessions}
+        assert by_tenant == {name: {s for s in self.sessions if s.tenant == name}
+                             for name in {s.tenant for s in self.sessions}}, \
+            "the tenants' session sets disagree with the live sessions"
+        for figures in self.tenant_figures():
+            assert figures.blocks_held == self._recount_held(by_tenant.get(figures.name, ())), \
+                f"tenant {figures.name}: blocks_held differs from a recount"

@@ -1,0 +1,315 @@
+"""One session's operations applied to the block pool, with the session's bookkeeping.
+
+`SessionOps` is the part of the service that touches the pool: it checks ownership, counts,
+the session's caps (sequences, quota) and the answer's size before the pool acts, turns `NoFit`
+into `PoolExhausted`, keeps each session's sequence set and table-entry count in step with the
+pool, and records in a `MemoryWork` the copies and zeroing that pool memory owes for the call.
+Every check runs before the pool is touched, so a refused op changes nothing; the session's
+bookkeeping is changed through the pool's journal, so a transaction that fails later (a later
+op of a Batch, the memory work) undoes it together with the pool.
+
+Pool keys are `(session number, seq_id)`: a seq id of another session is simply not found.
+"""
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.daemon.core import (
+    BatchAppend,
+    BlockCopy,
+    InvalidArgument,
+    Journal,
+    NoFit,
+    PoolAllocator,
+    SequenceExists,
+    SequenceNotFound,
+    SeqUpdate,
+    blocks_for,
+)
+from pagedkv.daemon.service.answer_size import AnswerBudget
+from pagedkv.daemon.service.limits import LimitExceeded, Limits
+from pagedkv.daemon.service.operations import (
+    Allocate,
+    Append,
+    Commit,
+    CopyOnWrite,
+    Fork,
+    Free,
+    Operation,
+    PoolExhausted,
+)
+from pagedkv.daemon.service.sessions import Session
+
+if TYPE_CHECKING:
+    from pagedkv.memory import PoolMemoryHandle  # for the annotation below only
+
+Result = TypeVar("Result", SeqUpdate, BatchAppend)
+
+
+class BlockMemory(Protocol):
+    """What the service needs from the pool memory (kv_memory.KVPoolMemory)."""
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int], /) -> None: ...
+
+    def zero_blocks(self, ids: Sequence[int], /) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def handle(self) -> "PoolMemoryHandle": ...
+
+
+@dataclass(slots=True)
+class MemoryWork:
+    """Copies and zeroing a call owes pool memory, performed in call order once it commits.
+
+    Order matters within a batch: a block freed (and zeroed) by one op may be the copy
+    destination of a later one.
+    """
+
+    # ("copy", sources, destinations) or ("zero", blocks, []), in the order the pool made them.
+    steps: list[tuple[Literal["copy", "zero"], list[int], list[int]]] = field(default_factory=list)
+
+    def copy(self, copies: Sequence[BlockCopy]) -> None:
+        if copies:
+            self.steps.append(("copy", [c.src for c in copies], [c.dst for c in copies]))
+
+    def zero(self, blocks: list[int]) -> None:
+        if blocks:
+            self.steps.append(("zero", blocks, []))
+
+    def perform(self, memory: BlockMemory) -> None:
+        """Do the work in pool memory and wait until it is complete and visible to every
+        process that maps the pool (on CUDA the copies are asynchronous until synchronized)."""
+        for kind, blocks, destinations in self.steps:
+            if kind == "copy":
+                memory.copy_blocks(blocks, destinations)
+            else:
+                memory.zero_blocks(blocks)
+        memory.synchronize()
+
+
+def _fit(result: Result | NoFit) -> Result:
+    """The pool's result, or PoolExhausted saying what was needed and what was free."""
+    if isinstance(result, NoFit):
+        raise PoolExhausted(f"pool full: the call needs {result.needed} blocks, "
+                            f"{result.available} available")
+    return result
+
+
+class SessionOps:
+    """Applies operations of any session to one pool (see the module docstring)."""
+
+    def __init__(self, pool: PoolAllocator, limits: Limits, zero_freed_blocks: bool) -> None:
+        self.pool = pool
+        self.limits = limits
+        # Zero blocks the pool releases with no cached content (defense in depth).
+        self.zero_freed_blocks = zero_freed_blocks
+        # Where session bookkeeping records its undo (the pool's, inside its transactions).
+        self._journal: Journal = pool.journal
+
+    def apply(self, session: Session, op: Operation, work: MemoryWork,
+              answer: AnswerBudget) -> SeqUpdate:
+        """One op for one session: checks first (the answer's size among them), then the pool,
+        then the session's books."""
+        bs, quota = self.pool.block_size, self.pool.quota_blocks
+        match op:
+            case Allocate(seq_id, num_tokens, token_ids):
+                tokens = self._check_tokens(num_tokens, token_ids, minimum=0)
+                self._check_new_seq(session, seq_id)
+                charge = quota(num_tokens)
+                self._check_quota(session, charge)
+                answer.sequence("allocate", blocks_for(num_tokens, bs), slots=num_tokens)
+                update = _fit(self.pool.allocate(session.key(seq_id), num_tokens, tokens,
+                                                 salt=session.salt))
+                self._add_seq(session, seq_id)
+                if tokens is not None and self.pool.enable_prefix_caching:
+                    self._count_prefix(session, num_tokens, update.num_cached_tokens)
+            case Append(seq_id, num_tokens, token_ids):
+                tokens = self._check_tokens(num_tokens, token_ids, minimum=1)
+                key = self.own(session, seq_id)
+                old = self.pool.num_tokens(key)
+                charge = quota(old + num_tokens) - quota(old)
+                self._check_quota(session, charge)
+                answer.sequence("append", blocks_for(old + num_tokens, bs), slots=num_tokens,
+                                copies=1)
+                update = _fit(self.pool.append(key, num_tokens, tokens))
+            case Fork(parent_seq_id, child_seq_id):
+                parent = self.own(session, parent_seq_id)
+                self._check_new_seq(session, child_seq_id)
+                held = self.pool.num_tokens(parent)
+                charge = quota(held)
+                self._check_quota(session, charge)
+                answer.sequence("fork", blocks_for(held, bs),
+                                copies=self.pool.fork_copies(held))
+                update = _fit(self.pool.fork(parent, session.key(child_seq_id)))
+                self._add_seq(session, child_seq_id)
+            case CopyOnWrite(seq_id, logical_block):
+                key = self.own(session, seq_id)
+                num_blocks = blocks_for(self.pool.num_tokens(key), bs)
+                if not 0 <= logical_block < num_blocks:
+                    raise InvalidArgument(f"logical_block {logical_block} is outside the "
+                                          f"{num_blocks} blocks of sequence {seq_id}")
+                answer.sequence("copy_on_write", num_blocks, copies=1)
+                update = _fit(self.pool.copy_on_write(key, logical_block))
+                charge = 0  # a copy replaces a table entry
+            case Commit(seq_ids, num_tokens):
+                answer.sequence("commit", 0)
+                self.commit(session, seq_ids, num_tokens)
+                return SeqUpdate(block_table=[], num_tokens=0)
+            case Free(seq_id):
+                answer.sequence("free", 0)
+                self.free(session, seq_id, work)
+                return SeqUpdate(block_table=[], num_tokens=0)
+        self._add_entries(session, charge)
+        work.copy(update.copies)
+        return update
+
+    def free(self, session: Session, seq_id: int, work: MemoryWork) -> int:
+        """Drop one of the session's sequences; returns how many blocks the pool released."""
+        key = self.own(session, seq_id)
+        charge = self.pool.quota_blocks(self.pool.num_tokens(key))
+        released = self.pool.free(key)
+        session.seq_ids.discard(seq_id)
+        self._journal.record(session.seq_ids.add, seq_id)
+        self._add_entries(session, -charge)
+        if self.zero_freed_blocks:
+            work.zero(released)
+        return len(released)
+
+    def commit(self, session: Session, seq_ids: Sequence[int],
+               num_tokens: Sequence[int] = ()) -> int:
+        """Certify the K/V of the session's sequences written (all their tokens, or the first
+        num_tokens[i] of seq_ids[i]); returns how many blocks became shareable."""
+        if not len(seq_ids):
+            raise InvalidArgument("a commit needs at least one seq_id")
+        self.check_seq_ids(seq_ids)
+        if len(num_tokens) and len(num_tokens) != len(seq_ids):
+            raise InvalidArgument(f"{len(num_tokens)} num_tokens given for {len(seq_ids)} "
+                                  "seq_ids; send one per sequence or none")
+        keys = self.own_all(session, seq_ids)
+        return self.pool.commit(keys, num_tokens if len(num_tokens) else None)
+
+    def _add_seq(self, session: Session, seq_id: int) -> None:
+        session.seq_ids.add(seq_id)
+        self._journal.record(session.seq_ids.discard, seq_id)
+
+    def _add_entries(self, session: Session, delta: int) -> None:
+        session.table_entries += delta
+        self._journal.record(_shift_entries, session, -delta)
+
+    def _count_prefix(self, session: Session, queries: int, hits: int) -> None:
+        session.prefix_cache_queries += queries
+        session.prefix_cache_hits += hits
+        self._journal.record(_shift_prefix, session, -queries, -hits)
+
+    def step(self, session: Session, seq_ids: Sequence[int], num_tokens: int,
+             token_ids: Sequence[int], work: MemoryWork, answer: AnswerBudget,
+             commit: bool = False) -> BatchAppend:
+        """Append num_tokens tokens to each of many sequences, all-or-nothing; the only
+        per-sequence Python work is building the pool keys. With `commit`, the sequences'
+        pending blocks are committed first (the caller certifies their K/V written).
+
+        token_ids may be any sequence numpy reads in one go (a packed protobuf field is).
+        """
+        count = len(seq_ids)
+        if count == 0:
+            raise InvalidArgument("a step needs at least one seq_id")
+        self.check_seq_ids(seq_ids)
+        if num_tokens < 1:
+            raise InvalidArgument(f"num_tokens must be >= 1, got {num_tokens}")
+        self.limits.check_count("tokens", count * num_tokens, "max_tokens")
+        tokens: npt.NDArray[np.int64] | None = None
+        if len(token_ids):
+            if len(token_ids) != count * num_tokens:
+                raise InvalidArgument(f"{len(token_ids)} token_ids given for {count} sequences "
+                                      f"of {num_tokens} tokens; send exactly that many or none")
+            tokens = np.asarray(token_ids, dtype=np.int64)
+        keys = self.own_all(session, seq_ids)
+        self._check_step_quota(session, keys, num_tokens)
+        answer.step(count, num_tokens, self.pool.block_size)
+        if commit:
+            self.pool.commit(keys)
+        result = _fit(self.pool.append_batch(keys, num_tokens, tokens))
+        self._add_entries(session, result.charged_blocks)
+        work.copy(result.copies)
+        return result
+
+    def check_seq_ids(self, seq_ids: Sequence[int]) -> None:
+        """At most max_seq_ids seq ids, all distinct (a repeated id would only repeat work and
+        answer)."""
+        self.limits.check_count("seq_ids", len(seq_ids), "max_seq_ids")
+        if len(set(seq_ids)) != len(seq_ids):
+            repeated = next(s for s, n in Counter(seq_ids).items() if n > 1)
+            raise InvalidArgument(f"seq id {repeated} appears more than once; seq ids in one "
+                                  "request must be distinct")
+
+    def own_all(self, session: Session, seq_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """Pool keys of many of the session's sequences (one set operation, not a loop)."""
+        if not session.seq_ids.issuperset(seq_ids):
+            unknown = sorted(set(seq_ids) - session.seq_ids)
+            raise SequenceNotFound(f"sequences not found in this session: {unknown[:8]}")
+        number = session.number
+        return [(number, seq_id) for seq_id in seq_ids]
+
+    def _check_step_quota(self, session: Session, keys: list[tuple[int, int]],
+                          num_tokens: int) -> None:
+        """The quota check of a step; the exact count (a Python loop over the sequences) only
+        when the cheap bound does not fit: no sequence's charge grows by more than that of one
+        whose last block is full (paged: ceil(num_tokens / B) new blocks; contiguous: 0)."""
+        quota, bs = self.pool.quota_blocks, self.pool.block_size
+        bound = len(keys) * (quota(bs + num_tokens) - quota(bs))
+        if session.table_entries + bound > session.max_blocks:
+            self._check_quota(session, self._step_charge(keys, num_tokens))
+
+    def _step_charge(self, keys: list[tuple[int, int]], num_tokens: int) -> int:
+        """What a step would add to the session's quota charge."""
+        quota, held = self.pool.quota_blocks, self.pool.num_tokens
+        return sum(quota(n + num_tokens) - quota(n) for n in map(held, keys))
+
+    def own(self, session: Session, seq_id: int) -> tuple[int, int]:
+        """The pool key of one of the session's sequences; others' are simply not found."""
+        if seq_id not in session.seq_ids:
+            raise SequenceNotFound(f"sequence {seq_id} not found in this session")
+        return session.key(seq_id)
+
+    def _check_tokens(self, num_tokens: int, token_ids: Sequence[int],
+                      *, minimum: int) -> Sequence[int] | None:
+        if num_tokens < minimum:
+            raise InvalidArgument(f"num_tokens must be >= {minimum}, got {num_tokens}")
+        self.limits.check_count("tokens", num_tokens, "max_tokens")
+        if not len(token_ids):
+            return None
+        if len(token_ids) != num_tokens:
+            raise InvalidArgument(f"{len(token_ids)} token_ids given for num_tokens={num_tokens}; "
+                                  "send exactly num_tokens ids or none")
+        return token_ids
+
+    def _check_new_seq(self, session: Session, seq_id: int) -> None:
+        """A new sequence's id is free in the session, and the session has room for one more."""
+        if seq_id in session.seq_ids:
+            raise SequenceExists(f"sequence {seq_id} already exists in this session")
+        cap = self.limits.max_seqs_per_session
+        if len(session.seq_ids) >= cap:
+            raise LimitExceeded(f"the session holds {len(session.seq_ids)} sequences; the limit "
+                                f"is max_seqs_per_session={cap}")
+
+    def _check_quota(self, session: Session, new_entries: int) -> None:
+        if session.table_entries + new_entries > session.max_blocks:
+            left = session.max_blocks - session.table_entries
+            raise PoolExhausted(f"session quota: the call needs {new_entries} more blocks, "
+                                f"{left} of max_blocks={session.max_blocks} left")
+
+
+# Undo functions of SessionOps' bookkeeping (module level: the journal holds them by reference).
+def _shift_entries(session: Session, delta: int) -> None:
+    session.table_entries += delta
+
+
+def _shift_prefix(session: Session, queries: int, hits: int) -> None:
+    session.prefix_cache_queries += queries
+    session.prefix_cache_hits += hits

@@ -1,0 +1,78 @@
+"""Bounds on a runner step's answer, checked against the request before the step changes anything.
+
+A step's answer (runner.proto's RunnerStepResponse) holds one SequenceOutput per sequence of the
+request, each with as many top token ids and logprobs as the sequence asked (`logprobs`, up to
+the vocabulary). So its size follows from the request alone, and the servicer checks it first:
+a sequence asking for more than `max_logprobs` is INVALID_ARGUMENT, and a step whose answer could
+pass `max_answer_bytes` is RESOURCE_EXHAUSTED (cause `AnswerTooLarge`), both before any daemon
+call. No step is then applied at the daemon and its answer refused by the client's size check
+(which left the client without its tokens and the daemon holding every sequence).
+
+The bound follows proto3's encoding, as the daemon's answer_size.py: a field is a tag byte and its
+value (a varint of at most 10 bytes, 5 for a uint32; a float of 4); a packed repeated field is
+a tag, a length and its values; a message inside another is a tag, a length and its fields.
+"""
+
+from dataclasses import dataclass
+
+import grpc
+
+from pagedkv.client import AnswerTooLarge
+from pagedkv.model_runner.engine.steps import InvalidStep
+from pagedkv.proto import runner_pb2 as rpb
+from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
+
+# vLLM's default max_logprobs: enough for beam search's candidates and for scoring.
+DEFAULT_MAX_LOGPROBS = 20
+
+_U32, _U64, _FLOAT = 5, 10, 4
+# One SequenceOutput in the answer: its tag and length; seq_id, num_tokens, num_computed_tokens,
+# num_cached_tokens, sampled, token_id, logprob, finished; the headers of its two packed fields.
+OUTPUT_FIXED = ((1 + _U32) + (1 + _U64) + 3 * (1 + _U32) + 2 + (1 + _U64) + (1 + _FLOAT) + 2
+                + 2 * (1 + _U32))
+# One top logprob: its token id (int64) and its logprob.
+PER_LOGPROB = _U64 + _FLOAT
+# The answer's own field: free_blocks.
+ANSWER_FIXED = 1 + _U32
+
+
+def output_bytes(logprobs: int) -> int:
+    """Most encoded bytes of one SequenceOutput with `logprobs` top logprobs."""
+    return OUTPUT_FIXED + max(logprobs, 0) * PER_LOGPROB
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerLimits:
+    """What one step may ask for, so that its answer stays within what clients receive."""
+
+    # Most top logprobs one sequence may ask for (SamplingParams.logprobs).
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    # Most encoded bytes of one step's answer; the default fits gRPC's default receive limit
+    # (4 MiB), which stock clients keep. At most MAX_MESSAGE_BYTES, what the runner sends.
+    max_answer_bytes: int = DEFAULT_ANSWER_BYTES
+
+    def __post_init__(self) -> None:
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        least = ANSWER_FIXED + output_bytes(self.max_logprobs)
+        if not least <= self.max_answer_bytes <= MAX_MESSAGE_BYTES:
+            raise ValueError(f"max_answer_bytes must be in [{least}, {MAX_MESSAGE_BYTES}] (one "
+                             f"sequence with max_logprobs={self.max_logprobs} must fit), got "
+                             f"{self.max_answer_bytes}")
+
+    def check(self, request: rpb.RunnerStepRequest) -> None:
+        """InvalidStep for a sequence asking more than max_logprobs; AnswerTooLarge when the
+        answer could pass max_answer_bytes. Nothing is read or changed."""
+        total = ANSWER_FIXED
+        for seq in request.seqs:
+            logprobs = seq.sampling.logprobs
+            if logprobs > self.max_logprobs:
+                raise InvalidStep(f"sequence {seq.seq_id}: logprobs={logprobs} is over the "
+                                  f"runner's max_logprobs={self.max_logprobs}")
+            total += output_bytes(logprobs)
+        if total > self.max_answer_bytes:
+            raise AnswerTooLarge(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the answer to {len(request.seqs)} sequences could take up to {total} bytes; "
+                f"the limit is max_answer_bytes={self.max_answer_bytes}: send fewer sequences "
+                "per step, or ask for fewer logprobs")

@@ -1,0 +1,281 @@
+"""The runner's forward passes: one at a time, over every prepared client step waiting.
+
+    forwards = ForwardLoop(lambda: model_runner, Sampler())
+    await forwards.start()
+    results = await forwards.compute(prepared)     # a step whose daemon call is done
+
+Steps prepared by several clients (their daemon round trips done, their chunks known) wait in
+one queue; the loop packs the waiting steps into one forward pass on one worker thread (so two
+steps' writes never interleave and the event loop never blocks on the model), samples each fully
+computed sequence, and answers each step once all its chunks are computed. Before a forward it
+waits briefly for the clients of the last forward (`_gather`), so concurrent clients share
+forwards.
+
+No forward computes more than `max_batch_tokens` tokens (`_take_batch`): decode steps (one token
+per sequence) go first, then pieces of the other steps' chunks up to the budget, each group in
+arrival order. A long prefill so runs as several forwards, and the decodes of other clients
+join each of them instead of waiting for the whole prompt; its step is answered (and its blocks
+committed) when its last piece is computed.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedkv.model_runner.engine.sampling import Pick, Sampler, SamplingRow, picks
+from pagedkv.model_runner.engine.sequences import Ahead, SeqState
+from pagedkv.model_runner.engine.steps import SeqRequest, SeqResult
+from pagedkv.model_runner.process.metrics import RunnerMetrics
+from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
+from pagedkv.process.lifecycle import cancel
+
+# How long a forward waits at most (and at most as long as the last forward took) for clients of
+# the last forward to send their next step, so concurrent clients share forwards (`_gather`).
+MAX_GATHER_S = 0.005
+
+
+@dataclass
+class Prepared:
+    """A client step between prepare and finish."""
+
+    session_id: str
+    requests: Sequence[SeqRequest]
+    # The state of each requested sequence, in request order.
+    states: list[SeqState]
+    # (index into requests, chunk) of the sequences computed in this step.
+    chunks: list[tuple[int, SequenceChunk]]
+    # Requests whose token the runner appended ahead (index -> what it did), and the results
+    # of those it also computed with the same sampling: no chunk, no daemon call.
+    claimed: dict[int, Ahead] = field(default_factory=dict)
+    ready: dict[int, SeqResult] = field(default_factory=dict)
+    # Set by the forward: one result per request.
+    done: asyncio.Future[list[SeqResult]] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+    # When it was ready for a forward (monotonic seconds).
+    ready_at: float = field(default_factory=time.monotonic)
+    # The pieces of `chunks` not computed yet, in order (a forward takes a prefix of them).
+    left: deque[tuple[int, SequenceChunk]] = field(init=False)
+    # The sampled token of each request that sampled so far (index -> pick).
+    picked: dict[int, Pick] = field(default_factory=dict)
+    # Forwards that computed a piece of it.
+    forwards: int = 0
+
+    def __post_init__(self) -> None:
+        self.left = deque(self.chunks)
+
+    @property
+    def decoding(self) -> bool:
+        """Every piece left is one token (decode steps go first in a forward)."""
+        return all(len(chunk.token_ids) == 1 for _, chunk in self.left)
+
+    def take(self, budget: int) -> list[tuple[int, SequenceChunk]]:
+        """The next pieces to compute, in order, up to `budget` tokens; a chunk longer than what
+        is left of the budget is split, its tail left for a later forward."""
+        pieces = []
+        while self.left and budget > 0:
+            index, chunk = self.left[0]
+            if len(chunk.token_ids) <= budget:
+                self.left.popleft()
+                pieces.append((index, chunk))
+                budget -= len(chunk.token_ids)
+            else:
+                head, tail = _split(chunk, budget)
+                self.left[0] = (index, tail)
+                pieces.append((index, head))
+                budget = 0
+        return pieces
+
+
+# One forward's work: each step in it, with the pieces of its chunks it computes.
+Batch = list[tuple[Prepared, list[tuple[int, SequenceChunk]]]]
+
+
+def _split(chunk: SequenceChunk, count: int) -> tuple[SequenceChunk, SequenceChunk]:
+    """`chunk`'s first `count` tokens, and the rest (computed by a later forward: its K/V of the
+    first part is in the pool by then)."""
+    head = dataclasses.replace(chunk, token_ids=chunk.token_ids[:count],
+                               slot_mapping=chunk.slot_mapping[:count])
+    tail = dataclasses.replace(chunk, token_ids=chunk.token_ids[count:], start=chunk.start + count,
+                               slot_mapping=chunk.slot_mapping[count:])
+    return head, tail
+
+
+class ForwardLoop:
+    """Runs the forward passes of every client's prepared steps, merged."""
+
+    def __init__(self, runner: Callable[[], ModelRunner], sampler: Sampler, *,
+                 max_batch_tokens: int = 8192, metrics: RunnerMetrics | None = None) -> None:
+        # The model runner in use (it is replaced when the daemon restarts).
+        self._runner = runner
+        self.sampler = sampler
+        self.metrics = metrics
+        if max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
+        # Most tokens one forward pass computes (longer chunks are split across passes).
+        self.max_batch_tokens = max_batch_tokens
+        # Prepared steps waiting for a forward, in arrival order.
+        self._ready: deque[Prepared] = deque()
+        self._wake = asyncio.Event()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-forward")
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="pagedkv-forward")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            await cancel(self._task)
+            self._task = None
+        self._thread.shutdown(wait=True)
+
+    async def between_forwards(self, work: Callable[[], None]) -> None:
+        """Run `work` on the forward thread: after the forward in progress, before the next
+        (nothing else runs there, so no forward runs meanwhile)."""
+        await asyncio.get_running_loop().run_in_executor(self._thread, work)
+
+    async def compute(self, prepared: Prepared) -> list[SeqResult]:
+        """Queue a prepared step for the next forward; its results, one per request."""
+        self._ready.append(prepared)
+        self._wake.set()
+        return await prepared.done
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        # The sessions of the last forward, and how long it took.
+        recent: set[str] = set()
+        last_forward_s = 0.0
+        while True:
+            if not self._ready:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._gather(recent, min(MAX_GATHER_S, last_forward_s))
+            batch = self._take_batch()
+            if not batch:  # every waiting step was cancelled
+                continue
+            started = time.monotonic()
+            try:
+                sampled = await loop.run_in_executor(self._thread, self._compute, batch)
+            except Exception as exc:  # a failed forward fails the steps it carried
+                for prepared, _ in batch:
+                    if not prepared.done.done():
+                        prepared.done.set_exception(exc)
+                continue
+            last_forward_s = time.monotonic() - started
+            recent = {prepared.session_id for prepared, _ in batch}
+            self._observe(batch, started)
+            self._deliver(batch, sampled)
+            # Steps with pieces left go on first in the next forward (a failed or cancelled
+            # one computes no more).
+            self._ready.extendleft(reversed([prepared for prepared, _ in batch
+                                             if prepared.left and not prepared.done.done()]))
+
+    async def _gather(self, recent: set[str], window: float) -> None:
+        """Wait up to `window` for the sessions of the last forward to send their next step.
+
+        Their answers just left, while the steps of other clients were prepared during that
+        forward: without waiting, the clients split into two groups whose half-size forwards
+        alternate; with it, they merge into one forward."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + window
+        while recent - {prepared.session_id for prepared in self._ready}:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
+
+    def _observe(self, batch: Batch, started: float) -> None:
+        if self.metrics is None:
+            return
+        lengths = [len(chunk.token_ids) for _, pieces in batch for _, chunk in pieces]
+        decode = sum(1 for n in lengths if n == 1)
+        self.metrics.forward(time.monotonic() - started, len(lengths), sum(lengths) - decode,
+                             decode)
+        for prepared, _ in batch:
+            if prepared.forwards == 1:  # its first forward
+                self.metrics.queue_wait(started - prepared.ready_at)
+
+    def _take_batch(self) -> Batch:
+        """The work of the next forward, at most max_batch_tokens tokens: the waiting decode
+        steps first, then pieces of the others' chunks, each group in arrival order. Steps
+        not taken stay queued; a cancelled one is dropped."""
+        waiting = [prepared for prepared in self._ready if not prepared.done.done()]
+        budget = self.max_batch_tokens
+        batch: Batch = []
+        for prepared in sorted(waiting, key=lambda p: not p.decoding):  # stable: arrival order
+            if not budget:
+                break
+            pieces = prepared.take(budget)
+            budget -= sum(len(chunk.token_ids) for _, chunk in pieces)
+            prepared.forwards += 1
+            batch.append((prepared, pieces))
+        taken = {id(prepared) for prepared, _ in batch}
+        self._ready = deque(prepared for prepared in waiting if id(prepared) not in taken)
+        return batch
+
+    def _compute(self, batch: Batch) -> list[Pick]:
+        """[forward thread] One forward over every piece, then sampling where it is due; the
+        picks come back as host values, so the loop thread touches no tensor."""
+        chunks = [chunk for _, pieces in batch for _, chunk in pieces]
+        logits = self._runner().step(chunks)
+        rows, keep = [], []
+        position = 0
+        for prepared, pieces in batch:
+            for index, chunk in pieces:
+                state = prepared.states[index]
+                if chunk.start + len(chunk.token_ids) == len(state.tokens):
+                    rows.append(SamplingRow(prepared.requests[index].params,
+                                            state.tokens[:state.prompt_len],
+                                            state.tokens[state.prompt_len:]))
+                    keep.append(position)
+                position += 1
+        if not rows:
+            return []
+        if len(keep) < len(chunks):
+            logits = logits[torch.tensor(keep)]
+        return picks(self.sampler(logits, rows), rows)
+
+    def _deliver(self, batch: Batch, sampled: list[Pick]) -> None:
+        """Advance each sequence's computed count; answer each step with no piece left."""
+        row = 0
+        for prepared, pieces in batch:
+            for index, chunk in pieces:
+                state = prepared.states[index]
+                state.num_computed = max(state.num_computed, chunk.start + len(chunk.token_ids))
+                if state.num_computed == len(state.tokens):
+                    prepared.picked[index] = sampled[row]
+                    row += 1
+            # A step whose caller is gone (cancelled) gets no answer: the K/V computed stays.
+            if not prepared.left and not prepared.done.done():
+                prepared.done.set_result(self.results(prepared, prepared.picked))
+
+    def results(self, prepared: Prepared, chosen: dict[int, Pick]) -> list[SeqResult]:
+        """One result per request of `prepared`: computed ahead, or from this step (`chosen`:
+        the sampled token of each request that sampled, by index)."""
+        limit = self._runner().max_model_len
+        return [prepared.ready.get(i) or _result(request, state, chosen.get(i), limit)
+                for i, (request, state) in enumerate(
+                    zip(prepared.requests, prepared.states, strict=True))]
+
+
+def _result(request: SeqRequest, state: SeqState, pick: Pick | None,
+            max_model_len: int) -> SeqResult:
+    """What a step did to one sequence (`pick`: its sampled token, if it sampled)."""
+    if pick is None:
+        return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
+                         state.num_cached, sampled=False)
+    # A sequence that holds max_model_len tokens has no position for its sampled token.
+    full = len(state.tokens) >= max_model_len
+    return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
+                     state.num_cached, True, pick.token_id, pick.logprob,
+                     pick.top_token_ids, pick.top_logprobs, pick.finished or full)

@@ -1,0 +1,135 @@
+"""The runner's holds on its clients' sessions (kvpool.proto's "Runner holds").
+
+    holds = SessionHolds(pool_client, session_table, hold_ms=5000)
+    await holds.ensure(session_id, known)                # before a forward
+    holder = asyncio.create_task(holds.keep(session_id, known))   # while it waits and runs
+    holds.after_step(session_id, entry)                  # the session's lock let go
+
+A forward writes K/V into the blocks its step's daemon calls answered, after those calls. A
+client that freed those blocks directly in the daemon meanwhile (Free, CloseSession) would hand
+them to another session, and the forward would write into that session's K/V. So every daemon
+call that precedes a forward carries hold_ms (preparation.py), and until the hold ends the daemon
+refuses the client's own frees (SessionBusy) and does not expire the session. Here the hold is
+kept for as long as a forward of the session may write, and no longer:
+
+- `ensure`: a step whose daemon calls did not just hold the session (it made none: a resend
+  without tokens) holds it before its forward is queued;
+- `keep`: renewed at half its length while the forward waits and runs (KeepAlive, which renews
+  the lease too);
+- ended (`end_hold`) once no forward of the session is queued or running: by the engine in the
+  Batch that frees released sequences, after a cancelled step's forward (`hold(end=True)`),
+  before a failed step answers (`end_quietly`), and here once the session has been idle for
+  IDLE_END_S (`after_step`), and when the runner stops.
+  The idle end runs under the session's lock, so it never ends a later step's hold, and is sent
+  only if no step renewed the hold meanwhile: a client stepping back to back costs no call.
+
+A hold the runner does not end lapses hold_ms after its last renewal: the runner died, or the
+session was forgotten while idle (past MAX_IDLE_SESSIONS; without its entry's lock nothing
+orders an end after a later step's hold).
+"""
+
+import asyncio
+import contextlib
+import math
+import time
+
+from pagedkv.client import NotFound, PagedKVError, PoolClient, SessionExpired
+from pagedkv.model_runner.engine.sequences import SessionSequences
+from pagedkv.model_runner.engine.sessions import SessionEntry, SessionTable
+from pagedkv.process.lifecycle import cancel
+from pagedkv.proto import kvpool_pb2 as pb
+
+# How long the runner's daemon calls hold a session (`pagedkv runner --hold-ms`): renewed at half
+# of it while a forward waits or runs; at most the daemon's max_hold_ms (10 s by default).
+DEFAULT_HOLD_MS = 5000
+# How soon a renewal that failed (a slow or restarting daemon) is tried again.
+HOLD_RETRY_S = 0.1
+# How long a session with no step waits before the runner ends its hold: a client that closes
+# its session directly after its last answer waits about this long (SessionBusy).
+IDLE_END_S = 0.1
+
+
+class SessionHolds:
+    """Holds the runner's clients' sessions while their forwards may write (module docstring)."""
+
+    def __init__(self, pool: PoolClient, sessions: SessionTable, *, hold_ms: int) -> None:
+        self.pool = pool
+        self.sessions = sessions
+        # How long each hold lasts unless renewed or ended.
+        self.hold_ms = hold_ms
+        # Ends of idle sessions' holds, waiting for IDLE_END_S.
+        self._idle_ends: set[asyncio.Task[None]] = set()
+
+    @property
+    def renew_after_s(self) -> float:
+        """How old a hold is when the runner renews it: half its length."""
+        return self.hold_ms / 2000
+
+    async def hold(self, session_id: str, known: SessionSequences, *,
+                   end: bool = False) -> None:
+        """Hold the session for hold_ms from now (KeepAlive, which renews its lease too), or end
+        the runner's hold (`end`: no forward of the session is queued or running)."""
+        sent = time.monotonic()
+        await self.pool.call(self.pool.stub.KeepAlive, lambda: pb.KeepAliveRequest(
+            session_id=session_id, hold_ms=0 if end else self.hold_ms, end_hold=end))
+        known.held_at = -math.inf if end else sent
+
+    async def end_quietly(self, session_id: str, known: SessionSequences) -> None:
+        """End the hold, if any, before a failed step answers (its client may free at once);
+        one that cannot be ended lapses by itself."""
+        if known.held_at > -math.inf:
+            with contextlib.suppress(PagedKVError):
+                await self.hold(session_id, known, end=True)
+
+    async def ensure(self, session_id: str, known: SessionSequences) -> None:
+        """Hold the session now unless a daemon call just did (before a forward)."""
+        if time.monotonic() - known.held_at > self.renew_after_s:
+            await self.hold(session_id, known)
+
+    async def keep(self, session_id: str, known: SessionSequences) -> None:
+        """Renew the hold while a forward of the session waits and runs (until cancelled): a
+        client that frees its sequences or closes its session directly meanwhile is refused,
+        and the session does not expire (a client that dies stops its own KeepAlive)."""
+        while True:
+            await asyncio.sleep(max(HOLD_RETRY_S,
+                                    known.held_at + self.renew_after_s - time.monotonic()))
+            try:
+                await self.hold(session_id, known)
+            except (SessionExpired, NotFound):
+                return  # gone already: the step fails at its finish
+            except PagedKVError:  # a slow or restarting daemon: try again soon
+                continue
+
+    def after_step(self, session_id: str, entry: SessionEntry) -> None:
+        """The session's lock was let go (no forward of it is left): end its hold, if any, once
+        it has been idle for IDLE_END_S."""
+        held_at = entry.sequences.held_at
+        if held_at > -math.inf and not entry.ended:
+            task = asyncio.create_task(self._end_when_idle(session_id, held_at))
+            self._idle_ends.add(task)
+            task.add_done_callback(self._idle_ends.discard)
+
+    async def _end_when_idle(self, session_id: str, held_at: float) -> None:
+        """End the hold asked at `held_at` if no step renewed it within IDLE_END_S; under the
+        session's lock, so that no forward of the session is queued or running and no later
+        hold is ended."""
+        await asyncio.sleep(IDLE_END_S)
+        entry = self.sessions.get(session_id)
+        if entry is None or entry.sequences.held_at != held_at:
+            return  # renewed by a later step (which ends it in turn), ended, or forgotten
+        entry = self.sessions.enter(session_id)
+        try:
+            async with entry.lock:
+                if entry.sequences.held_at == held_at and not entry.ended:
+                    with contextlib.suppress(PagedKVError):  # else it lapses by itself
+                        await self.hold(session_id, entry.sequences, end=True)
+        finally:
+            self.sessions.leave(session_id, entry)
+
+    async def stop(self) -> None:
+        """End every hold (the runner stopping, its forwards done: nothing writes any more)."""
+        await cancel(*self._idle_ends)
+        await asyncio.gather(*(self.hold(session_id, entry.sequences, end=True)
+                               for session_id, entry in self.sessions.items()
+                               if entry.sequences.held_at > -math.inf and not entry.ended),
+                             return_exceptions=True)

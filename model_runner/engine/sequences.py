@@ -1,0 +1,92 @@
+"""What the runner knows of its clients' sequences, learned from the daemon and never from a client.
+
+A client names its sequences by id and sends tokens; where their K/V lives (block tables, slots)
+comes only from the daemon's answers to calls the runner makes under the client's session. The
+runner keeps, per (session, sequence), the tokens the sequence holds, how many of them are
+computed, and its block table, so a decode step needs one daemon Step and no table transfer.
+A sequence the runner does not know (forked by the client, or after a runner restart) is read
+back from the daemon (`GetBlockTables`, with the token ids it holds) before it is used: what a
+client says it holds must be those ids, and only the daemon's committed tokens count as
+computed.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from pagedkv.client import SamplingParams
+from pagedkv.model_runner.engine.steps import SeqResult
+
+
+@dataclass
+class Ahead:
+    """A step the runner took for a sequence before its client asked (runner.proto's
+    decode_ahead): the sampled token appended in the daemon, then its forward."""
+
+    # The token appended: what the client's last answer sampled, so its next step names it.
+    token_id: int
+    # The sampling of the step computed ahead.
+    params: SamplingParams
+    # That step's result, once its forward is done (None if it has not run or failed).
+    result: SeqResult | None = None
+
+
+@dataclass
+class SeqState:
+    """One client sequence as the runner knows it."""
+
+    # Every token the sequence holds (prompt, then generated); the daemon holds the same count.
+    tokens: list[int]
+    # Prompt length: tokens after it are generated (repetition penalty, per-step seeds).
+    prompt_len: int
+    # Leading tokens whose K/V is written in the pool.
+    num_computed: int
+    # Logical block i -> physical block, from the daemon's answers.
+    block_table: list[int]
+    # Leading tokens the prefix cache served when the sequence was allocated.
+    num_cached: int = 0
+    # Leading tokens in committed blocks when the runner learnt the sequence from the daemon
+    # (shared K/V others read): no forward may write a slot below it.
+    committed: int = 0
+    # Whether `tokens` are known to be the ids the daemon holds (the runner sent them, or
+    # checked a client's history against the daemon's): the runner commits only such a
+    # sequence, else it would certify K/V of tokens that are not the blocks' keys.
+    verified: bool = True
+    # The runner appended a token ahead of the client (the last token of `tokens`), until the
+    # client's next step names it.
+    ahead: Ahead | None = None
+
+    def slots(self, start: int, end: int, block_size: int) -> list[int]:
+        """Pool slots of positions [start, end), from the block table."""
+        table = self.block_table
+        return [table[pos // block_size] * block_size + pos % block_size
+                for pos in range(start, end)]
+
+    def patch(self, logical: int, block: int) -> None:
+        """A block-table entry a daemon Step changed: a new last block or a copy-on-write copy."""
+        if logical < len(self.block_table):
+            self.block_table[logical] = block
+        else:
+            self.block_table.append(block)
+
+
+@dataclass
+class SessionSequences:
+    """The sequences of one client session the runner has seen, and its hold on them."""
+
+    # seq_id -> state.
+    seqs: dict[int, SeqState] = field(default_factory=dict)
+    # When the runner last asked the daemon to hold the session (kvpool.proto's "Runner holds":
+    # no client frees its blocks until then + hold_ms), monotonic seconds taken before the
+    # call; -inf: no hold asked, or the hold ended.
+    held_at: float = -math.inf
+
+    def get(self, seq_id: int) -> SeqState | None:
+        return self.seqs.get(seq_id)
+
+    def put(self, seq_id: int, state: SeqState) -> None:
+        self.seqs[seq_id] = state
+
+    def drop(self, seq_ids: Sequence[int]) -> None:
+        for seq_id in seq_ids:
+            self.seqs.pop(seq_id, None)

@@ -1,0 +1,277 @@
+"""The runner's step engine: clients' steps in, one merged forward pass, sampled tokens out.
+
+    engine = StepEngine(pool_client, model_runner)
+    await engine.start()
+    outcome = await engine.step(session_id, [SeqRequest(7, True, prompt, 0, params)])
+
+A step goes through three stages:
+1. prepare (`Preparer`, on the event loop, as soon as the step arrives): validate it (a bad step
+   fails alone, before the pool changes), read back sequences the runner does not know, then one
+   daemon call under the client's session: `Step` for a batch of single decode tokens
+   (committing what the previous forward computed), else one `Batch` of Fork ops (parallel
+   samples, beams), then Allocate/Append ops. The answers are the only source of block tables
+   and slots; the chunks to compute follow from them.
+2. forward (`ForwardLoop`, on one worker thread, one at a time, so two steps' writes never
+   interleave): every prepared step waiting is packed into one forward pass, then each sequence
+   that is fully computed samples its next token. A step that arrives while a forward runs is
+   prepared meanwhile: its daemon round trip overlaps that forward.
+3. finish (on the loop): commit the blocks a prefill computed (decode blocks are committed by the
+   next Step), free the sequences the client released, answer.
+
+Decode ahead (runner.proto's `decode_ahead`, vLLM v1's async scheduling): when a client marks a
+sequence whose step sampled a token that does not finish it, the runner keeps the session's lock
+after answering and takes the client's next step itself: one daemon Step appends the sampled
+tokens, then a forward computes them, while the answer travels and the client plans. The
+client's next step names the same tokens and is answered from those results (`Ahead`); the
+lock keeps every other step of the session, and so every release, behind that forward.
+
+No release before the forward: a step whose caller is cancelled (its client gone) keeps the
+session's lock until its forward is done, so no release through the runner frees blocks that a
+queued or running forward still writes (blocks another session could get meanwhile). Nor does
+the client itself, or its lease: every daemon call that precedes a forward holds the session for
+`hold_ms` (kvpool.proto's "Runner holds": the daemon refuses the client's own Free and
+CloseSession, SessionBusy, and expires no held session), `_run` renews the hold while the
+forward waits and runs, and the hold ends (`end_hold`) once no forward of the session is left:
+in the Batch that frees released sequences (else a KeepAlive), after a cancelled step's forward,
+before a failed step answers, and once the session is idle (holds.py). A hold not ended (the
+runner died) lapses hold_ms after its last renewal. A step whose daemon calls were applied but
+whose forward failed answers StepNotComputed (runner.proto's retry rules), never "nothing
+changed".
+"""
+
+import asyncio
+import contextlib
+import functools
+import math
+import time
+from collections.abc import Sequence
+
+from pagedkv.client import (
+    Commit,
+    Free,
+    NotFound,
+    PagedKVError,
+    PoolClient,
+    SequenceNotFound,
+    SessionExpired,
+)
+from pagedkv.model_runner.engine.forward_loop import ForwardLoop, Prepared
+from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS, SessionHolds
+from pagedkv.model_runner.engine.preparation import Preparer
+from pagedkv.model_runner.engine.sampling import Sampler
+from pagedkv.model_runner.engine.sequences import SessionSequences
+from pagedkv.model_runner.engine.sessions import SessionEntry, SessionTable
+from pagedkv.model_runner.engine.step_checks import check_writes
+from pagedkv.model_runner.engine.steps import SeqRequest, SeqResult, StepNotComputed, StepOutcome
+from pagedkv.model_runner.process.metrics import RunnerMetrics
+from pagedkv.model_runner.runner import ModelRunner
+from pagedkv.process.lifecycle import cancel
+from pagedkv.proto import kvpool_pb2 as pb
+
+
+class StepEngine:
+    """Merges concurrent client steps into forward passes over one model and one pool."""
+
+    def __init__(self, pool: PoolClient, runner: ModelRunner, *, sampler: Sampler | None = None,
+                 max_batch_tokens: int = 8192, metrics: RunnerMetrics | None = None,
+                 hold_ms: int = DEFAULT_HOLD_MS) -> None:
+        self.pool = pool
+        # The model runner (replaced by the server when the daemon restarts).
+        self.runner = runner
+        self.metrics = metrics
+        self.forwards = ForwardLoop(lambda: self.runner, sampler or Sampler(),
+                                    max_batch_tokens=max_batch_tokens, metrics=metrics)
+        # Each client session's sequences and lock, forgotten when the session ends.
+        self.sessions = SessionTable()
+        # The daemon's holds on the sessions while their forwards may write (hold_ms each).
+        self.holds = SessionHolds(pool, self.sessions, hold_ms=hold_ms)
+        self.preparer = Preparer(pool, lambda: self.runner, metrics, holds=self.holds)
+        # Steps being decoded ahead (each holds its session's lock).
+        self._ahead_tasks: set[asyncio.Task[None]] = set()
+        # Forwards of cancelled steps, waited for before their session's lock goes.
+        self._orphans: set[asyncio.Future[list[SeqResult]]] = set()
+
+    async def start(self) -> None:
+        await self.forwards.start()
+
+    async def stop(self) -> None:
+        """Stop computing; then no forward writes any more, and every hold ends."""
+        await cancel(*self._ahead_tasks)
+        await self.forwards.stop()
+        for forward in self._orphans:  # the loop is gone: nothing writes any more
+            forward.cancel()
+        await self.holds.stop()
+
+    def forget_all(self) -> None:
+        """Drop every session's state (the daemon restarted: its pool and sessions are gone)."""
+        self.sessions.forget_all()
+
+    # ---------------------------------------------------------------- the step
+
+    async def step(self, session_id: str, requests: Sequence[SeqRequest],
+                   release: Sequence[int] = ()) -> StepOutcome:
+        """Compute one client step; `release` names sequences to free after it."""
+        self.preparer.validate(requests, release)
+        started = time.monotonic()
+        entry = self.sessions.enter(session_id)
+        try:
+            await entry.lock.acquire()
+        except BaseException:
+            self.sessions.leave(session_id, entry)
+            raise
+        handed_off = False
+        try:
+            known = entry.sequences
+            try:
+                prepared = await self.preparer.prepare(session_id, known, requests)
+                for index in prepared.claimed:  # this step holds the tokens appended ahead now
+                    prepared.states[index].ahead = None
+                results = (await self._run(prepared, known) if prepared.chunks
+                           else self.forwards.results(prepared, {}))
+                await self._finish(session_id, known, prepared, release)
+            except Exception as exc:
+                entry.ended = entry.ended or _session_gone(exc)
+                if not entry.ended:  # no forward of the session is left: the client may free
+                    await self.holds.end_quietly(session_id, known)
+                raise
+            if self.metrics is not None:
+                self.metrics.step(time.monotonic() - started)
+                self.metrics.ahead_used(len(prepared.ready))
+            ahead = self._ahead_requests(requests, results, release)
+            if ahead:  # the lock goes with the task, which releases it
+                task = asyncio.create_task(self._decode_ahead(session_id, entry, ahead))
+                self._ahead_tasks.add(task)
+                task.add_done_callback(self._ahead_tasks.discard)
+                handed_off = True
+            return StepOutcome(results, self.preparer.free_blocks)
+        finally:
+            if not handed_off:
+                self._let_go(session_id, entry)
+
+    def _let_go(self, session_id: str, entry: SessionEntry) -> None:
+        """Let go of the session's lock (no forward of it is left): its hold ends once idle."""
+        entry.lock.release()
+        self.sessions.leave(session_id, entry)
+        self.holds.after_step(session_id, entry)
+
+    async def _run(self, prepared: Prepared, known: SessionSequences) -> list[SeqResult]:
+        """A prepared step's forward and results, holding the session (its blocks and its
+        lease) meanwhile: a step whose daemon calls did not just hold it (it made none) holds it
+        first. Its daemon calls are applied: a forward that fails makes it StepNotComputed, and
+        a caller cancelled meanwhile waits for the forward (which may be writing the session's
+        blocks) before the hold ends and the lock goes."""
+        check_writes(prepared)
+        session_id = prepared.session_id
+        await self.holds.ensure(session_id, known)
+        holder = asyncio.create_task(self.holds.keep(session_id, known))
+        forward = asyncio.ensure_future(self.forwards.compute(prepared))
+        try:
+            return await asyncio.shield(forward)
+        except asyncio.CancelledError:
+            self._orphans.add(forward)
+            try:
+                await _outlive(forward)
+            finally:
+                self._orphans.discard(forward)
+            holder.cancel()
+            with contextlib.suppress(asyncio.CancelledError, PagedKVError):
+                await self.holds.hold(session_id, known, end=True)  # else it lapses
+            raise
+        except Exception as exc:
+            raise StepNotComputed(
+                f"the step's tokens were appended but its forward failed ({type(exc).__name__}):"
+                " resend it without token_ids, every sequence as an existing one, or release "
+                "its sequences") from exc
+        finally:
+            holder.cancel()
+
+    # ------------------------------------------------------------ decode ahead
+
+    @staticmethod
+    def _ahead_requests(requests: Sequence[SeqRequest], results: Sequence[SeqResult],
+                        release: Sequence[int]) -> list[SeqRequest]:
+        """The client's next step of the sequences it marked decode_ahead whose token this
+        step sampled and that go on: append that token, sample the same way."""
+        released = set(release)
+        return [SeqRequest(r.seq_id, False, (result.token_id,), 0, r.params)
+                for r, result in zip(requests, results, strict=True)
+                if r.decode_ahead and result.sampled and not result.finished
+                and r.seq_id not in released]
+
+    async def _decode_ahead(self, session_id: str, entry: SessionEntry,
+                            requests: Sequence[SeqRequest]) -> None:
+        """[holds the session's lock; releases it] Take the client's next step: append the
+        tokens in the daemon, compute them, keep the results for the step that names them.
+
+        A failure changes nothing the client's own step cannot redo: a daemon Step either
+        appended every token (each recorded as ahead) or none, and a token appended but not
+        computed is computed by the client's step."""
+        try:
+            states = await self.preparer.decode_step(session_id, entry.sequences, requests,
+                                                     ahead=True)
+            chunks = [(i, chunk) for i, (r, state) in enumerate(zip(requests, states, strict=True))
+                      if (chunk := self.preparer.chunk(r, state)) is not None]
+            results = await self._run(Prepared(session_id, requests, states, chunks),
+                                      entry.sequences)
+            for state, result in zip(states, results, strict=True):
+                if state.ahead is not None:
+                    state.ahead.result = result
+            if self.metrics is not None:
+                self.metrics.ahead_computed(len(results))
+        except Exception as exc:  # the client's next step meets the cause itself, if it lasts
+            entry.ended = entry.ended or _session_gone(exc)
+            if self.metrics is not None:
+                self.metrics.ahead_failed(len(requests))
+        finally:
+            self._let_go(session_id, entry)
+
+    # -------------------------------------------------------------- finishing
+
+    async def _finish(self, session_id: str, known: SessionSequences, prepared: Prepared,
+                      release: Sequence[int]) -> None:
+        """Commit what prefill chunks computed; free the released sequences (their computed
+        blocks committed first, so they stay cached). Only sequences whose ids the runner knows
+        are the daemon's are committed (SeqState.verified). The step's forward is done and the
+        session's lock held, so no forward of it is left: the hold ends, with the Batch (else,
+        when sequences were released, with a KeepAlive), and the client may close at once."""
+        bs = self.runner.block_size
+        prefilled = [(prepared.requests[i].seq_id, prepared.states[i].num_computed)
+                     for i, chunk in prepared.chunks
+                     if len(chunk.token_ids) > 1 and prepared.states[i].num_computed >= bs
+                     and prepared.states[i].verified]
+        ops: list[Commit | Free] = []
+        if prefilled:
+            ops.append(Commit([seq_id for seq_id, _ in prefilled], [n for _, n in prefilled]))
+        released = [seq_id for seq_id in release if known.get(seq_id) is not None]
+        certified = [(seq_id, state.num_computed) for seq_id in released
+                     if (state := self.preparer.known_state(known, seq_id)).verified]
+        if certified:
+            ops.append(Commit([seq_id for seq_id, _ in certified], [n for _, n in certified]))
+        ops.extend(Free(seq_id) for seq_id in released)
+        if ops:
+            reply = await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
+                session_id=session_id, ops=[op.batch_op() for op in ops], end_hold=True))
+            known.held_at = -math.inf
+            self.preparer.free_blocks = reply.free_blocks
+        known.drop(released)
+        for seq_id in set(release) - set(released):  # never stepped here (a pruned fork)
+            free = functools.partial(pb.FreeRequest, session_id=session_id, seq_id=seq_id)
+            with contextlib.suppress(SequenceNotFound):
+                await self.pool.call(self.pool.stub.Free, free)
+        if release and not ops:  # a hold of a forgotten entry's too
+            await self.holds.hold(session_id, known, end=True)
+
+
+
+def _session_gone(exc: Exception) -> bool:
+    """The daemon said the session is gone (closed, expired, unknown): the runner forgets it
+    once no step uses it."""
+    return isinstance(exc, (SessionExpired, NotFound)) and not isinstance(exc, SequenceNotFound)
+
+
+async def _outlive(forward: asyncio.Future[list[SeqResult]]) -> None:
+    """Wait for `forward` to end, however often the waiter is cancelled (the engine cancels
+    `forward` itself when it stops)."""
+    while not forward.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({forward})

@@ -1,0 +1,124 @@
+"""Write new tokens' keys and values into their paged cache slots.
+
+    key, value:    [T, H_kv, D]   one row per new token, after rotary embedding
+    k/v_cache:     [num_blocks, block_size, H_kv, D]   one layer's view of the pool
+    slot_mapping:  [T] int64      slot = block * block_size + offset; -1 = padding, skipped
+
+Two implementations with one interface: a Triton kernel (one program per token, all heads in one
+tile) and a vectorized torch version that is the CPU backend and the tests' reference. Slots must
+be distinct; a slot written twice in one call holds one of the two rows, unspecified which.
+"""
+
+import torch
+
+from pagedkv.model_runner.kernels.paged_checks import (
+    CacheGeometry,
+    check_cache,
+    check_index,
+    check_slot_values,
+    check_tokens,
+)
+from pagedkv.model_runner.kernels.triton_env import require_triton_device, tl, triton
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _store_kv_kernel(  # type: ignore[no-untyped-def]
+    Key, Value, K_cache, V_cache, Slot_mapping,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_ckb, stride_cks, stride_ckh, stride_ckd,
+    stride_cvb, stride_cvs, stride_cvh, stride_cvd,
+    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    tl.static_assert(HEADS_PAD >= NUM_KV_HEADS)
+    tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
+    token = tl.program_id(0).to(tl.int64)
+    # -- padding tokens leave the cache untouched --
+    slot = tl.load(Slot_mapping + token)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    # -- one [HEADS_PAD, HEAD_DIM_PAD] tile holds every head of the token --
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(Key + token * stride_kt + offs_h[:, None] * stride_kh
+                + offs_d[None, :] * stride_kd, mask=mask)
+    v = tl.load(Value + token * stride_vt + offs_h[:, None] * stride_vh
+                + offs_d[None, :] * stride_vd, mask=mask)
+    # -- scatter into the slot's block row (int64 offsets: pools exceed 2**31 elements) --
+    k_dst = (K_cache + block * stride_ckb + offset * stride_cks
+             + offs_h[:, None] * stride_ckh + offs_d[None, :] * stride_ckd)
+    v_dst = (V_cache + block * stride_cvb + offset * stride_cvs
+             + offs_h[:, None] * stride_cvh + offs_d[None, :] * stride_cvd)
+    tl.store(k_dst, k, mask=mask)
+    tl.store(v_dst, v, mask=mask)
+
+
+def _check_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    check_values: bool,
+) -> CacheGeometry:
+    geometry = check_cache(k_cache, v_cache)
+    check_tokens("key", key, geometry.num_kv_heads, k_cache)
+    check_tokens("value", value, geometry.num_kv_heads, k_cache)
+    if value.shape != key.shape:
+        raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
+    check_index("slot_mapping", slot_mapping, torch.int64, (key.shape[0],), k_cache.device)
+    if check_values:
+        check_slot_values(slot_mapping, geometry)
+    return geometry
+
+
+def store_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    check_values: bool = True,
+) -> None:
+    """Triton: copy key/value rows into the cache at `slot_mapping` (in place)."""
+    geometry = _check_args(key, value, k_cache, v_cache, slot_mapping, check_values)
+    require_triton_device(k_cache.device, _store_kv_kernel)
+    if key.shape[0] == 0:
+        return
+    _store_kv_kernel[(key.shape[0],)](
+        key, value, k_cache, v_cache, slot_mapping,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        NUM_KV_HEADS=geometry.num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(geometry.num_kv_heads),
+        HEAD_DIM=geometry.head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(geometry.head_dim),
+        BLOCK_SIZE=geometry.block_size,
+    )
+
+
+def store_kv_torch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    check_values: bool = True,
+) -> None:
+    """Torch: copy key/value rows into the cache at `slot_mapping` (in place)."""
+    geometry = _check_args(key, value, k_cache, v_cache, slot_mapping, check_values)
+    keep = slot_mapping >= 0  # [T]
+    if not bool(keep.all()):  # padding tokens write nothing
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    block_size = geometry.block_size
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        if cache.stride(0) == block_size * cache.stride(1):  # the slots are one flat view
+            cache.flatten(0, 1).index_copy_(0, slot_mapping, rows)
+        else:  # advanced-index assignment writes through the strided view in place
+            cache[slot_mapping // block_size, slot_mapping % block_size] = rows

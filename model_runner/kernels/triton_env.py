@@ -1,0 +1,58 @@
+"""Where Triton kernels can run, decided once, before any kernel is defined.
+
+Triton compiles for CUDA. Without a CUDA device the only way to run a Triton kernel is its
+interpreter (numpy, one program after another), which `@triton.jit` selects when it sees
+``TRITON_INTERPRET=1`` at decoration time -- for our kernels and for triton.language's own jitted
+helpers (tl.sum, tl.max, tl.cdiv), which are decorated when triton is first imported. The kernel
+modules import `triton` and `tl` from here, so on a machine without CUDA the variable is set
+before triton loads, provided nothing imported triton earlier (a transformers model class does:
+import pagedkv.model_runner first, or set the variable yourself). A machine with CUDA is left
+alone: its kernels compile for the device unless the caller asked for the interpreter.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# These imports must follow the TRITON_INTERPRET decision above.
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+__all__ = ["interpreter_enabled", "is_interpreted", "require_triton_device", "tl", "triton"]
+
+
+def interpreter_enabled() -> bool:
+    """Whether kernels decorated now become interpreted (CPU) functions."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def is_interpreted(kernel: object) -> bool:
+    """Whether `kernel` was decorated for the interpreter."""
+    return isinstance(kernel, InterpretedFunction)
+
+
+def require_triton_device(device: torch.device, kernel: object | None = None) -> None:
+    """Raise ValueError unless Triton can run on tensors that live on `device`.
+
+    `kernel`: the kernel about to run (whether it was decorated as interpreted is what counts);
+    None asks about kernels decorated now.
+    """
+    if device.type == "cuda":
+        return
+    if device.type != "cpu":
+        raise ValueError(f"Triton kernels need CUDA (or CPU with TRITON_INTERPRET=1), got {device}")
+    if not (interpreter_enabled() if kernel is None else is_interpreted(kernel)):
+        raise ValueError(
+            "Triton kernels run on CPU tensors only under the interpreter: set TRITON_INTERPRET=1 "
+            "before triton is imported, or use the torch attention backend on CPU"
+        )
+    if not is_interpreted(tl.cdiv):  # triton.language was loaded before the variable was set
+        raise ValueError(
+            "TRITON_INTERPRET=1 was set after triton was imported: set it before anything "
+            "imports triton (import kernels.triton_env first), or use the torch "
+            "backend on CPU"
+        )

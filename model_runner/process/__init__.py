@@ -1,0 +1,1 @@
+"""The `pagedkv runner` process: command line, gRPC server and servicer, metrics."""

@@ -1,0 +1,112 @@
+"""`pagedkv runner` (also `python -m pagedkv.model_runner`): the runner process's command line.
+
+    pagedkvd --model-config tiny-llama &                 # the daemon, its pool laid out for it
+    pagedkv runner --random-init tiny-llama             # the runner next to it
+    pagedkv runner --model /models/qwen2.5-0.5b --daemon unix:///run/pagedkv/pagedkvd-runners.sock
+
+Exit codes as the daemon's: 2 for a bad setting or a model that does not fit the pool (a restart
+would fail the same way), 1 when the runner could not start or failed while running.
+"""
+
+import argparse
+import asyncio
+import os
+import sys
+
+from pagedkv.model_runner.engine.answer_limits import DEFAULT_MAX_LOGPROBS, AnswerLimits
+from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS
+from pagedkv.process import log_setup
+from pagedkv.process.server_bounds import SERVER_BOUNDS, ServerBounds
+from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
+
+EXIT_BAD_CONFIG = 2
+EXIT_FAILURE = 1
+
+
+def parser() -> argparse.ArgumentParser:
+    cli = argparse.ArgumentParser(
+        prog="pagedkv runner",
+        description="Serve a Hugging Face model on a pagedkv daemon's KV pool (gRPC Runner).")
+    source = cli.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", metavar="PATH",
+                        help="a local Hugging Face model directory (no hub access)")
+    source.add_argument("--random-init", metavar="CONFIG",
+                        help="a config.json path or a preset (tiny, tiny-llama, small-llama), "
+                             "randomly initialized")
+    cli.add_argument("--seed", type=int, default=0, help="seed of --random-init (default 0)")
+    cli.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+                     help="load the weights in this dtype (default: the config's); start the "
+                          "daemon with the same --dtype")
+    cli.add_argument("--daemon", help="the daemon's runner socket, unix:///path (default: "
+                                      "pagedkvd-runners.sock in ./run or $RUNTIME_DIRECTORY)")
+    cli.add_argument("--listen", help="unix:///path of the Runner socket (default: next to the "
+                                      "daemon's, pagedkv-runner.sock)")
+    cli.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
+                     help="Triton kernels on CUDA, the vectorized torch kernels on CPU (auto)")
+    cli.add_argument("--torch-threads", type=int, default=0,
+                     help="intra-op threads of the CPU forward (default: half the cores, at "
+                          "least 1: the daemon and the clients need the others)")
+    cli.add_argument("--max-batch-tokens", type=int, default=8192,
+                     help="most tokens one merged forward pass computes; a longer prefill is "
+                          "split across forwards, other clients' decodes between (default 8192)")
+    cli.add_argument("--hold-ms", type=int, default=DEFAULT_HOLD_MS,
+                     help="how long each daemon call before a forward holds the client's "
+                          "session: no client frees its blocks meanwhile; renewed while the "
+                          "forward runs; at most the daemon's max_hold_ms (default "
+                          f"{DEFAULT_HOLD_MS})")
+    cli.add_argument("--max-logprobs", type=int, default=DEFAULT_MAX_LOGPROBS,
+                     help="most top logprobs a sequence may ask for (default "
+                          f"{DEFAULT_MAX_LOGPROBS}, vLLM's)")
+    cli.add_argument("--max-answer-bytes", type=int, default=DEFAULT_ANSWER_BYTES,
+                     help="most encoded bytes of one step's answer; a step that could pass it "
+                          f"is refused (default {DEFAULT_ANSWER_BYTES}, under gRPC's default "
+                          f"receive limit; at most {MAX_MESSAGE_BYTES})")
+    cli.add_argument("--metrics-listen", metavar="HOST:PORT",
+                     help="serve /metrics, /healthz and /readyz here")
+    defaults = ServerBounds()
+    for name, spec in SERVER_BOUNDS.items():  # the daemon's settings of the same names
+        cli.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
+                         help=f"{spec.help} (default {getattr(defaults, name)}; "
+                              f"{spec.minimum}..{spec.maximum})")
+    cli.add_argument("--log-level", choices=log_setup.LOG_LEVELS, default="info")
+    cli.add_argument("--log-format", choices=log_setup.LOG_FORMATS, default="auto")
+    return cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    # Imported only now: torch and transformers take seconds to load, --help needs neither.
+    from pagedkv.model_runner.models import ModelMismatch, ModelSource
+    from pagedkv.model_runner.process.server import RunnerConfig, serve
+
+    log_setup.configure(args.log_level, args.log_format)
+    import torch
+
+    # Two OpenMP threads on a 2-core host shared with the daemon made forwards 10-30x slower
+    # (benchmarks/bench_runner.py --threads 0); GPU runs barely use these threads.
+    torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 2) // 2))
+    try:
+        source = ModelSource(path=args.model, random_init=args.random_init, seed=args.seed,
+                             dtype=args.dtype)
+        options = {key: value for key, value in (("daemon", args.daemon),
+                                                 ("listen", args.listen),
+                                                 ("metrics_listen", args.metrics_listen))
+                   if value is not None}
+        bounds = ServerBounds(**{name: getattr(args, name) for name in SERVER_BOUNDS})
+        config = RunnerConfig(model=source, attention_backend=args.attention_backend,
+                              server_bounds=bounds,
+                              max_batch_tokens=args.max_batch_tokens, hold_ms=args.hold_ms,
+                              answer_limits=AnswerLimits(args.max_logprobs,
+                                                         args.max_answer_bytes), **options)
+        asyncio.run(serve(config))
+    except (ModelMismatch, ValueError) as exc:
+        print(f"pagedkv runner: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    except Exception as exc:  # the daemon unreachable, a socket in use, ...
+        print(f"pagedkv runner: cannot run: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

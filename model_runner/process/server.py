@@ -1,0 +1,249 @@
+"""The `pagedkv runner` process: map the daemon's pool, load the model, serve the Runner service.
+
+Start, in this order, so READY=1 is true when sent: connect to the daemon and read its pool
+(GetPoolInfo), load the model and refuse one whose KV geometry is not the pool's (the message
+names both), map the pool memory, start the step engine, bind the gRPC listener (Runner, health,
+reflection), start /metrics, then READY=1.
+
+A runner crash loses no KV: the pool lives in the daemon, so a restarted runner maps it again and
+clients go on (a sequence it does not know is resent with its history). A daemon restart is seen
+by a watcher that reads GetPoolInfo every POOL_CHECK_INTERVAL_S: while the daemon is away or the
+pool is new, steps answer UNAVAILABLE with a clear message, and the runner maps the new pool
+(clients' sessions died with the old daemon; they open new ones). As soon as the daemon does not
+answer, the runner unmaps its pool, between two forwards: a crashed daemon's /dev/shm pool keeps
+its pages for as long as any process maps it, and a new daemon sized for the same /dev/shm
+could not create its own. It maps the pool again when the daemon answers (the same one, if the
+daemon was only unreachable).
+
+SIGTERM: health NOT_SERVING, stop accepting, let in-flight steps finish for SHUTDOWN_GRACE_S.
+"""
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client.registry import CollectorRegistry
+
+from pagedkv.client import DaemonUnavailable, PoolClient, PoolInfo
+from pagedkv.model_runner.engine.answer_limits import AnswerLimits
+from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS
+from pagedkv.model_runner.engine.step_engine import StepEngine
+from pagedkv.model_runner.engine.steps import SeqRequest, StepOutcome
+from pagedkv.model_runner.kernels.attention_backend import BackendName, get_backend
+from pagedkv.model_runner.models import ModelSource, check_geometry, kv_geometry, load_model
+from pagedkv.model_runner.process.metrics import RunnerMetrics
+from pagedkv.model_runner.process.servicer import RunnerServicer, RunnerUnavailable
+from pagedkv.model_runner.runner import ModelRunner
+from pagedkv.process.lifecycle import cancel, stop_on_signals
+from pagedkv.process.log_setup import get_logger
+from pagedkv.process.notify import notify
+from pagedkv.process.probes import metrics_app, start_http
+from pagedkv.process.server_bounds import ServerBounds
+from pagedkv.process.socket_files import (
+    DAEMON_RUNNER_SOCKET_NAME,
+    claim_socket_path,
+    socket_umask,
+)
+from pagedkv.proto import runner_pb2 as rpb
+from pagedkv.proto import runner_pb2_grpc
+from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
+
+log = get_logger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0
+# How often the watcher asks the daemon which pool it serves.
+POOL_CHECK_INTERVAL_S = 1.0
+RUNNER_SERVICE = rpb.DESCRIPTOR.services_by_name["Runner"].full_name
+SOCKET_NAME = "pagedkv-runner.sock"
+# Group may connect (the clients' group); others may not.
+SOCKET_MODE = 0o660
+# grpc_health's stubs predate its asyncio servicer (`health.aio`).
+AsyncHealthServicer: Any = health.aio.HealthServicer  # type: ignore[attr-defined]
+
+
+def runtime_dir() -> Path:
+    """systemd's RuntimeDirectory when run as a unit, else ./run (where pagedkvd listens)."""
+    folder = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    return Path(folder) if folder else Path.cwd() / "run"
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """Everything `pagedkv runner` needs."""
+
+    # The model to serve.
+    model: ModelSource
+    # The daemon's runner socket: runners alone get the pool memory and act for any session.
+    daemon: str = field(
+        default_factory=lambda: f"unix://{runtime_dir() / DAEMON_RUNNER_SOCKET_NAME}")
+    # Where the Runner service listens (a unix socket: the runner is co-located).
+    listen: str = field(default_factory=lambda: f"unix://{runtime_dir() / SOCKET_NAME}")
+    # "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
+    attention_backend: BackendName = "auto"
+    # Prometheus /metrics, /healthz, /readyz on host:port, or None.
+    metrics_listen: str | None = None
+    # Most tokens one forward pass computes (a longer prefill is split across forwards).
+    max_batch_tokens: int = 8192
+    # How long each daemon call before a forward holds the client's session (kvpool.proto's
+    # "Runner holds"); at most the daemon's max_hold_ms.
+    hold_ms: int = DEFAULT_HOLD_MS
+    # Calls the Runner server serves at once (one more: RESOURCE_EXHAUSTED from gRPC), and its
+    # connections' keepalive and idle bounds.
+    server_bounds: ServerBounds = field(default_factory=ServerBounds)
+    # What one step may ask for: logprobs per sequence, and its answer's encoded size.
+    answer_limits: AnswerLimits = field(default_factory=AnswerLimits)
+
+
+class RunnerState:
+    """What the servicer reads about the running runner; updated when the pool changes."""
+
+    def __init__(self, engine: StepEngine, info: PoolInfo, model: str, backend: str) -> None:
+        self.engine = engine
+        self.info = info
+        self.model = model
+        self.backend = backend
+        # This process's RunnerInfo.runner_id: a client that sees it change after a lost
+        # answer knows the runner restarted and holds none of its sequences.
+        self.runner_id = uuid.uuid4().hex
+        # Why steps are refused now (the daemon is away or restarted), or None.
+        self.unavailable: str | None = None
+
+    async def step(self, session_id: str, requests: Sequence[SeqRequest],
+                   release: Sequence[int]) -> StepOutcome:
+        """The engine's step, refused while the pool is unavailable."""
+        if self.unavailable is not None:
+            raise RunnerUnavailable(self.unavailable)
+        return await self.engine.step(session_id, requests, release)
+
+    def runner_info(self) -> rpb.RunnerInfo:
+        runner = self.engine.runner
+        layers, kv_heads, head_dim, dtype = kv_geometry(runner.model)
+        eos = runner.model.generation_config.eos_token_id
+        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return rpb.RunnerInfo(model=self.model, vocab_size=runner.vocab_size,
+                              num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                              dtype=dtype, eos_token_ids=eos_ids, pool_id=self.info.pool_id,
+                              block_size=self.info.block_size,
+                              attention_backend=self.backend,
+                              max_model_len=runner.max_model_len, runner_id=self.runner_id)
+
+
+async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the runner until SIGTERM/SIGINT (or until `stop` is set)."""
+    async with contextlib.AsyncExitStack() as stack:
+        if stop is None:
+            stop = stack.enter_context(stop_on_signals())
+        pool = await PoolClient.connect(config.daemon)
+        stack.push_async_callback(pool.close)
+        info = await pool.pool_info()
+        if not info.memory.kind:
+            raise ValueError(f"the daemon at {config.daemon} gave no pool memory: connect the "
+                             "runner to the daemon's runner socket (its runner_socket, "
+                             f"{DAEMON_RUNNER_SOCKET_NAME} by default), not its public one")
+        model = load_model(config.model, device=_pool_device(info))
+        check_geometry(model, info)
+        backend = get_backend(config.attention_backend, model.device)
+        registry = CollectorRegistry()
+        engine = StepEngine(pool, ModelRunner.attach(model, info, backend),
+                            max_batch_tokens=config.max_batch_tokens,
+                            metrics=RunnerMetrics(registry), hold_ms=config.hold_ms)
+        await engine.start()
+        stack.push_async_callback(engine.stop)
+        state = RunnerState(engine, info, config.model.name, backend.name)
+        server, health_servicer = await stack.enter_async_context(_grpc_server(config, state))
+        if config.metrics_listen is not None:
+            host, _, port = config.metrics_listen.rpartition(":")
+            http = await start_http(metrics_app(registry, lambda: state.unavailable),
+                                    host, int(port))
+            stack.push_async_callback(http.cleanup)
+        watcher = asyncio.create_task(_watch_pool(state, pool, model, backend))
+        stack.push_async_callback(cancel, watcher)
+        notify("READY=1", f"STATUS=serving {config.model.name} on pool {info.pool_id}")
+        log.info("ready", model=config.model.name, pool_id=info.pool_id, listen=config.listen,
+                 attention_backend=backend.name)
+        await stop.wait()
+        notify("STOPPING=1")
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(SHUTDOWN_GRACE_S)
+    log.info("stopped")
+
+
+def _pool_device(info: PoolInfo) -> str:
+    return "cpu" if info.memory.device_index < 0 else f"cuda:{info.memory.device_index}"
+
+
+@contextlib.asynccontextmanager
+async def _grpc_server(config: RunnerConfig,
+                       state: RunnerState) -> AsyncIterator[tuple[grpc.aio.Server, Any]]:
+    # Answers are bounded below MAX_MESSAGE_BYTES (answer_limits); requests up to it.
+    bounds = config.server_bounds
+    server = grpc.aio.server(options=[*MESSAGE_SIZE_OPTIONS, *bounds.options()],
+                             maximum_concurrent_rpcs=bounds.max_concurrent_rpcs)
+    servicer = RunnerServicer(state.step, state.runner_info,
+                              lambda exc: log.error("step failed", exc_info=exc),
+                              config.answer_limits)
+    runner_pb2_grpc.add_RunnerServicer_to_server(servicer, server)
+    health_servicer = AsyncHealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (RUNNER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    path = Path(config.listen.removeprefix("unix://").removeprefix("unix:"))
+    # Explicit modes whatever the umask: the socket 0o660 (the pagedkv group), its folder
+    # 0o750; a live runner's socket is refused, a crashed one's removed.
+    claim_socket_path(path, SOCKET_MODE)
+    with socket_umask(SOCKET_MODE):
+        server.add_insecure_port(f"unix://{path}")
+    os.chmod(path, SOCKET_MODE)
+    await server.start()
+    for name in ("", RUNNER_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    try:
+        yield server, health_servicer
+    finally:
+        await server.stop(None)
+        path.unlink(missing_ok=True)
+
+
+async def _watch_pool(state: RunnerState, pool: PoolClient, model: Any, backend: Any) -> None:
+    """Notice a daemon that went away or restarted, and map the new pool when it is back."""
+    while True:
+        await asyncio.sleep(POOL_CHECK_INTERVAL_S)
+        try:
+            info = await pool.pool_info()
+        except DaemonUnavailable:
+            if state.unavailable is None:
+                log.warning("daemon unavailable", daemon_pool=state.info.pool_id)
+            state.unavailable = "the pagedkv daemon is unavailable; the runner is reconnecting"
+            await _release_pool(state)
+            continue
+        if info.pool_id == state.info.pool_id:
+            if state.engine.runner.released:  # the daemon was only unreachable
+                state.engine.runner = ModelRunner.attach(model, info, backend)
+                log.info("pool mapped again", pool_id=info.pool_id)
+            state.unavailable = None
+            continue
+        log.warning("daemon restarted: mapping its new pool", old=state.info.pool_id,
+                    new=info.pool_id)
+        state.unavailable = "the pagedkv daemon restarted; open a new session"
+        check_geometry(model, info)
+        state.engine.runner = ModelRunner.attach(model, info, backend)
+        state.engine.forget_all()
+        state.info = info
+        state.unavailable = None
+
+
+async def _release_pool(state: RunnerState) -> None:
+    """Unmap the pool of a daemon that does not answer, once no forward runs (steps are refused
+    already): its memory is freed if the daemon is gone, and a new daemon has room for its own."""
+    runner = state.engine.runner
+    if not runner.released:
+        await state.engine.forwards.between_forwards(runner.release_pool)
+        log.warning("pool released: the daemon is away", pool_id=state.info.pool_id)
