@@ -2,7 +2,7 @@
 of the workload and reports what it saw as one JSON line.
 
     python -m pagedkv.demo.worker --daemon unix:///tmp/d/pagedkvd.sock \\
-        --runner unix:///tmp/d/runner/runner.sock --index 0 [--quick]
+        --runner unix:///tmp/d/pagedkv-runner.sock --index 0 [--quick]
 
 Protocol on its pipes: once connected it prints "ready", then waits for a line on stdin (the
 demo starts every client at once), submits each request at its arrival time, and prints its

@@ -29,7 +29,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from pagedkv.process.socket_files import DAEMON_RUNNER_SOCKET_NAME, DAEMON_SOCKET_NAME
+from pagedkv.vocab.paths import (
+    DAEMON_RUNNER_SOCKET_NAME,
+    DAEMON_SOCKET_NAME,
+    RUNNER_SOCKET_NAME,
+    socket_target,
+)
 
 # `pagedkv serve` (pagedkvd) and `pagedkv runner`, through their modules so this interpreter
 # (the venv's) runs them.
@@ -71,7 +76,7 @@ class Launched:
     @property
     def runners_target(self) -> str:
         """A daemon's runner socket (start_daemon puts it in workdir): where runners connect."""
-        return f"unix://{self.workdir / DAEMON_RUNNER_SOCKET_NAME}"
+        return socket_target(self.workdir / DAEMON_RUNNER_SOCKET_NAME)
 
     @property
     def log_path(self) -> Path:
@@ -159,7 +164,7 @@ def start_daemon(folder: Path, *args: str, listen_path: Path | None = None,
     """`pagedkvd` with `args`, logging JSON; its files in `folder`, its public socket there
     too (pagedkvd.sock) unless `listen_path` names another, its runner socket there always
     (`runners_target`). Its pool file goes where `--shm-dir` says (/dev/shm by default)."""
-    unix_target = f"unix://{listen_path or folder / DAEMON_SOCKET_NAME}"
+    unix_target = socket_target(listen_path or folder / DAEMON_SOCKET_NAME)
     return start_process("pagedkvd", [*DAEMON_COMMAND, "--listen", unix_target,
                                       "--runner-socket", str(folder / DAEMON_RUNNER_SOCKET_NAME),
                                       "--log-format", "json", *args], folder, unix_target, env)
@@ -169,8 +174,8 @@ def start_runner(daemon_target: str, folder: Path, *args: str, listen: str | Non
                  env: dict[str, str] | None = None) -> Launched:
     """`pagedkv runner` on the daemon whose runner socket is `daemon_target` (a daemon's
     `runners_target`) with `args` (its model source at least), logging JSON; its files in
-    `folder`, its socket there too (runner.sock) unless `listen` names another."""
-    unix_target = listen or f"unix://{folder / 'runner.sock'}"
+    `folder`, its socket there too (pagedkv-runner.sock) unless `listen` names another."""
+    unix_target = listen or socket_target(folder / RUNNER_SOCKET_NAME)
     return start_process("runner", [*RUNNER_COMMAND, "--daemon", daemon_target, "--listen",
                                     unix_target, "--log-format", "json", *args],
                          folder, unix_target, env)

@@ -21,11 +21,6 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-# The daemon's socket files in its runtime folder ($RUNTIME_DIRECTORY under systemd, else
-# ./run): the public one (clients), and the one for runners (who compute K/V and map the pool).
-DAEMON_SOCKET_NAME = "pagedkvd.sock"
-DAEMON_RUNNER_SOCKET_NAME = "pagedkvd-runners.sock"
-
 
 class SocketInUse(RuntimeError):
     """Another live process serves the socket path, or the path is not a socket."""

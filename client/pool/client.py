@@ -1,6 +1,6 @@
 """A thin typed async client for the pagedkv daemon.
 
-    async with await PoolClient.connect("unix:/run/pagedkv/pagedkv.sock") as client:
+    async with await PoolClient.connect("unix:///run/pagedkv/pagedkvd.sock") as client:
         async with await client.open_session("scheduler-1", lease_ttl_ms=10_000) as session:
             seq = await session.allocate(1, token_ids=prompt)
             step = await session.step([1, 2, 3])        # one round trip for the whole batch

@@ -30,8 +30,8 @@ from pagedkv.daemon.process.tenant_config import (
 from pagedkv.daemon.service.limits import LIMITS, Limits
 from pagedkv.daemon.service.tenants import DEFAULT_TENANT, UNMAPPED_UIDS, Tenants
 from pagedkv.process.log_setup import LOG_FORMATS, LOG_LEVELS, LogFormat
-from pagedkv.process.socket_files import DAEMON_RUNNER_SOCKET_NAME, DAEMON_SOCKET_NAME
 from pagedkv.vocab.geometry import canonical_dtype
+from pagedkv.vocab.paths import DAEMON_RUNNER_SOCKET_NAME, default_daemon_listen, runtime_dir
 from pagedkv.vocab.units import parse_bytes
 
 # Pool size when nothing is said: 512 blocks of the tiny CPU geometry take 16 MiB.
@@ -59,10 +59,7 @@ class ConfigError(ValueError):
 
 def default_listen(env: Mapping[str, str]) -> tuple[str, ...]:
     """One unix socket: in systemd's RuntimeDirectory when run as a unit, else in ./run."""
-    # RUNTIME_DIRECTORY lists one path per RuntimeDirectory= entry, colon-separated.
-    runtime_dir = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    folder = Path(runtime_dir) if runtime_dir else Path.cwd() / "run"
-    return (f"unix://{folder.absolute() / DAEMON_SOCKET_NAME}",)
+    return (default_daemon_listen(env),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,8 +214,7 @@ class DaemonConfig:
                           "runner_socket")
         folder = next((lst.unix_path.parent for lst in self.listeners()
                        if lst.unix_path is not None), None)
-        default = Path(default_listen(os.environ)[0].removeprefix("unix://")).parent
-        path = (folder or default) / DAEMON_RUNNER_SOCKET_NAME
+        path = (folder or runtime_dir(os.environ)) / DAEMON_RUNNER_SOCKET_NAME
         return _check(parse_listen, f"unix://{path}", "runner_socket")
 
     def runner_gid(self) -> int | None:

@@ -18,6 +18,7 @@ from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS
 from pagedkv.process import log_setup
 from pagedkv.process.server_bounds import SERVER_BOUNDS, ServerBounds
 from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
+from pagedkv.vocab.paths import DAEMON_RUNNER_SOCKET_NAME, RUNNER_SOCKET_NAME
 
 EXIT_BAD_CONFIG = 2
 EXIT_FAILURE = 1
@@ -38,9 +39,10 @@ def parser() -> argparse.ArgumentParser:
                      help="load the weights in this dtype (default: the config's); start the "
                           "daemon with the same --dtype")
     cli.add_argument("--daemon", help="the daemon's runner socket, unix:///path (default: "
-                                      "pagedkvd-runners.sock in ./run or $RUNTIME_DIRECTORY)")
-    cli.add_argument("--listen", help="unix:///path of the Runner socket (default: next to the "
-                                      "daemon's, pagedkv-runner.sock)")
+                                      f"{DAEMON_RUNNER_SOCKET_NAME} in $RUNTIME_DIRECTORY, else "
+                                      "./run)")
+    cli.add_argument("--listen", help="unix:///path of the Runner socket (default: "
+                                      f"{RUNNER_SOCKET_NAME} in $RUNTIME_DIRECTORY, else ./run)")
     cli.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
                      help="Triton kernels on CUDA, the vectorized torch kernels on CPU (auto)")
     cli.add_argument("--torch-threads", type=int, default=0,

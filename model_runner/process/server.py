@@ -48,13 +48,17 @@ from pagedkv.process.notify import notify
 from pagedkv.process.probes import metrics_app, start_http
 from pagedkv.process.server_bounds import ServerBounds
 from pagedkv.process.socket_files import (
-    DAEMON_RUNNER_SOCKET_NAME,
     claim_socket_path,
     socket_umask,
 )
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
+from pagedkv.vocab.paths import (
+    DAEMON_RUNNER_SOCKET_NAME,
+    default_daemon_runner_socket,
+    default_runner_listen,
+)
 
 log = get_logger(__name__)
 
@@ -62,17 +66,10 @@ SHUTDOWN_GRACE_S = 5.0
 # How often the watcher asks the daemon which pool it serves.
 POOL_CHECK_INTERVAL_S = 1.0
 RUNNER_SERVICE = rpb.DESCRIPTOR.services_by_name["Runner"].full_name
-SOCKET_NAME = "pagedkv-runner.sock"
 # Group may connect (the clients' group); others may not.
 SOCKET_MODE = 0o660
 # grpc_health's stubs predate its asyncio servicer (`health.aio`).
 AsyncHealthServicer: Any = health.aio.HealthServicer  # type: ignore[attr-defined]
-
-
-def runtime_dir() -> Path:
-    """systemd's RuntimeDirectory when run as a unit, else ./run (where pagedkvd listens)."""
-    folder = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    return Path(folder) if folder else Path.cwd() / "run"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +79,9 @@ class RunnerConfig:
     # The model to serve.
     model: ModelSource
     # The daemon's runner socket: runners alone get the pool memory and act for any session.
-    daemon: str = field(
-        default_factory=lambda: f"unix://{runtime_dir() / DAEMON_RUNNER_SOCKET_NAME}")
+    daemon: str = field(default_factory=lambda: default_daemon_runner_socket(os.environ))
     # Where the Runner service listens (a unix socket: the runner is co-located).
-    listen: str = field(default_factory=lambda: f"unix://{runtime_dir() / SOCKET_NAME}")
+    listen: str = field(default_factory=lambda: default_runner_listen(os.environ))
     # "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
     attention_backend: BackendName = "auto"
     # Prometheus /metrics, /healthz, /readyz on host:port, or None.
