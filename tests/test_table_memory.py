@@ -78,8 +78,7 @@ def test_random_ops_with_packing_keep_every_table(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(table_store, "MIN_REGION", 1)
     rng = random.Random(seed)
     pool = BlockPool(num_blocks=256, block_size=2)
-    pool._seqs = seq_table.SeqTable(2, pool.journal, rows=2)
-    pool._seqs.store = table_store.TableStore(4)
+    assert len(pool._seqs.num_tokens) == 2 and len(pool._seqs.store.data) == 4  # the sizes above
     shadow: dict[int, list[int]] = {}
     names = iter(range(10**6))
     for _ in range(200):

@@ -18,16 +18,16 @@ operations (a Batch, or an op followed by memory work that may fail) are made al
 import contextlib
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.daemon.core.appender import Appender
 from pagedkv.daemon.core.errors import SequenceExists
 from pagedkv.daemon.core.holders import HeldBlocks
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.physical_blocks import CacheEvents, PhysicalBlocks
-from pagedkv.daemon.core.prefix_cache import block_keys, chain_keys, root_key
+from pagedkv.daemon.core.prefix_cache import chain_keys, root_key
 from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, ragged_entries, row_of, rows_of
 from pagedkv.daemon.core.table_store import ragged_arange
 from pagedkv.daemon.core.types import (
@@ -62,11 +62,11 @@ class BlockPool:
         self._seqs = SeqTable(block_size, self._journal)
         # Offset of each slot in its block, for slot mappings by broadcasting.
         self._offsets: Int64Array = np.arange(block_size, dtype=np.int64)
-        # Sum over shared partially filled blocks of (refcount - 1) x their empty slots: what
-        # summing each table's empty slots counts too many (`stats`).
-        self._shared_waste = 0
         # Distinct blocks held per group of sequences (`track_holders`).
         self._held = HeldBlocks()
+        # The batched append, copy-on-write, and the waste of shared partial blocks.
+        self._appender = Appender(self._seqs, self._blocks, self._held, self._journal,
+                                  enable_prefix_caching)
 
     @property
     def journal(self) -> Journal:
@@ -216,11 +216,7 @@ class BlockPool:
         """
         k = count(num_tokens, "num_tokens", 1)
         rows = self._rows(seqs)
-        tokens = batch_tokens(token_ids, len(rows), k)
-        plan = self._plan_append(rows)
-        if k == 1 and not len(plan.cow):
-            return self._append_one(rows, tokens, plan)
-        return self._append_many(rows, k, tokens, plan)
+        return self._appender.append(rows, k, batch_tokens(token_ids, len(rows), k))
 
     def commit(self, seqs: Sequence[Hashable], num_tokens: npt.ArrayLike | None = None) -> int:
         """The owner certifies that the K/V of the first `num_tokens[i]` tokens of `seqs[i]`
@@ -250,7 +246,8 @@ class BlockPool:
         before = self._blocks.ref[table]
         self._blocks.add_refs(table, 1)  # a table never holds a block twice: distinct indices
         self._hold_new(row, table, before)
-        self._shift_waste(self._last_waste(row))  # its partial last block has one more sharer
+        # Its partial last block has one more sharer.
+        self._appender.shift_waste(self._appender.last_waste(row))
         return SeqUpdate(table.tolist(), int(self._seqs.num_tokens[row]))
 
     def copy_on_write(self, seq: Hashable, logical_block: int) -> SeqUpdate | NoFit:
@@ -266,7 +263,7 @@ class BlockPool:
         if self._blocks.ref[block] > 1:
             if self.num_free_blocks < 1:
                 return NoFit(1, 0)
-            copies.append(self._cow(row, logical_block))
+            copies.append(self._appender.copy(row, logical_block))
         else:
             self._blocks.cache.forget(block)
         self._seqs.set_chain_ok(row, False)
@@ -278,9 +275,9 @@ class BlockPool:
         row = self._row(seq)
         table = self._seqs.table(row).copy()
         groups = self._seqs.groups[row].tolist() if self._held.levels else []
-        waste = self._last_waste(row)
+        waste = self._appender.last_waste(row)
         if waste and self._blocks.ref[table[-1]] > 1:
-            self._shift_waste(-waste)  # one sharer fewer
+            self._appender.shift_waste(-waste)  # one sharer fewer
         self._seqs.remove(seq)
         released = self._blocks.release(table)
         if groups:
@@ -306,88 +303,7 @@ class BlockPool:
         cache = self._blocks.cache
         return {block: cache.key_of[block] or b"" for block in cache.evictable}
 
-    # ----------------------------------------------------------- block movement
-
-    def _append_one(self, rows: Int64Array, tokens: Int64Array | None,
-                    plan: "_AppendPlan") -> BatchAppend | NoFit:
-        """The decode step: one token each, no row writing into a shared block. Each token
-        lands in its row's last block, or in a new one where the last block is full."""
-        grow = (plan.offset == 0).nonzero()[0]
-        if len(grow) > self.num_free_blocks:
-            return NoFit(len(grow), self.num_free_blocks)
-        st, old, grown = self._seqs, plan.old, rows[grow]
-        st.save_rows(rows, grown)
-        logical = old[grow] // self.block_size
-        taken = self._take_entries(grown, logical)
-        st.num_blocks[grown] = logical + 1
-        st.num_tokens[rows] = new = old + 1
-        st.grew(len(rows), len(grow))
-        self._record_tokens(rows, old, plan.offset, tokens)
-        written = plan.last  # the plan's own gather: safe to update in place
-        written[grow] = taken
-        # An empty row's first block adds no charge: it was charged one while empty.
-        return BatchAppend(written * self.block_size + plan.offset, grow, logical, taken, [],
-                           new, int(np.count_nonzero(logical)))
-
-    def _append_many(self, rows: Int64Array, k: int, tokens: Int64Array | None,
-                     plan: "_AppendPlan") -> BatchAppend | NoFit:
-        """Any append: several tokens each (they may fill several blocks), or rows writing
-        into shared blocks, which first get private copies."""
-        st, bs, old = self._seqs, self.block_size, plan.old
-        old_nb = (old + bs - 1) // bs  # tables are ceil(tokens / B) long
-        grow_count = (old + k + bs - 1) // bs - old_nb
-        grown = int(grow_count.sum())
-        need = grown + self._copies_needed(plan.last[plan.cow])
-        if need > self.num_free_blocks:
-            return NoFit(need, self.num_free_blocks)
-        grow = grow_count.nonzero()[0]
-        st.save_rows(rows, rows[grow])
-        copies, copied = [], []
-        for i in plan.cow.tolist():
-            if self._needs_cow(int(rows[i])):  # the last sharer in the batch keeps the original
-                copies.append(self._cow(int(rows[i]), int(old_nb[i]) - 1))
-                copied.append(i)
-        index, logical = ragged_entries(grow, old_nb[grow], grow_count[grow])
-        taken = self._take_entries(rows[index], logical)
-        st.num_blocks[rows] = old_nb + grow_count
-        st.num_tokens[rows] = old + k
-        st.grew(len(rows) * k, grown)
-        self._record_tokens(rows, old, plan.offset, tokens)
-        pos = old[:, None] + np.arange(k)
-        slots = st.entries(rows[:, None], pos // bs) * bs + pos % bs
-        if copied:
-            index = np.concatenate([copied, index])
-            logical = np.concatenate([old_nb[copied] - 1, logical])
-            taken = np.concatenate([[copy.dst for copy in copies], taken])
-        charged = grown - int(np.count_nonzero(old == 0))  # as in _append_one
-        return BatchAppend(slots.ravel(), index, logical, taken, copies, old + k, charged)
-
-    def _take_entries(self, rows: Int64Array, logical: Int64Array) -> Int64Array:
-        """Fresh blocks for the table entries (rows[i], logical[i]); returns them in order."""
-        taken = self._blocks.take(len(rows))
-        if len(rows):
-            self._seqs.put_entries(rows, logical, taken)
-            for level, holders in enumerate(self._held.levels):
-                holders.add(self._seqs.groups[rows, level], taken, np.zeros_like(taken))
-        return taken
-
-    def _cow(self, row: int, logical_block: int) -> BlockCopy:
-        """Give `row` a private copy of its shared block `logical_block`."""
-        src = self._seqs.entry(row, logical_block)
-        taken = self._blocks.take(1)
-        dst = int(taken[0])
-        self._blocks.add_refs(np.array([src]), -1)
-        assert self._blocks.ref[src] > 0, f"copy-on-write of unshared block {src}"
-        if logical_block == self._seqs.num_blocks[row] - 1:
-            self._shift_waste(-self._last_waste(row))  # one sharer fewer
-        self._seqs.set_entry(row, logical_block, dst)
-        if self._held.levels:
-            groups, replaced = self._seqs.groups[row], np.array([src])
-            self._held.add(groups, taken, np.zeros(1, dtype=np.int64))
-            self._held.drop(groups, replaced, self._blocks.ref[replaced])
-        return BlockCopy(src, dst)
-
-    # ------------------------------------------------------ holders, waste
+    # ------------------------------------------------------------------ helpers
 
     def _hold_new(self, row: int, blocks: Int64Array, before: Int64Array) -> None:
         """A new row (of the groups `holding` names) references `blocks`, whose refcounts
@@ -396,82 +312,12 @@ class BlockPool:
             self._seqs.groups[row] = self._held.current()
             self._held.add(self._seqs.groups[row], blocks, before)
 
-    def _last_waste(self, row: int) -> int:
-        """Empty slots in the last block of `row` (0 when it is full or the table empty)."""
-        return int(-self._seqs.num_tokens[row] % self.block_size)
-
-    def _shift_waste(self, delta: int) -> None:
-        if delta:
-            self._shared_waste += delta
-            self._journal.record(self._shift_waste, -delta)
-
-    # --------------------------------------------------------- prefix caching
-
-    def _record_tokens(self, rows: Int64Array, old: Int64Array, offset: Int64Array,
-                       tokens: Int64Array | None) -> None:
-        """Remember the ids `tokens` [len(rows), k] appended to `rows` (which held `old`
-        tokens, `offset` = old % block_size) and key each block they fill. An append without
-        ids breaks the rows' chains: their later blocks are never keyed. One step per token
-        column, not per token."""
-        st, bs = self._seqs, self.block_size
-        if tokens is None:
-            st.chain_ok[rows] = False
-            return
-        if not self.enable_prefix_caching:
-            return
-        for j in range(tokens.shape[1]):
-            if j:
-                offset = (old + j) % bs
-            st.partial[rows, offset] = tokens[:, j]  # junk, harmless, in rows not chain_ok
-            filled = (offset == bs - 1).nonzero()[0]
-            if len(filled):
-                filled = filled[st.chain_ok[rows[filled]]]  # rows whose ids are all known
-            if len(filled):
-                self._seal(rows[filled], (old[filled] + j) // bs)
-
-    def _seal(self, rows: Int64Array, logical: Int64Array) -> None:
-        """These rows just filled these blocks: key each (pending) by its prefix chain."""
-        st, row_list = self._seqs, rows.tolist()
-        chain_key, tokens = st.chain_key, st.partial[rows]
-        parents = [chain_key[row] for row in row_list]
-        keys = block_keys(parents, tokens)
-        self._blocks.cache.key_blocks(st.entries(rows, logical), parents, keys, tokens)
-        st.set_chain(row_list, keys)
-
-    # ------------------------------------------------------------ feasibility
 
     def _allocate_fit(self, num_tokens: int, hits: list[int]) -> NoFit | None:
         fresh = blocks_for(num_tokens, self.block_size) - len(hits)
         revived = sum(1 for block in hits if self._blocks.ref[block] == 0)
         available = self.num_free_blocks - revived
         return NoFit(fresh, available) if fresh > available else None
-
-    def _copies_needed(self, shared_last: Int64Array) -> int:
-        """Copies for a batch whose rows write into these shared partial blocks (one entry per
-        row): m writers of a block with refcount r need m copies, or m - 1 when m == r, since
-        the last of them is then the only reference left."""
-        if not len(shared_last):
-            return 0
-        blocks, writers = np.unique(shared_last, return_counts=True)
-        return int(np.minimum(writers, self._blocks.ref[blocks] - 1).sum())
-
-    def _needs_cow(self, row: int) -> bool:
-        """Whether the next write to `row` lands in a shared, partially filled last block."""
-        st = self._seqs
-        return bool(st.num_tokens[row] % self.block_size != 0
-                    and self._blocks.ref[st.entry(row, int(st.num_blocks[row]) - 1)] > 1)
-
-    def _plan_append(self, rows: Int64Array) -> "_AppendPlan":
-        """Where the next token of each row lands, computed without changing anything."""
-        st, bs = self._seqs, self.block_size
-        old = st.num_tokens[rows]
-        offset = old % bs
-        # Each row's last block, entry (old - 1) // B (tables are ceil(old / B) long): for an
-        # empty table, entry -1 reads a junk entry (of the store), masked by offset == 0.
-        last = st.entries(rows, (old - 1) // bs)
-        shared = (self._blocks.ref[last] > 1).nonzero()[0]  # few: filter these, not the batch
-        cow = shared[offset[shared] != 0] if len(shared) else shared
-        return _AppendPlan(old, offset, last, cow)
 
     def _slots(self, row: int, n: int) -> list[int]:
         """Slots of the first `n` tokens of `row`: every slot of its blocks, cut at n."""
@@ -492,10 +338,10 @@ class BlockPool:
 
         Every used block is filled except the empty slots of partially filled ones, and those
         are last blocks. Summing each table's empty slots (block_size x entries - tokens)
-        counts a partial block once per table sharing it (forks), `_shared_waste` too many."""
+        counts a partial block once per table sharing it (forks), `shared_waste` too many."""
         st, bs, cache = self._seqs, self.block_size, self._blocks.cache
         used = self.num_blocks - len(self._blocks.free) - len(cache.evictable)
-        empty = bs * st.total_entries - st.total_tokens - self._shared_waste
+        empty = bs * st.total_entries - st.total_tokens - self._appender.shared_waste
         return PoolStats(
             num_blocks=self.num_blocks, block_size=bs,
             free_blocks=self.num_free_blocks, used_blocks=used,
@@ -551,14 +397,3 @@ class BlockPool:
         for level, holders in enumerate(self._held.levels):
             holders.check(st.groups[entry_rows, level], blocks)
 
-
-class _AppendPlan(NamedTuple):
-    """Where an append over rows writes, kept for the change that follows the check."""
-
-    # Tokens of each row before the append, and old % block_size.
-    old: Int64Array
-    offset: Int64Array
-    # Each row's last block (junk for empty tables, where offset == 0).
-    last: Int64Array
-    # Indices of rows whose next write lands in a shared, partially filled last block.
-    cow: Int64Array

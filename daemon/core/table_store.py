@@ -39,9 +39,10 @@ def region_size(entries: int) -> int:
 class TableStore:
     """One flat int64 array cut into power-of-two regions, with a free list per size."""
 
-    def __init__(self, entries: int = INITIAL_ENTRIES) -> None:
+    def __init__(self) -> None:
         # The entries of every region; data[start + i] is entry i of the table at `start`.
-        self.data: Int64Array = np.zeros(entries, dtype=np.int64)
+        # INITIAL_ENTRIES is read now, not at import: tests shrink it to make regions move.
+        self.data: Int64Array = np.zeros(INITIAL_ENTRIES, dtype=np.int64)
         # Entries covered by regions handed out and not released.
         self.in_use = 0
         # Start of the never-used tail of `data`.

@@ -1,0 +1,216 @@
+"""Appending tokens to many sequences at once: the decode hot path of `BlockPool`.
+
+An append is planned, checked, then made. The plan reads where each row's next token lands
+without changing anything; the check returns `NoFit` before anything is touched; the change
+takes a new block exactly where a row's last block is full, gives a private copy to each row
+that writes into a shared, partially filled last block (copy-on-write), and keys the blocks the
+new tokens fill for prefix reuse. Everything is vectorized over the batch except the rare
+events: copies, and keying the blocks that just filled.
+
+The appender also keeps the empty slots that shared partial blocks count too many
+(`shared_waste`): a copy changes it, and so do `BlockPool.fork` and `free`.
+"""
+
+from typing import NamedTuple
+
+import numpy as np
+
+from pagedkv.daemon.core.holders import HeldBlocks
+from pagedkv.daemon.core.journal import Journal
+from pagedkv.daemon.core.physical_blocks import PhysicalBlocks
+from pagedkv.daemon.core.prefix_cache import block_keys
+from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, ragged_entries
+from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit
+
+
+class Appender:
+    """Grows the tables of `SeqTable` rows over `PhysicalBlocks`; rows in, block ids out."""
+
+    def __init__(self, seqs: SeqTable, blocks: PhysicalBlocks, held: HeldBlocks,
+                 journal: Journal, prefix_caching: bool) -> None:
+        # The pool's rows, blocks, holder counts and undo journal, shared with `BlockPool`.
+        self._seqs = seqs
+        self._blocks = blocks
+        self._held = held
+        self._journal = journal
+        # Tokens per block.
+        self.block_size = seqs.block_size
+        # Whether blocks are keyed as they fill (`BlockPool.enable_prefix_caching`).
+        self.prefix_caching = prefix_caching
+        # Sum over shared partially filled blocks of (refcount - 1) x their empty slots: what
+        # summing each table's empty slots counts too many (`BlockPool.stats`).
+        self.shared_waste = 0
+
+    def append(self, rows: Int64Array, k: int, tokens: Int64Array | None) -> BatchAppend | NoFit:
+        """Append `k` tokens (ids `tokens` [len(rows), k], or None) to each row, all or none."""
+        plan = self._plan(rows)
+        if k == 1 and not len(plan.cow):
+            return self._append_one(rows, tokens, plan)
+        return self._append_many(rows, k, tokens, plan)
+
+    def copy(self, row: int, logical_block: int) -> BlockCopy:
+        """Give `row` a private copy of its shared block `logical_block`."""
+        src = self._seqs.entry(row, logical_block)
+        taken = self._blocks.take(1)
+        dst = int(taken[0])
+        self._blocks.add_refs(np.array([src]), -1)
+        assert self._blocks.ref[src] > 0, f"copy-on-write of unshared block {src}"
+        if logical_block == self._seqs.num_blocks[row] - 1:
+            self.shift_waste(-self.last_waste(row))  # one sharer fewer
+        self._seqs.set_entry(row, logical_block, dst)
+        if self._held.levels:
+            groups, replaced = self._seqs.groups[row], np.array([src])
+            self._held.add(groups, taken, np.zeros(1, dtype=np.int64))
+            self._held.drop(groups, replaced, self._blocks.ref[replaced])
+        return BlockCopy(src, dst)
+
+    def last_waste(self, row: int) -> int:
+        """Empty slots in the last block of `row` (0 when it is full or the table empty)."""
+        return int(-self._seqs.num_tokens[row] % self.block_size)
+
+    def shift_waste(self, delta: int) -> None:
+        """A shared partial block gained (delta > 0) or lost sharers: undone on rollback."""
+        if delta:
+            self.shared_waste += delta
+            self._journal.record(self.shift_waste, -delta)
+
+    # ------------------------------------------------------------------ changes
+
+    def _append_one(self, rows: Int64Array, tokens: Int64Array | None,
+                    plan: "_AppendPlan") -> BatchAppend | NoFit:
+        """The decode step: one token each, no row writing into a shared block. Each token
+        lands in its row's last block, or in a new one where the last block is full."""
+        grow = (plan.offset == 0).nonzero()[0]
+        available = self._blocks.num_available
+        if len(grow) > available:
+            return NoFit(len(grow), available)
+        st, old, grown = self._seqs, plan.old, rows[grow]
+        st.save_rows(rows, grown)
+        logical = old[grow] // self.block_size
+        taken = self._take_entries(grown, logical)
+        st.num_blocks[grown] = logical + 1
+        st.num_tokens[rows] = new = old + 1
+        st.grew(len(rows), len(grow))
+        self._record_tokens(rows, old, plan.offset, tokens)
+        written = plan.last  # the plan's own gather: safe to update in place
+        written[grow] = taken
+        # An empty row's first block adds no charge: it was charged one while empty.
+        return BatchAppend(written * self.block_size + plan.offset, grow, logical, taken, [],
+                           new, int(np.count_nonzero(logical)))
+
+    def _append_many(self, rows: Int64Array, k: int, tokens: Int64Array | None,
+                     plan: "_AppendPlan") -> BatchAppend | NoFit:
+        """Any append: several tokens each (they may fill several blocks), or rows writing
+        into shared blocks, which first get private copies."""
+        st, bs, old = self._seqs, self.block_size, plan.old
+        old_nb = (old + bs - 1) // bs  # tables are ceil(tokens / B) long
+        grow_count = (old + k + bs - 1) // bs - old_nb
+        grown = int(grow_count.sum())
+        need = grown + self._copies_needed(plan.last[plan.cow])
+        available = self._blocks.num_available
+        if need > available:
+            return NoFit(need, available)
+        grow = grow_count.nonzero()[0]
+        st.save_rows(rows, rows[grow])
+        copies, copied = [], []
+        for i in plan.cow.tolist():
+            if self._needs_cow(int(rows[i])):  # the last sharer in the batch keeps the original
+                copies.append(self.copy(int(rows[i]), int(old_nb[i]) - 1))
+                copied.append(i)
+        index, logical = ragged_entries(grow, old_nb[grow], grow_count[grow])
+        taken = self._take_entries(rows[index], logical)
+        st.num_blocks[rows] = old_nb + grow_count
+        st.num_tokens[rows] = old + k
+        st.grew(len(rows) * k, grown)
+        self._record_tokens(rows, old, plan.offset, tokens)
+        pos = old[:, None] + np.arange(k)
+        slots = st.entries(rows[:, None], pos // bs) * bs + pos % bs
+        if copied:
+            index = np.concatenate([copied, index])
+            logical = np.concatenate([old_nb[copied] - 1, logical])
+            taken = np.concatenate([[copy.dst for copy in copies], taken])
+        charged = grown - int(np.count_nonzero(old == 0))  # as in _append_one
+        return BatchAppend(slots.ravel(), index, logical, taken, copies, old + k, charged)
+
+    def _take_entries(self, rows: Int64Array, logical: Int64Array) -> Int64Array:
+        """Fresh blocks for the table entries (rows[i], logical[i]); returns them in order."""
+        taken = self._blocks.take(len(rows))
+        if len(rows):
+            self._seqs.put_entries(rows, logical, taken)
+            for level, holders in enumerate(self._held.levels):
+                holders.add(self._seqs.groups[rows, level], taken, np.zeros_like(taken))
+        return taken
+
+    # --------------------------------------------------------- prefix caching
+
+    def _record_tokens(self, rows: Int64Array, old: Int64Array, offset: Int64Array,
+                       tokens: Int64Array | None) -> None:
+        """Remember the ids `tokens` [len(rows), k] appended to `rows` (which held `old`
+        tokens, `offset` = old % block_size) and key each block they fill. An append without
+        ids breaks the rows' chains: their later blocks are never keyed. One step per token
+        column, not per token."""
+        st, bs = self._seqs, self.block_size
+        if tokens is None:
+            st.chain_ok[rows] = False
+            return
+        if not self.prefix_caching:
+            return
+        for j in range(tokens.shape[1]):
+            if j:
+                offset = (old + j) % bs
+            st.partial[rows, offset] = tokens[:, j]  # junk, harmless, in rows not chain_ok
+            filled = (offset == bs - 1).nonzero()[0]
+            if len(filled):
+                filled = filled[st.chain_ok[rows[filled]]]  # rows whose ids are all known
+            if len(filled):
+                self._seal(rows[filled], (old[filled] + j) // bs)
+
+    def _seal(self, rows: Int64Array, logical: Int64Array) -> None:
+        """These rows just filled these blocks: key each (pending) by its prefix chain."""
+        st, row_list = self._seqs, rows.tolist()
+        chain_key, tokens = st.chain_key, st.partial[rows]
+        parents = [chain_key[row] for row in row_list]
+        keys = block_keys(parents, tokens)
+        self._blocks.cache.key_blocks(st.entries(rows, logical), parents, keys, tokens)
+        st.set_chain(row_list, keys)
+
+    # ------------------------------------------------------------------- checks
+
+    def _copies_needed(self, shared_last: Int64Array) -> int:
+        """Copies for a batch whose rows write into these shared partial blocks (one entry per
+        row): m writers of a block with refcount r need m copies, or m - 1 when m == r, since
+        the last of them is then the only reference left."""
+        if not len(shared_last):
+            return 0
+        blocks, writers = np.unique(shared_last, return_counts=True)
+        return int(np.minimum(writers, self._blocks.ref[blocks] - 1).sum())
+
+    def _needs_cow(self, row: int) -> bool:
+        """Whether the next write to `row` lands in a shared, partially filled last block."""
+        st = self._seqs
+        return bool(st.num_tokens[row] % self.block_size != 0
+                    and self._blocks.ref[st.entry(row, int(st.num_blocks[row]) - 1)] > 1)
+
+    def _plan(self, rows: Int64Array) -> "_AppendPlan":
+        """Where the next token of each row lands, computed without changing anything."""
+        st, bs = self._seqs, self.block_size
+        old = st.num_tokens[rows]
+        offset = old % bs
+        # Each row's last block, entry (old - 1) // B (tables are ceil(old / B) long): for an
+        # empty table, entry -1 reads a junk entry (of the store), masked by offset == 0.
+        last = st.entries(rows, (old - 1) // bs)
+        shared = (self._blocks.ref[last] > 1).nonzero()[0]  # few: filter these, not the batch
+        cow = shared[offset[shared] != 0] if len(shared) else shared
+        return _AppendPlan(old, offset, last, cow)
+
+
+class _AppendPlan(NamedTuple):
+    """Where an append over rows writes, kept for the change that follows the check."""
+
+    # Tokens of each row before the append, and old % block_size.
+    old: Int64Array
+    offset: Int64Array
+    # Each row's last block (junk for empty tables, where offset == 0).
+    last: Int64Array
+    # Indices of rows whose next write lands in a shared, partially filled last block.
+    cow: Int64Array
