@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pagedkv.daemon.core import BlockPool, ContiguousPool
+from pagedkv.daemon.core import BlockPool, ContiguousPool, pool_checks
 from pagedkv.daemon.process.metrics import PoolCollector
 from pagedkv.daemon.service.operations import Allocate, Commit, Fork
 from pagedkv.daemon.service.pool_service import PoolService
@@ -30,8 +30,9 @@ async def test_get_stats_and_metrics_read_no_table_entry(monkeypatch: pytest.Mon
         await service.fork(sid, Fork(1, 2))
     service.check_invariants()  # the kept figures equal a recount
     expected = service.stats_of(sids[0]), service.pool_stats(), service.tenant_figures()
-    for name in ("block_table", "held_blocks", "num_tokens", "_table_entries", "_recount_stats"):
+    for name in ("block_table", "held_blocks", "num_tokens", "_recount_stats"):
         monkeypatch.setattr(service.pool, name, _walking, raising=False)
+    monkeypatch.setattr(pool_checks, "table_entries", _walking)
     for name in ("table", "entries", "tables"):  # every way to the entries, old layout too
         monkeypatch.setattr(service.pool._seqs, name, _walking,  # type: ignore[attr-defined]
                             raising=False)

@@ -27,16 +27,15 @@ from pagedkv.daemon.core.errors import SequenceExists
 from pagedkv.daemon.core.holders import HeldBlocks
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.physical_blocks import CacheEvents, PhysicalBlocks
+from pagedkv.daemon.core.pool_checks import check_pool, recount_stats
 from pagedkv.daemon.core.prefix_cache import chain_keys, root_key
 from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, ragged_entries, row_of, rows_of
-from pagedkv.daemon.core.table_store import ragged_arange
 from pagedkv.daemon.core.types import (
     BatchAppend,
     BlockCopy,
     NoFit,
     PoolStats,
     SeqUpdate,
-    blocks_for,
 )
 from pagedkv.daemon.core.validation import (
     TokenIds,
@@ -46,6 +45,7 @@ from pagedkv.daemon.core.validation import (
     count,
     seq_tokens,
 )
+from pagedkv.vocab.blocks import blocks_for
 
 
 class BlockPool:
@@ -352,48 +352,8 @@ class BlockPool:
 
     def _recount_stats(self) -> PoolStats:
         """`stats` recounted from every table entry (O(entries): for checks)."""
-        rows, blocks, fills = self._table_entries()
-        per_block = np.zeros(self.num_blocks, dtype=np.int64)
-        np.maximum.at(per_block, blocks, fills)  # a shared block counts once, at its fullest
-        used = int(np.count_nonzero(self._blocks.ref))
-        cache = self._blocks.cache
-        return PoolStats(
-            num_blocks=self.num_blocks, block_size=self.block_size,
-            free_blocks=self.num_free_blocks, used_blocks=used,
-            cached_blocks=len(cache.evictable), pending_blocks=cache.num_pending,
-            filled_slots=int(per_block.sum()),
-            allocated_slots=used * self.block_size,
-            logical_tokens=int(self._seqs.num_tokens[rows].sum()), num_sequences=len(rows),
-            prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits)
-
-    def _table_entries(self) -> tuple[Int64Array, Int64Array, Int64Array]:
-        """Live rows, then every table entry's block and the slots it fills for its row."""
-        st, bs = self._seqs, self.block_size
-        rows = np.fromiter(st.row_of.values(), dtype=np.int64, count=len(st.row_of))
-        counts = st.num_blocks[rows]
-        entry_row = np.repeat(rows, counts)
-        logical = ragged_arange(counts)
-        fills = np.minimum(bs, st.num_tokens[entry_row] - logical * bs)
-        return rows, st.entries(entry_row, logical), fills
+        return recount_stats(self._seqs, self._blocks)
 
     def check_invariants(self) -> None:
-        """Assert the invariants of the blocks (`PhysicalBlocks`, `PrefixCache`) and the
-        tables (`SeqTable`) together."""
-        rows, blocks, _ = self._table_entries()
-        self._blocks.check(blocks)
-        st = self._seqs
-        st.check()
-        expected = (st.num_tokens[rows] + self.block_size - 1) // self.block_size
-        assert (st.num_blocks[rows] == expected).all(), "a table is not ceil(tokens / B) long"
-        assert (st.committed[rows] <= st.num_tokens[rows] // self.block_size).all(), \
-            "a row committed more blocks than it has full"
-        for row in rows.tolist():
-            table = st.table(row)
-            assert len(np.unique(table)) == len(table), f"row {row} holds a block twice"
-        assert not set(st.free_rows) & set(rows.tolist()), "a live row is on the free list"
-        assert self.stats() == self._recount_stats(), \
-            f"figures kept {self.stats()} differ from a recount {self._recount_stats()}"
-        entry_rows = np.repeat(rows, st.num_blocks[rows])
-        for level, holders in enumerate(self._held.levels):
-            holders.check(st.groups[entry_rows, level], blocks)
-
+        """Assert every invariant of the pool and that `stats` equals a recount (`pool_checks`)."""
+        check_pool(self._seqs, self._blocks, self._held, self.stats())
