@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal, assert_never
 
 from pagedkv.client import SamplingParams
+from pagedkv.vocab.blocks import blocks_for
 
 Kind = Literal["plain", "parallel", "beam", "system"]
 KINDS: tuple[Kind, ...] = ("plain", "parallel", "beam", "system")
@@ -74,7 +75,7 @@ def max_model_len(quick: bool) -> int:
     """The tokens a contiguous daemon must reserve per sequence for this workload: the longest
     sequence of any client, rounded up to whole blocks."""
     longest = max(r.max_len for worker in range(NUM_WORKERS) for r in workload(worker, quick))
-    return -(-longest // BLOCK_SIZE) * BLOCK_SIZE
+    return blocks_for(longest, BLOCK_SIZE) * BLOCK_SIZE
 
 
 def _request(kind: Kind, rng: random.Random) -> tuple[tuple[int, ...], SamplingParams]:

@@ -39,6 +39,7 @@ from pagedkv.model_runner.kernels.paged_attention import (
     PagedContext,
     enable_paged_attention,
 )
+from pagedkv.vocab.blocks import blocks_for, ceil_div, patch_table
 
 
 @dataclass(frozen=True)
@@ -192,7 +193,7 @@ class ModelRunner:
         """Each table covers its sequence with pool blocks, and each slot is -1 or the slot of
         its token's position in its table (so a runner whose tables went stale fails here)."""
         block_size, num_blocks = self.block_size, self.pool.shape[2]
-        if bool((table_lens < (seq_lens + block_size - 1) // block_size).any()):
+        if bool((table_lens < blocks_for(seq_lens, block_size)).any()):
             raise ValueError("a block table is shorter than its sequence")
         used = tables[np.arange(tables.shape[1]) < table_lens[:, None]]
         if int(used.min()) < 0 or int(used.max()) >= num_blocks:
@@ -220,7 +221,7 @@ class PackedBuffer:
         for name, dtype, shape in fields:
             itemsize = np.dtype(dtype).itemsize
             self.layout[name] = (np.dtype(dtype), end // itemsize, shape)
-            end += -(-itemsize * math.prod(shape) // self.ALIGN) * self.ALIGN
+            end += ceil_div(itemsize * math.prod(shape), self.ALIGN) * self.ALIGN
         self.bytes = np.empty(end, np.uint8)
         # The numpy view of each array, to fill on the host.
         typed = {dtype: self.bytes.view(dtype) for dtype, _, _ in self.layout.values()}
@@ -302,10 +303,7 @@ class _Running:
 
     def apply(self, logical_block: int, block_id: int) -> None:
         """A block-table entry a step changed: a new last block or a copy-on-write copy."""
-        if logical_block < len(self.block_table):
-            self.block_table[logical_block] = block_id
-        else:
-            self.block_table.append(block_id)
+        patch_table(self.block_table, logical_block, block_id)
 
 
 async def generate(session: Session, runner: ModelRunner, prompts: Sequence[Sequence[int]],

@@ -12,10 +12,7 @@ from dataclasses import dataclass, field
 from pagedkv.client.engine.outputs import FinishReason
 from pagedkv.client.engine.sampling_params import SamplingParams
 from pagedkv.client.pool.runner_client import SeqOutput, SeqStep
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+from pagedkv.vocab.blocks import blocks_for
 
 
 @dataclass(eq=False)

@@ -26,6 +26,7 @@ from typing import Generic, TypeVar
 
 from pagedkv.client.pool.errors import Cancelled, DaemonUnavailable, DeadlineExceeded
 from pagedkv.client.pool.types import SequenceBlocks, StepResult
+from pagedkv.vocab.blocks import blocks_for, slots_of
 
 T = TypeVar("T")
 
@@ -97,11 +98,6 @@ class SequenceLengths:
         return [lengths[seq_id] for seq_id in seq_ids]
 
 
-def slots_of(block_ids: Sequence[int], start: int, stop: int, block_size: int) -> list[int]:
-    """Slots of token positions start..stop-1 of a sequence with this block table."""
-    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, stop)]
-
-
 def allocate_outcome(table: SequenceBlocks | None, num_tokens: int,
                      block_size: int) -> Outcome[SequenceBlocks]:
     """What a lost Allocate of `num_tokens` did, from the sequence read back (None: NOT_FOUND)."""
@@ -131,7 +127,7 @@ def step_outcome(tables: Sequence[SequenceBlocks], before: Sequence[int], num_to
     for i, (table, start) in enumerate(zip(tables, before, strict=True)):
         stop = start + num_tokens
         slots += slots_of(table.block_ids, start, stop, block_size)
-        touched = range(start // block_size, -(-stop // block_size))
+        touched = range(start // block_size, blocks_for(stop, block_size))
         index += [i] * len(touched)
         logical += touched
         blocks += [table.block_ids[lb] for lb in touched]

@@ -12,7 +12,6 @@ from pagedkv.daemon.core.types import (
     NoFit,
     PoolStats,
     SeqUpdate,
-    blocks_for,
 )
 
 __all__ = [
@@ -32,6 +31,5 @@ __all__ = [
     "SeqUpdate",
     "SequenceExists",
     "SequenceNotFound",
-    "blocks_for",
     "make_pool",
 ]

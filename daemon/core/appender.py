@@ -21,6 +21,7 @@ from pagedkv.daemon.core.physical_blocks import PhysicalBlocks
 from pagedkv.daemon.core.prefix_cache import block_keys
 from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, ragged_entries
 from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit
+from pagedkv.vocab.blocks import blocks_for
 
 
 class Appender:
@@ -103,8 +104,8 @@ class Appender:
         """Any append: several tokens each (they may fill several blocks), or rows writing
         into shared blocks, which first get private copies."""
         st, bs, old = self._seqs, self.block_size, plan.old
-        old_nb = (old + bs - 1) // bs  # tables are ceil(tokens / B) long
-        grow_count = (old + k + bs - 1) // bs - old_nb
+        old_nb = blocks_for(old, bs)  # tables are ceil(tokens / B) long
+        grow_count = blocks_for(old + k, bs) - old_nb
         grown = int(grow_count.sum())
         need = grown + self._copies_needed(plan.last[plan.cow])
         available = self._blocks.num_available

@@ -40,7 +40,6 @@ from pagedkv.daemon.core.types import (
     NoFit,
     PoolStats,
     SeqUpdate,
-    blocks_for,
 )
 from pagedkv.daemon.core.validation import (
     TokenIds,
@@ -50,6 +49,7 @@ from pagedkv.daemon.core.validation import (
     count,
     seq_tokens,
 )
+from pagedkv.vocab.blocks import blocks_for
 
 
 class ContiguousPool:
@@ -197,8 +197,8 @@ class ContiguousPool:
         self._num_tokens[rows] = new
         bs, start = self.block_size, self._start[rows]
         slots = (start[:, None] * bs + old[:, None] + np.arange(k)).ravel()
-        old_nb = (old + bs - 1) // bs
-        grow_count = (new + bs - 1) // bs - old_nb
+        old_nb = blocks_for(old, bs)
+        grow_count = blocks_for(new, bs) - old_nb
         grow = grow_count.nonzero()[0]
         index, logical = ragged_entries(grow, old_nb[grow], grow_count[grow])
         return BatchAppend(slots, index, logical, start[index] + logical, [], new, 0)
@@ -288,7 +288,7 @@ class ContiguousPool:
         return NoFit(self.reservation, self._runs.largest())
 
     def _table(self, start: int, num_tokens: int) -> list[int]:
-        return list(range(start, start - (-num_tokens // self.block_size)))
+        return list(range(start, start + blocks_for(num_tokens, self.block_size)))
 
     def _check_length(self, num_tokens: int) -> int:
         if num_tokens > self.max_model_len:

@@ -12,6 +12,7 @@ from pagedkv.daemon.core.physical_blocks import PhysicalBlocks
 from pagedkv.daemon.core.seq_table import Int64Array, SeqTable
 from pagedkv.daemon.core.table_store import ragged_arange
 from pagedkv.daemon.core.types import PoolStats
+from pagedkv.vocab.blocks import blocks_for
 
 
 def table_entries(seqs: SeqTable) -> tuple[Int64Array, Int64Array, Int64Array]:
@@ -50,7 +51,7 @@ def check_pool(seqs: SeqTable, blocks: PhysicalBlocks, held: HeldBlocks,
     blocks.check(entries)
     seqs.check()
     bs = seqs.block_size
-    expected = (seqs.num_tokens[rows] + bs - 1) // bs
+    expected = blocks_for(seqs.num_tokens[rows], bs)
     assert (seqs.num_blocks[rows] == expected).all(), "a table is not ceil(tokens / B) long"
     assert (seqs.committed[rows] <= seqs.num_tokens[rows] // bs).all(), \
         "a row committed more blocks than it has full"

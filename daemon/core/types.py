@@ -1,15 +1,9 @@
-"""The records the block pool hands to its callers (only block ids and slots leave the pool), and
-`blocks_for`, the one ceiling division of tokens into blocks."""
+"""The records the block pool hands to its callers (only block ids and slots leave the pool)."""
 
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
-    return -(-num_tokens // block_size)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from pagedkv.daemon.core import blocks_for
+from pagedkv.vocab.blocks import blocks_for
 from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
 from pagedkv.vocab.units import format_bytes, parse_bytes
 

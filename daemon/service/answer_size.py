@@ -15,8 +15,8 @@ block twice); slots are below num_blocks x block_size.
 
 from dataclasses import dataclass
 
-from pagedkv.daemon.core import blocks_for
 from pagedkv.daemon.service.limits import AnswerTooLarge
+from pagedkv.vocab.blocks import blocks_for, ceil_div
 
 # Largest varint of a uint32 length or count, and of a uint64.
 _U32 = 5
@@ -46,7 +46,7 @@ def cut_utf8(text: str, nbytes: int) -> str:
 
 def varint_bytes(value: int) -> int:
     """Bytes of `value` (>= 0) as a protobuf varint."""
-    return max(1, -(-value.bit_length() // 7))
+    return max(1, ceil_div(value.bit_length(), 7))
 
 
 @dataclass(slots=True)

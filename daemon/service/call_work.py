@@ -21,9 +21,10 @@ the answer budget, what a Commit walks by the blocks filled since its sequences'
 
 from collections.abc import Iterable
 
-from pagedkv.daemon.core import InvalidArgument, blocks_for
+from pagedkv.daemon.core import InvalidArgument
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.operations import Allocate, Append, Commit, Operation
+from pagedkv.vocab.blocks import blocks_for
 
 
 def op_work(op: Operation, block_size: int) -> int:

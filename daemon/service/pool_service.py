@@ -71,7 +71,6 @@ from pagedkv.daemon.core import (
     PoolError,
     PoolStats,
     SeqUpdate,
-    blocks_for,
 )
 from pagedkv.daemon.service.answer_size import AnswerBudget
 from pagedkv.daemon.service.cache_hygiene import CacheHygiene
@@ -93,6 +92,7 @@ from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, SessionO
 from pagedkv.daemon.service.sessions import Session, SessionRegistry, SessionStats
 from pagedkv.daemon.service.tenants import TenantFigures, Tenants, TenantUsage
 from pagedkv.process.log_setup import get_logger
+from pagedkv.vocab.blocks import blocks_for
 from pagedkv.vocab.geometry import ModelGeometry
 
 log = get_logger(__name__)

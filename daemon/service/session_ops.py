@@ -29,7 +29,6 @@ from pagedkv.daemon.core import (
     SequenceExists,
     SequenceNotFound,
     SeqUpdate,
-    blocks_for,
 )
 from pagedkv.daemon.service.answer_size import AnswerBudget
 from pagedkv.daemon.service.limits import LimitExceeded, Limits
@@ -44,6 +43,7 @@ from pagedkv.daemon.service.operations import (
     PoolExhausted,
 )
 from pagedkv.daemon.service.sessions import Session
+from pagedkv.vocab.blocks import blocks_for
 
 if TYPE_CHECKING:
     from pagedkv.memory import PoolMemoryHandle  # for the annotation below only

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.client import SamplingParams
 from pagedkv.model_runner.engine.steps import SeqResult
+from pagedkv.vocab.blocks import patch_table, slots_of
 
 
 @dataclass
@@ -58,16 +59,11 @@ class SeqState:
 
     def slots(self, start: int, end: int, block_size: int) -> list[int]:
         """Pool slots of positions [start, end), from the block table."""
-        table = self.block_table
-        return [table[pos // block_size] * block_size + pos % block_size
-                for pos in range(start, end)]
+        return slots_of(self.block_table, start, end, block_size)
 
     def patch(self, logical: int, block: int) -> None:
         """A block-table entry a daemon Step changed: a new last block or a copy-on-write copy."""
-        if logical < len(self.block_table):
-            self.block_table[logical] = block
-        else:
-            self.block_table.append(block)
+        patch_table(self.block_table, logical, block)
 
 
 @dataclass

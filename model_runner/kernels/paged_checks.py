@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.vocab.blocks import blocks_for
+
 # Cache dtypes the kernels handle; scores and softmax are always computed in fp32.
 CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -110,7 +112,7 @@ def check_table_values(
             f"seq_lens must be in [1, {capacity}] (block_tables width x block_size), "
             f"got [{low_len}, {high_len}]"
         )
-    used_blocks = (seq_lens.long() + geometry.block_size - 1) // geometry.block_size
+    used_blocks = blocks_for(seq_lens.long(), geometry.block_size)
     columns = torch.arange(block_tables.shape[1], device=block_tables.device)
     used = block_tables[columns[None, :] < used_blocks[:, None]]
     low, high = (int(v) for v in torch.aminmax(used))

@@ -44,6 +44,7 @@ from pagedkv.model_runner.kernels.paged_tile import (
 )
 from pagedkv.model_runner.kernels.per_forward import PerForward, shared
 from pagedkv.model_runner.kernels.triton_env import require_triton_device, tl, triton
+from pagedkv.vocab.blocks import blocks_for
 
 # Context positions per tile.
 TILE_N = 64
@@ -328,7 +329,7 @@ def _gathered_blocks(seq_lens: torch.Tensor, block_size: int, window: int) -> li
     """Blocks context_index covers for each sequence's decode query (a host copy of seq_lens)."""
     lens = seq_lens.tolist()
     firsts = [max(n - window, 0) // block_size * block_size if window else 0 for n in lens]
-    return [-(-(n - first) // block_size) for n, first in zip(lens, firsts, strict=True)]
+    return [blocks_for(n - first, block_size) for n, first in zip(lens, firsts, strict=True)]
 
 
 def length_groups(lengths: list[int], unit_cost: int, min_saved: int) -> list[list[int]]:
