@@ -13,8 +13,8 @@ import grpc
 import pytest
 import torch
 
-from pagedkv.daemon.service.answer_size import STEP_MANY_ENTRY, STEP_MANY_FIXED
-from pagedkv.daemon.service.limits import Limits
+from pagedkv.daemon.service.answer_size import STEP_MANY_ENTRY, STEP_MANY_FIXED, AnswerBudget
+from pagedkv.daemon.service.limits import AnswerTooLarge, Limits
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 
@@ -340,4 +340,31 @@ async def test_step_many_shares_one_answer_budget() -> None:
         assert "max_answer_bytes=4096" in reply.results[1].message
         assert reply.results[0].step.num_tokens == [601]
         assert reply.ByteSize() <= 4096
+        running.service.check_invariants()
+
+
+async def test_a_failed_step_many_entry_gives_its_answer_charge_back() -> None:
+    """An entry that fails after its Step answer was charged (here: the pool has no room) gives
+    the charge back, since its answer is its status, charged with the envelope: a later entry
+    that fits only without that charge is applied."""
+    first, second = 600, 440  # tokens of each entry's step (150 and 110 new blocks)
+    spent = AnswerBudget.for_pool(4096, 1000, 4)
+    spent.step_many(2)
+    spent.step(1, first, 4)
+    with pytest.raises(AnswerTooLarge):  # kept, the failed entry's charge would refuse the next
+        spent.step(1, second, 4)
+    async with running_daemon(num_blocks=1000, block_size=4,
+                              limits=Limits(max_answer_bytes=4096)) as running, \
+            grpc.aio.insecure_channel(running.unix_target) as channel:
+        stub = kvpool_pb2_grpc.KVPoolStub(channel)
+        other, sid = await open_session(stub), await open_session(stub)
+        for seq_id in range(4):  # 880 blocks held elsewhere: 119 free once seq 1 takes one
+            await stub.Allocate(pb.AllocateRequest(session_id=other, seq_id=seq_id,
+                                                   num_tokens=880))
+        await stub.Allocate(pb.AllocateRequest(session_id=sid, seq_id=1, num_tokens=1))
+        reply = await stub.StepMany(pb.StepManyRequest(steps=[
+            pb.StepRequest(session_id=sid, seq_ids=[1], num_tokens=n) for n in (first, second)]))
+        assert [(r.code, r.cause) for r in reply.results] == [
+            (Code.RESOURCE_EXHAUSTED.value[0], "PoolExhausted"), (0, "")]
+        assert reply.results[1].step.num_tokens == [1 + second]
         running.service.check_invariants()

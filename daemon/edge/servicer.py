@@ -111,8 +111,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @grpc_errors
     async def Batch(self, request: pb.BatchRequest, context: Context) -> pb.BatchResponse:
-        limits = self._service.limits  # refuse an oversized batch before converting it
-        limits.check_count("ops", len(request.ops), "max_batch_ops")
+        self._service.check_batch_ops(len(request.ops))  # before translating a single op
         ops = [batch_op(request.session_id, index, op) for index, op in enumerate(request.ops)]
         updates = await self._service.batch(request.session_id, ops,
                                             Hold(request.hold_ms, request.end_hold))
@@ -127,23 +126,16 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @grpc_errors
     async def StepMany(self, request: pb.StepManyRequest,
                        context: Context) -> pb.StepManyResponse:
-        # Refused as a whole, before any entry is applied: too many entries, or their envelopes
-        # past max_answer_bytes. Each entry's own answer is charged as it is applied; each
-        # entry holds the pool alone, and one past max_call_work fails alone (service.step).
-        self._service.limits.check_count("steps", len(request.steps), "max_steps_per_call")
-        answer = self._service.answer_budget()
-        answer.step_many(len(request.steps))
+        answer = self._service.step_many_budget(len(request.steps))  # or refused as a whole
         results = [await self._step_entry(step, answer) for step in request.steps]
         return pb.StepManyResponse(results=results, free_blocks=self._service.free_blocks)
 
     async def _step_entry(self, request: pb.StepRequest,
                           answer: AnswerBudget) -> pb.StepManyResult:
         """One StepMany entry, which fails alone: its status in its result, not the call's."""
-        used = answer.used
         try:
             return pb.StepManyResult(step=await self._step(request, answer))
         except Exception as exc:
-            answer.used = used  # its answer is the status, charged with the envelope
             code, cause, message = failure_of(exc, "StepMany")
             assert len(cause) <= ENTRY_CAUSE_BYTES, cause
             return pb.StepManyResult(code=code.value[0], cause=cause,

@@ -13,6 +13,8 @@ Block ids and logical block indexes are below the pool's block count (a table ne
 block twice); slots are below num_blocks x block_size.
 """
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pagedkv.daemon.service.limits import AnswerTooLarge
@@ -70,6 +72,17 @@ class AnswerBudget:
         """A StepManyResponse's envelope for `entries` entries (each entry's Step answer is
         charged when the entry is applied)."""
         self.charge(STEP_MANY_FIXED + entries * STEP_MANY_ENTRY, "StepMany")
+
+    @contextlib.contextmanager
+    def part(self) -> Iterator[None]:
+        """A part of the answer that may fail alone (a StepMany entry): if it raises, its
+        charges are given back, since its answer is then a status, charged with the envelope."""
+        used = self.used
+        try:
+            yield
+        except Exception:
+            self.used = used
+            raise
 
     def charge(self, nbytes: int, what: str) -> None:
         """Add `nbytes` for `what`; AnswerTooLarge if the answer would pass the limit."""

@@ -317,12 +317,17 @@ class PoolService:
         or a commit). `hold`: a runner's, set or ended once the batch is applied."""
         if not ops:
             raise InvalidArgument("a batch needs at least one op")
-        self.limits.check_count("ops", len(ops), "max_batch_ops")
+        self.check_batch_ops(len(ops))
         check_work(self.limits, (op_work(op, self.pool.block_size) for op in ops), "Batch")
         return await self._change(session_id, lambda session, work, answer: [
             self._apply_numbered(session, index, op, work, answer)
             for index, op in enumerate(ops)], commits=any(isinstance(op, Commit) for op in ops),
             frees="Batch" if any(isinstance(op, Free) for op in ops) else "", hold=hold)
+
+    def check_batch_ops(self, count: int) -> None:
+        """Refuse a Batch of more than max_batch_ops ops; the servicer asks before it
+        translates a single op, so an oversized batch costs no translation."""
+        self.limits.check_count("ops", count, "max_batch_ops")
 
     def _apply_numbered(self, session: Session, index: int, op: Operation,
                         work: MemoryWork, answer: AnswerBudget) -> SeqUpdate:
@@ -336,14 +341,27 @@ class PoolService:
                    token_ids: Sequence[int] = (), *, commit: bool = False,
                    answer: AnswerBudget | None = None, hold_ms: int = 0) -> BatchAppend:
         """Append num_tokens tokens to each of many sequences at once, all-or-nothing; with
-        `commit`, their pending blocks are committed first. `answer`: the budget of a larger
-        answer this step's is part of (StepMany), else its own. `hold_ms`: a runner's hold,
-        set once the step is applied (its forward writes the slots answered)."""
+        `commit`, their pending blocks are committed first. `answer`: a StepMany's budget
+        (`step_many_budget`), which a failed step gives its charges back to, else its own.
+        `hold_ms`: a runner's hold, set once the step is applied (its forward writes the slots
+        answered)."""
         check_work(self.limits, step_work(len(seq_ids), num_tokens, self.pool.block_size),
                    "Step")
-        return await self._change(session_id, lambda session, work, budget: self._ops.step(
-            session, seq_ids, num_tokens, token_ids, work, budget, commit), answer,
-            commits=commit, hold=Hold(hold_ms))
+        answer = answer or self.answer_budget()
+        with answer.part():
+            return await self._change(session_id, lambda session, work, budget: self._ops.step(
+                session, seq_ids, num_tokens, token_ids, work, budget, commit), answer,
+                commits=commit, hold=Hold(hold_ms))
+
+    def step_many_budget(self, entries: int) -> AnswerBudget:
+        """The answer budget a StepMany of `entries` Steps shares, their envelopes charged:
+        the call is refused as a whole, before any entry is applied, past max_steps_per_call
+        or when the envelopes alone pass max_answer_bytes. Each entry then runs as `step` with
+        this budget: it holds the pool alone, and fails alone (one past max_call_work too)."""
+        self.limits.check_count("steps", entries, "max_steps_per_call")
+        answer = self.answer_budget()
+        answer.step_many(entries)
+        return answer
 
     # --------------------------------------------------------------- queries
 
