@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -54,13 +53,12 @@ import grpc
 from pagedkv.daemon.edge.peer_gate import peer_uid
 from pagedkv.daemon.process.metrics import RpcMetrics
 from pagedkv.daemon.service.request_budget import RequestBudget
+from pagedkv.daemon.service.sessions import SESSION_ID
 from pagedkv.daemon.service.tenants import Caller, Tenants, calling_as
 from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, get_logger
 
 # Services any peer may call without a token.
 UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
-# "{pool_id}-{number}-{secret}" (see sessions.py): only the number is safe to log.
-_SESSION_NUMBER = re.compile(r"-([0-9]+)-[0-9a-f]+$")
 
 _log = get_logger(__name__)
 
@@ -143,8 +141,8 @@ def session_label(request: object) -> str | None:
     session_id = getattr(request, "session_id", None)
     if not isinstance(session_id, str) or not session_id:
         return None
-    match = _SESSION_NUMBER.search(session_id)
-    return f"#{match.group(1)}" if match else "invalid"
+    match = SESSION_ID.match(session_id)  # only its number is safe to log
+    return f"#{match['number']}" if match else "invalid"
 
 
 def single_authorization(metadata: Iterable[tuple[str, str | bytes]]) -> bytes | None:

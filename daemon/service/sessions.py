@@ -37,7 +37,9 @@ from pagedkv.daemon.service.tenants import DEFAULT_TENANT, may_use_session_of
 _SECRET_BYTES = 8
 # How many expired ids are remembered to answer FAILED_PRECONDITION instead of NOT_FOUND.
 REMEMBERED_EXPIRED_IDS = 4096
-_SESSION_ID = re.compile(r"^(?P<pool>.+)-(?P<number>[0-9]+)-(?P<secret>[0-9a-f]{16})$")
+# A session id as `open` makes it, "{pool_id}-{number}-{secret}": the daemon run that issued it,
+# its number (the one part safe to log), and the secret that makes the id a credential.
+SESSION_ID = re.compile(r"^(?P<pool>.+)-(?P<number>[0-9]+)-(?P<secret>[0-9a-f]{16})$")
 
 
 class SessionNotFound(PoolError):
@@ -258,7 +260,7 @@ class SessionRegistry:
         never by id (a credential, and input of any length)."""
         if not session_id:
             return InvalidArgument("session_id is empty: open a session first")
-        match = _SESSION_ID.match(session_id)
+        match = SESSION_ID.match(session_id)
         name = f"session #{match['number']}" if match else "session"
         if session_id in self._expired:
             return SessionExpired(f"{name} expired: no call or KeepAlive within its lease; open "
