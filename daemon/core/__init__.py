@@ -6,13 +6,7 @@ from pagedkv.daemon.core.contiguous import ContiguousPool
 from pagedkv.daemon.core.errors import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.physical_blocks import CacheEvents
-from pagedkv.daemon.core.types import (
-    BatchAppend,
-    BlockCopy,
-    NoFit,
-    PoolStats,
-    SeqUpdate,
-)
+from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 
 __all__ = [
     "ALLOCATORS",

@@ -30,13 +30,7 @@ from pagedkv.daemon.core.physical_blocks import CacheEvents, PhysicalBlocks
 from pagedkv.daemon.core.pool_checks import check_pool, recount_stats
 from pagedkv.daemon.core.prefix_cache import chain_keys, root_key
 from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, ragged_entries, row_of, rows_of
-from pagedkv.daemon.core.types import (
-    BatchAppend,
-    BlockCopy,
-    NoFit,
-    PoolStats,
-    SeqUpdate,
-)
+from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 from pagedkv.daemon.core.validation import (
     TokenIds,
     batch_tokens,

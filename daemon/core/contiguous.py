@@ -34,13 +34,7 @@ from pagedkv.daemon.core.holders import HeldBlocks
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.physical_blocks import CacheEvents
 from pagedkv.daemon.core.seq_table import Int64Array, ragged_entries, row_of, rows_of
-from pagedkv.daemon.core.types import (
-    BatchAppend,
-    BlockCopy,
-    NoFit,
-    PoolStats,
-    SeqUpdate,
-)
+from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 from pagedkv.daemon.core.validation import (
     TokenIds,
     batch_tokens,
