@@ -46,6 +46,7 @@ from pagedkv.model_runner.kernels.paged_checks import (
 )
 from pagedkv.model_runner.kernels.per_forward import PerForward
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk, StepInputs
+from pagedkv.vocab.blocks import blocks_for
 
 BLOCK_SIZE = 16
 VOCAB = 1000
@@ -209,7 +210,7 @@ def decode_batch(config: LlamaConfig, batch: int, seed: int) -> tuple[torch.Tens
     """A random pool and one decode chunk per sequence (its last context token)."""
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(CONTEXTS[0], CONTEXTS[1] + 1, (batch,), generator=generator).tolist()
-    used = [-(-n // BLOCK_SIZE) for n in lengths]
+    used = [blocks_for(n, BLOCK_SIZE) for n in lengths]
     num_blocks = sum(used) + 8
     head_dim = config.hidden_size // config.num_attention_heads
     kv_heads = config.num_key_value_heads or config.num_attention_heads
