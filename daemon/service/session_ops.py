@@ -30,6 +30,7 @@ from pagedkv.daemon.core import (
     SequenceNotFound,
     SeqUpdate,
 )
+from pagedkv.daemon.core.validation import check_logical_block
 from pagedkv.daemon.service.answer_size import AnswerBudget
 from pagedkv.daemon.service.limits import LimitExceeded, Limits
 from pagedkv.daemon.service.operations import (
@@ -151,9 +152,7 @@ class SessionOps:
             case CopyOnWrite(seq_id, logical_block):
                 key = self.own(session, seq_id)
                 num_blocks = blocks_for(self.pool.num_tokens(key), bs)
-                if not 0 <= logical_block < num_blocks:
-                    raise InvalidArgument(f"logical_block {logical_block} is outside the "
-                                          f"{num_blocks} blocks of sequence {seq_id}")
+                check_logical_block(logical_block, num_blocks, seq_id)  # names the client's id
                 answer.sequence("copy_on_write", num_blocks, copies=1)
                 update = _fit(self.pool.copy_on_write(key, logical_block))
                 charge = 0  # a copy replaces a table entry
