@@ -1,6 +1,6 @@
 """Decode-step round trips through a real pagedkvd on a unix socket.
 
-The daemon runs as its own process (`python -m pagedkv.daemon.process.cli serve`), so the client and
+The daemon runs as its own process (`python -m pagedkv.daemon`), so the client and
 the server never share an event loop, as in production. Figures, one per line:
 
     step_p50_ms_N, step_p99_ms_N   one Step RPC appending one token (with its id) to N sequences

@@ -36,9 +36,9 @@ from pagedkv.vocab.paths import (
     socket_target,
 )
 
-# `pagedkv serve` (pagedkvd) and `pagedkv runner`, through their modules so this interpreter
-# (the venv's) runs them.
-DAEMON_COMMAND = (sys.executable, "-m", "pagedkv.daemon.process.cli", "serve")
+# `pagedkvd` and `pagedkv runner`, through their modules so this interpreter (the venv's) runs
+# them.
+DAEMON_COMMAND = (sys.executable, "-m", "pagedkv.daemon")
 RUNNER_COMMAND = (sys.executable, "-m", "pagedkv.model_runner")
 READY_STATE = "READY=1"
 # Generous: importing torch and grpc takes a few seconds on a loaded 2-core machine.

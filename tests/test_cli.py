@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.daemon.process.cli import EXIT_BAD_CONFIG, main, serve_main
+from pagedkv.cli.main import main
+from pagedkv.daemon.process.cli import EXIT_BAD_CONFIG, serve_main
 
 
 def test_pagedkvd_refuses_a_tcp_listener_without_a_token(

@@ -17,13 +17,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import pytest
 
-from pagedkv.daemon.process.config import (
-    ConfigError,
-    DaemonConfig,
-    add_serve_arguments,
-    config_from_args,
-)
+from pagedkv.daemon.process.config import DaemonConfig
 from pagedkv.daemon.process.server import serve
+from pagedkv.daemon.process.settings import ConfigError
+from pagedkv.daemon.process.settings_sources import add_serve_arguments, config_from_args
 from pagedkv.daemon.service.answer_size import (
     ENTRY_CAUSE_BYTES,
     ENTRY_MESSAGE_BYTES,

@@ -225,7 +225,7 @@ def test_the_cli_prints_completions(llm: LLM, model_dir: Path) -> None:
     a terminal, so no progress bar."""
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5))
     done = subprocess.run(
-        [sys.executable, "-m", "pagedkv.daemon.process.cli", "generate", "--model", str(model_dir),
+        [sys.executable, "-m", "pagedkv.cli", "generate", "--model", str(model_dir),
          "--daemon", llm.daemon_target, "--runner", llm.runner_target, "--temperature", "0",
          "--max-tokens", "5", *PROMPTS], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

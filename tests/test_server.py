@@ -13,7 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.daemon.process import server
-from pagedkv.daemon.process.config import ConfigError, DaemonConfig
+from pagedkv.daemon.process.config import DaemonConfig
 from pagedkv.daemon.process.server import (
     StartupError,
     check_device,
@@ -21,6 +21,7 @@ from pagedkv.daemon.process.server import (
     pool_num_blocks,
     serve,
 )
+from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 from pagedkv.proto.limits import MAX_MESSAGE_BYTES

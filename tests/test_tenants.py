@@ -22,7 +22,9 @@ from pagedkv.client import (
     SessionNotFound,
     Unauthenticated,
 )
-from pagedkv.daemon.process.config import ConfigError, DaemonConfig, load_toml
+from pagedkv.daemon.process.config import DaemonConfig
+from pagedkv.daemon.process.settings import ConfigError
+from pagedkv.daemon.process.settings_sources import load_toml
 from pagedkv.daemon.service.tenants import Tenant, Tenants, bearer_of
 from pagedkv.proto import kvpool_pb2 as pb
 

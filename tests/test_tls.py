@@ -14,7 +14,8 @@ import pytest
 
 from pagedkv.client import DaemonUnavailable, PoolClient, TlsOptions, Unauthenticated
 from pagedkv.daemon.edge.tls import ServerTls, load_server_tls
-from pagedkv.daemon.process.config import ConfigError, DaemonConfig
+from pagedkv.daemon.process.config import DaemonConfig
+from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 

@@ -45,10 +45,10 @@ from pagedkv.daemon.process.config import (
     MAX_LEASE_TTL_MS,
     RUNNER_GROUP_MODE,
     RUNNERS_ONLY_MODE,
-    ConfigError,
     DaemonConfig,
 )
 from pagedkv.daemon.process.metrics import PoolCollector, Readiness, RpcMetrics
+from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.process.lifecycle import cancel, stop_on_signals
 from pagedkv.process.log_setup import get_logger

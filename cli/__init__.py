@@ -1,0 +1,1 @@
+"""The `pagedkv` command: one entry on top of every part (main.py)."""
