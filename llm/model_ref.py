@@ -1,11 +1,10 @@
 """What `LLM(model=...)` names: a local Hugging Face model directory, or a preset randomly
 initialized for demos. Resolved and checked before any process starts; nothing is downloaded."""
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.vocab.geometry import canonical_dtype, dtype_bytes
+from pagedkv.vocab.geometry import PRESETS, dtype_bytes, geometry_from_hf_config
 
 # Checkpoint files whose sizes add up to the weights' memory; safetensors when there are any
 # (a folder may hold both formats of the same weights).
@@ -34,13 +33,10 @@ class ModelRef:
 
     def config_dtype(self) -> str:
         """The dtype the config names (the checkpoint's, usually); float32 when it names none,
-        as transformers loads it. A preset's config is float32."""
+        as transformers loads it. A preset's is its table's."""
         if self.path is None:
-            return "float32"
-        config = json.loads((self.path / "config.json").read_text())
-        text = config.get("text_config", config)  # multimodal configs nest the language model
-        name = text.get("dtype") or text.get("torch_dtype") or "float32"
-        return canonical_dtype(str(name))
+            return PRESETS[self.name].dtype
+        return geometry_from_hf_config(self.path).default_dtype
 
     def weights_bytes(self, dtype: str) -> int:
         """Memory of the weights loaded in `dtype`: the checkpoint files' size, scaled from the
@@ -63,10 +59,6 @@ def resolve_model(model: str) -> ModelRef:
         if not (path / "config.json").is_file():
             raise ValueError(f"{model!r} has no config.json: not a Hugging Face model directory")
         return ModelRef(model, path.resolve())
-    # Imported only here: the runner's model code takes seconds to import, a directory
-    # needs none of it in this process.
-    from pagedkv.model_runner.models import PRESETS
-
     if model in PRESETS:
         return ModelRef(model, None)
     presets = ", ".join(sorted(PRESETS))

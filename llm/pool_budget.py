@@ -12,14 +12,13 @@
    the clients and the rest of the machine share that RAM, and the pool's pages are reserved
    when the daemon starts.
 
-The daemon turns a byte budget into whole blocks of the model's geometry (`--kv-memory`).
+These are `LLM`'s choices; the arithmetic is pagedkv.vocab.pool_sizing's and the measurement
+pagedkv.memory.device_memory's, the daemon's own. The daemon turns the byte budget into whole
+blocks of the model's geometry (`--kv-memory`).
 """
 
-import os
-from dataclasses import dataclass
-
 from pagedkv.llm.config import LLMConfig
-from pagedkv.vocab.units import format_bytes
+from pagedkv.vocab.pool_sizing import DeviceMemory, kv_budget
 
 # CUDA: memory kept for the forward's activations beyond the weights and the pool.
 ACTIVATION_RESERVE = 2**30
@@ -30,53 +29,16 @@ CPU_KV_CAP = 4 * 2**30
 SHM_DIR = "/dev/shm"
 
 
-@dataclass(frozen=True, slots=True)
-class DeviceMemory:
-    """The device's memory just before the daemon starts, in bytes."""
-
-    # "cpu" or "cuda[:N]".
-    device: str
-    # CUDA: the device's memory (unused on CPU).
-    total: int
-    # CUDA: free now; CPU: MemAvailable (RAM the kernel can hand out without swapping).
-    free: int
-    # CPU: free space of SHM_DIR (unused on CUDA).
-    shm_free: int = 0
-
-
-def kv_budget(memory: DeviceMemory, weights: int, gpu_memory_utilization: float) -> int:
+def embedded_budget(memory: DeviceMemory, weights: int, gpu_memory_utilization: float) -> int:
     """Bytes for the pool under rules 2 and 3; ValueError, with the figures, when none are
     left."""
-    if memory.device.startswith("cuda"):
-        in_use = memory.total - memory.free
-        budget = int(gpu_memory_utilization * memory.total) - in_use - weights - ACTIVATION_RESERVE
-        figures = (f"{gpu_memory_utilization} x {format_bytes(memory.total)} - in use "
-                   f"{format_bytes(in_use)} - weights {format_bytes(weights)} - activations "
-                   f"{format_bytes(ACTIVATION_RESERVE)}")
-    else:
-        budget = min(int(CPU_KV_FRACTION * (memory.free - weights)), CPU_KV_CAP, memory.shm_free)
-        figures = (f"min({CPU_KV_FRACTION} x (available RAM {format_bytes(memory.free)} - "
-                   f"weights {format_bytes(weights)}), {format_bytes(CPU_KV_CAP)}, "
-                   f"free in {SHM_DIR} {format_bytes(memory.shm_free)})")
-    if budget <= 0:
-        raise ValueError(f"no memory left for the KV cache on {memory.device}: {figures} = "
-                         f"{format_bytes(budget)}; give kv_cache_memory or num_blocks")
-    return budget
-
-
-def measure(device: str) -> DeviceMemory:
-    """The device's memory now (imports torch for CUDA; creates this process's CUDA context,
-    which is then counted as in use)."""
-    if device.startswith("cuda"):
-        import torch
-
-        free, total = torch.cuda.mem_get_info(torch.device(device))
-        return DeviceMemory(device, total=total, free=free)
-    from pagedkv.daemon.memory.kv_memory import available_ram
-
-    shm = os.statvfs(SHM_DIR)
-    return DeviceMemory(device, total=0, free=available_ram(),
-                        shm_free=shm.f_bavail * shm.f_frsize)
+    try:
+        if memory.on_cpu:
+            return kv_budget(memory, CPU_KV_FRACTION, weights=weights, cap=CPU_KV_CAP)
+        return kv_budget(memory, gpu_memory_utilization, weights=weights,
+                         reserve=ACTIVATION_RESERVE)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; give kv_cache_memory or num_blocks") from exc
 
 
 def pool_size_args(config: LLMConfig, device: str, weights: int) -> list[str]:
@@ -85,5 +47,9 @@ def pool_size_args(config: LLMConfig, device: str, weights: int) -> list[str]:
         return ["--num-blocks", str(config.num_blocks)]
     budget = config.kv_cache_bytes
     if budget is None:
-        budget = kv_budget(measure(device), weights, config.gpu_memory_utilization)
+        # Imported here: torch takes seconds to import, and rule 1 needs none of it.
+        from pagedkv.memory.device_memory import measure
+
+        budget = embedded_budget(measure(device, SHM_DIR), weights,
+                                 config.gpu_memory_utilization)
     return ["--kv-memory", str(budget)]

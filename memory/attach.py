@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedkv.memory.dtypes import torch_dtype
 from pagedkv.memory.handle import PoolMemoryHandle
 
 
@@ -38,7 +39,7 @@ def attach_pool(handle: PoolMemoryHandle) -> torch.Tensor:
 
 def _attach_shm(handle: PoolMemoryHandle) -> torch.Tensor:
     """Map the /dev/shm file, once its size matches the handle's shape and dtype."""
-    dtype = _torch_dtype(handle.dtype)
+    dtype = torch_dtype(handle.dtype)
     numel = int(np.prod(handle.shape))
     path = Path(handle.shm_path)
     # Checked first: from_file(shared=True) would silently create a missing file.
@@ -53,7 +54,7 @@ def _attach_shm(handle: PoolMemoryHandle) -> torch.Tensor:
 
 def _attach_cuda_ipc(handle: PoolMemoryHandle) -> torch.Tensor:
     """Rebuild the CUDA tensor from its IPC payload, allowing only torch's own globals."""
-    dtype = _torch_dtype(handle.dtype)
+    dtype = torch_dtype(handle.dtype)
     rebuild, args = _TorchOnlyUnpickler(io.BytesIO(handle.ipc_payload)).load()
     kv = rebuild(*args)
     if not isinstance(kv, torch.Tensor):
@@ -63,10 +64,3 @@ def _attach_cuda_ipc(handle: PoolMemoryHandle) -> torch.Tensor:
                          f"{handle.shape} {dtype}")
     return kv
 
-
-def _torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype a handle names; handles carry canonical names only ("float16")."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"handle names no torch dtype: {name!r}")
-    return dtype

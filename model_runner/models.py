@@ -5,12 +5,11 @@
     check_geometry(model, pool_info)   # refuses a model the pool is not laid out for
 
 Nothing is ever downloaded: a path is read with `local_files_only`, and random-initialized models
-are built from a config (a named preset below, or a config.json), seeded, for demos and tests.
-The daemon plans its pool from the same config (`pagedkvd --model-config PRESET_OR_PATH`): the
-presets' geometries are in the daemon's built-in table under the same names.
+are built from a config (a preset of pagedkv.vocab.geometry.PRESETS, or a config.json), seeded,
+for demos and tests. The daemon plans its pool from the same config (`pagedkvd --model-config
+PRESET_OR_PATH`), through the same table and the same config reader.
 """
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,30 +23,19 @@ from transformers import (
 )
 
 from pagedkv.client import PoolInfo
+from pagedkv.memory.dtypes import torch_dtype
+from pagedkv.vocab.geometry import HF_SHAPE_KEYS, PRESETS, Preset, geometry_from_config_fields
 
 
-def _tiny_llama(hidden: int, heads: int, kv_heads: int, layers: int,
-                intermediate: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=intermediate,
-                       num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv_heads, max_position_embeddings=4096,
-                       initializer_range=0.2, dtype="float32", eos_token_id=None,
+def preset_config(preset: Preset) -> LlamaConfig:
+    """The transformers config of a preset (pagedkv.vocab.geometry.PRESETS holds its sizes),
+    with a vocabulary of 1000 and no special tokens."""
+    return LlamaConfig(vocab_size=1000, hidden_size=preset.hidden_size,
+                       intermediate_size=preset.intermediate_size,
+                       num_hidden_layers=preset.num_layers, num_attention_heads=preset.num_heads,
+                       num_key_value_heads=preset.num_kv_heads, max_position_embeddings=4096,
+                       initializer_range=0.2, dtype=preset.dtype, eos_token_id=None,
                        bos_token_id=None, pad_token_id=None)
-
-
-# Named configs for --random-init. "tiny" matches the daemon's default pool (2 layers, 2 KV heads
-# of 64, float32); "tiny-llama" is the benchmark's model (2 layers, hidden 128, 4 heads, 2 KV
-# heads, intermediate 256, vocab 1000); "small-llama" is the overhead benchmark's (4 layers,
-# hidden 1024).
-PRESETS: dict[str, LlamaConfig] = {
-    "tiny": _tiny_llama(hidden=256, heads=4, kv_heads=2, layers=2, intermediate=512),
-    "tiny-llama": _tiny_llama(hidden=128, heads=4, kv_heads=2, layers=2, intermediate=256),
-    "small-llama": _tiny_llama(hidden=1024, heads=16, kv_heads=4, layers=4, intermediate=2816),
-}
-
-
-# The dtypes a model may be loaded in (the pool's: pagedkv.vocab.geometry.DTYPE_BYTES).
-LOADABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class ModelMismatch(ValueError):
@@ -81,8 +69,9 @@ def model_config(source: ModelSource) -> PretrainedConfig:
     target = source.path or source.random_init
     assert target is not None
     if source.random_init in PRESETS:
-        # A copy: a model owns its config (transformers writes the attention choice into it).
-        return copy.deepcopy(PRESETS[source.random_init])
+        # A new one each time: a model owns its config (transformers writes the attention
+        # choice into it).
+        return preset_config(PRESETS[source.random_init])
     if not Path(target).exists():
         known = ", ".join(sorted(PRESETS))
         raise ValueError(f"no model at {target!r}: not a local path nor a preset ({known})")
@@ -94,7 +83,9 @@ def load_model(source: ModelSource, device: str = "cpu") -> PreTrainedModel:
     """The model in eval mode on `device`, in `source.dtype`, else its config's dtype (float32
     when it names none)."""
     config = model_config(source)
-    dtype = torch_dtype(source.dtype or getattr(config.get_text_config(), "dtype", None))
+    # A loaded config's dtype is a torch.dtype, a string, or None (float32 then).
+    config_dtype = getattr(config.get_text_config(), "dtype", None) or "float32"
+    dtype = torch_dtype(source.dtype or str(config_dtype))
     model: PreTrainedModel
     if source.path is not None:
         model = AutoModelForCausalLM.from_pretrained(source.path, local_files_only=True,
@@ -110,27 +101,14 @@ def load_model(source: ModelSource, device: str = "cpu") -> PreTrainedModel:
     return model
 
 
-def torch_dtype(name: str | torch.dtype | None) -> torch.dtype:
-    """A dtype named as configs and flags name it ("float16", "torch.bfloat16"); None is
-    float32, transformers' default; ValueError for anything else."""
-    if name is None:
-        return torch.float32
-    if isinstance(name, torch.dtype):
-        return name
-    dtype = getattr(torch, name.strip().removeprefix("torch."), None)
-    if dtype not in LOADABLE_DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; known: float16, bfloat16, float32")
-    assert isinstance(dtype, torch.dtype)
-    return dtype
-
-
 def kv_geometry(model: PreTrainedModel) -> tuple[int, int, int, str]:
     """(layers, KV heads, head dim, dtype name) the model's attention caches."""
     text = model.config.get_text_config()
-    heads = int(text.num_attention_heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    return int(text.num_hidden_layers), kv_heads, head_dim, str(model.dtype).removeprefix("torch.")
+    # Attributes, not to_dict(): they follow a config class's aliases (GPT-2's n_head).
+    fields = {key: getattr(text, key, None) for key in HF_SHAPE_KEYS}
+    geometry = geometry_from_config_fields(fields, "of the runner's model", str(model.dtype))
+    return (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
+            geometry.default_dtype)
 
 
 def check_geometry(model: PreTrainedModel, info: PoolInfo) -> None:

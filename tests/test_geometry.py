@@ -1,11 +1,13 @@
 """Model geometry: KV bytes per token/block, the built-in table, local HF configs, dtypes."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from pagedkv.memory.dtypes import torch_dtype
 from pagedkv.vocab.geometry import (
     BUILTIN_GEOMETRIES,
     TINY_CPU_GEOMETRY,
@@ -14,7 +16,6 @@ from pagedkv.vocab.geometry import (
     dtype_bytes,
     geometry_from_hf_config,
     resolve_geometry,
-    torch_dtype,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -115,9 +116,38 @@ def test_dtype_spellings(spelling: str, canonical: str, size: int) -> None:
 def test_unknown_dtype() -> None:
     with pytest.raises(ValueError, match=r"unknown dtype 'int8'.*bf16"):
         dtype_bytes("int8")
+    with pytest.raises(ValueError, match=r"unknown dtype 'int8'.*bf16"):
+        torch_dtype("int8")
+
+
+def test_multimodal_config_is_read_from_its_text_config(tmp_path: Path) -> None:
+    text = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "num_hidden_layers": 6, "dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": text,
+                                                      "vision_config": {"hidden_size": 64}}))
+    g = geometry_from_hf_config(tmp_path)
+    assert (g.num_layers, g.num_kv_heads, g.head_dim, g.default_dtype) == (6, 2, 64, "bfloat16")
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"hidden_size": 256, "num_attention_heads": 4}, "has no num_hidden_layers"),
+        ({"num_attention_heads": 4, "num_hidden_layers": 2}, "has no hidden_size"),
+        ({"hidden_size": 256, "num_attention_heads": 0, "num_hidden_layers": 2}, "malformed"),
+        ({"hidden_size": "wide", "num_attention_heads": 4, "num_hidden_layers": 2}, "malformed"),
+        ([1, 2], "not a JSON object"),
+    ],
+)
+def test_config_without_its_sizes_raises_value_error(tmp_path: Path, config: object,
+                                                     message: str) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        geometry_from_hf_config(tmp_path)
 
 
 def test_geometry_and_planner_import_without_torch() -> None:
-    code = ("import sys; import pagedkv.daemon.memory.planner, pagedkv.vocab.geometry; "
+    code = ("import sys; import pagedkv.daemon.memory.planner, pagedkv.vocab.geometry, "
+            "pagedkv.vocab.pool_sizing; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,6 +1,6 @@
-"""The daemon's pool memory: layout, block copies and zeroing, sizing, cleanup.
+"""The daemon's pool memory: layout, block copies and zeroing, cleanup.
 
-Attaching from another process is in test_memory.py.
+Attaching from another process is in test_memory.py; sizing in test_pool_sizing.py.
 """
 
 import errno
@@ -17,12 +17,7 @@ import pytest
 import torch
 
 from pagedkv.daemon.memory import kv_memory
-from pagedkv.daemon.memory.kv_memory import (
-    KVPoolMemory,
-    cleanup_stale_files,
-    num_blocks_for_bytes,
-    num_blocks_for_fraction,
-)
+from pagedkv.daemon.memory.kv_memory import KVPoolMemory, cleanup_stale_files
 from pagedkv.vocab.geometry import ModelGeometry
 
 # 3 layers, 2 KV heads, head_dim 4: small, yet every dim of the layout has a distinct size.
@@ -195,16 +190,6 @@ def test_copy_and_zero_blocks_on_cuda_match_cpu(pool: KVPoolMemory) -> None:
         assert torch.equal(memory.kv.cpu(), pool.kv)
 
 
-@pytest.mark.gpu
-@cuda_only
-def test_num_blocks_for_fraction_on_cuda() -> None:
-    free, total = torch.cuda.mem_get_info()
-    block = 2**20
-    blocks = num_blocks_for_fraction(0.5, block, "cuda")
-    # Half the card minus what is in use; nothing else runs here, so it is close to half.
-    assert 0 < blocks * block <= 0.5 * total - (total - free) + block
-
-
 def test_cleanup_removes_dead_owners_files_only(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
@@ -216,31 +201,3 @@ def test_cleanup_removes_dead_owners_files_only(tmp_path: Path) -> None:
         path.write_bytes(b"x")
     assert cleanup_stale_files(str(tmp_path), "pagedkv") == [dead_file]
     assert sorted(tmp_path.iterdir()) == sorted([live_file, other_prefix, not_a_pool])
-
-
-def test_num_blocks_for_bytes() -> None:
-    assert num_blocks_for_bytes(7_800_000_000, 917_504) == 8501
-    assert num_blocks_for_bytes(917_504, 917_504) == 1
-    with pytest.raises(ValueError, match="cannot hold one block"):
-        num_blocks_for_bytes(917_503, 917_504)
-    with pytest.raises(ValueError, match="must be positive"):
-        num_blocks_for_bytes(10, 0)
-
-
-def test_num_blocks_for_fraction_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Half of 1000 KiB available RAM, with a roomy shm dir: 500 blocks of 1 KiB.
-    monkeypatch.setattr(kv_memory, "available_ram", lambda: 1000 * 1024)
-    assert num_blocks_for_fraction(0.5, 1024, "cpu", shm_dir=str(tmp_path)) == 500
-    # A 64 KiB shm dir (Docker's default is 64 MB) caps the pool below the RAM share.
-    free = os.statvfs(tmp_path)
-    capped = os.statvfs_result((*free[:4], 64, *free[5:]))  # f_bavail = 64 fragments
-    monkeypatch.setattr(kv_memory.os, "statvfs", lambda _: capped)
-    assert num_blocks_for_fraction(0.5, 1024, "cpu", shm_dir=str(tmp_path)) == (
-        64 * free.f_frsize // 1024)
-    with pytest.raises(ValueError, match=r"fraction must be in \(0, 1\]"):
-        num_blocks_for_fraction(1.5, 1024, "cpu")
-
-
-def test_available_ram_is_plausible() -> None:
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    assert 0 < kv_memory.available_ram() <= total

@@ -30,8 +30,9 @@ from transformers import (
 from pagedkv.client import DaemonUnavailable
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S
 from pagedkv.llm import LLM, SamplingParams
-from pagedkv.llm.pool_budget import CPU_KV_CAP, DeviceMemory, kv_budget
+from pagedkv.llm.pool_budget import CPU_KV_CAP, embedded_budget
 from pagedkv.llm.progress import Progress
+from pagedkv.vocab.pool_sizing import DeviceMemory
 
 SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "paged attention keeps kv blocks",
              "hello world, this is pagedkv", "the quick brown fox jumps over the lazy dog"]
@@ -334,15 +335,16 @@ def test_pool_budget_on_cuda_and_cpu() -> None:
     """CUDA: utilization x total - in use - weights - 1 GiB of activations; CPU: a quarter of
     the RAM left after the weights, capped at 4 GiB and by /dev/shm."""
     cuda = DeviceMemory("cuda", total=80 * GiB, free=79 * GiB)
-    assert kv_budget(cuda, weights=16 * GiB, gpu_memory_utilization=0.9) == int(0.9 * 80 * GiB) \
-        - GiB - 16 * GiB - GiB
-    assert kv_budget(DeviceMemory("cpu", 0, free=10 * GiB, shm_free=64 * GiB), 2 * GiB, 0.9) \
-        == 2 * GiB
-    assert kv_budget(DeviceMemory("cpu", 0, free=64 * GiB, shm_free=64 * GiB), 0, 0.9) \
+    assert embedded_budget(cuda, weights=16 * GiB, gpu_memory_utilization=0.9) \
+        == int(0.9 * 80 * GiB) - GiB - 16 * GiB - GiB
+    assert embedded_budget(DeviceMemory("cpu", 0, free=10 * GiB, shm_free=64 * GiB), 2 * GiB,
+                           0.9) == 2 * GiB
+    assert embedded_budget(DeviceMemory("cpu", 0, free=64 * GiB, shm_free=64 * GiB), 0, 0.9) \
         == CPU_KV_CAP
-    assert kv_budget(DeviceMemory("cpu", 0, free=64 * GiB, shm_free=GiB), 0, 0.9) == GiB
-    with pytest.raises(ValueError, match="no memory left for the KV cache on cuda"):
-        kv_budget(cuda, weights=70 * GiB, gpu_memory_utilization=0.9)
+    assert embedded_budget(DeviceMemory("cpu", 0, free=64 * GiB, shm_free=GiB), 0, 0.9) == GiB
+    with pytest.raises(ValueError, match=r"no memory left for the KV cache on cuda.*give "
+                                         r"kv_cache_memory or num_blocks"):
+        embedded_budget(cuda, weights=70 * GiB, gpu_memory_utilization=0.9)
 
 
 def test_progress_is_drawn_only_when_enabled() -> None:

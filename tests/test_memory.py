@@ -110,7 +110,7 @@ def test_attach_refuses_a_missing_or_resized_file_and_no_memory(tmp_path: Path) 
     missing.write_bytes(b"\0" * 100)
     with pytest.raises(ValueError, match="holds 100 bytes, handle says 5760"):
         attach_pool(PoolMemoryHandle("shm", str(missing), handle.shape, "float32", -1, b""))
-    with pytest.raises(ValueError, match="handle names no torch dtype: 'Tensor'"):
+    with pytest.raises(ValueError, match="unknown dtype 'Tensor'"):
         attach_pool(PoolMemoryHandle("shm", str(missing), handle.shape, "Tensor", -1, b""))
     with pytest.raises(ValueError, match="unknown pool memory kind"):
         attach_pool(PoolMemoryHandle("tcp", "", handle.shape, "float32", -1, b""))

@@ -5,26 +5,28 @@ Every token caches one key and one value vector per KV head in every layer, so
     bytes_per_token = 2 x num_layers x num_kv_heads x head_dim x dtype_bytes
     bytes_per_block = bytes_per_token x block_size
 
-(the leading 2 is K and V). A geometry comes from the built-in table of well-known models or
-from a local Hugging Face `config.json`. This module must stay importable without torch (the
-planner CLI uses it); torch is imported only by `torch_dtype`, transformers only by
-`geometry_from_hf_config`.
+(the leading 2 is K and V). A geometry comes from the one table below (well-known models and
+the small presets the runner random-initializes) or from a local Hugging Face `config.json`,
+read here as plain JSON by the one reader of such configs (the runner reads its loaded model's
+config through it too). Torch-free, transformers-free: the planner, the daemon's config and
+`LLM` use it on machines without either.
 """
 
-from __future__ import annotations
-
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
-
-# Canonical dtype name -> bytes per element. Names are torch's (`torch.float16` -> "float16").
+# Canonical dtype name -> bytes per element. Names are torch's (`torch.float16` -> "float16");
+# pagedkv.memory.dtypes maps them to torch dtypes.
 DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 # Short spellings people type on a command line -> canonical name.
 _DTYPE_ALIASES: dict[str, str] = {"fp16": "float16", "half": "float16", "bf16": "bfloat16",
                                   "fp32": "float32", "float": "float32"}
+# The fields of a Hugging Face text config that decide the KV geometry (besides the dtype).
+HF_SHAPE_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "hidden_size")
 
 
 def canonical_dtype(name: str) -> str:
@@ -40,15 +42,6 @@ def canonical_dtype(name: str) -> str:
 def dtype_bytes(name: str) -> int:
     """Bytes per element of a dtype given by any accepted spelling."""
     return DTYPE_BYTES[canonical_dtype(name)]
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a dtype spelling (imports torch, unlike the rest of this module)."""
-    import torch
-
-    dtype = getattr(torch, canonical_dtype(name))
-    assert isinstance(dtype, torch.dtype), f"torch.{name} is not a dtype"
-    return dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,53 +76,115 @@ class ModelGeometry:
         return self.bytes_per_token(dtype_bytes) * block_size
 
 
-# The geometry the CPU daemon and the demo run with when no model is named: small enough for
-# the Triton interpreter and for tests, float32 because bf16 `tl.dot` is wrong in the interpreter.
-TINY_CPU_GEOMETRY = ModelGeometry(name="tiny", num_layers=2, num_kv_heads=2, head_dim=64,
-                                  num_params=None, default_dtype="float32")
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """A small Llama for demos, tests and benchmarks: the runner random-initializes it
+    (`--random-init NAME`), the daemon lays its pool out for it (`--model-config NAME`)."""
 
-# Published architecture facts of well-known models (their config.json files), keyed lowercase.
-BUILTIN_GEOMETRIES: dict[str, ModelGeometry] = {
-    g.name: g
-    for g in (
-        TINY_CPU_GEOMETRY,
-        # The runner's --random-init presets of the same names (pagedkv.model_runner.models).
-        ModelGeometry("tiny-llama", 2, 2, 32, None, "float32"),
-        ModelGeometry("small-llama", 4, 4, 64, None, "float32"),
-        ModelGeometry("llama-3.1-8b", 32, 8, 128, 8.03e9, "bfloat16"),
-        ModelGeometry("qwen2.5-7b", 28, 4, 128, 7.62e9, "bfloat16"),
-        # No GQA: 40 KV heads x 128 = the 5120 model dimension.
-        ModelGeometry("opt-13b", 40, 40, 128, 12.9e9, "float16"),
-        ModelGeometry("mistral-7b", 32, 8, 128, 7.24e9, "bfloat16"),
+    # Name on both command lines.
+    name: str
+    # Transformer layers.
+    num_layers: int
+    # Query heads per layer.
+    num_heads: int
+    # Key/value heads per layer (GQA when fewer than num_heads).
+    num_kv_heads: int
+    # Model dimension; a head is hidden_size // num_heads wide.
+    hidden_size: int
+    # Width of the MLP.
+    intermediate_size: int
+    # Weights' and pool's dtype: float32, because bf16 `tl.dot` is wrong in the Triton
+    # interpreter the CPU runs kernels in.
+    dtype: str = "float32"
+
+    def geometry(self) -> ModelGeometry:
+        """The KV geometry of this preset."""
+        return ModelGeometry(self.name, self.num_layers, self.num_kv_heads,
+                             self.hidden_size // self.num_heads, None, self.dtype)
+
+
+# The presets, by name. "tiny" is the daemon's default pool (2 layers, 2 KV heads of 64);
+# "tiny-llama" the benchmark's model; "small-llama" the overhead benchmark's.
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("tiny", num_layers=2, num_heads=4, num_kv_heads=2, hidden_size=256,
+               intermediate_size=512),
+        Preset("tiny-llama", num_layers=2, num_heads=4, num_kv_heads=2, hidden_size=128,
+               intermediate_size=256),
+        Preset("small-llama", num_layers=4, num_heads=16, num_kv_heads=4, hidden_size=1024,
+               intermediate_size=2816),
     )
 }
 
+# Every model known by name, keyed lowercase: the presets, then published architecture facts
+# of well-known models (their config.json files).
+BUILTIN_GEOMETRIES: dict[str, ModelGeometry] = {
+    **{name: preset.geometry() for name, preset in PRESETS.items()},
+    **{
+        g.name: g
+        for g in (
+            ModelGeometry("llama-3.1-8b", 32, 8, 128, 8.03e9, "bfloat16"),
+            ModelGeometry("qwen2.5-7b", 28, 4, 128, 7.62e9, "bfloat16"),
+            # No GQA: 40 KV heads x 128 = the 5120 model dimension.
+            ModelGeometry("opt-13b", 40, 40, 128, 12.9e9, "float16"),
+            ModelGeometry("mistral-7b", 32, 8, 128, 7.24e9, "bfloat16"),
+        )
+    },
+}
 
-def geometry_from_hf_config(path: str | Path) -> ModelGeometry:
-    """Read a local Hugging Face config (a config.json file or its directory); never downloads.
+# The geometry the CPU daemon and the demo run with when no model is named.
+TINY_CPU_GEOMETRY = BUILTIN_GEOMETRIES["tiny"]
+
+
+def _config_dtype(text: Mapping[str, Any]) -> str:
+    """The canonical dtype a Hugging Face text config names (`dtype`, or the older
+    `torch_dtype`); float32 when it names none, as transformers loads such a model."""
+    return canonical_dtype(str(text.get("dtype") or text.get("torch_dtype") or "float32"))
+
+
+def geometry_from_config_fields(text: Mapping[str, Any], name: str,
+                                dtype: str) -> ModelGeometry:
+    """The geometry of a Hugging Face text config's HF_SHAPE_KEYS fields, served in `dtype`.
 
     KV heads are `num_key_value_heads`, or `num_attention_heads` for models without GQA;
     head_dim is `head_dim` when the config sets it, else hidden_size // num_attention_heads.
     """
-    from transformers import AutoConfig
+    try:
+        heads = int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+        layers = int(text["num_hidden_layers"])
+    except KeyError as exc:
+        raise ValueError(f"model config {name} has no {exc.args[0]}") from exc
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise ValueError(f"model config {name} has a malformed size: {exc}") from exc
+    return ModelGeometry(name=name, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                         num_params=None, default_dtype=canonical_dtype(dtype))
 
+
+def _read_text_config(path: str | Path) -> dict[str, Any]:
+    """The text model's fields of a local Hugging Face config (a config.json file or its
+    directory); ValueError when there is none or it is not JSON. Never downloads."""
     local = Path(path)
     if not local.exists():
         raise ValueError(f"no model config at {local}")
+    file = local / "config.json" if local.is_dir() else local
     try:
-        config = AutoConfig.from_pretrained(str(local), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read a model config from {local}: {exc}") from exc
-    # Multimodal configs nest the language model's config; text models return themselves.
-    text = config.get_text_config()
-    heads = int(text.num_attention_heads)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    # A config without a dtype loads (and random-initializes) in float32 in transformers.
-    dtype = str(getattr(text, "dtype", None) or "float32").removeprefix("torch.")
-    return ModelGeometry(name=str(local), num_layers=int(text.num_hidden_layers),
-                         num_kv_heads=int(kv_heads), head_dim=int(head_dim),
-                         num_params=None, default_dtype=canonical_dtype(dtype))
+    # Multimodal configs nest the language model's config; text models are their own.
+    text = config.get("text_config", config) if isinstance(config, dict) else None
+    if not isinstance(text, dict):
+        raise ValueError(f"cannot read a model config from {local}: not a JSON object")
+    return text
+
+
+def geometry_from_hf_config(path: str | Path) -> ModelGeometry:
+    """The geometry of a local Hugging Face config, in the dtype it names."""
+    text = _read_text_config(path)
+    return geometry_from_config_fields(text, str(Path(path)), _config_dtype(text))
 
 
 def resolve_geometry(name_or_path: str) -> ModelGeometry:

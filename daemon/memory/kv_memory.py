@@ -36,8 +36,9 @@ from torch.multiprocessing.reductions import reduce_tensor
 
 from pagedkv.daemon.memory.shm_holders import reserve_failure
 from pagedkv.memory import BLOCK_DIM, PoolMemoryHandle, pool_shape
-from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype, torch_dtype
-from pagedkv.vocab.units import format_bytes
+from pagedkv.memory.device_memory import pool_device
+from pagedkv.memory.dtypes import torch_dtype
+from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype
 
 # Block ids as the block pool hands them out: a list, or an int64 array on the batch path.
 BlockIds = Sequence[int] | npt.NDArray[np.int64]
@@ -71,7 +72,7 @@ class KVPoolMemory:
                            block_size=block_size, num_kv_heads=geometry.num_kv_heads,
                            head_dim=geometry.head_dim)
         pool_id = secrets.token_hex(8)
-        target = _device(device)
+        target = pool_device(device)
         if target.type == "cpu":
             path = Path(shm_dir) / f"{name_prefix}-{os.getpid()}-{pool_id}.kv"
             kv = _create_shm(path, shape, name, mode, group)
@@ -177,17 +178,6 @@ class KVPoolMemory:
         self.close()
 
 
-def _device(device: str) -> torch.device:
-    """A cpu or cuda torch.device; ValueError for anything else."""
-    try:
-        target = torch.device(device)
-    except RuntimeError as exc:
-        raise ValueError(f"device must be cpu or cuda, got {device!r}") from exc
-    if target.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be cpu or cuda, got {device!r}")
-    return target
-
-
 def _create_shm(path: Path, shape: tuple[int, ...], dtype: str, mode: int,
                 group: int | None) -> torch.Tensor:
     """Create the shm file exclusively (the owner's alone until it has its group), reserve its
@@ -213,50 +203,6 @@ def _create_shm(path: Path, shape: tuple[int, ...], dtype: str, mode: int,
     finally:
         os.close(fd)
     return torch.from_file(str(path), shared=True, size=numel, dtype=torch_dtype(dtype)).view(shape)
-
-
-def num_blocks_for_bytes(budget: int, bytes_per_block: int) -> int:
-    """Whole blocks in `budget` bytes; ValueError when not even one fits."""
-    if bytes_per_block <= 0:
-        raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
-    if budget < bytes_per_block:
-        raise ValueError(f"{format_bytes(budget)} cannot hold one block of "
-                         f"{format_bytes(bytes_per_block)}")
-    return budget // bytes_per_block
-
-
-def num_blocks_for_fraction(fraction: float, bytes_per_block: int, device: str,
-                            shm_dir: str = "/dev/shm") -> int:
-    """Blocks for a share of the device's memory.
-
-    CUDA: `fraction` of the device's total memory minus what is already in use, as vLLM's
-    gpu_memory_utilization (0.9 on an 80 GB card with 16 GB of weights loaded: 72 - 16 GB).
-    CPU: `fraction` of MemAvailable (free RAM the kernel can hand out without swapping, which
-    already excludes what is in use), and no more than the free space of `shm_dir`, whose
-    tmpfs is often capped (64 MB in a default Docker container).
-    """
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    target = _device(device)
-    if target.type == "cuda":
-        free, total = torch.cuda.mem_get_info(target)
-        budget = int(fraction * total) - (total - free)
-    else:
-        fs = os.statvfs(shm_dir)
-        budget = min(int(fraction * available_ram()), fs.f_bavail * fs.f_frsize)
-    return num_blocks_for_bytes(budget, bytes_per_block)
-
-
-def available_ram() -> int:
-    """MemAvailable from /proc/meminfo; free pages from sysconf where that file is missing."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file's "kB" are KiB
-    except FileNotFoundError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def cleanup_stale_files(shm_dir: str = "/dev/shm", name_prefix: str = "pagedkv") -> list[Path]:

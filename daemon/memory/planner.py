@@ -2,6 +2,7 @@
 
     KV budget        = device memory - weights - reserve (CUDA context, activations)
     num_blocks       = floor(KV budget / bytes_per_block)
+                       (pagedkv.vocab.pool_sizing's rule, with nothing in use and a share of 1)
     token_capacity   = num_blocks x block_size
     paged_seqs       = floor(num_blocks / ceil(seq_len / block_size))
     contiguous_seqs  = floor(KV budget / (max_model_len x bytes_per_token))
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from pagedkv.vocab.blocks import blocks_for
 from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
+from pagedkv.vocab.pool_sizing import DeviceMemory, kv_budget
 from pagedkv.vocab.units import format_bytes, parse_bytes
 
 
@@ -64,21 +66,20 @@ def plan(geometry: ModelGeometry, device_memory: int, weights_memory: int | None
             raise ValueError(f"the parameter count of {geometry.name!r} is unknown: "
                              "give the weights' memory")
         weights_memory = round(geometry.num_params * dtype_bytes)
-    kv_budget = device_memory - weights_memory - reserve
-    if kv_budget <= 0:
-        raise ValueError(f"no memory left for the KV cache: device {format_bytes(device_memory)}"
-                         f" - weights {format_bytes(weights_memory)}"
-                         f" - reserve {format_bytes(reserve)} = {format_bytes(kv_budget)}")
+    # The pool sizing's accelerator rule, for a device with nothing in use yet, all of it
+    # planned for.
+    device = DeviceMemory("the planned device", total=device_memory, free=device_memory)
+    budget = kv_budget(device, share=1, weights=weights_memory, reserve=reserve)
     per_token = geometry.bytes_per_token(dtype_bytes)
     per_block = geometry.bytes_per_block(block_size, dtype_bytes)
-    num_blocks = kv_budget // per_block
+    num_blocks = budget // per_block
     blocks_per_seq = blocks_for(seq_len, block_size)
     return Plan(bytes_per_token=per_token, bytes_per_block=per_block, block_size=block_size,
-                weights_memory=weights_memory, kv_budget=kv_budget, num_blocks=num_blocks,
+                weights_memory=weights_memory, kv_budget=budget, num_blocks=num_blocks,
                 token_capacity=num_blocks * block_size, seq_len=seq_len,
                 max_model_len=max_model_len, blocks_per_seq=blocks_per_seq,
                 paged_seqs=num_blocks // blocks_per_seq,
-                contiguous_seqs=kv_budget // (max_model_len * per_token))
+                contiguous_seqs=budget // (max_model_len * per_token))
 
 
 def format_plan(p: Plan, title: str = "") -> str:

@@ -34,12 +34,7 @@ from pagedkv.daemon.edge.interceptors import ServerInterceptor
 from pagedkv.daemon.edge.peer_gate import PeerGate, gate_folder
 from pagedkv.daemon.edge.servicer import KVPoolServicer, add_to_server
 from pagedkv.daemon.edge.tls import ServerTls
-from pagedkv.daemon.memory.kv_memory import (
-    KVPoolMemory,
-    cleanup_stale_files,
-    num_blocks_for_bytes,
-    num_blocks_for_fraction,
-)
+from pagedkv.daemon.memory.kv_memory import KVPoolMemory, cleanup_stale_files
 from pagedkv.daemon.process.config import (
     DEFAULT_SOCKET_MODE,
     MAX_LEASE_TTL_MS,
@@ -50,6 +45,7 @@ from pagedkv.daemon.process.config import (
 from pagedkv.daemon.process.metrics import PoolCollector, Readiness, RpcMetrics
 from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.service.pool_service import PoolService
+from pagedkv.memory.device_memory import measure
 from pagedkv.process.lifecycle import cancel, stop_on_signals
 from pagedkv.process.log_setup import get_logger
 from pagedkv.process.notify import notify, watchdog_interval_s
@@ -58,6 +54,7 @@ from pagedkv.process.socket_files import SocketInUse, claim_socket_path, socket_
 from pagedkv.proto import kvpool_pb2
 from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
+from pagedkv.vocab.pool_sizing import kv_budget, num_blocks_for_bytes
 from pagedkv.vocab.units import format_bytes
 
 # How long in-flight calls may run after SIGTERM before they are cancelled. The unit's
@@ -216,8 +213,8 @@ def pool_num_blocks(config: DaemonConfig, geometry: ModelGeometry, dtype: str) -
         if config.kv_memory is not None:
             return num_blocks_for_bytes(config.kv_memory, per_block)
         assert config.kv_fraction is not None, "config guarantees one sizing setting"
-        return num_blocks_for_fraction(config.kv_fraction, per_block, config.device,
-                                       str(config.shm_dir))
+        memory = measure(config.device, str(config.shm_dir))
+        return num_blocks_for_bytes(kv_budget(memory, config.kv_fraction), per_block)
     except ValueError as exc:
         raise ConfigError(f"pool size: {exc}") from exc
 
