@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedkv.llm.tokenizer import Tokenizer
+from pagedkv.vocab.token_ids import check_vocabulary
 
 # One prompt: text, or token ids.
 Prompt = str | Sequence[int]
@@ -56,7 +57,7 @@ def encode_prompts(prompts: Prompts, tokenizer: Tokenizer | None, vocab_size: in
             encoded.append(EncodedPrompt(prompt, token_ids))
         else:
             encoded.append(EncodedPrompt(None, _token_ids(index, prompt)))
-        _check_vocabulary(index, encoded[-1].token_ids, vocab_size)
+        check_vocabulary(encoded[-1].token_ids, vocab_size, f"prompt {index}:")
         if max_model_len and len(encoded[-1].token_ids) > max_model_len:
             raise ValueError(f"prompt {index} has {len(encoded[-1].token_ids)} tokens; the model "
                              f"takes at most {max_model_len} positions (max_model_len)")
@@ -74,13 +75,6 @@ def _token_ids(index: int, prompt: object) -> list[int]:
     if not prompt:
         raise ValueError(f"prompt {index} has no tokens")
     return [operator.index(t) for t in prompt]
-
-
-def _check_vocabulary(index: int, token_ids: list[int], vocab_size: int) -> None:
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"prompt {index}: token ids must be in [0, {vocab_size}) (the model's "
-                         f"vocabulary), got {bad[:5]}")
 
 
 def _short(value: object) -> str:

@@ -114,3 +114,13 @@ async def test_close_releases_the_running_sequences_through_the_runner() -> None
     assert runner.held == {}
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_prompt_outside_the_vocabulary_is_refused_before_any_step() -> None:
+    runner = ScriptedRunner(full=set())
+    generating = engine(runner)
+    with pytest.raises(ValueError, match=r"^prompt token ids must be in \[0, 100\) \(the model's "
+                                         r"vocabulary\), got \[100, -1\]$"):
+        await generating.generate([1, 100, -1], SamplingParams(max_tokens=1))
+    await generating.close()
+    assert runner.calls == 0

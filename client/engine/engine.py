@@ -37,6 +37,7 @@ from pagedkv.client.pool.client import PoolClient
 from pagedkv.client.pool.errors import PagedKVError, PoolExhausted
 from pagedkv.client.pool.runner_client import RunnerClient
 from pagedkv.client.pool.session import Session
+from pagedkv.vocab.token_ids import check_vocabulary
 
 # How often an idle engine whose next request does not fit reads the pool's free blocks again.
 ROOM_POLL_S = 0.05
@@ -177,10 +178,7 @@ class Engine:
                  request_id: str | None) -> Request:
         if not prompt:
             raise ValueError("the prompt has no tokens")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}) (the model's "
-                             f"vocabulary), got {bad[:5]}")
+        check_vocabulary(prompt, self.vocab_size, "prompt")
         limit = self.max_model_len
         if limit and len(prompt) > limit:
             raise ValueError(f"the prompt has {len(prompt)} tokens; the model takes at most "
