@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 import numpy as np
-import numpy.typing as npt
 
 from pagedkv.daemon.core import (
     BatchAppend,
@@ -219,15 +218,8 @@ class SessionOps:
         if count == 0:
             raise InvalidArgument("a step needs at least one seq_id")
         self.check_seq_ids(seq_ids)
-        if num_tokens < 1:
-            raise InvalidArgument(f"num_tokens must be >= 1, got {num_tokens}")
-        self.limits.check_count("tokens", count * num_tokens, "max_tokens")
-        tokens: npt.NDArray[np.int64] | None = None
-        if len(token_ids):
-            if len(token_ids) != count * num_tokens:
-                raise InvalidArgument(f"{len(token_ids)} token_ids given for {count} sequences "
-                                      f"of {num_tokens} tokens; send exactly that many or none")
-            tokens = np.asarray(token_ids, dtype=np.int64)
+        ids = self._check_tokens(num_tokens, token_ids, minimum=1, seqs=count)
+        tokens = None if ids is None else np.asarray(ids, dtype=np.int64)
         keys = self.own_all(session, seq_ids)
         self._check_step_quota(session, keys, num_tokens)
         answer.step(count, num_tokens, self.pool.block_size)
@@ -276,16 +268,20 @@ class SessionOps:
             raise SequenceNotFound(f"sequence {seq_id} not found in this session")
         return session.key(seq_id)
 
-    def _check_tokens(self, num_tokens: int, token_ids: Sequence[int],
-                      *, minimum: int) -> Sequence[int] | None:
+    def _check_tokens(self, num_tokens: int, token_ids: Sequence[int], *, minimum: int,
+                      seqs: int | None = None) -> Sequence[int] | None:
+        """`num_tokens` (at least `minimum`) for one sequence, or for each of `seqs` (a step),
+        at most max_tokens in all; their ids, exactly that many, or None when none are sent."""
         if num_tokens < minimum:
             raise InvalidArgument(f"num_tokens must be >= {minimum}, got {num_tokens}")
-        self.limits.check_count("tokens", num_tokens, "max_tokens")
+        total = num_tokens * (seqs or 1)
+        self.limits.check_count("tokens", total, "max_tokens")
         if not len(token_ids):
             return None
-        if len(token_ids) != num_tokens:
-            raise InvalidArgument(f"{len(token_ids)} token_ids given for num_tokens={num_tokens}; "
-                                  "send exactly num_tokens ids or none")
+        if len(token_ids) != total:
+            given = (f"num_tokens={num_tokens}; send exactly num_tokens ids" if seqs is None
+                     else f"{seqs} sequences of {num_tokens} tokens; send exactly that many")
+            raise InvalidArgument(f"{len(token_ids)} token_ids given for {given} or none")
         return token_ids
 
     def _check_new_seq(self, session: Session, seq_id: int) -> None:
