@@ -39,3 +39,14 @@ def test_a_subcommand_is_required() -> None:
     with pytest.raises(SystemExit) as info:
         main([])
     assert info.value.code == 2
+
+
+@pytest.mark.parametrize("command", ["runner", "generate"])
+def test_runner_and_generate_get_the_rest_of_the_line(
+    command: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Their own parsers answer, not the `pagedkv` one (which knows no such flag either).
+    with pytest.raises(SystemExit) as info:
+        main([command, "--no-such-flag"])
+    assert info.value.code == 2
+    assert f"usage: pagedkv {command} " in capsys.readouterr().err
