@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagedkv.daemon.process.config import DaemonConfig
+from pagedkv.daemon.process.server import pool_geometry, pool_num_blocks
 from pagedkv.memory import device_memory
 from pagedkv.memory.device_memory import available_ram, measure
 from pagedkv.vocab.pool_sizing import DeviceMemory, kv_budget, num_blocks_for_bytes
@@ -65,6 +67,20 @@ def test_measure_on_cpu_reads_available_ram_and_the_shm_dir(
     # The daemon's kv_fraction 0.5 of it, in blocks of 1 KiB: capped by the shm dir.
     assert num_blocks_for_bytes(kv_budget(memory, 0.5), 1024) == min(
         500, 64 * free.f_frsize // 1024)
+
+
+def test_the_daemons_kv_fraction_is_this_rule_on_this_measurement(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 1 GiB available, a roomy shm dir: a quarter of the RAM, 256 MiB.
+    monkeypatch.setattr(device_memory, "available_ram", lambda: GiB)
+    free = os.statvfs(tmp_path)
+    roomy = os.statvfs_result((*free[:4], 2 * GiB // free.f_frsize, *free[5:]))
+    monkeypatch.setattr(device_memory.os, "statvfs", lambda _: roomy)
+    config = DaemonConfig(listen=(f"unix://{tmp_path}/d.sock",), shm_dir=tmp_path,
+                          num_blocks=None, kv_fraction=0.25)
+    geometry, dtype = pool_geometry(config)
+    per_block = geometry.bytes_per_block(config.block_size, 4)
+    assert pool_num_blocks(config, geometry, dtype) == GiB // 4 // per_block
 
 
 @pytest.mark.parametrize("device", ["tpu", "cuda:x", "meta"])
