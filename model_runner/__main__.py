@@ -1,4 +1,4 @@
-"""`python -m pagedkv.model_runner`: the runner process (see cli.py)."""
+"""`python -m pagedkv.model_runner`: the runner process (see process/cli.py)."""
 
 import sys
 
