@@ -33,7 +33,6 @@ from pagedkv.daemon.service.operations import (
 )
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.sessions import SessionStats
-from pagedkv.daemon.service.tenants import trusted_caller
 from pagedkv.memory import POOL_LAYOUT
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
@@ -51,8 +50,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     @grpc_errors
     async def GetPoolInfo(self, request: pb.GetPoolInfoRequest, context: Context) -> pb.PoolInfo:
-        # The memory handle maps every tenant's K/V: runners (the runner socket) alone get it.
-        return pool_info(self._service, with_memory=trusted_caller())
+        return pool_info(self._service, with_memory=self._service.shows_memory())
 
     @grpc_errors
     async def OpenSession(self, request: pb.OpenSessionRequest,

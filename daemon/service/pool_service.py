@@ -90,7 +90,7 @@ from pagedkv.daemon.service.operations import (
 from pagedkv.daemon.service.request_budget import RequestBudget
 from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, SessionOps
 from pagedkv.daemon.service.sessions import Session, SessionRegistry, SessionStats
-from pagedkv.daemon.service.tenants import TenantFigures, Tenants, TenantUsage
+from pagedkv.daemon.service.tenants import TenantFigures, Tenants, TenantUsage, trusted_caller
 from pagedkv.process.log_setup import get_logger
 from pagedkv.vocab.blocks import blocks_for
 from pagedkv.vocab.geometry import ModelGeometry
@@ -392,6 +392,11 @@ class PoolService:
     def pool_stats(self) -> PoolStats:
         """Every pool-wide figure: for the metrics endpoint (operators), not for clients."""
         return self.pool.stats()
+
+    def shows_memory(self) -> bool:
+        """Whether the caller gets the pool memory's attach instructions (GetPoolInfo): they
+        map every tenant's K/V, so runners (the runner socket) alone do."""
+        return trusted_caller()
 
     def capacity(self) -> tuple[int, int, int]:
         """What any client may see of the pool: num_blocks, block_size, free_blocks."""
