@@ -2,9 +2,9 @@
 
     python benchmarks/bench_runner_cpu.py [--reps N] [--rounds N] [--threads N] [--clock cpu]
 
-Two random-initialized fp32 Llamas: tiny (2 layers, hidden 128, 4 heads, 2 KV heads,
-intermediate 256) and small (4 layers, hidden 1024, 16 heads, 4 KV heads, intermediate 2816),
-vocab 1000. The pool is a plain tensor [layers, 2, blocks, 16, H_kv, D] of random K/V; each of
+Two random-initialized fp32 Llamas, the runner's presets: tiny is tiny-llama (2 layers, hidden
+128, 4 heads, 2 KV heads, intermediate 256) and small is small-llama (4 layers, hidden 1024, 16
+heads, 4 KV heads, intermediate 2816), vocab 1000. The pool is a plain tensor [layers, 2, blocks, 16, H_kv, D] of random K/V; each of
 the batch's sequences holds a context of 100-700 tokens (seeded) in randomly permuted blocks,
 and each step decodes one token per sequence (`ModelRunner.step`: prepare, the model forward
 with "pagedkv" attention, the logits out). The same step repeats, rewriting the same slots.
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, LlamaForCausalLM
 
 from pagedkv.model_runner.kernels.attention_backend import TORCH_BACKEND, AttentionBackend
 from pagedkv.model_runner.kernels.paged_attention import (
@@ -45,20 +45,15 @@ from pagedkv.model_runner.kernels.paged_checks import (
     check_window_softcap,
 )
 from pagedkv.model_runner.kernels.per_forward import PerForward
+from pagedkv.model_runner.models import kv_geometry, preset_config
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk, StepInputs
 from pagedkv.vocab.blocks import blocks_for
+from pagedkv.vocab.geometry import PRESETS
 
 BLOCK_SIZE = 16
-VOCAB = 1000
 CONTEXTS = (100, 700)  # each sequence's context length is drawn from this range, inclusive
-MODELS = {
-    "tiny": LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        max_position_embeddings=1024),
-    "small": LlamaConfig(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2816,
-                         num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4,
-                         max_position_embeddings=1024),
-}
+# The figures' names -> the runner's presets (pagedkv.vocab.geometry.PRESETS).
+MODELS = {"tiny": PRESETS["tiny-llama"], "small": PRESETS["small-llama"]}
 BATCHES = (16, 32)
 
 
@@ -205,16 +200,15 @@ class Setup:
     attention: Stopwatch  # inside the "pagedkv" attention hook, every layer
 
 
-def decode_batch(config: LlamaConfig, batch: int, seed: int) -> tuple[torch.Tensor,
+def decode_batch(model: LlamaForCausalLM, batch: int, seed: int) -> tuple[torch.Tensor,
                                                                        list[SequenceChunk]]:
     """A random pool and one decode chunk per sequence (its last context token)."""
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(CONTEXTS[0], CONTEXTS[1] + 1, (batch,), generator=generator).tolist()
     used = [blocks_for(n, BLOCK_SIZE) for n in lengths]
     num_blocks = sum(used) + 8
-    head_dim = config.hidden_size // config.num_attention_heads
-    kv_heads = config.num_key_value_heads or config.num_attention_heads
-    pool = torch.randn(config.num_hidden_layers, 2, num_blocks, BLOCK_SIZE, kv_heads, head_dim,
+    layers, kv_heads, head_dim, _ = kv_geometry(model)
+    pool = torch.randn(layers, 2, num_blocks, BLOCK_SIZE, kv_heads, head_dim,
                        generator=generator)
     owned = torch.split(torch.randperm(num_blocks, generator=generator),
                         [*used, num_blocks - sum(used)])
@@ -222,13 +216,13 @@ def decode_batch(config: LlamaConfig, batch: int, seed: int) -> tuple[torch.Tens
     for length, blocks in zip(lengths, owned, strict=False):
         table, position = blocks.tolist(), length - 1
         slot = table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
-        token = int(torch.randint(0, VOCAB, (1,), generator=generator))
+        token = int(torch.randint(0, model.config.vocab_size, (1,), generator=generator))
         chunks.append(SequenceChunk([token], position, [slot], table))
     return pool, chunks
 
 
 def make_setup(model: LlamaForCausalLM, batch: int, baseline: bool) -> Setup:
-    pool, chunks = decode_batch(model.config, batch, seed=batch)
+    pool, chunks = decode_batch(model, batch, seed=batch)
     runner_type = BaselineRunner if baseline else ModelRunner
     runner = runner_type(model, pool, BLOCK_SIZE, BASELINE_BACKEND if baseline else TORCH_BACKEND)
     forward = Stopwatch()
@@ -285,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"clock: {args.clock}")
     torch.manual_seed(0)
     with torch.inference_mode():
-        for name, config in MODELS.items():
-            model = LlamaForCausalLM(config).eval()  # type: ignore[no-untyped-call]
+        for name, preset in MODELS.items():
+            model = LlamaForCausalLM(preset_config(preset)).eval()  # type: ignore[no-untyped-call]
             for batch in BATCHES:
                 figures = measure(model, batch, args.reps, args.rounds)
                 for variant, suffix in (("new", ""), ("baseline", "_baseline")):
