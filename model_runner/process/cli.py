@@ -18,6 +18,7 @@ from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS
 from pagedkv.process import log_setup
 from pagedkv.process.server_bounds import SERVER_BOUNDS, ServerBounds
 from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
+from pagedkv.vocab.geometry import DTYPE_BYTES
 from pagedkv.vocab.paths import DAEMON_RUNNER_SOCKET_NAME, RUNNER_SOCKET_NAME
 
 EXIT_BAD_CONFIG = 2
@@ -35,7 +36,7 @@ def parser() -> argparse.ArgumentParser:
                         help="a config.json path or a preset (tiny, tiny-llama, small-llama), "
                              "randomly initialized")
     cli.add_argument("--seed", type=int, default=0, help="seed of --random-init (default 0)")
-    cli.add_argument("--dtype", choices=("float16", "bfloat16", "float32"),
+    cli.add_argument("--dtype", choices=tuple(DTYPE_BYTES),
                      help="load the weights in this dtype (default: the config's); start the "
                           "daemon with the same --dtype")
     cli.add_argument("--daemon", help="the daemon's runner socket, unix:///path (default: "
