@@ -20,12 +20,13 @@ from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.model_ref import ModelRef
 from pagedkv.llm.pool_budget import pool_size_args
 from pagedkv.process.launch import READY_STATE, start_daemon, start_runner
+from pagedkv.vocab.paths import DAEMON_RUNNER_SOCKET_NAME, MAX_UNIX_PATH_BYTES
 
 # Children log warnings and errors only (as JSON lines: their log tail explains a failed start).
 CHILD_LOG_ARGS = ["--log-level", "warning"]
-# Longest private folder path: a unix socket path has at most 107 bytes, and the longest file
-# in the folder is the daemon's runner socket, "pagedkvd-runners.sock".
-MAX_FOLDER_CHARS = 85
+# Longest private folder path (85): room for the longest socket in it, the daemon's runner
+# socket, under the unix socket path limit.
+MAX_FOLDER_CHARS = MAX_UNIX_PATH_BYTES - len(f"/{DAEMON_RUNNER_SOCKET_NAME}")
 
 
 def start_services(config: LLMConfig, model: ModelRef,

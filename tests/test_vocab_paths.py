@@ -4,10 +4,15 @@ from pathlib import Path
 
 import pytest
 
+from pagedkv.llm.services import MAX_FOLDER_CHARS
 from pagedkv.model_runner.models import ModelSource
 from pagedkv.model_runner.process.server import RunnerConfig
 from pagedkv.process.launch import start_runner
 from pagedkv.vocab.paths import (
+    DAEMON_RUNNER_SOCKET_NAME,
+    DAEMON_SOCKET_NAME,
+    MAX_UNIX_PATH_BYTES,
+    RUNNER_SOCKET_NAME,
     default_daemon_listen,
     default_daemon_runner_socket,
     default_runner_listen,
@@ -55,3 +60,10 @@ def test_the_launcher_names_the_runner_socket_as_the_runner_does(tmp_path: Path)
     with start_runner("unix:///nonexistent", tmp_path, "--random-init", "tiny") as runner:
         assert runner.unix_target == f"unix://{tmp_path}/pagedkv-runner.sock"
         runner.stop()
+
+
+def test_every_socket_fits_in_the_llms_longest_private_folder() -> None:
+    folder = Path("/" + "f" * (MAX_FOLDER_CHARS - 1))
+    lengths = [len(str(folder / name)) for name in
+               (DAEMON_SOCKET_NAME, DAEMON_RUNNER_SOCKET_NAME, RUNNER_SOCKET_NAME)]
+    assert (MAX_FOLDER_CHARS, max(lengths)) == (85, MAX_UNIX_PATH_BYTES)

@@ -23,6 +23,8 @@ DAEMON_SOCKET_NAME = "pagedkvd.sock"
 DAEMON_RUNNER_SOCKET_NAME = "pagedkvd-runners.sock"
 # The runner's socket, where clients send their steps.
 RUNNER_SOCKET_NAME = "pagedkv-runner.sock"
+# Longest unix socket path the kernel accepts (sun_path is 108 bytes with the trailing NUL).
+MAX_UNIX_PATH_BYTES = 107
 
 
 def runtime_dir(env: Mapping[str, str]) -> Path:

@@ -7,8 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# Longest unix socket path the kernel accepts (sun_path is 108 bytes with the trailing NUL).
-MAX_UNIX_PATH_BYTES = 107
+from pagedkv.vocab.paths import MAX_UNIX_PATH_BYTES
 
 
 @dataclass(frozen=True, slots=True)

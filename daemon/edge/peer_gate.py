@@ -49,12 +49,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedkv.daemon.edge.addresses import MAX_UNIX_PATH_BYTES
 from pagedkv.daemon.edge.gate_link import CallerSide
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.tenants import MAX_UID, Tenants
 from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, get_logger
 from pagedkv.process.socket_files import bind_unix_socket, make_private_folder
+from pagedkv.vocab.paths import MAX_UNIX_PATH_BYTES
 
 # The private folder beside a public socket is "<socket>.gate"; gRPC listens in it here.
 GATE_SUFFIX = ".gate"
