@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from pagedkvd_process import short_tmp_dir
 
 from pagedkv.llm.services import MAX_FOLDER_CHARS
 from pagedkv.model_runner.models import ModelSource
@@ -55,10 +56,11 @@ def test_the_runner_defaults_to_the_shared_names(monkeypatch: pytest.MonkeyPatch
                                               "unix:///run/pagedkv/pagedkv-runner.sock")
 
 
-def test_the_launcher_names_the_runner_socket_as_the_runner_does(tmp_path: Path) -> None:
+def test_the_launcher_names_the_runner_socket_as_the_runner_does() -> None:
     """start_runner's default socket is the runner's own name, in the folder it is given."""
-    with start_runner("unix:///nonexistent", tmp_path, "--random-init", "tiny") as runner:
-        assert runner.unix_target == f"unix://{tmp_path}/pagedkv-runner.sock"
+    with short_tmp_dir() as folder, \
+            start_runner("unix:///nonexistent", folder, "--random-init", "tiny") as runner:
+        assert runner.unix_target == f"unix://{folder}/pagedkv-runner.sock"
         runner.stop()
 
 
