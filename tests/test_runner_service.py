@@ -30,8 +30,10 @@ from pagedkv.client import (
     Engine,
     InvalidArgument,
     NotFound,
+    PagedKVError,
     PoolClient,
     RunnerClient,
+    RunnerUnavailable,
     SamplingParams,
     SeqStep,
     Session,
@@ -254,9 +256,11 @@ async def test_a_daemon_restart_answers_unavailable_then_the_runner_maps_the_new
             old_pool = (await runner.info()).pool_id
             stale = await pool.open_session("before-restart", keep_alive=False)
             assert first.stop() == 0
-            with pytest.raises(DaemonUnavailable) as failure:
-                await runner.step(stale, [SeqStep(1, PROMPTS[0], new_sequence=True)])
-            assert failure.value.code == grpc.StatusCode.UNAVAILABLE
+            refusal = await refusal_once_noticed(
+                runner, stale, SeqStep(1, PROMPTS[0], new_sequence=True))
+            assert isinstance(refusal, RunnerUnavailable), refusal
+            assert refusal.code == grpc.StatusCode.UNAVAILABLE
+            assert "daemon is unavailable" in refusal.message
             socket_path = Path(first.unix_target.removeprefix("unix://"))
             with pagedkvd("--model-config", str(config_path), "--num-blocks", "64",
                           workdir=first.workdir, listen_path=socket_path):
@@ -269,6 +273,19 @@ async def test_a_daemon_restart_answers_unavailable_then_the_runner_maps_the_new
                 async with await pool.open_session("after-restart") as session:
                     tokens = await greedy(runner, session, PROMPTS[:1])
     assert tokens == [expected(reference, PROMPTS[0])]
+
+
+async def refusal_once_noticed(runner: RunnerClient, session: Session,
+                               step: SeqStep) -> PagedKVError:
+    """The runner's answer to `step` once it noticed that its daemon is gone: until its watcher
+    does, the runner's own call to the daemon fails, relayed as DaemonUnavailable."""
+    for _ in range(100):  # the watcher asks the daemon every second
+        with pytest.raises(PagedKVError) as failure:
+            await runner.step(session, [step])
+        if not isinstance(failure.value, DaemonUnavailable):
+            return failure.value
+        await asyncio.sleep(0.1)
+    raise AssertionError("the runner never noticed that its daemon is gone")
 
 
 async def test_stop_tokens_and_max_tokens_finish_a_sequence(

@@ -447,7 +447,7 @@ async def test_the_client_link_never_resends_a_step_that_was_applied_but_not_com
 
 def test_a_step_not_computed_reaches_the_client_as_its_own_class() -> None:
     """ABORTED with cause StepNotComputed on the wire, the client's StepNotComputed back."""
-    code, message, cause = status_of(StepNotComputed("forward failed"))
-    assert (code, message, cause) == (grpc.StatusCode.ABORTED, "forward failed",
-                                      "StepNotComputed")
+    code, cause, message = status_of(StepNotComputed("forward failed"))
+    assert (code, cause, message) == (grpc.StatusCode.ABORTED, "StepNotComputed",
+                                      "forward failed")
     assert isinstance(error_from_status(code, cause, message), ClientStepNotComputed)

@@ -4,7 +4,7 @@ import grpc
 import pytest
 
 from pagedkv.daemon.core import InvalidArgument
-from pagedkv.daemon.edge.status import status_of
+from pagedkv.daemon.edge.status import cause_of
 from pagedkv.daemon.service import sessions as sessions_module
 from pagedkv.daemon.service.sessions import SessionExpired, SessionNotFound, SessionRegistry
 
@@ -79,7 +79,7 @@ def test_every_call_renews_the_lease_and_a_lapsed_one_is_never_revived(
     assert registry.due() == [session]
     with pytest.raises(SessionExpired, match="expired") as failure:  # refused before reaping
         registry.get(session.session_id)
-    assert status_of(failure.value)[0] == grpc.StatusCode.FAILED_PRECONDITION
+    assert cause_of(failure.value).code == grpc.StatusCode.FAILED_PRECONDITION.name
     registry.remove(session, expired=True)  # the reaper's part
     assert registry.expiries_total == 1 and session not in registry
     with pytest.raises(SessionExpired, match="expired"):

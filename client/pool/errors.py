@@ -1,16 +1,18 @@
-"""Python exceptions for the daemon's gRPC statuses, named after the cause.
+"""Python exceptions for the daemon's and the runner's gRPC statuses, one per cause.
 
-The daemon names the cause of a failed call in the trailing metadata `pagedkv-error` (e.g.
-"SequenceNotFound"), and the exception is the class of that name. Only a status without a
-cause (from gRPC itself, or a peer that names none) is mapped by its code, and a code never
-stands for a cause it may not mean: a RESOURCE_EXHAUSTED without a cause comes from gRPC's own
-checks (a message over MAX_MESSAGE_BYTES), never from the pool, so it is `MessageTooLarge`,
-not `PoolExhausted`. Every exception carries the status `.code` and the message.
+A daemon or runner names the cause of a failed call in the trailing metadata `pagedkv-error`
+(e.g. "SequenceNotFound", a name of `pagedkv.vocab.causes`), and `BY_CAUSE` gives its class.
+Only a status without a cause (from gRPC itself, or a peer that names none) is mapped by its
+code, and a code never stands for a cause it may not mean: a RESOURCE_EXHAUSTED without a cause
+comes from gRPC's own checks (a message over MAX_MESSAGE_BYTES), never from the pool, so it is
+`MessageTooLarge`, not `PoolExhausted`. Every exception carries the status `.code` and the
+message.
 
-Whether the call changed anything: every error the daemon answers means nothing changed;
-an `OutcomeUnknown` (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, gRPC's RESOURCE_EXHAUSTED)
-means the call may or may not have been applied: read the state back before retrying
-(kvpool.proto, "Retry rules"; `Session` does it for allocate, step and free).
+Whether the call changed anything: every error the daemon or runner answers means nothing
+changed, but a runner's `StepNotComputed`; an `OutcomeUnknown` (UNAVAILABLE, DEADLINE_EXCEEDED,
+CANCELLED, gRPC's RESOURCE_EXHAUSTED) means the call may or may not have been applied: read the
+state back before retrying (kvpool.proto, "Retry rules"; `Session` does it for allocate, step
+and free).
 """
 
 from typing import Any
@@ -18,6 +20,8 @@ from typing import Any
 import grpc
 
 from pagedkv.proto.metadata import ERROR_KEY
+from pagedkv.vocab import causes
+from pagedkv.vocab.causes import Cause
 
 
 class PagedKVError(Exception):
@@ -109,6 +113,12 @@ class UnknownSequence(PagedKVError):
     the sequence with its history (`SeqStep.history`); nothing was changed."""
 
 
+class RunnerUnavailable(PagedKVError):
+    """UNAVAILABLE from a runner that answers but cannot compute now: its daemon is away, or
+    restarted and the runner is mapping the new pool; nothing changed. Retry later (after a
+    daemon restart, in a new session)."""
+
+
 class StepNotComputed(PagedKVError):
     """ABORTED from a runner: the step's daemon calls were applied (its sequences hold its
     tokens, in the daemon and the runner) but its forward failed. Never resend it as it was
@@ -116,13 +126,32 @@ class StepNotComputed(PagedKVError):
     or release its sequences."""
 
 
-# A cause names the exception class ("PoolExhausted"); a runner relays the client's own names.
-_BY_CAUSE: dict[str, type[PagedKVError]] = {kind.__name__: kind for kind in (
-    NotFound, SessionNotFound, SequenceNotFound, SequenceExists, InvalidArgument, PoolExhausted,
-    LimitExceeded, AnswerTooLarge, SessionExpired, SessionBusy, Unauthenticated,
-    PermissionDenied,
-    UnknownSequence, StepNotComputed,
-    DaemonUnavailable, DeadlineExceeded, Cancelled, MessageTooLarge)}
+# The class of each cause (INTERNAL, a bug in the daemon or runner, is the base class's, by its
+# code); a runner relays its own client's errors by the same names.
+BY_CAUSE: dict[str, type[PagedKVError]] = {
+    causes.SESSION_NOT_FOUND.name: SessionNotFound,
+    causes.SEQUENCE_NOT_FOUND.name: SequenceNotFound,
+    causes.SEQUENCE_EXISTS.name: SequenceExists,
+    causes.INVALID_ARGUMENT.name: InvalidArgument,
+    causes.POOL_EXHAUSTED.name: PoolExhausted,
+    causes.LIMIT_EXCEEDED.name: LimitExceeded,
+    causes.ANSWER_TOO_LARGE.name: AnswerTooLarge,
+    causes.SESSION_EXPIRED.name: SessionExpired,
+    causes.SESSION_BUSY.name: SessionBusy,
+    causes.PERMISSION_DENIED.name: PermissionDenied,
+    causes.UNKNOWN_SEQUENCE.name: UnknownSequence,
+    causes.STEP_NOT_COMPUTED.name: StepNotComputed,
+    causes.RUNNER_UNAVAILABLE.name: RunnerUnavailable,
+    causes.NOT_FOUND.name: NotFound,
+    causes.UNAUTHENTICATED.name: Unauthenticated,
+    causes.DAEMON_UNAVAILABLE.name: DaemonUnavailable,
+    causes.DEADLINE_EXCEEDED.name: DeadlineExceeded,
+    causes.CANCELLED.name: Cancelled,
+    causes.MESSAGE_TOO_LARGE.name: MessageTooLarge,
+}
+# The cause of each class, for a runner that relays an error it met.
+_CAUSE_OF: dict[type[PagedKVError], Cause] = {
+    kind: causes.CAUSES[name] for name, kind in BY_CAUSE.items()}
 
 # Statuses without a cause: what the code alone may mean.
 _BY_CODE: dict[grpc.StatusCode, type[PagedKVError]] = {
@@ -147,8 +176,14 @@ def error_from_rpc(error: grpc.aio.AioRpcError) -> PagedKVError:
 def error_from_status(code: grpc.StatusCode, cause: str, message: str) -> PagedKVError:
     """The exception for a status with its cause ("" when none): a failed call's, or a failed
     entry's of a call that fails per entry (StepMany)."""
-    kind = _BY_CAUSE.get(cause) or _BY_CODE.get(code, PagedKVError)
+    kind = BY_CAUSE.get(cause) or _BY_CODE.get(code, PagedKVError)
     return kind(code, message)
+
+
+def cause_of_error(error: PagedKVError) -> Cause | None:
+    """The cause `error` is named after, to relay it; None for the base class (a status with
+    no cause of pagedkv's: relay its code alone)."""
+    return _CAUSE_OF.get(type(error))
 
 
 # grpc.StatusCode by its number (the code of a StepMany entry).

@@ -1,4 +1,5 @@
-"""Caller mistakes, raised by the block pool and mapped to gRPC status codes at the edge.
+"""Caller mistakes, raised by the block pool and mapped to their causes (`pagedkv.vocab.causes`)
+and gRPC status codes at the edge (`daemon/edge/status.py`).
 
 The pool has three error tiers:
 - "does not fit" is an ordinary result (`NoFit`), never an exception: callers plan around it;

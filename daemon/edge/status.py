@@ -1,11 +1,14 @@
-"""Domain exceptions -> gRPC status codes, at the edge of the daemon.
+"""Domain exceptions -> causes and gRPC status codes, at the edge of the daemon.
 
 The block pool and the service raise `PoolError` subclasses for everything a caller got wrong;
-`grpc_errors` turns them into statuses with the exception's message, and names the exception in
-the trailing metadata `pagedkv-error` so clients can tell apart causes that share a code.
-Anything else is a bug in pagedkv: the caller gets INTERNAL, the log gets the traceback, and
-the server keeps serving.
-Every raise happens before state changes, so a failed call leaves the pool as it was.
+`grpc_errors` turns each into its cause of `pagedkv.vocab.causes` (the status code it travels
+with, named in the trailing metadata `pagedkv-error` so clients can tell apart causes that share
+a code) and the exception's message. Anything else is a bug in pagedkv: the caller gets INTERNAL
+(cause "Internal"), the log gets the traceback, and the server keeps serving.
+A failed call leaves the pool as it was, but not every raise comes before the change: the
+service runs each call in a transaction of the pool's undo journal (`Journal`), and a check that
+runs once the call has changed the pool (the tenant's max_blocks, checked after the call's
+blocks are taken; a later op of a Batch) raises inside it, so the journal undoes the change.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import grpc
 
 from pagedkv.daemon.core import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
 from pagedkv.daemon.service.holds import SessionBusy
-from pagedkv.daemon.service.limits import LimitExceeded
+from pagedkv.daemon.service.limits import AnswerTooLarge, LimitExceeded
 from pagedkv.daemon.service.operations import PoolExhausted
 from pagedkv.daemon.service.sessions import SessionExpired, SessionNotFound
 from pagedkv.daemon.service.tenants import PermissionDenied
 from pagedkv.process.log_setup import get_logger
 from pagedkv.proto.metadata import ERROR_KEY
+from pagedkv.vocab import causes
+from pagedkv.vocab.causes import Cause
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -31,38 +36,41 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
-# First match wins: subclasses before their bases.
-_CODES: tuple[tuple[type[PoolError], grpc.StatusCode], ...] = (
-    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
-    (SequenceNotFound, grpc.StatusCode.NOT_FOUND),
-    (SequenceExists, grpc.StatusCode.ALREADY_EXISTS),
-    (PoolExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (LimitExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (SessionExpired, grpc.StatusCode.FAILED_PRECONDITION),
-    (SessionBusy, grpc.StatusCode.FAILED_PRECONDITION),
-    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
-    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (PoolError, grpc.StatusCode.INVALID_ARGUMENT),
+# Each exception's cause; first match wins: subclasses before their bases.
+CAUSES: tuple[tuple[type[PoolError], Cause], ...] = (
+    (SessionNotFound, causes.SESSION_NOT_FOUND),
+    (SequenceNotFound, causes.SEQUENCE_NOT_FOUND),
+    (SequenceExists, causes.SEQUENCE_EXISTS),
+    (PoolExhausted, causes.POOL_EXHAUSTED),
+    (AnswerTooLarge, causes.ANSWER_TOO_LARGE),
+    (LimitExceeded, causes.LIMIT_EXCEEDED),
+    (SessionExpired, causes.SESSION_EXPIRED),
+    (SessionBusy, causes.SESSION_BUSY),
+    (PermissionDenied, causes.PERMISSION_DENIED),
+    (InvalidArgument, causes.INVALID_ARGUMENT),
+    (PoolError, causes.INVALID_ARGUMENT),
 )
 
 
-def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a client gets for `exc`."""
-    for kind, code in _CODES:
+def cause_of(exc: Exception) -> Cause:
+    """The cause a client gets for `exc` (INTERNAL: not a caller's mistake, a bug)."""
+    for kind, cause in CAUSES:
         if isinstance(exc, kind):
-            return code, str(exc)
-    return grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the daemon log"
+            return cause
+    return causes.INTERNAL
 
 
 def failure_of(exc: Exception, rpc: str) -> tuple[grpc.StatusCode, str, str]:
     """(code, cause, message) of a failed call, or of one failed entry of a call that fails per
-    entry (StepMany); the cause is empty for an internal error, which is logged with its
-    traceback."""
-    code, message = status_of(exc)
-    if code is grpc.StatusCode.INTERNAL:
+    entry (StepMany); an internal error is logged with its traceback, and its message names
+    only the exception's class."""
+    cause = cause_of(exc)
+    if cause is causes.INTERNAL:
         log.exception("unexpected error in an RPC", rpc=rpc)
-        return code, "", message
-    return code, type(exc).__name__, message
+        message = f"internal error ({type(exc).__name__}); see the daemon log"
+    else:
+        message = str(exc)
+    return grpc.StatusCode[cause.code], cause.name, message
 
 
 Servicer = TypeVar("Servicer")
@@ -85,7 +93,6 @@ def grpc_errors(handler: Handler[Servicer, Request, Response],
             code, cause, message = failure_of(exc, handler.__name__)
             # The cause tells clients apart causes that share a code (unknown session vs
             # sequence).
-            await context.abort(code, message,
-                                trailing_metadata=((ERROR_KEY, cause),) if cause else ())
+            await context.abort(code, message, trailing_metadata=((ERROR_KEY, cause),))
 
     return wrapper

@@ -2,7 +2,8 @@
 
 Errors keep the daemon's words: a daemon error met while acting for a client (an unknown
 session, a full pool) reaches the client with the daemon's status code, message and cause
-(`pagedkv-error` metadata), so the client's error classes work the same against either process.
+(`pagedkv-error` metadata), so the client's error classes work the same against either process;
+the runner's own refusals name their causes of the same table (`pagedkv.vocab.causes`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from pagedkv.client import PagedKVError, SamplingParams
+from pagedkv.client.pool.errors import cause_of_error
 from pagedkv.model_runner.engine.answer_limits import AnswerLimits
 from pagedkv.model_runner.engine.steps import (
     History,
@@ -28,6 +30,8 @@ from pagedkv.model_runner.engine.steps import (
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 from pagedkv.proto.metadata import ERROR_KEY
+from pagedkv.vocab import causes
+from pagedkv.vocab.causes import Cause
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -49,23 +53,31 @@ PARAMS_CACHE_SIZE = 4096
 
 
 class RunnerUnavailable(RuntimeError):
-    """The runner cannot compute now (the daemon restarted and it is mapping the new pool)."""
+    """The runner cannot compute now: its daemon is away, or restarted and the runner is mapping
+    the new pool (UNAVAILABLE, cause "RunnerUnavailable"); nothing was changed."""
+
+
+# Each of the runner's own exceptions' cause; first match wins. ValueError: InvalidStep, or
+# SamplingParams' own checks.
+CAUSES: tuple[tuple[type[Exception], Cause], ...] = (
+    (ValueError, causes.INVALID_ARGUMENT),
+    (UnknownSequence, causes.UNKNOWN_SEQUENCE),
+    (StepNotComputed, causes.STEP_NOT_COMPUTED),  # applied in the daemon: not "nothing changed"
+    (RunnerUnavailable, causes.RUNNER_UNAVAILABLE),
+)
 
 
 def status_of(exc: Exception) -> tuple[grpc.StatusCode, str, str]:
-    """Status code, message and cause name for an exception met by a step."""
+    """(code, cause, message) for an exception met by a step, as the daemon's `failure_of`; a
+    daemon error (a client one) is relayed with its own cause, or its code alone if it names
+    none (cause "")."""
     if isinstance(exc, PagedKVError):
-        return exc.code, exc.message, type(exc).__name__
-    if isinstance(exc, ValueError):  # InvalidStep, or SamplingParams' own checks
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), "InvalidArgument"
-    if isinstance(exc, UnknownSequence):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc), "UnknownSequence"
-    if isinstance(exc, StepNotComputed):  # applied in the daemon: not "nothing changed"
-        return grpc.StatusCode.ABORTED, str(exc), "StepNotComputed"
-    if isinstance(exc, RunnerUnavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(exc), "RunnerUnavailable"
-    return (grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); see the runner log",
-            "Internal")
+        relayed = cause_of_error(exc)
+        return exc.code, relayed.name if relayed else "", exc.message
+    cause = next((cause for kind, cause in CAUSES if isinstance(exc, kind)), causes.INTERNAL)
+    message = (f"internal error ({type(exc).__name__}); see the runner log"
+               if cause is causes.INTERNAL else str(exc))
+    return grpc.StatusCode[cause.code], cause.name, message
 
 
 def grpc_errors(handler: Handler[Request, Response]) -> Handler[Request, Response]:
@@ -76,10 +88,10 @@ def grpc_errors(handler: Handler[Request, Response]) -> Handler[Request, Respons
         try:
             return await handler(self, request, context)
         except Exception as exc:
-            code, message, cause = status_of(exc)
+            code, cause, message = status_of(exc)
             if code == grpc.StatusCode.INTERNAL:
                 self.log_failure(exc)
-            context.set_trailing_metadata(((ERROR_KEY, cause),))
+            context.set_trailing_metadata(((ERROR_KEY, cause),) if cause else ())
             await context.abort(code, message)
             raise  # abort raises; this line is never reached
 
