@@ -31,8 +31,6 @@ from fuzz_runner_corpus import GREEDY, SHARED_SALT, Corpus
 from fuzz_runner_report import RunnerFuzzReport
 
 from pagedkv.client import PagedKVError, PoolClient, RunnerClient, SeqStep, Session, StepOutputs
-from pagedkv.client.pool.errors import error_from_rpc
-from pagedkv.proto import runner_pb2 as rpb
 
 KINDS = ("forged_history", "computed_lie", "oov_history", "oov_token", "junk_session",
          "cancelled_step", "cancelled_then_closed", "closed_mid_step", "commit_uncomputed",
@@ -146,17 +144,9 @@ class Hostile:
         return await self.outcome(self.runner.step(session, [step], [1]))
 
     async def junk_session(self, session: Session) -> str:
-        request = rpb.RunnerStepRequest(session_id=f"junk-{self.rng.randrange(1 << 30)}",
-                                        seqs=[SeqStep(1, [self.token()], new_sequence=True,
-                                                      params=GREEDY).message()])
-
-        async def call() -> None:
-            try:
-                await self.runner.stub.Step(request, timeout=self.runner.timeout)
-            except grpc.aio.AioRpcError as exc:
-                raise error_from_rpc(exc) from None
-
-        return await self.outcome(call())
+        junk = self.pool.attach(f"junk-{self.rng.randrange(1 << 30)}", session.block_size)
+        step = SeqStep(1, [self.token()], new_sequence=True, params=GREEDY)
+        return await self.outcome(self.runner.step(junk, [step]))
 
     # ------------------------------------------------------------------ cancelled steps
 

@@ -29,9 +29,24 @@ from pagedkv.client.pool.errors import (
     Unauthenticated,
     UnknownSequence,
 )
-from pagedkv.client.pool.ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
+from pagedkv.client.pool.ops import (
+    Allocate,
+    Append,
+    Commit,
+    CopyOnWrite,
+    Fork,
+    Free,
+    Operation,
+    Step,
+)
 from pagedkv.client.pool.recovery import RetryPolicy
-from pagedkv.client.pool.runner_client import RunnerClient, SeqOutput, SeqStep, StepOutputs
+from pagedkv.client.pool.runner_client import (
+    RunnerClient,
+    RunnerInfo,
+    SeqOutput,
+    SeqStep,
+    StepOutputs,
+)
 from pagedkv.client.pool.session import Session
 from pagedkv.client.pool.tls import TlsOptions
 from pagedkv.client.pool.types import (
@@ -73,6 +88,7 @@ __all__ = [
     "RequestOutput",
     "RetryPolicy",
     "RunnerClient",
+    "RunnerInfo",
     "RunnerUnavailable",
     "SamplingParams",
     "SchedulerConfig",
@@ -86,6 +102,7 @@ __all__ = [
     "SessionExpired",
     "SessionNotFound",
     "SessionStats",
+    "Step",
     "StepNotComputed",
     "StepOutputs",
     "StepRecord",

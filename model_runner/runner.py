@@ -2,16 +2,14 @@
 
     info = await client.pool_info()
     runner = ModelRunner.attach(model, info, get_backend("auto", device))
-    async with await client.open_session("runner") as session:
-        results = await generate(session, runner, prompts, max_new_tokens=32)
+    logits = runner.step([SequenceChunk(prompt, 0, blocks.slot_mapping, blocks.block_ids)])
 
 The daemon decides where every token's K/V lives (block tables, slots); the runner only computes:
 `ModelRunner.step` runs the model once over a packed batch of `SequenceChunk`s (a prompt's
-uncached suffix, or one decode token) and returns each chunk's next-token logits. `generate`
-drives a greedy loop: one Batch RPC allocates every prompt, one forward prefills them, then each
-decode step is one Step RPC (which also commits what the previous forward computed) plus one
-forward; a final Batch commits and frees. The daemon performs copy-on-write copies in pool
-memory, complete, before it answers, so the runner never copies a block.
+uncached suffix, or one decode token) and returns each chunk's next-token logits. The step loop
+that asks the daemon for those tables and samples the logits is the step engine's
+(`pagedkv.model_runner.engine`). The daemon performs copy-on-write copies in pool memory,
+complete, before it answers, so the runner never copies a block.
 
 A prompt whose every token is in the prefix cache (a multiple of the block size, all blocks
 shared) still needs the logits of its last token: the runner recomputes that one token with
@@ -30,7 +28,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from pagedkv.client import Allocate, Commit, Free, PoolInfo, SequenceBlocks, Session, StepResult
+from pagedkv.client import PoolInfo
 from pagedkv.memory import PoolMemoryHandle
 from pagedkv.memory.attach import attach_pool
 from pagedkv.model_runner.kernels.attention_backend import AttentionBackend
@@ -39,7 +37,7 @@ from pagedkv.model_runner.kernels.paged_attention import (
     PagedContext,
     enable_paged_attention,
 )
-from pagedkv.vocab.blocks import blocks_for, ceil_div, patch_table
+from pagedkv.vocab.blocks import blocks_for, ceil_div
 
 
 @dataclass(frozen=True)
@@ -257,95 +255,3 @@ def _check_chunks(chunks: Sequence[SequenceChunk]) -> None:
         if len(chunk.slot_mapping) != len(chunk.token_ids):
             raise ValueError(f"a chunk of {len(chunk.token_ids)} tokens has "
                              f"{len(chunk.slot_mapping)} slots")
-
-
-@dataclass
-class Generation:
-    """One prompt's greedy continuation."""
-
-    # The daemon's id of the sequence while it was generated (freed afterwards).
-    seq_id: int
-    # Leading prompt tokens the prefix cache held (their K/V was not recomputed).
-    num_cached_tokens: int
-    # The generated tokens, max_new_tokens of them.
-    token_ids: list[int]
-
-
-@dataclass
-class _Running:
-    """Where a sequence being generated stands."""
-
-    # Its Generation, filled as tokens come.
-    generation: Generation
-    # The block table, kept current from each step's changed entries.
-    block_table: list[int]
-    # Tokens the daemon holds for it (prompt + generated tokens appended so far).
-    num_tokens: int
-
-    @classmethod
-    def prefill(cls, seq_id: int, prompt: Sequence[int],
-                blocks: SequenceBlocks) -> tuple["_Running", SequenceChunk]:
-        """The state after Allocate, and the chunk of prompt tokens to compute."""
-        cached = blocks.num_cached_tokens
-        first = min(cached, len(prompt) - 1)
-        slots = list(blocks.slot_mapping[first:])
-        if first < cached:  # all cached: recompute the last token for its logits, write nothing
-            slots[0] = -1
-        running = cls(Generation(seq_id, cached, []), list(blocks.block_ids), len(prompt))
-        return running, SequenceChunk(prompt[first:], first, slots, running.block_table)
-
-    def decode(self, slot: int) -> SequenceChunk:
-        """The chunk of the last generated token, just appended at `slot`."""
-        chunk = SequenceChunk([self.generation.token_ids[-1]], self.num_tokens, [slot],
-                              self.block_table)
-        self.num_tokens += 1
-        return chunk
-
-    def apply(self, logical_block: int, block_id: int) -> None:
-        """A block-table entry a step changed: a new last block or a copy-on-write copy."""
-        patch_table(self.block_table, logical_block, block_id)
-
-
-async def generate(session: Session, runner: ModelRunner, prompts: Sequence[Sequence[int]],
-                   max_new_tokens: int, *, first_seq_id: int = 0) -> list[Generation]:
-    """Greedy decoding of `prompts` as sequences first_seq_id, first_seq_id + 1, ...; each is
-    freed at the end. Blocks are committed once computed (each Step certifies the previous
-    forward), so after a success their full blocks stay in the prefix cache for later prompts;
-    after a failure nothing uncertain is ever shared."""
-    if max_new_tokens < 1 or not prompts or not all(prompts):
-        raise ValueError("generate needs prompts, none empty, and max_new_tokens >= 1")
-    seq_ids = list(range(first_seq_id, first_seq_id + len(prompts)))
-    allocated = await session.batch([Allocate(seq_id, token_ids=prompt)
-                                     for seq_id, prompt in zip(seq_ids, prompts, strict=True)])
-    try:
-        prefills = [_Running.prefill(seq_id, prompt, blocks)
-                    for seq_id, prompt, blocks in zip(seq_ids, prompts, allocated, strict=True)]
-        running = [state for state, _ in prefills]
-        _accept(running, runner.step([chunk for _, chunk in prefills]))
-        for _ in range(max_new_tokens - 1):
-            last_tokens = [state.generation.token_ids[-1] for state in running]
-            # The forward that produced last_tokens wrote the K/V of everything the sequences
-            # hold: commit it, so their full blocks become shareable.
-            step = await session.step(seq_ids, last_tokens, commit=True)
-            _accept(running, runner.step(_decode_chunks(running, step)))
-        done: list[Commit | Free] = [Commit(seq_ids)]
-    except BaseException:
-        done = []  # a failed forward wrote nothing certain: pending blocks are dropped
-        raise
-    finally:
-        await session.batch([*done, *[Free(seq_id) for seq_id in seq_ids]])
-    return [state.generation for state in running]
-
-
-def _decode_chunks(running: list[_Running], step: StepResult) -> list[SequenceChunk]:
-    """Bring the block tables up to date with a Step's answer; the chunks it asks to compute."""
-    for index, logical, block in zip(step.changed_seq_index, step.changed_logical_block,
-                                     step.changed_block_id, strict=True):
-        running[index].apply(logical, block)
-    return [state.decode(slot) for state, slot in zip(running, step.slot_mapping, strict=True)]
-
-
-def _accept(running: list[_Running], logits: torch.Tensor) -> None:
-    """Append each sequence's greedy next token."""
-    for state, token in zip(running, logits.argmax(dim=-1).tolist(), strict=True):
-        state.generation.token_ids.append(token)

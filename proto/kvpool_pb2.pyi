@@ -101,7 +101,7 @@ Read back only once the lost call has ended on the client (its deadline passed o
 connection broke): the daemon cancels a call whose client gave up, and a call either
 completes or is undone as a whole. A session whose calls keep failing with UNAVAILABLE may
 have expired: FAILED_PRECONDITION says so. The bundled Python client follows these rules
-for Allocate, Step and Free (pagedkv.client, RetryPolicy).
+for Allocate, Step, StepMany (entry by entry) and Free (pagedkv.client, RetryPolicy).
 
 Limits. The daemon accepts requests up to 8 MiB (MAX_MESSAGE_BYTES in
 pagedkv.proto.limits; gRPC clients send any size by default). It bounds every answer before
@@ -848,7 +848,10 @@ class StepRequest(_message.Message):
     """Before appending, commit the sequences' pending blocks: the caller certifies that the K/V
     of every token they already hold is written (true in a decode loop whose forward produced
     these token ids; false when steps overlap the forward that writes the previous tokens).
-    Who may: see "Who may commit" above (PERMISSION_DENIED, the whole Step refused).
+    Who may: see "Who may commit" above (PERMISSION_DENIED, the whole Step refused). The
+    pagedkv runner certifies a prefill's blocks so, in its next Step of the session once the
+    prefill's forward is done (else with a Commit op first in its next Batch, or in the Batch
+    that ends its hold), never before that forward: no call of their own.
     """
     hold_ms: _builtins.int
     """Runners only (see "Runner holds"): once the Step is applied, hold the session until now +

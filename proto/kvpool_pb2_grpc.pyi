@@ -101,7 +101,7 @@ Read back only once the lost call has ended on the client (its deadline passed o
 connection broke): the daemon cancels a call whose client gave up, and a call either
 completes or is undone as a whole. A session whose calls keep failing with UNAVAILABLE may
 have expired: FAILED_PRECONDITION says so. The bundled Python client follows these rules
-for Allocate, Step and Free (pagedkv.client, RetryPolicy).
+for Allocate, Step, StepMany (entry by entry) and Free (pagedkv.client, RetryPolicy).
 
 Limits. The daemon accepts requests up to 8 MiB (MAX_MESSAGE_BYTES in
 pagedkv.proto.limits; gRPC clients send any size by default). It bounds every answer before

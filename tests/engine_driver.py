@@ -3,6 +3,7 @@
     decoded = await decode(engine, session_id, [new(1, prompt, GREEDY)], n=8)
     decoded[1].tokens    # the 8 sampled tokens
     decoded[1].results   # every SeqResult of sequence 1, sampled or not
+    done = await greedy(pool_client, model_runner, session_id, prompts, n=8)  # own engine
 
 A recording runner keeps the chunks and logits of every forward, so tests can check what was
 computed (a cached prefix is not) and compare logits with transformers'.
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from pagedkv.client import SamplingParams
+from pagedkv.client import PoolClient, SamplingParams
 from pagedkv.model_runner.engine.step_engine import StepEngine
 from pagedkv.model_runner.engine.steps import SeqRequest, SeqResult
 from pagedkv.model_runner.kernels.attention_backend import AttentionBackend
@@ -66,6 +67,24 @@ async def decode(engine: StepEngine, session_id: str, first: Sequence[SeqRequest
             pending.append(SeqRequest(result.seq_id, False, tokens, request.max_compute_tokens,
                                       request.params, decode_ahead=decode_ahead))
     return decoded
+
+
+async def greedy(pool: PoolClient, runner: ModelRunner, session_id: str,
+                 prompts: Sequence[Sequence[int]], n: int, first_seq_id: int = 0
+                 ) -> list[Decoded]:
+    """Greedy decoding of `prompts` as sequences first_seq_id, first_seq_id + 1, ... of the
+    session, in one batch, through a StepEngine of its own over `runner` (the runner's step loop,
+    as `pagedkv runner` serves it), each released on its last step; one Decoded per prompt."""
+    engine = StepEngine(pool, runner)
+    await engine.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=n)
+        seq_ids = range(first_seq_id, first_seq_id + len(prompts))
+        decoded = await decode(engine, session_id, [new(seq_id, prompt, params) for seq_id, prompt
+                                                    in zip(seq_ids, prompts, strict=True)], n)
+    finally:
+        await engine.stop()
+    return [decoded[seq_id] for seq_id in seq_ids]
 
 
 class RecordingRunner(ModelRunner):

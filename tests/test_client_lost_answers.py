@@ -26,6 +26,7 @@ from pagedkv.client import (
     RetryPolicy,
     SequenceBlocks,
     Session,
+    Step,
 )
 from pagedkv.client.pool.errors import error_from_rpc
 from pagedkv.daemon.edge.servicer import KVPoolServicer
@@ -55,11 +56,11 @@ class Loss:
 
 
 class Losses:
-    """Wraps KVPoolServicer's Allocate, Step and Free (before the server binds them) so that a
-    test can make their next answers get lost."""
+    """Wraps KVPoolServicer's Allocate, Step, StepMany and Free (before the server binds them)
+    so that a test can make their next answers get lost."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.plans = {method: Loss() for method in ("Allocate", "Step", "Free")}
+        self.plans = {method: Loss() for method in ("Allocate", "Step", "StepMany", "Free")}
         # Calls that reached each method, however they ended.
         self.received = dict.fromkeys(self.plans, 0)
         for method in self.plans:
@@ -219,6 +220,25 @@ async def test_a_lost_step_is_not_guessed_when_the_session_cannot_tell(
     with pytest.raises(DaemonUnavailable):
         await session.step([1])
     assert daemon.pool.num_tokens((number, 1)) == 13  # applied once, and said unknown
+
+
+@pytest.mark.parametrize("applied", [True, False])
+async def test_a_lost_step_many_is_read_back_entry_by_entry(
+        daemon: Daemon, losses: Losses, applied: bool) -> None:
+    """Two sessions' Steps in one StepMany (the runner's decode steps), its answer lost: each
+    entry is read back as its session's lost Step: applied, its result rebuilt (never sent
+    again); not applied, sent again as a Step of its own. Each sequence is one token longer."""
+    async with await PoolClient.connect(daemon.unix_target, timeout=TIMEOUT_S) as client, \
+            await client.open_session("a") as alice, await client.open_session("b") as bob:
+        await alice.allocate(1, 3)  # block 0
+        await bob.allocate(1, 5)  # blocks 1 and 2
+        losses.lose("StepMany", applied=applied)
+        results = await client.step_many([(alice, Step([1], [7])), (bob, Step([1], [8]))])
+        assert [(r.num_tokens, r.slot_mapping) for r in results  # type: ignore[union-attr]
+                ] == [([4], [3]), ([6], [9])]
+        assert [(await s.block_tables([1]))[0].num_tokens for s in (alice, bob)] == [4, 6]
+    assert losses.received["StepMany"] == 1
+    assert losses.received["Step"] == (0 if applied else 2)
 
 
 @pytest.mark.parametrize("applied", [True, False])

@@ -9,10 +9,9 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pagedkv.client import OutcomeUnknown, PoolClient, SequenceNotFound, Session
+from pagedkv.client import OutcomeUnknown, PoolClient, SequenceNotFound, Session, Step
 from pagedkv.model_runner.engine.daemon_steps import MAX_STEP_ENTRIES, DaemonSteps
 from pagedkv.model_runner.process.metrics import RunnerMetrics
-from pagedkv.proto import kvpool_pb2 as pb
 
 from daemon_harness import Daemon, running_daemon
 
@@ -58,24 +57,23 @@ async def session_with(pool: PoolClient, *seq_ids: int) -> Session:
     return session
 
 
-def step(session: Session, *seq_ids: int) -> pb.StepRequest:
-    return pb.StepRequest(session_id=session.session_id, seq_ids=list(seq_ids),
-                          token_ids=[7] * len(seq_ids))
+def step(*seq_ids: int) -> Step:
+    return Step(list(seq_ids), [7] * len(seq_ids))
 
 
 async def test_steps_made_together_share_one_call(daemon: Daemon, pool: PoolClient) -> None:
     calls = Calls(daemon)
     steps = DaemonSteps(pool, calls.metrics)
     alice, bob = await session_with(pool, 1), await session_with(pool, 1, 2)
-    answers = await asyncio.gather(steps.step(step(alice, 1)), steps.step(step(bob, 1, 2)),
-                                   steps.step(step(bob, 9)), return_exceptions=True)
+    answers = await asyncio.gather(steps.step(alice, step(1)), steps.step(bob, step(1, 2)),
+                                   steps.step(bob, step(9)), return_exceptions=True)
     # Blocks 0-2 hold the three prompts; each sequence's second token lands in its block.
     assert [list(a.slot_mapping) for a in answers[:2]] == [[1], [5, 9]]  # type: ignore[union-attr]
     assert isinstance(answers[2], SequenceNotFound) and "[9]" in str(answers[2])
     assert calls.entries() == (1, 3)
     assert calls.daemon_calls("StepMany") == 1 and calls.daemon_calls("Step") == 0
     # A lone Step leaves at once, in a call of its own.
-    answer = await steps.step(step(alice, 1))
+    answer = await steps.step(alice, step(1))
     assert list(answer.slot_mapping) == [2]
     assert calls.entries() == (2, 4)
 
@@ -85,7 +83,7 @@ async def test_a_burst_larger_than_one_call_is_split(daemon: Daemon, pool: PoolC
     steps = DaemonSteps(pool, calls.metrics)
     count = MAX_STEP_ENTRIES + 1
     session = await session_with(pool, *range(count))
-    answers = await asyncio.gather(*(steps.step(step(session, s)) for s in range(count)))
+    answers = await asyncio.gather(*(steps.step(session, step(s)) for s in range(count)))
     # Sequence s holds block s; its second token is slot 4 s + 1.
     assert [list(a.slot_mapping) for a in answers] == [[4 * s + 1] for s in range(count)]
     assert calls.entries() == (2, count)
@@ -96,8 +94,8 @@ async def test_a_step_cancelled_before_the_call_is_left_out(daemon: Daemon,
     calls = Calls(daemon)
     steps = DaemonSteps(pool, calls.metrics)
     session = await session_with(pool, 1, 2)
-    cancelled = asyncio.create_task(steps.step(step(session, 1)))
-    kept = asyncio.create_task(steps.step(step(session, 2)))
+    cancelled = asyncio.create_task(steps.step(session, step(1)))
+    kept = asyncio.create_task(steps.step(session, step(2)))
     await asyncio.sleep(0)  # both queued; the call has not left
     cancelled.cancel()
     assert list((await kept).num_tokens) == [2]
@@ -110,10 +108,11 @@ async def test_a_step_cancelled_before_the_call_is_left_out(daemon: Daemon,
 async def test_a_call_without_answer_fails_every_entry() -> None:
     """No daemon at the target: every entry gets the call's OutcomeUnknown."""
     async with grpc.aio.insecure_channel("unix:///nonexistent/pagedkv.sock") as channel:
-        steps = DaemonSteps(PoolClient(channel, timeout=0.5))
+        pool = PoolClient(channel, timeout=0.5)
+        steps = DaemonSteps(pool)
         answers = await asyncio.gather(
-            steps.step(pb.StepRequest(session_id="a", seq_ids=[1])),
-            steps.step(pb.StepRequest(session_id="b", seq_ids=[1])), return_exceptions=True)
+            steps.step(pool.attach("a", 4), Step([1])),
+            steps.step(pool.attach("b", 4), Step([1])), return_exceptions=True)
     assert all(isinstance(a, OutcomeUnknown) for a in answers), answers
 
 
@@ -124,7 +123,7 @@ async def test_a_sender_cancelled_before_the_call_cancels_its_steps(daemon: Daem
     calls = Calls(daemon)
     steps = DaemonSteps(pool, calls.metrics)
     session = await session_with(pool, 1)
-    waiting = asyncio.create_task(steps.step(step(session, 1)))
+    waiting = asyncio.create_task(steps.step(session, step(1)))
     await asyncio.sleep(0)  # queued, its sender created but not run
     sender = steps._sender
     assert sender is not None
@@ -132,5 +131,5 @@ async def test_a_sender_cancelled_before_the_call_cancels_its_steps(daemon: Daem
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert (await session.block_tables([1]))[0].num_tokens == 1
-    assert list((await steps.step(step(session, 1))).num_tokens) == [2]
+    assert list((await steps.step(session, step(1))).num_tokens) == [2]
     assert calls.entries() == (1, 1)

@@ -1,8 +1,9 @@
 """The model runner end to end: a random-initialized Llama decoding through a real pagedkvd.
 
 The daemon runs as a separate process with a pool laid out for this model (its config.json),
-the runner maps the pool file and computes; greedy tokens must equal transformers' own
-`generate` (SDPA attention, its own cache) token for token.
+the runner maps the pool file and computes through its step engine (`engine_driver.greedy`:
+the loop `pagedkv runner` serves); greedy tokens must equal transformers' own `generate` (SDPA
+attention, its own cache) token for token.
 """
 
 import copy
@@ -12,14 +13,16 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import pytest
 import torch
+from engine_driver import greedy
 from pagedkvd_process import Pagedkvd, free_tcp_port, pagedkvd
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedkv.client import PoolClient, Session
+from pagedkv.model_runner.engine.steps import StepNotComputed
 from pagedkv.model_runner.kernels.attention_backend import BackendName, get_backend
 from pagedkv.model_runner.kernels.paged_attention import CONTEXT_KWARG
-from pagedkv.model_runner.runner import ModelRunner, SequenceChunk, generate
+from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
@@ -101,13 +104,13 @@ async def test_greedy_generation_matches_transformers(
     reference_model: LlamaForCausalLM, prompts: list[list[int]],
 ) -> None:
     runner = await attach(client, model, "torch")
-    results = await generate(session, runner, prompts, NEW_TOKENS)
+    results = await greedy(client, runner, session.session_id, prompts, NEW_TOKENS)
     for prompt, result in zip(prompts, results, strict=True):
-        assert result.num_cached_tokens == 0
-        assert result.token_ids == expected_tokens(reference_model, prompt, NEW_TOKENS)
+        assert result.results[0].num_cached == 0
+        assert result.tokens == expected_tokens(reference_model, prompt, NEW_TOKENS)
     stats = await session.stats()
     assert stats.session is not None
-    assert stats.session.num_sequences == 0  # generate freed every sequence
+    assert stats.session.num_sequences == 0  # each released on its last step
 
 
 class RecordingRunner(ModelRunner):
@@ -127,20 +130,20 @@ async def test_prefix_cached_prompts_generate_the_same_tokens(
     runner = RecordingRunner.attach(model, await client.pool_info(), get_backend("torch"))
     runner.steps = []
     long_prompt = prompts[2]  # 33 tokens: 2 full blocks enter the cache
-    first = await generate(session, runner, [long_prompt], NEW_TOKENS)
+    first = await greedy(client, runner, session.session_id, [long_prompt], NEW_TOKENS)
     # Again, and its 32-token prefix: every token cached, the last one recomputed without a write.
     runner.steps = []
-    again = await generate(session, runner, [long_prompt, long_prompt[:32]], NEW_TOKENS,
-                           first_seq_id=10)
-    assert [r.num_cached_tokens for r in again] == [32, 32]
+    again = await greedy(client, runner, session.session_id, [long_prompt, long_prompt[:32]],
+                         NEW_TOKENS, first_seq_id=10)
+    assert [r.results[0].num_cached for r in again] == [32, 32]
     suffix, last = runner.steps[0]  # the prefill computed one token of each
     assert (suffix.start, list(suffix.token_ids)) == (32, long_prompt[32:])
     assert suffix.slot_mapping[0] >= 0
     assert (last.start, list(last.token_ids), list(last.slot_mapping)) == (
         31, long_prompt[31:32], [-1])
-    assert again[0].token_ids == first[0].token_ids
-    assert again[0].token_ids == expected_tokens(reference_model, long_prompt, NEW_TOKENS)
-    assert again[1].token_ids == expected_tokens(reference_model, long_prompt[:32], NEW_TOKENS)
+    assert again[0].tokens == first[0].tokens
+    assert again[0].tokens == expected_tokens(reference_model, long_prompt, NEW_TOKENS)
+    assert again[1].tokens == expected_tokens(reference_model, long_prompt[:32], NEW_TOKENS)
 
 
 async def test_identical_prompts_in_one_batch_each_compute_their_own_copy(
@@ -151,12 +154,13 @@ async def test_identical_prompts_in_one_batch_each_compute_their_own_copy(
     own copy; once generation committed them, the same prompt is served from the cache."""
     runner = await attach(client, model, "torch")
     prompt = prompts[2][:32]
-    results = await generate(session, runner, [prompt, prompt], NEW_TOKENS)
-    assert [r.num_cached_tokens for r in results] == [0, 0]
+    results = await greedy(client, runner, session.session_id, [prompt, prompt], NEW_TOKENS)
+    assert [r.results[0].num_cached for r in results] == [0, 0]
     expected = expected_tokens(reference_model, prompt, NEW_TOKENS)
-    assert [r.token_ids for r in results] == [expected, expected]
-    again = await generate(session, runner, [prompt], NEW_TOKENS, first_seq_id=5)
-    assert again[0].num_cached_tokens == 32 and again[0].token_ids == expected
+    assert [r.tokens for r in results] == [expected, expected]
+    again = await greedy(client, runner, session.session_id, [prompt], NEW_TOKENS,
+                         first_seq_id=5)
+    assert again[0].results[0].num_cached == 32 and again[0].tokens == expected
 
 
 async def test_a_failed_prefill_is_never_served_from_the_cache(
@@ -172,12 +176,13 @@ async def test_a_failed_prefill_is_never_served_from_the_cache(
     runner.pool[:, :, failed.block_ids] = 1e3  # a crashed, half-run prefill
     assert pending_blocks(metrics_port) == 2
     await session.free(100)
-    again = await generate(session, runner, [prompt], NEW_TOKENS, first_seq_id=101)
+    again = await greedy(client, runner, session.session_id, [prompt], NEW_TOKENS,
+                         first_seq_id=101)
     async with await client.open_session("fresh") as fresh:
-        expected = await generate(fresh, runner, [prompt], NEW_TOKENS)
-    assert again[0].num_cached_tokens == 0
-    assert again[0].token_ids == expected[0].token_ids
-    assert again[0].token_ids == expected_tokens(reference_model, prompt, NEW_TOKENS)
+        expected = await greedy(client, runner, fresh.session_id, [prompt], NEW_TOKENS)
+    assert again[0].results[0].num_cached == 0
+    assert again[0].tokens == expected[0].tokens
+    assert again[0].tokens == expected_tokens(reference_model, prompt, NEW_TOKENS)
 
 
 class FailingRunner(ModelRunner):
@@ -188,18 +193,21 @@ class FailingRunner(ModelRunner):
         raise RuntimeError("forward failed")
 
 
-async def test_generate_that_fails_in_the_forward_commits_nothing(
+async def test_a_prefill_that_fails_in_the_forward_commits_nothing(
     client: PoolClient, session: Session, model: LlamaForCausalLM, prompts: list[list[int]],
     metrics_port: int,
 ) -> None:
     info = await client.pool_info()
     failing = FailingRunner.attach(model, info, get_backend("torch"))
     prompt = prompts[2][:32]
-    with pytest.raises(RuntimeError, match="forward failed"):
-        await generate(session, failing, [prompt], NEW_TOKENS)
+    with pytest.raises(StepNotComputed, match="forward failed"):
+        await greedy(client, failing, session.session_id, [prompt], NEW_TOKENS)
+    assert pending_blocks(metrics_port) == 2  # allocated, never certified
+    await session.free(0)  # what StepNotComputed leaves to the client
     runner = await attach(client, model, "torch")
-    again = await generate(session, runner, [prompt], NEW_TOKENS, first_seq_id=1)
-    assert again[0].num_cached_tokens == 0
+    again = await greedy(client, runner, session.session_id, [prompt], NEW_TOKENS,
+                         first_seq_id=1)
+    assert again[0].results[0].num_cached == 0
     assert pending_blocks(metrics_port) == 0
 
 

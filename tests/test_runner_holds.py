@@ -11,12 +11,24 @@ holds and leases end when the test says, not by wall-clock time.
 """
 
 import asyncio
-from collections.abc import AsyncIterator
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import pytest
 
-from pagedkv.client import Allocate, Free, InvalidArgument, PoolClient, Session, SessionBusy
+from pagedkv.client import (
+    Allocate,
+    Free,
+    InvalidArgument,
+    PagedKVError,
+    PoolClient,
+    Session,
+    SessionBusy,
+    Step,
+    StepResult,
+)
+from pagedkv.client.pool.errors import error_from_rpc
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 
@@ -67,15 +79,28 @@ async def app(client: PoolClient) -> AsyncIterator[Session]:
     yield session
 
 
-async def runner_step(runner: PoolClient, session: Session, hold_ms: int) -> pb.StepResponse:
+def as_runner(runner: PoolClient, session: Session) -> Session:
+    """The session as the runner reaches it: a handle on the client's session id."""
+    return runner.attach(session.session_id, session.block_size)
+
+
+async def runner_step(runner: PoolClient, session: Session, hold_ms: int) -> StepResult:
     """The runner's decode Step of sequence 1, holding the session for its forward."""
-    return await runner.call(runner.stub.Step, lambda: pb.StepRequest(
-        session_id=session.session_id, seq_ids=[1], token_ids=[11], hold_ms=hold_ms))
+    return await as_runner(runner, session).step([1], [11], hold_ms=hold_ms)
 
 
-async def keep_alive(runner: PoolClient, session: Session, **hold: int | bool) -> None:
-    await runner.call(runner.stub.KeepAlive, lambda: pb.KeepAliveRequest(
-        session_id=session.session_id, **hold))  # type: ignore[arg-type]
+async def keep_alive(runner: PoolClient, session: Session, *, hold_ms: int = 0,
+                     end_hold: bool = False) -> None:
+    await as_runner(runner, session).keep_alive(hold_ms=hold_ms, end_hold=end_hold)
+
+
+async def raw_close(target: str, session: Session) -> PagedKVError:
+    """A CloseSession sent once (the bundled close waits out a hold): the error it got."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await kvpool_pb2_grpc.KVPoolStub(channel).CloseSession(
+                pb.CloseSessionRequest(session_id=session.session_id))
+    return error_from_rpc(refused.value)
 
 
 async def refusals(daemon: Daemon, client: PoolClient, session: Session) -> None:
@@ -85,14 +110,12 @@ async def refusals(daemon: Daemon, client: PoolClient, session: Session) -> None
     busy = r"(Free|Batch|CloseSession) refused: a runner holds session tenant-app#\d+ for " \
            r"\d+ ms more .*release the sequences through the runner"
     with pytest.raises(SessionBusy, match=busy) as refused:
-        await client.call(client.stub.Free, lambda: pb.FreeRequest(
-            session_id=session.session_id, seq_id=1))
+        await session.free(1)
     assert session.session_id not in refused.value.message  # the id is a credential
     with pytest.raises(SessionBusy, match=busy):
         await session.batch([Allocate(3, token_ids=[1]), Free(2)])
-    with pytest.raises(SessionBusy, match=busy):
-        await client.call(client.stub.CloseSession, lambda: pb.CloseSessionRequest(
-            session_id=session.session_id))
+    closed = await raw_close(daemon.unix_target, session)
+    assert isinstance(closed, SessionBusy) and re.search(busy, closed.message)
     # On the wire: FAILED_PRECONDITION with the cause in the trailing metadata.
     async with grpc.aio.insecure_channel(daemon.unix_target) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as raw:
@@ -108,8 +131,8 @@ async def test_a_runner_hold_refuses_other_callers_frees_until_the_runner_ends_i
         daemon: Daemon, client: PoolClient, runner: PoolClient, app: Session) -> None:
     await runner_step(runner, app, HOLD_MS)
     await refusals(daemon, client, app)
-    (entry,) = await runner.step_many([pb.StepRequest(  # a StepMany entry holds alike
-        session_id=app.session_id, seq_ids=[2], token_ids=[12], hold_ms=HOLD_MS)])
+    (entry,) = await runner.step_many([  # a StepMany entry holds alike
+        (as_runner(runner, app), Step([2], [12], hold_ms=HOLD_MS))])
     assert not isinstance(entry, Exception)
     await refusals(daemon, client, app)
     closing = asyncio.create_task(app.close())  # the bundled close waits for the hold to end
@@ -124,12 +147,10 @@ async def test_a_runner_is_never_refused_and_its_batch_ends_the_hold(
     """The runner's release path: its own Batch frees under its hold, and ends it. (A read
     back of the tables holds too: what the runner does before computing a sequence it does not
     append to.)"""
-    await runner.call(runner.stub.GetBlockTables, lambda: pb.GetBlockTablesRequest(
-        session_id=app.session_id, seq_ids=[1], hold_ms=HOLD_MS))
+    await as_runner(runner, app).block_tables([1], hold_ms=HOLD_MS)
     with pytest.raises(SessionBusy):
         await app.free(1)
-    await runner.call(runner.stub.Batch, lambda: pb.BatchRequest(
-        session_id=app.session_id, ops=[Free(1).batch_op()], end_hold=True))
+    await as_runner(runner, app).batch([Free(1)], end_hold=True)
     assert await app.close() == 1
 
 
@@ -162,21 +183,17 @@ async def test_hold_fields_are_for_runners_only_and_bounded(
         daemon: Daemon, client: PoolClient, runner: PoolClient, app: Session) -> None:
     """A public caller sending hold_ms or end_hold, a runner past max_hold_ms or sending both:
     INVALID_ARGUMENT naming the field, nothing changed (the Step appended nothing)."""
-    for sender, request, field in (
-            (client, pb.StepRequest(session_id=app.session_id, seq_ids=[1], hold_ms=10),
-             "hold_ms is for runners only"),
-            (client, pb.BatchRequest(session_id=app.session_id, ops=[Free(1).batch_op()],
-                                     end_hold=True), "end_hold is for runners only"),
-            (client, pb.KeepAliveRequest(session_id=app.session_id, hold_ms=10),
-             "hold_ms is for runners only"),
-            (client, pb.GetBlockTablesRequest(session_id=app.session_id, seq_ids=[1],
-                                              hold_ms=10), "hold_ms is for runners only"),
-            (runner, pb.StepRequest(session_id=app.session_id, seq_ids=[1], hold_ms=10_001),
-             "hold_ms=10001; the limit is max_hold_ms=10000"),
-            (runner, pb.KeepAliveRequest(session_id=app.session_id, hold_ms=5, end_hold=True),
-             "hold_ms and end_hold are both set")):
-        method = getattr(sender.stub, type(request).__name__.removesuffix("Request"))
+    held = as_runner(runner, app)
+    calls: list[tuple[Callable[[], Awaitable[object]], str]] = [
+        (lambda: app.step([1], hold_ms=10), "hold_ms is for runners only"),
+        (lambda: app.batch([Free(1)], end_hold=True), "end_hold is for runners only"),
+        (lambda: app.keep_alive(hold_ms=10), "hold_ms is for runners only"),
+        (lambda: app.block_tables([1], hold_ms=10), "hold_ms is for runners only"),
+        (lambda: held.step([1], hold_ms=10_001),
+         "hold_ms=10001; the limit is max_hold_ms=10000"),
+        (lambda: held.keep_alive(hold_ms=5, end_hold=True), "hold_ms and end_hold are both set")]
+    for call, field in calls:
         with pytest.raises(InvalidArgument, match=field):
-            await sender.call(method, lambda request=request: request)  # type: ignore[misc]
+            await call()
     assert (await app.block_tables([1]))[0].num_tokens == 5
     assert await app.free(1) > 0  # and no hold was set

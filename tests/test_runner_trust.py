@@ -10,6 +10,7 @@ runs, are decided by the test, not by timing.
 import asyncio
 import contextlib
 import dataclasses
+import re
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -19,6 +20,7 @@ import pytest
 import test_engine_families as families
 import torch
 from engine_driver import RecordingRunner, decode, new
+from pagedkvd_process import Pagedkvd
 from test_engine_families import GREEDY, NEW_TOKENS, VOCAB, expected_tokens
 
 from pagedkv.client import (
@@ -31,7 +33,7 @@ from pagedkv.client import (
 )
 from pagedkv.client import StepNotComputed as ClientStepNotComputed
 from pagedkv.client.engine.runner_link import RunnerLink
-from pagedkv.client.pool.errors import error_from_status
+from pagedkv.client.pool.errors import error_from_rpc, error_from_status
 from pagedkv.model_runner.engine.step_engine import StepEngine
 from pagedkv.model_runner.engine.steps import (
     History,
@@ -45,6 +47,7 @@ from pagedkv.model_runner.kernels.attention_backend import get_backend
 from pagedkv.model_runner.process.servicer import status_of
 from pagedkv.model_runner.runner import SequenceChunk
 from pagedkv.proto import kvpool_pb2 as pb
+from pagedkv.proto import kvpool_pb2_grpc
 
 FAMILY = "llama"
 daemon, prompts = families.daemon, families.prompts
@@ -311,7 +314,7 @@ async def test_a_dead_clients_lease_is_kept_until_its_forward_ends(
 
 
 async def test_a_session_closed_directly_under_its_step_keeps_its_blocks_until_the_forward(
-    engine: StepEngine, client: PoolClient, prompts: list[tuple[int, ...]],
+    daemon: Pagedkvd, engine: StepEngine, client: PoolClient, prompts: list[tuple[int, ...]],
 ) -> None:
     """The last hole of #4 (the runner fuzzer's closed_mid_step): a client sends a step, then
     closes its session (or frees its sequence) directly in the daemon while the step's forward
@@ -325,10 +328,14 @@ async def test_a_session_closed_directly_under_its_step_keeps_its_blocks_until_t
         runner = gated(engine)
         step = await hold_a_forward(engine, attacker.session_id, [new(1, prompts[2], GREEDY)])
         (table,) = await attacker.block_tables([1])
-        with pytest.raises(SessionBusy, match=r"CloseSession refused: a runner holds session "
-                                              r"attacker#\d+ for \d+ ms more"):
-            await client.call(client.stub.CloseSession, lambda: pb.CloseSessionRequest(
-                session_id=attacker.session_id))
+        async with grpc.aio.insecure_channel(daemon.unix_target) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # one close, not a wait
+                await kvpool_pb2_grpc.KVPoolStub(channel).CloseSession(
+                    pb.CloseSessionRequest(session_id=attacker.session_id))
+        closed = error_from_rpc(refused.value)
+        assert isinstance(closed, SessionBusy) and re.match(
+            r"CloseSession refused: a runner holds session attacker#\d+ for \d+ ms more",
+            closed.message)
         with pytest.raises(SessionBusy, match="release the sequences through the runner"):
             await attacker.free(1)
         assert (await attacker.block_tables([1]))[0].block_ids == table.block_ids

@@ -4,9 +4,9 @@ Each model is random-initialized (fp32, initializer_range 0.2) from a tiny confi
 window is shorter than the contexts, so the window cuts every long prompt and decode step:
 Mistral windows every layer, Qwen2 (use_sliding_window, max_window_layers=1) only layer 1,
 Gemma2 only layer 0, with attention-logit and final-logit softcaps small enough to bend the
-scores and a query_pre_attn_scalar that is not head_dim. The runner's greedy tokens must equal
-transformers' `generate` with eager attention, and every step's logits its eager forward's
-(within 1e-4).
+scores and a query_pre_attn_scalar that is not head_dim. The runner's greedy tokens (through its
+step engine, `engine_driver.greedy`) must equal transformers' `generate` with eager attention,
+and every step's logits its eager forward's (within 1e-4).
 The pool depends only on geometry (2 layers, 2 KV heads, head_dim 16), which the three configs
 share, so one daemon serves them all.
 """
@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
+from engine_driver import greedy
 from pagedkvd_process import Pagedkvd, pagedkvd
 from transformers import (
     Gemma2Config,
@@ -39,7 +40,7 @@ from pagedkv.model_runner.kernels.paged_attention import (
     enable_paged_attention,
     layer_sliding_window,
 )
-from pagedkv.model_runner.runner import ModelRunner, SequenceChunk, generate
+from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 
 BLOCK_SIZE = 16
 NEW_TOKENS = 10
@@ -123,12 +124,12 @@ async def test_greedy_tokens_and_logits_match_eager_transformers(
     runner = LogitsRunner.attach(copy.deepcopy(reference), await runner_client.pool_info(),
                                  get_backend(backend))
     runner.logits = []
-    results = await generate(session, runner, prompts, NEW_TOKENS)
+    results = await greedy(runner_client, runner, session.session_id, prompts, NEW_TOKENS)
     worst = 0.0
     for index, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
         expected = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS,
                                       min_new_tokens=NEW_TOKENS, do_sample=False)
-        assert result.token_ids == expected[0, len(prompt):].tolist()
+        assert result.tokens == expected[0, len(prompt):].tolist()
         # Eager logits of every position the runner computed: prompt's last, then each token's.
         with torch.no_grad():
             eager = reference(expected[:, :-1]).logits[0, len(prompt) - 1:]  # [NEW_TOKENS, V]

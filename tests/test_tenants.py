@@ -20,13 +20,14 @@ from pagedkv.client import (
     PoolClient,
     PoolExhausted,
     SessionNotFound,
+    Step,
+    StepResult,
     Unauthenticated,
 )
 from pagedkv.daemon.process.config import DaemonConfig
 from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.process.settings_sources import load_toml
 from pagedkv.daemon.service.tenants import Tenant, Tenants, bearer_of
-from pagedkv.proto import kvpool_pb2 as pb
 
 from daemon_harness import Daemon, running_daemon
 
@@ -111,28 +112,23 @@ async def test_tcp_callers_see_only_their_tenants_sessions(daemon: Daemon) -> No
             await connect(daemon, "bob") as bob, await connect(daemon, None) as local:
         mine = await alice.open_session("a")
         await mine.allocate(1, 4)
-        stub = bob.stub
+        stolen = bob.attach(mine.session_id, mine.block_size)
         with pytest.raises(NotFound, match="unknown session"):  # as if it did not exist
-            await bob.call(stub.Allocate, lambda: pb.AllocateRequest(
-                session_id=mine.session_id, seq_id=2, num_tokens=4))
+            await stolen.allocate(2, 4)
         with pytest.raises(NotFound):
-            await bob.call(stub.KeepAlive, lambda: pb.KeepAliveRequest(
-                session_id=mine.session_id))
+            await stolen.keep_alive()
         with pytest.raises(NotFound):  # a public unix caller is a tenant's client too
-            await local.call(local.stub.Allocate, lambda: pb.AllocateRequest(
-                session_id=mine.session_id, seq_id=2, num_tokens=4))
+            await local.attach(mine.session_id, mine.block_size).allocate(2, 4)
         # In a StepMany, alice's entry fails alone, as that Step would; bob's own is applied.
         his = await bob.open_session("b")
         await his.allocate(1, 4)
-        answers = await bob.step_many([pb.StepRequest(session_id=s.session_id, seq_ids=[1])
-                                       for s in (mine, his)])
+        answers = await bob.step_many([(stolen, Step([1])), (his, Step([1]))])
         assert isinstance(answers[0], SessionNotFound) and "unknown session" in str(answers[0])
-        assert isinstance(answers[1], pb.StepResponse) and list(answers[1].num_tokens) == [5]
+        assert isinstance(answers[1], StepResult) and answers[1].num_tokens == [5]
         assert (await mine.block_tables([1]))[0].num_tokens == 4
         # A runner (the runner socket) acts with any session it is given.
         async with await PoolClient.connect(daemon.runners_target) as runner:
-            reply = await runner.call(runner.stub.Allocate, lambda: pb.AllocateRequest(
-                session_id=mine.session_id, seq_id=2, num_tokens=4))
+            reply = await runner.attach(mine.session_id, mine.block_size).allocate(2, 4)
         assert len(reply.block_ids) == 1
         assert tenant_figure(daemon, "tenant_block_table_entries", "alice") == 2  # alice's
         # Unix callers open sessions as the default tenant.

@@ -20,7 +20,15 @@ import grpc
 import pytest
 from pagedkvd_process import pagedkvd, short_tmp_dir
 
-from pagedkv.client import Allocate, Commit, NotFound, PermissionDenied, PoolClient, Session
+from pagedkv.client import (
+    Allocate,
+    Commit,
+    NotFound,
+    PermissionDenied,
+    PoolClient,
+    Session,
+    Step,
+)
 from pagedkv.daemon.service.tenants import Tenant, Tenants, bearer_of
 from pagedkv.model_runner.process.cli import EXIT_BAD_CONFIG
 from pagedkv.process.launch import START_TIMEOUT_S, start_runner
@@ -78,8 +86,7 @@ async def test_a_tenant_that_does_not_certify_a_shared_salt_may_not_commit(
         await forger.batch([Allocate(2, token_ids=R), Commit([1])])  # refused whole
     with pytest.raises(PermissionDenied, match=r"tenants\.bob\.certifies"):
         await forger.step([1], [7], commit=True)  # nor appends: the step is refused whole
-    (entry,) = await bob.step_many([pb.StepRequest(session_id=forger.session_id, seq_ids=[1],
-                                                   token_ids=[7], commit=True)])
+    (entry,) = await bob.step_many([(forger, Step([1], [7], commit=True))])
     assert isinstance(entry, PermissionDenied) and "tenants.bob.certifies" in str(entry)
     # The cause is in the trailing metadata, as every refusal's.
     async with grpc.aio.insecure_channel(str(daemon.tcp_target)) as channel:
@@ -112,9 +119,8 @@ async def test_a_certifier_and_a_runner_may_commit_under_a_shared_salt(
     client = await bob.open_session("client", cache_salt="shared")
     await client.allocate(1, token_ids=other)
     async with await PoolClient.connect(daemon.runners_target) as runner:
-        reply = await runner.call(runner.stub.Commit, lambda: pb.CommitRequest(
-            session_id=client.session_id, seq_ids=[1]))
-    assert reply.committed_blocks == 2
+        committed = await runner.attach(client.session_id, client.block_size).commit([1])
+    assert committed == 2
     assert await cached_tokens(alice, other) == 8
 
 
@@ -142,11 +148,9 @@ async def test_a_uid_mapped_tenant_names_only_its_own_sessions() -> None:
             his: Session = await bob.open_session("his")
             await his.allocate(1, 4)
             with pytest.raises(NotFound, match="unknown session"):
-                await local.call(local.stub.Allocate, lambda: pb.AllocateRequest(
-                    session_id=his.session_id, seq_id=2, num_tokens=4))
+                await local.attach(his.session_id, his.block_size).allocate(2, 4)
             async with await PoolClient.connect(daemon.runners_target) as runner:
-                reply = await runner.call(runner.stub.Allocate, lambda: pb.AllocateRequest(
-                    session_id=his.session_id, seq_id=2, num_tokens=4))
+                reply = await runner.attach(his.session_id, his.block_size).allocate(2, 4)
             assert len(reply.block_ids) == 1
         daemon.service.check_invariants()
 

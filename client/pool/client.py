@@ -14,7 +14,7 @@ alive, and recovers calls whose answer was lost as `retry` says (`recovery.py`).
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Self, TypeVar
 
@@ -28,10 +28,11 @@ from pagedkv.client.pool.errors import (
     error_from_rpc,
     error_from_status,
 )
-from pagedkv.client.pool.recovery import RetryPolicy
+from pagedkv.client.pool.ops import Step
+from pagedkv.client.pool.recovery import LOST, Outcome, RetryPolicy
 from pagedkv.client.pool.session import Session
 from pagedkv.client.pool.tls import TlsOptions
-from pagedkv.client.pool.types import PoolInfo, PoolStats
+from pagedkv.client.pool.types import PoolInfo, PoolStats, StepResult
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
@@ -52,13 +53,17 @@ class PoolClient:
                  timeout: float = DEFAULT_TIMEOUT_S,
                  retry: RetryPolicy | None = DEFAULT_RETRY) -> None:
         self._channel = channel
-        self.stub = kvpool_pb2_grpc.KVPoolStub(channel)
+        # The generated stub: package-private, callers use the typed methods.
+        self._stub = kvpool_pb2_grpc.KVPoolStub(channel)
         # Deadline of every call, in seconds.
         self.timeout = timeout
         # How sessions recover a call whose answer was lost; None: they raise at once.
         self.retry = retry
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
         self._sessions: set[Session] = set()
+        # The pool's free blocks per the latest answer that told them (Batch, Step, StepMany,
+        # through any session): what a scheduler admits new sequences by.
+        self.free_blocks = 0
 
     @classmethod
     async def connect(cls, target: str, *, auth_token: str | None = None,
@@ -81,7 +86,7 @@ class PoolClient:
                                     f"at {target} within {timeout} s") from None
         return cls(channel, auth_token=auth_token, timeout=timeout, retry=retry)
 
-    async def call(self, method: "grpc.aio.UnaryUnaryMultiCallable[Request, Response]",
+    async def _call(self, method: "grpc.aio.UnaryUnaryMultiCallable[Request, Response]",
                    make_request: Callable[[], Request], timeout: float | None = None) -> Response:
         """Build the request, call with deadline and token, map errors to exceptions."""
         try:
@@ -95,12 +100,12 @@ class PoolClient:
             raise error_from_rpc(exc) from None
 
     async def pool_info(self) -> PoolInfo:
-        reply = await self.call(self.stub.GetPoolInfo, pb.GetPoolInfoRequest)
+        reply = await self._call(self._stub.GetPoolInfo, pb.GetPoolInfoRequest)
         return PoolInfo.from_proto(reply)
 
     async def stats(self) -> PoolStats:
         """The pool's capacity (a Session's `stats()` adds its own figures)."""
-        return PoolStats.from_proto(await self.call(self.stub.GetStats, pb.GetStatsRequest))
+        return PoolStats.from_proto(await self._call(self._stub.GetStats, pb.GetStatsRequest))
 
     async def open_session(self, client_name: str = "", lease_ttl_ms: int = 0,
                            max_blocks: int = 0, cache_salt: bytes | str = b"", *,
@@ -109,28 +114,44 @@ class PoolClient:
         max_blocks_per_session (more is clamped to it; `Session.max_blocks` says what was
         granted); sessions with the same non-empty cache_salt share prefix-cache blocks."""
         salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
-        reply = await self.call(self.stub.OpenSession, lambda: pb.OpenSessionRequest(
+        reply = await self._call(self._stub.OpenSession, lambda: pb.OpenSessionRequest(
             client_name=client_name, lease_ttl_ms=lease_ttl_ms, max_blocks=max_blocks,
             cache_salt=salt))
-        session = Session(self, reply)
+        session = Session(self, reply.session_id, reply.block_size,
+                          lease_ttl_ms=reply.lease_ttl_ms, pool_id=reply.pool_id,
+                          max_blocks=reply.max_blocks)
         self._sessions.add(session)
         if keep_alive:
             session.start_keep_alive()
         return session
 
-    async def step_many(self, steps: Sequence[pb.StepRequest]
-                        ) -> list[pb.StepResponse | PagedKVError]:
+    def attach(self, session_id: str, block_size: int) -> Session:
+        """A handle on a session another process opened and keeps alive (a runner acting for
+        its client): calls under it, with no KeepAlive from here and no close by `close`."""
+        return Session(self, session_id, block_size)
+
+    async def step_many(self, steps: Sequence[tuple[Session, Step]]
+                        ) -> list[StepResult | PagedKVError]:
         """Several sessions' Steps in one call (kvpool.proto StepMany): per entry, in order, its
-        answer or the exception of its own status (that entry changed nothing). Not retried: a
-        lost call raises OutcomeUnknown, and each entry may or may not have been applied."""
-        reply = await self.call(self.stub.StepMany, lambda: pb.StepManyRequest(steps=steps))
+        result or the exception of its own status (that entry changed nothing). A call whose
+        answer was lost is read back entry by entry, each as its session's lost Step
+        (`Session.step`): some entries may have been applied and others not."""
+        read_backs = [session.step_read_back(op) for session, op in steps]
+        try:
+            reply = await self._call(self._stub.StepMany, lambda: pb.StepManyRequest(
+                steps=[op.request(session.session_id) for session, op in steps]))
+        except LOST as lost:
+            return list(await asyncio.gather(*(
+                _recovered(session, op, lost, read_back)
+                for (session, op), read_back in zip(steps, read_backs, strict=True))))
         if len(reply.results) != len(steps):
             raise PagedKVError(grpc.StatusCode.INTERNAL, f"StepMany answered {len(reply.results)}"
                                f" results for {len(steps)} entries")
-        return [result.step if result.code == 0 else error_from_status(
-                    STATUS_BY_NUMBER.get(result.code, grpc.StatusCode.UNKNOWN), result.cause,
-                    result.message)
-                for result in reply.results]
+        self.free_blocks = reply.free_blocks
+        return [session.stepped(op, StepResult.from_proto(result.step)) if result.code == 0
+                else error_from_status(STATUS_BY_NUMBER.get(result.code, grpc.StatusCode.UNKNOWN),
+                                       result.cause, result.message)
+                for (session, op), result in zip(steps, reply.results, strict=True)]
 
     def forget(self, session: "Session") -> None:
         self._sessions.discard(session)
@@ -148,3 +169,13 @@ class PoolClient:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.close()
+
+
+async def _recovered(session: Session, op: Step, lost: PagedKVError,
+                     read_back: Callable[[], Awaitable[Outcome[StepResult]]]
+                     ) -> StepResult | PagedKVError:
+    """A lost StepMany entry's result, read back, or the error that ended its recovery."""
+    try:
+        return await session.recover_step(op, lost, read_back)
+    except PagedKVError as exc:
+        return exc

@@ -125,3 +125,26 @@ class Free:
 
 
 Operation = Allocate | Append | Fork | CopyOnWrite | Commit | Free
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Append tokens to several sequences in one call (`Session.step`; `PoolClient.step_many`
+    sends several sessions' Steps together)."""
+
+    # Distinct sequences of the session.
+    seq_ids: Sequence[int]
+    # Empty, or len(seq_ids) * num_tokens ids, sequence-major.
+    token_ids: Sequence[int] = ()
+    # Tokens appended to every sequence.
+    num_tokens: int = 1
+    # The caller certifies the K/V of every token the sequences already hold is written: their
+    # pending blocks become shareable first (kvpool.proto's StepRequest.commit).
+    commit: bool = False
+    # Runners only: hold the session this long once applied (kvpool.proto's "Runner holds").
+    hold_ms: int = 0
+
+    def request(self, session_id: str) -> pb.StepRequest:
+        return pb.StepRequest(session_id=session_id, seq_ids=self.seq_ids,
+                              num_tokens=self.num_tokens, token_ids=self.token_ids,
+                              commit=self.commit, hold_ms=self.hold_ms)

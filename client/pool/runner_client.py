@@ -97,6 +97,36 @@ class SeqOutput:
                    tuple(m.top_logprobs), m.finished)
 
 
+@dataclass(frozen=True, slots=True)
+class RunnerInfo:
+    """What a runner computes, and on which pool (see runner.proto's RunnerInfo)."""
+
+    # The model's name, vocabulary and geometry.
+    model: str
+    vocab_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    # End-of-sequence token ids of the model's generation config (may be empty).
+    eos_token_ids: tuple[int, ...]
+    # The daemon pool the runner computes on, and its tokens per block.
+    pool_id: str
+    block_size: int
+    # "torch" or "triton": the attention kernels in use.
+    attention_backend: str
+    # The most tokens a sequence may hold.
+    max_model_len: int
+    # Drawn when the runner process starts: another id after a failed step means a restart.
+    runner_id: str
+
+    @classmethod
+    def from_proto(cls, m: rpb.RunnerInfo) -> "RunnerInfo":
+        return cls(m.model, m.vocab_size, m.num_layers, m.num_kv_heads, m.head_dim, m.dtype,
+                   tuple(m.eos_token_ids), m.pool_id, m.block_size, m.attention_backend,
+                   m.max_model_len, m.runner_id)
+
+
 class StepOutputs(Sequence[SeqOutput]):
     """A step's outputs, one per requested sequence in request order, and the pool's free
     blocks per the runner's latest daemon answer (what a scheduler admits by)."""
@@ -124,7 +154,8 @@ class RunnerClient:
 
     def __init__(self, channel: grpc.aio.Channel, timeout: float) -> None:
         self._channel = channel
-        self.stub = runner_pb2_grpc.RunnerStub(channel)
+        # The generated stub: private, callers use the typed methods.
+        self._stub = runner_pb2_grpc.RunnerStub(channel)
         # Deadline of every call, in seconds (a long CPU prefill needs a generous one).
         self.timeout = timeout
 
@@ -140,13 +171,15 @@ class RunnerClient:
                                     f"no pagedkv runner answered at {target}") from None
         return cls(channel, timeout)
 
-    async def info(self, timeout: float | None = None) -> rpb.RunnerInfo:
-        """The runner's RunnerInfo (`timeout`: this call's deadline instead of the client's)."""
+    async def info(self, timeout: float | None = None) -> RunnerInfo:
+        """What the runner computes and on which pool (`timeout`: this call's deadline instead
+        of the client's)."""
         try:
-            return await self.stub.GetRunnerInfo(rpb.GetRunnerInfoRequest(),
-                                                 timeout=timeout or self.timeout)
+            reply = await self._stub.GetRunnerInfo(rpb.GetRunnerInfoRequest(),
+                                                   timeout=timeout or self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
+        return RunnerInfo.from_proto(reply)
 
     async def step(self, session: Session, seqs: Sequence[SeqStep],
                    release: Sequence[int] = ()) -> StepOutputs:
@@ -155,7 +188,7 @@ class RunnerClient:
                                         seqs=[seq.message() for seq in seqs],
                                         release_seq_ids=release)
         try:
-            reply = await self.stub.Step(request, timeout=self.timeout)
+            reply = await self._stub.Step(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
             raise error_from_rpc(exc) from None
         return StepOutputs([SeqOutput.from_proto(output) for output in reply.outputs],

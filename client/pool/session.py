@@ -23,7 +23,16 @@ from pagedkv.client.pool.errors import (
     SessionBusy,
     SessionExpired,
 )
-from pagedkv.client.pool.ops import Allocate, Append, Commit, CopyOnWrite, Fork, Free, Operation
+from pagedkv.client.pool.ops import (
+    Allocate,
+    Append,
+    Commit,
+    CopyOnWrite,
+    Fork,
+    Free,
+    Operation,
+    Step,
+)
 from pagedkv.client.pool.recovery import (
     LOST,
     Applied,
@@ -52,19 +61,22 @@ T = TypeVar("T")
 
 
 class Session:
-    """A lease on the daemon and the sequences under it. Get one from `open_session`."""
+    """A lease on the daemon and the sequences under it. Get one from `open_session` (or, for
+    a session opened elsewhere, from `PoolClient.attach`)."""
 
-    def __init__(self, client: "PoolClient", reply: pb.OpenSessionResponse) -> None:
+    def __init__(self, client: "PoolClient", session_id: str, block_size: int, *,
+                 lease_ttl_ms: int = 0, pool_id: str = "", max_blocks: int = 0) -> None:
         self._client = client
-        self._stub = client.stub
+        self._stub = client._stub
         # The credential naming this session on every call.
-        self.session_id = reply.session_id
-        # The lease the daemon granted, the daemon run, the pool's tokens per block, and the
-        # quota granted (block-table entries).
-        self.lease_ttl_ms = reply.lease_ttl_ms
-        self.pool_id = reply.pool_id
-        self.block_size = reply.block_size
-        self.max_blocks = reply.max_blocks
+        self.session_id = session_id
+        # The pool's tokens per block.
+        self.block_size = block_size
+        # The lease the daemon granted, the daemon run, and the quota granted (block-table
+        # entries); 0 and "" for a session attached (opened by another process).
+        self.lease_ttl_ms = lease_ttl_ms
+        self.pool_id = pool_id
+        self.max_blocks = max_blocks
         # Why the background KeepAlive stopped (the session expired), else None.
         self.lease_error: PagedKVError | None = None
         # Each sequence's length per the last answer about it: what a lost step is judged by.
@@ -83,7 +95,7 @@ class Session:
         while True:
             await asyncio.sleep(period)
             try:
-                await self._client.call(self._stub.KeepAlive, self._session_request(
+                await self._client._call(self._stub.KeepAlive, self._session_request(
                     pb.KeepAliveRequest), timeout=min(period, self._client.timeout))
             except (SessionExpired, NotFound) as exc:
                 self.lease_error = exc
@@ -92,10 +104,12 @@ class Session:
             except PagedKVError as exc:  # a slow or restarting daemon: try again next period
                 log.warning("pagedkv KeepAlive failed: %s", exc)
 
-    async def keep_alive(self) -> int:
-        """Renew the lease now (any call does); returns the lease in ms."""
-        reply = await self._client.call(self._stub.KeepAlive,
-                                        self._session_request(pb.KeepAliveRequest))
+    async def keep_alive(self, *, hold_ms: int = 0, end_hold: bool = False) -> int:
+        """Renew the lease now (any call does); returns the lease in ms. Runners only: hold the
+        session for `hold_ms` more, or end their hold (`end_hold`; kvpool.proto's "Runner
+        holds")."""
+        reply = await self._client._call(self._stub.KeepAlive, lambda: pb.KeepAliveRequest(
+            session_id=self.session_id, hold_ms=hold_ms, end_hold=end_hold))
         return reply.lease_ttl_ms
 
     async def close(self) -> int:
@@ -128,7 +142,7 @@ class Session:
         poll, most = CLOSE_BUSY_POLL_S
         while True:
             try:
-                reply = await self._client.call(self._stub.CloseSession,
+                reply = await self._client._call(self._stub.CloseSession,
                                                 self._session_request(pb.CloseSessionRequest))
                 return reply.freed_sequences
             except SessionBusy:
@@ -181,8 +195,8 @@ class Session:
         was lost and the read-back found the free applied)."""
 
         async def send() -> int:
-            reply = await self._client.call(self._stub.Free,
-                                            lambda: Free(seq_id).request(self.session_id))
+            reply = await self._client._call(self._stub.Free,
+                                             lambda: Free(seq_id).request(self.session_id))
             return reply.released_blocks
 
         async def read_back() -> Outcome[int]:
@@ -196,14 +210,18 @@ class Session:
         """Certify the sequences' K/V written (all their tokens, or the first num_tokens[i]);
         returns how many blocks became shareable."""
         op = Commit(seq_ids, num_tokens)
-        reply = await self._client.call(self._stub.Commit, lambda: op.request(self.session_id))
+        reply = await self._client._call(self._stub.Commit, lambda: op.request(self.session_id))
         return reply.committed_blocks
 
-    async def batch(self, ops: Sequence[Operation]) -> list[SequenceBlocks]:
+    async def batch(self, ops: Sequence[Operation], *, hold_ms: int = 0,
+                    end_hold: bool = False) -> list[SequenceBlocks]:
         """Several ops in order, all-or-nothing; one result per op (empty table for a free or
-        a commit)."""
-        reply = await self._client.call(self._stub.Batch, lambda: pb.BatchRequest(
-            session_id=self.session_id, ops=[op.batch_op() for op in ops]))
+        a commit). Runners only: once applied, hold the session for `hold_ms`, or end their hold
+        (`end_hold`; kvpool.proto's "Runner holds")."""
+        reply = await self._client._call(self._stub.Batch, lambda: pb.BatchRequest(
+            session_id=self.session_id, ops=[op.batch_op() for op in ops], hold_ms=hold_ms,
+            end_hold=end_hold))
+        self._client.free_blocks = reply.free_blocks
         results = [SequenceBlocks.from_proto(result) for result in reply.results]
         for op, result in zip(ops, results, strict=True):
             if isinstance(op, Free):
@@ -213,41 +231,60 @@ class Session:
         return results
 
     async def step(self, seq_ids: Sequence[int], token_ids: Sequence[int] | None = None,
-                   num_tokens: int = 1, *, commit: bool = False) -> StepResult:
+                   num_tokens: int = 1, *, commit: bool = False, hold_ms: int = 0) -> StepResult:
         """Append num_tokens tokens to every sequence in one round trip, all-or-nothing.
 
         token_ids, if given, holds len(seq_ids) * num_tokens ids, sequence-major. With
         `commit`, the caller certifies that the K/V of every token the sequences already hold
-        is written: their pending blocks become shareable first. Recovered if its answer is
-        lost and this session's answers told every sequence's length (see `recovery.py`).
+        is written: their pending blocks become shareable first. `hold_ms`: see `Step`.
+        Recovered if its answer is lost and this session's answers told every sequence's
+        length (see `recovery.py`).
         """
-        before = self._lengths.of(seq_ids)
+        op = Step(seq_ids, token_ids or (), num_tokens, commit, hold_ms)
+        read_back = self.step_read_back(op)
+        return self.stepped(op, await self._recovering(lambda: self._send_step(op), read_back))
 
-        async def send() -> StepResult:
-            reply = await self._client.call(self._stub.Step, lambda: pb.StepRequest(
-                session_id=self.session_id, seq_ids=seq_ids, num_tokens=num_tokens,
-                token_ids=token_ids or (), commit=commit))
-            return StepResult.from_proto(reply)
+    def step_read_back(self, op: Step) -> Callable[[], Awaitable[Outcome[StepResult]]]:
+        """How to tell what `op` did if its answer is lost, from the lengths known before it is
+        sent (`PoolClient.step_many` reads back each entry of a lost call with it)."""
+        before = self._lengths.of(op.seq_ids)
 
         async def read_back() -> Outcome[StepResult]:
             if before is None:
                 return Unknown("the session has no record of some sequences' lengths")
-            tables = await self._read_tables(seq_ids)
-            return step_outcome(tables, before, num_tokens, self.block_size)
+            tables = await self._read_tables(op.seq_ids)
+            return step_outcome(tables, before, op.num_tokens, self.block_size)
 
-        result = await self._recovering(send, read_back)
-        self._lengths.set_many(seq_ids, result.num_tokens)
+        return read_back
+
+    async def recover_step(self, op: Step, lost: PagedKVError,
+                           read_back: Callable[[], Awaitable[Outcome[StepResult]]]
+                           ) -> StepResult:
+        """`op`'s result after its answer was `lost` (an entry of a lost StepMany)."""
+        return self.stepped(op, await self._recover(lost, lambda: self._send_step(op),
+                                                    read_back))
+
+    def stepped(self, op: Step, result: StepResult) -> StepResult:
+        """`result` of `op`, recorded: the sequences' lengths a later lost step is judged by."""
+        self._lengths.set_many(op.seq_ids, result.num_tokens)
         return result
 
-    async def block_tables(self, seq_ids: Sequence[int],
-                           token_ids: bool = False) -> list[SequenceBlocks]:
+    async def _send_step(self, op: Step) -> StepResult:
+        reply = await self._client._call(self._stub.Step, lambda: op.request(self.session_id))
+        self._client.free_blocks = reply.free_blocks
+        return StepResult.from_proto(reply)
+
+    async def block_tables(self, seq_ids: Sequence[int], token_ids: bool = False, *,
+                           hold_ms: int = 0) -> list[SequenceBlocks]:
         """Each sequence's table, num_tokens and committed tokens (num_cached_tokens), and with
-        `token_ids` every token id the daemon holds for it (empty if it does not know them)."""
-        return [self._track(table) for table in await self._read_tables(seq_ids, token_ids)]
+        `token_ids` every token id the daemon holds for it (empty if it does not know them).
+        Runners only: `hold_ms` holds the session once the tables are read."""
+        return [self._track(table)
+                for table in await self._read_tables(seq_ids, token_ids, hold_ms)]
 
     async def stats(self) -> PoolStats:
         """The pool's capacity plus this session's figures (`.session`)."""
-        reply = await self._client.call(self._stub.GetStats,
+        reply = await self._client._call(self._stub.GetStats,
                                         self._session_request(pb.GetStatsRequest))
         return PoolStats.from_proto(reply)
 
@@ -257,13 +294,18 @@ class Session:
                           read_back: Callable[[], Awaitable[Outcome[T]]]) -> T:
         """`send()`; if its answer is lost, read back until the outcome is known: applied
         (its rebuilt answer), or not (send again), within the client's RetryPolicy."""
-        policy = self._client.retry
         try:
             return await send()
         except LOST as exc:
-            if policy is None or policy.attempts == 1:
-                raise
-            lost: PagedKVError = exc
+            return await self._recover(exc, send, read_back)
+
+    async def _recover(self, lost: PagedKVError, send: Callable[[], Awaitable[T]],
+                       read_back: Callable[[], Awaitable[Outcome[T]]]) -> T:
+        """What `send()`, whose answer was `lost`, did: read back, and send again while it
+        was not applied (`_recovering`)."""
+        policy = self._client.retry
+        if policy is None or policy.attempts == 1:
+            raise lost
         delay = policy.backoff_s
         for _ in range(policy.attempts - 1):
             await asyncio.sleep(delay)
@@ -281,11 +323,11 @@ class Session:
                 lost = exc
         raise lost
 
-    async def _read_tables(self, seq_ids: Sequence[int],
-                           token_ids: bool = False) -> list[SequenceBlocks]:
-        reply = await self._client.call(self._stub.GetBlockTables, lambda: (
+    async def _read_tables(self, seq_ids: Sequence[int], token_ids: bool = False,
+                           hold_ms: int = 0) -> list[SequenceBlocks]:
+        reply = await self._client._call(self._stub.GetBlockTables, lambda: (
             pb.GetBlockTablesRequest(session_id=self.session_id, seq_ids=seq_ids,
-                                     include_token_ids=token_ids)))
+                                     include_token_ids=token_ids, hold_ms=hold_ms)))
         return [SequenceBlocks.from_proto(table) for table in reply.tables]
 
     async def _table_or_none(self, seq_id: int) -> SequenceBlocks | None:
@@ -303,7 +345,7 @@ class Session:
         self, method: "grpc.aio.UnaryUnaryMultiCallable[Request, pb.SequenceBlocks]",
         make_request: Callable[[], Request],
     ) -> SequenceBlocks:
-        return SequenceBlocks.from_proto(await self._client.call(method, make_request))
+        return SequenceBlocks.from_proto(await self._client._call(method, make_request))
 
     def _session_request(self, kind: Callable[..., Request]) -> Callable[[], Request]:
         return lambda: kind(session_id=self.session_id)

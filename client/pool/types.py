@@ -1,7 +1,9 @@
 """The client's records: small typed dataclasses built from the daemon's messages.
 
-Only ids, counts and slots travel; no numpy, and no protobuf objects leak to the caller except
-PoolInfo.memory: the pool-memory handle's wire form, which only `pagedkv.memory` reads.
+Only ids, counts and slots travel; no numpy. Every public method of `PoolClient` and `Session`
+returns these records (or plain ints), never a protobuf object, except PoolInfo.memory: the
+pool-memory handle's wire form, which only `pagedkv.memory` reads. (The runner's records,
+`RunnerInfo` and `SeqOutput`, live beside `RunnerClient`.)
 """
 
 from dataclasses import dataclass, field

@@ -2,7 +2,7 @@
 the daemon as one StepMany call.
 
     steps = DaemonSteps(pool_client)
-    reply = await steps.step(pb.StepRequest(session_id=sid, seq_ids=[7], token_ids=[42]))
+    result = await steps.step(session, Step([7], token_ids=[42]))
 
 After a merged forward, every session of it takes its next decode step ahead (engine.py), each
 with a daemon Step; one call for all of them saves the daemon and the runner's event loop a
@@ -11,15 +11,15 @@ gRPC round trip per session, which is most of what an extra client costs on a CP
 No timer: the first Step of a burst starts a sender, which yields to the event loop until a
 pass adds no Step (`asyncio.sleep(0)`), then sends every Step queued. Steps made ready by one
 event (the results of one forward) so travel together, and a lone Step leaves at once. Each
-entry succeeds or fails alone (kvpool.proto: StepMany is all-or-nothing per entry); a call with
-no answer fails every entry with the same OutcomeUnknown.
+entry succeeds or fails alone (kvpool.proto: StepMany is all-or-nothing per entry); a call whose
+answer was lost is read back entry by entry by the client (`PoolClient.step_many`), and an
+entry it cannot tell fails with OutcomeUnknown.
 """
 
 import asyncio
 
-from pagedkv.client import PoolClient
+from pagedkv.client import PoolClient, Session, Step, StepResult
 from pagedkv.model_runner.process.metrics import RunnerMetrics
-from pagedkv.proto import kvpool_pb2 as pb
 
 # Entries in one StepMany at most; the daemon's max_steps_per_call is at least this many.
 MAX_STEP_ENTRIES = 64
@@ -32,13 +32,14 @@ class DaemonSteps:
         self.pool = pool
         self.metrics = metrics
         # Steps waiting for the next call, with the future of each one's answer.
-        self._queued: list[tuple[pb.StepRequest, asyncio.Future[pb.StepResponse]]] = []
+        self._queued: list[tuple[Session, Step, asyncio.Future[StepResult]]] = []
         self._sender: asyncio.Task[None] | None = None
 
-    async def step(self, request: pb.StepRequest) -> pb.StepResponse:
-        """The daemon's answer to one Step; the exception of its status if it failed."""
-        future: asyncio.Future[pb.StepResponse] = asyncio.get_running_loop().create_future()
-        self._queued.append((request, future))
+    async def step(self, session: Session, op: Step) -> StepResult:
+        """The daemon's answer to one Step of `session`; the exception of its status if it
+        failed."""
+        future: asyncio.Future[StepResult] = asyncio.get_running_loop().create_future()
+        self._queued.append((session, op, future))
         if self._sender is None:
             self._sender = asyncio.create_task(self._send(), name="pagedkv-daemon-steps")
             self._sender.add_done_callback(self._sender_done)
@@ -48,7 +49,7 @@ class DaemonSteps:
         """A sender cancelled before its burst left (the runner stopping, maybe before the
         sender ever ran): its callers are cancelled, and the next Step starts a new sender."""
         if sender is self._sender:
-            for _, future in self._queued:
+            for _, _, future in self._queued:
                 future.cancel()
             self._queued.clear()
             self._sender = None
@@ -61,27 +62,26 @@ class DaemonSteps:
             seen = len(self._queued)
             await asyncio.sleep(0)  # let the Steps made ready meanwhile join
         # A caller cancelled before the call leaves takes its entry out.
-        burst = [entry for entry in self._queued if not entry[1].done()]
+        burst = [entry for entry in self._queued if not entry[2].done()]
         self._queued.clear()
         self._sender = None
         await asyncio.gather(*(self._call(burst[start:start + MAX_STEP_ENTRIES])
                                for start in range(0, len(burst), MAX_STEP_ENTRIES)))
 
-    async def _call(self, batch: list[tuple[pb.StepRequest,
-                                            asyncio.Future[pb.StepResponse]]]) -> None:
+    async def _call(self, batch: list[tuple[Session, Step, asyncio.Future[StepResult]]]) -> None:
         """One StepMany; each entry's future gets its answer or its exception."""
-        answers: list[pb.StepResponse | Exception]
+        answers: list[StepResult | Exception]
         try:
-            answers = list(await self.pool.step_many([request for request, _ in batch]))
+            answers = list(await self.pool.step_many([(session, op) for session, op, _ in batch]))
         except asyncio.CancelledError:  # the runner stopping: nobody is left waiting
-            for _, future in batch:
+            for _, _, future in batch:
                 future.cancel()
             raise
         except Exception as exc:  # no answer, or the whole call refused: every entry fails
             answers = [exc] * len(batch)
         if self.metrics is not None:
             self.metrics.daemon_steps(len(batch))
-        for (_, future), answer in zip(batch, answers, strict=True):
+        for (_, _, future), answer in zip(batch, answers, strict=True):
             if future.done():  # its caller was cancelled meanwhile
                 continue
             if isinstance(answer, Exception):

@@ -1,8 +1,8 @@
 """The runner's holds on its clients' sessions (kvpool.proto's "Runner holds").
 
-    holds = SessionHolds(pool_client, session_table, hold_ms=5000)
-    await holds.ensure(session_id, known)                # before a forward
-    holder = asyncio.create_task(holds.keep(session_id, known))   # while it waits and runs
+    holds = SessionHolds(session_table, hold_ms=5000)
+    await holds.ensure(known)                            # before a forward
+    holder = asyncio.create_task(holds.keep(known))      # while it waits and runs
     holds.after_step(session_id, entry)                  # the session's lock let go
 
 A forward writes K/V into the blocks its step's daemon calls answered, after those calls. A
@@ -17,11 +17,18 @@ kept for as long as a forward of the session may write, and no longer:
 - `keep`: renewed at half its length while the forward waits and runs (KeepAlive, which renews
   the lease too);
 - ended (`end_hold`) once no forward of the session is queued or running: by the engine in the
-  Batch that frees released sequences, after a cancelled step's forward (`hold(end=True)`),
-  before a failed step answers (`end_quietly`), and here once the session has been idle for
-  IDLE_END_S (`after_step`), and when the runner stops.
+  Batch that frees released sequences, after a cancelled step's forward (`end`), before a failed
+  step answers (`end_quietly`), and here once the session has been idle for IDLE_END_S
+  (`after_step`), and when the runner stops.
   The idle end runs under the session's lock, so it never ends a later step's hold, and is sent
   only if no step renewed the hold meanwhile: a client stepping back to back costs no call.
+
+A prefill's commit (SeqState.commit_due) rides the session's next daemon Step or Batch
+(preparation.py); if none comes, it rides the end of the hold (`end`: a Batch with the commit
+and end_hold instead of a KeepAlive), so computed K/V is certified before the client can free
+it. A commit rides only a call made while the hold it was computed under surely lasts
+(`due_commit`): once that hold may have lapsed, the client may have freed and re-created the
+sequence, and the commit is dropped (the K/V is not shared; nothing wrong is certified).
 
 A hold the runner does not end lapses hold_ms after its last renewal: the runner died, or the
 session was forgotten while idle (past MAX_IDLE_SESSIONS; without its entry's lock nothing
@@ -32,12 +39,12 @@ import asyncio
 import contextlib
 import math
 import time
+from collections.abc import Sequence
 
-from pagedkv.client import NotFound, PagedKVError, PoolClient, SessionExpired
+from pagedkv.client import Commit, NotFound, PagedKVError, SessionExpired
 from pagedkv.model_runner.engine.sequences import SessionSequences
 from pagedkv.model_runner.engine.sessions import SessionEntry, SessionTable
 from pagedkv.process.lifecycle import cancel
-from pagedkv.proto import kvpool_pb2 as pb
 
 # How long the runner's daemon calls hold a session (`pagedkv runner --hold-ms`): renewed at half
 # of it while a forward waits or runs; at most the daemon's max_hold_ms (10 s by default).
@@ -47,13 +54,15 @@ HOLD_RETRY_S = 0.1
 # How long a session with no step waits before the runner ends its hold: a client that closes
 # its session directly after its last answer waits about this long (SessionBusy).
 IDLE_END_S = 0.1
+# The share of a hold's length after which a commit due no longer rides a call: the hold may
+# lapse before the call arrives (`due_commit`).
+COMMIT_WITHIN = 0.75
 
 
 class SessionHolds:
     """Holds the runner's clients' sessions while their forwards may write (module docstring)."""
 
-    def __init__(self, pool: PoolClient, sessions: SessionTable, *, hold_ms: int) -> None:
-        self.pool = pool
+    def __init__(self, sessions: SessionTable, *, hold_ms: int) -> None:
         self.sessions = sessions
         # How long each hold lasts unless renewed or ended.
         self.hold_ms = hold_ms
@@ -65,28 +74,44 @@ class SessionHolds:
         """How old a hold is when the runner renews it: half its length."""
         return self.hold_ms / 2000
 
-    async def hold(self, session_id: str, known: SessionSequences, *,
-                   end: bool = False) -> None:
-        """Hold the session for hold_ms from now (KeepAlive, which renews its lease too), or end
-        the runner's hold (`end`: no forward of the session is queued or running)."""
+    async def hold(self, known: SessionSequences) -> None:
+        """Hold the session for hold_ms from now (KeepAlive, which renews its lease too)."""
         sent = time.monotonic()
-        await self.pool.call(self.pool.stub.KeepAlive, lambda: pb.KeepAliveRequest(
-            session_id=session_id, hold_ms=0 if end else self.hold_ms, end_hold=end))
-        known.held_at = -math.inf if end else sent
+        await known.session.keep_alive(hold_ms=self.hold_ms)
+        known.held_at = sent
 
-    async def end_quietly(self, session_id: str, known: SessionSequences) -> None:
+    async def end(self, known: SessionSequences) -> None:
+        """End the runner's hold (no forward of the session is queued or running), with the
+        commits still due (a Batch), else with a KeepAlive."""
+        commit = self.due_commit(known)
+        if commit is None:
+            await known.session.keep_alive(end_hold=True)
+        else:
+            await known.session.batch([commit], end_hold=True)
+            known.clear_due(commit.seq_ids)
+        known.held_at = -math.inf
+
+    def due_commit(self, known: SessionSequences, skip: Sequence[int] = ()) -> Commit | None:
+        """The commits due (but those of `skip`) to ride a call made now, or None. If the hold
+        they were computed under may lapse before the call arrives, they are dropped."""
+        if time.monotonic() - known.held_at > COMMIT_WITHIN * self.hold_ms / 1000:
+            known.clear_due(list(known.seqs))
+            return None
+        return known.due(skip)
+
+    async def end_quietly(self, known: SessionSequences) -> None:
         """End the hold, if any, before a failed step answers (its client may free at once);
         one that cannot be ended lapses by itself."""
         if known.held_at > -math.inf:
             with contextlib.suppress(PagedKVError):
-                await self.hold(session_id, known, end=True)
+                await self.end(known)
 
-    async def ensure(self, session_id: str, known: SessionSequences) -> None:
+    async def ensure(self, known: SessionSequences) -> None:
         """Hold the session now unless a daemon call just did (before a forward)."""
         if time.monotonic() - known.held_at > self.renew_after_s:
-            await self.hold(session_id, known)
+            await self.hold(known)
 
-    async def keep(self, session_id: str, known: SessionSequences) -> None:
+    async def keep(self, known: SessionSequences) -> None:
         """Renew the hold while a forward of the session waits and runs (until cancelled): a
         client that frees its sequences or closes its session directly meanwhile is refused,
         and the session does not expire (a client that dies stops its own KeepAlive)."""
@@ -94,7 +119,7 @@ class SessionHolds:
             await asyncio.sleep(max(HOLD_RETRY_S,
                                     known.held_at + self.renew_after_s - time.monotonic()))
             try:
-                await self.hold(session_id, known)
+                await self.hold(known)
             except (SessionExpired, NotFound):
                 return  # gone already: the step fails at its finish
             except PagedKVError:  # a slow or restarting daemon: try again soon
@@ -122,14 +147,14 @@ class SessionHolds:
             async with entry.lock:
                 if entry.sequences.held_at == held_at and not entry.ended:
                     with contextlib.suppress(PagedKVError):  # else it lapses by itself
-                        await self.hold(session_id, entry.sequences, end=True)
+                        await self.end(entry.sequences)
         finally:
             self.sessions.leave(session_id, entry)
 
     async def stop(self) -> None:
         """End every hold (the runner stopping, its forwards done: nothing writes any more)."""
         await cancel(*self._idle_ends)
-        await asyncio.gather(*(self.hold(session_id, entry.sequences, end=True)
-                               for session_id, entry in self.sessions.items()
+        await asyncio.gather(*(self.end(entry.sequences)
+                               for _, entry in self.sessions.items()
                                if entry.sequences.held_at > -math.inf and not entry.ended),
                              return_exceptions=True)

@@ -9,16 +9,19 @@ the step's forward: what the runner knows of each sequence comes only from those
 a runner restart), claims the tokens decoded ahead, checks the model's positions, then makes one
 daemon call: a `Step` for single decode tokens (committing what the previous forward computed;
 sent in one StepMany with the Steps other sessions make at the same moment, daemon_steps.py),
-else one `Batch` of Fork ops (parallel samples, beams), then Allocate/Append ops. The chunks to
-compute follow from the answers. Those calls hold the session for `hold_ms` (kvpool.proto's
-"Runner holds"): until the forward that follows them is done (the engine renews or ends the
-hold), no client frees the blocks they answered.
+else one `Batch` of Fork ops (parallel samples, beams), then Allocate/Append ops. A prefill's
+commit due (SeqState.commit_due) rides that call: the Step's commit when it covers every
+sequence due, else a Commit op first in the Batch. The chunks to compute follow from the
+answers. Every call goes through the session's handle (`SessionSequences.session`), so an
+answer lost on the way is read back as kvpool.proto's retry rules say. Those calls hold the
+session for `hold_ms` (kvpool.proto's "Runner holds"): until the forward that follows them is
+done (the engine renews or ends the hold), no client frees the blocks they answered.
 """
 
 import time
 from collections.abc import Callable, Sequence
 
-from pagedkv.client import Allocate, Append, Fork, PoolClient, SequenceBlocks
+from pagedkv.client import Allocate, Append, Commit, Fork, PoolClient, SequenceBlocks, Step
 from pagedkv.model_runner.engine.daemon_steps import DaemonSteps
 from pagedkv.model_runner.engine.forward_loop import Prepared
 from pagedkv.model_runner.engine.holds import SessionHolds
@@ -27,7 +30,6 @@ from pagedkv.model_runner.engine.step_checks import check_daemon_ids, validate_s
 from pagedkv.model_runner.engine.steps import InvalidStep, SeqRequest, UnknownSequence
 from pagedkv.model_runner.process.metrics import RunnerMetrics
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
-from pagedkv.proto import kvpool_pb2 as pb
 
 
 class Preparer:
@@ -42,8 +44,6 @@ class Preparer:
         self.steps = DaemonSteps(pool, metrics)
         # The model runner in use (its block size, vocabulary and positions).
         self._runner = runner
-        # The pool's free blocks per the daemon's latest answer (any session's call).
-        self.free_blocks = 0
 
     def validate(self, requests: Sequence[SeqRequest], release: Sequence[int]) -> None:
         """InvalidStep for a malformed step, before anything is read or changed."""
@@ -53,11 +53,12 @@ class Preparer:
                       requests: Sequence[SeqRequest]) -> Prepared:
         """Learn unknown sequences, then one daemon call that appends every new token (but the
         tokens the runner appended ahead)."""
-        await self._learn(session_id, known, requests)
+        known.attach(self.pool, session_id, self._runner().block_size)
+        await self._learn(known, requests)
         claimed = self._claim_ahead(known, requests)
         self._check_lengths(known, requests, claimed)
         todo = [r for i, r in enumerate(requests) if i not in claimed]
-        appended = iter(await self._append(session_id, known, todo) if todo else [])
+        appended = iter(await self._append(known, todo) if todo else [])
         states = [self.known_state(known, r.seq_id) if i in claimed else next(appended)
                   for i, r in enumerate(requests)]
         # An ahead result holds if the client kept the sampling; else sample that position again.
@@ -86,13 +87,23 @@ class Preparer:
                 raise InvalidStep(f"sequence {request.seq_id} would hold {held + added} tokens; "
                                   f"the model takes at most {limit} positions (max_model_len)")
 
-    async def _append(self, session_id: str, known: SessionSequences,
+    async def _append(self, known: SessionSequences,
                       requests: Sequence[SeqRequest]) -> list[SeqState]:
-        """One daemon call for the step's memory operations: `Step` for single decode tokens,
-        else a `Batch`."""
+        """One daemon call for the step's memory operations: `Step` for single decode tokens
+        whose commit carries every commit due, else a `Batch`."""
         if all(not r.new_sequence and len(r.token_ids) == 1 for r in requests):
-            return await self.decode_step(session_id, known, requests)
-        return await self._batch(session_id, known, requests)
+            due = self.holds.due_commit(known)
+            seq_ids = {r.seq_id for r in requests}
+            if due is None or (self._committable(known, requests)
+                               and seq_ids.issuperset(due.seq_ids)):
+                return await self.decode_step(known, requests)
+        return await self._batch(known, requests)
+
+    def _committable(self, known: SessionSequences, requests: Sequence[SeqRequest]) -> bool:
+        """Whether a Step of these sequences may commit: the previous forward computed all they
+        hold, and the runner knows their ids are the daemon's (never certify others)."""
+        return all(s.num_computed == len(s.tokens) and s.verified
+                   for s in (self.known_state(known, r.seq_id) for r in requests))
 
     def _claim_ahead(self, known: SessionSequences,
                      requests: Sequence[SeqRequest]) -> dict[int, Ahead]:
@@ -111,7 +122,7 @@ class Preparer:
             claimed[index] = state.ahead
         return claimed
 
-    async def _learn(self, session_id: str, known: SessionSequences,
+    async def _learn(self, known: SessionSequences,
                      requests: Sequence[SeqRequest]) -> None:
         """Read back existing sequences the runner has not seen: a fork (its parent's history)
         or a sequence from before a runner restart (the history the client sends). Nothing a
@@ -127,20 +138,18 @@ class Preparer:
             return
         # The daemon first: another session's sequence is NOT_FOUND there, as it must be here.
         sent = time.monotonic()
-        reply = await self.pool.call(self.pool.stub.GetBlockTables, lambda: (
-            pb.GetBlockTablesRequest(session_id=session_id,
-                                     seq_ids=[r.seq_id for r in unknown] + idle,
-                                     include_token_ids=True, hold_ms=self.holds.hold_ms)))
+        tables = await known.session.block_tables([r.seq_id for r in unknown] + idle,
+                                                  token_ids=True, hold_ms=self.holds.hold_ms)
         known.held_at = sent
-        for seq_id, table in zip(idle, reply.tables[len(unknown):], strict=True):
-            self._check_unchanged(known, seq_id, SequenceBlocks.from_proto(table))
+        for seq_id, table in zip(idle, tables[len(unknown):], strict=True):
+            self._check_unchanged(known, seq_id, table)
         for request in unknown:
             if self._parent(known, request) is None and request.history is None:
                 raise UnknownSequence(
                     f"sequence {request.seq_id} is unknown to the runner (forked, or the runner "
                     "restarted): name its parent_seq_id, or resend it with its history")
-        learnt = [self._adopt(known, request, SequenceBlocks.from_proto(table))
-                  for request, table in zip(unknown, reply.tables[:len(unknown)], strict=True)]
+        learnt = [self._adopt(known, request, table)
+                  for request, table in zip(unknown, tables[:len(unknown)], strict=True)]
         for request, state in zip(unknown, learnt, strict=True):
             known.put(request.seq_id, state)
 
@@ -214,22 +223,22 @@ class Preparer:
     def _parent(known: SessionSequences, request: SeqRequest) -> SeqState | None:
         return None if request.parent_seq_id is None else known.get(request.parent_seq_id)
 
-    async def decode_step(self, session_id: str, known: SessionSequences,
+    async def decode_step(self, known: SessionSequences,
                           requests: Sequence[SeqRequest], ahead: bool = False) -> list[SeqState]:
         """One daemon Step appending one token to each sequence (the decode hot path); `ahead`:
         the runner's own step, ahead of the client, which each state then records."""
         states = [self.known_state(known, r.seq_id) for r in requests]
-        # If the previous forward computed everything they hold, the Step commits it (never a
-        # sequence whose ids the runner could not check against the daemon's).
-        commit = all(s.num_computed == len(s.tokens) and s.verified for s in states)
+        # If the previous forward computed everything they hold, the Step commits it, and so
+        # their commits due.
+        commit = self._committable(known, requests)
         seq_ids = [r.seq_id for r in requests]
         tokens = [r.token_ids[0] for r in requests]
         sent = time.monotonic()
-        reply = await self.steps.step(pb.StepRequest(
-            session_id=session_id, seq_ids=seq_ids, num_tokens=1, token_ids=tokens,
-            commit=commit, hold_ms=self.holds.hold_ms))
+        reply = await self.steps.step(known.session, Step(seq_ids, tokens, 1, commit,
+                                                          self.holds.hold_ms))
         known.held_at = sent
-        self.free_blocks = reply.free_blocks
+        if commit:
+            known.clear_due(seq_ids)
         for index, logical, block in zip(reply.changed_seq_index, reply.changed_logical_block,
                                          reply.changed_block_id, strict=True):
             states[index].patch(logical, block)
@@ -251,14 +260,14 @@ class Preparer:
         raise UnknownSequence(f"sequence {seq_id} changed in the daemon behind the runner (freed "
                               "or re-created directly): resend it with its history")
 
-    async def _batch(self, session_id: str, known: SessionSequences,
+    async def _batch(self, known: SessionSequences,
                      requests: Sequence[SeqRequest]) -> list[SeqState]:
         """One daemon Batch: Fork the forks first (a child holds what its parent held before the
         step), Allocate each other new sequence, Append to the rest."""
         forks = [r for r in requests if r.new_sequence and r.parent_seq_id is not None]
         # The parents as they are before this step appends to them: what the children inherit.
         inherited = {r.seq_id: self._fork_parent(known, r) for r in forks}
-        ops: list[Fork | Allocate | Append] = [
+        ops: list[Commit | Fork | Allocate | Append] = [
             Fork(r.parent_seq_id, r.seq_id) for r in forks if r.parent_seq_id is not None]
         for r in requests:
             if r.new_sequence and r.parent_seq_id is None:
@@ -267,13 +276,14 @@ class Preparer:
                 ops.append(Append(r.seq_id, token_ids=r.token_ids))
         answers: list[SequenceBlocks] = []
         if ops:
+            due = self.holds.due_commit(known)  # first: a fork's child shares what it certifies
             sent = time.monotonic()
-            reply = await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
-                session_id=session_id, ops=[op.batch_op() for op in ops],
-                hold_ms=self.holds.hold_ms))
+            answers = await known.session.batch([due, *ops] if due else ops,
+                                                hold_ms=self.holds.hold_ms)
             known.held_at = sent
-            self.free_blocks = reply.free_blocks
-            answers = [SequenceBlocks.from_proto(result) for result in reply.results]
+            if due is not None:
+                known.clear_due(due.seq_ids)
+                answers = answers[1:]
         # A fork's Append answer comes after its Fork answer: the later one wins.
         by_seq = {answer.seq_id: answer for answer in answers}
         states = []

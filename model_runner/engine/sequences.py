@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedkv.client import SamplingParams
+from pagedkv.client import Commit, PoolClient, SamplingParams, Session
 from pagedkv.model_runner.engine.steps import SeqResult
 from pagedkv.vocab.blocks import patch_table, slots_of
 
@@ -56,6 +56,9 @@ class SeqState:
     # The runner appended a token ahead of the client (the last token of `tokens`), until the
     # client's next step names it.
     ahead: Ahead | None = None
+    # Leading tokens a prefill computed whose commit is not sent yet (0: none): it rides the
+    # session's next daemon Step or Batch, or the end of the runner's hold (holds.py).
+    commit_due: int = 0
 
     def slots(self, start: int, end: int, block_size: int) -> list[int]:
         """Pool slots of positions [start, end), from the block table."""
@@ -76,6 +79,34 @@ class SessionSequences:
     # no client frees its blocks until then + hold_ms), monotonic seconds taken before the
     # call; -inf: no hold asked, or the hold ended.
     held_at: float = -math.inf
+    # The runner's handle on the client's session in the daemon (`attach`): every daemon call
+    # about the session goes through it, and a lost answer is read back from the lengths it saw.
+    handle: Session | None = None
+
+    def attach(self, pool: PoolClient, session_id: str, block_size: int) -> Session:
+        """The handle on the session, made at its first step."""
+        if self.handle is None:
+            self.handle = pool.attach(session_id, block_size)
+        return self.handle
+
+    @property
+    def session(self) -> Session:
+        """The handle, which the session's first step made before any daemon call."""
+        assert self.handle is not None, "a step attaches the session before its daemon calls"
+        return self.handle
+
+    def due(self, skip: Sequence[int] = ()) -> Commit | None:
+        """The commits due (SeqState.commit_due) as one Commit op, but those of `skip`; None
+        if there are none."""
+        due = [(seq_id, state.commit_due) for seq_id, state in self.seqs.items()
+               if state.commit_due and seq_id not in skip]
+        return Commit([seq_id for seq_id, _ in due], [n for _, n in due]) if due else None
+
+    def clear_due(self, seq_ids: Sequence[int]) -> None:
+        """No commit of these sequences is due any more (one was applied, or it was dropped)."""
+        for seq_id in seq_ids:
+            if (state := self.seqs.get(seq_id)) is not None:
+                state.commit_due = 0
 
     def get(self, seq_id: int) -> SeqState | None:
         return self.seqs.get(seq_id)

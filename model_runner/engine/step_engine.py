@@ -15,8 +15,10 @@ A step goes through three stages:
    interleave): every prepared step waiting is packed into one forward pass, then each sequence
    that is fully computed samples its next token. A step that arrives while a forward runs is
    prepared meanwhile: its daemon round trip overlaps that forward.
-3. finish (on the loop): commit the blocks a prefill computed (decode blocks are committed by the
-   next Step), free the sequences the client released, answer.
+3. finish (on the loop): free the sequences the client released, answer. The blocks a prefill
+   computed are committed by the session's next daemon call (its Step or Batch: decode blocks
+   are committed by the next Step too), or with the end of the hold if no call comes first
+   (holds.py); a step so makes one daemon call before its forward and none after it.
 
 Decode ahead (runner.proto's `decode_ahead`, vLLM v1's async scheduling): when a client marks a
 sequence whose step sampled a token that does not finish it, the runner keeps the session's lock
@@ -41,7 +43,6 @@ changed".
 
 import asyncio
 import contextlib
-import functools
 import math
 import time
 from collections.abc import Sequence
@@ -66,7 +67,6 @@ from pagedkv.model_runner.engine.steps import SeqRequest, SeqResult, StepNotComp
 from pagedkv.model_runner.process.metrics import RunnerMetrics
 from pagedkv.model_runner.runner import ModelRunner
 from pagedkv.process.lifecycle import cancel
-from pagedkv.proto import kvpool_pb2 as pb
 
 
 class StepEngine:
@@ -84,7 +84,7 @@ class StepEngine:
         # Each client session's sequences and lock, forgotten when the session ends.
         self.sessions = SessionTable()
         # The daemon's holds on the sessions while their forwards may write (hold_ms each).
-        self.holds = SessionHolds(pool, self.sessions, hold_ms=hold_ms)
+        self.holds = SessionHolds(self.sessions, hold_ms=hold_ms)
         self.preparer = Preparer(pool, lambda: self.runner, metrics, holds=self.holds)
         # Steps being decoded ahead (each holds its session's lock).
         self._ahead_tasks: set[asyncio.Task[None]] = set()
@@ -128,11 +128,11 @@ class StepEngine:
                     prepared.states[index].ahead = None
                 results = (await self._run(prepared, known) if prepared.chunks
                            else self.forwards.results(prepared, {}))
-                await self._finish(session_id, known, prepared, release)
+                await self._finish(known, prepared, release)
             except Exception as exc:
                 entry.ended = entry.ended or _session_gone(exc)
                 if not entry.ended:  # no forward of the session is left: the client may free
-                    await self.holds.end_quietly(session_id, known)
+                    await self.holds.end_quietly(known)
                 raise
             if self.metrics is not None:
                 self.metrics.step(time.monotonic() - started)
@@ -143,7 +143,7 @@ class StepEngine:
                 self._ahead_tasks.add(task)
                 task.add_done_callback(self._ahead_tasks.discard)
                 handed_off = True
-            return StepOutcome(results, self.preparer.free_blocks)
+            return StepOutcome(results, self.pool.free_blocks)
         finally:
             if not handed_off:
                 self._let_go(session_id, entry)
@@ -161,9 +161,8 @@ class StepEngine:
         a caller cancelled meanwhile waits for the forward (which may be writing the session's
         blocks) before the hold ends and the lock goes."""
         check_writes(prepared)
-        session_id = prepared.session_id
-        await self.holds.ensure(session_id, known)
-        holder = asyncio.create_task(self.holds.keep(session_id, known))
+        await self.holds.ensure(known)
+        holder = asyncio.create_task(self.holds.keep(known))
         forward = asyncio.ensure_future(self.forwards.compute(prepared))
         try:
             return await asyncio.shield(forward)
@@ -175,7 +174,7 @@ class StepEngine:
                 self._orphans.discard(forward)
             holder.cancel()
             with contextlib.suppress(asyncio.CancelledError, PagedKVError):
-                await self.holds.hold(session_id, known, end=True)  # else it lapses
+                await self.holds.end(known)  # else it lapses
             raise
         except Exception as exc:
             raise StepNotComputed(
@@ -207,8 +206,7 @@ class StepEngine:
         appended every token (each recorded as ahead) or none, and a token appended but not
         computed is computed by the client's step."""
         try:
-            states = await self.preparer.decode_step(session_id, entry.sequences, requests,
-                                                     ahead=True)
+            states = await self.preparer.decode_step(entry.sequences, requests, ahead=True)
             chunks = [(i, chunk) for i, (r, state) in enumerate(zip(requests, states, strict=True))
                       if (chunk := self.preparer.chunk(r, state)) is not None]
             results = await self._run(Prepared(session_id, requests, states, chunks),
@@ -227,40 +225,39 @@ class StepEngine:
 
     # -------------------------------------------------------------- finishing
 
-    async def _finish(self, session_id: str, known: SessionSequences, prepared: Prepared,
+    async def _finish(self, known: SessionSequences, prepared: Prepared,
                       release: Sequence[int]) -> None:
-        """Commit what prefill chunks computed; free the released sequences (their computed
-        blocks committed first, so they stay cached). Only sequences whose ids the runner knows
-        are the daemon's are committed (SeqState.verified). The step's forward is done and the
-        session's lock held, so no forward of it is left: the hold ends, with the Batch (else,
-        when sequences were released, with a KeepAlive), and the client may close at once."""
+        """Make the commits of what prefill chunks computed due (they ride the session's next
+        daemon call, holds.py); free the released sequences (their computed blocks committed
+        first, so they stay cached). Only sequences whose ids the runner knows are the daemon's
+        are committed (SeqState.verified). The step's forward is done and the session's lock
+        held, so no forward of it is left: when sequences are released the hold ends, with the
+        Batch (which carries the commits due), and the client may close at once."""
         bs = self.runner.block_size
-        prefilled = [(prepared.requests[i].seq_id, prepared.states[i].num_computed)
-                     for i, chunk in prepared.chunks
-                     if len(chunk.token_ids) > 1 and prepared.states[i].num_computed >= bs
-                     and prepared.states[i].verified]
-        ops: list[Commit | Free] = []
-        if prefilled:
-            ops.append(Commit([seq_id for seq_id, _ in prefilled], [n for _, n in prefilled]))
+        for index, chunk in prepared.chunks:
+            state = prepared.states[index]
+            if len(chunk.token_ids) > 1 and state.num_computed >= bs and state.verified:
+                state.commit_due = state.num_computed
+        if not release:
+            return
         released = [seq_id for seq_id in release if known.get(seq_id) is not None]
         certified = [(seq_id, state.num_computed) for seq_id in released
                      if (state := self.preparer.known_state(known, seq_id)).verified]
+        due = self.holds.due_commit(known, skip=released)
+        ops: list[Commit | Free] = [due] if due is not None else []
         if certified:
             ops.append(Commit([seq_id for seq_id, _ in certified], [n for _, n in certified]))
         ops.extend(Free(seq_id) for seq_id in released)
         if ops:
-            reply = await self.pool.call(self.pool.stub.Batch, lambda: pb.BatchRequest(
-                session_id=session_id, ops=[op.batch_op() for op in ops], end_hold=True))
+            await known.session.batch(ops, end_hold=True)
             known.held_at = -math.inf
-            self.preparer.free_blocks = reply.free_blocks
+            known.clear_due(due.seq_ids if due is not None else ())
         known.drop(released)
         for seq_id in set(release) - set(released):  # never stepped here (a pruned fork)
-            free = functools.partial(pb.FreeRequest, session_id=session_id, seq_id=seq_id)
             with contextlib.suppress(SequenceNotFound):
-                await self.pool.call(self.pool.stub.Free, free)
-        if release and not ops:  # a hold of a forgotten entry's too
-            await self.holds.hold(session_id, known, end=True)
-
+                await known.session.free(seq_id)
+        if not ops:  # a hold of a forgotten entry's too
+            await self.holds.end(known)
 
 
 def _session_gone(exc: Exception) -> bool:
