@@ -15,7 +15,9 @@ its pages for as long as any process maps it, and a new daemon sized for the sam
 could not create its own. It maps the pool again when the daemon answers (the same one, if the
 daemon was only unreachable).
 
-SIGTERM: health NOT_SERVING, stop accepting, let in-flight steps finish for SHUTDOWN_GRACE_S.
+Its gRPC server is built, bound, drained and stopped by the bring-up the daemon shares
+(process/grpc_server.py): the same message limit, bounds, health and reflection. SIGTERM:
+health NOT_SERVING, stop accepting, let in-flight steps finish for SHUTDOWN_GRACE_S.
 """
 
 import asyncio
@@ -27,9 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client.registry import CollectorRegistry
 
 from pagedkv.client import DaemonUnavailable, PoolClient, PoolInfo
@@ -42,18 +41,14 @@ from pagedkv.model_runner.models import ModelSource, check_geometry, kv_geometry
 from pagedkv.model_runner.process.metrics import RunnerMetrics
 from pagedkv.model_runner.process.servicer import RunnerServicer, RunnerUnavailable
 from pagedkv.model_runner.runner import ModelRunner
+from pagedkv.process.grpc_server import GrpcServers, grpc_servers
 from pagedkv.process.lifecycle import cancel, stop_on_signals
 from pagedkv.process.log_setup import get_logger
 from pagedkv.process.notify import notify
 from pagedkv.process.probes import metrics_app, start_http
 from pagedkv.process.server_bounds import ServerBounds
-from pagedkv.process.socket_files import (
-    claim_socket_path,
-    socket_umask,
-)
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
-from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 from pagedkv.vocab.paths import (
     DAEMON_RUNNER_SOCKET_NAME,
     default_daemon_runner_socket,
@@ -62,14 +57,11 @@ from pagedkv.vocab.paths import (
 
 log = get_logger(__name__)
 
-SHUTDOWN_GRACE_S = 5.0
 # How often the watcher asks the daemon which pool it serves.
 POOL_CHECK_INTERVAL_S = 1.0
 RUNNER_SERVICE = rpb.DESCRIPTOR.services_by_name["Runner"].full_name
 # Group may connect (the clients' group); others may not.
 SOCKET_MODE = 0o660
-# grpc_health's stubs predate its asyncio servicer (`health.aio`).
-AsyncHealthServicer: Any = health.aio.HealthServicer  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +146,7 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
         await engine.start()
         stack.push_async_callback(engine.stop)
         state = RunnerState(engine, info, config.model.name, backend.name)
-        server, health_servicer = await stack.enter_async_context(_grpc_server(config, state))
+        servers = await stack.enter_async_context(_grpc_server(config, state))
         if config.metrics_listen is not None:
             host, _, port = config.metrics_listen.rpartition(":")
             http = await start_http(metrics_app(registry, lambda: state.unavailable),
@@ -166,9 +158,7 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
         log.info("ready", model=config.model.name, pool_id=info.pool_id, listen=config.listen,
                  attention_backend=backend.name)
         await stop.wait()
-        notify("STOPPING=1")
-        await health_servicer.enter_graceful_shutdown()
-        await server.stop(SHUTDOWN_GRACE_S)
+        await servers.drain()
     log.info("stopped")
 
 
@@ -177,35 +167,22 @@ def _pool_device(info: PoolInfo) -> str:
 
 
 @contextlib.asynccontextmanager
-async def _grpc_server(config: RunnerConfig,
-                       state: RunnerState) -> AsyncIterator[tuple[grpc.aio.Server, Any]]:
+async def _grpc_server(config: RunnerConfig, state: RunnerState) -> AsyncIterator[GrpcServers]:
+    """The Runner server on `config.listen`, started and SERVING; stopped on exit."""
     # Answers are bounded below MAX_MESSAGE_BYTES (answer_limits); requests up to it.
-    bounds = config.server_bounds
-    server = grpc.aio.server(options=[*MESSAGE_SIZE_OPTIONS, *bounds.options()],
-                             maximum_concurrent_rpcs=bounds.max_concurrent_rpcs)
     servicer = RunnerServicer(state.step, state.runner_info,
                               lambda exc: log.error("step failed", exc_info=exc),
                               config.answer_limits)
-    runner_pb2_grpc.add_RunnerServicer_to_server(servicer, server)
-    health_servicer = AsyncHealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (RUNNER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    path = Path(config.listen.removeprefix("unix://").removeprefix("unix:"))
-    # Explicit modes whatever the umask: the socket 0o660 (the pagedkv group), its folder
-    # 0o750; a live runner's socket is refused, a crashed one's removed.
-    claim_socket_path(path, SOCKET_MODE)
-    with socket_umask(SOCKET_MODE):
-        server.add_insecure_port(f"unix://{path}")
-    os.chmod(path, SOCKET_MODE)
-    await server.start()
-    for name in ("", RUNNER_SERVICE):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    try:
-        yield server, health_servicer
-    finally:
-        await server.stop(None)
-        path.unlink(missing_ok=True)
+    async with grpc_servers(RUNNER_SERVICE, config.server_bounds) as servers:
+        server = servers.add_server(
+            lambda server: runner_pb2_grpc.add_RunnerServicer_to_server(servicer, server))
+        # The socket 0o660 (the pagedkv group), its folder 0o750; a live runner's socket is
+        # refused, a crashed one's removed.
+        servers.bind_unix(server, Path(config.listen.removeprefix("unix://")
+                                       .removeprefix("unix:")), SOCKET_MODE)
+        await servers.start()
+        await servers.set_serving()
+        yield servers
 
 
 async def _watch_pool(state: RunnerState, pool: PoolClient, model: Any, backend: Any) -> None:
