@@ -39,7 +39,8 @@ async def measure(daemon: str, runner: str, prompt: int) -> tuple[float, list[fl
     async with await PoolClient.connect(daemon) as pool, \
             await RunnerClient.connect(runner) as compute, \
             await pool.open_session("prefill") as a, await pool.open_session("decode") as b:
-        token = (await compute.step(b, [SeqStep(1, list(range(1, 9)), True)]))[0].token_id
+        first = SeqStep(1, list(range(1, 9)), True, params=GREEDY)
+        token = (await compute.step(b, [first]))[0].token_id
         began = time.perf_counter()
         prefill = asyncio.create_task(compute.step(a, [
             SeqStep(1, [(7 * i) % 999 + 1 for i in range(prompt)], True, params=GREEDY)]))

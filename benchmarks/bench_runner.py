@@ -151,8 +151,9 @@ async def drive(daemon: str, runner_target: str, prompts: list[list[int]],
             if step == NEW_TOKENS:
                 break
             last = step == NEW_TOKENS - 1
+            # The runner keeps each sequence's sampling from its first step.
             out = await runner.step(session, [SeqStep(seq_id, tokens[seq_id][-1:],
-                                                      params=params, decode_ahead=ahead)
+                                                      decode_ahead=ahead)
                                               for seq_id in seq_ids],
                                     release=seq_ids if last else ())
         end, cpu = time.monotonic(), time.process_time() - cpu

@@ -15,7 +15,7 @@ Each refusal is INVALID_ARGUMENT naming the sequence and the field, nothing chan
 
 A client keeps its own KVPool session (proto kvpool.proto) and schedules its sequences; the
 runner computes them. One Step carries a client's whole step: for each sequence, the tokens to
-add and compute and how to sample its next token. The runner never trusts a block table or a
+add and compute (and, on its first step only, how to sample its tokens). The runner never trusts a block table or a
 slot from a client: it performs the step's memory operations with the daemon itself, under
 the client's session (Fork for a new sequence naming a parent, Allocate for another new
 sequence, Append/Step for the others, all in one call), so a client step costs one client
@@ -51,8 +51,9 @@ the daemon than the last answer says (the sampled token, appended ahead): count 
 comparing, and release such a sequence rather than resend it if that answer was lost. A
 runner_id (GetRunnerInfo) other than before the lost answer means the runner restarted and
 knows none of the session's sequences, while the daemon kept them: free the step's new
-sequences and resend the step with each existing sequence's history (SequenceStep.history;
-the runner takes the daemon's one extra token for the token the step names).
+sequences and resend the step with each existing sequence's history and sampling
+(SequenceStep.history, SequenceStep.sampling; the runner takes the daemon's one extra token
+for the token the step names).
 """
 
 from collections import abc as _abc
@@ -122,7 +123,7 @@ class RunnerInfo(_message.Message):
     """Drawn when the runner process starts. After a step that failed without an answer
     (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED), another id means the runner restarted and
     knows none of the client's sequences: free the step's new sequences (its allocations may
-    have happened) and resend it with the others' history. The same id means the step may
+    have happened) and resend it with the others' history and sampling. The same id means the step may
     have been applied by a runner that still knows them: do not resend it as it was.
     """
     @_builtins.property
@@ -272,13 +273,23 @@ class SequenceStep(_message.Message):
         """Tokens to add: the prompt (new), a decode token, or more prompt (chunked prefill)."""
 
     @_builtins.property
-    def sampling(self) -> Global___SamplingParams: ...
+    def sampling(self) -> Global___SamplingParams:
+        """How to sample the sequence's next token, sent once: with the sequence's first step (a new
+        sequence, a fork's child, the first step of a sequence the client forked itself, a resend
+        with history); the runner keeps it with the sequence until the sequence is released or the
+        runner forgets the session, and later steps leave it out. Sent again, it replaces the kept
+        one. A new sequence without it is INVALID_ARGUMENT; an existing sequence whose sampling
+        the runner does not keep (it restarted, or forgot an idle session) without it is
+        FAILED_PRECONDITION (cause UnknownSequence) naming the sequence: resend the step with each
+        sequence's history and sampling. Either changes nothing.
+        """
+
     @_builtins.property
     def history(self) -> Global___SequenceHistory:
         """First step of an existing sequence the runner does not know (it restarted): what the
-        sequence holds, so the runner can go on with identical tokens. Sent after the runner
-        answered FAILED_PRECONDITION naming the sequence as unknown, or after a step without an
-        answer when RunnerInfo.runner_id changed (the runner restarted).
+        sequence holds, so the runner can go on with identical tokens (send its sampling too).
+        Sent after the runner answered FAILED_PRECONDITION naming the sequence as unknown, or
+        after a step without an answer when RunnerInfo.runner_id changed (the runner restarted).
         """
 
     def __init__(

@@ -15,7 +15,7 @@ Each refusal is INVALID_ARGUMENT naming the sequence and the field, nothing chan
 
 A client keeps its own KVPool session (proto kvpool.proto) and schedules its sequences; the
 runner computes them. One Step carries a client's whole step: for each sequence, the tokens to
-add and compute and how to sample its next token. The runner never trusts a block table or a
+add and compute (and, on its first step only, how to sample its tokens). The runner never trusts a block table or a
 slot from a client: it performs the step's memory operations with the daemon itself, under
 the client's session (Fork for a new sequence naming a parent, Allocate for another new
 sequence, Append/Step for the others, all in one call), so a client step costs one client
@@ -51,8 +51,9 @@ the daemon than the last answer says (the sampled token, appended ahead): count 
 comparing, and release such a sequence rather than resend it if that answer was lost. A
 runner_id (GetRunnerInfo) other than before the lost answer means the runner restarted and
 knows none of the session's sequences, while the daemon kept them: free the step's new
-sequences and resend the step with each existing sequence's history (SequenceStep.history;
-the runner takes the daemon's one extra token for the token the step names).
+sequences and resend the step with each existing sequence's history and sampling
+(SequenceStep.history, SequenceStep.sampling; the runner takes the daemon's one extra token
+for the token the step names).
 """
 
 from collections import abc as _abc

@@ -64,8 +64,9 @@ async def decode(engine: StepEngine, session_id: str, first: Sequence[SeqRequest
                 continue
             request = requests[result.seq_id]
             tokens = (seq.tokens[-1],) if result.sampled else ()
+            # No sampling: the runner keeps the one the first step sent.
             pending.append(SeqRequest(result.seq_id, False, tokens, request.max_compute_tokens,
-                                      request.params, decode_ahead=decode_ahead))
+                                      None, decode_ahead=decode_ahead))
     return decoded
 
 

@@ -34,7 +34,7 @@ from pagedkv.model_runner.engine.answer_limits import (
     AnswerLimits,
     output_bytes,
 )
-from pagedkv.model_runner.engine.steps import InvalidStep
+from pagedkv.model_runner.engine.steps import InvalidStep, SeqRequest
 from pagedkv.model_runner.process.cli import parser
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
@@ -74,11 +74,12 @@ async def compute(runner: Pagedkvd) -> AsyncIterator[RunnerClient]:
         yield connected
 
 
-def prompts(count: int, logprobs: int) -> list[SeqStep]:
-    """`count` new sequences of 4 tokens each, asking `logprobs` top logprobs."""
+def prompts(count: int, logprobs: int, first: int = 0) -> list[SeqStep]:
+    """`count` new sequences (ids from `first`) of 4 tokens each, asking `logprobs` top
+    logprobs."""
     params = SamplingParams(temperature=0.0, logprobs=logprobs)
     return [SeqStep(i, [(i * 4 + j) % VOCAB for j in range(4)], new_sequence=True,
-                    params=params) for i in range(count)]
+                    params=params) for i in range(first, first + count)]
 
 
 async def held(session: Session) -> int:
@@ -104,9 +105,8 @@ def test_logprobs_are_capped_at_vllms_20_by_default() -> None:
     assert (args.max_logprobs, args.max_answer_bytes) == (20, AnswerLimits().max_answer_bytes)
     assert AnswerLimits().max_answer_bytes < GRPC_DEFAULT_RECEIVE_BYTES
 
-    def step(logprobs: int) -> rpb.RunnerStepRequest:
-        return rpb.RunnerStepRequest(seqs=[rpb.SequenceStep(
-            seq_id=9, sampling=rpb.SamplingParams(logprobs=logprobs))])
+    def step(logprobs: int) -> list[SeqRequest]:
+        return [SeqRequest(9, True, (1,), 0, SamplingParams(logprobs=logprobs))]
 
     AnswerLimits().check(step(20))
     with pytest.raises(InvalidStep, match="sequence 9: logprobs=21 is over the runner's "
@@ -151,3 +151,11 @@ async def test_an_answer_that_could_pass_the_limit_is_refused_before_anything_ch
         assert [len(out.top_token_ids) for out in answer.outputs] == [MAX_LOGPROBS] * MOST_SEQS
         assert answer.ByteSize() <= AnswerLimits().max_answer_bytes
         assert await held(session) == MOST_SEQS
+        # The sequences' kept sampling counts, though later steps do not send it: the same
+        # sequences and one more are refused, nothing changed.
+        decode = [SeqStep(i, [out.token_id]) for i, out in enumerate(answer.outputs)]
+        with pytest.raises(AnswerTooLarge, match="max_answer_bytes"):
+            await compute.step(session, [*decode, *prompts(1, MAX_LOGPROBS, first=MOST_SEQS)])
+        assert await held(session) == MOST_SEQS
+        (out,) = await compute.step(session, decode[:1])
+        assert len(out.top_token_ids) == MAX_LOGPROBS  # the kept sampling, not sent again

@@ -21,7 +21,7 @@ import pytest
 from pagedkvd_process import pagedkv_runner, pagedkvd, short_tmp_dir
 from served_model import TINY, hf_greedy, reference_model, write_config
 
-from pagedkv.client import PoolClient, RunnerClient, SeqStep
+from pagedkv.client import PoolClient, RunnerClient, SamplingParams, SeqStep
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
 from pagedkv.model_runner.engine.forward_loop import ForwardLoop, Prepared
 from pagedkv.model_runner.engine.sampling import Sampler
@@ -75,7 +75,8 @@ async def test_a_runner_unmaps_a_crashed_daemons_pool_and_maps_the_new_one(
                 assert new_file != old_file and str(new_file) in maps(pid)
                 async with await PoolClient.connect(second.unix_target) as pool, \
                         await pool.open_session("after-crash") as session:
-                    (first_out,) = await runner.step(session, [SeqStep(1, PROMPT, True)])
+                    (first_out,) = await runner.step(
+                        session, [SeqStep(1, PROMPT, True, params=SamplingParams(temperature=0))])
                     (second_out,) = await runner.step(
                         session, [SeqStep(1, [first_out.token_id])], release=[1])
                 assert second.stop() == 0

@@ -50,6 +50,10 @@ NEW_TOKENS = 8
 # process starts.
 LEASE_MS = 300_000
 PROMPTS = [[(7 * i + 3 * j) % 128 for j in range(n)] for i, n in enumerate((5, 17, 33))]
+# Tests of a runner restart under a client generate longer, to restart mid-decode.
+RESTART_NEW_TOKENS = 16
+# Sent with each sequence's first step; the runner keeps it for the later steps.
+GREEDY = SamplingParams(temperature=0.0, max_tokens=RESTART_NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +100,7 @@ async def greedy(runner: RunnerClient, session: Session, prompts: Sequence[list[
                  first_id: int = 0) -> list[list[int]]:
     """Prefill every prompt in one step, decode the rest one step each, release at the end."""
     ids = range(first_id, first_id + len(prompts))
-    outs = await runner.step(session, [SeqStep(i, p, new_sequence=True)
+    outs = await runner.step(session, [SeqStep(i, p, new_sequence=True, params=GREEDY)
                                        for i, p in zip(ids, prompts, strict=True)])
     tokens = [[out.token_id] for out in outs]
     for step in range(NEW_TOKENS - 1):
@@ -127,8 +131,9 @@ async def test_a_bad_step_fails_alone_and_changes_nothing(
     pool, runner = clients
     async with await pool.open_session("careless") as careless, \
             await pool.open_session("careful") as careful:
-        await runner.step(careless, [SeqStep(1, PROMPTS[0], new_sequence=True)])
-        bad = runner.step(careless, [SeqStep(1, [5]), SeqStep(2, [999], new_sequence=True)])
+        await runner.step(careless, [SeqStep(1, PROMPTS[0], new_sequence=True, params=GREEDY)])
+        bad = runner.step(careless, [SeqStep(1, [5]),
+                                     SeqStep(2, [999], new_sequence=True, params=GREEDY)])
         good = greedy(runner, careful, PROMPTS[1:2])
         results = await asyncio.gather(bad, good, return_exceptions=True)
         assert isinstance(results[0], InvalidArgument) and "token_ids must be in" in str(
@@ -159,7 +164,7 @@ async def test_another_sessions_sequence_is_not_found(
     pool, runner = clients
     async with await pool.open_session("owner") as owner, \
             await pool.open_session("intruder") as intruder:
-        await runner.step(owner, [SeqStep(1, PROMPTS[0], new_sequence=True)])
+        await runner.step(owner, [SeqStep(1, PROMPTS[0], new_sequence=True, params=GREEDY)])
         with pytest.raises(NotFound) as failure:
             await runner.step(intruder, [SeqStep(1, [5], parent_seq_id=None)])
         assert failure.value.code == grpc.StatusCode.NOT_FOUND
@@ -169,14 +174,15 @@ async def test_another_sessions_sequence_is_not_found(
 
 CLIENT = """
 import asyncio, json, sys
-from pagedkv.client import PoolClient, RunnerClient, SeqStep
+from pagedkv.client import PoolClient, RunnerClient, SamplingParams, SeqStep
 daemon, target, prompts, steps = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 async def main():
     async with await PoolClient.connect(daemon) as pool, \\
             await RunnerClient.connect(target) as runner:
         session = await pool.open_session("client-process")
         sys.stdin.readline()  # start together
-        new = [SeqStep(i, p, new_sequence=True) for i, p in enumerate(prompts)]
+        new = [SeqStep(i, p, new_sequence=True, params=SamplingParams(temperature=0))
+               for i, p in enumerate(prompts)]
         outs = await runner.step(session, new)
         tokens = [[o.token_id] for o in outs]
         for _ in range(steps - 1):
@@ -228,7 +234,8 @@ async def test_a_killed_runner_restarted_continues_with_identical_tokens(
             await pool.open_session("survivor", lease_ttl_ms=LEASE_MS) as session:
         with pagedkv_runner(daemon, "--random-init", str(config_path)) as first:
             async with await RunnerClient.connect(first.unix_target) as runner:
-                (out,) = await runner.step(session, [SeqStep(1, prompt, new_sequence=True)])
+                (out,) = await runner.step(session, [SeqStep(1, prompt, new_sequence=True,
+                                                             params=GREEDY)])
                 tokens = [out.token_id]
                 (out,) = await runner.step(session, [SeqStep(1, [tokens[-1]])])
                 tokens.append(out.token_id)
@@ -239,7 +246,8 @@ async def test_a_killed_runner_restarted_continues_with_identical_tokens(
                 with pytest.raises(UnknownSequence, match="resend it with its history"):
                     await runner.step(session, [step])
                 held = [*prompt, *tokens[:-1]]  # the last token is not appended yet
-                resumed = SeqStep(1, [tokens[-1]], history=(held, len(prompt), len(held)))
+                resumed = SeqStep(1, [tokens[-1]], history=(held, len(prompt), len(held)),
+                                  params=GREEDY)
                 while len(tokens) < NEW_TOKENS:
                     (out,) = await runner.step(session, [resumed])
                     tokens.append(out.token_id)
@@ -257,7 +265,7 @@ async def test_a_daemon_restart_answers_unavailable_then_the_runner_maps_the_new
             stale = await pool.open_session("before-restart", keep_alive=False)
             assert first.stop() == 0
             refusal = await refusal_once_noticed(
-                runner, stale, SeqStep(1, PROMPTS[0], new_sequence=True))
+                runner, stale, SeqStep(1, PROMPTS[0], new_sequence=True, params=GREEDY))
             assert isinstance(refusal, RunnerUnavailable), refusal
             assert refusal.code == grpc.StatusCode.UNAVAILABLE
             assert "daemon is unavailable" in refusal.message
@@ -269,7 +277,8 @@ async def test_a_daemon_restart_answers_unavailable_then_the_runner_maps_the_new
                         break
                     await asyncio.sleep(0.1)
                 with pytest.raises(SessionExpired, match="before a daemon restart"):
-                    await runner.step(stale, [SeqStep(1, PROMPTS[0], new_sequence=True)])
+                    await runner.step(stale, [SeqStep(1, PROMPTS[0], new_sequence=True,
+                                                 params=GREEDY)])
                 async with await pool.open_session("after-restart") as session:
                     tokens = await greedy(runner, session, PROMPTS[:1])
     assert tokens == [expected(reference, PROMPTS[0])]
@@ -333,12 +342,9 @@ def test_the_weights_load_in_the_dtype_asked_for(config_path: Path) -> None:
 
 # ------------------------------------------------ a runner restart under a client
 
-# Tests of a runner restart under a client generate longer, to restart mid-decode.
-RESTART_NEW_TOKENS = 16
 # How often a direct Free asks again while a runner holds the session (0.05 s apart; a hold
 # lasts 5 s at most past the runner's last forward).
 HOLD_POLLS = 200
-GREEDY = SamplingParams(temperature=0.0, max_tokens=RESTART_NEW_TOKENS)
 
 
 @pytest.fixture

@@ -4,16 +4,17 @@ The KV cache lives in the daemon, so a runner that crashes and comes back (syste
 on the same socket) loses nothing but what it knew of the client's sequences. A step meets the
 restart in one of two ways:
 
-- It reaches the new runner, which does not know the sequences it names: `UnknownSequence`,
-  nothing changed. The step is sent again with the history of each sequence it names.
+- It reaches the new runner, which does not know the sequences it names (nor their sampling,
+  sent only with a sequence's first step): `UnknownSequence`, nothing changed. The step is sent
+  again with the history and sampling of each sequence it names.
 - The old runner died while the step ran: an `OutcomeUnknown` (UNAVAILABLE, ...). The link asks
   for the runner's info until one answers (at most `restart_wait_s`). Another `runner_id` means
   the runner restarted: the step's new sequences are freed in the daemon through the new runner
-  (their allocation may have happened), and the step is sent again with histories. The daemon
-  then holds at most one token more of a sequence than the last answer said (the lost step
-  appended it, or the runner appended it ahead), and the runner takes it for the token the step
-  names (runner.proto). The same `runner_id` means a living runner may have applied the step:
-  the error stands.
+  (their allocation may have happened), and the step is sent again with histories and
+  sampling. The daemon then holds at most one token more of a sequence than the last answer said
+  (the lost step appended it, or the runner appended it ahead), and the runner takes it for the
+  token the step names (runner.proto). The same `runner_id` means a living runner may have
+  applied the step: the error stands.
 
 A step is sent at most twice; a second failure is the engine's to report. Any other error is
 never resent: `StepNotComputed` (the step was applied, its forward failed) resent as it was would
@@ -96,8 +97,9 @@ class RunnerLink:
 
 def with_history(seqs: Sequence[Seq], steps: Sequence[SeqStep]) -> list[SeqStep]:
     """`steps`, each existing sequence's with what the daemon holds of it per the last answer
-    (the tokens, the prompt's length, how many are computed)."""
+    (the tokens, the prompt's length, how many are computed) and its sampling, which the
+    restarted runner does not keep."""
     return [dataclasses.replace(step, history=(seq.tokens[:seq.held], seq.prompt_len,
-                                               seq.computed))
+                                               seq.computed), params=seq.params)
             if seq.allocated and not step.new_sequence else step
             for seq, step in zip(seqs, steps, strict=True)]

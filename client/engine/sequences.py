@@ -25,7 +25,8 @@ class Seq:
     tokens: list[int]
     # How many of `tokens` are the prompt.
     prompt_len: int
-    # How the runner picks its next token (a parallel sample's own seed; a beam's top-K).
+    # How the runner picks its next token (a parallel sample's own seed; a beam's top-K): sent
+    # with its first step (and after a runner restart), then kept by the runner.
     params: SamplingParams
     # Position among the request's outputs.
     index: int = 0
@@ -88,8 +89,9 @@ class Seq:
                            max_compute_tokens=max_compute_tokens, params=self.params,
                            num_prompt_tokens=self.prompt_len if readmitted else 0,
                            decode_ahead=decode_ahead)
+        # The runner keeps the sampling its first step sent.
         return SeqStep(self.seq_id, self.tokens[self.held:], max_compute_tokens=max_compute_tokens,
-                       params=self.params, decode_ahead=decode_ahead)
+                       decode_ahead=decode_ahead)
 
     def blocks_needed(self, block_size: int, forked_from: bool, reservation: int = 0) -> int:
         """An upper bound on the free blocks its step takes (`forked_from`: a child forks from

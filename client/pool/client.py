@@ -20,9 +20,9 @@ from typing import Self, TypeVar
 
 import grpc
 
+from pagedkv.client.pool.channel import open_channel
 from pagedkv.client.pool.errors import (
     STATUS_BY_NUMBER,
-    DaemonUnavailable,
     InvalidArgument,
     PagedKVError,
     error_from_rpc,
@@ -35,7 +35,6 @@ from pagedkv.client.pool.tls import TlsOptions
 from pagedkv.client.pool.types import PoolInfo, PoolStats, StepResult
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
-from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 
 # Seconds every call may take unless the client is told otherwise.
 DEFAULT_TIMEOUT_S = 5.0
@@ -74,16 +73,7 @@ class PoolClient:
         listener serves TLS unless it runs with insecure_tcp); waits up to `timeout` for the
         daemon, whose certificate must verify. `retry=None` turns off the recovery of calls
         whose answer was lost."""
-        options = list(MESSAGE_SIZE_OPTIONS)
-        channel = (grpc.aio.insecure_channel(target, options=options) if tls is None else
-                   grpc.aio.secure_channel(target, tls.credentials(),
-                                           options + tls.channel_options()))
-        try:
-            await asyncio.wait_for(channel.channel_ready(), timeout)
-        except TimeoutError:
-            await channel.close(grace=None)
-            raise DaemonUnavailable(grpc.StatusCode.UNAVAILABLE, f"no pagedkv daemon answered "
-                                    f"at {target} within {timeout} s") from None
+        channel = await open_channel(target, "daemon", timeout, tls)
         return cls(channel, auth_token=auth_token, timeout=timeout, retry=retry)
 
     async def _call(self, method: "grpc.aio.UnaryUnaryMultiCallable[Request, Response]",

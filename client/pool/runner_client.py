@@ -9,7 +9,6 @@ the step's memory operations with it, so the sequences stay the client's. Errors
 `PagedKVError` classes as the daemon's.
 """
 
-import asyncio
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -18,12 +17,12 @@ from typing import Self, overload
 import grpc
 
 from pagedkv.client.engine.sampling_params import SamplingParams
+from pagedkv.client.pool.channel import open_channel
 from pagedkv.client.pool.client import DEFAULT_TIMEOUT_S
-from pagedkv.client.pool.errors import DaemonUnavailable, error_from_rpc
+from pagedkv.client.pool.errors import error_from_rpc
 from pagedkv.client.pool.session import Session
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
-from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 
 # Greedy decoding: the default of a SeqStep.
 GREEDY = SamplingParams(temperature=0.0)
@@ -162,14 +161,7 @@ class RunnerClient:
     @classmethod
     async def connect(cls, target: str, *, timeout: float = 10 * DEFAULT_TIMEOUT_S) -> Self:
         # The runner's answers stay within max_answer_bytes (at most MAX_MESSAGE_BYTES).
-        channel = grpc.aio.insecure_channel(target, options=list(MESSAGE_SIZE_OPTIONS))
-        try:
-            await asyncio.wait_for(channel.channel_ready(), DEFAULT_TIMEOUT_S)
-        except TimeoutError:
-            await channel.close(grace=None)
-            raise DaemonUnavailable(grpc.StatusCode.UNAVAILABLE,
-                                    f"no pagedkv runner answered at {target}") from None
-        return cls(channel, timeout)
+        return cls(await open_channel(target, "runner", DEFAULT_TIMEOUT_S), timeout)
 
     async def info(self, timeout: float | None = None) -> RunnerInfo:
         """What the runner computes and on which pool (`timeout`: this call's deadline instead

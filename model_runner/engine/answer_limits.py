@@ -2,24 +2,25 @@
 
 A step's answer (runner.proto's RunnerStepResponse) holds one SequenceOutput per sequence of the
 request, each with as many top token ids and logprobs as the sequence asked (`logprobs`, up to
-the vocabulary). So its size follows from the request alone, and the servicer checks it first:
-a sequence asking for more than `max_logprobs` is INVALID_ARGUMENT, and a step whose answer could
-pass `max_answer_bytes` is RESOURCE_EXHAUSTED (cause `AnswerTooLarge`), both before any daemon
-call. No step is then applied at the daemon and its answer refused by the client's size check
-(which left the client without its tokens and the daemon holding every sequence).
+the vocabulary). So its size follows from the request and the sampling the runner keeps for
+its sequences, and the step engine checks it first: a sequence asking for more than
+`max_logprobs` is INVALID_ARGUMENT, and a step whose answer could pass `max_answer_bytes` is
+RESOURCE_EXHAUSTED (cause `AnswerTooLarge`), both before any daemon call. No step is then
+applied at the daemon and its answer refused by the client's size check (which left the client
+without its tokens and the daemon holding every sequence).
 
 The bound follows proto3's encoding, as the daemon's answer_size.py: a field is a tag byte and its
 value (a varint of at most 10 bytes, 5 for a uint32; a float of 4); a packed repeated field is
 a tag, a length and its values; a message inside another is a tag, a length and its fields.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
 from pagedkv.client import AnswerTooLarge
-from pagedkv.model_runner.engine.steps import InvalidStep
-from pagedkv.proto import runner_pb2 as rpb
+from pagedkv.model_runner.engine.steps import InvalidStep, SeqRequest
 from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
 
 # vLLM's default max_logprobs: enough for beam search's candidates and for scoring.
@@ -60,19 +61,20 @@ class AnswerLimits:
                              f"sequence with max_logprobs={self.max_logprobs} must fit), got "
                              f"{self.max_answer_bytes}")
 
-    def check(self, request: rpb.RunnerStepRequest) -> None:
+    def check(self, requests: Sequence[SeqRequest]) -> None:
         """InvalidStep for a sequence asking more than max_logprobs; AnswerTooLarge when the
-        answer could pass max_answer_bytes. Nothing is read or changed."""
+        answer could pass max_answer_bytes. `requests` carry every sequence's sampling, the
+        kept ones included (SessionSequences.with_params). Nothing is read or changed."""
         total = ANSWER_FIXED
-        for seq in request.seqs:
-            logprobs = seq.sampling.logprobs
+        for request in requests:
+            logprobs = (request.params.logprobs if request.params is not None else None) or 0
             if logprobs > self.max_logprobs:
-                raise InvalidStep(f"sequence {seq.seq_id}: logprobs={logprobs} is over the "
+                raise InvalidStep(f"sequence {request.seq_id}: logprobs={logprobs} is over the "
                                   f"runner's max_logprobs={self.max_logprobs}")
             total += output_bytes(logprobs)
         if total > self.max_answer_bytes:
             raise AnswerTooLarge(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the answer to {len(request.seqs)} sequences could take up to {total} bytes; "
+                f"the answer to {len(requests)} sequences could take up to {total} bytes; "
                 f"the limit is max_answer_bytes={self.max_answer_bytes}: send fewer sequences "
                 "per step, or ask for fewer logprobs")

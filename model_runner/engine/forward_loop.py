@@ -234,7 +234,8 @@ class ForwardLoop:
             for index, chunk in pieces:
                 state = prepared.states[index]
                 if chunk.start + len(chunk.token_ids) == len(state.tokens):
-                    rows.append(SamplingRow(prepared.requests[index].params,
+                    assert state.params is not None, "kept before the forward (keep_params)"
+                    rows.append(SamplingRow(state.params,
                                             state.tokens[:state.prompt_len],
                                             state.tokens[state.prompt_len:]))
                     keep.append(position)

@@ -61,9 +61,10 @@ class Preparer:
         appended = iter(await self._append(known, todo) if todo else [])
         states = [self.known_state(known, r.seq_id) if i in claimed else next(appended)
                   for i, r in enumerate(requests)]
-        # An ahead result holds if the client kept the sampling; else sample that position again.
+        # An ahead result holds if the client kept the sampling (the state's, which the step
+        # ahead used); else sample that position again.
         ready = {i: ahead.result for i, ahead in claimed.items()
-                 if ahead.result is not None and ahead.params == requests[i].params}
+                 if ahead.result is not None and requests[i].params == states[i].params}
         chunks = []
         for index, (request, state) in enumerate(zip(requests, states, strict=True)):
             chunk = None if index in ready else self.chunk(request, state, index in claimed)
@@ -144,10 +145,12 @@ class Preparer:
         for seq_id, table in zip(idle, tables[len(unknown):], strict=True):
             self._check_unchanged(known, seq_id, table)
         for request in unknown:
-            if self._parent(known, request) is None and request.history is None:
+            if request.params is None or (self._parent(known, request) is None
+                                          and request.history is None):
                 raise UnknownSequence(
                     f"sequence {request.seq_id} is unknown to the runner (forked, or the runner "
-                    "restarted): name its parent_seq_id, or resend it with its history")
+                    "restarted): resend it with its history and sampling (a fork: its "
+                    "parent_seq_id and sampling)")
         learnt = [self._adopt(known, request, table)
                   for request, table in zip(unknown, tables[:len(unknown)], strict=True)]
         for request, state in zip(unknown, learnt, strict=True):
@@ -197,7 +200,7 @@ class Preparer:
                          list(table.block_ids), committed=table.num_cached_tokens,
                          verified=bool(table.token_ids) or not tokens)
         if ahead:
-            state.ahead = Ahead(request.token_ids[0], request.params)
+            state.ahead = Ahead(request.token_ids[0])
         return state
 
     @staticmethod
@@ -247,7 +250,7 @@ class Preparer:
                                                      reply.slot_mapping, strict=True):
             state.tokens.append(token)
             if ahead:
-                state.ahead = Ahead(token, request.params)
+                state.ahead = Ahead(token)
             if held != len(state.tokens) or state.slots(held - 1, held, bs) != [slot]:
                 self._stale(known, request.seq_id)
         return states

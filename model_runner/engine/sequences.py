@@ -3,19 +3,21 @@
 A client names its sequences by id and sends tokens; where their K/V lives (block tables, slots)
 comes only from the daemon's answers to calls the runner makes under the client's session. The
 runner keeps, per (session, sequence), the tokens the sequence holds, how many of them are
-computed, and its block table, so a decode step needs one daemon Step and no table transfer.
+computed, and its block table, so a decode step needs one daemon Step and no table transfer;
+and its sampling parameters, which the client sends once, with the sequence's first step.
 A sequence the runner does not know (forked by the client, or after a runner restart) is read
 back from the daemon (`GetBlockTables`, with the token ids it holds) before it is used: what a
 client says it holds must be those ids, and only the daemon's committed tokens count as
 computed.
 """
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedkv.client import Commit, PoolClient, SamplingParams, Session
-from pagedkv.model_runner.engine.steps import SeqResult
+from pagedkv.model_runner.engine.steps import SeqRequest, SeqResult, UnknownSequence
 from pagedkv.vocab.blocks import patch_table, slots_of
 
 
@@ -26,9 +28,8 @@ class Ahead:
 
     # The token appended: what the client's last answer sampled, so its next step names it.
     token_id: int
-    # The sampling of the step computed ahead.
-    params: SamplingParams
-    # That step's result, once its forward is done (None if it has not run or failed).
+    # That step's result (sampled with the sequence's kept SeqState.params), once its forward
+    # is done (None if it has not run or failed).
     result: SeqResult | None = None
 
 
@@ -59,6 +60,10 @@ class SeqState:
     # Leading tokens a prefill computed whose commit is not sent yet (0: none): it rides the
     # session's next daemon Step or Batch, or the end of the runner's hold (holds.py).
     commit_due: int = 0
+    # How to sample its next token, as the client sent it on the sequence's first step (or
+    # last changed it), kept so that later steps need not send it; None until a step that
+    # sent it was prepared (a sequence learnt by a step that then failed).
+    params: SamplingParams | None = None
 
     def slots(self, start: int, end: int, block_size: int) -> list[int]:
         """Pool slots of positions [start, end), from the block table."""
@@ -117,3 +122,27 @@ class SessionSequences:
     def drop(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
             self.seqs.pop(seq_id, None)
+
+    def with_params(self, requests: Sequence[SeqRequest]) -> list[SeqRequest]:
+        """`requests`, each with the sampling it sends, else the one kept for its sequence.
+        UnknownSequence naming the first known sequence whose sampling the runner does not keep
+        (learnt by a step that then failed): the client resends it with its history and
+        sampling. A sequence the runner does not know is left as it is: the preparer asks the
+        daemon first (another session's sequence is NOT_FOUND) and refuses it without its
+        history and sampling. Nothing changes here."""
+        return [request if request.params is not None or request.seq_id not in self.seqs
+                else dataclasses.replace(request, params=self._kept_params(request.seq_id))
+                for request in requests]
+
+    def keep_params(self, requests: Sequence[SeqRequest], states: Sequence[SeqState]) -> None:
+        """Keep each prepared sequence's sampling (`requests` as `with_params` gave them) for
+        the steps that leave it out."""
+        for request, state in zip(requests, states, strict=True):
+            state.params = request.params
+
+    def _kept_params(self, seq_id: int) -> SamplingParams:
+        params = self.seqs[seq_id].params
+        if params is None:
+            raise UnknownSequence(f"sequence {seq_id}: the runner keeps no sampling for it: "
+                                  "resend it with its history and sampling")
+        return params

@@ -6,8 +6,9 @@
     sessions.leave(session_id, entry)       # forgotten if it ended or holds nothing
 
 The runner learns a session from its first step and needs nothing of it between steps but the
-state of its sequences, which it can always learn again (a client resends a sequence's history,
-checked against the daemon's). So an entry goes as soon as nothing uses it and the session ended
+state of its sequences (their tokens, tables and sampling parameters), which it can always
+learn again (a client resends a sequence's history and sampling, the history checked against the
+daemon's). So an entry goes as soon as nothing uses it and the session ended
 (the daemon answered that it is gone), or the client released every sequence; and idle entries
 past `max_idle` go least recently used first. The table so never grows with the number of
 session ids a runner has seen, only with the sessions in use.

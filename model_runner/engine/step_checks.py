@@ -29,6 +29,9 @@ def validate_step(requests: Sequence[SeqRequest], release: Sequence[int], vocab:
     for r in requests:
         if r.new_sequence and not r.token_ids and r.parent_seq_id is None:
             raise InvalidStep(f"new sequence {r.seq_id} has no prompt tokens")
+        if r.new_sequence and r.params is None:
+            raise InvalidStep(f"new sequence {r.seq_id} has no sampling: a sequence's first "
+                              "step carries it")
         if r.parent_seq_id is not None and r.parent_seq_id in new | {r.seq_id}:
             raise InvalidStep(f"sequence {r.seq_id}: its parent {r.parent_seq_id} must be an "
                               "existing sequence, not new in the same step")
@@ -38,7 +41,8 @@ def validate_step(requests: Sequence[SeqRequest], release: Sequence[int], vocab:
                               f"sequence without a parent and must be <= its {len(r.token_ids)}"
                               " tokens")
         _check_ids(r.seq_id, "token_ids", r.token_ids, vocab)
-        _check_ids(r.seq_id, "sampling.stop_token_ids", r.params.stop_token_ids, vocab)
+        if r.params is not None:
+            _check_ids(r.seq_id, "sampling.stop_token_ids", r.params.stop_token_ids, vocab)
         if r.history is not None:
             _check_history(r.seq_id, r.history, vocab)
         if r.max_compute_tokens < 0:

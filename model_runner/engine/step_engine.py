@@ -56,6 +56,7 @@ from pagedkv.client import (
     SequenceNotFound,
     SessionExpired,
 )
+from pagedkv.model_runner.engine.answer_limits import AnswerLimits
 from pagedkv.model_runner.engine.forward_loop import ForwardLoop, Prepared
 from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS, SessionHolds
 from pagedkv.model_runner.engine.preparation import Preparer
@@ -74,8 +75,13 @@ class StepEngine:
 
     def __init__(self, pool: PoolClient, runner: ModelRunner, *, sampler: Sampler | None = None,
                  max_batch_tokens: int = 8192, metrics: RunnerMetrics | None = None,
-                 hold_ms: int = DEFAULT_HOLD_MS) -> None:
+                 hold_ms: int = DEFAULT_HOLD_MS,
+                 answer_limits: AnswerLimits | None = None) -> None:
         self.pool = pool
+        # What one step may ask for (logprobs, its answer's size), checked once its sequences'
+        # kept sampling is known, before anything changes; None: no bound (an in-process caller,
+        # whose answers travel in no message).
+        self.answer_limits = answer_limits
         # The model runner (replaced by the server when the daemon restarts).
         self.runner = runner
         self.metrics = metrics
@@ -123,7 +129,11 @@ class StepEngine:
         try:
             known = entry.sequences
             try:
+                requests = known.with_params(requests)  # the sampling kept for the rest
+                if self.answer_limits is not None:
+                    self.answer_limits.check(requests)
                 prepared = await self.preparer.prepare(session_id, known, requests)
+                known.keep_params(requests, prepared.states)
                 for index in prepared.claimed:  # this step holds the tokens appended ahead now
                     prepared.states[index].ahead = None
                 results = (await self._run(prepared, known) if prepared.chunks

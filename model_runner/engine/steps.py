@@ -12,8 +12,9 @@ class InvalidStep(ValueError):
 
 
 class UnknownSequence(RuntimeError):
-    """An existing sequence the runner has never seen and cannot read back: the client must
-    resend it with its history (FAILED_PRECONDITION); nothing was changed."""
+    """An existing sequence the runner has never seen and cannot read back, or whose sampling
+    it does not keep: the client must resend it with its history and sampling
+    (FAILED_PRECONDITION); nothing was changed."""
 
 
 class StepNotComputed(RuntimeError):
@@ -50,8 +51,9 @@ class SeqRequest:
     token_ids: tuple[int, ...]
     # Most tokens to compute in this step; 0 = everything not yet computed.
     max_compute_tokens: int
-    # How to pick the next token once the sequence is fully computed.
-    params: SamplingParams
+    # How to pick the next token once the sequence is fully computed: sent with the sequence's
+    # first step and kept by the runner (SeqState.params); None = the kept one.
+    params: SamplingParams | None
     # The parent of a fork the runner makes (new_sequence), or of a sequence the client forked
     # itself (its first step): the child inherits the parent's token history.
     parent_seq_id: int | None = None

@@ -142,7 +142,8 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
         registry = CollectorRegistry()
         engine = StepEngine(pool, ModelRunner.attach(model, info, backend),
                             max_batch_tokens=config.max_batch_tokens,
-                            metrics=RunnerMetrics(registry), hold_ms=config.hold_ms)
+                            metrics=RunnerMetrics(registry), hold_ms=config.hold_ms,
+                            answer_limits=config.answer_limits)
         await engine.start()
         stack.push_async_callback(engine.stop)
         state = RunnerState(engine, info, config.model.name, backend.name)
@@ -171,8 +172,7 @@ async def _grpc_server(config: RunnerConfig, state: RunnerState) -> AsyncIterato
     """The Runner server on `config.listen`, started and SERVING; stopped on exit."""
     # Answers are bounded below MAX_MESSAGE_BYTES (answer_limits); requests up to it.
     servicer = RunnerServicer(state.step, state.runner_info,
-                              lambda exc: log.error("step failed", exc_info=exc),
-                              config.answer_limits)
+                              lambda exc: log.error("step failed", exc_info=exc))
     async with grpc_servers(RUNNER_SERVICE, config.server_bounds) as servers:
         server = servers.add_server(
             lambda server: runner_pb2_grpc.add_RunnerServicer_to_server(servicer, server))

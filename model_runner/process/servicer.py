@@ -9,7 +9,6 @@ the runner's own refusals name their causes of the same table (`pagedkv.vocab.ca
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -17,7 +16,6 @@ import grpc
 
 from pagedkv.client import PagedKVError, SamplingParams
 from pagedkv.client.pool.errors import cause_of_error
-from pagedkv.model_runner.engine.answer_limits import AnswerLimits
 from pagedkv.model_runner.engine.steps import (
     History,
     InvalidStep,
@@ -45,11 +43,6 @@ StepFunction = Callable[[str, Sequence[SeqRequest], Sequence[int]], Awaitable[St
 
 # max_tokens of a request that set none: more than any sequence generates.
 NO_LIMIT = 2**31 - 1
-# A client sends the same sampling parameters for a sequence at every step: their validated
-# SamplingParams are remembered by wire bytes, for messages up to this size (a long
-# stop_token_ids list is parsed every time rather than held), this many at most.
-PARAMS_CACHE_BYTES = 256
-PARAMS_CACHE_SIZE = 4096
 
 
 class RunnerUnavailable(RuntimeError):
@@ -102,12 +95,10 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
     """Serves `pagedkv.v1.Runner` from a step function (the engine's)."""
 
     def __init__(self, step: StepFunction, info: Callable[[], rpb.RunnerInfo],
-                 log_failure: Callable[[Exception], None], limits: AnswerLimits) -> None:
+                 log_failure: Callable[[Exception], None]) -> None:
         self._step = step
         self._info = info
         self.log_failure = log_failure
-        # What a step may ask for (logprobs, its answer's size), checked before it starts.
-        self._limits = limits
 
     @grpc_errors
     async def GetRunnerInfo(self, request: rpb.GetRunnerInfoRequest,
@@ -117,7 +108,6 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
     @grpc_errors
     async def Step(self, request: rpb.RunnerStepRequest,
                    context: Context) -> rpb.RunnerStepResponse:
-        self._limits.check(request)
         seqs = [seq_request(seq) for seq in request.seqs]
         outcome = await self._step(request.session_id, seqs, list(request.release_seq_ids))
         return rpb.RunnerStepResponse(outputs=[sequence_output(r) for r in outcome.results],
@@ -125,22 +115,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
 
 
 def sampling_params(message: rpb.SamplingParams) -> SamplingParams:
-    """`message` as SamplingParams (ValueError if invalid); building and validating one costs
-    about 10 us, a lookup by the message's wire bytes about 1 us."""
-    data = message.SerializeToString(deterministic=True)
-    if len(data) > PARAMS_CACHE_BYTES:
-        return _sampling_params(message)
-    return _cached_sampling_params(data)
-
-
-@functools.lru_cache(maxsize=PARAMS_CACHE_SIZE)
-def _cached_sampling_params(data: bytes) -> SamplingParams:
-    # An invalid message raises, and lru_cache remembers only results.
-    return _sampling_params(rpb.SamplingParams.FromString(data))
-
-
-def _sampling_params(message: rpb.SamplingParams) -> SamplingParams:
-    """proto3 zeros mean "off" (temperature 0 = greedy; logprobs < 0 = none)."""
+    """`message` as SamplingParams (ValueError if invalid), read once per sequence (the runner
+    keeps it): proto3 zeros mean "off" (temperature 0 = greedy; logprobs < 0 = none)."""
     return SamplingParams(
         temperature=message.temperature, top_k=message.top_k,
         top_p=message.top_p if 0 < message.top_p <= 1 else 1.0, min_p=message.min_p,
@@ -155,10 +131,14 @@ def seq_request(message: rpb.SequenceStep) -> SeqRequest:
     if message.HasField("history"):
         history = History(tuple(message.history.token_ids), message.history.prompt_len,
                           message.history.num_computed)
-    if not math.isfinite(message.sampling.temperature):
-        raise InvalidStep(f"sequence {message.seq_id}: temperature must be finite")
+    params = None
+    if message.HasField("sampling"):
+        try:
+            params = sampling_params(message.sampling)
+        except ValueError as exc:
+            raise InvalidStep(f"sequence {message.seq_id}: {exc}") from None
     return SeqRequest(message.seq_id, message.new_sequence, tuple(message.token_ids),
-                      message.max_compute_tokens, sampling_params(message.sampling),
+                      message.max_compute_tokens, params,
                       message.parent_seq_id if message.has_parent else None, history,
                       message.num_prompt_tokens, message.decode_ahead)
 
