@@ -9,9 +9,9 @@ import pytest
 from pagedkv.daemon.edge.addresses import parse_listen
 from pagedkv.daemon.process.cli import EXIT_BAD_CONFIG
 from pagedkv.daemon.process.config import DEFAULT_NUM_BLOCKS, DaemonConfig, default_listen
-from pagedkv.daemon.process.server import SHUTDOWN_GRACE_S
 from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.process.settings_sources import add_serve_arguments, config_from_args, load_toml
+from pagedkv.process.grpc_server import SHUTDOWN_GRACE_S
 
 
 def parse(argv: list[str], env: dict[str, str] | None = None) -> DaemonConfig:

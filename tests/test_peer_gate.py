@@ -38,9 +38,10 @@ from pagedkv.daemon.edge import gate_link
 from pagedkv.daemon.edge.addresses import parse_listen
 from pagedkv.daemon.edge.peer_gate import GRPC_SOCKET_NAME, PeerGate, gate_folder
 from pagedkv.daemon.edge.tls import load_server_tls
-from pagedkv.daemon.process.server import StartupError, grpc_server
+from pagedkv.daemon.process.server import grpc_server
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.tenants import Tenant, Tenants, bearer_of
+from pagedkv.process.grpc_server import StartupError
 from pagedkv.process.log_setup import configure
 
 from daemon_harness import Daemon, running_daemon

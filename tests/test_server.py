@@ -14,14 +14,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedkv.daemon.process import server
 from pagedkv.daemon.process.config import DaemonConfig
-from pagedkv.daemon.process.server import (
-    StartupError,
-    check_device,
-    pool_geometry,
-    pool_num_blocks,
-    serve,
-)
+from pagedkv.daemon.process.server import check_device, pool_geometry, pool_num_blocks, serve
 from pagedkv.daemon.process.settings import ConfigError
+from pagedkv.process.grpc_server import StartupError
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 from pagedkv.proto.limits import MAX_MESSAGE_BYTES

@@ -28,7 +28,8 @@ def run_serve(args: argparse.Namespace, prog: str) -> int:
         return EXIT_BAD_CONFIG
     # Imported only now: torch and grpc take seconds to load, `pagedkvd --help` and a bad
     # setting need neither.
-    from pagedkv.daemon.process.server import StartupError, serve
+    from pagedkv.daemon.process.server import serve
+    from pagedkv.process.grpc_server import StartupError
 
     log_setup.configure(config.log_level, config.log_format)
     try:

@@ -1,31 +1,27 @@
 """The pagedkvd process: allocate the pool, serve gRPC, tell systemd, drain on SIGTERM.
 
 Start, in this order, so that READY=1 is true when sent: remove pool files left by a crashed
-daemon, allocate the pool memory and the block pool, build the gRPC servers (`grpc_server`:
-interceptor, message limit, KVPool, health, reflection; one for the listeners, one for the
-runner socket, whose every caller is a runner), bind every listener, start them, start the
-metrics HTTP server, then READY=1. The tests' in-process daemon builds its gRPC servers with
-the same `grpc_server`.
+daemon, allocate the pool memory and the block pool, build the gRPC servers (`grpc_server`,
+through the runner's bring-up too, process/grpc_server.py: interceptor, message limit, bounds,
+KVPool, health, reflection; one for the listeners, one for the runner socket, whose every
+caller is a runner), bind every listener, start them, start the metrics HTTP server, then
+READY=1. The tests' in-process daemon builds its gRPC servers with the same `grpc_server`.
 
 Stop (SIGTERM or SIGINT): STOPPING=1 and health NOT_SERVING so balancers and clients move
 away, then the gRPC server stops accepting and lets in-flight calls finish for up to
-SHUTDOWN_GRACE_S, then the lease reaper stops and the pool memory is released (its shm file
-unlinked). The next start has a new pool_id: clients recompute their tables from scratch.
+SHUTDOWN_GRACE_S (process/grpc_server.py), then the lease reaper stops and the pool memory is
+released (its shm file unlinked). The next start has a new pool_id: clients recompute their
+tables from scratch.
 """
 
 import asyncio
 import contextlib
-import dataclasses
-import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client.registry import CollectorRegistry
 
 from pagedkv.daemon.core import make_pool
@@ -46,54 +42,35 @@ from pagedkv.daemon.process.metrics import PoolCollector, Readiness, RpcMetrics
 from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.memory.device_memory import measure
+from pagedkv.process.grpc_server import GrpcServers, StartupError, grpc_servers
 from pagedkv.process.lifecycle import cancel, stop_on_signals
 from pagedkv.process.log_setup import get_logger
 from pagedkv.process.notify import notify, watchdog_interval_s
 from pagedkv.process.probes import metrics_app, start_http
-from pagedkv.process.socket_files import SocketInUse, claim_socket_path, socket_umask
+from pagedkv.process.socket_files import SocketInUse, claim_socket_path
 from pagedkv.proto import kvpool_pb2
-from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
 from pagedkv.vocab.pool_sizing import kv_budget, num_blocks_for_bytes
 from pagedkv.vocab.units import format_bytes
 
-# How long in-flight calls may run after SIGTERM before they are cancelled. The unit's
-# TimeoutStopSec must be larger, or systemd kills the daemon mid-drain.
-SHUTDOWN_GRACE_S = 5.0
 # The gRPC service name clients, health checks and reflection use.
 KVPOOL_SERVICE = kvpool_pb2.DESCRIPTOR.services_by_name["KVPool"].full_name
 
 log = get_logger(__name__)
 
-# grpc_health's stubs predate its asyncio servicer (`health.aio`), so mypy sees it as Any.
-AsyncHealthServicer: Any = health.aio.HealthServicer  # type: ignore[attr-defined]
-
-
-class StartupError(RuntimeError):
-    """The daemon could not start for a reason outside its settings (e.g. a port in use)."""
-
 
 @dataclass(frozen=True, slots=True)
 class GrpcServer:
-    """A started gRPC server and what its owner stops or inspects."""
+    """The daemon's started gRPC servers and what their owner drains or inspects."""
 
-    # KVPool, health and reflection, every call through the interceptor.
-    server: grpc.aio.Server
-    # The health servicer: serve() turns it NOT_SERVING before draining.
-    health: Any
+    # The listeners' server and the runner socket's (when there is one); serve() drains them.
+    servers: GrpcServers
     # The target each listener serves, in order; a TCP port 0 becomes the port it got.
     targets: tuple[str, ...]
     # The peer-credential gate serving the unix listeners, when tenants list uids.
     gate: PeerGate | None = None
-    # The server of the runner socket (its callers are runners), and its target; None: none.
-    runner_server: grpc.aio.Server | None = None
+    # The runner socket's target (its callers are runners); None: none.
     runner_target: str | None = None
-
-    async def stop(self, grace: float | None) -> None:
-        """Stop both servers: new calls refused at once, in-flight ones cancelled after
-        `grace` seconds."""
-        await asyncio.gather(*(server.stop(grace) for server in (self.server, self.runner_server)
-                               if server is not None))
 
 
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
@@ -104,12 +81,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
             stop = stack.enter_context(stop_on_signals())
         running = await _start(config, readiness, stack)
         await stop.wait()
-        log.info("stopping", grace_s=SHUTDOWN_GRACE_S)
-        notify("STOPPING=1", "STATUS=draining")
         readiness.draining = True
-        await running.health.enter_graceful_shutdown()
-        # Refuses new calls at once; in-flight ones get the grace period, then are cancelled.
-        await running.stop(SHUTDOWN_GRACE_S)
+        await running.servers.drain()
     log.info("stopped")
 
 
@@ -229,112 +202,71 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
     second one for runners on `runner_socket` when given (mode 0o600, or 0o660 with group
     `runner_gid`; every call there is a runner's).
 
-    Every call passes the interceptor (TCP calls need a token of one of `service.tenants`; a
-    log line per call, and `rpc_metrics` when given); messages over MAX_MESSAGE_BYTES
-    (pagedkv.proto.limits) are neither accepted nor sent, the limit the bundled client shares.
-    Unix sockets get exactly `socket_mode` whatever the umask, and are served through the
-    peer-credential gate when the tenants list uids (peer_gate.py); TCP listeners serve TLS with
-    `tls` (plaintext, with a warning, without it). Stopped, and the socket files and gate
-    folders it created removed, on exit. serve() and the tests' daemon both use this.
+    Both are built, bound and stopped by the bring-up the runner shares
+    (process/grpc_server.py): messages up to MAX_MESSAGE_BYTES (pagedkv.proto.limits, the limit
+    the bundled clients share), the limits' server bounds. Every call passes the interceptor
+    (TCP calls need a token of one of `service.tenants`; a log line per call, and `rpc_metrics`
+    when given). Unix sockets get exactly `socket_mode` whatever the umask, and are served
+    through the peer-credential gate when the tenants list uids (peer_gate.py); TCP listeners
+    serve TLS with `tls` (plaintext, with a warning, without it). Stopped, and the socket files
+    and gate folders it created removed, on exit. serve() and the tests' daemon both use this.
     """
     # The gate, when unix callers are told apart by uid; its folders are known before binding.
     gate = PeerGate(service.limits, service.tenants) if service.tenants.maps_uids else None
     folders = frozenset(str(gate_folder(lst.unix_path)) for lst in listeners
                         if gate is not None and lst.unix_path is not None)
-    health_servicer = AsyncHealthServicer()
-    # Both servers' calls queue for the same pool: they share its request budget.
-    server = _kvpool_server(service, ServerInterceptor(
-        service.tenants, rpc_metrics, folders, requests=service.requests), health_servicer)
-    runners = None if runner_socket is None else _kvpool_server(
-        service, ServerInterceptor(service.tenants, rpc_metrics, frozenset(), runners=True,
-                                   requests=service.requests),
-        health_servicer)
-    running = GrpcServer(server, health_servicer, (), gate, runners)
-    # Socket files this daemon created; only these are removed (never a live daemon's).
-    own_sockets: list[Path] = []
-    try:
-        targets = []
-        for listener in listeners:
-            targets.append(_bind(server, listener, socket_mode, tls, gate))
-            if listener.unix_path is not None:
-                own_sockets.append(listener.unix_path)
+    async with contextlib.AsyncExitStack() as stack:
+        if gate is not None:  # stopped after gRPC: the calls it drained needed the gate
+            stack.push_async_callback(gate.stop)
+        servers = await stack.enter_async_context(
+            grpc_servers(KVPOOL_SERVICE, service.limits.server_bounds()))
+        # Both servers' calls queue for the same pool: they share its request budget.
+        server = _kvpool_server(servers, service, ServerInterceptor(
+            service.tenants, rpc_metrics, folders, requests=service.requests))
+        runners = None if runner_socket is None else _kvpool_server(
+            servers, service, ServerInterceptor(service.tenants, rpc_metrics, frozenset(),
+                                                runners=True, requests=service.requests))
+        targets = tuple(_bind(servers, server, listener, socket_mode, tls, gate)
+                        for listener in listeners)
         runner_target = None
         if runners is not None and runner_socket is not None:  # after the listeners' folders
-            runner_target = _bind_runners(runners, runner_socket, runner_gid)
-            own_sockets.append(runner_socket)
-            await runners.start()
-        await server.start()
+            # Created 0o600, given to the runners' group and opened to it (0o660) only then;
+            # a folder it creates lets the group in.
+            runner_target = servers.bind_unix(
+                runners, runner_socket,
+                RUNNERS_ONLY_MODE if runner_gid is None else RUNNER_GROUP_MODE, runner_gid)
+        await servers.start()
         if gate is not None:
             assert gate.folders == folders, "the interceptor knows every gate folder"
             await gate.start()
-        for name in ("", KVPOOL_SERVICE):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-        yield dataclasses.replace(running, targets=tuple(targets), runner_target=runner_target)
-    finally:
-        await running.stop(None)
-        if gate is not None:  # after gRPC: the calls it drained needed the gate
-            await gate.stop()
-        for path in own_sockets:
-            path.unlink(missing_ok=True)
+        await servers.set_serving()
+        yield GrpcServer(servers, targets, gate, runner_target)
 
 
-def _kvpool_server(service: PoolService, interceptor: ServerInterceptor,
-                   health_servicer: Any) -> grpc.aio.Server:
+def _kvpool_server(servers: GrpcServers, service: PoolService,
+                   interceptor: ServerInterceptor) -> grpc.aio.Server:
     """A gRPC server of KVPool, health and reflection, every call through `interceptor`."""
-    server = grpc.aio.server(
-        interceptors=[interceptor],
-        options=[*MESSAGE_SIZE_OPTIONS, *service.limits.server_bounds().options(),
-                 # Without this a second daemon on the same TCP port would share it silently.
-                 ("grpc.so_reuseport", 0)],
-        # One call more is refused by gRPC itself (RESOURCE_EXHAUSTED): what calls waiting for
-        # the pool hold is bounded (with the request budget, request_budget.py).
-        maximum_concurrent_rpcs=service.limits.max_concurrent_rpcs,
-    )
-    add_to_server(KVPoolServicer(service), server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (KVPOOL_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    return server
+    # What calls waiting for the pool hold is bounded by the server bounds' calls at once and
+    # the request budget (request_budget.py).
+    return servers.add_server(lambda server: add_to_server(KVPoolServicer(service), server),
+                              [interceptor])
 
 
-def _bind_runners(server: grpc.aio.Server, path: Path, gid: int | None) -> str:
-    """Bind the runner socket: created 0o600 whatever the umask, then given to group `gid`
-    and opened to it (0o660) only once it is that group's; returns its target."""
-    target, mode = f"unix://{path}", RUNNERS_ONLY_MODE if gid is None else RUNNER_GROUP_MODE
-    try:
-        claim_socket_path(path, mode)  # a folder it creates lets the group in with 0o660
-        with socket_umask(RUNNERS_ONLY_MODE):
-            server.add_insecure_port(target)
-        if gid is not None:
-            os.chown(path, -1, gid)
-        os.chmod(path, mode)
-    except SocketInUse as exc:
-        raise StartupError(f"runner_socket: {exc}") from exc
-    except RuntimeError as exc:
-        raise StartupError(f"cannot listen on {target}: address in use or not "
-                           "permitted") from exc
-    except PermissionError as exc:
-        raise StartupError(f"runner_group: cannot give {path} to group {gid}: {exc.strerror} "
-                           "(the daemon's user must be a member)") from exc
-    return target
-
-
-def _bind(server: grpc.aio.Server, listener: ListenAddress, socket_mode: int,
-          tls: ServerTls | None, gate: PeerGate | None) -> str:
+def _bind(servers: GrpcServers, server: grpc.aio.Server, listener: ListenAddress,
+          socket_mode: int, tls: ServerTls | None, gate: PeerGate | None) -> str:
     """Add the listener's port (a unix one through `gate` when given); returns the target it
     serves (with the port TCP got)."""
+    if listener.unix_path is not None and gate is None:
+        return servers.bind_unix(server, listener.unix_path, socket_mode)
     try:
         if listener.unix_path is None:
             port = _bind_tcp(server, listener.target, tls)
             return f"{listener.target.rpartition(':')[0]}:{port}"
+        assert gate is not None, "an ungated unix listener was bound above"
         claim_socket_path(listener.unix_path, socket_mode)
-        if gate is not None:
-            # gRPC's own socket is in the gate's private folder: the folder's mode guards it.
-            server.add_insecure_port(gate.add(listener.unix_path, socket_mode))
-            return listener.target
-        with socket_umask(socket_mode):  # grpc binds (creates the file) here
-            server.add_insecure_port(listener.target)
-        os.chmod(listener.unix_path, socket_mode)
+        # gRPC's own socket is in the gate's private folder: the folder's mode guards it; the
+        # gate removes the socket it binds when it stops.
+        server.add_insecure_port(gate.add(listener.unix_path, socket_mode))
         return listener.target
     except SocketInUse as exc:
         raise StartupError(str(exc)) from exc

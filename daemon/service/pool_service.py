@@ -60,7 +60,7 @@ another's session.
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -219,23 +219,31 @@ class PoolService:
         the session's hold is set or ended as `hold` asks. The lease is renewed on arrival and
         held while the call waits."""
         check_hold(hold, self.limits)
+        async with self._arrived(session_id) as session:
+            if commits:
+                self.tenants.check_commit(session.tenant, session.shared_salt)
+            if frees:
+                check_release(session, self.sessions.now(), frees)
+            work = MemoryWork()
+            with self.pool.transaction():
+                with self._hygiene.watch(session, work), self.pool.holding(
+                        self._groups(session)):
+                    result = change(session, work, answer or self.answer_budget())
+                self._usage.check_blocks(self.tenants.by_name[session.tenant])
+                await self._perform(work)
+            apply_hold(session, hold, self.sessions.now())
+            return result
+
+    @contextlib.asynccontextmanager
+    async def _arrived(self, session_id: str) -> AsyncIterator[Session]:
+        """The session a call names, under the lock: its lease renewed on arrival and held
+        while the call waits (no expiry of a session with a call in flight), and refused if
+        it ended while the call waited."""
         session = self.sessions.arrive(session_id)
         try:
             async with self._lock:
                 self.sessions.check_live(session)
-                if commits:
-                    self.tenants.check_commit(session.tenant, session.shared_salt)
-                if frees:
-                    check_release(session, self.sessions.now(), frees)
-                work = MemoryWork()
-                with self.pool.transaction():
-                    with self._hygiene.watch(session, work), self.pool.holding(
-                            self._groups(session)):
-                        result = change(session, work, answer or self.answer_budget())
-                    self._usage.check_blocks(self.tenants.by_name[session.tenant])
-                    await self._perform(work)
-                apply_hold(session, hold, self.sessions.now())
-                return result
+                yield session
         finally:
             self.sessions.depart(session)
 
@@ -270,14 +278,9 @@ class PoolService:
 
     async def close_session(self, session_id: str) -> int:
         """Close a session and free its sequences; returns how many were freed."""
-        session = self.sessions.arrive(session_id)
-        try:
-            async with self._lock:
-                self.sessions.check_live(session)
-                check_release(session, self.sessions.now(), "CloseSession")
-                freed = await self._drop_session(session, expired=False)
-        finally:
-            self.sessions.depart(session)
+        async with self._arrived(session_id) as session:
+            check_release(session, self.sessions.now(), "CloseSession")
+            freed = await self._drop_session(session, expired=False)
         log.info("session closed", session=session.label, freed_sequences=freed)
         return freed
 
