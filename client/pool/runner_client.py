@@ -1,8 +1,8 @@
 """A typed async client of the runner (`pagedkv.v1.Runner`): one RPC per client step.
 
     async with await RunnerClient.connect("unix:///run/pagedkv/pagedkv-runner.sock") as runner:
-        out = await runner.step(session, [SeqStep(1, prompt, new_sequence=True)])
-        out = await runner.step(session, [SeqStep(1, [out[0].token_id])])   # decode
+        out = await runner.step(session, [SeqStep(1, prompt, new_sequence=True, params=greedy)])
+        out = await runner.step(session, [SeqStep(1, [out[0].token_id])])   # decode, same params
 
 The session is the client's own KVPool session (`PoolClient.open_session`): the runner performs
 the step's memory operations with it, so the sequences stay the client's. Errors are the same
@@ -24,9 +24,6 @@ from pagedkv.client.pool.session import Session
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 
-# Greedy decoding: the default of a SeqStep.
-GREEDY = SamplingParams(temperature=0.0)
-
 
 @dataclass(frozen=True, slots=True)
 class SeqStep:
@@ -40,8 +37,9 @@ class SeqStep:
     new_sequence: bool = False
     # Most tokens to compute now (chunked prefill); 0 = all.
     max_compute_tokens: int = 0
-    # How to sample its next token.
-    params: SamplingParams = GREEDY
+    # How to sample its next token: sent with the sequence's first step (and with a history),
+    # kept by the runner; None = the kept one.
+    params: SamplingParams | None = None
     # The parent of a sequence the client just forked (first step only).
     parent_seq_id: int | None = None
     # (tokens held, prompt length, computed) for a runner that restarted, else None.
@@ -54,17 +52,18 @@ class SeqStep:
     decode_ahead: bool = False
 
     def message(self) -> rpb.SequenceStep:
-        p = self.params
         step = rpb.SequenceStep(
             seq_id=self.seq_id, new_sequence=self.new_sequence, token_ids=self.token_ids,
             max_compute_tokens=self.max_compute_tokens,
-            sampling=rpb.SamplingParams(
+            has_parent=self.parent_seq_id is not None, parent_seq_id=self.parent_seq_id or 0,
+            num_prompt_tokens=self.num_prompt_tokens, decode_ahead=self.decode_ahead)
+        p = self.params
+        if p is not None:
+            step.sampling.CopyFrom(rpb.SamplingParams(
                 temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                 repetition_penalty=p.repetition_penalty, has_seed=p.seed is not None,
                 seed=p.seed or 0, logprobs=-1 if p.logprobs is None else p.logprobs,
-                stop_token_ids=p.stop_token_ids, max_tokens=p.max_tokens),
-            has_parent=self.parent_seq_id is not None, parent_seq_id=self.parent_seq_id or 0,
-            num_prompt_tokens=self.num_prompt_tokens, decode_ahead=self.decode_ahead)
+                stop_token_ids=p.stop_token_ids, max_tokens=p.max_tokens))
         if self.history is not None:
             tokens, prompt_len, computed = self.history
             step.history.CopyFrom(rpb.SequenceHistory(token_ids=tokens, prompt_len=prompt_len,
