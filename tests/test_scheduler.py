@@ -172,8 +172,11 @@ def test_parallel_samples_fork_from_the_prompt_once_it_is_computed() -> None:
     assert [(s.seq_id == parent, s.new_sequence, list(s.token_ids), s.parent_seq_id)
             for s in plan.steps] == [(True, False, [7], None), (False, True, [], parent),
                                      (False, True, [], parent)]
-    # Seeds differ per sample; the parent's appending copies the shared partial block.
-    assert len({s.params.seed for s in plan.steps}) == 3
+    # Seeds differ per sample, each sent with its sequence's first step only (the runner keeps
+    # the parent's); the parent's appending copies the shared partial block.
+    assert len({s.params.seed for s in plan.seqs}) == 3
+    assert [s.params is None for s in plan.steps] == [True, False, False]
+    assert [s.params for s in plan.steps[1:]] == [s.params for s in plan.seqs[1:]]
     assert plan.blocks == 1
 
 
