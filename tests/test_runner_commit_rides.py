@@ -119,6 +119,24 @@ async def test_a_prefix_is_shared_only_once_the_next_step_carried_its_commit(
     assert await cached(other, 2) == 8  # the decode Step committed both full blocks
 
 
+@pytest.mark.usefixtures("no_idle_end")
+async def test_a_prefill_commit_rides_the_next_batch_first(
+        daemon: Daemon, runner_client: PoolClient, engine: StepEngine) -> None:
+    """The next step allocates the same prompt again (and decodes the first): one Batch, whose
+    Commit op comes first, so the new sequence is served the first one's two blocks in that
+    same call."""
+    app = await runner_client.open_session("app", cache_salt="s")
+    first = await engine.step(app.session_id, [new(1, PROMPT, GREEDY)])
+    before = calls(daemon)
+    second = await engine.step(app.session_id, [decode_next(1, first.results[0].token_id),
+                                                new(2, PROMPT, GREEDY)])
+    assert second.results[1].num_cached == 8
+    assert second.results[1].token_id == first.results[0].token_id  # the same prompt
+    after = calls(daemon)
+    assert {m: n - before.get(m, 0) for m, n in after.items() if n != before.get(m, 0)} == {
+        "Batch": 1}
+
+
 async def test_a_prefill_commit_with_no_next_step_rides_the_end_of_the_hold(
         daemon: Daemon, runner_client: PoolClient, engine: StepEngine) -> None:
     """No next step: once the session is idle (IDLE_END_S) the runner ends its hold with a
