@@ -1,8 +1,9 @@
 """Limits of the wire that the daemon and its clients share.
 
-`MAX_MESSAGE_BYTES` is the largest gRPC message the daemon accepts (a request) or may send (an
-answer, if its operator allows answers that large): the daemon's server and the bundled
-client's channel both set it for sending and for receiving.
+`MAX_MESSAGE_BYTES` is the largest gRPC message the daemon and the runner accept (a request) or
+may send (an answer, if its operator allows answers that large): both servers
+(process/grpc_server.py) and both bundled channels (client/pool/channel.py) set it for sending
+and for receiving, through `MESSAGE_SIZE_OPTIONS`.
 
 `DEFAULT_ANSWER_BYTES` is the daemon's default `max_answer_bytes`: the daemon refuses, before
 building it, any answer that would be larger. It fits gRPC's default receive limit of 4 MiB
