@@ -15,20 +15,30 @@ been applied. `Session` then reads the state back with GetBlockTables and decide
   sequence changed by someone else (a runner under this session) leaves the outcome unknown.
 - free: NOT_FOUND -> applied (the released-block count was in the lost answer: 0); found ->
   not applied: send it again.
+- step_many (`PoolClient.step_many`): each entry read back as its session's lost step.
 
-When the outcome is unknown, or the attempts run out, the lost call's error is raised.
-`RetryPolicy` says how often to try; `PoolClient(retry=None)` turns all this off.
+When the outcome is unknown, or the attempts run out, the lost call's error is raised (`recover`
+runs these rules). `RetryPolicy` says how often to try; `PoolClient(retry=None)` turns all this off.
 """
 
-from collections.abc import Sequence
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from pagedkv.client.pool.errors import Cancelled, DaemonUnavailable, DeadlineExceeded
+from pagedkv.client.pool.errors import (
+    Cancelled,
+    DaemonUnavailable,
+    DeadlineExceeded,
+    PagedKVError,
+)
 from pagedkv.client.pool.types import SequenceBlocks, StepResult
 from pagedkv.vocab.blocks import blocks_for, slots_of
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 # The errors after which a call may or may not have been applied, and the client reads back.
 LOST = (DaemonUnavailable, DeadlineExceeded, Cancelled)
@@ -96,6 +106,32 @@ class SequenceLengths:
         if not all(seq_id in lengths for seq_id in seq_ids):
             return None
         return [lengths[seq_id] for seq_id in seq_ids]
+
+
+async def recover(policy: RetryPolicy | None, lost: PagedKVError,
+                  send: Callable[[], Awaitable[T]],
+                  read_back: Callable[[], Awaitable[Outcome[T]]]) -> T:
+    """What `send()`, whose answer was `lost`, did: after the policy's backoff, read back;
+    applied: its rebuilt answer; not applied: send again (itself recovered the same way, within
+    the policy's attempts); unknown, or out of attempts: raise the lost call's error."""
+    if policy is None or policy.attempts == 1:
+        raise lost
+    delay = policy.backoff_s
+    for _ in range(policy.attempts - 1):
+        await asyncio.sleep(delay)
+        delay *= 2
+        try:
+            outcome = await read_back()
+            if isinstance(outcome, Applied):
+                return outcome.answer
+            if isinstance(outcome, Unknown):
+                log.warning("pagedkv: cannot tell whether a lost call was applied: %s",
+                            outcome.reason)
+                break
+            return await send()
+        except LOST as exc:
+            lost = exc
+    raise lost
 
 
 def allocate_outcome(table: SequenceBlocks | None, num_tokens: int,

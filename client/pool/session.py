@@ -4,7 +4,9 @@ A session keeps its lease alive from a background task (KeepAlive every lease/3)
 exactly as long as this process: if the process dies, the daemon frees its sequences when the
 lease runs out. `allocate`, `step` and `free` recover a call whose answer was lost (UNAVAILABLE,
 DEADLINE_EXCEEDED, CANCELLED) by reading the state back, as kvpool.proto's retry rules say
-(`recovery.py`), unless the client was made with `retry=None`.
+(`recovery.py`), unless the client was made with `retry=None`. A runner reaches its clients'
+sessions through handles that `PoolClient.attach` makes: the same methods (with the runner's
+`hold_ms` and `end_hold`), no KeepAlive of their own.
 """
 
 import asyncio
@@ -35,12 +37,12 @@ from pagedkv.client.pool.ops import (
 )
 from pagedkv.client.pool.recovery import (
     LOST,
-    Applied,
     Outcome,
     SequenceLengths,
     Unknown,
     allocate_outcome,
     free_outcome,
+    recover,
     step_outcome,
 )
 from pagedkv.client.pool.types import PoolStats, SequenceBlocks, StepResult
@@ -261,8 +263,8 @@ class Session:
                            read_back: Callable[[], Awaitable[Outcome[StepResult]]]
                            ) -> StepResult:
         """`op`'s result after its answer was `lost` (an entry of a lost StepMany)."""
-        return self.stepped(op, await self._recover(lost, lambda: self._send_step(op),
-                                                    read_back))
+        return self.stepped(op, await recover(self._client.retry, lost,
+                                              lambda: self._send_step(op), read_back))
 
     def stepped(self, op: Step, result: StepResult) -> StepResult:
         """`result` of `op`, recorded: the sequences' lengths a later lost step is judged by."""
@@ -297,31 +299,7 @@ class Session:
         try:
             return await send()
         except LOST as exc:
-            return await self._recover(exc, send, read_back)
-
-    async def _recover(self, lost: PagedKVError, send: Callable[[], Awaitable[T]],
-                       read_back: Callable[[], Awaitable[Outcome[T]]]) -> T:
-        """What `send()`, whose answer was `lost`, did: read back, and send again while it
-        was not applied (`_recovering`)."""
-        policy = self._client.retry
-        if policy is None or policy.attempts == 1:
-            raise lost
-        delay = policy.backoff_s
-        for _ in range(policy.attempts - 1):
-            await asyncio.sleep(delay)
-            delay *= 2
-            try:
-                outcome = await read_back()
-                if isinstance(outcome, Applied):
-                    return outcome.answer
-                if isinstance(outcome, Unknown):
-                    log.warning("pagedkv: cannot tell whether a lost call was applied: %s",
-                                outcome.reason)
-                    break
-                return await send()
-            except LOST as exc:
-                lost = exc
-        raise lost
+            return await recover(self._client.retry, exc, send, read_back)
 
     async def _read_tables(self, seq_ids: Sequence[int], token_ids: bool = False,
                            hold_ms: int = 0) -> list[SequenceBlocks]:
