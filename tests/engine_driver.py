@@ -2,7 +2,7 @@
 
     decoded = await decode(engine, session_id, [new(1, prompt, GREEDY)], n=8)
     decoded[1].tokens    # the 8 sampled tokens
-    decoded[1].results   # every SeqResult of sequence 1, sampled or not
+    decoded[1].results   # every SeqOutput of sequence 1, sampled or not
     done = await greedy(pool_client, model_runner, session_id, prompts, n=8)  # own engine
 
 A recording runner keeps the chunks and logits of every forward, so tests can check what was
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from pagedkv.client import PoolClient, SamplingParams
+from pagedkv.client import PoolClient, SamplingParams, SeqOutput
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import SeqRequest, SeqResult
+from pagedkv.model_runner.engine.steps import SeqRequest
 from pagedkv.model_runner.kernels.attention_backend import AttentionBackend
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 
@@ -30,7 +30,7 @@ class Decoded:
     # The sampled tokens, in order.
     tokens: list[int]
     # Every result the engine returned for the sequence, sampled or not.
-    results: list[SeqResult]
+    results: list[SeqOutput]
 
 
 def new(seq_id: int, prompt: Sequence[int], params: SamplingParams,
@@ -53,7 +53,7 @@ async def decode(engine: StepEngine, session_id: str, first: Sequence[SeqRequest
     while pending:
         finishing = [r.seq_id for r in pending if len(decoded[r.seq_id].tokens) == n - 1]
         results = (await engine.step(session_id, pending,
-                                     release=finishing if release else ())).results
+                                     release=finishing if release else ()))
         pending = []
         for result in results:
             seq = decoded[result.seq_id]

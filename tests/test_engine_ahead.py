@@ -95,15 +95,15 @@ async def test_a_step_naming_another_token_is_refused_and_changes_nothing(
     expected = expected_tokens(FAMILY, prompt)
     first = await engine.step(session.session_id, [
         dataclasses.replace(new(1, prompt, GREEDY), decode_ahead=True)])
-    assert first.results[0].token_id == expected[0]
-    assert first.results[0].num_tokens == len(prompt)
+    assert first[0].token_id == expected[0]
+    assert first[0].num_tokens == len(prompt)
     with pytest.raises(InvalidStep, match="decode_ahead"):
         await engine.step(session.session_id, [step(1, (expected[0] + 1) % VOCAB)])
     with pytest.raises(InvalidStep, match="decode_ahead"):
         await engine.step(session.session_id, [SeqRequest(1, False, (), 0, GREEDY)])
     assert await held(session, 1) == len(prompt) + 1  # the token appended ahead, no more
     second = await engine.step(session.session_id, [step(1, expected[0], ahead=False)])
-    assert (second.results[0].token_id, second.results[0].num_tokens) == (
+    assert (second[0].token_id, second[0].num_tokens) == (
         expected[1], len(prompt) + 1)
     await settled(engine)
     assert await held(session, 1) == len(prompt) + 1  # not marked: nothing appended ahead
@@ -124,7 +124,7 @@ async def test_changed_sampling_samples_the_position_again_writing_nothing(
     with_logprobs = dataclasses.replace(GREEDY, logprobs=3)
     outcome = await engine.step(session.session_id, [step(1, expected[0], with_logprobs)])
     assert [(c.start, list(c.slot_mapping)) for c in runner.chunks[mark]] == [(len(prompt), [-1])]
-    result = outcome.results[0]
+    result = outcome[0]
     assert result.token_id == expected[1] == result.top_token_ids[0]
     assert len(result.top_logprobs) == 3
 
@@ -138,14 +138,14 @@ async def test_finished_and_released_sequences_are_not_decoded_ahead(
     outcome = await engine.step(session.session_id, [
         dataclasses.replace(new(1, prompt, one_token), decode_ahead=True),
         dataclasses.replace(new(2, prompt, GREEDY), decode_ahead=True)])
-    assert [r.finished for r in outcome.results] == [True, False]
+    assert [r.finished for r in outcome] == [True, False]
     await settled(engine)
     assert [await held(session, 1), await held(session, 2)] == [len(prompt), len(prompt) + 1]
     # Released while its step ahead is computed: freed after that forward, nothing left.
     await engine.step(session.session_id, [], release=[1, 2])
     stats = (await session.stats()).session
     assert stats is not None and (stats.num_sequences, stats.blocks_held) == (0, 0)
-    assert outcome.results[1].token_id == expected[0]
+    assert outcome[1].token_id == expected[0]
 
 
 async def test_a_sequence_decoded_ahead_is_forked_only_after_its_next_step(
@@ -166,7 +166,7 @@ async def test_a_sequence_decoded_ahead_is_forked_only_after_its_next_step(
     second = await engine.step(session.session_id, [step(1, expected[0], ahead=False)])
     fork = await engine.step(session.session_id, [
         SeqRequest(2, True, (), 0, GREEDY, parent_seq_id=1)])
-    assert second.results[0].token_id == fork.results[0].token_id == expected[1]
+    assert second[0].token_id == fork[0].token_id == expected[1]
     assert await held(session, 2) == len(prompt) + 1
 
 
@@ -183,7 +183,7 @@ async def test_an_ahead_step_that_does_not_fit_is_left_to_the_clients_step(
     async with await client.open_session("hog") as hog:
         await hog.allocate(1, (await hog.stats()).free_blocks * BLOCK_SIZE)
         second = await engine.step(session.session_id, [step(1, expected[0])])
-        assert second.results[0].token_id == expected[1]
+        assert second[0].token_id == expected[1]
         await settled(engine)
         assert ahead_tokens(registry, "failed") == 1
         assert await held(session, 1) == BLOCK_SIZE
@@ -191,7 +191,7 @@ async def test_an_ahead_step_that_does_not_fit_is_left_to_the_clients_step(
             await engine.step(session.session_id, [step(1, expected[1])])
         assert await held(session, 1) == BLOCK_SIZE
     third = await engine.step(session.session_id, [step(1, expected[1], ahead=False)])
-    assert (third.results[0].token_id, third.results[0].num_tokens) == (
+    assert (third[0].token_id, third[0].num_tokens) == (
         expected[2], BLOCK_SIZE + 1)
 
 
@@ -211,9 +211,9 @@ async def test_a_restarted_runner_takes_the_token_appended_ahead_from_the_client
     restarted = await start_engine(runner_client, CollectorRegistry())
     try:
         history = History(prompt, len(prompt), len(prompt))
-        resent = dataclasses.replace(step(1, first.results[0].token_id), history=history)
+        resent = dataclasses.replace(step(1, first[0].token_id), history=history)
         decoded = await decode(restarted, session.session_id, [resent], NEW_TOKENS - 1,
                                decode_ahead=True)
     finally:
         await restarted.stop()
-    assert [first.results[0].token_id, *decoded[1].tokens] == expected
+    assert [first[0].token_id, *decoded[1].tokens] == expected

@@ -16,11 +16,11 @@ import torch
 from engine_driver import RecordingRunner, new
 from test_engine_families import GREEDY, expected_tokens, paged_model
 
-from pagedkv.client import PoolClient, Session
+from pagedkv.client import PoolClient, Session, StepOutputs
 from pagedkv.model_runner.engine.forward_loop import Batch, ForwardLoop, Prepared
 from pagedkv.model_runner.engine.sampling import Sampler
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import SeqRequest, StepOutcome
+from pagedkv.model_runner.engine.steps import SeqRequest
 from pagedkv.model_runner.kernels.attention_backend import get_backend
 from pagedkv.model_runner.runner import SequenceChunk
 
@@ -70,7 +70,7 @@ async def until(condition: Callable[[], bool]) -> None:
         await asyncio.sleep(0.001)
 
 
-async def answered(runner: GatedRunner, step: "asyncio.Task[StepOutcome]") -> StepOutcome:
+async def answered(runner: GatedRunner, step: "asyncio.Task[StepOutputs]") -> StepOutputs:
     """Let the forwards go one at a time until `step` is answered."""
     while not step.done():
         await until(lambda: runner.waiting or step.done())
@@ -90,7 +90,7 @@ async def test_decodes_of_another_client_run_between_the_chunks_of_a_long_prefil
     long, short = prompt(LONG, 3), prompt(SHORT, 5)
     async with await client.open_session("decoding") as other:
         first = asyncio.create_task(engine.step(other.session_id, [new(1, short, GREEDY)]))
-        decoded = [(await answered(runner, first)).results[0].token_id]
+        decoded = [(await answered(runner, first))[0].token_id]
         prefill = asyncio.create_task(engine.step(session.session_id, [new(1, long, GREEDY)]))
         for _ in range(3):
             await until(lambda: runner.waiting)  # a piece of the prefill waits for its permit
@@ -98,9 +98,9 @@ async def test_decodes_of_another_client_run_between_the_chunks_of_a_long_prefil
                 SeqRequest(1, False, (decoded[-1],), 0, GREEDY)]))
             await until(lambda: any(p.session_id == other.session_id
                                     for p in engine.forwards._ready))
-            decoded.append((await answered(runner, decode)).results[0].token_id)
+            decoded.append((await answered(runner, decode))[0].token_id)
             assert not prefill.done()  # answered between two pieces of the prefill
-        result = (await answered(runner, prefill)).results[0]
+        result = (await answered(runner, prefill))[0]
         sizes = [[len(chunk.token_ids) for chunk in forward] for forward in runner.chunks]
         # The short prefill; then the prefill's pieces, each decode first in the forward
         # after it arrived (1 + 15 tokens), the rest 16 at a time.
@@ -111,7 +111,7 @@ async def test_decodes_of_another_client_run_between_the_chunks_of_a_long_prefil
         # Its blocks were committed once all were computed: the same prompt again is served
         # from the cache (its 9 whole blocks) and gives the same token.
         again = asyncio.create_task(engine.step(session.session_id, [new(2, long, GREEDY)]))
-        cached = (await answered(runner, again)).results[0]
+        cached = (await answered(runner, again))[0]
         assert cached.num_cached == LONG // 16 * 16
         assert cached.token_id == result.token_id
 

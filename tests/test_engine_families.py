@@ -49,9 +49,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from pagedkv.client import PoolClient, SamplingParams, Session
+from pagedkv.client import PoolClient, SamplingParams, SeqOutput, Session
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import SeqRequest, SeqResult
+from pagedkv.model_runner.engine.steps import SeqRequest
 from pagedkv.model_runner.kernels.attention_backend import get_backend
 
 BLOCK_SIZE = 16
@@ -183,7 +183,7 @@ def greedy(seq_id: int, prompt: Sequence[int], max_compute_tokens: int = 0) -> S
     return new(seq_id, prompt, GREEDY, max_compute_tokens)
 
 
-def full_logprobs(result: SeqResult) -> torch.Tensor:
+def full_logprobs(result: SeqOutput) -> torch.Tensor:
     """[V] the raw log-distribution a result reports (logprobs=VOCAB: every token)."""
     assert len(result.top_token_ids) == VOCAB
     logprobs = torch.full((VOCAB,), float("nan"))

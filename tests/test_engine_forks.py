@@ -41,7 +41,7 @@ async def test_children_without_tokens_resample_the_last_position_sharing_the_pr
         SeqRequest(2, True, (), 0, GREEDY, parent_seq_id=1),
         SeqRequest(3, True, (), 0, GREEDY, parent_seq_id=1)])
     assert [(c.start, list(c.slot_mapping)) for c in runner.chunks[0][1:]] == [(32, [-1])] * 2
-    assert [r.token_id for r in outcome.results[1:]] == [first, first]
+    assert [r.token_id for r in outcome[1:]] == [first, first]
     assert outcome.free_blocks > 0
     stats = (await session.stats()).session
     assert stats is not None
@@ -50,11 +50,11 @@ async def test_children_without_tokens_resample_the_last_position_sharing_the_pr
     assert (stats.num_sequences, stats.blocks_held) == (3, 4)
     tails = await decode(engine, session.session_id, [
         SeqRequest(i, False, (r.token_id,), 0, GREEDY) for i, r in
-        zip((1, 2, 3), outcome.results, strict=True)], NEW_TOKENS - 2)
+        zip((1, 2, 3), outcome, strict=True)], NEW_TOKENS - 2)
     expected = expected_tokens(family, prompt)
-    assert [first, outcome.results[0].token_id, *tails[1].tokens] == expected
+    assert [first, outcome[0].token_id, *tails[1].tokens] == expected
     for child in (2, 3):  # one token behind their parent
-        assert [outcome.results[child - 1].token_id, *tails[child].tokens] == expected[:-1]
+        assert [outcome[child - 1].token_id, *tails[child].tokens] == expected[:-1]
 
 
 @pytest.mark.parametrize("family", [FAMILY])
@@ -71,13 +71,13 @@ async def test_a_fork_with_tokens_branches_before_the_parent_appends(
     outcome = await engine.step(session.session_id, [
         SeqRequest(1, False, (a,), 0, GREEDY),
         SeqRequest(2, True, (b,), 0, GREEDY, parent_seq_id=1)])
-    assert [r.num_tokens for r in outcome.results] == [len(prompt) + 1] * 2
+    assert [r.num_tokens for r in outcome] == [len(prompt) + 1] * 2
     tables = await session.block_tables([1, 2])
     assert tables[0].block_ids[0] == tables[1].block_ids[0]  # the full block is shared
     assert tables[0].block_ids[1] != tables[1].block_ids[1]  # the partial one was copied
     child = await decode(engine, session.session_id, [
-        SeqRequest(2, False, (outcome.results[1].token_id,), 0, GREEDY)], 2)
-    assert [outcome.results[1].token_id, *child[2].tokens] == expected_tokens(
+        SeqRequest(2, False, (outcome[1].token_id,), 0, GREEDY)], 2)
+    assert [outcome[1].token_id, *child[2].tokens] == expected_tokens(
         family, (*prompt, b), 3)
 
 

@@ -34,7 +34,7 @@ async def test_a_prompt_longer_than_the_model_is_refused_alone(
         fine = asyncio.create_task(engine.step(other.session_id, [new(1, prompts[0], GREEDY)]))
         with pytest.raises(InvalidStep, match=f"at most {limit} positions"):
             await too_long
-        assert (await fine).results[0].token_id == expected_tokens(family, prompts[0])[0]
+        assert (await fine)[0].token_id == expected_tokens(family, prompts[0])[0]
     with pytest.raises(SequenceNotFound):
         await session.block_tables([1])
 
@@ -48,8 +48,8 @@ async def test_a_decode_past_the_last_position_is_refused_and_changes_nothing(
     limit = engine.runner.max_model_len
     prompt = tuple(i % 100 + 1 for i in range(limit))
     first = await engine.step(session.session_id, [new(1, prompt, GREEDY)])
-    assert first.results[0].sampled and first.results[0].finished  # no position left for it
+    assert first[0].sampled and first[0].finished  # no position left for it
     with pytest.raises(InvalidStep, match=f"at most {limit} positions"):
         await engine.step(session.session_id, [
-            SeqRequest(1, False, (first.results[0].token_id,), 0, GREEDY)])
+            SeqRequest(1, False, (first[0].token_id,), 0, GREEDY)])
     assert (await session.block_tables([1]))[0].num_tokens == limit

@@ -18,8 +18,8 @@ import grpc
 import pytest
 from pagedkvd_process import short_tmp_dir
 
-from pagedkv.client import MessageTooLarge, PoolClient, RunnerClient
-from pagedkv.model_runner.engine.steps import SeqRequest, StepOutcome
+from pagedkv.client import MessageTooLarge, PoolClient, RunnerClient, StepOutputs
+from pagedkv.model_runner.engine.steps import SeqRequest
 from pagedkv.model_runner.models import ModelSource
 from pagedkv.model_runner.process.server import RunnerConfig, _grpc_server
 from pagedkv.process.grpc_server import StartupError
@@ -48,9 +48,9 @@ class EchoState:
         self.sessions: list[str] = []
 
     async def step(self, session_id: str, requests: Sequence[SeqRequest],
-                   release: Sequence[int]) -> StepOutcome:
+                   release: Sequence[int]) -> StepOutputs:
         self.sessions.append(session_id)
-        return StepOutcome([], free_blocks=0)
+        return StepOutputs([], free_blocks=0)
 
     def runner_info(self) -> rpb.RunnerInfo:
         return rpb.RunnerInfo(model=self.model)

@@ -115,7 +115,7 @@ async def test_a_prefix_is_shared_only_once_the_next_step_carried_its_commit(
     first = await engine.step(app.session_id, [new(1, PROMPT, GREEDY)])
     # The prefill is answered, its forward done: its blocks are still pending, not shared.
     assert await cached(other, 1) == 0
-    await engine.step(app.session_id, [decode_next(1, first.results[0].token_id)])
+    await engine.step(app.session_id, [decode_next(1, first[0].token_id)])
     assert await cached(other, 2) == 8  # the decode Step committed both full blocks
 
 
@@ -128,10 +128,10 @@ async def test_a_prefill_commit_rides_the_next_batch_first(
     app = await runner_client.open_session("app", cache_salt="s")
     first = await engine.step(app.session_id, [new(1, PROMPT, GREEDY)])
     before = calls(daemon)
-    second = await engine.step(app.session_id, [decode_next(1, first.results[0].token_id),
+    second = await engine.step(app.session_id, [decode_next(1, first[0].token_id),
                                                 new(2, PROMPT, GREEDY)])
-    assert second.results[1].num_cached == 8
-    assert second.results[1].token_id == first.results[0].token_id  # the same prompt
+    assert second[1].num_cached == 8
+    assert second[1].token_id == first[0].token_id  # the same prompt
     after = calls(daemon)
     assert {m: n - before.get(m, 0) for m, n in after.items() if n != before.get(m, 0)} == {
         "Batch": 1}

@@ -53,10 +53,10 @@ async def test_later_steps_use_the_sampling_of_the_first(
     """Only the first step sends KEPT: every answer has its two top logprobs, and the third
     token finishes the sequence (its max_tokens)."""
     prompt = prompts[0]
-    out = (await engine.step(session.session_id, [new(1, prompt, KEPT)])).results[0]
+    out = (await engine.step(session.session_id, [new(1, prompt, KEPT)]))[0]
     answers = [out]
     for _ in range(2):
-        out = (await engine.step(session.session_id, [decode(1, out.token_id)])).results[0]
+        out = (await engine.step(session.session_id, [decode(1, out.token_id)]))[0]
         answers.append(out)
     assert [a.token_id for a in answers] == expected_tokens(FAMILY, prompt)[:3]
     assert [len(a.top_token_ids) for a in answers] == [2, 2, 2]
@@ -81,7 +81,7 @@ async def test_a_restarted_runner_refuses_the_step_until_the_sampling_is_resent(
     naming the sequence, and the daemon holds what it held. Resent with history and sampling,
     it goes on with the resent sampling (one top logprob now)."""
     prompt = prompts[1]
-    first = (await engine.step(session.session_id, [new(1, prompt, KEPT)])).results[0]
+    first = (await engine.step(session.session_id, [new(1, prompt, KEPT)]))[0]
     restarted = await start_engine(runner_client)
     try:
         history = History(prompt, len(prompt), len(prompt))
@@ -92,9 +92,9 @@ async def test_a_restarted_runner_refuses_the_step_until_the_sampling_is_resent(
             assert await held(session, 1) == len(prompt)
         resent = dataclasses.replace(decode(1, first.token_id, dataclasses.replace(
             KEPT, logprobs=1)), history=history)
-        second = (await restarted.step(session.session_id, [resent])).results[0]
+        second = (await restarted.step(session.session_id, [resent]))[0]
         third = (await restarted.step(session.session_id,
-                                      [decode(1, second.token_id)])).results[0]
+                                      [decode(1, second.token_id)]))[0]
     finally:
         await restarted.stop()
     tokens = [first.token_id, second.token_id, third.token_id]

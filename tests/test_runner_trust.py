@@ -30,6 +30,7 @@ from pagedkv.client import (
     Session,
     SessionBusy,
     SessionExpired,
+    StepOutputs,
 )
 from pagedkv.client import StepNotComputed as ClientStepNotComputed
 from pagedkv.client.engine.runner_link import RunnerLink
@@ -40,7 +41,6 @@ from pagedkv.model_runner.engine.steps import (
     InvalidStep,
     SeqRequest,
     StepNotComputed,
-    StepOutcome,
     UnknownSequence,
 )
 from pagedkv.model_runner.kernels.attention_backend import get_backend
@@ -104,7 +104,7 @@ async def until(condition: Callable[[], bool]) -> None:
 
 
 async def hold_a_forward(engine: StepEngine, session_id: str,
-                         requests: list[SeqRequest]) -> "asyncio.Task[StepOutcome]":
+                         requests: list[SeqRequest]) -> "asyncio.Task[StepOutputs]":
     """Close the gate and start the step `requests`, whose forward then waits in the runner
     (until the test opens the gate: `gated(engine).gate.set()`)."""
     runner = gated(engine)
@@ -170,7 +170,7 @@ async def test_a_history_claiming_uncomputed_tokens_computed_is_computed_again(
     first = expected_tokens(FAMILY, prompt)[0]
     out = await engine.step(attacker.session_id, [
         decode_step(7, first, History(prompt, len(prompt), len(prompt)))])
-    assert (out.results[0].num_computed, out.results[0].token_id) == (
+    assert (out[0].num_computed, out[0].token_id) == (
         len(prompt) + 1, expected_tokens(FAMILY, prompt)[1])
     await engine.step(attacker.session_id, [], release=[7])
     victims = await decode(engine, victim.session_id, [new(1, prompt, GREEDY)], NEW_TOKENS)
@@ -218,7 +218,7 @@ async def test_an_out_of_vocabulary_history_fails_alone_before_a_merged_forward(
         await until(lambda: len(engine.forwards._ready) + bad_step.done() == 2)
         gated(engine).gate.set()
         await blocker
-        assert (await good_step).results[0].token_id == expected[1]
+        assert (await good_step)[0].token_id == expected[1]
         with pytest.raises(InvalidStep, match=r"sequence 5: history.token_ids must be in"):
             await bad_step
         assert await held(bad, 5) == len(prompts[0])
@@ -237,7 +237,7 @@ async def test_a_forward_that_fails_after_the_appends_says_so_and_a_resend_compu
         await engine.step(session.session_id, [decode_step(1, expected[0])])
     assert await held(session, 1) == len(prompt) + 1
     resent = await engine.step(session.session_id, [SeqRequest(1, False, (), 0, GREEDY)])
-    assert (resent.results[0].token_id, resent.results[0].num_tokens) == (
+    assert (resent[0].token_id, resent[0].num_tokens) == (
         expected[1], len(prompt) + 1)
     assert await held(session, 1) == len(prompt) + 1
 
@@ -258,7 +258,7 @@ async def test_a_step_not_computed_that_named_a_token_decoded_ahead_is_resent_wi
     with pytest.raises(StepNotComputed):
         await engine.step(session.session_id, [decode_step(1, expected[0])])
     resent = await engine.step(session.session_id, [SeqRequest(1, False, (), 0, GREEDY)])
-    assert resent.results[0].token_id == expected[1]
+    assert resent[0].token_id == expected[1]
     assert await held(session, 1) == len(prompt) + 1
 
 
@@ -368,7 +368,7 @@ async def test_a_forward_longer_than_the_hold_keeps_the_session_held(
                 await session.free(1)
             await asyncio.sleep(SHORT_HOLD_MS / 2000)
         runner.gate.set()
-        assert (await step).results[0].token_id == expected[1]
+        assert (await step)[0].token_id == expected[1]
         for _ in range(POLLS):  # the runner ends it once the session is idle
             with contextlib.suppress(SessionBusy):
                 assert await session.free(1) >= 0
@@ -389,7 +389,7 @@ async def test_a_sequence_changed_directly_between_steps_is_read_back_before_a_w
     prompt = prompts[2]
     async with await client.open_session("chunker") as chunker:
         first = await engine.step(chunker.session_id, [new(1, prompt, GREEDY, 16)])
-        assert first.results[0].num_computed == 16
+        assert first[0].num_computed == 16
         kept = engine.sessions.get(chunker.session_id)
         assert kept is not None
         stale = list(kept.sequences.seqs[1].block_table)

@@ -17,9 +17,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pagedkv.client import StepOutputs
 from pagedkv.daemon.service.answer_size import SEQUENCE_FIXED
 from pagedkv.daemon.service.limits import Limits
-from pagedkv.model_runner.engine.steps import StepOutcome
 from pagedkv.model_runner.models import ModelSource
 from pagedkv.model_runner.process.server import RunnerConfig, _grpc_server
 from pagedkv.process.server_bounds import ServerBounds
@@ -164,7 +164,7 @@ class HeldSteps:
         # Set once a step has reached the engine.
         self.entered = asyncio.Event()
 
-    async def step(self, *_: object) -> StepOutcome:
+    async def step(self, *_: object) -> StepOutputs:
         self.entered.set()
         await asyncio.Event().wait()  # until the call is cancelled
         raise AssertionError("unreachable")

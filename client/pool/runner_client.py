@@ -73,26 +73,37 @@ class SeqStep:
 
 @dataclass(frozen=True, slots=True)
 class SeqOutput:
-    """What a step did to one sequence (see runner.proto's SequenceOutput)."""
+    """What a step did to one sequence (see runner.proto's SequenceOutput): the one record on
+    both sides of the wire, built by the runner's forward loop and read by the client."""
 
     seq_id: int
+    # Tokens held, and how many of them are computed.
     num_tokens: int
     num_computed: int
+    # Prompt tokens the prefix cache served (new sequences).
     num_cached: int
     # Whether token_id holds a sampled token (not while a chunked prefill goes on).
     sampled: bool
-    token_id: int
-    logprob: float
-    top_token_ids: tuple[int, ...]
-    top_logprobs: tuple[float, ...]
-    # A stop token was sampled, or max_tokens were generated.
-    finished: bool
+    token_id: int = -1
+    # Raw log-probability of the sampled token, and the top ones when asked.
+    logprob: float = 0.0
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+    # A stop token was sampled, or max_tokens were generated, or the model's positions are full.
+    finished: bool = False
 
     @classmethod
     def from_proto(cls, m: rpb.SequenceOutput) -> "SeqOutput":
         return cls(m.seq_id, m.num_tokens, m.num_computed_tokens, m.num_cached_tokens,
                    m.sampled, m.token_id, m.logprob, tuple(m.top_token_ids),
                    tuple(m.top_logprobs), m.finished)
+
+    def message(self) -> rpb.SequenceOutput:
+        return rpb.SequenceOutput(
+            seq_id=self.seq_id, num_tokens=self.num_tokens, num_computed_tokens=self.num_computed,
+            num_cached_tokens=self.num_cached, sampled=self.sampled, token_id=self.token_id,
+            logprob=self.logprob, top_token_ids=self.top_token_ids,
+            top_logprobs=self.top_logprobs, finished=self.finished)
 
 
 @dataclass(frozen=True, slots=True)

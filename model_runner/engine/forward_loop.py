@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedkv.client import SeqOutput
 from pagedkv.model_runner.engine.sampling import Pick, Sampler, SamplingRow, picks
 from pagedkv.model_runner.engine.sequences import Ahead, SeqState
-from pagedkv.model_runner.engine.steps import SeqRequest, SeqResult
+from pagedkv.model_runner.engine.steps import SeqRequest
 from pagedkv.model_runner.process.metrics import RunnerMetrics
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 from pagedkv.process.lifecycle import cancel
@@ -54,9 +55,9 @@ class Prepared:
     # Requests whose token the runner appended ahead (index -> what it did), and the results
     # of those it also computed with the same sampling: no chunk, no daemon call.
     claimed: dict[int, Ahead] = field(default_factory=dict)
-    ready: dict[int, SeqResult] = field(default_factory=dict)
+    ready: dict[int, SeqOutput] = field(default_factory=dict)
     # Set by the forward: one result per request.
-    done: asyncio.Future[list[SeqResult]] = field(
+    done: asyncio.Future[list[SeqOutput]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
     # When it was ready for a forward (monotonic seconds).
     ready_at: float = field(default_factory=time.monotonic)
@@ -141,7 +142,7 @@ class ForwardLoop:
         (nothing else runs there, so no forward runs meanwhile)."""
         await asyncio.get_running_loop().run_in_executor(self._thread, work)
 
-    async def compute(self, prepared: Prepared) -> list[SeqResult]:
+    async def compute(self, prepared: Prepared) -> list[SeqOutput]:
         """Queue a prepared step for the next forward; its results, one per request."""
         self._ready.append(prepared)
         self._wake.set()
@@ -260,7 +261,7 @@ class ForwardLoop:
             if not prepared.left and not prepared.done.done():
                 prepared.done.set_result(self.results(prepared, prepared.picked))
 
-    def results(self, prepared: Prepared, chosen: dict[int, Pick]) -> list[SeqResult]:
+    def results(self, prepared: Prepared, chosen: dict[int, Pick]) -> list[SeqOutput]:
         """One result per request of `prepared`: computed ahead, or from this step (`chosen`:
         the sampled token of each request that sampled, by index)."""
         limit = self._runner().max_model_len
@@ -270,13 +271,13 @@ class ForwardLoop:
 
 
 def _result(request: SeqRequest, state: SeqState, pick: Pick | None,
-            max_model_len: int) -> SeqResult:
+            max_model_len: int) -> SeqOutput:
     """What a step did to one sequence (`pick`: its sampled token, if it sampled)."""
     if pick is None:
-        return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
+        return SeqOutput(request.seq_id, len(state.tokens), state.num_computed,
                          state.num_cached, sampled=False)
     # A sequence that holds max_model_len tokens has no position for its sampled token.
     full = len(state.tokens) >= max_model_len
-    return SeqResult(request.seq_id, len(state.tokens), state.num_computed,
+    return SeqOutput(request.seq_id, len(state.tokens), state.num_computed,
                      state.num_cached, True, pick.token_id, pick.logprob,
                      pick.top_token_ids, pick.top_logprobs, pick.finished or full)

@@ -16,8 +16,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedkv.client import Commit, PoolClient, SamplingParams, Session
-from pagedkv.model_runner.engine.steps import SeqRequest, SeqResult, UnknownSequence
+from pagedkv.client import Commit, PoolClient, SamplingParams, SeqOutput, Session
+from pagedkv.model_runner.engine.steps import SeqRequest, UnknownSequence
 from pagedkv.vocab.blocks import patch_table, slots_of
 
 
@@ -30,7 +30,7 @@ class Ahead:
     token_id: int
     # That step's result (sampled with the sequence's kept SeqState.params), once its forward
     # is done (None if it has not run or failed).
-    result: SeqResult | None = None
+    result: SeqOutput | None = None
 
 
 @dataclass

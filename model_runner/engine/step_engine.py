@@ -53,8 +53,10 @@ from pagedkv.client import (
     NotFound,
     PagedKVError,
     PoolClient,
+    SeqOutput,
     SequenceNotFound,
     SessionExpired,
+    StepOutputs,
 )
 from pagedkv.model_runner.engine.answer_limits import AnswerLimits
 from pagedkv.model_runner.engine.forward_loop import ForwardLoop, Prepared
@@ -64,7 +66,7 @@ from pagedkv.model_runner.engine.sampling import Sampler
 from pagedkv.model_runner.engine.sequences import SessionSequences
 from pagedkv.model_runner.engine.sessions import SessionEntry, SessionTable
 from pagedkv.model_runner.engine.step_checks import check_writes
-from pagedkv.model_runner.engine.steps import SeqRequest, SeqResult, StepNotComputed, StepOutcome
+from pagedkv.model_runner.engine.steps import SeqRequest, StepNotComputed
 from pagedkv.model_runner.process.metrics import RunnerMetrics
 from pagedkv.model_runner.runner import ModelRunner
 from pagedkv.process.lifecycle import cancel
@@ -95,7 +97,7 @@ class StepEngine:
         # Steps being decoded ahead (each holds its session's lock).
         self._ahead_tasks: set[asyncio.Task[None]] = set()
         # Forwards of cancelled steps, waited for before their session's lock goes.
-        self._orphans: set[asyncio.Future[list[SeqResult]]] = set()
+        self._orphans: set[asyncio.Future[list[SeqOutput]]] = set()
 
     async def start(self) -> None:
         await self.forwards.start()
@@ -115,7 +117,7 @@ class StepEngine:
     # ---------------------------------------------------------------- the step
 
     async def step(self, session_id: str, requests: Sequence[SeqRequest],
-                   release: Sequence[int] = ()) -> StepOutcome:
+                   release: Sequence[int] = ()) -> StepOutputs:
         """Compute one client step; `release` names sequences to free after it."""
         self.preparer.validate(requests, release)
         started = time.monotonic()
@@ -153,7 +155,7 @@ class StepEngine:
                 self._ahead_tasks.add(task)
                 task.add_done_callback(self._ahead_tasks.discard)
                 handed_off = True
-            return StepOutcome(results, self.pool.free_blocks)
+            return StepOutputs(results, self.pool.free_blocks)
         finally:
             if not handed_off:
                 self._let_go(session_id, entry)
@@ -164,7 +166,7 @@ class StepEngine:
         self.sessions.leave(session_id, entry)
         self.holds.after_step(session_id, entry)
 
-    async def _run(self, prepared: Prepared, known: SessionSequences) -> list[SeqResult]:
+    async def _run(self, prepared: Prepared, known: SessionSequences) -> list[SeqOutput]:
         """A prepared step's forward and results, holding the session (its blocks and its
         lease) meanwhile: a step whose daemon calls did not just hold it (it made none) holds it
         first. Its daemon calls are applied: a forward that fails makes it StepNotComputed, and
@@ -197,7 +199,7 @@ class StepEngine:
     # ------------------------------------------------------------ decode ahead
 
     @staticmethod
-    def _ahead_requests(requests: Sequence[SeqRequest], results: Sequence[SeqResult],
+    def _ahead_requests(requests: Sequence[SeqRequest], results: Sequence[SeqOutput],
                         release: Sequence[int]) -> list[SeqRequest]:
         """The client's next step of the sequences it marked decode_ahead whose token this
         step sampled and that go on: append that token, sample the same way."""
@@ -276,7 +278,7 @@ def _session_gone(exc: Exception) -> bool:
     return isinstance(exc, (SessionExpired, NotFound)) and not isinstance(exc, SequenceNotFound)
 
 
-async def _outlive(forward: asyncio.Future[list[SeqResult]]) -> None:
+async def _outlive(forward: asyncio.Future[list[SeqOutput]]) -> None:
     """Wait for `forward` to end, however often the waiter is cancelled (the engine cancels
     `forward` itself when it stops)."""
     while not forward.done():

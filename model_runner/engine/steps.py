@@ -1,6 +1,7 @@
 """What a client's step is made of, as the runner's step engine sees it: the sequences asked
-for, what each got, the two ways a step is refused before anything changes, and the one way it
-fails after its daemon calls were applied."""
+for, the two ways a step is refused before anything changes, and the one way it fails after its
+daemon calls were applied. What each sequence got is the client's own record (SeqOutput, in a
+StepOutputs), built here and sent as it is."""
 
 from dataclasses import dataclass
 
@@ -66,33 +67,3 @@ class SeqRequest:
     # the runner may append it and compute that step ahead (runner.proto's decode_ahead).
     decode_ahead: bool = False
 
-
-@dataclass(frozen=True, slots=True)
-class SeqResult:
-    """What a step did to one sequence."""
-
-    seq_id: int
-    # Tokens held, and how many of them are computed.
-    num_tokens: int
-    num_computed: int
-    # Prompt tokens the prefix cache served (new sequences).
-    num_cached: int
-    # Whether a token was sampled (not while a chunked prefill goes on).
-    sampled: bool
-    token_id: int = -1
-    # Raw log-probability of the sampled token, and the top ones when asked.
-    logprob: float = 0.0
-    top_token_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
-    # The sampled token is a stop token, or max_tokens were generated.
-    finished: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutcome:
-    """A client step's answer."""
-
-    # One result per requested sequence, in request order.
-    results: list[SeqResult]
-    # The pool's free blocks per the daemon's latest answer to this runner.
-    free_blocks: int

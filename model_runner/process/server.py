@@ -31,11 +31,11 @@ from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from pagedkv.client import DaemonUnavailable, PoolClient, PoolInfo
+from pagedkv.client import DaemonUnavailable, PoolClient, PoolInfo, StepOutputs
 from pagedkv.model_runner.engine.answer_limits import AnswerLimits
 from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import SeqRequest, StepOutcome
+from pagedkv.model_runner.engine.steps import SeqRequest
 from pagedkv.model_runner.kernels.attention_backend import BackendName, get_backend
 from pagedkv.model_runner.models import ModelSource, check_geometry, kv_geometry, load_model
 from pagedkv.model_runner.process.metrics import RunnerMetrics
@@ -105,7 +105,7 @@ class RunnerState:
         self.unavailable: str | None = None
 
     async def step(self, session_id: str, requests: Sequence[SeqRequest],
-                   release: Sequence[int]) -> StepOutcome:
+                   release: Sequence[int]) -> StepOutputs:
         """The engine's step, refused while the pool is unavailable."""
         if self.unavailable is not None:
             raise RunnerUnavailable(self.unavailable)

@@ -14,15 +14,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from pagedkv.client import PagedKVError, SamplingParams
+from pagedkv.client import PagedKVError, SamplingParams, StepOutputs
 from pagedkv.client.pool.errors import cause_of_error
 from pagedkv.model_runner.engine.steps import (
     History,
     InvalidStep,
     SeqRequest,
-    SeqResult,
     StepNotComputed,
-    StepOutcome,
     UnknownSequence,
 )
 from pagedkv.proto import runner_pb2 as rpb
@@ -38,7 +36,7 @@ Request = TypeVar("Request")
 Response = TypeVar("Response")
 Handler = Callable[["RunnerServicer", Request, "Context"], Awaitable[Response]]
 # StepEngine.step, behind whatever gate the server puts before it.
-StepFunction = Callable[[str, Sequence[SeqRequest], Sequence[int]], Awaitable[StepOutcome]]
+StepFunction = Callable[[str, Sequence[SeqRequest], Sequence[int]], Awaitable[StepOutputs]]
 
 
 # max_tokens of a request that set none: more than any sequence generates.
@@ -109,9 +107,9 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
     async def Step(self, request: rpb.RunnerStepRequest,
                    context: Context) -> rpb.RunnerStepResponse:
         seqs = [seq_request(seq) for seq in request.seqs]
-        outcome = await self._step(request.session_id, seqs, list(request.release_seq_ids))
-        return rpb.RunnerStepResponse(outputs=[sequence_output(r) for r in outcome.results],
-                                      free_blocks=outcome.free_blocks)
+        outputs = await self._step(request.session_id, seqs, list(request.release_seq_ids))
+        return rpb.RunnerStepResponse(outputs=[output.message() for output in outputs],
+                                      free_blocks=outputs.free_blocks)
 
 
 def sampling_params(message: rpb.SamplingParams) -> SamplingParams:
@@ -141,12 +139,3 @@ def seq_request(message: rpb.SequenceStep) -> SeqRequest:
                       message.max_compute_tokens, params,
                       message.parent_seq_id if message.has_parent else None, history,
                       message.num_prompt_tokens, message.decode_ahead)
-
-
-def sequence_output(result: SeqResult) -> rpb.SequenceOutput:
-    return rpb.SequenceOutput(
-        seq_id=result.seq_id, num_tokens=result.num_tokens,
-        num_computed_tokens=result.num_computed, num_cached_tokens=result.num_cached,
-        sampled=result.sampled, token_id=result.token_id, logprob=result.logprob,
-        top_token_ids=result.top_token_ids, top_logprobs=result.top_logprobs,
-        finished=result.finished)
