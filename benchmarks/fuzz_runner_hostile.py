@@ -30,7 +30,15 @@ import grpc
 from fuzz_runner_corpus import GREEDY, SHARED_SALT, Corpus
 from fuzz_runner_report import RunnerFuzzReport
 
-from pagedkv.client import PagedKVError, PoolClient, RunnerClient, SeqStep, Session, StepOutputs
+from pagedkv.client import (
+    History,
+    PagedKVError,
+    PoolClient,
+    RunnerClient,
+    SeqStep,
+    Session,
+    StepOutputs,
+)
 
 KINDS = ("forged_history", "computed_lie", "oov_history", "oov_token", "junk_session",
          "cancelled_step", "cancelled_then_closed", "closed_mid_step", "commit_uncomputed",
@@ -120,20 +128,20 @@ class Hostile:
         for i in self.rng.sample(range(len(forged)), self.rng.randint(1, len(forged))):
             forged[i] = (forged[i] + self.rng.randrange(1, self.corpus.vocab_size)) \
                 % self.corpus.vocab_size
-        step = SeqStep(1, [self.token()], params=GREEDY, history=(forged, len(forged), 0))
+        step = SeqStep(1, [self.token()], params=GREEDY, history=History(forged, len(forged), 0))
         return await self.outcome(self.runner.step(session, [step], [1]))
 
     async def computed_lie(self, session: Session) -> str:
         real = await self.allocate_uncached(session)
         computed = self.rng.choice((0, len(real)))
-        step = SeqStep(1, [self.token()], params=GREEDY, history=(real, len(real), computed))
+        step = SeqStep(1, [self.token()], params=GREEDY, history=History(real, len(real), computed))
         return await self.outcome(self.runner.step(session, [step], [1]))
 
     async def oov_history(self, session: Session) -> str:
         tokens = self.corpus.tokens(self.rng, self.rng.randint(1, 40))
         await session.allocate(1, token_ids=tokens)
         tokens[self.rng.randrange(len(tokens))] = self.corpus.vocab_size + self.rng.randrange(9)
-        step = SeqStep(1, [self.token()], params=GREEDY, history=(tokens, len(tokens), 0))
+        step = SeqStep(1, [self.token()], params=GREEDY, history=History(tokens, len(tokens), 0))
         return await self.outcome(self.runner.step(session, [step], [1]))
 
     async def oov_token(self, session: Session) -> str:

@@ -41,6 +41,7 @@ from pagedkv.client.pool.ops import (
 )
 from pagedkv.client.pool.recovery import RetryPolicy
 from pagedkv.client.pool.runner_client import (
+    History,
     RunnerClient,
     RunnerInfo,
     SeqOutput,
@@ -73,6 +74,7 @@ __all__ = [
     "Engine",
     "Fork",
     "Free",
+    "History",
     "InvalidArgument",
     "LimitExceeded",
     "MessageTooLarge",

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from pagedkv.client import PoolClient, SamplingParams, SeqOutput
+from pagedkv.client import PoolClient, SamplingParams, SeqOutput, SeqStep
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import SeqRequest
 from pagedkv.model_runner.kernels.attention_backend import AttentionBackend
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 
@@ -34,12 +33,12 @@ class Decoded:
 
 
 def new(seq_id: int, prompt: Sequence[int], params: SamplingParams,
-        max_compute_tokens: int = 0) -> SeqRequest:
+        max_compute_tokens: int = 0) -> SeqStep:
     """The first step of a new sequence."""
-    return SeqRequest(seq_id, True, tuple(prompt), max_compute_tokens, params)
+    return SeqStep(seq_id, tuple(prompt), True, max_compute_tokens, params)
 
 
-async def decode(engine: StepEngine, session_id: str, first: Sequence[SeqRequest], n: int,
+async def decode(engine: StepEngine, session_id: str, first: Sequence[SeqStep], n: int,
                  release: bool = True, decode_ahead: bool = False) -> dict[int, Decoded]:
     """Step `first`, then keep stepping every sequence (its last token once one is sampled,
     else nothing, to go on with a chunked prefill) until each has sampled n tokens. A sequence
@@ -49,7 +48,7 @@ async def decode(engine: StepEngine, session_id: str, first: Sequence[SeqRequest
         first = [dataclasses.replace(r, decode_ahead=True) for r in first]
     requests = {r.seq_id: r for r in first}
     decoded = {r.seq_id: Decoded([], []) for r in first}
-    pending: list[SeqRequest] = list(first)
+    pending: list[SeqStep] = list(first)
     while pending:
         finishing = [r.seq_id for r in pending if len(decoded[r.seq_id].tokens) == n - 1]
         results = (await engine.step(session_id, pending,
@@ -65,7 +64,7 @@ async def decode(engine: StepEngine, session_id: str, first: Sequence[SeqRequest
             request = requests[result.seq_id]
             tokens = (seq.tokens[-1],) if result.sampled else ()
             # No sampling: the runner keeps the one the first step sent.
-            pending.append(SeqRequest(result.seq_id, False, tokens, request.max_compute_tokens,
+            pending.append(SeqStep(result.seq_id, tokens, False, request.max_compute_tokens,
                                       None, decode_ahead=decode_ahead))
     return decoded
 

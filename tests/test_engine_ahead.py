@@ -16,9 +16,17 @@ from engine_driver import RecordingRunner, decode, new, recorder
 from prometheus_client import CollectorRegistry
 from test_engine_families import BLOCK_SIZE, GREEDY, NEW_TOKENS, VOCAB, expected_tokens
 
-from pagedkv.client import PoolClient, PoolExhausted, SamplingParams, SequenceNotFound, Session
+from pagedkv.client import (
+    History,
+    PoolClient,
+    PoolExhausted,
+    SamplingParams,
+    SeqStep,
+    SequenceNotFound,
+    Session,
+)
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import History, InvalidStep, SeqRequest
+from pagedkv.model_runner.engine.steps import InvalidStep
 from pagedkv.model_runner.kernels.attention_backend import get_backend
 from pagedkv.model_runner.process.metrics import RunnerMetrics
 
@@ -59,8 +67,8 @@ async def settled(engine: StepEngine) -> None:
 
 
 def step(seq_id: int, token: int, params: SamplingParams = GREEDY,
-         ahead: bool = True) -> SeqRequest:
-    return SeqRequest(seq_id, False, (token,), 0, params, decode_ahead=ahead)
+         ahead: bool = True) -> SeqStep:
+    return SeqStep(seq_id, (token,), False, 0, params, decode_ahead=ahead)
 
 
 async def held(session: Session, seq_id: int) -> int:
@@ -100,7 +108,7 @@ async def test_a_step_naming_another_token_is_refused_and_changes_nothing(
     with pytest.raises(InvalidStep, match="decode_ahead"):
         await engine.step(session.session_id, [step(1, (expected[0] + 1) % VOCAB)])
     with pytest.raises(InvalidStep, match="decode_ahead"):
-        await engine.step(session.session_id, [SeqRequest(1, False, (), 0, GREEDY)])
+        await engine.step(session.session_id, [SeqStep(1, (), False, 0, GREEDY)])
     assert await held(session, 1) == len(prompt) + 1  # the token appended ahead, no more
     second = await engine.step(session.session_id, [step(1, expected[0], ahead=False)])
     assert (second[0].token_id, second[0].num_tokens) == (
@@ -156,16 +164,16 @@ async def test_a_sequence_decoded_ahead_is_forked_only_after_its_next_step(
     await engine.step(session.session_id, [
         dataclasses.replace(new(1, prompt, GREEDY), decode_ahead=True)])
     with pytest.raises(InvalidStep, match="decode_ahead"):
-        await engine.step(session.session_id, [SeqRequest(2, True, (), 0, GREEDY,
+        await engine.step(session.session_id, [SeqStep(2, (), True, 0, GREEDY,
                                                           parent_seq_id=1)])
     with pytest.raises(SequenceNotFound):
         await session.block_tables([2])
     with pytest.raises(InvalidStep, match="decode_ahead"):  # not in the step naming it either
         await engine.step(session.session_id, [
-            step(1, expected[0]), SeqRequest(2, True, (), 0, GREEDY, parent_seq_id=1)])
+            step(1, expected[0]), SeqStep(2, (), True, 0, GREEDY, parent_seq_id=1)])
     second = await engine.step(session.session_id, [step(1, expected[0], ahead=False)])
     fork = await engine.step(session.session_id, [
-        SeqRequest(2, True, (), 0, GREEDY, parent_seq_id=1)])
+        SeqStep(2, (), True, 0, GREEDY, parent_seq_id=1)])
     assert second[0].token_id == fork[0].token_id == expected[1]
     assert await held(session, 2) == len(prompt) + 1
 

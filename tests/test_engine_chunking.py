@@ -16,11 +16,10 @@ import torch
 from engine_driver import RecordingRunner, new
 from test_engine_families import GREEDY, expected_tokens, paged_model
 
-from pagedkv.client import PoolClient, Session, StepOutputs
+from pagedkv.client import PoolClient, SeqStep, Session, StepOutputs
 from pagedkv.model_runner.engine.forward_loop import Batch, ForwardLoop, Prepared
 from pagedkv.model_runner.engine.sampling import Sampler
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import SeqRequest
 from pagedkv.model_runner.kernels.attention_backend import get_backend
 from pagedkv.model_runner.runner import SequenceChunk
 
@@ -95,7 +94,7 @@ async def test_decodes_of_another_client_run_between_the_chunks_of_a_long_prefil
         for _ in range(3):
             await until(lambda: runner.waiting)  # a piece of the prefill waits for its permit
             decode = asyncio.create_task(engine.step(other.session_id, [
-                SeqRequest(1, False, (decoded[-1],), 0, GREEDY)]))
+                SeqStep(1, (decoded[-1],), False, 0, GREEDY)]))
             await until(lambda: any(p.session_id == other.session_id
                                     for p in engine.forwards._ready))
             decoded.append((await answered(runner, decode))[0].token_id)

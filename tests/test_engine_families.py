@@ -49,9 +49,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from pagedkv.client import PoolClient, SamplingParams, SeqOutput, Session
+from pagedkv.client import PoolClient, SamplingParams, SeqOutput, SeqStep, Session
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import SeqRequest
 from pagedkv.model_runner.kernels.attention_backend import get_backend
 
 BLOCK_SIZE = 16
@@ -179,7 +178,7 @@ async def engine(runner_client: PoolClient, family: str) -> AsyncIterator[StepEn
     await started.stop()
 
 
-def greedy(seq_id: int, prompt: Sequence[int], max_compute_tokens: int = 0) -> SeqRequest:
+def greedy(seq_id: int, prompt: Sequence[int], max_compute_tokens: int = 0) -> SeqStep:
     return new(seq_id, prompt, GREEDY, max_compute_tokens)
 
 
@@ -285,8 +284,8 @@ async def test_a_forked_sequence_continues_like_its_parent(
     assert forked.num_tokens == len(prompt) + 2  # the third token is not appended yet
     last = head[1].tokens[-1]
     tails = await decode(engine, session.session_id, [
-        SeqRequest(1, False, (last,), 0, GREEDY),
-        SeqRequest(2, False, (last,), 0, GREEDY, parent_seq_id=1)], n=NEW_TOKENS - 3)
+        SeqStep(1, (last,), False, 0, GREEDY),
+        SeqStep(2, (last,), False, 0, GREEDY, parent_seq_id=1)], n=NEW_TOKENS - 3)
     expected = expected_tokens(family, prompt)
     assert head[1].tokens + tails[1].tokens == expected
     assert head[1].tokens + tails[2].tokens == expected
@@ -327,8 +326,8 @@ async def test_a_fork_of_sequence_zero_continues_like_its_parent(
     await session.fork(0, 1)
     last = head[0].tokens[-1]
     tails = await decode(engine, session.session_id, [
-        SeqRequest(0, False, (last,), 0, GREEDY),
-        SeqRequest(1, False, (last,), 0, GREEDY, parent_seq_id=0)], NEW_TOKENS - 3)
+        SeqStep(0, (last,), False, 0, GREEDY),
+        SeqStep(1, (last,), False, 0, GREEDY, parent_seq_id=0)], NEW_TOKENS - 3)
     expected = expected_tokens(family, prompt)
     assert head[0].tokens + tails[0].tokens == head[0].tokens + tails[1].tokens == expected
 
@@ -342,10 +341,10 @@ async def test_a_fork_first_stepped_after_its_parent_continues_like_it(
     head = await decode(engine, session.session_id, [greedy(1, prompt)], 3, release=False)
     await session.fork(1, 2)
     last = head[1].tokens[-1]
-    parent = await decode(engine, session.session_id, [SeqRequest(1, False, (last,), 0, GREEDY)],
+    parent = await decode(engine, session.session_id, [SeqStep(1, (last,), False, 0, GREEDY)],
                           NEW_TOKENS - 3, release=False)
     child = await decode(engine, session.session_id, [
-        SeqRequest(2, False, (last,), 0, GREEDY, parent_seq_id=1)], NEW_TOKENS - 3)
+        SeqStep(2, (last,), False, 0, GREEDY, parent_seq_id=1)], NEW_TOKENS - 3)
     assert head[1].tokens + parent[1].tokens == head[1].tokens + child[2].tokens == (
         expected_tokens(family, prompt))
 

@@ -13,9 +13,9 @@ import test_engine_families as families
 from engine_driver import decode, new, recorder
 from test_engine_families import BLOCK_SIZE, GREEDY, NEW_TOKENS, expected_tokens
 
-from pagedkv.client import SamplingParams, Session
+from pagedkv.client import SamplingParams, SeqStep, Session
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import InvalidStep, SeqRequest
+from pagedkv.model_runner.engine.steps import InvalidStep
 
 FAMILY = "llama"
 # The families module's fixtures: its daemon, prompts and per-family engine.
@@ -37,9 +37,9 @@ async def test_children_without_tokens_resample_the_last_position_sharing_the_pr
     runner = recorder(engine)
     runner.chunks = []
     outcome = await engine.step(session.session_id, [
-        SeqRequest(1, False, (first,), 0, GREEDY),
-        SeqRequest(2, True, (), 0, GREEDY, parent_seq_id=1),
-        SeqRequest(3, True, (), 0, GREEDY, parent_seq_id=1)])
+        SeqStep(1, (first,), False, 0, GREEDY),
+        SeqStep(2, (), True, 0, GREEDY, parent_seq_id=1),
+        SeqStep(3, (), True, 0, GREEDY, parent_seq_id=1)])
     assert [(c.start, list(c.slot_mapping)) for c in runner.chunks[0][1:]] == [(32, [-1])] * 2
     assert [r.token_id for r in outcome[1:]] == [first, first]
     assert outcome.free_blocks > 0
@@ -49,7 +49,7 @@ async def test_children_without_tokens_resample_the_last_position_sharing_the_pr
     # parent's append copied block 2 for itself: 4 blocks, not 3 x 3.
     assert (stats.num_sequences, stats.blocks_held) == (3, 4)
     tails = await decode(engine, session.session_id, [
-        SeqRequest(i, False, (r.token_id,), 0, GREEDY) for i, r in
+        SeqStep(i, (r.token_id,), False, 0, GREEDY) for i, r in
         zip((1, 2, 3), outcome, strict=True)], NEW_TOKENS - 2)
     expected = expected_tokens(family, prompt)
     assert [first, outcome[0].token_id, *tails[1].tokens] == expected
@@ -69,14 +69,14 @@ async def test_a_fork_with_tokens_branches_before_the_parent_appends(
     a = head[1].tokens[0]
     b = (a + 1) % 128
     outcome = await engine.step(session.session_id, [
-        SeqRequest(1, False, (a,), 0, GREEDY),
-        SeqRequest(2, True, (b,), 0, GREEDY, parent_seq_id=1)])
+        SeqStep(1, (a,), False, 0, GREEDY),
+        SeqStep(2, (b,), True, 0, GREEDY, parent_seq_id=1)])
     assert [r.num_tokens for r in outcome] == [len(prompt) + 1] * 2
     tables = await session.block_tables([1, 2])
     assert tables[0].block_ids[0] == tables[1].block_ids[0]  # the full block is shared
     assert tables[0].block_ids[1] != tables[1].block_ids[1]  # the partial one was copied
     child = await decode(engine, session.session_id, [
-        SeqRequest(2, False, (outcome[1].token_id,), 0, GREEDY)], 2)
+        SeqStep(2, (outcome[1].token_id,), False, 0, GREEDY)], 2)
     assert [outcome[1].token_id, *child[2].tokens] == expected_tokens(
         family, (*prompt, b), 3)
 
@@ -93,7 +93,7 @@ async def test_a_readmitted_sequence_counts_only_its_prompt_as_prompt(
     whole = await decode(engine, session.session_id, [new(1, prompt, seeded)], 5)
     assert whole[1].results[-1].finished
     head = whole[1].tokens[:3]
-    resumed = SeqRequest(2, True, (*prompt, *head), 0, seeded, num_prompt_tokens=len(prompt))
+    resumed = SeqStep(2, (*prompt, *head), True, 0, seeded, num_prompt_tokens=len(prompt))
     tail = await decode(engine, session.session_id, [resumed], 2)
     assert head + tail[2].tokens == whole[1].tokens
     assert [r.finished for r in tail[2].results] == [False, True]
@@ -106,14 +106,14 @@ async def test_bad_forks_fail_alone_and_change_nothing(
     prompt = prompts[2]
     await engine.step(session.session_id, [new(1, prompt, GREEDY, max_compute_tokens=BLOCK_SIZE)])
     with pytest.raises(InvalidStep, match="not fully computed"):
-        await engine.step(session.session_id, [SeqRequest(2, True, (), 0, GREEDY,
+        await engine.step(session.session_id, [SeqStep(2, (), True, 0, GREEDY,
                                                           parent_seq_id=1)])
     with pytest.raises(InvalidStep, match="must be an existing sequence"):
         await engine.step(session.session_id, [new(3, prompt, GREEDY),
-                                                SeqRequest(4, True, (), 0, GREEDY,
+                                                SeqStep(4, (), True, 0, GREEDY,
                                                            parent_seq_id=3)])
     with pytest.raises(InvalidStep, match="num_prompt_tokens"):
         await engine.step(session.session_id, [
-            SeqRequest(5, True, prompt, 0, GREEDY, num_prompt_tokens=len(prompt) + 1)])
+            SeqStep(5, prompt, True, 0, GREEDY, num_prompt_tokens=len(prompt) + 1)])
     stats = (await session.stats()).session
     assert stats is not None and stats.num_sequences == 1

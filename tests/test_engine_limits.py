@@ -14,9 +14,9 @@ import test_engine_families as families
 from engine_driver import new
 from test_engine_families import GREEDY, expected_tokens
 
-from pagedkv.client import PoolClient, SequenceNotFound, Session
+from pagedkv.client import PoolClient, SeqStep, SequenceNotFound, Session
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import InvalidStep, SeqRequest
+from pagedkv.model_runner.engine.steps import InvalidStep
 
 daemon, prompts, engine = families.daemon, families.prompts, families.engine
 
@@ -51,5 +51,5 @@ async def test_a_decode_past_the_last_position_is_refused_and_changes_nothing(
     assert first[0].sampled and first[0].finished  # no position left for it
     with pytest.raises(InvalidStep, match=f"at most {limit} positions"):
         await engine.step(session.session_id, [
-            SeqRequest(1, False, (first[0].token_id,), 0, GREEDY)])
+            SeqStep(1, (first[0].token_id,), False, 0, GREEDY)])
     assert (await session.block_tables([1]))[0].num_tokens == limit

@@ -17,9 +17,8 @@ import torch
 from engine_driver import Decoded, RecordingRunner, decode, new, recorder
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pagedkv.client import PoolClient, SamplingParams
+from pagedkv.client import PoolClient, SamplingParams, SeqStep
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import SeqRequest
 from pagedkv.model_runner.kernels.attention_backend import get_backend
 from pagedkv.model_runner.runner import SequenceChunk
 
@@ -87,7 +86,7 @@ async def started_engine(client: PoolClient, model: LlamaForCausalLM,
 
 
 async def run(engine: StepEngine, client: PoolClient,
-              first: Sequence[SeqRequest]) -> dict[int, Decoded]:
+              first: Sequence[SeqStep]) -> dict[int, Decoded]:
     """Decode `first` to NEW_TOKENS each, in a session of its own (no cached prefix)."""
     async with await client.open_session("engine-sampling") as session:
         return await decode(engine, session.session_id, first, NEW_TOKENS)

@@ -18,8 +18,7 @@ import grpc
 import pytest
 from pagedkvd_process import short_tmp_dir
 
-from pagedkv.client import MessageTooLarge, PoolClient, RunnerClient, StepOutputs
-from pagedkv.model_runner.engine.steps import SeqRequest
+from pagedkv.client import MessageTooLarge, PoolClient, RunnerClient, SeqStep, StepOutputs
 from pagedkv.model_runner.models import ModelSource
 from pagedkv.model_runner.process.server import RunnerConfig, _grpc_server
 from pagedkv.process.grpc_server import StartupError
@@ -47,7 +46,7 @@ class EchoState:
         # The session id of every step that reached the engine.
         self.sessions: list[str] = []
 
-    async def step(self, session_id: str, requests: Sequence[SeqRequest],
+    async def step(self, session_id: str, requests: Sequence[SeqStep],
                    release: Sequence[int]) -> StepOutputs:
         self.sessions.append(session_id)
         return StepOutputs([], free_blocks=0)

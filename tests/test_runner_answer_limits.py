@@ -34,7 +34,7 @@ from pagedkv.model_runner.engine.answer_limits import (
     AnswerLimits,
     output_bytes,
 )
-from pagedkv.model_runner.engine.steps import InvalidStep, SeqRequest
+from pagedkv.model_runner.engine.steps import InvalidStep
 from pagedkv.model_runner.process.cli import parser
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
@@ -105,8 +105,8 @@ def test_logprobs_are_capped_at_vllms_20_by_default() -> None:
     assert (args.max_logprobs, args.max_answer_bytes) == (20, AnswerLimits().max_answer_bytes)
     assert AnswerLimits().max_answer_bytes < GRPC_DEFAULT_RECEIVE_BYTES
 
-    def step(logprobs: int) -> list[SeqRequest]:
-        return [SeqRequest(9, True, (1,), 0, SamplingParams(logprobs=logprobs))]
+    def step(logprobs: int) -> list[SeqStep]:
+        return [SeqStep(9, (1,), True, 0, SamplingParams(logprobs=logprobs))]
 
     AnswerLimits().check(step(20))
     with pytest.raises(InvalidStep, match="sequence 9: logprobs=21 is over the runner's "

@@ -16,11 +16,10 @@ import torch
 from engine_driver import decode, new
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pagedkv.client import PoolClient, SamplingParams, Session
+from pagedkv.client import PoolClient, SamplingParams, SeqStep, Session
 from pagedkv.model_runner.engine import holds
 from pagedkv.model_runner.engine.sequences import SessionSequences
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import SeqRequest
 from pagedkv.model_runner.kernels.attention_backend import get_backend
 from pagedkv.model_runner.runner import ModelRunner
 
@@ -86,8 +85,8 @@ async def cached(session: Session, seq_id: int) -> int:
     return hit
 
 
-def decode_next(seq_id: int, token: int) -> SeqRequest:
-    return SeqRequest(seq_id, False, (token,), 0, GREEDY)
+def decode_next(seq_id: int, token: int) -> SeqStep:
+    return SeqStep(seq_id, (token,), False, 0, GREEDY)
 
 
 @pytest.mark.usefixtures("no_idle_end")

@@ -14,9 +14,9 @@ import test_engine_families as families
 from engine_driver import RecordingRunner, new
 from test_engine_families import expected_tokens
 
-from pagedkv.client import PoolClient, SamplingParams, Session
+from pagedkv.client import History, PoolClient, SamplingParams, SeqStep, Session
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import History, InvalidStep, SeqRequest, UnknownSequence
+from pagedkv.model_runner.engine.steps import InvalidStep, UnknownSequence
 from pagedkv.model_runner.kernels.attention_backend import get_backend
 
 FAMILY = "llama"
@@ -40,8 +40,8 @@ async def engine(runner_client: PoolClient) -> AsyncIterator[StepEngine]:
     await started.stop()
 
 
-def decode(seq_id: int, token: int, params: SamplingParams | None = None) -> SeqRequest:
-    return SeqRequest(seq_id, False, (token,), 0, params)
+def decode(seq_id: int, token: int, params: SamplingParams | None = None) -> SeqStep:
+    return SeqStep(seq_id, (token,), False, 0, params)
 
 
 async def held(session: Session, seq_id: int) -> int:
@@ -70,7 +70,7 @@ async def test_later_steps_use_the_sampling_of_the_first(
 async def test_a_new_sequence_without_sampling_is_refused(
         session: Session, engine: StepEngine, prompts: list[tuple[int, ...]]) -> None:
     with pytest.raises(InvalidStep, match="new sequence 1 has no sampling"):
-        await engine.step(session.session_id, [SeqRequest(1, True, prompts[0], 0, None)])
+        await engine.step(session.session_id, [SeqStep(1, prompts[0], True, 0, None)])
     assert (await session.stats()).session.num_sequences == 0  # type: ignore[union-attr]
 
 

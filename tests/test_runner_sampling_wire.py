@@ -11,12 +11,12 @@ runner with the sequence, left out of every later step.
 
 import pytest
 
-from pagedkv.client import SamplingParams, SeqStep
+from pagedkv.client import History, SamplingParams, SeqStep
 from pagedkv.client.engine.runner_link import with_history
 from pagedkv.client.engine.sequences import Seq
 from pagedkv.client.pool.runner_client import SeqOutput
 from pagedkv.model_runner.engine.sequences import SeqState, SessionSequences
-from pagedkv.model_runner.engine.steps import InvalidStep, SeqRequest, UnknownSequence
+from pagedkv.model_runner.engine.steps import InvalidStep, UnknownSequence
 from pagedkv.model_runner.process.servicer import NO_LIMIT, sampling_params, seq_request
 from pagedkv.proto import runner_pb2 as rpb
 
@@ -77,7 +77,7 @@ def test_a_resend_after_a_runner_restart_carries_the_sampling_again() -> None:
     seq = Seq(1, [5, 6, 7, 9], 3, TOP_K, allocated=True, held=3, computed=3)
     (resent,) = with_history([seq], [seq.step()])
     assert resent.params == TOP_K
-    assert resent.history == ([5, 6, 7], 3, 3)
+    assert resent.history == History([5, 6, 7], 3, 3)
     fresh = Seq(2, [5, 6], 2, TOP_K)  # new: its step carries the sampling already
     assert with_history([fresh], [fresh.step()])[0].params == TOP_K
 
@@ -90,10 +90,10 @@ def known_with(seq_id: int, params: SamplingParams | None) -> SessionSequences:
 
 def test_the_runner_fills_in_the_kept_sampling() -> None:
     known = known_with(4, TOP_K)
-    (request,) = known.with_params([SeqRequest(4, False, (9,), 0, None)])
+    (request,) = known.with_params([SeqStep(4, (9,), False, 0, None)])
     assert request.params == TOP_K
     greedy = SamplingParams(temperature=0.0)
-    (changed,) = known.with_params([SeqRequest(4, False, (9,), 0, greedy)])
+    (changed,) = known.with_params([SeqStep(4, (9,), False, 0, greedy)])
     assert changed.params == greedy  # sent again: it replaces the kept one once kept
     known.keep_params([changed], [known.seqs[4]])
     assert known.seqs[4].params == greedy
@@ -105,7 +105,7 @@ def test_a_known_sequence_without_kept_sampling_is_refused_and_nothing_changes()
     known = known_with(4, TOP_K)
     known.put(5, SeqState([1, 2], 2, 2, [1]))
     before = {seq_id: (state.params, list(state.tokens)) for seq_id, state in known.seqs.items()}
-    requests = [SeqRequest(4, False, (9,), 0, None), SeqRequest(5, False, (9,), 0, None)]
+    requests = [SeqStep(4, (9,), False, 0, None), SeqStep(5, (9,), False, 0, None)]
     with pytest.raises(UnknownSequence, match=r"sequence 5: .* resend it with its history and "
                                               r"sampling"):
         known.with_params(requests)
@@ -117,5 +117,5 @@ def test_an_unknown_sequence_is_left_to_the_daemon_read_back() -> None:
     sampling goes with a released sequence."""
     known = known_with(4, TOP_K)
     known.drop([4])
-    (request,) = known.with_params([SeqRequest(4, False, (9,), 0, None)])
+    (request,) = known.with_params([SeqStep(4, (9,), False, 0, None)])
     assert request.params is None and not known.seqs

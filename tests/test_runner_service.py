@@ -28,6 +28,7 @@ from pagedkv.client import (
     DaemonUnavailable,
     DeadlineExceeded,
     Engine,
+    History,
     InvalidArgument,
     NotFound,
     PagedKVError,
@@ -246,7 +247,7 @@ async def test_a_killed_runner_restarted_continues_with_identical_tokens(
                 with pytest.raises(UnknownSequence, match="resend it with its history"):
                     await runner.step(session, [step])
                 held = [*prompt, *tokens[:-1]]  # the last token is not appended yet
-                resumed = SeqStep(1, [tokens[-1]], history=(held, len(prompt), len(held)),
+                resumed = SeqStep(1, [tokens[-1]], history=History(held, len(prompt), len(held)),
                                   params=GREEDY)
                 while len(tokens) < NEW_TOKENS:
                     (out,) = await runner.step(session, [resumed])

@@ -24,6 +24,7 @@ from pagedkvd_process import Pagedkvd
 from test_engine_families import GREEDY, NEW_TOKENS, VOCAB, expected_tokens
 
 from pagedkv.client import (
+    History,
     PoolClient,
     SeqStep,
     SequenceNotFound,
@@ -36,13 +37,7 @@ from pagedkv.client import StepNotComputed as ClientStepNotComputed
 from pagedkv.client.engine.runner_link import RunnerLink
 from pagedkv.client.pool.errors import error_from_rpc, error_from_status
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import (
-    History,
-    InvalidStep,
-    SeqRequest,
-    StepNotComputed,
-    UnknownSequence,
-)
+from pagedkv.model_runner.engine.steps import InvalidStep, StepNotComputed, UnknownSequence
 from pagedkv.model_runner.kernels.attention_backend import get_backend
 from pagedkv.model_runner.process.servicer import status_of
 from pagedkv.model_runner.runner import SequenceChunk
@@ -104,7 +99,7 @@ async def until(condition: Callable[[], bool]) -> None:
 
 
 async def hold_a_forward(engine: StepEngine, session_id: str,
-                         requests: list[SeqRequest]) -> "asyncio.Task[StepOutputs]":
+                         requests: list[SeqStep]) -> "asyncio.Task[StepOutputs]":
     """Close the gate and start the step `requests`, whose forward then waits in the runner
     (until the test opens the gate: `gated(engine).gate.set()`)."""
     runner = gated(engine)
@@ -119,8 +114,8 @@ async def held(session: Session, seq_id: int) -> int:
     return (await session.block_tables([seq_id]))[0].num_tokens
 
 
-def decode_step(seq_id: int, token: int, history: History | None = None) -> SeqRequest:
-    return SeqRequest(seq_id, False, (token,), 0, GREEDY, history=history)
+def decode_step(seq_id: int, token: int, history: History | None = None) -> SeqStep:
+    return SeqStep(seq_id, (token,), False, 0, GREEDY, history=history)
 
 
 # ------------------------------------------------------------ 1: a client's history
@@ -188,7 +183,7 @@ async def test_a_client_forked_sequence_with_other_ids_than_its_parent_is_refuse
     await session.fork(2, 3)
     with pytest.raises(InvalidStep, match="sequence 3: its history differs"):
         await engine.step(session.session_id, [
-            SeqRequest(3, False, (4,), 0, GREEDY, parent_seq_id=1)])
+            SeqStep(3, (4,), False, 0, GREEDY, parent_seq_id=1)])
     assert await held(session, 3) == len(prompts[1])
 
 
@@ -236,7 +231,7 @@ async def test_a_forward_that_fails_after_the_appends_says_so_and_a_resend_compu
     with pytest.raises(StepNotComputed):
         await engine.step(session.session_id, [decode_step(1, expected[0])])
     assert await held(session, 1) == len(prompt) + 1
-    resent = await engine.step(session.session_id, [SeqRequest(1, False, (), 0, GREEDY)])
+    resent = await engine.step(session.session_id, [SeqStep(1, (), False, 0, GREEDY)])
     assert (resent[0].token_id, resent[0].num_tokens) == (
         expected[1], len(prompt) + 1)
     assert await held(session, 1) == len(prompt) + 1
@@ -257,7 +252,7 @@ async def test_a_step_not_computed_that_named_a_token_decoded_ahead_is_resent_wi
     gated(engine).fail_next = True
     with pytest.raises(StepNotComputed):
         await engine.step(session.session_id, [decode_step(1, expected[0])])
-    resent = await engine.step(session.session_id, [SeqRequest(1, False, (), 0, GREEDY)])
+    resent = await engine.step(session.session_id, [SeqStep(1, (), False, 0, GREEDY)])
     assert resent[0].token_id == expected[1]
     assert await held(session, 1) == len(prompt) + 1
 
@@ -402,7 +397,7 @@ async def test_a_sequence_changed_directly_between_steps_is_read_back_before_a_w
         assert recreated.block_ids != stale  # freed blocks queue last: others come first
         forwards = len(gated(engine).chunks)
         with pytest.raises(UnknownSequence, match="changed in the daemon behind the runner"):
-            await engine.step(chunker.session_id, [SeqRequest(1, False, (), 16, GREEDY)])
+            await engine.step(chunker.session_id, [SeqStep(1, (), False, 16, GREEDY)])
         assert len(gated(engine).chunks) == forwards
 
 

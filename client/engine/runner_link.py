@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from pagedkv.client.engine.sequences import Seq
 from pagedkv.client.pool.errors import NotFound, OutcomeUnknown, UnknownSequence
-from pagedkv.client.pool.runner_client import RunnerClient, SeqStep, StepOutputs
+from pagedkv.client.pool.runner_client import History, RunnerClient, SeqStep, StepOutputs
 from pagedkv.client.pool.session import Session
 
 # How long a step waits for a runner that stopped answering to answer again (a restart takes a
@@ -99,7 +99,7 @@ def with_history(seqs: Sequence[Seq], steps: Sequence[SeqStep]) -> list[SeqStep]
     """`steps`, each existing sequence's with what the daemon holds of it per the last answer
     (the tokens, the prompt's length, how many are computed) and its sampling, which the
     restarted runner does not keep."""
-    return [dataclasses.replace(step, history=(seq.tokens[:seq.held], seq.prompt_len,
-                                               seq.computed), params=seq.params)
+    return [dataclasses.replace(step, history=History(seq.tokens[:seq.held], seq.prompt_len,
+                                                      seq.computed), params=seq.params)
             if seq.allocated and not step.new_sequence else step
             for seq, step in zip(seqs, steps, strict=True)]

@@ -26,8 +26,23 @@ from pagedkv.proto import runner_pb2_grpc
 
 
 @dataclass(frozen=True, slots=True)
+class History:
+    """What a sequence holds, sent to a runner that does not know it (it restarted; see
+    runner.proto's SequenceHistory)."""
+
+    # Every token the sequence holds in the daemon.
+    token_ids: Sequence[int]
+    # How many are the prompt.
+    prompt_len: int
+    # How many leading tokens have their K/V written, per the client: the runner never believes
+    # it (it computes from the daemon's committed count), only checks it is in range.
+    num_computed: int
+
+
+@dataclass(frozen=True, slots=True)
 class SeqStep:
-    """One sequence of a step (see runner.proto's SequenceStep)."""
+    """One sequence of a step (see runner.proto's SequenceStep): the one record on both sides
+    of the wire, built by the client and, from the message, by the runner's servicer."""
 
     # The sequence's id in the client's session.
     seq_id: int
@@ -42,8 +57,8 @@ class SeqStep:
     params: SamplingParams | None = None
     # The parent of a sequence the client just forked (first step only).
     parent_seq_id: int | None = None
-    # (tokens held, prompt length, computed) for a runner that restarted, else None.
-    history: tuple[Sequence[int], int, int] | None = None
+    # For the first step after a runner restart: what the sequence holds.
+    history: History | None = None
     # A new sequence without a parent: how many leading token_ids are the prompt (the rest were
     # generated before a preemption); 0 = all.
     num_prompt_tokens: int = 0
@@ -64,10 +79,11 @@ class SeqStep:
                 repetition_penalty=p.repetition_penalty, has_seed=p.seed is not None,
                 seed=p.seed or 0, logprobs=-1 if p.logprobs is None else p.logprobs,
                 stop_token_ids=p.stop_token_ids, max_tokens=p.max_tokens))
-        if self.history is not None:
-            tokens, prompt_len, computed = self.history
-            step.history.CopyFrom(rpb.SequenceHistory(token_ids=tokens, prompt_len=prompt_len,
-                                                      num_computed=computed))
+        h = self.history
+        if h is not None:
+            step.history.CopyFrom(rpb.SequenceHistory(token_ids=h.token_ids,
+                                                      prompt_len=h.prompt_len,
+                                                      num_computed=h.num_computed))
         return step
 
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from pagedkv.client import AnswerTooLarge
-from pagedkv.model_runner.engine.steps import InvalidStep, SeqRequest
+from pagedkv.client import AnswerTooLarge, SeqStep
+from pagedkv.model_runner.engine.steps import InvalidStep
 from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
 
 # vLLM's default max_logprobs: enough for beam search's candidates and for scoring.
@@ -61,7 +61,7 @@ class AnswerLimits:
                              f"sequence with max_logprobs={self.max_logprobs} must fit), got "
                              f"{self.max_answer_bytes}")
 
-    def check(self, requests: Sequence[SeqRequest]) -> None:
+    def check(self, requests: Sequence[SeqStep]) -> None:
         """InvalidStep for a sequence asking more than max_logprobs; AnswerTooLarge when the
         answer could pass max_answer_bytes. `requests` carry every sequence's sampling, the
         kept ones included (SessionSequences.with_params). Nothing is read or changed."""

@@ -29,10 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.client import SeqOutput
+from pagedkv.client import SeqOutput, SeqStep
 from pagedkv.model_runner.engine.sampling import Pick, Sampler, SamplingRow, picks
 from pagedkv.model_runner.engine.sequences import Ahead, SeqState
-from pagedkv.model_runner.engine.steps import SeqRequest
 from pagedkv.model_runner.process.metrics import RunnerMetrics
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 from pagedkv.process.lifecycle import cancel
@@ -47,7 +46,7 @@ class Prepared:
     """A client step between prepare and finish."""
 
     session_id: str
-    requests: Sequence[SeqRequest]
+    requests: Sequence[SeqStep]
     # The state of each requested sequence, in request order.
     states: list[SeqState]
     # (index into requests, chunk) of the sequences computed in this step.
@@ -270,7 +269,7 @@ class ForwardLoop:
                     zip(prepared.requests, prepared.states, strict=True))]
 
 
-def _result(request: SeqRequest, state: SeqState, pick: Pick | None,
+def _result(request: SeqStep, state: SeqState, pick: Pick | None,
             max_model_len: int) -> SeqOutput:
     """What a step did to one sequence (`pick`: its sampled token, if it sampled)."""
     if pick is None:

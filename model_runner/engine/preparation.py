@@ -21,13 +21,13 @@ done (the engine renews or ends the hold), no client frees the blocks they answe
 import time
 from collections.abc import Callable, Sequence
 
-from pagedkv.client import Allocate, Append, Commit, Fork, PoolClient, SequenceBlocks, Step
+from pagedkv.client import Allocate, Append, Commit, Fork, PoolClient, SeqStep, SequenceBlocks, Step
 from pagedkv.model_runner.engine.daemon_steps import DaemonSteps
 from pagedkv.model_runner.engine.forward_loop import Prepared
 from pagedkv.model_runner.engine.holds import SessionHolds
 from pagedkv.model_runner.engine.sequences import Ahead, SeqState, SessionSequences
 from pagedkv.model_runner.engine.step_checks import check_daemon_ids, validate_step
-from pagedkv.model_runner.engine.steps import InvalidStep, SeqRequest, UnknownSequence
+from pagedkv.model_runner.engine.steps import InvalidStep, UnknownSequence
 from pagedkv.model_runner.process.metrics import RunnerMetrics
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 
@@ -45,12 +45,12 @@ class Preparer:
         # The model runner in use (its block size, vocabulary and positions).
         self._runner = runner
 
-    def validate(self, requests: Sequence[SeqRequest], release: Sequence[int]) -> None:
+    def validate(self, requests: Sequence[SeqStep], release: Sequence[int]) -> None:
         """InvalidStep for a malformed step, before anything is read or changed."""
         validate_step(requests, release, self._runner().vocab_size)
 
     async def prepare(self, session_id: str, known: SessionSequences,
-                      requests: Sequence[SeqRequest]) -> Prepared:
+                      requests: Sequence[SeqStep]) -> Prepared:
         """Learn unknown sequences, then one daemon call that appends every new token (but the
         tokens the runner appended ahead)."""
         known.attach(self.pool, session_id, self._runner().block_size)
@@ -72,7 +72,7 @@ class Preparer:
                 chunks.append((index, chunk))
         return Prepared(session_id, requests, states, chunks, claimed, ready)
 
-    def _check_lengths(self, known: SessionSequences, requests: Sequence[SeqRequest],
+    def _check_lengths(self, known: SessionSequences, requests: Sequence[SeqStep],
                        claimed: dict[int, Ahead]) -> None:
         """No sequence may hold more tokens than the model has positions (checked before the
         pool changes, so such a step fails alone)."""
@@ -89,7 +89,7 @@ class Preparer:
                                   f"the model takes at most {limit} positions (max_model_len)")
 
     async def _append(self, known: SessionSequences,
-                      requests: Sequence[SeqRequest]) -> list[SeqState]:
+                      requests: Sequence[SeqStep]) -> list[SeqState]:
         """One daemon call for the step's memory operations: `Step` for single decode tokens
         whose commit carries every commit due, else a `Batch`."""
         if all(not r.new_sequence and len(r.token_ids) == 1 for r in requests):
@@ -100,14 +100,14 @@ class Preparer:
                 return await self.decode_step(known, requests)
         return await self._batch(known, requests)
 
-    def _committable(self, known: SessionSequences, requests: Sequence[SeqRequest]) -> bool:
+    def _committable(self, known: SessionSequences, requests: Sequence[SeqStep]) -> bool:
         """Whether a Step of these sequences may commit: the previous forward computed all they
         hold, and the runner knows their ids are the daemon's (never certify others)."""
         return all(s.num_computed == len(s.tokens) and s.verified
                    for s in (self.known_state(known, r.seq_id) for r in requests))
 
     def _claim_ahead(self, known: SessionSequences,
-                     requests: Sequence[SeqRequest]) -> dict[int, Ahead]:
+                     requests: Sequence[SeqStep]) -> dict[int, Ahead]:
         """The step's sequences whose token the runner appended ahead: it must be the one
         token each names. Nothing changes here: a failed step leaves them claimable."""
         claimed = {}
@@ -124,7 +124,7 @@ class Preparer:
         return claimed
 
     async def _learn(self, known: SessionSequences,
-                     requests: Sequence[SeqRequest]) -> None:
+                     requests: Sequence[SeqStep]) -> None:
         """Read back existing sequences the runner has not seen: a fork (its parent's history)
         or a sequence from before a runner restart (the history the client sends). Nothing a
         client states is believed: its tokens must be the ids the daemon holds, and only the
@@ -157,7 +157,7 @@ class Preparer:
             known.put(request.seq_id, state)
 
     @staticmethod
-    def _unappended(known: SessionSequences, request: SeqRequest) -> bool:
+    def _unappended(known: SessionSequences, request: SeqStep) -> bool:
         """A known sequence the step computes (it holds tokens not computed) with no daemon call
         of its own: nothing appended (a chunked prefill going on, a resend without tokens), or
         only its token decoded ahead, whose forward failed."""
@@ -176,7 +176,7 @@ class Preparer:
                 or (table.token_ids and table.token_ids != state.tokens)):
             self._stale(known, seq_id)
 
-    def _adopt(self, known: SessionSequences, request: SeqRequest,
+    def _adopt(self, known: SessionSequences, request: SeqStep,
                table: SequenceBlocks) -> SeqState:
         """The state of a sequence the client forked itself (its parent's tokens) or resends
         after a runner restart (its history), checked against the daemon's `table`."""
@@ -204,7 +204,7 @@ class Preparer:
         return state
 
     @staticmethod
-    def _adopt_fork(request: SeqRequest, parent: SeqState,
+    def _adopt_fork(request: SeqStep, parent: SeqState,
                     table: SequenceBlocks) -> SeqState:
         """A sequence the client forked from `parent` holds its first num_tokens tokens. What
         the parent computed counts only if the child's table holds the parent's very blocks
@@ -223,11 +223,11 @@ class Preparer:
                         verified=bool(table.token_ids) or not tokens)
 
     @staticmethod
-    def _parent(known: SessionSequences, request: SeqRequest) -> SeqState | None:
+    def _parent(known: SessionSequences, request: SeqStep) -> SeqState | None:
         return None if request.parent_seq_id is None else known.get(request.parent_seq_id)
 
     async def decode_step(self, known: SessionSequences,
-                          requests: Sequence[SeqRequest], ahead: bool = False) -> list[SeqState]:
+                          requests: Sequence[SeqStep], ahead: bool = False) -> list[SeqState]:
         """One daemon Step appending one token to each sequence (the decode hot path); `ahead`:
         the runner's own step, ahead of the client, which each state then records."""
         states = [self.known_state(known, r.seq_id) for r in requests]
@@ -264,7 +264,7 @@ class Preparer:
                               "or re-created directly): resend it with its history")
 
     async def _batch(self, known: SessionSequences,
-                     requests: Sequence[SeqRequest]) -> list[SeqState]:
+                     requests: Sequence[SeqStep]) -> list[SeqState]:
         """One daemon Batch: Fork the forks first (a child holds what its parent held before the
         step), Allocate each other new sequence, Append to the rest."""
         forks = [r for r in requests if r.new_sequence and r.parent_seq_id is not None]
@@ -316,7 +316,7 @@ class Preparer:
             states.append(state)
         return states
 
-    def _fork_parent(self, known: SessionSequences, request: SeqRequest) -> SeqState:
+    def _fork_parent(self, known: SessionSequences, request: SeqStep) -> SeqState:
         """A copy of the parent's state for a fork's child; the parent must be fully computed
         (else the child would compute K/V into blocks it shares with the parent)."""
         assert request.parent_seq_id is not None
@@ -339,7 +339,7 @@ class Preparer:
                               "sequence, or name its parent on a fork's first step")
         return state
 
-    def chunk(self, request: SeqRequest, state: SeqState,
+    def chunk(self, request: SeqStep, state: SeqState,
               resample: bool = False) -> SequenceChunk | None:
         """The tokens of `state` to compute in this step, or None if all are computed (unless
         the step is to sample again a position already computed: `resample`)."""

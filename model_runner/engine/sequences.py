@@ -16,8 +16,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pagedkv.client import Commit, PoolClient, SamplingParams, SeqOutput, Session
-from pagedkv.model_runner.engine.steps import SeqRequest, UnknownSequence
+from pagedkv.client import Commit, PoolClient, SamplingParams, SeqOutput, SeqStep, Session
+from pagedkv.model_runner.engine.steps import UnknownSequence
 from pagedkv.vocab.blocks import patch_table, slots_of
 
 
@@ -123,7 +123,7 @@ class SessionSequences:
         for seq_id in seq_ids:
             self.seqs.pop(seq_id, None)
 
-    def with_params(self, requests: Sequence[SeqRequest]) -> list[SeqRequest]:
+    def with_params(self, requests: Sequence[SeqStep]) -> list[SeqStep]:
         """`requests`, each with the sampling it sends, else the one kept for its sequence.
         UnknownSequence naming the first known sequence whose sampling the runner does not keep
         (learnt by a step that then failed): the client resends it with its history and
@@ -134,7 +134,7 @@ class SessionSequences:
                 else dataclasses.replace(request, params=self._kept_params(request.seq_id))
                 for request in requests]
 
-    def keep_params(self, requests: Sequence[SeqRequest], states: Sequence[SeqState]) -> None:
+    def keep_params(self, requests: Sequence[SeqStep], states: Sequence[SeqState]) -> None:
         """Keep each prepared sequence's sampling (`requests` as `with_params` gave them) for
         the steps that leave it out."""
         for request, state in zip(requests, states, strict=True):

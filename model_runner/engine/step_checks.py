@@ -13,12 +13,12 @@ which other sessions (other tenants sharing a cache salt) read.
 
 from collections.abc import Sequence
 
-from pagedkv.client import SequenceBlocks
+from pagedkv.client import History, SeqStep, SequenceBlocks
 from pagedkv.model_runner.engine.forward_loop import Prepared
-from pagedkv.model_runner.engine.steps import History, InvalidStep, SeqRequest, StepNotComputed
+from pagedkv.model_runner.engine.steps import InvalidStep, StepNotComputed
 
 
-def validate_step(requests: Sequence[SeqRequest], release: Sequence[int], vocab: int) -> None:
+def validate_step(requests: Sequence[SeqStep], release: Sequence[int], vocab: int) -> None:
     """InvalidStep for a malformed step, before anything is read or changed: its shape, and
     every token id it gives (token_ids, stop_token_ids, history) in [0, vocab)."""
     if not requests and not release:

@@ -2,7 +2,7 @@
 
     engine = StepEngine(pool_client, model_runner)
     await engine.start()
-    outcome = await engine.step(session_id, [SeqRequest(7, True, prompt, 0, params)])
+    outcome = await engine.step(session_id, [SeqStep(7, prompt, True, params=params)])
 
 A step goes through three stages:
 1. prepare (`Preparer`, on the event loop, as soon as the step arrives): validate it (a bad step
@@ -54,6 +54,7 @@ from pagedkv.client import (
     PagedKVError,
     PoolClient,
     SeqOutput,
+    SeqStep,
     SequenceNotFound,
     SessionExpired,
     StepOutputs,
@@ -66,7 +67,7 @@ from pagedkv.model_runner.engine.sampling import Sampler
 from pagedkv.model_runner.engine.sequences import SessionSequences
 from pagedkv.model_runner.engine.sessions import SessionEntry, SessionTable
 from pagedkv.model_runner.engine.step_checks import check_writes
-from pagedkv.model_runner.engine.steps import SeqRequest, StepNotComputed
+from pagedkv.model_runner.engine.steps import StepNotComputed
 from pagedkv.model_runner.process.metrics import RunnerMetrics
 from pagedkv.model_runner.runner import ModelRunner
 from pagedkv.process.lifecycle import cancel
@@ -116,7 +117,7 @@ class StepEngine:
 
     # ---------------------------------------------------------------- the step
 
-    async def step(self, session_id: str, requests: Sequence[SeqRequest],
+    async def step(self, session_id: str, requests: Sequence[SeqStep],
                    release: Sequence[int] = ()) -> StepOutputs:
         """Compute one client step; `release` names sequences to free after it."""
         self.preparer.validate(requests, release)
@@ -199,18 +200,18 @@ class StepEngine:
     # ------------------------------------------------------------ decode ahead
 
     @staticmethod
-    def _ahead_requests(requests: Sequence[SeqRequest], results: Sequence[SeqOutput],
-                        release: Sequence[int]) -> list[SeqRequest]:
+    def _ahead_requests(requests: Sequence[SeqStep], results: Sequence[SeqOutput],
+                        release: Sequence[int]) -> list[SeqStep]:
         """The client's next step of the sequences it marked decode_ahead whose token this
         step sampled and that go on: append that token, sample the same way."""
         released = set(release)
-        return [SeqRequest(r.seq_id, False, (result.token_id,), 0, r.params)
+        return [SeqStep(r.seq_id, (result.token_id,), False, 0, r.params)
                 for r, result in zip(requests, results, strict=True)
                 if r.decode_ahead and result.sampled and not result.finished
                 and r.seq_id not in released]
 
     async def _decode_ahead(self, session_id: str, entry: SessionEntry,
-                            requests: Sequence[SeqRequest]) -> None:
+                            requests: Sequence[SeqStep]) -> None:
         """[holds the session's lock; releases it] Take the client's next step: append the
         tokens in the daemon, compute them, keep the results for the step that names them.
 

@@ -31,11 +31,10 @@ from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from pagedkv.client import DaemonUnavailable, PoolClient, PoolInfo, StepOutputs
+from pagedkv.client import DaemonUnavailable, PoolClient, PoolInfo, SeqStep, StepOutputs
 from pagedkv.model_runner.engine.answer_limits import AnswerLimits
 from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS
 from pagedkv.model_runner.engine.step_engine import StepEngine
-from pagedkv.model_runner.engine.steps import SeqRequest
 from pagedkv.model_runner.kernels.attention_backend import BackendName, get_backend
 from pagedkv.model_runner.models import ModelSource, check_geometry, kv_geometry, load_model
 from pagedkv.model_runner.process.metrics import RunnerMetrics
@@ -104,7 +103,7 @@ class RunnerState:
         # Why steps are refused now (the daemon is away or restarted), or None.
         self.unavailable: str | None = None
 
-    async def step(self, session_id: str, requests: Sequence[SeqRequest],
+    async def step(self, session_id: str, requests: Sequence[SeqStep],
                    release: Sequence[int]) -> StepOutputs:
         """The engine's step, refused while the pool is unavailable."""
         if self.unavailable is not None:

@@ -14,15 +14,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from pagedkv.client import PagedKVError, SamplingParams, StepOutputs
+from pagedkv.client import History, PagedKVError, SamplingParams, SeqStep, StepOutputs
 from pagedkv.client.pool.errors import cause_of_error
-from pagedkv.model_runner.engine.steps import (
-    History,
-    InvalidStep,
-    SeqRequest,
-    StepNotComputed,
-    UnknownSequence,
-)
+from pagedkv.model_runner.engine.steps import InvalidStep, StepNotComputed, UnknownSequence
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 from pagedkv.proto.metadata import ERROR_KEY
@@ -36,7 +30,7 @@ Request = TypeVar("Request")
 Response = TypeVar("Response")
 Handler = Callable[["RunnerServicer", Request, "Context"], Awaitable[Response]]
 # StepEngine.step, behind whatever gate the server puts before it.
-StepFunction = Callable[[str, Sequence[SeqRequest], Sequence[int]], Awaitable[StepOutputs]]
+StepFunction = Callable[[str, Sequence[SeqStep], Sequence[int]], Awaitable[StepOutputs]]
 
 
 # max_tokens of a request that set none: more than any sequence generates.
@@ -124,7 +118,7 @@ def sampling_params(message: rpb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(message.stop_token_ids), max_tokens=message.max_tokens or NO_LIMIT)
 
 
-def seq_request(message: rpb.SequenceStep) -> SeqRequest:
+def seq_request(message: rpb.SequenceStep) -> SeqStep:
     history = None
     if message.HasField("history"):
         history = History(tuple(message.history.token_ids), message.history.prompt_len,
@@ -135,7 +129,7 @@ def seq_request(message: rpb.SequenceStep) -> SeqRequest:
             params = sampling_params(message.sampling)
         except ValueError as exc:
             raise InvalidStep(f"sequence {message.seq_id}: {exc}") from None
-    return SeqRequest(message.seq_id, message.new_sequence, tuple(message.token_ids),
-                      message.max_compute_tokens, params,
-                      message.parent_seq_id if message.has_parent else None, history,
-                      message.num_prompt_tokens, message.decode_ahead)
+    return SeqStep(message.seq_id, tuple(message.token_ids), message.new_sequence,
+                   message.max_compute_tokens, params,
+                   message.parent_seq_id if message.has_parent else None, history,
+                   message.num_prompt_tokens, message.decode_ahead)
