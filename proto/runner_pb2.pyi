@@ -280,7 +280,8 @@ class SequenceStep(_message.Message):
         runner forgets the session, and later steps leave it out. Sent again, it replaces the kept
         one. A new sequence without it is INVALID_ARGUMENT; an existing sequence whose sampling
         the runner does not keep (it restarted, or forgot an idle session) without it is
-        FAILED_PRECONDITION (cause UnknownSequence) naming the sequence: resend the step with each
+        FAILED_PRECONDITION (cause UnknownSequence) naming the sequence, once the daemon confirmed
+        the sequence is the session's (another session's is NOT_FOUND): resend the step with each
         sequence's history and sampling. Either changes nothing.
         """
 
