@@ -24,7 +24,7 @@ import prometheus_client
 from prometheus_client.registry import CollectorRegistry
 
 from pagedkv.daemon.core import BlockPool, PoolStats
-from pagedkv.daemon.process.metrics import PoolCollector
+from pagedkv.daemon.edge.metrics import PoolCollector
 from pagedkv.daemon.service.operations import Allocate, Fork
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.tenants import TenantFigures

@@ -4,10 +4,11 @@
 
 Two random-initialized fp32 Llamas, the runner's presets: tiny is tiny-llama (2 layers, hidden
 128, 4 heads, 2 KV heads, intermediate 256) and small is small-llama (4 layers, hidden 1024, 16
-heads, 4 KV heads, intermediate 2816), vocab 1000. The pool is a plain tensor [layers, 2, blocks, 16, H_kv, D] of random K/V; each of
-the batch's sequences holds a context of 100-700 tokens (seeded) in randomly permuted blocks,
-and each step decodes one token per sequence (`ModelRunner.step`: prepare, the model forward
-with "pagedkv" attention, the logits out). The same step repeats, rewriting the same slots.
+heads, 4 KV heads, intermediate 2816), vocab 1000. The pool is a plain tensor
+[layers, 2, blocks, 16, H_kv, D] of random K/V; each of the batch's sequences holds a context
+of 100-700 tokens (seeded) in randomly permuted blocks, and each step decodes one token per
+sequence (`ModelRunner.step`: prepare, the model forward with "pagedkv" attention, the logits
+out). The same step repeats, rewriting the same slots.
 
     decode_step_ms_{tiny,small}_b{16,32}   median wall time of one ModelRunner.step
     runner_overhead_frac                   small, batch 16: share of ModelRunner.step's time

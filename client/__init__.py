@@ -3,7 +3,6 @@ drives them (`Engine`); imports only grpc and protobuf."""
 
 from pagedkv.client.engine.engine import Engine, StepRecord
 from pagedkv.client.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.client.engine.sampling_params import SamplingParams
 from pagedkv.client.engine.scheduler import SchedulerConfig
 from pagedkv.client.pool.client import DEFAULT_TIMEOUT_S, PoolClient
 from pagedkv.client.pool.errors import (
@@ -48,6 +47,7 @@ from pagedkv.client.pool.runner_client import (
     SeqStep,
     StepOutputs,
 )
+from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
 from pagedkv.client.pool.tls import TlsOptions
 from pagedkv.client.pool.types import (

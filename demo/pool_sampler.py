@@ -2,7 +2,7 @@
 
 A client's GetStats shows only its own session; blocks used by every session, and the distinct
 blocks behind all the block-table entries (sharing across sessions included), are pool-wide
-figures on /metrics (daemon/process/metrics.py). The demo's clients all connect as one user
+figures on /metrics (daemon/edge/metrics.py). The demo's clients all connect as one user
 through the unix socket, so they are one tenant's, and that tenant's gauges cover every one of them.
 """
 

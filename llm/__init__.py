@@ -9,7 +9,7 @@ starts (or finds running); text through the model directory's tokenizer (transfo
 """
 
 from pagedkv.client.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.client.engine.sampling_params import SamplingParams
+from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.llm import LLM
 

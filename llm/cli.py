@@ -19,8 +19,8 @@ import sys
 from collections.abc import Sequence
 
 from pagedkv.client.engine.outputs import RequestOutput
-from pagedkv.client.engine.sampling_params import SamplingParams
 from pagedkv.client.pool.errors import PagedKVError
+from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.llm.llm import LLM
 from pagedkv.process.launch import NoNotification
 

@@ -33,7 +33,7 @@ from typing import Any, Self
 from pagedkv.client.engine.engine import Engine
 from pagedkv.client.engine.outputs import RequestOutput
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S
-from pagedkv.client.engine.sampling_params import SamplingParams
+from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.loop_thread import LoopThread
 from pagedkv.llm.model_ref import ModelRef, resolve_model

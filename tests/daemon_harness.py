@@ -28,10 +28,10 @@ from prometheus_client import CollectorRegistry
 
 from pagedkv.daemon.core import AllocatorKind, PoolAllocator, make_pool
 from pagedkv.daemon.edge.addresses import ListenAddress, parse_listen
+from pagedkv.daemon.edge.metrics import PoolCollector, RpcMetrics
 from pagedkv.daemon.edge.peer_gate import PeerGate
 from pagedkv.daemon.edge.tls import ServerTls
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
-from pagedkv.daemon.process.metrics import PoolCollector, RpcMetrics
 from pagedkv.daemon.process.server import grpc_server
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.tenants import Tenants

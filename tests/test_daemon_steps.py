@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from pagedkv.client import OutcomeUnknown, PoolClient, SequenceNotFound, Session, Step
 from pagedkv.model_runner.engine.daemon_steps import MAX_STEP_ENTRIES, DaemonSteps
-from pagedkv.model_runner.process.metrics import RunnerMetrics
+from pagedkv.model_runner.engine.metrics import RunnerMetrics
 
 from daemon_harness import Daemon, running_daemon
 

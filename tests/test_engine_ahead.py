@@ -25,10 +25,10 @@ from pagedkv.client import (
     SequenceNotFound,
     Session,
 )
+from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.step_engine import StepEngine
 from pagedkv.model_runner.engine.steps import InvalidStep
 from pagedkv.model_runner.kernels.attention_backend import get_backend
-from pagedkv.model_runner.process.metrics import RunnerMetrics
 
 FAMILY = "llama"
 daemon, prompts = families.daemon, families.prompts

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pagedkv.daemon.core import BlockPool, ContiguousPool, pool_checks
-from pagedkv.daemon.process.metrics import PoolCollector
+from pagedkv.daemon.edge.metrics import PoolCollector
 from pagedkv.daemon.service.operations import Allocate, Commit, Fork
 from pagedkv.daemon.service.pool_service import PoolService
 

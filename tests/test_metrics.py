@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.daemon.core import BlockPool
-from pagedkv.daemon.process.metrics import PoolCollector, Readiness, RpcMetrics
+from pagedkv.daemon.edge.metrics import PoolCollector, Readiness, RpcMetrics
 from pagedkv.daemon.service.operations import Allocate, Commit
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.process.probes import metrics_app, start_http

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pagedkv.client.engine.checks import check_float, check_int, token_ids
+from pagedkv.client.pool.checks import check_float, check_int, token_ids
 
 EarlyStopping = bool | Literal["never"]
 

@@ -31,11 +31,11 @@ import grpc
 from pagedkv.client.engine.outputs import RequestOutput
 from pagedkv.client.engine.requests import Request
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S, RunnerLink
-from pagedkv.client.engine.sampling_params import SamplingParams
 from pagedkv.client.engine.scheduler import Plan, Scheduler, SchedulerConfig
 from pagedkv.client.pool.client import PoolClient
 from pagedkv.client.pool.errors import PagedKVError, PoolExhausted
 from pagedkv.client.pool.runner_client import RunnerClient
+from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
 from pagedkv.vocab.token_ids import check_vocabulary
 

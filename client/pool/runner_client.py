@@ -16,10 +16,10 @@ from typing import Self, overload
 
 import grpc
 
-from pagedkv.client.engine.sampling_params import SamplingParams
 from pagedkv.client.pool.channel import open_channel
 from pagedkv.client.pool.client import DEFAULT_TIMEOUT_S
 from pagedkv.client.pool.errors import error_from_rpc
+from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc

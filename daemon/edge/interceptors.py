@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import grpc
 
+from pagedkv.daemon.edge.metrics import RpcMetrics
 from pagedkv.daemon.edge.peer_gate import peer_uid
-from pagedkv.daemon.process.metrics import RpcMetrics
 from pagedkv.daemon.service.request_budget import RequestBudget
 from pagedkv.daemon.service.sessions import SESSION_ID
 from pagedkv.daemon.service.tenants import Caller, Tenants, calling_as

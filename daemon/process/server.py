@@ -27,6 +27,7 @@ from prometheus_client.registry import CollectorRegistry
 from pagedkv.daemon.core import make_pool
 from pagedkv.daemon.edge.addresses import ListenAddress, parse_host_port
 from pagedkv.daemon.edge.interceptors import ServerInterceptor
+from pagedkv.daemon.edge.metrics import PoolCollector, Readiness, RpcMetrics
 from pagedkv.daemon.edge.peer_gate import PeerGate, gate_folder
 from pagedkv.daemon.edge.servicer import KVPoolServicer, add_to_server
 from pagedkv.daemon.edge.tls import ServerTls
@@ -38,7 +39,6 @@ from pagedkv.daemon.process.config import (
     RUNNERS_ONLY_MODE,
     DaemonConfig,
 )
-from pagedkv.daemon.process.metrics import PoolCollector, Readiness, RpcMetrics
 from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.memory.device_memory import measure

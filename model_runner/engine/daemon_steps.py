@@ -19,7 +19,7 @@ entry it cannot tell fails with OutcomeUnknown.
 import asyncio
 
 from pagedkv.client import PoolClient, Session, Step, StepResult
-from pagedkv.model_runner.process.metrics import RunnerMetrics
+from pagedkv.model_runner.engine.metrics import RunnerMetrics
 
 # Entries in one StepMany at most; the daemon's max_steps_per_call is at least this many.
 MAX_STEP_ENTRIES = 64

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv.client import SeqOutput, SeqStep
+from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.sampling import Pick, Sampler, SamplingRow, picks
 from pagedkv.model_runner.engine.sequences import Ahead, SeqState
-from pagedkv.model_runner.process.metrics import RunnerMetrics
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 from pagedkv.process.lifecycle import cancel
 

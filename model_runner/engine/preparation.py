@@ -25,10 +25,10 @@ from pagedkv.client import Allocate, Append, Commit, Fork, PoolClient, SeqStep, 
 from pagedkv.model_runner.engine.daemon_steps import DaemonSteps
 from pagedkv.model_runner.engine.forward_loop import Prepared
 from pagedkv.model_runner.engine.holds import SessionHolds
+from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.sequences import Ahead, SeqState, SessionSequences
 from pagedkv.model_runner.engine.step_checks import check_daemon_ids, validate_step
 from pagedkv.model_runner.engine.steps import InvalidStep, UnknownSequence
-from pagedkv.model_runner.process.metrics import RunnerMetrics
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 
 

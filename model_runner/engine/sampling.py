@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.client.engine.sampling_params import SamplingParams
+from pagedkv.client.pool.sampling_params import SamplingParams
 
 _M64 = 2**64 - 1
 

@@ -62,13 +62,13 @@ from pagedkv.client import (
 from pagedkv.model_runner.engine.answer_limits import AnswerLimits
 from pagedkv.model_runner.engine.forward_loop import ForwardLoop, Prepared
 from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS, SessionHolds
+from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.preparation import Preparer
 from pagedkv.model_runner.engine.sampling import Sampler
 from pagedkv.model_runner.engine.sequences import SessionSequences
 from pagedkv.model_runner.engine.sessions import SessionEntry, SessionTable
 from pagedkv.model_runner.engine.step_checks import check_writes
 from pagedkv.model_runner.engine.steps import StepNotComputed
-from pagedkv.model_runner.process.metrics import RunnerMetrics
 from pagedkv.model_runner.runner import ModelRunner
 from pagedkv.process.lifecycle import cancel
 

@@ -34,10 +34,10 @@ from prometheus_client.registry import CollectorRegistry
 from pagedkv.client import DaemonUnavailable, PoolClient, PoolInfo, SeqStep, StepOutputs
 from pagedkv.model_runner.engine.answer_limits import AnswerLimits
 from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS
+from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.step_engine import StepEngine
 from pagedkv.model_runner.kernels.attention_backend import BackendName, get_backend
 from pagedkv.model_runner.models import ModelSource, check_geometry, kv_geometry, load_model
-from pagedkv.model_runner.process.metrics import RunnerMetrics
 from pagedkv.model_runner.process.servicer import RunnerServicer, RunnerUnavailable
 from pagedkv.model_runner.runner import ModelRunner
 from pagedkv.process.grpc_server import GrpcServers, grpc_servers

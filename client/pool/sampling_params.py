@@ -13,7 +13,7 @@ is one more field whose default keeps today's behaviour.
 from dataclasses import dataclass
 from typing import Literal
 
-from pagedkv.client.engine.checks import check_float, check_int, token_ids
+from pagedkv.client.pool.checks import check_float, check_int, token_ids
 
 # Temperatures below this are greedy, as in vLLM (`_SAMPLING_EPS`): dividing logits by a
 # near-zero temperature overflows to inf, and the limit of sampling is the argmax anyway.
