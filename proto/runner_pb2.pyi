@@ -43,8 +43,12 @@ were applied (its new sequences allocated, its tokens appended, in the daemon an
 and its forward pass failed. Never resend such a step as it was (it would append twice):
 resend it with no token_ids, every sequence as an existing one (new_sequence false), to
 compute them, or release its sequences. A step whose client cancels it keeps the session's
-blocks and lease until its forward is done (a release or the lease's end waits for it). After DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE read the sequences' num_tokens back
-(KVPool.GetBlockTables) before retrying: the appends (and forks) may have been applied; a
+blocks and lease until its forward is done (a release or the lease's end waits for it).
+UNAVAILABLE with cause "RunnerUnavailable" comes from a runner that answered but cannot
+compute now (its daemon is away, or it is mapping a restarted daemon's pool): nothing
+changed. After DEADLINE_EXCEEDED, CANCELLED or an UNAVAILABLE that names no cause (no runner
+answered, or the connection broke mid-step: the bundled client's RunnerUnreachable) read the
+sequences' num_tokens back (KVPool.GetBlockTables) before retrying: the appends (and forks) may have been applied; a
 client that gives up instead releases every sequence the step named (frees of sequences
 that do not exist are ignored). A sequence marked decode_ahead may hold one token more in
 the daemon than the last answer says (the sampled token, appended ahead): count it when

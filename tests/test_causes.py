@@ -8,6 +8,7 @@ client as `RunnerUnavailable` through real processes: test_runner_service.py.)
 
 import importlib
 import pkgutil
+from pathlib import Path
 
 import grpc
 import pytest
@@ -100,8 +101,10 @@ def test_every_cause_has_its_client_class_named_as_it_is() -> None:
 
 def test_every_client_exception_is_the_class_of_a_cause_or_a_base() -> None:
     # Before the table, RunnerUnavailable had no class: a runner outage read as the daemon's.
+    # RunnerUnreachable is no cause: it is the runner client's reading of a cause-less
+    # UNAVAILABLE (no runner answered), which no peer sends or relays by name.
     assert subclasses(c.PagedKVError) - set(BY_CAUSE.values()) == {
-        c.PagedKVError, c.OutcomeUnknown}
+        c.PagedKVError, c.OutcomeUnknown, c.RunnerUnreachable}
 
 
 def test_every_daemon_exception_reaches_the_client_as_its_own_class() -> None:
@@ -135,3 +138,13 @@ def test_a_runner_relays_each_client_error_it_meets_as_the_same_class(
 def test_a_runner_relays_an_error_without_a_cause_by_its_code_alone() -> None:
     status = servicer.status_of(c.PagedKVError(grpc.StatusCode.UNIMPLEMENTED, "no such method"))
     assert status == (grpc.StatusCode.UNIMPLEMENTED, "", "no such method")
+
+
+async def test_a_runner_that_does_not_answer_is_unreachable_not_a_daemon(tmp_path: Path) -> None:
+    """No runner at the target: the runner's client says so (RunnerUnreachable, an
+    OutcomeUnknown), where the daemon's client says DaemonUnavailable."""
+    target = f"unix://{tmp_path}/nobody.sock"
+    with pytest.raises(c.RunnerUnreachable, match="no pagedkv runner answered"):
+        await c.RunnerClient.connect(target)
+    with pytest.raises(c.DaemonUnavailable, match="no pagedkv daemon answered"):
+        await c.PoolClient.connect(target, timeout=0.2)

@@ -27,7 +27,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from pagedkv.client import DaemonUnavailable
+from pagedkv.client import RunnerUnreachable
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S
 from pagedkv.llm import LLM, SamplingParams
 from pagedkv.llm.pool_budget import CPU_KV_CAP, embedded_budget
@@ -266,7 +266,7 @@ def test_a_dead_runner_the_llm_started_fails_its_steps_at_once() -> None:
         assert llm._engine.link.restart_wait_s == 0.0
         (runner,) = processes_mentioning(llm.runner_target.removeprefix("unix://"))
         os.kill(runner, signal.SIGKILL)
-        with pytest.raises(DaemonUnavailable):
+        with pytest.raises(RunnerUnreachable):
             llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=4))
     finally:
         llm.close()

@@ -5,22 +5,22 @@ Every channel sends and accepts messages up to MAX_MESSAGE_BYTES (pagedkv.proto.
 limit both servers set through their shared bring-up (process/grpc_server.py): an answer a
 daemon or runner may send is never refused by the client's own receive limit (gRPC's default is
 4 MiB). The channel is returned once connected; a peer that does not answer in time is
-`DaemonUnavailable` (nothing was sent), the channel closed.
+`unreachable` (DaemonUnavailable or RunnerUnreachable; nothing was sent), the channel closed.
 """
 
 import asyncio
 
 import grpc
 
-from pagedkv.client.pool.errors import DaemonUnavailable
+from pagedkv.client.pool.errors import OutcomeUnknown
 from pagedkv.client.pool.tls import TlsOptions
 from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 
 
-async def open_channel(target: str, peer: str, ready_timeout: float,
-                       tls: TlsOptions | None = None) -> grpc.aio.Channel:
+async def open_channel(target: str, peer: str, unreachable: type[OutcomeUnknown],
+                       ready_timeout: float, tls: TlsOptions | None = None) -> grpc.aio.Channel:
     """A channel to `target` (over TLS with `tls`), connected within `ready_timeout` seconds;
-    `peer` names what should answer there ("daemon", "runner") in the error."""
+    `peer` names what should answer there ("daemon", "runner") in the `unreachable` error."""
     options = list(MESSAGE_SIZE_OPTIONS)
     channel = (grpc.aio.insecure_channel(target, options=options) if tls is None else
                grpc.aio.secure_channel(target, tls.credentials(),
@@ -29,6 +29,6 @@ async def open_channel(target: str, peer: str, ready_timeout: float,
         await asyncio.wait_for(channel.channel_ready(), ready_timeout)
     except TimeoutError:
         await channel.close(grace=None)
-        raise DaemonUnavailable(grpc.StatusCode.UNAVAILABLE, f"no pagedkv {peer} answered "
-                                f"at {target} within {ready_timeout} s") from None
+        raise unreachable(grpc.StatusCode.UNAVAILABLE, f"no pagedkv {peer} answered at "
+                          f"{target} within {ready_timeout} s") from None
     return channel

@@ -23,6 +23,7 @@ import grpc
 from pagedkv.client.pool.channel import open_channel
 from pagedkv.client.pool.errors import (
     STATUS_BY_NUMBER,
+    DaemonUnavailable,
     InvalidArgument,
     PagedKVError,
     error_from_rpc,
@@ -73,7 +74,7 @@ class PoolClient:
         listener serves TLS unless it runs with insecure_tcp); waits up to `timeout` for the
         daemon, whose certificate must verify. `retry=None` turns off the recovery of calls
         whose answer was lost."""
-        channel = await open_channel(target, "daemon", timeout, tls)
+        channel = await open_channel(target, "daemon", DaemonUnavailable, timeout, tls)
         return cls(channel, auth_token=auth_token, timeout=timeout, retry=retry)
 
     async def _call(self, method: "grpc.aio.UnaryUnaryMultiCallable[Request, Response]",

@@ -95,6 +95,13 @@ class DaemonUnavailable(OutcomeUnknown):
     """UNAVAILABLE: no daemon answers at the target, or the connection broke mid-call."""
 
 
+class RunnerUnreachable(OutcomeUnknown):
+    """UNAVAILABLE with no cause from a runner's channel: no runner answers at the target, or
+    the connection broke mid-step (a runner killed while it computed). Unlike
+    RunnerUnavailable (a runner that answered, nothing changed), the step may have reached the
+    daemon: read the sequences back before resending it."""
+
+
 class DeadlineExceeded(OutcomeUnknown):
     """DEADLINE_EXCEEDED: no answer within the call's timeout."""
 
@@ -168,9 +175,15 @@ _BY_CODE: dict[grpc.StatusCode, type[PagedKVError]] = {
 }
 
 
-def error_from_rpc(error: grpc.aio.AioRpcError) -> PagedKVError:
-    """The exception for a failed call, from its status and `pagedkv-error` metadata."""
-    return error_from_status(error.code(), _cause(error), error.details() or "")
+def error_from_rpc(error: grpc.aio.AioRpcError,
+                   unreachable: type[OutcomeUnknown] = DaemonUnavailable) -> PagedKVError:
+    """The exception for a failed call, from its status and `pagedkv-error` metadata;
+    `unreachable` is the class of an UNAVAILABLE that names no cause (the channel's peer did
+    not answer: the daemon's, or a runner's)."""
+    cause = _cause(error)
+    if error.code() == grpc.StatusCode.UNAVAILABLE and not cause:
+        return unreachable(error.code(), error.details() or "")
+    return error_from_status(error.code(), cause, error.details() or "")
 
 
 def error_from_status(code: grpc.StatusCode, cause: str, message: str) -> PagedKVError:

@@ -18,7 +18,7 @@ import grpc
 
 from pagedkv.client.pool.channel import open_channel
 from pagedkv.client.pool.client import DEFAULT_TIMEOUT_S
-from pagedkv.client.pool.errors import error_from_rpc
+from pagedkv.client.pool.errors import RunnerUnreachable, error_from_rpc
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
 from pagedkv.proto import runner_pb2 as rpb
@@ -187,7 +187,8 @@ class RunnerClient:
     @classmethod
     async def connect(cls, target: str, *, timeout: float = 10 * DEFAULT_TIMEOUT_S) -> Self:
         # The runner's answers stay within max_answer_bytes (at most MAX_MESSAGE_BYTES).
-        return cls(await open_channel(target, "runner", DEFAULT_TIMEOUT_S), timeout)
+        return cls(await open_channel(target, "runner", RunnerUnreachable, DEFAULT_TIMEOUT_S),
+                   timeout)
 
     async def info(self, timeout: float | None = None) -> RunnerInfo:
         """What the runner computes and on which pool (`timeout`: this call's deadline instead
@@ -196,7 +197,7 @@ class RunnerClient:
             reply = await self._stub.GetRunnerInfo(rpb.GetRunnerInfoRequest(),
                                                    timeout=timeout or self.timeout)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+            raise error_from_rpc(exc, RunnerUnreachable) from None
         return RunnerInfo.from_proto(reply)
 
     async def step(self, session: Session, seqs: Sequence[SeqStep],
@@ -208,7 +209,7 @@ class RunnerClient:
         try:
             reply = await self._stub.Step(request, timeout=self.timeout)
         except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc) from None
+            raise error_from_rpc(exc, RunnerUnreachable) from None
         return StepOutputs([SeqOutput.from_proto(output) for output in reply.outputs],
                            reply.free_blocks)
 
