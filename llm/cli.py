@@ -3,7 +3,7 @@
     pagedkv generate --model /models/qwen2.5-0.5b "Hello, my name is" "The sky is"
     pagedkv generate --model /models/qwen2.5-0.5b --prompts-file prompts.txt --max-tokens 64
     pagedkv generate --model /models/qwen2.5-0.5b --daemon unix:///run/pagedkv/pagedkvd.sock \
-        --runner unix:///run/pagedkv/pagedkv-runner.sock "Hello"
+        --runner unix:///run/pagedkv-runner/pagedkv-runner.sock "Hello"
 
 Each prompt's completions are printed as Python string literals (a newline stays on its line):
 

@@ -1,7 +1,8 @@
 """The client's engine: requests in, one runner step per iteration, outputs out.
 
-    async with await Engine.connect(daemon="unix:///run/pagedkv/pagedkv.sock",
-                                    runner="unix:///run/pagedkv/pagedkv-runner.sock") as engine:
+    daemon = "unix:///run/pagedkv/pagedkvd.sock"
+    runner = "unix:///run/pagedkv-runner/pagedkv-runner.sock"
+    async with await Engine.connect(daemon=daemon, runner=runner) as engine:
         out = await engine.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=8))
         async for partial in engine.stream([1, 2, 3], SamplingParams(max_tokens=8)):
             print(partial.outputs[0].token_ids)

@@ -1,8 +1,9 @@
 """A typed async client of the runner (`pagedkv.v1.Runner`): one RPC per client step.
 
-    async with await RunnerClient.connect("unix:///run/pagedkv/pagedkv-runner.sock") as runner:
+    target = "unix:///run/pagedkv-runner/pagedkv-runner.sock"   # the shipped unit's socket
+    async with await RunnerClient.connect(target) as runner:
         out = await runner.step(session, [SeqStep(1, prompt, new_sequence=True, params=greedy)])
-        out = await runner.step(session, [SeqStep(1, [out[0].token_id])])   # decode, same params
+        out = await runner.step(session, [SeqStep(1, [out[0].token_id])])  # the runner kept params
 
 The session is the client's own KVPool session (`PoolClient.open_session`): the runner performs
 the step's memory operations with it, so the sequences stay the client's. Errors are the same
