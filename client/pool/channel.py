@@ -9,6 +9,8 @@ daemon or runner may send is never refused by the client's own receive limit (gR
 """
 
 import asyncio
+from types import TracebackType
+from typing import Self
 
 import grpc
 
@@ -32,3 +34,19 @@ async def open_channel(target: str, peer: str, unreachable: type[OutcomeUnknown]
         raise unreachable(grpc.StatusCode.UNAVAILABLE, f"no pagedkv {peer} answered at "
                           f"{target} within {ready_timeout} s") from None
     return channel
+
+
+class ChannelOwner:
+    """A client that owns one channel: `close()` closes it, and so does leaving `async with`."""
+
+    _channel: grpc.aio.Channel
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()

@@ -15,12 +15,11 @@ alive, and recovers calls whose answer was lost as `retry` says (`recovery.py`).
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from types import TracebackType
-from typing import Self, TypeVar
+from typing import TypeVar
 
 import grpc
 
-from pagedkv.client.pool.channel import open_channel
+from pagedkv.client.pool.channel import ChannelOwner, open_channel
 from pagedkv.client.pool.errors import (
     STATUS_BY_NUMBER,
     DaemonUnavailable,
@@ -46,7 +45,7 @@ Request = TypeVar("Request")
 Response = TypeVar("Response")
 
 
-class PoolClient:
+class PoolClient(ChannelOwner):
     """One channel to the daemon; opens sessions. Create with `await PoolClient.connect(...)`."""
 
     def __init__(self, channel: grpc.aio.Channel, *, auth_token: str | None = None,
@@ -152,14 +151,7 @@ class PoolClient:
         for session in list(self._sessions):
             with contextlib.suppress(PagedKVError):
                 await session.close()
-        await self._channel.close(grace=None)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.close()
+        await super().close()
 
 
 async def _recovered(session: Session, op: Step, lost: PagedKVError,

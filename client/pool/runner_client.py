@@ -12,12 +12,11 @@ the step's memory operations with it, so the sequences stay the client's. Errors
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Self, overload
 
 import grpc
 
-from pagedkv.client.pool.channel import open_channel
+from pagedkv.client.pool.channel import ChannelOwner, open_channel
 from pagedkv.client.pool.client import DEFAULT_TIMEOUT_S
 from pagedkv.client.pool.errors import RunnerUnreachable, error_from_rpc
 from pagedkv.client.pool.sampling_params import SamplingParams
@@ -175,7 +174,7 @@ class StepOutputs(Sequence[SeqOutput]):
         return iter(self._outputs)
 
 
-class RunnerClient:
+class RunnerClient(ChannelOwner):
     """One channel to a runner. Create with `await RunnerClient.connect(target)`."""
 
     def __init__(self, channel: grpc.aio.Channel, timeout: float) -> None:
@@ -213,14 +212,3 @@ class RunnerClient:
             raise error_from_rpc(exc, RunnerUnreachable) from None
         return StepOutputs([SeqOutput.from_proto(output) for output in reply.outputs],
                            reply.free_blocks)
-
-    async def close(self) -> None:
-        await self._channel.close(grace=None)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
-        await self.close()
-
