@@ -4,11 +4,21 @@
 # without CUDA, Triton kernels run only under the interpreter.
 import logging
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 
 import pagedkv.model_runner.kernels.triton_env  # noqa: F401
 from pagedkv.client import PoolClient, Session
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    """A bearer token file the daemon accepts (mode 0o600)."""
+    path = tmp_path / "token"
+    path.write_text("s3cret\n")
+    path.chmod(0o600)
+    return path
 
 
 @pytest.fixture

@@ -20,14 +20,6 @@ def parse(argv: list[str], env: dict[str, str] | None = None) -> DaemonConfig:
     return config_from_args(parser.parse_args(argv), env={} if env is None else env)
 
 
-@pytest.fixture
-def token_file(tmp_path: Path) -> Path:
-    path = tmp_path / "token"
-    path.write_text("s3cret\n")
-    path.chmod(0o600)
-    return path
-
-
 def test_no_flags_gives_the_small_cpu_pool_on_a_local_socket(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

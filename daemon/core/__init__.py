@@ -2,6 +2,7 @@
 
 from pagedkv.daemon.core.allocator import ALLOCATORS, AllocatorKind, PoolAllocator, make_pool
 from pagedkv.daemon.core.block_pool import BlockPool
+from pagedkv.daemon.core.content_keys import PREFIX_HASHES, PrefixHash
 from pagedkv.daemon.core.contiguous import ContiguousPool
 from pagedkv.daemon.core.errors import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
 from pagedkv.daemon.core.journal import Journal
@@ -10,6 +11,7 @@ from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit, PoolStats, 
 
 __all__ = [
     "ALLOCATORS",
+    "PREFIX_HASHES",
     "AllocatorKind",
     "BatchAppend",
     "BlockCopy",
@@ -22,6 +24,7 @@ __all__ = [
     "PoolAllocator",
     "PoolError",
     "PoolStats",
+    "PrefixHash",
     "SeqUpdate",
     "SequenceExists",
     "SequenceNotFound",

@@ -16,6 +16,7 @@ from typing import Literal, Protocol, get_args
 import numpy.typing as npt
 
 from pagedkv.daemon.core.block_pool import BlockPool
+from pagedkv.daemon.core.content_keys import PrefixHash
 from pagedkv.daemon.core.contiguous import ContiguousPool
 from pagedkv.daemon.core.errors import InvalidArgument
 from pagedkv.daemon.core.journal import Journal
@@ -113,12 +114,12 @@ class PoolAllocator(Protocol):
 
 
 def make_pool(kind: AllocatorKind, num_blocks: int, block_size: int, *,
-              enable_prefix_caching: bool = True,
+              enable_prefix_caching: bool = True, prefix_hash: PrefixHash = "sha256",
               max_model_len: int | None = None) -> PoolAllocator:
     """The pool bookkeeping of `kind`; a contiguous pool needs `max_model_len`, the tokens
     every sequence reserves."""
     if kind == "paged":
-        return BlockPool(num_blocks, block_size, enable_prefix_caching)
+        return BlockPool(num_blocks, block_size, enable_prefix_caching, prefix_hash)
     if kind != "contiguous":
         raise InvalidArgument(f"allocator must be one of {', '.join(ALLOCATORS)}, got {kind!r}")
     if max_model_len is None:

@@ -18,7 +18,6 @@ import numpy as np
 from pagedkv.daemon.core.holders import HeldBlocks
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.physical_blocks import PhysicalBlocks
-from pagedkv.daemon.core.prefix_cache import block_keys
 from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, ragged_entries
 from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit
 from pagedkv.vocab.blocks import blocks_for
@@ -171,7 +170,7 @@ class Appender:
         st, row_list = self._seqs, rows.tolist()
         chain_key, tokens = st.chain_key, st.partial[rows]
         parents = [chain_key[row] for row in row_list]
-        keys = block_keys(parents, tokens)
+        keys = self._blocks.cache.keys.blocks(parents, tokens)
         self._blocks.cache.key_blocks(st.entries(rows, logical), parents, keys, tokens)
         st.set_chain(row_list, keys)
 

@@ -23,12 +23,12 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.daemon.core.appender import Appender
+from pagedkv.daemon.core.content_keys import ContentKeys, PrefixHash
 from pagedkv.daemon.core.errors import SequenceExists
 from pagedkv.daemon.core.holders import HeldBlocks
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.physical_blocks import CacheEvents, PhysicalBlocks
 from pagedkv.daemon.core.pool_checks import check_pool, recount_stats
-from pagedkv.daemon.core.prefix_cache import chain_keys, root_key
 from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, ragged_entries, row_of, rows_of
 from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 from pagedkv.daemon.core.validation import (
@@ -45,14 +45,17 @@ from pagedkv.vocab.blocks import blocks_for
 class BlockPool:
     """Owns the metadata of one pool of KV blocks. Knows nothing of tensors or processes."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 prefix_hash: PrefixHash = "sha256"):
         count(num_blocks, "num_blocks", 1)
         count(block_size, "block_size", 1)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._journal = Journal()
-        self._blocks = PhysicalBlocks(num_blocks, block_size, self._journal)
+        # Full blocks' content keys, hashed with `prefix_hash` (content_keys.py).
+        self._keys = ContentKeys(prefix_hash)
+        self._blocks = PhysicalBlocks(num_blocks, block_size, self._journal, self._keys)
         self._seqs = SeqTable(block_size, self._journal)
         # Offset of each slot in its block, for slot mappings by broadcasting.
         self._offsets: Int64Array = np.arange(block_size, dtype=np.int64)
@@ -161,11 +164,12 @@ class BlockPool:
         tokens = seq_tokens(token_ids, count(num_tokens, "num_tokens", 0))
         if not self.enable_prefix_caching:
             tokens = None  # nothing is keyed: the ids are not kept
-        bs, root = self.block_size, root_key(salt)
+        bs, root = self.block_size, self._keys.root(salt)
         full = num_tokens // bs
         # Every full block of the prompt hashed once: the keys find the cached prefix, and
         # the blocks past it are keyed with the same keys.
-        keys = [] if tokens is None else chain_keys(root, tokens[:full * bs].reshape(full, bs))
+        keys = [] if tokens is None else self._keys.chain(root,
+                                                          tokens[:full * bs].reshape(full, bs))
         hits = self._blocks.cache.lookup(keys)
         no_fit = self._allocate_fit(num_tokens, hits)
         if no_fit is not None:

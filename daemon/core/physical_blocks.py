@@ -23,6 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
+from pagedkv.daemon.core.content_keys import ContentKeys
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.prefix_cache import PrefixCache
 from pagedkv.daemon.core.seq_table import Int64Array
@@ -41,7 +42,8 @@ class CacheEvents(Protocol):
 class PhysicalBlocks:
     """Refcounts and free/cached bookkeeping of `num_blocks` blocks. No sequences here."""
 
-    def __init__(self, num_blocks: int, block_size: int, journal: Journal) -> None:
+    def __init__(self, num_blocks: int, block_size: int, journal: Journal,
+                 keys: ContentKeys) -> None:
         self.num_blocks = num_blocks
         self._journal = journal
         # Refcount of each block: how many block tables reference it.
@@ -49,7 +51,7 @@ class PhysicalBlocks:
         # Free blocks without cached content, handed out oldest first.
         self.free: deque[int] = deque(range(num_blocks))
         # Content keys, and the LRU of cached blocks with refcount 0.
-        self.cache = PrefixCache(num_blocks, block_size, journal)
+        self.cache = PrefixCache(num_blocks, block_size, journal, keys)
         # Who hears of evictions and parked blocks (None: no one).
         self.events: CacheEvents | None = None
 

@@ -1,10 +1,8 @@
 """Automatic prefix caching: content keys for full blocks, pending until their K/V is written.
 
-A full block is named by a chained SHA-256, key_i = H(key_{i-1} || tokens of block i), token ids
-as int64 little-endian. The chain makes a key stand for the whole prefix up to and including its
-block, so equal keys mean equal K/V. The chain's root is the namespace salt, key_{-1} =
-H("pagedkv-root:" || salt): the salt enters every key through its parents, so identical tokens
-under different salts (tenants) never share a block, and each link hashes 32 bytes less.
+A full block is named by a chained hash of its tokens under its prefix, rooted in the namespace
+salt (content_keys.py: the chain, and the `prefix_hash` choice of hash), so equal keys mean
+equal K/V and identical tokens under different salts (tenants) never share a block.
 
 K/V is shareable only once it is written. A block is keyed *pending* when the pool sees it fill
 (the runner has not computed it yet); `lookup` never matches a pending key. It becomes
@@ -22,12 +20,10 @@ Invariants (checked by `check`):
   the content behind every key can be verified.
 """
 
-from functools import lru_cache
-from hashlib import sha256
-
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.daemon.core.content_keys import ContentKeys
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.lru import LruList
 
@@ -35,44 +31,14 @@ from pagedkv.daemon.core.lru import LruList
 DroppedKeys = list[tuple[int, bytes, bytes | None]]
 
 
-@lru_cache(maxsize=256)  # salts are few (one per tenant); the bound keeps a flood of them small
-def root_key(salt: bytes) -> bytes:
-    """Parent key of the first block of every sequence in the namespace `salt`."""
-    return sha256(b"pagedkv-root:" + salt).digest()
-
-
-def block_key(parent: bytes, tokens: bytes) -> bytes:
-    """Content key of a full block: the key of its prefix (rooted in a salt), its token ids."""
-    return sha256(parent + tokens).digest()
-
-
-def chain_keys(parent: bytes, tokens: npt.NDArray[np.int64]) -> list[bytes]:
-    """Keys of consecutive full blocks (token ids [n, block_size]) following the block keyed
-    `parent`: each block's parent is the one before it. One buffer, each block hashed once."""
-    data, width = tokens.tobytes(), tokens.shape[1] * tokens.itemsize
-    keys = []
-    for start in range(0, len(data), width):
-        parent = sha256(parent + data[start:start + width]).digest()  # block_key, inline
-        keys.append(parent)
-    return keys
-
-
-def block_keys(parents: list[bytes], tokens: npt.NDArray[np.int64]) -> list[bytes]:
-    """Keys of full blocks (token ids [n, block_size]) of different chains, under their
-    parents' keys: the blocks a decode step filled. One buffer, one loop."""
-    data, width = tokens.tobytes(), tokens.shape[1] * tokens.itemsize
-    keys, start = [], 0
-    for parent in parents:
-        keys.append(sha256(parent + data[start:start + width]).digest())  # block_key, inline
-        start += width
-    return keys
-
-
 class PrefixCache:
     """Maps committed content keys to blocks and keeps refcount-0 cached blocks in LRU order."""
 
-    def __init__(self, num_blocks: int, block_size: int, journal: Journal) -> None:
+    def __init__(self, num_blocks: int, block_size: int, journal: Journal,
+                 keys: ContentKeys) -> None:
         self._journal = journal
+        # How content keys are hashed (the daemon's `prefix_hash`).
+        self.keys = keys
         # Committed key -> the block holding that content (live or evictable).
         self.block_of: dict[bytes, int] = {}
         # Block -> its key (committed or pending), or None for a block with no cached content.
@@ -93,7 +59,7 @@ class PrefixCache:
 
     def lookup(self, keys: list[bytes]) -> list[int]:
         """Blocks holding the committed content of the longest prefix of `keys` (a chain from
-        `chain_keys`); a pending key never matches."""
+        `ContentKeys.chain`); a pending key never matches."""
         get, blocks = self.block_of.get, []
         for key in keys:
             block = get(key)
@@ -119,7 +85,7 @@ class PrefixCache:
     def key_blocks(self, blocks: npt.NDArray[np.int64], parents: list[bytes], keys: list[bytes],
                    tokens: npt.NDArray[np.int64]) -> None:
         """Key the just-filled `blocks` (tokens [len(blocks), block_size], hashed by
-        `chain_keys` or `block_keys`) pending: nothing matches them until `commit`. This runs
+        `ContentKeys.chain` or `.blocks`) pending: nothing matches them until `commit`. This runs
         for every filled block on the decode hot path: one tight loop."""
         key_of, parent_of = self.key_of, self.parent_of
         for block, key, parent in zip(blocks.tolist(), keys, parents, strict=True):
@@ -279,7 +245,7 @@ class PrefixCache:
                 continue
             parent = self.parent_of[block]
             assert parent is not None, f"keyed block {block} lost its parent"
-            content = block_key(parent, self.tokens_of[block].tobytes())
+            content = self.keys.block(parent, self.tokens_of[block].tobytes())
             assert content == block_key_, f"block {block}'s key does not match its content"
         keyed = sum(key is not None for key in self.key_of)
         assert keyed == self.num_keyed, f"{keyed} keyed blocks, counted {self.num_keyed}"

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from pagedkv.daemon.core import ALLOCATORS, AllocatorKind
+from pagedkv.daemon.core import ALLOCATORS, PREFIX_HASHES, AllocatorKind, PrefixHash
 from pagedkv.daemon.edge.addresses import ListenAddress, parse_host_port, parse_listen
 from pagedkv.daemon.edge.peer_gate import check_gate_paths
 from pagedkv.daemon.edge.tls import ServerTls
@@ -83,6 +83,13 @@ class DaemonConfig:
     lease_ttl_ms: int = 10_000
     # Reuse the blocks of identical prompt prefixes across sequences.
     enable_prefix_caching: bool = True
+    # Hash of the prefix cache's block keys (daemon/core/content_keys.py): "sha256", or
+    # "xxh3_128" (cheaper, not collision-resistant against crafted token ids; needs the xxhash
+    # package). Both share the same blocks.
+    prefix_hash: PrefixHash = "sha256"
+    # Allow prefix_hash = "xxh3_128" though several tenants share the daemon: the operator says
+    # they trust each other not to craft colliding blocks. Refused without it.
+    allow_fast_hash_with_tenants: bool = False
     # How blocks are handed out: "paged" (as sequences grow; shared by forks and the prefix
     # cache) or "contiguous" (the baseline paging replaced, for comparison: each sequence
     # reserves max_model_len slots as one run of blocks, first fit; nothing shared or cached).
@@ -188,6 +195,7 @@ class DaemonConfig:
                               "runners need a socket of their own")
         self.runner_gid()
         tenants = self.build_tenants()
+        self._check_prefix_hash(tenants)
         if any(lst.is_tcp for lst in listeners) and not tenants.any_token:
             raise ConfigError("listen: a TCP listener needs auth_token_file (--auth-token-file) "
                               "or a tenant with a token_file: without one anyone who can reach "
@@ -196,6 +204,21 @@ class DaemonConfig:
             for listener in listeners:
                 if listener.unix_path is not None:
                     check_setting(check_gate_paths, listener.unix_path, "listen")
+
+    def _check_prefix_hash(self, tenants: Tenants) -> None:
+        """A known hash; xxh3_128 only for one tenant, or with the operator's say-so."""
+        if self.prefix_hash not in PREFIX_HASHES:
+            raise ConfigError(f"prefix_hash must be one of {', '.join(PREFIX_HASHES)}, "
+                              f"got {self.prefix_hash!r}")
+        several = tenants.sharing()
+        if self.prefix_hash != "sha256" and len(several) > 1 \
+                and not self.allow_fast_hash_with_tenants:
+            raise ConfigError(
+                f"prefix_hash = \"{self.prefix_hash}\" with tenants {', '.join(sorted(several))} "
+                "sharing this daemon: a non-cryptographic block key lets one tenant choose token "
+                "ids whose blocks collide with another's cached K/V; use prefix_hash = "
+                "\"sha256\", or set allow_fast_hash_with_tenants = true "
+                "(--allow-fast-hash-with-tenants) if they trust each other")
 
     def runner_listener(self) -> ListenAddress:
         """The runner socket (see the field)."""

@@ -137,9 +137,11 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
         log.info("pool allocated", pool_id=memory.pool_id, model=geometry.name, dtype=dtype,
                  device=config.device, num_blocks=num_blocks, block_size=config.block_size,
                  bytes=memory.nbytes, shm_path=memory.handle().shm_path or None,
-                 allocator=config.allocator, max_model_len=config.max_model_len)
+                 allocator=config.allocator, max_model_len=config.max_model_len,
+                 prefix_hash=config.prefix_hash)
         pool = make_pool(config.allocator, num_blocks, config.block_size,
                          enable_prefix_caching=config.enable_prefix_caching,
+                         prefix_hash=config.prefix_hash,
                          max_model_len=config.max_model_len)
         service = PoolService(pool, memory, pool_id=memory.pool_id,
                               default_lease_ttl_ms=config.lease_ttl_ms,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from pagedkv.daemon.core import ALLOCATORS
+from pagedkv.daemon.core import ALLOCATORS, PREFIX_HASHES
 from pagedkv.daemon.process.tenant_config import parse_tenants
 from pagedkv.daemon.service.limits import LIMITS
 from pagedkv.daemon.service.tenants import UNMAPPED_UIDS
@@ -151,6 +151,11 @@ SETTINGS: dict[str, Setting] = {
     "lease_ttl_ms": Setting(INTEGER, "default session lease in milliseconds"),
     "enable_prefix_caching": Setting(OFF_SWITCH, "never share blocks between identical prompt "
                                      "prefixes", flag="--no-prefix-caching"),
+    "prefix_hash": Setting(TEXT, "hash of the prefix cache's block keys: sha256 (default) or "
+                           "xxh3_128 (faster; refused with several tenants unless "
+                           "--allow-fast-hash-with-tenants)", PREFIX_HASHES),
+    "allow_fast_hash_with_tenants": Setting(SWITCH, "allow prefix_hash xxh3_128 though several "
+                                            "tenants share the daemon (they trust each other)"),
     "allocator": Setting(TEXT, "paged (default): blocks taken as sequences grow, shared by forks "
                          "and the prefix cache; contiguous: the baseline paging replaced, for "
                          "comparison: each sequence reserves --max-model-len slots as one run "

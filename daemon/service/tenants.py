@@ -189,6 +189,18 @@ class Tenants:
         the unix sockets)."""
         return bool(self.by_uid)
 
+    def sharing(self) -> set[str]:
+        """The tenants whose sessions may share this daemon's pool: each with a token or
+        uids, the unix tenant (unix callers and runners' sessions act as it), and every tenant
+        listing a global salt another also lists."""
+        names = {tenant.name for tenant in self.by_name.values()
+                 if tenant.bearer is not None or tenant.uids}
+        names.add(self.unix.name)
+        for users in self.salt_users.values():
+            if len(users) > 1:
+                names |= users
+        return names
+
     def for_uid(self, uid: int) -> Tenant | None:
         """The tenant of a unix caller with `uid`: the tenant listing it, else the unmapped
         uids' tenant; None: refused."""
