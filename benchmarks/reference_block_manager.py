@@ -19,16 +19,23 @@ What it leaves out: fork and copy-on-write, salts (one namespace), batched or mu
 appends, and the checks of caller mistakes (an unknown sequence raises KeyError). A 64-bit
 non-cryptographic key can collide, so a cache hit is confirmed by comparing the block's token
 ids, as nano-vllm does; pagedkv's SHA-256 keys need no such check.
+
+The hash is a parameter, so that a benchmark can give both sides the same function:
+`block_hash(chunk, parent_key)` and the first block's parent key `root` (xxhash64 seeded with
+the parent, root 0, by default; `bench_core_trace.py` also passes the core's own chains).
 """
 
 import struct
 from collections import OrderedDict, deque
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from xxhash import xxh64_intdigest
 
+# A full block's key from its token ids (int64 little-endian bytes) and its parent's key.
+BlockHash = Callable[[bytes, Any], Hashable]
 # Seed of the first block's hash in every sequence (there is one namespace).
 ROOT_KEY = 0
 
@@ -38,23 +45,28 @@ class _Seq:
 
     __slots__ = ("key", "num_tokens", "table", "tail")
 
-    def __init__(self, table: list[int], num_tokens: int, tail: list[int], key: int) -> None:
+    def __init__(self, table: list[int], num_tokens: int, tail: list[int],
+                 key: Hashable) -> None:
         # Block table: logical block i -> physical block.
         self.table = table
         # Tokens held.
         self.num_tokens = num_tokens
         # Token ids of the unfilled last block.
         self.tail = tail
-        # Hash of the last full block (ROOT_KEY before the first): the next block's seed.
+        # Hash of the last full block (the root before the first): the next block's parent.
         self.key = key
 
 
 class ReferenceBlockManager:
     """Blocks of `block_size` tokens for many sequences, with prefix caching. Pure Python."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16,
+                 block_hash: BlockHash = xxh64_intdigest, root: Hashable = ROOT_KEY) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # How a full block is keyed from its parent's key, and the first block's parent.
+        self.block_hash = block_hash
+        self.root = root
         # Refcount of each block: how many block tables reference it.
         self.ref = [0] * num_blocks
         # Blocks with no cached content, handed out oldest first.
@@ -63,8 +75,8 @@ class ReferenceBlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         # Hash -> block holding that content; block -> its hash (None if unkeyed) and the token
         # ids (int64 little-endian bytes) the hash was computed from.
-        self.block_of: dict[int, int] = {}
-        self.key_of: list[int | None] = [None] * num_blocks
+        self.block_of: dict[Hashable, int] = {}
+        self.key_of: list[Hashable | None] = [None] * num_blocks
         self.content_of: list[bytes] = [b""] * num_blocks
         # Live sequences.
         self.seqs: dict[Hashable, _Seq] = {}
@@ -87,14 +99,15 @@ class ReferenceBlockManager:
         bs, n = self.block_size, len(token_ids)
         width = 8 * bs
         data = token_ids.astype("<i8", copy=False).tobytes()
-        block_of, content_of, ref = self.block_of, self.content_of, self.ref
+        block_of, content_of, ref, block_hash = (self.block_of, self.content_of, self.ref,
+                                                 self.block_hash)
         full = n // bs
         hits: list[int] = []
-        key = ROOT_KEY
-        chunk, miss_key = b"", 0  # the first missed full block, already hashed
+        key = self.root
+        chunk, miss_key = b"", key  # the first missed full block, already hashed
         for i in range(full):
             chunk = data[i * width:(i + 1) * width]
-            h = xxh64_intdigest(chunk, key)
+            h = block_hash(chunk, key)
             block = block_of.get(h)
             if block is None or content_of[block] != chunk:
                 miss_key = h
@@ -121,7 +134,7 @@ class ReferenceBlockManager:
                     h = miss_key
                 else:
                     chunk = data[i * width:(i + 1) * width]
-                    h = xxh64_intdigest(chunk, key)
+                    h = block_hash(chunk, key)
                 if h not in block_of:
                     block = table[i]
                     block_of[h] = block
@@ -156,7 +169,7 @@ class ReferenceBlockManager:
         tail.append(token_id)
         if offset == bs - 1:  # the block is full: key it
             chunk = self._pack(*tail)
-            h = xxh64_intdigest(chunk, s.key)
+            h = self.block_hash(chunk, s.key)
             s.key = h
             s.tail = []
             block_of = self.block_of

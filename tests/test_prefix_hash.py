@@ -14,11 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
-from test_config import parse
 
 from pagedkv.daemon.core import BlockPool, NoFit, PrefixHash, SeqUpdate
 from pagedkv.daemon.core.content_keys import ContentKeys
 from pagedkv.daemon.process.settings import ConfigError
+
+from test_config import parse
 
 HASHES: tuple[PrefixHash, ...] = ("sha256", "xxh3_128")
 BLOCK_SIZE = 4
