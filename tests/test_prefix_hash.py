@@ -3,21 +3,30 @@
 Both hash the same bytes into the same chain, so a pool keyed with either shares exactly the
 same blocks; different content gets different keys and the salt still separates namespaces.
 xxh3_128 is refused at config time where several tenants share the daemon, unless the operator
-allows it; the core imports xxhash only when that hash is chosen.
+allows it; the core imports xxhash only when that hash is chosen; the daemon builds its pool
+with the configured hash.
 """
 
+import asyncio
 import subprocess
 import sys
+import tempfile
 from hashlib import sha256
 from pathlib import Path
+from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import xxhash
 
-from pagedkv.daemon.core import BlockPool, NoFit, PrefixHash, SeqUpdate
+from pagedkv.daemon.core import BlockPool, NoFit, PoolAllocator, PrefixHash, SeqUpdate, make_pool
 from pagedkv.daemon.core.content_keys import ContentKeys
+from pagedkv.daemon.process import server
+from pagedkv.daemon.process.config import DaemonConfig
 from pagedkv.daemon.process.settings import ConfigError
+from pagedkv.proto import kvpool_pb2 as pb
+from pagedkv.proto import kvpool_pb2_grpc
 
 from test_config import parse
 
@@ -174,3 +183,32 @@ def test_xxh3_is_allowed_for_one_tenant(tmp_path: Path, token_file: Path) -> Non
     toml = write(tmp_path, f'prefix_hash = "xxh3_128"\nunix_tenant = "alice"\n'
                  f'[tenants.alice]\ntoken_file = "{token_file}"\nsalts = ["s"]\n')
     assert parse(["--config", toml]).prefix_hash == "xxh3_128"
+
+
+async def test_the_daemon_keys_its_pool_with_the_configured_hash(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # serve() as pagedkvd runs it, over gRPC: a committed block of the pool it built is cached
+    # under a 16-byte XXH3-128 key (a SHA-256 key has 32).
+    built: list[PoolAllocator] = []
+
+    def keep(*args: Any, **kwargs: Any) -> PoolAllocator:
+        built.append(make_pool(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(server, "make_pool", keep)
+    with tempfile.TemporaryDirectory(prefix="pkvh-") as folder:
+        stop = asyncio.Event()
+        config = DaemonConfig(listen=(f"unix://{folder}/d.sock",), shm_dir=Path(folder),
+                              num_blocks=8, prefix_hash="xxh3_128")
+        task = asyncio.create_task(server.serve(config, stop))
+        async with grpc.aio.insecure_channel(f"unix://{folder}/d.sock") as channel:
+            stub = kvpool_pb2_grpc.KVPoolStub(channel)
+            session = (await stub.OpenSession(pb.OpenSessionRequest(client_name="h"),
+                                              wait_for_ready=True, timeout=30)).session_id
+            await stub.Allocate(pb.AllocateRequest(session_id=session, seq_id=1, num_tokens=16,
+                                                   token_ids=range(16)), timeout=30)
+            await stub.Commit(pb.CommitRequest(session_id=session, seq_ids=[1]), timeout=30)
+            await stub.Free(pb.FreeRequest(session_id=session, seq_id=1), timeout=30)
+            assert [len(key) for key in built[0].cached_keys().values()] == [16]
+        stop.set()
+        await asyncio.wait_for(task, 30)
