@@ -152,6 +152,8 @@ class ForwardLoop:
         # The sessions of the last forward, and how long it took.
         recent: set[str] = set()
         last_forward_s = 0.0
+        # When the last forward ended: the forward thread is free from then on.
+        free_at = 0.0
         while True:
             if not self._ready:
                 self._wake.clear()
@@ -171,7 +173,8 @@ class ForwardLoop:
                 continue
             last_forward_s = time.monotonic() - started
             recent = {prepared.session_id for prepared, _ in batch}
-            self._observe(batch, started)
+            self._observe(batch, started, free_at)
+            free_at = started + last_forward_s
             self._deliver(batch, sampled)
             # Steps with pieces left go on first in the next forward (a failed or cancelled
             # one computes no more).
@@ -194,13 +197,15 @@ class ForwardLoop:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), left)
 
-    def _observe(self, batch: Batch, started: float) -> None:
+    def _observe(self, batch: Batch, started: float, free_at: float) -> None:
         if self.metrics is None:
             return
         lengths = [len(chunk.token_ids) for _, pieces in batch for _, chunk in pieces]
         decode = sum(1 for n in lengths if n == 1)
         self.metrics.forward(time.monotonic() - started, len(lengths), sum(lengths) - decode,
                              decode)
+        if decode == len(lengths):  # a decode-only forward: did the thread idle for a step?
+            self.metrics.decode_forward(any(prepared.ready_at > free_at for prepared, _ in batch))
         for prepared, _ in batch:
             if prepared.forwards == 1:  # its first forward
                 self.metrics.queue_wait(started - prepared.ready_at)

@@ -42,6 +42,16 @@ class RunnerMetrics:
             "pagedkv_runner:steps_per_daemon_call",
             "Sessions' daemon Steps sent in one StepMany call (daemon_steps.py).",
             registry=registry, buckets=SIZE_BUCKETS)
+        self._decode_starts = prometheus_client.Counter(
+            "pagedkv_runner:decode_forwards",
+            "Decode-only forwards by how they started: idle_wait if a step of it became ready "
+            "(its daemon call answered) after the previous forward ended, so the forward thread "
+            "sat idle for it (waiting on the daemon, or on the client's step before that); "
+            "queued if every step was ready when the thread came free.",
+            ["start"], registry=registry)
+
+    def decode_forward(self, waited: bool) -> None:
+        self._decode_starts.labels("idle_wait" if waited else "queued").inc()
 
     def daemon_steps(self, entries: int) -> None:
         self._daemon_steps.observe(entries)
