@@ -28,6 +28,21 @@ ratios are of medians. Process start-up and model loading are never timed.
   steps one forward merged) and *_steps_per_daemon_call (how many sessions' decode Steps one
   StepMany to the daemon carried).
 
+Service figures (issue 19), from the same runs:
+- daemon_calls_per_decode_step: the daemon's finished RPCs (its pagedkv:rpc_requests counters,
+  every service and method, so clients' calls too) per runner forward, during the "runner"
+  contestant (one client, NUM_PROMPTS sequences). The window is the whole run, so the prefill
+  step and the last step's releases are in it; no stream messages exist yet to count.
+- forward_waits_on_daemon_frac: of the decode-only forwards of that run, the share whose forward
+  thread sat idle for one of their steps: a step became ready (its daemon call answered) after
+  the previous forward ended (the runner's pagedkv_runner:decode_forwards{start="idle_wait"}).
+  An upper bound: the runner cannot tell whether the idle time went to the daemon's answer or
+  to the client's step that came before it.
+- service_overhead_frac: during runner_4clients (4 client processes of PROMPTS_PER_CLIENT
+  sequences each, each calling RunnerClient.step directly, not through the client `Engine`),
+  1 - (the runner's forward seconds / the run's wall time): the share of the clients' step
+  time in which no forward was computing.
+
 Threads: every contestant gets --threads intra-op threads (default 1: torch.set_num_threads here,
 --torch-threads and OMP_NUM_THREADS for the runner; the daemon always uses one). With torch's
 default of one per CPU, a 2-CPU machine running a daemon, a runner and clients is
@@ -44,7 +59,9 @@ runner_tok_s (one client, all prompts), runner_vs_hf_generate (target >= 1),
 runner_vs_hf_generate_batch (vs default sizing, target >= 10), runner_1client_8prompts_tok_s,
 runner_4clients_tok_s (4 client processes of 8 prompts each), runner_4clients_vs_1client
 (target >= 2), runner_matches_hf (the runner's and the continuous batching's tokens equal HF
-greedy `generate` run on each of CHECK_PROMPTS alone, unpadded; the script exits 1 if not).
+greedy `generate` run on each of CHECK_PROMPTS alone, unpadded; the script exits 1 if not),
+daemon_calls_per_decode_step (target <= 0.25), forward_waits_on_daemon_frac (target <= 0.05),
+service_overhead_frac (target <= 0.10; see "Service figures" above).
 Usage: python benchmarks/bench_runner.py [--rounds 3] [--threads 1]
 """
 
@@ -63,7 +80,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +196,7 @@ def run_clients(pagedkv: "Pagedkv", groups: Sequence[range],
             assert proc.stdout is not None
             if proc.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"a client process failed to start (exit {proc.wait()})")
-        before = Forwards.read(pagedkv.metrics_url)
+        before = Forwards.read(pagedkv)
         server_cpu = pagedkv.cpu_s()
         for proc in procs:
             assert proc.stdin is not None
@@ -192,7 +209,7 @@ def run_clients(pagedkv: "Pagedkv", groups: Sequence[range],
                 raise RuntimeError(f"a client process failed (exit {proc.returncode})")
             runs.append(json.loads(stdout.strip().splitlines()[-1]))
         server_cpu = pagedkv.cpu_s() - server_cpu
-        forwards = Forwards.read(pagedkv.metrics_url) - before
+        forwards = Forwards.read(pagedkv) - before
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -215,6 +232,8 @@ class Pagedkv:
     runner: str
     # The runner's /metrics URL.
     metrics_url: str
+    # The daemon's /metrics URL.
+    daemon_metrics_url: str
     pids: tuple[int, int]
 
     def cpu_s(self) -> float:
@@ -226,9 +245,10 @@ def pagedkv_processes(folder: Path, threads: int) -> Iterator[Pagedkv]:
     """pagedkvd and `pagedkv runner` with their sockets, logs and pool file in `folder`. The
     runner stops first, so no step is in flight when the daemon drains."""
     metrics = f"127.0.0.1:{free_tcp_port()}"
+    daemon_metrics = f"127.0.0.1:{free_tcp_port()}"
     with start_daemon(folder, "--model-config", PRESET, "--num-blocks", str(NUM_BLOCKS),
                       "--block-size", str(BLOCK_SIZE), "--shm-dir", str(folder),
-                      "--log-level", "warning") as daemon:
+                      "--log-level", "warning", "--metrics-listen", daemon_metrics) as daemon:
         daemon.wait_for_notification(READY_STATE)
         # The runner sets its own intra-op threads (--torch-threads, default half the CPUs):
         # tell it, as well as OpenMP, what every contestant gets.
@@ -239,6 +259,7 @@ def pagedkv_processes(folder: Path, threads: int) -> Iterator[Pagedkv]:
                           env={"OMP_NUM_THREADS": str(threads)} if threads else None) as runner:
             runner.wait_for_notification(READY_STATE)
             yield Pagedkv(daemon.unix_target, runner.unix_target, f"http://{metrics}/metrics",
+                          f"http://{daemon_metrics}/metrics",
                           (daemon.process.pid, runner.process.pid))
             runner.stop()
         daemon.stop()
@@ -254,26 +275,44 @@ class Forwards:
     # The runner's StepMany calls to the daemon, and the sessions' Steps they carried.
     daemon_calls: float
     daemon_steps: float
+    # Decode-only forwards whose thread idled for one of their steps, and the others.
+    decode_idle_wait: float
+    decode_queued: float
+    # The daemon's finished RPCs (every method; read from the daemon's /metrics).
+    daemon_rpcs: float
 
     @classmethod
-    def read(cls, url: str) -> "Forwards":
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            text = reply.read().decode()
-        values = {sample.name: sample.value for family in text_string_to_metric_families(text)
-                  for sample in family.samples}
+    def read(cls, pagedkv: Pagedkv) -> "Forwards":
+        values = scrape(pagedkv.metrics_url)
         prefix = "pagedkv_runner:"
         return cls(values[f"{prefix}forward_duration_seconds_count"],
                    values[f"{prefix}forward_duration_seconds_sum"],
                    values[f"{prefix}sequences_per_forward_sum"],
                    values[f"{prefix}steps_per_daemon_call_count"],
-                   values[f"{prefix}steps_per_daemon_call_sum"])
+                   values[f"{prefix}steps_per_daemon_call_sum"],
+                   values.get(f"{prefix}decode_forwards_total{{start=idle_wait}}", 0.0),
+                   values.get(f"{prefix}decode_forwards_total{{start=queued}}", 0.0),
+                   daemon_rpcs(pagedkv.daemon_metrics_url))
 
     def __sub__(self, other: "Forwards") -> "Forwards":
-        return Forwards(self.count - other.count, self.seconds - other.seconds,
-                        self.sequences - other.sequences, self.daemon_calls - other.daemon_calls,
-                        self.daemon_steps - other.daemon_steps)
+        return Forwards(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of a /metrics page, keyed `name{label=value,...}` (or `name` unlabelled)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {sample.name + (("{" + ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                            + "}") if sample.labels else ""): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def daemon_rpcs(url: str) -> float:
+    """The daemon's finished RPCs so far, every service, method and status code."""
+    return sum(value for key, value in scrape(url).items()
+               if key.startswith("pagedkv:rpc_requests_total"))
 
 
 # ------------------------------------------------------------------ transformers
@@ -436,6 +475,11 @@ def measure(rounds: int, threads: int) -> int:
                 extra[f"{name}_seqs_per_forward"] = forwards.sequences / forwards.count
                 extra[f"{name}_steps_per_daemon_call"] = (forwards.daemon_steps
                                                           / forwards.daemon_calls)
+                extra[f"{name}_daemon_rpcs_per_forward"] = forwards.daemon_rpcs / forwards.count
+                extra[f"{name}_decode_idle_wait_frac"] = forwards.decode_idle_wait / max(
+                    1.0, forwards.decode_idle_wait + forwards.decode_queued)
+                extra[f"{name}_outside_forward_frac"] = (1 - forwards.seconds
+                                                         / runs[name].seconds)
             for name, run in runs.items():
                 all_ok &= check_tokens(name, run.tokens, reference)
             extra["runner_equal_hf_generate_seqs"] = sum(
@@ -478,6 +522,11 @@ def report(med: dict[str, float], equal_seqs: float, all_ok: bool) -> None:
         print(f"{name}_forward_ms: {med[f'{name}_forward_ms']:.1f} ms")
         print(f"{name}_seqs_per_forward: {med[f'{name}_seqs_per_forward']:.1f} seqs")
         print(f"{name}_steps_per_daemon_call: {med[f'{name}_steps_per_daemon_call']:.2f} steps")
+    # Issue 19's service figures (see the module docstring for what each measures).
+    print(f"daemon_calls_per_decode_step: {med['runner_daemon_rpcs_per_forward']:.2f} "
+          "calls/forward")
+    print(f"forward_waits_on_daemon_frac: {med['runner_decode_idle_wait_frac']:.2f} frac")
+    print(f"service_overhead_frac: {med['runner_4clients_outside_forward_frac']:.2f} frac")
     print(f"runner_equal_hf_generate_seqs: {equal_seqs:.0f} of {NUM_PROMPTS}")
     print(f"runner_matches_hf: {int(all_ok)} bool")
 
