@@ -38,10 +38,11 @@ Service figures (issue 19), from the same runs:
   the previous forward ended (the runner's pagedkv_runner:decode_forwards{start="idle_wait"}).
   An upper bound: the runner cannot tell whether the idle time went to the daemon's answer or
   to the client's step that came before it.
-- service_overhead_frac: during runner_4clients (4 client processes of PROMPTS_PER_CLIENT
-  sequences each, each calling RunnerClient.step directly, not through the client `Engine`),
-  1 - (the runner's forward seconds / the run's wall time): the share of the clients' step
-  time in which no forward was computing.
+- service_overhead_frac: 4 client processes of PROMPTS_PER_CLIENT prompts, each through the
+  client `Engine` (all its prompts submitted at once; one extra run a round, not a contestant):
+  (client step time - runner forward time) / client step time, where the client step time is
+  the mean gap between consecutive decode-only StepRecords of every client, and the runner
+  forward time is the mean of every forward during the run (its prefill forwards too).
 
 Threads: every contestant gets --threads intra-op threads (default 1: torch.set_num_threads here,
 --torch-threads and OMP_NUM_THREADS for the runner; the daemon always uses one). With torch's
@@ -69,6 +70,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import itertools
 import json
 import os
 import platform
@@ -177,19 +179,44 @@ async def drive(daemon: str, runner_target: str, prompts: list[list[int]],
     return {"start": start, "end": end, "cpu_s": cpu, "tokens": tokens}
 
 
-def client_main(daemon: str, runner_target: str, first: int, count: int, ahead: bool) -> None:
+async def drive_engine(daemon: str, runner_target: str, prompts: list[list[int]],
+                       wait_for_go: Callable[[], str]) -> dict[str, Any]:
+    """The same greedy generation through the client `Engine` (every prompt a request, all at
+    once), as drive returns it, plus decode_step_s: the seconds between consecutive decode-only
+    steps (every sequence sent one token) as the Engine's StepRecords saw them."""
+    from pagedkv.client import SamplingParams
+    from pagedkv.client.engine.engine import Engine, StepRecord
+
+    records: list[StepRecord] = []
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    async with await Engine.connect(daemon, runner_target, client_name="bench-engine") as engine:
+        engine.observers.append(records.append)
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, wait_for_go)
+        start, cpu = time.monotonic(), time.process_time()
+        outputs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        end, cpu = time.monotonic(), time.process_time() - cpu
+    step_s = [b.time_s - a.time_s for a, b in itertools.pairwise(records)
+              if b.num_tokens == b.num_seqs > 0]
+    return {"start": start, "end": end, "cpu_s": cpu, "decode_step_s": step_s,
+            "tokens": [list(output.outputs[0].token_ids) for output in outputs]}
+
+
+def client_main(daemon: str, runner_target: str, first: int, count: int, mode: str) -> None:
     prompts = make_prompts()[first:first + count]
-    print(json.dumps(asyncio.run(drive(daemon, runner_target, prompts, sys.stdin.readline,
-                                       ahead))), flush=True)
+    run = drive_engine(daemon, runner_target, prompts, sys.stdin.readline) if mode == "engine" \
+        else drive(daemon, runner_target, prompts, sys.stdin.readline, mode == "ahead")
+    print(json.dumps(asyncio.run(run)), flush=True)
 
 
 def run_clients(pagedkv: "Pagedkv", groups: Sequence[range],
-                ahead: bool) -> tuple[Run, "Forwards"]:
-    """One client process per group of prompt indices, released together once all are ready.
+                mode: str) -> tuple[Run, "Forwards", list[float]]:
+    """One client process per group of prompt indices (`mode`: ahead, no-ahead or engine),
+    released together once all are ready; the engine clients' decode step times too.
     CPU time: the clients' loops plus the daemon's and the runner's meanwhile."""
     procs = [subprocess.Popen(
         [sys.executable, __file__, "--client", pagedkv.daemon, pagedkv.runner,
-         str(group.start), str(len(group)), "ahead" if ahead else "no-ahead"],
+         str(group.start), str(len(group)), mode],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for group in groups]
     try:
         for proc in procs:
@@ -218,7 +245,8 @@ def run_clients(pagedkv: "Pagedkv", groups: Sequence[range],
     tokens = {group.start + i: seq for group, run in zip(groups, runs, strict=True)
               for i, seq in enumerate(run["tokens"])}
     seconds = max(r["end"] for r in runs) - min(r["start"] for r in runs)
-    return Run(seconds, server_cpu + sum(r["cpu_s"] for r in runs), tokens), forwards
+    return (Run(seconds, server_cpu + sum(r["cpu_s"] for r in runs), tokens), forwards,
+            [s for r in runs for s in r.get("decode_step_s", [])])
 
 
 # ------------------------------------------------------------------ daemon and runner
@@ -451,11 +479,11 @@ def measure(rounds: int, threads: int) -> int:
     for name, contestant in batching.items():
         print(f"{name}_setup_s: {contestant.setup_s:.2f} s")
     # Client processes of each runner contestant, and whether they decode ahead.
-    groups = {"runner": ([range(0, NUM_PROMPTS)], True),
-              "runner_no_ahead": ([range(0, NUM_PROMPTS)], False),
-              "runner_1client_8prompts": ([range(0, PROMPTS_PER_CLIENT)], True),
-              "runner_4clients": ([range(c * PROMPTS_PER_CLIENT, (c + 1) * PROMPTS_PER_CLIENT)
-                                   for c in range(CLIENTS)], True)}
+    four = [range(c * PROMPTS_PER_CLIENT, (c + 1) * PROMPTS_PER_CLIENT) for c in range(CLIENTS)]
+    groups = {"runner": ([range(0, NUM_PROMPTS)], "ahead"),
+              "runner_no_ahead": ([range(0, NUM_PROMPTS)], "no-ahead"),
+              "runner_1client_8prompts": ([range(0, PROMPTS_PER_CLIENT)], "ahead"),
+              "runner_4clients": (four, "ahead")}
     figures: dict[str, list[float]] = {}
     all_ok = True
     with contextlib.ExitStack() as stack:
@@ -469,8 +497,8 @@ def measure(rounds: int, threads: int) -> int:
             runs["hf_generate"] = hf_generate(model, prompts, HF_BATCH)
             for name, contestant in batching.items():
                 runs[name] = contestant.run(prompts)
-            for name, (group, ahead) in groups.items():
-                runs[name], forwards = run_clients(pagedkv, group, ahead)
+            for name, (group, mode) in groups.items():
+                runs[name], forwards, _ = run_clients(pagedkv, group, mode)
                 extra[f"{name}_forward_ms"] = 1000 * forwards.seconds / forwards.count
                 extra[f"{name}_seqs_per_forward"] = forwards.sequences / forwards.count
                 extra[f"{name}_steps_per_daemon_call"] = (forwards.daemon_steps
@@ -480,6 +508,11 @@ def measure(rounds: int, threads: int) -> int:
                     1.0, forwards.decode_idle_wait + forwards.decode_queued)
                 extra[f"{name}_outside_forward_frac"] = (1 - forwards.seconds
                                                          / runs[name].seconds)
+            engine_run, forwards, step_s = run_clients(pagedkv, four, "engine")
+            all_ok &= check_tokens("engine_4clients", engine_run.tokens, reference)
+            # The client's decode step time, less the runner's mean forward, over the step.
+            extra["engine_4clients_outside_forward_frac"] = 1 - (
+                forwards.seconds / forwards.count) / statistics.mean(step_s)
             for name, run in runs.items():
                 all_ok &= check_tokens(name, run.tokens, reference)
             extra["runner_equal_hf_generate_seqs"] = sum(
@@ -526,7 +559,7 @@ def report(med: dict[str, float], equal_seqs: float, all_ok: bool) -> None:
     print(f"daemon_calls_per_decode_step: {med['runner_daemon_rpcs_per_forward']:.2f} "
           "calls/forward")
     print(f"forward_waits_on_daemon_frac: {med['runner_decode_idle_wait_frac']:.2f} frac")
-    print(f"service_overhead_frac: {med['runner_4clients_outside_forward_frac']:.2f} frac")
+    print(f"service_overhead_frac: {med['engine_4clients_outside_forward_frac']:.2f} frac")
     print(f"runner_equal_hf_generate_seqs: {equal_seqs:.0f} of {NUM_PROMPTS}")
     print(f"runner_matches_hf: {int(all_ok)} bool")
 
@@ -539,12 +572,12 @@ def main() -> int:
                              "(transformers), --torch-threads and OMP_NUM_THREADS of the runner;"
                              " 0 = torch's default, one per CPU (default 1)")
     parser.add_argument("--client", nargs=5,
-                        metavar=("DAEMON", "RUNNER", "FIRST", "COUNT", "AHEAD"),
+                        metavar=("DAEMON", "RUNNER", "FIRST", "COUNT", "MODE"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
-        daemon, runner_target, first, count, ahead = args.client
-        client_main(daemon, runner_target, int(first), int(count), ahead == "ahead")
+        daemon, runner_target, first, count, mode = args.client
+        client_main(daemon, runner_target, int(first), int(count), mode)
         return 0
     return measure(args.rounds, args.threads)
 
