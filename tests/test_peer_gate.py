@@ -423,6 +423,9 @@ async def test_an_idle_connection_is_closed_and_its_client_reconnects() -> None:
                 assert await answered(sock)
                 await read_to_end(sock)  # no byte either way: closed by the gate
             await eventually(lambda: daemon.gate is not None and daemon.gate.open_connections == 0)
+            # The gate closes bytes, not HTTP/2 (no GOAWAY): a call racing the close fails
+            # UNAVAILABLE. Once gRPC has seen the close, the next call connects anew.
+            await eventually(lambda: client._channel.get_state() != grpc.ChannelConnectivity.READY)
             assert (await client.stats()).num_blocks == 16  # on a new connection
 
 
