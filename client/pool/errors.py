@@ -169,7 +169,6 @@ _BY_CODE: dict[grpc.StatusCode, type[PagedKVError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: SessionExpired,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-    grpc.StatusCode.UNAVAILABLE: DaemonUnavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.CANCELLED: Cancelled,
 }
@@ -177,19 +176,19 @@ _BY_CODE: dict[grpc.StatusCode, type[PagedKVError]] = {
 
 def error_from_rpc(error: grpc.aio.AioRpcError,
                    unreachable: type[OutcomeUnknown] = DaemonUnavailable) -> PagedKVError:
-    """The exception for a failed call, from its status and `pagedkv-error` metadata;
-    `unreachable` is the class of an UNAVAILABLE that names no cause (the channel's peer did
-    not answer: the daemon's, or a runner's)."""
-    cause = _cause(error)
-    if error.code() == grpc.StatusCode.UNAVAILABLE and not cause:
-        return unreachable(error.code(), error.details() or "")
-    return error_from_status(error.code(), cause, error.details() or "")
+    """The exception for a failed call, from its status and `pagedkv-error` metadata
+    (`unreachable`: see `error_from_status`)."""
+    return error_from_status(error.code(), _cause(error), error.details() or "", unreachable)
 
 
-def error_from_status(code: grpc.StatusCode, cause: str, message: str) -> PagedKVError:
+def error_from_status(code: grpc.StatusCode, cause: str, message: str,
+                      unreachable: type[OutcomeUnknown] = DaemonUnavailable) -> PagedKVError:
     """The exception for a status with its cause ("" when none): a failed call's, or a failed
-    entry's of a call that fails per entry (StepMany)."""
-    kind = BY_CAUSE.get(cause) or _BY_CODE.get(code, PagedKVError)
+    entry's of a call that fails per entry (StepMany). An UNAVAILABLE that names no cause is
+    `unreachable`: the peer did not answer (DaemonUnavailable on a daemon's channel,
+    RunnerUnreachable on a runner's)."""
+    kind = BY_CAUSE.get(cause) or (unreachable if code == grpc.StatusCode.UNAVAILABLE
+                                   else _BY_CODE.get(code, PagedKVError))
     return kind(code, message)
 
 

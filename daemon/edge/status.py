@@ -13,10 +13,6 @@ blocks are taken; a later op of a Batch) raises inside it, so the journal undoes
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
-
 import grpc
 
 from pagedkv.daemon.core import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
@@ -25,13 +21,10 @@ from pagedkv.daemon.service.limits import AnswerTooLarge, LimitExceeded
 from pagedkv.daemon.service.operations import PoolExhausted
 from pagedkv.daemon.service.sessions import SessionExpired, SessionNotFound
 from pagedkv.daemon.service.tenants import PermissionDenied
+from pagedkv.process.grpc_errors import errors_to_status
 from pagedkv.process.log_setup import get_logger
-from pagedkv.proto.metadata import ERROR_KEY
 from pagedkv.vocab import causes
 from pagedkv.vocab.causes import Cause
-
-if TYPE_CHECKING:
-    Context = grpc.aio.ServicerContext[Any, Any]
 
 log = get_logger(__name__)
 
@@ -73,26 +66,5 @@ def failure_of(exc: Exception, rpc: str) -> tuple[grpc.StatusCode, str, str]:
     return grpc.StatusCode[cause.code], cause.name, message
 
 
-Servicer = TypeVar("Servicer")
-Request = TypeVar("Request")
-Response = TypeVar("Response")
-Handler = Callable[[Servicer, Request, "Context"], Awaitable[Response]]
-
-
-def grpc_errors(handler: Handler[Servicer, Request, Response],
-                ) -> Handler[Servicer, Request, Response]:
-    """Wrap an async servicer method so every exception becomes a gRPC status."""
-
-    @functools.wraps(handler)
-    async def wrapper(self: Servicer, request: Request, context: Context) -> Response:
-        try:
-            return await handler(self, request, context)
-        except grpc.aio.AbortError:
-            raise  # the handler aborted with a status of its own
-        except Exception as exc:
-            code, cause, message = failure_of(exc, handler.__name__)
-            # The cause tells clients apart causes that share a code (unknown session vs
-            # sequence).
-            await context.abort(code, message, trailing_metadata=((ERROR_KEY, cause),))
-
-    return wrapper
+# Wraps the daemon's servicer methods: every exception becomes its status (`failure_of`).
+grpc_errors = errors_to_status(lambda _servicer, exc, rpc: failure_of(exc, rpc))

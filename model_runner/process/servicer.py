@@ -8,27 +8,23 @@ the runner's own refusals name their causes of the same table (`pagedkv.vocab.ca
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from pagedkv.client import History, PagedKVError, SamplingParams, SeqStep, StepOutputs
 from pagedkv.client.pool.errors import cause_of_error
 from pagedkv.model_runner.engine.steps import InvalidStep, StepNotComputed, UnknownSequence
+from pagedkv.process.grpc_errors import errors_to_status
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
-from pagedkv.proto.metadata import ERROR_KEY
 from pagedkv.vocab import causes
 from pagedkv.vocab.causes import Cause
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
 
-Request = TypeVar("Request")
-Response = TypeVar("Response")
-Handler = Callable[["RunnerServicer", Request, "Context"], Awaitable[Response]]
 # StepEngine.step, behind whatever gate the server puts before it.
 StepFunction = Callable[[str, Sequence[SeqStep], Sequence[int]], Awaitable[StepOutputs]]
 
@@ -65,22 +61,17 @@ def status_of(exc: Exception) -> tuple[grpc.StatusCode, str, str]:
     return grpc.StatusCode[cause.code], cause.name, message
 
 
-def grpc_errors(handler: Handler[Request, Response]) -> Handler[Request, Response]:
-    """Every exception of a handler becomes a status with the cause in the metadata."""
+def _failure(servicer: RunnerServicer, exc: Exception, rpc: str
+             ) -> tuple[grpc.StatusCode, str, str]:
+    """`status_of`, with an internal error logged by the servicer's (rate-limited) log."""
+    code, cause, message = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        servicer.log_failure(exc)
+    return code, cause, message
 
-    @functools.wraps(handler)
-    async def wrapper(self: RunnerServicer, request: Request, context: Context) -> Response:
-        try:
-            return await handler(self, request, context)
-        except Exception as exc:
-            code, cause, message = status_of(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                self.log_failure(exc)
-            context.set_trailing_metadata(((ERROR_KEY, cause),) if cause else ())
-            await context.abort(code, message)
-            raise  # abort raises; this line is never reached
 
-    return wrapper
+# Wraps the runner's servicer methods: every exception becomes its status (`_failure`).
+grpc_errors = errors_to_status(_failure)
 
 
 class RunnerServicer(runner_pb2_grpc.RunnerServicer):
