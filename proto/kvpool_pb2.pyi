@@ -841,6 +841,7 @@ class StepRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     COMMIT_FIELD_NUMBER: _builtins.int
     HOLD_MS_FIELD_NUMBER: _builtins.int
+    RESERVE_TOKENS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     num_tokens: _builtins.int
     """Tokens appended to every sequence; 0 means 1."""
@@ -856,6 +857,23 @@ class StepRequest(_message.Message):
     hold_ms: _builtins.int
     """Runners only (see "Runner holds"): once the Step is applied, hold the session until now +
     hold_ms, since the runner's forward will write the slots this Step answers.
+    """
+    reserve_tokens: _builtins.int
+    """Slots to hold ahead of the tokens (vLLM's num_lookahead_tokens): once this Step's tokens
+    are appended, each sequence's block table covers at least num_tokens + reserve_tokens
+    slots. The blocks are taken now, all-or-nothing with the Step (PoolExhausted, nothing
+    changed, when they do not fit), and a shared last block is copied first, so every
+    reserved slot is the sequence's alone: later appends into the reservation take no block
+    and change no table entry, and their slots are the ones the table gives now. A runner so
+    writes the K/V of tokens it decodes ahead into reserved slots and needs the daemon only
+    once a block: the Step that appends those tokens with their ids certifies them (its
+    commit, or the next Step's, makes their full blocks shareable), keyed by content as any
+    appended token. Reserved slots hold no tokens: num_tokens does not count them, no commit
+    covers them, nothing is keyed by them, and they count against the session's max_blocks
+    as every table entry. They go with the sequence (Free, CloseSession, lease expiry) and
+    stay when a Step reserves less; a Fork's child shares only the blocks holding tokens (the
+    parent's next append into a shared block copies it, reported in that answer). 0 = reserve
+    nothing new. At most the daemon's max_reserve_tokens (INVALID_ARGUMENT naming it).
     """
     @_builtins.property
     def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -874,10 +892,11 @@ class StepRequest(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         commit: _builtins.bool = ...,
         hold_ms: _builtins.int = ...,
+        reserve_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "hold_ms", b"hold_ms", "num_tokens", b"num_tokens", "seq_ids", b"seq_ids", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "hold_ms", b"hold_ms", "num_tokens", b"num_tokens", "reserve_tokens", b"reserve_tokens", "seq_ids", b"seq_ids", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1033,6 +1052,70 @@ class StepManyResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepManyResponse: _TypeAlias = StepManyResponse  # noqa: Y015
+
+@_typing.final
+class StepStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    MANY_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """Chosen by the caller, distinct among the stream's messages not yet answered; the answer
+    carries it back.
+    """
+    @_builtins.property
+    def many(self) -> Global___StepManyRequest: ...
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        many: Global___StepManyRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["many", b"many"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "many", b"many"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepStreamRequest: _TypeAlias = StepStreamRequest  # noqa: Y015
+
+@_typing.final
+class StepStreamResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    MANY_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    code: _builtins.int
+    """0 (OK) with `many` set, or the status a StepMany call with the same request would have
+    got as a whole (google.rpc.Code numbering), which changed nothing; `many` is then unset.
+    """
+    cause: _builtins.str
+    """The refusal's cause (a failed call's `pagedkv-error`) and what was wrong (at most 256
+    bytes); empty on OK.
+    """
+    message: _builtins.str
+    @_builtins.property
+    def many(self) -> Global___StepManyResponse: ...
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        code: _builtins.int = ...,
+        cause: _builtins.str = ...,
+        message: _builtins.str = ...,
+        many: Global___StepManyResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["many", b"many"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "cause", b"cause", "code", b"code", "many", b"many", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepStreamResponse: _TypeAlias = StepStreamResponse  # noqa: Y015
 
 @_typing.final
 class GetBlockTablesRequest(_message.Message):

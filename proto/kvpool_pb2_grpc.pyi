@@ -179,6 +179,21 @@ class KVPoolStub:
     each entry is a Step on its own (its session authorized and its lease renewed, applied
     all-or-nothing, failing alone with its own status), in order.
     """
+    StepStream: _grpc.StreamStreamMultiCallable[_kvpool_pb2.StepStreamRequest, _kvpool_pb2.StepStreamResponse]
+    """StepMany on one long-lived stream (what the pagedkv runner uses: a message on an open stream
+    costs about a third of a unary round trip). Each request message is answered by one
+    response message with the same call_id, in order; each message is handled exactly as a
+    StepMany call with the same request would be (authorization per entry, all-or-nothing per
+    entry, the same limits), and a message refused as a whole carries its status in the
+    response (code, cause, message: nothing of it changed) while the stream goes on. The
+    stream is one of the daemon's max_concurrent_rpcs; it handles one message at a time, so
+    its work is bounded as a call's. Deadlines and lost answers: a caller that waits too long
+    for an answer, or whose stream breaks, treats every message not yet answered as a lost
+    StepMany (read each entry back, see "Retry rules") once the stream has ended on its side;
+    a message the daemon had not finished when the stream ended is undone as a whole, as a
+    cancelled call. Reconnect by opening a new stream. External schedulers may keep using
+    StepMany and Step.
+    """
     GetBlockTables: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.GetBlockTablesRequest, _kvpool_pb2.GetBlockTablesResponse]
     """Queries."""
     GetStats: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.GetStatsRequest, _kvpool_pb2.PoolStats]
@@ -216,6 +231,21 @@ class KVPoolAsyncStub(KVPoolStub):
     forward, not one per client). Unlike every other call it is not all-or-nothing as a whole:
     each entry is a Step on its own (its session authorized and its lease renewed, applied
     all-or-nothing, failing alone with its own status), in order.
+    """
+    StepStream: _aio.StreamStreamMultiCallable[_kvpool_pb2.StepStreamRequest, _kvpool_pb2.StepStreamResponse]  # type: ignore[assignment]
+    """StepMany on one long-lived stream (what the pagedkv runner uses: a message on an open stream
+    costs about a third of a unary round trip). Each request message is answered by one
+    response message with the same call_id, in order; each message is handled exactly as a
+    StepMany call with the same request would be (authorization per entry, all-or-nothing per
+    entry, the same limits), and a message refused as a whole carries its status in the
+    response (code, cause, message: nothing of it changed) while the stream goes on. The
+    stream is one of the daemon's max_concurrent_rpcs; it handles one message at a time, so
+    its work is bounded as a call's. Deadlines and lost answers: a caller that waits too long
+    for an answer, or whose stream breaks, treats every message not yet answered as a lost
+    StepMany (read each entry back, see "Retry rules") once the stream has ended on its side;
+    a message the daemon had not finished when the stream ended is undone as a whole, as a
+    cancelled call. Reconnect by opening a new stream. External schedulers may keep using
+    StepMany and Step.
     """
     GetBlockTables: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.GetBlockTablesRequest, _kvpool_pb2.GetBlockTablesResponse]  # type: ignore[assignment]
     """Queries."""
@@ -329,6 +359,27 @@ class KVPoolServicer(metaclass=_abc_1.ABCMeta):
         forward, not one per client). Unlike every other call it is not all-or-nothing as a whole:
         each entry is a Step on its own (its session authorized and its lease renewed, applied
         all-or-nothing, failing alone with its own status), in order.
+        """
+
+    @_abc_1.abstractmethod
+    def StepStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_kvpool_pb2.StepStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_kvpool_pb2.StepStreamResponse], _abc.AsyncIterator[_kvpool_pb2.StepStreamResponse]]:
+        """StepMany on one long-lived stream (what the pagedkv runner uses: a message on an open stream
+        costs about a third of a unary round trip). Each request message is answered by one
+        response message with the same call_id, in order; each message is handled exactly as a
+        StepMany call with the same request would be (authorization per entry, all-or-nothing per
+        entry, the same limits), and a message refused as a whole carries its status in the
+        response (code, cause, message: nothing of it changed) while the stream goes on. The
+        stream is one of the daemon's max_concurrent_rpcs; it handles one message at a time, so
+        its work is bounded as a call's. Deadlines and lost answers: a caller that waits too long
+        for an answer, or whose stream breaks, treats every message not yet answered as a lost
+        StepMany (read each entry back, see "Retry rules") once the stream has ended on its side;
+        a message the daemon had not finished when the stream ended is undone as a whole, as a
+        cancelled call. Reconnect by opening a new stream. External schedulers may keep using
+        StepMany and Step.
         """
 
     @_abc_1.abstractmethod

@@ -76,6 +76,72 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class RunnerStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    step_id: _builtins.int
+    """Chosen by the client, distinct among the stream's steps not yet answered."""
+    @_builtins.property
+    def step(self) -> Global___RunnerStepRequest:
+        """Its session_id must be the stream's (its first message's), else INVALID_ARGUMENT for that
+        step, nothing changed.
+        """
+
+    def __init__(
+        self,
+        *,
+        step_id: _builtins.int = ...,
+        step: Global___RunnerStepRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["step", b"step", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunnerStreamRequest: _TypeAlias = RunnerStreamRequest  # noqa: Y015
+
+@_typing.final
+class RunnerStreamResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    CAUSE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    ANSWER_FIELD_NUMBER: _builtins.int
+    step_id: _builtins.int
+    code: _builtins.int
+    """0 (OK) with `answer` set, or the status a Step call with the same request would have got
+    (google.rpc.Code numbering); `answer` is then unset.
+    """
+    cause: _builtins.str
+    """The status's cause (a failed call's `pagedkv-error`, e.g. "StepNotComputed") and what was
+    wrong (at most 256 bytes); empty on OK.
+    """
+    message: _builtins.str
+    @_builtins.property
+    def answer(self) -> Global___RunnerStepResponse: ...
+    def __init__(
+        self,
+        *,
+        step_id: _builtins.int = ...,
+        code: _builtins.int = ...,
+        cause: _builtins.str = ...,
+        message: _builtins.str = ...,
+        answer: Global___RunnerStepResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "cause", b"cause", "code", b"code", "message", b"message", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RunnerStreamResponse: _TypeAlias = RunnerStreamResponse  # noqa: Y015
+
+@_typing.final
 class GetRunnerInfoRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

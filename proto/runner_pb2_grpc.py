@@ -44,6 +44,11 @@ class RunnerStub:
                 request_serializer=pagedkv_dot_proto_dot_runner__pb2.RunnerStepRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_proto_dot_runner__pb2.RunnerStepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/pagedkv.v1.Runner/StepStream',
+                request_serializer=pagedkv_dot_proto_dot_runner__pb2.RunnerStreamRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_proto_dot_runner__pb2.RunnerStreamResponse.FromString,
+                _registered_method=True)
 
 
 class RunnerServicer:
@@ -63,6 +68,21 @@ class RunnerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """Steps on one long-lived stream (what the bundled client's Engine uses: a message on an open
+        stream costs about a third of a unary round trip). The stream serves one session, named by
+        its first message; every message is one step of that session, handled exactly as a Step
+        call with the same request (the same checks, retry rules and limits), answered by one
+        message with the same step_id, in order. A step refused or failed carries its status in
+        its answer (code, cause, message; what the status says changed, as for Step) while the
+        stream goes on. Deadlines and lost answers: a client that waits too long for an answer, or
+        whose stream breaks, treats every step not yet answered as a Step that ended without an
+        answer (see the retry rules above: read back, compare runner_id) and opens a new stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RunnerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +95,11 @@ def add_RunnerServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=pagedkv_dot_proto_dot_runner__pb2.RunnerStepRequest.FromString,
                     response_serializer=pagedkv_dot_proto_dot_runner__pb2.RunnerStepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
+                    request_deserializer=pagedkv_dot_proto_dot_runner__pb2.RunnerStreamRequest.FromString,
+                    response_serializer=pagedkv_dot_proto_dot_runner__pb2.RunnerStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +156,33 @@ class Runner:
             '/pagedkv.v1.Runner/Step',
             pagedkv_dot_proto_dot_runner__pb2.RunnerStepRequest.SerializeToString,
             pagedkv_dot_proto_dot_runner__pb2.RunnerStepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pagedkv.v1.Runner/StepStream',
+            pagedkv_dot_proto_dot_runner__pb2.RunnerStreamRequest.SerializeToString,
+            pagedkv_dot_proto_dot_runner__pb2.RunnerStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -92,6 +92,17 @@ class RunnerStub:
     """The model the runner serves and the pool it computes on."""
     Step: _grpc.UnaryUnaryMultiCallable[_runner_pb2.RunnerStepRequest, _runner_pb2.RunnerStepResponse]
     """Compute one step of a client's sequences and sample each one's next token."""
+    StepStream: _grpc.StreamStreamMultiCallable[_runner_pb2.RunnerStreamRequest, _runner_pb2.RunnerStreamResponse]
+    """Steps on one long-lived stream (what the bundled client's Engine uses: a message on an open
+    stream costs about a third of a unary round trip). The stream serves one session, named by
+    its first message; every message is one step of that session, handled exactly as a Step
+    call with the same request (the same checks, retry rules and limits), answered by one
+    message with the same step_id, in order. A step refused or failed carries its status in
+    its answer (code, cause, message; what the status says changed, as for Step) while the
+    stream goes on. Deadlines and lost answers: a client that waits too long for an answer, or
+    whose stream breaks, treats every step not yet answered as a Step that ended without an
+    answer (see the retry rules above: read back, compare runner_id) and opens a new stream.
+    """
 
 @_typing.type_check_only
 class RunnerAsyncStub(RunnerStub):
@@ -100,6 +111,17 @@ class RunnerAsyncStub(RunnerStub):
     """The model the runner serves and the pool it computes on."""
     Step: _aio.UnaryUnaryMultiCallable[_runner_pb2.RunnerStepRequest, _runner_pb2.RunnerStepResponse]  # type: ignore[assignment]
     """Compute one step of a client's sequences and sample each one's next token."""
+    StepStream: _aio.StreamStreamMultiCallable[_runner_pb2.RunnerStreamRequest, _runner_pb2.RunnerStreamResponse]  # type: ignore[assignment]
+    """Steps on one long-lived stream (what the bundled client's Engine uses: a message on an open
+    stream costs about a third of a unary round trip). The stream serves one session, named by
+    its first message; every message is one step of that session, handled exactly as a Step
+    call with the same request (the same checks, retry rules and limits), answered by one
+    message with the same step_id, in order. A step refused or failed carries its status in
+    its answer (code, cause, message; what the status says changed, as for Step) while the
+    stream goes on. Deadlines and lost answers: a client that waits too long for an answer, or
+    whose stream breaks, treats every step not yet answered as a Step that ended without an
+    answer (see the retry rules above: read back, compare runner_id) and opens a new stream.
+    """
 
 class RunnerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -117,5 +139,22 @@ class RunnerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_runner_pb2.RunnerStepResponse, _abc.Awaitable[_runner_pb2.RunnerStepResponse]]:
         """Compute one step of a client's sequences and sample each one's next token."""
+
+    @_abc_1.abstractmethod
+    def StepStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_runner_pb2.RunnerStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_runner_pb2.RunnerStreamResponse], _abc.AsyncIterator[_runner_pb2.RunnerStreamResponse]]:
+        """Steps on one long-lived stream (what the bundled client's Engine uses: a message on an open
+        stream costs about a third of a unary round trip). The stream serves one session, named by
+        its first message; every message is one step of that session, handled exactly as a Step
+        call with the same request (the same checks, retry rules and limits), answered by one
+        message with the same step_id, in order. A step refused or failed carries its status in
+        its answer (code, cause, message; what the status says changed, as for Step) while the
+        stream goes on. Deadlines and lost answers: a client that waits too long for an answer, or
+        whose stream breaks, treats every step not yet answered as a Step that ended without an
+        answer (see the retry rules above: read back, compare runner_id) and opens a new stream.
+        """
 
 def add_RunnerServicer_to_server(servicer: RunnerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
