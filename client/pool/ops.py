@@ -143,8 +143,13 @@ class Step:
     commit: bool = False
     # Runners only: hold the session this long once applied (kvpool.proto's "Runner holds").
     hold_ms: int = 0
+    # Slots held ahead of the appended tokens: each table then covers at least num_tokens +
+    # reserve_tokens slots, private to its sequence; later appends into them take no block and
+    # change no entry (kvpool.proto's StepRequest.reserve_tokens). 0 reserves nothing new.
+    reserve_tokens: int = 0
 
     def request(self, session_id: str) -> pb.StepRequest:
         return pb.StepRequest(session_id=session_id, seq_ids=self.seq_ids,
                               num_tokens=self.num_tokens, token_ids=self.token_ids,
-                              commit=self.commit, hold_ms=self.hold_ms)
+                              commit=self.commit, hold_ms=self.hold_ms,
+                              reserve_tokens=self.reserve_tokens)

@@ -9,10 +9,11 @@ been applied. `Session` then reads the state back with GetBlockTables and decide
   table's num_cached_tokens is the Allocate's); found with another length -> unknown.
 - step: every sequence at its length before the step -> not applied: send it again; every one at
   that length plus the step's tokens -> applied: the answer is rebuilt (slots from the tables;
-  as changed entries every entry the step's tokens touch, a superset of those that changed; no
-  copies: the daemon made them before it answered). The lengths before the step come from the
-  session's record of its sequences (`SequenceLengths`, kept from every answer it received): a
-  sequence changed by someone else (a runner under this session) leaves the outcome unknown.
+  as changed entries every entry the step's tokens and reservation touch, a superset of those
+  that changed; no copies: the daemon made them before it answered). The lengths before the
+  step come from the session's record of its sequences (`SequenceLengths`, kept from every
+  answer it received): a sequence changed by someone else (a runner under this session) leaves
+  the outcome unknown.
 - free: NOT_FOUND -> applied (the released-block count was in the lost answer: 0); found ->
   not applied: send it again.
 - step_many (`PoolClient.step_many`): each entry read back as its session's lost step.
@@ -148,9 +149,9 @@ def allocate_outcome(table: SequenceBlocks | None, num_tokens: int,
 
 
 def step_outcome(tables: Sequence[SequenceBlocks], before: Sequence[int], num_tokens: int,
-                 block_size: int) -> Outcome[StepResult]:
-    """What a lost Step of `num_tokens` tokens per sequence did, from the tables read back and
-    the sequences' lengths before it."""
+                 block_size: int, reserve_tokens: int = 0) -> Outcome[StepResult]:
+    """What a lost Step of `num_tokens` tokens per sequence (reserving `reserve_tokens` slots
+    ahead) did, from the tables read back and the sequences' lengths before it."""
     after = [table.num_tokens for table in tables]
     if after == list(before):
         return NotApplied()
@@ -163,7 +164,9 @@ def step_outcome(tables: Sequence[SequenceBlocks], before: Sequence[int], num_to
     for i, (table, start) in enumerate(zip(tables, before, strict=True)):
         stop = start + num_tokens
         slots += slots_of(table.block_ids, start, stop, block_size)
-        touched = range(start // block_size, blocks_for(stop, block_size))
+        # The table covers the step's tokens; a reservation reaches further, up to its end.
+        reach = min(len(table.block_ids), blocks_for(stop + reserve_tokens, block_size))
+        touched = range(start // block_size, reach)
         index += [i] * len(touched)
         logical += touched
         blocks += [table.block_ids[lb] for lb in touched]

@@ -233,16 +233,18 @@ class Session:
         return results
 
     async def step(self, seq_ids: Sequence[int], token_ids: Sequence[int] | None = None,
-                   num_tokens: int = 1, *, commit: bool = False, hold_ms: int = 0) -> StepResult:
+                   num_tokens: int = 1, *, commit: bool = False, hold_ms: int = 0,
+                   reserve_tokens: int = 0) -> StepResult:
         """Append num_tokens tokens to every sequence in one round trip, all-or-nothing.
 
         token_ids, if given, holds len(seq_ids) * num_tokens ids, sequence-major. With
         `commit`, the caller certifies that the K/V of every token the sequences already hold
-        is written: their pending blocks become shareable first. `hold_ms`: see `Step`.
+        is written: their pending blocks become shareable first. `hold_ms`, `reserve_tokens`:
+        see `Step`.
         Recovered if its answer is lost and this session's answers told every sequence's
         length (see `recovery.py`).
         """
-        op = Step(seq_ids, token_ids or (), num_tokens, commit, hold_ms)
+        op = Step(seq_ids, token_ids or (), num_tokens, commit, hold_ms, reserve_tokens)
         read_back = self.step_read_back(op)
         return self.stepped(op, await self._recovering(lambda: self._send_step(op), read_back))
 
@@ -255,7 +257,8 @@ class Session:
             if before is None:
                 return Unknown("the session has no record of some sequences' lengths")
             tables = await self._read_tables(op.seq_ids)
-            return step_outcome(tables, before, op.num_tokens, self.block_size)
+            return step_outcome(tables, before, op.num_tokens, self.block_size,
+                                op.reserve_tokens)
 
         return read_back
 
