@@ -29,7 +29,7 @@ from pagedkv.daemon.core.holders import HeldBlocks
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.physical_blocks import CacheEvents, PhysicalBlocks
 from pagedkv.daemon.core.pool_checks import check_pool, recount_stats
-from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, ragged_entries, row_of, rows_of
+from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, ragged_entries, row_of
 from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 from pagedkv.daemon.core.validation import (
     TokenIds,
@@ -327,7 +327,7 @@ class BlockPool:
         return row_of(self._seqs.row_of, seq)
 
     def _rows(self, seqs: Sequence[Hashable]) -> Int64Array:
-        return rows_of(self._seqs.row_of, seqs)
+        return self._seqs.rows(seqs)
 
     # -------------------------------------------------------- stats, invariants
 

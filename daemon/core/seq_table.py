@@ -78,6 +78,21 @@ class SeqTable:
         # Tokens and table entries summed over the live rows, kept as rows change (figures).
         self.total_tokens = 0
         self.total_entries = 0
+        # The last list of sequences `rows` looked up (a copy) and their rows: a Step with
+        # commit looks the same list up twice, a decode loop the same list step after step.
+        self._last_rows: tuple[list[Hashable], Int64Array] | None = None
+
+    def rows(self, seqs: Sequence[Hashable]) -> Int64Array:
+        """`rows_of` the live sequences (a read-only array), remembered for the last list
+        asked until a sequence leaves or rows are renumbered: a new sequence moves no row."""
+        last = self._last_rows
+        if last is not None and type(seqs) is list and last[0] == seqs:
+            return last[1]
+        rows = rows_of(self.row_of, seqs)
+        if type(seqs) is list:
+            rows.flags.writeable = False
+            self._last_rows = (list(seqs), rows)
+        return rows
 
     def add(self, seq: Hashable, chain_key: bytes, chain_ok: bool) -> int:
         """A row for a new, empty sequence whose next block's parent key is `chain_key`."""
@@ -93,6 +108,7 @@ class SeqTable:
 
     def _unadd(self, seq: Hashable) -> None:
         row = self.row_of.pop(seq)
+        self._last_rows = None
         self.grew(-int(self.num_tokens[row]), -int(self.num_blocks[row]))
         self._release_region(row)
         self.free_rows.append(row)
@@ -111,6 +127,7 @@ class SeqTable:
     def remove(self, seq: Hashable) -> int:
         """Forget `seq`; its row is reused by a later sequence (so the undo keeps its state)."""
         row = self.row_of.pop(seq)
+        self._last_rows = None
         if self._journal.active:
             self._journal.record(self._unremove, seq, row, self._row_state(row))
         self.grew(-int(self.num_tokens[row]), -int(self.num_blocks[row]))
@@ -287,6 +304,7 @@ class SeqTable:
             setattr(self, name, packed)
         self.chain_key = [self.chain_key[row] for row in live.tolist()] + [b""] * (rows - n)
         self.row_of = dict(zip(self.row_of, range(n), strict=True))
+        self._last_rows = None
         self.free_rows = list(range(rows - 1, n - 1, -1))
 
     def check(self) -> None:
