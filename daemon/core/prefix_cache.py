@@ -14,6 +14,7 @@ at once, the first to commit keeps the key and the other's block stays unkeyed.
 Invariants (checked by `check`):
 - `block_of[key] == b`  =>  `key_of[b] == key`: a committed key names one block and vice versa;
   a pending block has `key_of[b]` set but is not in `block_of`.
+- `committed[b] == 1` exactly when `block_of` names b.
 - A block in `evictable` holds a committed key (the pool checks that its refcount is 0, and that
   pending blocks are referenced).
 - A keyed block remembers its parent key and token ids, and hashing them gives its key:
@@ -41,6 +42,9 @@ class PrefixCache:
         self.keys = keys
         # Committed key -> the block holding that content (live or evictable).
         self.block_of: dict[bytes, int] = {}
+        # Block -> 1 while `block_of` names it (its key is committed), else 0: what a free reads
+        # per block, cheaper than probing `block_of`, a dict of every cached block.
+        self.committed = bytearray(num_blocks)
         # Block -> its key (committed or pending), or None for a block with no cached content.
         self.key_of: list[bytes | None] = [None] * num_blocks
         # Block -> the parent key its key was hashed from (when keyed).
@@ -69,8 +73,7 @@ class PrefixCache:
         return blocks
 
     def is_committed(self, block: int) -> bool:
-        key = self.key_of[block]
-        return key is not None and self.block_of.get(key) == block
+        return bool(self.committed[block])
 
     def count(self, queries: int, hits: int) -> None:
         """Add one allocation's lookups to the counters."""
@@ -108,6 +111,7 @@ class PrefixCache:
         how many became matchable. A block whose content another block committed first (maybe
         earlier in `blocks`) loses its key. One loop, one undo record."""
         key_of, parent_of, block_of = self.key_of, self.parent_of, self.block_of
+        committed = self.committed
         added: list[bytes] = []
         dropped: DroppedKeys = []
         for block in blocks:
@@ -117,6 +121,7 @@ class PrefixCache:
             holder = block_of.get(key)
             if holder is None:
                 block_of[key] = block
+                committed[block] = 1
                 added.append(key)
             elif holder != block:  # the same content, committed first elsewhere
                 dropped.append((block, key, parent_of[block]))
@@ -127,7 +132,7 @@ class PrefixCache:
 
     def _uncommit(self, added: list[bytes], dropped: DroppedKeys) -> None:
         for key in reversed(added):
-            del self.block_of[key]
+            self.committed[self.block_of.pop(key)] = 0
         for block, key, parent in dropped:
             self._rekey(block, key, parent)
 
@@ -138,10 +143,19 @@ class PrefixCache:
         key = self.key_of[block]
         if key is None:
             return
-        if self.block_of.get(key) == block:
-            del self.block_of[key]
-            self._journal.record(self.block_of.__setitem__, key, block)
+        if self.committed[block]:
+            self._uncommit_one(block, key)
         self._drop_key(block)
+
+    def _uncommit_one(self, block: int, key: bytes) -> None:
+        """`block` no longer holds the committed content `key` (it keeps its key)."""
+        del self.block_of[key]
+        self.committed[block] = 0
+        self._journal.record(self._recommit, block, key)
+
+    def _recommit(self, block: int, key: bytes) -> None:
+        self.block_of[key] = block
+        self.committed[block] = 1
 
     def _drop_key(self, block: int) -> None:
         self._journal.record(self._rekey, block, self.key_of[block], self.parent_of[block])
@@ -156,15 +170,15 @@ class PrefixCache:
         """The refcounts of `blocks` reached 0. Those holding committed content stay cached,
         evictable in the order given; the others lose their pending key, if any (their K/V was
         never certified). Returns those others: free, with no content kept."""
-        key_of, parent_of, block_of = self.key_of, self.parent_of, self.block_of
+        key_of, parent_of, committed = self.key_of, self.parent_of, self.committed
         parked: list[int] = []
         freed: list[int] = []
         dropped: DroppedKeys = []
         for block in blocks:
-            key = key_of[block]
-            if key is not None and block_of.get(key) == block:
+            if committed[block]:
                 parked.append(block)
                 continue
+            key = key_of[block]
             if key is not None:
                 dropped.append((block, key, parent_of[block]))
                 key_of[block] = parent_of[block] = None
@@ -195,9 +209,8 @@ class PrefixCache:
         prev, nxt = self.evictable.remove(block)
         self._journal.record(self.evictable.insert, block, prev, nxt)
         key = self.key_of[block]
-        assert key is not None and self.block_of.get(key) == block, f"block {block} not cached"
-        del self.block_of[key]
-        self._journal.record(self.block_of.__setitem__, key, block)
+        assert key is not None and self.committed[block], f"block {block} not cached"
+        self._uncommit_one(block, key)
         self._drop_key(block)
 
 
@@ -205,12 +218,14 @@ class PrefixCache:
         """Take the `n` least recently released cached blocks and drop their keys."""
         evictable, block_of, key_of, parent_of = (self.evictable, self.block_of, self.key_of,
                                                   self.parent_of)
+        committed = self.committed
         blocks, keys, parents = [], [], []
         for _ in range(n):
             block = evictable.pop_head()
             key = key_of[block]
             assert key is not None, f"evictable block {block} has no key"
             del block_of[key]
+            committed[block] = 0
             blocks.append(block)
             keys.append(key)
             parents.append(parent_of[block])
@@ -224,6 +239,7 @@ class PrefixCache:
                                       strict=True):
             self._rekey(block, key, parent)
             self.block_of[key] = block
+            self.committed[block] = 1
             self.evictable.put_back_head(block)
 
     @property
@@ -234,12 +250,14 @@ class PrefixCache:
     def pending_blocks(self) -> list[int]:
         """Blocks whose key is pending (O(num_blocks): for checks)."""
         return [block for block, key in enumerate(self.key_of)
-                if key is not None and self.block_of.get(key) != block]
+                if key is not None and not self.committed[block]]
 
     def check(self) -> None:
         """Assert the invariants in the module docstring."""
         for key, block in self.block_of.items():
             assert self.key_of[block] == key, f"key of block {block} disagrees with the map"
+        assert sorted(self.block_of.values()) == [b for b, c in enumerate(self.committed) if c], \
+            "the committed flags disagree with the map"
         for block, block_key_ in enumerate(self.key_of):
             if block_key_ is None:
                 continue
