@@ -3,8 +3,9 @@ K/V lives, and how a block table takes an entry a call changed.
 
 A sequence's block table maps logical block i (its tokens i*B .. i*B+B-1, B the block size) to a
 physical block; the K/V of the token at position p lives in slot table[p // B] * B + p % B of
-the pool. A table is ceil(n / B) entries long for n tokens; a call changes an entry (a
-copy-on-write copy replaced it) or appends one (a new last block), never more at once.
+the pool. A table is ceil(n / B) entries long for n tokens, or longer where the sequence
+reserved slots ahead (kvpool.proto's StepRequest.reserve_tokens); a call changes entries (a
+copy-on-write copy replaced one) or appends them past the table's end, in logical order.
 
 `ceil_div` and `blocks_for` take plain ints and, unchanged, whole numpy arrays or torch tensors
 of counts (anything with `-` and `//`), so the vectorised core and the kernels' checks use them

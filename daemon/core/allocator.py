@@ -59,6 +59,10 @@ class PoolAllocator(Protocol):
 
     def num_tokens(self, seq: Hashable) -> int: ...
 
+    def table_length(self, seq: Hashable) -> int:
+        """Entries of `block_table(seq)`: ceil(num_tokens / B), or more where `seq` reserved
+        slots ahead."""
+
     def committed_tokens(self, seq: Hashable) -> int: ...
 
     def token_ids(self, seq: Hashable) -> list[int] | None:
@@ -71,6 +75,10 @@ class PoolAllocator(Protocol):
     def quota_blocks(self, num_tokens: int) -> int:
         """What a sequence of `num_tokens` tokens counts against session and tenant quotas."""
 
+    def quota_of(self, seq: Hashable) -> int:
+        """What `seq` counts against quotas now: `quota_blocks` of its tokens, or more where
+        it reserved slots ahead (paged: every table entry)."""
+
     def fork_copies(self, num_tokens: int) -> int:
         """Block copies a fork of a sequence of `num_tokens` tokens reports."""
 
@@ -81,7 +89,8 @@ class PoolAllocator(Protocol):
                token_ids: TokenIds | None = None) -> SeqUpdate | NoFit: ...
 
     def append_batch(self, seqs: Sequence[Hashable], num_tokens: int = 1,
-                     token_ids: npt.ArrayLike | None = None) -> BatchAppend | NoFit: ...
+                     token_ids: npt.ArrayLike | None = None,
+                     reserve_tokens: int = 0) -> BatchAppend | NoFit: ...
 
     def commit(self, seqs: Sequence[Hashable],
                num_tokens: npt.ArrayLike | None = None) -> int: ...

@@ -7,6 +7,10 @@ that writes into a shared, partially filled last block (copy-on-write), and keys
 new tokens fill for prefix reuse. Everything is vectorized over the batch except the rare
 events: copies, and keying the blocks that just filled.
 
+A reservation (`reserve` slots past the appended tokens) is taken by the same change: a row's
+table then reaches past its tokens, its entries beyond the last token's block are fresh blocks
+of its own, and a later append that lands in them takes nothing and changes no entry.
+
 The appender also keeps the empty slots that shared partial blocks count too many
 (`shared_waste`): a copy changes it, and so do `BlockPool.fork` and `free`.
 """
@@ -41,12 +45,14 @@ class Appender:
         # summing each table's empty slots counts too many (`BlockPool.stats`).
         self.shared_waste = 0
 
-    def append(self, rows: Int64Array, k: int, tokens: Int64Array | None) -> BatchAppend | NoFit:
-        """Append `k` tokens (ids `tokens` [len(rows), k], or None) to each row, all or none."""
+    def append(self, rows: Int64Array, k: int, tokens: Int64Array | None,
+               reserve: int = 0) -> BatchAppend | NoFit:
+        """Append `k` tokens (ids `tokens` [len(rows), k], or None) to each row, all or none,
+        each row's table then covering at least `reserve` slots more."""
         plan = self._plan(rows)
-        if k == 1 and not len(plan.cow):
+        if k == 1 and not reserve and not len(plan.cow):
             return self._append_one(rows, tokens, plan)
-        return self._append_many(rows, k, tokens, plan)
+        return self._append_many(rows, k, tokens, plan, reserve)
 
     def copy(self, row: int, logical_block: int) -> BlockCopy:
         """Give `row` a private copy of its shared block `logical_block`."""
@@ -55,8 +61,8 @@ class Appender:
         dst = int(taken[0])
         self._blocks.add_refs(np.array([src]), -1)
         assert self._blocks.ref[src] > 0, f"copy-on-write of unshared block {src}"
-        if logical_block == self._seqs.num_blocks[row] - 1:
-            self.shift_waste(-self.last_waste(row))  # one sharer fewer
+        if logical_block == (self._seqs.num_tokens[row] - 1) // self.block_size:
+            self.shift_waste(-self.last_waste(row))  # its last token's block: one sharer fewer
         self._seqs.set_entry(row, logical_block, dst)
         if self._held.levels:
             groups, replaced = self._seqs.groups[row], np.array([src])
@@ -79,12 +85,16 @@ class Appender:
     def _append_one(self, rows: Int64Array, tokens: Int64Array | None,
                     plan: "_AppendPlan") -> BatchAppend | NoFit:
         """The decode step: one token each, no row writing into a shared block. Each token
-        lands in its row's last block, or in a new one where the last block is full."""
-        grow = (plan.offset == 0).nonzero()[0]
+        lands in its row's last block, or where that is full in the next: its reserved entry,
+        else a new block."""
+        st = self._seqs
+        edge = (plan.offset == 0).nonzero()[0]
+        reserved = edge[st.num_blocks[rows[edge]] * self.block_size > plan.old[edge]]
+        grow = np.setdiff1d(edge, reserved, assume_unique=True) if len(reserved) else edge
         available = self._blocks.num_available
         if len(grow) > available:
             return NoFit(len(grow), available)
-        st, old, grown = self._seqs, plan.old, rows[grow]
+        old, grown = plan.old, rows[grow]
         st.save_rows(rows, grown)
         logical = old[grow] // self.block_size
         taken = self._take_entries(grown, logical)
@@ -94,17 +104,22 @@ class Appender:
         self._record_tokens(rows, old, plan.offset, tokens)
         written = plan.last  # the plan's own gather: safe to update in place
         written[grow] = taken
+        if len(reserved):
+            written[reserved] = st.entries(rows[reserved], old[reserved] // self.block_size)
         # An empty row's first block adds no charge: it was charged one while empty.
         return BatchAppend(written * self.block_size + plan.offset, grow, logical, taken, [],
                            new, int(np.count_nonzero(logical)))
 
     def _append_many(self, rows: Int64Array, k: int, tokens: Int64Array | None,
-                     plan: "_AppendPlan") -> BatchAppend | NoFit:
-        """Any append: several tokens each (they may fill several blocks), or rows writing
-        into shared blocks, which first get private copies."""
+                     plan: "_AppendPlan", reserve: int) -> BatchAppend | NoFit:
+        """Any append: several tokens each (they may fill several blocks), rows writing into
+        shared blocks, which first get private copies, or a reservation. New entries go past
+        each table's end (reserved entries included) up to num_tokens + reserve slots."""
         st, bs, old = self._seqs, self.block_size, plan.old
-        old_nb = blocks_for(old, bs)  # tables are ceil(tokens / B) long
-        grow_count = blocks_for(old + k, bs) - old_nb
+        old_nb = blocks_for(old, bs)  # the blocks holding tokens
+        have = st.num_blocks[rows]  # the table: those, then any reserved
+        new_nb = np.maximum(have, blocks_for(old + k + reserve, bs))
+        grow_count = new_nb - have
         grown = int(grow_count.sum())
         need = grown + self._copies_needed(plan.last[plan.cow])
         available = self._blocks.num_available
@@ -117,9 +132,9 @@ class Appender:
             if self._needs_cow(int(rows[i])):  # the last sharer in the batch keeps the original
                 copies.append(self.copy(int(rows[i]), int(old_nb[i]) - 1))
                 copied.append(i)
-        index, logical = ragged_entries(grow, old_nb[grow], grow_count[grow])
+        index, logical = ragged_entries(grow, have[grow], grow_count[grow])
         taken = self._take_entries(rows[index], logical)
-        st.num_blocks[rows] = old_nb + grow_count
+        st.num_blocks[rows] = new_nb
         st.num_tokens[rows] = old + k
         st.grew(len(rows) * k, grown)
         self._record_tokens(rows, old, plan.offset, tokens)
@@ -129,7 +144,7 @@ class Appender:
             index = np.concatenate([copied, index])
             logical = np.concatenate([old_nb[copied] - 1, logical])
             taken = np.concatenate([[copy.dst for copy in copies], taken])
-        charged = grown - int(np.count_nonzero(old == 0))  # as in _append_one
+        charged = grown - int(np.count_nonzero(have == 0))  # as in _append_one
         return BatchAppend(slots.ravel(), index, logical, taken, copies, old + k, charged)
 
     def _take_entries(self, rows: Int64Array, logical: Int64Array) -> Int64Array:
@@ -187,9 +202,9 @@ class Appender:
 
     def _needs_cow(self, row: int) -> bool:
         """Whether the next write to `row` lands in a shared, partially filled last block."""
-        st = self._seqs
-        return bool(st.num_tokens[row] % self.block_size != 0
-                    and self._blocks.ref[st.entry(row, int(st.num_blocks[row]) - 1)] > 1)
+        st, n = self._seqs, int(self._seqs.num_tokens[row])
+        return bool(n % self.block_size != 0
+                    and self._blocks.ref[st.entry(row, (n - 1) // self.block_size)] > 1)
 
     def _plan(self, rows: Int64Array) -> "_AppendPlan":
         """Where the next token of each row lands, computed without changing anything."""

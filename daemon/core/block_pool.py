@@ -4,6 +4,12 @@ Blocks are free, used or cached (`PhysicalBlocks`); a sequence's table grows laz
 exactly when its last block is full (`SeqTable`); full blocks are keyed for prefix reuse
 (`PrefixCache`), pending until the owner commits them (their K/V is then written).
 
+Reservations: an append may also reserve slots ahead (`append_batch(..., reserve_tokens)`), as
+vLLM's num_lookahead_tokens: the table then reaches past the tokens, over fresh blocks the
+sequence alone holds, so the appends that later land there take no block and change no entry.
+Reserved slots hold no token: they are not counted in num_tokens, never committed nor keyed
+until tokens fill them; a fork shares only the blocks holding tokens; they go with the sequence.
+
 Copy-on-write: a sequence never writes into a block another table references. Before a write
 lands in a shared, partially filled last block, the writer gets a private copy and the call
 reports the (src, dst) copy; the owner of the pool memory performs it before the new table is
@@ -122,6 +128,15 @@ class BlockPool:
         """The blocks `seq` keeps from new sequences: its table (others may share them)."""
         return self.block_table(seq)
 
+    def table_length(self, seq: Hashable) -> int:
+        """Entries of the table of `seq`: ceil(tokens / B), and its reserved blocks."""
+        return int(self._seqs.num_blocks[self._row(seq)])
+
+    def quota_of(self, seq: Hashable) -> int:
+        """What `seq` counts against quotas now: its table entries, reserved ones included,
+        and at least one (as `quota_blocks`)."""
+        return max(1, self.table_length(seq))
+
     def quota_blocks(self, num_tokens: int) -> int:
         """What a sequence of `num_tokens` tokens counts against quotas: its table entries,
         and at least one, so that empty sequences (which cost the daemon a row each) are never
@@ -206,15 +221,19 @@ class BlockPool:
                          result.slot_mapping.tolist(), result.copies)
 
     def append_batch(self, seqs: Sequence[Hashable], num_tokens: int = 1,
-                     token_ids: npt.ArrayLike | None = None) -> BatchAppend | NoFit:
-        """Append `num_tokens` tokens to each of many sequences: the decode hot path.
+                     token_ids: npt.ArrayLike | None = None,
+                     reserve_tokens: int = 0) -> BatchAppend | NoFit:
+        """Append `num_tokens` tokens to each of many sequences: the decode hot path. Each
+        table then covers at least num_tokens + `reserve_tokens` slots (see "Reservations"):
+        the blocks that takes are new entries of the answer, as those of the tokens.
 
         All-or-nothing: either every sequence grows or nothing changes. Everything is vectorized
         over the batch except the rare events: copies, and keying the blocks that just filled.
         """
         k = count(num_tokens, "num_tokens", 1)
+        reserve = count(reserve_tokens, "reserve_tokens", 0)
         rows = self._rows(seqs)
-        return self._appender.append(rows, k, batch_tokens(token_ids, len(rows), k))
+        return self._appender.append(rows, k, batch_tokens(token_ids, len(rows), k), reserve)
 
     def commit(self, seqs: Sequence[Hashable], num_tokens: npt.ArrayLike | None = None) -> int:
         """The owner certifies that the K/V of the first `num_tokens[i]` tokens of `seqs[i]`
@@ -274,7 +293,8 @@ class BlockPool:
         table = self._seqs.table(row).copy()
         groups = self._seqs.groups[row].tolist() if self._held.levels else []
         waste = self._appender.last_waste(row)
-        if waste and self._blocks.ref[table[-1]] > 1:
+        last = (int(self._seqs.num_tokens[row]) - 1) // self.block_size  # its last token's
+        if waste and self._blocks.ref[table[last]] > 1:
             self._appender.shift_waste(-waste)  # one sharer fewer
         self._seqs.remove(seq)
         released = self._blocks.release(table)

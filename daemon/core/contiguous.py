@@ -15,6 +15,11 @@ against the paged pool on the same trace (`pagedkvd --allocator contiguous`).
 - A block table lists the blocks that hold the sequence's tokens, ceil(num_tokens / B) of
   them, as in the paged pool: block i of the reservation at `start` is `start + i`, and token
   t's slot is `start * B + t`. Runners compute on it unchanged.
+- Slots reserved ahead (`append_batch(..., reserve_tokens)`, a Step's reserve_tokens) need no
+  block: the table just lists the reservation's blocks up to num_tokens + reserve_tokens slots
+  (reported as new entries, as in the paged pool), and appends into them change no entry. Past
+  `max_model_len` they are refused like tokens (`InvalidArgument`, naming max_model_len): the
+  reservation ends there, and no token can be appended beyond it.
 - `num_free_blocks` counts only the free blocks whole reservations can take, so a scheduler
   that admits by it never admits into a hole too small; a sequence costs `reservation` of them.
 
@@ -72,6 +77,8 @@ class ContiguousPool:
         # First block of each row's reservation, and the tokens the row's sequence holds.
         self._start: Int64Array = np.zeros(capacity, dtype=np.int64)
         self._num_tokens: Int64Array = np.zeros(capacity, dtype=np.int64)
+        # Entries of each row's table: ceil(tokens / B), or more where slots were reserved.
+        self._table_blocks: Int64Array = np.zeros(capacity, dtype=np.int64)
         # Distinct blocks held per group of sequences, and each row's groups (`track_holders`).
         self._held = HeldBlocks()
         self._groups: Int64Array = np.zeros((capacity, 0), dtype=np.int64)
@@ -104,9 +111,11 @@ class ContiguousPool:
         return len(self._row_of)
 
     def block_table(self, seq: Hashable) -> list[int]:
-        """The blocks that hold the tokens of `seq`: the first ceil(n / B) of its reservation."""
+        """The first ceil(n / B) blocks of the reservation of `seq`, which hold its n tokens,
+        and those of the slots it reserved ahead."""
         row = row_of(self._row_of, seq)
-        return self._table(int(self._start[row]), int(self._num_tokens[row]))
+        start = int(self._start[row])
+        return list(range(start, start + int(self._table_blocks[row])))
 
     def num_tokens(self, seq: Hashable) -> int:
         return int(self._num_tokens[row_of(self._row_of, seq)])
@@ -128,6 +137,15 @@ class ContiguousPool:
 
     def quota_blocks(self, num_tokens: int) -> int:
         """What any sequence counts against quotas: its whole reservation."""
+        return self.reservation
+
+    def table_length(self, seq: Hashable) -> int:
+        """Entries of the table of `seq` (`block_table`)."""
+        return int(self._table_blocks[row_of(self._row_of, seq)])
+
+    def quota_of(self, seq: Hashable) -> int:
+        """What `seq` counts against quotas: its whole reservation."""
+        row_of(self._row_of, seq)
         return self.reservation
 
     def fork_copies(self, num_tokens: int) -> int:
@@ -176,25 +194,31 @@ class ContiguousPool:
                          result.slot_mapping.tolist())
 
     def append_batch(self, seqs: Sequence[Hashable], num_tokens: int = 1,
-                     token_ids: npt.ArrayLike | None = None) -> BatchAppend:
+                     token_ids: npt.ArrayLike | None = None,
+                     reserve_tokens: int = 0) -> BatchAppend:
         """Append `num_tokens` tokens to each of many sequences, all or none; a table entry
-        changes where a sequence enters the next block of its reservation."""
+        is added where a sequence's tokens or `reserve_tokens` reserved slots past them enter
+        the next block of its reservation."""
         k = count(num_tokens, "num_tokens", 1)
+        reserve = count(reserve_tokens, "reserve_tokens", 0)
         rows = rows_of(self._row_of, seqs)
         batch_tokens(token_ids, len(rows), k)
         old = self._num_tokens[rows]
         longest = int(old.max()) + k
-        if longest > self.max_model_len:
-            self._check_length(longest)
-        self._journal.record(self._set_tokens, rows, old)
+        self._check_length(longest)
+        if longest + reserve > self.max_model_len:
+            raise InvalidArgument(f"{longest} tokens and reserve_tokens={reserve} slots past "
+                                  "them do not fit a contiguous reservation: the limit is "
+                                  f"max_model_len={self.max_model_len}")
+        have = self._table_blocks[rows]
+        self._journal.record(self._set_tokens, rows, old, have)
         new = old + k
-        self._num_tokens[rows] = new
         bs, start = self.block_size, self._start[rows]
+        grow_count = np.maximum(have, blocks_for(new + reserve, bs)) - have
+        self._num_tokens[rows], self._table_blocks[rows] = new, have + grow_count
         slots = (start[:, None] * bs + old[:, None] + np.arange(k)).ravel()
-        old_nb = blocks_for(old, bs)
-        grow_count = blocks_for(new, bs) - old_nb
         grow = grow_count.nonzero()[0]
-        index, logical = ragged_entries(grow, old_nb[grow], grow_count[grow])
+        index, logical = ragged_entries(grow, have[grow], grow_count[grow])
         return BatchAppend(slots, index, logical, start[index] + logical, [], new, 0)
 
     def commit(self, seqs: Sequence[Hashable], num_tokens: npt.ArrayLike | None = None) -> int:
@@ -218,9 +242,9 @@ class ContiguousPool:
     def copy_on_write(self, seq: Hashable, logical_block: int) -> SeqUpdate:
         """Nothing to copy: every block of a reservation is private already."""
         row = row_of(self._row_of, seq)
-        start, n = int(self._start[row]), int(self._num_tokens[row])
+        n = int(self._num_tokens[row])
         check_logical_block(logical_block, blocks_for(n, self.block_size), seq)
-        return SeqUpdate(self._table(start, n), n)
+        return SeqUpdate(self.block_table(seq), n)
 
     def free(self, seq: Hashable) -> list[int]:
         """Drop `seq`; its whole reservation goes back to the free runs and is returned."""
@@ -229,7 +253,7 @@ class ContiguousPool:
         del self._row_of[seq]
         self._free_rows.append(row)
         self._journal.record(self._unfree, seq, row, start, int(self._num_tokens[row]),
-                             self._groups[row].copy())
+                             int(self._table_blocks[row]), self._groups[row].copy())
         self._runs.give_back(start)
         blocks = np.arange(start, start + self.reservation)
         self._held.drop(self._groups[row], blocks, np.zeros_like(blocks))
@@ -257,6 +281,7 @@ class ContiguousPool:
         row = self._free_rows.pop()
         self._row_of[seq] = row
         self._start[row], self._num_tokens[row] = start, num_tokens
+        self._table_blocks[row] = blocks_for(num_tokens, self.block_size)
         self._journal.record(self._unreserve, seq)
         if self._held.levels:
             self._groups[row] = self._held.current()
@@ -267,16 +292,18 @@ class ContiguousPool:
     def _unreserve(self, seq: Hashable) -> None:
         self._free_rows.append(self._row_of.pop(seq))
 
-    def _unfree(self, seq: Hashable, row: int, start: int, num_tokens: int,
+    def _unfree(self, seq: Hashable, row: int, start: int, num_tokens: int, table_blocks: int,
                 groups: Int64Array) -> None:
         popped = self._free_rows.pop()
         assert popped == row, f"undo of free found row {popped}, expected {row}"
         self._row_of[seq] = row
         # A later reserve of the same transaction may have reused the row: set all again.
         self._start[row], self._num_tokens[row], self._groups[row] = start, num_tokens, groups
+        self._table_blocks[row] = table_blocks
 
-    def _set_tokens(self, rows: Int64Array, num_tokens: Int64Array) -> None:
-        self._num_tokens[rows] = num_tokens
+    def _set_tokens(self, rows: Int64Array, num_tokens: Int64Array,
+                    table_blocks: Int64Array) -> None:
+        self._num_tokens[rows], self._table_blocks[rows] = num_tokens, table_blocks
 
     def _no_fit(self) -> NoFit:
         return NoFit(self.reservation, self._runs.largest())
@@ -322,6 +349,10 @@ class ContiguousPool:
         assert (cover == 1).all(), "a block is in two reservations or runs, or in none"
         held = self._num_tokens[rows]
         assert ((held >= 0) & (held <= self.max_model_len)).all(), "a sequence overflows"
+        table = self._table_blocks[rows]
+        assert ((blocks_for(held, self.block_size) <= table)
+                & (table <= self.reservation)).all(), "a table is shorter than its tokens' " \
+            "blocks or longer than its reservation"
         assert not set(self._free_rows) & set(rows.tolist()), "a live row is on the free list"
         assert len(self._free_rows) + len(rows) == len(self._start), "a row is unaccounted"
         blocks = (self._start[rows][:, None] + np.arange(self.reservation)).ravel()

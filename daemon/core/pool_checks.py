@@ -22,7 +22,7 @@ def table_entries(seqs: SeqTable) -> tuple[Int64Array, Int64Array, Int64Array]:
     counts = seqs.num_blocks[rows]
     entry_row = np.repeat(rows, counts)
     logical = ragged_arange(counts)
-    fills = np.minimum(bs, seqs.num_tokens[entry_row] - logical * bs)
+    fills = np.clip(seqs.num_tokens[entry_row] - logical * bs, 0, bs)  # reserved entries: 0
     return rows, seqs.entries(entry_row, logical), fills
 
 
@@ -47,12 +47,16 @@ def check_pool(seqs: SeqTable, blocks: PhysicalBlocks, held: HeldBlocks,
                kept: PoolStats) -> None:
     """Assert the invariants of the blocks (`PhysicalBlocks`, `PrefixCache`), the tables
     (`SeqTable`) and the holder counts together, and that the figures `kept` equal a recount."""
-    rows, entries, _ = table_entries(seqs)
+    rows, entries, fills = table_entries(seqs)
     blocks.check(entries)
     seqs.check()
     bs = seqs.block_size
     expected = blocks_for(seqs.num_tokens[rows], bs)
-    assert (seqs.num_blocks[rows] == expected).all(), "a table is not ceil(tokens / B) long"
+    assert (seqs.num_blocks[rows] >= expected).all(), "a table is under ceil(tokens / B) long"
+    reserved = entries[fills == 0]  # blocks past their row's tokens
+    assert (blocks.ref[reserved] == 1).all(), "a reserved block is shared"
+    assert all(blocks.cache.key_of[block] is None for block in reserved.tolist()), \
+        "a reserved block is keyed"
     assert (seqs.committed[rows] <= seqs.num_tokens[rows] // bs).all(), \
         "a row committed more blocks than it has full"
     for row in rows.tolist():

@@ -4,8 +4,11 @@ Rows make the decode hot path vectorizable: a batched append reads and writes th
 block tables of many sequences with a handful of numpy operations instead of a Python loop.
 
 Invariants:
-- `num_blocks[r] == ceil(num_tokens[r] / block_size)`: blocks are handed out lazily, so a
-  sequence wastes at most block_size - 1 slots, all in its last block.
+- `num_blocks[r] >= ceil(num_tokens[r] / block_size)`: blocks are handed out lazily, one exactly
+  when the last is full, so a sequence wastes at most block_size - 1 slots, all in its last
+  token's block, unless it reserved slots ahead (a Step's reserve_tokens): then its table
+  reaches past its tokens, and the entries past its last token's block are reserved blocks,
+  its own (refcount 1), holding no token and keyed by nothing.
 - Row r's block table is `store.data[start[r] : start[r] + num_blocks[r]]`, inside a region of
   `capacity[r]` entries (`TableStore`); entries past num_blocks are meaningless.
 - `partial[r, : num_tokens[r] % block_size]` holds the token ids of the unfilled last block
@@ -34,6 +37,7 @@ from pagedkv.daemon.core.table_store import (
     Int64Array as Int64Array,  # the core's alias, re-exported
 )
 from pagedkv.daemon.core.table_store import TableStore, ragged_arange, region_size
+from pagedkv.vocab.blocks import blocks_for
 
 # Rows of a new table, and the least it shrinks to.
 INITIAL_ROWS = 64
@@ -114,11 +118,13 @@ class SeqTable:
         self.free_rows.append(row)
 
     def clone(self, src: int, seq: Hashable) -> int:
-        """A row for `seq` that starts as an exact copy of row `src` (fork)."""
+        """A row for `seq` that starts as a copy of row `src` (fork), but for its reserved
+        blocks: the copy's table holds only the blocks holding tokens."""
         row = self.add(seq, self.chain_key[src], bool(self.chain_ok[src]))
-        self.put_table(row, self.table(src))
+        held = blocks_for(int(self.num_tokens[src]), self.block_size)
+        self.put_table(row, self.table(src)[:held])
         self.num_tokens[row] = self.num_tokens[src]
-        self.num_blocks[row] = self.num_blocks[src]
+        self.num_blocks[row] = held
         self.committed[row] = self.committed[src]
         self.partial[row] = self.partial[src]
         self.grew(int(self.num_tokens[row]), int(self.num_blocks[row]))

@@ -145,7 +145,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         result = await self._service.step(request.session_id, list(request.seq_ids),
                                           request.num_tokens or 1, request.token_ids,
                                           commit=request.commit, answer=answer,
-                                          hold_ms=request.hold_ms)
+                                          hold_ms=request.hold_ms,
+                                          reserve_tokens=request.reserve_tokens)
         return pb.StepResponse(
             slot_mapping=result.slot_mapping.tolist(),
             changed_seq_index=result.changed_seq_index.tolist(),

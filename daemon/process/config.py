@@ -147,6 +147,8 @@ class DaemonConfig:
     max_steps_per_call: int = _LIMIT_DEFAULTS.max_steps_per_call
     max_seq_ids: int = _LIMIT_DEFAULTS.max_seq_ids
     max_tokens: int = _LIMIT_DEFAULTS.max_tokens
+    # Slots one Step may reserve ahead of each sequence's tokens (StepRequest.reserve_tokens).
+    max_reserve_tokens: int = _LIMIT_DEFAULTS.max_reserve_tokens
     # Bytes of an OpenSession client_name and cache_salt, and of any request's session_id.
     max_client_name_bytes: int = _LIMIT_DEFAULTS.max_client_name_bytes
     max_cache_salt_bytes: int = _LIMIT_DEFAULTS.max_cache_salt_bytes

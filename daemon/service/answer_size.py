@@ -39,6 +39,9 @@ ENTRY_CAUSE_BYTES = 32
 STEP_MANY_ENTRY = ((1 + _U32) + (1 + _U32) + (2 + ENTRY_CAUSE_BYTES) + (3 + ENTRY_MESSAGE_BYTES)
                    + (1 + _U32) + (1 + _U32))
 STEP_MANY_FIXED = 1 + _U32
+# A StepStreamResponse around its StepManyResponse: call_id, and the StepManyResponse's tag and
+# length (a refused message's code, cause and message are far below any max_answer_bytes).
+STEP_STREAM_FIXED = (1 + _U64) + (1 + _U32)
 
 
 def cut_utf8(text: str, nbytes: int) -> str:
@@ -73,6 +76,10 @@ class AnswerBudget:
         charged when the entry is applied)."""
         self.charge(STEP_MANY_FIXED + entries * STEP_MANY_ENTRY, "StepMany")
 
+    def step_stream(self) -> None:
+        """A StepStreamResponse's envelope around a StepMany's answer."""
+        self.charge(STEP_STREAM_FIXED, "StepStream")
+
     @contextlib.contextmanager
     def part(self) -> Iterator[None]:
         """A part of the answer that may fail alone (a StepMany entry): if it raises, its
@@ -100,10 +107,11 @@ class AnswerBudget:
         self.charge(SEQUENCE_FIXED + blocks * self.block_bytes + slots * self.slot_bytes
                     + copies * copy_bytes + id_bytes, what)
 
-    def step(self, num_seqs: int, num_tokens: int, block_size: int) -> None:
-        """A StepResponse for `num_tokens` tokens appended to each of `num_seqs` sequences: at
-        most ceil(num_tokens / block_size) new blocks and one copy-on-write per sequence."""
-        changed = num_seqs * (blocks_for(num_tokens, block_size) + 1)
+    def step(self, num_seqs: int, num_tokens: int, block_size: int, reserve: int = 0) -> None:
+        """A StepResponse for `num_tokens` tokens appended to each of `num_seqs` sequences,
+        which then reserve `reserve` slots past them: at most ceil((num_tokens + reserve) /
+        block_size) new blocks and one copy-on-write per sequence."""
+        changed = num_seqs * (blocks_for(num_tokens + reserve, block_size) + 1)
         entry = varint_bytes(max(num_seqs - 1, 0)) + 2 * self.block_bytes
         self.charge(STEP_FIXED + num_seqs * num_tokens * self.slot_bytes + changed * entry
                     + num_seqs * 2 * self.block_bytes + num_seqs * _U32, "step")

@@ -10,7 +10,8 @@ pool a unit of Python work:
   a Step of its own, and one over the limit fails alone);
 - each seq id a Commit, Step or GetBlockTables names;
 - each block the tokens an op adds may fill (ceil(tokens / block_size) + 1 per sequence: the
-  blocks it takes, keys and hashes, and a copy-on-write of its last one).
+  blocks it takes, keys and hashes, and a copy-on-write of its last one); a Step's reserved
+  slots count as tokens (ceil((tokens + reserve_tokens) / block_size) + 1).
 
 The count comes from the request alone, before the call waits for the lock, and a call over it
 is refused with INVALID_ARGUMENT naming the limit: nothing changes and no other call waits for

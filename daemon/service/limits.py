@@ -5,7 +5,8 @@ Every cap has a default, a maximum, a TOML key and a flag of the same name (`max
 over a cap is refused before anything changes, with a message naming the cap:
 
 - INVALID_ARGUMENT (`InvalidArgument`) for a request malformed by its own size: too many ops,
-  Step entries or seq ids in one call, too many tokens in one op, more work in one call than
+  Step entries or seq ids in one call, too many tokens in one op or slots reserved ahead by
+  one Step (`max_reserve_tokens`), more work in one call than
   `max_call_work` (call_work.py), a name, salt or session id too long;
 - RESOURCE_EXHAUSTED (`LimitExceeded`, cause "LimitExceeded"; `AnswerTooLarge` for the answer)
   for a request that is well formed but would take more than the daemon grants: one session
@@ -66,6 +67,9 @@ LIMITS: dict[str, LimitSpec] = {
     "max_steps_per_call": LimitSpec(64, 4096, "Step entries in one StepMany"),
     "max_seq_ids": LimitSpec(1, 1 << 20, "seq ids in one Step, Commit or GetBlockTables"),
     "max_tokens": LimitSpec(1, 1 << 24, "tokens one op adds (a Step: sequences x tokens)"),
+    # 0 turns reservations off; the default fits a runner reserving two blocks of 128 ahead.
+    "max_reserve_tokens": LimitSpec(0, 1 << 16, "slots a Step may reserve ahead of each "
+                                    "sequence's tokens (reserve_tokens)"),
     "max_client_name_bytes": LimitSpec(1, 4096, "bytes of an OpenSession client_name"),
     "max_cache_salt_bytes": LimitSpec(1, 4096, "bytes of an OpenSession cache_salt"),
     # The daemon's own ids take about 55 bytes.
@@ -116,6 +120,10 @@ class Limits:
     max_seq_ids: int = 65_536
     # Tokens one operation adds (Allocate/Append num_tokens; a Step's seqs x num_tokens).
     max_tokens: int = 1 << 20
+    # Slots one Step may reserve past each sequence's tokens (StepRequest.reserve_tokens): a
+    # runner decoding ahead holds a block or two, so a larger request is a mistake; reserved
+    # blocks count against the session's quota as every table entry.
+    max_reserve_tokens: int = 256
     # UTF-8 bytes of OpenSessionRequest.client_name (shown in stats and logs).
     max_client_name_bytes: int = 128
     # Bytes of OpenSessionRequest.cache_salt.

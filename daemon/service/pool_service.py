@@ -7,10 +7,11 @@ when they opened with the same non-empty `cache_salt`; by default each session g
 its own, so sharing is opt-in.
 
 Quota. `max_blocks` (the daemon's `max_blocks_per_session` unless the client asked for less)
-bounds the block-table entries over the session's sequences: a block shared
-by two of its sequences counts twice, a prefix block shared with another session counts for
-each. It is thus an upper bound on the physical blocks the session pins, and it is exact,
-cheap and independent of what other sessions do. In a contiguous pool each sequence counts
+bounds the block-table entries over the session's sequences, those a Step reserved ahead
+included (reserve_tokens): a block shared by two of its sequences counts twice, a prefix
+block shared with another session counts for each. It is thus an upper bound on the
+physical blocks the session pins, and it is exact, cheap and independent of what other
+sessions do. In a contiguous pool each sequence counts
 its whole reservation instead (the pool's `quota_blocks`), which is what it pins. The check
 runs before the pool is touched, so a refused call changes nothing.
 
@@ -92,7 +93,6 @@ from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, SessionO
 from pagedkv.daemon.service.sessions import Session, SessionRegistry, SessionStats
 from pagedkv.daemon.service.tenants import TenantFigures, Tenants, TenantUsage, trusted_caller
 from pagedkv.process.log_setup import get_logger
-from pagedkv.vocab.blocks import blocks_for
 from pagedkv.vocab.geometry import ModelGeometry
 
 log = get_logger(__name__)
@@ -342,18 +342,23 @@ class PoolService:
 
     async def step(self, session_id: str, seq_ids: Sequence[int], num_tokens: int = 1,
                    token_ids: Sequence[int] = (), *, commit: bool = False,
-                   answer: AnswerBudget | None = None, hold_ms: int = 0) -> BatchAppend:
+                   answer: AnswerBudget | None = None, hold_ms: int = 0,
+                   reserve_tokens: int = 0) -> BatchAppend:
         """Append num_tokens tokens to each of many sequences at once, all-or-nothing; with
         `commit`, their pending blocks are committed first. `answer`: a StepMany's budget
         (`step_many_budget`), which a failed step gives its charges back to, else its own.
         `hold_ms`: a runner's hold, set once the step is applied (its forward writes the slots
-        answered)."""
-        check_work(self.limits, step_work(len(seq_ids), num_tokens, self.pool.block_size),
-                   "Step")
+        answered). `reserve_tokens`: slots each table then covers past the tokens (at most
+        max_reserve_tokens; kvpool.proto's StepRequest.reserve_tokens)."""
+        self.limits.check_count("reserve_tokens (slots reserved per sequence)", reserve_tokens,
+                                "max_reserve_tokens")
+        check_work(self.limits, step_work(len(seq_ids), num_tokens + reserve_tokens,
+                                          self.pool.block_size), "Step")
         answer = answer or self.answer_budget()
         with answer.part():
             return await self._change(session_id, lambda session, work, budget: self._ops.step(
-                session, seq_ids, num_tokens, token_ids, work, budget, commit), answer,
+                session, seq_ids, num_tokens, token_ids, work, budget, commit, reserve_tokens),
+                answer,
                 commits=commit, hold=Hold(hold_ms))
 
     def step_many_budget(self, entries: int) -> AnswerBudget:
@@ -381,10 +386,9 @@ class PoolService:
 
         def tables(session: Session, _: MemoryWork, answer: AnswerBudget) -> list[SeqUpdate]:
             keys = self._ops.own_all(session, seq_ids)
-            bs = self.pool.block_size
             for key in keys:
                 n = self.pool.num_tokens(key)
-                answer.sequence("GetBlockTables", blocks_for(n, bs),
+                answer.sequence("GetBlockTables", self.pool.table_length(key),
                                 token_ids=n if with_token_ids else 0)
             return [SeqUpdate(self.pool.block_table(k), self.pool.num_tokens(k),
                               self.pool.committed_tokens(k),
@@ -452,7 +456,7 @@ class PoolService:
         for session in self.sessions:
             keys = [session.key(seq_id) for seq_id in session.seq_ids]
             assert all(k in self.pool for k in keys), f"{session.label} lost a sequence"
-            entries = sum(self.pool.quota_blocks(self.pool.num_tokens(k)) for k in keys)
+            entries = sum(self.pool.quota_of(k) for k in keys)
             assert entries == session.table_entries, (
                 f"{session.label} counts {session.table_entries} quota blocks, holds {entries}")
             assert self.pool.blocks_held(0, session.number) == self._recount_held([session]), \

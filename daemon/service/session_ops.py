@@ -132,11 +132,12 @@ class SessionOps:
             case Append(seq_id, num_tokens, token_ids):
                 tokens = self._check_tokens(num_tokens, token_ids, minimum=1)
                 key = self.own(session, seq_id)
-                old = self.pool.num_tokens(key)
-                charge = quota(old + num_tokens) - quota(old)
+                old, held = self.pool.num_tokens(key), self.pool.quota_of(key)
+                charge = max(0, quota(old + num_tokens) - held)  # a reservation may cover it
                 self._check_quota(session, charge)
-                answer.sequence("append", blocks_for(old + num_tokens, bs), slots=num_tokens,
-                                copies=1)
+                answer.sequence("append", max(blocks_for(old + num_tokens, bs),
+                                              self.pool.table_length(key)),
+                                slots=num_tokens, copies=1)
                 update = _fit(self.pool.append(key, num_tokens, tokens))
             case Fork(parent_seq_id, child_seq_id):
                 parent = self.own(session, parent_seq_id)
@@ -170,7 +171,7 @@ class SessionOps:
     def free(self, session: Session, seq_id: int, work: MemoryWork) -> int:
         """Drop one of the session's sequences; returns how many blocks the pool released."""
         key = self.own(session, seq_id)
-        charge = self.pool.quota_blocks(self.pool.num_tokens(key))
+        charge = self.pool.quota_of(key)  # reserved entries included
         released = self.pool.free(key)
         session.seq_ids.discard(seq_id)
         self._journal.record(session.seq_ids.add, seq_id)
@@ -207,10 +208,12 @@ class SessionOps:
 
     def step(self, session: Session, seq_ids: Sequence[int], num_tokens: int,
              token_ids: Sequence[int], work: MemoryWork, answer: AnswerBudget,
-             commit: bool = False) -> BatchAppend:
+             commit: bool = False, reserve_tokens: int = 0) -> BatchAppend:
         """Append num_tokens tokens to each of many sequences, all-or-nothing; the only
         per-sequence Python work is building the pool keys. With `commit`, the sequences'
-        pending blocks are committed first (the caller certifies their K/V written).
+        pending blocks are committed first (the caller certifies their K/V written). Each
+        table then covers `reserve_tokens` slots past the tokens (the blocks that takes are
+        charged to the quota and answered as changed entries).
 
         token_ids may be any sequence numpy reads in one go (a packed protobuf field is).
         """
@@ -221,11 +224,11 @@ class SessionOps:
         ids = self._check_tokens(num_tokens, token_ids, minimum=1, seqs=count)
         tokens = None if ids is None else np.asarray(ids, dtype=np.int64)
         keys = self.own_all(session, seq_ids)
-        self._check_step_quota(session, keys, num_tokens)
-        answer.step(count, num_tokens, self.pool.block_size)
+        self._check_step_quota(session, keys, num_tokens, reserve_tokens)
+        answer.step(count, num_tokens, self.pool.block_size, reserve_tokens)
         if commit:
             self.pool.commit(keys)
-        result = _fit(self.pool.append_batch(keys, num_tokens, tokens))
+        result = _fit(self.pool.append_batch(keys, num_tokens, tokens, reserve_tokens))
         self._add_entries(session, result.charged_blocks)
         work.copy(result.copies)
         return result
@@ -248,19 +251,22 @@ class SessionOps:
         return [(number, seq_id) for seq_id in seq_ids]
 
     def _check_step_quota(self, session: Session, keys: list[tuple[int, int]],
-                          num_tokens: int) -> None:
-        """The quota check of a step; the exact count (a Python loop over the sequences) only
-        when the cheap bound does not fit: no sequence's charge grows by more than that of one
-        whose last block is full (paged: ceil(num_tokens / B) new blocks; contiguous: 0)."""
-        quota, bs = self.pool.quota_blocks, self.pool.block_size
-        bound = len(keys) * (quota(bs + num_tokens) - quota(bs))
+                          num_tokens: int, reserve: int) -> None:
+        """The quota check of a step reserving `reserve` slots; the exact count (a Python loop
+        over the sequences) only when the cheap bound does not fit: no sequence's charge grows
+        by more than that of one whose last block is full and which reserved nothing (paged:
+        ceil((num_tokens + reserve) / B) new blocks; contiguous: 0)."""
+        quota, bs, reach = self.pool.quota_blocks, self.pool.block_size, num_tokens + reserve
+        bound = len(keys) * (quota(bs + reach) - quota(bs))
         if session.table_entries + bound > session.max_blocks:
-            self._check_quota(session, self._step_charge(keys, num_tokens))
+            self._check_quota(session, self._step_charge(keys, reach))
 
-    def _step_charge(self, keys: list[tuple[int, int]], num_tokens: int) -> int:
-        """What a step would add to the session's quota charge."""
-        quota, held = self.pool.quota_blocks, self.pool.num_tokens
-        return sum(quota(n + num_tokens) - quota(n) for n in map(held, keys))
+    def _step_charge(self, keys: list[tuple[int, int]], reach: int) -> int:
+        """What a step would add to the session's quota charge, its tokens and reservation
+        taking `reach` slots past each sequence's tokens (a reservation may cover them)."""
+        pool = self.pool
+        return sum(max(0, pool.quota_blocks(pool.num_tokens(key) + reach) - pool.quota_of(key))
+                   for key in keys)
 
     def own(self, session: Session, seq_id: int) -> tuple[int, int]:
         """The pool key of one of the session's sequences; others' are simply not found."""
