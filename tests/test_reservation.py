@@ -242,6 +242,8 @@ async def test_an_abort_through_close_session_frees_its_reservation(
     session = await client.open_session("aborts", cache_salt="shared")
     await decode_ahead(session, 1)
     await decode_ahead(session, 2)  # its prompt hits the cache: 2 blocks shared
+    # Tokens 10..12 appended into sequence 1's reservation, aborted before they are certified.
+    assert (await session.step([1], DECODED[1:], num_tokens=3)).changed_block_id == []
     assert daemon.pool.stats().used_blocks == 2 + 3 + 3
     await session.close()
     stats = daemon.pool.stats()
