@@ -46,6 +46,7 @@ demo: setup
 bench: setup
 	$(PY) benchmarks/bench_block_pool.py
 	$(PY) benchmarks/bench_daemon_step.py
+	$(PY) benchmarks/bench_stream.py
 	$(PY) benchmarks/bench_batch_cost.py
 	$(PY) benchmarks/bench_keepalive_stall.py
 	$(PY) benchmarks/bench_peer_gate.py

@@ -29,10 +29,11 @@ ratios are of medians. Process start-up and model loading are never timed.
   StepMany to the daemon carried).
 
 Service figures (issue 19), from the same runs:
-- daemon_calls_per_decode_step: the daemon's finished RPCs (its pagedkv:rpc_requests counters,
-  every service and method, so clients' calls too) per runner forward, during the "runner"
-  contestant (one client, NUM_PROMPTS sequences). The window is the whole run, so the prefill
-  step and the last step's releases are in it; no stream messages exist yet to count.
+- daemon_calls_per_decode_step: the daemon's finished RPCs and answered stream messages (its
+  pagedkv:rpc_requests and pagedkv:stream_messages counters, every service and method, so
+  clients' calls too; the runner's StepMany calls are StepStream messages) per runner forward,
+  during the "runner" contestant (one client, NUM_PROMPTS sequences). The window is the whole
+  run, so the prefill step and the last step's releases are in it.
 - forward_waits_on_daemon_frac: of the decode-only forwards of that run, the share whose forward
   thread sat idle for one of their steps: a step became ready (its daemon call answered) after
   the previous forward ended (the runner's pagedkv_runner:decode_forwards{start="idle_wait"}).
@@ -338,9 +339,11 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def daemon_rpcs(url: str) -> float:
-    """The daemon's finished RPCs so far, every service, method and status code."""
+    """The daemon's finished RPCs and answered stream messages so far (a StepMany sent as a
+    StepStream message counts as one), every service, method and status code."""
     return sum(value for key, value in scrape(url).items()
-               if key.startswith("pagedkv:rpc_requests_total"))
+               if key.startswith(("pagedkv:rpc_requests_total",
+                                  "pagedkv:stream_messages_total")))
 
 
 # ------------------------------------------------------------------ transformers

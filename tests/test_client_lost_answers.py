@@ -225,10 +225,12 @@ async def test_a_lost_step_is_not_guessed_when_the_session_cannot_tell(
 @pytest.mark.parametrize("applied", [True, False])
 async def test_a_lost_step_many_is_read_back_entry_by_entry(
         daemon: Daemon, losses: Losses, applied: bool) -> None:
-    """Two sessions' Steps in one StepMany (the runner's decode steps), its answer lost: each
-    entry is read back as its session's lost Step: applied, its result rebuilt (never sent
-    again); not applied, sent again as a Step of its own. Each sequence is one token longer."""
-    async with await PoolClient.connect(daemon.unix_target, timeout=TIMEOUT_S) as client, \
+    """Two sessions' Steps in one unary StepMany (an external scheduler's; lost StepStream
+    messages are test_step_stream.py's), its answer lost: each entry is read back as its
+    session's lost Step: applied, its result rebuilt (never sent again); not applied, sent
+    again as a Step of its own. Each sequence is one token longer."""
+    async with await PoolClient.connect(daemon.unix_target, timeout=TIMEOUT_S,
+                                        step_stream=False) as client, \
             await client.open_session("a") as alice, await client.open_session("b") as bob:
         await alice.allocate(1, 3)  # block 0
         await bob.allocate(1, 5)  # blocks 1 and 2

@@ -69,12 +69,15 @@ def no_idle_end(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def calls(daemon: Daemon) -> dict[str, float]:
-    """Calls the daemon answered, by method (none counted: left out)."""
+    """Calls the daemon answered, by method, and the StepStream messages it answered (the
+    runner's StepMany calls; none counted: left out)."""
     counts: dict[str, float] = {}
     for metric in daemon.registry.collect():
         for sample in metric.samples:
             if sample.name == "pagedkv:rpc_duration_seconds_count" and sample.value:
                 counts[sample.labels["method"]] = sample.value
+            if sample.name == "pagedkv:stream_message_duration_seconds_count" and sample.value:
+                counts[f"{sample.labels['method']} message"] = sample.value
     return counts
 
 
@@ -92,17 +95,19 @@ def decode_next(seq_id: int, token: int) -> SeqStep:
 @pytest.mark.usefixtures("no_idle_end")
 async def test_a_request_costs_one_daemon_call_per_token_and_one_release(
         daemon: Daemon, runner_client: PoolClient, engine: StepEngine) -> None:
-    """Prefill: one Batch (Allocate); each later token: one Step (in a StepMany), which commits
-    what the previous forward computed, the prefill's blocks first; the last step's release:
-    one Batch. Before this change the prefill's Commit was a Batch of its own after the
-    forward: 3 Batches, so 6 calls for 4 tokens, now 5 (NEW_TOKENS + 1)."""
+    """Prefill: one Batch (Allocate); each later token: one Step (in a StepMany, a message on
+    the runner's StepStream), which commits what the previous forward computed, the prefill's
+    blocks first; the last step's release: one Batch. Before this change the prefill's Commit
+    was a Batch of its own after the forward: 3 Batches, so 6 calls for 4 tokens, now 5
+    (NEW_TOKENS + 1)."""
     session = await runner_client.open_session("app", cache_salt="s")
     before = calls(daemon)
     decoded = await decode(engine, session.session_id, [new(1, PROMPT, GREEDY)], NEW_TOKENS)
     assert len(decoded[1].tokens) == NEW_TOKENS
     after = calls(daemon)
     made = {method: after[method] - before.get(method, 0) for method in after}
-    assert {m: n for m, n in made.items() if n} == {"Batch": 2, "StepMany": NEW_TOKENS - 1}
+    assert {m: n for m, n in made.items() if n} == {"Batch": 2,
+                                                    "StepStream message": NEW_TOKENS - 1}
     assert await session.close() == 0  # released on its last step
 
 

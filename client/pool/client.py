@@ -31,6 +31,7 @@ from pagedkv.client.pool.errors import (
 from pagedkv.client.pool.ops import Step
 from pagedkv.client.pool.recovery import LOST, Outcome, RetryPolicy
 from pagedkv.client.pool.session import Session
+from pagedkv.client.pool.step_stream import StepStream
 from pagedkv.client.pool.tls import TlsOptions
 from pagedkv.client.pool.types import PoolInfo, PoolStats, StepResult
 from pagedkv.proto import kvpool_pb2 as pb
@@ -50,7 +51,7 @@ class PoolClient(ChannelOwner):
 
     def __init__(self, channel: grpc.aio.Channel, *, auth_token: str | None = None,
                  timeout: float = DEFAULT_TIMEOUT_S,
-                 retry: RetryPolicy | None = DEFAULT_RETRY) -> None:
+                 retry: RetryPolicy | None = DEFAULT_RETRY, step_stream: bool = True) -> None:
         self._channel = channel
         # The generated stub: package-private, callers use the typed methods.
         self._stub = kvpool_pb2_grpc.KVPoolStub(channel)
@@ -59,6 +60,8 @@ class PoolClient(ChannelOwner):
         # How sessions recover a call whose answer was lost; None: they raise at once.
         self.retry = retry
         self._metadata = (("authorization", f"Bearer {auth_token}"),) if auth_token else ()
+        # step_many's calls, as messages on one stream (step_stream.py); None: unary StepMany.
+        self.steps = StepStream(self._stub, self._metadata) if step_stream else None
         self._sessions: set[Session] = set()
         # The pool's free blocks per the latest answer that told them (Batch, Step, StepMany,
         # through any session): what a scheduler admits new sequences by.
@@ -68,21 +71,21 @@ class PoolClient(ChannelOwner):
     async def connect(cls, target: str, *, auth_token: str | None = None,
                       timeout: float = DEFAULT_TIMEOUT_S,
                       tls: TlsOptions | None = None,
-                      retry: RetryPolicy | None = DEFAULT_RETRY) -> "PoolClient":
+                      retry: RetryPolicy | None = DEFAULT_RETRY,
+                      step_stream: bool = True) -> "PoolClient":
         """Connect to "unix:/path.sock" or "host:port" (over TLS with `tls`: a daemon's TCP
         listener serves TLS unless it runs with insecure_tcp); waits up to `timeout` for the
         daemon, whose certificate must verify. `retry=None` turns off the recovery of calls
-        whose answer was lost."""
+        whose answer was lost; `step_stream=False` sends `step_many` as unary StepMany calls
+        instead of messages on one StepStream."""
         channel = await open_channel(target, "daemon", DaemonUnavailable, timeout, tls)
-        return cls(channel, auth_token=auth_token, timeout=timeout, retry=retry)
+        return cls(channel, auth_token=auth_token, timeout=timeout, retry=retry,
+                   step_stream=step_stream)
 
     async def _call(self, method: "grpc.aio.UnaryUnaryMultiCallable[Request, Response]",
                    make_request: Callable[[], Request], timeout: float | None = None) -> Response:
         """Build the request, call with deadline and token, map errors to exceptions."""
-        try:
-            request = make_request()
-        except (TypeError, ValueError) as exc:  # protobuf refuses e.g. a negative seq_id
-            raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        request = _built(make_request)
         try:
             return await method(request, timeout=timeout or self.timeout,
                                 metadata=self._metadata)
@@ -122,13 +125,15 @@ class PoolClient(ChannelOwner):
 
     async def step_many(self, steps: Sequence[tuple[Session, Step]]
                         ) -> list[StepResult | PagedKVError]:
-        """Several sessions' Steps in one call (kvpool.proto StepMany): per entry, in order, its
+        """Several sessions' Steps in one call (kvpool.proto StepMany, sent as a message on the
+        client's StepStream unless made with step_stream=False): per entry, in order, its
         result or the exception of its own status (that entry changed nothing). A call whose
-        answer was lost is read back entry by entry, each as its session's lost Step
-        (`Session.step`): some entries may have been applied and others not."""
+        answer was lost (its deadline passed, its stream broke) is read back entry by entry,
+        each as its session's lost Step (`Session.step`): some entries may have been applied
+        and others not."""
         read_backs = [session.step_read_back(op) for session, op in steps]
         try:
-            reply = await self._call(self._stub.StepMany, lambda: pb.StepManyRequest(
+            reply = await self._step_many(lambda: pb.StepManyRequest(
                 steps=[op.request(session.session_id) for session, op in steps]))
         except LOST as lost:
             return list(await asyncio.gather(*(
@@ -143,6 +148,18 @@ class PoolClient(ChannelOwner):
                                        result.cause, result.message)
                 for (session, op), result in zip(steps, reply.results, strict=True)]
 
+    async def _step_many(self, make_request: Callable[[], pb.StepManyRequest]
+                         ) -> pb.StepManyResponse:
+        """A StepMany on the client's stream; a unary call when it has none, or the daemon
+        serves none (UNIMPLEMENTED: nothing was applied)."""
+        if self.steps is not None and self.steps.served:
+            try:
+                return await self.steps.call(_built(make_request), self.timeout)
+            except PagedKVError:
+                if self.steps.served:
+                    raise
+        return await self._call(self._stub.StepMany, make_request)
+
     def forget(self, session: "Session") -> None:
         self._sessions.discard(session)
 
@@ -151,7 +168,17 @@ class PoolClient(ChannelOwner):
         for session in list(self._sessions):
             with contextlib.suppress(PagedKVError):
                 await session.close()
+        if self.steps is not None:
+            await self.steps.close()
         await super().close()
+
+
+def _built(make_request: Callable[[], Request]) -> Request:
+    """The request `make_request` builds; InvalidArgument if protobuf refuses a value."""
+    try:
+        return make_request()
+    except (TypeError, ValueError) as exc:  # protobuf refuses e.g. a negative seq_id
+        raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
 
 
 async def _recovered(session: Session, op: Step, lost: PagedKVError,

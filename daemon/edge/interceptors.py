@@ -29,7 +29,16 @@ status code per interval, with the count); every outcome is still counted in the
 Admission comes before parsing too: after the auth check, a request over 64 KiB takes its wire
 bytes from the daemon's request budget (`request_budget.py`, max_queued_request_bytes) and
 waits there, unparsed, while the budget is full; it gives them back when the call ends. So
-calls queued for the pool lock hold their wire bytes, not their parsed expansion.
+calls queued for the pool lock hold their wire bytes, not their parsed expansion. A request
+stream's messages are admitted one by one: each holds its bytes from before it is parsed until
+the handler reads the next one (StepStream answers a message before it reads the next).
+
+Streams (KVPool.StepStream): the auth check runs once, when the stream opens, and the caller
+holds for every message; the stream is one call of max_concurrent_rpcs and one outcome in the
+RPC metrics when it ends. Each message a stream answers is counted too
+(`pagedkv:stream_messages`, by the status code its answer carries, and its time from parse to
+answer), and a failed one logged as a failed call is: a figure of daemon calls counts RPCs and
+stream messages.
 
 Every handler kind is wrapped (unary or streamed requests and responses, generators or
 context.write), so a new RPC can never slip past the check. Session ids are credentials and
@@ -43,7 +52,7 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -56,6 +65,9 @@ from pagedkv.daemon.service.request_budget import RequestBudget
 from pagedkv.daemon.service.sessions import SESSION_ID
 from pagedkv.daemon.service.tenants import Caller, Tenants, calling_as
 from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, get_logger
+
+# grpc.StatusCode by its number (the code a stream's answer message carries).
+STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 # Services any peer may call without a token.
 UNAUTHENTICATED_SERVICES = frozenset({"grpc.health.v1.Health"})
@@ -70,6 +82,8 @@ if TYPE_CHECKING:
     # What runs around one call, given its context and its request's wire bytes (0 for a
     # request stream): auth, admission, then timing and the outcome.
     CallScope: TypeAlias = Callable[[Context, int], AbstractAsyncContextManager["Rpc"]]
+    # Holds `nbytes` of request in the request budget for a block's duration.
+    Admit: TypeAlias = Callable[[int], AbstractAsyncContextManager[None]]
 
 # A handler's behavior: (request or request iterator, context) -> response or async generator.
 # The stubs type behaviors with the sync context; the aio server passes its own.
@@ -115,14 +129,26 @@ def unmapped_uid(uid: int) -> Refusal:
 class Rpc:
     """One call as the interceptor sees it: what it names, and its request once parsed."""
 
-    def __init__(self, service: str, method: str) -> None:
+    def __init__(self, service: str, method: str, admit: Admit,
+                 answered: Callable[[Rpc, int], None]) -> None:
         # Full service name and method name, e.g. "pagedkv.v1.KVPool", "Allocate".
         self.service = service
         self.method = method
         # "#<number>" of the session the request names, once parsed (see session_label).
         self.session: str | None = None
-        # When the call started (perf_counter seconds).
+        # When the call started, and when its latest request was parsed (perf_counter seconds).
         self.start = time.perf_counter()
+        self.parsed = self.start
+        # Holds a streamed request's wire bytes in the request budget while the block runs.
+        self.admit = admit
+        # Records one answered message of a request stream, by the status code its answer
+        # carries (google.rpc.Code numbering).
+        self._answered = answered
+
+    def answered(self, response: object) -> None:
+        """A request stream's message answered: `response`'s `code` field, if any, its status."""
+        code = getattr(response, "code", 0)
+        self._answered(self, code if isinstance(code, int) else 0)
 
     def parse(self, raw: Any, deserializer: Deserializer) -> Any:
         """The request message from its wire bytes; MalformedRequest if they do not parse."""
@@ -133,6 +159,7 @@ class Rpc:
         except Exception as exc:  # protobuf raises DecodeError, and others for odd input
             raise MalformedRequest(f"the request is not a valid {self.method} message") from exc
         self.session = session_label(request)
+        self.parsed = time.perf_counter()
         return request
 
 
@@ -221,7 +248,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                     nbytes: int) -> AsyncIterator[Rpc]:
         """Runs around one call: refuse it, or admit its `nbytes` of request to the request
         budget (waiting, unparsed, for room) and time it and record its outcome."""
-        rpc = Rpc(service, method)
+        rpc = Rpc(service, method, self._admit, self._record_message)
         caller = self._caller(context)
         if isinstance(caller, Refusal) and service not in UNAUTHENTICATED_SERVICES:
             self._record(rpc, caller.code, log=False)
@@ -229,10 +256,8 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 caller.event, RateLimitedLog(HOSTILE_LOG_INTERVAL_S))
             self._log_rarely(limit, caller.event, rpc)
             await context.abort(caller.code, caller.message)
-        admitted = (contextlib.nullcontext() if self._requests is None
-                    else self._requests.admit(nbytes))
         try:
-            async with admitted:
+            async with self._admit(nbytes):
                 with (calling_as(caller) if isinstance(caller, Caller)
                       else contextlib.nullcontext()):
                     yield rpc
@@ -249,6 +274,12 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             self._record(rpc, code or grpc.StatusCode.UNKNOWN)
             raise
         self._record(rpc, context.code() or grpc.StatusCode.OK)
+
+    def _admit(self, nbytes: int) -> AbstractAsyncContextManager[None]:
+        """`nbytes` of request held in the request budget (none: at once)."""
+        if self._requests is None:
+            return contextlib.nullcontext()
+        return self._requests.admit(nbytes)
 
     async def _refuse_malformed(self, rpc: Rpc, context: Context, message: str) -> None:
         """INVALID_ARGUMENT for a request that does not parse: counted, logged rate-limited."""
@@ -268,20 +299,31 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         seconds = time.perf_counter() - rpc.start
         if self._metrics is not None:
             self._metrics.observe(rpc.service, rpc.method, code.name, seconds)
-        if not log:
-            return
+        if log:
+            self._log_outcome("rpc", rpc, code, seconds)
+
+    def _record_message(self, rpc: Rpc, number: int) -> None:
+        """One message of a request stream answered with status `number`: counted and timed
+        from its parse, and logged as a call's outcome is."""
+        code = STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+        seconds = time.perf_counter() - rpc.parsed
+        if self._metrics is not None:
+            self._metrics.observe_message(rpc.service, rpc.method, code.name, seconds)
+        self._log_outcome("stream_message", rpc, code, seconds)
+
+    def _log_outcome(self, event: str, rpc: Rpc, code: grpc.StatusCode, seconds: float) -> None:
         fields = {"service": rpc.service, "method": rpc.method, "session": rpc.session,
                   "code": code.name, "latency_ms": round(seconds * 1000, 3)}
         if code == grpc.StatusCode.OK:
-            _log.debug("rpc", **fields)
+            _log.debug(event, **fields)
             return
         # A caller may fail calls as fast as it likes: one line per method and code at most
         # every HOSTILE_LOG_INTERVAL_S, counting the failures it stands for.
         limit = self._refusal_logs.setdefault(
-            f"rpc {rpc.method} {code.name}", RateLimitedLog(HOSTILE_LOG_INTERVAL_S))
+            f"{event} {rpc.method} {code.name}", RateLimitedLog(HOSTILE_LOG_INTERVAL_S))
         count = limit.event()
         if count is not None:
-            _log.warning("rpc", **fields, count=count, interval_s=HOSTILE_LOG_INTERVAL_S)
+            _log.warning(event, **fields, count=count, interval_s=HOSTILE_LOG_INTERVAL_S)
 
 
 # The four handler kinds, and the grpc factory that makes a handler of each kind.
@@ -312,30 +354,43 @@ def _scoped(behavior: Behavior, scope: CallScope, deserializer: Deserializer,
             streamed: bool) -> Behavior:
     """`behavior` run inside `scope`, its request (or each streamed request) parsed after the
     scope's checks, keeping its shape: grpc treats an async generator (which yields responses)
-    differently from a coroutine (which returns one or calls context.write)."""
+    differently from a coroutine (which returns one or calls context.write). A streamed
+    request's parser is closed when the call ends, giving back the budget its message held."""
 
-    def parsed(raw: Any, rpc: Rpc) -> Any:
-        return _parse_each(raw, rpc, deserializer) if streamed else rpc.parse(raw, deserializer)
+    @asynccontextmanager
+    async def parsed(raw: Any, rpc: Rpc) -> AsyncIterator[Any]:
+        if not streamed:
+            yield rpc.parse(raw, deserializer)
+            return
+        async with contextlib.aclosing(_parse_each(raw, rpc, deserializer)) as requests:
+            yield requests
 
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(raw: Any, context: Context) -> Any:
-            async with scope(context, 0 if streamed else len(raw)) as rpc:
-                async for response in behavior(parsed(raw, rpc), context):
+            async with scope(context, 0 if streamed else len(raw)) as rpc, \
+                    parsed(raw, rpc) as request:
+                async for response in behavior(request, context):
+                    if streamed:  # a message of a stream-stream call, answered
+                        rpc.answered(response)
                     yield response
 
         return stream
 
     async def call(raw: Any, context: Context) -> Any:
-        async with scope(context, 0 if streamed else len(raw)) as rpc:
-            result = behavior(parsed(raw, rpc), context)
+        async with scope(context, 0 if streamed else len(raw)) as rpc, \
+                parsed(raw, rpc) as request:
+            result = behavior(request, context)
             return await result if inspect.isawaitable(result) else result
 
     return call
 
 
 async def _parse_each(raw_requests: AsyncIterator[Any], rpc: Rpc,
-                      deserializer: Deserializer) -> AsyncIterator[Any]:
-    """Parse a request stream message by message, as the handler reads it."""
+                      deserializer: Deserializer) -> AsyncGenerator[Any, None]:
+    """Parse a request stream message by message, as the handler reads it, each message's wire
+    bytes admitted to the request budget before it is parsed and held until the handler reads
+    the next (or the call ends)."""
     async for raw in raw_requests:
-        yield rpc.parse(raw, deserializer)
+        async with rpc.admit(len(raw)):
+            yield rpc.parse(raw, deserializer)

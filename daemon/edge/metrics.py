@@ -121,9 +121,24 @@ class RpcMetrics:
             ["service", "method", "code"], registry=registry,
         )
 
+        # A stream's messages (KVPool.StepStream), each an answered call of its own kind.
+        self._message_latency = prometheus_client.Histogram(
+            "pagedkv:stream_message_duration_seconds",
+            "Time from a stream message's parse to its answer.",
+            ["service", "method"], registry=registry, buckets=RPC_LATENCY_BUCKETS_S,
+        )
+        self._messages = prometheus_client.Counter(
+            "pagedkv:stream_messages", "Answered messages of request streams, by the status "
+            "code each answer carries.", ["service", "method", "code"], registry=registry,
+        )
+
     def observe(self, service: str, method: str, code: str, seconds: float) -> None:
         self._latency.labels(service, method).observe(seconds)
         self._calls.labels(service, method, code).inc()
+
+    def observe_message(self, service: str, method: str, code: str, seconds: float) -> None:
+        self._message_latency.labels(service, method).observe(seconds)
+        self._messages.labels(service, method, code).inc()
 
 
 @dataclass

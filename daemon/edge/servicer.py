@@ -2,12 +2,14 @@
 
 Nothing here decides anything: requests become operation records, the service acts, results
 become messages. `grpc_errors` maps the service's exceptions to status codes (StepMany puts each
-failed entry's status in its result instead). Step, the decode hot path, moves packed arrays
-straight between protobuf and numpy with no per-sequence objects.
+failed entry's status in its result instead, StepStream each refused message's in its answer).
+Step, the decode hot path, moves packed arrays straight between protobuf and numpy with no
+per-sequence objects.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -124,7 +126,34 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     @grpc_errors
     async def StepMany(self, request: pb.StepManyRequest,
                        context: Context) -> pb.StepManyResponse:
+        return await self._step_many(request)
+
+    async def StepStream(self, requests: AsyncIterator[pb.StepStreamRequest],
+                         context: Context) -> AsyncIterator[pb.StepStreamResponse]:
+        """StepMany calls on one stream: each message handled as that call, one at a time, and
+        answered in order; a message refused as a whole is answered with its status, and the
+        stream goes on. A message the client's cancel interrupts is undone as a cancelled
+        StepMany (its entry being applied undone, later ones never started)."""
+        async for request in requests:
+            yield await self._stream_answer(request)
+
+    async def _stream_answer(self, request: pb.StepStreamRequest) -> pb.StepStreamResponse:
+        """One StepStream message's answer: its StepMany's, or the status refusing it whole."""
+        try:
+            many = await self._step_many(request.many, streamed=True)
+        except Exception as exc:
+            code, cause, message = failure_of(exc, "StepStream")
+            return pb.StepStreamResponse(call_id=request.call_id, code=code.value[0],
+                                         cause=cause,
+                                         message=cut_utf8(message, ENTRY_MESSAGE_BYTES))
+        return pb.StepStreamResponse(call_id=request.call_id, many=many)
+
+    async def _step_many(self, request: pb.StepManyRequest, *,
+                         streamed: bool = False) -> pb.StepManyResponse:
+        """A StepMany call's answer (`streamed`: inside a StepStreamResponse, charged too)."""
         answer = self._service.step_many_budget(len(request.steps))  # or refused as a whole
+        if streamed:
+            answer.step_stream()
         results = [await self._step_entry(step, answer) for step in request.steps]
         return pb.StepManyResponse(results=results, free_blocks=self._service.free_blocks)
 
