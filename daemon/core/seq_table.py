@@ -25,7 +25,9 @@ once (`save_rows`), not one entry per sequence.
 """
 
 import operator
+import struct
 from collections.abc import Hashable, Mapping, Sequence
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -343,10 +345,17 @@ def rows_of(rows: Mapping[Hashable, int], seqs: Sequence[Hashable]) -> Int64Arra
         raise SequenceNotFound(f"sequence {missing.args[0]!r} does not exist") from None
     if len(seqs) == 1:
         return np.array([found], dtype=np.int64)
-    result = np.fromiter(found, dtype=np.int64, count=len(found))
+    result = np.empty(len(found), dtype=np.int64)
+    _int64s(len(found)).pack_into(result.data, 0, *found)  # np.fromiter: 3x the time
     if np.bincount(result).max() > 1:
         raise InvalidArgument("a sequence appears twice in one batch")
     return result
+
+
+@lru_cache(maxsize=64)
+def _int64s(n: int) -> struct.Struct:
+    """The packer of `n` native int64s (batches have few distinct sizes)."""
+    return struct.Struct(f"{n}q")
 
 
 def ragged_entries(rows: Int64Array, first: Int64Array,
