@@ -9,8 +9,9 @@ Both serve one gRPC service the same way, through `grpc_servers`:
   exactly its mode whatever the umask, and its group when given (`socket_files`);
 - start, then SERVING in health for "" and the service;
 - drain (`GrpcServers.drain`, on the process's stop event): STOPPING=1 to systemd, health
-  NOT_SERVING so balancers and clients move away, new calls refused, in-flight ones finish for
-  up to SHUTDOWN_GRACE_S and are then cancelled;
+  NOT_SERVING so balancers and clients move away, long-lived streams told to end (`on_drain`:
+  a stream ends once its message in progress is answered), new calls refused, in-flight ones
+  finish for up to SHUTDOWN_GRACE_S and are then cancelled;
 - on exit: every server stopped at once and the socket files it created removed.
 """
 
@@ -60,6 +61,9 @@ class GrpcServers:
         self.servers: list[grpc.aio.Server] = []
         # Socket files these servers created; only these are removed (never a live process's).
         self.sockets: list[Path] = []
+        # Called when the drain starts: servicers end their long-lived streams (which would
+        # otherwise hold the drain for all of SHUTDOWN_GRACE_S).
+        self.on_drain: list[Callable[[], None]] = []
 
     def add_server(self, add_service: Callable[[grpc.aio.Server], None],
                    interceptors: Sequence["grpc.aio.ServerInterceptor[Any, Any]"] = ()
@@ -118,10 +122,13 @@ class GrpcServers:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     async def drain(self) -> None:
-        """STOPPING=1, health NOT_SERVING, then stop: in-flight calls get SHUTDOWN_GRACE_S."""
+        """STOPPING=1, health NOT_SERVING, streams told to end, then stop: in-flight calls get
+        SHUTDOWN_GRACE_S."""
         log.info("stopping", grace_s=SHUTDOWN_GRACE_S)
         notify("STOPPING=1", "STATUS=draining")
         await self.health.enter_graceful_shutdown()
+        for end_streams in self.on_drain:
+            end_streams()
         await self.stop(SHUTDOWN_GRACE_S)
 
     async def stop(self, grace: float | None) -> None:

@@ -213,18 +213,20 @@ class KVPoolServicer:
 
     def StepStream(self, request_iterator, context):
         """StepMany on one long-lived stream (what the pagedkv runner uses: a message on an open stream
-        costs about a third of a unary round trip). Each request message is answered by one
-        response message with the same call_id, in order; each message is handled exactly as a
-        StepMany call with the same request would be (authorization per entry, all-or-nothing per
-        entry, the same limits), and a message refused as a whole carries its status in the
-        response (code, cause, message: nothing of it changed) while the stream goes on. The
-        stream is one of the daemon's max_concurrent_rpcs; it handles one message at a time, so
-        its work is bounded as a call's. Deadlines and lost answers: a caller that waits too long
-        for an answer, or whose stream breaks, treats every message not yet answered as a lost
-        StepMany (read each entry back, see "Retry rules") once the stream has ended on its side;
-        a message the daemon had not finished when the stream ended is undone as a whole, as a
-        cancelled call. Reconnect by opening a new stream. External schedulers may keep using
-        StepMany and Step.
+        costs about a third of a unary round trip). Each request message is answered by one response
+        message with the same call_id, in order; each message is handled exactly as a StepMany call
+        with the same request would be (authorization per entry, all-or-nothing per entry, the same
+        limits), and a message refused as a whole carries its status in the response (code, cause,
+        message: nothing of it changed) while the stream goes on. The stream is one of the daemon's
+        max_concurrent_rpcs; it handles one message at a time, so its work is bounded as a call's.
+        Deadlines and lost answers: a caller that waits too long for an answer, or whose stream breaks,
+        treats every message not yet answered as a lost StepMany (read each entry back, see "Retry
+        rules") once the stream has ended on its side; a message the daemon had not finished when the
+        stream ended ends as a cancelled StepMany call does, and no later message is handled. Reconnect
+        by opening a new stream. A message over the daemon's message limit (see "Limits") ends the
+        stream with gRPC's own RESOURCE_EXHAUSTED, as it fails such a call: split a call that large
+        before sending it. A draining daemon (SIGTERM) ends each stream, status OK, once its message in
+        progress is answered. External schedulers may keep using StepMany and Step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -181,18 +181,20 @@ class KVPoolStub:
     """
     StepStream: _grpc.StreamStreamMultiCallable[_kvpool_pb2.StepStreamRequest, _kvpool_pb2.StepStreamResponse]
     """StepMany on one long-lived stream (what the pagedkv runner uses: a message on an open stream
-    costs about a third of a unary round trip). Each request message is answered by one
-    response message with the same call_id, in order; each message is handled exactly as a
-    StepMany call with the same request would be (authorization per entry, all-or-nothing per
-    entry, the same limits), and a message refused as a whole carries its status in the
-    response (code, cause, message: nothing of it changed) while the stream goes on. The
-    stream is one of the daemon's max_concurrent_rpcs; it handles one message at a time, so
-    its work is bounded as a call's. Deadlines and lost answers: a caller that waits too long
-    for an answer, or whose stream breaks, treats every message not yet answered as a lost
-    StepMany (read each entry back, see "Retry rules") once the stream has ended on its side;
-    a message the daemon had not finished when the stream ended is undone as a whole, as a
-    cancelled call. Reconnect by opening a new stream. External schedulers may keep using
-    StepMany and Step.
+    costs about a third of a unary round trip). Each request message is answered by one response
+    message with the same call_id, in order; each message is handled exactly as a StepMany call
+    with the same request would be (authorization per entry, all-or-nothing per entry, the same
+    limits), and a message refused as a whole carries its status in the response (code, cause,
+    message: nothing of it changed) while the stream goes on. The stream is one of the daemon's
+    max_concurrent_rpcs; it handles one message at a time, so its work is bounded as a call's.
+    Deadlines and lost answers: a caller that waits too long for an answer, or whose stream breaks,
+    treats every message not yet answered as a lost StepMany (read each entry back, see "Retry
+    rules") once the stream has ended on its side; a message the daemon had not finished when the
+    stream ended ends as a cancelled StepMany call does, and no later message is handled. Reconnect
+    by opening a new stream. A message over the daemon's message limit (see "Limits") ends the
+    stream with gRPC's own RESOURCE_EXHAUSTED, as it fails such a call: split a call that large
+    before sending it. A draining daemon (SIGTERM) ends each stream, status OK, once its message in
+    progress is answered. External schedulers may keep using StepMany and Step.
     """
     GetBlockTables: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.GetBlockTablesRequest, _kvpool_pb2.GetBlockTablesResponse]
     """Queries."""
@@ -234,18 +236,20 @@ class KVPoolAsyncStub(KVPoolStub):
     """
     StepStream: _aio.StreamStreamMultiCallable[_kvpool_pb2.StepStreamRequest, _kvpool_pb2.StepStreamResponse]  # type: ignore[assignment]
     """StepMany on one long-lived stream (what the pagedkv runner uses: a message on an open stream
-    costs about a third of a unary round trip). Each request message is answered by one
-    response message with the same call_id, in order; each message is handled exactly as a
-    StepMany call with the same request would be (authorization per entry, all-or-nothing per
-    entry, the same limits), and a message refused as a whole carries its status in the
-    response (code, cause, message: nothing of it changed) while the stream goes on. The
-    stream is one of the daemon's max_concurrent_rpcs; it handles one message at a time, so
-    its work is bounded as a call's. Deadlines and lost answers: a caller that waits too long
-    for an answer, or whose stream breaks, treats every message not yet answered as a lost
-    StepMany (read each entry back, see "Retry rules") once the stream has ended on its side;
-    a message the daemon had not finished when the stream ended is undone as a whole, as a
-    cancelled call. Reconnect by opening a new stream. External schedulers may keep using
-    StepMany and Step.
+    costs about a third of a unary round trip). Each request message is answered by one response
+    message with the same call_id, in order; each message is handled exactly as a StepMany call
+    with the same request would be (authorization per entry, all-or-nothing per entry, the same
+    limits), and a message refused as a whole carries its status in the response (code, cause,
+    message: nothing of it changed) while the stream goes on. The stream is one of the daemon's
+    max_concurrent_rpcs; it handles one message at a time, so its work is bounded as a call's.
+    Deadlines and lost answers: a caller that waits too long for an answer, or whose stream breaks,
+    treats every message not yet answered as a lost StepMany (read each entry back, see "Retry
+    rules") once the stream has ended on its side; a message the daemon had not finished when the
+    stream ended ends as a cancelled StepMany call does, and no later message is handled. Reconnect
+    by opening a new stream. A message over the daemon's message limit (see "Limits") ends the
+    stream with gRPC's own RESOURCE_EXHAUSTED, as it fails such a call: split a call that large
+    before sending it. A draining daemon (SIGTERM) ends each stream, status OK, once its message in
+    progress is answered. External schedulers may keep using StepMany and Step.
     """
     GetBlockTables: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.GetBlockTablesRequest, _kvpool_pb2.GetBlockTablesResponse]  # type: ignore[assignment]
     """Queries."""
@@ -368,18 +372,20 @@ class KVPoolServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_kvpool_pb2.StepStreamResponse], _abc.AsyncIterator[_kvpool_pb2.StepStreamResponse]]:
         """StepMany on one long-lived stream (what the pagedkv runner uses: a message on an open stream
-        costs about a third of a unary round trip). Each request message is answered by one
-        response message with the same call_id, in order; each message is handled exactly as a
-        StepMany call with the same request would be (authorization per entry, all-or-nothing per
-        entry, the same limits), and a message refused as a whole carries its status in the
-        response (code, cause, message: nothing of it changed) while the stream goes on. The
-        stream is one of the daemon's max_concurrent_rpcs; it handles one message at a time, so
-        its work is bounded as a call's. Deadlines and lost answers: a caller that waits too long
-        for an answer, or whose stream breaks, treats every message not yet answered as a lost
-        StepMany (read each entry back, see "Retry rules") once the stream has ended on its side;
-        a message the daemon had not finished when the stream ended is undone as a whole, as a
-        cancelled call. Reconnect by opening a new stream. External schedulers may keep using
-        StepMany and Step.
+        costs about a third of a unary round trip). Each request message is answered by one response
+        message with the same call_id, in order; each message is handled exactly as a StepMany call
+        with the same request would be (authorization per entry, all-or-nothing per entry, the same
+        limits), and a message refused as a whole carries its status in the response (code, cause,
+        message: nothing of it changed) while the stream goes on. The stream is one of the daemon's
+        max_concurrent_rpcs; it handles one message at a time, so its work is bounded as a call's.
+        Deadlines and lost answers: a caller that waits too long for an answer, or whose stream breaks,
+        treats every message not yet answered as a lost StepMany (read each entry back, see "Retry
+        rules") once the stream has ended on its side; a message the daemon had not finished when the
+        stream ended ends as a cancelled StepMany call does, and no later message is handled. Reconnect
+        by opening a new stream. A message over the daemon's message limit (see "Limits") ends the
+        stream with gRPC's own RESOURCE_EXHAUSTED, as it fails such a call: split a call that large
+        before sending it. A draining daemon (SIGTERM) ends each stream, status OK, once its message in
+        progress is answered. External schedulers may keep using StepMany and Step.
         """
 
     @_abc_1.abstractmethod

@@ -35,6 +35,7 @@ from pagedkv.daemon.memory.kv_memory import KVPoolMemory
 from pagedkv.daemon.process.server import grpc_server
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.tenants import Tenants
+from pagedkv.process.grpc_server import GrpcServers
 from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
 
 # The bearer token TCP callers of every test daemon must send.
@@ -61,6 +62,8 @@ class Daemon:
     registry: CollectorRegistry
     # The peer-credential gate serving the unix socket, when the tenants list uids.
     gate: PeerGate | None = None
+    # Its gRPC servers (what pagedkvd drains on SIGTERM: `servers.drain()`).
+    servers: GrpcServers | None = None
 
     @property
     def pool(self) -> PoolAllocator:
@@ -104,4 +107,4 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
         tcp_target = running.targets[1] if tcp else None
         assert running.runner_target is not None
         yield Daemon(service, running.targets[0], running.runner_target, tcp_target, memory,
-                     registry, running.gate)
+                     registry, running.gate, running.servers)

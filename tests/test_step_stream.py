@@ -33,13 +33,14 @@ from pagedkv.client import (
     StepResult,
     Unauthenticated,
 )
-from pagedkv.client.pool.errors import InvalidArgument
+from pagedkv.client.pool.errors import InvalidArgument, MessageTooLarge
 from pagedkv.daemon.edge.servicer import KVPoolServicer
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.request_budget import SMALL_REQUEST_BYTES
 from pagedkv.daemon.service.tenants import Tenant, Tenants, bearer_of
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
+from pagedkv.proto.limits import MAX_MESSAGE_BYTES
 
 from daemon_harness import Daemon, running_daemon
 
@@ -202,6 +203,30 @@ async def until_served(stub: Stub) -> None:
     raise AssertionError("never served again")
 
 
+async def test_a_draining_daemon_ends_each_stream_after_its_message_in_progress(
+        daemon: Daemon, stub: Stub) -> None:
+    """SIGTERM's drain: a stream waiting for its next message ends at once (OK), one whose
+    message waits for the pool ends once that message is answered; neither holds the drain
+    for its grace period, nor is cancelled at its end."""
+    sid = await session_with(stub, 3)
+    live = daemon.service.sessions.get(sid)
+    idle, busy = stub.StepStream(None), stub.StepStream(None)
+    for call_id, call in enumerate((idle, busy)):
+        await call.write(pb.StepStreamRequest(call_id=call_id, many=many((sid, [1]))))
+        assert isinstance(await call.read(), pb.StepStreamResponse)
+    assert daemon.servers is not None
+    async with daemon.service._lock:
+        await busy.write(pb.StepStreamRequest(call_id=2, many=many((sid, [1]))))
+        await until(lambda: live.in_flight == 1)
+        drain = asyncio.create_task(daemon.servers.drain())
+        assert await idle.code() == grpc.StatusCode.OK  # while the other's message waits
+    answer = await busy.read()
+    assert isinstance(answer, pb.StepStreamResponse) and answer.call_id == 2
+    assert list(answer.many.results[0].step.num_tokens) == [6]
+    assert await busy.code() == grpc.StatusCode.OK
+    await drain
+
+
 # ------------------------------------------------------------------ the client's side
 
 async def test_the_client_keeps_one_stream_and_fails_entries_as_step_many(
@@ -218,6 +243,21 @@ async def test_the_client_keeps_one_stream_and_fails_entries_as_step_many(
             await client.step_many([(session, Step([1]))] * 257)
         assert client.steps is not None and client.steps.opened == 1
     assert messages(daemon) == 3 and rpcs(daemon, "StepMany") == 0
+
+
+async def test_a_message_over_the_size_limit_fails_alone(daemon: Daemon) -> None:
+    """gRPC would end the stream for it (and lose every message in flight): the client refuses
+    it before sending, and the stream goes on."""
+    async with await PoolClient.connect(daemon.unix_target) as client:
+        session = await client.open_session("s")
+        await session.allocate(1, 3)
+        await client.step_many([(session, Step([1]))])
+        tokens = [2**62] * (MAX_MESSAGE_BYTES // 9 + 1)  # 9 bytes each
+        with pytest.raises(MessageTooLarge, match="split the call"):
+            await client.step_many([(session, Step([1], tokens, num_tokens=len(tokens)))])
+        (answer,) = await client.step_many([(session, Step([1]))])
+        assert isinstance(answer, StepResult) and answer.num_tokens == [5]
+        assert client.steps is not None and client.steps.opened == 1
 
 
 @pytest.mark.parametrize("applied", [True, False])

@@ -9,6 +9,9 @@ one is answered): each message carries a call_id, and one task reads the answers
 to its caller. The daemon handles each message exactly as a StepMany call, so a message refused
 as a whole raises what that call would (`error_from_status`), and the stream goes on.
 
+A message over MAX_MESSAGE_BYTES would end the stream (gRPC refuses it whole): it fails alone,
+MessageTooLarge before it is sent, as a unary call that large fails alone.
+
 The stream is opened at the first call and again after a break. A write that fails sent
 nothing (the stream had ended unnoticed, e.g. the daemon restarted between two calls): the
 message goes on a new stream. A message not answered within `timeout` ends the stream here
@@ -32,11 +35,13 @@ from pagedkv.client.pool.errors import (
     STATUS_BY_NUMBER,
     Cancelled,
     DeadlineExceeded,
+    MessageTooLarge,
     PagedKVError,
     error_from_rpc,
     error_from_status,
 )
 from pagedkv.proto import kvpool_pb2 as pb
+from pagedkv.proto.limits import MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
     from pagedkv.proto.kvpool_pb2_grpc import KVPoolAsyncStub  # in the stubs only
@@ -137,6 +142,9 @@ class StepStream:
         OutcomeUnknown if its answer did not come within `timeout` seconds or the stream broke
         (the stream has then ended here)."""
         message = pb.StepStreamRequest(call_id=next(self._call_ids), many=request)
+        if (size := message.ByteSize()) > MAX_MESSAGE_BYTES:  # would end the stream: alone
+            raise MessageTooLarge(grpc.StatusCode.RESOURCE_EXHAUSTED, f"a StepMany of {size} "
+                                  f"bytes; the limit is {MAX_MESSAGE_BYTES}: split the call")
         try:
             async with asyncio.timeout(timeout):
                 reply = await (await self._send(message))

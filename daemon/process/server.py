@@ -250,8 +250,9 @@ def _kvpool_server(servers: GrpcServers, service: PoolService,
     """A gRPC server of KVPool, health and reflection, every call through `interceptor`."""
     # What calls waiting for the pool hold is bounded by the server bounds' calls at once and
     # the request budget (request_budget.py).
-    return servers.add_server(lambda server: add_to_server(KVPoolServicer(service), server),
-                              [interceptor])
+    servicer = KVPoolServicer(service)
+    servers.on_drain.append(servicer.end_streams)
+    return servers.add_server(lambda server: add_to_server(servicer, server), [interceptor])
 
 
 def _bind(servers: GrpcServers, server: grpc.aio.Server, listener: ListenAddress,
