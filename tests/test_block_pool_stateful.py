@@ -8,7 +8,9 @@ wrong content, and a block handed to two owners. `check_invariants()` runs after
 
 Blocks are shareable only once committed: `commit` certifies a sequence's tokens written, and a
 request whose prefill fails (garbage in its slots, then freed) must never be matched later. A
-rolled-back transaction of random ops must leave the whole state exactly as it was.
+rolled-back transaction of random ops must leave the whole state exactly as it was. Appends may
+reserve slots ahead (`reserve_tokens`): the reserved blocks are private and unkeyed
+(`check_invariants`), and an append into them changes no table entry.
 
 The pool counts the blocks held by two groupings of the sequences (as the service does by session
 and by tenant), and keeps its figures as operations run: `check_invariants()` compares both with
@@ -135,16 +137,28 @@ class PoolMachine(RuleBasedStateMachine):
         self.tokens[seq] += tokens
 
     @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), k=st.integers(1, 3), known=st.booleans())
-    def append_batch(self, data: st.DataObject, k: int, known: bool) -> None:
+    @rule(data=st.data(), k=st.integers(1, 3), known=st.booleans(),
+          reserve=st.sampled_from([0, 0, 1, 4, 6]))
+    def append_batch(self, data: st.DataObject, k: int, known: bool, reserve: int) -> None:
+        """Appends, some reserving slots ahead: a table then covers its tokens and `reserve`
+        slots, and an append changes no entry it had (a copy-on-write copy aside)."""
         seqs = data.draw(st.lists(st.sampled_from(sorted(self.tokens)), min_size=1, unique=True))
         batch = [self._new_tokens(k, known, data)[0] for _ in seqs]
         before = self._snapshot()
-        result = self.pool.append_batch(seqs, k, batch if known else None)
+        had = [len(self.pool.block_table(seq)) for seq in seqs]
+        result = self.pool.append_batch(seqs, k, batch if known else None, reserve)
         if isinstance(result, NoFit):
             assert self._snapshot() == before
             return
         assert isinstance(result, BatchAppend)
+        copied = {copy.dst for copy in result.copies}
+        for i, logical, block in zip(result.changed_seq_index.tolist(),
+                                     result.changed_logical_block.tolist(),
+                                     result.changed_block_id.tolist(), strict=True):
+            assert logical >= had[i] or block in copied, "an append changed a reserved entry"
+        for seq in seqs:
+            covered = len(self.pool.block_table(seq)) * BLOCK_SIZE
+            assert covered >= self.pool.num_tokens(seq) + reserve, f"{seq} reserved too little"
         self._copy(result.copies)
         slots = result.slot_mapping.reshape(len(seqs), k).tolist()
         for seq, seq_slots, tokens in zip(seqs, slots, batch, strict=True):
@@ -224,7 +238,7 @@ class PoolMachine(RuleBasedStateMachine):
             case "append":  # with ids, so that the partial-block ids must come back too
                 k = data.draw(st.integers(1, 5))
                 ids = data.draw(st.none() | st.lists(st.integers(0, 3), min_size=k, max_size=k))
-                self.pool.append_batch([seq], k, ids)
+                self.pool.append_batch([seq], k, ids, data.draw(st.sampled_from([0, 5])))
             case "fork":
                 self.pool.fork(seq, data.draw(NAMES))
             case "cow":
