@@ -202,6 +202,19 @@ async def test_a_lost_step_that_was_applied_is_rebuilt_from_the_tables(
     assert losses.received["Step"] == 1  # the lost one only: never resent
 
 
+async def test_a_lost_step_that_reserved_lists_its_reserved_entries(
+        daemon: Daemon, session: Session, losses: Losses) -> None:
+    """A lost Step with reserve_tokens, applied: the rebuilt answer's changed entries reach
+    over the reservation (blocks 3 and 4: 11 tokens + 6 reserved slots), as the lost one's did."""
+    losses.lose("Step")
+    result = await session.step([1], token_ids=[7], reserve_tokens=6)
+    assert result.slot_mapping == [10] and result.num_tokens == [11]
+    assert list(zip(result.changed_seq_index, result.changed_logical_block,
+                    result.changed_block_id, strict=True)) == [(0, 2, 2), (0, 3, 3), (0, 4, 4)]
+    assert [table.block_ids for table in await session.block_tables([1])] == [[0, 1, 2, 3, 4]]
+    assert losses.received["Step"] == 1
+
+
 async def test_a_lost_step_that_was_not_applied_is_sent_again(
         daemon: Daemon, session: Session, losses: Losses) -> None:
     losses.lose("Step", applied=False)
