@@ -87,25 +87,26 @@ class Appender:
         """The decode step: one token each, no row writing into a shared block. Each token
         lands in its row's last block, or where that is full in the next: its reserved entry,
         else a new block."""
-        st = self._seqs
-        edge = (plan.offset == 0).nonzero()[0]
-        reserved = edge[st.num_blocks[rows[edge]] * self.block_size > plan.old[edge]]
-        grow = np.setdiff1d(edge, reserved, assume_unique=True) if len(reserved) else edge
+        st, old = self._seqs, plan.old
+        grow = (plan.offset == 0).nonzero()[0]  # at a block's edge: a new entry, or reserved
+        grown, logical = rows[grow], old[grow] // self.block_size
+        reserved = grow[st.num_blocks[grown] > logical] if len(grow) else grow
+        if len(reserved):  # their next entry is in the table already
+            grow = np.setdiff1d(grow, reserved, assume_unique=True)
+            grown, logical = rows[grow], old[grow] // self.block_size
         available = self._blocks.num_available
         if len(grow) > available:
             return NoFit(len(grow), available)
-        old, grown = plan.old, rows[grow]
         st.save_rows(rows, grown)
-        logical = old[grow] // self.block_size
         taken = self._take_entries(grown, logical)
         st.num_blocks[grown] = logical + 1
         st.num_tokens[rows] = new = old + 1
         st.grew(len(rows), len(grow))
-        self._record_tokens(rows, old, plan.offset, tokens)
         written = plan.last  # the plan's own gather: safe to update in place
         written[grow] = taken
         if len(reserved):
             written[reserved] = st.entries(rows[reserved], old[reserved] // self.block_size)
+        self._record_tokens(rows, old, plan.offset, tokens, written)
         # An empty row's first block adds no charge: it was charged one while empty.
         return BatchAppend(written * self.block_size + plan.offset, grow, logical, taken, [],
                            new, int(np.count_nonzero(logical)))
@@ -159,11 +160,12 @@ class Appender:
     # --------------------------------------------------------- prefix caching
 
     def _record_tokens(self, rows: Int64Array, old: Int64Array, offset: Int64Array,
-                       tokens: Int64Array | None) -> None:
+                       tokens: Int64Array | None, landed: Int64Array | None = None) -> None:
         """Remember the ids `tokens` [len(rows), k] appended to `rows` (which held `old`
         tokens, `offset` = old % block_size) and key each block they fill. An append without
         ids breaks the rows' chains: their later blocks are never keyed. One step per token
-        column, not per token."""
+        column, not per token. `landed`, for one token each, is the block each landed in (the
+        caller has it: no gather of the filled blocks)."""
         st, bs = self._seqs, self.block_size
         if tokens is None:
             st.chain_ok[rows] = False
@@ -175,18 +177,22 @@ class Appender:
                 offset = (old + j) % bs
             st.partial[rows, offset] = tokens[:, j]  # junk, harmless, in rows not chain_ok
             filled = (offset == bs - 1).nonzero()[0]
+            if not len(filled):
+                continue
+            filled = filled[st.chain_ok[rows[filled]]]  # rows whose ids are all known
             if len(filled):
-                filled = filled[st.chain_ok[rows[filled]]]  # rows whose ids are all known
-            if len(filled):
-                self._seal(rows[filled], (old[filled] + j) // bs)
+                sealed = rows[filled]
+                blocks = st.entries(sealed, (old[filled] + j) // bs) if landed is None \
+                    else landed[filled]
+                self._seal(sealed, blocks)
 
-    def _seal(self, rows: Int64Array, logical: Int64Array) -> None:
+    def _seal(self, rows: Int64Array, blocks: Int64Array) -> None:
         """These rows just filled these blocks: key each (pending) by its prefix chain."""
         st, row_list = self._seqs, rows.tolist()
         chain_key, tokens = st.chain_key, st.partial[rows]
         parents = [chain_key[row] for row in row_list]
         keys = self._blocks.cache.keys.blocks(parents, tokens)
-        self._blocks.cache.key_blocks(st.entries(rows, logical), parents, keys, tokens)
+        self._blocks.cache.key_blocks(blocks, parents, keys, tokens)
         st.set_chain(row_list, keys)
 
     # ------------------------------------------------------------------- checks
