@@ -93,7 +93,10 @@ async def test_a_reservation_takes_its_blocks_at_once_and_appends_into_it_take_n
     assert (step.slot_mapping, changed(step)) == ([9], [(0, 3, 3)])
     step = await session.step([1], [11])
     assert (step.slot_mapping, changed(step)) == ([10], [])
-    assert await table(session, 1) == ([0, 1, 2, 3], 11)
+    # An Append (or a Batch's) into the reservation takes nothing either.
+    appended = await session.append(1, token_ids=[12])
+    assert (appended.slot_mapping, appended.block_ids) == ([11], [0, 1, 2, 3])
+    assert await table(session, 1) == ([0, 1, 2, 3], 12)
     stats = await session.stats()
     assert stats.session is not None and stats.session.block_table_entries == 4
     daemon.service.check_invariants()
