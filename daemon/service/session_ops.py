@@ -151,9 +151,9 @@ class SessionOps:
                 self._add_seq(session, child_seq_id)
             case CopyOnWrite(seq_id, logical_block):
                 key = self.own(session, seq_id)
-                num_blocks = blocks_for(self.pool.num_tokens(key), bs)
+                num_blocks = blocks_for(self.pool.num_tokens(key), bs)  # those holding tokens
                 check_logical_block(logical_block, num_blocks, seq_id)  # names the client's id
-                answer.sequence("copy_on_write", num_blocks, copies=1)
+                answer.sequence("copy_on_write", self.pool.table_length(key), copies=1)
                 update = _fit(self.pool.copy_on_write(key, logical_block))
                 charge = 0  # a copy replaces a table entry
             case Commit(seq_ids, num_tokens):
