@@ -13,6 +13,7 @@ a break. Pool: 16 blocks of 4 slots; fresh blocks come out in id order.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -155,6 +156,26 @@ async def test_auth_holds_on_the_stream(daemon: Daemon) -> None:
     assert messages(daemon) == 1
     assert daemon.registry.get_sample_value("pagedkv:rpc_requests_total", {
         "service": KVPOOL, "method": "StepStream", "code": "UNAUTHENTICATED"}) == 1
+
+
+async def test_the_peer_gate_names_the_streams_caller_by_uid() -> None:
+    """Through the peer-credential gate, the stream's caller is the tenant listing its uid: a
+    session of the unix tenant (opened by a runner) is NOT_FOUND to it, its own is stepped."""
+    mapped = Tenants([Tenant("me", uids=frozenset({os.getuid()}))])
+    async with running_daemon(tenants=mapped) as daemon, \
+            await PoolClient.connect(daemon.unix_target) as me, \
+            await PoolClient.connect(daemon.runners_target) as runner:
+        assert daemon.gate is not None and daemon.gate.open_connections == 1
+        theirs = await runner.open_session("the unix tenant's")
+        await theirs.allocate(1, 3)
+        mine = await me.open_session("mine")
+        await mine.allocate(1, 3)
+        answers = await me.step_many([(me.attach(theirs.session_id, 4), Step([1])),
+                                      (mine, Step([1]))])
+        assert isinstance(answers[0], SessionNotFound)
+        assert isinstance(answers[1], StepResult) and answers[1].num_tokens == [4]
+        assert (await theirs.block_tables([1]))[0].num_tokens == 3
+        assert me.steps is not None and me.steps.opened == 1
 
 
 async def test_each_large_message_holds_the_request_budget_until_answered(
