@@ -110,9 +110,10 @@ cause "AnswerTooLarge", nothing changed). The default, 4 MiB less 4 KiB, fits gR
 receive limit (4 MiB), so a stock channel receives every answer; where the operator raised
 max_answer_bytes (up to 8 MiB), set grpc.max_receive_message_length on your channel to at
 least that (the bundled client's is 8 MiB). The daemon caps sessions, sequences per session,
-block-table entries per session, ops, Step entries, seq ids and tokens per call, the work of
-one call (`max_call_work`: ops, seq ids named, blocks of new tokens; INVALID_ARGUMENT: split
-the call), the bytes of client_name, cache_salt and session_id, and a runner's hold_ms
+block-table entries per session (reserved ones included), ops, Step entries, seq ids and
+tokens per call, the slots a Step reserves (`max_reserve_tokens`), the work of one call
+(`max_call_work`: ops, seq ids named, blocks of new tokens and reserved slots;
+INVALID_ARGUMENT: split the call), the bytes of client_name, cache_salt and session_id, and a runner's hold_ms
 (`max_hold_ms`). It serves a bounded
 number of calls at once (`max_concurrent_rpcs`): one more is refused by gRPC itself with
 RESOURCE_EXHAUSTED and no "pagedkv-error" cause, nothing applied; retry it later. A
