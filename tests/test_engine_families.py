@@ -49,7 +49,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from pagedkv.client import PoolClient, SamplingParams, SeqOutput, SeqStep, Session
+from pagedkv.client import History, PoolClient, SamplingParams, SeqOutput, SeqStep, Session
 from pagedkv.model_runner.engine.step_engine import StepEngine
 from pagedkv.model_runner.kernels.attention_backend import get_backend
 
@@ -268,24 +268,35 @@ async def test_a_cached_prefix_computes_fewer_tokens_and_the_same_output(
     assert again[3].tokens == expected_tokens(family, whole_blocks)
 
 
+def child_step(seq_id: int, parent: int, prompt: Sequence[int], generated: Sequence[int],
+               token: int) -> SeqStep:
+    """The first step of a child the client forked itself with KVPool.Fork: the daemon may hold
+    fewer of its tokens than the runner's answers said of its parent (the runner appends decode
+    tokens once a block), so it names its history, as the client knows it."""
+    return SeqStep(seq_id, (token,), False, 0, GREEDY, parent_seq_id=parent,
+                   history=History((*prompt, *generated), len(prompt), 0))
+
+
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 async def test_a_forked_sequence_continues_like_its_parent(
     family: str, session: Session, engine: StepEngine,
     prompts: list[tuple[int, ...]],
 ) -> None:
     """The parent (17-token prompt) samples 3 tokens; the client forks it in the daemon (the
-    shared last block holds 19 tokens' K/V, partly filled), then steps parent and child
-    together, the child naming its parent on its first step: both continue with the parent's
+    shared last block holds its K/V, partly filled), then steps parent and child together, the
+    child naming its parent and its history on its first step: both continue with the parent's
     greedy tokens, each appending into its own copy of the last block."""
     prompt = prompts[1]
     head = await decode(engine, session.session_id, [greedy(1, prompt)], n=3,
                         release=False)
     forked = await session.fork(1, 2)
-    assert forked.num_tokens == len(prompt) + 2  # the third token is not appended yet
+    # The daemon got the first token with the runner's call that reserved slots, the second
+    # went into them (certified with the next call), the third is not appended yet.
+    assert forked.num_tokens == len(prompt) + 1
     last = head[1].tokens[-1]
     tails = await decode(engine, session.session_id, [
         SeqStep(1, (last,), False, 0, GREEDY),
-        SeqStep(2, (last,), False, 0, GREEDY, parent_seq_id=1)], n=NEW_TOKENS - 3)
+        child_step(2, 1, prompt, head[1].tokens[:-1], last)], n=NEW_TOKENS - 3)
     expected = expected_tokens(family, prompt)
     assert head[1].tokens + tails[1].tokens == expected
     assert head[1].tokens + tails[2].tokens == expected
@@ -327,7 +338,7 @@ async def test_a_fork_of_sequence_zero_continues_like_its_parent(
     last = head[0].tokens[-1]
     tails = await decode(engine, session.session_id, [
         SeqStep(0, (last,), False, 0, GREEDY),
-        SeqStep(1, (last,), False, 0, GREEDY, parent_seq_id=0)], NEW_TOKENS - 3)
+        child_step(1, 0, prompt, head[0].tokens[:-1], last)], NEW_TOKENS - 3)
     expected = expected_tokens(family, prompt)
     assert head[0].tokens + tails[0].tokens == head[0].tokens + tails[1].tokens == expected
 
@@ -344,7 +355,7 @@ async def test_a_fork_first_stepped_after_its_parent_continues_like_it(
     parent = await decode(engine, session.session_id, [SeqStep(1, (last,), False, 0, GREEDY)],
                           NEW_TOKENS - 3, release=False)
     child = await decode(engine, session.session_id, [
-        SeqStep(2, (last,), False, 0, GREEDY, parent_seq_id=1)], NEW_TOKENS - 3)
+        child_step(2, 1, prompt, head[1].tokens[:-1], last)], NEW_TOKENS - 3)
     assert head[1].tokens + parent[1].tokens == head[1].tokens + child[2].tokens == (
         expected_tokens(family, prompt))
 

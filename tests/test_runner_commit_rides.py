@@ -29,6 +29,9 @@ BLOCK_SIZE = 4
 PROMPT = [(7 * i + 3) % 128 for i in range(9)]  # two full blocks and one token
 NEW_TOKENS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+# Positions 9 to 28: past the first reservation (reservations.py).
+LONG_TOKENS = 20
+LONG = SamplingParams(temperature=0.0, max_tokens=LONG_TOKENS)
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128,
                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                      head_dim=64, max_position_embeddings=64, initializer_range=0.2,
@@ -93,21 +96,22 @@ def decode_next(seq_id: int, token: int) -> SeqStep:
 
 
 @pytest.mark.usefixtures("no_idle_end")
-async def test_a_request_costs_one_daemon_call_per_token_and_one_release(
+async def test_a_request_costs_one_daemon_call_per_block_and_one_release(
         daemon: Daemon, runner_client: PoolClient, engine: StepEngine) -> None:
-    """Prefill: one Batch (Allocate); each later token: one Step (in a StepMany, a message on
-    the runner's StepStream), which commits what the previous forward computed, the prefill's
-    blocks first; the last step's release: one Batch. Before this change the prefill's Commit
-    was a Batch of its own after the forward: 3 Batches, so 6 calls for 4 tokens, now 5
-    (NEW_TOKENS + 1)."""
+    """Prefill: one Batch (Allocate); the first decode step: one Step (a message on the
+    runner's StepStream), which commits the prefill's blocks and reserves 2 blocks' worth of
+    slots past its token (reservations.py): the table covers 9 + 1 + 8 = 18 slots, so 5 blocks,
+    20 slots; the steps that append the tokens at positions 10 to 19 make no call; the one at
+    20 makes the second Step (certifying the 10 tokens decoded into the reservation), those at
+    21 to 27 none; the last step's release: one Batch (the uncertified tokens appended,
+    committed, freed). Issue 18: one Step per token, 19 for these 20 tokens."""
     session = await runner_client.open_session("app", cache_salt="s")
     before = calls(daemon)
-    decoded = await decode(engine, session.session_id, [new(1, PROMPT, GREEDY)], NEW_TOKENS)
-    assert len(decoded[1].tokens) == NEW_TOKENS
+    decoded = await decode(engine, session.session_id, [new(1, PROMPT, LONG)], LONG_TOKENS)
+    assert len(decoded[1].tokens) == LONG_TOKENS
     after = calls(daemon)
     made = {method: after[method] - before.get(method, 0) for method in after}
-    assert {m: n for m, n in made.items() if n} == {"Batch": 2,
-                                                    "StepStream message": NEW_TOKENS - 1}
+    assert {m: n for m, n in made.items() if n} == {"Batch": 2, "StepStream message": 2}
     assert await session.close() == 0  # released on its last step
 
 

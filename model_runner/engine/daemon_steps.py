@@ -4,9 +4,9 @@ the daemon as one StepMany call.
     steps = DaemonSteps(pool_client)
     result = await steps.step(session, Step([7], token_ids=[42]))
 
-After a merged forward, every session of it takes its next decode step ahead (engine.py), each
-with a daemon Step; one call for all of them saves the daemon and the runner's event loop a
-gRPC round trip per session, which is most of what an extra client costs on a CPU.
+After a merged forward, the sessions of it whose sequences cross into a new block each make a
+daemon Step (reservations.py); one call for all of them saves the daemon and the runner's event
+loop a gRPC round trip per session, which is most of what an extra client costs on a CPU.
 
 No timer: the first Step of a burst starts a sender, which yields to the event loop until a
 pass adds no Step (`asyncio.sleep(0)`), then sends every Step queued. Steps made ready by one
@@ -34,6 +34,11 @@ class DaemonSteps:
         # Steps waiting for the next call, with the future of each one's answer.
         self._queued: list[tuple[Session, Step, asyncio.Future[StepResult]]] = []
         self._sender: asyncio.Task[None] | None = None
+
+    @property
+    def gathering(self) -> bool:
+        """A burst is being gathered: a Step made now leaves in the same call."""
+        return bool(self._queued)
 
     async def step(self, session: Session, op: Step) -> StepResult:
         """The daemon's answer to one Step of `session`; the exception of its status if it

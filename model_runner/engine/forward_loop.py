@@ -55,6 +55,9 @@ class Prepared:
     # of those it also computed with the same sampling: no chunk, no daemon call.
     claimed: dict[int, Ahead] = field(default_factory=dict)
     ready: dict[int, SeqOutput] = field(default_factory=dict)
+    # Whether it made a daemon call before its forward (a decode step inside its sequences'
+    # reservations makes none: its forward never waits on the daemon).
+    daemon_call: bool = True
     # Set by the forward: one result per request.
     done: asyncio.Future[list[SeqOutput]] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -204,8 +207,9 @@ class ForwardLoop:
         decode = sum(1 for n in lengths if n == 1)
         self.metrics.forward(time.monotonic() - started, len(lengths), sum(lengths) - decode,
                              decode)
-        if decode == len(lengths):  # a decode-only forward: did the thread idle for a step?
-            self.metrics.decode_forward(any(prepared.ready_at > free_at for prepared, _ in batch))
+        if decode == len(lengths):  # a decode-only forward: did the thread idle for a daemon?
+            self.metrics.decode_forward(any(prepared.daemon_call and prepared.ready_at > free_at
+                                            for prepared, _ in batch))
         for prepared, _ in batch:
             if prepared.forwards == 1:  # its first forward
                 self.metrics.queue_wait(started - prepared.ready_at)

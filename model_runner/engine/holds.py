@@ -21,7 +21,12 @@ kept for as long as a forward of the session may write, and no longer:
   step answers (`end_quietly`), and here once the session has been idle for IDLE_END_S
   (`after_step`), and when the runner stops.
   The idle end runs under the session's lock, so it never ends a later step's hold, and is sent
-  only if no step renewed the hold meanwhile: a client stepping back to back costs no call.
+  only if no step began meanwhile: a client stepping back to back costs no call.
+
+A decode step inside its sequences' reservations makes no daemon call (reservations.py): the
+hold is then renewed by `ensure` and `keep` alone, and a step that finds the hold may have
+lapsed (`may_have_lapsed`: ended, or near its end) makes a call first, since the client may have
+freed or re-created its sequences directly meanwhile.
 
 A prefill's commit (SeqState.commit_due) rides the session's next daemon Step or Batch
 (preparation.py); if none comes, it rides the end of the hold (`end`: a Batch with the commit
@@ -99,6 +104,12 @@ class SessionHolds:
             return None
         return known.due(skip)
 
+    def may_have_lapsed(self, known: SessionSequences) -> bool:
+        """Whether the session may have gone unheld since the runner's last call (the hold
+        ended, or is near its end): the client may have freed or re-created its sequences
+        directly, so the runner's own view of their reservations needs a call to confirm."""
+        return time.monotonic() - known.held_at > COMMIT_WITHIN * self.hold_ms / 1000
+
     async def end_quietly(self, known: SessionSequences) -> None:
         """End the hold, if any, before a failed step answers (its client may free at once);
         one that cannot be ended lapses by itself."""
@@ -128,24 +139,26 @@ class SessionHolds:
     def after_step(self, session_id: str, entry: SessionEntry) -> None:
         """The session's lock was let go (no forward of it is left): end its hold, if any, once
         it has been idle for IDLE_END_S."""
-        held_at = entry.sequences.held_at
-        if held_at > -math.inf and not entry.ended:
-            task = asyncio.create_task(self._end_when_idle(session_id, held_at))
+        known = entry.sequences
+        if known.held_at > -math.inf and not entry.ended:
+            task = asyncio.create_task(self._end_when_idle(session_id, known.stepped))
             self._idle_ends.add(task)
             task.add_done_callback(self._idle_ends.discard)
 
-    async def _end_when_idle(self, session_id: str, held_at: float) -> None:
-        """End the hold asked at `held_at` if no step renewed it within IDLE_END_S; under the
-        session's lock, so that no forward of the session is queued or running and no later
-        hold is ended."""
+    async def _end_when_idle(self, session_id: str, stepped: int) -> None:
+        """End the hold if no step of the session began within IDLE_END_S (its `stepped` count
+        unchanged: a decode step may make no daemon call, so the hold's age does not tell);
+        under the session's lock, so that no forward of the session is queued or running and
+        no later hold is ended."""
         await asyncio.sleep(IDLE_END_S)
         entry = self.sessions.get(session_id)
-        if entry is None or entry.sequences.held_at != held_at:
-            return  # renewed by a later step (which ends it in turn), ended, or forgotten
+        if entry is None or entry.sequences.stepped != stepped:
+            return  # a later step (which ends it in turn), or forgotten
         entry = self.sessions.enter(session_id)
         try:
             async with entry.lock:
-                if entry.sequences.held_at == held_at and not entry.ended:
+                known = entry.sequences
+                if known.stepped == stepped and known.held_at > -math.inf and not entry.ended:
                     with contextlib.suppress(PagedKVError):  # else it lapses by itself
                         await self.end(entry.sequences)
         finally:

@@ -44,10 +44,11 @@ class RunnerMetrics:
             registry=registry, buckets=SIZE_BUCKETS)
         self._decode_starts = prometheus_client.Counter(
             "pagedkv_runner:decode_forwards",
-            "Decode-only forwards by how they started: idle_wait if a step of it became ready "
-            "(its daemon call answered) after the previous forward ended, so the forward thread "
-            "sat idle for it (waiting on the daemon, or on the client's step before that); "
-            "queued if every step was ready when the thread came free.",
+            "Decode-only forwards by how they started: idle_wait if a step of it that made a "
+            "daemon call became ready (that call answered) after the previous forward ended, so "
+            "the forward thread sat idle for it (waiting on the daemon, or on the client's step "
+            "before that); queued if every such step was ready when the thread came free (a "
+            "step inside its sequences' reservations makes no daemon call).",
             ["start"], registry=registry)
 
     def decode_forward(self, waited: bool) -> None:

@@ -21,11 +21,12 @@ done (the engine renews or ends the hold), no client frees the blocks they answe
 import time
 from collections.abc import Callable, Sequence
 
-from pagedkv.client import Allocate, Append, Commit, Fork, PoolClient, SeqStep, SequenceBlocks, Step
+from pagedkv.client import Allocate, Append, Commit, Fork, PoolClient, SeqStep, SequenceBlocks
 from pagedkv.model_runner.engine.daemon_steps import DaemonSteps
 from pagedkv.model_runner.engine.forward_loop import Prepared
 from pagedkv.model_runner.engine.holds import SessionHolds
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
+from pagedkv.model_runner.engine.reservations import BlockSteps, kept
 from pagedkv.model_runner.engine.sequences import Ahead, SeqState, SessionSequences
 from pagedkv.model_runner.engine.step_checks import check_daemon_ids, validate_step
 from pagedkv.model_runner.engine.steps import InvalidStep, UnknownSequence
@@ -42,6 +43,8 @@ class Preparer:
         self.holds = holds
         # Decode Steps, those of several sessions made together sent as one StepMany.
         self.steps = DaemonSteps(pool, metrics)
+        # Decode steps with a daemon Step only once a block (reservations.py).
+        self.blocks = BlockSteps(self.steps, holds, runner)
         # The model runner in use (its block size, vocabulary and positions).
         self._runner = runner
 
@@ -54,6 +57,7 @@ class Preparer:
         """Learn unknown sequences, then one daemon call that appends every new token (but the
         tokens the runner appended ahead)."""
         known.attach(self.pool, session_id, self._runner().block_size)
+        held_at = known.held_at  # every daemon call that precedes a forward sets it
         await self._learn(known, requests)
         claimed = self._claim_ahead(known, requests)
         self._check_lengths(known, requests, claimed)
@@ -70,7 +74,8 @@ class Preparer:
             chunk = None if index in ready else self.chunk(request, state, index in claimed)
             if chunk is not None:
                 chunks.append((index, chunk))
-        return Prepared(session_id, requests, states, chunks, claimed, ready)
+        return Prepared(session_id, requests, states, chunks, claimed, ready,
+                        daemon_call=known.held_at != held_at)
 
     def _check_lengths(self, known: SessionSequences, requests: Sequence[SeqStep],
                        claimed: dict[int, Ahead]) -> None:
@@ -101,9 +106,10 @@ class Preparer:
         return await self._batch(known, requests)
 
     def _committable(self, known: SessionSequences, requests: Sequence[SeqStep]) -> bool:
-        """Whether a Step of these sequences may commit: the previous forward computed all they
-        hold, and the runner knows their ids are the daemon's (never certify others)."""
-        return all(s.num_computed == len(s.tokens) and s.verified
+        """Whether a Step of these sequences may commit: the previous forwards computed all the
+        daemon holds of them, and the runner knows their ids are the daemon's (never certify
+        others)."""
+        return all(s.num_computed >= s.held and s.verified
                    for s in (self.known_state(known, r.seq_id) for r in requests))
 
     def _claim_ahead(self, known: SessionSequences,
@@ -172,16 +178,17 @@ class Preparer:
         """UnknownSequence (the sequence forgotten) unless the daemon holds what the runner
         knows of it: its tokens and its blocks."""
         state = self.known_state(known, seq_id)
-        if (table.num_tokens != len(state.tokens) or table.block_ids != state.block_table
-                or (table.token_ids and table.token_ids != state.tokens)):
-            self._stale(known, seq_id)
+        if (table.num_tokens != state.held or table.block_ids != state.block_table
+                or (table.token_ids and table.token_ids != state.tokens[:state.held])):
+            known.stale(seq_id)
 
     def _adopt(self, known: SessionSequences, request: SeqStep,
                table: SequenceBlocks) -> SeqState:
-        """The state of a sequence the client forked itself (its parent's tokens) or resends
-        after a runner restart (its history), checked against the daemon's `table`."""
+        """The state of a sequence the client forked itself (its parent's tokens, or its
+        history) or resends after a runner restart (its history), checked against the daemon's
+        `table`."""
         parent = self._parent(known, request)
-        if parent is not None:
+        if parent is not None and request.history is None:
             return self._adopt_fork(request, parent, table)
         assert request.history is not None
         history = request.history
@@ -191,14 +198,25 @@ class Preparer:
         ahead = len(request.token_ids) == 1 and table.num_tokens == len(tokens) + 1
         if ahead:
             tokens.append(request.token_ids[0])
-        if len(tokens) != table.num_tokens:
-            raise InvalidStep(f"sequence {request.seq_id}: the daemon holds {table.num_tokens} "
-                              f"tokens, its history says {len(history.token_ids)}")
-        check_daemon_ids(request.seq_id, tokens, table)
-        # Computed: the daemon's committed tokens only, whatever history.num_computed says.
-        state = SeqState(tokens, history.prompt_len, table.num_cached_tokens,
+        # Fewer: the runner that restarted decoded the rest into reserved slots and never
+        # certified them (reservations.py); this runner appends them and computes them again.
+        held = table.num_tokens
+        if held > len(tokens):
+            raise InvalidStep(f"sequence {request.seq_id}: the daemon holds {held} tokens, its "
+                              f"history says {len(history.token_ids)}")
+        check_daemon_ids(request.seq_id, tokens[:held], table)
+        # Computed: the daemon's committed tokens only, whatever history.num_computed says; a
+        # fork's child: what its parent computed, as `_adopt_fork` says.
+        computed = table.num_cached_tokens
+        if parent is not None:
+            computed = _fork_computed(parent, table)
+            if tokens[:held] != parent.tokens[:held]:
+                raise InvalidStep(f"sequence {request.seq_id}: its history differs from its "
+                                  f"parent {request.parent_seq_id}'s tokens")
+        state = SeqState(tokens, history.prompt_len, computed,
                          list(table.block_ids), committed=table.num_cached_tokens,
-                         verified=bool(table.token_ids) or not tokens)
+                         verified=bool(table.token_ids) or not held)
+        state.held = held
         if ahead:
             state.ahead = Ahead(request.token_ids[0])
         return state
@@ -208,17 +226,23 @@ class Preparer:
                     table: SequenceBlocks) -> SeqState:
         """A sequence the client forked from `parent` holds its first num_tokens tokens. What
         the parent computed counts only if the child's table holds the parent's very blocks
-        (the same K/V); else the daemon's committed tokens."""
+        (the same K/V); else the daemon's committed tokens. When the daemon holds fewer than
+        the parent's tokens, which of the parent's tokens the client forked is unknown (the
+        daemon gets decode tokens once a block, reservations.py): UnknownSequence, and the
+        client resends the step with the child's history."""
         n = table.num_tokens
         tokens = parent.tokens[:n]
         if len(tokens) != n:
             raise InvalidStep(f"sequence {request.seq_id}: the daemon holds {n} tokens, more "
                               f"than its parent {request.parent_seq_id}'s {len(parent.tokens)}")
+        if n < len(parent.tokens):
+            raise UnknownSequence(
+                f"sequence {request.seq_id}: the daemon holds {n} of its parent "
+                f"{request.parent_seq_id}'s {len(parent.tokens)} tokens (the runner appends "
+                "decode tokens to the daemon once a block): resend it with its history")
         check_daemon_ids(request.seq_id, tokens, table)
-        computed = min(parent.num_computed, n)
-        if table.block_ids != parent.block_table[:len(table.block_ids)]:
-            computed = table.num_cached_tokens
-        return SeqState(tokens, min(parent.prompt_len, n), computed, list(table.block_ids),
+        return SeqState(tokens, min(parent.prompt_len, n), _fork_computed(parent, table),
+                        list(table.block_ids),
                         committed=table.num_cached_tokens,
                         verified=bool(table.token_ids) or not tokens)
 
@@ -228,55 +252,44 @@ class Preparer:
 
     async def decode_step(self, known: SessionSequences,
                           requests: Sequence[SeqStep], ahead: bool = False) -> list[SeqState]:
-        """One daemon Step appending one token to each sequence (the decode hot path); `ahead`:
-        the runner's own step, ahead of the client, which each state then records."""
+        """Append one token to each sequence (the decode hot path): a daemon Step only when a
+        sequence crosses past its reserved slots (reservations.py); `ahead`: the runner's own
+        step, ahead of the client, which each state then records."""
         states = [self.known_state(known, r.seq_id) for r in requests]
-        # If the previous forward computed everything they hold, the Step commits it, and so
+        # A call commits what the daemon holds of them if the forwards computed it, and so
         # their commits due.
-        commit = self._committable(known, requests)
-        seq_ids = [r.seq_id for r in requests]
-        tokens = [r.token_ids[0] for r in requests]
-        sent = time.monotonic()
-        reply = await self.steps.step(known.session, Step(seq_ids, tokens, 1, commit,
-                                                          self.holds.hold_ms))
-        known.held_at = sent
-        if commit:
-            known.clear_due(seq_ids)
-        for index, logical, block in zip(reply.changed_seq_index, reply.changed_logical_block,
-                                         reply.changed_block_id, strict=True):
-            states[index].patch(logical, block)
-        bs = self._runner().block_size
-        for request, state, token, held, slot in zip(requests, states, tokens, reply.num_tokens,
-                                                     reply.slot_mapping, strict=True):
-            state.tokens.append(token)
-            if ahead:
-                state.ahead = Ahead(token)
-            if held != len(state.tokens) or state.slots(held - 1, held, bs) != [slot]:
-                self._stale(known, request.seq_id)
+        await self.blocks.decode(known, requests, states, self._committable(known, requests))
+        if ahead:
+            for request, state in zip(requests, states, strict=True):
+                state.ahead = Ahead(request.token_ids[0])
         return states
-
-    @staticmethod
-    def _stale(known: SessionSequences, seq_id: int) -> None:
-        """The daemon's answer disagrees with the runner's view of a sequence: the client
-        changed it directly in the daemon. Forget it rather than compute on a stale table."""
-        known.drop([seq_id])
-        raise UnknownSequence(f"sequence {seq_id} changed in the daemon behind the runner (freed "
-                              "or re-created directly): resend it with its history")
 
     async def _batch(self, known: SessionSequences,
                      requests: Sequence[SeqStep]) -> list[SeqState]:
-        """One daemon Batch: Fork the forks first (a child holds what its parent held before the
-        step), Allocate each other new sequence, Append to the rest."""
+        """One daemon Batch: certify the tokens a fork's parent decoded into its reservation,
+        Fork the forks (a child holds what its parent held before the step), Allocate each
+        other new sequence, Append to the rest (their uncertified tokens first)."""
         forks = [r for r in requests if r.new_sequence and r.parent_seq_id is not None]
+        parents = {r.parent_seq_id: self.known_state(known, r.parent_seq_id) for r in forks
+                   if r.parent_seq_id is not None}
         # The parents as they are before this step appends to them: what the children inherit.
         inherited = {r.seq_id: self._fork_parent(known, r) for r in forks}
+        uncertified = [(seq_id, state) for seq_id, state in parents.items() if state.uncertified]
         ops: list[Commit | Fork | Allocate | Append] = [
-            Fork(r.parent_seq_id, r.seq_id) for r in forks if r.parent_seq_id is not None]
+            Append(seq_id, token_ids=state.uncertified) for seq_id, state in uncertified]
+        ops.extend(Fork(r.parent_seq_id, r.seq_id) for r in forks if r.parent_seq_id is not None)
         for r in requests:
             if r.new_sequence and r.parent_seq_id is None:
                 ops.append(Allocate(r.seq_id, token_ids=r.token_ids))
-            elif r.token_ids:  # an existing sequence: _learn made it known
-                ops.append(Append(r.seq_id, token_ids=r.token_ids))
+            elif r.new_sequence:  # a fork's child
+                if r.token_ids:
+                    ops.append(Append(r.seq_id, token_ids=r.token_ids))
+            else:  # an existing sequence: _learn made it known
+                state = self.known_state(known, r.seq_id)
+                held = len(state.tokens) if r.seq_id in parents else state.held
+                tokens = [*state.tokens[held:], *r.token_ids]
+                if tokens:
+                    ops.append(Append(r.seq_id, token_ids=tokens))
         answers: list[SequenceBlocks] = []
         if ops:
             due = self.holds.due_commit(known)  # first: a fork's child shares what it certifies
@@ -287,8 +300,13 @@ class Preparer:
             if due is not None:
                 known.clear_due(due.seq_ids)
                 answers = answers[1:]
-        # A fork's Append answer comes after its Fork answer: the later one wins.
-        by_seq = {answer.seq_id: answer for answer in answers}
+        for (seq_id, state), certifying in zip(uncertified, answers, strict=False):
+            self._appended(known, seq_id, state, (), certifying)
+        for state in parents.values():
+            state.private_end = 0  # its last block is shared with the children now
+        # A fork's Append answer comes after its Fork answer, a parent's after its certifying
+        # Append: the later one wins.
+        by_seq = {answer.seq_id: answer for answer in answers[len(uncertified):]}
         states = []
         for r in requests:
             answer = by_seq.get(r.seq_id)
@@ -296,10 +314,11 @@ class Preparer:
                 assert answer is not None
                 state = inherited[r.seq_id]
                 state.tokens.extend(r.token_ids)
+                state.held = len(state.tokens)
                 state.block_table = list(answer.block_ids)
                 known.put(r.seq_id, state)
                 if answer.num_tokens != len(state.tokens):
-                    self._stale(known, r.seq_id)
+                    known.stale(r.seq_id)
             elif r.new_sequence:
                 assert answer is not None
                 state = SeqState(list(r.token_ids), r.num_prompt_tokens or len(r.token_ids),
@@ -308,13 +327,28 @@ class Preparer:
                 known.put(r.seq_id, state)
             else:
                 state = self.known_state(known, r.seq_id)
-                if answer is not None:
-                    state.tokens.extend(r.token_ids)
-                    state.block_table = list(answer.block_ids)
-                    if answer.num_tokens != len(state.tokens):
-                        self._stale(known, r.seq_id)
+                self._appended(known, r.seq_id, state, r.token_ids, answer)
             states.append(state)
         return states
+
+    def _appended(self, known: SessionSequences, seq_id: int, state: SeqState,
+                  tokens: Sequence[int], answer: SequenceBlocks | None) -> None:
+        """Apply a Batch's Append of an existing sequence (its uncertified tokens, then
+        `tokens`; None: nothing appended): the daemon must hold every token and answer the
+        slots the runner wrote the uncertified ones to."""
+        if answer is None:
+            return
+        bs = self._runner().block_size
+        written = state.slots(state.held, len(state.tokens), bs)
+        state.tokens.extend(tokens)
+        state.held = len(state.tokens)
+        state.block_table = list(answer.block_ids)
+        state.private_end = 0  # an Append reserves nothing: the next decode step calls
+        copies = ((copy.src, copy.dst) for copy in answer.copies)
+        if (answer.num_tokens != len(state.tokens)
+                or len(answer.slot_mapping) < len(written)
+                or not kept(written, answer.slot_mapping, copies, bs)):
+            known.stale(seq_id)
 
     def _fork_parent(self, known: SessionSequences, request: SeqStep) -> SeqState:
         """A copy of the parent's state for a fork's child; the parent must be fully computed
@@ -358,3 +392,12 @@ class Preparer:
         return SequenceChunk(state.tokens[start:end], start, state.slots(start, end, bs),
                              state.block_table)
 
+
+
+def _fork_computed(parent: SeqState, table: SequenceBlocks) -> int:
+    """How many leading tokens of a child the client forked from `parent` are computed: what
+    the parent computed of them if the child's table holds the parent's very blocks (the same
+    K/V), else the daemon's committed tokens."""
+    if table.block_ids != parent.block_table[:len(table.block_ids)]:
+        return table.num_cached_tokens
+    return min(parent.num_computed, table.num_tokens)

@@ -3,8 +3,9 @@
 A client names its sequences by id and sends tokens; where their K/V lives (block tables, slots)
 comes only from the daemon's answers to calls the runner makes under the client's session. The
 runner keeps, per (session, sequence), the tokens the sequence holds, how many of them are
-computed, and its block table, so a decode step needs one daemon Step and no table transfer;
-and its sampling parameters, which the client sends once, with the sequence's first step.
+computed and how many the daemon holds, and its block table, so a decode step needs no table
+transfer, and a daemon Step only once a block (reservations.py); and its sampling parameters,
+which the client sends once, with the sequence's first step.
 A sequence the runner does not know (forked by the client, or after a runner restart) is read
 back from the daemon (`GetBlockTables`, with the token ids it holds) before it is used: what a
 client says it holds must be those ids, and only the daemon's committed tokens count as
@@ -15,6 +16,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from pagedkv.client import Commit, PoolClient, SamplingParams, SeqOutput, SeqStep, Session
 from pagedkv.model_runner.engine.steps import UnknownSequence
@@ -37,7 +39,8 @@ class Ahead:
 class SeqState:
     """One client sequence as the runner knows it."""
 
-    # Every token the sequence holds (prompt, then generated); the daemon holds the same count.
+    # Every token the sequence holds as the runner and its client see it (prompt, then
+    # generated); the daemon holds the first `held` of them (reservations.py).
     tokens: list[int]
     # Prompt length: tokens after it are generated (repetition penalty, per-step seeds).
     prompt_len: int
@@ -64,6 +67,21 @@ class SeqState:
     # last changed it), kept so that later steps need not send it; None until a step that
     # sent it was prepared (a sequence learnt by a step that then failed).
     params: SamplingParams | None = None
+    # Slots below it, past the tokens the daemon holds, are reserved for the sequence alone
+    # (a Step's reserve_tokens): the runner writes decode tokens there with no daemon call
+    # (reservations.py). 0: no reservation the runner may write into.
+    private_end: int = 0
+    # Leading tokens the daemon holds (appended, by id, in the runner's calls): the rest were
+    # decoded into reserved slots and are certified by a later call. Starts at len(tokens).
+    held: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.held = len(self.tokens)
+
+    @property
+    def uncertified(self) -> list[int]:
+        """The tokens the daemon does not hold yet (decoded into reserved slots)."""
+        return self.tokens[self.held:]
 
     def slots(self, start: int, end: int, block_size: int) -> list[int]:
         """Pool slots of positions [start, end), from the block table."""
@@ -87,6 +105,9 @@ class SessionSequences:
     # The runner's handle on the client's session in the daemon (`attach`): every daemon call
     # about the session goes through it, and a lost answer is read back from the lengths it saw.
     handle: Session | None = None
+    # Steps of the session the runner has begun (the client's and its own ahead): an idle
+    # session's hold ends only if none began meanwhile (holds.py).
+    stepped: int = 0
 
     def attach(self, pool: PoolClient, session_id: str, block_size: int) -> Session:
         """The handle on the session, made at its first step."""
@@ -122,6 +143,13 @@ class SessionSequences:
     def drop(self, seq_ids: Sequence[int]) -> None:
         for seq_id in seq_ids:
             self.seqs.pop(seq_id, None)
+
+    def stale(self, seq_id: int) -> NoReturn:
+        """The daemon's answer disagrees with the runner's view of a sequence: the client
+        changed it directly in the daemon. Forget it rather than compute on a stale table."""
+        self.drop([seq_id])
+        raise UnknownSequence(f"sequence {seq_id} changed in the daemon behind the runner (freed "
+                              "or re-created directly): resend it with its history")
 
     def with_params(self, requests: Sequence[SeqStep]) -> list[SeqStep]:
         """`requests`, each with the sampling it sends, else the one kept for its sequence.

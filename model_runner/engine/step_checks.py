@@ -3,7 +3,7 @@ forward: the runner is a trust boundary (runner.proto's "Trust").
 
     validate_step(requests, release, vocab)     # InvalidStep before any daemon call
     check_daemon_ids(seq_id, tokens, table)     # a client's history against the daemon's ids
-    check_writes(prepared)                      # no write inside a committed prefix
+    check_writes(prepared)                      # no write in a committed prefix or unheld slot
 
 A client's statement about the pool is never believed: its token ids must be in the vocabulary
 (else the forward it shares with other clients would fail for all of them), a sequence it
@@ -63,14 +63,22 @@ def check_daemon_ids(seq_id: int, tokens: Sequence[int], table: SequenceBlocks) 
 
 def check_writes(prepared: Prepared) -> None:
     """Defence in depth, before a step joins a forward: no chunk writes a slot below its
-    sequence's committed tokens (certified K/V that other sequences, other tenants', read)."""
+    sequence's committed tokens (certified K/V that other sequences, other tenants', read), and
+    none past both the tokens the daemon holds and the slots reserved for the sequence alone
+    (a slot the daemon never gave it)."""
     for index, chunk in prepared.chunks:
         state = prepared.states[index]
+        seq_id = prepared.requests[index].seq_id
         inside = chunk.slot_mapping[:max(state.committed - chunk.start, 0)]
         if any(slot >= 0 for slot in inside):
             raise StepNotComputed(
-                f"sequence {prepared.requests[index].seq_id}: the runner would write position "
+                f"sequence {seq_id}: the runner would write position "
                 f"{chunk.start}, inside its {state.committed} committed tokens; refused")
+        given = max(state.held, state.private_end)
+        if any(slot >= 0 for slot in chunk.slot_mapping[max(given - chunk.start, 0):]):
+            raise StepNotComputed(
+                f"sequence {seq_id}: the runner would write past the {given} slots the daemon "
+                "gave it; refused")
 
 
 def _check_ids(seq_id: int, field: str, ids: Sequence[int], vocab: int) -> None:

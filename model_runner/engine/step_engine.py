@@ -48,6 +48,7 @@ import time
 from collections.abc import Sequence
 
 from pagedkv.client import (
+    Append,
     Commit,
     Free,
     NotFound,
@@ -65,7 +66,7 @@ from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS, SessionHolds
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.preparation import Preparer
 from pagedkv.model_runner.engine.sampling import Sampler
-from pagedkv.model_runner.engine.sequences import SessionSequences
+from pagedkv.model_runner.engine.sequences import SeqState, SessionSequences
 from pagedkv.model_runner.engine.sessions import SessionEntry, SessionTable
 from pagedkv.model_runner.engine.step_checks import check_writes
 from pagedkv.model_runner.engine.steps import StepNotComputed
@@ -131,6 +132,7 @@ class StepEngine:
         handed_off = False
         try:
             known = entry.sequences
+            known.stepped += 1
             try:
                 requests = known.with_params(requests)  # the sampling kept for the rest
                 if self.answer_limits is not None:
@@ -218,12 +220,15 @@ class StepEngine:
         A failure changes nothing the client's own step cannot redo: a daemon Step either
         appended every token (each recorded as ahead) or none, and a token appended but not
         computed is computed by the client's step."""
+        known = entry.sequences
+        known.stepped += 1
         try:
-            states = await self.preparer.decode_step(entry.sequences, requests, ahead=True)
+            held_at = known.held_at  # every daemon call that precedes a forward sets it
+            states = await self.preparer.decode_step(known, requests, ahead=True)
             chunks = [(i, chunk) for i, (r, state) in enumerate(zip(requests, states, strict=True))
                       if (chunk := self.preparer.chunk(r, state)) is not None]
-            results = await self._run(Prepared(session_id, requests, states, chunks),
-                                      entry.sequences)
+            results = await self._run(Prepared(session_id, requests, states, chunks,
+                                               daemon_call=known.held_at != held_at), known)
             for state, result in zip(states, results, strict=True):
                 if state.ahead is not None:
                     state.ahead.result = result
@@ -254,12 +259,17 @@ class StepEngine:
         if not release:
             return
         released = [seq_id for seq_id in release if known.get(seq_id) is not None]
-        certified = [(seq_id, state.num_computed) for seq_id in released
+        certified = [(seq_id, state, _computed(state)) for seq_id in released
                      if (state := self.preparer.known_state(known, seq_id)).verified]
         due = self.holds.due_commit(known, skip=released)
-        ops: list[Commit | Free] = [due] if due is not None else []
+        ops: list[Commit | Free | Append] = [due] if due is not None else []
+        # The tokens they decoded into reserved slots and computed are appended first (by id:
+        # certified), so their blocks are committed too; nothing past them ever is.
+        ops.extend(Append(seq_id, token_ids=state.tokens[state.held:n])
+                   for seq_id, state, n in certified if n > state.held)
         if certified:
-            ops.append(Commit([seq_id for seq_id, _ in certified], [n for _, n in certified]))
+            ops.append(Commit([seq_id for seq_id, _, _ in certified],
+                              [n for _, _, n in certified]))
         ops.extend(Free(seq_id) for seq_id in released)
         if ops:
             await known.session.batch(ops, end_hold=True)
@@ -271,6 +281,12 @@ class StepEngine:
                 await known.session.free(seq_id)
         if not ops:  # a hold of a forgotten entry's too
             await self.holds.end(known)
+
+
+def _computed(state: SeqState) -> int:
+    """The leading tokens of a released sequence whose K/V the runner computed and may certify:
+    not a token it decoded ahead that its client never named (an overshoot past a stop)."""
+    return min(state.num_computed, len(state.tokens) - (state.ahead is not None))
 
 
 def _session_gone(exc: Exception) -> bool:
