@@ -35,7 +35,7 @@ from pagedkv.daemon.core.holders import HeldBlocks
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.physical_blocks import CacheEvents, PhysicalBlocks
 from pagedkv.daemon.core.pool_checks import check_pool, recount_stats
-from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, ragged_entries, row_of
+from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, row_of
 from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 from pagedkv.daemon.core.validation import (
     TokenIds,
@@ -195,7 +195,7 @@ class BlockPool:
         self._blocks.share(hits)
         taken = self._blocks.take(blocks_for(num_tokens, bs) - cached)
         table = hits + taken.tolist()
-        st.put_table(row, table)
+        st.put_table(row, table if cached else taken)  # an array: no list conversion
         st.num_blocks[row], st.committed[row], st.num_tokens[row] = len(table), cached, num_tokens
         st.grew(num_tokens, len(table))
         if before is not None:
@@ -248,7 +248,7 @@ class BlockPool:
             return 0
         rows, start, upto = rows[todo], start[todo], upto[todo]
         # One gather of every block to commit: rows in order, each row's blocks in table order.
-        blocks = st.entries(*ragged_entries(rows, start, upto - start))
+        blocks = st.runs(rows, start, upto - start)
         matchable = self._blocks.cache.commit(blocks.tolist())
         st.set_committed(rows, upto)
         return matchable
@@ -292,9 +292,9 @@ class BlockPool:
         row = self._row(seq)
         table = self._seqs.table(row).copy()
         groups = self._seqs.groups[row].tolist() if self._held.levels else []
-        waste = self._appender.last_waste(row)
-        last = (int(self._seqs.num_tokens[row]) - 1) // self.block_size  # its last token's
-        if waste and self._blocks.ref[table[last]] > 1:
+        waste = self._appender.last_waste(row)  # its last token's block: shared?
+        if waste and self._blocks.ref[table[(int(self._seqs.num_tokens[row]) - 1)
+                                            // self.block_size]] > 1:
             self._appender.shift_waste(-waste)  # one sharer fewer
         self._seqs.remove(seq)
         released = self._blocks.release(table)

@@ -243,6 +243,21 @@ class SeqTable:
         found: Int64Array = self.store.data[self.start[rows] + logical]
         return found
 
+    def runs(self, rows: Int64Array, first: Int64Array, counts: Int64Array) -> Int64Array:
+        """Entries first[i] .. first[i] + counts[i] - 1 of rows[i] (every count >= 1), in
+        order, in one gather: a run is contiguous in its table's region, so its entries are
+        store positions pos[i] + 0..counts[i] - 1, computed without (row, logical) pairs."""
+        pos = self.start[rows] + first
+        total = int(counts.sum())
+        if total == len(rows):  # one each (a decode step's commit)
+            found: Int64Array = self.store.data[pos]
+            return found
+        # Output j of run i (which starts at output end_i - counts[i]) is position
+        # pos[i] + j - (end_i - counts[i]).
+        shift = pos + counts - np.cumsum(counts)
+        found = self.store.data[np.arange(total) + np.repeat(shift, counts)]
+        return found
+
     def put_entries(self, rows: Int64Array, logical: Int64Array, blocks: Int64Array) -> None:
         """Write entries logical[i] of rows[i], moving tables whose region is too small to a
         larger one first (table writes are undone by the callers' own records)."""
