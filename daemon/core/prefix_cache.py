@@ -51,6 +51,10 @@ class PrefixCache:
         self.parent_of: list[bytes | None] = [None] * num_blocks
         # Block -> its token ids (meaningful when keyed): [num_blocks, block_size].
         self.tokens_of: npt.NDArray[np.int64] = np.zeros((num_blocks, block_size), np.int64)
+        # The same memory, one opaque item per block: writing whole rows by block ids is then a
+        # 1-d scatter, twice as fast in numpy as the 2-d one for the few blocks of a call.
+        self._row_item = np.dtype((np.void, block_size * self.tokens_of.itemsize))
+        self._token_rows = self.tokens_of.view(self._row_item).reshape(-1)
         # Refcount-0 blocks with committed content, least recently released first. Blocks
         # released together enter deepest first, so a sequence's tail is evicted before its
         # shared prefix.
@@ -97,7 +101,7 @@ class PrefixCache:
             parent_of[block] = parent
         if self._journal.active:  # an evicted block's old ids go back with its old key
             self._journal.record(self._unkey, blocks, self.tokens_of[blocks])
-        self.tokens_of[blocks] = tokens
+        self._token_rows[blocks] = np.ascontiguousarray(tokens).view(self._row_item).reshape(-1)
         self.num_keyed += len(blocks)
 
     def _unkey(self, blocks: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64]) -> None:
@@ -110,20 +114,18 @@ class PrefixCache:
         """The K/V of `blocks` is written: make their pending keys matchable, in order. Returns
         how many became matchable. A block whose content another block committed first (maybe
         earlier in `blocks`) loses its key. One loop, one undo record."""
-        key_of, parent_of, block_of = self.key_of, self.parent_of, self.block_of
-        committed = self.committed
+        key_of, parent_of, committed = self.key_of, self.parent_of, self.committed
+        claim = self.block_of.setdefault  # one probe: the key's holder, this block if none
         added: list[bytes] = []
         dropped: DroppedKeys = []
         for block in blocks:
             key = key_of[block]
-            if key is None:
+            if key is None or committed[block]:
                 continue
-            holder = block_of.get(key)
-            if holder is None:
-                block_of[key] = block
+            if claim(key, block) == block:
                 committed[block] = 1
                 added.append(key)
-            elif holder != block:  # the same content, committed first elsewhere
+            else:  # the same content, committed first elsewhere
                 dropped.append((block, key, parent_of[block]))
                 key_of[block] = parent_of[block] = None
         self.num_keyed -= len(dropped)
