@@ -100,19 +100,20 @@ class BrokenMemory:
         return self.inner.handle()
 
 
-async def test_a_fork_whose_copies_fail_changes_nothing(daemon: Daemon, session: Session) -> None:
+async def test_a_fork_whose_copies_fail_stops_the_pool(daemon: Daemon,
+                                                      client: PoolClient) -> None:
     assert daemon.memory is not None
+    session = await client.open_session("stopped")  # never closed: the pool refuses it
     await session.allocate(1, num_tokens=6)
-    before = (await session.stats(), daemon.pool.stats())
     daemon.service.memory = BrokenMemory(daemon.memory)
     with pytest.raises(PagedKVError) as failure:
         await session.fork(1, 2)
     assert failure.value.code == grpc.StatusCode.INTERNAL
-    assert (await session.stats(), daemon.pool.stats()) == before
-    daemon.service.check_invariants()
-    daemon.service.memory = daemon.memory  # the device is back: the same fork goes through
-    assert (await session.fork(1, 2)).block_ids == [4, 5]
-    daemon.service.check_invariants()
+    daemon.service.check_invariants()  # applied: the copy's content is what is unknown
+    daemon.service.memory = daemon.memory  # the device is back, the pool stays stopped
+    with pytest.raises(PagedKVError) as refused:
+        await session.allocate(3, num_tokens=1)
+    assert refused.value.code == grpc.StatusCode.INTERNAL
 
 
 async def test_refusals_name_their_cause_and_change_nothing(

@@ -1,12 +1,17 @@
-"""Memory work off the event loop, complete before the answer, undone with the call if it fails.
+"""Memory work off the event loop and off the pool lock, ordered per block, fail-stop.
 
 A real in-process daemon (gRPC over a unix socket) over real CPU pool memory, wrapped so a test
-can hold a copy-on-write copy at a gate (a slow copy, like 64 copies of Llama-8B blocks) or make
-it fail (a device error). The rules checked:
-- a slow copy blocks neither the event loop (another client's KeepAlive is answered while it
-  runs) nor another client's lease (a call queued behind it for several leases still succeeds);
-- the answer leaves only once the copies are done and the memory synchronized;
-- memory work that fails answers INTERNAL and leaves pool and session exactly as they were.
+can hold a copy-on-write copy or a zeroing at a gate (slow work, like 64 copies of Llama-8B
+blocks) or make it fail (a device error). The rules checked (memory_order.py):
+- a slow copy or zeroing blocks neither the event loop nor another session's calls that touch
+  none of its blocks: they are answered while it is held;
+- a call touching a block with work in flight (its table, a block it writes, a copy's source
+  or destination, a freed block being zeroed and handed out again) waits for that work, and
+  its own work on the block runs after it;
+- the answer leaves only once the copies are done and the memory synchronized; a call cancelled
+  meanwhile still waits for its work;
+- memory work that fails stops the pool: that call, calls waiting on its blocks and every later
+  call get INTERNAL.
 """
 
 import asyncio
@@ -14,7 +19,7 @@ import pickle
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -31,7 +36,6 @@ from pagedkv.memory.attach import attach_pool
 from pagedkv.vocab.geometry import resolve_geometry
 
 from daemon_harness import Daemon, running_daemon
-from pool_state import pool_state
 
 
 @dataclass
@@ -42,10 +46,14 @@ class GatedMemory:
     inner: KVPoolMemory
     # Closed gate: copies wait until the test opens it.
     gate: threading.Event | None = None
+    # Closed gate: zeroing waits until the test opens it.
+    zero_gate: threading.Event | None = None
     # Copies and zeroing raise, as after a device error.
     fail: bool = False
     # Set when a copy has started (on the memory worker thread).
     started: threading.Event = field(default_factory=threading.Event)
+    # Set when a zeroing has started.
+    zeroing: threading.Event = field(default_factory=threading.Event)
     # What was done, in order: ("copy" | "zero" | "sync", thread name).
     log: list[tuple[str, str]] = field(default_factory=list)
 
@@ -57,6 +65,9 @@ class GatedMemory:
         self.inner.copy_blocks(src, dst)
 
     def zero_blocks(self, ids: Sequence[int], /) -> None:
+        self.zeroing.set()
+        if self.zero_gate is not None:
+            assert self.zero_gate.wait(10), "the test never opened the gate"
         self._do("zero")
         self.inner.zero_blocks(ids)
 
@@ -99,27 +110,108 @@ async def forked_pair(session: Session) -> None:
     await session.fork(1, 2)
 
 
-async def test_a_slow_copy_blocks_neither_the_loop_nor_another_clients_lease(
+async def applied(condition: Callable[[], bool]) -> None:
+    """Until the daemon has applied what the test sent (the calls then wait, if at all, for
+    memory work alone); fails if it never does (a call waits for the pool)."""
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the daemon did not apply the calls")
+
+
+async def test_a_step_touching_no_busy_block_is_answered_while_another_sessions_copy_is_held(
         daemon: Daemon, client: PoolClient) -> None:
     gate = threading.Event()
     memory = gate_memory(daemon, gate=gate)
     heavy = await client.open_session("heavy")
     light = await client.open_session("light", lease_ttl_ms=300, keep_alive=False)
     await forked_pair(heavy)
-    step = asyncio.create_task(heavy.step([2]))
-    assert await asyncio.to_thread(memory.started.wait, 10)  # the copy is running
-    assert await light.keep_alive() == 300  # answered while the copy runs
-    queued = asyncio.create_task(light.allocate(1, 4))  # waits for the pool behind the copy
-    await asyncio.sleep(1.0)  # more than three of light's leases
-    assert not step.done() and not queued.done()
+    step = asyncio.create_task(heavy.step([2]))  # copies block 0 into block 1
+    assert await asyncio.to_thread(memory.started.wait, 10)  # the copy is held at the gate
+    assert await light.keep_alive() == 300
+    # Before per-block ordering these waited behind the copy (the gate's assertion failed).
+    assert (await light.allocate(1, 4)).block_ids == [2]
+    assert (await light.step([1])).slot_mapping == [12]  # block 3: a new one
+    assert not step.done()
     gate.set()
     assert [(c.src, c.dst) for c in (await step).copies] == [(0, 1)]
-    assert (await queued).num_tokens == 4  # its lease was renewed on arrival, held while queued
-    assert await light.keep_alive() == 300
     assert daemon.service.lease_expiries_total == 0
     assert [what for what, _ in memory.log] == ["copy", "sync"]
     assert all(thread.startswith("pagedkv-memory") for _, thread in memory.log)
     daemon.service.check_invariants()
+
+
+async def test_calls_touching_a_block_being_copied_wait_for_the_copy(
+        daemon: Daemon, client: PoolClient) -> None:
+    gate = threading.Event()
+    memory = gate_memory(daemon, gate=gate)
+    session = await client.open_session("copier")
+    await forked_pair(session)
+    live = next(iter(daemon.service.sessions))
+    step = asyncio.create_task(session.step([2]))  # copies block 0 (seq 1's) into block 1
+    assert await asyncio.to_thread(memory.started.wait, 10)
+    # Each of these touches a block of the copy: its destination (seq 2's table), its source
+    # (seq 1 now writes into block 0 alone), the destination freed (and zeroed).
+    read = asyncio.create_task(session.block_tables([2]))
+    write = asyncio.create_task(session.step([1]))
+    await applied(lambda: daemon.pool.num_tokens(live.key(1)) == 3 and live.in_flight == 3)
+    free = asyncio.create_task(session.free(2))
+    await applied(lambda: 2 not in live.seq_ids)
+    assert not (step.done() or read.done() or write.done() or free.done())
+    gate.set()
+    await step
+    assert [t.block_ids for t in await read] == [[1]]
+    assert (await write).slot_mapping == [2]  # block 0, once the copy has read it
+    assert await free == 1
+    # The zeroing of the freed copy ran after the copy into it, never before.
+    assert [what for what, _ in memory.log] == ["copy", "sync", "zero", "sync"]
+    daemon.service.check_invariants()
+
+
+async def test_a_block_being_zeroed_is_handed_out_only_with_its_zeroing_done(
+        daemon: Daemon, client: PoolClient) -> None:
+    gate = threading.Event()
+    memory = gate_memory(daemon, zero_gate=gate)
+    first = await client.open_session("first")
+    second = await client.open_session("second")
+    await first.allocate(1, 60)  # blocks 0-14
+    await second.allocate(1, 3)  # block 15: the pool is full
+    freeing = asyncio.create_task(first.free(1))  # blocks 0-14 zeroed, held at the gate
+    assert await asyncio.to_thread(memory.zeroing.wait, 10)
+    assert (await second.step([1])).slot_mapping == [63]  # its own block: answered at once
+    live = next(s for s in daemon.service.sessions if s.client_name == "second")
+    taking = asyncio.create_task(second.allocate(2, 4))  # gets a block being zeroed
+    await applied(lambda: 2 in live.seq_ids)
+    assert not (taking.done() or freeing.done())
+    gate.set()
+    assert await freeing == 15
+    assert (await taking).block_ids[0] in range(15)
+    assert [what for what, _ in memory.log] == ["zero", "sync"]
+    daemon.service.check_invariants()
+
+
+async def test_a_cancelled_call_still_waits_for_its_memory_work(daemon: Daemon) -> None:
+    gate = threading.Event()
+    memory = gate_memory(daemon, gate=gate)
+    service = daemon.service
+    sid = service.open_session("cancelled").session_id
+    await service.allocate(sid, Allocate(1, 2))
+    await service.fork(sid, Fork(1, 2))
+    step = asyncio.create_task(service.step(sid, [2]))
+    assert await asyncio.to_thread(memory.started.wait, 10)
+    step.cancel()  # its deadline passed
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert not step.done()  # still waiting for the copy it started
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    assert memory.log[0][0] == "copy"
+    # It was applied (a lost answer: the client reads it back).
+    (table,) = await service.block_tables(sid, [2])
+    assert (table.block_table, table.num_tokens) == ([1], 3)
+    service.check_invariants()
 
 
 async def test_the_answer_leaves_after_the_copy_is_in_memory(
@@ -136,15 +228,13 @@ async def test_the_answer_leaves_after_the_copy_is_in_memory(
 
 
 @pytest.mark.parametrize("call", ["step", "batch_free", "close"])
-async def test_failed_memory_work_answers_internal_and_changes_nothing(
+async def test_failed_memory_work_stops_the_pool(
         daemon: Daemon, client: PoolClient, call: str) -> None:
     session = await client.open_session("victim")
+    other = await client.open_session("bystander")
     await forked_pair(session)
     await session.allocate(3, 5)
     memory = gate_memory(daemon, fail=True)
-    service = daemon.service
-    live = next(iter(service.sessions))
-    before = (pool_state(daemon.pool), sorted(live.seq_ids), live.table_entries)
     with pytest.raises(PagedKVError) as failure:
         if call == "step":  # a copy-on-write copy fails
             await session.step([2])
@@ -153,14 +243,30 @@ async def test_failed_memory_work_answers_internal_and_changes_nothing(
         else:
             await session.close()
     assert failure.value.code == grpc.StatusCode.INTERNAL
-    assert (pool_state(daemon.pool), sorted(live.seq_ids), live.table_entries) == before
-    assert live in service.sessions
-    memory.fail = False  # the device is back: the same call now goes through
-    if call == "close":
-        assert await session.close() == 3
-    else:
-        await session.step([2]) if call == "step" else await session.free(3)
-    service.check_invariants()
+    assert daemon.service.memory_order.failed.is_set()
+    memory.fail = False  # even with the device back, the blocks' contents are unknown
+    with pytest.raises(PagedKVError) as refused:
+        await other.allocate(1, 4)
+    assert refused.value.code == grpc.StatusCode.INTERNAL
+    assert len(daemon.pool) == (3 if call == "step" else 2 if call == "batch_free" else 0)
+
+
+async def test_calls_waiting_on_failed_work_fail_too(daemon: Daemon, client: PoolClient) -> None:
+    gate = threading.Event()
+    memory = gate_memory(daemon, gate=gate)
+    session = await client.open_session("victim")
+    await forked_pair(session)
+    step = asyncio.create_task(session.step([2]))  # copies block 0 into block 1
+    assert await asyncio.to_thread(memory.started.wait, 10)
+    read = asyncio.create_task(session.block_tables([2]))  # waits for the copy into block 1
+    live = next(iter(daemon.service.sessions))
+    await applied(lambda: live.in_flight == 2)
+    memory.fail = True
+    gate.set()
+    for call in (step, read):
+        with pytest.raises(PagedKVError) as failure:
+            await call
+        assert failure.value.code == grpc.StatusCode.INTERNAL
 
 
 # A runner process: maps the pool, waits for "go", prints whether the given blocks hold 7s.

@@ -48,21 +48,23 @@ the call's parts are charged to before the pool does the work (see `answer_size.
 request that would produce an answer over `max_answer_bytes` is refused with nothing changed.
 
 Concurrency and memory. Pool state changes are serialized by one lock and made all-or-nothing
-by the pool's undo journal (the session's bookkeeping records its undo there too). The memory
-work a call owes (copy-on-write copies, zeroing) runs on one worker thread, off the event loop,
-while the call holds the lock, and the answer leaves only once it is complete and synchronized
-(CUDA): a runner that reads the answer's blocks sees their data. If the memory work fails, the
-journal undoes the call and the caller gets INTERNAL with nothing changed. Calls that do not
-touch the pool (KeepAlive, OpenSession) never wait for the lock, and a call renews its
-session's lease when it arrives (see `sessions.py`), so one client's slow step cannot expire
-another's session.
+by the pool's undo journal (the session's bookkeeping records its undo there too). A call holds
+the lock only while it applies its change and starts the memory work it owes (copy-on-write
+copies, zeroing), with no await in between; the work runs on worker threads after the lock is
+released, ordered with other calls' work by the blocks it touches (`memory_order.py`), and the
+answer leaves only once that work, and earlier work on the blocks the answer hands out, is
+complete and synchronized (CUDA): a runner that reads the answer's blocks sees their data, and
+a call that touches no block with work in flight waits for no one's copies. The change cannot
+be undone once the lock is released, so memory work that fails stops the pool (fail-stop: that
+call and every later one get INTERNAL). Calls that do not touch the pool (KeepAlive,
+OpenSession) never wait for the lock, and a call renews its session's lease when it arrives
+(see `sessions.py`), so one client's slow step cannot expire another's session.
 """
 
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
 from pagedkv.daemon.core import (
@@ -78,6 +80,7 @@ from pagedkv.daemon.service.cache_hygiene import CacheHygiene
 from pagedkv.daemon.service.call_work import check_work, op_work, step_work
 from pagedkv.daemon.service.holds import NO_HOLD, Hold, apply_hold, check_hold, check_release
 from pagedkv.daemon.service.limits import Limits
+from pagedkv.daemon.service.memory_order import MemoryOrder, Pending, answer_blocks
 from pagedkv.daemon.service.operations import (
     Allocate,
     Append,
@@ -130,13 +133,14 @@ class PoolService:
         self._tenant_number = {name: i for i, name in enumerate(self.tenants.by_name)}
         pool.track_holders(2)
         self._usage = TenantUsage()
-        # Serializes every change of pool state, and the memory work that goes with it.
+        # Serializes every change of pool state: held while a call applies its change and
+        # starts its memory work, never while the work runs.
         self._lock = asyncio.Lock()
         # The wire bytes of large requests parsed and not yet answered (the interceptor admits
         # each before parsing it): what calls queued for the lock may hold.
         self.requests = RequestBudget(self.limits.max_queued_request_bytes)
-        # One thread: memory work runs in call order, off the event loop.
-        self._memory_worker = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-memory")
+        # Memory work off the event loop, ordered per block; fail-stop (memory_order.py).
+        self.memory_order = MemoryOrder()
         self._reaper: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------- lifecycle
@@ -147,13 +151,14 @@ class PoolService:
             self._reaper = asyncio.create_task(self._reap_forever(), name="pagedkv-lease-reaper")
 
     async def stop(self) -> None:
-        """Stop the lease reaper and the memory worker; sessions stay as they are."""
+        """Stop the lease reaper and, once their work is done, the memory workers; sessions
+        stay as they are."""
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
             self._reaper = None
-        self._memory_worker.shutdown(wait=True)
+        await self.memory_order.close()
 
     async def _reap_forever(self) -> None:
         while True:
@@ -165,10 +170,12 @@ class PoolService:
         expired = 0
         for session in self.sessions.due():
             try:
+                self.memory_order.check()
                 async with self._lock:
                     if session not in self.sessions or not self.sessions.is_due(session):
                         continue  # a call or a hold arrived, or it closed, while we waited
-                    freed = await self._drop_session(session, expired=True)
+                    freed, pending = self._drop_session(session, expired=True)
+                await pending.wait()
             except Exception:  # the reaper must outlive any failure of one expiry
                 log.exception("lease expiry failed", session=session.label)
                 continue
@@ -177,9 +184,9 @@ class PoolService:
                      lease_ttl_ms=session.lease_ttl_ms)
         return expired
 
-    async def _drop_session(self, session: Session, *, expired: bool) -> int:
-        """Remove a session and free its sequences, all-or-nothing; returns how many.
-        The caller holds the lock."""
+    def _drop_session(self, session: Session, *, expired: bool) -> tuple[int, Pending]:
+        """Remove a session and free its sequences, all-or-nothing; returns how many, and the
+        memory work to wait for (zeroing). The caller holds the lock."""
         work = MemoryWork()
         count = len(session.seq_ids)
         with self.pool.transaction() as journal:
@@ -191,22 +198,7 @@ class PoolService:
                 for seq_id in list(session.seq_ids):
                     self._ops.free(session, seq_id, work)
             self._hygiene.session_ended(session, work)
-            await self._perform(work)
-        return count
-
-    async def _perform(self, work: MemoryWork) -> None:
-        """Do a call's memory work on the worker thread and wait until it is complete.
-        A cancelled call still waits for it: the lock must not pass to the next call while
-        memory is being written for blocks the journal is about to release."""
-        if not work.steps or self.memory is None:
-            return
-        done = asyncio.get_running_loop().run_in_executor(self._memory_worker, work.perform,
-                                                          self.memory)
-        try:
-            await asyncio.shield(done)
-        except asyncio.CancelledError:
-            await asyncio.wait([done])
-            raise
+        return count, self.memory_order.start(self.memory, work, tuple)
 
     async def _change(self, session_id: str,
                       change: Callable[[Session, MemoryWork, AnswerBudget], T],
@@ -216,10 +208,11 @@ class PoolService:
         budget (`answer`: one shared with other parts of the answer, else a fresh one), under
         the lock; a change that `commits` is refused first if the caller may not commit, one
         that `frees` (the RPC's name) if a runner holds the session (holds.py); once applied,
-        the session's hold is set or ended as `hold` asks. The lease is renewed on arrival and
-        held while the call waits."""
+        the session's hold is set or ended as `hold` asks. Answered once the memory work its
+        answer depends on is complete (memory_order.py)."""
         check_hold(hold, self.limits)
-        async with self._arrived(session_id) as session:
+
+        def apply(session: Session) -> tuple[T, Pending]:
             if commits:
                 self.tenants.check_commit(session.tenant, session.shared_salt)
             if frees:
@@ -230,20 +223,27 @@ class PoolService:
                         self._groups(session)):
                     result = change(session, work, answer or self.answer_budget())
                 self._usage.check_blocks(self.tenants.by_name[session.tenant])
-                await self._perform(work)
             apply_hold(session, hold, self.sessions.now())
-            return result
+            bs = self.pool.block_size
+            return result, self.memory_order.start(self.memory, work,
+                                                   lambda: answer_blocks(result, bs))
+        return await self._arrived(session_id, apply)
 
-    @contextlib.asynccontextmanager
-    async def _arrived(self, session_id: str) -> AsyncIterator[Session]:
-        """The session a call names, under the lock: its lease renewed on arrival and held
-        while the call waits (no expiry of a session with a call in flight), and refused if
-        it ended while the call waited."""
+    async def _arrived(self, session_id: str,
+                       apply: Callable[[Session], tuple[T, Pending]]) -> T:
+        """`apply` the call to the session it names, under the lock (no await inside: the
+        change and the start of its memory work are one step), then wait with the lock
+        released for the memory work its answer depends on. The lease is renewed on arrival
+        and held until the answer (no expiry of a session with a call in flight); refused if
+        the session ended while the call waited, or if memory work failed (fail-stop)."""
         session = self.sessions.arrive(session_id)
         try:
+            self.memory_order.check()
             async with self._lock:
                 self.sessions.check_live(session)
-                yield session
+                result, pending = apply(session)
+            await pending.wait()
+            return result
         finally:
             self.sessions.depart(session)
 
@@ -278,11 +278,12 @@ class PoolService:
 
     async def close_session(self, session_id: str) -> int:
         """Close a session and free its sequences; returns how many were freed."""
-        async with self._arrived(session_id) as session:
+        def close(session: Session) -> tuple[int, Pending]:
             check_release(session, self.sessions.now(), "CloseSession")
-            freed = await self._drop_session(session, expired=False)
-        log.info("session closed", session=session.label, freed_sequences=freed)
-        return freed
+            freed, pending = self._drop_session(session, expired=False)
+            log.info("session closed", session=session.label, freed_sequences=freed)
+            return freed, pending
+        return await self._arrived(session_id, close)
 
     # ------------------------------------------------------------ operations
 

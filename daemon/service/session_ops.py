@@ -6,7 +6,8 @@ into `PoolExhausted`, keeps each session's sequence set and table-entry count in
 pool, and records in a `MemoryWork` the copies and zeroing that pool memory owes for the call.
 Every check runs before the pool is touched, so a refused op changes nothing; the session's
 bookkeeping is changed through the pool's journal, so a transaction that fails later (a later
-op of a Batch, the memory work) undoes it together with the pool.
+op of a Batch, the tenant's max_blocks) undoes it together with the pool. The memory work runs
+once the transaction has succeeded (`memory_order.py`).
 
 Pool keys are `(session number, seq_id)`: a seq id of another session is simply not found.
 """
@@ -65,7 +66,8 @@ class BlockMemory(Protocol):
 
 @dataclass(slots=True)
 class MemoryWork:
-    """Copies and zeroing a call owes pool memory, performed in call order once it commits.
+    """Copies and zeroing a call owes pool memory, started once the call is applied and
+    ordered with other calls' work by the blocks it touches (`memory_order.py`).
 
     Order matters within a batch: a block freed (and zeroed) by one op may be the copy
     destination of a later one.
@@ -81,6 +83,11 @@ class MemoryWork:
     def zero(self, blocks: list[int]) -> None:
         if blocks:
             self.steps.append(("zero", blocks, []))
+
+    def blocks(self) -> list[int]:
+        """Every block the work reads or writes (a block may appear more than once)."""
+        return [block for _, blocks, destinations in self.steps
+                for block in (*blocks, *destinations)]
 
     def perform(self, memory: BlockMemory) -> None:
         """Do the work in pool memory and wait until it is complete and visible to every

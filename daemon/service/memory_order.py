@@ -1,0 +1,163 @@
+"""Pool memory work ordered per block, run while the pool lock is free.
+
+A call applies its change to the pool under the pool lock, synchronously, and then starts the
+memory work the change owes (`MemoryWork`: copy-on-write copies, zeroing). It releases the lock
+before the work runs, so another call is applied at once; only the memory work and the answers
+are ordered, by the blocks they touch:
+
+- A call's work runs after every earlier call's work on any block it copies from, copies to or
+  zeroes (write after write, write after read, read after write). Work on disjoint blocks runs
+  on the worker threads side by side, off the event loop.
+- A call's answer leaves once its own work is complete and synchronized (CUDA), and once every
+  earlier call's work on the blocks the answer hands out (a table, the blocks a Step writes) is.
+  A block freed with its zeroing pending goes back to the free list at once: the call that gets
+  it waits for that zeroing before its answer leaves, and a copy into it, or its own zeroing,
+  runs after. A copy's source or destination freed and handed out meanwhile is waited for alike.
+  A call that touches no block with work in flight waits for nothing.
+
+The runner writes a block only after an answer that handed it out, and that answer waited for
+the block's work: so no memory work writes a block after someone else may own it.
+
+A call cancelled by its deadline still waits for its memory work, and the work runs to its end.
+
+Failure is fail-stop. A call's change is applied before its work runs, and later calls may
+build on it (take the blocks it freed, share the ones it wrote), so it cannot be undone. Work
+that fails (a device error: the ids were checked by the pool) leaves those blocks' contents
+unknown: the call and every call waiting on its blocks get `MemoryFailed` (INTERNAL), and from
+then on every call that touches the pool is refused with it, until the daemon restarts
+(`failed` is set; `pagedkvd` stops on it and exits with a failure status).
+"""
+
+import asyncio
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+
+from pagedkv.daemon.core import BatchAppend, SeqUpdate
+from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork
+from pagedkv.process.log_setup import get_logger
+
+log = get_logger(__name__)
+
+# Threads that run memory work. Work on disjoint blocks runs side by side, so one client's
+# heavy copies or zeroing leave a light client's own small copy a thread of its own.
+MEMORY_WORKERS = 4
+
+
+class MemoryFailed(RuntimeError):
+    """Pool memory work failed: the pool stops serving (see the module docstring)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """What one call's answer waits for: its own work and earlier work on blocks it touches."""
+
+    # Futures of memory work (each done once its work is complete and synchronized).
+    works: tuple["asyncio.Future[None]", ...] = ()
+
+    async def wait(self) -> None:
+        """Until every work is complete; a call cancelled meanwhile still waits, then raises
+        CancelledError. MemoryFailed if any failed."""
+        if not self.works:
+            return
+        try:
+            await asyncio.shield(asyncio.gather(*self.works))
+        except asyncio.CancelledError:
+            await asyncio.wait(self.works)
+            raise
+
+
+class MemoryOrder:
+    """Starts each call's memory work in block order and tells its answer what to wait for."""
+
+    def __init__(self, workers: int = MEMORY_WORKERS) -> None:
+        # Block -> the latest work that touches it, while that work is in flight.
+        self._latest: dict[int, asyncio.Future[None]] = {}
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="pagedkv-memory")
+        # The first failure; set once, never cleared (fail-stop).
+        self.failure: MemoryFailed | None = None
+        # Set with `failure`: the daemon stops on it.
+        self.failed = asyncio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        """Blocks with memory work in flight."""
+        return len(self._latest)
+
+    def check(self) -> None:
+        """Refuse a call once memory work has failed."""
+        if self.failure is not None:
+            raise self.failure
+
+    def start(self, memory: BlockMemory | None, work: MemoryWork,
+              answer_blocks: Callable[[], Iterable[int]]) -> Pending:
+        """Start a call's work, just applied (the caller holds the pool lock and does not await
+        before this); `answer_blocks` names the blocks its answer hands out (asked only while
+        some work is in flight)."""
+        blocks = work.blocks()
+        earlier = self._earlier(blocks, answer_blocks) if self._latest else ()
+        if memory is None or not work.steps:
+            return Pending(earlier)
+        task = asyncio.ensure_future(self._run(memory, work, earlier))
+        touched = set(blocks)
+        for block in touched:
+            self._latest[block] = task
+        task.add_done_callback(partial(self._retire, touched))
+        return Pending((task,))
+
+    async def close(self) -> None:
+        """Wait for the work in flight, then stop the threads."""
+        if self._latest:
+            await asyncio.wait(set(self._latest.values()))
+        self._workers.shutdown(wait=True)
+
+    def _earlier(self, blocks: list[int],
+                 answer_blocks: Callable[[], Iterable[int]]) -> tuple["asyncio.Future[None]", ...]:
+        latest = self._latest
+        found = {latest[b] for b in blocks if b in latest}
+        found.update(latest[b] for b in answer_blocks() if b in latest)
+        return tuple(found)
+
+    async def _run(self, memory: BlockMemory, work: MemoryWork,
+                   earlier: tuple["asyncio.Future[None]", ...]) -> None:
+        if earlier:
+            await asyncio.gather(*earlier)  # MemoryFailed if one failed: this work never runs
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._workers, work.perform, memory)
+        except Exception as exc:
+            raise self._fail(exc) from exc
+
+    def _fail(self, exc: Exception) -> MemoryFailed:
+        if self.failure is None:
+            self.failure = MemoryFailed(f"pool memory work failed ({type(exc).__name__}: {exc}); "
+                                        "the blocks' contents are unknown, the pool stops")
+            self.failed.set()
+            log.critical("pool memory work failed: the pool stops serving", exc_info=exc)
+        return self.failure
+
+    def _retire(self, blocks: set[int], task: "asyncio.Future[None]") -> None:
+        """The work is over: its blocks no longer wait for it (unless a later work took them)."""
+        for block in blocks:
+            if self._latest.get(block) is task:
+                del self._latest[block]
+        if not task.cancelled():
+            task.exception()  # retrieved: its calls, or none (all cancelled), have seen it
+
+
+def answer_blocks(result: object, block_size: int) -> Iterable[int]:
+    """The blocks an answer hands out: every table it returns, or the blocks a Step writes."""
+    match result:
+        case BatchAppend():
+            written = np.concatenate([result.changed_block_id, result.slot_mapping // block_size])
+            blocks: list[int] = np.unique(written).tolist()
+            return blocks
+        case SeqUpdate():
+            return result.block_table
+        case list():
+            return [b for update in result if isinstance(update, SeqUpdate)
+                    for b in update.block_table]
+        case _:
+            return ()
