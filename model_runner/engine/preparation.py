@@ -6,16 +6,17 @@ the step's forward: what the runner knows of each sequence comes only from those
     prepared = await preparer.prepare(session_id, known, requests)
 
 `prepare` reads back sequences the runner does not know (a fork's parent, a sequence from before
-a runner restart), claims the tokens decoded ahead, checks the model's positions, then makes one
-daemon call: a `Step` for single decode tokens (committing what the previous forward computed;
-sent in one StepMany with the Steps other sessions make at the same moment, daemon_steps.py),
-else one `Batch` of Fork ops (parallel samples, beams), then Allocate/Append ops. A prefill's
-commit due (SeqState.commit_due) rides that call: the Step's commit when it covers every
-sequence due, else a Commit op first in the Batch. The chunks to compute follow from the
-answers. Every call goes through the session's handle (`SessionSequences.session`), so an
-answer lost on the way is read back as kvpool.proto's retry rules say. Those calls hold the
-session for `hold_ms` (kvpool.proto's "Runner holds"): until the forward that follows them is
-done (the engine renews or ends the hold), no client frees the blocks they answered.
+a runner restart), claims the tokens decoded ahead, checks the model's positions, then makes at
+most one daemon call: for single decode tokens none while they fit in their reservations, else a
+`Step` (reservations.py; sent in one StepMany with the Steps other sessions make at the same
+moment, daemon_steps.py), else one `Batch` of Fork ops (parallel samples, beams), then
+Allocate/Append ops. A prefill's commit due (SeqState.commit_due) rides that call: the Step's
+commit when it covers every sequence due, else a Commit op first in the Batch. The chunks to
+compute follow from the answers. Every call goes through the session's handle
+(`SessionSequences.session`), so an answer lost on the way is read back as kvpool.proto's retry
+rules say. Those calls hold the session for `hold_ms` (kvpool.proto's "Runner holds"): until the
+forward that follows them is done (the engine renews or ends the hold), no client frees the
+blocks they answered.
 """
 
 import time

@@ -6,11 +6,12 @@
 
 A step goes through three stages:
 1. prepare (`Preparer`, on the event loop, as soon as the step arrives): validate it (a bad step
-   fails alone, before the pool changes), read back sequences the runner does not know, then one
-   daemon call under the client's session: `Step` for a batch of single decode tokens
-   (committing what the previous forward computed), else one `Batch` of Fork ops (parallel
-   samples, beams), then Allocate/Append ops. The answers are the only source of block tables
-   and slots; the chunks to compute follow from them.
+   fails alone, before the pool changes), read back sequences the runner does not know, then at
+   most one daemon call under the client's session: for a batch of single decode tokens none
+   while they fit in the slots the last Step reserved, else a `Step` (certifying the tokens
+   decoded into them, committing what the daemon held, reserving again: reservations.py), else
+   one `Batch` of Fork ops (parallel samples, beams), then Allocate/Append ops. The answers are
+   the only source of block tables and slots; the chunks to compute follow from them.
 2. forward (`ForwardLoop`, on one worker thread, one at a time, so two steps' writes never
    interleave): every prepared step waiting is packed into one forward pass, then each sequence
    that is fully computed samples its next token. A step that arrives while a forward runs is
@@ -22,10 +23,11 @@ A step goes through three stages:
 
 Decode ahead (runner.proto's `decode_ahead`, vLLM v1's async scheduling): when a client marks a
 sequence whose step sampled a token that does not finish it, the runner keeps the session's lock
-after answering and takes the client's next step itself: one daemon Step appends the sampled
-tokens, then a forward computes them, while the answer travels and the client plans. The
-client's next step names the same tokens and is answered from those results (`Ahead`); the
-lock keeps every other step of the session, and so every release, behind that forward.
+after answering and takes the client's next step itself: it appends the sampled tokens (a daemon
+Step only once a reservation), then a forward computes them, while the answer travels and the
+client plans. The client's next step names the same tokens and is answered from those results
+(`Ahead`); the lock keeps every other step of the session, and so every release, behind that
+forward.
 
 No release before the forward: a step whose caller is cancelled (its client gone) keeps the
 session's lock until its forward is done, so no release through the runner frees blocks that a
