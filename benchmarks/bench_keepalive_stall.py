@@ -10,7 +10,9 @@ A real `pagedkvd` (Llama-3.1-8B geometry, bf16, B = 16: 2 MiB a block, a CPU poo
   iterations it also allocates and frees a LONG_TOKENS sequence (1 GiB zeroed).
 - light (B): a session with a LEASE_MS lease and no background keep-alive; it sends KeepAlive
   every KEEPALIVE_PERIOD_S from a task of its own and times each round trip, and every
-  SMALL_STEP_PERIOD_S a small Step (SMALL_SEQS sequences) that waits behind A's work.
+  SMALL_STEP_PERIOD_S a small Step (SMALL_SEQS sequences) that touches none of A's blocks:
+  memory work is ordered per block (daemon/service/memory_order.py), so it waits for none of
+  A's copies or zeroing (before, it waited behind them for the pool lock).
 
 Figures:
     keepalive_p50_ms_during_heavy_steps, keepalive_p99_ms_during_heavy_steps  (target p99 <= 20)
@@ -19,23 +21,29 @@ Figures:
                                  counter; target 0); both sessions are healthy
     light_session_failures       calls of B that failed (FAILED_PRECONDITION = expired, ...)
     heavy_step_ms_p50, heavy_step_ms_p99   A's Step (HEAVY_SEQS copies), for context
-    small_step_ms_p50, small_step_ms_max   B's Step, queued behind A's memory work
+    small_step_ms_p50, small_step_ms_max   B's Step while A's memory work runs
+    small_step_ms_p99_during_heavy_copies  (target <= 10)
     heavy_copied_gib, zeroed_gib           memory work done in the window
 
-The script also runs the code before the undo journal and the memory worker: PYTHONPATH
-pointing at an old tree's `pagedkv` folder is enough (the daemon and clients inherit it; the
-launcher, `pagedkv.process`, is this tree's where the old folder has none).
+With `--baseline-rev REV` the same measurement runs first on the code of git revision REV
+(archived into a temporary folder and put first on PYTHONPATH, which the daemon and clients
+inherit), its figures suffixed `_baseline`, then on this tree, and
+`small_step_p99_vs_baseline` is the ratio of the two p99s (e.g. REV = c5eb497^, the pool-wide
+lock held across memory work). PYTHONPATH pointing at an old tree's `pagedkv` folder by hand
+does the same for one run.
 With `--pin`, the daemon gets one CPU of its own and the clients the others.
-Usage: python benchmarks/bench_keepalive_stall.py [--seconds S] [--pin]
+Usage: python benchmarks/bench_keepalive_stall.py [--seconds S] [--pin] [--baseline-rev REV]
 """
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import urllib.request
@@ -58,7 +66,7 @@ LONG_TOKENS = 8192  # 512 blocks, 1 GiB to zero when freed
 LONG_EVERY = 4
 LEASE_MS = 300
 KEEPALIVE_PERIOD_S = 0.1
-SMALL_STEP_PERIOD_S = 1.0
+SMALL_STEP_PERIOD_S = 0.05
 SMALL_SEQS = 4
 SECONDS = 20.0
 # Time for both client processes to start and set up before the timed window opens.
@@ -175,31 +183,65 @@ async def bytes_per_block(target: str) -> int:
         return info.bytes_per_block
 
 
-def report(a: dict[str, Any], b: dict[str, Any], expiries: int, block_bytes: int) -> None:
+def report(a: dict[str, Any], b: dict[str, Any], expiries: int, block_bytes: int,
+           suffix: str) -> None:
     keepalive, steps, small = (np.array(values or [np.nan]) for values in (
         b["keepalive_ms"], a["steps_ms"], b["small_ms"]))
     gib = block_bytes / 2**30
-    print(f"keepalives_timed: {len(b['keepalive_ms'])} calls")
-    print(f"keepalive_p50_ms_during_heavy_steps: {np.percentile(keepalive, 50):.2f} ms")
-    print(f"keepalive_p99_ms_during_heavy_steps: {np.percentile(keepalive, 99):.2f} ms")
-    print(f"keepalive_max_ms_during_heavy_steps: {keepalive.max():.2f} ms")
-    print(f"healthy_sessions_expired: {expiries} sessions")
-    print(f"light_session_failures: {len(b['failures'])} calls")
+
+    def figure(name: str, value: float, unit: str, digits: int = 1) -> None:
+        print(f"{name}{suffix}: {value:.{digits}f} {unit}")
+
+    figure("keepalives_timed", len(b["keepalive_ms"]), "calls", 0)
+    figure("keepalive_p50_ms_during_heavy_steps", np.percentile(keepalive, 50), "ms", 2)
+    figure("keepalive_p99_ms_during_heavy_steps", np.percentile(keepalive, 99), "ms", 2)
+    figure("keepalive_max_ms_during_heavy_steps", keepalive.max(), "ms", 2)
+    figure("healthy_sessions_expired", expiries, "sessions", 0)
+    figure("light_session_failures", len(b["failures"]), "calls", 0)
     for failure in b["failures"][:3]:
         print(f"# light client: {failure}")
-    print(f"heavy_steps: {len(a['steps_ms'])} steps")
-    print(f"heavy_step_ms_p50: {np.percentile(steps, 50):.1f} ms")
-    print(f"heavy_step_ms_p99: {np.percentile(steps, 99):.1f} ms")
-    print(f"small_step_ms_p50: {np.percentile(small, 50):.1f} ms")
-    print(f"small_step_ms_max: {small.max():.1f} ms")
-    print(f"heavy_copied_gib: {a['copies'] * gib:.1f} GiB")
-    print(f"zeroed_gib: {a['zeroed'] * gib:.1f} GiB")
+    figure("heavy_steps", len(a["steps_ms"]), "steps", 0)
+    figure("heavy_step_ms_p50", np.percentile(steps, 50), "ms")
+    figure("heavy_step_ms_p99", np.percentile(steps, 99), "ms")
+    figure("small_steps_timed", len(b["small_ms"]), "steps", 0)
+    figure("small_step_ms_p50", np.percentile(small, 50), "ms")
+    figure("small_step_ms_p99_during_heavy_copies", np.percentile(small, 99), "ms")
+    figure("small_step_ms_max", small.max(), "ms")
+    figure("heavy_copied_gib", a["copies"] * gib, "GiB")
+    figure("zeroed_gib", a["zeroed"] * gib, "GiB")
+
+
+def run_baseline(rev: str, seconds: float, pin_daemon: bool) -> float:
+    """This script's measurement on the code of git revision `rev`: its figures printed as they
+    come, suffixed `_baseline`; returns its small_step_ms_p99_during_heavy_copies."""
+    with tempfile.TemporaryDirectory(prefix="pkv-baseline-") as folder:
+        tree = Path(folder) / "pagedkv"
+        tree.mkdir()
+        # From the repository's root: in a subfolder, git archives only that subfolder.
+        archive = subprocess.run(["git", "archive", rev], check=True, capture_output=True,
+                                 cwd=Path(__file__).resolve().parents[1]).stdout
+        with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+            tar.extractall(tree, filter="data")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [folder, os.environ.get("PYTHONPATH")]))}
+        command = [sys.executable, __file__, "--seconds", str(seconds), "--suffix", "_baseline",
+                   *(["--pin"] if pin_daemon else [])]
+        output = subprocess.run(command, env=env, check=True, capture_output=True,
+                                text=True).stdout
+    print(f"# baseline: git revision {rev}")
+    print(output, end="")
+    line = next(line for line in output.splitlines()
+                if line.startswith("small_step_ms_p99_during_heavy_copies_baseline:"))
+    return float(line.split()[1])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=SECONDS)
     parser.add_argument("--pin", action="store_true", help="daemon on a CPU of its own")
+    parser.add_argument("--baseline-rev", default=None,
+                        help="measure this git revision's code first, as the baseline")
+    parser.add_argument("--suffix", default="", help=argparse.SUPPRESS)
     parser.add_argument("--role", nargs=4, metavar=("ROLE", "TARGET", "START_AT", "SECONDS"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -207,10 +249,24 @@ def main() -> int:
         role, target, start_at, seconds = args.role
         run_role(role, target, float(start_at), float(seconds))
         return 0
+    baseline = None
+    if args.baseline_rev:
+        baseline = run_baseline(args.baseline_rev, args.seconds, args.pin)
+    p99 = measure(args.seconds, args.pin, args.suffix)
+    if p99 is None:
+        return 1
+    if baseline is not None:
+        print(f"small_step_p99_vs_baseline: {p99 / baseline:.3f} ratio")
+    return 0
+
+
+def measure(seconds: float, pin_daemon: bool, suffix: str) -> float | None:
+    """One run of the daemon and both clients; prints the figures and returns the small Step's
+    p99 (None when /dev/shm has no room)."""
     need = NUM_BLOCKS * 2**21 * 5 // 4  # the pool (2 MiB blocks) and some room
     if shutil.disk_usage(SHM).free < need:
         print(f"# {SHM} has under {need / 2**30:.1f} GiB free", file=sys.stderr)
-        return 1
+        return None
     metrics_port = free_tcp_port()
     # The daemon's socket, log and pool file in a tmpfs folder.
     with tempfile.TemporaryDirectory(prefix="pkv-ka-", dir=SHM) as name, \
@@ -219,20 +275,20 @@ def main() -> int:
                          "--metrics-listen", f"127.0.0.1:{metrics_port}",
                          "--log-level", "warning") as daemon:
         try:
-            print(f"# {pin(daemon.process) if args.pin else 'unpinned'}; load average "
+            print(f"# {pin(daemon.process) if pin_daemon else 'unpinned'}; load average "
                   f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
             daemon.wait_for_notification(READY_STATE)
             block_bytes = asyncio.run(bytes_per_block(daemon.unix_target))
             start_at = time.time() + START_DELAY_S
-            clients = [spawn(role, daemon.unix_target, start_at, args.seconds)
+            clients = [spawn(role, daemon.unix_target, start_at, seconds)
                        for role in ("heavy", "light")]
-            limit = START_DELAY_S + args.seconds + 60
+            limit = START_DELAY_S + seconds + 60
             a, b = (json.loads(c.communicate(timeout=limit)[0]) for c in clients)
-            report(a, b, lease_expiries(metrics_port), block_bytes)
+            report(a, b, lease_expiries(metrics_port), block_bytes, suffix)
         finally:
             if daemon.stop():
                 print(log_tail(daemon.log_path), file=sys.stderr)
-    return 0
+    return float(np.percentile(b["small_ms"], 99)) if b["small_ms"] else float("nan")
 
 
 if __name__ == "__main__":

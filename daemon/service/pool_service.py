@@ -168,9 +168,10 @@ class PoolService:
     async def expire_due(self) -> int:
         """Expire every session past its lease with no call in flight; returns how many."""
         expired = 0
+        if self.memory_order.failure is not None:
+            return 0  # fail-stop: the pool changes no more
         for session in self.sessions.due():
             try:
-                self.memory_order.check()
                 async with self._lock:
                     if session not in self.sessions or not self.sessions.is_due(session):
                         continue  # a call or a hold arrived, or it closed, while we waited
