@@ -16,11 +16,14 @@ blocks) or make it fail (a device error). The rules checked (memory_order.py):
 
 import asyncio
 import pickle
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import pytest
@@ -29,6 +32,9 @@ import torch
 from pagedkv.client import PagedKVError, PoolClient, Session
 from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
+from pagedkv.daemon.process.config import DaemonConfig
+from pagedkv.daemon.process.server import serve
+from pagedkv.daemon.service.memory_order import MemoryFailed
 from pagedkv.daemon.service.operations import Allocate, Fork
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.memory import PoolMemoryHandle
@@ -267,6 +273,31 @@ async def test_calls_waiting_on_failed_work_fail_too(daemon: Daemon, client: Poo
         with pytest.raises(PagedKVError) as failure:
             await call
         assert failure.value.code == grpc.StatusCode.INTERNAL
+
+
+async def test_pagedkvd_stops_when_memory_work_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve(), as pagedkvd runs it, drains and raises MemoryFailed (pagedkvd then exits with a
+    failure status) once a copy fails; it is not asked to stop."""
+
+    def lost(*_: object) -> None:
+        raise RuntimeError("copy failed: device lost")
+
+    monkeypatch.setattr(KVPoolMemory, "copy_blocks", lost)
+    folder = Path(tempfile.mkdtemp(prefix="pkvf-"))  # short: unix socket paths are limited
+    config = DaemonConfig(listen=(f"unix://{folder}/d.sock",), shm_dir=folder, num_blocks=64)
+    served = asyncio.create_task(serve(config, asyncio.Event()))
+    try:
+        async with await PoolClient.connect(f"unix://{folder}/d.sock") as client:
+            session = await client.open_session("victim")
+            await forked_pair(session)
+            with pytest.raises(PagedKVError) as failure:
+                await session.step([2])
+            assert failure.value.code == grpc.StatusCode.INTERNAL
+        with pytest.raises(MemoryFailed, match="copy failed: device lost"):
+            await served
+    finally:
+        served.cancel()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # A runner process: maps the pool, waits for "go", prints whether the given blocks hold 7s.

@@ -29,6 +29,7 @@ def run_serve(args: argparse.Namespace, prog: str) -> int:
     # Imported only now: torch and grpc take seconds to load, `pagedkvd --help` and a bad
     # setting need neither.
     from pagedkv.daemon.process.server import serve
+    from pagedkv.daemon.service.memory_order import MemoryFailed
     from pagedkv.process.grpc_server import StartupError
 
     log_setup.configure(config.log_level, config.log_format)
@@ -39,6 +40,9 @@ def run_serve(args: argparse.Namespace, prog: str) -> int:
         return EXIT_BAD_CONFIG
     except (StartupError, OSError) as exc:
         print(f"{prog}: cannot start: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except MemoryFailed as exc:  # fail-stop: a restart gives a fresh pool
+        print(f"{prog}: stopped: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
 

@@ -11,7 +11,8 @@ Stop (SIGTERM or SIGINT): STOPPING=1 and health NOT_SERVING so balancers and cli
 away, then the gRPC server stops accepting and lets in-flight calls finish for up to
 SHUTDOWN_GRACE_S (process/grpc_server.py), then the lease reaper stops and the pool memory is
 released (its shm file unlinked). The next start has a new pool_id: clients recompute their
-tables from scratch.
+tables from scratch. Pool memory work that fails stops the daemon the same way (fail-stop,
+daemon/service/memory_order.py), with a failure exit status: its supervisor restarts it.
 """
 
 import asyncio
@@ -40,6 +41,7 @@ from pagedkv.daemon.process.config import (
     DaemonConfig,
 )
 from pagedkv.daemon.process.settings import ConfigError
+from pagedkv.daemon.service.memory_order import MemoryOrder
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.memory.device_memory import measure
 from pagedkv.process.grpc_server import GrpcServers, StartupError, grpc_servers
@@ -74,21 +76,28 @@ class GrpcServer:
 
 
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
-    """Run the daemon until SIGTERM/SIGINT (or until `stop` is set, when given)."""
+    """Run the daemon until SIGTERM/SIGINT (or until `stop` is set, when given), or until its
+    pool memory work fails: then it drains and raises MemoryFailed (fail-stop, memory_order.py),
+    and pagedkvd exits with a failure status for its supervisor to restart it."""
     readiness = Readiness()
     async with contextlib.AsyncExitStack() as stack:
         if stop is None:
             stop = stack.enter_context(stop_on_signals())
-        running = await _start(config, readiness, stack)
-        await stop.wait()
+        running, order = await _start(config, readiness, stack)
+        waits = [asyncio.create_task(event.wait()) for event in (stop, order.failed)]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in waits:
+            wait.cancel()
         readiness.draining = True
         await running.servers.drain()
+    order.check()
     log.info("stopped")
 
 
 async def _start(config: DaemonConfig, readiness: Readiness,
-                 stack: contextlib.AsyncExitStack) -> GrpcServer:
-    """Everything up to READY=1, each part's clean-up pushed on `stack` (undone in reverse)."""
+                 stack: contextlib.AsyncExitStack) -> tuple[GrpcServer, MemoryOrder]:
+    """Everything up to READY=1, each part's clean-up pushed on `stack` (undone in reverse);
+    returns the servers and the service's memory work (whose failure stops the daemon)."""
     service, memory = await stack.enter_async_context(_pool_service(config))
     readiness.pool_allocated = True
     registry = CollectorRegistry()
@@ -113,7 +122,7 @@ async def _start(config: DaemonConfig, readiness: Readiness,
     interval = watchdog_interval_s()
     if interval is not None:
         stack.push_async_callback(cancel, asyncio.create_task(_feed_watchdog(interval)))
-    return running
+    return running, service.memory_order
 
 
 @contextlib.asynccontextmanager
