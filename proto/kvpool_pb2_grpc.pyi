@@ -72,9 +72,16 @@ Memory ordering. Every memory effect an answer reports (copy-on-write copies, ze
 freed blocks) is complete and visible to every process that maps the pool when the answer
 leaves the daemon: the daemon performs it (off its event loop) and synchronizes the device
 before answering. A runner may use the blocks of an answer at once, with no copies of its own.
+Memory work is ordered per block, not by a pool-wide lock: an answer also waits for earlier
+calls' work on the blocks it hands out (a block freed with its zeroing pending, then taken),
+and for nothing else, so a call waits for no other client's copies on blocks it does not
+touch. If memory work fails, the change it belongs to cannot be undone (others may have built
+on it): the daemon stops (fail-stop). That call, calls waiting on its blocks and every later
+one get INTERNAL, and the daemon exits to be restarted with a new pool_id.
 
 Retry rules. Every call is all-or-nothing (StepMany: each of its entries): a call answered
-with an error status by the daemon changed nothing; such a status carries the cause in the
+with an error status by the daemon changed nothing (but INTERNAL from a failed memory work,
+after which the daemon stops: see Memory ordering); such a status carries the cause in the
 trailing metadata `pagedkv-error` (e.g. "PoolExhausted", "LimitExceeded", "AnswerTooLarge",
 "SequenceNotFound"). A call that ends
 in DEADLINE_EXCEEDED, CANCELLED or UNAVAILABLE, or in a RESOURCE_EXHAUSTED without that
