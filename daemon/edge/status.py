@@ -4,8 +4,9 @@ The block pool and the service raise `PoolError` subclasses for everything a cal
 `grpc_errors` turns each into its cause of `pagedkv.vocab.causes` (the status code it travels
 with, named in the trailing metadata `pagedkv-error` so clients can tell apart causes that share
 a code) and the exception's message. Anything else is a bug in pagedkv: the caller gets INTERNAL
-(cause "Internal"), the log gets the traceback, and the server keeps serving.
-A failed call leaves the pool as it was, but not every raise comes before the change: the
+(cause "Internal"), the log gets the traceback, and the server keeps serving, but after
+`MemoryFailed` (pool memory work failed: the pool stops, daemon/service/memory_order.py).
+Any other failed call leaves the pool as it was, but not every raise comes before the change: the
 service runs each call in a transaction of the pool's undo journal (`Journal`), and a check that
 runs once the call has changed the pool (the tenant's max_blocks, checked after the call's
 blocks are taken; a later op of a Batch) raises inside it, so the journal undoes the change.

@@ -91,11 +91,6 @@ class MemoryOrder:
         # Set with `failure`: the daemon stops on it.
         self.failed = asyncio.Event()
 
-    @property
-    def in_flight(self) -> int:
-        """Blocks with memory work in flight."""
-        return len(self._latest)
-
     def check(self) -> None:
         """Refuse a call once memory work has failed."""
         if self.failure is not None:
