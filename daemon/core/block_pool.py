@@ -208,7 +208,8 @@ class BlockPool:
                 self._blocks.cache.key_blocks(taken[:full - cached], parents, keys[cached:],
                                               tokens[cached * bs:full * bs].reshape(-1, bs))
             st.partial[row, :num_tokens - full * bs] = tokens[full * bs:]
-        return SeqUpdate(table, num_tokens, cached * bs, self._slots(row, num_tokens), [])
+        blocks = taken if not cached else np.asarray(table, dtype=np.int64)
+        return SeqUpdate(table, num_tokens, cached * bs, self._slots(blocks, num_tokens), [])
 
     def append(self, seq: Hashable, num_tokens: int = 1,
                token_ids: TokenIds | None = None) -> SeqUpdate | NoFit:
@@ -333,14 +334,14 @@ class BlockPool:
 
     def _allocate_fit(self, num_tokens: int, hits: list[int]) -> NoFit | None:
         fresh = blocks_for(num_tokens, self.block_size) - len(hits)
-        revived = sum(1 for block in hits if self._blocks.ref[block] == 0)
-        available = self.num_free_blocks - revived
+        revived = sum(1 for block in hits if self._blocks.ref[block] == 0) if hits else 0
+        available = self._blocks.num_available - revived
         return NoFit(fresh, available) if fresh > available else None
 
-    def _slots(self, row: int, n: int) -> list[int]:
-        """Slots of the first `n` tokens of `row`: every slot of its blocks, cut at n."""
-        blocks = self._seqs.table(row)[: blocks_for(n, self.block_size), None]
-        slots: list[int] = (blocks * self.block_size + self._offsets).ravel()[:n].tolist()
+    def _slots(self, table: Int64Array, n: int) -> list[int]:
+        """Slots of the first `n` tokens of a table of ceil(n / B) blocks: every slot of its
+        blocks, cut at n."""
+        slots: list[int] = (table[:, None] * self.block_size + self._offsets).ravel()[:n].tolist()
         return slots
 
     def _row(self, seq: Hashable) -> int:

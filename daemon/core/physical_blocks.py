@@ -62,12 +62,14 @@ class PhysicalBlocks:
 
     def take(self, n: int) -> Int64Array:
         """`n` blocks for writers, each with refcount 1."""
-        free = self.free
-        from_free = [free.popleft() for _ in range(min(n, len(free)))]
-        evicted = self.cache.evict(n - len(from_free)) if len(from_free) < n else []
-        if evicted and self.events is not None:
-            self.events.evicted(evicted)
-        taken = np.array(from_free + evicted, dtype=np.int64)
+        popleft = self.free.popleft
+        from_free = blocks = [popleft() for _ in range(min(n, len(self.free)))]
+        if len(from_free) < n:  # the free list ran out: evict cached blocks
+            evicted = self.cache.evict(n - len(from_free))
+            if self.events is not None:
+                self.events.evicted(evicted)
+            blocks = from_free + evicted
+        taken = np.array(blocks, dtype=np.int64)
         # Free and cached blocks have refcount 0 (`check` proves the states disjoint).
         self.ref[taken] = 1
         self._journal.record(self._untake, taken, from_free)
