@@ -45,6 +45,10 @@ from pagedkv.model_runner.runner import ModelRunner
 RESERVE_BLOCKS = 2
 # A sequence with fewer slots left than this many blocks' worth joins a call being made anyway.
 LOW_BLOCKS = 1
+# A Step reserves only while the pool's free blocks (per the daemon's latest answer) are at least
+# this many times the blocks its reservations may take: in a nearly full pool reserved blocks
+# would push other sequences out (preemption), so decoding goes back to a Step per token.
+ROOM_FACTOR = 2
 
 
 class BlockSteps:
@@ -116,6 +120,8 @@ class BlockSteps:
         ids = [token for state, new in zip(states, tokens, strict=True)
                for token in (*state.uncertified, new)]
         reserve = min(self._reserve(state) for state in states)
+        if self.steps.pool.free_blocks < ROOM_FACTOR * (RESERVE_BLOCKS + 1) * len(states):
+            reserve = 0
         reply = await self._step(known, Step(seq_ids, ids, count, commit, self.holds.hold_ms,
                                              reserve))
         if reply is None:  # the reservation does not fit: today's Step, one token at a time
