@@ -20,13 +20,14 @@ ratios are of medians. Process start-up and model loading are never timed.
 - runner: a pagedkvd process (--num-blocks NUM_BLOCKS, B = BLOCK_SIZE) and a `pagedkv runner`
   process (started once, unpinned), driven by client processes: step 1 allocates every prompt
   of the client (new_sequence), then NEW_TOKENS - 1 decode steps each append the last sampled
-  token of every sequence (one RPC per step; the last one also releases them). Timed, in each
-  client: from the first step's call to the last step's answer (connecting and opening the
-  session excluded). Clients start together at a barrier (a line on stdin); total tok/s is
-  all their tokens over (last end - first start). The runner's /metrics give its forward passes
-  meanwhile: *_forward_ms (mean forward + sampling), *_seqs_per_forward (how many client
-  steps one forward merged) and *_steps_per_daemon_call (how many sessions' decode Steps one
-  StepMany to the daemon carried).
+  token of every sequence (one message per step on the session's Runner.StepStream, as the
+  client Engine sends them; the last one also releases them). Timed, in each client: from the
+  first step's call to the last step's answer (connecting and opening the session excluded).
+  Clients start together at a barrier (a line on stdin); total tok/s is all their tokens over
+  (last end - first start). The runner's /metrics give its forward passes meanwhile:
+  *_forward_ms (mean forward + sampling), *_seqs_per_forward (how many client steps one forward
+  merged) and *_steps_per_daemon_call (how many sessions' decode Steps one StepMany to the
+  daemon carried).
 
 Service figures (issue 19), from the same runs:
 - daemon_calls_per_decode_step: the daemon's finished RPCs and answered stream messages (its
@@ -145,16 +146,16 @@ def process_cpu_s(pid: int) -> float:
 
 async def drive(daemon: str, runner_target: str, prompts: list[list[int]],
                 wait_for_go: Callable[[], str], ahead: bool) -> dict[str, Any]:
-    """Greedy generation of `prompts` through the runner, one RPC per step (each sequence marked
-    decode_ahead when `ahead`): its start and end (time.monotonic, system-wide on Linux), CPU
-    seconds and tokens, as JSON-ready values."""
+    """Greedy generation of `prompts` through the runner, one message per step on the
+    session's Runner.StepStream (each sequence marked decode_ahead when `ahead`): its start and
+    end (time.monotonic, system-wide on Linux), CPU seconds and tokens, as JSON-ready values."""
     from pagedkv.client import PoolClient, RunnerClient, SamplingParams, SeqStep
 
     seq_ids = list(range(len(prompts)))
     # Greedy, finished by the runner at the last token (so it decodes nothing ahead past it).
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     async with await PoolClient.connect(daemon) as pool, \
-            await RunnerClient.connect(runner_target) as runner, \
+            await RunnerClient.connect(runner_target, stream_steps=True) as runner, \
             await pool.open_session("bench-runner") as session:
         print("ready", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, wait_for_go)

@@ -48,6 +48,7 @@ from pagedkv.client.pool.runner_client import (
     SeqStep,
     StepOutputs,
 )
+from pagedkv.client.pool.runner_stream import RunnerStream
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
 from pagedkv.client.pool.tls import TlsOptions
@@ -92,6 +93,7 @@ __all__ = [
     "RetryPolicy",
     "RunnerClient",
     "RunnerInfo",
+    "RunnerStream",
     "RunnerUnavailable",
     "RunnerUnreachable",
     "SamplingParams",

@@ -377,6 +377,8 @@ async def test_engine_requests_finish_with_identical_tokens_across_a_runner_rest
                 final = output
             results = [final, *await asyncio.gather(*others)]
             assert engine.link.restarts >= 1
+            # its steps ran on a stream, reopened on the new runner
+            assert engine.runner.streams[engine.session.session_id].opened >= 2
             stats = (await engine.session.stats()).session
     assert 4 <= restarted_at < RESTART_NEW_TOKENS
     for prompt, result in zip(PROMPTS, results, strict=True):

@@ -1,4 +1,5 @@
-"""The engine's runner steps, carried across a runner restart.
+"""The engine's runner steps, carried across a runner restart (the engine's runner client sends
+them on one stream, `RunnerStream`).
 
 The KV cache lives in the daemon, so a runner that crashes and comes back (systemd restarts it
 on the same socket) loses nothing but what it knew of the client's sequences. A step meets the
@@ -7,14 +8,15 @@ restart in one of two ways:
 - It reaches the new runner, which does not know the sequences it names (nor their sampling,
   sent only with a sequence's first step): `UnknownSequence`, nothing changed. The step is sent
   again with the history and sampling of each sequence it names.
-- The old runner died while the step ran: an `OutcomeUnknown` (UNAVAILABLE, ...). The link asks
-  for the runner's info until one answers (at most `restart_wait_s`). Another `runner_id` means
-  the runner restarted: the step's new sequences are freed in the daemon through the new runner
-  (their allocation may have happened), and the step is sent again with histories and
-  sampling. The daemon then holds at most one token more of a sequence than the last answer said
-  (the lost step appended it, or the runner appended it ahead), and the runner takes it for the
-  token the step names (runner.proto). The same `runner_id` means a living runner may have
-  applied the step: the error stands.
+- The old runner died while the step ran: an `OutcomeUnknown` (a broken stream, or no answer
+  within the runner client's timeout; the stream is cancelled and the next step opens another).
+  The link asks for the runner's info until one answers (at most `restart_wait_s`). Another
+  `runner_id` means the runner restarted: the step's new sequences are freed in the daemon
+  through the new runner (their allocation may have happened), and the step is sent again with
+  histories and sampling. The daemon then holds at most one token more of a sequence than the
+  last answer said (the lost step appended it, or the runner appended it ahead), and the runner
+  takes it for the token the step names (runner.proto). The same `runner_id` means a living
+  runner may have applied the step: the error stands.
 
 A step is sent at most twice; a second failure is the engine's to report. Any other error is
 never resent: `StepNotComputed` (the step was applied, its forward failed) resent as it was would

@@ -1,4 +1,6 @@
-"""A typed async client of the runner (`pagedkv.v1.Runner`): one RPC per client step.
+"""A typed async client of the runner (`pagedkv.v1.Runner`): one RPC per client step, or, made
+with `stream_steps=True` (as the engine's is), each session's steps on one long-lived stream
+(`RunnerStream`, runner_stream.py).
 
     target = "unix:///run/pagedkv-runner/pagedkv-runner.sock"   # the shipped unit's socket
     async with await RunnerClient.connect(target) as runner:
@@ -19,6 +21,7 @@ import grpc
 from pagedkv.client.pool.channel import ChannelOwner, open_channel
 from pagedkv.client.pool.client import DEFAULT_TIMEOUT_S
 from pagedkv.client.pool.errors import RunnerUnreachable, error_from_rpc
+from pagedkv.client.pool.runner_stream import RunnerStream, StepStreamCall
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
 from pagedkv.proto import runner_pb2 as rpb
@@ -177,18 +180,27 @@ class StepOutputs(Sequence[SeqOutput]):
 class RunnerClient(ChannelOwner):
     """One channel to a runner. Create with `await RunnerClient.connect(target)`."""
 
-    def __init__(self, channel: grpc.aio.Channel, timeout: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel, timeout: float,
+                 stream_steps: bool = False) -> None:
         self._channel = channel
         # The generated stub: private, callers use the typed methods.
         self._stub = runner_pb2_grpc.RunnerStub(channel)
-        # Deadline of every call, in seconds (a long CPU prefill needs a generous one).
+        # Deadline of every call (of every step's answer on a stream), in seconds (a long CPU
+        # prefill needs a generous one).
         self.timeout = timeout
+        # Each session's step stream by session id, when steps go on streams (else None): one
+        # per session stepped, open until the channel closes (each is one of the runner's
+        # max_concurrent_rpcs).
+        self.streams: dict[str, RunnerStream] | None = {} if stream_steps else None
 
     @classmethod
-    async def connect(cls, target: str, *, timeout: float = 10 * DEFAULT_TIMEOUT_S) -> Self:
+    async def connect(cls, target: str, *, timeout: float = 10 * DEFAULT_TIMEOUT_S,
+                      stream_steps: bool = False) -> Self:
+        """A client of the runner at `target`; `stream_steps`: send each session's steps on
+        one Runner.StepStream instead of a Step call each."""
         # The runner's answers stay within max_answer_bytes (at most MAX_MESSAGE_BYTES).
         return cls(await open_channel(target, "runner", RunnerUnreachable, DEFAULT_TIMEOUT_S),
-                   timeout)
+                   timeout, stream_steps)
 
     async def info(self, timeout: float | None = None) -> RunnerInfo:
         """What the runner computes and on which pool (`timeout`: this call's deadline instead
@@ -206,9 +218,20 @@ class RunnerClient(ChannelOwner):
         request = rpb.RunnerStepRequest(session_id=session.session_id,
                                         seqs=[seq.message() for seq in seqs],
                                         release_seq_ids=release)
-        try:
-            reply = await self._stub.Step(request, timeout=self.timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise error_from_rpc(exc, RunnerUnreachable) from None
+        if self.streams is not None:
+            stream = self.streams.get(session.session_id)
+            if stream is None:  # its call opens at its first step
+                stream = self.streams[session.session_id] = RunnerStream(self._open_stream)
+            reply = await stream.step(request, self.timeout)
+        else:
+            try:
+                reply = await self._stub.Step(request, timeout=self.timeout)
+            except grpc.aio.AioRpcError as exc:
+                raise error_from_rpc(exc, RunnerUnreachable) from None
         return StepOutputs([SeqOutput.from_proto(output) for output in reply.outputs],
                            reply.free_blocks)
+
+    def _open_stream(self) -> StepStreamCall:
+        """A new Runner.StepStream call, with no deadline of its own (it lives as long as its
+        session's steps; each answer is awaited for `timeout`), its messages written on it."""
+        return self._stub.StepStream(None)

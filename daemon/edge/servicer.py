@@ -9,7 +9,6 @@ per-sequence objects.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +36,7 @@ from pagedkv.daemon.service.operations import (
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.sessions import SessionStats
 from pagedkv.memory import POOL_LAYOUT
+from pagedkv.process.stream_drain import DrainableStreams
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 from pagedkv.vocab.geometry import dtype_bytes
@@ -50,10 +50,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
 
     def __init__(self, service: PoolService) -> None:
         self._service = service
-        # The tasks of StepStreams waiting for their next message, and whether the daemon
-        # drains (every stream then ends at its next message: `end_streams`).
-        self._streams_idle: set[asyncio.Task[Any]] = set()
-        self._draining = False
+        # The open StepStreams, ended when the daemon drains (`end_streams`).
+        self._streams = DrainableStreams()
 
     @grpc_errors
     async def GetPoolInfo(self, request: pb.GetPoolInfoRequest, context: Context) -> pb.PoolInfo:
@@ -140,33 +138,13 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         stream goes on. A message the client's cancel interrupts is undone as a cancelled
         StepMany (its entry being applied undone, later ones never started). A draining daemon
         ends the stream (OK) once its message in progress is answered."""
-        while (request := await self._next_message(requests)) is not None:
+        while (request := await self._streams.next_message(requests)) is not None:
             yield await self._stream_answer(request)
-
-    async def _next_message(self, requests: AsyncIterator[pb.StepStreamRequest]
-                            ) -> pb.StepStreamRequest | None:
-        """The stream's next message; None when the client has ended it or the daemon drains."""
-        task = asyncio.current_task()
-        assert task is not None, "a handler runs in a task"
-        if self._draining:
-            return None
-        self._streams_idle.add(task)
-        try:
-            return await anext(requests, None)
-        except asyncio.CancelledError:
-            if not self._draining:  # the client's cancel, or the server's
-                raise
-            task.uncancel()  # end_streams' own: the stream ends
-            return None
-        finally:
-            self._streams_idle.discard(task)
 
     def end_streams(self) -> None:
         """The daemon drains: every StepStream ends, at once if it waits for its next message,
         else once its message in progress is answered."""
-        self._draining = True
-        for task in self._streams_idle:
-            task.cancel()
+        self._streams.end()
 
     async def _stream_answer(self, request: pb.StepStreamRequest) -> pb.StepStreamResponse:
         """One StepStream message's answer: its StepMany's, or the status refusing it whole."""

@@ -17,7 +17,8 @@ daemon was only unreachable).
 
 Its gRPC server is built, bound, drained and stopped by the bring-up the daemon shares
 (process/grpc_server.py): the same message limit, bounds, health and reflection. SIGTERM:
-health NOT_SERVING, stop accepting, let in-flight steps finish for SHUTDOWN_GRACE_S.
+health NOT_SERVING, step streams ended between two steps, stop accepting, let in-flight steps
+finish for SHUTDOWN_GRACE_S.
 """
 
 import asyncio
@@ -173,6 +174,7 @@ async def _grpc_server(config: RunnerConfig, state: RunnerState) -> AsyncIterato
     servicer = RunnerServicer(state.step, state.runner_info,
                               lambda exc: log.error("step failed", exc_info=exc))
     async with grpc_servers(RUNNER_SERVICE, config.server_bounds) as servers:
+        servers.on_drain.append(servicer.end_streams)
         server = servers.add_server(
             lambda server: runner_pb2_grpc.add_RunnerServicer_to_server(servicer, server))
         # The socket 0o660 (the pagedkv group), its folder 0o750; a live runner's socket is

@@ -8,7 +8,7 @@ the runner's own refusals name their causes of the same table (`pagedkv.vocab.ca
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -17,6 +17,7 @@ from pagedkv.client import History, PagedKVError, SamplingParams, SeqStep, StepO
 from pagedkv.client.pool.errors import cause_of_error
 from pagedkv.model_runner.engine.steps import InvalidStep, StepNotComputed, UnknownSequence
 from pagedkv.process.grpc_errors import errors_to_status
+from pagedkv.process.stream_drain import DrainableStreams
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 from pagedkv.vocab import causes
@@ -31,6 +32,8 @@ StepFunction = Callable[[str, Sequence[SeqStep], Sequence[int]], Awaitable[StepO
 
 # max_tokens of a request that set none: more than any sequence generates.
 NO_LIMIT = 2**31 - 1
+# The most bytes of a failed stream step's message (runner.proto's RunnerStreamResponse).
+MAX_STATUS_MESSAGE_BYTES = 256
 
 
 class RunnerUnavailable(RuntimeError):
@@ -82,6 +85,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
         self._step = step
         self._info = info
         self.log_failure = log_failure
+        # The open StepStreams, ended when the runner drains (`end_streams`).
+        self._streams = DrainableStreams()
 
     @grpc_errors
     async def GetRunnerInfo(self, request: rpb.GetRunnerInfoRequest,
@@ -91,10 +96,49 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
     @grpc_errors
     async def Step(self, request: rpb.RunnerStepRequest,
                    context: Context) -> rpb.RunnerStepResponse:
+        return await self._answer(request)
+
+    async def StepStream(self, requests: AsyncIterator[rpb.RunnerStreamRequest],
+                         context: Context) -> AsyncIterator[rpb.RunnerStreamResponse]:
+        """Each message a Step of the stream's session (its first message's), answered in
+        order; a failed one answers its status and the stream goes on. A stream its client
+        ends mid-step cancels that step as a cancelled Step call is (computed, not answered).
+        A draining runner ends the stream (OK) once its step in progress is answered."""
+        session_id: str | None = None
+        while (message := await self._streams.next_message(requests)) is not None:
+            if session_id is None:
+                session_id = message.step.session_id
+            yield await self._stream_answer(session_id, message)
+
+    def end_streams(self) -> None:
+        """The runner drains: every StepStream ends between two steps."""
+        self._streams.end()
+
+    async def _answer(self, request: rpb.RunnerStepRequest) -> rpb.RunnerStepResponse:
+        """One step, as Step and StepStream compute it: an exception is its failure."""
         seqs = [seq_request(seq) for seq in request.seqs]
         outputs = await self._step(request.session_id, seqs, list(request.release_seq_ids))
         return rpb.RunnerStepResponse(outputs=[output.message() for output in outputs],
                                       free_blocks=outputs.free_blocks)
+
+    async def _stream_answer(self, session_id: str,
+                             message: rpb.RunnerStreamRequest) -> rpb.RunnerStreamResponse:
+        """A stream message's answer: the step's, or the status a Step call would have got."""
+        try:
+            if message.step.session_id != session_id:
+                raise InvalidStep(f"step {message.step_id} names another session than the "
+                                  "one this stream serves (its first message's)")
+            answer = await self._answer(message.step)
+        except Exception as exc:
+            code, cause, text = _failure(self, exc, "StepStream")
+            return rpb.RunnerStreamResponse(step_id=message.step_id, code=code.value[0],
+                                            cause=cause, message=_clip(text))
+        return rpb.RunnerStreamResponse(step_id=message.step_id, answer=answer)
+
+
+def _clip(text: str) -> str:
+    """`text` within MAX_STATUS_MESSAGE_BYTES of UTF-8 (a character cut in two is dropped)."""
+    return text.encode()[:MAX_STATUS_MESSAGE_BYTES].decode(errors="ignore")
 
 
 def sampling_params(message: rpb.SamplingParams) -> SamplingParams:
