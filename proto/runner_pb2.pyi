@@ -47,17 +47,34 @@ blocks and lease until its forward is done (a release or the lease's end waits f
 UNAVAILABLE with cause "RunnerUnavailable" comes from a runner that answered but cannot
 compute now (its daemon is away, or it is mapping a restarted daemon's pool): nothing
 changed. After DEADLINE_EXCEEDED, CANCELLED or an UNAVAILABLE that names no cause (no runner
-answered, or the connection broke mid-step: the bundled client's RunnerUnreachable) read the
-sequences' num_tokens back (KVPool.GetBlockTables) before retrying: the appends (and forks) may have been applied; a
-client that gives up instead releases every sequence the step named (frees of sequences
-that do not exist are ignored). A sequence marked decode_ahead may hold one token more in
-the daemon than the last answer says (the sampled token, appended ahead): count it when
-comparing, and release such a sequence rather than resend it if that answer was lost. A
-runner_id (GetRunnerInfo) other than before the lost answer means the runner restarted and
-knows none of the session's sequences, while the daemon kept them: free the step's new
-sequences and resend the step with each existing sequence's history and sampling
-(SequenceStep.history, SequenceStep.sampling; the runner takes the daemon's one extra token
-for the token the step names).
+answered, or the connection broke mid-step: the bundled client's RunnerUnreachable) the
+step may have been applied, and the daemon's num_tokens (KVPool.GetBlockTables) cannot tell
+for a decoding sequence (see "Decode tokens reach the daemon once a block" below): with the
+same runner_id (GetRunnerInfo), release every sequence the step named rather than resend it
+(frees of sequences that do not exist are ignored); its new sequences and forks may have
+been allocated. A runner_id other than before the lost answer means the runner restarted
+and knows none of the session's sequences, while the daemon kept them: free the step's new
+sequences and resend the step with each existing sequence's history (what the answers said
+it holds) and sampling (SequenceStep.history, SequenceStep.sampling).
+
+Decode tokens reach the daemon once a block. A daemon Step of a decoding sequence reserves
+slots past its tokens (kvpool.proto's StepRequest.reserve_tokens, about two blocks' worth);
+the runner writes the K/V of the sequence's next tokens into them with no daemon call and
+appends those tokens, by id, with its next call (when the reservation runs out, or the
+sequence is released or forked), which certifies them: they are committed to the prefix
+cache only after that, and only up to what the runner computed (never a token it decoded
+ahead that the client's steps never named). An answer's num_tokens is the runner's count:
+every token the client's steps added. The daemon may hold fewer of them (what
+GetBlockTables, GetStats and a client's own KVPool.Fork see), or one more (decode_ahead).
+So a child the client forks itself holds what the daemon held: its first step names its
+parent, and its history when the daemon holds fewer of the parent's tokens than the runner
+does (else FAILED_PRECONDITION, cause UnknownSequence, nothing changed: resend it with the
+history). After a runner restart the history the client resends is what its last answers
+said the sequence holds: the daemon holds a prefix of it (whose ids it must be), the new
+runner appends the rest, by id, and computes them again; or the daemon holds one token
+more, appended ahead (decode_ahead), which the runner takes for the token the step names.
+A runner that dies between reserving and certifying leaves reserved slots and uncertified
+K/V that nothing commits; they go with the sequence (Free, CloseSession, lease expiry).
 """
 
 from collections import abc as _abc
@@ -329,14 +346,15 @@ class SequenceStep(_message.Message):
     """Decode ahead (the async scheduling of vLLM v1 and SGLang's overlap): the client promises
     that its next step of this sequence appends exactly the token this step samples, with the
     same sampling, or releases the sequence. When this step samples a token that does not
-    finish the sequence, the runner appends it in the daemon at once and computes the next
-    step's forward before the client asks, so the client's round trip overlaps that forward
-    and its next step is answered from the result. Meanwhile the daemon holds one token more
-    than the answer says (num_tokens). The next step must name the sequence with that one
+    finish the sequence, the runner appends it at once (in the daemon too if that needs a
+    call: see "Decode tokens reach the daemon once a block") and computes the next step's
+    forward before the client asks, so the client's round trip overlaps that forward and its
+    next step is answered from the result. Meanwhile the runner holds one token more than the
+    answer says (num_tokens). The next step must name the sequence with that one
     token (else INVALID_ARGUMENT, nothing changed); it may change the sampling (the runner
     then samples again from the same position); forking the sequence waits until that step.
     After a runner restart, resend the sequence's history without the token and the token as
-    token_ids: the runner takes the daemon's one extra token for it.
+    token_ids: the runner takes the daemon's one extra token for it, if the daemon has it.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -402,8 +420,11 @@ class SequenceHistory(_message.Message):
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Every token the sequence holds in the daemon (before this step's token_ids): they must be
-        the ids the daemon holds (when it knows them), else INVALID_ARGUMENT, nothing changed.
+        """Every token the sequence holds per the client's last answers (num_tokens; before this
+        step's token_ids). The daemon holds them, or a prefix of them (the runner appends decode
+        tokens to it once a block), or them and the step's one token (decode_ahead): what it
+        holds must be these ids (when it knows them), else INVALID_ARGUMENT, nothing changed; the
+        runner appends the rest itself and computes them again.
         """
 
     def __init__(
@@ -471,7 +492,10 @@ class SequenceOutput(_message.Message):
     FINISHED_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     num_tokens: _builtins.int
-    """Tokens the sequence holds and how many of them are computed after this step."""
+    """Tokens the sequence holds and how many of them are computed after this step, as the
+    runner counts them: the daemon may hold fewer (see "Decode tokens reach the daemon once a
+    block" above).
+    """
     num_computed_tokens: _builtins.int
     num_cached_tokens: _builtins.int
     """Leading prompt tokens served by the prefix cache (new sequences only)."""

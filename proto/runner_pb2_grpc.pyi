@@ -47,17 +47,34 @@ blocks and lease until its forward is done (a release or the lease's end waits f
 UNAVAILABLE with cause "RunnerUnavailable" comes from a runner that answered but cannot
 compute now (its daemon is away, or it is mapping a restarted daemon's pool): nothing
 changed. After DEADLINE_EXCEEDED, CANCELLED or an UNAVAILABLE that names no cause (no runner
-answered, or the connection broke mid-step: the bundled client's RunnerUnreachable) read the
-sequences' num_tokens back (KVPool.GetBlockTables) before retrying: the appends (and forks) may have been applied; a
-client that gives up instead releases every sequence the step named (frees of sequences
-that do not exist are ignored). A sequence marked decode_ahead may hold one token more in
-the daemon than the last answer says (the sampled token, appended ahead): count it when
-comparing, and release such a sequence rather than resend it if that answer was lost. A
-runner_id (GetRunnerInfo) other than before the lost answer means the runner restarted and
-knows none of the session's sequences, while the daemon kept them: free the step's new
-sequences and resend the step with each existing sequence's history and sampling
-(SequenceStep.history, SequenceStep.sampling; the runner takes the daemon's one extra token
-for the token the step names).
+answered, or the connection broke mid-step: the bundled client's RunnerUnreachable) the
+step may have been applied, and the daemon's num_tokens (KVPool.GetBlockTables) cannot tell
+for a decoding sequence (see "Decode tokens reach the daemon once a block" below): with the
+same runner_id (GetRunnerInfo), release every sequence the step named rather than resend it
+(frees of sequences that do not exist are ignored); its new sequences and forks may have
+been allocated. A runner_id other than before the lost answer means the runner restarted
+and knows none of the session's sequences, while the daemon kept them: free the step's new
+sequences and resend the step with each existing sequence's history (what the answers said
+it holds) and sampling (SequenceStep.history, SequenceStep.sampling).
+
+Decode tokens reach the daemon once a block. A daemon Step of a decoding sequence reserves
+slots past its tokens (kvpool.proto's StepRequest.reserve_tokens, about two blocks' worth);
+the runner writes the K/V of the sequence's next tokens into them with no daemon call and
+appends those tokens, by id, with its next call (when the reservation runs out, or the
+sequence is released or forked), which certifies them: they are committed to the prefix
+cache only after that, and only up to what the runner computed (never a token it decoded
+ahead that the client's steps never named). An answer's num_tokens is the runner's count:
+every token the client's steps added. The daemon may hold fewer of them (what
+GetBlockTables, GetStats and a client's own KVPool.Fork see), or one more (decode_ahead).
+So a child the client forks itself holds what the daemon held: its first step names its
+parent, and its history when the daemon holds fewer of the parent's tokens than the runner
+does (else FAILED_PRECONDITION, cause UnknownSequence, nothing changed: resend it with the
+history). After a runner restart the history the client resends is what its last answers
+said the sequence holds: the daemon holds a prefix of it (whose ids it must be), the new
+runner appends the rest, by id, and computes them again; or the daemon holds one token
+more, appended ahead (decode_ahead), which the runner takes for the token the step names.
+A runner that dies between reserving and certifying leaves reserved slots and uncertified
+K/V that nothing commits; they go with the sequence (Free, CloseSession, lease expiry).
 """
 
 from collections import abc as _abc
@@ -99,15 +116,9 @@ class RunnerStub:
     call with the same request (the same checks, retry rules and limits), answered by one
     message with the same step_id, in order. A step refused or failed carries its status in
     its answer (code, cause, message; what the status says changed, as for Step) while the
-    stream goes on. The stream is one of the runner's max_concurrent_rpcs while it is open and
-    handles one message at a time (a message written before the last one's answer waits). A
-    stream that ends (cancelled, broken) with a step not answered ends that step as a
-    cancelled Step call: computed, not answered, the session held until its forward is done.
-    A draining runner (SIGTERM) ends each stream (OK) once its step in progress is answered.
-    Deadlines and lost answers: a client that waits too long for an answer, or whose stream
-    breaks, treats every step not yet answered as a Step that ended without an answer (see the
-    retry rules above: read back, compare runner_id), after cancelling the stream, and opens a
-    new stream. External schedulers may keep using Step.
+    stream goes on. Deadlines and lost answers: a client that waits too long for an answer, or
+    whose stream breaks, treats every step not yet answered as a Step that ended without an
+    answer (see the retry rules above: read back, compare runner_id) and opens a new stream.
     """
 
 @_typing.type_check_only
@@ -124,15 +135,9 @@ class RunnerAsyncStub(RunnerStub):
     call with the same request (the same checks, retry rules and limits), answered by one
     message with the same step_id, in order. A step refused or failed carries its status in
     its answer (code, cause, message; what the status says changed, as for Step) while the
-    stream goes on. The stream is one of the runner's max_concurrent_rpcs while it is open and
-    handles one message at a time (a message written before the last one's answer waits). A
-    stream that ends (cancelled, broken) with a step not answered ends that step as a
-    cancelled Step call: computed, not answered, the session held until its forward is done.
-    A draining runner (SIGTERM) ends each stream (OK) once its step in progress is answered.
-    Deadlines and lost answers: a client that waits too long for an answer, or whose stream
-    breaks, treats every step not yet answered as a Step that ended without an answer (see the
-    retry rules above: read back, compare runner_id), after cancelling the stream, and opens a
-    new stream. External schedulers may keep using Step.
+    stream goes on. Deadlines and lost answers: a client that waits too long for an answer, or
+    whose stream breaks, treats every step not yet answered as a Step that ended without an
+    answer (see the retry rules above: read back, compare runner_id) and opens a new stream.
     """
 
 class RunnerServicer(metaclass=_abc_1.ABCMeta):
@@ -164,15 +169,9 @@ class RunnerServicer(metaclass=_abc_1.ABCMeta):
         call with the same request (the same checks, retry rules and limits), answered by one
         message with the same step_id, in order. A step refused or failed carries its status in
         its answer (code, cause, message; what the status says changed, as for Step) while the
-        stream goes on. The stream is one of the runner's max_concurrent_rpcs while it is open and
-        handles one message at a time (a message written before the last one's answer waits). A
-        stream that ends (cancelled, broken) with a step not answered ends that step as a
-        cancelled Step call: computed, not answered, the session held until its forward is done.
-        A draining runner (SIGTERM) ends each stream (OK) once its step in progress is answered.
-        Deadlines and lost answers: a client that waits too long for an answer, or whose stream
-        breaks, treats every step not yet answered as a Step that ended without an answer (see the
-        retry rules above: read back, compare runner_id), after cancelling the stream, and opens a
-        new stream. External schedulers may keep using Step.
+        stream goes on. Deadlines and lost answers: a client that waits too long for an answer, or
+        whose stream breaks, treats every step not yet answered as a Step that ended without an
+        answer (see the retry rules above: read back, compare runner_id) and opens a new stream.
         """
 
 def add_RunnerServicer_to_server(servicer: RunnerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
