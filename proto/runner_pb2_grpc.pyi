@@ -116,9 +116,15 @@ class RunnerStub:
     call with the same request (the same checks, retry rules and limits), answered by one
     message with the same step_id, in order. A step refused or failed carries its status in
     its answer (code, cause, message; what the status says changed, as for Step) while the
-    stream goes on. Deadlines and lost answers: a client that waits too long for an answer, or
-    whose stream breaks, treats every step not yet answered as a Step that ended without an
-    answer (see the retry rules above: read back, compare runner_id) and opens a new stream.
+    stream goes on. The stream is one of the runner's max_concurrent_rpcs while it is open and
+    handles one message at a time (a message written before the last one's answer waits). A
+    stream that ends (cancelled, broken) with a step not answered ends that step as a
+    cancelled Step call: computed, not answered, the session held until its forward is done.
+    A draining runner (SIGTERM) ends each stream (OK) once its step in progress is answered.
+    Deadlines and lost answers: a client that waits too long for an answer, or whose stream
+    breaks, treats every step not yet answered as a Step that ended without an answer (see the
+    retry rules above: read back, compare runner_id), after cancelling the stream, and opens a
+    new stream. External schedulers may keep using Step.
     """
 
 @_typing.type_check_only
@@ -135,9 +141,15 @@ class RunnerAsyncStub(RunnerStub):
     call with the same request (the same checks, retry rules and limits), answered by one
     message with the same step_id, in order. A step refused or failed carries its status in
     its answer (code, cause, message; what the status says changed, as for Step) while the
-    stream goes on. Deadlines and lost answers: a client that waits too long for an answer, or
-    whose stream breaks, treats every step not yet answered as a Step that ended without an
-    answer (see the retry rules above: read back, compare runner_id) and opens a new stream.
+    stream goes on. The stream is one of the runner's max_concurrent_rpcs while it is open and
+    handles one message at a time (a message written before the last one's answer waits). A
+    stream that ends (cancelled, broken) with a step not answered ends that step as a
+    cancelled Step call: computed, not answered, the session held until its forward is done.
+    A draining runner (SIGTERM) ends each stream (OK) once its step in progress is answered.
+    Deadlines and lost answers: a client that waits too long for an answer, or whose stream
+    breaks, treats every step not yet answered as a Step that ended without an answer (see the
+    retry rules above: read back, compare runner_id), after cancelling the stream, and opens a
+    new stream. External schedulers may keep using Step.
     """
 
 class RunnerServicer(metaclass=_abc_1.ABCMeta):
@@ -169,9 +181,15 @@ class RunnerServicer(metaclass=_abc_1.ABCMeta):
         call with the same request (the same checks, retry rules and limits), answered by one
         message with the same step_id, in order. A step refused or failed carries its status in
         its answer (code, cause, message; what the status says changed, as for Step) while the
-        stream goes on. Deadlines and lost answers: a client that waits too long for an answer, or
-        whose stream breaks, treats every step not yet answered as a Step that ended without an
-        answer (see the retry rules above: read back, compare runner_id) and opens a new stream.
+        stream goes on. The stream is one of the runner's max_concurrent_rpcs while it is open and
+        handles one message at a time (a message written before the last one's answer waits). A
+        stream that ends (cancelled, broken) with a step not answered ends that step as a
+        cancelled Step call: computed, not answered, the session held until its forward is done.
+        A draining runner (SIGTERM) ends each stream (OK) once its step in progress is answered.
+        Deadlines and lost answers: a client that waits too long for an answer, or whose stream
+        breaks, treats every step not yet answered as a Step that ended without an answer (see the
+        retry rules above: read back, compare runner_id), after cancelling the stream, and opens a
+        new stream. External schedulers may keep using Step.
         """
 
 def add_RunnerServicer_to_server(servicer: RunnerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
