@@ -20,9 +20,14 @@ from prometheus_client import CollectorRegistry
 from test_engine_families import BLOCK_SIZE, NUM_BLOCKS, expected_tokens
 
 from pagedkv.client import History, PoolClient, SamplingParams, SeqStep, Session, SessionExpired
+from pagedkv.model_runner.engine.forward_loop import Prepared
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
+from pagedkv.model_runner.engine.sequences import SeqState
+from pagedkv.model_runner.engine.step_checks import check_writes
 from pagedkv.model_runner.engine.step_engine import StepEngine
+from pagedkv.model_runner.engine.steps import StepNotComputed
 from pagedkv.model_runner.kernels.attention_backend import get_backend
+from pagedkv.model_runner.runner import SequenceChunk
 
 FAMILY = "llama"
 daemon, prompts = families.daemon, families.prompts
@@ -199,3 +204,19 @@ async def test_a_lease_that_lapses_mid_reservation_frees_it_and_commits_nothing_
     with pytest.raises(SessionExpired):
         await engine.step(dying.session_id, [SeqStep(1, head[1].tokens[-1:])])
     assert engine.sessions.get(dying.session_id) is None
+
+
+async def test_no_forward_writes_past_the_daemons_tokens_and_the_reservation() -> None:
+    """Defence in depth (check_writes): a sequence whose daemon holds 18 tokens and whose
+    reservation ends at slot 32 may be computed up to position 31; a chunk reaching position 32
+    (a slot the daemon never gave it) is refused before the forward."""
+    state = SeqState(list(range(32)), 10, 18, [3, 4], committed=16)
+    state.held, state.private_end = 18, 32
+    inside = SequenceChunk(state.tokens[18:], 18, state.slots(18, 32, BLOCK_SIZE),
+                           state.block_table)
+    check_writes(Prepared("s", [SeqStep(1, (31,))], [state], [(0, inside)]))
+    state.tokens.append(32)
+    past = dataclasses.replace(inside, token_ids=state.tokens[18:],
+                               slot_mapping=[*inside.slot_mapping, 5 * BLOCK_SIZE])
+    with pytest.raises(StepNotComputed, match="past the 32 slots"):
+        check_writes(Prepared("s", [SeqStep(1, (32,))], [state], [(0, past)]))
