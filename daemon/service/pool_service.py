@@ -188,6 +188,7 @@ class PoolService:
     def _drop_session(self, session: Session, *, expired: bool) -> tuple[int, Pending]:
         """Remove a session and free its sequences, all-or-nothing; returns how many, and the
         memory work to wait for (zeroing). The caller holds the lock."""
+        self.memory_order.check()
         work = MemoryWork()
         count = len(session.seq_ids)
         with self.pool.transaction() as journal:
@@ -239,9 +240,9 @@ class PoolService:
         the session ended while the call waited, or if memory work failed (fail-stop)."""
         session = self.sessions.arrive(session_id)
         try:
-            self.memory_order.check()
             async with self._lock:
                 self.sessions.check_live(session)
+                self.memory_order.check()
                 result, pending = apply(session)
             await pending.wait()
             return result
