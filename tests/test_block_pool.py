@@ -13,6 +13,7 @@ from pagedkv.daemon.core import (
     SequenceExists,
     SequenceNotFound,
     SeqUpdate,
+    seq_table,
 )
 
 from pool_state import pool_state
@@ -431,4 +432,41 @@ def test_cache_events_and_uncache_of_what_no_one_can_hit_any_more() -> None:
     stats = pool.stats()
     assert (stats.cached_blocks, stats.free_blocks) == (0, 1)
     assert ok(pool.allocate("c", 2, [1, 2], salt=b"private")).num_cached_tokens == 0
+    pool.check_invariants()
+
+
+def test_a_remembered_batch_is_looked_up_again_once_its_rows_may_have_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool remembers the rows of the last list of sequences (a Step with commit asks
+    twice); a sequence leaving (freed, or its allocation rolled back), the list changed in
+    place, or rows renumbered once a transaction that freed sequences succeeds must each make
+    it look the list up again."""
+    monkeypatch.setattr(seq_table, "INITIAL_ROWS", 2)
+    pool = BlockPool(num_blocks=64, block_size=4)
+    for seq in range(12):
+        ok(pool.allocate(seq, 1))
+    batch = [10, 11]
+    assert pool.commit(batch) == 0
+    assert not isinstance(pool.append_batch(batch), NoFit)  # the same rows, remembered
+    batch[1] = 9  # the same list object, changed in place
+    assert not isinstance(pool.append_batch(batch), NoFit)
+    assert [pool.num_tokens(seq) for seq in (9, 10, 11)] == [2, 3, 2]
+    assert not isinstance(pool.append_batch([10, 11]), NoFit)  # remembered
+    pool.free(11)
+    with pytest.raises(SequenceNotFound):
+        pool.append_batch([10, 11])  # 11 is gone: not served from memory
+    with contextlib.suppress(RuntimeError), pool.transaction():
+        ok(pool.allocate(20, 1))
+        assert not isinstance(pool.append_batch([20, 10]), NoFit)  # remembered
+        raise RuntimeError("rolled back")
+    with pytest.raises(SequenceNotFound):
+        pool.append_batch([20, 10])  # 20 was never made
+    rows = len(pool._seqs.num_tokens)
+    with pool.transaction():
+        for seq in range(9):
+            pool.free(seq)
+        assert not isinstance(pool.append_batch(batch), NoFit)  # remembered before packing
+    assert len(pool._seqs.num_tokens) < rows  # the rows were packed and renumbered
+    assert not isinstance(pool.append_batch(batch), NoFit)
+    assert (pool.num_tokens(10), pool.num_tokens(9)) == (6, 4)
     pool.check_invariants()
