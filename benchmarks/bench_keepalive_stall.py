@@ -19,6 +19,9 @@ Figures:
     keepalive_max_ms_during_heavy_steps
     healthy_sessions_expired     leases the daemon let run out (its pagedkv:lease_expiries
                                  counter; target 0); both sessions are healthy
+    light_keepalive_send_gap_max_ms  the longest time between two KeepAlives B sent: past
+                                 LEASE_MS, B's own process stalled (a loaded machine) and its
+                                 lease could run out through no fault of the daemon
     light_session_failures       calls of B that failed (FAILED_PRECONDITION = expired, ...)
     heavy_step_ms_p50, heavy_step_ms_p99   A's Step (HEAVY_SEQS copies), for context
     small_step_ms_p50, small_step_ms_max   B's Step while A's memory work runs
@@ -124,6 +127,9 @@ async def light(target: str, start_at: float, seconds: float) -> dict[str, Any]:
     end_at = start_at + seconds
     failures: list[str] = []
     keepalive_ms: list[float] = []
+    # Time between the starts of consecutive KeepAlives (the period, or a round trip, or the
+    # client process stalled: on a loaded machine, past the lease when it is not scheduled).
+    send_gaps_ms: list[float] = []
     small_ms: list[float] = []
     async with await PoolClient.connect(target, timeout=CALL_TIMEOUT_S) as client:
         session = await client.open_session("light", lease_ttl_ms=LEASE_MS, keep_alive=False)
@@ -142,8 +148,12 @@ async def light(target: str, start_at: float, seconds: float) -> dict[str, Any]:
                 timings.append((time.perf_counter() - began) * 1000)
 
         async def keep_alives() -> None:
-            next_at = time.time()
+            next_at = sent = time.time()
             while running:
+                now = time.time()
+                if start_at <= now <= end_at:
+                    send_gaps_ms.append((now - sent) * 1000)
+                sent = now
                 await call("KeepAlive", keepalive_ms, session.keep_alive())
                 next_at = max(next_at + KEEPALIVE_PERIOD_S, time.time())
                 await wait_until(next_at)
@@ -161,7 +171,8 @@ async def light(target: str, start_at: float, seconds: float) -> dict[str, Any]:
             running = False
             await pings
         await session.close()
-        return {"keepalive_ms": keepalive_ms, "small_ms": small_ms, "failures": failures}
+        return {"keepalive_ms": keepalive_ms, "small_ms": small_ms, "failures": failures,
+                "send_gaps_ms": send_gaps_ms}
 
 
 # ------------------------------------------------------------------------- driver
@@ -197,6 +208,7 @@ def report(a: dict[str, Any], b: dict[str, Any], expiries: int, block_bytes: int
     figure("keepalive_p99_ms_during_heavy_steps", np.percentile(keepalive, 99), "ms", 2)
     figure("keepalive_max_ms_during_heavy_steps", keepalive.max(), "ms", 2)
     figure("healthy_sessions_expired", expiries, "sessions", 0)
+    figure("light_keepalive_send_gap_max_ms", max(b["send_gaps_ms"] or [np.nan]), "ms")
     figure("light_session_failures", len(b["failures"]), "calls", 0)
     for failure in b["failures"][:3]:
         print(f"# light client: {failure}")
