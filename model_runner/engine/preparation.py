@@ -27,10 +27,11 @@ from pagedkv.model_runner.engine.daemon_steps import DaemonSteps
 from pagedkv.model_runner.engine.forward_loop import Prepared
 from pagedkv.model_runner.engine.holds import SessionHolds
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
+from pagedkv.model_runner.engine.read_back import ReadBack
 from pagedkv.model_runner.engine.reservations import BlockSteps, kept
 from pagedkv.model_runner.engine.sequences import Ahead, SeqState, SessionSequences
-from pagedkv.model_runner.engine.step_checks import check_daemon_ids, validate_step
-from pagedkv.model_runner.engine.steps import InvalidStep, UnknownSequence
+from pagedkv.model_runner.engine.step_checks import validate_step
+from pagedkv.model_runner.engine.steps import InvalidStep
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 
 
@@ -46,6 +47,8 @@ class Preparer:
         self.steps = DaemonSteps(pool, metrics)
         # Decode steps with a daemon Step only once a block (reservations.py).
         self.blocks = BlockSteps(self.steps, holds, runner)
+        # Reads back the sequences a step names that the runner does not know, or must check.
+        self.read_back = ReadBack(holds)
         # The model runner in use (its block size, vocabulary and positions).
         self._runner = runner
 
@@ -59,12 +62,12 @@ class Preparer:
         tokens the runner appended ahead)."""
         known.attach(self.pool, session_id, self._runner().block_size)
         held_at = known.held_at  # every daemon call that precedes a forward sets it
-        await self._learn(known, requests)
+        await self.read_back.learn(known, requests)
         claimed = self._claim_ahead(known, requests)
         self._check_lengths(known, requests, claimed)
         todo = [r for i, r in enumerate(requests) if i not in claimed]
         appended = iter(await self._append(known, todo) if todo else [])
-        states = [self.known_state(known, r.seq_id) if i in claimed else next(appended)
+        states = [known.known(r.seq_id) if i in claimed else next(appended)
                   for i, r in enumerate(requests)]
         # An ahead result holds if the client kept the sampling (the state's, which the step
         # ahead used); else sample that position again.
@@ -86,9 +89,9 @@ class Preparer:
         for index, request in enumerate(requests):
             held = 0
             if request.new_sequence and request.parent_seq_id is not None:
-                held = len(self.known_state(known, request.parent_seq_id).tokens)
+                held = len(known.known(request.parent_seq_id).tokens)
             elif not request.new_sequence:
-                held = len(self.known_state(known, request.seq_id).tokens)
+                held = len(known.known(request.seq_id).tokens)
             added = 0 if index in claimed else len(request.token_ids)
             if held + added > limit:
                 raise InvalidStep(f"sequence {request.seq_id} would hold {held + added} tokens; "
@@ -111,7 +114,7 @@ class Preparer:
         daemon holds of them, and the runner knows their ids are the daemon's (never certify
         others)."""
         return all(s.num_computed >= s.held and s.verified
-                   for s in (self.known_state(known, r.seq_id) for r in requests))
+                   for s in (known.known(r.seq_id) for r in requests))
 
     def _claim_ahead(self, known: SessionSequences,
                      requests: Sequence[SeqStep]) -> dict[int, Ahead]:
@@ -130,133 +133,12 @@ class Preparer:
             claimed[index] = state.ahead
         return claimed
 
-    async def _learn(self, known: SessionSequences,
-                     requests: Sequence[SeqStep]) -> None:
-        """Read back existing sequences the runner has not seen: a fork (its parent's history)
-        or a sequence from before a runner restart (the history the client sends). Nothing a
-        client states is believed: its tokens must be the ids the daemon holds, and only the
-        daemon's committed tokens (or the parent's own blocks) count as computed; the rest is
-        computed again. All are checked before any is known. In the same call (holding the
-        session) the sequences the step computes without appending to them are read back too:
-        the client may have freed or changed them directly since the runner's last call (no
-        hold then), and their blocks may be another session's now (UnknownSequence)."""
-        unknown = [r for r in requests if not r.new_sequence and known.get(r.seq_id) is None]
-        idle = [r.seq_id for r in requests if self._unappended(known, r)]
-        if not unknown and not idle:
-            return
-        # The daemon first: another session's sequence is NOT_FOUND there, as it must be here.
-        sent = time.monotonic()
-        tables = await known.session.block_tables([r.seq_id for r in unknown] + idle,
-                                                  token_ids=True, hold_ms=self.holds.hold_ms)
-        known.held_at = sent
-        for seq_id, table in zip(idle, tables[len(unknown):], strict=True):
-            self._check_unchanged(known, seq_id, table)
-        for request in unknown:
-            if request.params is None or (self._parent(known, request) is None
-                                          and request.history is None):
-                raise UnknownSequence(
-                    f"sequence {request.seq_id} is unknown to the runner (forked, or the runner "
-                    "restarted): resend it with its history and sampling (a fork: its "
-                    "parent_seq_id and sampling)")
-        learnt = [self._adopt(known, request, table)
-                  for request, table in zip(unknown, tables[:len(unknown)], strict=True)]
-        for request, state in zip(unknown, learnt, strict=True):
-            known.put(request.seq_id, state)
-
-    @staticmethod
-    def _unappended(known: SessionSequences, request: SeqStep) -> bool:
-        """A known sequence the step computes (it holds tokens not computed) with no daemon call
-        of its own: nothing appended (a chunked prefill going on, a resend without tokens), or
-        only its token decoded ahead, whose forward failed."""
-        state = None if request.new_sequence else known.get(request.seq_id)
-        if state is None or state.num_computed == len(state.tokens):
-            return False
-        ahead = state.ahead is not None and tuple(request.token_ids) == (state.ahead.token_id,)
-        return not request.token_ids or ahead
-
-    def _check_unchanged(self, known: SessionSequences, seq_id: int,
-                         table: SequenceBlocks) -> None:
-        """UnknownSequence (the sequence forgotten) unless the daemon holds what the runner
-        knows of it: its tokens and its blocks."""
-        state = self.known_state(known, seq_id)
-        if (table.num_tokens != state.held or table.block_ids != state.block_table
-                or (table.token_ids and table.token_ids != state.tokens[:state.held])):
-            known.stale(seq_id)
-
-    def _adopt(self, known: SessionSequences, request: SeqStep,
-               table: SequenceBlocks) -> SeqState:
-        """The state of a sequence the client forked itself (its parent's tokens, or its
-        history) or resends after a runner restart (its history), checked against the daemon's
-        `table`."""
-        parent = self._parent(known, request)
-        if parent is not None and request.history is None:
-            return self._adopt_fork(request, parent, table)
-        assert request.history is not None
-        history = request.history
-        tokens = list(history.token_ids)
-        # One token more in the daemon: the runner that restarted appended it ahead (the
-        # client's last answer sampled it, and this step names it).
-        ahead = len(request.token_ids) == 1 and table.num_tokens == len(tokens) + 1
-        if ahead:
-            tokens.append(request.token_ids[0])
-        # Fewer: the runner that restarted decoded the rest into reserved slots and never
-        # certified them (reservations.py); this runner appends them and computes them again.
-        held = table.num_tokens
-        if held > len(tokens):
-            raise InvalidStep(f"sequence {request.seq_id}: the daemon holds {held} tokens, its "
-                              f"history says {len(history.token_ids)}")
-        check_daemon_ids(request.seq_id, tokens[:held], table)
-        # Computed: the daemon's committed tokens only, whatever history.num_computed says; a
-        # fork's child: what its parent computed, as `_adopt_fork` says.
-        computed = table.num_cached_tokens
-        if parent is not None:
-            computed = _fork_computed(parent, table)
-            if tokens[:held] != parent.tokens[:held]:
-                raise InvalidStep(f"sequence {request.seq_id}: its history differs from its "
-                                  f"parent {request.parent_seq_id}'s tokens")
-        state = SeqState(tokens, history.prompt_len, computed,
-                         list(table.block_ids), committed=table.num_cached_tokens,
-                         verified=bool(table.token_ids) or not held)
-        state.held = held
-        if ahead:
-            state.ahead = Ahead(request.token_ids[0])
-        return state
-
-    @staticmethod
-    def _adopt_fork(request: SeqStep, parent: SeqState,
-                    table: SequenceBlocks) -> SeqState:
-        """A sequence the client forked from `parent` holds its first num_tokens tokens. What
-        the parent computed counts only if the child's table holds the parent's very blocks
-        (the same K/V); else the daemon's committed tokens. When the daemon holds fewer than
-        the parent's tokens, which of the parent's tokens the client forked is unknown (the
-        daemon gets decode tokens once a block, reservations.py): UnknownSequence, and the
-        client resends the step with the child's history."""
-        n = table.num_tokens
-        tokens = parent.tokens[:n]
-        if len(tokens) != n:
-            raise InvalidStep(f"sequence {request.seq_id}: the daemon holds {n} tokens, more "
-                              f"than its parent {request.parent_seq_id}'s {len(parent.tokens)}")
-        if n < len(parent.tokens):
-            raise UnknownSequence(
-                f"sequence {request.seq_id}: the daemon holds {n} of its parent "
-                f"{request.parent_seq_id}'s {len(parent.tokens)} tokens (the runner appends "
-                "decode tokens to the daemon once a block): resend it with its history")
-        check_daemon_ids(request.seq_id, tokens, table)
-        return SeqState(tokens, min(parent.prompt_len, n), _fork_computed(parent, table),
-                        list(table.block_ids),
-                        committed=table.num_cached_tokens,
-                        verified=bool(table.token_ids) or not tokens)
-
-    @staticmethod
-    def _parent(known: SessionSequences, request: SeqStep) -> SeqState | None:
-        return None if request.parent_seq_id is None else known.get(request.parent_seq_id)
-
     async def decode_step(self, known: SessionSequences,
                           requests: Sequence[SeqStep], ahead: bool = False) -> list[SeqState]:
         """Append one token to each sequence (the decode hot path): a daemon Step only when a
         sequence crosses past its reserved slots (reservations.py); `ahead`: the runner's own
         step, ahead of the client, which each state then records."""
-        states = [self.known_state(known, r.seq_id) for r in requests]
+        states = [known.known(r.seq_id) for r in requests]
         # A call commits what the daemon holds of them if the forwards computed it, and so
         # their commits due.
         await self.blocks.decode(known, requests, states, self._committable(known, requests))
@@ -271,7 +153,7 @@ class Preparer:
         Fork the forks (a child holds what its parent held before the step), Allocate each
         other new sequence, Append to the rest (their uncertified tokens first)."""
         forks = [r for r in requests if r.new_sequence and r.parent_seq_id is not None]
-        parents = {r.parent_seq_id: self.known_state(known, r.parent_seq_id) for r in forks
+        parents = {r.parent_seq_id: known.known(r.parent_seq_id) for r in forks
                    if r.parent_seq_id is not None}
         # The parents as they are before this step appends to them: what the children inherit.
         inherited = {r.seq_id: self._fork_parent(known, r) for r in forks}
@@ -285,8 +167,8 @@ class Preparer:
             elif r.new_sequence:  # a fork's child
                 if r.token_ids:
                     ops.append(Append(r.seq_id, token_ids=r.token_ids))
-            else:  # an existing sequence: _learn made it known
-                state = self.known_state(known, r.seq_id)
+            else:  # an existing sequence: the read-back made it known
+                state = known.known(r.seq_id)
                 held = len(state.tokens) if r.seq_id in parents else state.held
                 tokens = [*state.tokens[held:], *r.token_ids]
                 if tokens:
@@ -327,7 +209,7 @@ class Preparer:
                                  answer.num_cached_tokens, answer.num_cached_tokens)
                 known.put(r.seq_id, state)
             else:
-                state = self.known_state(known, r.seq_id)
+                state = known.known(r.seq_id)
                 self._appended(known, r.seq_id, state, r.token_ids, answer)
             states.append(state)
         return states
@@ -355,7 +237,7 @@ class Preparer:
         """A copy of the parent's state for a fork's child; the parent must be fully computed
         (else the child would compute K/V into blocks it shares with the parent)."""
         assert request.parent_seq_id is not None
-        parent = self.known_state(known, request.parent_seq_id)
+        parent = known.known(request.parent_seq_id)
         if parent.num_computed != len(parent.tokens):
             raise InvalidStep(f"sequence {request.seq_id}: its parent {request.parent_seq_id} is "
                               "not fully computed yet; fork it after its prefill")
@@ -366,13 +248,6 @@ class Preparer:
         return SeqState(list(parent.tokens), parent.prompt_len, parent.num_computed,
                         list(parent.block_table), committed=parent.committed,
                         verified=parent.verified)
-
-    def known_state(self, known: SessionSequences, seq_id: int) -> SeqState:
-        state = known.get(seq_id)
-        if state is None:
-            raise InvalidStep(f"sequence {seq_id} is not known to the runner: send it as a new "
-                              "sequence, or name its parent on a fork's first step")
-        return state
 
     def chunk(self, request: SeqStep, state: SeqState,
               resample: bool = False) -> SequenceChunk | None:
@@ -394,11 +269,3 @@ class Preparer:
                              state.block_table)
 
 
-
-def _fork_computed(parent: SeqState, table: SequenceBlocks) -> int:
-    """How many leading tokens of a child the client forked from `parent` are computed: what
-    the parent computed of them if the child's table holds the parent's very blocks (the same
-    K/V), else the daemon's committed tokens."""
-    if table.block_ids != parent.block_table[:len(table.block_ids)]:
-        return table.num_cached_tokens
-    return min(parent.num_computed, table.num_tokens)

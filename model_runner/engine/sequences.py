@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from pagedkv.client import Commit, PoolClient, SamplingParams, SeqOutput, SeqStep, Session
-from pagedkv.model_runner.engine.steps import UnknownSequence
+from pagedkv.model_runner.engine.steps import InvalidStep, UnknownSequence
 from pagedkv.vocab.blocks import patch_table, slots_of
 
 
@@ -136,6 +136,14 @@ class SessionSequences:
 
     def get(self, seq_id: int) -> SeqState | None:
         return self.seqs.get(seq_id)
+
+    def known(self, seq_id: int) -> SeqState:
+        """The sequence's state; InvalidStep if the runner does not know it."""
+        state = self.seqs.get(seq_id)
+        if state is None:
+            raise InvalidStep(f"sequence {seq_id} is not known to the runner: send it as a new "
+                              "sequence, or name its parent on a fork's first step")
+        return state
 
     def put(self, seq_id: int, state: SeqState) -> None:
         self.seqs[seq_id] = state
