@@ -1,8 +1,9 @@
-"""One sequence as the client scheduler sees it: the tokens it must hold and what the daemon holds.
+"""One sequence as the client scheduler sees it: the tokens it must hold and what it holds.
 
 A sequence always knows every token it should hold (`tokens`: the prompt, then each generated
-token, including one chosen but not yet appended) and how many of them the daemon holds
-(`held`): a step sends the difference. So one mechanism covers a decode (one token), a fork
+token, including one chosen but not yet appended) and how many of them it holds per the runner's
+answers (`held`; the daemon may hold fewer until the runner certifies them, once a block:
+runner.proto): a step sends the difference. So one mechanism covers a decode (one token), a fork
 (the child appends what it holds beyond its parent) and a re-admission after preemption (all of
 its tokens, as a new sequence whose committed prefix blocks come from the prefix cache).
 """
@@ -30,7 +31,8 @@ class Seq:
     params: SamplingParams
     # Position among the request's outputs.
     index: int = 0
-    # Whether the daemon holds it, how many tokens it holds, and how many are computed.
+    # Whether the daemon holds it, how many tokens it holds (the runner's answers' num_tokens),
+    # and how many are computed.
     allocated: bool = False
     held: int = 0
     computed: int = 0
