@@ -29,9 +29,6 @@ then on every call that touches the pool is refused with it, until the daemon re
 """
 
 import asyncio
-import contextlib
-import os
-import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,13 +43,12 @@ from pagedkv.process.log_setup import get_logger
 log = get_logger(__name__)
 
 # Threads that run memory work. Work on disjoint blocks runs side by side, so one client's
-# heavy copies or zeroing leave a light client's own small copy a thread of its own.
+# heavy copies or zeroing leave a light client's own small copy a thread of its own. They keep
+# the event loop's CPU priority: at a lower one (nice 10, 19), a worker that holds the GIL
+# between two torch calls and is then preempted by other processes stalls the loop until it
+# runs again (bench_keepalive_stall.py saw a 2 s KeepAlive at nice 19 on a loaded machine),
+# for no gain in the light client's latency.
 MEMORY_WORKERS = 4
-# The workers' nice value (Linux: per thread). Bulk copies and zeroing of a CPU pool would
-# otherwise take the event loop's CPU for a scheduler slice at a time, delaying answers that wait
-# for none of it (bench_keepalive_stall.py: a light Step's p99 15.6 ms at nice 0, the daemon on
-# one CPU); at 10, the loop preempts them when it wakes.
-MEMORY_WORKER_NICE = 10
 
 
 class MemoryFailed(RuntimeError):
@@ -84,8 +80,7 @@ class MemoryOrder:
     def __init__(self, workers: int = MEMORY_WORKERS) -> None:
         # Block -> the latest work that touches it, while that work is in flight.
         self._latest: dict[int, asyncio.Future[None]] = {}
-        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="pagedkv-memory",
-                                           initializer=_lower_priority)
+        self._workers = ThreadPoolExecutor(workers, thread_name_prefix="pagedkv-memory")
         # The first failure; set once, never cleared (fail-stop).
         self.failure: MemoryFailed | None = None
         # Set with `failure`: the daemon stops on it.
@@ -149,13 +144,6 @@ class MemoryOrder:
                 del self._latest[block]
         if not task.cancelled():
             task.exception()  # retrieved: its calls, or none (all cancelled), have seen it
-
-
-def _lower_priority() -> None:
-    """Run this worker thread at MEMORY_WORKER_NICE (where threads have a priority of their
-    own: Linux; elsewhere, or if refused, as it is)."""
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MEMORY_WORKER_NICE)
 
 
 def answer_blocks(result: object, block_size: int) -> Iterable[int]:
