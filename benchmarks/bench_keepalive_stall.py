@@ -69,7 +69,7 @@ LONG_TOKENS = 8192  # 512 blocks, 1 GiB to zero when freed
 LONG_EVERY = 4
 LEASE_MS = 300
 KEEPALIVE_PERIOD_S = 0.1
-SMALL_STEP_PERIOD_S = 0.05
+SMALL_STEP_PERIOD_S = 0.1
 SMALL_SEQS = 4
 SECONDS = 20.0
 # Time for both client processes to start and set up before the timed window opens.
