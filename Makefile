@@ -53,6 +53,7 @@ bench: setup
 	$(PY) benchmarks/bench_core_trace.py
 	$(PY) benchmarks/bench_runner_cpu.py
 	$(PY) benchmarks/bench_runner.py
+	$(PY) benchmarks/bench_runner_stream.py
 	$(PY) benchmarks/bench_e2e_concurrency.py
 	$(PY) benchmarks/bench_sharing.py
 	$(PY) benchmarks/bench_prefix.py
