@@ -9,13 +9,14 @@
 
 One engine is one client of the pool: its own daemon session (a lease kept alive in the
 background, so a dying client's blocks come back within its lease) and a runner that computes
-for it. A background task loops: plan a step (`Scheduler`), send it as one runner RPC, hand the
-answers back, and push each request's progress to its waiter (`stream`: an output per step;
-`generate`: the final one only). A failed step changed nothing (the runner's contract), so the
-plan is simply dropped: admissions wait again, and a pool that turned out fuller than the runner
-last said preempts the newest request. A runner that restarts under the engine (the KV stays in
-the daemon) gets the step again with each sequence's history (`RunnerLink`), and the requests
-go on with the tokens they would have had.
+for it. A background task loops: plan a step (`Scheduler`), send it to the runner (one message
+on the session's Runner.StepStream), hand the answers back, and push each request's progress to
+its waiter (`stream`: an output per step; `generate`: the final one only). A failed step
+changed nothing (the runner's contract), so the plan is simply dropped: admissions wait again,
+and a pool that turned out fuller than the runner last said preempts the newest request. A
+runner that restarts under the engine (the KV stays in the daemon) gets the step again with
+each sequence's history (`RunnerLink`), and the requests go on with the tokens they would have
+had.
 """
 
 import asyncio
