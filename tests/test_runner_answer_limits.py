@@ -31,6 +31,7 @@ from pagedkv.client import (
 from pagedkv.model_runner.engine.answer_limits import (
     ANSWER_FIXED,
     DEFAULT_MAX_LOGPROBS,
+    STREAM_ENVELOPE,
     AnswerLimits,
     output_bytes,
 )
@@ -38,7 +39,7 @@ from pagedkv.model_runner.engine.steps import InvalidStep
 from pagedkv.model_runner.process.cli import parser
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
-from pagedkv.proto.limits import GRPC_DEFAULT_RECEIVE_BYTES
+from pagedkv.proto.limits import GRPC_DEFAULT_RECEIVE_BYTES, MAX_MESSAGE_BYTES
 
 VOCAB = 32_000
 MAX_LOGPROBS = 8_000
@@ -97,6 +98,19 @@ def test_the_bound_covers_the_largest_encoding_of_every_field() -> None:
         top_token_ids=[-1] * top, top_logprobs=[-1.5] * top, finished=True)
     answer = rpb.RunnerStepResponse(outputs=[widest] * 3, free_blocks=2**32 - 1)
     assert answer.ByteSize() <= ANSWER_FIXED + 3 * output_bytes(top)
+
+
+def test_an_answer_on_the_step_stream_stays_within_the_message_limit() -> None:
+    """On a StepStream the answer travels in a RunnerStreamResponse with the widest step id:
+    STREAM_ENVELOPE covers what it adds, and max_answer_bytes leaves room for it (at the
+    message limit the runner could not send the answer of a step it applied)."""
+    widest = rpb.SequenceOutput(seq_id=2**64 - 1, token_id=-1, top_token_ids=[-1] * 100)
+    answer = rpb.RunnerStepResponse(outputs=[widest] * 3, free_blocks=2**32 - 1)
+    streamed = rpb.RunnerStreamResponse(step_id=2**64 - 1, answer=answer)
+    assert streamed.ByteSize() - answer.ByteSize() <= STREAM_ENVELOPE
+    AnswerLimits(max_answer_bytes=MAX_MESSAGE_BYTES - STREAM_ENVELOPE)
+    with pytest.raises(ValueError, match="max_answer_bytes must be in"):
+        AnswerLimits(max_answer_bytes=MAX_MESSAGE_BYTES)
 
 
 def test_logprobs_are_capped_at_vllms_20_by_default() -> None:

@@ -35,6 +35,9 @@ OUTPUT_FIXED = ((1 + _U32) + (1 + _U64) + 3 * (1 + _U32) + 2 + (1 + _U64) + (1 +
 PER_LOGPROB = _U64 + _FLOAT
 # The answer's own field: free_blocks.
 ANSWER_FIXED = 1 + _U32
+# What a RunnerStreamResponse adds around the answer: its step_id, and the answer's tag and
+# length (a failed step's code, cause and message replace the answer, in a few hundred bytes).
+STREAM_ENVELOPE = (1 + _U64) + (1 + _U32)
 
 
 def output_bytes(logprobs: int) -> int:
@@ -49,15 +52,17 @@ class AnswerLimits:
     # Most top logprobs one sequence may ask for (SamplingParams.logprobs).
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     # Most encoded bytes of one step's answer; the default fits gRPC's default receive limit
-    # (4 MiB), which stock clients keep. At most MAX_MESSAGE_BYTES, what the runner sends.
+    # (4 MiB), which stock clients keep. At most MAX_MESSAGE_BYTES (what the runner sends) less
+    # STREAM_ENVELOPE: on a StepStream the answer travels inside a RunnerStreamResponse.
     max_answer_bytes: int = DEFAULT_ANSWER_BYTES
 
     def __post_init__(self) -> None:
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         least = ANSWER_FIXED + output_bytes(self.max_logprobs)
-        if not least <= self.max_answer_bytes <= MAX_MESSAGE_BYTES:
-            raise ValueError(f"max_answer_bytes must be in [{least}, {MAX_MESSAGE_BYTES}] (one "
+        most = MAX_MESSAGE_BYTES - STREAM_ENVELOPE
+        if not least <= self.max_answer_bytes <= most:
+            raise ValueError(f"max_answer_bytes must be in [{least}, {most}] (one "
                              f"sequence with max_logprobs={self.max_logprobs} must fit), got "
                              f"{self.max_answer_bytes}")
 
