@@ -50,8 +50,9 @@ class GatedMemory:
 
     # The real memory the work lands in.
     inner: KVPoolMemory
-    # Closed gate: copies wait until the test opens it.
+    # Closed gate: copies wait until the test opens it (only those into `gated`, if given).
     gate: threading.Event | None = None
+    gated: frozenset[int] = frozenset()
     # Closed gate: zeroing waits until the test opens it.
     zero_gate: threading.Event | None = None
     # Copies and zeroing raise, as after a device error.
@@ -64,8 +65,8 @@ class GatedMemory:
     log: list[tuple[str, str]] = field(default_factory=list)
 
     def copy_blocks(self, src: Sequence[int], dst: Sequence[int], /) -> None:
-        self.started.set()
-        if self.gate is not None:
+        if self.gate is not None and (not self.gated or self.gated & set(dst)):
+            self.started.set()
             assert self.gate.wait(10), "the test never opened the gate"
         self._do("copy")
         self.inner.copy_blocks(src, dst)
@@ -145,6 +146,24 @@ async def test_a_step_touching_no_busy_block_is_answered_while_another_sessions_
     assert daemon.service.lease_expiries_total == 0
     assert [what for what, _ in memory.log] == ["copy", "sync"]
     assert all(thread.startswith("pagedkv-memory") for _, thread in memory.log)
+    daemon.service.check_invariants()
+
+
+async def test_a_copy_on_other_blocks_runs_beside_a_held_copy(
+        daemon: Daemon, client: PoolClient) -> None:
+    gate = threading.Event()
+    memory = gate_memory(daemon, gate=gate, gated=frozenset({1}))
+    heavy = await client.open_session("heavy")
+    light = await client.open_session("light")
+    await forked_pair(heavy)
+    step = asyncio.create_task(heavy.step([2]))  # copies block 0 into block 1: held
+    assert await asyncio.to_thread(memory.started.wait, 10)
+    await forked_pair(light)  # block 2, shared
+    # Its own copy runs on another worker (one worker: it waited, the gate's assertion failed).
+    assert [(c.src, c.dst) for c in (await light.step([2])).copies] == [(2, 3)]
+    assert not step.done()
+    gate.set()
+    await step
     daemon.service.check_invariants()
 
 
