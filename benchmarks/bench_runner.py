@@ -36,10 +36,13 @@ Service figures (issue 19), from the same runs:
   during the "runner" contestant (one client, NUM_PROMPTS sequences). The window is the whole
   run, so the prefill step and the last step's releases are in it.
 - forward_waits_on_daemon_frac: of the decode-only forwards of that run, the share whose forward
-  thread sat idle for one of their steps: a step became ready (its daemon call answered) after
-  the previous forward ended (the runner's pagedkv_runner:decode_forwards{start="idle_wait"}).
-  An upper bound: the runner cannot tell whether the idle time went to the daemon's answer or
-  to the client's step that came before it.
+  thread sat idle for one of their steps that made a daemon call: it became ready (that call
+  answered) after the previous forward ended (the runner's
+  pagedkv_runner:decode_forwards{start="idle_wait"}). A step inside its sequences' reservations
+  makes no daemon call and never counts (issue 19: decode calls by the block; before it every
+  decode step made one, and every decode forward of a decode_ahead run counted). An upper
+  bound: the runner cannot tell whether the idle time went to the daemon's answer or to the
+  client's step that came before it.
 - service_overhead_frac: 4 client processes of PROMPTS_PER_CLIENT prompts, each through the
   client `Engine` (all its prompts submitted at once; one extra run a round, not a contestant):
   (client step time - runner forward time) / client step time, where the client step time is
