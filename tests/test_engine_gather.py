@@ -58,19 +58,22 @@ async def test_nothing_to_wait_for_returns_at_once() -> None:
 
 async def test_a_decode_forward_is_idle_wait_only_if_a_step_was_ready_after_the_thread_freed(
         ) -> None:
-    """pagedkv_runner:decode_forwards: idle_wait when a step of the forward became ready after
-    the previous forward ended (the thread sat idle for it), queued when all were waiting."""
+    """pagedkv_runner:decode_forwards: idle_wait when a step of the forward that made a daemon
+    call became ready after the previous forward ended (the thread sat idle for it), queued
+    when all were waiting, or the late one made no daemon call (inside its reservations)."""
     registry = CollectorRegistry()
     loop = ForwardLoop(lambda: None, Sampler(),  # type: ignore[arg-type,return-value]
                        metrics=RunnerMetrics(registry))
     decode = [(0, SequenceChunk([5], 3, [3], [0]))]
 
-    def observe(ready_at: tuple[float, ...], free_at: float) -> None:
-        batch = [(Prepared("s", [], [], [], ready_at=at), decode) for at in ready_at]
+    def observe(ready_at: tuple[float, ...], free_at: float, called: bool = True) -> None:
+        batch = [(Prepared("s", [], [], [], ready_at=at, daemon_call=called), decode)
+                 for at in ready_at]
         loop._observe(batch, started=20.0, free_at=free_at)
 
     observe((1.0, 2.0), free_at=5.0)    # both ready before the thread came free
     observe((1.0, 6.0), free_at=5.0)    # one became ready after: the thread idled for it
+    observe((1.0, 6.0), free_at=5.0, called=False)  # later, but no daemon answer to wait for
     prefill = [(Prepared("s", [], [], [], ready_at=9.0),
                 [(0, SequenceChunk([5, 6], 0, [0, 1], [0]))])]
     loop._observe(prefill, started=20.0, free_at=5.0)   # not decode-only: not counted
@@ -79,4 +82,4 @@ async def test_a_decode_forward_is_idle_wait_only_if_a_step_was_ready_after_the_
         return registry.get_sample_value("pagedkv_runner:decode_forwards_total",
                                          {"start": start})
 
-    assert (count("queued"), count("idle_wait")) == (1.0, 1.0)
+    assert (count("queued"), count("idle_wait")) == (2.0, 1.0)
