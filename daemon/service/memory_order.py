@@ -9,7 +9,8 @@ are ordered, by the blocks they touch:
   zeroes (write after write, write after read, read after write). Work on disjoint blocks runs
   on the worker threads side by side, off the event loop.
 - A call's answer leaves once its own work is complete and synchronized (CUDA), and once every
-  earlier call's work on the blocks the answer hands out (a table, the blocks a Step writes) is.
+  earlier call's work on the blocks the answer hands out (a table, the blocks a Step writes or
+  reserves) is.
   A block freed with its zeroing pending goes back to the free list at once: the call that gets
   it waits for that zeroing before its answer leaves, and a copy into it, or its own zeroing,
   runs after. A copy's source or destination freed and handed out meanwhile is waited for alike.
@@ -147,7 +148,8 @@ class MemoryOrder:
 
 
 def answer_blocks(result: object, block_size: int) -> Iterable[int]:
-    """The blocks an answer hands out: every table it returns, or the blocks a Step writes."""
+    """The blocks an answer hands out: every table it returns, or the blocks a Step writes and
+    the entries it changed (new blocks, reserved ones, copies)."""
     match result:
         case BatchAppend():
             written = np.concatenate([result.changed_block_id, result.slot_mapping // block_size])
