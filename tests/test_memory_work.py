@@ -207,11 +207,13 @@ async def test_a_block_being_zeroed_is_handed_out_only_with_its_zeroing_done(
     assert (await second.step([1])).slot_mapping == [63]  # its own block: answered at once
     live = next(s for s in daemon.service.sessions if s.client_name == "second")
     taking = asyncio.create_task(second.allocate(2, 4))  # gets a block being zeroed
-    await applied(lambda: 2 in live.seq_ids)
-    assert not (taking.done() or freeing.done())
+    stepping = asyncio.create_task(second.step([1]))  # block 15 is full: so does its next one
+    await applied(lambda: 2 in live.seq_ids and live.in_flight == 2)
+    assert not (taking.done() or stepping.done() or freeing.done())
     gate.set()
     assert await freeing == 15
     assert (await taking).block_ids[0] in range(15)
+    assert (await stepping).slot_mapping[0] // 4 in range(15)
     assert [what for what, _ in memory.log] == ["zero", "sync"]
     daemon.service.check_invariants()
 
