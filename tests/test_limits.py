@@ -23,16 +23,15 @@ from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.process.settings_sources import add_serve_arguments, config_from_args
 from pagedkv.daemon.service.answer_size import (
     ENTRY_CAUSE_BYTES,
-    ENTRY_MESSAGE_BYTES,
     STEP_MANY_ENTRY,
     STEP_MANY_FIXED,
-    cut_utf8,
     varint_bytes,
 )
 from pagedkv.daemon.service.limits import LIMITS, Limits, clip
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES, MESSAGE_SIZE_OPTIONS
+from pagedkv.vocab.causes import MESSAGE_BYTES, cut_message
 
 from daemon_harness import Daemon, running_daemon
 
@@ -265,12 +264,12 @@ def test_the_operators_guide_documents_every_limit() -> None:
 
 def test_a_step_many_envelope_bounds_its_encoding() -> None:
     """What StepMany charges per entry before applying any covers the largest failed entry (a
-    cause of ENTRY_CAUSE_BYTES, a message cut to ENTRY_MESSAGE_BYTES of 2-byte characters) and
+    cause of ENTRY_CAUSE_BYTES, a message cut to MESSAGE_BYTES of 2-byte characters) and
     a successful entry's wrapping (its Step's packed fields are charged as it is applied)."""
     failed = pb.StepManyResult(code=16, cause="C" * ENTRY_CAUSE_BYTES,
-                               message=cut_utf8("é" * 300, ENTRY_MESSAGE_BYTES))
+                               message=cut_message("é" * 300))
     applied = pb.StepManyResult(step=pb.StepResponse(free_blocks=2**32 - 1))
-    assert len(failed.message.encode()) == ENTRY_MESSAGE_BYTES
+    assert len(failed.message.encode()) == MESSAGE_BYTES
     for result in (failed, applied):  # in a repeated field: tag, length, then the message
         assert 1 + varint_bytes(result.ByteSize()) + result.ByteSize() <= STEP_MANY_ENTRY
     answer = pb.StepManyResponse(results=[failed, applied, failed], free_blocks=2**32 - 1)

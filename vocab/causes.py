@@ -57,6 +57,16 @@ MESSAGE_TOO_LARGE = Cause("MessageTooLarge", "RESOURCE_EXHAUSTED")
 # of its own.
 INTERNAL = Cause("Internal", "INTERNAL")
 
+# The most bytes of a failure's message carried inside an answer (a StepMany entry's, a stream
+# message's: kvpool.proto StepManyResult, StepStreamResponse; runner.proto RunnerStreamResponse).
+MESSAGE_BYTES = 256
+
+
+def cut_message(text: str) -> str:
+    """`text` cut to at most MESSAGE_BYTES bytes of UTF-8, never inside a character."""
+    return text.encode()[:MESSAGE_BYTES].decode(errors="ignore")
+
+
 # Every cause by its wire name.
 CAUSES: dict[str, Cause] = {cause.name: cause for cause in (
     SESSION_NOT_FOUND, SEQUENCE_NOT_FOUND, SEQUENCE_EXISTS, INVALID_ARGUMENT, POOL_EXHAUSTED,

@@ -18,9 +18,7 @@ from pagedkv.daemon.core import InvalidArgument, SeqUpdate
 from pagedkv.daemon.edge.status import failure_of, grpc_errors
 from pagedkv.daemon.service.answer_size import (
     ENTRY_CAUSE_BYTES,
-    ENTRY_MESSAGE_BYTES,
     AnswerBudget,
-    cut_utf8,
 )
 from pagedkv.daemon.service.holds import Hold
 from pagedkv.daemon.service.operations import (
@@ -39,6 +37,7 @@ from pagedkv.memory import POOL_LAYOUT
 from pagedkv.process.stream_drain import DrainableStreams
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
+from pagedkv.vocab.causes import cut_message
 from pagedkv.vocab.geometry import dtype_bytes
 
 if TYPE_CHECKING:
@@ -154,7 +153,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
             code, cause, message = failure_of(exc, "StepStream")
             return pb.StepStreamResponse(call_id=request.call_id, code=code.value[0],
                                          cause=cause,
-                                         message=cut_utf8(message, ENTRY_MESSAGE_BYTES))
+                                         message=cut_message(message))
         return pb.StepStreamResponse(call_id=request.call_id, many=many)
 
     async def _step_many(self, request: pb.StepManyRequest, *,
@@ -175,7 +174,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
             code, cause, message = failure_of(exc, "StepMany")
             assert len(cause) <= ENTRY_CAUSE_BYTES, cause
             return pb.StepManyResult(code=code.value[0], cause=cause,
-                                     message=cut_utf8(message, ENTRY_MESSAGE_BYTES))
+                                     message=cut_message(message))
 
     async def _step(self, request: pb.StepRequest,
                     answer: AnswerBudget | None = None) -> pb.StepResponse:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from pagedkv.daemon.service.limits import AnswerTooLarge
 from pagedkv.vocab.blocks import blocks_for, ceil_div
+from pagedkv.vocab.causes import MESSAGE_BYTES
 
 # Largest varint of a uint32 length or count, and of a uint64.
 _U32 = 5
@@ -30,23 +31,17 @@ _PACKED = 1 + _U32
 SEQUENCE_FIXED = (1 + _U32) + (1 + _U64) + 2 * (1 + _U32) + 2 * _PACKED
 # A StepResponse's seven packed fields' headers.
 STEP_FIXED = 7 * _PACKED
-# A failed StepMany entry's message and cause are cut to these many bytes.
-ENTRY_MESSAGE_BYTES = 256
+# A failed StepMany entry's cause takes at most these many bytes (its message MESSAGE_BYTES).
 ENTRY_CAUSE_BYTES = 32
 # One StepManyResult around its StepResponse: its tag and length, code, cause, message, the
 # StepResponse's tag and length and its free_blocks (charged for every entry, failed or not,
 # before any is applied); then the StepManyResponse's own free_blocks.
-STEP_MANY_ENTRY = ((1 + _U32) + (1 + _U32) + (2 + ENTRY_CAUSE_BYTES) + (3 + ENTRY_MESSAGE_BYTES)
+STEP_MANY_ENTRY = ((1 + _U32) + (1 + _U32) + (2 + ENTRY_CAUSE_BYTES) + (3 + MESSAGE_BYTES)
                    + (1 + _U32) + (1 + _U32))
 STEP_MANY_FIXED = 1 + _U32
 # A StepStreamResponse around its StepManyResponse: call_id, and the StepManyResponse's tag and
 # length (a refused message's code, cause and message are far below any max_answer_bytes).
 STEP_STREAM_FIXED = (1 + _U64) + (1 + _U32)
-
-
-def cut_utf8(text: str, nbytes: int) -> str:
-    """`text` cut to at most `nbytes` bytes of UTF-8, never inside a character."""
-    return text.encode()[:nbytes].decode(errors="ignore")
 
 
 def varint_bytes(value: int) -> int:

@@ -21,7 +21,7 @@ from pagedkv.process.stream_drain import DrainableStreams
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 from pagedkv.vocab import causes
-from pagedkv.vocab.causes import Cause
+from pagedkv.vocab.causes import Cause, cut_message
 
 if TYPE_CHECKING:
     Context = grpc.aio.ServicerContext[Any, Any]
@@ -32,8 +32,6 @@ StepFunction = Callable[[str, Sequence[SeqStep], Sequence[int]], Awaitable[StepO
 
 # max_tokens of a request that set none: more than any sequence generates.
 NO_LIMIT = 2**31 - 1
-# The most bytes of a failed stream step's message (runner.proto's RunnerStreamResponse).
-MAX_STATUS_MESSAGE_BYTES = 256
 
 
 class RunnerUnavailable(RuntimeError):
@@ -132,13 +130,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
         except Exception as exc:
             code, cause, text = _failure(self, exc, "StepStream")
             return rpb.RunnerStreamResponse(step_id=message.step_id, code=code.value[0],
-                                            cause=cause, message=_clip(text))
+                                            cause=cause, message=cut_message(text))
         return rpb.RunnerStreamResponse(step_id=message.step_id, answer=answer)
-
-
-def _clip(text: str) -> str:
-    """`text` within MAX_STATUS_MESSAGE_BYTES of UTF-8 (a character cut in two is dropped)."""
-    return text.encode()[:MAX_STATUS_MESSAGE_BYTES].decode(errors="ignore")
 
 
 def sampling_params(message: rpb.SamplingParams) -> SamplingParams:
