@@ -16,8 +16,8 @@ them: their full blocks are keyed by their content), committing what the daemon 
 Aligned calls: when one sequence of a step needs a call, every sequence of the step joins it, so
 they hold the same number of uncertified tokens afterwards (one Step entry) and run low together:
 about one call per RESERVE_BLOCKS * block_size steps whatever their offsets in their blocks. A
-session whose sequences have less than a block left joins a call other sessions are making at
-that moment (the same StepMany, daemon_steps.py).
+session whose sequences have less than LOW_BLOCKS blocks left joins a call other sessions are
+making at that moment (the same StepMany, daemon_steps.py).
 
 What stays true. The runner commits only K/V it computed of ids the daemon holds: a Step's
 commit covers the tokens the daemon held before it, all computed; reserved slots hold no tokens
@@ -43,8 +43,10 @@ from pagedkv.model_runner.runner import ModelRunner
 # Blocks' worth of slots a Step reserves past each sequence's tokens: the calls a decoding
 # sequence makes are about one per RESERVE_BLOCKS * block_size tokens.
 RESERVE_BLOCKS = 2
-# A sequence with fewer slots left than this many blocks' worth joins a call being made anyway.
-LOW_BLOCKS = 1
+# A sequence with fewer slots left than this many blocks' worth joins a call being made anyway:
+# as many as a call reserves, so a session that decoded since its last call joins any other's,
+# and the sessions of a merged forward fall into step (one StepMany per reservation).
+LOW_BLOCKS = RESERVE_BLOCKS
 # A Step reserves only while the pool's free blocks (per the daemon's latest answer) are at least
 # this many times the blocks its reservations may take: in a nearly full pool reserved blocks
 # would push other sequences out (preemption), so decoding goes back to a Step per token.
