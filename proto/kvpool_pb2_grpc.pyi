@@ -105,8 +105,9 @@ GetBlockTables, which gives each sequence's num_tokens and table:
   the session) changed nothing: release through the runner, or retry after the hold (the
   message says how long it still lasts).
 Read back only once the lost call has ended on the client (its deadline passed or its
-connection broke): the daemon cancels a call whose client gave up, and a call either
-completes or is undone as a whole. A session whose calls keep failing with UNAVAILABLE may
+connection broke): the daemon cancels a call whose client gave up, and the call is then
+applied whole or not at all (one cancelled while its memory work runs stays applied: it
+still waits for that work, so nothing is left half done). A session whose calls keep failing with UNAVAILABLE may
 have expired: FAILED_PRECONDITION says so. The bundled Python client follows these rules
 for Allocate, Step, StepMany (entry by entry) and Free (pagedkv.client, RetryPolicy).
 
