@@ -6,7 +6,10 @@ Workload: NUM_PROMPTS random prompts of MIN_PROMPT..MAX_PROMPT tokens (seeded), 
 greedy tokens each (no EOS: every sequence generates exactly NEW_TOKENS).
 
 Contestants, each measured --rounds times, interleaved (one of each per round); medians printed,
-ratios are of medians. Process start-up and model loading are never timed.
+ratios are of medians. Process start-up and model loading are never timed, nor are the first
+generations: transformers' reference runs of CHECK_PROMPTS, and one run of the "runner" contestant
+before the rounds for the runner process (its first prefill took 150-160 ms here, later ones
+55-60 ms).
 - hf_generate: `model.generate` (sdpa), batches of HF_BATCH, left padding (pad id 0 and an
   attention mask), in this process. Timed: the generate calls (padding included).
 - hf_generate_batch (default / sized): transformers' paged continuous batching, in this process,
@@ -498,6 +501,9 @@ def measure(rounds: int, threads: int) -> int:
             stack.callback(contestant.close)
         folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="pkv-runner-bench-"))
         pagedkv = stack.enter_context(pagedkv_processes(Path(folder), threads))
+        # Not timed: the runner's first forwards, as the reference runs above were
+        # transformers' (the runner's first prefill took 2-3x as long as later ones).
+        run_clients(pagedkv, [range(0, NUM_PROMPTS)], "ahead")
         for round_index in range(rounds):
             runs: dict[str, Run] = {}
             extra: dict[str, float] = {}
