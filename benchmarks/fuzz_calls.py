@@ -3,7 +3,8 @@
 Each `Plan` says what it sends (a request, or raw bytes through a generic method), whose tables
 to snapshot around it, and what must happen: a valid call succeeds or finds no room
 (RESOURCE_EXHAUSTED); an invalid one (unknown or other sessions' ids, duplicate ids, counts that
-do not match, out-of-range blocks, huge counts) must fail; anything else (odd but maybe legal
+do not match, out-of-range blocks, huge counts, slots reserved past max_reserve_tokens, commits
+reaching into reserved slots) must fail; anything else (odd but maybe legal
 values, malformed bytes) may go either way, but never with INTERNAL or UNKNOWN, and never by
 changing state when it fails.
 """
@@ -16,6 +17,7 @@ from enum import Enum
 from fuzz_shadow import SessionShadow, Shadow, ceil_div
 from google.protobuf.message import DecodeError, Message
 
+from pagedkv.daemon.service.limits import Limits
 from pagedkv.proto import kvpool_pb2 as pb
 
 # Request message of every KVPool method (the generic channel sends their bytes).
@@ -43,6 +45,8 @@ OP_RPCS = {"allocate": "Allocate", "append": "Append", "fork": "Fork",
 UNKNOWN_IDS = (1 << 40, 1 << 62)
 INT32_MAX, UINT32_MAX, UINT64_MAX = (1 << 31) - 1, (1 << 32) - 1, (1 << 64) - 1
 VOCAB = 32_000
+# The daemon's cap on a Step's reserve_tokens (the fuzzed daemon runs with the defaults).
+MAX_RESERVE = Limits().max_reserve_tokens
 
 
 class Expect(Enum):
@@ -227,9 +231,14 @@ class CallMaker:
         seq_ids = self.rng.sample(list(session.seqs), self.rng.randint(1, len(session.seqs)))
         k = self.rng.choice([0, 1, 1, 1, 1, 2, 4, 16, 17])
         ids = self.tokens(len(seq_ids) * (k or 1))
+        # Slots reserved ahead (a few blocks' worth, rarely the cap) a third of the time.
+        b = self.shadow.block_size
+        reserve = (0 if self.rng.random() < 0.67 else MAX_RESERVE if self.rng.random() < 0.03
+                   else self.rng.choice([1, b - 1, b, b + 1, 2 * b, 3 * b]))
         request = pb.StepRequest(session_id=session.session_id, seq_ids=seq_ids, num_tokens=k,
-                                 token_ids=ids, commit=self.rng.random() < 0.5)
-        return Plan("step", "Step", request, session, Expect.OK)
+                                 token_ids=ids, commit=self.rng.random() < 0.5,
+                                 reserve_tokens=reserve)
+        return Plan("step_reserve" if reserve else "step", "Step", request, session, Expect.OK)
 
     def step_many(self, session: SessionShadow) -> Plan:
         """1-4 Steps of random sessions (the same one maybe twice), valid and invalid ones and
@@ -309,6 +318,13 @@ class CallMaker:
             mine = self.rng.choice(live)
             choices.append(("commit_past_end", pb.BatchOp(commit=pb.CommitRequest(
                 seq_ids=[mine], num_tokens=[seqs[mine].num_tokens + self.rng.randint(1, 99)]))))
+        b = self.shadow.block_size
+        ahead = [s for s, seq in seqs.items() if len(seq.block_ids) * b > seq.num_tokens]
+        if ahead:  # no commit covers a reserved slot, however far the table reaches
+            mine = self.rng.choice(ahead)
+            n, reach = seqs[mine].num_tokens, len(seqs[mine].block_ids) * b
+            choices.append(("commit_reserved", pb.BatchOp(commit=pb.CommitRequest(
+                seq_ids=[mine], num_tokens=[self.rng.randint(n + 1, reach)]))))
         return self.rng.choice(choices)
 
     def invalid_single(self, session: SessionShadow) -> Plan:
@@ -373,13 +389,18 @@ class CallMaker:
                 ("step_duplicate_seq", [seqs[0], *seqs[:2]], 1, []),
                 ("step_wrong_token_count", seqs[:4], 2, [5] * (2 * len(seqs[:4]) + 1)),
                 ("step_huge", seqs[:2], UINT32_MAX, []),
+                ("step_reserve_past_cap", seqs[:3], 1, []),
             ]
         if self.rng.random() < 0.05:
             choices.append(("step_too_many_seqs", [self.unknown_id(session)] * 65_537, 1, []))
         label, seq_ids, k, ids = self.rng.choice(choices)
+        # Any of them may also reserve; past max_reserve_tokens is refused on its own.
+        reserve = (self.rng.choice([MAX_RESERVE + 1, 4 * MAX_RESERVE, UINT32_MAX])
+                   if label == "step_reserve_past_cap" else
+                   self.rng.choice([0, 0, self.shadow.block_size]))
         return Plan(label, "Step", pb.StepRequest(session_id=session.session_id, seq_ids=seq_ids,
-                                                  num_tokens=k, token_ids=ids), session,
-                    Expect.FAIL)
+                                                  num_tokens=k, token_ids=ids,
+                                                  reserve_tokens=reserve), session, Expect.FAIL)
 
     def block_tables(self, session: SessionShadow) -> Plan:
         seqs = list(session.seqs)

@@ -1,13 +1,13 @@
 """Stateful fuzzer for pagedkvd: random valid and invalid calls checked against a shadow model.
 
 Six sessions (two pairs sharing a cache salt, one with a block quota) get seeded random calls
-(`fuzz_calls`): valid ops, single and batched; ops that must fail; edge values; junk session
-ids; malformed bytes through a generic method. Around every mutating call the caller's tables
-and the pool's figures are read: a call that fails must leave both unchanged; one that succeeds
-is applied to the shadow (`fuzz_shadow`), which checks its answer. Every `check_every` calls
-the daemon's tables and figures must equal the shadow's. At the end every session is closed
-and the pool must hold no used block and no sequence. The fuzzer must be the daemon's only
-client (it compares pool-wide figures).
+(`fuzz_calls`): valid ops, single and batched; Steps, some reserving slots ahead; ops that must
+fail; edge values; junk session ids; malformed bytes through a generic method. Around every
+mutating call the caller's tables and the pool's figures are read: a call that fails must leave
+both unchanged; one that succeeds is applied to the shadow (`fuzz_shadow`), which checks its
+answer. Every `check_every` calls the daemon's tables and figures must equal the shadow's. At
+the end every session is closed and the pool must hold no used block and no sequence. The
+fuzzer must be the daemon's only client (it compares pool-wide figures).
 
 Findings: `internal_errors` (INTERNAL, or UNKNOWN to a well-formed request), `violations` (a
 failed call that changed state, an impossible answer, the daemon diverging from the shadow, an

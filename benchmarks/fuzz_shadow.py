@@ -1,10 +1,13 @@
 """The fuzzer's shadow of a pagedkvd: every sequence of every session, built only from answers.
 
 A successful call is applied here and its answer checked against what the pool's invariants
-allow (docs/ARCHITECTURE.md): a sequence of n tokens holds ceil(n / B) blocks, a full block is
-never replaced, a slot is `block * B + offset` of its position, a written block is referenced by
-no other table, a fork shares its parent's table, copies are reported for exactly the blocks
-that changed, and blocks are shared across sessions only under one non-empty cache salt.
+allow (docs/ARCHITECTURE.md): a sequence of n tokens holds ceil(n / B) blocks, or more once a
+Step reserved slots ahead (StepRequest.reserve_tokens: its table then covers n + reserve slots,
+never shrinks, and its reserved entries never change: appends into them take no block), a full
+block is never replaced, a slot is `block * B + offset` of its position, a written or reserved
+block is referenced by no other table, a fork shares its parent's blocks that hold tokens (never
+the reserved ones), copies are reported for exactly the blocks that changed, and blocks are
+shared across sessions only under one non-empty cache salt.
 `Shadow.verify` then compares the daemon's own tables and figures with the shadow.
 """
 
@@ -30,7 +33,8 @@ class SeqShadow:
     num_tokens: int
     # Its token ids, or None once tokens were added without ids.
     token_ids: list[int] | None
-    # Block table: logical block i -> physical block block_ids[i].
+    # Block table: logical block i -> physical block block_ids[i]; entries past the last
+    # token's block are reserved (a Step's reserve_tokens).
     block_ids: list[int]
 
 
@@ -151,6 +155,8 @@ class Shadow:
                                          answer.changed_block_id, strict=True):
             table = tables[index]
             self.expect(logical <= len(table), f"step: changed entry {logical} past the table")
+            self.expect(logical == len(table) or table[logical] != block,
+                        f"step: entry {logical} answered as changed, still block {block}")
             if logical == len(table):
                 table.append(block)
             else:
@@ -160,7 +166,7 @@ class Shadow:
             assert seq is not None
             where = f"step seq {seq_ids[i]}"
             mine = [pb.BlockCopy(src=s, dst=d) for s, d in copies if d in table]
-            self.grow(seq, k, table, mine, where, check_private=False)
+            self.grow(seq, k, table, mine, where, request.reserve_tokens, check_private=False)
             self.expect(answer.num_tokens[i] == seq.num_tokens, f"{where}: num_tokens")
             self.expect(list(answer.slot_mapping[i * k:(i + 1) * k]) == slots(
                 seq.block_ids, seq.num_tokens - k, seq.num_tokens, b), f"{where}: slots")
@@ -176,12 +182,12 @@ class Shadow:
         self.expect(parent is not None and request.child_seq_id not in session.seqs,
                     f"{where}: succeeded with an unknown parent or a taken child id")
         assert parent is not None
-        self.expect(list(answer.block_ids) == parent.block_ids
+        shared = parent.block_ids[:ceil_div(parent.num_tokens, self.block_size)]
+        self.expect(list(answer.block_ids) == shared
                     and answer.num_tokens == parent.num_tokens and not answer.slot_mapping,
-                    f"{where}: the child's table is not the parent's")
+                    f"{where}: the child's table is not the parent's blocks holding tokens")
         ids = None if parent.token_ids is None else list(parent.token_ids)
-        session.seqs[request.child_seq_id] = SeqShadow(parent.num_tokens, ids,
-                                                       list(parent.block_ids))
+        session.seqs[request.child_seq_id] = SeqShadow(parent.num_tokens, ids, shared)
 
     def apply_copy_on_write(self, session: SessionShadow, request: pb.CopyOnWriteRequest,
                             answer: pb.SequenceBlocks) -> None:
@@ -215,13 +221,19 @@ class Shadow:
     # ------------------------------------------------------------- helpers
 
     def grow(self, seq: SeqShadow, k: int, table: list[int], copies: Sequence[pb.BlockCopy],
-             where: str, *, check_private: bool = True) -> None:
-        """Check and apply `k` tokens added to `seq`, whose table is now `table`."""
-        b, old = self.block_size, seq.num_tokens
+             where: str, reserve: int = 0, *, check_private: bool = True) -> None:
+        """Check and apply `k` tokens added to `seq`, whose table is now `table`, reserving
+        `reserve` slots past them (a Step's reserve_tokens)."""
+        b, old, held = self.block_size, seq.num_tokens, len(seq.block_ids)
         n = old + k
-        self.expect(len(table) == ceil_div(n, b), f"{where}: {len(table)} blocks for {n} tokens")
+        self.expect(len(table) == max(held, ceil_div(n + reserve, b)),
+                    f"{where}: {len(table)} blocks for {n} tokens, {reserve} reserved, "
+                    f"{held} held")
         self.expect(table[:old // b] == seq.block_ids[:old // b],
                     f"{where}: a full block was replaced")
+        tail = ceil_div(old, b)  # past the last token's block: reserved entries
+        self.expect(table[tail:held] == seq.block_ids[tail:],
+                    f"{where}: reserved entries {seq.block_ids[tail:]} became {table[tail:held]}")
         expected = [(seq.block_ids[i], table[i]) for i in range(old // b, len(seq.block_ids))
                     if table[i] != seq.block_ids[i]]
         self.expect(sorted((c.src, c.dst) for c in copies) == sorted(expected),
@@ -257,8 +269,8 @@ class Shadow:
 
     def verify(self, stub: kvpool_pb2_grpc.KVPoolStub, pool: Callable[[], pb.PoolStats],
                timeout: float) -> None:
-        """The daemon's tables, token counts and figures equal the shadow's (the fuzzer must be
-        the daemon's only client)."""
+        """The daemon's tables, token counts and figures equal the shadow's, and every reserved
+        block is one table's alone (the fuzzer must be the daemon's only client)."""
         for session in self.sessions:
             seq_ids = list(session.seqs)
             if seq_ids:
@@ -280,8 +292,13 @@ class Shadow:
                         f"session stats {mine} vs shadow ({len(seq_ids)}, {entries}, {held})")
             self.check_shared_within_salt(session, [b for seq in session.seqs.values()
                                                     for b in seq.block_ids])
+        counts = self.refcounts()
+        reserved = [block for session in self.sessions for seq in session.seqs.values()
+                    for block in seq.block_ids[ceil_div(seq.num_tokens, self.block_size):]]
+        self.expect(all(counts[block] == 1 for block in reserved),
+                    f"reserved blocks shared: {[b for b in reserved if counts[b] != 1]}")
         stats = pool()
-        used = len(self.refcounts())
+        used = len(counts)
         self.expect(stats.used_blocks == used and stats.num_sequences == self.num_sequences(),
                     f"pool has {stats.used_blocks} used blocks and {stats.num_sequences} "
                     f"sequences, shadow {used} and {self.num_sequences()}")

@@ -60,6 +60,11 @@ def test_fuzzer_finds_no_internal_error_no_state_change_on_failure_and_no_leak(
     # StepMany entries, each judged alone: some applied, some refused.
     entries = {code for (label, code) in report.outcomes if label.endswith("_entry")}
     assert "OK" in entries and entries - {"OK"}, entries
+    # Steps reserved slots ahead; reservations past the cap and commits into them were refused.
+    outcomes = report.outcomes
+    assert outcomes["step_reserve", "OK"] > 0, outcomes
+    assert outcomes["step_reserve_past_cap", "INVALID_ARGUMENT"] > 0, outcomes
+    assert outcomes["commit_reserved", "INVALID_ARGUMENT"] > 0, outcomes
 
 
 def test_load_with_killed_clients_expires_no_healthy_session_and_leaks_nothing(
