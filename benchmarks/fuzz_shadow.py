@@ -68,6 +68,10 @@ class Shadow:
         # Coverage: allocations that found cached blocks, and copy-on-write copies answered.
         self.cache_hits = 0
         self.copies = 0
+        # Per cache namespace (a non-empty salt, else the session id): the hash of every prefix
+        # of whole blocks some sequence held with known ids; a cache hit must be one of them (a
+        # block is keyed only by tokens given: never by reserved slots).
+        self.prefixes: dict[bytes, set[int]] = {}
 
     # ------------------------------------------------------------------ queries
 
@@ -121,9 +125,12 @@ class Shadow:
         cached = answer.num_cached_tokens
         self.expect(cached % b == 0 and cached <= n and (cached == 0 or bool(request.token_ids)),
                     f"{where}: {cached} cached tokens")
+        self.expect(cached == 0 or hash(tuple(request.token_ids[:cached])) in self.held(session),
+                    f"{where}: {cached} cached tokens no sequence held")
         self.expect(list(answer.slot_mapping) == slots(table, 0, n, b), f"{where}: slots")
         ids = list(request.token_ids) if request.token_ids or n == 0 else None
         session.seqs[request.seq_id] = SeqShadow(n, ids, table)
+        self.remember(session, ids or [], 0)
         self.cache_hits += cached > 0
         self.check_shared_within_salt(session, table)
         self.check_private(table[cached // b:], where)
@@ -140,7 +147,7 @@ class Shadow:
         self.expect(list(answer.slot_mapping) == slots(
             seq.block_ids, seq.num_tokens - k, seq.num_tokens, self.block_size),
             f"append {request.seq_id}: slots")
-        self.extend_ids(seq, list(request.token_ids), k)
+        self.extend_ids(session, seq, list(request.token_ids), k)
 
     def apply_step(self, session: SessionShadow, request: pb.StepRequest,
                    answer: pb.StepResponse) -> None:
@@ -170,7 +177,7 @@ class Shadow:
             self.expect(answer.num_tokens[i] == seq.num_tokens, f"{where}: num_tokens")
             self.expect(list(answer.slot_mapping[i * k:(i + 1) * k]) == slots(
                 seq.block_ids, seq.num_tokens - k, seq.num_tokens, b), f"{where}: slots")
-            self.extend_ids(seq, list(request.token_ids[i * k:(i + 1) * k]), k)
+            self.extend_ids(session, seq, list(request.token_ids[i * k:(i + 1) * k]), k)
         for seq in seqs:  # checked once every table is updated: siblings may share blocks
             assert seq is not None
             self.check_private(seq.block_ids[(seq.num_tokens - k) // b:], "step")
@@ -243,11 +250,24 @@ class Shadow:
         if check_private:
             self.check_private(table[old // b:], where)
 
-    def extend_ids(self, seq: SeqShadow, token_ids: list[int], k: int) -> None:
+    def extend_ids(self, session: SessionShadow, seq: SeqShadow, token_ids: list[int],
+                   k: int) -> None:
         if seq.token_ids is not None and len(token_ids) == k:
             seq.token_ids.extend(token_ids)
+            self.remember(session, seq.token_ids, len(seq.token_ids) - k)
         else:
             seq.token_ids = None
+
+    def held(self, session: SessionShadow) -> set[int]:
+        """Hashes of the whole-block prefixes held with known ids in the session's cache
+        namespace."""
+        return self.prefixes.setdefault(session.salt or session.session_id.encode(), set())
+
+    def remember(self, session: SessionShadow, token_ids: list[int], old: int) -> None:
+        """Record the whole-block prefixes of `token_ids` that end past its first `old`."""
+        b, known = self.block_size, self.held(session)
+        known.update(hash(tuple(token_ids[:j * b]))
+                     for j in range(old // b + 1, len(token_ids) // b + 1))
 
     def check_private(self, blocks: Sequence[int], where: str) -> None:
         """Blocks just written (or made private) are referenced by one table entry only."""
