@@ -4,9 +4,9 @@ Each `Plan` says what it sends (a request, or raw bytes through a generic method
 to snapshot around it, and what must happen: a valid call succeeds or finds no room
 (RESOURCE_EXHAUSTED); an invalid one (unknown or other sessions' ids, duplicate ids, counts that
 do not match, out-of-range blocks, huge counts, slots reserved past max_reserve_tokens, commits
-reaching into reserved slots) must fail; anything else (odd but maybe legal
-values, malformed bytes) may go either way, but never with INTERNAL or UNKNOWN, and never by
-changing state when it fails.
+reaching into reserved slots, copies of reserved entries) must fail; anything else (odd but
+maybe legal values, malformed bytes) may go either way, but never with INTERNAL or UNKNOWN, and
+never by changing state when it fails.
 """
 
 import random
@@ -325,6 +325,14 @@ class CallMaker:
             n, reach = seqs[mine].num_tokens, len(seqs[mine].block_ids) * b
             choices.append(("commit_reserved", pb.BatchOp(commit=pb.CommitRequest(
                 seq_ids=[mine], num_tokens=[self.rng.randint(n + 1, reach)]))))
+        reserving = [s for s, seq in seqs.items()
+                     if len(seq.block_ids) > ceil_div(seq.num_tokens, b)]
+        if reserving:  # nor is a reserved entry copied: it holds no token
+            mine = self.rng.choice(reserving)
+            logical = self.rng.randrange(ceil_div(seqs[mine].num_tokens, b),
+                                         len(seqs[mine].block_ids))
+            choices.append(("cow_reserved", pb.BatchOp(copy_on_write=pb.CopyOnWriteRequest(
+                seq_id=mine, logical_block=logical))))
         return self.rng.choice(choices)
 
     def invalid_single(self, session: SessionShadow) -> Plan:

@@ -207,6 +207,8 @@ class Shadow:
         changed = [i for i, (a, c) in enumerate(zip(old, table, strict=False)) if a != c]
         self.expect(len(table) == len(old) and changed in ([], [request.logical_block]),
                     f"{where}: table {old} became {table}")
+        private = self.refcounts()[old[request.logical_block]] == 1
+        self.expect(not (private and changed), f"{where}: copied a private block")
         self.expect(answer.num_tokens == seq.num_tokens, f"{where}: num_tokens changed")
         expected = [(old[i], table[i]) for i in changed]
         self.expect([(c.src, c.dst) for c in answer.copies] == expected,

@@ -65,6 +65,7 @@ def test_fuzzer_finds_no_internal_error_no_state_change_on_failure_and_no_leak(
     assert outcomes["step_reserve", "OK"] > 0, outcomes
     assert outcomes["step_reserve_past_cap", "INVALID_ARGUMENT"] > 0, outcomes
     assert outcomes["commit_reserved", "INVALID_ARGUMENT"] > 0, outcomes
+    assert outcomes["cow_reserved", "INVALID_ARGUMENT"] > 0, outcomes
 
 
 def test_load_with_killed_clients_expires_no_healthy_session_and_leaks_nothing(
