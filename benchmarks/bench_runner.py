@@ -6,10 +6,11 @@ Workload: NUM_PROMPTS random prompts of MIN_PROMPT..MAX_PROMPT tokens (seeded), 
 greedy tokens each (no EOS: every sequence generates exactly NEW_TOKENS).
 
 Contestants, each measured --rounds times, interleaved (one of each per round); medians printed,
-ratios are of medians. Process start-up and model loading are never timed, nor are the first
-generations: transformers' reference runs of CHECK_PROMPTS, and one run of the "runner" contestant
-before the rounds for the runner process (its first prefill took 150-160 ms here, later ones
-55-60 ms).
+ratios are of medians. Process start-up and model loading are never timed, and each timed run
+follows an untimed run of the same contestant, so each is measured warm, not after its process
+idled while the others ran (the runner's first prefill took 150-170 ms, later ones 55-70 ms; a
+runner run right after transformers' contestants was 10-25% slower than one right after another
+runner run).
 - hf_generate: `model.generate` (sdpa), batches of HF_BATCH, left padding (pad id 0 and an
   attention mask), in this process. Timed: the generate calls (padding included).
 - hf_generate_batch (default / sized): transformers' paged continuous batching, in this process,
@@ -77,6 +78,7 @@ Usage: python benchmarks/bench_runner.py [--rounds 3] [--threads 1]
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import itertools
 import json
@@ -92,9 +94,11 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import astuple, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedkv.process.launch import READY_STATE, free_tcp_port, start_daemon, start_runner
+
+T = TypeVar("T")
 
 NUM_PROMPTS = 32
 MIN_PROMPT, MAX_PROMPT = 20, 120
@@ -463,6 +467,12 @@ def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def warmed(run: Callable[[], T]) -> T:
+    """The second of two calls of `run`: the first, not timed, warms its process up."""
+    run()
+    return run()
+
+
 CONTESTANTS = ("hf_generate", "hf_generate_batch_default", "hf_generate_batch_sized", "runner",
                "runner_no_ahead", "runner_1client_8prompts", "runner_4clients")
 
@@ -501,17 +511,15 @@ def measure(rounds: int, threads: int) -> int:
             stack.callback(contestant.close)
         folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="pkv-runner-bench-"))
         pagedkv = stack.enter_context(pagedkv_processes(Path(folder), threads))
-        # Not timed: the runner's first forwards, as the reference runs above were
-        # transformers' (the runner's first prefill took 2-3x as long as later ones).
-        run_clients(pagedkv, [range(0, NUM_PROMPTS)], "ahead")
         for round_index in range(rounds):
             runs: dict[str, Run] = {}
             extra: dict[str, float] = {}
-            runs["hf_generate"] = hf_generate(model, prompts, HF_BATCH)
+            runs["hf_generate"] = warmed(functools.partial(hf_generate, model, prompts, HF_BATCH))
             for name, contestant in batching.items():
-                runs[name] = contestant.run(prompts)
+                runs[name] = warmed(functools.partial(contestant.run, prompts))
             for name, (group, mode) in groups.items():
-                runs[name], forwards, _ = run_clients(pagedkv, group, mode)
+                runs[name], forwards, _ = warmed(functools.partial(run_clients, pagedkv, group,
+                                                                   mode))
                 extra[f"{name}_forward_ms"] = 1000 * forwards.seconds / forwards.count
                 extra[f"{name}_seqs_per_forward"] = forwards.sequences / forwards.count
                 extra[f"{name}_steps_per_daemon_call"] = (forwards.daemon_steps
