@@ -507,7 +507,8 @@ class ForkRequest(_message.Message):
     session_id: _builtins.str
     parent_seq_id: _builtins.int
     child_seq_id: _builtins.int
-    """A new seq id; the child shares every block of the parent (pagedkvd --allocator contiguous:
+    """A new seq id; the child shares every block of the parent that holds its tokens (not its
+    reserved slots: StepRequest.reserve_tokens) (pagedkvd --allocator contiguous:
     gets a reservation of its own holding a copy of them, reported as the answer's copies).
     """
     def __init__(
@@ -535,7 +536,9 @@ class CopyOnWriteRequest(_message.Message):
     session_id: _builtins.str
     seq_id: _builtins.int
     logical_block: _builtins.int
-    """Index into the sequence's block table."""
+    """Index into the sequence's block table, among the blocks holding its tokens (a reserved
+    entry is already private: INVALID_ARGUMENT, nothing changed).
+    """
     def __init__(
         self,
         *,
