@@ -47,6 +47,8 @@ INT32_MAX, UINT32_MAX, UINT64_MAX = (1 << 31) - 1, (1 << 32) - 1, (1 << 64) - 1
 VOCAB = 32_000
 # The daemon's cap on a Step's reserve_tokens (the fuzzed daemon runs with the defaults).
 MAX_RESERVE = Limits().max_reserve_tokens
+# The daemon's cap on a StepMany's entries.
+MAX_STEPS = Limits().max_steps_per_call
 
 
 class Expect(Enum):
@@ -72,6 +74,8 @@ class Plan:
     ops: list[pb.BatchOp] = field(default_factory=list)
     # StepMany: the Step plan of each entry (each is judged, and applied, on its own).
     entries: list["Plan"] = field(default_factory=list)
+    # StepMany: sent as a message on the fuzz client's StepStream instead of a unary call.
+    stream: bool = False
 
     @property
     def mutating(self) -> bool:
@@ -241,6 +245,15 @@ class CallMaker:
         return Plan("step_reserve" if reserve else "step", "Step", request, session, Expect.OK)
 
     def step_many(self, session: SessionShadow) -> Plan:
+        """Mixed entries, or rarely too many (refused as a whole); half of them as messages on
+        the StepStream, which must fare as the unary call."""
+        r = self.rng.random()
+        plan = self.step_many_past_cap(session) if r < 0.15 else self.step_many_mixed()
+        if self.rng.random() < 0.5:
+            plan.label, plan.stream = f"{plan.label}_streamed", True
+        return plan
+
+    def step_many_mixed(self) -> Plan:
         """1-4 Steps of random sessions (the same one maybe twice), valid and invalid ones and
         junk-session ones mixed: each entry must fare as that Step alone would."""
         entries = []
@@ -258,6 +271,14 @@ class CallMaker:
         assert len(steps) == len(entries)
         return Plan("step_many", "StepMany", pb.StepManyRequest(steps=steps), None, Expect.OK,
                     entries=entries)
+
+    def step_many_past_cap(self, session: SessionShadow) -> Plan:
+        """One Step of the caller's past max_steps_per_call: refused as a whole, no entry
+        applied (the caller's tables are snapshotted around it)."""
+        step = pb.StepRequest(session_id=session.session_id, seq_ids=list(session.seqs)[:1] or [1],
+                              token_ids=[1])
+        return Plan("step_many_past_cap", "StepMany",
+                    pb.StepManyRequest(steps=[step] * (MAX_STEPS + 1)), session, Expect.FAIL)
 
     # --------------------------------------------------------- invalid ops
 

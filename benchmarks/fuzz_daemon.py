@@ -2,7 +2,9 @@
 
 Six sessions (two pairs sharing a cache salt, one with a block quota) get seeded random calls
 (`fuzz_calls`): valid ops, single and batched; Steps, some reserving slots ahead; ops that must
-fail; edge values; junk session ids; malformed bytes through a generic method. Around every
+fail; edge values; junk session ids; malformed bytes through a generic method. Half the StepMany
+calls go as messages on one KVPool.StepStream (`fuzz_stream`), kept open, and are judged as the
+unary calls are (a message refused as a whole by the status in its answer). Around every
 mutating call the caller's tables and the pool's figures are read: a call that fails must leave
 both unchanged; one that succeeds is applied to the shadow (`fuzz_shadow`), which checks its
 answer. Every `check_every` calls the daemon's tables and figures must equal the shadow's. At
@@ -32,6 +34,7 @@ import grpc
 from daemon_process import running_pagedkvd
 from fuzz_calls import OP_RPCS, RESPONSES, CallMaker, Expect, Plan
 from fuzz_shadow import SessionShadow, Shadow, Violation, rpc_code
+from fuzz_stream import Refused, StepStreamClient
 from pool_metrics import pool_figures
 
 from pagedkv.client.pool.errors import STATUS_BY_NUMBER
@@ -92,6 +95,8 @@ class FuzzReport:
     # Used blocks and sequences left once every session is closed (-1: not measured).
     leaked_blocks: int = -1
     leftover_sequences: int = -1
+    # StepStreams opened (1 + reopenings after a break; 0: no message streamed).
+    streams_opened: int = 0
 
     def figures(self) -> list[str]:
         return [f"fuzz_calls: {self.calls} calls",
@@ -105,6 +110,7 @@ class FuzzReport:
                 f"fuzz_expiries: {self.expiries} sessions",
                 f"fuzz_cache_hits: {self.cache_hits} allocations",
                 f"fuzz_copies: {self.copies} copies",
+                f"fuzz_streams_opened: {self.streams_opened} streams",
                 f"fuzz_leaked_blocks: {self.leaked_blocks} blocks"]
 
     def findings(self) -> list[str]:
@@ -131,6 +137,7 @@ class Fuzzer:
         self.channel = channel
         self.config = config
         self.stub = kvpool_pb2_grpc.KVPoolStub(channel)
+        self.steps = StepStreamClient(channel, config.timeout_s)
         info = self.stub.GetPoolInfo(pb.GetPoolInfoRequest(), timeout=config.timeout_s)
         self.shadow = Shadow(info.block_size)
         self.closed_ids: list[str] = []
@@ -162,6 +169,8 @@ class Fuzzer:
         finally:
             report.seconds = time.monotonic() - start
             report.cache_hits, report.copies = self.shadow.cache_hits, self.shadow.copies
+            report.streams_opened = self.steps.opened
+            self.steps.close()
         self.close_all()
         return report
 
@@ -175,7 +184,7 @@ class Fuzzer:
         try:
             answer = self.invoke(plan)
         except grpc.RpcError as error:
-            code = rpc_code(error)
+            code = error.code() if isinstance(error, Refused) else rpc_code(error)
             report.codes[code.name] += 1
             report.outcomes[plan.label, code.name] += 1
             self.judge_failure(plan, code, error)
@@ -192,7 +201,11 @@ class Fuzzer:
         self.apply(plan, answer, before)
 
     def invoke(self, plan: Plan) -> bytes:
-        """Send the plan's bytes through the generic method: no serializer on either side."""
+        """Send the plan's bytes through the generic method (no serializer on either side), or
+        its StepMany as a StepStream message."""
+        if plan.stream:
+            assert isinstance(plan.request, pb.StepManyRequest)
+            return self.steps.send(plan.request)
         method = self.channel.unary_unary(f"/pagedkv.v1.KVPool/{plan.rpc}",
                                           request_serializer=None, response_deserializer=None)
         answer: bytes = method(plan.payload(), timeout=self.config.timeout_s)
@@ -200,7 +213,7 @@ class Fuzzer:
 
     def judge_failure(self, plan: Plan, code: grpc.StatusCode, error: grpc.RpcError) -> None:
         report = self.report
-        details = error.details() if isinstance(error, grpc.Call) else str(error)
+        details = error.details() if isinstance(error, grpc.Call | Refused) else str(error)
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
             raise Violation(f"no answer within {self.config.timeout_s} s: {describe(plan)}")
         if code is grpc.StatusCode.UNKNOWN and plan.malformed:

@@ -60,6 +60,12 @@ def test_fuzzer_finds_no_internal_error_no_state_change_on_failure_and_no_leak(
     # StepMany entries, each judged alone: some applied, some refused.
     entries = {code for (label, code) in report.outcomes if label.endswith("_entry")}
     assert "OK" in entries and entries - {"OK"}, entries
+    # StepMany calls as messages on one StepStream, kept open: some answered, some refused as a
+    # whole (past max_steps_per_call) with the unary call's code, the stream going on.
+    assert report.streams_opened == 1, report.streams_opened
+    assert report.outcomes["step_many_streamed", "OK"] > 0, report.outcomes
+    assert report.outcomes["step_many_past_cap_streamed", "INVALID_ARGUMENT"] > 0
+    assert report.outcomes["step_many_past_cap", "INVALID_ARGUMENT"] > 0
     # Steps reserved slots ahead; reservations past the cap and commits into them were refused.
     outcomes = report.outcomes
     assert outcomes["step_reserve", "OK"] > 0, outcomes
