@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from test_engine_families import BLOCK_SIZE, NUM_BLOCKS, expected_tokens
 
 from pagedkv.client import History, PoolClient, SamplingParams, SeqStep, Session, SessionExpired
+from pagedkv.model_runner.engine import holds
 from pagedkv.model_runner.engine.forward_loop import Prepared
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.sequences import SeqState
@@ -107,6 +108,64 @@ async def test_sequences_at_different_offsets_share_one_call_per_reservation(
     # First call: every table covers n + 1 + 32 slots, 3 blocks past the prompt's; the
     # shortest reservation (n = 14: 48 slots, 33 tokens decoded into it) ends first.
     assert daemon_calls(registry) == (2.0, 2.0)
+
+
+async def lockstep(engine: StepEngine, sessions: Sequence[Session],
+                   prompts: Sequence[Sequence[int]], n: int, passes_apart: int) -> None:
+    """Sequence 1 of each session (its prompt) decodes n tokens, the sessions stepping
+    together: each round, every session's step is sent, each `passes_apart` event-loop passes
+    after the one before (as steps arriving on several streams are), and the next round waits
+    for every answer (they share forwards)."""
+    async def send(index: int, requests: list[SeqStep], last: bool) -> int:
+        for _ in range(index * passes_apart):
+            await asyncio.sleep(0)
+        outcome = await engine.step(sessions[index].session_id, requests,
+                                    release=[1] if last else ())
+        return outcome[0].token_id
+    steps = [[new(1, prompt, greedy(n))] for prompt in prompts]
+    for round_ in range(n):
+        sampled = await asyncio.gather(*(send(i, requests, round_ == n - 1)
+                                         for i, requests in enumerate(steps)))
+        steps = [[SeqStep(1, (token,))] for token in sampled]
+
+
+@pytest.fixture
+def no_idle_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No hold ends between rounds however slow the machine (a session whose hold ended
+    calls at its next step, reservations.py): the daemon calls counted are the reservations'."""
+    monkeypatch.setattr(holds, "IDLE_END_S", 3600.0)
+
+
+async def test_sessions_at_different_offsets_join_one_call_per_reservation(
+    client: PoolClient, app: Session, salt: str, engine: StepEngine, no_idle_end: None,
+    registry: CollectorRegistry, prompts: list[tuple[int, ...]],
+) -> None:
+    """Two sessions, one sequence each at offsets 14 and 20 of their blocks, decode 50 tokens
+    stepping together, the second's steps arriving one event-loop pass after the first's.
+    Both call at the first decode step (the prefill reserved nothing): slots up to 48 and 64.
+    At decode step 35 the first runs out; the second, 10 slots short of its end (less than
+    LOW_BLOCKS blocks), joins its StepMany: 2 calls of 2 entries for 49 decode steps. Without
+    joining the second would call alone at step 45: 3 calls."""
+    base = (*prompts[2], *prompts[1])
+    async with await client.open_session("other", cache_salt=salt) as other:
+        await lockstep(engine, [app, other], [base[:14], base[:20]], 50, passes_apart=1)
+    assert daemon_calls(registry) == (2.0, 4.0)
+
+
+@pytest.mark.xfail(strict=True, reason="BlockSteps.decode queues its Step in a task "
+                   "(asyncio.gather), one event-loop pass after deciding: a session stepped in "
+                   "the same pass sees no call being gathered (DaemonSteps.gathering) and calls "
+                   "alone later")
+async def test_sessions_stepped_in_the_same_pass_join_one_call_per_reservation(
+    client: PoolClient, app: Session, salt: str, engine: StepEngine, no_idle_end: None,
+    registry: CollectorRegistry, prompts: list[tuple[int, ...]],
+) -> None:
+    """As above, both sessions' steps sent in the same event-loop pass (as the runner's own
+    decode-ahead steps of one forward's sessions are): the same 2 calls of 2 entries."""
+    base = (*prompts[2], *prompts[1])
+    async with await client.open_session("other", cache_salt=salt) as other:
+        await lockstep(engine, [app, other], [base[:14], base[:20]], 50, passes_apart=0)
+    assert daemon_calls(registry) == (2.0, 4.0)
 
 
 async def test_an_early_stop_commits_what_was_computed_never_the_token_decoded_past_it(
