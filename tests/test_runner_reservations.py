@@ -152,10 +152,6 @@ async def test_sessions_at_different_offsets_join_one_call_per_reservation(
     assert daemon_calls(registry) == (2.0, 4.0)
 
 
-@pytest.mark.xfail(strict=True, reason="BlockSteps.decode queues its Step in a task "
-                   "(asyncio.gather), one event-loop pass after deciding: a session stepped in "
-                   "the same pass sees no call being gathered (DaemonSteps.gathering) and calls "
-                   "alone later")
 async def test_sessions_stepped_in_the_same_pass_join_one_call_per_reservation(
     client: PoolClient, app: Session, salt: str, engine: StepEngine, no_idle_end: None,
     registry: CollectorRegistry, prompts: list[tuple[int, ...]],

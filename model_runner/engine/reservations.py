@@ -32,7 +32,7 @@ answer the runner checks its view against, before it writes anything.
 
 import asyncio
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from pagedkv.client import InvalidArgument, PoolExhausted, SeqStep, Step, StepResult
 from pagedkv.model_runner.engine.daemon_steps import DaemonSteps
@@ -86,10 +86,13 @@ class BlockSteps:
         groups: dict[int, list[int]] = {}  # tokens to append -> indexes of its sequences
         for index, state in enumerate(states):
             groups.setdefault(len(state.uncertified) + 1, []).append(index)
-        outcomes = await asyncio.gather(
-            *(self._certify(known, [states[i] for i in group], [requests[i].seq_id for i in group],
-                            [tokens[i] for i in group], commit)
-              for group in groups.values()), return_exceptions=True)
+        calls = [self._certify(known, [states[i] for i in group],
+                               [requests[i].seq_id for i in group], [tokens[i] for i in group],
+                               commit) for group in groups.values()]
+        # One group (the usual case) is awaited at once: its Step is queued in this event-loop
+        # pass, so a session stepped in the same pass sees the burst gathering and joins it.
+        outcomes: list[object] = ([await _outcome(calls[0])] if len(calls) == 1 else
+                                  await asyncio.gather(*calls, return_exceptions=True))
         failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
         if failed:
             for group, outcome in zip(groups.values(), outcomes, strict=True):
@@ -165,6 +168,15 @@ class BlockSteps:
             return None
         known.held_at = sent
         return reply
+
+
+async def _outcome(call: Awaitable[None]) -> Exception | None:
+    """`call`'s exception, or None, as asyncio.gather(return_exceptions=True) gives it."""
+    try:
+        await call
+    except Exception as exc:
+        return exc
+    return None
 
 
 def kept(written: Sequence[int], answered: Sequence[int], copies: Iterable[tuple[int, int]],
