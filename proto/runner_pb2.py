@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedkv/proto/runner.proto\x12\npagedkv.v1\"S\n\x13RunnerStreamRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x04step\x18\x02 \x01(\x0b\x32\x1d.pagedkv.v1.RunnerStepRequest\"\x85\x01\n\x14RunnerStreamResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\r\n\x05\x63\x61use\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12.\n\x06\x61nswer\x18\x05 \x01(\x0b\x32\x1e.pagedkv.v1.RunnerStepResponse\"\x16\n\x14GetRunnerInfoRequest\"\xfb\x01\n\nRunnerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\x0f\n\x07pool_id\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x11\n\trunner_id\x18\x0c \x01(\t\"\xcc\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x10\n\x08logprobs\x18\x08 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x12\n\nmax_tokens\x18\n \x01(\r\"\x9b\x02\n\x0cSequenceStep\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x14\n\x0cnew_sequence\x18\x02 \x01(\x08\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x1a\n\x12max_compute_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pagedkv.v1.SamplingParams\x12\x12\n\nhas_parent\x18\x06 \x01(\x08\x12\x15\n\rparent_seq_id\x18\x07 \x01(\x04\x12,\n\x07history\x18\x08 \x01(\x0b\x32\x1b.pagedkv.v1.SequenceHistory\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_ahead\x18\n \x01(\x08\"N\n\x0fSequenceHistory\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\nprompt_len\x18\x02 \x01(\r\x12\x14\n\x0cnum_computed\x18\x03 \x01(\r\"h\n\x11RunnerStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x04seqs\x18\x02 \x03(\x0b\x32\x18.pagedkv.v1.SequenceStep\x12\x17\n\x0frelease_seq_ids\x18\x03 \x03(\x04\"\xdf\x01\n\x0eSequenceOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x0f\n\x07sampled\x18\x05 \x01(\x08\x12\x10\n\x08token_id\x18\x06 \x01(\x03\x12\x0f\n\x07logprob\x18\x07 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x08 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\t \x03(\x02\x12\x10\n\x08\x66inished\x18\n \x01(\x08\"V\n\x12RunnerStepResponse\x12+\n\x07outputs\x18\x01 \x03(\x0b\x32\x1a.pagedkv.v1.SequenceOutput\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r2\xef\x01\n\x06Runner\x12I\n\rGetRunnerInfo\x12 .pagedkv.v1.GetRunnerInfoRequest\x1a\x16.pagedkv.v1.RunnerInfo\x12\x45\n\x04Step\x12\x1d.pagedkv.v1.RunnerStepRequest\x1a\x1e.pagedkv.v1.RunnerStepResponse\x12S\n\nStepStream\x12\x1f.pagedkv.v1.RunnerStreamRequest\x1a .pagedkv.v1.RunnerStreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedkv/proto/runner.proto\x12\npagedkv.v1\"x\n\x13RunnerStreamRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x04step\x18\x02 \x01(\x0b\x32\x1d.pagedkv.v1.RunnerStepRequest\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12\x13\n\x0bpushes_read\x18\x04 \x01(\x04\"\x93\x01\n\x14RunnerStreamResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\r\n\x05\x63\x61use\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12.\n\x06\x61nswer\x18\x05 \x01(\x0b\x32\x1e.pagedkv.v1.RunnerStepResponse\x12\x0c\n\x04push\x18\x06 \x01(\x04\"\x16\n\x14GetRunnerInfoRequest\"\xfb\x01\n\nRunnerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x15\n\reos_token_ids\x18\x07 \x03(\x03\x12\x0f\n\x07pool_id\x18\x08 \x01(\t\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x19\n\x11\x61ttention_backend\x18\n \x01(\t\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x11\n\trunner_id\x18\x0c \x01(\t\"\xcc\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x10\n\x08logprobs\x18\x08 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x12\n\nmax_tokens\x18\n \x01(\r\"\x9b\x02\n\x0cSequenceStep\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x14\n\x0cnew_sequence\x18\x02 \x01(\x08\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x1a\n\x12max_compute_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pagedkv.v1.SamplingParams\x12\x12\n\nhas_parent\x18\x06 \x01(\x08\x12\x15\n\rparent_seq_id\x18\x07 \x01(\x04\x12,\n\x07history\x18\x08 \x01(\x0b\x32\x1b.pagedkv.v1.SequenceHistory\x12\x19\n\x11num_prompt_tokens\x18\t \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_ahead\x18\n \x01(\x08\"N\n\x0fSequenceHistory\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x12\n\nprompt_len\x18\x02 \x01(\r\x12\x14\n\x0cnum_computed\x18\x03 \x01(\r\"h\n\x11RunnerStepRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x04seqs\x18\x02 \x03(\x0b\x32\x18.pagedkv.v1.SequenceStep\x12\x17\n\x0frelease_seq_ids\x18\x03 \x03(\x04\"\xdf\x01\n\x0eSequenceOutput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\nnum_tokens\x18\x02 \x01(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x0f\n\x07sampled\x18\x05 \x01(\x08\x12\x10\n\x08token_id\x18\x06 \x01(\x03\x12\x0f\n\x07logprob\x18\x07 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x08 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\t \x03(\x02\x12\x10\n\x08\x66inished\x18\n \x01(\x08\"V\n\x12RunnerStepResponse\x12+\n\x07outputs\x18\x01 \x03(\x0b\x32\x1a.pagedkv.v1.SequenceOutput\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\r2\xef\x01\n\x06Runner\x12I\n\rGetRunnerInfo\x12 .pagedkv.v1.GetRunnerInfoRequest\x1a\x16.pagedkv.v1.RunnerInfo\x12\x45\n\x04Step\x12\x1d.pagedkv.v1.RunnerStepRequest\x1a\x1e.pagedkv.v1.RunnerStepResponse\x12S\n\nStepStream\x12\x1f.pagedkv.v1.RunnerStreamRequest\x1a .pagedkv.v1.RunnerStreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,25 +32,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedkv.proto.runner_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RUNNERSTREAMREQUEST']._serialized_start=42
-  _globals['_RUNNERSTREAMREQUEST']._serialized_end=125
-  _globals['_RUNNERSTREAMRESPONSE']._serialized_start=128
-  _globals['_RUNNERSTREAMRESPONSE']._serialized_end=261
-  _globals['_GETRUNNERINFOREQUEST']._serialized_start=263
-  _globals['_GETRUNNERINFOREQUEST']._serialized_end=285
-  _globals['_RUNNERINFO']._serialized_start=288
-  _globals['_RUNNERINFO']._serialized_end=539
-  _globals['_SAMPLINGPARAMS']._serialized_start=542
-  _globals['_SAMPLINGPARAMS']._serialized_end=746
-  _globals['_SEQUENCESTEP']._serialized_start=749
-  _globals['_SEQUENCESTEP']._serialized_end=1032
-  _globals['_SEQUENCEHISTORY']._serialized_start=1034
-  _globals['_SEQUENCEHISTORY']._serialized_end=1112
-  _globals['_RUNNERSTEPREQUEST']._serialized_start=1114
-  _globals['_RUNNERSTEPREQUEST']._serialized_end=1218
-  _globals['_SEQUENCEOUTPUT']._serialized_start=1221
-  _globals['_SEQUENCEOUTPUT']._serialized_end=1444
-  _globals['_RUNNERSTEPRESPONSE']._serialized_start=1446
-  _globals['_RUNNERSTEPRESPONSE']._serialized_end=1532
-  _globals['_RUNNER']._serialized_start=1535
-  _globals['_RUNNER']._serialized_end=1774
+  _globals['_RUNNERSTREAMREQUEST']._serialized_end=162
+  _globals['_RUNNERSTREAMRESPONSE']._serialized_start=165
+  _globals['_RUNNERSTREAMRESPONSE']._serialized_end=312
+  _globals['_GETRUNNERINFOREQUEST']._serialized_start=314
+  _globals['_GETRUNNERINFOREQUEST']._serialized_end=336
+  _globals['_RUNNERINFO']._serialized_start=339
+  _globals['_RUNNERINFO']._serialized_end=590
+  _globals['_SAMPLINGPARAMS']._serialized_start=593
+  _globals['_SAMPLINGPARAMS']._serialized_end=797
+  _globals['_SEQUENCESTEP']._serialized_start=800
+  _globals['_SEQUENCESTEP']._serialized_end=1083
+  _globals['_SEQUENCEHISTORY']._serialized_start=1085
+  _globals['_SEQUENCEHISTORY']._serialized_end=1163
+  _globals['_RUNNERSTEPREQUEST']._serialized_start=1165
+  _globals['_RUNNERSTEPREQUEST']._serialized_end=1269
+  _globals['_SEQUENCEOUTPUT']._serialized_start=1272
+  _globals['_SEQUENCEOUTPUT']._serialized_end=1495
+  _globals['_RUNNERSTEPRESPONSE']._serialized_start=1497
+  _globals['_RUNNERSTEPRESPONSE']._serialized_end=1583
+  _globals['_RUNNER']._serialized_start=1586
+  _globals['_RUNNER']._serialized_end=1825
 # @@protoc_insertion_point(module_scope)

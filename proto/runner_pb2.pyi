@@ -98,8 +98,19 @@ class RunnerStreamRequest(_message.Message):
 
     STEP_ID_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
+    PUSHES_READ_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Chosen by the client, distinct among the stream's steps not yet answered."""
+    follow: _builtins.bool
+    """After answering this step, follow the session (see StepStream): step its decode_ahead
+    sequences by itself and push each answer, until the client's next message.
+    """
+    pushes_read: _builtins.int
+    """How many pushed answers of this stream the client had read when it planned this step.
+    A step naming sequences with fewer than the runner pushed is refused (ABORTED, cause
+    "StalePlan", nothing changed).
+    """
     @_builtins.property
     def step(self) -> Global___RunnerStepRequest:
         """Its session_id must be the stream's (its first message's), else INVALID_ARGUMENT for that
@@ -111,10 +122,12 @@ class RunnerStreamRequest(_message.Message):
         *,
         step_id: _builtins.int = ...,
         step: Global___RunnerStepRequest | None = ...,
+        follow: _builtins.bool = ...,
+        pushes_read: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["step", b"step", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow", b"follow", "pushes_read", b"pushes_read", "step", b"step", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -129,6 +142,7 @@ class RunnerStreamResponse(_message.Message):
     CAUSE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     ANSWER_FIELD_NUMBER: _builtins.int
+    PUSH_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     code: _builtins.int
     """0 (OK) with `answer` set, or the status a Step call with the same request would have got
@@ -139,6 +153,11 @@ class RunnerStreamResponse(_message.Message):
     wrong (at most 256 bytes); empty on OK.
     """
     message: _builtins.str
+    push: _builtins.int
+    """0 for the answer to a client's message; else a pushed answer (step_id 0), the runner's
+    implied step while it follows the session: its number on this stream (1, 2, ...). Its
+    outputs are in the implied step's order (the previous step's or push's, those that go on).
+    """
     @_builtins.property
     def answer(self) -> Global___RunnerStepResponse: ...
     def __init__(
@@ -149,10 +168,11 @@ class RunnerStreamResponse(_message.Message):
         cause: _builtins.str = ...,
         message: _builtins.str = ...,
         answer: Global___RunnerStepResponse | None = ...,
+        push: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "cause", b"cause", "code", b"code", "message", b"message", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answer", b"answer", "cause", b"cause", "code", b"code", "message", b"message", "push", b"push", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -125,6 +125,29 @@ class RunnerStub:
     breaks, treats every step not yet answered as a Step that ended without an answer (see the
     retry rules above: read back, compare runner_id), after cancelling the stream, and opens a
     new stream. External schedulers may keep using Step.
+
+    Following (RunnerStreamRequest.follow): the runner goes on stepping the session's decoding
+    sequences by itself and pushes each step's answer on the stream, so a client that changes
+    nothing sends nothing and the runner's forwards follow each other without waiting for it.
+    The step it takes is the one the client would send next (its "implied step"): every
+    sequence of the last step (or push) marked decode_ahead that sampled a token not finishing
+    it and was not released, that token as its token_ids, decode_ahead again, nothing released;
+    it is handled exactly as that Step call (the same checks, limits and retry rules) and its
+    answer (or status) pushed with `push` set. Stop token ids, max_tokens and max_model_len are
+    judged by the runner (SequenceOutput.finished): a finished sequence drops out of the next
+    implied step, its last token never appended, and the client releases it. Following ends
+    when no sequence is left, when a push carries a failure (its status says what changed, as
+    the implied Step's would), when the client's next message arrives (the implied step in
+    progress is finished and pushed first), when the stream ends, or when the runner drains
+    (it ends the stream once the push in progress is out). A client that reads a push holds
+    what it would hold had it sent the implied step and got that answer, and plans its next
+    step from there: a step that names sequences and was planned before a push the runner has
+    sent (pushes_read lower than the pushes on this stream) is refused ABORTED, cause
+    "StalePlan", nothing changed: read the pushes, plan again. A step naming no sequences (a
+    release, a preemption) is never stale. A stream that breaks while the runner follows may
+    have lost pushes whose tokens the runner (and the daemon) now hold: the client releases the
+    followed sequences (through a step; a restarted runner frees them in the daemon) and
+    computes their requests again from the tokens it read, as after a preemption.
     """
 
 @_typing.type_check_only
@@ -150,6 +173,29 @@ class RunnerAsyncStub(RunnerStub):
     breaks, treats every step not yet answered as a Step that ended without an answer (see the
     retry rules above: read back, compare runner_id), after cancelling the stream, and opens a
     new stream. External schedulers may keep using Step.
+
+    Following (RunnerStreamRequest.follow): the runner goes on stepping the session's decoding
+    sequences by itself and pushes each step's answer on the stream, so a client that changes
+    nothing sends nothing and the runner's forwards follow each other without waiting for it.
+    The step it takes is the one the client would send next (its "implied step"): every
+    sequence of the last step (or push) marked decode_ahead that sampled a token not finishing
+    it and was not released, that token as its token_ids, decode_ahead again, nothing released;
+    it is handled exactly as that Step call (the same checks, limits and retry rules) and its
+    answer (or status) pushed with `push` set. Stop token ids, max_tokens and max_model_len are
+    judged by the runner (SequenceOutput.finished): a finished sequence drops out of the next
+    implied step, its last token never appended, and the client releases it. Following ends
+    when no sequence is left, when a push carries a failure (its status says what changed, as
+    the implied Step's would), when the client's next message arrives (the implied step in
+    progress is finished and pushed first), when the stream ends, or when the runner drains
+    (it ends the stream once the push in progress is out). A client that reads a push holds
+    what it would hold had it sent the implied step and got that answer, and plans its next
+    step from there: a step that names sequences and was planned before a push the runner has
+    sent (pushes_read lower than the pushes on this stream) is refused ABORTED, cause
+    "StalePlan", nothing changed: read the pushes, plan again. A step naming no sequences (a
+    release, a preemption) is never stale. A stream that breaks while the runner follows may
+    have lost pushes whose tokens the runner (and the daemon) now hold: the client releases the
+    followed sequences (through a step; a restarted runner frees them in the daemon) and
+    computes their requests again from the tokens it read, as after a preemption.
     """
 
 class RunnerServicer(metaclass=_abc_1.ABCMeta):
@@ -190,6 +236,29 @@ class RunnerServicer(metaclass=_abc_1.ABCMeta):
         breaks, treats every step not yet answered as a Step that ended without an answer (see the
         retry rules above: read back, compare runner_id), after cancelling the stream, and opens a
         new stream. External schedulers may keep using Step.
+
+        Following (RunnerStreamRequest.follow): the runner goes on stepping the session's decoding
+        sequences by itself and pushes each step's answer on the stream, so a client that changes
+        nothing sends nothing and the runner's forwards follow each other without waiting for it.
+        The step it takes is the one the client would send next (its "implied step"): every
+        sequence of the last step (or push) marked decode_ahead that sampled a token not finishing
+        it and was not released, that token as its token_ids, decode_ahead again, nothing released;
+        it is handled exactly as that Step call (the same checks, limits and retry rules) and its
+        answer (or status) pushed with `push` set. Stop token ids, max_tokens and max_model_len are
+        judged by the runner (SequenceOutput.finished): a finished sequence drops out of the next
+        implied step, its last token never appended, and the client releases it. Following ends
+        when no sequence is left, when a push carries a failure (its status says what changed, as
+        the implied Step's would), when the client's next message arrives (the implied step in
+        progress is finished and pushed first), when the stream ends, or when the runner drains
+        (it ends the stream once the push in progress is out). A client that reads a push holds
+        what it would hold had it sent the implied step and got that answer, and plans its next
+        step from there: a step that names sequences and was planned before a push the runner has
+        sent (pushes_read lower than the pushes on this stream) is refused ABORTED, cause
+        "StalePlan", nothing changed: read the pushes, plan again. A step naming no sequences (a
+        release, a preemption) is never stale. A stream that breaks while the runner follows may
+        have lost pushes whose tokens the runner (and the daemon) now hold: the client releases the
+        followed sequences (through a step; a restarted runner frees them in the daemon) and
+        computes their requests again from the tokens it read, as after a preemption.
         """
 
 def add_RunnerServicer_to_server(servicer: RunnerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -38,10 +38,12 @@ SESSION_BUSY = Cause("SessionBusy", "FAILED_PRECONDITION")
 PERMISSION_DENIED = Cause("PermissionDenied", "PERMISSION_DENIED")
 
 # Refusals of the runner: nothing changed, but for StepNotComputed (the step's daemon calls
-# were applied, its forward failed).
+# were applied, its forward failed). StalePlan: a stream step planned before answers the runner
+# pushed (runner.proto's `follow`).
 UNKNOWN_SEQUENCE = Cause("UnknownSequence", "FAILED_PRECONDITION")
 STEP_NOT_COMPUTED = Cause("StepNotComputed", "ABORTED")
 RUNNER_UNAVAILABLE = Cause("RunnerUnavailable", "UNAVAILABLE")
+STALE_PLAN = Cause("StalePlan", "ABORTED")
 
 # What a runner's own daemon calls met, relayed to its client under the client's names (the
 # client names them from the code alone when a status carries no cause): NotFound and
@@ -71,6 +73,6 @@ def cut_message(text: str) -> str:
 CAUSES: dict[str, Cause] = {cause.name: cause for cause in (
     SESSION_NOT_FOUND, SEQUENCE_NOT_FOUND, SEQUENCE_EXISTS, INVALID_ARGUMENT, POOL_EXHAUSTED,
     LIMIT_EXCEEDED, ANSWER_TOO_LARGE, SESSION_EXPIRED, SESSION_BUSY, PERMISSION_DENIED,
-    UNKNOWN_SEQUENCE, STEP_NOT_COMPUTED, RUNNER_UNAVAILABLE,
+    UNKNOWN_SEQUENCE, STEP_NOT_COMPUTED, RUNNER_UNAVAILABLE, STALE_PLAN,
     NOT_FOUND, UNAUTHENTICATED, DAEMON_UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED,
     MESSAGE_TOO_LARGE, INTERNAL)}

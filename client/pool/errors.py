@@ -133,6 +133,12 @@ class StepNotComputed(PagedKVError):
     or release its sequences."""
 
 
+class StalePlan(PagedKVError):
+    """ABORTED from a runner following the session (runner.proto's `follow`): the step was
+    planned before answers the runner has pushed since (`pushes_read` too low); nothing
+    changed and the runner no longer follows. Read those answers, plan again, send again."""
+
+
 # The class of each cause (INTERNAL, a bug in the daemon or runner, is the base class's, by its
 # code); a runner relays its own client's errors by the same names.
 BY_CAUSE: dict[str, type[PagedKVError]] = {
@@ -149,6 +155,7 @@ BY_CAUSE: dict[str, type[PagedKVError]] = {
     causes.UNKNOWN_SEQUENCE.name: UnknownSequence,
     causes.STEP_NOT_COMPUTED.name: StepNotComputed,
     causes.RUNNER_UNAVAILABLE.name: RunnerUnavailable,
+    causes.STALE_PLAN.name: StalePlan,
     causes.NOT_FOUND.name: NotFound,
     causes.UNAUTHENTICATED.name: Unauthenticated,
     causes.DAEMON_UNAVAILABLE.name: DaemonUnavailable,
