@@ -231,6 +231,12 @@ class RunnerClient(ChannelOwner):
         return StepOutputs([SeqOutput.from_proto(output) for output in reply.outputs],
                            reply.free_blocks)
 
+    async def close(self) -> None:
+        """End every session's stream (a step in flight fails as cancelled), then the channel."""
+        for stream in (self.streams or {}).values():
+            await stream.close()
+        await super().close()
+
     def _open_stream(self) -> StepStreamCall:
         """A new Runner.StepStream call, with no deadline of its own (it lives as long as its
         session's steps; each answer is awaited for `timeout`), its messages written on it."""

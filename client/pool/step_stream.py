@@ -6,8 +6,9 @@ KVPool.StepStream): a message on an open stream costs about a third of a unary r
 
 Several calls may be in flight at once (the runner's DaemonSteps sends a burst while the last
 one is answered): each message carries a call_id, and one task reads the answers and hands each
-to its caller. The daemon handles each message exactly as a StepMany call, so a message refused
-as a whole raises what that call would (`error_from_status`), and the stream goes on.
+to its caller (the mechanism, shared with the runner's stream client: message_stream.py). The
+daemon handles each message exactly as a StepMany call, so a message refused as a whole raises
+what that call would (`error_from_status`), and the stream goes on.
 
 A message over MAX_MESSAGE_BYTES would end the stream (gRPC refuses it whole): it fails alone,
 MessageTooLarge before it is sent, as a unary call that large fails alone.
@@ -40,86 +41,30 @@ from pagedkv.client.pool.errors import (
     error_from_rpc,
     error_from_status,
 )
+from pagedkv.client.pool.message_stream import MessageStream
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto.limits import MAX_MESSAGE_BYTES
 
 if TYPE_CHECKING:
     from pagedkv.proto.kvpool_pb2_grpc import KVPoolAsyncStub  # in the stubs only
-
-    # One KVPool.StepStream call: StepMany requests written, their answers read, in order.
-    StepStreamCall = grpc.aio.StreamStreamCall[pb.StepStreamRequest, pb.StepStreamResponse]
 # The call metadata every message's stream carries (the bearer token).
 Metadata = tuple[tuple[str, str], ...]
 
 
-class _Stream:
-    """One opened stream: its call, the answers awaited by call_id, the task reading them."""
+class _DaemonCall(MessageStream[pb.StepStreamRequest, pb.StepStreamResponse]):
+    """One opened KVPool.StepStream: answers matched by call_id; a break is the daemon's
+    status (DaemonUnavailable without a cause), an OK end Cancelled (the daemon drained)."""
 
-    def __init__(self, call: StepStreamCall) -> None:
-        self.call = call
-        # call_id -> the future of its answer, for every message written and not yet answered.
-        self.waiting: dict[int, asyncio.Future[pb.StepStreamResponse]] = {}
-        # Why the stream ended (each message still waiting failed with it); None while open.
-        self.ended: PagedKVError | None = None
-        # Writes one message at a time: their order on the wire is the answers' order.
-        self._writing = asyncio.Lock()
-        self._reader = asyncio.create_task(self._read(), name="pagedkv-step-stream")
+    name = "StepStream"
 
-    def expect(self, call_id: int) -> asyncio.Future[pb.StepStreamResponse]:
-        """The future of message `call_id`'s answer (or of the stream's end)."""
-        future = self.waiting[call_id] = asyncio.get_running_loop().create_future()
-        return future
+    def answer_id(self, answer: pb.StepStreamResponse) -> int:
+        return answer.call_id
 
-    def forget(self, call_id: int) -> None:
-        """Stop waiting for `call_id` (its write sent nothing)."""
-        future = self.waiting.pop(call_id, None)
-        if future is not None and not future.cancel():
-            future.exception()  # failed by the stream's end meanwhile: retrieved, unused
+    def broken(self, error: grpc.aio.AioRpcError) -> PagedKVError:
+        return error_from_rpc(error)
 
-    async def write(self, message: pb.StepStreamRequest) -> bool:
-        """Write `message`; False if the stream had ended (nothing of it was sent)."""
-        async with self._writing:
-            if self.ended is not None or self.call.done():
-                return False
-            try:
-                await self.call.write(message)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                return False  # a failed write sends nothing; the reader ends the stream
-            return True
-
-    def cancel(self, error: PagedKVError) -> None:
-        """End the stream here: cancelled (the daemon undoes the message it had not finished),
-        every message still waiting failing with `error`."""
-        self.call.cancel()
-        self._end(error)
-
-    async def ended_here(self) -> None:
-        """Return once the reader has seen the end (nothing more is read from the stream)."""
-        await asyncio.wait([self._reader])
-
-    async def _read(self) -> None:
-        """Hand each answer to its caller until the stream ends; then fail those left."""
-        try:
-            async for reply in self.call:
-                future = self.waiting.pop(reply.call_id, None)
-                if future is not None and not future.done():
-                    future.set_result(reply)
-            self._end(Cancelled(grpc.StatusCode.CANCELLED, "the daemon ended the StepStream"))
-        except grpc.aio.AioRpcError as exc:
-            self._end(error_from_rpc(exc))
-        except asyncio.CancelledError:  # the call cancelled here (or the loop closing)
-            self._end(Cancelled(grpc.StatusCode.CANCELLED, "the StepStream was cancelled"))
-            raise
-
-    def _end(self, error: PagedKVError) -> None:
-        """Mark the stream ended by `error` (the first end counts); fail every waiting
-        message with an error of its own of that class."""
-        if self.ended is None:
-            self.ended = error
-        for future in self.waiting.values():
-            if not future.done():
-                future.set_exception(type(self.ended)(self.ended.code, self.ended.message))
-        self.waiting.clear()
+    def ended_ok(self) -> PagedKVError:
+        return Cancelled(grpc.StatusCode.CANCELLED, "the daemon ended the StepStream")
 
 
 class StepStream:
@@ -129,7 +74,7 @@ class StepStream:
         self._stub = stub
         self._metadata = metadata
         # The open stream, or None until a call opens one.
-        self._stream: _Stream | None = None
+        self._stream: _DaemonCall | None = None
         # Call ids, distinct over every stream of this client.
         self._call_ids = itertools.count(1)
         # False once the daemon answered StepStream UNIMPLEMENTED: send StepMany calls instead.
@@ -176,7 +121,7 @@ class StepStream:
         if stream is not None:
             await stream.ended_here()
 
-    def _cancel_now(self, error: PagedKVError) -> _Stream | None:
+    def _cancel_now(self, error: PagedKVError) -> _DaemonCall | None:
         """Cancel the open stream, its waiting messages failing with `error`; returns it."""
         stream, self._stream = self._stream, None
         if stream is not None:
@@ -197,6 +142,6 @@ class StepStream:
         await stream.write(message)  # if it fails, the stream's end fails `answer`
         return answer
 
-    def _open(self) -> _Stream:
+    def _open(self) -> _DaemonCall:
         self.opened += 1
-        return _Stream(self._stub.StepStream(None, metadata=self._metadata))  # written later
+        return _DaemonCall(self._stub.StepStream(None, metadata=self._metadata))  # written later
