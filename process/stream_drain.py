@@ -24,6 +24,12 @@ class DrainableStreams:
         # Whether the process drains: every stream then ends at its next message.
         self._draining = False
 
+    @property
+    def draining(self) -> bool:
+        """Whether the process drains (a stream that does more than wait for messages, the
+        runner's following one, stops at this)."""
+        return self._draining
+
     async def next_message(self, requests: AsyncIterator[Message]) -> Message | None:
         """The stream's next message; None when the client has ended it or the process
         drains."""

@@ -23,7 +23,12 @@ from pagedkv.daemon.service.limits import AnswerTooLarge, LimitExceeded
 from pagedkv.daemon.service.operations import PoolExhausted
 from pagedkv.daemon.service.sessions import SessionExpired, SessionNotFound
 from pagedkv.daemon.service.tenants import PermissionDenied
-from pagedkv.model_runner.engine.steps import InvalidStep, StepNotComputed, UnknownSequence
+from pagedkv.model_runner.engine.steps import (
+    InvalidStep,
+    StalePlan,
+    StepNotComputed,
+    UnknownSequence,
+)
 from pagedkv.model_runner.models import ModelMismatch
 from pagedkv.model_runner.process import servicer
 from pagedkv.model_runner.process.servicer import RunnerUnavailable
@@ -50,6 +55,7 @@ RUNNER: dict[type[Exception], type[c.PagedKVError]] = {
     InvalidStep: c.InvalidArgument,
     UnknownSequence: c.UnknownSequence,
     StepNotComputed: c.StepNotComputed,
+    StalePlan: c.StalePlan,
     RunnerUnavailable: c.RunnerUnavailable,
     # Raised at start or by the pool watcher, never in a step; as a ValueError it would be a
     # caller's mistake.

@@ -1,6 +1,6 @@
 """The runner's Prometheus figures: step latency, tokens and sequences per forward, prefill vs
-decode tokens, how long a prepared step waited for its forward, and how many sessions' daemon
-Steps shared one call."""
+decode tokens, how long a prepared step waited for its forward, how many sessions' daemon
+Steps shared one call, and the answers pushed to streams following a session."""
 
 import prometheus_client
 from prometheus_client.registry import CollectorRegistry
@@ -50,6 +50,14 @@ class RunnerMetrics:
             "before that); queued if every such step was ready when the thread came free (a "
             "step inside its sequences' reservations makes no daemon call).",
             ["start"], registry=registry)
+        self._pushes = prometheus_client.Counter(
+            "pagedkv_runner:pushes",
+            "Answers pushed on Runner.StepStreams while the runner followed their sessions "
+            "(follow): answered, or failed (the push carried its status and following ended).",
+            ["outcome"], registry=registry)
+
+    def push(self, ok: bool) -> None:
+        self._pushes.labels("answered" if ok else "failed").inc()
 
     def decode_forward(self, waited: bool) -> None:
         self._decode_starts.labels("idle_wait" if waited else "queued").inc()

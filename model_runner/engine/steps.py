@@ -1,5 +1,6 @@
-"""How a client's step fails at the runner: the two ways it is refused before anything changes,
-and the one way it fails after its daemon calls were applied. The step itself travels in the
+"""How a client's step fails at the runner: the three ways it is refused before anything
+changes (malformed, an unknown sequence, planned before the runner's pushes on a stream), and
+the one way it fails after its daemon calls were applied. The step itself travels in the
 client's own records, on both sides of the wire: a SeqStep per sequence asked for (a History when
 resent after a runner restart), a SeqOutput per sequence answered, in a StepOutputs."""
 
@@ -20,3 +21,10 @@ class StepNotComputed(RuntimeError):
     cause "StepNotComputed"). Resend the step without token_ids, every sequence as an existing
     one, to compute them; or release them. Never resend it as it was: it would append twice."""
 
+
+
+class StalePlan(RuntimeError):
+    """A stream step naming sequences was planned before answers the runner has pushed while it
+    followed the session (runner.proto's StepStream, "Following"): the client holds less than
+    the runner does (ABORTED, cause "StalePlan"); nothing was changed. Read the pushes, plan
+    again."""

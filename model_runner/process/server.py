@@ -172,7 +172,8 @@ async def _grpc_server(config: RunnerConfig, state: RunnerState) -> AsyncIterato
     """The Runner server on `config.listen`, started and SERVING; stopped on exit."""
     # Answers are bounded below MAX_MESSAGE_BYTES (answer_limits); requests up to it.
     servicer = RunnerServicer(state.step, state.runner_info,
-                              lambda exc: log.error("step failed", exc_info=exc))
+                              lambda exc: log.error("step failed", exc_info=exc),
+                              state.engine.metrics)
     async with grpc_servers(RUNNER_SERVICE, config.server_bounds) as servers:
         servers.on_drain.append(servicer.end_streams)
         server = servers.add_server(

@@ -1,0 +1,50 @@
+"""runner.proto's step messages as the client's own records, and back: what the Step call and
+the StepStream messages (and pushes) share. A request's sequences become SeqSteps (their
+sampling checked here), a step's StepOutputs become its RunnerStepResponse."""
+
+from collections.abc import Awaitable, Callable, Sequence
+
+from pagedkv.client import History, SamplingParams, SeqStep, StepOutputs
+from pagedkv.model_runner.engine.steps import InvalidStep
+from pagedkv.proto import runner_pb2 as rpb
+
+# StepEngine.step, behind whatever gate the server puts before it.
+StepFunction = Callable[[str, Sequence[SeqStep], Sequence[int]], Awaitable[StepOutputs]]
+
+# max_tokens of a request that set none: more than any sequence generates.
+NO_LIMIT = 2**31 - 1
+
+
+def sampling_params(message: rpb.SamplingParams) -> SamplingParams:
+    """`message` as SamplingParams (ValueError if invalid), read once per sequence (the runner
+    keeps it): proto3 zeros mean "off" (temperature 0 = greedy; logprobs < 0 = none)."""
+    return SamplingParams(
+        temperature=message.temperature, top_k=message.top_k,
+        top_p=message.top_p if 0 < message.top_p <= 1 else 1.0, min_p=message.min_p,
+        repetition_penalty=message.repetition_penalty or 1.0,
+        seed=message.seed if message.has_seed else None,
+        logprobs=message.logprobs if message.logprobs >= 0 else None,
+        stop_token_ids=tuple(message.stop_token_ids), max_tokens=message.max_tokens or NO_LIMIT)
+
+
+def seq_request(message: rpb.SequenceStep) -> SeqStep:
+    history = None
+    if message.HasField("history"):
+        history = History(tuple(message.history.token_ids), message.history.prompt_len,
+                          message.history.num_computed)
+    params = None
+    if message.HasField("sampling"):
+        try:
+            params = sampling_params(message.sampling)
+        except ValueError as exc:
+            raise InvalidStep(f"sequence {message.seq_id}: {exc}") from None
+    return SeqStep(message.seq_id, tuple(message.token_ids), message.new_sequence,
+                   message.max_compute_tokens, params,
+                   message.parent_seq_id if message.has_parent else None, history,
+                   message.num_prompt_tokens, message.decode_ahead)
+
+
+def answer_message(outputs: StepOutputs) -> rpb.RunnerStepResponse:
+    """A step's outputs as its answer."""
+    return rpb.RunnerStepResponse(outputs=[output.message() for output in outputs],
+                                  free_blocks=outputs.free_blocks)
