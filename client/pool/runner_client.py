@@ -213,23 +213,33 @@ class RunnerClient(ChannelOwner):
         return RunnerInfo.from_proto(reply)
 
     async def step(self, session: Session, seqs: Sequence[SeqStep],
-                   release: Sequence[int] = ()) -> StepOutputs:
-        """Compute one step of the session's sequences; free `release` after it."""
+                   release: Sequence[int] = (), *, follow: bool = False) -> StepOutputs:
+        """Compute one step of the session's sequences; free `release` after it; `follow`:
+        then step the session's decode_ahead sequences and push each answer (runner.proto's
+        Following; `next_push`, `take_push`), on a client made with `stream_steps`."""
         request = rpb.RunnerStepRequest(session_id=session.session_id,
                                         seqs=[seq.message() for seq in seqs],
                                         release_seq_ids=release)
-        if self.streams is not None:
-            stream = self.streams.get(session.session_id)
-            if stream is None:  # its call opens at its first step
-                stream = self.streams[session.session_id] = RunnerStream(self._open_stream)
-            reply = await stream.step(request, self.timeout)
+        if follow or self.streams is not None:
+            reply = await self._stream(session, "follow").step(request, self.timeout,
+                                                               follow=follow)
         else:
             try:
                 reply = await self._stub.Step(request, timeout=self.timeout)
             except grpc.aio.AioRpcError as exc:
                 raise error_from_rpc(exc, RunnerUnreachable) from None
-        return StepOutputs([SeqOutput.from_proto(output) for output in reply.outputs],
-                           reply.free_blocks)
+        return _outputs(reply)
+
+    async def next_push(self, session: Session, timeout: float | None = None) -> StepOutputs:
+        """The session's next pushed answer, within `timeout` seconds (the client's by
+        default); its errors are RunnerStream.next_push's."""
+        stream = self._stream(session, "next_push")
+        return _outputs(await stream.next_push(self.timeout if timeout is None else timeout))
+
+    def take_push(self, session: Session) -> StepOutputs | None:
+        """The session's next queued pushed answer, None if none is queued (RunnerStream's)."""
+        reply = self._stream(session, "take_push").take_push()
+        return None if reply is None else _outputs(reply)
 
     async def close(self) -> None:
         """End every session's stream (a step in flight fails as cancelled), then the channel."""
@@ -237,7 +247,24 @@ class RunnerClient(ChannelOwner):
             await stream.close()
         await super().close()
 
+    def _stream(self, session: Session, use: str) -> RunnerStream:
+        """The session's step stream client (its call opens at its first step); `use` names
+        what needs it, in the ValueError of a client without streams."""
+        if self.streams is None:
+            raise ValueError(f"{use} needs a RunnerClient made with stream_steps=True "
+                             "(pushed answers come on a step stream)")
+        stream = self.streams.get(session.session_id)
+        if stream is None:
+            stream = self.streams[session.session_id] = RunnerStream(self._open_stream)
+        return stream
+
     def _open_stream(self) -> StepStreamCall:
         """A new Runner.StepStream call, with no deadline of its own (it lives as long as its
         session's steps; each answer is awaited for `timeout`), its messages written on it."""
         return self._stub.StepStream(None)
+
+
+def _outputs(reply: rpb.RunnerStepResponse) -> StepOutputs:
+    """A step's (or push's) answer as StepOutputs."""
+    return StepOutputs([SeqOutput.from_proto(output) for output in reply.outputs],
+                       reply.free_blocks)
