@@ -26,8 +26,9 @@ from pagedkv.proto import runner_pb2_grpc
 from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 
 PROMPTS = [[(5 * i + 3 * j) % 128 for j in range(n)] for i, n in enumerate((6, 19, 30))]
-# No max_tokens: the sequence goes on until the test stops following it.
-ENDLESS = SamplingParams(temperature=0.0)
+# More tokens than any test follows (and than a drain takes to end a stream): the sequence goes
+# on until the test stops following it.
+ENDLESS = SamplingParams(temperature=0.0, max_tokens=200)
 
 Call = grpc.aio.StreamStreamCall[rpb.RunnerStreamRequest, rpb.RunnerStreamResponse]
 
@@ -229,6 +230,27 @@ async def test_a_failed_push_carries_its_status_and_ends_following(
         last = await call.read()
         assert last.push == 0 and last.step_id == 2 and last.code == 0
         call.cancel()
+
+
+async def test_a_stream_cancelled_while_following_leaves_its_session_usable(
+        pool: PoolClient, stub: runner_pb2_grpc.RunnerStub) -> None:
+    """The client cancels its stream mid-follow (the implied step in flight ends as a cancelled
+    Step): a new stream releases the followed sequence, as runner.proto tells a client whose
+    stream broke, and the session holds nothing."""
+    async with await pool.open_session("broken") as session:
+        call = stub.StepStream()
+        await call.write(message(1, session, [new(1, PROMPTS[2], ENDLESS)], follow=True))
+        tokens(await call.read())
+        tokens(await call.read())
+        call.cancel()
+        again = stub.StepStream()
+        await again.write(message(1, session, [], (1,)))
+        released = await again.read()
+        assert released.push == 0 and released.code == 0, released.message
+        stats = (await session.stats()).session
+        assert stats is not None and stats.num_sequences == 0
+        await again.done_writing()
+        assert await again.code() == grpc.StatusCode.OK
 
 
 async def test_a_draining_runner_ends_a_following_stream(daemon: Pagedkvd,
