@@ -230,6 +230,26 @@ async def test_the_link_reopens_its_stream_on_a_restarted_runner_with_identical_
         assert seq.generated == hf_greedy(reference, prompt, NEW_TOKENS)
 
 
+async def test_a_followed_session_is_pushed_transformers_tokens(
+        clients: tuple[PoolClient, RunnerClient], reference: PreTrainedModel) -> None:
+    """A step with follow, then only pushes until the sequence finishes: transformers' tokens,
+    in order; the next step naming a sequence carries the pushes read, so it is not stale."""
+    pool, runner = clients
+    async with await pool.open_session("followed") as session:
+        (out,) = await runner.step(session, [SeqStep(1, PROMPTS[1], True, params=GREEDY,
+                                                     decode_ahead=True)], follow=True)
+        tokens = [out.token_id]
+        while not out.finished:
+            (out,) = await runner.next_push(session)
+            tokens.append(out.token_id)
+        assert tokens == hf_greedy(reference, PROMPTS[1], NEW_TOKENS)
+        assert runner.take_push(session) is None
+        (out,) = await runner.step(session, [SeqStep(2, PROMPTS[0], True, params=GREEDY)], [1])
+        assert out.token_id == hf_greedy(reference, PROMPTS[0], 1)[0]
+        await runner.step(session, [], [2])
+        assert opened(runner, session) == 1
+
+
 async def test_a_draining_runner_ends_an_idle_stream(daemon: Pagedkvd,
                                                      config_path: Path) -> None:
     """SIGTERM: a stream waiting for its next step ends at once with OK, instead of holding
