@@ -6,7 +6,8 @@ step id; a failed step carries its status while the stream goes on; a message na
 session than the stream's is INVALID_ARGUMENT for that step alone. A `RunnerClient` with
 `stream_steps` (the engine's) reopens its stream after a break (a runner restarted under it, a
 step cancelled by its caller or past its deadline), and the engine's `RunnerLink` recovers over
-it with transformers' tokens.
+it with transformers' tokens. A session the runner follows is pushed transformers' tokens
+(`RunnerClient.next_push`; the client plumbing alone: test_runner_pushes.py).
 """
 
 import asyncio

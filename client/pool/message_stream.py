@@ -2,7 +2,7 @@
 mechanism under both stream clients (step_stream.py, a PoolClient's StepMany calls on
 KVPool.StepStream; runner_stream.py, a session's steps on Runner.StepStream).
 
-    stream = DaemonCall(stub.StepStream(None))           # a subclass naming its hop
+    stream = _DaemonCall(stub.StepStream(None))          # a subclass naming its hop
     answer = stream.expect(call_id)                      # before writing: no answer is missed
     if not await stream.write(message): ...              # False: the stream had ended, unsent
     reply = await answer                                 # or the stream's end error
