@@ -20,7 +20,8 @@ from pagedkvd_process import Pagedkvd, free_tcp_port, pagedkv_runner, pagedkvd
 from served_model import TINY, hf_greedy, reference_model, write_config
 from transformers import PreTrainedModel
 
-from pagedkv.client import PoolClient, SamplingParams, SeqStep, Session
+from pagedkv.client import PoolClient, SamplingParams, SeqOutput, SeqStep, Session
+from pagedkv.model_runner.engine.step_engine import implied_step
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
@@ -108,6 +109,19 @@ def pushes_total(metrics_port: int) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("pagedkv_runner:pushes_total{"))
+
+
+def test_the_implied_step_is_the_next_step_of_the_sequences_that_go_on() -> None:
+    """In step order, each decode_ahead sequence that sampled a token not finishing it and was
+    not released: that token, decode_ahead again, the sampling kept (none sent)."""
+    steps = [SeqStep(seq_id, [1], decode_ahead=seq_id != 2) for seq_id in range(6)]
+    outputs = [SeqOutput(0, 9, 9, 0, True, 40), SeqOutput(1, 9, 9, 0, True, 41),
+               SeqOutput(2, 9, 9, 0, True, 42),  # not marked decode_ahead
+               SeqOutput(3, 9, 9, 0, True, 43, finished=True),
+               SeqOutput(4, 9, 5, 0, False),  # a chunked prefill goes on
+               SeqOutput(5, 9, 9, 0, True, 45)]  # released
+    assert implied_step(steps, outputs, [5]) == [
+        SeqStep(0, (40,), decode_ahead=True), SeqStep(1, (41,), decode_ahead=True)]
 
 
 async def test_following_pushes_each_implied_step_until_no_sequence_is_left(

@@ -57,10 +57,13 @@ class SessionStream:
         reader: asyncio.Task[rpb.RunnerStreamRequest | None] | None = None
         try:
             while True:
-                reader = asyncio.create_task(streams.next_message(requests))
-                while self.implied and not reader.done() and not streams.draining:
-                    yield await self._push()
-                message = await reader
+                if not self.implied:  # no push to make: wait for the message itself
+                    message = await streams.next_message(requests)
+                else:
+                    reader = asyncio.create_task(streams.next_message(requests))
+                    while self.implied and not reader.done() and not streams.draining:
+                        yield await self._push()
+                    message = await reader
                 if message is None:
                     return
                 yield await self._answer(message)
