@@ -36,6 +36,7 @@ from pagedkv.client import (
     RunnerClient,
     RunnerUnavailable,
     SamplingParams,
+    SchedulerConfig,
     SeqStep,
     Session,
     SessionBusy,
@@ -359,12 +360,14 @@ async def test_engine_requests_finish_with_identical_tokens_across_a_runner_rest
         daemon: Pagedkvd, config_path: Path, reference: PreTrainedModel, listen: str) -> None:
     """SIGKILL the runner while three requests decode (ahead), start another on the same
     socket: the engine's step fails without an answer, the link sees a new runner_id and
-    resends it with histories; every request ends with transformers' tokens."""
+    resends it with histories; every request ends with transformers' tokens. (The engine
+    sends every step here: a runner killed while it follows the session is
+    tests/test_engine_follow.py's.)"""
     with contextlib.ExitStack() as runners:
         first = runners.enter_context(pagedkv_runner(daemon, "--random-init", str(config_path),
                                                      listen=listen))
-        async with await Engine.connect(daemon.unix_target, listen,
-                                        lease_ttl_ms=LEASE_MS) as engine:
+        async with await Engine.connect(daemon.unix_target, listen, lease_ttl_ms=LEASE_MS,
+                                        config=SchedulerConfig(follow=False)) as engine:
             others = [asyncio.create_task(engine.generate(p, GREEDY)) for p in PROMPTS[1:]]
             restarted_at = 0
             async for output in engine.stream(PROMPTS[0], GREEDY):

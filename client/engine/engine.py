@@ -11,12 +11,16 @@ One engine is one client of the pool: its own daemon session (a lease kept alive
 background, so a dying client's blocks come back within its lease) and a runner that computes
 for it. A background task loops: plan a step (`Scheduler`), send it to the runner (one message
 on the session's Runner.StepStream), hand the answers back, and push each request's progress to
-its waiter (`stream`: an output per step; `generate`: the final one only). A failed step
+its waiter (`stream`: an output per step; `generate`: the final one only). Each step goes with
+runner.proto's `follow`: while the next plan would be the same decode step again, the runner
+takes it by itself and pushes its answer, which the engine applies as that step's
+(`Following`); the engine sends only when its plan changes. A failed step
 changed nothing (the runner's contract), so the plan is simply dropped: admissions wait again,
 and a pool that turned out fuller than the runner last said preempts the newest request. A
 runner that restarts under the engine (the KV stays in the daemon) gets the step again with
 each sequence's history (`RunnerLink`), and the requests go on with the tokens they would have
-had.
+had; a stream that breaks while the runner follows may have lost pushes, so the followed
+requests are released and computed again from the tokens read, as after a preemption.
 """
 
 import asyncio
@@ -30,13 +34,14 @@ from typing import Self
 
 import grpc
 
+from pagedkv.client.engine.follow import Following
 from pagedkv.client.engine.outputs import RequestOutput
 from pagedkv.client.engine.requests import Request
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S, RunnerLink
 from pagedkv.client.engine.scheduler import Plan, Scheduler, SchedulerConfig
 from pagedkv.client.pool.client import PoolClient
-from pagedkv.client.pool.errors import PagedKVError, PoolExhausted
-from pagedkv.client.pool.runner_client import RunnerClient
+from pagedkv.client.pool.errors import OutcomeUnknown, PagedKVError, PoolExhausted, StalePlan
+from pagedkv.client.pool.runner_client import RunnerClient, StepOutputs
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
 from pagedkv.vocab.token_ids import check_vocabulary
@@ -101,6 +106,12 @@ class Engine:
         self._wake = asyncio.Event()
         # The step being sent, until it is answered (close releases its sequences too).
         self._in_flight: Plan | None = None
+        # Send steps with runner.proto's `follow` (needs a step stream), and what the runner
+        # then steps by itself.
+        self._follow = config.follow and runner.streams is not None
+        self.following = Following()
+        # Steps the runner took by itself and pushed (applied here).
+        self.num_pushed = 0
         self._started = time.monotonic()
         self._task = asyncio.create_task(self._loop(), name="pagedkv-engine")
 
@@ -206,16 +217,23 @@ class Engine:
             raise
 
     async def _steps(self) -> None:
-        exhausted = 0
+        exhausted = stale = 0
         while True:
+            if await self._take_push(wait=False):  # pushes sent before the engine's last message
+                continue
             if not self.scheduler.has_work:
                 self._publish_finals(self._finals)
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             began = time.monotonic()
+            self._wake.clear()  # what arrives from now on is in no plan yet
             finals, self._finals = self._finals, []
             plan = self.scheduler.plan(self._free_blocks)
+            if not finals and self.following.covers(plan):  # the runner steps it by itself
+                await self._take_push(wait=True)
+                continue
+            self.following.stop()  # the runner stops following at the engine's next message
             if plan.preempt:
                 self._finals = finals
                 await self._preempt(plan)
@@ -225,10 +243,29 @@ class Engine:
                 self._finals = finals
                 await self._wait_for_room()
                 continue
+            # The runner may have stepped the followed sequences past the pushes read here: a
+            # lost answer is then not resent with histories but computed again (`_recompute`).
+            unseen = bool(self.following.implied.seqs)
             try:
                 self._in_flight = plan
-                outputs = await self.link.step(plan.seqs, plan.steps, plan.release)
+                outputs = await self.link.step(plan.seqs, plan.steps, plan.release,
+                                               follow=self._follow, resend=not unseen)
                 self._in_flight = None
+            except OutcomeUnknown as exc:
+                self._finals = finals
+                if unseen:
+                    await self._recompute(plan)
+                else:
+                    self._fail(plan, exc)
+                continue
+            except StalePlan as exc:  # planned before pushes not read yet: read, plan again
+                self._finals = finals
+                stale += 1
+                if stale > 1:  # the runner stopped following at the first: never twice
+                    self._fail(plan, exc)
+                    continue
+                self.scheduler.unadmit(plan)
+                continue
             except PoolExhausted:
                 self._finals = finals
                 exhausted += 1
@@ -238,18 +275,85 @@ class Engine:
                 self._finals = finals
                 self._fail(plan, exc)
                 continue
-            exhausted = 0
-            began = time.monotonic()
-            self._free_blocks = outputs.free_blocks
-            progressed = self.scheduler.update(plan, outputs)
+            exhausted = stale = 0
+            self.following.answered(plan, outputs, self._follow)
             self._publish_finals(finals)
-            for request in progressed:
-                if request.finished:
-                    self._finals.append(request)
-                elif request.request_id not in self._final_only:
-                    self._publish(request)
-            self._observe(plan, outputs.free_blocks, planned + time.monotonic() - began,
-                          sum(out.sampled for out in outputs))
+            self._answered(plan, outputs, planned)
+
+    def _answered(self, plan: Plan, outputs: StepOutputs, planned: float) -> None:
+        """Apply the answer to `plan` (a step the engine sent, or one the runner took by itself
+        and pushed) and publish what progressed; `planned`: seconds spent planning it."""
+        began = time.monotonic()
+        self._free_blocks = outputs.free_blocks
+        progressed = self.scheduler.update(plan, outputs)
+        for request in progressed:
+            if request.finished:
+                self._finals.append(request)
+            elif request.request_id not in self._final_only:
+                self._publish(request)
+        self._observe(plan, outputs.free_blocks, planned + time.monotonic() - began,
+                      sum(out.sampled for out in outputs))
+
+    async def _take_push(self, wait: bool) -> bool:
+        """Apply the runner's next push if one came (`wait`: until one comes or the engine is
+        woken: a request arrived or was aborted); whether one was taken. A failed push ends
+        the following as the same step of the engine's would have failed; a broken stream
+        (pushes may be lost) computes the followed requests again, as preempted."""
+        if not self.following.implied.seqs:
+            return False
+        try:
+            pushed = await self._next_push() if wait else self.runner.take_push(self.session)
+        except PoolExhausted:  # nothing changed: the engine's own step meets it next
+            self.following.stop()
+            return False
+        except OutcomeUnknown:
+            await self._lost_following()
+            return False
+        except PagedKVError as exc:
+            implied = self.following.implied
+            self.following.stop()
+            self._fail(implied, exc)
+            return False
+        if pushed is None:
+            return False
+        self.num_pushed += 1
+        plan, outputs = self.following.pushed(pushed)
+        self._answered(plan, StepOutputs(outputs, pushed.free_blocks), 0.0)
+        return True
+
+    async def _next_push(self) -> StepOutputs | None:
+        """The runner's next push, or None if the engine was woken first (the push waits)."""
+        push = asyncio.ensure_future(self.runner.next_push(self.session))
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait((push, woken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            if not push.done():
+                push.cancel()  # only its wait: the push stays queued on the stream
+        return push.result() if push.done() and not push.cancelled() else None
+
+    async def _lost_following(self) -> None:
+        """The stream broke while the runner followed: it may have stepped the followed
+        sequences past the pushes read here. Release them and compute their requests again
+        from the tokens read (the runner.proto rule): the prefix cache serves what was
+        committed."""
+        running = [r for r in self.following.lost() if r in self.scheduler.running]
+        if running:
+            await self._preempt(Plan(preempt=running))
+
+    async def _recompute(self, plan: Plan) -> None:
+        """`plan`, sent while the runner had followed the session, got no answer: release
+        every sequence it or the following may have stepped (its admissions' included, which
+        it may have allocated) and compute their requests again, as preempted."""
+        self.scheduler.unadmit(plan)
+        admitted = [seq.seq_id for request in plan.admit for seq in request.seqs]
+        followed = self.following.lost()
+        preempt = Plan(preempt=[request for request in dict.fromkeys([*plan.owners, *followed])
+                                if request in self.scheduler.running])
+        outputs = await self.link.step([], [], [*self.scheduler.preempt_ids(preempt), *admitted])
+        self._free_blocks = outputs.free_blocks
+        self.scheduler.preempted(preempt)
 
     async def _wait_for_room(self) -> None:
         """Nothing runs and the oldest waiting request does not fit now: other clients hold

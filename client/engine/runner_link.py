@@ -56,19 +56,23 @@ class RunnerLink:
         self.restarts = 0
 
     async def step(self, seqs: Sequence[Seq], steps: Sequence[SeqStep],
-                   release: Sequence[int]) -> StepOutputs:
-        """One step (`steps[i]` is what to send for `seqs[i]`), sent again once if the runner
-        restarted under it."""
+                   release: Sequence[int], *, follow: bool = False,
+                   resend: bool = True) -> StepOutputs:
+        """One step (`steps[i]` is what to send for `seqs[i]`; `follow`: runner.proto's), sent
+        again once if the runner restarted under it. `resend` False: a step without an answer
+        is never sent again (the runner may have stepped its sequences past what the caller
+        read: runner.proto's following), only the runner it then meets is learnt."""
         try:
-            return await self.runner.step(self.session, steps, release)
+            return await self.runner.step(self.session, steps, release, follow=follow)
         except UnknownSequence:
             pass
         except OutcomeUnknown:
-            if not await self._restarted():
+            if not await self._restarted() or not resend:
                 raise
             await self._free_new(steps)
         self.restarts += 1
-        return await self.runner.step(self.session, with_history(seqs, steps), release)
+        return await self.runner.step(self.session, with_history(seqs, steps), release,
+                                      follow=follow)
 
     async def _restarted(self) -> bool:
         """Whether the runner that answers now (waiting for one) is another than before."""

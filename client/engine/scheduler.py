@@ -42,6 +42,9 @@ class SchedulerConfig:
     # (runner.proto's decode_ahead): sampled sequences, not beams, whose token the next step
     # appends as sampled.
     decode_ahead: bool = True
+    # Let the runner go on stepping those sequences by itself and push each answer, while this
+    # client's plan is that same step (runner.proto's `follow`; steps on a stream only).
+    follow: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

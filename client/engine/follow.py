@@ -1,0 +1,111 @@
+"""What the runner steps by itself while it follows the engine's session (runner.proto's
+`follow`), as the engine's own records.
+
+The engine sends each step with `follow`; the runner then goes on stepping the sequences the
+step marked decode_ahead whose token did not finish them, and pushes each answer. Each push
+answers the step the engine would have sent next (its "implied step"), so the engine applies it
+exactly as that step's answer (`Scheduler.update`) and sends nothing while its own plan is that
+same step. Once the plan differs (a request arrives, finishes or is aborted, the pool is short,
+a prefill or a fork is due), the engine sends it: the runner stops following at that message,
+and refuses it as StalePlan if it pushed meanwhile (the engine then reads those pushes and
+plans again).
+
+Pushes that arrive after the engine sent a message (a release is never stale) still answer the
+implied step the runner took: a sequence that a preemption or release freed meanwhile is
+skipped when they are applied, and its tokens go with it.
+"""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from pagedkv.client.engine.requests import Request
+from pagedkv.client.engine.scheduler import Plan
+from pagedkv.client.engine.sequences import Seq
+from pagedkv.client.pool.runner_client import SeqOutput, SeqStep
+
+
+@dataclass
+class Following:
+    """The runner's implied step for this session, and whether more pushes may come."""
+
+    # The sequences of the runner's next implied step (with their requests), in its order: what
+    # the next push answers, output for output. Empty when the runner follows none.
+    implied: Plan = field(default_factory=Plan)
+    # Whether the runner may push again without a message from the engine: true from an
+    # answer to a message sent with follow, false once the engine sends another message (the
+    # runner stops at it), or a push failed or ended the following.
+    active: bool = False
+
+    def answered(self, plan: Plan, outputs: Sequence[SeqOutput], follow: bool) -> None:
+        """The engine's step `plan` got `outputs`: the runner follows the sequences it marked
+        decode_ahead whose token goes on (runner.proto's implied step). A step naming no
+        sequences (a release) leaves the implied step as it was: pushes the runner sent before
+        it answer that one."""
+        if not plan.seqs:
+            self.active = False
+            return
+        released = set(plan.release)
+        self.implied = _going_on(
+            (seq, step, owner) for seq, step, owner, out in zip(
+                plan.seqs, plan.steps, plan.owners, outputs, strict=True)
+            if follow and step.decode_ahead and out.sampled and not out.finished
+            and seq.seq_id not in released)
+        self.active = bool(self.implied.seqs)
+
+    def pushed(self, outputs: Sequence[SeqOutput]) -> tuple[Plan, list[SeqOutput]]:
+        """A push answered the implied step: the part of it still the engine's to apply (its
+        sequences not freed since), and the implied step the runner takes next."""
+        implied = self.implied
+        live = _going_on((seq, step, owner) for seq, step, owner in zip(
+            implied.seqs, implied.steps, implied.owners, strict=True)
+            if seq.allocated and seq.finish_reason is None and not owner.finished)
+        kept = {id(seq) for seq in live.seqs}
+        # The runner's next implied step counts every output, those freed here included.
+        self.implied = _going_on(
+            (seq, SeqStep(seq.seq_id, (out.token_id,), decode_ahead=True), owner)
+            for seq, owner, out in zip(implied.seqs, implied.owners, outputs, strict=True)
+            if out.sampled and not out.finished)
+        self.active = self.active and bool(self.implied.seqs)
+        return live, [out for seq, out in zip(implied.seqs, outputs, strict=True)
+                      if id(seq) in kept]
+
+    def covers(self, plan: Plan) -> bool:
+        """Whether `plan` is exactly the step the runner takes by itself: the same sequences,
+        each one decode token marked decode_ahead, nothing admitted, released or preempted."""
+        if not self.active or plan.release or plan.admit or plan.preempt:
+            return False
+        if len(plan.seqs) != len(self.implied.seqs):
+            return False
+        followed = {id(seq) for seq in self.implied.seqs}
+        return all(id(seq) in followed and _plain_decode(step)
+                   for seq, step in zip(plan.seqs, plan.steps, strict=True))
+
+    def stop(self) -> None:
+        """The engine sends a message (the runner stops following at it), or the following
+        ended: no push comes without another answer. Pushes already sent still apply."""
+        self.active = False
+
+    def lost(self) -> list[Request]:
+        """The stream broke while the runner followed: the requests whose sequences it may have
+        stepped past what the engine read (released and computed again, as preempted)."""
+        self.active = False
+        requests = list(dict.fromkeys(owner for owner in self.implied.owners
+                                      if not owner.finished))
+        self.implied = Plan()
+        return requests
+
+
+def _going_on(entries: Iterable[tuple[Seq, SeqStep, Request]]) -> Plan:
+    """A plan of these (sequence, step, request) entries, in their order."""
+    plan = Plan()
+    for seq, step, owner in entries:
+        plan.seqs.append(seq)
+        plan.steps.append(step)
+        plan.owners.append(owner)
+    return plan
+
+
+def _plain_decode(step: SeqStep) -> bool:
+    return (step.decode_ahead and len(step.token_ids) == 1 and not step.new_sequence
+            and step.max_compute_tokens == 0 and step.params is None
+            and step.parent_seq_id is None and step.history is None)
