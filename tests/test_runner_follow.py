@@ -16,8 +16,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from pagedkvd_process import Pagedkvd, free_tcp_port, pagedkv_runner, pagedkvd
-from served_model import TINY, hf_greedy, reference_model, write_config
+from pagedkvd_process import Pagedkvd, free_tcp_port, pagedkv_runner
+from served_model import hf_greedy
+from test_runner_stream import config_path, daemon, reference
 from transformers import PreTrainedModel
 
 from pagedkv.client import PoolClient, SamplingParams, SeqOutput, SeqStep, Session
@@ -31,23 +32,9 @@ PROMPTS = [[(5 * i + 3 * j) % 128 for j in range(n)] for i, n in enumerate((6, 1
 # on until the test stops following it.
 ENDLESS = SamplingParams(temperature=0.0, max_tokens=200)
 
+__all__ = ["config_path", "daemon", "reference"]  # module fixtures shared with that test
+
 Call = grpc.aio.StreamStreamCall[rpb.RunnerStreamRequest, rpb.RunnerStreamResponse]
-
-
-@pytest.fixture(scope="module")
-def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_config(TINY, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(config_path: Path) -> PreTrainedModel:
-    return reference_model(config_path)
-
-
-@pytest.fixture(scope="module")
-def daemon(config_path: Path) -> Iterator[Pagedkvd]:
-    with pagedkvd("--model-config", str(config_path), "--num-blocks", "128") as running:
-        yield running
 
 
 @pytest.fixture(scope="module")
