@@ -21,32 +21,44 @@ runner run).
   sizing plans for a share of the machine's memory, and its attention-mask buffer alone takes
   GiBs) and every run starts from an empty cache. Timed: add_requests until the last request
   finished.
-- runner: a pagedkvd process (--num-blocks NUM_BLOCKS, B = BLOCK_SIZE) and a `pagedkv runner`
-  process (started once, unpinned), driven by client processes: step 1 allocates every prompt
-  of the client (new_sequence), then NEW_TOKENS - 1 decode steps each append the last sampled
-  token of every sequence (one message per step on the session's Runner.StepStream, as the
-  client Engine sends them; the last one also releases them). Timed, in each client: from the
-  first step's call to the last step's answer (connecting and opening the session excluded).
-  Clients start together at a barrier (a line on stdin); total tok/s is all their tokens over
-  (last end - first start). The runner's /metrics give its forward passes meanwhile:
-  *_forward_ms (mean forward + sampling), *_seqs_per_forward (how many client steps one forward
-  merged) and *_steps_per_daemon_call (how many sessions' decode Steps one StepMany to the
-  daemon carried).
+- runner contestants: a pagedkvd process (--num-blocks NUM_BLOCKS, B = BLOCK_SIZE) and a
+  `pagedkv runner` process (started once, unpinned), driven by client processes, each with one
+  session and its Runner.StepStream, greedy sequences finished by the runner at max_tokens =
+  NEW_TOKENS. Each client drives the runner one of two ways:
+  - follow (what a client of the runner, the client Engine among them, does now; runner.proto's
+    StepStream, "Following"): one step allocates every prompt of the client (new_sequence,
+    decode_ahead) with follow set; the runner then steps the sequences by itself and pushes each
+    answer, and the client sends nothing, only reads the pushes (RunnerClient.next_push) until
+    every sequence's finished output came (the runner ends following there); then one step
+    releases them all.
+  - message per step (ahead / no-ahead): the same first step without follow, then NEW_TOKENS - 1
+    decode steps, one message each, appending the last sampled token of every sequence (the
+    last one also releases them); every sequence marked decode_ahead in each step (ahead: the
+    runner computes the next step while the answer travels) or never (no-ahead).
+  The contestants: runner (one client, all NUM_PROMPTS prompts, follow), runner_ahead and
+  runner_no_ahead (the same client, message per step, ahead / no-ahead),
+  runner_1client_8prompts (one client of PROMPTS_PER_CLIENT prompts, follow) and
+  runner_4clients (CLIENTS such clients at once, follow). Timed, in each client: from the first
+  step's call to the last step's answer (connecting and opening the session excluded). Clients
+  start together at a barrier (a line on stdin); total tok/s is all their tokens over (last end
+  - first start). The runner's /metrics give its forward passes meanwhile: *_forward_ms (mean
+  forward + sampling), *_seqs_per_forward (how many sequences one forward computed) and
+  *_steps_per_daemon_call (how many sessions' Steps one StepMany to the daemon carried).
 
 Service figures (issue 19), from the same runs:
 - daemon_calls_per_decode_step: the daemon's finished RPCs and answered stream messages (its
   pagedkv:rpc_requests and pagedkv:stream_messages counters, every service and method, so
   clients' calls too; the runner's StepMany calls are StepStream messages) per runner forward,
-  during the "runner" contestant (one client, NUM_PROMPTS sequences). The window is the whole
-  run, so the prefill step and the last step's releases are in it.
+  during the "runner" contestant (one client following NUM_PROMPTS sequences). The window is
+  the whole run, so the prefill step and the last step's releases are in it.
 - forward_waits_on_daemon_frac: of the decode-only forwards of that run, the share whose forward
   thread sat idle for one of their steps that made a daemon call: it became ready (that call
   answered) after the previous forward ended (the runner's
   pagedkv_runner:decode_forwards{start="idle_wait"}). A step inside its sequences' reservations
   makes no daemon call and never counts (issue 19: decode calls by the block; before it every
   decode step made one, and every decode forward of a decode_ahead run counted). An upper
-  bound: the runner cannot tell whether the idle time went to the daemon's answer or to the
-  client's step that came before it.
+  bound: the runner cannot tell whether the idle time went to the daemon's answer or to a
+  client's step that came before it (a followed session sends none after its first step).
 - service_overhead_frac: 4 client processes of PROMPTS_PER_CLIENT prompts, each through the
   client `Engine` (all its prompts submitted at once; one extra run a round, not a contestant):
   (client step time - runner forward time) / client step time, where the client step time is
@@ -65,10 +77,13 @@ runner meanwhile for pagedkv): *_tok_per_cpu_s and the *_per_cpu ratios say what
 costs, which a busy shared machine distorts less than wall time.
 
 Figures: hf_generate_tok_s, hf_generate_batch_default_tok_s, hf_generate_batch_sized_tok_s,
-runner_tok_s (one client, all prompts), runner_vs_hf_generate (target >= 1),
-runner_vs_hf_generate_batch (vs default sizing, target >= 10), runner_1client_8prompts_tok_s,
-runner_4clients_tok_s (4 client processes of 8 prompts each), runner_4clients_vs_1client
-(target >= 2), runner_matches_hf (the runner's and the continuous batching's tokens equal HF
+runner_tok_s (one client, all prompts, following), runner_ahead_tok_s and runner_no_ahead_tok_s
+(the same, message per step), runner_vs_hf_generate (target >= 1), runner_vs_hf_generate_batch
+(vs default sizing, target >= 10), runner_1client_8prompts_tok_s, runner_4clients_tok_s (4
+client processes of 8 prompts each, following), runner_4clients_vs_1client (target >= 2),
+runner_follow_speedup (runner over runner_ahead: following vs a message per decode_ahead step),
+runner_ahead_speedup (runner_ahead over runner_no_ahead), each ratio also _per_cpu,
+runner_matches_hf (every runner contestant's and the continuous batching's tokens equal HF
 greedy `generate` run on each of CHECK_PROMPTS alone, unpadded; the script exits 1 if not),
 daemon_calls_per_decode_step (target <= 0.25), forward_waits_on_daemon_frac (target <= 0.05),
 service_overhead_frac (target <= 0.10; see "Service figures" above).
@@ -94,9 +109,12 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import astuple, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedkv.process.launch import READY_STATE, free_tcp_port, start_daemon, start_runner
+
+if TYPE_CHECKING:
+    from pagedkv.client import RunnerClient, SeqStep, Session, StepOutputs
 
 T = TypeVar("T")
 
@@ -155,40 +173,82 @@ def process_cpu_s(pid: int) -> float:
 
 
 async def drive(daemon: str, runner_target: str, prompts: list[list[int]],
-                wait_for_go: Callable[[], str], ahead: bool) -> dict[str, Any]:
-    """Greedy generation of `prompts` through the runner, one message per step on the
-    session's Runner.StepStream (each sequence marked decode_ahead when `ahead`): its start and
-    end (time.monotonic, system-wide on Linux), CPU seconds and tokens, as JSON-ready values."""
-    from pagedkv.client import PoolClient, RunnerClient, SamplingParams, SeqStep
+                wait_for_go: Callable[[], str], mode: str) -> dict[str, Any]:
+    """Greedy generation of `prompts` through the runner on the session's Runner.StepStream
+    (`mode`: follow, ahead or no-ahead; see follow_steps and message_steps): its start and end
+    (time.monotonic, system-wide on Linux), CPU seconds and tokens, as JSON-ready values."""
+    from pagedkv.client import PoolClient, RunnerClient
 
-    seq_ids = list(range(len(prompts)))
-    # Greedy, finished by the runner at the last token (so it decodes nothing ahead past it).
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     async with await PoolClient.connect(daemon) as pool, \
             await RunnerClient.connect(runner_target, stream_steps=True) as runner, \
             await pool.open_session("bench-runner") as session:
         print("ready", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, wait_for_go)
         start, cpu = time.monotonic(), time.process_time()
-        out = await runner.step(session, [SeqStep(seq_id, prompt, new_sequence=True,
-                                                  params=params, decode_ahead=ahead)
-                                          for seq_id, prompt in zip(seq_ids, prompts,
-                                                                    strict=True)])
-        tokens: list[list[int]] = [[] for _ in prompts]
-        for step in range(1, NEW_TOKENS + 1):
-            for output in out:
-                assert output.sampled, f"sequence {output.seq_id} sampled nothing"
-                tokens[output.seq_id].append(output.token_id)
-            if step == NEW_TOKENS:
-                break
-            last = step == NEW_TOKENS - 1
-            # The runner keeps each sequence's sampling from its first step.
-            out = await runner.step(session, [SeqStep(seq_id, tokens[seq_id][-1:],
-                                                      decode_ahead=ahead)
-                                              for seq_id in seq_ids],
-                                    release=seq_ids if last else ())
+        tokens = await follow_steps(runner, session, prompts) if mode == "follow" \
+            else await message_steps(runner, session, prompts, mode == "ahead")
         end, cpu = time.monotonic(), time.process_time() - cpu
+    assert all(len(seq) == NEW_TOKENS for seq in tokens), "a sequence ended early"
     return {"start": start, "end": end, "cpu_s": cpu, "tokens": tokens}
+
+
+def first_step(prompts: list[list[int]], ahead: bool) -> "list[SeqStep]":
+    """The step allocating every prompt: sequence i is prompt i, greedy, finished by the runner
+    at its last token (so it decodes nothing ahead past it); the runner keeps each sequence's
+    sampling from this step."""
+    from pagedkv.client import SamplingParams, SeqStep
+
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    return [SeqStep(seq_id, prompt, new_sequence=True, params=params, decode_ahead=ahead)
+            for seq_id, prompt in enumerate(prompts)]
+
+
+async def message_steps(runner: "RunnerClient", session: "Session", prompts: list[list[int]],
+                        ahead: bool) -> list[list[int]]:
+    """One message per step: the first step, then NEW_TOKENS - 1 decode steps each appending
+    the last sampled token of every sequence (each marked decode_ahead when `ahead`), the last
+    one also releasing them. The tokens by sequence."""
+    from pagedkv.client import SeqStep
+
+    seq_ids = list(range(len(prompts)))
+    out = await runner.step(session, first_step(prompts, ahead))
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for step in range(1, NEW_TOKENS + 1):
+        record(out, tokens)
+        if step == NEW_TOKENS:
+            break
+        last = step == NEW_TOKENS - 1
+        out = await runner.step(session, [SeqStep(seq_id, tokens[seq_id][-1:],
+                                                  decode_ahead=ahead) for seq_id in seq_ids],
+                                release=seq_ids if last else ())
+    return tokens
+
+
+async def follow_steps(runner: "RunnerClient", session: "Session",
+                       prompts: list[list[int]]) -> list[list[int]]:
+    """What a client of the runner does now: the first step (every sequence decode_ahead) with
+    follow, then only the runner's pushed answers (it steps the sequences by itself) until the
+    runner finished every sequence (following ends there), then one step releasing them all.
+    The tokens by sequence."""
+    out = await runner.step(session, first_step(prompts, True), follow=True)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    going = len(prompts)
+    while True:
+        # A finished output is its sequence's last: the runner's next push leaves it out.
+        going -= sum(output.finished for output in out)
+        record(out, tokens)
+        if not going:
+            break
+        out = await runner.next_push(session)
+    await runner.step(session, [], release=list(range(len(prompts))))
+    return tokens
+
+
+def record(out: "StepOutputs", tokens: list[list[int]]) -> None:
+    """Append each output's sampled token to its sequence's tokens."""
+    for output in out:
+        assert output.sampled, f"sequence {output.seq_id} sampled nothing"
+        tokens[output.seq_id].append(output.token_id)
 
 
 async def drive_engine(daemon: str, runner_target: str, prompts: list[list[int]],
@@ -217,13 +277,13 @@ async def drive_engine(daemon: str, runner_target: str, prompts: list[list[int]]
 def client_main(daemon: str, runner_target: str, first: int, count: int, mode: str) -> None:
     prompts = make_prompts()[first:first + count]
     run = drive_engine(daemon, runner_target, prompts, sys.stdin.readline) if mode == "engine" \
-        else drive(daemon, runner_target, prompts, sys.stdin.readline, mode == "ahead")
+        else drive(daemon, runner_target, prompts, sys.stdin.readline, mode)
     print(json.dumps(asyncio.run(run)), flush=True)
 
 
 def run_clients(pagedkv: "Pagedkv", groups: Sequence[range],
                 mode: str) -> tuple[Run, "Forwards", list[float]]:
-    """One client process per group of prompt indices (`mode`: ahead, no-ahead or engine),
+    """One client process per group of prompt indices (`mode`: drive's, or engine),
     released together once all are ready; the engine clients' decode step times too.
     CPU time: the clients' loops plus the daemon's and the runner's meanwhile."""
     procs = [subprocess.Popen(
@@ -474,7 +534,7 @@ def warmed(run: Callable[[], T]) -> T:
 
 
 CONTESTANTS = ("hf_generate", "hf_generate_batch_default", "hf_generate_batch_sized", "runner",
-               "runner_no_ahead", "runner_1client_8prompts", "runner_4clients")
+               "runner_ahead", "runner_no_ahead", "runner_1client_8prompts", "runner_4clients")
 
 
 def measure(rounds: int, threads: int) -> int:
@@ -498,12 +558,13 @@ def measure(rounds: int, threads: int) -> int:
                                     ("hf_generate_batch_sized", True))}
     for name, contestant in batching.items():
         print(f"{name}_setup_s: {contestant.setup_s:.2f} s")
-    # Client processes of each runner contestant, and whether they decode ahead.
+    # Client processes of each runner contestant, and how they drive the runner (drive's mode).
     four = [range(c * PROMPTS_PER_CLIENT, (c + 1) * PROMPTS_PER_CLIENT) for c in range(CLIENTS)]
-    groups = {"runner": ([range(0, NUM_PROMPTS)], "ahead"),
+    groups = {"runner": ([range(0, NUM_PROMPTS)], "follow"),
+              "runner_ahead": ([range(0, NUM_PROMPTS)], "ahead"),
               "runner_no_ahead": ([range(0, NUM_PROMPTS)], "no-ahead"),
-              "runner_1client_8prompts": ([range(0, PROMPTS_PER_CLIENT)], "ahead"),
-              "runner_4clients": (four, "ahead")}
+              "runner_1client_8prompts": ([range(0, PROMPTS_PER_CLIENT)], "follow"),
+              "runner_4clients": (four, "follow")}
     figures: dict[str, list[float]] = {}
     all_ok = True
     with contextlib.ExitStack() as stack:
@@ -564,7 +625,8 @@ def report(med: dict[str, float], equal_seqs: float, all_ok: bool) -> None:
               "runner_vs_hf_generate_batch": ("runner", "hf_generate_batch_default"),
               "runner_vs_hf_generate_batch_sized": ("runner", "hf_generate_batch_sized"),
               "runner_4clients_vs_1client": ("runner_4clients", "runner_1client_8prompts"),
-              "runner_ahead_speedup": ("runner", "runner_no_ahead")}
+              "runner_follow_speedup": ("runner", "runner_ahead"),
+              "runner_ahead_speedup": ("runner_ahead", "runner_no_ahead")}
     for key, (a, b) in ratios.items():
         print(f"{key}: {med[a] / med[b]:.2f} ratio")
     # The same per CPU second of every process taking part: less sensitive to a busy machine.
@@ -572,7 +634,8 @@ def report(med: dict[str, float], equal_seqs: float, all_ok: bool) -> None:
         print(f"{name}_tok_per_cpu_s: {med[f'{name}_per_cpu']:.1f} tok/cpu-s")
     for key, (a, b) in ratios.items():
         print(f"{key}_per_cpu: {med[f'{a}_per_cpu'] / med[f'{b}_per_cpu']:.2f} ratio")
-    for name in ("runner", "runner_no_ahead", "runner_1client_8prompts", "runner_4clients"):
+    for name in ("runner", "runner_ahead", "runner_no_ahead", "runner_1client_8prompts",
+                 "runner_4clients"):
         print(f"{name}_forward_ms: {med[f'{name}_forward_ms']:.1f} ms")
         print(f"{name}_seqs_per_forward: {med[f'{name}_seqs_per_forward']:.1f} seqs")
         print(f"{name}_steps_per_daemon_call: {med[f'{name}_steps_per_daemon_call']:.2f} steps")
