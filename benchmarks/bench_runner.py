@@ -257,7 +257,8 @@ async def drive_engine(daemon: str, runner_target: str, prompts: list[list[int]]
     once), as drive returns it, plus decode_step_s: the seconds between consecutive decode-only
     steps (every sequence sent one token) as the Engine's StepRecords saw them."""
     from pagedkv.client import SamplingParams
-    from pagedkv.client.engine.engine import Engine, StepRecord
+    from pagedkv.client.engine.engine import Engine
+    from pagedkv.client.engine.outputs import StepRecord
 
     records: list[StepRecord] = []
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)

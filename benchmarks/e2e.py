@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from pagedkv.client import SamplingParams
-from pagedkv.client.engine.engine import Engine, StepRecord
-from pagedkv.client.engine.outputs import RequestOutput
+from pagedkv.client.engine.engine import Engine
+from pagedkv.client.engine.outputs import RequestOutput, StepRecord
 from pagedkv.client.engine.scheduler import SchedulerConfig
 from pagedkv.process.launch import READY_STATE, free_tcp_port, start_daemon, start_runner
 

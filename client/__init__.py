@@ -1,8 +1,8 @@
 """pagedkv.client: a typed async client for the pagedkv daemon and runner, and the scheduler that
 drives them (`Engine`); imports only grpc and protobuf."""
 
-from pagedkv.client.engine.engine import Engine, StepRecord
-from pagedkv.client.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.client.engine.engine import Engine
+from pagedkv.client.engine.outputs import CompletionOutput, RequestOutput, StepRecord
 from pagedkv.client.engine.scheduler import SchedulerConfig
 from pagedkv.client.pool.client import DEFAULT_TIMEOUT_S, PoolClient
 from pagedkv.client.pool.errors import (

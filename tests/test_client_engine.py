@@ -20,7 +20,8 @@ from served_model import hf_greedy, reference_model, write_config
 from transformers import LlamaConfig, PreTrainedModel
 
 from pagedkv.client import PoolClient, SamplingParams
-from pagedkv.client.engine.engine import Engine, StepRecord
+from pagedkv.client.engine.engine import Engine
+from pagedkv.client.engine.outputs import StepRecord
 from pagedkv.client.engine.scheduler import SchedulerConfig
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

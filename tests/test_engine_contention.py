@@ -32,9 +32,11 @@ class ScriptedRunner:
         self.full = full
         self.calls = 0
         self.held: dict[int, int] = {}
+        # Unary steps, as RunnerClient's without stream_steps: nothing follows, nothing pushes.
+        self.streams = None
 
     async def step(self, session: object, seqs: Sequence[SeqStep],
-                   release: Sequence[int] = ()) -> StepOutputs:
+                   release: Sequence[int] = (), *, follow: bool = False) -> StepOutputs:
         self.calls += 1
         if self.calls in self.full:
             raise PoolExhausted(grpc.StatusCode.RESOURCE_EXHAUSTED, "pool full")
@@ -95,9 +97,9 @@ class SteppingRunner(ScriptedRunner):
     """A ScriptedRunner whose steps take a moment, as a real runner's do."""
 
     async def step(self, session: object, seqs: Sequence[SeqStep],
-                   release: Sequence[int] = ()) -> StepOutputs:
+                   release: Sequence[int] = (), *, follow: bool = False) -> StepOutputs:
         await asyncio.sleep(0.001)
-        return await super().step(session, seqs, release)
+        return await super().step(session, seqs, release, follow=follow)
 
 
 async def test_close_releases_the_running_sequences_through_the_runner() -> None:

@@ -19,7 +19,8 @@ from test_client_engine import PROMPTS, config_path, reference, roomy
 from transformers import PreTrainedModel
 
 from pagedkv.client import SamplingParams
-from pagedkv.client.engine.engine import Engine, StepRecord
+from pagedkv.client.engine.engine import Engine
+from pagedkv.client.engine.outputs import StepRecord
 from pagedkv.client.engine.scheduler import SchedulerConfig
 
 __all__ = ["config_path", "reference", "roomy"]  # module fixtures shared with that test

@@ -18,8 +18,8 @@ class ContextRunner(ScriptedRunner):
     for a model of LIMIT positions."""
 
     async def step(self, session: object, seqs: Sequence[SeqStep],
-                   release: Sequence[int] = ()) -> StepOutputs:
-        answer = await super().step(session, seqs, release)
+                   release: Sequence[int] = (), *, follow: bool = False) -> StepOutputs:
+        answer = await super().step(session, seqs, release, follow=follow)
         return StepOutputs([SeqOutput(o.seq_id, o.num_tokens, o.num_computed, 0, o.sampled,
                                       o.token_id, o.logprob, (), (), o.num_tokens >= LIMIT)
                             for o in answer], answer.free_blocks)

@@ -196,7 +196,7 @@ def test_a_failing_prompt_aborts_the_others(llm: LLM) -> None:
         llm.generate([[5] * 10, [5] * 500], [long_greedy, beam_past_the_end])
 
     async def waited_for() -> list[str]:  # requests whose outputs someone still awaits
-        return list(llm._engine._streams)
+        return list(llm._engine.waiters)
 
     assert llm._loop.run(waited_for()) == []
     assert llm.generate([[5] * 10], GREEDY)[0].outputs[0].token_ids

@@ -28,17 +28,17 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Self
 
 import grpc
 
-from pagedkv.client.engine.follow import Following
-from pagedkv.client.engine.outputs import RequestOutput
+from pagedkv.client.engine.follow import Following, next_push
+from pagedkv.client.engine.outputs import RequestOutput, StepRecord
 from pagedkv.client.engine.requests import Request
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S, RunnerLink
 from pagedkv.client.engine.scheduler import Plan, Scheduler, SchedulerConfig
+from pagedkv.client.engine.waiters import Waiters
 from pagedkv.client.pool.client import PoolClient
 from pagedkv.client.pool.errors import OutcomeUnknown, PagedKVError, PoolExhausted, StalePlan
 from pagedkv.client.pool.runner_client import RunnerClient, StepOutputs
@@ -50,24 +50,6 @@ from pagedkv.vocab.token_ids import check_vocabulary
 ROOM_POLL_S = 0.05
 # How long close waits for the runner to release the engine's sequences (its forwards first).
 CLOSE_RELEASE_S = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """What one step did, for reports and plots (`Engine.observers`)."""
-
-    # Seconds since the engine started.
-    time_s: float
-    # Sequences stepped, tokens sent to compute (an upper bound for prefills), tokens sampled.
-    num_seqs: int
-    num_tokens: int
-    num_sampled: int
-    # Requests running and waiting after the step, and the pool's free blocks.
-    running_seqs: int
-    waiting: int
-    free_blocks: int
-    # The client's own time on this step (planning and handling answers), seconds.
-    schedule_s: float
 
 
 class Engine:
@@ -97,9 +79,7 @@ class Engine:
         self._free_blocks = free_blocks
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        # Requests whose waiter wants only the final output (`generate`).
-        self._final_only: set[str] = set()
+        self.waiters = Waiters()
         # Finished requests whose sequences the next step releases: their final output is
         # published once that step is answered, so a finished request holds no blocks.
         self._finals: list[Request] = []
@@ -112,6 +92,8 @@ class Engine:
         self.following = Following()
         # Steps the runner took by itself and pushed (applied here).
         self.num_pushed = 0
+        # Steps refused in a row as PoolExhausted, and as StalePlan.
+        self._exhausted = self._stale = 0
         self._started = time.monotonic()
         self._task = asyncio.create_task(self._loop(), name="pagedkv-engine")
 
@@ -167,10 +149,7 @@ class Engine:
         """The request's outputs: after each step that changed it, or only the final one (an
         output per step costs the engine's loop a copy of every token so far)."""
         request = self._request(prompt_token_ids, params or SamplingParams(), request_id)
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request.request_id] = queue
-        if not every_step:
-            self._final_only.add(request.request_id)
+        queue = self.waiters.open(request.request_id, every_step)
         self.scheduler.add(request)
         self._wake.set()
         try:
@@ -182,8 +161,7 @@ class Engine:
                 if item.finished:
                     return
         finally:  # finished, failed, or its caller went away: then free it
-            self._streams.pop(request.request_id, None)
-            self._final_only.discard(request.request_id)
+            self.waiters.close(request.request_id)
             if not request.finished:
                 self.scheduler.abort(request)
                 self._wake.set()
@@ -202,7 +180,7 @@ class Engine:
                              f"{params.max_tokens} exceeds the model's {limit} positions "
                              "(max_model_len): lower max_tokens")
         name = request_id if request_id is not None else f"req-{next(self._request_ids)}"
-        if name in self._streams:
+        if name in self.waiters:
             raise ValueError(f"request id {name!r} is already running")
         return Request(name, prompt, params, lambda: next(self._seq_ids), self.eos_token_ids)
 
@@ -212,12 +190,10 @@ class Engine:
         try:
             await self._steps()
         except Exception as exc:  # a bug or a lost daemon: no waiter may hang
-            for queue in self._streams.values():
-                queue.put_nowait(exc)
+            self.waiters.fail_all(exc)
             raise
 
     async def _steps(self) -> None:
-        exhausted = stale = 0
         while True:
             if await self._take_push(wait=False):  # pushes sent before the engine's last message
                 continue
@@ -234,51 +210,54 @@ class Engine:
                 await self._take_push(wait=True)
                 continue
             self.following.stop()  # the runner stops following at the engine's next message
-            if plan.preempt:
-                self._finals = finals
-                await self._preempt(plan)
-                continue
             planned = time.monotonic() - began
-            if not plan.steps and not plan.release:
-                self._finals = finals
+            outputs = None
+            if plan.preempt:
+                await self._preempt(plan)
+            elif not plan.steps and not plan.release:
                 await self._wait_for_room()
-                continue
-            # The runner may have stepped the followed sequences past the pushes read here: a
-            # lost answer is then not resent with histories but computed again (`_recompute`).
-            unseen = bool(self.following.implied.seqs)
-            try:
-                self._in_flight = plan
-                outputs = await self.link.step(plan.seqs, plan.steps, plan.release,
-                                               follow=self._follow, resend=not unseen)
-                self._in_flight = None
-            except OutcomeUnknown as exc:
+            else:
+                outputs = await self._send(plan)
+            if outputs is None:  # nothing stepped: the finished requests wait for a release
                 self._finals = finals
-                if unseen:
-                    await self._recompute(plan)
-                else:
-                    self._fail(plan, exc)
                 continue
-            except StalePlan as exc:  # planned before pushes not read yet: read, plan again
-                self._finals = finals
-                stale += 1
-                if stale > 1:  # the runner stopped following at the first: never twice
-                    self._fail(plan, exc)
-                    continue
-                self.scheduler.unadmit(plan)
-                continue
-            except PoolExhausted:
-                self._finals = finals
-                exhausted += 1
-                await self._exhausted(plan, exhausted)
-                continue
-            except PagedKVError as exc:
-                self._finals = finals
-                self._fail(plan, exc)
-                continue
-            exhausted = stale = 0
-            self.following.answered(plan, outputs, self._follow)
             self._publish_finals(finals)
             self._answered(plan, outputs, planned)
+
+    async def _send(self, plan: Plan) -> StepOutputs | None:
+        """Send `plan`: its answers, or None if it failed (handled here: see runner.proto's
+        retry rules and `Following`)."""
+        # The runner may have stepped the followed sequences past the pushes read here: a lost
+        # answer is then not resent with histories but computed again (`_recompute`).
+        unseen = bool(self.following.implied.seqs)
+        try:
+            self._in_flight = plan
+            outputs = await self.link.step(plan.seqs, plan.steps, plan.release,
+                                           follow=self._follow, resend=not unseen)
+            self._in_flight = None
+        except OutcomeUnknown as exc:
+            if unseen:
+                await self._recompute(plan)
+            else:
+                self._fail(plan, exc)
+            return None
+        except StalePlan as exc:  # planned before pushes not read yet: read them, plan again
+            self._stale += 1
+            if self._stale > 1:  # the runner stopped following at the first: never twice
+                self._fail(plan, exc)
+            else:
+                self.scheduler.unadmit(plan)
+            return None
+        except PoolExhausted:
+            self._exhausted += 1
+            await self._short_of_blocks(plan)
+            return None
+        except PagedKVError as exc:
+            self._fail(plan, exc)
+            return None
+        self._exhausted = self._stale = 0
+        self.following.answered(plan, outputs, self._follow)
+        return outputs
 
     def _answered(self, plan: Plan, outputs: StepOutputs, planned: float) -> None:
         """Apply the answer to `plan` (a step the engine sent, or one the runner took by itself
@@ -289,8 +268,8 @@ class Engine:
         for request in progressed:
             if request.finished:
                 self._finals.append(request)
-            elif request.request_id not in self._final_only:
-                self._publish(request)
+            else:
+                self.waiters.progressed(request)
         self._observe(plan, outputs.free_blocks, planned + time.monotonic() - began,
                       sum(out.sampled for out in outputs))
 
@@ -302,7 +281,8 @@ class Engine:
         if not self.following.implied.seqs:
             return False
         try:
-            pushed = await self._next_push() if wait else self.runner.take_push(self.session)
+            pushed = (await next_push(self.runner, self.session, self._wake) if wait
+                      else self.runner.take_push(self.session))
         except PoolExhausted:  # nothing changed: the engine's own step meets it next
             self.following.stop()
             return False
@@ -320,18 +300,6 @@ class Engine:
         plan, outputs = self.following.pushed(pushed)
         self._answered(plan, StepOutputs(outputs, pushed.free_blocks), 0.0)
         return True
-
-    async def _next_push(self) -> StepOutputs | None:
-        """The runner's next push, or None if the engine was woken first (the push waits)."""
-        push = asyncio.ensure_future(self.runner.next_push(self.session))
-        woken = asyncio.ensure_future(self._wake.wait())
-        try:
-            await asyncio.wait((push, woken), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            woken.cancel()
-            if not push.done():
-                push.cancel()  # only its wait: the push stays queued on the stream
-        return push.result() if push.done() and not push.cancelled() else None
 
     async def _lost_following(self) -> None:
         """The stream broke while the runner followed: it may have stepped the followed
@@ -374,7 +342,7 @@ class Engine:
         self._free_blocks = outputs.free_blocks
         self.scheduler.preempted(plan)
 
-    async def _exhausted(self, plan: Plan, times: int) -> None:
+    async def _short_of_blocks(self, plan: Plan) -> None:
         """The pool was fuller than the runner's last answer said (another client took blocks,
         or a step needed more than planned): nothing changed. Read the free blocks back and plan
         again. The second time in a row, preempt the newest request, even one running alone, or
@@ -382,7 +350,7 @@ class Engine:
         back, and one that could never fit the pool fails (`_wait_for_room`)."""
         self.scheduler.unadmit(plan)
         self._free_blocks = (await self.session.stats()).free_blocks
-        if times < 2:
+        if self._exhausted < 2:
             return
         running = self.scheduler.running
         if running:
@@ -398,19 +366,12 @@ class Engine:
 
     def _fail_request(self, request: Request, exc: BaseException) -> None:
         self.scheduler.drop(request)
-        queue = self._streams.get(request.request_id)
-        if queue is not None:
-            queue.put_nowait(exc)
+        self.waiters.fail(request.request_id, exc)
 
     def _publish_finals(self, finals: list[Request]) -> None:
         for request in finals:
-            self._publish(request)
+            self.waiters.publish(request)
         finals.clear()
-
-    def _publish(self, request: Request) -> None:
-        queue = self._streams.get(request.request_id)
-        if queue is not None:
-            queue.put_nowait(request.output())
 
     def _observe(self, plan: Plan, free_blocks: int, schedule_s: float, sampled: int) -> None:
         self.num_steps += 1
@@ -430,8 +391,7 @@ class Engine:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
-        for queue in self._streams.values():
-            queue.put_nowait(asyncio.CancelledError("the engine was closed"))
+        self.waiters.fail_all(asyncio.CancelledError("the engine was closed"))
         await self._release_all()
         await self.runner.close()
         await self.pool.close()  # closes the session: the daemon frees its sequences

@@ -15,13 +15,15 @@ implied step the runner took: a sequence that a preemption or release freed mean
 skipped when they are applied, and its tokens go with it.
 """
 
+import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pagedkv.client.engine.requests import Request
 from pagedkv.client.engine.scheduler import Plan
 from pagedkv.client.engine.sequences import Seq
-from pagedkv.client.pool.runner_client import SeqOutput, SeqStep
+from pagedkv.client.pool.runner_client import RunnerClient, SeqOutput, SeqStep, StepOutputs
+from pagedkv.client.pool.session import Session
 
 
 @dataclass
@@ -93,6 +95,21 @@ class Following:
                                       if not owner.finished))
         self.implied = Plan()
         return requests
+
+
+async def next_push(runner: RunnerClient, session: Session,
+                    wake: asyncio.Event) -> StepOutputs | None:
+    """The runner's next push on the session's stream, or None if `wake` was set first (the
+    push waits on the stream: cancelling the wait loses nothing)."""
+    push = asyncio.ensure_future(runner.next_push(session))
+    woken = asyncio.ensure_future(wake.wait())
+    try:
+        await asyncio.wait((push, woken), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        woken.cancel()
+        if not push.done():
+            push.cancel()
+    return push.result() if push.done() and not push.cancelled() else None
 
 
 def _going_on(entries: Iterable[tuple[Seq, SeqStep, Request]]) -> Plan:

@@ -1,4 +1,5 @@
-"""What a request returns: vLLM's `RequestOutput` / `CompletionOutput` shape, token ids first.
+"""What a request returns: vLLM's `RequestOutput` / `CompletionOutput` shape, token ids first;
+and what each engine step did (`StepRecord`, for reports and plots).
 
 The engine fills token ids; the offline `LLM` API adds text through the model's tokenizer.
 """
@@ -51,3 +52,21 @@ class RequestOutput:
     prompt: str | None = None
     # Seconds from arrival to the first generated token, and to the end (None until then).
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step did, for reports and plots (`Engine.observers`)."""
+
+    # Seconds since the engine started.
+    time_s: float
+    # Sequences stepped, tokens sent to compute (an upper bound for prefills), tokens sampled.
+    num_seqs: int
+    num_tokens: int
+    num_sampled: int
+    # Requests running and waiting after the step, and the pool's free blocks.
+    running_seqs: int
+    waiting: int
+    free_blocks: int
+    # The client's own time on this step (planning and handling answers), seconds.
+    schedule_s: float
