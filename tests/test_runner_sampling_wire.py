@@ -17,7 +17,7 @@ from pagedkv.client.engine.sequences import Seq
 from pagedkv.client.pool.runner_client import SeqOutput
 from pagedkv.model_runner.engine.sequences import SeqState, SessionSequences
 from pagedkv.model_runner.engine.steps import InvalidStep, UnknownSequence
-from pagedkv.model_runner.process.servicer import NO_LIMIT, sampling_params, seq_request
+from pagedkv.model_runner.process.step_messages import NO_LIMIT, sampling_params, seq_request
 from pagedkv.proto import runner_pb2 as rpb
 
 TOP_K = SamplingParams(temperature=0.75, top_k=5, seed=3, stop_token_ids=(4, 5), max_tokens=9,
