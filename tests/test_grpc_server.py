@@ -45,6 +45,8 @@ class EchoState:
         self.model = model
         # The session id of every step that reached the engine.
         self.sessions: list[str] = []
+        # No figures (RunnerState.metrics).
+        self.metrics = None
 
     async def step(self, session_id: str, requests: Sequence[SeqStep],
                    release: Sequence[int]) -> StepOutputs:

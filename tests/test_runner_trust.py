@@ -437,7 +437,7 @@ async def test_the_client_link_never_resends_a_step_that_was_applied_but_not_com
     sent: list[object] = []
 
     class Failing:
-        async def step(self, *args: object) -> object:
+        async def step(self, *args: object, follow: bool = False) -> object:
             sent.append(args)
             raise ClientStepNotComputed(grpc.StatusCode.ABORTED, "forward failed")
 

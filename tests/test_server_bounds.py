@@ -163,6 +163,8 @@ class HeldSteps:
     def __init__(self) -> None:
         # Set once a step has reached the engine.
         self.entered = asyncio.Event()
+        # No figures (RunnerState.metrics).
+        self.metrics = None
 
     async def step(self, *_: object) -> StepOutputs:
         self.entered.set()

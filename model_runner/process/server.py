@@ -111,6 +111,11 @@ class RunnerState:
             raise RunnerUnavailable(self.unavailable)
         return await self.engine.step(session_id, requests, release)
 
+    @property
+    def metrics(self) -> RunnerMetrics | None:
+        """The runner's figures (the servicer counts pushes there)."""
+        return self.engine.metrics
+
     def runner_info(self) -> rpb.RunnerInfo:
         runner = self.engine.runner
         layers, kv_heads, head_dim, dtype = kv_geometry(runner.model)
@@ -173,7 +178,7 @@ async def _grpc_server(config: RunnerConfig, state: RunnerState) -> AsyncIterato
     # Answers are bounded below MAX_MESSAGE_BYTES (answer_limits); requests up to it.
     servicer = RunnerServicer(state.step, state.runner_info,
                               lambda exc: log.error("step failed", exc_info=exc),
-                              state.engine.metrics)
+                              state.metrics)
     async with grpc_servers(RUNNER_SERVICE, config.server_bounds) as servers:
         servers.on_drain.append(servicer.end_streams)
         server = servers.add_server(
