@@ -9,7 +9,10 @@ tiny Llama) serve:
   random valid steps (new sequences from a shared corpus under one cache salt, so prefix-cache
   hits cross clients; chunked prefills, decodes, decode ahead, forks, releases), greedy with
   logprobs; the shadow (`fuzz_runner_shadow`) recomputes each client's own tokens with the same
-  model in this process: any token it refutes is a wrong token;
+  model in this process: any token it refutes is a wrong token; some of them (by the seed)
+  stream their steps and have the runner follow some, taking its pushes, sending steps planned
+  before pushes they had not read on purpose (refused StalePlan), releasing mid-follow
+  (`fuzz_runner_follow`);
 - a hostile client (`fuzz_runner_hostile`), another tenant sharing the cache salt
   (`fuzz_runner_tenants`): forged histories, num_computed lies, token ids outside the
   vocabulary, junk sessions, steps cancelled mid-flight, K/V certified without being computed
@@ -19,13 +22,15 @@ At the end every session is closed (killed ones lapse): the pool must hold no us
 sequence. Each client's random choices follow from the seed (the interleaving of the clients
 does not: a finding names the seed, the client, its step and the hostile actions just before).
 
-Figures: runner_fuzz_steps, runner_fuzz_wrong_tokens, runner_fuzz_leaked_blocks, and the
-hostile actions by kind and outcome (fuzz_runner_report). Exit status 1 on any finding.
+Figures: runner_fuzz_steps, runner_fuzz_wrong_tokens, runner_fuzz_leaked_blocks,
+runner_fuzz_pushes_taken, runner_fuzz_stale_refusals, and the hostile actions by kind and
+outcome (fuzz_runner_report). Exit status 1 on any finding.
 """
 
 import argparse
 import asyncio
 import contextlib
+import random
 import sys
 import tempfile
 import time
@@ -78,8 +83,10 @@ async def fuzz(daemon: str, runner_target: str, tenancy: Tenancy, config: Runner
     loop = asyncio.get_running_loop()
     async with contextlib.AsyncExitStack() as stack:
         pool = await stack.enter_async_context(await PoolClient.connect(daemon, timeout=30))
-        runners = [await stack.enter_async_context(await RunnerClient.connect(runner_target))
-                   for _ in range(config.honest_clients + 1)]
+        # The hostile client's channel, then the honest clients' (some streaming steps).
+        runners = [await stack.enter_async_context(await RunnerClient.connect(
+            runner_target, stream_steps=streams))
+            for streams in (False, *stream_clients(config.seed, config.honest_clients))]
         info = await runners[0].info()
         if info.vocab_size != reference.vocab_size:
             raise RuntimeError(f"the runner serves {info.model} (vocabulary {info.vocab_size}), "
@@ -104,6 +111,16 @@ async def fuzz(daemon: str, runner_target: str, tenancy: Tenancy, config: Runner
             tasks.append(kill_clients(daemon, runner_target, config.seed, corpus, report,
                                       deadline))
         await asyncio.gather(*tasks)
+
+
+def stream_clients(seed: int, clients: int) -> list[bool]:
+    """Which honest clients stream their steps (and have the runner follow some): a random
+    choice by the seed, at least one so that every run covers following."""
+    rng = random.Random(f"streams-{seed}")
+    streams = [rng.random() < 0.5 for _ in range(clients)]
+    if clients and not any(streams):
+        streams[rng.randrange(clients)] = True
+    return streams
 
 
 def run_runner_fuzz(daemon: str, runner: str, metrics: str, tenancy: Tenancy,

@@ -9,6 +9,8 @@ blocks), may fork one (empty or one token of its own, as parallel sampling and b
 mark decodes `decode_ahead`, and releases sequences that reached their length. Greedy sampling
 with logprobs: every token is judged by the shadow (`Reference`) on the exact tokens this client
 holds. A sequence given a wrong token is released (one count per incident, not a cascade).
+A client whose runner channel streams steps has the runner follow some of them, and takes and
+checks its pushes (`fuzz_runner_follow`).
 
 A failed step is handled as runner.proto's retry rules say: a full pool changed nothing (the
 client releases its longest sequence and goes on); any other failure of a valid step is a
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 from fuzz_runner_corpus import GREEDY, Corpus
+from fuzz_runner_follow import Following
 from fuzz_runner_report import RunnerFuzzReport
 from fuzz_runner_shadow import Reference
 
@@ -63,6 +66,8 @@ class HonestClient:
         self.step_no = 0
         # Sequences to release in the next step (a wrong token, a finished sequence).
         self.doomed: set[int] = set()
+        # Sends the steps; on a stream channel, has the runner follow some of them.
+        self.following = Following(self)
 
     async def run(self, deadline: float) -> None:
         loop = asyncio.get_running_loop()
@@ -118,14 +123,19 @@ class HonestClient:
     # ------------------------------------------------------------------ the step
 
     async def one_step(self) -> None:
+        first_id = self.next_id
         steps, release, after = self.plan()
         if not steps and not release:
             return
+        steps, follow = self.following.choose(steps)
         self.step_no += 1
         try:
-            outputs = await self.runner.step(self.session, steps, release)
+            outputs = await self.following.send(steps, release, follow)
         except PagedKVError as exc:
             await self.failed(steps, release, exc)
+            return
+        if outputs is None:  # a stale plan changed nothing: plan again, reusing its new ids
+            self.next_id = first_id
             return
         self.report.steps += 1
         for seq_id in release:
@@ -145,6 +155,7 @@ class HonestClient:
                 seq.ahead = step.decode_ahead and not out.finished
             if out.finished:
                 self.doomed.add(step.seq_id)
+        await self.following.answered(steps, outputs, follow)
 
     def check(self, step: SeqStep, seq: HonestSeq, num_tokens: int, sampled: bool,
               token_id: int, logprob: float) -> None:

@@ -33,6 +33,17 @@ class RunnerFuzzReport:
     sequences: int = 0
     cached_sequences: int = 0
     forks: int = 0
+    # Honest steps sent with follow, pushed answers taken, release-only steps sent while the
+    # runner followed; steps sent after a sleep letting pushes queue, and StalePlan refusals
+    # (each after a push the step had not read: expected).
+    follow_steps: int = 0
+    pushes_taken: int = 0
+    releases_mid_follow: int = 0
+    stale_sent: int = 0
+    stale_refusals: int = 0
+    # Following gone wrong: a push that is not the implied step's, a StalePlan when every push
+    # was taken, a stale step accepted, a release-only step refused while following.
+    follow_findings: list[str] = field(default_factory=list)
     # Tokens (or token counts) an honest client was given that the shadow refutes.
     wrong_tokens: list[str] = field(default_factory=list)
     # Honest steps that failed, by status code; the failures other than a full pool.
@@ -85,6 +96,12 @@ class RunnerFuzzReport:
                  f"runner_fuzz_sequences: {self.sequences} sequences",
                  f"runner_fuzz_cached_sequences: {self.cached_sequences} sequences",
                  f"runner_fuzz_forks: {self.forks} forks",
+                 f"runner_fuzz_follow_steps: {self.follow_steps} steps",
+                 f"runner_fuzz_pushes_taken: {self.pushes_taken} pushes",
+                 f"runner_fuzz_releases_mid_follow: {self.releases_mid_follow} steps",
+                 f"runner_fuzz_stale_sent: {self.stale_sent} steps",
+                 f"runner_fuzz_stale_refusals: {self.stale_refusals} steps",
+                 f"runner_fuzz_follow_findings: {len(self.follow_findings)} findings",
                  f"runner_fuzz_honest_failed_steps: {sum(self.honest_failures.values())} steps",
                  f"runner_fuzz_internal_errors: {len(self.internal_errors)} errors",
                  f"runner_fuzz_hostile_actions: {sum(self.hostile.values())} actions",
@@ -99,6 +116,7 @@ class RunnerFuzzReport:
     def findings(self) -> list[str]:
         found = [f"wrong token: {w}" for w in self.wrong_tokens[:KEEP]]
         found += [f"honest step failed: {f}" for f in self.honest_findings[:KEEP]]
+        found += [f"following: {f}" for f in self.follow_findings[:KEEP]]
         found += [f"internal error: {e}" for e in self.internal_errors[:KEEP]]
         found += [f"{kind}: {n} actions not refused" for kind, n in self.not_refused().items()]
         if self.leaked_blocks != 0 or self.leftover_sequences != 0:

@@ -4,7 +4,8 @@
     load         8 client processes for 60 s on a 4,096-block pool, and a victim process with
                  500 ms leases SIGKILLed every 1.5-4 s
     runner fuzz  a pagedkvd and a runner (tiny Llama) for 120 s: 3 honest clients checked token
-                 by token against a private recomputation, a hostile client, client processes
+                 by token against a private recomputation (some followed by the runner: its
+                 pushes checked, stale plans refused), a hostile client, client processes
                  SIGKILLed mid-step (fuzz_runner.py)
 
 Prints every figure as `name: value unit` (fuzz_calls, fuzz_internal_errors, fuzz_leaked_blocks,

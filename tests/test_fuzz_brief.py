@@ -87,9 +87,10 @@ def test_load_with_killed_clients_expires_no_healthy_session_and_leaks_nothing(
 
 def test_runner_fuzzer_gives_honest_clients_only_right_tokens_refuses_attacks_and_leaks_nothing(
         tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Honest clients (prefix hits across sessions, chunked prefills, forks, decode ahead) beside
-    forged histories, out-of-vocabulary ids, cancelled steps, uncomputed commits and killed
-    client processes: every honest token equals the private recomputation's."""
+    """Honest clients (prefix hits across sessions, chunked prefills, forks, decode ahead, the
+    runner following some, stale plans refused) beside forged histories, out-of-vocabulary ids,
+    cancelled steps, uncomputed commits and killed client processes: every honest token, pushed
+    or answered, equals the private recomputation's."""
     config_path = str(write_config(TINY, tmp_path_factory))
     # Honest clients and the hostile one are two tenants sharing the cache salt.
     tenancy = write_tenancy(tmp_path_factory.mktemp("tenants"))
@@ -106,9 +107,13 @@ def test_runner_fuzzer_gives_honest_clients_only_right_tokens_refuses_attacks_an
     summary = "\n".join([*report.figures(), *report.findings()])
     assert report.wrong_tokens == [], summary
     assert report.internal_errors == [] and report.honest_findings == [], summary
+    assert report.follow_findings == [], summary
     assert report.leaked_blocks == 0 and report.leftover_sequences == 0
     # The honest clients did the interesting things: prefix hits across sessions, forks.
     assert report.checked_tokens >= 50 and report.cached_sequences > 0 and report.forks > 0
+    # The runner followed stream clients: pushes taken and checked, steps planned before
+    # pushes they had not read refused StalePlan (and sent again once those were read).
+    assert report.pushes_taken > 0 and report.stale_refusals > 0, summary
     # Every hostile kind happened; each attack was refused.
     kinds = report.kinds()
     assert set(kinds) == {*KINDS, "killed_client"}, summary
