@@ -109,7 +109,8 @@ class RunnerStreamRequest(_message.Message):
     pushes_read: _builtins.int
     """How many pushed answers of this stream the client had read when it planned this step.
     A step naming sequences with fewer than the runner pushed is refused (ABORTED, cause
-    "StalePlan", nothing changed).
+    "StalePlan", nothing changed); more than the runner pushed is INVALID_ARGUMENT naming
+    pushes_read, nothing changed.
     """
     @_builtins.property
     def step(self) -> Global___RunnerStepRequest:

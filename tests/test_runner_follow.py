@@ -180,6 +180,31 @@ async def test_a_step_planned_before_pushes_it_did_not_read_is_refused_as_stale(
     assert generated == hf_greedy(reference, prompt, len(generated))
 
 
+async def test_pushes_read_past_the_pushes_sent_is_refused_and_changes_nothing(
+        pool: PoolClient, stub: runner_pb2_grpc.RunnerStub, reference: PreTrainedModel) -> None:
+    """A client claiming more pushes than the runner sent (a release alone too) is refused
+    INVALID_ARGUMENT naming pushes_read; its release is not carried out."""
+    async with await pool.open_session("overread") as session:
+        call = stub.StepStream()
+        await call.write(message(1, session, [new(1, PROMPTS[0], ENDLESS)], follow=True))
+        generated = [tokens(await call.read())[1]]
+        pushes = [await call.read()]
+        await call.write(message(2, session, [], (1,), pushes_read=1000))
+        refused = await answer(call, 2, pushes)
+        assert refused.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "pushes_read 1000" in refused.message
+        stats = (await session.stats()).session
+        assert stats is not None and stats.num_sequences == 1  # not released
+        generated += [tokens(push)[1] for push in pushes]
+        await call.write(message(3, session, [SeqStep(1, [generated[-1]])],
+                                 pushes_read=len(pushes)))
+        generated.append(tokens(await answer(call, 3, pushes))[1])
+        await call.write(message(4, session, [], (1,), pushes_read=len(pushes)))
+        assert (await answer(call, 4, pushes)).code == 0
+        call.cancel()
+    assert generated == hf_greedy(reference, PROMPTS[0], len(generated))
+
+
 async def test_a_release_while_following_is_never_stale(
         pool: PoolClient, stub: runner_pb2_grpc.RunnerStub, reference: PreTrainedModel) -> None:
     """A release alone, planned before every push (pushes_read 0), is answered and frees its

@@ -90,11 +90,15 @@ class SessionStream:
         return rpb.RunnerStreamResponse(step_id=message.step_id, answer=answer_message(outputs))
 
     def _check(self, message: rpb.RunnerStreamRequest) -> None:
-        """Refuse a message of another session, or one naming sequences that was planned
-        before pushes it had not read (a release alone is never stale)."""
+        """Refuse a message of another session, one claiming pushes never sent, or one naming
+        sequences that was planned before pushes it had not read (a release alone is never
+        stale)."""
         if message.step.session_id != self.session_id:
             raise InvalidStep(f"step {message.step_id} names another session than the "
                               "one this stream serves (its first message's)")
+        if message.pushes_read > self.pushes:
+            raise InvalidStep(f"step {message.step_id}: pushes_read {message.pushes_read}, but "
+                              f"the runner has pushed {self.pushes} answers on this stream")
         if message.step.seqs and message.pushes_read < self.pushes:
             raise StalePlan(f"step {message.step_id} was planned after {message.pushes_read} "
                             f"pushed answers; the runner has pushed {self.pushes}: read them "
