@@ -11,14 +11,14 @@ never is. Tokens are transformers' greedy ones throughout.
 
 import signal
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
-from pagedkvd_process import Pagedkvd, free_tcp_port, pagedkv_runner
+from pagedkvd_process import Pagedkvd, pagedkv_runner
 from served_model import hf_greedy
-from test_runner_stream import config_path, daemon, reference
+from test_runner_service import config_path, daemon, metrics_port, reference, runner
 from transformers import PreTrainedModel
 
 from pagedkv.client import PoolClient, SamplingParams, SeqOutput, SeqStep, Session
@@ -32,21 +32,10 @@ PROMPTS = [[(5 * i + 3 * j) % 128 for j in range(n)] for i, n in enumerate((6, 1
 # on until the test stops following it.
 ENDLESS = SamplingParams(temperature=0.0, max_tokens=200)
 
-__all__ = ["config_path", "daemon", "reference"]  # module fixtures shared with that test
+# Module fixtures shared with test_runner_service.
+__all__ = ["config_path", "daemon", "metrics_port", "reference", "runner"]
 
 Call = grpc.aio.StreamStreamCall[rpb.RunnerStreamRequest, rpb.RunnerStreamResponse]
-
-
-@pytest.fixture(scope="module")
-def metrics_port() -> int:
-    return free_tcp_port()
-
-
-@pytest.fixture(scope="module")
-def runner(daemon: Pagedkvd, config_path: Path, metrics_port: int) -> Iterator[Pagedkvd]:
-    with pagedkv_runner(daemon, "--random-init", str(config_path), "--metrics-listen",
-                        f"127.0.0.1:{metrics_port}") as running:
-        yield running
 
 
 @pytest.fixture
