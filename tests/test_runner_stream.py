@@ -251,6 +251,28 @@ async def test_a_followed_session_is_pushed_transformers_tokens(
         assert opened(runner, session) == 1
 
 
+async def test_a_release_without_an_answer_is_sent_again_to_the_same_runner(
+        daemon: Pagedkvd, config_path: Path) -> None:
+    """A release alone (a preemption) whose answer is lost (the runner stopped past the
+    client's timeout, then goes on): once the same runner answers, the link sends it again
+    (freeing a freed sequence is ignored) instead of failing the engine's loop; the sequence is
+    gone and nothing restarted."""
+    seqs = [Seq(0, list(PROMPTS[0]), len(PROMPTS[0]), GREEDY)]
+    with pagedkv_runner(daemon, "--random-init", str(config_path)) as paused:
+        async with await PoolClient.connect(daemon.unix_target) as pool, \
+                await pool.open_session("lost-release", lease_ttl_ms=LEASE_MS) as session, \
+                await RunnerClient.connect(paused.unix_target, timeout=1.0,
+                                           stream_steps=True) as runner:
+            link = RunnerLink(runner, session, (await runner.info()).runner_id)
+            await step(link, seqs)
+            paused.send(signal.SIGSTOP)  # the release's answer comes after the client's 1 s
+            asyncio.get_running_loop().call_later(2.0, paused.send, signal.SIGCONT)
+            await link.step([], [], [0])
+            stats = (await session.stats()).session
+    assert stats is not None and stats.num_sequences == 0
+    assert link.restarts == 0 and opened(runner, session) == 2
+
+
 async def test_a_draining_runner_ends_an_idle_stream(daemon: Pagedkvd,
                                                      config_path: Path) -> None:
     """SIGTERM: a stream waiting for its next step ends at once with OK, instead of holding

@@ -16,7 +16,8 @@ restart in one of two ways:
   histories and sampling. The daemon then holds at most one token more of a sequence than the
   last answer said (the lost step appended it, or the runner appended it ahead), and the runner
   takes it for the token the step names (runner.proto). The same `runner_id` means a living
-  runner may have applied the step: the error stands.
+  runner may have applied the step: the error stands, but for a release alone (a preemption),
+  which is sent again to whichever runner answers: frees of sequences gone are ignored.
 
 A step is sent at most twice; a second failure is the engine's to report. Any other error is
 never resent: `StepNotComputed` (the step was applied, its forward failed) resent as it was would
@@ -67,15 +68,22 @@ class RunnerLink:
         except UnknownSequence:
             pass
         except OutcomeUnknown:
-            if not await self._restarted() or not resend:
+            before = self.runner_id
+            if not await self._runner_answers():
+                raise
+            if not steps:  # a release alone: frees of sequences gone are ignored, send it again
+                return await self.runner.step(self.session, [], release)
+            # An empty id (unknown, or a runner that draws none) never proves a restart.
+            if not before or self.runner_id == before or not resend:
                 raise
             await self._free_new(steps)
         self.restarts += 1
         return await self.runner.step(self.session, with_history(seqs, steps), release,
                                       follow=follow)
 
-    async def _restarted(self) -> bool:
-        """Whether the runner that answers now (waiting for one) is another than before."""
+    async def _runner_answers(self) -> bool:
+        """Wait (at most restart_wait_s) for a runner to answer, and learn its runner_id;
+        whether one did."""
         deadline = time.monotonic() + self.restart_wait_s
         while True:
             try:
@@ -85,10 +93,8 @@ class RunnerLink:
                     return False
                 await asyncio.sleep(RESTART_POLL_S)
                 continue
-            # An empty id (unknown, or a runner that draws none) never proves a restart.
-            restarted = bool(self.runner_id) and info.runner_id != self.runner_id
             self.runner_id = info.runner_id
-            return restarted
+            return True
 
     async def _free_new(self, steps: Sequence[SeqStep]) -> None:
         """Free the step's new sequences in the daemon, where the lost step may have allocated

@@ -79,7 +79,7 @@ class MessageStream(ABC, Generic[RequestT, AnswerT]):
     def forget(self, message_id: int) -> None:
         """Stop waiting for `message_id` (its write sent nothing)."""
         future = self.waiting.pop(message_id, None)
-        if future is not None and not future.cancel():
+        if future is not None and not future.cancel() and not future.cancelled():
             future.exception()  # failed by the stream's end meanwhile: retrieved, unused
 
     async def write(self, message: RequestT) -> bool:
