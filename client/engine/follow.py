@@ -57,19 +57,19 @@ class Following:
     def pushed(self, outputs: Sequence[SeqOutput]) -> tuple[Plan, list[SeqOutput]]:
         """A push answered the implied step: the part of it still the engine's to apply (its
         sequences not freed since), and the implied step the runner takes next."""
-        implied = self.implied
-        live = _going_on((seq, step, owner) for seq, step, owner in zip(
-            implied.seqs, implied.steps, implied.owners, strict=True)
-            if seq.allocated and seq.finish_reason is None and not owner.finished)
-        kept = {id(seq) for seq in live.seqs}
-        # The runner's next implied step counts every output, those freed here included.
-        self.implied = _going_on(
-            (seq, SeqStep(seq.seq_id, (out.token_id,), decode_ahead=True), owner)
-            for seq, owner, out in zip(implied.seqs, implied.owners, outputs, strict=True)
-            if out.sampled and not out.finished)
-        self.active = self.active and bool(self.implied.seqs)
-        return live, [out for seq, out in zip(implied.seqs, outputs, strict=True)
-                      if id(seq) in kept]
+        live, live_outputs, going_on = Plan(), [], Plan()
+        for seq, step, owner, out in zip(self.implied.seqs, self.implied.steps,
+                                         self.implied.owners, outputs, strict=True):
+            if seq.allocated and seq.finish_reason is None and not owner.finished:
+                _add(live, seq, step, owner)
+                live_outputs.append(out)
+            # The runner's next implied step counts every output, those freed here included.
+            if out.sampled and not out.finished:
+                _add(going_on, seq, SeqStep(seq.seq_id, (out.token_id,), decode_ahead=True),
+                     owner)
+        self.implied = going_on
+        self.active = self.active and bool(going_on.seqs)
+        return live, live_outputs
 
     def covers(self, plan: Plan) -> bool:
         """Whether `plan` is exactly the step the runner takes by itself: the same sequences,
@@ -116,10 +116,14 @@ def _going_on(entries: Iterable[tuple[Seq, SeqStep, Request]]) -> Plan:
     """A plan of these (sequence, step, request) entries, in their order."""
     plan = Plan()
     for seq, step, owner in entries:
-        plan.seqs.append(seq)
-        plan.steps.append(step)
-        plan.owners.append(owner)
+        _add(plan, seq, step, owner)
     return plan
+
+
+def _add(plan: Plan, seq: Seq, step: SeqStep, owner: Request) -> None:
+    plan.seqs.append(seq)
+    plan.steps.append(step)
+    plan.owners.append(owner)
 
 
 def _plain_decode(step: SeqStep) -> bool:

@@ -154,7 +154,7 @@ class StepEngine:
             if self.metrics is not None:
                 self.metrics.step(time.monotonic() - started)
                 self.metrics.ahead_used(len(prepared.ready))
-            ahead = known.with_params(implied_step(requests, results, release))
+            ahead = implied_step(requests, results, release)
             if ahead:  # the lock goes with the task, which releases it
                 task = asyncio.create_task(self._decode_ahead(session_id, entry, ahead))
                 self._ahead_tasks.add(task)
@@ -277,11 +277,12 @@ class StepEngine:
 def implied_step(requests: Sequence[SeqStep], results: Sequence[SeqOutput],
                  release: Sequence[int]) -> list[SeqStep]:
     """The client's next step of the sequences it marked decode_ahead whose token this step
-    sampled and that go on (runner.proto's "implied step"): append that token, the sampling
-    kept, decode_ahead again, nothing released. What the runner computes ahead, and the step it
-    takes itself while it follows a session (model_runner/process/follow.py)."""
+    sampled and that go on (runner.proto's "implied step"): append that token, with the
+    sampling the request carries (the kept one, once the step filled it in), decode_ahead
+    again, nothing released. What the runner computes ahead, and the step it takes itself while
+    it follows a session (model_runner/process/follow.py)."""
     released = set(release)
-    return [SeqStep(r.seq_id, (result.token_id,), decode_ahead=True)
+    return [SeqStep(r.seq_id, (result.token_id,), params=r.params, decode_ahead=True)
             for r, result in zip(requests, results, strict=True)
             if r.decode_ahead and result.sampled and not result.finished
             and r.seq_id not in released]
