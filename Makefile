@@ -33,7 +33,7 @@ lint: setup
 # mypy cannot follow setuptools' package-dir mapping: link the folders under their import names.
 typecheck: setup
 	mkdir -p .mypy-src/pagedkv
-	for pkg in vocab demo daemon client proto memory model_runner process llm cli; do ln -sfn ../../$$pkg .mypy-src/pagedkv/$$pkg; done
+	for pkg in vocab demo daemon client proto memory model_runner process llm server cli; do ln -sfn ../../$$pkg .mypy-src/pagedkv/$$pkg; done
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy benchmarks
 

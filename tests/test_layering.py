@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_FOLDERS = ("vocab", "proto", "memory", "process", "daemon", "client", "model_runner",
-                  "llm", "demo", "cli")
+                  "llm", "server", "demo", "cli")
 
 # What each room may import of pagedkv besides itself (rooms are module-name prefixes; the
 # longest prefix that names a module is its room).
@@ -58,7 +58,8 @@ ALLOWED: dict[str, set[str]] = {
     "model_runner.process": RUNNER_PROCESS,
     "llm": EVERYTHING_BELOW_THE_TOP,
     "demo": EVERYTHING_BELOW_THE_TOP | {"demo"},
-    "cli": EVERYTHING_BELOW_THE_TOP | {"cli"},
+    "server": EVERYTHING_BELOW_THE_TOP | {"server"},
+    "cli": EVERYTHING_BELOW_THE_TOP | {"server", "cli"},
 }
 # The vocabulary is imported by every process, the client's included: no heavy dependencies.
 VOCAB_FORBIDDEN_THIRD_PARTY = {"torch", "numpy", "grpc", "transformers", "triton", "google"}
