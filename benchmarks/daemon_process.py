@@ -48,7 +48,7 @@ class DaemonProcess:
 
 @contextmanager
 def running_pagedkvd(*args: str) -> Iterator[DaemonProcess]:
-    """`pagedkv serve` with `args`, logging warnings and up."""
+    """`pagedkv daemon` with `args`, logging warnings and up."""
     with tempfile.TemporaryDirectory(prefix="pkv-soak-") as name:
         metrics = f"127.0.0.1:{free_tcp_port()}"
         with start_daemon(Path(name), "--metrics-listen", metrics, "--shm-dir", name,

@@ -1,13 +1,14 @@
-"""`pagedkv serve|plan|runner|generate`: the product's one command, on top of every part.
+"""`pagedkv daemon|plan|runner|generate|serve`: the product's one command, on top of every part.
 
-    pagedkv serve ...      the daemon, as `pagedkvd` (daemon/process/cli.py)
+    pagedkv daemon ...     the daemon, as `pagedkvd` (daemon/process/cli.py)
     pagedkv plan ...       how many blocks and sequences fit a device (daemon/memory/planner.py)
     pagedkv runner ...     the model runner next to the daemon (model_runner/process/cli.py)
     pagedkv generate ...   completions for prompts with a local model (llm/cli.py)
+    pagedkv serve ...      the OpenAI-compatible HTTP server (server/cli.py)
 
-`runner` and `generate` parse their own flags (`pagedkv runner --help`) and are imported only
-when asked for, so `pagedkv serve` and `pagedkv plan` never load model code. The exit code is
-the subcommand's (2 for a bad setting: systemd's units do not restart on it).
+`runner`, `generate` and `serve` parse their own flags (`pagedkv serve --help`) and are
+imported only when asked for, so `pagedkv daemon` and `pagedkv plan` never load model code.
+The exit code is the subcommand's (2 for a bad setting: systemd's units do not restart on it).
 """
 
 import argparse
@@ -34,21 +35,33 @@ def run_generate(argv: list[str]) -> int:
     return main(argv)
 
 
+def run_server(argv: list[str]) -> int:
+    """`pagedkv serve ...`: the OpenAI-compatible HTTP server (it starts or connects to a
+    daemon and a runner, as `generate` does)."""
+    # server/cli.py is being written (issue 20): drop this ignore once it exists.
+    from pagedkv.server.cli import main  # type: ignore[import-not-found]
+
+    return int(main(argv))
+
+
 # Subcommands with command lines of their own: the rest of the line is theirs.
 PROGRAMS: dict[str, Callable[[list[str]], int]] = {"runner": run_runner,
-                                                   "generate": run_generate}
+                                                   "generate": run_generate,
+                                                   "serve": run_server}
 
 
 def parser() -> argparse.ArgumentParser:
-    """The `pagedkv` parser: serve's and plan's flags; runner and generate listed for --help."""
+    """The `pagedkv` parser: daemon's and plan's flags; the others listed for --help."""
     command = argparse.ArgumentParser(prog="pagedkv", description="Paged KV-cache service tools.")
     commands = command.add_subparsers(dest="command", required=True)
-    add_serve_arguments(commands.add_parser("serve", help="run the daemon (as pagedkvd)"))
+    add_serve_arguments(commands.add_parser("daemon", help="run the daemon (as pagedkvd)"))
     add_plan_arguments(commands.add_parser("plan", help="how many blocks and sequences fit"))
     commands.add_parser("runner", help="run the model runner next to the daemon "
                                        "(pagedkv runner --help)")
     commands.add_parser("generate", help="generate completions for prompts with a local model "
                                          "(pagedkv generate --help)")
+    commands.add_parser("serve", help="run the OpenAI-compatible HTTP server "
+                                      "(pagedkv serve --help)")
     return command
 
 
@@ -58,6 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     if args_in[:1] and args_in[0] in PROGRAMS:
         return PROGRAMS[args_in[0]](args_in[1:])
     args = parser().parse_args(args_in)
-    if args.command == "serve":
-        return run_serve(args, "pagedkv serve")
+    if args.command == "daemon":
+        return run_serve(args, "pagedkv daemon")
     return run_plan(args)

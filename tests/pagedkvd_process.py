@@ -34,7 +34,7 @@ from pagedkv.process.launch import (
 __all__ = ["COMMAND", "Pagedkvd", "free_tcp_port", "pagedkv_runner", "pagedkvd", "short_tmp_dir",
            "tenant_samples"]
 
-# The daemon's command line, for tests that run it to completion (`pagedkv serve`).
+# The daemon's command line, for tests that run it to completion (`pagedkv daemon`).
 COMMAND = list(DAEMON_COMMAND)
 # One started daemon or runner process.
 Pagedkvd = Launched

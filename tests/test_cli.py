@@ -1,4 +1,4 @@
-"""The command lines: `pagedkvd` and `pagedkv serve|plan` dispatch, and bad settings exit 2."""
+"""The command lines: `pagedkvd` and `pagedkv daemon|plan|...` dispatch, and bad settings exit 2."""
 
 from pathlib import Path
 
@@ -15,9 +15,9 @@ def test_pagedkvd_refuses_a_tcp_listener_without_a_token(
     assert capsys.readouterr().err.startswith("pagedkvd: error: listen: a TCP listener needs")
 
 
-def test_pagedkv_serve_names_itself_in_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["serve", "--num-blocks", "0"]) == EXIT_BAD_CONFIG
-    assert "pagedkv serve: error: num_blocks must be positive" in capsys.readouterr().err
+def test_pagedkv_daemon_names_itself_in_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["daemon", "--num-blocks", "0"]) == EXIT_BAD_CONFIG
+    assert "pagedkv daemon: error: num_blocks must be positive" in capsys.readouterr().err
 
 
 def test_a_reservation_larger_than_the_sized_pool_exits_2(

@@ -1,5 +1,5 @@
 """`pagedkvd [flags]` (also `python -m pagedkv.daemon`): the daemon's own command line. The
-product's `pagedkv` command (cli/main.py) runs the same daemon as `pagedkv serve`.
+product's `pagedkv` command (cli/main.py) runs the same daemon as `pagedkv daemon`.
 
 Exit codes: 0 after a clean shutdown, 2 for a bad setting (systemd's unit does not restart on
 it: RestartPreventExitStatus=2), 1 when the daemon could not start or failed while running.

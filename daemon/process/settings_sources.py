@@ -1,6 +1,6 @@
 """Where the daemon's settings come from: built-in defaults, then a TOML file, then flags.
 
-The TOML reader and the flags of `pagedkvd` (and `pagedkv serve`) are derived from one table,
+The TOML reader and the flags of `pagedkvd` (and `pagedkv daemon`) are derived from one table,
 `SETTINGS` (settings.py): a key or a flag exists because a setting does, and is read as that
 setting's kind says. A flag not given leaves the TOML value; a layer that sizes the pool (one of
 `SIZING_KEYS`) replaces the sizing of the layers below it.
@@ -54,7 +54,7 @@ def merge_layers(*layers: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of `pagedkvd` / `pagedkv serve`; each overrides the TOML key of the same name."""
+    """The flags of `pagedkvd` / `pagedkv daemon`; each overrides the TOML key of the same name."""
     parser.add_argument("--config", type=Path, help="TOML file with any of the settings below")
     settings = parser.add_argument_group("settings (override the TOML file)")
     limits = parser.add_argument_group("limits on what clients may ask (override the TOML file)")
