@@ -52,7 +52,7 @@ class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.config = LLMConfig(model=model, **options)
         model_ref = resolve_model(model) if model is not None else None
-        self.tokenizer, self._no_tokenizer = _tokenizer_for(self.config, model_ref)
+        self.tokenizer, self._no_tokenizer = tokenizer_for(self.config, model_ref)
         # Everything to undo, newest first: the engine, the loop, the children.
         self._resources = contextlib.ExitStack()
         self._finalizer = weakref.finalize(self, self._resources.close)
@@ -83,7 +83,8 @@ class LLM:
             assert self.config.daemon is not None and self.config.runner is not None
             return self.config.daemon, self.config.runner
         assert model is not None, "LLMConfig requires a model when starting the services"
-        return start_services(self.config, model, self._resources)
+        services = start_services(self.config, model, self._resources)
+        return services.daemon_target, services.runner_target
 
     def _check_tokenizer(self) -> None:
         vocab_size = self._engine.vocab_size
@@ -154,7 +155,7 @@ def _close_engine(loop: LoopThread, engine: Engine) -> None:
     loop.run(engine.close())
 
 
-def _tokenizer_for(config: LLMConfig, model: ModelRef | None) -> tuple[Tokenizer | None, str]:
+def tokenizer_for(config: LLMConfig, model: ModelRef | None) -> tuple[Tokenizer | None, str]:
     """The tokenizer, or None and why there is none (for the error a text prompt gets)."""
     if config.tokenizer is not None:
         tokenizer = load_tokenizer(Path(config.tokenizer))
