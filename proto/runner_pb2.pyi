@@ -278,6 +278,8 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 = greedy."""
     top_k: _builtins.int
@@ -297,6 +299,13 @@ class SamplingParams(_message.Message):
     """
     max_tokens: _builtins.int
     """Generated tokens after which the sequence is finished; 0 = no limit."""
+    presence_penalty: _builtins.float
+    """OpenAI's and vLLM's penalties on the sequence's generated tokens (not its prompt): a token
+    generated c times has its logit lowered by frequency_penalty * c + presence_penalty
+    * (c > 0), after repetition_penalty and before temperature. Each in [-2, 2], else
+    INVALID_ARGUMENT naming the field (nothing changed); 0 = off.
+    """
+    frequency_penalty: _builtins.float
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens that finish the sequence when sampled (SequenceOutput.finished)."""
@@ -314,10 +323,12 @@ class SamplingParams(_message.Message):
         logprobs: _builtins.int = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         max_tokens: _builtins.int = ...,
+        presence_penalty: _builtins.float = ...,
+        frequency_penalty: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_seed", b"has_seed", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frequency_penalty", b"frequency_penalty", "has_seed", b"has_seed", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

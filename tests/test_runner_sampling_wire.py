@@ -28,9 +28,10 @@ TOP_K = SamplingParams(temperature=0.75, top_k=5, seed=3, stop_token_ids=(4, 5),
     (rpb.SamplingParams(), SamplingParams(temperature=0.0, logprobs=0, max_tokens=NO_LIMIT)),
     (rpb.SamplingParams(temperature=0.75, top_k=5, top_p=0.5, min_p=0.125, seed=3, has_seed=True,
                         logprobs=2, stop_token_ids=[4, 5], max_tokens=9,
-                        repetition_penalty=1.25),
+                        repetition_penalty=1.25, presence_penalty=0.5, frequency_penalty=-1.25),
      SamplingParams(temperature=0.75, top_k=5, top_p=0.5, min_p=0.125, seed=3, logprobs=2,
-                    stop_token_ids=(4, 5), max_tokens=9, repetition_penalty=1.25)),
+                    stop_token_ids=(4, 5), max_tokens=9, repetition_penalty=1.25,
+                    presence_penalty=0.5, frequency_penalty=-1.25)),
     (rpb.SamplingParams(temperature=1.0, top_p=0.0, logprobs=-1, max_tokens=1),
      SamplingParams(temperature=1.0, top_p=1.0, logprobs=None, max_tokens=1)),
 ])
@@ -43,6 +44,8 @@ def test_the_client_record_reads_back_as_it_was_sent() -> None:
     """SeqStep.message and the servicer's reading agree on every field."""
     sent = SeqStep(7, [1, 2], new_sequence=True, params=TOP_K)
     assert seq_request(sent.message()).params == TOP_K
+    penalized = SamplingParams(presence_penalty=-2.0, frequency_penalty=0.75, max_tokens=4)
+    assert seq_request(SeqStep(7, [1], True, params=penalized).message()).params == penalized
     assert seq_request(SeqStep(7, [3]).message()).params is None
 
 
@@ -53,6 +56,10 @@ def test_an_invalid_sampling_is_refused_naming_the_sequence() -> None:
     infinite = rpb.SequenceStep(seq_id=13, sampling=rpb.SamplingParams(temperature=float("inf")))
     with pytest.raises(InvalidStep, match="sequence 13: temperature must be finite"):
         seq_request(infinite)
+    for name in ("presence_penalty", "frequency_penalty"):
+        penalty = rpb.SequenceStep(seq_id=14, sampling=rpb.SamplingParams(**{name: 3.0}))
+        with pytest.raises(InvalidStep, match=rf"sequence 14: {name} must be in \[-2, 2\]"):
+            seq_request(penalty)
 
 
 def test_a_decode_step_sends_the_sampling_only_with_the_first_step() -> None:

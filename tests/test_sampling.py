@@ -17,12 +17,12 @@ from transformers.generation.logits_process import (
 )
 
 from pagedkv.client import SamplingParams
+from pagedkv.model_runner.engine.penalties import apply_repetition_penalty, token_counts
 from pagedkv.model_runner.engine.sampling import (
     SampledTokens,
     Sampler,
     SamplingRow,
-    apply_repetition_penalty,
-    seen_tokens,
+    penalized,
     truncate,
 )
 
@@ -150,12 +150,60 @@ def test_repetition_penalty_matches_transformers() -> None:
                  ([10, 11, 12, 60], [])]   # 60 >= vocab: ignored, as transformers does
     rows = [_row(SamplingParams(repetition_penalty=pen), prompt, output)
             for pen, (prompt, output) in zip(penalties, histories, strict=True)]
-    ours = apply_repetition_penalty(logits, seen_tokens(rows, vocab, logits.device),
-                                    torch.tensor(penalties))
+    seen = token_counts([[*row.prompt_token_ids, *row.output_token_ids] for row in rows], vocab,
+                        logits.device) > 0
+    ours = apply_repetition_penalty(logits, seen, torch.tensor(penalties))
     for i, (pen, (prompt, output)) in enumerate(zip(penalties, histories, strict=True)):
         processor = RepetitionPenaltyLogitsProcessor(penalty=pen)
         expected = processor(torch.tensor([prompt + output]), logits[i : i + 1].clone())
         torch.testing.assert_close(ours[i], expected[0], rtol=0, atol=0)
+
+
+def _reference_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """One row, the documented rules one token at a time: transformers' repetition penalty over
+    prompt + output, then logit -= frequency * count + presence * (count > 0) over the output."""
+    p = row.params
+    history = [*row.prompt_token_ids, *row.output_token_ids]
+    out = RepetitionPenaltyLogitsProcessor(penalty=p.repetition_penalty)(
+        torch.tensor([history]), logits[None].clone())[0]
+    for token in set(row.output_token_ids):
+        if token < len(out):
+            count = list(row.output_token_ids).count(token)
+            out[token] -= p.frequency_penalty * count + p.presence_penalty
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_frequency_and_presence_penalties_match_a_reference(device: str) -> None:
+    """A batch mixing rows with and without penalties: each row's penalized logits are the
+    reference's; the prompt never counts (token 3 is only in row 0's prompt)."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 32
+    logits = (torch.randn(6, vocab, generator=gen) * 3.0).to(device)
+    rows = [_row(SamplingParams(frequency_penalty=0.5), (3, 3, 4), (4, 7, 7, 7, 9)),
+            _row(SamplingParams(), (1, 2), (2, 2, 2)),   # no penalty: untouched
+            _row(SamplingParams(presence_penalty=1.5), (5,), (5, 6, 6, 40)),   # 40 >= vocab
+            _row(SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0), (), (8, 8, 0)),
+            _row(SamplingParams(repetition_penalty=1.3, frequency_penalty=-0.75,
+                                presence_penalty=0.25), (10, 11), (11, 12, 12, 10)),
+            _row(SamplingParams(frequency_penalty=1.0), (13, 14), ())]   # nothing generated yet
+    ours = penalized(logits, rows)
+    for i, row in enumerate(rows):
+        torch.testing.assert_close(ours[i].cpu(), _reference_penalties(logits[i].cpu(), row))
+    torch.testing.assert_close(ours[1], logits[1], rtol=0, atol=0)
+    assert float(ours[0, 7]) == pytest.approx(float(logits[0, 7]) - 1.5)
+    assert float(ours[0, 3]) == float(logits[0, 3])
+
+
+def test_a_greedy_row_with_a_frequency_penalty_avoids_what_it_generated() -> None:
+    """The penalty moves the argmax off a token the row generated twice, not off one only in
+    its prompt; the same row without the penalty keeps its favourite."""
+    logits = torch.zeros(2, 8)
+    logits[:, 5] = 3.0
+    logits[:, 2] = 2.5
+    rows = [_row(SamplingParams(temperature=0.0, frequency_penalty=0.5), (2, 2, 2), (5, 5)),
+            _row(SamplingParams(temperature=0.0), (2,), (5, 5))]
+    assert Sampler()(logits, rows).token_ids.tolist() == [2, 5]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -353,6 +401,11 @@ def test_params_defaults_and_normalization() -> None:
     ({"min_p": 1.1}, r"min_p must be in \[0, 1\]"),
     ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty must be finite"),
+    ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
+    ({"presence_penalty": -2.01}, r"presence_penalty must be in \[-2, 2\]"),
+    ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\]"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty must be finite"),
+    ({"presence_penalty": "1"}, "presence_penalty must be a number"),
     ({"seed": -1}, r"seed must be in \[0, 2\*\*64\)"),
     ({"seed": 2**64}, r"seed must be in \[0, 2\*\*64\)"),
     ({"stop_token_ids": (1, -2)}, "stop_token_ids must be >= 0"),

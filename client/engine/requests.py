@@ -75,7 +75,8 @@ class Request:
         else:
             params = SamplingParams(
                 temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                repetition_penalty=p.repetition_penalty, seed=sample_seed(p.seed, index),
+                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty, seed=sample_seed(p.seed, index),
                 stop_token_ids=self.stop_ids, max_tokens=p.max_tokens, logprobs=p.logprobs or 0)
         return Seq(self._new_seq_id(), tokens, len(self.prompt), params, index, parent=parent)
 

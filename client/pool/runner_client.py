@@ -79,7 +79,8 @@ class SeqStep:
         if p is not None:
             step.sampling.CopyFrom(rpb.SamplingParams(
                 temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
-                repetition_penalty=p.repetition_penalty, has_seed=p.seed is not None,
+                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty, has_seed=p.seed is not None,
                 seed=p.seed or 0, logprobs=-1 if p.logprobs is None else p.logprobs,
                 stop_token_ids=p.stop_token_ids, max_tokens=p.max_tokens))
         h = self.history

@@ -6,8 +6,8 @@ them, in the order its module docstring gives. Names and "off" values follow vLL
 
 The request-level fields (`n`, `best_of`, beam search) are the client scheduler's
 (`pagedkv.client.engine.engine`): the runner sees one SamplingParams per sequence and ignores them.
-Room is left for later fields (`min_tokens`, `ignore_eos`, frequency and presence penalties): each
-is one more field whose default keeps today's behaviour.
+Room is left for later fields (`min_tokens`, `ignore_eos`): each is one more field whose default
+keeps today's behaviour.
 """
 
 from dataclasses import dataclass
@@ -20,6 +20,9 @@ from pagedkv.client.pool.checks import check_float, check_int, token_ids
 GREEDY_TEMPERATURE_EPS = 1e-5
 # `seed` is a 64-bit unsigned integer (a uint64 field on the wire).
 MAX_SEED = 2**64 - 1
+# presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's and
+# vLLM's range).
+MAX_PENALTY = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +44,15 @@ class SamplingParams:
     # divided by the penalty if positive, multiplied if negative (once, however often it
     # occurred); > 0; 1.0 = off; > 1 discourages repetition, < 1 encourages it.
     repetition_penalty: float = 1.0
+    # OpenAI's and vLLM's presence penalty: subtracted once from the logit of every token the
+    # sequence generated (its output only, not the prompt); in [-2, 2]; 0 = off; > 0
+    # discourages repeating a token, < 0 encourages it. vLLM's order: the repetition penalty,
+    # then frequency and presence, all on the raw logits before temperature.
+    presence_penalty: float = 0.0
+    # OpenAI's and vLLM's frequency penalty: subtracted from a token's logit once per time the
+    # sequence generated it (output only): logit -= frequency_penalty * count
+    # + presence_penalty * (count > 0); in [-2, 2]; 0 = off.
+    frequency_penalty: float = 0.0
     # Makes sampling reproducible: the randomness of a step depends only on (seed, number of
     # tokens generated so far), not on the batch; in [0, 2**64); None = not reproducible.
     seed: int | None = None
@@ -82,6 +94,11 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ValueError(
                 f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name, penalty in (("presence_penalty", self.presence_penalty),
+                              ("frequency_penalty", self.frequency_penalty)):
+            check_float(name, penalty)
+            if not -MAX_PENALTY <= penalty <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {penalty}")
         if self.seed is not None:
             check_int("seed", self.seed)
             if not 0 <= self.seed <= MAX_SEED:

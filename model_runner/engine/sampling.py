@@ -8,7 +8,9 @@ One step, in the order of vLLM's v1 sampler and of transformers' `generate` warp
     1. logprobs (when any row asks): log_softmax of the raw logits, before anything below.
        This is vLLM's default (`logprobs_mode="raw_logprobs"`): the model's own distribution,
        independent of the sampling knobs, which is what beam search and scoring want.
-    2. repetition penalty over the row's prompt + output tokens (transformers' semantics).
+    2. penalties (`penalties.py`, in vLLM's order): the repetition penalty over the row's
+       prompt + output tokens (transformers' semantics), then the frequency and presence
+       penalties over its output tokens only (OpenAI's and vLLM's semantics).
     3. greedy rows (temperature 0) take the argmax of the penalized logits (first index on ties).
     4. temperature: penalized logits / T.
     5. top-k, then top-p on the top-k distribution, then min-p (transformers' warper order;
@@ -35,6 +37,11 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.client.pool.sampling_params import SamplingParams
+from pagedkv.model_runner.engine.penalties import (
+    apply_output_penalties,
+    apply_repetition_penalty,
+    token_counts,
+)
 
 _M64 = 2**64 - 1
 
@@ -47,7 +54,8 @@ class SamplingRow:
     params: SamplingParams
     # Its prompt's token ids (repetition penalty).
     prompt_token_ids: Sequence[int]
-    # The tokens it generated so far; the count is its step for seeded sampling.
+    # The tokens it generated so far (all three penalties); the count is its step for seeded
+    # sampling.
     output_token_ids: Sequence[int]
 
 
@@ -113,10 +121,7 @@ class Sampler:
         params = [row.params for row in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(p.logprobs is not None for p in params) else None)
-        penalties = [p.repetition_penalty for p in params]
-        if any(penalty != 1.0 for penalty in penalties):
-            seen = seen_tokens(rows, logits.shape[1], logits.device)
-            logits = apply_repetition_penalty(logits, seen, _tensor(penalties, logits.device))
+        logits = penalized(logits, rows)
 
         token_ids = torch.argmax(logits, dim=-1)
         greedy = [p.is_greedy for p in params]
@@ -180,36 +185,25 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def seen_tokens(rows: Sequence[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
-    """[S, V] bool: token v occurs in row s's prompt or output (rows with a penalty only).
-
-    Ids >= V (an embedding table larger than the output layer) are ignored, as transformers does.
-    """
-    row_index: list[int] = []
-    token_index: list[int] = []
-    for s, row in enumerate(rows):
-        if row.params.repetition_penalty == 1.0:
-            continue
-        for tokens in (row.prompt_token_ids, row.output_token_ids):
-            row_index.extend([s] * len(tokens))
-            token_index.extend(tokens)
-    if token_index and min(token_index) < 0:
-        raise ValueError(f"token ids must be >= 0, got {min(token_index)}")
-    seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
-    tokens_t = torch.tensor(token_index, dtype=torch.int64, device=device).clamp_(max=vocab)
-    seen[torch.tensor(row_index, dtype=torch.int64, device=device), tokens_t] = True
-    return seen[:, :vocab]
-
-
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor,
-                             penalty: torch.Tensor) -> torch.Tensor:
-    """Seen tokens' logits divided by the row's penalty if positive, multiplied if negative.
-
-    logits: [S, V] fp32, seen: [S, V] bool, penalty: [S] fp32 (1 = off).
-    """
-    penalty = penalty[:, None]
-    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
-    return torch.where(seen, penalized, logits)
+def penalized(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Step 2: the repetition penalty, then the frequency and presence penalties; each is
+    skipped when no row sets it, and counts only the tokens of rows that set it. [S, V] fp32"""
+    vocab, device = logits.shape[1], logits.device
+    params = [row.params for row in rows]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = token_counts([[*row.prompt_token_ids, *row.output_token_ids]
+                             if row.params.repetition_penalty != 1.0 else [] for row in rows],
+                            vocab, device) > 0
+        logits = apply_repetition_penalty(logits, seen,
+                                          _tensor([p.repetition_penalty for p in params], device))
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        counts = token_counts([row.output_token_ids
+                               if row.params.presence_penalty or row.params.frequency_penalty
+                               else [] for row in rows], vocab, device)
+        logits = apply_output_penalties(logits, counts,
+                                        _tensor([p.presence_penalty for p in params], device),
+                                        _tensor([p.frequency_penalty for p in params], device))
+    return logits
 
 
 def truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -22,6 +22,7 @@ def sampling_params(message: rpb.SamplingParams) -> SamplingParams:
         temperature=message.temperature, top_k=message.top_k,
         top_p=message.top_p if 0 < message.top_p <= 1 else 1.0, min_p=message.min_p,
         repetition_penalty=message.repetition_penalty or 1.0,
+        presence_penalty=message.presence_penalty, frequency_penalty=message.frequency_penalty,
         seed=message.seed if message.has_seed else None,
         logprobs=message.logprobs if message.logprobs >= 0 else None,
         stop_token_ids=tuple(message.stop_token_ids), max_tokens=message.max_tokens or NO_LIMIT)
