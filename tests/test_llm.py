@@ -1,12 +1,9 @@
 """The offline API (`pagedkv.llm.LLM`) and `pagedkv generate`, with real processes: a daemon and a
 runner started by the LLM, on a real transformers model saved to a folder with a real tokenizer
 (byte-level BPE trained here on a few sentences, saved as a PreTrainedTokenizerFast), against
-transformers' own generate on the same weights. Nothing is downloaded.
-
-The model's end-of-sequence token is the tokenizer's `<eos>` (id 0). Its embedding and output
-rows are swapped with those of a token the random model generates greedily for EOS_PROMPT, so
-that prompt ends with `<eos>` after a few tokens (a relabelling of the vocabulary: the model
-is otherwise the same random model).
+transformers' own generate on the same weights. Nothing is downloaded. The model folder is
+tests/chat_model.py's `make_model_dir`: its eos `<eos>` (id 0) ends EOS_PROMPT after a few
+tokens.
 """
 
 import os
@@ -17,15 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+from chat_model import EOS_PROMPT, hf_generate, make_model_dir
 from pagedkvd_process import short_tmp_dir
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    AutoModelForCausalLM,
-    LlamaConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from pagedkv.client import RunnerUnreachable
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S
@@ -34,49 +25,9 @@ from pagedkv.llm.pool_budget import CPU_KV_CAP, embedded_budget
 from pagedkv.llm.progress import Progress
 from pagedkv.vocab.pool_sizing import DeviceMemory
 
-SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "paged attention keeps kv blocks",
-             "hello world, this is pagedkv", "the quick brown fox jumps over the lazy dog"]
 PROMPTS = ["the cat sat on", "hello world"]
-EOS_PROMPT = "a dog ran"
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 GiB = 2**30
-
-
-def hf_generate(model: PreTrainedModel, prompt: list[int], **options: object) -> list[list[int]]:
-    """transformers' continuations of `prompt`, cut after the end-of-sequence token (it pads
-    finished rows)."""
-    rows = model.generate(torch.tensor([prompt]), pad_token_id=0, **options)
-    continuations = [row[len(prompt):].tolist() for row in rows]
-    return [row[:row.index(0) + 1] if 0 in row else row for row in continuations]
-
-
-def make_model_dir(folder: Path) -> None:
-    """A tokenizer and a random Llama whose eos is the tokenizer's, saved in `folder`."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(SENTENCES, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
-    assert fast.eos_token_id == 0
-    config = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, initializer_range=0.2, eos_token_id=0,
-                         bos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    prompt = fast.encode(EOS_PROMPT)
-    generated = hf_generate(model, prompt, max_new_tokens=6, do_sample=False,
-                            eos_token_id=None)[0]
-    # A token first generated at step >= 2, in neither the prompt nor the steps before.
-    token = next(t for i, t in enumerate(generated) if i >= 2 and t != 0
-                 and t not in prompt and t not in generated[:i])
-    with torch.no_grad():
-        for weight in (model.model.embed_tokens.weight, model.lm_head.weight):
-            weight[[0, token]] = weight[[token, 0]]
-    model.save_pretrained(folder)
-    fast.save_pretrained(folder)
 
 
 @pytest.fixture(scope="module")

@@ -3,14 +3,24 @@ strings) and `token_text` on the chat model's tokenizer (byte-level BPE trained 
 pieces splitting multi-byte characters); `render_chat` against transformers' own
 apply_chat_template; the chat model folder as `pagedkv serve` loads it."""
 
+import json
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
-from chat_model import chat_tokenizer
+from chat_model import (
+    CHAT_TEMPLATE,
+    SENTENCES,
+    chat_tokenizer,
+    make_chat_model_dir,
+    train_tokenizer,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 
+from pagedkv.llm.tokenizer import load_tokenizer
+from pagedkv.server.chat import render_chat
 from pagedkv.server.text import REPLACEMENT, TextStream, token_bytes, token_text
 
 SENTENCE = "the cat sat on the mat"
@@ -208,3 +218,74 @@ def test_token_text_escapes_the_bytes_of_part_of_a_character(
     assert token_bytes(tokenizer, ids[7]) == b"\xa5\xe6"
     # The bytes of every token, joined, are the text's.
     assert b"".join(token_bytes(tokenizer, i) for i in ids) == MULTI_BYTE.encode()
+
+
+CONVERSATION: list[object] = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": [{"type": "text", "text": "where is"},
+                                 {"type": "text", "text": "the cat?"}]},
+    {"role": "assistant", "content": "on the mat"},
+    {"role": "tool", "content": "日本"},
+    {"role": "user", "content": "and the dog?", "name": "ignored"}]
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_render_chat_is_the_chat_template(tokenizer: PreTrainedTokenizerFast,
+                                          add_generation_prompt: bool) -> None:
+    ids = render_chat(tokenizer, CONVERSATION, add_generation_prompt=add_generation_prompt)
+    plain = [{"role": "system", "content": "be brief"},
+             {"role": "user", "content": "where is\nthe cat?"},
+             {"role": "assistant", "content": "on the mat"}, {"role": "tool", "content": "日本"},
+             {"role": "user", "content": "and the dog?"}]
+    expected = tokenizer.apply_chat_template(plain, tokenize=True, return_dict=False,
+                                             add_generation_prompt=add_generation_prompt)
+    assert ids == expected and all(type(token_id) is int for token_id in ids)
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<|system|>be brief<eos><|user|>where is\nthe cat?<eos>")
+    assert text.endswith("<|assistant|>") == add_generation_prompt
+
+
+@pytest.mark.parametrize(("messages", "error"), [
+    ([], "messages: must be a non-empty list"),
+    ("hello", "messages: must be a non-empty list"),
+    (["hello"], "messages[0]: must be an object"),
+    ([{"content": "hi"}], "messages[0].role: must be one of system, user, assistant, tool"),
+    ([{"role": "user", "content": "hi"}, {"role": "wizard", "content": "hi"}],
+     "messages[1].role: must be one of"),
+    ([{"role": ["user"], "content": "hi"}], "messages[0].role: "),
+    ([{"role": "user"}], "messages[0].content: must be a string or a list of text parts"),
+    ([{"role": "user", "content": 5}], "messages[0].content: "),
+    ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+      {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[2].content[0].type: only text parts are supported"),
+    ([{"role": "user", "content": ["hi"]}], "messages[0].content[0]: must be an object"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}],
+     "messages[0].content[0].text: must be a string"),
+])
+def test_render_chat_refuses_bad_messages_naming_the_field(
+        tokenizer: PreTrainedTokenizerFast, messages: Sequence[object], error: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        render_chat(tokenizer, messages)
+    assert str(refused.value).startswith(error)
+
+
+def test_render_chat_without_a_template_or_refused_by_it() -> None:
+    plain = train_tokenizer(SENTENCES)
+    with pytest.raises(ValueError, match=r"^the model's tokenizer has no chat template: use "
+                                         r"/v1/completions$"):
+        render_chat(plain, [{"role": "user", "content": "hi"}])
+    plain.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ValueError, match=r"^messages: .*roles must alternate"):
+        render_chat(plain, [{"role": "user", "content": "hi"}])
+
+
+def test_the_chat_model_folder_loads_its_trained_tokenizer_and_template(
+        tmp_path: Path, tokenizer: PreTrainedTokenizerFast) -> None:
+    make_chat_model_dir(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded is not None and getattr(loaded, "chat_template", None) == CHAT_TEMPLATE
+    assert loaded.encode(MULTI_BYTE) == tokenizer.encode(MULTI_BYTE)
+    assert render_chat(loaded, CONVERSATION) == render_chat(tokenizer, CONVERSATION)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["eos_token_id"] == 0 == getattr(loaded, "eos_token_id", None)
+    assert config["vocab_size"] == len(loaded) and config["dtype"] == "float32"
