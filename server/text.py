@@ -18,6 +18,10 @@ from pagedkv.llm.tokenizer import Tokenizer
 
 # What a tokenizer's decode puts for bytes that are not (yet) a whole UTF-8 character.
 REPLACEMENT = "\ufffd"
+# How many of the prompt's last tokens are decoded as context for the first generated ones.
+PROMPT_CONTEXT = 6
+# SentencePiece's word-start marker: decode drops it at the start of a text.
+SPACE_MARKER = "\u2581"
 
 
 class TextStream:
@@ -26,10 +30,15 @@ class TextStream:
     The texts `add` and `finish` return, concatenated, are `text`; for a completion that did
     not stop on a string they equal `tokenizer.decode(tokens, skip_special_tokens=...)` of all
     its tokens; for one that did, that text cut before the stop string's first character
-    (OpenAI leaves the stop string out)."""
+    (OpenAI leaves the stop string out).
+
+    `prompt_ids`: the prompt, whose last tokens are decoded as context, as vLLM does. Byte-level
+    BPE does not need it; SentencePiece (Llama 2, Mistral) does: decode drops the space of a
+    text's first word, so without the prompt a completion " world" after "hello" reads "world".
+    With it, the text is decode(prompt + tokens) less the prompt's text."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()) -> None:
         for index, string in enumerate(stop):
             if not string:
                 raise ValueError(f"stop[{index}]: a stop string must not be empty")
@@ -39,15 +48,18 @@ class TextStream:
         self._stop = tuple(stop)
         # Whether special tokens (the end-of-sequence one) are left out of the text.
         self._skip_special_tokens = skip_special_tokens
-        # The completion's tokens so far (up to the one that completed a stop string).
-        self._ids: list[int] = []
+        # The prompt's last tokens, then the completion's so far (up to the one that
+        # completed a stop string).
+        self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
+        # How many of `_ids` are the prompt's.
+        self._context = len(self._ids)
         # Tokens [prefix_offset, read_offset) are decoded again as context for the new ones.
         self._prefix_offset = 0
-        # Tokens before read_offset are in `_read`; those after decode to an incomplete
-        # character (or to nothing yet).
-        self._read_offset = 0
+        # Tokens before read_offset are read (the completion's in `_read`); those after
+        # decode to an incomplete character (or to nothing yet).
+        self._read_offset = self._context
         # The decoded text of tokens [prefix_offset, read_offset), kept while they stay.
-        self._prefix_text = ""
+        self._prefix_text = self._decode(0) if self._context else ""
         # The text of tokens [0, read_offset), cut before a stop string once one appeared.
         self._read = ""
         # How much of `_read` add/finish have returned; the rest is held back.
@@ -66,7 +78,7 @@ class TextStream:
     def num_tokens(self) -> int:
         """The tokens this completion consumed: all those added, or, once stopped, those up to
         and including the one that completed the stop string (usage.completion_tokens)."""
-        return len(self._ids)
+        return len(self._ids) - self._context
 
     @property
     def text(self) -> str:
@@ -166,10 +178,13 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     """The text of one token as OpenAI logprobs show it (`tokens`, `top_logprobs` keys): its
     decoded text, special tokens included; a token whose bytes are not valid UTF-8 alone (part
     of a character) shows them escaped, "bytes:\\xe2\\x80", as OpenAI's API does (vLLM shows
-    U+FFFD there, which loses the bytes)."""
+    U+FFFD there, which loses the bytes). A SentencePiece word-start piece keeps its space,
+    which decode drops from a lone token (as vLLM restores it)."""
     text = tokenizer.decode([token_id], skip_special_tokens=False)
     if REPLACEMENT not in text:
-        return text
+        piece = _piece(tokenizer, token_id) or ""
+        missing = len(piece) - len(piece.lstrip(SPACE_MARKER)) - (len(text) - len(text.lstrip(" ")))
+        return " " * missing + text
     raw = token_bytes(tokenizer, token_id)
     try:
         raw.decode("utf-8")

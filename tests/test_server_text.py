@@ -17,6 +17,7 @@ from chat_model import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from pagedkv.llm.tokenizer import load_tokenizer
@@ -206,6 +207,44 @@ def chat_tokenizer_cached() -> PreTrainedTokenizerFast:
     if not _TOKENIZER:
         _TOKENIZER.append(chat_tokenizer())
     return _TOKENIZER[0]
+
+
+def sentencepiece_tokenizer() -> PreTrainedTokenizerFast:
+    """A Llama-2-like tokenizer: SentencePiece pieces ("▁" starts a word, one character a
+    piece here) with byte fallback (<0xC3>) and Llama's decoder, which drops a text's first
+    space."""
+    chars = sorted(set("".join(SENTENCES)) - {" "})
+    pieces = ["<eos>", "\u2581", *chars, *(f"<0x{byte:02X}>" for byte in range(256))]
+    tokenizer = Tokenizer(models.BPE(vocab={piece: i for i, piece in enumerate(pieces)},
+                                     merges=[], byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence([
+        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+def test_the_prompt_gives_a_sentencepiece_completion_its_first_space() -> None:
+    tokenizer = sentencepiece_tokenizer()
+    prompt, completion = tokenizer.encode("the cat"), tokenizer.encode(" sat on é")
+    assert tokenizer.convert_ids_to_tokens(completion)[:2] == ["\u2581", "s"]
+    alone = TextStream(tokenizer)
+    assert alone.add(completion) + alone.finish() == "sat on é"  # decode drops the space
+    stream = TextStream(tokenizer, ["on"], prompt_ids=prompt)
+    assert feed(stream, completion[:7]) == [" ", "s", "a", "t", " ", "", ""]  # "o" held
+    assert stream.stopped and stream.text == " sat " and stream.num_tokens == 7
+    whole = TextStream(tokenizer, prompt_ids=prompt)
+    assert "".join(feed(whole, completion)) + whole.finish() == " sat on é"
+    assert tokenizer.decode(prompt + completion) == "the cat" + whole.text
+    assert whole.num_tokens == len(completion)
+
+
+def test_token_text_of_sentencepiece_pieces() -> None:
+    tokenizer = sentencepiece_tokenizer()
+    ids = tokenizer.encode(" é")
+    assert tokenizer.convert_ids_to_tokens(ids) == ["\u2581", "<0xC3>", "<0xA9>"]
+    assert [token_text(tokenizer, i) for i in ids] == [" ", "bytes:\\xc3", "bytes:\\xa9"]
+    assert b"".join(token_bytes(tokenizer, i) for i in ids[1:]) == "é".encode()
 
 
 def test_token_text_escapes_the_bytes_of_part_of_a_character(
