@@ -55,15 +55,17 @@ class TextStream:
         self._context = len(self._ids)
         # Tokens [prefix_offset, read_offset) are decoded again as context for the new ones.
         self._prefix_offset = 0
-        # Tokens before read_offset are read (the completion's in `_read`); those after
+        # Tokens before read_offset are read (into `_sent` and `_held`); those after
         # decode to an incomplete character (or to nothing yet).
         self._read_offset = self._context
         # The decoded text of tokens [prefix_offset, read_offset), kept while they stay.
         self._prefix_text = self._decode(0) if self._context else ""
-        # The text of tokens [0, read_offset), cut before a stop string once one appeared.
-        self._read = ""
-        # How much of `_read` add/finish have returned; the rest is held back.
-        self._sent = 0
+        # What add/finish returned: the start of the completion's text.
+        self._sent: list[str] = []
+        # The read text after that, held back (it could start a stop string), cut before a
+        # stop string once one appeared. A stop string never begins in text already sent (it
+        # was held), so only this tail is searched: a few characters, whatever the length.
+        self._held = ""
         # Whether a stop string appeared: the text ends before it and takes no more tokens.
         self._stopped = False
         # Whether finish() was called: the completion is over.
@@ -85,9 +87,8 @@ class TextStream:
         """The completion's text so far, as its non-streamed answer shows it: what add() and
         finish() returned plus what is held back, cut before a stop string once one appeared.
         After finish() or once stopped, it is the completion's final text."""
-        if self._stopped or self._finished:
-            return self._read
-        return self._read + self._pending_text()
+        done = self._stopped or self._finished
+        return "".join(self._sent) + self._held + ("" if done else self._pending_text())
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Takes the completion's newly generated tokens; returns the new text that is safe to
@@ -132,7 +133,7 @@ class TextStream:
         if new_text.endswith(REPLACEMENT):
             # A character still incomplete: wait for more tokens, unless the whole ones before
             # it complete a stop string (the text ends there whatever comes next).
-            self._cut_at_stop(self._read + new_text.rstrip(REPLACEMENT), len(self._read))
+            self._cut_at_stop(self._held + new_text.rstrip(REPLACEMENT), len(self._held))
             return
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         self._prefix_text = self._decode(self._prefix_offset)
@@ -140,37 +141,37 @@ class TextStream:
 
     def _append(self, new_text: str) -> None:
         """Adds read text, cut before the earliest stop string that now appears."""
-        start = len(self._read)
-        self._read += new_text
-        self._cut_at_stop(self._read, start)
+        start = len(self._held)
+        self._held += new_text
+        self._cut_at_stop(self._held, start)
 
     def _cut_at_stop(self, text: str, start: int) -> None:
-        """Stops the completion at the earliest stop string in `text` (the read text, perhaps
+        """Stops the completion at the earliest stop string in `text` (the held text, perhaps
         with more) that ends past `start`, where the text new since the last look begins."""
         found = [index for string in self._stop
                  if (index := text.find(string, max(0, start - len(string) + 1))) >= 0]
         if found:
-            cut = min(found)
-            assert cut >= self._sent, "a stop string began in text already sent"
-            self._read = text[:cut]
+            self._held = text[:min(found)]
             self._stopped = True
 
     def _held_back(self) -> int:
-        """How many characters at the end of the read text could start a stop string."""
+        """How many characters at the end of the held text could start a stop string."""
         if self._stopped:
             return 0
         longest = 0
         for string in self._stop:
-            for size in range(min(len(string) - 1, len(self._read)), longest, -1):
-                if self._read.endswith(string[:size]):
+            for size in range(min(len(string) - 1, len(self._held)), longest, -1):
+                if self._held.endswith(string[:size]):
                     longest = size
                     break
         return longest
 
     def _release(self, held_back: int) -> str:
-        end = max(self._sent, len(self._read) - held_back)
-        piece = self._read[self._sent:end]
-        self._sent = end
+        """Returns the held text but its last `held_back` characters."""
+        end = len(self._held) - held_back
+        piece, self._held = self._held[:end], self._held[end:]
+        if piece:
+            self._sent.append(piece)
         return piece
 
 
