@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from types import TracebackType
 from typing import Self
 
@@ -127,6 +127,20 @@ class Engine:
                    reservation_blocks=reservation, max_model_len=info.max_model_len,
                    runner_id=info.runner_id, runner_restart_wait_s=runner_restart_wait_s)
 
+    def failure(self) -> str | None:
+        """Why the engine no longer steps (its loop ended: a lost daemon, a bug, closed), or
+        None while it runs."""
+        if not self._task.done():
+            return None
+        if self._task.cancelled() or self._task.exception() is None:
+            return "the engine is closed"
+        return f"the engine stopped: {self._task.exception()!r}"
+
+    @property
+    def kv_usage(self) -> float:
+        """The share of the pool's blocks in use, as the last answer said (1 = full)."""
+        return 1.0 - self._free_blocks / self.num_blocks if self.num_blocks else 0.0
+
     # ------------------------------------------------------------------ requests
 
     async def generate(self, prompt_token_ids: Sequence[int],
@@ -140,12 +154,13 @@ class Engine:
         return final
 
     def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """The request's output after each step that changed it; the last one is finished."""
+               request_id: str | None = None) -> AsyncGenerator[RequestOutput]:
+        """The request's output after each step that changed it; the last one is finished.
+        Closing it (`aclose`) before the end aborts the request and frees its blocks."""
         return self._outputs(prompt_token_ids, params, request_id, True)
 
     async def _outputs(self, prompt_token_ids: Sequence[int], params: SamplingParams | None,
-                       request_id: str | None, every_step: bool) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None, every_step: bool) -> AsyncGenerator[RequestOutput]:
         """The request's outputs: after each step that changed it, or only the final one (an
         output per step costs the engine's loop a copy of every token so far)."""
         request = self._request(prompt_token_ids, params or SamplingParams(), request_id)

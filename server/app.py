@@ -1,0 +1,144 @@
+"""The aiohttp application of `pagedkv serve`: OpenAI's routes over one `Backend`.
+
+    POST /v1/completions        completions.py
+    POST /v1/chat/completions   chat_completions.py
+    GET  /v1/models             the served model
+    GET  /health                200 while the engine runs, 503 once it failed or drains
+    GET  /metrics               Prometheus text (metrics.py)
+
+Middlewares, outermost first: the access log (one structlog line per request), errors (every
+refusal in OpenAI's JSON shape: errors.py), API keys (`Authorization: Bearer KEY` on /v1/
+routes when keys are configured; /health and /metrics stay open to probes, as vLLM's do).
+Bodies are bounded by `client_max_size` (413), JSON must be an object (400). The app runs with
+handler cancellation on: a client that disconnects cancels its handler, whose request streams
+close and abort their requests.
+"""
+
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import prometheus_client
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from pagedkv.process.log_setup import get_logger
+from pagedkv.server.backend import Backend
+from pagedkv.server.chat_completions import create_chat_completion
+from pagedkv.server.completions import create_completion
+from pagedkv.server.errors import ApiError
+from pagedkv.server.protocol import Limits
+
+log = get_logger("pagedkv.server")
+# A request body larger than this is refused (413) before it is read whole.
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+BACKEND: web.AppKey[Backend] = web.AppKey("backend", Backend)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Endpoint = Callable[[web.Request, Backend, dict[str, Any], Limits],
+                    Awaitable[web.StreamResponse]]
+
+
+def build_app(backend: Backend, *, api_keys: tuple[str, ...] = (),
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> web.Application:
+    app = web.Application(client_max_size=max_request_bytes,
+                          middlewares=[_access_log, _errors, _api_keys(api_keys)])
+    app[BACKEND] = backend
+    app.add_routes([web.post("/v1/completions", _endpoint(create_completion)),
+                    web.post("/v1/chat/completions", _endpoint(create_chat_completion)),
+                    web.get("/v1/models", _models), web.get("/health", _health),
+                    web.get("/metrics", _metrics)])
+    return app
+
+
+def _endpoint(create: Endpoint) -> Handler:
+    """A POST route: its JSON object body and the request limits, then `create`."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        backend = request.app[BACKEND]
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        limits = Limits(backend.config.max_logprobs, backend.config.max_choices,
+                        backend.engine.max_model_len)
+        return await create(request, backend, body, limits)
+
+    return handle
+
+
+async def _models(request: web.Request) -> web.Response:
+    backend = request.app[BACKEND]
+    name = backend.config.model_name
+    return web.json_response({"object": "list", "data": [{
+        "id": name, "object": "model", "created": 0, "owned_by": "pagedkv", "root": name,
+        "max_model_len": backend.engine.max_model_len}]})
+
+
+async def _health(request: web.Request) -> web.Response:
+    backend = request.app[BACKEND]
+    reason = backend.engine.failure() or ("draining" if backend.draining else None)
+    if reason is None:
+        return web.Response(text="ok\n")
+    return web.Response(status=503, text=f"unhealthy: {reason}\n")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    registry = request.app[BACKEND].metrics.registry
+    return web.Response(body=prometheus_client.generate_latest(registry),
+                        headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
+
+
+@web.middleware
+async def _access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
+    started = time.monotonic()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    finally:
+        log.info("http_request", method=request.method, path=request.path, status=status,
+                 duration_ms=round((time.monotonic() - started) * 1000, 1),
+                 peer=request.remote)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every refusal as OpenAI's error body; a bug as a 500 in the same shape, logged."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+    except web.HTTPException as exc:  # aiohttp's own: 404 route, 405, 413 body too large
+        if exc.status < 400:
+            raise
+        error = ApiError(exc.status, exc.reason if exc.status != 413 else exc.text or "")
+        return web.json_response(error.body(), status=exc.status)
+    except (ConnectionResetError, OSError):  # the client went away mid-answer
+        raise
+    except Exception as exc:
+        log.exception("http_request_failed", path=request.path)
+        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+        return web.json_response(error.body(), status=500)
+
+
+def _api_keys(keys: tuple[str, ...]) -> Middleware:
+    """Require one of `keys` as a bearer token on /v1/ routes (none configured: open)."""
+    encoded = [key.encode() for key in keys]
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if encoded and request.path.startswith("/v1/"):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            # Compared in constant time, against every key (no early exit on a match).
+            matches = [hmac.compare_digest(token.strip().encode(), key) for key in encoded]
+            if scheme.lower() != "bearer" or not any(matches):
+                raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
+                               headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check

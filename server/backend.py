@@ -1,0 +1,132 @@
+"""What the HTTP handlers generate with: the engine, the tokenizer, the served name, the limits.
+
+    backend = Backend(engine, tokenizer, "my-model", "why there is no tokenizer", config)
+    prompt_ids = backend.encode(prompt, "prompt")        # ApiError 400 naming the field
+    async for outputs in backend.stream(prompt_ids, params):   # admitted, metrics kept
+        ...
+
+One `Engine` serves every HTTP request (one daemon session, continuous batching across them),
+on the server's event loop. Admission is bounded: a request arriving while `max_waiting`
+requests already wait for room in the pool is refused with 429 and Retry-After instead of
+queueing without limit; a draining server refuses new requests with 503. A request whose client
+goes away is aborted (its stream is closed), which frees its blocks.
+"""
+
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, replace
+
+from pagedkv.client.engine.engine import Engine
+from pagedkv.client.engine.outputs import RequestOutput
+from pagedkv.client.pool.sampling_params import SamplingParams
+from pagedkv.llm.tokenizer import Tokenizer
+from pagedkv.server.errors import ApiError, bad_request
+from pagedkv.server.metrics import ServerMetrics
+from pagedkv.vocab.token_ids import check_vocabulary
+
+# Seconds a refused client is told to wait (Retry-After) when the queue is full or we drain.
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """The server's own bounds (the pool's are the daemon's)."""
+
+    # The name clients send as `model` (GET /v1/models lists it).
+    model_name: str
+    # Requests waiting for room beyond which a new one gets 429 (0: no bound).
+    max_waiting: int = 256
+    # Most choices (prompts x n) one request computes.
+    max_choices: int = 64
+    # Most top logprobs per token.
+    max_logprobs: int = 20
+
+
+class Backend:
+    """The engine and the tokenizer, behind the server's admission rules."""
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None, no_tokenizer: str,
+                 config: ServeConfig, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        # None for a preset (random weights, token ids only); `no_tokenizer` says why.
+        self.tokenizer = tokenizer
+        self.no_tokenizer = no_tokenizer
+        self.config = config
+        self.metrics = metrics
+        # Set once SIGTERM arrived: new requests get 503, running streams finish.
+        self.draining = False
+        # Requests admitted and not yet finished (the drain waits for none to be left).
+        self.active = 0
+
+    def check_model(self, name: str) -> None:
+        if name != self.config.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist: this server serves "
+                                f"`{self.config.model_name}`", "model")
+
+    def encode(self, prompt: str | Sequence[int], param: str) -> list[int]:
+        """A prompt's token ids, checked against the vocabulary and the model's positions."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise bad_request(param, f"{param} is text, but {self.no_tokenizer}: send token "
+                                         "ids")
+            token_ids = list(self.tokenizer.encode(prompt))
+        else:
+            token_ids = list(prompt)
+        self.check_prompt(token_ids, param)
+        return token_ids
+
+    def check_prompt(self, token_ids: list[int], param: str) -> None:
+        if not token_ids:
+            raise bad_request(param, f"{param} has no tokens")
+        try:
+            check_vocabulary(token_ids, self.engine.vocab_size, f"{param}:")
+        except ValueError as exc:
+            raise bad_request(param, str(exc)) from exc
+        limit = self.engine.max_model_len
+        if limit and len(token_ids) >= limit:
+            raise bad_request(param, f"{param} has {len(token_ids)} tokens; the model takes at "
+                                     f"most {limit} positions, prompt and completion together")
+
+    def admit(self) -> None:
+        """Refuse a new request when draining (503) or when the queue is full (429)."""
+        retry = {"Retry-After": str(RETRY_AFTER_S)}
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", headers=retry)
+        waiting = len(self.engine.scheduler.waiting)
+        if self.config.max_waiting and waiting >= self.config.max_waiting:
+            self.metrics.refused()
+            raise ApiError(429, f"{waiting} requests are waiting for room in the KV pool (the "
+                                f"server's bound is {self.config.max_waiting}): retry later",
+                           headers=retry)
+
+    def max_tokens_for(self, params: SamplingParams, prompt_len: int,
+                       given: bool) -> SamplingParams:
+        """`params` with max_tokens at most the positions the prompt leaves (an explicit
+        max_tokens that does not fit is refused, as vLLM refuses it)."""
+        limit = self.engine.max_model_len
+        if not limit or prompt_len + params.max_tokens <= limit:
+            return params
+        if given:
+            raise bad_request("max_tokens", f"max_tokens {params.max_tokens} + the prompt's "
+                                            f"{prompt_len} tokens exceed the model's {limit} "
+                                            "positions")
+        return replace(params, max_tokens=limit - prompt_len)
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams,
+                     every_step: bool) -> AsyncGenerator[RequestOutput]:
+        """The request's outputs (each step's when `every_step`, else the final one); closing
+        the iterator early aborts the request and frees its blocks."""
+        self.active += 1
+        self.metrics.arrived(len(prompt_ids))
+        outputs = (self.engine.stream(prompt_ids, params) if every_step
+                   else _final(self.engine, prompt_ids, params))
+        try:
+            async for output in outputs:
+                yield output
+        finally:  # closed early (a stop string, a client gone): the engine aborts it now
+            await outputs.aclose()
+            self.active -= 1
+
+
+async def _final(engine: Engine, prompt_ids: list[int],
+                 params: SamplingParams) -> AsyncGenerator[RequestOutput]:
+    yield await engine.generate(prompt_ids, params)

@@ -1,0 +1,106 @@
+"""POST /v1/chat/completions: a conversation in, the assistant's reply out, whole or streamed.
+
+The messages go through the tokenizer's chat template (chat.py) into one prompt; the reply is
+generated as a completion of it (generation.py), so stop strings, logprobs and usage work as in
+/v1/completions; only the wire shape differs (messages and deltas, chat logprobs).
+"""
+
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from pagedkv.server.backend import Backend
+from pagedkv.server.chat import render_chat
+from pagedkv.server.completions import usage
+from pagedkv.server.errors import ApiError, from_value_error
+from pagedkv.server.generation import PromptRun, TokenInfo, merged
+from pagedkv.server.protocol import ChatRequest, Limits, read_chat
+from pagedkv.server.sse import done, open_stream, send
+from pagedkv.server.text import token_bytes, token_text
+
+
+async def create_chat_completion(request: web.Request, backend: Backend, body: dict[str, Any],
+                                 limits: Limits) -> web.StreamResponse:
+    chat = read_chat(body, limits)
+    backend.check_model(chat.sampling.model)
+    if backend.tokenizer is None:
+        raise ApiError(400, f"chat needs a tokenizer, but {backend.no_tokenizer}: use "
+                            "/v1/completions with token ids", "messages")
+    try:
+        prompt_ids = render_chat(backend.tokenizer, chat.messages)
+    except ValueError as exc:
+        raise from_value_error(exc) from exc
+    backend.check_prompt(prompt_ids, "messages")
+    run = PromptRun(backend, prompt_ids, chat.sampling)
+    backend.admit()
+    reply = _Reply(chat, backend, run)
+    return await (reply.stream(request) if chat.sampling.stream else reply.whole())
+
+
+class _Reply:
+    """One chat request's choices, as the whole answer or its stream."""
+
+    def __init__(self, chat: ChatRequest, backend: Backend, run: PromptRun) -> None:
+        self.chat = chat
+        self.backend = backend
+        self.run = run
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def _chunk(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.chat.sampling.model, "choices": choices}
+
+    async def whole(self) -> web.Response:
+        texts: dict[int, list[str]] = {}
+        tokens: dict[int, list[TokenInfo]] = {}
+        reasons: dict[int, str | None] = {}
+        async for _, updates in merged([self.run]):
+            for update in updates:
+                texts.setdefault(update.index, []).append(update.text)
+                tokens.setdefault(update.index, []).extend(update.tokens)
+                reasons[update.index] = update.finish_reason
+        choices = [{"index": index,
+                    "message": {"role": "assistant", "content": "".join(parts)},
+                    "logprobs": self._logprobs(tokens[index]), "finish_reason": reasons[index]}
+                   for index, parts in sorted(texts.items())]
+        return web.json_response({**self._chunk("chat.completion", choices),
+                                  "usage": usage([self.run])})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        response = await open_stream(request)
+        started: set[int] = set()
+        obj = "chat.completion.chunk"
+        async for _, updates in merged([self.run]):
+            for update in updates:
+                if update.index not in started:  # OpenAI's first delta names the role
+                    started.add(update.index)
+                    await send(response, self._chunk(obj, [{
+                        "index": update.index, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}]))
+                delta = {"content": update.text} if update.text else {}
+                await send(response, self._chunk(obj, [{
+                    "index": update.index, "delta": delta,
+                    "logprobs": self._logprobs(update.tokens),
+                    "finish_reason": update.finish_reason}]))
+        if self.chat.sampling.include_usage:
+            await send(response, {**self._chunk(obj, []), "usage": usage([self.run])})
+        await done(response)
+        return response
+
+    def _logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any] | None:
+        """OpenAI's chat logprobs: per token its text, bytes, logprob and top alternatives."""
+        if self.chat.sampling.logprobs is None:
+            return None
+        tokenizer = self.backend.tokenizer
+        assert tokenizer is not None, "a chat request needs one (checked on arrival)"
+
+        def entry(token_id: int, logprob: float | None) -> dict[str, Any]:
+            return {"token": token_text(tokenizer, token_id), "logprob": logprob,
+                    "bytes": list(token_bytes(tokenizer, token_id))}
+
+        return {"content": [{**entry(t.token_id, t.logprob),
+                             "top_logprobs": [entry(i, p) for i, p in t.top.items()]}
+                            for t in tokens]}

@@ -1,0 +1,170 @@
+"""`pagedkv serve`: the OpenAI-compatible HTTP server.
+
+    pagedkv serve --model /models/qwen2.5-0.5b --port 8000
+    pagedkv serve --model tiny-llama            # a preset: token-id prompts only
+    pagedkv serve --model /models/m --daemon unix:///run/pagedkv/pagedkvd.sock \
+        --runner unix:///run/pagedkv-runner/pagedkv-runner.sock --api-key-file /etc/pagedkv/keys
+
+It starts a daemon planned for the model and a runner next to it, as the `LLM` does (or uses
+running ones), opens one engine on them and serves HTTP (app.py). A runner it started is
+supervised: when it dies, it is started again and the engine resends each sequence's history,
+so the streams go on with the tokens they would have had. systemd readiness (READY=1) is sent
+once the port listens. SIGTERM drains: new requests get 503, running ones finish (up to
+--drain-timeout-s), then the engine, the runner and the daemon stop. Exit codes: 0, 2 for a bad
+flag or model, 1 when the services failed to start.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from pagedkv.client.engine.engine import Engine
+from pagedkv.client.engine.runner_link import RESTART_WAIT_S
+from pagedkv.llm.config import LLMConfig
+from pagedkv.llm.llm import tokenizer_for
+from pagedkv.llm.model_ref import resolve_model
+from pagedkv.llm.services import Services, start_services
+from pagedkv.process import log_setup
+from pagedkv.process.launch import NoNotification
+from pagedkv.process.lifecycle import stop_on_signals
+from pagedkv.process.notify import notify
+from pagedkv.server.app import DEFAULT_MAX_REQUEST_BYTES, build_app
+from pagedkv.server.backend import Backend, ServeConfig
+from pagedkv.server.metrics import ServerMetrics
+
+PROG = "pagedkv serve"
+EXIT_BAD_INPUT = 2
+EXIT_FAILURE = 1
+# How often a drain looks whether the running requests are done.
+DRAIN_POLL_S = 0.05
+log = log_setup.get_logger("pagedkv.server")
+
+
+def parser() -> argparse.ArgumentParser:
+    cli = argparse.ArgumentParser(prog=PROG, description="Serve a model over OpenAI's HTTP API "
+                                  "(starts a daemon and a runner unless --daemon and --runner "
+                                  "name running ones).")
+    cli.add_argument("--model", required=True, help="a local Hugging Face model directory, or a "
+                                                    "preset (random weights, token ids only)")
+    cli.add_argument("--served-model-name", help="the name clients send as `model` "
+                                                 "(default: --model)")
+    cli.add_argument("--tokenizer", help="the tokenizer's folder (default: the model's)")
+    cli.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
+    cli.add_argument("--port", type=int, default=8000, help="default 8000")
+    cli.add_argument("--daemon", help="gRPC target of a running pagedkvd (with --runner)")
+    cli.add_argument("--runner", help="gRPC target of a running pagedkv runner (with --daemon)")
+    cli.add_argument("--api-key", action="append", default=[], help="a key clients must send "
+                     "as `Authorization: Bearer KEY` (repeatable; default: none needed)")
+    cli.add_argument("--api-key-file", help="keys, one per line (# comments)")
+    cli.add_argument("--max-waiting-requests", type=int, default=256, help="requests waiting "
+                     "for room beyond which new ones get 429 (default 256; 0: no bound)")
+    cli.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                     help=f"largest request body (default {DEFAULT_MAX_REQUEST_BYTES})")
+    cli.add_argument("--max-choices", type=int, default=64,
+                     help="most prompts x n one request computes (default 64)")
+    cli.add_argument("--drain-timeout-s", type=float, default=30.0, help="how long SIGTERM "
+                     "lets running requests finish (default 30)")
+    cli.add_argument("--dtype", default="auto", help="float16, bfloat16, float32 or auto")
+    cli.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    pool = cli.add_mutually_exclusive_group()
+    pool.add_argument("--kv-cache-memory", metavar="BYTES", help="KV pool size, e.g. 2GiB")
+    pool.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
+    cli.add_argument("--max-num-seqs", type=int, default=256, help="default 256")
+    cli.add_argument("--log-level", default="info", help="default info")
+    cli.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
+    return cli
+
+
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys of --api-key and --api-key-file (ValueError: an unreadable or empty file)."""
+    keys = list(args.api_key)
+    if args.api_key_file is not None:
+        lines = Path(args.api_key_file).read_text().splitlines()
+        from_file = [line.strip() for line in lines if line.strip()
+                     and not line.lstrip().startswith("#")]
+        if not from_file:
+            raise ValueError(f"--api-key-file {args.api_key_file} holds no key")
+        keys += from_file
+    if any(not key or key != key.strip() for key in keys):
+        raise ValueError("an API key is empty or has spaces around it")
+    return tuple(keys)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        keys = api_keys(args)
+        config = LLMConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
+                           device=args.device, daemon=args.daemon, runner=args.runner,
+                           kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
+                           max_num_seqs=args.max_num_seqs)
+        model = resolve_model(args.model)
+        tokenizer, no_tokenizer = tokenizer_for(config, model)
+        if args.max_waiting_requests < 0 or args.max_choices < 1 or args.port < 0:
+            raise ValueError("--max-waiting-requests must be >= 0, --max-choices >= 1, "
+                             "--port >= 0")
+    except (OSError, ValueError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    log_setup.configure(args.log_level, args.log_format)
+    serve_config = ServeConfig(args.served_model_name or args.model, args.max_waiting_requests,
+                               args.max_choices)
+    try:
+        with contextlib.ExitStack() as resources:
+            if config.daemon is None:
+                services = start_services(config, model, resources, restart_runner=True)
+            else:
+                assert config.runner is not None
+                services = Services(config.daemon, config.runner)
+            asyncio.run(_serve(args, config, services, keys, lambda engine, metrics:
+                               Backend(engine, tokenizer, no_tokenizer, serve_config, metrics)))
+    except (NoNotification, OSError) as exc:
+        print(f"{PROG}: failed: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    return 0
+
+
+async def _serve(args: argparse.Namespace, config: LLMConfig, services: Services,
+                 keys: tuple[str, ...],
+                 backend_for: Callable[[Engine, ServerMetrics], Backend]) -> None:
+    """Serve until SIGTERM or SIGINT, then drain."""
+    with stop_on_signals() as stop:
+        # Whoever runs the runner (our supervisor, or the operator's unit) restarts it: a step
+        # left unanswered waits for the new one.
+        engine = await Engine.connect(services.daemon_target, services.runner_target,
+                                      config=config.scheduler(), client_name="pagedkv-serve",
+                                      runner_restart_wait_s=RESTART_WAIT_S)
+        metrics = ServerMetrics()
+        supervisor = services.supervisor
+        metrics.watch(engine, lambda: supervisor.restarts if supervisor is not None else 0)
+        backend = backend_for(engine, metrics)
+        app_runner = web.AppRunner(build_app(backend, api_keys=keys,
+                                             max_request_bytes=args.max_request_bytes),
+                                   access_log=None, handler_cancellation=True)
+        await app_runner.setup()
+        try:
+            await web.TCPSite(app_runner, args.host, args.port).start()
+            log.info("serving", url=f"http://{args.host}:{args.port}/v1",
+                     model=backend.config.model_name)
+            notify("READY=1")
+            await stop.wait()
+            notify("STOPPING=1")
+            await _drain(backend, args.drain_timeout_s)
+        finally:
+            await app_runner.cleanup()
+            await engine.close()
+
+
+async def _drain(backend: Backend, timeout_s: float) -> None:
+    """Refuse new requests; let the running ones finish, up to `timeout_s`."""
+    backend.draining = True
+    log.info("draining", running=backend.active, timeout_s=timeout_s)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            while backend.active:
+                await asyncio.sleep(DRAIN_POLL_S)

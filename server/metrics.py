@@ -1,0 +1,95 @@
+"""The server's /metrics: the engine's figures under vLLM's names, `pagedkv:` for `vllm:`.
+
+A dashboard built for `vllm serve` reads the same series here: requests running and waiting,
+KV usage, prefix-cache queries and hits (in tokens, as vLLM counts them), preemptions, prompt and
+generation tokens, time to first token, inter-token latency and end-to-end latency histograms,
+finished requests by reason. Gauges are read from the engine at scrape time; counters and
+histograms are fed by the request streams (backend.py). Runner restarts come from the
+supervisor, when the server started the runner.
+"""
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pagedkv.client.engine.engine import Engine
+from pagedkv.client.engine.outputs import RequestOutput
+
+PREFIX = "pagedkv:"
+# vLLM's buckets (seconds) for time to first token and inter-token latency.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
+               120.0)
+
+
+class ServerMetrics:
+    """Series of one server, in their own registry (a test may run several servers)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge(f"{PREFIX}num_requests_running", "Requests being computed.",
+                             registry=r)
+        self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for room.",
+                             registry=r)
+        self.kv_usage = Gauge(f"{PREFIX}kv_cache_usage_perc",
+                              "Share of the KV pool's blocks in use (1 = full).", registry=r)
+        self.runner_restarts = Gauge(f"{PREFIX}runner_restarts",
+                                     "Times the supervisor restarted the runner.", registry=r)
+        self.cache_queries = Counter(f"{PREFIX}prefix_cache_queries",
+                                     "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.cache_hits = Counter(f"{PREFIX}prefix_cache_hits",
+                                  "Prompt tokens served by the prefix cache.", registry=r)
+        self.preemptions = Counter(f"{PREFIX}num_preemptions",
+                                   "Preemptions of finished requests.", registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens admitted.",
+                                     registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.",
+                                         registry=r)
+        self.finished = Counter(f"{PREFIX}request_success", "Finished requests.",
+                                ["finished_reason"], registry=r)
+        self.rejected = Counter(f"{PREFIX}requests_rejected",
+                                "Requests refused because the queue was full.", registry=r)
+        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds",
+                              "Arrival to the first generated token.", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds",
+                             "Time between two steps that generated tokens of a request.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds",
+                             "Arrival to the last token.", buckets=E2E_BUCKETS, registry=r)
+
+    def watch(self, engine: Engine, restarts: Callable[[], int] = lambda: 0) -> None:
+        """Read the gauges from `engine` (and the supervisor's restarts) at each scrape."""
+        self.running.set_function(lambda: len(engine.scheduler.running))
+        self.waiting.set_function(lambda: len(engine.scheduler.waiting))
+        self.kv_usage.set_function(lambda: engine.kv_usage)
+        self.runner_restarts.set_function(restarts)
+
+    def arrived(self, prompt_len: int) -> None:
+        self.prompt_tokens.inc(prompt_len)
+
+    def refused(self) -> None:
+        self.rejected.inc()
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def tokens(self, count: int, since_last_s: float | None) -> None:
+        """`count` new tokens of a request; the time since its last ones (None: its first)."""
+        self.generation_tokens.inc(count)
+        if since_last_s is not None:
+            self.itl.observe(since_last_s)
+
+    def done(self, output: RequestOutput, reasons: list[str], seconds: float) -> None:
+        """A request that ended (`reasons`: its choices' finish reasons, "abort" for one cut
+        short): its cache figures, preemptions, reasons and latency."""
+        self.cache_queries.inc(output.num_prompt_tokens)
+        self.cache_hits.inc(output.num_cached_tokens)
+        self.preemptions.inc(output.num_preemptions)
+        for reason in reasons:
+            self.finished.labels(reason).inc()
+        self.e2e.observe(seconds)
