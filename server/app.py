@@ -8,7 +8,9 @@
 
 Middlewares, outermost first: the access log (one structlog line per request), errors (every
 refusal in OpenAI's JSON shape: errors.py), API keys (`Authorization: Bearer KEY` on /v1/
-routes when keys are configured; /health and /metrics stay open to probes, as vLLM's do).
+routes when keys are configured; /health and /metrics stay open to probes, as vLLM's do), and
+a bound on the requests one client address has in progress (429), so one peer cannot take every
+place in the queue.
 Bodies are bounded by `client_max_size` (413), JSON must be an object (400). The app runs with
 handler cancellation on: a client that disconnects cancels its handler, whose request streams
 close and abort their requests.
@@ -25,7 +27,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from pagedkv.process.log_setup import get_logger
-from pagedkv.server.backend import Backend
+from pagedkv.server.backend import RETRY_AFTER_S, Backend
 from pagedkv.server.chat_completions import create_chat_completion
 from pagedkv.server.completions import create_completion
 from pagedkv.server.errors import ApiError
@@ -34,6 +36,8 @@ from pagedkv.server.protocol import Limits
 log = get_logger("pagedkv.server")
 # A request body larger than this is refused (413) before it is read whole.
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+# Most requests one client address may have in progress at once (0: no bound).
+DEFAULT_MAX_PER_PEER = 64
 BACKEND: web.AppKey[Backend] = web.AppKey("backend", Backend)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Endpoint = Callable[[web.Request, Backend, dict[str, Any], Limits],
@@ -41,9 +45,11 @@ Endpoint = Callable[[web.Request, Backend, dict[str, Any], Limits],
 
 
 def build_app(backend: Backend, *, api_keys: tuple[str, ...] = (),
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> web.Application:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              max_per_peer: int = DEFAULT_MAX_PER_PEER) -> web.Application:
     app = web.Application(client_max_size=max_request_bytes,
-                          middlewares=[_access_log, _errors, _api_keys(api_keys)])
+                          middlewares=[_access_log, _errors, _api_keys(api_keys),
+                                       _peer_bound(max_per_peer)])
     app[BACKEND] = backend
     app.add_routes([web.post("/v1/completions", _endpoint(create_completion)),
                     web.post("/v1/chat/completions", _endpoint(create_chat_completion)),
@@ -140,5 +146,29 @@ def _api_keys(keys: tuple[str, ...]) -> Middleware:
                 raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
                                headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
+
+    return check
+
+
+def _peer_bound(limit: int) -> Middleware:
+    """Refuse a /v1/ request (429) from an address that has `limit` in progress already."""
+    in_progress: dict[str, int] = {}
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        peer = request.remote or ""
+        if not limit or not request.path.startswith("/v1/"):
+            return await handler(request)
+        if in_progress.get(peer, 0) >= limit:
+            raise ApiError(429, f"{limit} requests from this address are in progress (the "
+                                "server's bound per client address): retry later",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        in_progress[peer] = in_progress.get(peer, 0) + 1
+        try:
+            return await handler(request)
+        finally:  # the table holds only addresses with a request in progress
+            in_progress[peer] -= 1
+            if not in_progress[peer]:
+                del in_progress[peer]
 
     return check

@@ -33,7 +33,7 @@ from pagedkv.process import log_setup
 from pagedkv.process.launch import NoNotification
 from pagedkv.process.lifecycle import stop_on_signals
 from pagedkv.process.notify import notify
-from pagedkv.server.app import DEFAULT_MAX_REQUEST_BYTES, build_app
+from pagedkv.server.app import DEFAULT_MAX_PER_PEER, DEFAULT_MAX_REQUEST_BYTES, build_app
 from pagedkv.server.backend import Backend, ServeConfig
 from pagedkv.server.metrics import ServerMetrics
 
@@ -63,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--api-key-file", help="keys, one per line (# comments)")
     cli.add_argument("--max-waiting-requests", type=int, default=256, help="requests waiting "
                      "for room beyond which new ones get 429 (default 256; 0: no bound)")
+    cli.add_argument("--max-requests-per-peer", type=int, default=DEFAULT_MAX_PER_PEER,
+                     help="requests one client address may have in progress before more get "
+                          f"429 (default {DEFAULT_MAX_PER_PEER}; 0: no bound)")
     cli.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                      help=f"largest request body (default {DEFAULT_MAX_REQUEST_BYTES})")
     cli.add_argument("--max-choices", type=int, default=64,
@@ -105,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                            max_num_seqs=args.max_num_seqs)
         model = resolve_model(args.model)
         tokenizer, no_tokenizer = tokenizer_for(config, model)
-        if args.max_waiting_requests < 0 or args.max_choices < 1 or args.port < 0:
-            raise ValueError("--max-waiting-requests must be >= 0, --max-choices >= 1, "
-                             "--port >= 0")
+        if min(args.max_waiting_requests, args.max_requests_per_peer, args.port) < 0 \
+                or args.max_choices < 1 or args.max_request_bytes < 1:
+            raise ValueError("--max-waiting-requests, --max-requests-per-peer and --port must "
+                             "be >= 0, --max-choices and --max-request-bytes >= 1")
     except (OSError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -144,7 +148,8 @@ async def _serve(args: argparse.Namespace, config: LLMConfig, services: Services
         metrics.watch(engine, lambda: supervisor.restarts if supervisor is not None else 0)
         backend = backend_for(engine, metrics)
         app_runner = web.AppRunner(build_app(backend, api_keys=keys,
-                                             max_request_bytes=args.max_request_bytes),
+                                             max_request_bytes=args.max_request_bytes,
+                                             max_per_peer=args.max_requests_per_peer),
                                    access_log=None, handler_cancellation=True)
         await app_runner.setup()
         try:

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
@@ -21,6 +22,11 @@ from pagedkvd_process import short_tmp_dir
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from pagedkv.process.launch import READY_STATE, Launched, free_tcp_port, start_process
+
+try:  # the http client the openai package is built on: httpx2 from openai 3, httpx before
+    import httpx2 as httpx
+except ImportError:
+    import httpx  # type: ignore[no-redef]
 
 KEY = "sk-test-key"
 NAME = "chat-model"
@@ -269,13 +275,20 @@ def test_metrics_use_vllms_names(server: int) -> None:
         assert f"pagedkv:{name}" in text, name
 
 
-def test_a_preset_refuses_text_and_a_full_queue_gets_429_then_sigterm_drains() -> None:
+def preset_client(port: int, source: str = "127.0.0.1") -> openai.OpenAI:
+    """A client of a preset server, connecting from the loopback address `source`."""
+    transport = httpx.HTTPTransport(local_address=source)
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                         http_client=httpx.Client(transport=transport, timeout=60))
+
+
+def test_a_preset_refuses_text_bounds_peers_and_the_queue_then_sigterm_drains() -> None:
     with short_tmp_dir() as folder:
         process, port = start_server(folder, "--model", "tiny-llama", "--max-num-seqs", "1",
-                                     "--max-waiting-requests", "1", "--num-blocks", "64")
+                                     "--max-waiting-requests", "1", "--max-requests-per-peer",
+                                     "2", "--num-blocks", "64")
         try:
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                                   max_retries=0)
+            client = preset_client(port)
             with pytest.raises(openai.BadRequestError) as caught:
                 client.completions.create(model="tiny-llama", prompt="text", max_tokens=1)
             assert caught.value.param == "prompt" and "token ids" in caught.value.message
@@ -289,9 +302,16 @@ def test_a_preset_refuses_text_and_a_full_queue_gets_429_then_sigterm_drains() -
             while metric(port, "pagedkv:num_requests_waiting") < 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
-            with pytest.raises(openai.RateLimitError) as limited:
+            # This address has two requests in progress: its third is refused.
+            with pytest.raises(openai.RateLimitError) as per_peer:
                 client.completions.create(model="tiny-llama", prompt=[7], max_tokens=1)
-            assert limited.value.response.headers["Retry-After"] == "1"
+            assert "from this address" in per_peer.value.message
+            # Another address is within its bound, but the queue is full.
+            with pytest.raises(openai.RateLimitError) as queue_full:
+                preset_client(port, "127.0.0.2").completions.create(
+                    model="tiny-llama", prompt=[7], max_tokens=1)
+            assert "waiting for room" in queue_full.value.message
+            assert queue_full.value.response.headers["Retry-After"] == "1"
             process.send(signal.SIGTERM)  # drains: the running streams finish
             rest = list(running)
             assert rest[-1].choices[0].finish_reason == "length"
@@ -299,3 +319,38 @@ def test_a_preset_refuses_text_and_a_full_queue_gets_429_then_sigterm_drains() -
             assert process.wait_for_exit() == 0
         finally:
             process.stop(signal.SIGKILL)
+
+
+def test_a_full_pool_queues_and_preempts_and_every_request_finishes() -> None:
+    """12 blocks of 16 slots for 6 requests of 20 + 40 tokens (4 blocks each): requests wait,
+    sequences are preempted and recomputed, and each ends with the tokens it has alone."""
+    with short_tmp_dir() as folder:
+        process, port = start_server(folder, "--model", "tiny-llama", "--num-blocks", "12")
+        try:
+            client = preset_client(port)
+
+            def tokens(prompt: list[int]) -> list[int]:
+                out = client.completions.create(model="tiny-llama", prompt=prompt,
+                                                max_tokens=40, temperature=0,
+                                                extra_body={"return_token_ids": True})
+                assert out.choices[0].finish_reason == "length"
+                return list(out.choices[0].token_ids)  # type: ignore[attr-defined]
+
+            prompts = [[(7 * i + j) % 100 + 1 for j in range(20)] for i in range(6)]
+            with ThreadPoolExecutor(6) as pool:
+                together = list(pool.map(tokens, prompts))
+            assert metric(port, "pagedkv:num_preemptions_total") > 0
+            assert together == [tokens(prompt) for prompt in prompts]
+        finally:
+            assert process.stop() == 0
+
+
+def test_a_body_over_the_bound_is_refused(server: int) -> None:
+    body = json.dumps({"model": NAME, "prompt": "x" * (5 * 2**20)}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{server}/v1/completions", data=body,
+                                     headers={"Authorization": f"Bearer {KEY}",
+                                              "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 413
+    assert json.loads(refused.value.read())["error"]["code"] == 413
