@@ -38,10 +38,9 @@ def run_generate(argv: list[str]) -> int:
 def run_server(argv: list[str]) -> int:
     """`pagedkv serve ...`: the OpenAI-compatible HTTP server (it starts or connects to a
     daemon and a runner, as `generate` does)."""
-    # server/cli.py is being written (issue 20): drop this ignore once it exists.
-    from pagedkv.server.cli import main  # type: ignore[import-not-found]
+    from pagedkv.server.cli import main
 
-    return int(main(argv))
+    return main(argv)
 
 
 # Subcommands with command lines of their own: the rest of the line is theirs.

@@ -41,8 +41,8 @@ def test_a_subcommand_is_required() -> None:
     assert info.value.code == 2
 
 
-@pytest.mark.parametrize("command", ["runner", "generate"])
-def test_runner_and_generate_get_the_rest_of_the_line(
+@pytest.mark.parametrize("command", ["runner", "generate", "serve"])
+def test_runner_generate_and_serve_get_the_rest_of_the_line(
     command: str, capsys: pytest.CaptureFixture[str],
 ) -> None:
     # Their own parsers answer, not the `pagedkv` one (which knows no such flag either).
@@ -50,3 +50,12 @@ def test_runner_and_generate_get_the_rest_of_the_line(
         main([command, "--no-such-flag"])
     assert info.value.code == 2
     assert f"usage: pagedkv {command} " in capsys.readouterr().err
+
+
+def test_pagedkv_serve_is_the_http_server(capsys: pytest.CaptureFixture[str]) -> None:
+    # Not the daemon any more (that is `pagedkv daemon`): the server's own command line.
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--help"])
+    assert info.value.code == 0
+    assert "usage: pagedkv serve" in (out := capsys.readouterr().out)
+    assert "OpenAI's HTTP API" in out
