@@ -127,6 +127,36 @@ number of calls at once (`max_concurrent_rpcs`): one more is refused by gRPC its
 RESOURCE_EXHAUSTED and no "pagedkv-error" cause, nothing applied; retry it later. A
 refusal's message names the cap (e.g. "max_sessions=1024"); ops/OPERATIONS.md lists them.
 Seq ids within one request must be distinct (INVALID_ARGUMENT).
+
+Models and pages. One daemon's pool is shared by models, not only by clients: a base and its
+fine-tunes, a draft model beside a large one, several customers' models. The pool's memory is
+num_pages pages of page_bytes each (PoolInfo). A model's K/V format is its geometry (layers,
+KV heads, head size, dtype; block_size is the pool's, the same for every model), which fixes
+its bytes_per_block; page_bytes must be a multiple of it, and a page then holds
+blocks_per_page = page_bytes / bytes_per_block blocks of that format. Models of one geometry
+share one format: one block id space, one free list, one LRU of cached blocks, their prefix
+keys namespaced by model (one model never hits another's K/V). Each format's block ids cover
+the whole memory (num_pages * blocks_per_page ids; block b lies in page b / blocks_per_page),
+and a page belongs to at most one format at a time: a format takes a free page when it has no
+free block left, and a page whose blocks are all free (never used, released, or cached:
+cached ones are evicted) goes back to the pool when another format needs it, zeroed before
+that format uses it. So memory one model releases is usable by any other at once, with no
+restart and no static split. A block's K/V is contiguous: the memory of block b of a model
+is [b, num_layers, 2, block_size, num_kv_heads, head_dim] of its dtype (PoolInfo.layout), so
+every format is a strided view of the same memory.
+
+Runners register the model they compute (RegisterModel, runner socket only): its name and
+geometry; the daemon's own model (its model_config) is registered at start under its name.
+A session names its model when it opens (OpenSessionRequest.model; "" = the daemon's own);
+its blocks and slots are of that model's format, and a runner refuses a step on a session of
+another model than its own. Per-model policy from the daemon's [models.NAME] config: min_memory
+(bytes reserved: other models cannot take the pool below what this model's minimum still
+needs) and max_memory (a cap: a call that would take the model past it is RESOURCE_EXHAUSTED,
+cause "ModelAtCap", naming the model and its cap, nothing changed). Memory counts blocks held
+by the model's sessions and its committed cached blocks, in bytes. A model can be put to sleep
+(SetModelState, runner socket only; `pagedkv model sleep NAME`): its cached blocks are
+dropped, its sessions are closed (their clients get NOT_FOUND, as after expiry) and new
+sessions of it are refused with FAILED_PRECONDITION, cause "ModelAsleep", until it is woken.
 """
 
 from collections import abc as _abc
@@ -221,6 +251,9 @@ class PoolInfo(_message.Message):
     LAYOUT_FIELD_NUMBER: _builtins.int
     MEMORY_FIELD_NUMBER: _builtins.int
     RESERVATION_BLOCKS_FIELD_NUMBER: _builtins.int
+    PAGE_BYTES_FIELD_NUMBER: _builtins.int
+    NUM_PAGES_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     """Random id of this daemon run; changes on every start. Session ids embed it."""
     num_blocks: _builtins.int
@@ -235,19 +268,29 @@ class PoolInfo(_message.Message):
     bytes_per_block: _builtins.int
     """K and V of block_size tokens in every layer."""
     layout: _builtins.str
-    """Axes of the pool tensor: "num_layers,2,num_blocks,block_size,num_kv_heads,head_dim" (the 2
-    is K then V); slot s of a sequence is [layer, k_or_v, s // block_size, s % block_size].
+    """Axes of a model's view of the pool memory:
+    "num_blocks,num_layers,2,block_size,num_kv_heads,head_dim" (the 2 is K then V; a block's
+    K/V is contiguous); slot s of a sequence is [s // block_size, layer, k_or_v, s % block_size].
     """
     reservation_blocks: _builtins.int
     """Blocks every sequence reserves when it is allocated or forked (pagedkvd --allocator
     contiguous: ceil(max_model_len / block_size), and appends then take none); 0 = paged:
     blocks are taken as tokens need them. What a scheduler admits by.
     """
+    page_bytes: _builtins.int
+    """The pool's memory: num_pages pages of page_bytes (see "Models and pages"). Fields 2 and 4
+    to 11 describe the daemon's own model's format (num_blocks: its block ids).
+    """
+    num_pages: _builtins.int
     @_builtins.property
     def memory(self) -> Global___PoolMemory:
         """How to map the pool memory, which holds every tenant's K/V: set only for callers on the
         daemon's runner socket; unset (kind "") for every other caller, unix or TCP.
         """
+
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelInfo]:
+        """Every registered model (memory views set for runners only)."""
 
     def __init__(
         self,
@@ -264,14 +307,151 @@ class PoolInfo(_message.Message):
         layout: _builtins.str = ...,
         memory: Global___PoolMemory | None = ...,
         reservation_blocks: _builtins.int = ...,
+        page_bytes: _builtins.int = ...,
+        num_pages: _builtins.int = ...,
+        models: _abc.Iterable[Global___ModelInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "dtype", b"dtype", "head_dim", b"head_dim", "layout", b"layout", "memory", b"memory", "model", b"model", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "reservation_blocks", b"reservation_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "dtype", b"dtype", "head_dim", b"head_dim", "layout", b"layout", "memory", b"memory", "model", b"model", "models", b"models", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "num_pages", b"num_pages", "page_bytes", b"page_bytes", "pool_id", b"pool_id", "reservation_blocks", b"reservation_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PoolInfo: _TypeAlias = PoolInfo  # noqa: Y015
+
+@_typing.final
+class ModelInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    NUM_LAYERS_FIELD_NUMBER: _builtins.int
+    NUM_KV_HEADS_FIELD_NUMBER: _builtins.int
+    HEAD_DIM_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    BYTES_PER_BLOCK_FIELD_NUMBER: _builtins.int
+    BLOCKS_PER_PAGE_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    RUNNER_TARGET_FIELD_NUMBER: _builtins.int
+    ASLEEP_FIELD_NUMBER: _builtins.int
+    MIN_MEMORY_FIELD_NUMBER: _builtins.int
+    MAX_MEMORY_FIELD_NUMBER: _builtins.int
+    USED_BLOCKS_FIELD_NUMBER: _builtins.int
+    CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    FORMAT_PAGES_FIELD_NUMBER: _builtins.int
+    MEMORY_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The name sessions and clients use (at most 128 bytes: letters, digits, "._-/:")."""
+    num_layers: _builtins.int
+    num_kv_heads: _builtins.int
+    head_dim: _builtins.int
+    dtype: _builtins.str
+    bytes_per_block: _builtins.int
+    """K and V of block_size tokens in every layer; page_bytes is a multiple of it."""
+    blocks_per_page: _builtins.int
+    num_blocks: _builtins.int
+    """Block ids of its format: num_pages * blocks_per_page."""
+    runner_target: _builtins.str
+    """Where its runner serves clients (a gRPC target), as the runner registered it; "" if none."""
+    asleep: _builtins.bool
+    min_memory: _builtins.int
+    """Its [models.NAME] policy, in bytes (0 = none)."""
+    max_memory: _builtins.int
+    used_blocks: _builtins.int
+    """Now: blocks its sessions hold, and its committed cached blocks (of its format)."""
+    cached_blocks: _builtins.int
+    format_pages: _builtins.int
+    """Pages its format holds now (shared by the models of its geometry)."""
+    @_builtins.property
+    def memory(self) -> Global___PoolMemory:
+        """Its view of the pool memory (runners only; unset otherwise): shape
+        [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] of `dtype`.
+        """
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        num_layers: _builtins.int = ...,
+        num_kv_heads: _builtins.int = ...,
+        head_dim: _builtins.int = ...,
+        dtype: _builtins.str = ...,
+        bytes_per_block: _builtins.int = ...,
+        blocks_per_page: _builtins.int = ...,
+        num_blocks: _builtins.int = ...,
+        runner_target: _builtins.str = ...,
+        asleep: _builtins.bool = ...,
+        min_memory: _builtins.int = ...,
+        max_memory: _builtins.int = ...,
+        used_blocks: _builtins.int = ...,
+        cached_blocks: _builtins.int = ...,
+        format_pages: _builtins.int = ...,
+        memory: Global___PoolMemory | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["asleep", b"asleep", "blocks_per_page", b"blocks_per_page", "bytes_per_block", b"bytes_per_block", "cached_blocks", b"cached_blocks", "dtype", b"dtype", "format_pages", b"format_pages", "head_dim", b"head_dim", "max_memory", b"max_memory", "memory", b"memory", "min_memory", b"min_memory", "name", b"name", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "runner_target", b"runner_target", "used_blocks", b"used_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class RegisterModelRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    NUM_LAYERS_FIELD_NUMBER: _builtins.int
+    NUM_KV_HEADS_FIELD_NUMBER: _builtins.int
+    HEAD_DIM_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    RUNNER_TARGET_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    num_layers: _builtins.int
+    num_kv_heads: _builtins.int
+    head_dim: _builtins.int
+    dtype: _builtins.str
+    runner_target: _builtins.str
+    """The runner's client-facing gRPC target, for clients that pick a runner by model name."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        num_layers: _builtins.int = ...,
+        num_kv_heads: _builtins.int = ...,
+        head_dim: _builtins.int = ...,
+        dtype: _builtins.str = ...,
+        runner_target: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "head_dim", b"head_dim", "name", b"name", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "runner_target", b"runner_target"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RegisterModelRequest: _TypeAlias = RegisterModelRequest  # noqa: Y015
+
+@_typing.final
+class SetModelStateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    ASLEEP_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    asleep: _builtins.bool
+    """true: sleep (cached blocks dropped, sessions closed, new ones refused); false: wake."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        asleep: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["asleep", b"asleep", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetModelStateRequest: _TypeAlias = SetModelStateRequest  # noqa: Y015
 
 @_typing.final
 class OpenSessionRequest(_message.Message):
@@ -281,6 +461,7 @@ class OpenSessionRequest(_message.Message):
     LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
     MAX_BLOCKS_FIELD_NUMBER: _builtins.int
     CACHE_SALT_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     client_name: _builtins.str
     """Shown in stats and logs; need not be unique."""
     lease_ttl_ms: _builtins.int
@@ -299,6 +480,11 @@ class OpenSessionRequest(_message.Message):
     operator lists for a tenant are shared with other tenants that list them; any other salt
     is shared only among the sessions of the same tenant.
     """
+    model: _builtins.str
+    """The model whose K/V the session holds (see "Models and pages"); "" = the daemon's own model.
+    NOT_FOUND, cause "ModelNotFound": no model of that name is registered (the message lists
+    those that are); FAILED_PRECONDITION, cause "ModelAsleep": it sleeps.
+    """
     def __init__(
         self,
         *,
@@ -306,10 +492,11 @@ class OpenSessionRequest(_message.Message):
         lease_ttl_ms: _builtins.int = ...,
         max_blocks: _builtins.int = ...,
         cache_salt: _builtins.bytes = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "client_name", b"client_name", "lease_ttl_ms", b"lease_ttl_ms", "max_blocks", b"max_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "client_name", b"client_name", "lease_ttl_ms", b"lease_ttl_ms", "max_blocks", b"max_blocks", "model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -324,6 +511,7 @@ class OpenSessionResponse(_message.Message):
     POOL_ID_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     MAX_BLOCKS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     lease_ttl_ms: _builtins.int
     """The lease granted."""
@@ -331,6 +519,8 @@ class OpenSessionResponse(_message.Message):
     block_size: _builtins.int
     max_blocks: _builtins.int
     """The quota granted (see OpenSessionRequest.max_blocks)."""
+    model: _builtins.str
+    """The session's model (the daemon's own when the request named none)."""
     def __init__(
         self,
         *,
@@ -339,10 +529,11 @@ class OpenSessionResponse(_message.Message):
         pool_id: _builtins.str = ...,
         block_size: _builtins.int = ...,
         max_blocks: _builtins.int = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "lease_ttl_ms", b"lease_ttl_ms", "max_blocks", b"max_blocks", "pool_id", b"pool_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "lease_ttl_ms", b"lease_ttl_ms", "max_blocks", b"max_blocks", "model", b"model", "pool_id", b"pool_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1231,6 +1422,7 @@ class SessionStats(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_HITS_FIELD_NUMBER: _builtins.int
     LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """"client_name#number": a label that is not the (secret) session id."""
     num_sequences: _builtins.int
@@ -1245,6 +1437,8 @@ class SessionStats(_message.Message):
     """Prefix-cache lookups of the session's Allocate calls, in tokens."""
     prefix_cache_hits: _builtins.int
     lease_ttl_ms: _builtins.int
+    model: _builtins.str
+    """The session's model (runners check it against their own)."""
     def __init__(
         self,
         *,
@@ -1256,10 +1450,11 @@ class SessionStats(_message.Message):
         prefix_cache_queries: _builtins.int = ...,
         prefix_cache_hits: _builtins.int = ...,
         lease_ttl_ms: _builtins.int = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_entries", b"block_table_entries", "blocks_held", b"blocks_held", "lease_ttl_ms", b"lease_ttl_ms", "max_blocks", b"max_blocks", "name", b"name", "num_sequences", b"num_sequences", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_table_entries", b"block_table_entries", "blocks_held", b"blocks_held", "lease_ttl_ms", b"lease_ttl_ms", "max_blocks", b"max_blocks", "model", b"model", "name", b"name", "num_sequences", b"num_sequences", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1287,6 +1482,7 @@ class PoolStats(_message.Message):
     SHARING_RATIO_FIELD_NUMBER: _builtins.int
     NUM_SESSIONS_FIELD_NUMBER: _builtins.int
     SESSIONS_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     block_size: _builtins.int
     free_blocks: _builtins.int
@@ -1318,6 +1514,10 @@ class PoolStats(_message.Message):
     def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionStats]:
         """The caller's own session when GetStatsRequest.session_id is set."""
 
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelInfo]:
+        """Every registered model's figures (no memory views)."""
+
     def __init__(
         self,
         *,
@@ -1337,10 +1537,11 @@ class PoolStats(_message.Message):
         sharing_ratio: _builtins.float = ...,
         num_sessions: _builtins.int = ...,
         sessions: _abc.Iterable[Global___SessionStats] | None = ...,
+        models: _abc.Iterable[Global___ModelInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_slots", b"allocated_slots", "block_size", b"block_size", "cached_blocks", b"cached_blocks", "filled_slots", b"filled_slots", "free_blocks", b"free_blocks", "logical_tokens", b"logical_tokens", "num_blocks", b"num_blocks", "num_sequences", b"num_sequences", "num_sessions", b"num_sessions", "pending_blocks", b"pending_blocks", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "sessions", b"sessions", "sharing_ratio", b"sharing_ratio", "used_blocks", b"used_blocks", "utilization", b"utilization"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated_slots", b"allocated_slots", "block_size", b"block_size", "cached_blocks", b"cached_blocks", "filled_slots", b"filled_slots", "free_blocks", b"free_blocks", "logical_tokens", b"logical_tokens", "models", b"models", "num_blocks", b"num_blocks", "num_sequences", b"num_sequences", "num_sessions", b"num_sessions", "pending_blocks", b"pending_blocks", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "sessions", b"sessions", "sharing_ratio", b"sharing_ratio", "used_blocks", b"used_blocks", "utilization", b"utilization"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

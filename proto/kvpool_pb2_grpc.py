@@ -114,6 +114,16 @@ class KVPoolStub:
                 request_serializer=pagedkv_dot_proto_dot_kvpool__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.PoolStats.FromString,
                 _registered_method=True)
+        self.RegisterModel = channel.unary_unary(
+                '/pagedkv.v1.KVPool/RegisterModel',
+                request_serializer=pagedkv_dot_proto_dot_kvpool__pb2.RegisterModelRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.ModelInfo.FromString,
+                _registered_method=True)
+        self.SetModelState = channel.unary_unary(
+                '/pagedkv.v1.KVPool/SetModelState',
+                request_serializer=pagedkv_dot_proto_dot_kvpool__pb2.SetModelStateRequest.SerializeToString,
+                response_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class KVPoolServicer:
@@ -245,6 +255,25 @@ class KVPoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterModel(self, request, context):
+        """Models (see "Models and pages"); runner socket only (PERMISSION_DENIED elsewhere).
+        RegisterModel: a runner's model. Idempotent for the same name and geometry (a restarted
+        runner registers again; its runner_target is updated). INVALID_ARGUMENT, nothing changed:
+        a geometry whose bytes_per_block does not divide page_bytes (the message names both), a
+        malformed name or geometry. ALREADY_EXISTS, cause "ModelExists": the name is registered
+        with another geometry. RESOURCE_EXHAUSTED, cause "LimitExceeded": max_models registered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetModelState(self, request, context):
+        """Put a model to sleep or wake it. NOT_FOUND, cause "ModelNotFound": no such model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVPoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -327,6 +356,16 @@ def add_KVPoolServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.GetStatsRequest.FromString,
                     response_serializer=pagedkv_dot_proto_dot_kvpool__pb2.PoolStats.SerializeToString,
+            ),
+            'RegisterModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterModel,
+                    request_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.RegisterModelRequest.FromString,
+                    response_serializer=pagedkv_dot_proto_dot_kvpool__pb2.ModelInfo.SerializeToString,
+            ),
+            'SetModelState': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetModelState,
+                    request_deserializer=pagedkv_dot_proto_dot_kvpool__pb2.SetModelStateRequest.FromString,
+                    response_serializer=pagedkv_dot_proto_dot_kvpool__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -761,6 +800,60 @@ class KVPool:
             '/pagedkv.v1.KVPool/GetStats',
             pagedkv_dot_proto_dot_kvpool__pb2.GetStatsRequest.SerializeToString,
             pagedkv_dot_proto_dot_kvpool__pb2.PoolStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.KVPool/RegisterModel',
+            pagedkv_dot_proto_dot_kvpool__pb2.RegisterModelRequest.SerializeToString,
+            pagedkv_dot_proto_dot_kvpool__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetModelState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedkv.v1.KVPool/SetModelState',
+            pagedkv_dot_proto_dot_kvpool__pb2.SetModelStateRequest.SerializeToString,
+            pagedkv_dot_proto_dot_kvpool__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -127,6 +127,36 @@ number of calls at once (`max_concurrent_rpcs`): one more is refused by gRPC its
 RESOURCE_EXHAUSTED and no "pagedkv-error" cause, nothing applied; retry it later. A
 refusal's message names the cap (e.g. "max_sessions=1024"); ops/OPERATIONS.md lists them.
 Seq ids within one request must be distinct (INVALID_ARGUMENT).
+
+Models and pages. One daemon's pool is shared by models, not only by clients: a base and its
+fine-tunes, a draft model beside a large one, several customers' models. The pool's memory is
+num_pages pages of page_bytes each (PoolInfo). A model's K/V format is its geometry (layers,
+KV heads, head size, dtype; block_size is the pool's, the same for every model), which fixes
+its bytes_per_block; page_bytes must be a multiple of it, and a page then holds
+blocks_per_page = page_bytes / bytes_per_block blocks of that format. Models of one geometry
+share one format: one block id space, one free list, one LRU of cached blocks, their prefix
+keys namespaced by model (one model never hits another's K/V). Each format's block ids cover
+the whole memory (num_pages * blocks_per_page ids; block b lies in page b / blocks_per_page),
+and a page belongs to at most one format at a time: a format takes a free page when it has no
+free block left, and a page whose blocks are all free (never used, released, or cached:
+cached ones are evicted) goes back to the pool when another format needs it, zeroed before
+that format uses it. So memory one model releases is usable by any other at once, with no
+restart and no static split. A block's K/V is contiguous: the memory of block b of a model
+is [b, num_layers, 2, block_size, num_kv_heads, head_dim] of its dtype (PoolInfo.layout), so
+every format is a strided view of the same memory.
+
+Runners register the model they compute (RegisterModel, runner socket only): its name and
+geometry; the daemon's own model (its model_config) is registered at start under its name.
+A session names its model when it opens (OpenSessionRequest.model; "" = the daemon's own);
+its blocks and slots are of that model's format, and a runner refuses a step on a session of
+another model than its own. Per-model policy from the daemon's [models.NAME] config: min_memory
+(bytes reserved: other models cannot take the pool below what this model's minimum still
+needs) and max_memory (a cap: a call that would take the model past it is RESOURCE_EXHAUSTED,
+cause "ModelAtCap", naming the model and its cap, nothing changed). Memory counts blocks held
+by the model's sessions and its committed cached blocks, in bytes. A model can be put to sleep
+(SetModelState, runner socket only; `pagedkv model sleep NAME`): its cached blocks are
+dropped, its sessions are closed (their clients get NOT_FOUND, as after expiry) and new
+sessions of it are refused with FAILED_PRECONDITION, cause "ModelAsleep", until it is woken.
 """
 
 from collections import abc as _abc
@@ -208,6 +238,16 @@ class KVPoolStub:
     GetBlockTables: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.GetBlockTablesRequest, _kvpool_pb2.GetBlockTablesResponse]
     """Queries."""
     GetStats: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.GetStatsRequest, _kvpool_pb2.PoolStats]
+    RegisterModel: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.RegisterModelRequest, _kvpool_pb2.ModelInfo]
+    """Models (see "Models and pages"); runner socket only (PERMISSION_DENIED elsewhere).
+    RegisterModel: a runner's model. Idempotent for the same name and geometry (a restarted
+    runner registers again; its runner_target is updated). INVALID_ARGUMENT, nothing changed:
+    a geometry whose bytes_per_block does not divide page_bytes (the message names both), a
+    malformed name or geometry. ALREADY_EXISTS, cause "ModelExists": the name is registered
+    with another geometry. RESOURCE_EXHAUSTED, cause "LimitExceeded": max_models registered.
+    """
+    SetModelState: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.SetModelStateRequest, _kvpool_pb2.ModelInfo]
+    """Put a model to sleep or wake it. NOT_FOUND, cause "ModelNotFound": no such model."""
 
 @_typing.type_check_only
 class KVPoolAsyncStub(KVPoolStub):
@@ -263,6 +303,16 @@ class KVPoolAsyncStub(KVPoolStub):
     GetBlockTables: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.GetBlockTablesRequest, _kvpool_pb2.GetBlockTablesResponse]  # type: ignore[assignment]
     """Queries."""
     GetStats: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.GetStatsRequest, _kvpool_pb2.PoolStats]  # type: ignore[assignment]
+    RegisterModel: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.RegisterModelRequest, _kvpool_pb2.ModelInfo]  # type: ignore[assignment]
+    """Models (see "Models and pages"); runner socket only (PERMISSION_DENIED elsewhere).
+    RegisterModel: a runner's model. Idempotent for the same name and geometry (a restarted
+    runner registers again; its runner_target is updated). INVALID_ARGUMENT, nothing changed:
+    a geometry whose bytes_per_block does not divide page_bytes (the message names both), a
+    malformed name or geometry. ALREADY_EXISTS, cause "ModelExists": the name is registered
+    with another geometry. RESOURCE_EXHAUSTED, cause "LimitExceeded": max_models registered.
+    """
+    SetModelState: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.SetModelStateRequest, _kvpool_pb2.ModelInfo]  # type: ignore[assignment]
+    """Put a model to sleep or wake it. NOT_FOUND, cause "ModelNotFound": no such model."""
 
 class KVPoolServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -411,5 +461,27 @@ class KVPoolServicer(metaclass=_abc_1.ABCMeta):
         request: _kvpool_pb2.GetStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvpool_pb2.PoolStats, _abc.Awaitable[_kvpool_pb2.PoolStats]]: ...
+
+    @_abc_1.abstractmethod
+    def RegisterModel(
+        self,
+        request: _kvpool_pb2.RegisterModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvpool_pb2.ModelInfo, _abc.Awaitable[_kvpool_pb2.ModelInfo]]:
+        """Models (see "Models and pages"); runner socket only (PERMISSION_DENIED elsewhere).
+        RegisterModel: a runner's model. Idempotent for the same name and geometry (a restarted
+        runner registers again; its runner_target is updated). INVALID_ARGUMENT, nothing changed:
+        a geometry whose bytes_per_block does not divide page_bytes (the message names both), a
+        malformed name or geometry. ALREADY_EXISTS, cause "ModelExists": the name is registered
+        with another geometry. RESOURCE_EXHAUSTED, cause "LimitExceeded": max_models registered.
+        """
+
+    @_abc_1.abstractmethod
+    def SetModelState(
+        self,
+        request: _kvpool_pb2.SetModelStateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvpool_pb2.ModelInfo, _abc.Awaitable[_kvpool_pb2.ModelInfo]]:
+        """Put a model to sleep or wake it. NOT_FOUND, cause "ModelNotFound": no such model."""
 
 def add_KVPoolServicer_to_server(servicer: KVPoolServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -210,6 +210,7 @@ class RunnerInfo(_message.Message):
     ATTENTION_BACKEND_FIELD_NUMBER: _builtins.int
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     RUNNER_ID_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """The model: a name (config's model_type and a local path or preset) and its geometry."""
     vocab_size: _builtins.int
@@ -234,6 +235,10 @@ class RunnerInfo(_message.Message):
     have happened) and resend it with the others' history and sampling. The same id means the step may
     have been applied by a runner that still knows them: do not resend it as it was.
     """
+    model_name: _builtins.str
+    """The name the runner registered its model under with the daemon (kvpool.proto's "Models and
+    pages"): the model its clients' sessions must name.
+    """
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """End-of-sequence token ids of the model's generation config (may be empty)."""
@@ -253,10 +258,11 @@ class RunnerInfo(_message.Message):
         attention_backend: _builtins.str = ...,
         max_model_len: _builtins.int = ...,
         runner_id: _builtins.str = ...,
+        model_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "max_model_len", b"max_model_len", "model", b"model", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "runner_id", b"runner_id", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attention_backend", b"attention_backend", "block_size", b"block_size", "dtype", b"dtype", "eos_token_ids", b"eos_token_ids", "head_dim", b"head_dim", "max_model_len", b"max_model_len", "model", b"model", "model_name", b"model_name", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "pool_id", b"pool_id", "runner_id", b"runner_id", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -36,6 +36,11 @@ ANSWER_TOO_LARGE = Cause("AnswerTooLarge", "RESOURCE_EXHAUSTED")
 SESSION_EXPIRED = Cause("SessionExpired", "FAILED_PRECONDITION")
 SESSION_BUSY = Cause("SessionBusy", "FAILED_PRECONDITION")
 PERMISSION_DENIED = Cause("PermissionDenied", "PERMISSION_DENIED")
+# Models (kvpool.proto's "Models and pages").
+MODEL_NOT_FOUND = Cause("ModelNotFound", "NOT_FOUND")
+MODEL_EXISTS = Cause("ModelExists", "ALREADY_EXISTS")
+MODEL_AT_CAP = Cause("ModelAtCap", "RESOURCE_EXHAUSTED")
+MODEL_ASLEEP = Cause("ModelAsleep", "FAILED_PRECONDITION")
 
 # Refusals of the runner: nothing changed, but for StepNotComputed (the step's daemon calls
 # were applied, its forward failed). StalePlan: a stream step planned before answers the runner
