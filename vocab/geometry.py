@@ -187,6 +187,18 @@ def geometry_from_hf_config(path: str | Path) -> ModelGeometry:
     return geometry_from_config_fields(text, str(Path(path)), _config_dtype(text))
 
 
+def model_name(name_or_path: str) -> str:
+    """The name a model goes by in a pool when none is given (kvpool.proto's "Models and
+    pages"): a built-in's own name, else the basename of a local model folder (a config.json's
+    folder). The daemon names its own model so from its model_config, and a runner its model
+    from --model or --random-init, so one model named both ways gets one name."""
+    builtin = BUILTIN_GEOMETRIES.get(name_or_path.strip().lower())
+    if builtin is not None:
+        return builtin.name
+    path = Path(name_or_path).absolute()
+    return path.parent.name if path.suffix == ".json" else path.name
+
+
 def resolve_geometry(name_or_path: str) -> ModelGeometry:
     """A built-in model by name (case-insensitive), else a local config path."""
     builtin = BUILTIN_GEOMETRIES.get(name_or_path.strip().lower())

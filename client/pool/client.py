@@ -33,7 +33,7 @@ from pagedkv.client.pool.recovery import LOST, Outcome, RetryPolicy
 from pagedkv.client.pool.session import Session
 from pagedkv.client.pool.step_stream import StepStream
 from pagedkv.client.pool.tls import TlsOptions
-from pagedkv.client.pool.types import PoolInfo, PoolStats, StepResult
+from pagedkv.client.pool.types import ModelInfo, PoolInfo, PoolStats, StepResult
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 
@@ -100,19 +100,42 @@ class PoolClient(ChannelOwner):
         """The pool's capacity (a Session's `stats()` adds its own figures)."""
         return PoolStats.from_proto(await self._call(self._stub.GetStats, pb.GetStatsRequest))
 
+    async def register_model(self, name: str, num_layers: int, num_kv_heads: int,
+                             head_dim: int, dtype: str, runner_target: str = "") -> ModelInfo:
+        """Register the model a runner computes (runner socket only; kvpool.proto's "Models
+        and pages"): idempotent for the same name and geometry (runner_target updated);
+        ModelExists for a name taken by another geometry, InvalidArgument for a geometry whose
+        blocks do not divide the pool's page_bytes, nothing changed. The answer carries the
+        model's view of the pool memory (`ModelInfo.memory`)."""
+        reply = await self._call(self._stub.RegisterModel, lambda: pb.RegisterModelRequest(
+            name=name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            dtype=dtype, runner_target=runner_target))
+        return ModelInfo.from_proto(reply)
+
+    async def set_model_state(self, name: str, asleep: bool) -> ModelInfo:
+        """Put a model to sleep (its cached blocks dropped, its sessions closed, new ones
+        refused with ModelAsleep) or wake it (runner socket only); ModelNotFound if no model of
+        that name is registered."""
+        reply = await self._call(self._stub.SetModelState, lambda: pb.SetModelStateRequest(
+            name=name, asleep=asleep))
+        return ModelInfo.from_proto(reply)
+
     async def open_session(self, client_name: str = "", lease_ttl_ms: int = 0,
                            max_blocks: int = 0, cache_salt: bytes | str = b"", *,
-                           keep_alive: bool = True) -> "Session":
+                           keep_alive: bool = True, model: str = "") -> "Session":
         """A new session. lease_ttl_ms=0: the daemon's default; max_blocks=0: the daemon's
         max_blocks_per_session (more is clamped to it; `Session.max_blocks` says what was
-        granted); sessions with the same non-empty cache_salt share prefix-cache blocks."""
+        granted); sessions with the same non-empty cache_salt share prefix-cache blocks.
+        `model`: the registered model whose K/V the session holds ("" = the daemon's own;
+        `Session.model` says which): step it only on that model's runner. ModelNotFound for a
+        name nobody registered, ModelAsleep for a model asleep."""
         salt = cache_salt.encode() if isinstance(cache_salt, str) else cache_salt
         reply = await self._call(self._stub.OpenSession, lambda: pb.OpenSessionRequest(
             client_name=client_name, lease_ttl_ms=lease_ttl_ms, max_blocks=max_blocks,
-            cache_salt=salt))
+            cache_salt=salt, model=model))
         session = Session(self, reply.session_id, reply.block_size,
                           lease_ttl_ms=reply.lease_ttl_ms, pool_id=reply.pool_id,
-                          max_blocks=reply.max_blocks)
+                          max_blocks=reply.max_blocks, model=reply.model)
         self._sessions.add(session)
         if keep_alive:
             session.start_keep_alive()

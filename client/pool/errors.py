@@ -78,6 +78,26 @@ class SessionBusy(PagedKVError):
     hold is over (the message says how long it lasts; kvpool.proto, "Runner holds")."""
 
 
+class ModelNotFound(NotFound):
+    """NOT_FOUND: no model of that name is registered with the daemon (the message lists those
+    that are); nothing changed."""
+
+
+class ModelExists(PagedKVError):
+    """ALREADY_EXISTS: the model name is registered with another KV geometry; nothing changed.
+    Register the model under another name."""
+
+
+class ModelAtCap(PoolExhausted):
+    """RESOURCE_EXHAUSTED: the call would take the model past its max_memory (the message names
+    the model and its cap); nothing changed."""
+
+
+class ModelAsleep(PagedKVError):
+    """FAILED_PRECONDITION: the model sleeps (`pagedkv model wake NAME`, SetModelState);
+    nothing changed."""
+
+
 class Unauthenticated(PagedKVError):
     """UNAUTHENTICATED: a TCP call without the right bearer token."""
 
@@ -152,6 +172,10 @@ BY_CAUSE: dict[str, type[PagedKVError]] = {
     causes.SESSION_EXPIRED.name: SessionExpired,
     causes.SESSION_BUSY.name: SessionBusy,
     causes.PERMISSION_DENIED.name: PermissionDenied,
+    causes.MODEL_NOT_FOUND.name: ModelNotFound,
+    causes.MODEL_EXISTS.name: ModelExists,
+    causes.MODEL_AT_CAP.name: ModelAtCap,
+    causes.MODEL_ASLEEP.name: ModelAsleep,
     causes.UNKNOWN_SEQUENCE.name: UnknownSequence,
     causes.STEP_NOT_COMPUTED.name: StepNotComputed,
     causes.RUNNER_UNAVAILABLE.name: RunnerUnavailable,

@@ -148,12 +148,15 @@ class RunnerInfo:
     max_model_len: int
     # Drawn when the runner process starts: another id after a failed step means a restart.
     runner_id: str
+    # The name it registered its model under with the daemon: its clients' sessions must name
+    # it (PoolClient.open_session(model=...)), else the runner refuses their steps.
+    model_name: str = ""
 
     @classmethod
     def from_proto(cls, m: rpb.RunnerInfo) -> "RunnerInfo":
         return cls(m.model, m.vocab_size, m.num_layers, m.num_kv_heads, m.head_dim, m.dtype,
                    tuple(m.eos_token_ids), m.pool_id, m.block_size, m.attention_backend,
-                   m.max_model_len, m.runner_id)
+                   m.max_model_len, m.runner_id, m.model_name)
 
 
 class StepOutputs(Sequence[SeqOutput]):

@@ -67,7 +67,8 @@ class Session:
     a session opened elsewhere, from `PoolClient.attach`)."""
 
     def __init__(self, client: "PoolClient", session_id: str, block_size: int, *,
-                 lease_ttl_ms: int = 0, pool_id: str = "", max_blocks: int = 0) -> None:
+                 lease_ttl_ms: int = 0, pool_id: str = "", max_blocks: int = 0,
+                 model: str = "") -> None:
         self._client = client
         self._stub = client._stub
         # The credential naming this session on every call.
@@ -79,6 +80,8 @@ class Session:
         self.lease_ttl_ms = lease_ttl_ms
         self.pool_id = pool_id
         self.max_blocks = max_blocks
+        # The model whose K/V the session holds, as the daemon named it ("" when attached).
+        self.model = model
         # Why the background KeepAlive stopped (the session expired), else None.
         self.lease_error: PagedKVError | None = None
         # Each sequence's length per the last answer about it: what a lost step is judged by.

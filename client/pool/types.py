@@ -1,9 +1,9 @@
 """The client's records: small typed dataclasses built from the daemon's messages.
 
 Only ids, counts and slots travel; no numpy. Every public method of `PoolClient` and `Session`
-returns these records (or plain ints), never a protobuf object, except PoolInfo.memory: the
-pool-memory handle's wire form, which only `pagedkv.memory` reads. (The runner's records,
-`RunnerInfo` and `SeqOutput`, live beside `RunnerClient`.)
+returns these records (or plain ints), never a protobuf object, except PoolInfo.memory and
+ModelInfo.memory: the pool-memory handle's wire form, which only `pagedkv.memory` reads. (The
+runner's records, `RunnerInfo` and `SeqOutput`, live beside `RunnerClient`.)
 """
 
 from dataclasses import dataclass, field
@@ -74,6 +74,44 @@ class StepResult:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """A model registered with the daemon (kvpool.proto's "Models and pages")."""
+
+    # The name sessions name it by (OpenSessionRequest.model).
+    name: str
+    # Its KV geometry (block_size is the pool's, the same for every model).
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    # K and V of block_size tokens over all layers; a page holds blocks_per_page of them.
+    bytes_per_block: int
+    blocks_per_page: int
+    # Block ids of its format: num_pages * blocks_per_page.
+    num_blocks: int
+    # Where its runner serves clients (a gRPC target); "" if none registered one.
+    runner_target: str
+    # It sleeps: new sessions of it are refused (ModelAsleep).
+    asleep: bool
+    # Its [models.NAME] policy in bytes: reserved, and its cap (0 = none).
+    min_memory: int
+    max_memory: int
+    # Now: blocks its sessions hold, its committed cached blocks, pages of its format.
+    used_blocks: int
+    cached_blocks: int
+    format_pages: int
+    # Its view of the pool memory, in its wire form (runners only; kind "" otherwise): a runner
+    # maps it with attach_pool(PoolMemoryHandle.from_proto(model.memory)) (pagedkv.memory).
+    memory: pb.PoolMemory
+
+    @classmethod
+    def from_proto(cls, m: pb.ModelInfo) -> "ModelInfo":
+        return cls(m.name, m.num_layers, m.num_kv_heads, m.head_dim, m.dtype, m.bytes_per_block,
+                   m.blocks_per_page, m.num_blocks, m.runner_target, m.asleep, m.min_memory,
+                   m.max_memory, m.used_blocks, m.cached_blocks, m.format_pages, m.memory)
+
+
+@dataclass(frozen=True, slots=True)
 class PoolInfo:
     """The pool's geometry and how to attach to its memory."""
 
@@ -97,13 +135,23 @@ class PoolInfo:
     memory: pb.PoolMemory
     # Blocks each sequence reserves when allocated or forked (a contiguous daemon); 0 = paged.
     reservation_blocks: int = 0
+    # The pool's memory: num_pages pages of page_bytes, shared by every model's format.
+    page_bytes: int = 0
+    num_pages: int = 0
+    # Every registered model (the daemon's own included), by registration order.
+    models: tuple[ModelInfo, ...] = ()
 
     @classmethod
     def from_proto(cls, message: pb.PoolInfo) -> "PoolInfo":
         return cls(message.pool_id, message.num_blocks, message.block_size, message.model,
                    message.num_layers, message.num_kv_heads, message.head_dim, message.dtype,
                    message.bytes_per_block, message.layout, message.memory,
-                   message.reservation_blocks)
+                   message.reservation_blocks, message.page_bytes, message.num_pages,
+                   tuple(ModelInfo.from_proto(m) for m in message.models))
+
+    def model_info(self, name: str) -> ModelInfo | None:
+        """The registered model of that name, or None."""
+        return next((model for model in self.models if model.name == name), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,11 +171,13 @@ class SessionStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     lease_ttl_ms: int
+    # The model whose K/V the session holds (what a runner checks against its own).
+    model: str = ""
 
     @classmethod
     def from_proto(cls, m: pb.SessionStats) -> "SessionStats":
         return cls(m.name, m.num_sequences, m.block_table_entries, m.blocks_held, m.max_blocks,
-                   m.prefix_cache_queries, m.prefix_cache_hits, m.lease_ttl_ms)
+                   m.prefix_cache_queries, m.prefix_cache_hits, m.lease_ttl_ms, m.model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +192,11 @@ class PoolStats:
     free_blocks: int
     # The caller's own session, when asked through a Session.
     session: SessionStats | None
+    # Every registered model's figures (no memory views).
+    models: tuple[ModelInfo, ...] = ()
 
     @classmethod
     def from_proto(cls, m: pb.PoolStats) -> "PoolStats":
         session = SessionStats.from_proto(m.sessions[0]) if m.sessions else None
-        return cls(m.num_blocks, m.block_size, m.free_blocks, session)
+        return cls(m.num_blocks, m.block_size, m.free_blocks, session,
+                   tuple(ModelInfo.from_proto(model) for model in m.models))
