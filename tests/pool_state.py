@@ -1,5 +1,6 @@
 """The whole state of a BlockPool as plain data, to prove that a rolled-back change left it
-exactly as it was (free-list order, LRU order, keys pending and committed, every row)."""
+exactly as it was (free-list order, LRU order, keys pending and committed, every row, the
+held pages)."""
 
 from pagedkv.daemon.core import BlockPool
 
@@ -14,4 +15,5 @@ def pool_state(pool: BlockPool) -> object:
             for seq, row in seqs.row_of.items()}
     return (blocks.ref.tolist(), list(blocks.free), list(cache.evictable),
             dict(cache.block_of), list(cache.key_of), list(cache.parent_of),
-            cache.num_keyed, cache.queries, cache.hits, rows)
+            cache.num_keyed, cache.queries, cache.hits, rows,
+            pool._pages.held.tolist(), pool.held_pages)

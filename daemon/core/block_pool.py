@@ -19,6 +19,11 @@ Every operation checks first and changes state second: a caller mistake raises a
 and a request that does not fit returns `NoFit`, both before anything is touched. Several
 operations (a Batch, or an op followed by memory work that may fail) are made all-or-nothing by
 `transaction()`, an undo journal whose cost is the work done, never the size of the pool.
+
+Pages: the block ids may span a memory arena that formats of several geometries share
+(`pages.py`): page p is blocks [p * k, (p + 1) * k), k = blocks_per_page, and the pool holds
+some of the pages. Blocks of the others are withdrawn: never allocated, matched or counted.
+`withdraw_pages`, `restore_pages` and `idle_pages` move them; by default every page is held.
 """
 
 import contextlib
@@ -33,6 +38,7 @@ from pagedkv.daemon.core.content_keys import ContentKeys, PrefixHash
 from pagedkv.daemon.core.errors import SequenceExists
 from pagedkv.daemon.core.holders import HeldBlocks
 from pagedkv.daemon.core.journal import Journal
+from pagedkv.daemon.core.pages import Pages, page_count
 from pagedkv.daemon.core.physical_blocks import CacheEvents, PhysicalBlocks
 from pagedkv.daemon.core.pool_checks import check_pool, recount_stats
 from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, row_of
@@ -52,9 +58,13 @@ class BlockPool:
     """Owns the metadata of one pool of KV blocks. Knows nothing of tensors or processes."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 prefix_hash: PrefixHash = "sha256"):
+                 prefix_hash: PrefixHash = "sha256", *, blocks_per_page: int = 1,
+                 withdrawn: bool = False):
+        """`num_blocks` ids in pages of `blocks_per_page` blocks (a multiple of it); every page
+        held, or with `withdrawn` none (a format that starts with no memory)."""
         count(num_blocks, "num_blocks", 1)
         count(block_size, "block_size", 1)
+        page_count(num_blocks, blocks_per_page)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -62,6 +72,8 @@ class BlockPool:
         # Full blocks' content keys, hashed with `prefix_hash` (content_keys.py).
         self._keys = ContentKeys(prefix_hash)
         self._blocks = PhysicalBlocks(num_blocks, block_size, self._journal, self._keys)
+        # The pages of the block ids the pool holds (all, unless some are withdrawn).
+        self._pages = Pages(self._blocks, blocks_per_page, withdrawn, self._journal)
         self._seqs = SeqTable(block_size, self._journal)
         # Offset of each slot in its block, for slot mappings by broadcasting.
         self._offsets: Int64Array = np.arange(block_size, dtype=np.int64)
@@ -164,7 +176,36 @@ class BlockPool:
         """Distinct blocks the sequences of `group` (at `level`) reference: O(1)."""
         return self._held.held(level, group)
 
+    @property
+    def blocks_per_page(self) -> int:
+        """Blocks per page: page p is blocks [p * k, (p + 1) * k)."""
+        return self._pages.blocks_per_page
+
+    @property
+    def held_pages(self) -> int:
+        """Pages the pool holds; the blocks of the others are withdrawn."""
+        return self._pages.num_held
+
+    def idle_pages(self) -> list[int]:
+        """Held pages whose blocks are all unreferenced (free or cached), coldest first: those
+        with no cached block, then by the LRU position of their most recently released cached
+        block. What `withdraw_pages` accepts. O(num_blocks)."""
+        return self._pages.idle()
+
     # --------------------------------------------------------------- operations
+
+    def withdraw_pages(self, pages: Sequence[int]) -> list[int]:
+        """Held pages whose blocks are all unreferenced leave the pool: their blocks are then
+        neither free, used nor cached, and no figure counts them. Cached blocks among them are
+        evicted (told to `cache_events` as evictions) and returned. InvalidArgument, nothing
+        changed: a page out of range, named twice, already withdrawn, or with a referenced
+        block."""
+        return self._pages.withdraw(pages)
+
+    def restore_pages(self, pages: Sequence[int]) -> None:
+        """Withdrawn pages come back as free blocks with no content, at the tail of the free
+        list. InvalidArgument, nothing changed: a page out of range, named twice, or held."""
+        self._pages.restore(pages)
 
     def allocate(self, seq: Hashable, num_tokens: int, token_ids: TokenIds | None = None,
                  salt: bytes = b"") -> SeqUpdate | NoFit:
@@ -359,10 +400,11 @@ class BlockPool:
         are last blocks. Summing each table's empty slots (block_size x entries - tokens)
         counts a partial block once per table sharing it (forks), `shared_waste` too many."""
         st, bs, cache = self._seqs, self.block_size, self._blocks.cache
-        used = self.num_blocks - len(self._blocks.free) - len(cache.evictable)
+        held = self._pages.held_blocks
+        used = held - len(self._blocks.free) - len(cache.evictable)
         empty = bs * st.total_entries - st.total_tokens - self._appender.shared_waste
         return PoolStats(
-            num_blocks=self.num_blocks, block_size=bs,
+            num_blocks=held, block_size=bs,
             free_blocks=self.num_free_blocks, used_blocks=used,
             cached_blocks=len(cache.evictable), pending_blocks=cache.num_pending,
             filled_slots=used * bs - empty, allocated_slots=used * bs,
@@ -371,8 +413,8 @@ class BlockPool:
 
     def _recount_stats(self) -> PoolStats:
         """`stats` recounted from every table entry (O(entries): for checks)."""
-        return recount_stats(self._seqs, self._blocks)
+        return recount_stats(self._seqs, self._blocks, self._pages)
 
     def check_invariants(self) -> None:
         """Assert every invariant of the pool and that `stats` equals a recount (`pool_checks`)."""
-        check_pool(self._seqs, self._blocks, self._held, self.stats())
+        check_pool(self._seqs, self._blocks, self._pages, self._held, self.stats())

@@ -4,6 +4,8 @@ Every block is in exactly one of three states:
 - free:   refcount 0, no cached content; on `free` (FIFO).
 - used:   refcount > 0 = the number of block tables that reference it.
 - cached: refcount 0 but holding a committed full block; evictable in LRU order (`PrefixCache`).
+A block of a page the pool does not hold is *withdrawn* (`pages.py`): refcount 0, no key, on
+neither the free list nor the LRU; it is in none of the three states until its page is restored.
 A writer's block comes from `free` first, and only then evicts the least recently released
 cached block, so cached content lives as long as memory allows. A used block may hold a pending
 key (filled, K/V not yet certified); when its last reference goes, the key goes with it and the
@@ -142,14 +144,44 @@ class PhysicalBlocks:
         for _ in range(count):
             self.free.pop()
 
-    def check(self, referenced: Int64Array) -> None:
-        """Assert the states above, given every block-table entry of the pool."""
+    def withdraw(self, blocks: list[int]) -> list[int]:
+        """Unreferenced `blocks` leave the pool (`Pages.withdraw` checked them): cached ones
+        are evicted (told to `events`) and returned, free ones leave the free list, whose order
+        is otherwise kept."""
+        cache = self.cache
+        evicted = [block for block in blocks if block in cache.evictable]
+        for block in evicted:
+            cache.unpark(block)
+        if evicted and self.events is not None:
+            self.events.evicted(evicted)
+        if len(evicted) < len(blocks):  # some were free: the list is rebuilt without them
+            gone = set(blocks)
+            if self._journal.active:
+                self._journal.record(self._refill, list(self.free))
+            kept = [block for block in self.free if block not in gone]
+            self.free.clear()
+            self.free.extend(kept)
+        return evicted
+
+    def _refill(self, free: list[int]) -> None:
+        self.free.clear()
+        self.free.extend(free)
+
+    def restore(self, blocks: list[int]) -> None:
+        """Withdrawn `blocks` come back free, with no content, at the tail of the free list."""
+        self.free.extend(blocks)
+        self._journal.record(self._unfree, len(blocks))
+
+    def check(self, referenced: Int64Array, withdrawn: int = 0) -> None:
+        """Assert the states above, given every block-table entry of the pool and the count
+        of withdrawn blocks (`Pages.check` checks those)."""
         free, cached = set(self.free), set(self.cache.evictable)
         used = set(np.flatnonzero(self.ref).tolist())
         assert len(free) == len(self.free), "a block is on the free list twice"
         assert len(cached) == len(self.cache.evictable), "a block is in the LRU twice"
         assert not (free & cached or free & used or cached & used), "a block is in two states"
-        assert len(free) + len(cached) + len(used) == self.num_blocks, "a block is unaccounted"
+        assert len(free) + len(cached) + len(used) + withdrawn == self.num_blocks, \
+            "a block is unaccounted"
         assert all(self.cache.key_of[b] is None for b in free), "a free block keeps a key"
         pending = set(self.cache.pending_blocks())
         assert pending <= used, "a pending block is not referenced by any table"

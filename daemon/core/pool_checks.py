@@ -8,6 +8,7 @@ every step (`BlockPool.check_invariants`); the figures benchmark times the recou
 import numpy as np
 
 from pagedkv.daemon.core.holders import HeldBlocks
+from pagedkv.daemon.core.pages import Pages
 from pagedkv.daemon.core.physical_blocks import PhysicalBlocks
 from pagedkv.daemon.core.seq_table import Int64Array, SeqTable
 from pagedkv.daemon.core.table_store import ragged_arange
@@ -26,15 +27,15 @@ def table_entries(seqs: SeqTable) -> tuple[Int64Array, Int64Array, Int64Array]:
     return rows, seqs.entries(entry_row, logical), fills
 
 
-def recount_stats(seqs: SeqTable, blocks: PhysicalBlocks) -> PoolStats:
-    """`BlockPool.stats` recounted from every table entry."""
+def recount_stats(seqs: SeqTable, blocks: PhysicalBlocks, pages: Pages) -> PoolStats:
+    """`BlockPool.stats` recounted from every table entry (and the held pages)."""
     rows, entries, fills = table_entries(seqs)
     per_block = np.zeros(blocks.num_blocks, dtype=np.int64)
     np.maximum.at(per_block, entries, fills)  # a shared block counts once, at its fullest
     used = int(np.count_nonzero(blocks.ref))
     cache = blocks.cache
     return PoolStats(
-        num_blocks=blocks.num_blocks, block_size=seqs.block_size,
+        num_blocks=int(pages.held.sum()) * pages.blocks_per_page, block_size=seqs.block_size,
         free_blocks=blocks.num_available, used_blocks=used,
         cached_blocks=len(cache.evictable), pending_blocks=cache.num_pending,
         filled_slots=int(per_block.sum()),
@@ -43,12 +44,14 @@ def recount_stats(seqs: SeqTable, blocks: PhysicalBlocks) -> PoolStats:
         prefix_cache_queries=cache.queries, prefix_cache_hits=cache.hits)
 
 
-def check_pool(seqs: SeqTable, blocks: PhysicalBlocks, held: HeldBlocks,
+def check_pool(seqs: SeqTable, blocks: PhysicalBlocks, pages: Pages, held: HeldBlocks,
                kept: PoolStats) -> None:
-    """Assert the invariants of the blocks (`PhysicalBlocks`, `PrefixCache`), the tables
-    (`SeqTable`) and the holder counts together, and that the figures `kept` equal a recount."""
+    """Assert the invariants of the blocks (`PhysicalBlocks`, `PrefixCache`, `Pages`), the
+    tables (`SeqTable`) and the holder counts together, and that the figures `kept` equal a
+    recount."""
     rows, entries, fills = table_entries(seqs)
-    blocks.check(entries)
+    blocks.check(entries, blocks.num_blocks - pages.held_blocks)
+    pages.check()
     seqs.check()
     bs = seqs.block_size
     expected = blocks_for(seqs.num_tokens[rows], bs)
@@ -63,7 +66,7 @@ def check_pool(seqs: SeqTable, blocks: PhysicalBlocks, held: HeldBlocks,
         table = seqs.table(row)
         assert len(np.unique(table)) == len(table), f"row {row} holds a block twice"
     assert not set(seqs.free_rows) & set(rows.tolist()), "a live row is on the free list"
-    recount = recount_stats(seqs, blocks)
+    recount = recount_stats(seqs, blocks, pages)
     assert kept == recount, f"figures kept {kept} differ from a recount {recount}"
     entry_rows = np.repeat(rows, seqs.num_blocks[rows])
     for level, holders in enumerate(held.levels):

@@ -73,7 +73,8 @@ class BatchAppend:
 class PoolStats:
     """A snapshot of the pool's occupancy and prefix-cache counters."""
 
-    # Physical blocks in the pool, and token slots per block.
+    # Physical blocks in the pool (those of the pages it holds: see `BlockPool.withdraw_pages`),
+    # and token slots per block.
     num_blocks: int
     block_size: int
     # Blocks an allocation could take now: never-used or released blocks plus evictable
