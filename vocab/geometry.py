@@ -12,6 +12,7 @@ config through it too). Torch-free, transformers-free: the planner, the daemon's
 `LLM` use it on machines without either.
 """
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,7 +49,8 @@ def dtype_bytes(name: str) -> int:
 class ModelGeometry:
     """The dimensions of a model that decide the size of its KV cache."""
 
-    # Name shown to people: a table key or the config's path.
+    # Name shown to people and the model's name in a pool: a table key, or the basename of the
+    # config's model folder (`model_name`).
     name: str
     # Transformer layers; each caches its own K and V.
     num_layers: int
@@ -182,9 +184,11 @@ def _read_text_config(path: str | Path) -> dict[str, Any]:
 
 
 def geometry_from_hf_config(path: str | Path) -> ModelGeometry:
-    """The geometry of a local Hugging Face config, in the dtype it names."""
+    """The geometry of a local Hugging Face config, in the dtype it names, named after its
+    model folder (`model_name`)."""
     text = _read_text_config(path)
-    return geometry_from_config_fields(text, str(Path(path)), _config_dtype(text))
+    geometry = geometry_from_config_fields(text, str(Path(path)), _config_dtype(text))
+    return dataclasses.replace(geometry, name=model_name(str(path)))
 
 
 def model_name(name_or_path: str) -> str:
