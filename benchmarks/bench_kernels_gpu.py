@@ -54,7 +54,7 @@ class Geometry:
 class PagedBatch:
     """A paged K/V pool holding a batch of sequences, and the tables that address it."""
 
-    pool: torch.Tensor  # [2, num_blocks, block_size, H_kv, D]: K then V, like one pool layer
+    pool: torch.Tensor  # [num_blocks, 2, block_size, H_kv, D]: a one-layer block-major pool
     block_tables: torch.Tensor  # [S, max_blocks] int32, -1 past each sequence's blocks
     seq_lens: torch.Tensor  # [S] int32
 
@@ -64,7 +64,7 @@ def paged_batch(seq_lens: list[int], geo: Geometry, dtype: torch.dtype, device: 
     """Random K/V for `seq_lens` tokens in permuted blocks; every other slot NaN if `poison`."""
     blocks = [triton.cdiv(n, geo.block_size) for n in seq_lens]
     num_blocks = sum(blocks) + 1  # one block nobody owns
-    shape = (2, num_blocks, geo.block_size, geo.num_kv_heads, geo.head_dim)
+    shape = (num_blocks, 2, geo.block_size, geo.num_kv_heads, geo.head_dim)
     pool = torch.randn(shape, dtype=dtype, device=device)
     tables = torch.full((len(seq_lens), max(blocks)), -1, dtype=torch.int32, device=device)
     owned = torch.split(torch.randperm(num_blocks, device=device)[: sum(blocks)].int(), blocks)
@@ -77,7 +77,7 @@ def paged_batch(seq_lens: list[int], geo: Geometry, dtype: torch.dtype, device: 
         owned_stale = stale & (tables >= 0)[:, :, None]
         mask = torch.ones(num_blocks, geo.block_size, dtype=torch.bool, device=device)
         mask[tables[tables >= 0].long()] = owned_stale[tables >= 0]
-        pool[:, mask] = float("nan")
+        pool.transpose(0, 1)[:, mask] = float("nan")
     return PagedBatch(pool, tables, torch.tensor(seq_lens, dtype=torch.int32, device=device))
 
 
@@ -92,7 +92,7 @@ def max_error(name: str, actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def check_attention(batch: PagedBatch, geo: Geometry, tag: str) -> float:
     """Largest Triton-vs-torch error of decode (1 and 4 splits) and chunked prefill."""
-    args = (batch.pool[0], batch.pool[1], batch.block_tables, batch.seq_lens)
+    args = (batch.pool[:, 0], batch.pool[:, 1], batch.block_tables, batch.seq_lens)
     scale, dtype, device = geo.head_dim**-0.5, batch.pool.dtype, batch.pool.device
     query = torch.randn(len(batch.seq_lens), geo.num_q_heads, geo.head_dim, dtype=dtype,
                         device=device)
@@ -114,10 +114,10 @@ def check_store(batch: PagedBatch, geo: Geometry, tag: str) -> bool:
     """Whether Triton's and torch's store_kv leave identical pools (a padding slot included)."""
     pool = batch.pool
     new_kv = torch.randn(3, geo.num_kv_heads, geo.head_dim, dtype=pool.dtype, device=pool.device)
-    slots = torch.tensor([0, -1, pool.shape[1] * geo.block_size - 1], device=pool.device)
+    slots = torch.tensor([0, -1, pool.shape[0] * geo.block_size - 1], device=pool.device)
     pools = [pool.clone(), pool.clone()]
     for backend, copy in zip((TRITON_BACKEND, TORCH_BACKEND), pools, strict=True):
-        backend.store_kv(new_kv, new_kv, copy[0], copy[1], slots)
+        backend.store_kv(new_kv, new_kv, copy[:, 0], copy[:, 1], slots)
     same = torch.equal(pools[0].nan_to_num(), pools[1].nan_to_num())
     print(f"check_store_kv_{tag}_identical: {int(same)} bool")
     return same
@@ -151,7 +151,7 @@ def decode_point(batch: int, context: int, geo: Geometry,
                  device: torch.device) -> tuple[float, float, int]:
     """(paged ms, SDPA ms, bytes moved by the paged kernel) for `batch` sequences of `context`."""
     cache = paged_batch([context] * batch, geo, torch.bfloat16, device, poison=False)
-    k_cache, v_cache = cache.pool[0], cache.pool[1]
+    k_cache, v_cache = cache.pool[:, 0], cache.pool[:, 1]
     query = torch.randn(batch, geo.num_q_heads, geo.head_dim, dtype=torch.bfloat16,
                         device=device)
     scale = geo.head_dim**-0.5

@@ -5,7 +5,7 @@
 Two random-initialized fp32 Llamas, the runner's presets: tiny is tiny-llama (2 layers, hidden
 128, 4 heads, 2 KV heads, intermediate 256) and small is small-llama (4 layers, hidden 1024, 16
 heads, 4 KV heads, intermediate 2816), vocab 1000. The pool is a plain tensor
-[layers, 2, blocks, 16, H_kv, D] of random K/V; each of the batch's sequences holds a context
+[blocks, layers, 2, 16, H_kv, D] of random K/V; each of the batch's sequences holds a context
 of 100-700 tokens (seeded) in randomly permuted blocks, and each step decodes one token per
 sequence (`ModelRunner.step`: prepare, the model forward with "pagedkv" attention, the logits
 out). The same step repeats, rewriting the same slots.
@@ -141,7 +141,7 @@ class BaselineRunner(ModelRunner):
         if bool((table_lens < (seq_lens + BLOCK_SIZE - 1) // BLOCK_SIZE).any()):
             raise ValueError("a block table is shorter than its sequence")
         used = torch.arange(tables.shape[1]) < table_lens[:, None]
-        if bool((tables[used] < 0).any()) or bool((tables[used] >= self.pool.shape[2]).any()):
+        if bool((tables[used] < 0).any()) or bool((tables[used] >= self.pool.shape[0]).any()):
             raise ValueError("block ids out of range")
         expected = tables[seq_of, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
         if bool(((slots != expected) & (slots != -1)).any()):
@@ -209,7 +209,7 @@ def decode_batch(model: LlamaForCausalLM, batch: int, seed: int) -> tuple[torch.
     used = [blocks_for(n, BLOCK_SIZE) for n in lengths]
     num_blocks = sum(used) + 8
     layers, kv_heads, head_dim, _ = kv_geometry(model)
-    pool = torch.randn(layers, 2, num_blocks, BLOCK_SIZE, kv_heads, head_dim,
+    pool = torch.randn(num_blocks, layers, 2, BLOCK_SIZE, kv_heads, head_dim,
                        generator=generator)
     owned = torch.split(torch.randperm(num_blocks, generator=generator),
                         [*used, num_blocks - sum(used)])

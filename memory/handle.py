@@ -1,13 +1,17 @@
 """The pool tensor's layout, and the handle another process attaches to it with.
 
-Layout (every kernel, runner and test uses exactly this one):
+Layout (every kernel, runner and test uses exactly this one), block-major:
 
-    kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
 
-`kv[layer, 0]` holds keys and `kv[layer, 1]` values; inside a block the token slot comes first
-and each slot holds its heads' vectors ("NHD"). Physical block `b` of every layer is
-`kv[:, :, b]`, so copying or zeroing a block is one indexed op over dim 2, and the slot
-`b * block_size + offset` of the block pool addresses `kv[layer, k_or_v, b, offset]`.
+Block `b` is `kv[b]`: its K/V of every layer is one contiguous slab of bytes_per_block, so
+copying or zeroing a block is one indexed op over dim 0, and a model's view of the pool is a
+reinterpretation of the same bytes whatever its geometry (a page of the pool is a run of whole
+blocks of every format: kvpool.proto, "Models and pages"). `kv[:, layer, 0]` holds one layer's
+keys and `kv[:, layer, 1]` its values, each a strided [num_blocks, block_size, num_kv_heads,
+head_dim] view; inside a block the token slot comes first and each slot holds its heads' vectors
+("NHD"); slot `b * block_size + offset` of the block pool addresses `kv[b, layer, k_or_v,
+offset]`.
 
 The daemon creates the memory and its handle (`daemon/memory/kv_memory.py`) and sends the handle
 in GetPoolInfo as a `PoolMemory` message (`to_proto`); a runner turns the message back into a
@@ -22,15 +26,15 @@ from dataclasses import dataclass
 from pagedkv.proto import kvpool_pb2 as pb
 
 # The axes of the pool tensor, as PoolInfo.layout names them.
-POOL_LAYOUT = "num_layers,2,num_blocks,block_size,num_kv_heads,head_dim"
-# Dim of the pool tensor that indexes physical blocks (block_size is the next one).
-BLOCK_DIM = 2
+POOL_LAYOUT = "num_blocks,num_layers,2,block_size,num_kv_heads,head_dim"
+# Dim of the pool tensor that indexes physical blocks.
+BLOCK_DIM = 0
 
 
 def pool_shape(*, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                head_dim: int) -> tuple[int, ...]:
     """The pool tensor's shape, in POOL_LAYOUT order."""
-    return (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    return (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,14 +77,14 @@ class PoolReleased(RuntimeError):
 class ModelRunner:
     """Runs `model` with its KV cache in `pool` (switches the model to "pagedkv" attention).
 
-    pool: [num_layers, 2, num_blocks, block_size, H_kv, D], on the model's device and dtype.
+    pool: [num_blocks, num_layers, 2, block_size, H_kv, D], on the model's device and dtype.
     """
 
     def __init__(self, model: PreTrainedModel, pool: torch.Tensor, block_size: int,
                  backend: AttentionBackend) -> None:
         num_layers = model.config.get_text_config().num_hidden_layers
-        if pool.dim() != 6 or pool.shape[0] != num_layers or pool.shape[3] != block_size:
-            raise ValueError(f"pool {tuple(pool.shape)} is not [{num_layers} layers, 2, blocks, "
+        if pool.dim() != 6 or pool.shape[1] != num_layers or pool.shape[3] != block_size:
+            raise ValueError(f"pool {tuple(pool.shape)} is not [blocks, {num_layers} layers, 2, "
                              f"{block_size} slots, H_kv, D] for this model")
         if pool.dtype != model.dtype or pool.device != model.device:
             raise ValueError(f"pool is {pool.dtype} on {pool.device}, the model {model.dtype} "
@@ -190,7 +190,7 @@ class ModelRunner:
                       seq_of: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
         """Each table covers its sequence with pool blocks, and each slot is -1 or the slot of
         its token's position in its table (so a runner whose tables went stale fails here)."""
-        block_size, num_blocks = self.block_size, self.pool.shape[2]
+        block_size, num_blocks = self.block_size, self.pool.shape[0]
         if bool((table_lens < blocks_for(seq_lens, block_size)).any()):
             raise ValueError("a block table is shorter than its sequence")
         used = tables[np.arange(tables.shape[1]) < table_lens[:, None]]

@@ -36,17 +36,17 @@ TOLERANCE = {
 class PagedBatch:
     """One layer's paged cache filled for a batch of sequences, and the tables that address it."""
 
-    pool: torch.Tensor  # [2 layers, 2, num_blocks, block_size, H_kv, D]; the kernels use layer 1
+    pool: torch.Tensor  # [num_blocks, 2 layers, 2, block_size, H_kv, D]; the kernels use layer 1
     block_tables: torch.Tensor  # [S, max_blocks] int32, -1 past each sequence's used blocks
     seq_lens: torch.Tensor  # [S] int32, context length per sequence
 
     @property
     def k_cache(self) -> torch.Tensor:
-        return self.pool[1, 0]
+        return self.pool[:, 1, 0]
 
     @property
     def v_cache(self) -> torch.Tensor:
-        return self.pool[1, 1]
+        return self.pool[:, 1, 1]
 
 
 def make_paged_batch(
@@ -62,7 +62,7 @@ def make_paged_batch(
     gen = torch.Generator().manual_seed(seed)
     used = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(used) + 3  # a few blocks nobody owns, still NaN
-    pool = torch.full((2, 2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    pool = torch.full((num_blocks, 2, 2, block_size, num_kv_heads, head_dim), float("nan"))
     tables = torch.full((len(seq_lens), max(used) + 1), -1, dtype=torch.int32)
     owned = torch.randperm(num_blocks, generator=gen).split([*used, num_blocks - sum(used)])
     for row, (blocks, length) in enumerate(zip(owned, seq_lens, strict=False)):
@@ -70,7 +70,7 @@ def make_paged_batch(
         positions = torch.arange(length)
         rows = blocks[positions // block_size]
         for kv in range(2):
-            pool[1, kv][rows, positions % block_size] = torch.randn(
+            pool[:, 1, kv][rows, positions % block_size] = torch.randn(
                 length, num_kv_heads, head_dim, generator=gen
             )
     return PagedBatch(

@@ -70,13 +70,13 @@ async def test_every_call_a_client_makes_is_served_in_reservations(
 async def test_a_fork_copies_the_parents_kv_before_the_answer(
         daemon: Daemon, session: Session) -> None:
     assert daemon.memory is not None
-    kv = daemon.memory.kv  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    kv = daemon.memory.kv  # [blocks, layers, 2, block_size, kv_heads, head_dim]
     await session.allocate(1, num_tokens=6)
-    kv[:, :, 0:2] = torch.arange(2, dtype=kv.dtype)[:, None, None, None]  # blocks 0, 1 differ
+    kv[0:2] = torch.arange(2, dtype=kv.dtype)[:, None, None, None, None, None]  # blocks 0, 1 differ
     child = await session.fork(1, 2)
     assert child.block_ids == [4, 5]
     assert [(c.src, c.dst) for c in child.copies] == [(0, 4), (1, 5)]
-    assert torch.equal(kv[:, :, 4:6], kv[:, :, 0:2])
+    assert torch.equal(kv[4:6], kv[0:2])
     assert (await session.append(2, num_tokens=1)).slot_mapping == [22]  # its own blocks
     daemon.service.check_invariants()
 

@@ -40,8 +40,8 @@ def pool(tmp_path: Path) -> Iterator[KVPoolMemory]:
 def test_layout_shape_bytes_and_handle(tmp_path: Path) -> None:
     with KVPoolMemory.create(GEOMETRY, NUM_BLOCKS, BLOCK_SIZE, torch.float16,
                              shm_dir=str(tmp_path)) as memory:
-        # [num_layers, K/V, num_blocks, block_size, num_kv_heads, head_dim]
-        assert memory.kv.shape == (3, 2, NUM_BLOCKS, BLOCK_SIZE, 2, 4)
+        # [num_blocks, num_layers, K/V, block_size, num_kv_heads, head_dim]
+        assert memory.kv.shape == (NUM_BLOCKS, 3, 2, BLOCK_SIZE, 2, 4)
         assert memory.kv.dtype == torch.float16
         assert (memory.num_blocks, memory.block_size) == (NUM_BLOCKS, BLOCK_SIZE)
         assert memory.nbytes == NUM_BLOCKS * GEOMETRY.bytes_per_block(BLOCK_SIZE, 2) == 2880
@@ -60,20 +60,20 @@ def test_copy_blocks_copies_every_layer_and_k_and_v(pool: KVPoolMemory) -> None:
     before = pool.kv.clone()
     pool.copy_blocks([(1, 3), (4, 0)])
     expected = before.clone()
-    expected[:, :, 3] = before[:, :, 1]
-    expected[:, :, 0] = before[:, :, 4]
+    expected[3] = before[1]
+    expected[0] = before[4]
     assert torch.equal(pool.kv, expected)
-    # Spot-check one element far from the start: layer 2, V, slot 4, head 1, dim 3.
-    assert pool.kv[2, 1, 3, 4, 1, 3] == before[2, 1, 1, 4, 1, 3]
+    # Spot-check one element far from the start: block 3, layer 2, V, slot 4, head 1, dim 3.
+    assert pool.kv[3, 2, 1, 4, 1, 3] == before[1, 2, 1, 4, 1, 3]
 
 
 def test_copy_chain_reads_sources_before_writing(pool: KVPoolMemory) -> None:
     # 0 -> 1 and 1 -> 2 at once: block 2 receives block 1's data from before the call.
     before = pool.kv.clone()
     pool.copy_blocks([0, 1], [1, 2])
-    assert torch.equal(pool.kv[:, :, 1], before[:, :, 0])
-    assert torch.equal(pool.kv[:, :, 2], before[:, :, 1])
-    assert torch.equal(pool.kv[:, :, 3:], before[:, :, 3:])
+    assert torch.equal(pool.kv[1], before[0])
+    assert torch.equal(pool.kv[2], before[1])
+    assert torch.equal(pool.kv[3:], before[3:])
 
 
 def test_copy_forms_agree(tmp_path: Path) -> None:
@@ -120,11 +120,11 @@ def test_empty_copy_and_zero_are_no_ops(pool: KVPoolMemory) -> None:
 def test_zero_blocks(pool: KVPoolMemory) -> None:
     before = pool.kv.clone()
     pool.zero_blocks([4, 1])
-    assert not pool.kv[:, :, [1, 4]].any()
-    assert torch.equal(pool.kv[:, :, [0, 2, 3, 5]], before[:, :, [0, 2, 3, 5]])
+    assert not pool.kv[[1, 4]].any()
+    assert torch.equal(pool.kv[[0, 2, 3, 5]], before[[0, 2, 3, 5]])
     with pytest.raises(ValueError, match="must be in"):
         pool.zero_blocks([0, 99])
-    assert pool.kv[:, :, 0].any(), "a rejected zero_blocks must not zero the valid ids"
+    assert pool.kv[0].any(), "a rejected zero_blocks must not zero the valid ids"
 
 
 def test_file_mode(tmp_path: Path) -> None:

@@ -247,11 +247,11 @@ async def test_the_answer_leaves_after_the_copy_is_in_memory(
     other_mapping = attach_pool(daemon.memory.handle())  # as a runner process maps it
     session = await client.open_session("reader")
     await forked_pair(session)
-    other_mapping[:, :, 0] = 7.0  # the runner wrote block 0's K/V
+    other_mapping[0] = 7.0  # the runner wrote block 0's K/V
     step = await session.step([2])
     (copy,) = step.copies
     assert (copy.src, copy.dst) == (0, 1)
-    assert bool((other_mapping[:, :, 1] == 7.0).all())  # in place when the answer arrives
+    assert bool((other_mapping[1] == 7.0).all())  # in place when the answer arrives
 
 
 @pytest.mark.parametrize("call", ["step", "batch_free", "close"])
@@ -328,7 +328,7 @@ from pagedkv.memory.attach import attach_pool
 kv = attach_pool(pickle.loads(bytes.fromhex(sys.stdin.readline().strip())))
 print("attached", flush=True)
 blocks = [int(b) for b in sys.stdin.readline().split()]
-print(bool((kv[:, :, blocks] == 7).all()), flush=True)
+print(bool((kv[blocks] == 7).all()), flush=True)
 """
 
 
@@ -352,7 +352,7 @@ async def test_copies_are_visible_to_another_process_when_the_answer_leaves_cuda
         for parent in range(64):  # 64 parents with a half-full block, each forked
             await service.allocate(sid, Allocate(parent, 8))
             await service.fork(sid, Fork(parent, 100 + parent))
-        memory.kv[:, :, :64] = 7
+        memory.kv[:64] = 7
         torch.cuda.synchronize()
         step = await service.step(sid, [100 + p for p in range(64)])
         reader.stdin.write(" ".join(str(copy.dst) for copy in step.copies) + "\n")

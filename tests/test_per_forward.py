@@ -90,7 +90,7 @@ def test_a_runner_forward_computes_the_decode_index_once_for_all_layers(monkeypa
                          max_position_embeddings=256, initializer_range=0.2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
-    pool = torch.randn(3, 2, 8, BLOCK_SIZE, 2, 16)
+    pool = torch.randn(8, 3, 2, BLOCK_SIZE, 2, 16)
     runner = ModelRunner(model, pool, BLOCK_SIZE, TORCH_BACKEND)
     # two sequences of 20 and 5 tokens in blocks [3, 1] and [6]; each decodes its last token
     chunks = [SequenceChunk([7], 19, [1 * BLOCK_SIZE + 3], [3, 1]),

@@ -66,14 +66,14 @@ async def test_pool_info_describes_geometry_and_memory(daemon: Daemon, stub: Stu
     assert (info.model, info.num_layers, info.num_kv_heads, info.head_dim) == ("tiny", 2, 2, 64)
     assert info.dtype == "float32"
     assert info.bytes_per_block == 2 * 2 * 2 * 64 * 4 * 4
-    assert info.layout.startswith("num_layers,2,num_blocks")
+    assert info.layout.startswith("num_blocks,num_layers,2")
     assert not info.HasField("memory")  # the public socket's callers never get the memory
     assert daemon.memory is not None
     handle = daemon.memory.handle()
     async with grpc.aio.insecure_channel(daemon.runners_target) as channel:
         info = await kvpool_pb2_grpc.KVPoolStub(channel).GetPoolInfo(pb.GetPoolInfoRequest())
     assert (info.memory.kind, info.memory.shm_path) == ("shm", handle.shm_path)
-    assert tuple(info.memory.shape) == handle.shape == (2, 2, 16, 4, 2, 64)
+    assert tuple(info.memory.shape) == handle.shape == (16, 2, 2, 4, 2, 64)
 
 
 async def test_session_lifecycle(daemon: Daemon, stub: Stub) -> None:
@@ -160,11 +160,11 @@ async def test_step_copies_shared_partial_block_in_memory(
     await stub.Fork(pb.ForkRequest(session_id=sid, parent_seq_id=1, child_seq_id=2))
     assert daemon.memory is not None
     kv = daemon.memory.kv
-    kv[:, :, 0] = torch.randn_like(kv[:, :, 0])
+    kv[0] = torch.randn_like(kv[0])
     reply = await stub.Step(pb.StepRequest(session_id=sid, seq_ids=[2], num_tokens=2))
     assert (list(reply.copy_src), list(reply.copy_dst)) == ([0], [1])
     assert list(reply.slot_mapping) == [6, 7]
-    assert torch.equal(kv[:, :, 1], kv[:, :, 0])
+    assert torch.equal(kv[1], kv[0])
 
 
 async def test_step_failure_changes_nothing(daemon: Daemon, stub: Stub) -> None:

@@ -173,7 +173,7 @@ async def test_a_failed_prefill_is_never_served_from_the_cache(
     runner = await attach(client, model, "torch")
     prompt = [*prompts[2][:32], prompts[0][0]]
     failed = await session.allocate(100, token_ids=prompt)
-    runner.pool[:, :, failed.block_ids] = 1e3  # a crashed, half-run prefill
+    runner.pool[failed.block_ids] = 1e3  # a crashed, half-run prefill
     assert pending_blocks(metrics_port) == 2
     await session.free(100)
     again = await greedy(client, runner, session.session_id, [prompt], NEW_TOKENS,
@@ -257,13 +257,13 @@ async def test_runner_refuses_a_pool_of_another_shape(
 ) -> None:
     pool = (await attach(client, model, "torch")).pool
     with pytest.raises(ValueError, match="layers"):
-        ModelRunner(model, pool[:1], BLOCK_SIZE, get_backend("torch"))
+        ModelRunner(model, pool[:, :1], BLOCK_SIZE, get_backend("torch"))
     with pytest.raises(ValueError, match="float64"):
         ModelRunner(model, pool.double(), BLOCK_SIZE, get_backend("torch"))
 
 
 def test_paged_attention_refuses_calls_it_cannot_compute(model: LlamaForCausalLM) -> None:
-    pool = torch.zeros(2, 2, 1, BLOCK_SIZE, 2, 16)
+    pool = torch.zeros(1, 2, 2, BLOCK_SIZE, 2, 16)
     runner = ModelRunner(model, pool, BLOCK_SIZE, get_backend("torch"))
     with pytest.raises(ValueError, match=CONTEXT_KWARG):
         model(torch.tensor([[1, 2, 3]]), use_cache=False)

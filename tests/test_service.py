@@ -140,11 +140,11 @@ async def test_batch_results_and_memory_work_in_order(memory: KVPoolMemory) -> N
     sid = service.open_session("a").session_id
     await service.allocate(sid, Allocate(1, 6))
     await service.fork(sid, Fork(1, 2))
-    memory.kv[:, :, 1] = 7.0
+    memory.kv[1] = 7.0
     results = await service.batch(sid, [CopyOnWrite(2, 1), Free(1), Append(2, 1), Allocate(3, 2)])
     assert [r.block_table for r in results] == [[0, 2], [], [0, 2], [3]]
     assert [(c.src, c.dst) for c in results[0].copies] == [(1, 2)]
-    assert bool((memory.kv[:, :, 2] == 7.0).all())
+    assert bool((memory.kv[2] == 7.0).all())
     service.check_invariants()
 
 
@@ -153,11 +153,11 @@ async def test_copy_on_write_copies_pool_memory(memory: KVPoolMemory) -> None:
     sid = service.open_session("a").session_id
     await service.allocate(sid, Allocate(1, 6))
     await service.fork(sid, Fork(1, 2))
-    pattern = torch.arange(memory.kv[:, :, 1].numel(), dtype=torch.float32)
-    memory.kv[:, :, 1] = pattern.view_as(memory.kv[:, :, 1])
+    pattern = torch.arange(memory.kv[1].numel(), dtype=torch.float32)
+    memory.kv[1] = pattern.view_as(memory.kv[1])
     step = await service.step(sid, [2])  # seq 2 writes into shared, half-full block 1
     assert [(c.src, c.dst) for c in step.copies] == [(1, 2)]
-    assert torch.equal(memory.kv[:, :, 2], memory.kv[:, :, 1])
+    assert torch.equal(memory.kv[2], memory.kv[1])
     service.check_invariants()
 
 
@@ -166,10 +166,10 @@ async def test_zero_freed_blocks(memory: KVPoolMemory, zero: bool) -> None:
     service = make_service(memory=memory, zero_freed_blocks=zero)
     sid = service.open_session("a").session_id
     await service.allocate(sid, Allocate(1, 6))
-    memory.kv[:, :, 0:2] = 3.0
+    memory.kv[0:2] = 3.0
     await service.free(sid, Free(1))
-    assert bool((memory.kv[:, :, 0:2] == 0).all()) is zero
-    assert bool((memory.kv[:, :, 0:2] == 3.0).all()) is not zero
+    assert bool((memory.kv[0:2] == 0).all()) is zero
+    assert bool((memory.kv[0:2] == 3.0).all()) is not zero
 
 
 async def test_step_happy_path_and_failures_change_nothing(service: PoolService) -> None:

@@ -18,8 +18,8 @@ IMPLS = [pytest.param(store_kv_torch, id="torch"), pytest.param(store_kv_triton,
 
 def _pool(num_blocks: int, block_size: int, heads: int, head_dim: int, dtype: torch.dtype,
           device: str) -> torch.Tensor:
-    """[2 layers, 2, num_blocks, block_size, H_kv, D], every slot NaN."""
-    shape = (2, 2, num_blocks, block_size, heads, head_dim)
+    """[num_blocks, 2 layers, 2, block_size, H_kv, D], every slot NaN."""
+    shape = (num_blocks, 2, 2, block_size, heads, head_dim)
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
@@ -51,10 +51,10 @@ def test_rows_land_in_their_slots(store, device, block_size, heads, head_dim, dt
     expected = pool.clone()
     for token, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            expected[1, 0, slot // block_size, slot % block_size] = key[token]
-            expected[1, 1, slot // block_size, slot % block_size] = value[token]
+            expected[slot // block_size, 1, 0, slot % block_size] = key[token]
+            expected[slot // block_size, 1, 1, slot % block_size] = value[token]
 
-    store(key, value, pool[1, 0], pool[1, 1], slots.to(device))
+    store(key, value, pool[:, 1, 0], pool[:, 1, 1], slots.to(device))
 
     torch.testing.assert_close(pool, expected, atol=0, rtol=0, equal_nan=True)
     assert pool.isnan().sum() == expected.isnan().sum() > 0  # untouched slots are still NaN
@@ -64,8 +64,8 @@ def test_rows_land_in_their_slots(store, device, block_size, heads, head_dim, dt
 def test_all_padding_and_empty_batches_write_nothing(store):
     pool = _pool(2, 8, 1, 16, torch.float32, "cpu")
     key, value = _new_tokens(3, 1, 16, torch.float32, "cpu")
-    store(key, value, pool[0, 0], pool[0, 1], torch.full((3,), -1, dtype=torch.int64))
-    store(key[:0], value[:0], pool[0, 0], pool[0, 1], torch.empty(0, dtype=torch.int64))
+    store(key, value, pool[:, 0, 0], pool[:, 0, 1], torch.full((3,), -1, dtype=torch.int64))
+    store(key[:0], value[:0], pool[:, 0, 0], pool[:, 0, 1], torch.empty(0, dtype=torch.int64))
     assert pool.isnan().all()
 
 
@@ -92,7 +92,9 @@ def test_bad_input_is_refused_and_changes_nothing(store):
     key, value = _new_tokens(3, 1, 16, torch.float32, "cpu")
     for bad_key, bad_value, bad_slots, message in _bad_calls(key, value, torch.tensor([0, 1, 2])):
         with pytest.raises(ValueError, match=re.escape(message)):
-            store(bad_key, bad_value, pool[0, 0], pool[0, 1], bad_slots)
+            store(bad_key, bad_value, pool[:, 0, 0], pool[:, 0, 1], bad_slots)
     with pytest.raises(ValueError, match="share one dtype"):
-        store(key, value, pool[0, 0], pool[0, 1].double(), torch.tensor([0, 1, 2]))
+        store(key, value, pool[:, 0, 0], pool[:, 0, 1].double(), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="share strides"):  # one row index must serve both
+        store(key, value, pool[:, 0, 0], pool[:, 0, 1].contiguous(), torch.tensor([0, 1, 2]))
     assert pool.isnan().all()

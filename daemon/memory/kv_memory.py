@@ -1,8 +1,8 @@
 """The KV pool's memory: one tensor, allocated once at start, shared with co-located runners.
 
-The tensor has the one layout of `pagedkv.memory.handle` ([num_layers, 2, num_blocks,
-block_size, num_kv_heads, head_dim]); physical block `b` of every layer is `kv[:, :, b]`, so
-copying or zeroing a block is one indexed op over BLOCK_DIM.
+The tensor has the one layout of `pagedkv.memory.handle` ([num_blocks, num_layers, 2,
+block_size, num_kv_heads, head_dim]); physical block `b` of every layer is `kv[b]`, one
+contiguous slab, so copying or zeroing a block is one indexed op over BLOCK_DIM.
 
 Two backings, chosen by the device:
 - CPU: a file in /dev/shm (tmpfs) sized exactly and reserved up front with posix_fallocate, so
@@ -97,7 +97,7 @@ class KVPoolMemory:
 
     @property
     def block_size(self) -> int:
-        return self._handle.shape[BLOCK_DIM + 1]
+        return self._handle.shape[3]
 
     @property
     def nbytes(self) -> int:
@@ -113,7 +113,7 @@ class KVPoolMemory:
 
     def copy_blocks(self, src: BlockIds | Sequence[tuple[int, int]],
                     dst: BlockIds | None = None, /) -> None:
-        """kv[:, :, dst[i]] = kv[:, :, src[i]] for all i, every layer, K and V, in one op.
+        """kv[dst[i]] = kv[src[i]] for all i, every layer, K and V, in one op.
 
         Takes (src, dst) pairs, e.g. `[(c.src, c.dst) for c in update.copies]`, or two id lists.
         All sources are gathered before any destination is written, so a destination that is

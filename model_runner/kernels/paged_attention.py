@@ -54,7 +54,7 @@ class PagedContext:
 
     # The kernels that run (torch or Triton).
     backend: AttentionBackend
-    # The pool: [num_layers, 2, num_blocks, block_size, H_kv, D]; layer l's K is pool[l, 0].
+    # The pool: [num_blocks, num_layers, 2, block_size, H_kv, D]; layer l's K is pool[:, l, 0].
     pool: torch.Tensor
     # [T] int64: the slot each new token's K/V goes to; -1 writes nothing.
     slot_mapping: torch.Tensor
@@ -96,7 +96,7 @@ def paged_attention_forward(
         raise ValueError(f"{type(module).__name__} has no integer layer_idx to pick its cache")
     window = _window_of_call(module, layer, kwargs.get("sliding_window"))
     softcap = kwargs.get("softcap")
-    k_cache, v_cache = context.pool[layer].unbind(0)
+    k_cache, v_cache = context.pool[:, layer].unbind(1)  # strided [num_blocks, B, H_kv, D]
     backend = context.backend
     backend.store_kv(k, v, k_cache, v_cache, context.slot_mapping, check_values=False)
     if context.is_decode:

@@ -6,7 +6,9 @@ Shape, dtype and stride checks are free. Value checks (slot and block ids in ran
 fit the block table) read the tensors back, which synchronizes with the device once; callers on a
 hot path whose tables come from the block pool may skip them with ``check_values=False``.
 
-Pool layout (one layer's view): ``k_cache``, ``v_cache``: [num_blocks, block_size, H_kv, D].
+Pool layout (one layer's view): ``k_cache``, ``v_cache``: [num_blocks, block_size, H_kv, D],
+strided views of the block-major pool (pagedkv.memory.handle): block b's K/V of every layer lie
+together, so one layer's next block is ``num_layers * 2`` blocks' worth of slots further on.
 """
 
 import math
@@ -28,6 +30,9 @@ class CacheGeometry:
     block_size: int  # tokens per block; slot = block * block_size + offset
     num_kv_heads: int  # H_kv
     head_dim: int  # D
+    # Rows from one block to the next in `slot_rows`' view: stride(0) / stride(1) (block_size
+    # for a contiguous cache, num_layers * 2 * block_size for a layer of the pool).
+    rows_per_block: int
 
     @property
     def num_slots(self) -> int:
@@ -52,7 +57,30 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> CacheGeometry:
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if min(num_blocks, block_size, num_kv_heads, head_dim) < 1:
         raise ValueError(f"empty cache dimension in {k_cache.shape}")
-    return CacheGeometry(num_blocks, block_size, num_kv_heads, head_dim)
+    block_stride, slot_stride = k_cache.stride(0), k_cache.stride(1)
+    if (v_cache.stride() != k_cache.stride() or slot_stride < 1
+            or block_stride % slot_stride or block_stride < block_size * slot_stride):
+        raise ValueError("caches must share strides, each block a whole number of slot rows "
+                         f"past the last, got {k_cache.stride()} and {v_cache.stride()}")
+    return CacheGeometry(num_blocks, block_size, num_kv_heads, head_dim,
+                         block_stride // slot_stride)
+
+
+def slot_rows(cache: torch.Tensor, rows_per_block: int) -> torch.Tensor:
+    """The cache's slots as rows [R, H_kv, D] of the memory it lies in: slot o of block b is row
+    b * rows_per_block + o (`slot_row`). A layer of the block-major pool is no flat view of its
+    slots, but its slots are rows of the pool, one index_select or index_copy_ away; the rows
+    between a block's slots belong to other layers and are never indexed."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    rows = (num_blocks - 1) * rows_per_block + block_size
+    return cache.as_strided((rows, num_kv_heads, head_dim), cache.stride()[1:],
+                            cache.storage_offset())
+
+
+def slot_row(slots: torch.Tensor, geometry: CacheGeometry) -> torch.Tensor:
+    """The row in `slot_rows` of each slot (block * block_size + offset)."""
+    extra = geometry.rows_per_block - geometry.block_size
+    return slots + slots // geometry.block_size * extra if extra else slots
 
 
 def check_tokens(name: str, x: torch.Tensor, heads: int | None, cache: torch.Tensor) -> None:

@@ -308,7 +308,7 @@ def _decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, geometry: C
             tables, lens = block_tables.index_select(0, members), seq_lens.index_select(0, members)
         # -- the query sees its whole context (the last `window` positions): gather just those
         first = (lens.long() - window).clamp_min(0) if window else None
-        index = context_index(tables, lens, geometry.block_size, first)
+        index = context_index(tables, lens, geometry, first)
         plan.append(_DecodeGroup(members, index, index.valid[:, None, None]))
     return plan
 

@@ -33,6 +33,7 @@ from pagedkv.model_runner.kernels.paged_checks import (
     check_attention_args,
     check_index,
     check_window_softcap,
+    slot_rows,
 )
 from pagedkv.model_runner.kernels.paged_tile import (
     attend_tile,
@@ -201,22 +202,23 @@ class ContextIndex:
     """Where each sequence's context lies in a cache, padded to the longest (gather_context):
     the same for every layer of a forward, so it is computed once per forward (per_forward)."""
 
-    # [S * L] int64: the flat slot of each column of each row (column 0's slot past the row's
-    # context, so every value read is a written token's).
-    slots: torch.Tensor
+    # [S * L] int64: the row in the caches' slot_rows of each column of each row (column 0's
+    # past the row's context, so every value read is a written token's).
+    rows: torch.Tensor
     # [S, L] int64: the position of each column.
     positions: torch.Tensor
     # [S, L] bool: first[s] <= position < seq_lens[s].
     valid: torch.Tensor
 
 
-def context_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+def context_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, geometry: CacheGeometry,
                   first: torch.Tensor | None = None) -> ContextIndex:
     """Each sequence's context from position first[s] (default 0) to seq_lens[s], whole blocks,
     padded to the longest. Column 0 of row s is the start of the block holding position
     first[s]. No loop, no division per position."""
     lens = seq_lens.long()  # [S]
     num_seqs, device = lens.shape[0], lens.device
+    block_size = geometry.block_size
     if first is None:
         first_block = torch.zeros_like(lens)
         num_cols = int(triton.cdiv(int(lens.max()), block_size))
@@ -228,33 +230,30 @@ def context_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size
     cols = first_block[:, None] + torch.arange(num_cols, device=device)
     blocks = block_tables.gather(1, cols.clamp_max(block_tables.shape[1] - 1)).long()
     offsets = torch.arange(block_size, device=device)
-    slots = (blocks[:, :, None] * block_size + offsets).view(num_seqs, -1)  # [S, L]
+    rows = (blocks[:, :, None] * geometry.rows_per_block + offsets).view(num_seqs, -1)  # [S, L]
     positions = (cols[:, :, None] * block_size + offsets).view(num_seqs, -1)  # [S, L]
     valid = positions < lens[:, None]
     if first is not None:
         valid &= positions >= first[:, None]
-    return ContextIndex(torch.where(valid, slots, slots[:, :1]).flatten(), positions, valid)
+    return ContextIndex(torch.where(valid, rows, rows[:, :1]).flatten(), positions, valid)
 
 
 def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor,
                    index: ContextIndex) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values of `index`'s columns: [S, L, H_kv, D] fp32 each, one index_select per
-    cache over its flat [num_blocks * block_size] slot view. Columns past a sequence hold a
+    cache over its slot_rows. Columns past a sequence hold a
     written token's values (stale slots may hold NaN, and a masked NaN still poisons SDPA's
     products); callers mask their scores. On the CPU they are views of this thread's workspace:
     valid until the next gather_context call on the same thread.
     """
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    slots = index.slots
-    shape = (2, slots.shape[0], num_kv_heads, head_dim)
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    rows_per_block = k_cache.stride(0) // k_cache.stride(1)  # check_cache made it whole
+    shape = (2, index.rows.shape[0], num_kv_heads, head_dim)
     # [2, S * L, H_kv, D]: K and V rows; a device's caching allocator already keeps its memory
-    cpu = slots.device.type == "cpu"
+    cpu = index.rows.device.type == "cpu"
     kv = _WORKSPACE.take(shape, k_cache.dtype) if cpu else k_cache.new_empty(shape)
     for cache, rows in ((k_cache, kv[0]), (v_cache, kv[1])):
-        if cache.stride(0) == block_size * cache.stride(1):  # the slots are one flat view
-            torch.index_select(cache.flatten(0, 1), 0, slots, out=rows)
-        else:
-            rows.copy_(cache[slots // block_size, slots % block_size])
+        torch.index_select(slot_rows(cache, rows_per_block), 0, index.rows, out=rows)
     num_seqs = index.valid.shape[0]
     keys, values = kv.view(2, num_seqs, -1, num_kv_heads, head_dim).float().unbind(0)
     return keys, values
@@ -302,7 +301,7 @@ def paged_prefill_attention_torch(
     num_seqs, num_kv_heads = seq_lens.shape[0], geometry.num_kv_heads
     group = num_q_heads // num_kv_heads
     plan = shared(per_forward, ("prefill", window, group), lambda: _prefill_plan(
-        block_tables, seq_lens, query_start_loc, num_tokens, group, geometry.block_size, window))
+        block_tables, seq_lens, query_start_loc, num_tokens, group, geometry, window))
     max_q_len = plan.max_q_len
     # -- scatter the tokens into a padded [S, max_q, H_q, D] query (a copy-free view when the
     #    chunks are equally long) --
@@ -340,8 +339,8 @@ class _PrefillPlan:
 
 
 def _prefill_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  query_start_loc: torch.Tensor, num_tokens: int, group: int, block_size: int,
-                  window: int) -> _PrefillPlan:
+                  query_start_loc: torch.Tensor, num_tokens: int, group: int,
+                  geometry: CacheGeometry, window: int) -> _PrefillPlan:
     num_seqs, device = seq_lens.shape[0], seq_lens.device
     lens = seq_lens.long()
     q_lens = query_start_loc.diff().long()  # [S]
@@ -355,7 +354,7 @@ def _prefill_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
     #    <= its own (the last `window` of them); a padding row may see none and is dropped --
     q_pos = (lens - q_lens)[:, None] + torch.arange(max_q_len, device=device)  # [S, max_q]
     first = (q_pos[:, 0] - window + 1).clamp_min(0) if window else None
-    index = context_index(block_tables, seq_lens, block_size, first)
+    index = context_index(block_tables, seq_lens, geometry, first)
     positions = index.positions[:, None, :]  # [S, 1, L]
     counted = index.valid[:, None, :] & (positions <= q_pos[:, :, None])  # [S, max_q, L]
     if window:

@@ -17,6 +17,8 @@ from pagedkv.model_runner.kernels.paged_checks import (
     check_index,
     check_slot_values,
     check_tokens,
+    slot_row,
+    slot_rows,
 )
 from pagedkv.model_runner.kernels.triton_env import require_triton_device, tl, triton
 
@@ -116,9 +118,6 @@ def store_kv_torch(
     keep = slot_mapping >= 0  # [T]
     if not bool(keep.all()):  # padding tokens write nothing
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
-    block_size = geometry.block_size
+    index = slot_row(slot_mapping, geometry)
     for cache, rows in ((k_cache, key), (v_cache, value)):
-        if cache.stride(0) == block_size * cache.stride(1):  # the slots are one flat view
-            cache.flatten(0, 1).index_copy_(0, slot_mapping, rows)
-        else:  # advanced-index assignment writes through the strided view in place
-            cache[slot_mapping // block_size, slot_mapping % block_size] = rows
+        slot_rows(cache, geometry.rows_per_block).index_copy_(0, index, rows)
