@@ -15,6 +15,12 @@ reserve slots ahead (`reserve_tokens`): the reserved blocks are private and unke
 The pool counts the blocks held by two groupings of the sequences (as the service does by session
 and by tenant), and keeps its figures as operations run: `check_invariants()` compares both with
 a recount from every table entry.
+
+Its block ids are pages of two blocks, and pages come and go (`withdraw_pages`, `restore_pages`)
+as another format of a shared arena would take and give back their memory: a withdrawn page's
+slots are overwritten, so a block of it handed out or matched later reads back wrong tokens. A
+withdraw succeeds exactly for distinct idle pages, a restore exactly for distinct withdrawn
+ones; anything else changes nothing.
 """
 
 import contextlib
@@ -42,6 +48,8 @@ from pool_state import pool_state
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 12
+BLOCKS_PER_PAGE = 2
+PAGES = st.lists(st.integers(0, NUM_BLOCKS // BLOCKS_PER_PAGE - 1), max_size=3)
 NAMES = st.sampled_from("abcdefg")
 # A few shared prompt heads make prefix-cache hits likely.
 HEADS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
@@ -57,7 +65,7 @@ class GroupedPool(BlockPool):
     """A pool whose sequences belong to the groups of their names."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        super().__init__(num_blocks, block_size)
+        super().__init__(num_blocks, block_size, blocks_per_page=BLOCKS_PER_PAGE)
         self.track_holders(2)
 
     def allocate(self, seq: Hashable, num_tokens: int, token_ids: TokenIds | None = None,
@@ -78,6 +86,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.tokens: dict[str, list[int]] = {}
         self.salts: dict[str, bytes] = {}  # namespaces never share a block
         self.fresh = itertools.count(10_000)  # ids of tokens the pool is not told about
+        self.withdrawn: set[int] = set()  # pages the pool gave back
 
     def _snapshot(self) -> object:
         return self.pool.stats(), {s: self.pool.block_table(s) for s in self.tokens}
@@ -217,8 +226,56 @@ class PoolMachine(RuleBasedStateMachine):
                                   unique=True))
         self.pool.commit(seqs)
 
+    @rule(pages=PAGES)
+    def withdraw_pages(self, pages: list[int]) -> None:
+        """Pages leave the pool, and another format overwrites their memory."""
+        idle = set(self.pool.idle_pages())
+        assert not idle & self.withdrawn, "a withdrawn page is idle"
+        cached = self.pool.cached_keys()
+        before = pool_state(self.pool)
+        try:
+            evicted = self.pool.withdraw_pages(pages)
+        except PoolError:
+            assert len(set(pages)) < len(pages) or not set(pages) <= idle
+            assert pool_state(self.pool) == before
+            return
+        assert len(set(pages)) == len(pages) and set(pages) <= idle
+        assert evicted == [block for page in pages for block in self._blocks_of(page)
+                           if block in cached]
+        assert not set(evicted) & set(self.pool.cached_keys())
+        span = BLOCKS_PER_PAGE * BLOCK_SIZE
+        for page in pages:
+            self.memory[page * span:(page + 1) * span] = -2
+        self.withdrawn |= set(pages)
+
+    @precondition(lambda self: self.pool.cached_keys())
+    @rule(data=st.data())
+    def withdraw_a_cached_page(self, data: st.DataObject) -> None:
+        """An idle page holding cached blocks, when there is one: they are evicted."""
+        cached = self.pool.cached_keys()
+        warm = [page for page in self.pool.idle_pages()
+                if set(self._blocks_of(page)) & set(cached)]
+        if warm:
+            self.withdraw_pages([data.draw(st.sampled_from(warm))])
+
+    def _blocks_of(self, page: int) -> range:
+        return range(page * BLOCKS_PER_PAGE, (page + 1) * BLOCKS_PER_PAGE)
+
+    @rule(pages=PAGES)
+    def restore_pages(self, pages: list[int]) -> None:
+        before = pool_state(self.pool)
+        try:
+            self.pool.restore_pages(pages)
+        except PoolError:
+            assert len(set(pages)) < len(pages) or not set(pages) <= self.withdrawn
+            assert pool_state(self.pool) == before
+            return
+        assert len(set(pages)) == len(pages) and set(pages) <= self.withdrawn
+        self.withdrawn -= set(pages)
+
     @rule(data=st.data(), ops=st.lists(st.sampled_from(
-        ["allocate", "append", "fork", "cow", "commit", "free"]), min_size=1, max_size=4))
+        ["allocate", "append", "fork", "cow", "commit", "free", "withdraw", "restore"]),
+        min_size=1, max_size=4))
     def rolled_back_transaction(self, data: st.DataObject, ops: list[str]) -> None:
         before = pool_state(self.pool)
         with contextlib.suppress(_Abort, PoolError), self.pool.transaction():
@@ -245,8 +302,21 @@ class PoolMachine(RuleBasedStateMachine):
                 self.pool.copy_on_write(seq, data.draw(st.integers(0, 2)))
             case "commit":
                 self.pool.commit([seq])
+            case "withdraw":
+                self.pool.withdraw_pages(self.pool.idle_pages()[:data.draw(st.integers(1, 3))])
+            case "restore":
+                self.pool.restore_pages(sorted(self.withdrawn)[:data.draw(st.integers(1, 3))])
             case _:
                 self.pool.free(seq)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        """A request done: its K/V certified written, then freed, its full blocks cached (what
+        a withdraw must evict)."""
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.pool.commit([seq])
+        self.free(seq)
 
     @rule(seq=NAMES)
     def free(self, seq: str) -> None:
@@ -271,6 +341,8 @@ class PoolMachine(RuleBasedStateMachine):
                 if salt != self.salts[seq]:
                     assert not set(table) & set(self.pool.block_table(other)), "salts share"
         stats = self.pool.stats()
+        assert stats.num_blocks == NUM_BLOCKS - BLOCKS_PER_PAGE * len(self.withdrawn)
+        assert self.pool.held_pages == NUM_BLOCKS // BLOCKS_PER_PAGE - len(self.withdrawn)
         assert stats.num_sequences == len(self.tokens)
         assert stats.logical_tokens == sum(map(len, self.tokens.values()))
 
