@@ -25,6 +25,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from pagedkv.daemon.core import BlockPool, PoolStats
 from pagedkv.daemon.edge.metrics import PoolCollector
+from pagedkv.daemon.service.models import ModelFigures
 from pagedkv.daemon.service.operations import Allocate, Fork
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.tenants import TenantFigures
@@ -58,6 +59,13 @@ class Recounted:
         usage = service._usage
         return usage.figures(service.tenants, lambda name: service._recount_held(
             usage.sessions.get(name, ())))
+
+    def model_figures(self) -> list[ModelFigures]:
+        return self._service.model_figures()
+
+    @property
+    def page_moves_total(self) -> int:
+        return self._service.page_moves_total
 
 
 async def loaded_service() -> tuple[PoolService, str]:

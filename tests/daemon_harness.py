@@ -26,7 +26,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pagedkv.daemon.core import AllocatorKind, PoolAllocator, make_pool
+from pagedkv.daemon.core import AllocatorKind, BlockPool, PoolAllocator, make_pool
 from pagedkv.daemon.edge.addresses import ListenAddress, parse_listen
 from pagedkv.daemon.edge.metrics import PoolCollector, RpcMetrics
 from pagedkv.daemon.edge.peer_gate import PeerGate
@@ -36,7 +36,7 @@ from pagedkv.daemon.process.server import grpc_server
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.tenants import Tenants
 from pagedkv.process.grpc_server import GrpcServers
-from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
+from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY, dtype_bytes
 
 # The bearer token TCP callers of every test daemon must send.
 TOKEN = "s3cret-token"
@@ -75,11 +75,13 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
                          tcp: bool = False, tls: ServerTls | None = None,
                          pool_id: str | None = None, tenants: Tenants | None = None,
                          allocator: AllocatorKind = "paged", max_model_len: int | None = None,
+                         blocks_per_page: int = 1,
                          **service_options: Any) -> AsyncIterator[Daemon]:
     """Start a daemon; `service_options` go to PoolService (leases, limits, zeroing, clock).
     With `tcp`, a loopback TCP listener too, serving TLS with `tls` when given. `tenants`
     default to one, "default", whose token is TOKEN. `allocator` and `max_model_len` choose
-    the pool's bookkeeping as pagedkvd's settings of the same names do."""
+    the pool's bookkeeping as pagedkvd's settings of the same names do. `blocks_per_page`:
+    pages of that many of the tiny model's blocks (page_size; several models on one pool)."""
     async with AsyncExitStack() as stack:
         # Short and private: unix socket paths are limited to ~107 bytes, pytest's tmp_path is
         # long.
@@ -90,6 +92,11 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
             memory = stack.enter_context(KVPoolMemory.create(
                 TINY_CPU_GEOMETRY, num_blocks, block_size, "float32", shm_dir=str(directory)))
         pool = make_pool(allocator, num_blocks, block_size, max_model_len=max_model_len)
+        if blocks_per_page > 1:
+            pool = BlockPool(num_blocks, block_size, blocks_per_page=blocks_per_page)
+            dtype = "float32" if with_memory else TINY_CPU_GEOMETRY.default_dtype
+            service_options["page_bytes"] = blocks_per_page * TINY_CPU_GEOMETRY.bytes_per_block(
+                block_size, dtype_bytes(dtype))
         service = PoolService(pool, memory,
                               pool_id=pool_id or secrets.token_hex(8),
                               geometry=TINY_CPU_GEOMETRY,

@@ -20,7 +20,9 @@ from pagedkv.daemon.edge.status import failure_of
 from pagedkv.daemon.service.answer_size import ENTRY_CAUSE_BYTES
 from pagedkv.daemon.service.holds import SessionBusy
 from pagedkv.daemon.service.limits import AnswerTooLarge, LimitExceeded
+from pagedkv.daemon.service.models import ModelAsleep, ModelAtCap, ModelExists, ModelNotFound
 from pagedkv.daemon.service.operations import PoolExhausted
+from pagedkv.daemon.service.session_ops import PoolFull
 from pagedkv.daemon.service.sessions import SessionExpired, SessionNotFound
 from pagedkv.daemon.service.tenants import PermissionDenied
 from pagedkv.model_runner.engine.steps import (
@@ -48,6 +50,11 @@ DAEMON: dict[type[Exception], type[c.PagedKVError]] = {
     AnswerTooLarge: c.AnswerTooLarge,
     PoolExhausted: c.PoolExhausted,
     PermissionDenied: c.PermissionDenied,
+    PoolFull: c.PoolExhausted,
+    ModelNotFound: c.ModelNotFound,
+    ModelExists: c.ModelExists,
+    ModelAtCap: c.ModelAtCap,
+    ModelAsleep: c.ModelAsleep,
 }
 
 # What a client catches for each exception defined in the runner, met by a step.

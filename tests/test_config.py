@@ -232,8 +232,9 @@ def test_the_shipped_toml_sets_valid_values_and_documents_every_key() -> None:
     config = DaemonConfig(**load_toml(OPS / "pagedkv.toml"))
     assert config.listen == ("unix:///run/pagedkv/pagedkvd.sock",)
     for setting in fields(DaemonConfig):
-        # Tables ([tenants.NAME]) are written as tables.
-        written = f"[{setting.name}." if setting.name == "tenants" else f"{setting.name} = "
+        # Tables ([tenants.NAME], [models.NAME]) are written as tables.
+        tables = ("tenants", "models")
+        written = f"[{setting.name}." if setting.name in tables else f"{setting.name} = "
         assert written in text, f"{setting.name} is not in ops/pagedkv.toml"
 
 

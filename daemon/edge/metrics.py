@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from pagedkv.daemon.core.types import PoolStats
+from pagedkv.daemon.service.models import ModelFigures
 from pagedkv.daemon.service.tenants import TenantFigures
 
 # RPCs take tens of microseconds to milliseconds; the top buckets catch a stalled loop.
@@ -36,6 +37,11 @@ class PoolFigures(Protocol):
     def lease_expiries_total(self) -> int: ...
 
     def tenant_figures(self) -> list[TenantFigures]: ...
+
+    def model_figures(self) -> list[ModelFigures]: ...
+
+    @property
+    def page_moves_total(self) -> int: ...
 
 
 class PoolCollector(Collector):
@@ -85,6 +91,12 @@ class PoolCollector(Collector):
             value=self._figures.lease_expiries_total,
         )
         yield from _tenant_families(self._figures.tenant_figures())
+        yield from _model_families(self._figures.model_figures())
+        yield CounterMetricFamily(
+            "pagedkv:page_moves",
+            "Pages of the pool given to another model format (each zeroed).",
+            value=self._figures.page_moves_total,
+        )
 
 
 # Per-tenant gauges: (metric name, help, the TenantFigures field).
@@ -106,6 +118,30 @@ def _tenant_families(figures: list[TenantFigures]) -> Iterator[Metric]:
         for tenant in figures:
             family.add_metric([tenant.name], getattr(tenant, attribute))
         yield family
+
+
+def _model_families(figures: list[ModelFigures]) -> Iterator[Metric]:
+    """Per-model gauges (label `model`) and pages per format (label `format`)."""
+    used = GaugeMetricFamily("pagedkv:model_used_blocks", "Distinct blocks the model's "
+                             "sessions hold (blocks of its format).", labels=["model"])
+    cached = GaugeMetricFamily("pagedkv:model_cached_blocks", "Committed cached blocks the "
+                               "model left in its format's prefix cache.", labels=["model"])
+    memory = GaugeMetricFamily("pagedkv:model_memory_bytes", "The model's memory: used and "
+                               "cached blocks, in bytes (what max_memory caps).",
+                               labels=["model"])
+    pages = GaugeMetricFamily("pagedkv:format_pages", "Pages a format (one K/V geometry, "
+                              "shared by the models of that geometry) holds.", labels=["format"])
+    formats: dict[str, int] = {}
+    for figure in figures:
+        name, fmt = figure.model.name, figure.model.format
+        used.add_metric([name], figure.used_blocks)
+        cached.add_metric([name], figure.cached_blocks)
+        memory.add_metric([name], (figure.used_blocks + figure.cached_blocks)
+                          * fmt.bytes_per_block)
+        formats[fmt.shape.label] = figure.format_pages
+    for label, count in formats.items():
+        pages.add_metric([label], count)
+    yield from (used, cached, memory, pages)
 
 
 class RpcMetrics:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from pagedkv.daemon.core import InvalidArgument, SeqUpdate
+from pagedkv.daemon.edge.model_messages import check_runner, model_info, register_shape
 from pagedkv.daemon.edge.status import failure_of, grpc_errors
 from pagedkv.daemon.service.answer_size import (
     ENTRY_CAUSE_BYTES,
@@ -60,12 +61,13 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
     async def OpenSession(self, request: pb.OpenSessionRequest,
                           context: Context) -> pb.OpenSessionResponse:
         session = self._service.open_session(request.client_name, request.lease_ttl_ms,
-                                             request.max_blocks, request.cache_salt)
+                                             request.max_blocks, request.cache_salt,
+                                             request.model)
         return pb.OpenSessionResponse(session_id=session.session_id,
                                       lease_ttl_ms=session.lease_ttl_ms,
                                       pool_id=self._service.pool_id,
                                       block_size=self._service.pool.block_size,
-                                      max_blocks=session.max_blocks)
+                                      max_blocks=session.max_blocks, model=session.model)
 
     @grpc_errors
     async def KeepAlive(self, request: pb.KeepAliveRequest,
@@ -210,7 +212,29 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         mine = [self._service.stats_of(request.session_id)] if request.session_id else []
         num_blocks, block_size, free_blocks = self._service.capacity()
         return pb.PoolStats(num_blocks=num_blocks, block_size=block_size,
-                            free_blocks=free_blocks, sessions=[session_stats(s) for s in mine])
+                            free_blocks=free_blocks, sessions=[session_stats(s) for s in mine],
+                            models=[model_info(figures, with_memory=False)
+                                    for figures in self._service.model_figures()])
+
+    @grpc_errors
+    async def RegisterModel(self, request: pb.RegisterModelRequest,
+                            context: Context) -> pb.ModelInfo:
+        check_runner("RegisterModel")
+        model = self._service.register_model(request.name, register_shape(request),
+                                             request.runner_target)
+        return self._model_info(model.name)
+
+    @grpc_errors
+    async def SetModelState(self, request: pb.SetModelStateRequest,
+                            context: Context) -> pb.ModelInfo:
+        check_runner("SetModelState")
+        model = await self._service.set_model_state(request.name, request.asleep)
+        return self._model_info(model.name)
+
+    def _model_info(self, name: str) -> pb.ModelInfo:
+        """One model's ModelInfo as a runner gets it (its memory view included)."""
+        figures = next(f for f in self._service.model_figures() if f.model.name == name)
+        return model_info(figures, with_memory=True)
 
 
 def add_to_server(servicer: KVPoolServicer, server: grpc.aio.Server) -> None:
@@ -280,7 +304,8 @@ def session_stats(stats: SessionStats) -> pb.SessionStats:
         name=stats.name, num_sequences=stats.num_sequences,
         block_table_entries=stats.block_table_entries, blocks_held=stats.blocks_held,
         max_blocks=stats.max_blocks, prefix_cache_queries=stats.prefix_cache_queries,
-        prefix_cache_hits=stats.prefix_cache_hits, lease_ttl_ms=stats.lease_ttl_ms)
+        prefix_cache_hits=stats.prefix_cache_hits, lease_ttl_ms=stats.lease_ttl_ms,
+        model=stats.model)
 
 
 def pool_info(service: PoolService, *, with_memory: bool) -> pb.PoolInfo:
@@ -289,7 +314,11 @@ def pool_info(service: PoolService, *, with_memory: bool) -> pb.PoolInfo:
     pool, geometry = service.pool, service.geometry
     info = pb.PoolInfo(pool_id=service.pool_id, num_blocks=pool.num_blocks,
                        block_size=pool.block_size, layout=POOL_LAYOUT,
-                       reservation_blocks=pool.reservation_blocks)
+                       reservation_blocks=pool.reservation_blocks,
+                       page_bytes=service.models.page_bytes,
+                       num_pages=service.pages.num_pages,
+                       models=[model_info(figures, with_memory=with_memory)
+                               for figures in service.model_figures()])
     memory = service.memory.handle() if service.memory is not None else None
     if memory is not None and with_memory:
         info.memory.CopyFrom(memory.to_proto())

@@ -19,6 +19,7 @@ import grpc
 from pagedkv.daemon.core import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
 from pagedkv.daemon.service.holds import SessionBusy
 from pagedkv.daemon.service.limits import AnswerTooLarge, LimitExceeded
+from pagedkv.daemon.service.models import ModelAsleep, ModelAtCap, ModelExists, ModelNotFound
 from pagedkv.daemon.service.operations import PoolExhausted
 from pagedkv.daemon.service.sessions import SessionExpired, SessionNotFound
 from pagedkv.daemon.service.tenants import PermissionDenied
@@ -41,6 +42,10 @@ CAUSES: tuple[tuple[type[PoolError], Cause], ...] = (
     (SessionExpired, causes.SESSION_EXPIRED),
     (SessionBusy, causes.SESSION_BUSY),
     (PermissionDenied, causes.PERMISSION_DENIED),
+    (ModelNotFound, causes.MODEL_NOT_FOUND),
+    (ModelExists, causes.MODEL_EXISTS),
+    (ModelAtCap, causes.MODEL_AT_CAP),
+    (ModelAsleep, causes.MODEL_ASLEEP),
     (InvalidArgument, causes.INVALID_ARGUMENT),
     (PoolError, causes.INVALID_ARGUMENT),
 )

@@ -27,6 +27,7 @@ from pagedkv.daemon.process.access_settings import (
 from pagedkv.daemon.process.settings import SETTINGS, ConfigError, check_setting
 from pagedkv.daemon.process.tenant_config import TenantSpec
 from pagedkv.daemon.service.limits import LIMITS, Limits
+from pagedkv.daemon.service.models import DEFAULT_MAX_MODELS, ModelPolicy
 from pagedkv.daemon.service.tenants import DEFAULT_TENANT, Tenants
 from pagedkv.process.log_setup import LOG_FORMATS, LOG_LEVELS, LogFormat
 from pagedkv.vocab.geometry import canonical_dtype
@@ -73,6 +74,14 @@ class DaemonConfig:
     dtype: str | None = None
     # Model whose KV geometry shapes the pool: a built-in name or a local config.json path.
     model_config: str = "tiny"
+    # Bytes of one page of the pool memory (kvpool.proto, "Models and pages"): a multiple of
+    # every registered model's bytes per block; None: model_config's bytes per block (one
+    # block a page: a one-model daemon as before models). The pool is its size in whole pages.
+    page_size: int | None = None
+    # Models runners may register at most (the daemon's own included); more: LimitExceeded.
+    max_models: int = DEFAULT_MAX_MODELS
+    # [models.NAME] tables: each model's min_memory (reserved) and max_memory (cap), bytes.
+    models: tuple[tuple[str, ModelPolicy], ...] = ()
     # host:port of the HTTP server for /metrics, /healthz and /readyz; None: no HTTP server.
     metrics_listen: str | None = None
     # Log output: "json" (journald), "console" (a person), "auto" (console on a terminal).
@@ -268,6 +277,10 @@ class DaemonConfig:
             check_setting(canonical_dtype, self.dtype, "dtype")
         if not self.shm_dir.is_dir():
             raise ConfigError(f"shm_dir: {self.shm_dir} is not a folder")
+        if self.page_size is not None and self.page_size <= 0:
+            raise ConfigError(f"page_size must be positive, got {self.page_size}")
+        if not 1 <= self.max_models <= 1024:
+            raise ConfigError(f"max_models must be in 1..1024, got {self.max_models}")
         self._check_allocator()
 
     def _check_allocator(self) -> None:

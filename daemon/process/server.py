@@ -25,7 +25,7 @@ import grpc
 import torch
 from prometheus_client.registry import CollectorRegistry
 
-from pagedkv.daemon.core import make_pool
+from pagedkv.daemon.core import BlockPool, make_pool
 from pagedkv.daemon.edge.addresses import ListenAddress, parse_host_port
 from pagedkv.daemon.edge.interceptors import ServerInterceptor
 from pagedkv.daemon.edge.metrics import PoolCollector, Readiness, RpcMetrics
@@ -137,7 +137,12 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
     # copies 10x slower and stalled KeepAlives; benchmarks/bench_keepalive_stall.py).
     torch.set_num_threads(1)
     geometry, dtype = pool_geometry(config)
-    num_blocks = pool_num_blocks(config, geometry, dtype)
+    per_block = geometry.bytes_per_block(config.block_size, dtype_bytes(dtype))
+    blocks_per_page = pool_blocks_per_page(config, per_block)
+    # Whole pages: the daemon's own format's blocks, blocks_per_page of them a page.
+    num_blocks = pool_num_blocks(config, geometry, dtype) // blocks_per_page * blocks_per_page
+    if not num_blocks:
+        raise ConfigError(f"the pool is smaller than one page of page_size={config.page_size}")
     config.check_reservation(num_blocks)
     memory = KVPoolMemory.create(geometry, num_blocks, config.block_size, dtype,
                                  device=config.device, shm_dir=str(config.shm_dir),
@@ -148,15 +153,20 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
                  bytes=memory.nbytes, shm_path=memory.handle().shm_path or None,
                  allocator=config.allocator, max_model_len=config.max_model_len,
                  prefix_hash=config.prefix_hash)
-        pool = make_pool(config.allocator, num_blocks, config.block_size,
-                         enable_prefix_caching=config.enable_prefix_caching,
-                         prefix_hash=config.prefix_hash,
-                         max_model_len=config.max_model_len)
+        pool = (BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
+                          config.prefix_hash, blocks_per_page=blocks_per_page)
+                if blocks_per_page > 1 else
+                make_pool(config.allocator, num_blocks, config.block_size,
+                          enable_prefix_caching=config.enable_prefix_caching,
+                          prefix_hash=config.prefix_hash, max_model_len=config.max_model_len))
         service = PoolService(pool, memory, pool_id=memory.pool_id,
                               default_lease_ttl_ms=config.lease_ttl_ms,
                               max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,
                               zero_freed_blocks=config.zero_freed_blocks,
-                              tenants=config.build_tenants(), limits=config.limits())
+                              tenants=config.build_tenants(), limits=config.limits(),
+                              page_bytes=blocks_per_page * per_block,
+                              model_policies=dict(config.models),
+                              max_models=config.max_models, prefix_hash=config.prefix_hash)
         await service.start()
         try:
             yield service, memory
@@ -177,6 +187,19 @@ def check_device(device: str) -> None:
     if index >= torch.cuda.device_count():
         raise StartupError(f"device {device}: only {torch.cuda.device_count()} CUDA "
                            "device(s) visible")
+
+
+def pool_blocks_per_page(config: DaemonConfig, per_block: int) -> int:
+    """Blocks of the daemon's own model in one page of `page_size` (1 without one)."""
+    if config.page_size is None:
+        return 1
+    if config.page_size % per_block:
+        raise ConfigError(f"page_size={config.page_size} is not a multiple of the model's "
+                          f"{per_block} bytes per block of {config.block_size} tokens")
+    if config.page_size != per_block and config.allocator != "paged":
+        raise ConfigError("page_size other than one block needs allocator = \"paged\" (a "
+                          "contiguous pool serves one model's format)")
+    return config.page_size // per_block
 
 
 def pool_geometry(config: DaemonConfig) -> tuple[ModelGeometry, str]:

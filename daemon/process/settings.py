@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from pagedkv.daemon.core import ALLOCATORS, PREFIX_HASHES
+from pagedkv.daemon.process.model_config import parse_models
 from pagedkv.daemon.process.tenant_config import parse_tenants
 from pagedkv.daemon.service.limits import LIMITS
 from pagedkv.daemon.service.tenants import UNMAPPED_UIDS
@@ -110,6 +111,8 @@ OFF_SWITCH = Kind(_toml_bool, {"action": "store_false"})
 ADDRESSES = Kind(_toml_listen, {"action": "append"})
 # [tenants.NAME] tables: TOML only.
 TENANT_TABLES = Kind(parse_tenants, {})
+# [models.NAME] tables: TOML only.
+MODEL_TABLES = Kind(parse_models, {})
 
 
 class Setting(NamedTuple):
@@ -145,6 +148,11 @@ SETTINGS: dict[str, Setting] = {
     "dtype": Setting(TEXT, "KV dtype: float16, bfloat16, float32 (default: the model's)"),
     "model_config": Setting(TEXT, "built-in model name or local config.json (default: "
                             "{default})"),
+    "page_size": Setting(BYTES, "bytes of one page of the pool, e.g. 2MiB: every registered "
+                         "model's bytes per block must divide it (default: the model_config's "
+                         "bytes per block)"),
+    "max_models": Setting(INTEGER, "models runners may register at most (default {default})"),
+    "models": Setting(MODEL_TABLES, None),
     "metrics_listen": Setting(TEXT, "host:port for /metrics, /healthz, /readyz over HTTP"),
     "log_format": Setting(TEXT, "json, console or auto (default)", LOG_FORMATS),
     "log_level": Setting(TEXT, "default: {default}", LOG_LEVELS),

@@ -21,6 +21,7 @@ journal, so a call that fails leaves it as it was.
 import contextlib
 
 from pagedkv.daemon.core import CacheEvents, Journal, PoolAllocator
+from pagedkv.daemon.service.model_cache import ModelCache
 from pagedkv.daemon.service.session_ops import MemoryWork
 from pagedkv.daemon.service.sessions import Session
 
@@ -104,10 +105,12 @@ class _CallEvents(CacheEvents):
 
     def evicted(self, blocks: list[int]) -> None:
         self._hygiene.private.evicted(blocks)
+        self._hygiene.cached.left(blocks)
         if self._hygiene.zero_blocks:
             self._work.zero(blocks)
 
     def parked(self, block: int, key: bytes) -> None:
+        self._hygiene.cached.parked(self._session.model_number, block, key)
         if self._session.private_salt:
             self._hygiene.private.parked(self._session.number, block, key)
 
@@ -121,6 +124,8 @@ class CacheHygiene:
         self.zero_blocks = zero_blocks
         # The cached blocks of live private-salt sessions.
         self.private = PrivateBlocks(pool.journal)
+        # Every committed cached block's model (its memory, its sleep: model_cache.py).
+        self.cached = ModelCache(pool.journal)
 
     def watch(self, session: Session, work: MemoryWork) -> contextlib.AbstractContextManager[None]:
         """Around one call of `session`: hear its evictions and parked blocks."""
@@ -132,10 +137,22 @@ class CacheHygiene:
         record = self.private.release(session.number)
         if not session.private_salt:
             return 0
-        dropped = self._pool.uncache(record)
+        return len(self.drop(record, work))
+
+    def drop(self, candidates: dict[int, bytes], work: MemoryWork) -> list[int]:
+        """Free the candidate blocks still cached under their keys (zeroed when zeroing is
+        on); returns them."""
+        dropped = self._pool.uncache(candidates)
+        self.cached.left(dropped)
+        self.private.evicted(dropped)
         if self.zero_blocks:
             work.zero(dropped)
-        return len(dropped)
+        return dropped
+
+    def withdrawn(self, blocks: list[int]) -> None:
+        """Cached blocks left the cache with their page (given to another format)."""
+        self.private.evicted(blocks)
+        self.cached.left(blocks)
 
     def check(self, live: set[int]) -> None:
         """Assert the records' invariants (see PrivateBlocks.check); for tests."""

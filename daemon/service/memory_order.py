@@ -93,11 +93,17 @@ class MemoryOrder:
             raise self.failure
 
     def start(self, memory: BlockMemory | None, work: MemoryWork,
-              answer_blocks: Callable[[], Iterable[int]]) -> Pending:
+              answer_blocks: Callable[[], Iterable[int]], blocks_per_page: int = 1) -> Pending:
         """Start a call's work, just applied (the caller holds the pool lock and does not await
         before this); `answer_blocks` names the blocks its answer hands out (asked only while
-        some work is in flight)."""
+        some work is in flight). Work is ordered by page (block // `blocks_per_page` of the
+        call's format: formats share the pages' bytes, pages.py); with one block a page, by
+        block."""
         blocks = work.blocks()
+        if blocks_per_page > 1:
+            blocks = [block // blocks_per_page for block in blocks]
+            answer = answer_blocks
+            answer_blocks = lambda: (block // blocks_per_page for block in answer())  # noqa: E731
         earlier = self._earlier(blocks, answer_blocks) if self._latest else ()
         if memory is None or not work.steps:
             return Pending(earlier)

@@ -69,18 +69,38 @@ from typing import TypeVar
 
 from pagedkv.daemon.core import (
     BatchAppend,
+    BlockPool,
     InvalidArgument,
     PoolAllocator,
     PoolError,
     PoolStats,
+    PrefixHash,
     SeqUpdate,
 )
 from pagedkv.daemon.service.answer_size import AnswerBudget
 from pagedkv.daemon.service.cache_hygiene import CacheHygiene
 from pagedkv.daemon.service.call_work import check_work, op_work, step_work
-from pagedkv.daemon.service.holds import NO_HOLD, Hold, apply_hold, check_hold, check_release
+from pagedkv.daemon.service.holds import (
+    NO_HOLD,
+    Hold,
+    SessionBusy,
+    apply_hold,
+    check_hold,
+    check_release,
+)
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.memory_order import MemoryOrder, Pending, answer_blocks
+from pagedkv.daemon.service.models import (
+    DEFAULT_MAX_MODELS,
+    Format,
+    KvShape,
+    Model,
+    ModelAsleep,
+    ModelAtCap,
+    ModelFigures,
+    ModelPolicy,
+    ModelRegistry,
+)
 from pagedkv.daemon.service.operations import (
     Allocate,
     Append,
@@ -91,12 +111,14 @@ from pagedkv.daemon.service.operations import (
     Operation,
     operation_name,
 )
+from pagedkv.daemon.service.pages import PageBroker
 from pagedkv.daemon.service.request_budget import RequestBudget
-from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, SessionOps
+from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, PoolFull, SessionOps
 from pagedkv.daemon.service.sessions import Session, SessionRegistry, SessionStats
 from pagedkv.daemon.service.tenants import TenantFigures, Tenants, TenantUsage, trusted_caller
 from pagedkv.process.log_setup import get_logger
-from pagedkv.vocab.geometry import ModelGeometry
+from pagedkv.vocab.blocks import blocks_for
+from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype
 
 log = get_logger(__name__)
 
@@ -114,7 +136,10 @@ class PoolService:
                  geometry: ModelGeometry | None = None, zero_freed_blocks: bool = False,
                  limits: Limits | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 tenants: Tenants | None = None) -> None:
+                 tenants: Tenants | None = None, page_bytes: int = 0,
+                 model_policies: dict[str, ModelPolicy] | None = None,
+                 max_models: int = DEFAULT_MAX_MODELS,
+                 prefix_hash: PrefixHash = "sha256") -> None:
         self.pool = pool
         self.memory = memory
         self.pool_id = pool_id
@@ -123,15 +148,21 @@ class PoolService:
         self.sessions = SessionRegistry(pool_id, default_lease_ttl_ms=default_lease_ttl_ms,
                                         max_lease_ttl_ms=max_lease_ttl_ms, limits=self.limits,
                                         clock=clock)
-        self._ops = SessionOps(pool, self.limits, zero_freed_blocks)
-        # Private sessions' cached blocks dropped when they end; evicted blocks zeroed.
-        self._hygiene = CacheHygiene(pool, zero_freed_blocks)
+        self._zero = zero_freed_blocks
+        self._prefix_hash = prefix_hash
         # Who may call, and each tenant's limits and live sessions.
         self.tenants = tenants or Tenants.single(None)
-        # The pool counts the blocks each session and each tenant holds (`_groups`), so
-        # GetStats and /metrics cost O(sessions), not O(table entries); tenants by number.
+        # The pool counts the blocks each session, each tenant and each model holds
+        # (`_groups`), so GetStats and /metrics cost O(sessions), not O(table entries).
         self._tenant_number = {name: i for i, name in enumerate(self.tenants.by_name)}
-        pool.track_holders(2)
+        own = self._own_format(pool, page_bytes)
+        # The models and their formats; the daemon's own model is model 0 of format 0.
+        self.models = ModelRegistry(
+            geometry.name if geometry is not None else "default", own,
+            page_bytes=page_bytes or own.bytes_per_block, policies=model_policies or {},
+            max_models=max_models, new_format=self._new_format)
+        # Pages of page_bytes, and which format holds each (pages.py).
+        self.pages = PageBroker(pool.num_blocks // own.blocks_per_page, self.models)
         self._usage = TenantUsage()
         # Serializes every change of pool state: held while a call applies its change and
         # starts its memory work, never while the work runs.
@@ -142,6 +173,53 @@ class PoolService:
         # Memory work off the event loop, ordered per block; fail-stop (memory_order.py).
         self.memory_order = MemoryOrder()
         self._reaper: asyncio.Task[None] | None = None
+
+    # --------------------------------------------------------------- formats
+
+    def _own_format(self, pool: PoolAllocator, page_bytes: int) -> Format:
+        """Format 0: the daemon's own model's, holding every page (`page_bytes` 0: one block
+        a page)."""
+        geometry, memory = self.geometry, self.memory
+        if geometry is None:
+            shape = KvShape(0, 0, 0, "float32")  # a bookkeeping-only pool: one format
+        else:
+            handle = memory.handle() if memory is not None else None
+            shape = KvShape(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
+                            canonical_dtype(handle.dtype if handle is not None
+                                            else geometry.default_dtype))
+        per_block = shape.bytes_per_block(pool.block_size)
+        if page_bytes and (not per_block or page_bytes % per_block):
+            raise ValueError(f"page_bytes={page_bytes} is not a multiple of the model's "
+                             f"{per_block} bytes per block")
+        blocks_per_page = page_bytes // per_block if page_bytes else 1
+        if isinstance(pool, BlockPool) and pool.blocks_per_page != blocks_per_page:
+            raise ValueError(f"the pool has {pool.blocks_per_page} blocks a page, page_bytes="
+                             f"{page_bytes} makes {blocks_per_page}")
+        return self._format(0, shape, pool, memory, blocks_per_page, per_block)
+
+    def _new_format(self, number: int, shape: KvShape, blocks_per_page: int) -> Format:
+        """A format for another geometry: every block id of every page, all withdrawn."""
+        own = self.models.formats[0]
+        pool = BlockPool(self.pages.num_pages * blocks_per_page, own.pool.block_size,
+                         own.pool.enable_prefix_caching, self._prefix_hash,
+                         blocks_per_page=blocks_per_page, withdrawn=True)
+        view = getattr(self.memory, "view", None)
+        memory: BlockMemory | None = None if view is None else view(
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype, pool.block_size)
+        return self._format(number, shape, pool, memory, blocks_per_page,
+                            shape.bytes_per_block(pool.block_size))
+
+    def _format(self, number: int, shape: KvShape, pool: PoolAllocator,
+                memory: BlockMemory | None, blocks_per_page: int, per_block: int) -> Format:
+        pool.track_holders(3)  # by session, by tenant, by model
+        fmt = Format(number, shape, per_block, blocks_per_page, pool,
+                     SessionOps(pool, self.limits, self._zero), CacheHygiene(pool, self._zero),
+                     memory)
+        fmt.ops.revived = fmt.hygiene.cached.left
+        return fmt
+
+    def model_of(self, session: Session) -> Model:
+        return self.models.get(session.model)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -191,19 +269,27 @@ class PoolService:
         self.memory_order.check()
         work = MemoryWork()
         count = len(session.seq_ids)
-        with self.pool.transaction() as journal:
+        fmt = self.model_of(session).format
+        with fmt.pool.transaction() as journal:
             self.sessions.remove(session, expired=expired)
             journal.record(self.sessions.reinstate, session, expired)
             self._usage.remove(session)
             journal.record(self._usage.add, session)
-            with self._hygiene.watch(session, work):
+            with fmt.hygiene.watch(session, work):
                 for seq_id in list(session.seq_ids):
-                    self._ops.free(session, seq_id, work)
-            self._hygiene.session_ended(session, work)
-        return count, self.memory_order.start(self.memory, work, tuple)
+                    fmt.ops.free(session, seq_id, work)
+            fmt.hygiene.session_ended(session, work)
+        return count, self._start_work(fmt, work, tuple)
+
+    def _start_work(self, fmt: Format, work: MemoryWork,
+                    blocks: Callable[[], Iterable[int]]) -> Pending:
+        """Start the memory work of a call on `fmt` (in its view, ordered by page); format 0's
+        is `self.memory`, which tests may swap for a wrapper."""
+        memory = self.memory if fmt.number == 0 else fmt.memory
+        return self.memory_order.start(memory, work, blocks, fmt.blocks_per_page)
 
     async def _change(self, session_id: str,
-                      change: Callable[[Session, MemoryWork, AnswerBudget], T],
+                      change: Callable[[Session, SessionOps, MemoryWork, AnswerBudget], T],
                       answer: AnswerBudget | None = None, *, commits: bool = False,
                       frees: str = "", hold: Hold = NO_HOLD) -> T:
         """Run `change` for the session all-or-nothing, with its memory work and its answer's
@@ -220,16 +306,58 @@ class PoolService:
             if frees:
                 check_release(session, self.sessions.now(), frees)
             work = MemoryWork()
-            with self.pool.transaction():
-                with self._hygiene.watch(session, work), self.pool.holding(
-                        self._groups(session)):
-                    result = change(session, work, answer or self.answer_budget())
-                self._usage.check_blocks(self.tenants.by_name[session.tenant])
+            model = self.model_of(session)
+            result = self._fitted(session, model, work, answer or self.answer_budget(), change)
             apply_hold(session, hold, self.sessions.now())
             bs = self.pool.block_size
-            return result, self.memory_order.start(self.memory, work,
-                                                   lambda: answer_blocks(result, bs))
+            return result, self._start_work(model.format, work,
+                                             lambda: answer_blocks(result, bs))
         return await self._arrived(session_id, apply)
+
+    def _fitted(self, session: Session, model: Model, work: MemoryWork, answer: AnswerBudget,
+                change: Callable[[Session, SessionOps, MemoryWork, AnswerBudget], T]) -> T:
+        """`change` applied all-or-nothing in the session's format; where it does not fit, the
+        page broker gives the format pages (pages.py), and where it would take the model past
+        its cap, the model's own oldest cached blocks are dropped, before it is tried again
+        (each retry frees or moves at least one block, so this ends)."""
+        fmt = model.format
+        while True:
+            mark, used, before = len(work.steps), answer.used, model.memory_bytes()
+            try:
+                with fmt.pool.transaction():
+                    with fmt.hygiene.watch(session, work), fmt.pool.holding(
+                            self._groups(session)):
+                        result = change(session, fmt.ops, work, answer)
+                    self._usage.check_blocks(self.tenants.by_name[session.tenant])
+                    self._check_cap(model, before)
+                return result
+            except PoolFull as full:
+                del work.steps[mark:]
+                answer.used = used
+                if not self.pages.make_room(fmt, full.needed - full.available, work,
+                                            self._withdrawn):
+                    raise
+            except ModelAtCap as cap:
+                del work.steps[mark:]
+                answer.used = used
+                oldest = dict(list(fmt.hygiene.cached.blocks_of(model.number).items())[
+                    :cap.excess_blocks])
+                if not fmt.hygiene.drop(oldest, work):
+                    raise
+
+    @staticmethod
+    def _check_cap(model: Model, before: int) -> None:
+        """ModelAtCap if the change took the model's memory up and past its max_memory."""
+        cap = model.policy.max_memory
+        after = model.memory_bytes()
+        if cap and after > cap and after > before:
+            raise ModelAtCap(f"model {model.name!r} is at its cap: the call would take its "
+                             f"memory to {after} bytes; max_memory={cap}",
+                             blocks_for(after - cap, model.format.bytes_per_block))
+
+    def _withdrawn(self, fmt: Format, blocks: list[int]) -> None:
+        """Cached blocks of `fmt` left with a page given to another format."""
+        fmt.hygiene.withdrawn(blocks)
 
     async def _arrived(self, session_id: str,
                        apply: Callable[[Session], tuple[T, Pending]]) -> T:
@@ -251,19 +379,25 @@ class PoolService:
 
     def answer_budget(self) -> AnswerBudget:
         """A fresh budget of max_answer_bytes for one call's answer."""
-        return AnswerBudget.for_pool(self.limits.max_answer_bytes, self.pool.num_blocks,
+        return AnswerBudget.for_pool(self.limits.max_answer_bytes, self.models.max_num_blocks(),
                                      self.pool.block_size)
 
     # -------------------------------------------------------------- sessions
 
     def open_session(self, client_name: str, lease_ttl_ms: int = 0, max_blocks: int = 0,
-                     cache_salt: bytes = b"") -> Session:
-        """A session of the calling tenant (checked: its max_sessions and salts)."""
+                     cache_salt: bytes = b"", model: str = "") -> Session:
+        """A session of the calling tenant (checked: its max_sessions and salts) and of
+        `model` ("" = the daemon's own; ModelNotFound, ModelAsleep)."""
         tenant = self.tenants.caller_tenant()
         self._usage.check_open(tenant)
+        known = self.models.get(model)
+        if known.asleep:
+            raise ModelAsleep(f"model {known.name!r} is asleep: wake it first "
+                              f"(pagedkv model wake {known.name})")
         session = self.sessions.open(client_name, lease_ttl_ms, max_blocks,
                                      tenant.cache_salt(cache_salt), tenant=tenant.name,
-                                     shared_salt=tenant.shared_salt(cache_salt))
+                                     shared_salt=tenant.shared_salt(cache_salt),
+                                     model=(known.name, known.number, known.salt_tag))
         self._usage.add(session)
         log.info("session opened", session=session.label, lease_ttl_ms=session.lease_ttl_ms,
                  max_blocks=session.max_blocks, shared_cache=bool(cache_salt),
@@ -287,6 +421,60 @@ class PoolService:
             return freed, pending
         return await self._arrived(session_id, close)
 
+    # ---------------------------------------------------------------- models
+
+    def register_model(self, name: str, shape: KvShape, runner_target: str = "") -> Model:
+        """Register a runner's model (models.py: idempotent for the same geometry). A new
+        geometry needs a paged pool and, with memory, per-format views of it."""
+        many = isinstance(self.pool, BlockPool) and (
+            self.memory is None or hasattr(self.memory, "view"))
+        model = self.models.register(name, shape, runner_target, many)
+        log.info("model registered", model=name, format=model.format.shape.label,
+                 runner_target=runner_target)
+        return model
+
+    async def set_model_state(self, name: str, asleep: bool) -> Model:
+        """Wake a model, or put it to sleep: refused (SessionBusy) while a runner holds one of
+        its sessions, else its sessions are closed (their sequences freed, as an expiry does;
+        their clients then get NOT_FOUND), its cached blocks dropped, and new sessions of it
+        refused until it is woken. Answered once the memory work (zeroing) is done."""
+        model = self.models.get(name)
+        if not asleep:
+            model.asleep = False
+            log.info("model woken", model=model.name)
+            return model
+        async with self._lock:
+            self.memory_order.check()
+            mine = [s for s in self.sessions if s.model == model.name]
+            now = self.sessions.now()
+            for session in mine:
+                if now < session.hold_until:
+                    raise SessionBusy(f"SetModelState refused: a runner holds session "
+                                      f"{session.label} of model {model.name!r} for "
+                                      f"{max(1, round((session.hold_until - now) * 1000))} ms "
+                                      "more; stop its runner's steps, then retry")
+            pending = [self._drop_session(session, expired=False)[1] for session in mine]
+            fmt, work = model.format, MemoryWork()
+            dropped = fmt.hygiene.drop(fmt.hygiene.cached.blocks_of(model.number), work)
+            pending.append(self._start_work(fmt, work, tuple))
+            model.asleep = True
+        for done in pending:
+            await done.wait()
+        log.info("model asleep", model=model.name, closed_sessions=len(mine),
+                 dropped_cached_blocks=len(dropped))
+        return model
+
+    @property
+    def page_moves_total(self) -> int:
+        """Pages given to another format so far."""
+        return self.pages.moves_total
+
+    def model_figures(self) -> list[ModelFigures]:
+        """Every model's figures now (O(models))."""
+        return [ModelFigures(model, model.format.pool.blocks_held(2, model.number),
+                             model.format.hygiene.cached.count(model.number),
+                             self.pages.held(model.format)) for model in self.models]
+
     # ------------------------------------------------------------ operations
 
     async def allocate(self, session_id: str, op: Allocate) -> SeqUpdate:
@@ -304,17 +492,17 @@ class PoolService:
     async def commit(self, session_id: str, op: Commit) -> int:
         """Certify K/V written; returns how many blocks became shareable."""
         check_work(self.limits, op_work(op, self.pool.block_size), "Commit")
-        return await self._change(session_id, lambda session, _work, _answer: self._ops.commit(
+        return await self._change(session_id, lambda session, ops, _work, _answer: ops.commit(
             session, op.seq_ids, op.num_tokens), commits=True)
 
     async def free(self, session_id: str, op: Free) -> int:
         """Drop a sequence; returns how many blocks went back to the pool."""
-        return await self._change(session_id, lambda session, work, _answer: self._ops.free(
+        return await self._change(session_id, lambda session, ops, work, _answer: ops.free(
             session, op.seq_id, work), frees="Free")
 
     async def _single(self, session_id: str, op: Operation) -> SeqUpdate:
         check_work(self.limits, op_work(op, self.pool.block_size), operation_name(op))
-        return await self._change(session_id, lambda session, work, answer: self._ops.apply(
+        return await self._change(session_id, lambda session, ops, work, answer: ops.apply(
             session, op, work, answer))
 
     async def batch(self, session_id: str, ops: Sequence[Operation],
@@ -325,8 +513,8 @@ class PoolService:
             raise InvalidArgument("a batch needs at least one op")
         self.check_batch_ops(len(ops))
         check_work(self.limits, (op_work(op, self.pool.block_size) for op in ops), "Batch")
-        return await self._change(session_id, lambda session, work, answer: [
-            self._apply_numbered(session, index, op, work, answer)
+        return await self._change(session_id, lambda session, books, work, answer: [
+            self._apply_numbered(session, books, index, op, work, answer)
             for index, op in enumerate(ops)], commits=any(isinstance(op, Commit) for op in ops),
             frees="Batch" if any(isinstance(op, Free) for op in ops) else "", hold=hold)
 
@@ -335,11 +523,15 @@ class PoolService:
         translates a single op, so an oversized batch costs no translation."""
         self.limits.check_count("ops", count, "max_batch_ops")
 
-    def _apply_numbered(self, session: Session, index: int, op: Operation,
+    @staticmethod
+    def _apply_numbered(session: Session, ops: SessionOps, index: int, op: Operation,
                         work: MemoryWork, answer: AnswerBudget) -> SeqUpdate:
         """Apply one op of a batch; an error says which op failed."""
         try:
-            return self._ops.apply(session, op, work, answer)
+            return ops.apply(session, op, work, answer)
+        except PoolFull as exc:
+            raise PoolFull(f"op {index} ({operation_name(op)}): {exc}", exc.needed,
+                           exc.available) from exc
         except PoolError as exc:
             raise type(exc)(f"op {index} ({operation_name(op)}): {exc}") from exc
 
@@ -359,7 +551,7 @@ class PoolService:
                                           self.pool.block_size), "Step")
         answer = answer or self.answer_budget()
         with answer.part():
-            return await self._change(session_id, lambda session, work, budget: self._ops.step(
+            return await self._change(session_id, lambda session, ops, work, budget: ops.step(
                 session, seq_ids, num_tokens, token_ids, work, budget, commit, reserve_tokens),
                 answer,
                 commits=commit, hold=Hold(hold_ms))
@@ -384,18 +576,18 @@ class PoolService:
         max_answer_bytes. `hold_ms`: a runner's hold, set once the tables are read."""
         if not seq_ids:
             raise InvalidArgument("no seq_ids given")
-        self._ops.check_seq_ids(seq_ids)
+        self.models.own.format.ops.check_seq_ids(seq_ids)
         check_work(self.limits, len(seq_ids), "GetBlockTables")
 
-        def tables(session: Session, _: MemoryWork, answer: AnswerBudget) -> list[SeqUpdate]:
-            keys = self._ops.own_all(session, seq_ids)
+        def tables(session: Session, ops: SessionOps, _: MemoryWork,
+                   answer: AnswerBudget) -> list[SeqUpdate]:
+            keys, pool = ops.own_all(session, seq_ids), ops.pool
             for key in keys:
-                n = self.pool.num_tokens(key)
-                answer.sequence("GetBlockTables", self.pool.table_length(key),
+                n = pool.num_tokens(key)
+                answer.sequence("GetBlockTables", pool.table_length(key),
                                 token_ids=n if with_token_ids else 0)
-            return [SeqUpdate(self.pool.block_table(k), self.pool.num_tokens(k),
-                              self.pool.committed_tokens(k),
-                              token_ids=(self.pool.token_ids(k) or []) if with_token_ids
+            return [SeqUpdate(pool.block_table(k), pool.num_tokens(k), pool.committed_tokens(k),
+                              token_ids=(pool.token_ids(k) or []) if with_token_ids
                               else None) for k in keys]
         return await self._change(session_id, tables, hold=Hold(hold_ms))
 
@@ -428,45 +620,53 @@ class PoolService:
     def stats_of(self, session_id: str) -> SessionStats:
         """One session's figures (renews its lease, like any call naming it)."""
         session = self.sessions.get(session_id)
+        pool = self.model_of(session).format.pool
         return SessionStats(
             name=session.label, client_name=session.client_name,
             num_sequences=len(session.seq_ids), block_table_entries=session.table_entries,
-            blocks_held=self.pool.blocks_held(0, session.number), max_blocks=session.max_blocks,
+            blocks_held=pool.blocks_held(0, session.number), max_blocks=session.max_blocks,
             lease_ttl_ms=session.lease_ttl_ms, prefix_cache_queries=session.prefix_cache_queries,
-            prefix_cache_hits=session.prefix_cache_hits)
+            prefix_cache_hits=session.prefix_cache_hits, model=session.model)
 
     def tenant_figures(self) -> list[TenantFigures]:
-        """Every tenant's sessions and blocks, for the metrics endpoint."""
-        return self._usage.figures(self.tenants, lambda name: self.pool.blocks_held(
-            1, self._tenant_number[name]))
+        """Every tenant's sessions and blocks (over every format), for the metrics endpoint."""
+        return self._usage.figures(self.tenants, lambda name: sum(
+            fmt.pool.blocks_held(1, self._tenant_number[name]) for fmt in self.models.formats))
 
-    def _groups(self, session: Session) -> tuple[int, int]:
-        """The pool's groups of a session's sequences: by session, by tenant."""
-        return session.number, self._tenant_number[session.tenant]
+    def _groups(self, session: Session) -> tuple[int, int, int]:
+        """The pool's groups of a session's sequences: by session, by tenant, by model."""
+        return session.number, self._tenant_number[session.tenant], session.model_number
 
     def _recount_held(self, sessions: Iterable[Session]) -> int:
         """Distinct blocks the sessions' sequences reference, from their tables (checks)."""
-        held: set[int] = set()
+        held: set[tuple[int, int]] = set()
         for session in sessions:
+            fmt = self.model_of(session).format
             for seq_id in session.seq_ids:
-                held.update(self.pool.held_blocks(session.key(seq_id)))
+                held.update((fmt.number, b) for b in fmt.pool.held_blocks(session.key(seq_id)))
         return len(held)
+
+    def _check_sessions(self, fmt: Format, sessions: list[Session]) -> None:
+        """Assert that `sessions` (those of `fmt`) and fmt's pool agree."""
+        live = 0
+        for session in sessions:
+            keys = [session.key(seq_id) for seq_id in session.seq_ids]
+            assert all(k in fmt.pool for k in keys), f"{session.label} lost a sequence"
+            entries = sum(fmt.pool.quota_of(k) for k in keys)
+            assert entries == session.table_entries, (
+                f"{session.label} counts {session.table_entries} quota blocks, holds {entries}")
+            assert fmt.pool.blocks_held(0, session.number) == self._recount_held([session]), \
+                f"{session.label}: blocks_held differs from a recount"
+            live += len(keys)
+        assert live == len(fmt.pool), "the pool holds sequences of no live session"
 
     def check_invariants(self) -> None:
         """Assert the pool's invariants and that sessions and pool agree; for tests."""
-        self.pool.check_invariants()
-        live = 0
-        for session in self.sessions:
-            keys = [session.key(seq_id) for seq_id in session.seq_ids]
-            assert all(k in self.pool for k in keys), f"{session.label} lost a sequence"
-            entries = sum(self.pool.quota_of(k) for k in keys)
-            assert entries == session.table_entries, (
-                f"{session.label} counts {session.table_entries} quota blocks, holds {entries}")
-            assert self.pool.blocks_held(0, session.number) == self._recount_held([session]), \
-                f"{session.label}: blocks_held differs from a recount"
-            live += len(keys)
-        assert live == len(self.pool), "the pool holds sequences of no live session"
-        self._hygiene.check({session.number for session in self.sessions})
+        for fmt in self.models.formats:
+            fmt.pool.check_invariants()
+            mine = [s for s in self.sessions if self.model_of(s).format is fmt]
+            self._check_sessions(fmt, mine)
+            fmt.hygiene.check({session.number for session in mine})
         by_tenant = {name: set(sessions) for name, sessions in self._usage.sessions.items()
                      if sessions}
         assert by_tenant == {name: {s for s in self.sessions if s.tenant == name}

@@ -13,7 +13,7 @@ Pool keys are `(session number, seq_id)`: a seq id of another session is simply 
 """
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
@@ -100,12 +100,26 @@ class MemoryWork:
         memory.synchronize()
 
 
+class PoolFull(PoolExhausted):
+    """The pool has no room for the call: it needs `needed` blocks, `available` are free
+    (the page broker may give the format pages and the call be tried again)."""
+
+    def __init__(self, message: str, needed: int = 0, available: int = 0) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+
 def _fit(result: Result | NoFit) -> Result:
-    """The pool's result, or PoolExhausted saying what was needed and what was free."""
+    """The pool's result, or PoolFull saying what was needed and what was free."""
     if isinstance(result, NoFit):
-        raise PoolExhausted(f"pool full: the call needs {result.needed} blocks, "
-                            f"{result.available} available")
+        raise PoolFull(f"pool full: the call needs {result.needed} blocks, "
+                       f"{result.available} available", result.needed, result.available)
     return result
+
+
+def _nothing(_blocks: list[int]) -> None:
+    """No one listens (a pool with no model records)."""
 
 
 class SessionOps:
@@ -118,6 +132,8 @@ class SessionOps:
         self.zero_freed_blocks = zero_freed_blocks
         # Where session bookkeeping records its undo (the pool's, inside its transactions).
         self._journal: Journal = pool.journal
+        # Told of cached blocks a prefix hit took back into use (ModelCache.left).
+        self.revived: Callable[[list[int]], None] = _nothing
 
     def apply(self, session: Session, op: Operation, work: MemoryWork,
               answer: AnswerBudget) -> SeqUpdate:
@@ -132,7 +148,9 @@ class SessionOps:
                 self._check_quota(session, charge)
                 answer.sequence("allocate", blocks_for(num_tokens, bs), slots=num_tokens)
                 update = _fit(self.pool.allocate(session.key(seq_id), num_tokens, tokens,
-                                                 salt=session.salt))
+                                                 salt=session.salt_tag + session.salt))
+                if update.num_cached_tokens:  # revived cached blocks are held now
+                    self.revived(update.block_table[:update.num_cached_tokens // bs])
                 self._add_seq(session, seq_id)
                 if tokens is not None and self.pool.enable_prefix_caching:
                     self._count_prefix(session, num_tokens, update.num_cached_tokens)

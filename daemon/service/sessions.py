@@ -73,6 +73,11 @@ class Session:
     shared_salt: bytes = b""
     # The tenant that opened the session: its limits count the session (tenants.py).
     tenant: str = DEFAULT_TENANT
+    # Its model's name and number (models.py): its blocks are of that model's format.
+    model: str = ""
+    model_number: int = 0
+    # Put before `salt` where the pool keys prefixes: the model's namespace (models.py).
+    salt_tag: bytes = b""
     # Client seq ids of the live sequences.
     seq_ids: set[int] = field(default_factory=set)
     # Block-table entries summed over the live sequences (what max_blocks bounds); in a
@@ -128,6 +133,8 @@ class SessionStats:
     # Prefix-cache lookups of the session's allocations, in tokens.
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # The session's model.
+    model: str = ""
 
 
 class SessionRegistry:
@@ -163,9 +170,10 @@ class SessionRegistry:
 
     def open(self, client_name: str, lease_ttl_ms: int, max_blocks: int,
              cache_salt: bytes, tenant: str = DEFAULT_TENANT,
-             shared_salt: bytes = b"") -> Session:
+             shared_salt: bytes = b"", model: tuple[str, int, bytes] = ("", 0, b"")) -> Session:
         """A new session. A zero lease means the default, a long one is clamped to the max;
-        a zero quota means max_blocks_per_session, a larger one is clamped to it."""
+        a zero quota means max_blocks_per_session, a larger one is clamped to it. `model`:
+        its name, number and salt tag."""
         if lease_ttl_ms < 0 or max_blocks < 0:
             raise InvalidArgument(f"lease_ttl_ms ({lease_ttl_ms}) and max_blocks ({max_blocks}) "
                                   "must not be negative")
@@ -184,7 +192,8 @@ class SessionRegistry:
         session = Session(session_id=session_id, number=number, client_name=client_name,
                           lease_ttl_ms=ttl, deadline=self._clock() + ttl / 1000,
                           max_blocks=quota, salt=salt, shared_salt=shared_salt,
-                          tenant=tenant)
+                          tenant=tenant, model=model[0], model_number=model[1],
+                          salt_tag=model[2])
         self._sessions[session_id] = session
         return session
 

@@ -1,0 +1,54 @@
+"""Which model each committed cached block of a format belongs to (its memory, its sleep).
+
+A format's prefix cache is one LRU for every model of its geometry; a model's memory counts
+the committed cached blocks it left there, and its sleep drops them. The pool tells the
+service, per call, which blocks a call parked in the cache and which it evicted
+(`CacheEvents`); a block parked by a session of model M is M's until it is evicted, dropped
+(`uncache`), withdrawn with its page, or revived by a prefix hit (it is then held by a
+sequence, and counted as used instead). Every change goes through the pool's journal, so a
+call that fails leaves the record as it was.
+"""
+
+from collections import Counter
+
+from pagedkv.daemon.core import Journal
+
+
+class ModelCache:
+    """Cached blocks by model, for one format (see the module docstring)."""
+
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
+        # Block -> (model number, the committed key it was parked under).
+        self._of: dict[int, tuple[int, bytes]] = {}
+        # Model number -> blocks of `_of` that are its.
+        self._count: Counter[int] = Counter()
+
+    def count(self, model: int) -> int:
+        return self._count[model]
+
+    def parked(self, model: int, block: int, key: bytes) -> None:
+        """A session of `model` left `block` cached under `key`."""
+        self._set(block, (model, key))
+
+    def left(self, blocks: list[int]) -> None:
+        """These blocks left the cache (evicted, dropped, withdrawn) or were revived."""
+        for block in blocks:
+            if block in self._of:
+                self._set(block, None)
+
+    def blocks_of(self, model: int) -> dict[int, bytes]:
+        """The model's cached blocks and their keys, oldest parked first (O(cached))."""
+        return {block: key for block, (owner, key) in self._of.items() if owner == model}
+
+    def _set(self, block: int, entry: tuple[int, bytes] | None) -> None:
+        self._journal.record(self._put, block, self._of.get(block))
+        self._put(block, entry)
+
+    def _put(self, block: int, entry: tuple[int, bytes] | None) -> None:
+        old = self._of.pop(block, None)
+        if old is not None:
+            self._count[old[0]] -= 1
+        if entry is not None:
+            self._of[block] = entry
+            self._count[entry[0]] += 1

@@ -1,0 +1,112 @@
+"""The page broker: which format holds each page of the pool's memory, and moves between them.
+
+The pool's memory is num_pages pages of page_bytes; each format holds whole pages (its block
+pool has the blocks of the others withdrawn). At start the daemon's own model's format holds
+every page, so a one-model daemon never moves one. When a call of a session of format F does
+not fit (the pool's `NoFit`: F has no free block and no cached block left to evict), the
+service asks `make_room` for the blocks missing, and tries the call again:
+
+- F gets ceil(missing / blocks_per_page(F)) pages, never more: first free pages (held by no
+  format, lowest first), then idle pages of other formats (pages with no block in use: free or
+  cached blocks, whose cached keys go with the page), from the format with the most idle pages
+  first, each format's coldest first (`BlockPool.idle_pages`). So cached K/V is evicted within
+  a format by its LRU before another format loses a page, and across formats from the one
+  that has the most memory doing nothing.
+- min_memory is reserved: a format keeps at least the pages its models' min_memory sum to
+  (rounded up to whole pages), and free pages that a format below that reserve still needs
+  are left to it.
+- A page that changes format is zeroed in its new format's view before the call's answer
+  leaves: the zeroing is the first step of the call's memory work, ordered per page with the
+  earlier work of the old format on the same bytes (memory_order.py keys work by page).
+
+A page moves outside the call's transaction: if the call then fails anyway (a later op of a
+Batch, a quota, a cap), F keeps the page, free and zeroed, which is harmless (it is F's to use
+or to give back when another format needs it). The call itself stays all-or-nothing.
+"""
+
+from collections.abc import Callable
+
+from pagedkv.daemon.core import BlockPool
+from pagedkv.daemon.service.models import Format, ModelRegistry
+from pagedkv.daemon.service.session_ops import MemoryWork
+from pagedkv.vocab.blocks import blocks_for
+
+# `owner` of a page no format holds.
+NO_FORMAT = -1
+
+
+class PageBroker:
+    """Pages between formats (see the module docstring)."""
+
+    def __init__(self, num_pages: int, registry: ModelRegistry) -> None:
+        self.num_pages = num_pages
+        self._registry = registry
+        # Page -> the number of the format holding it (all the daemon's own at start).
+        self.owner: list[int] = [0] * num_pages
+        # Pages that changed format so far (a counter for metrics).
+        self.moves_total = 0
+
+    def held(self, fmt: Format) -> int:
+        """Pages `fmt` holds."""
+        return self.owner.count(fmt.number)
+
+    def make_room(self, fmt: Format, missing: int, work: MemoryWork,
+                  withdrawn: Callable[[Format, list[int]], None]) -> int:
+        """Give `fmt` the pages that `missing` blocks take, as far as the policy allows; each
+        page zeroed by `work` (the call's); `withdrawn(old format, cached blocks)` is told of
+        cached blocks that left with a page. Returns the pages given (0: none could be)."""
+        need = blocks_for(missing, fmt.blocks_per_page)
+        free = self._free_pages(fmt, need)
+        offers = self._idle_offers(fmt, need - len(free))
+        if len(free) + sum(len(idle) for _, idle in offers) < need:
+            return 0  # not enough: nothing moves, the call is refused as it is
+        for other, idle in offers:
+            withdrawn(other, paged(other).withdraw_pages(idle))
+        pages = free + [page for _, idle in offers for page in idle]
+        paged(fmt).restore_pages(pages)
+        k = fmt.blocks_per_page
+        work.zero([b for page in pages for b in range(page * k, (page + 1) * k)])
+        for page in pages:
+            self.owner[page] = fmt.number
+        self.moves_total += len(pages)
+        return len(pages)
+
+    def reserve(self, fmt: Format) -> int:
+        """Pages `fmt` keeps for its models' min_memory."""
+        total = sum(m.policy.min_memory for m in self._registry.models_of(fmt))
+        page_bytes = self._registry.page_bytes
+        return -(-total // page_bytes) if page_bytes else 0
+
+    def _free_pages(self, fmt: Format, need: int) -> list[int]:
+        """Up to `need` pages no format holds, leaving those other formats' reserves lack."""
+        free = [page for page, owner in enumerate(self.owner) if owner == NO_FORMAT]
+        owed = sum(max(0, self.reserve(other) - self.held(other))
+                   for other in self._registry.formats if other is not fmt)
+        return free[:max(0, min(need, len(free) - owed))]
+
+    def _idle_offers(self, fmt: Format, need: int) -> list[tuple[Format, list[int]]]:
+        """Up to `need` idle pages of other formats, above their reserves: per format, the
+        pages it would give, the format with the most idle pages first."""
+        if need <= 0:
+            return []
+        offers = []
+        for other in self._registry.formats:
+            spare = self.held(other) - self.reserve(other)
+            if other is not fmt and spare > 0:
+                idle = paged(other).idle_pages()[:spare]
+                if idle:
+                    offers.append((other, idle))
+        offers.sort(key=lambda offer: -len(offer[1]))  # the most idle memory first
+        chosen: list[tuple[Format, list[int]]] = []
+        for other, idle in offers:
+            pages = idle[:need - sum(len(taken) for _, taken in chosen)]
+            if pages:
+                chosen.append((other, pages))
+        return chosen
+
+
+def paged(fmt: Format) -> BlockPool:
+    """The format's pool, which moves pages: a paged one (a contiguous pool serves one format
+    only, so its pages never move)."""
+    assert isinstance(fmt.pool, BlockPool), "pages move only between paged pools"
+    return fmt.pool
