@@ -4,6 +4,8 @@
     pagedkv generate --model /models/qwen2.5-0.5b --prompts-file prompts.txt --max-tokens 64
     pagedkv generate --model /models/qwen2.5-0.5b --daemon unix:///run/pagedkv/pagedkvd.sock \
         --runner unix:///run/pagedkv-runner/pagedkv-runner.sock "Hello"
+    pagedkv generate --model /models/qwen-ft --daemon unix:///run/pagedkv/pagedkvd.sock \
+        --model-name qwen-ft "Hello"        # the runner that registered qwen-ft
 
 Each prompt's completions are printed as Python string literals (a newline stays on its line):
 
@@ -32,7 +34,8 @@ PROG = "pagedkv generate"
 def parser() -> argparse.ArgumentParser:
     cli = argparse.ArgumentParser(prog=PROG, description="Generate completions for prompts "
                                   "with a local model (starts a daemon and a runner unless "
-                                  "--daemon and --runner name running ones).")
+                                  "--daemon names a running one, with --runner or "
+                                  "--model-name).")
     cli.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
     cli.add_argument("--prompts-file", metavar="FILE",
                      help="more prompts, one per line (empty lines skipped; - for stdin)")
@@ -47,8 +50,11 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--n", type=int, default=1, help="completions per prompt (default 1)")
     cli.add_argument("--beam-width", type=int, default=0,
                      help="beam search with this many beams (default 0: off)")
-    cli.add_argument("--daemon", help="gRPC target of a running pagedkvd (with --runner)")
+    cli.add_argument("--daemon", help="gRPC target of a running pagedkvd (with --runner or "
+                                      "--model-name)")
     cli.add_argument("--runner", help="gRPC target of a running pagedkv runner (with --daemon)")
+    cli.add_argument("--model-name", help="with --daemon: the model to generate with, as its "
+                                          "runner registered it (that runner is used)")
     cli.add_argument("--dtype", default="auto", help="float16, bfloat16, float32 or auto "
                                                      "(the model config's; default)")
     cli.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
@@ -98,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     try:
         with LLM(args.model, dtype=args.dtype, device=args.device, daemon=args.daemon,
-                 runner=args.runner, kv_cache_memory=args.kv_cache_memory,
+                 runner=args.runner, model_name=args.model_name,
+                 kv_cache_memory=args.kv_cache_memory,
                  num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs) as llm:
             print_outputs(llm.generate(prompts, params))
     except ValueError as exc:

@@ -12,8 +12,8 @@ class LLMConfig:
     """The settings of one `LLM`; ValueError on construction for a bad one."""
 
     # A local Hugging Face model directory (config.json, weights, tokenizer files), or a preset
-    # (tiny, tiny-llama, small-llama) randomly initialized, for demos. None only with `daemon`
-    # and `runner`: the runner's model is then whatever it serves.
+    # (tiny, tiny-llama, small-llama) randomly initialized, for demos. None only with `daemon`:
+    # the runner's model is then whatever it serves.
     model: str | None = None
     # The folder of the tokenizer; default: the model's directory.
     tokenizer: str | None = None
@@ -36,10 +36,14 @@ class LLMConfig:
     device: str | None = None
     # Seed of a preset's random initialization.
     seed: int = 0
-    # gRPC targets of a running daemon and runner to use instead of starting both (both or
-    # neither); e.g. "unix:///run/pagedkv/pagedkvd.sock".
+    # gRPC targets of a running daemon and runner to use instead of starting both; e.g.
+    # "unix:///run/pagedkv/pagedkvd.sock". With `daemon`, give `runner` or `model_name`.
     daemon: str | None = None
     runner: str | None = None
+    # With `daemon`: the name of the model to generate with, as its runner registered it with
+    # the daemon (kvpool.proto's "Models and pages"): that runner is used (or, with `runner`,
+    # checked to serve it).
+    model_name: str | None = None
     # Seconds the embedded daemon and runner may take to become ready (the runner loads the
     # model in that time).
     startup_timeout_s: float = 300.0
@@ -57,9 +61,12 @@ class LLMConfig:
 
     def _check_sources(self) -> None:
         """A model to start, or running services to use; a dtype both can load."""
-        if (self.daemon is None) != (self.runner is None):
-            raise ValueError("give both daemon and runner (to use running ones) or neither (to "
-                             "start both)")
+        if self.daemon is None and (self.runner is not None or self.model_name is not None):
+            raise ValueError("runner and model_name name a running daemon's runner: give daemon "
+                             "too (or neither, to start a daemon and a runner)")
+        if self.daemon is not None and self.runner is None and not self.model_name:
+            raise ValueError("with daemon, give runner (a running runner's target) or "
+                             "model_name (the model whose runner to use)")
         if self.model is None and self.daemon is None:
             raise ValueError("give model: a local model directory or a preset")
         if self.dtype != "auto":

@@ -64,7 +64,8 @@ class LLM:
             self._loop = LoopThread("pagedkv-llm")
             self._resources.callback(self._loop.close)
             self._engine = self._loop.run(Engine.connect(
-                self.daemon_target, self.runner_target, config=self.config.scheduler(),
+                self.daemon_target, self.runner_target, model=self.config.model_name or "",
+                config=self.config.scheduler(),
                 client_name=CLIENT_NAME, runner_restart_wait_s=restart_wait_s))
             self._resources.callback(_close_engine, self._loop, self._engine)
             self._check_tokenizer()
@@ -75,12 +76,13 @@ class LLM:
     @property
     def _connected_to_services(self) -> bool:
         """Whether this LLM uses a running daemon and runner (else it starts its own)."""
-        return self.config.daemon is not None and self.config.runner is not None
+        return self.config.daemon is not None
 
-    def _services(self, model: ModelRef | None) -> tuple[str, str]:
-        """The daemon's and the runner's targets: the given ones, or those of children."""
+    def _services(self, model: ModelRef | None) -> tuple[str, str | None]:
+        """The daemon's and the runner's targets: the given ones (no runner: the one serving
+        `model_name`), or those of children."""
         if self._connected_to_services:
-            assert self.config.daemon is not None and self.config.runner is not None
+            assert self.config.daemon is not None
             return self.config.daemon, self.config.runner
         assert model is not None, "LLMConfig requires a model when starting the services"
         services = start_services(self.config, model, self._resources)

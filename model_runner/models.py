@@ -24,7 +24,13 @@ from transformers import (
 
 from pagedkv.client import PoolInfo
 from pagedkv.memory.dtypes import torch_dtype
-from pagedkv.vocab.geometry import HF_SHAPE_KEYS, PRESETS, Preset, geometry_from_config_fields
+from pagedkv.vocab.geometry import (
+    HF_SHAPE_KEYS,
+    PRESETS,
+    Preset,
+    geometry_from_config_fields,
+    model_name,
+)
 
 
 def preset_config(preset: Preset) -> LlamaConfig:
@@ -62,6 +68,14 @@ class ModelSource:
     @property
     def name(self) -> str:
         return self.path or f"random-init:{self.random_init}"
+
+    @property
+    def pool_name(self) -> str:
+        """The name the runner registers the model under by default: the one the daemon gives
+        its own model when its model_config names the same preset or folder."""
+        target = self.path or self.random_init
+        assert target is not None
+        return model_name(target)
 
 
 def model_config(source: ModelSource) -> PretrainedConfig:

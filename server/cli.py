@@ -36,6 +36,7 @@ from pagedkv.process.notify import notify
 from pagedkv.server.app import DEFAULT_MAX_PER_PEER, DEFAULT_MAX_REQUEST_BYTES, build_app
 from pagedkv.server.backend import Backend, ServeConfig
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.vocab.geometry import model_name
 
 PROG = "pagedkv serve"
 EXIT_BAD_INPUT = 2
@@ -47,8 +48,9 @@ log = log_setup.get_logger("pagedkv.server")
 
 def parser() -> argparse.ArgumentParser:
     cli = argparse.ArgumentParser(prog=PROG, description="Serve a model over OpenAI's HTTP API "
-                                  "(starts a daemon and a runner unless --daemon and --runner "
-                                  "name running ones).")
+                                  "(starts a daemon and a runner unless --daemon names a running "
+                                  "one: its runner is --runner, else the runner that registered "
+                                  "--served-model-name).")
     cli.add_argument("--model", required=True, help="a local Hugging Face model directory, or a "
                                                     "preset (random weights, token ids only)")
     cli.add_argument("--served-model-name", help="the name clients send as `model` "
@@ -56,7 +58,9 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--tokenizer", help="the tokenizer's folder (default: the model's)")
     cli.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     cli.add_argument("--port", type=int, default=8000, help="default 8000")
-    cli.add_argument("--daemon", help="gRPC target of a running pagedkvd (with --runner)")
+    cli.add_argument("--daemon", help="gRPC target of a running pagedkvd (with --runner, or "
+                                      "alone: the runner of --served-model-name, else of "
+                                      "--model's folder name or preset)")
     cli.add_argument("--runner", help="gRPC target of a running pagedkv runner (with --daemon)")
     cli.add_argument("--api-key", action="append", default=[], help="a key clients must send "
                      "as `Authorization: Bearer KEY` (repeatable; default: none needed)")
@@ -83,6 +87,14 @@ def parser() -> argparse.ArgumentParser:
     return cli
 
 
+def _registered_name(args: argparse.Namespace) -> str | None:
+    """With --daemon and no --runner: the model whose registered runner serves (the served name,
+    else the name a runner gives --model by default); else None."""
+    if args.daemon is None or args.runner is not None:
+        return None
+    return str(args.served_model_name or model_name(args.model))
+
+
 def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     """The keys of --api-key and --api-key-file (ValueError: an unreadable or empty file)."""
     keys = list(args.api_key)
@@ -104,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         keys = api_keys(args)
         config = LLMConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
                            device=args.device, daemon=args.daemon, runner=args.runner,
+                           model_name=_registered_name(args),
                            kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
                            max_num_seqs=args.max_num_seqs)
         model = resolve_model(args.model)
@@ -123,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             if config.daemon is None:
                 services = start_services(config, model, resources, restart_runner=True)
             else:
-                assert config.runner is not None
-                services = Services(config.daemon, config.runner)
+                # No --runner: Engine.connect finds the runner serving config.model_name.
+                services = Services(config.daemon, config.runner or "")
             asyncio.run(_serve(args, config, services, keys, lambda engine, metrics:
                                Backend(engine, tokenizer, no_tokenizer, serve_config, metrics)))
     except (NoNotification, OSError) as exc:
@@ -140,7 +153,8 @@ async def _serve(args: argparse.Namespace, config: LLMConfig, services: Services
     with stop_on_signals() as stop:
         # Whoever runs the runner (our supervisor, or the operator's unit) restarts it: a step
         # left unanswered waits for the new one.
-        engine = await Engine.connect(services.daemon_target, services.runner_target,
+        engine = await Engine.connect(services.daemon_target, services.runner_target or None,
+                                      model=config.model_name or "",
                                       config=config.scheduler(), client_name="pagedkv-serve",
                                       runner_restart_wait_s=RESTART_WAIT_S)
         metrics = ServerMetrics()

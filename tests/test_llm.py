@@ -161,8 +161,10 @@ def test_bad_arguments_are_refused(llm: LLM, model_dir: Path, tmp_path: Path) ->
         LLM("/nowhere/model")
     with pytest.raises(ValueError, match=r"has no config\.json"):
         LLM(str(tmp_path))
-    with pytest.raises(ValueError, match="give both daemon and runner"):
+    with pytest.raises(ValueError, match=r"with daemon, give runner .* or model_name"):
         LLM(str(model_dir), daemon=llm.daemon_target)
+    with pytest.raises(ValueError, match="give daemon too"):
+        LLM(str(model_dir), model_name="other")
     with pytest.raises(ValueError, match="no tokenizer in"):
         LLM(str(model_dir), tokenizer=str(tmp_path), daemon=llm.daemon_target,
             runner=llm.runner_target)

@@ -219,14 +219,17 @@ def test_two_client_processes_stepping_together_get_what_each_gets_alone(
 
 def test_a_model_that_does_not_fit_the_pool_is_refused_at_start(
         daemon: Pagedkvd, tmp_path: Path) -> None:
+    """A model of another geometry is welcome if its blocks divide the pool's pages (one of
+    three layers does not: 1.5 of the daemon's own blocks); the daemon refuses to register it,
+    and the runner exits 2."""
     other = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1)
-    other.save_pretrained(tmp_path)  # one KV head: the pool holds two per layer
+                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+    other.save_pretrained(tmp_path)
     with pagedkv_runner(daemon, "--random-init", str(tmp_path / "config.json"),
                         wait_ready=False) as refused:
         assert refused.process.wait(120) == 2
         message = refused.stderr()
-    assert "KV heads: model 1, pool 2" in message and "--model-config" in message
+    assert f"refused to register model {tmp_path.name!r}" in message, message
 
 
 async def test_a_killed_runner_restarted_continues_with_identical_tokens(
@@ -320,11 +323,14 @@ async def test_stop_tokens_and_max_tokens_finish_a_sequence(
 
 
 def test_a_local_model_directory_is_served(daemon: Pagedkvd, reference: PreTrainedModel,
-                                           tmp_path: Path) -> None:
-    """--model PATH: config and safetensors weights from a local folder, nothing downloaded."""
-    reference.save_pretrained(tmp_path / "model")
-    assert (tmp_path / "model" / "model.safetensors").exists()
-    with pagedkv_runner(daemon, "--model", str(tmp_path / "model")) as served:
+                                           config_path: Path, tmp_path: Path) -> None:
+    """--model PATH: config and safetensors weights from a local folder, nothing downloaded. A
+    folder of the name of the daemon's model folder registers as the daemon's own model (the
+    clients' sessions name none)."""
+    folder = tmp_path / config_path.parent.name
+    reference.save_pretrained(folder)
+    assert (folder / "model.safetensors").exists()
+    with pagedkv_runner(daemon, "--model", str(folder)) as served:
         client = start_client(daemon, served, PROMPTS[:1])
         assert client.stdin is not None
         client.stdin.write("go\n")

@@ -39,7 +39,7 @@ def test_api_keys_come_from_flags_and_a_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize("argv, message", [
     (["--model", "/no/such/folder"], "no model at"),
     (["--model", "tiny", "--max-choices", "0"], "--max-choices"),
-    (["--model", "tiny", "--daemon", "unix:///x"], "give both daemon and runner"),
+    (["--model", "tiny", "--runner", "unix:///x"], "give daemon too"),
     (["--model", "tiny", "--api-key-file", "/no/such/keys"], "No such file"),
 ])
 def test_bad_flags_exit_2_before_anything_starts(argv: list[str], message: str,

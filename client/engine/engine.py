@@ -41,7 +41,7 @@ from pagedkv.client.engine.scheduler import Plan, Scheduler, SchedulerConfig
 from pagedkv.client.engine.waiters import Waiters
 from pagedkv.client.pool.client import PoolClient
 from pagedkv.client.pool.errors import OutcomeUnknown, PagedKVError, PoolExhausted, StalePlan
-from pagedkv.client.pool.runner_client import RunnerClient, StepOutputs
+from pagedkv.client.pool.runner_client import RunnerClient, RunnerInfo, StepOutputs
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
 from pagedkv.vocab.token_ids import check_vocabulary
@@ -98,34 +98,43 @@ class Engine:
         self._task = asyncio.create_task(self._loop(), name="pagedkv-engine")
 
     @classmethod
-    async def connect(cls, daemon: str, runner: str, *,
+    async def connect(cls, daemon: str, runner: str | None = None, *, model: str = "",
                       config: SchedulerConfig | None = None, client_name: str = "engine",
                       auth_token: str | None = None, cache_salt: bytes | str = b"",
                       lease_ttl_ms: int = 0,
                       runner_restart_wait_s: float = RESTART_WAIT_S) -> Self:
-        """Open a session on the daemon and a channel to the runner computing on its pool.
-        `runner_restart_wait_s`: how long a step that got no answer waits for a restarted
-        runner (0 when nothing restarts it) before its requests fail."""
+        """Open a session on the daemon and a channel to the runner computing on its pool: the
+        runner at `runner`, else the one serving `model` (as it registered with the daemon;
+        ValueError naming the models served when none serves it). The session holds the
+        runner's model's K/V (RunnerInfo.model_name), so a client of a runner always steps
+        its model. `runner_restart_wait_s`: how long a step that got no answer waits for a
+        restarted runner (0 when nothing restarts it) before its requests fail."""
         pool = await PoolClient.connect(daemon, auth_token=auth_token)
+        runner_client: RunnerClient | None = None
         try:
-            session = await pool.open_session(client_name, lease_ttl_ms, cache_salt=cache_salt)
+            pool_info = await pool.pool_info()
+            if runner is None:
+                if not model:
+                    raise ValueError("give the runner's target or the model's name")
+                runner = pool_info.runner_for(model)
             # Its steps go on one Runner.StepStream (a message costs a third of a Step call).
             runner_client = await RunnerClient.connect(runner, stream_steps=True)
             info = await runner_client.info()
-            if info.pool_id != session.pool_id:
-                await runner_client.close()
-                raise ValueError(f"the runner at {runner} computes on pool {info.pool_id}, not "
-                                 f"on the pool of the daemon at {daemon} ({session.pool_id})")
+            _check_runner(info, pool_info.pool_id, model, runner, daemon)
+            session = await pool.open_session(client_name, lease_ttl_ms, cache_salt=cache_salt,
+                                              model=info.model_name)
             stats = await session.stats()
-            reservation = (await pool.pool_info()).reservation_blocks
         except BaseException:
+            if runner_client is not None:
+                await runner_client.close()
             await pool.close()
             raise
         return cls(pool, session, runner_client, vocab_size=info.vocab_size,
                    eos_token_ids=info.eos_token_ids, num_blocks=stats.num_blocks,
                    free_blocks=stats.free_blocks, config=config or SchedulerConfig(),
-                   reservation_blocks=reservation, max_model_len=info.max_model_len,
-                   runner_id=info.runner_id, runner_restart_wait_s=runner_restart_wait_s)
+                   reservation_blocks=pool_info.reservation_blocks,
+                   max_model_len=info.max_model_len, runner_id=info.runner_id,
+                   runner_restart_wait_s=runner_restart_wait_s)
 
     def failure(self) -> str | None:
         """Why the engine no longer steps (its loop ended: a lost daemon, a bug, closed), or
@@ -432,3 +441,14 @@ class Engine:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.close()
+
+
+def _check_runner(info: RunnerInfo, pool_id: str, model: str, runner: str, daemon: str) -> None:
+    """ValueError unless the runner computes on the daemon's pool, and serves `model` if one
+    is named."""
+    if info.pool_id != pool_id:
+        raise ValueError(f"the runner at {runner} computes on pool {info.pool_id}, not on the "
+                         f"pool of the daemon at {daemon} ({pool_id})")
+    if model and info.model_name != model:
+        raise ValueError(f"the runner at {runner} serves model {info.model_name!r}, not "
+                         f"{model!r}")

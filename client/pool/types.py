@@ -153,6 +153,17 @@ class PoolInfo:
         """The registered model of that name, or None."""
         return next((model for model in self.models if model.name == name), None)
 
+    def runner_for(self, name: str) -> str:
+        """The gRPC target of the runner serving model `name` (as it registered); ValueError
+        naming the models that have a runner when none serves it."""
+        model = self.model_info(name)
+        if model is not None and model.runner_target:
+            return model.runner_target
+        served = ", ".join(repr(m.name) for m in self.models if m.runner_target) or "none"
+        state = "is registered by no runner" if model is not None else "is not registered"
+        raise ValueError(f"model {name!r} {state} with the daemon; models with a runner: "
+                         f"{served}")
+
 
 @dataclass(frozen=True, slots=True)
 class SessionStats:

@@ -38,6 +38,9 @@ class SessionEntry:
     users: int = 0
     # The daemon answered that the session is gone (closed, expired, unknown).
     ended: bool = False
+    # The model whose K/V the session holds, per the daemon (SessionStats.model), asked at the
+    # session's first step; None until then.
+    model: str | None = None
 
 
 class SessionTable:

@@ -71,7 +71,7 @@ from pagedkv.model_runner.engine.sampling import Sampler
 from pagedkv.model_runner.engine.sequences import SeqState, SessionSequences
 from pagedkv.model_runner.engine.sessions import SessionEntry, SessionTable
 from pagedkv.model_runner.engine.step_checks import check_writes
-from pagedkv.model_runner.engine.steps import StepNotComputed
+from pagedkv.model_runner.engine.steps import InvalidStep, StepNotComputed
 from pagedkv.model_runner.runner import ModelRunner
 from pagedkv.process.lifecycle import cancel
 
@@ -82,8 +82,12 @@ class StepEngine:
     def __init__(self, pool: PoolClient, runner: ModelRunner, *, sampler: Sampler | None = None,
                  max_batch_tokens: int = 8192, metrics: RunnerMetrics | None = None,
                  hold_ms: int = DEFAULT_HOLD_MS,
-                 answer_limits: AnswerLimits | None = None) -> None:
+                 answer_limits: AnswerLimits | None = None, model: str | None = None) -> None:
         self.pool = pool
+        # The name the runner registered its model under: a step on a session of another model
+        # is refused before anything changes (its blocks are of another format, its prefixes
+        # another model's K/V). None: no check (an in-process engine on its caller's sessions).
+        self.model = model
         # What one step may ask for (logprobs, its answer's size), checked once its sequences'
         # kept sampling is known, before anything changes; None: no bound (an in-process caller,
         # whose answers travel in no message).
@@ -136,6 +140,7 @@ class StepEngine:
             known = entry.sequences
             known.stepped += 1
             try:
+                await self._check_model(session_id, entry)
                 requests = known.with_params(requests)  # the sampling kept for the rest
                 if self.answer_limits is not None:
                     self.answer_limits.check(requests)
@@ -164,6 +169,22 @@ class StepEngine:
         finally:
             if not handed_off:
                 self._let_go(session_id, entry)
+
+    async def _check_model(self, session_id: str, entry: SessionEntry) -> None:
+        """[holds the session's lock] InvalidStep if the session holds another model's K/V
+        than this runner computes. Its model is the daemon's word (GetStats under the session),
+        never the client's, asked once per session."""
+        if self.model is None:
+            return
+        if entry.model is None:
+            handle = entry.sequences.attach(self.pool, session_id, self.runner.block_size)
+            stats = (await handle.stats()).session
+            assert stats is not None, "GetStats under a session answers its figures"
+            entry.model = stats.model
+        if entry.model != self.model:
+            raise InvalidStep(f"the session holds model {entry.model!r}'s K/V and this runner "
+                              f"computes model {self.model!r}: step it on a runner of "
+                              f"{entry.model!r} (RunnerInfo.model_name)")
 
     def _let_go(self, session_id: str, entry: SessionEntry) -> None:
         """Let go of the session's lock (no forward of it is left): its hold ends once idle."""

@@ -3,6 +3,7 @@
     pagedkvd --model-config tiny-llama &                 # the daemon, its pool laid out for it
     pagedkv runner --random-init tiny-llama             # the runner next to it
     pagedkv runner --model /models/qwen2.5-0.5b --daemon unix:///run/pagedkv/pagedkvd-runners.sock
+    pagedkv runner --model /models/qwen-ft --model-name qwen-ft --listen unix:///run/pagedkv/ft.sock
 
 Exit codes as the daemon's: 2 for a bad setting or a model that does not fit the pool (a restart
 would fail the same way), 1 when the runner could not start or failed while running.
@@ -36,6 +37,10 @@ def parser() -> argparse.ArgumentParser:
                         help="a config.json path or a preset (tiny, tiny-llama, small-llama), "
                              "randomly initialized")
     cli.add_argument("--seed", type=int, default=0, help="seed of --random-init (default 0)")
+    cli.add_argument("--model-name", metavar="NAME",
+                     help="the name the model registers under with the daemon, which its "
+                          "clients' sessions name (default: the preset's name, or the model "
+                          "folder's basename: the name the daemon gives its own model)")
     cli.add_argument("--dtype", choices=tuple(DTYPE_BYTES),
                      help="load the weights in this dtype (default: the config's); start the "
                           "daemon with the same --dtype")
@@ -96,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  ("metrics_listen", args.metrics_listen))
                    if value is not None}
         bounds = ServerBounds(**{name: getattr(args, name) for name in SERVER_BOUNDS})
-        config = RunnerConfig(model=source, attention_backend=args.attention_backend,
+        config = RunnerConfig(model=source, model_name=args.model_name,
+                              attention_backend=args.attention_backend,
                               server_bounds=bounds,
                               max_batch_tokens=args.max_batch_tokens, hold_ms=args.hold_ms,
                               answer_limits=AnswerLimits(args.max_logprobs,

@@ -1,19 +1,23 @@
 """The `pagedkv runner` process: map the daemon's pool, load the model, serve the Runner service.
 
 Start, in this order, so READY=1 is true when sent: connect to the daemon and read its pool
-(GetPoolInfo), load the model and refuse one whose KV geometry is not the pool's (the message
-names both), map the pool memory, start the step engine, bind the gRPC listener (Runner, health,
-reflection), start /metrics, then READY=1.
+(GetPoolInfo), load the model, register it with the daemon (RegisterModel: its name, KV geometry
+and this runner's client target; kvpool.proto's "Models and pages"; the daemon refuses a name
+taken by another geometry, or a geometry that does not fit its pages), map the model's view of
+the pool memory (the answer's ModelInfo.memory; a daemon that gives none: its own model's, which
+the model must then fit), start the step engine, bind the gRPC listener (Runner, health,
+reflection), start /metrics, then READY=1. A step on a session of another model than the one
+registered is refused before anything changes (StepEngine's model check).
 
 A runner crash loses no KV: the pool lives in the daemon, so a restarted runner maps it again and
 clients go on (a sequence it does not know is resent with its history). A daemon restart is seen
 by a watcher that reads GetPoolInfo every POOL_CHECK_INTERVAL_S: while the daemon is away or the
-pool is new, steps answer UNAVAILABLE with a clear message, and the runner maps the new pool
-(clients' sessions died with the old daemon; they open new ones). As soon as the daemon does not
-answer, the runner unmaps its pool, between two forwards: a crashed daemon's /dev/shm pool keeps
-its pages for as long as any process maps it, and a new daemon sized for the same /dev/shm
-could not create its own. It maps the pool again when the daemon answers (the same one, if the
-daemon was only unreachable).
+pool is new, steps answer UNAVAILABLE with a clear message, and the runner registers its model
+again and maps the new pool (clients' sessions died with the old daemon; they open new ones).
+As soon as the daemon does not answer, the runner unmaps its pool, between two forwards: a
+crashed daemon's /dev/shm pool keeps its pages for as long as any process maps it, and a new
+daemon sized for the same /dev/shm could not create its own. It maps the pool again when the
+daemon answers (the same one, if the daemon was only unreachable).
 
 Its gRPC server is built, bound, drained and stopped by the bring-up the daemon shares
 (process/grpc_server.py): the same message limit, bounds, health and reflection. SIGTERM:
@@ -25,20 +29,36 @@ import asyncio
 import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prometheus_client.registry import CollectorRegistry
 
-from pagedkv.client import DaemonUnavailable, PoolClient, PoolInfo, SeqStep, StepOutputs
+from pagedkv.client import (
+    DaemonUnavailable,
+    InvalidArgument,
+    ModelExists,
+    PoolClient,
+    PoolInfo,
+    SeqStep,
+    StepOutputs,
+)
+from pagedkv.memory import PoolMemoryHandle
+from pagedkv.memory.attach import attach_pool
 from pagedkv.model_runner.engine.answer_limits import AnswerLimits
 from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.step_engine import StepEngine
 from pagedkv.model_runner.kernels.attention_backend import BackendName, get_backend
-from pagedkv.model_runner.models import ModelSource, check_geometry, kv_geometry, load_model
+from pagedkv.model_runner.models import (
+    ModelMismatch,
+    ModelSource,
+    check_geometry,
+    kv_geometry,
+    load_model,
+)
 from pagedkv.model_runner.process.servicer import RunnerServicer, RunnerUnavailable
 from pagedkv.model_runner.runner import ModelRunner
 from pagedkv.process.grpc_server import GrpcServers, grpc_servers
@@ -49,6 +69,7 @@ from pagedkv.process.probes import metrics_app, start_http
 from pagedkv.process.server_bounds import ServerBounds
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
+from pagedkv.proto.kvpool_pb2 import PoolMemory
 from pagedkv.vocab.paths import (
     DAEMON_RUNNER_SOCKET_NAME,
     default_daemon_runner_socket,
@@ -70,6 +91,10 @@ class RunnerConfig:
 
     # The model to serve.
     model: ModelSource
+    # The name it registers under with the daemon, which its clients' sessions name; None:
+    # `model.pool_name` (a preset's name, a model folder's basename), as the daemon names its
+    # own model from its model_config.
+    model_name: str | None = None
     # The daemon's runner socket: runners alone get the pool memory and act for any session.
     daemon: str = field(default_factory=lambda: default_daemon_runner_socket(os.environ))
     # Where the Runner service listens (a unix socket: the runner is co-located).
@@ -93,11 +118,14 @@ class RunnerConfig:
 class RunnerState:
     """What the servicer reads about the running runner; updated when the pool changes."""
 
-    def __init__(self, engine: StepEngine, info: PoolInfo, model: str, backend: str) -> None:
+    def __init__(self, engine: StepEngine, info: PoolInfo, model: str, backend: str,
+                 model_name: str) -> None:
         self.engine = engine
         self.info = info
         self.model = model
         self.backend = backend
+        # The name the model is registered under with the daemon (RunnerInfo.model_name).
+        self.model_name = model_name
         # This process's RunnerInfo.runner_id: a client that sees it change after a lost
         # answer knows the runner restarted and holds none of its sequences.
         self.runner_id = uuid.uuid4().hex
@@ -126,7 +154,8 @@ class RunnerState:
                               dtype=dtype, eos_token_ids=eos_ids, pool_id=self.info.pool_id,
                               block_size=self.info.block_size,
                               attention_backend=self.backend,
-                              max_model_len=runner.max_model_len, runner_id=self.runner_id)
+                              max_model_len=runner.max_model_len, runner_id=self.runner_id,
+                              model_name=self.model_name)
 
 
 async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None:
@@ -142,27 +171,35 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
                              "runner to the daemon's runner socket (its runner_socket, "
                              f"{DAEMON_RUNNER_SOCKET_NAME} by default), not its public one")
         model = load_model(config.model, device=_pool_device(info))
-        check_geometry(model, info)
+        name = config.model_name or config.model.pool_name
         backend = get_backend(config.attention_backend, model.device)
+        target = f"unix://{_listen_path(config.listen).absolute()}"
+
+        async def attach(info: PoolInfo) -> ModelRunner:
+            """The model registered with the daemon of `info`, on its view of the memory."""
+            memory = await _register(pool, name, model, target, info)
+            return ModelRunner(model, attach_pool(PoolMemoryHandle.from_proto(memory)),
+                               info.block_size, backend)
+
         registry = CollectorRegistry()
-        engine = StepEngine(pool, ModelRunner.attach(model, info, backend),
+        engine = StepEngine(pool, await attach(info),
                             max_batch_tokens=config.max_batch_tokens,
                             metrics=RunnerMetrics(registry), hold_ms=config.hold_ms,
-                            answer_limits=config.answer_limits)
+                            answer_limits=config.answer_limits, model=name)
         await engine.start()
         stack.push_async_callback(engine.stop)
-        state = RunnerState(engine, info, config.model.name, backend.name)
+        state = RunnerState(engine, info, config.model.name, backend.name, name)
         servers = await stack.enter_async_context(_grpc_server(config, state))
         if config.metrics_listen is not None:
             host, _, port = config.metrics_listen.rpartition(":")
             http = await start_http(metrics_app(registry, lambda: state.unavailable),
                                     host, int(port))
             stack.push_async_callback(http.cleanup)
-        watcher = asyncio.create_task(_watch_pool(state, pool, model, backend))
+        watcher = asyncio.create_task(_watch_pool(state, pool, attach))
         stack.push_async_callback(cancel, watcher)
-        notify("READY=1", f"STATUS=serving {config.model.name} on pool {info.pool_id}")
-        log.info("ready", model=config.model.name, pool_id=info.pool_id, listen=config.listen,
-                 attention_backend=backend.name)
+        notify("READY=1", f"STATUS=serving {name} on pool {info.pool_id}")
+        log.info("ready", model=config.model.name, model_name=name, pool_id=info.pool_id,
+                 listen=config.listen, attention_backend=backend.name)
         await stop.wait()
         await servers.drain()
     log.info("stopped")
@@ -170,6 +207,30 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
 
 def _pool_device(info: PoolInfo) -> str:
     return "cpu" if info.memory.device_index < 0 else f"cuda:{info.memory.device_index}"
+
+
+def _listen_path(listen: str) -> Path:
+    return Path(listen.removeprefix("unix://").removeprefix("unix:"))
+
+
+async def _register(pool: PoolClient, name: str, model: Any, target: str,
+                    info: PoolInfo) -> PoolMemory:
+    """Register the model with the daemon (idempotent: again after the daemon restarted) and
+    return its view of the pool memory; from a daemon that gives none, its own model's memory
+    (info.memory), which the model must then fit (ModelMismatch otherwise). A name taken by
+    another geometry, or a geometry the daemon's pages cannot hold, is ModelMismatch (a restart
+    fails alike)."""
+    layers, kv_heads, head_dim, dtype = kv_geometry(model)
+    try:
+        registered = await pool.register_model(name, layers, kv_heads, head_dim, dtype, target)
+    except (ModelExists, InvalidArgument) as exc:
+        raise ModelMismatch(f"the daemon refused to register model {name!r}: {exc.message}; "
+                            "choose another --model-name, or start the daemon with a "
+                            "page_size this model's blocks divide") from None
+    if registered.memory.kind:
+        return registered.memory
+    check_geometry(model, info)
+    return info.memory
 
 
 @contextlib.asynccontextmanager
@@ -185,38 +246,36 @@ async def _grpc_server(config: RunnerConfig, state: RunnerState) -> AsyncIterato
             lambda server: runner_pb2_grpc.add_RunnerServicer_to_server(servicer, server))
         # The socket 0o660 (the pagedkv group), its folder 0o750; a live runner's socket is
         # refused, a crashed one's removed.
-        servers.bind_unix(server, Path(config.listen.removeprefix("unix://")
-                                       .removeprefix("unix:")), SOCKET_MODE)
+        servers.bind_unix(server, _listen_path(config.listen), SOCKET_MODE)
         await servers.start()
         await servers.set_serving()
         yield servers
 
 
-async def _watch_pool(state: RunnerState, pool: PoolClient, model: Any, backend: Any) -> None:
-    """Notice a daemon that went away or restarted, and map the new pool when it is back."""
+async def _watch_pool(state: RunnerState, pool: PoolClient,
+                      attach: Callable[[PoolInfo], Awaitable[ModelRunner]]) -> None:
+    """Notice a daemon that went away or restarted, and map the pool again when it is back
+    (`attach`: the model registered again, on its view of the pool memory)."""
     while True:
         await asyncio.sleep(POOL_CHECK_INTERVAL_S)
         try:
             info = await pool.pool_info()
+            if info.pool_id != state.info.pool_id:
+                log.warning("daemon restarted: registering the model, mapping its new pool",
+                            old=state.info.pool_id, new=info.pool_id)
+                state.unavailable = "the pagedkv daemon restarted; open a new session"
+                state.engine.runner = await attach(info)
+                state.engine.forget_all()
+                state.info = info
+            elif state.engine.runner.released:  # the daemon was only unreachable
+                state.engine.runner = await attach(info)
+                log.info("pool mapped again", pool_id=info.pool_id)
         except DaemonUnavailable:
             if state.unavailable is None:
                 log.warning("daemon unavailable", daemon_pool=state.info.pool_id)
             state.unavailable = "the pagedkv daemon is unavailable; the runner is reconnecting"
             await _release_pool(state)
             continue
-        if info.pool_id == state.info.pool_id:
-            if state.engine.runner.released:  # the daemon was only unreachable
-                state.engine.runner = ModelRunner.attach(model, info, backend)
-                log.info("pool mapped again", pool_id=info.pool_id)
-            state.unavailable = None
-            continue
-        log.warning("daemon restarted: mapping its new pool", old=state.info.pool_id,
-                    new=info.pool_id)
-        state.unavailable = "the pagedkv daemon restarted; open a new session"
-        check_geometry(model, info)
-        state.engine.runner = ModelRunner.attach(model, info, backend)
-        state.engine.forget_all()
-        state.info = info
         state.unavailable = None
 
 
