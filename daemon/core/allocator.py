@@ -124,13 +124,19 @@ class PoolAllocator(Protocol):
 
 def make_pool(kind: AllocatorKind, num_blocks: int, block_size: int, *,
               enable_prefix_caching: bool = True, prefix_hash: PrefixHash = "sha256",
-              max_model_len: int | None = None) -> PoolAllocator:
+              max_model_len: int | None = None, blocks_per_page: int = 1,
+              withdrawn: bool = False) -> PoolAllocator:
     """The pool bookkeeping of `kind`; a contiguous pool needs `max_model_len`, the tokens
-    every sequence reserves."""
+    every sequence reserves. A paged pool's ids are pages of `blocks_per_page` blocks, none
+    held at first with `withdrawn` (`BlockPool.withdraw_pages`); a contiguous one holds every
+    block, in pages of one."""
     if kind == "paged":
-        return BlockPool(num_blocks, block_size, enable_prefix_caching, prefix_hash)
+        return BlockPool(num_blocks, block_size, enable_prefix_caching, prefix_hash,
+                         blocks_per_page=blocks_per_page, withdrawn=withdrawn)
     if kind != "contiguous":
         raise InvalidArgument(f"allocator must be one of {', '.join(ALLOCATORS)}, got {kind!r}")
+    if blocks_per_page != 1 or withdrawn:
+        raise InvalidArgument("a contiguous pool holds every block: it has no pages to withdraw")
     if max_model_len is None:
         raise InvalidArgument("a contiguous pool needs max_model_len")
     return ContiguousPool(num_blocks, block_size, max_model_len)
