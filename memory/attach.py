@@ -1,8 +1,10 @@
-"""Map the daemon's pool memory into this process: `attach_pool(handle)` -> the pool tensor.
+"""Map the daemon's pool memory into this process: `attach_pool(handle)` -> the pool tensor in
+the handle's shape and dtype: one model format's view of the arena (a runner maps its own).
 
-CPU pools are a /dev/shm file mapped with `torch.from_file(shared=True)`; CUDA pools come as a
-pickled CUDA IPC handle, unpickled with nothing but torch's own globals allowed. Both are
-checked against the handle's shape and dtype before the tensor is returned.
+Every view spans the whole arena, so both backings map all of it and reinterpret it: CPU pools
+are a /dev/shm file mapped with `torch.from_file(shared=True)`; CUDA pools come as the arena's
+pickled CUDA IPC handle (a uint8 tensor), unpickled with nothing but torch's own globals
+allowed. Both are checked against the handle's shape and dtype before the tensor is returned.
 """
 
 import io
@@ -53,14 +55,16 @@ def _attach_shm(handle: PoolMemoryHandle) -> torch.Tensor:
 
 
 def _attach_cuda_ipc(handle: PoolMemoryHandle) -> torch.Tensor:
-    """Rebuild the CUDA tensor from its IPC payload, allowing only torch's own globals."""
+    """Open the arena from its IPC payload, allowing only torch's own globals, and view its bytes
+    in the handle's shape and dtype."""
     dtype = torch_dtype(handle.dtype)
     rebuild, args = _TorchOnlyUnpickler(io.BytesIO(handle.ipc_payload)).load()
-    kv = rebuild(*args)
-    if not isinstance(kv, torch.Tensor):
-        raise ValueError(f"IPC payload rebuilt a {type(kv).__name__}, not a tensor")
-    if tuple(kv.shape) != handle.shape or kv.dtype != dtype:
-        raise ValueError(f"IPC payload is {tuple(kv.shape)} {kv.dtype}, handle says "
-                         f"{handle.shape} {dtype}")
-    return kv
+    arena = rebuild(*args)
+    if not isinstance(arena, torch.Tensor):
+        raise ValueError(f"IPC payload rebuilt a {type(arena).__name__}, not a tensor")
+    nbytes = int(np.prod(handle.shape)) * dtype.itemsize
+    if arena.dtype != torch.uint8 or arena.dim() != 1 or arena.numel() != nbytes:
+        raise ValueError(f"IPC payload is {tuple(arena.shape)} {arena.dtype}, handle says "
+                         f"{nbytes} bytes as {handle.shape} {dtype}")
+    return arena.view(dtype).view(handle.shape)
 

@@ -191,7 +191,11 @@ Global___GetPoolInfoRequest: _TypeAlias = GetPoolInfoRequest  # noqa: Y015
 
 @_typing.final
 class PoolMemory(_message.Message):
-    """How a co-located runner maps the pool memory (mirrors pagedkv.daemon.kv_memory's handle)."""
+    """How a co-located runner maps one model format's view of the pool memory (mirrors
+    pagedkv.memory.handle's PoolMemoryHandle): every view spans the whole arena of num_pages *
+    page_bytes bytes, so the file or allocation is the same for every format and only shape and
+    dtype differ; a runner maps it and reinterprets its bytes in that shape and dtype.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -212,10 +216,12 @@ class PoolMemory(_message.Message):
     device_index: _builtins.int
     """CUDA device index ("cuda_ipc" only; -1 on CPU)."""
     ipc_payload: _builtins.bytes
-    """Opaque CUDA IPC payload to open the allocation ("cuda_ipc" only)."""
+    """Opaque CUDA IPC payload to open the arena's allocation, a uint8 tensor of its bytes
+    ("cuda_ipc" only).
+    """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Shape of the pool tensor, in the order given by PoolInfo.layout."""
+        """Shape of the view, in the order given by PoolInfo.layout."""
 
     def __init__(
         self,

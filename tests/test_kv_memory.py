@@ -1,4 +1,5 @@
-"""The daemon's pool memory: layout, block copies and zeroing, cleanup.
+"""The daemon's pool memory: layout, block copies and zeroing, the arena's per-format views and
+pages, cleanup.
 
 Attaching from another process is in test_memory.py; sizing in test_pool_sizing.py.
 """
@@ -17,7 +18,9 @@ import pytest
 import torch
 
 from pagedkv.daemon.memory import kv_memory
-from pagedkv.daemon.memory.kv_memory import KVPoolMemory, cleanup_stale_files
+from pagedkv.daemon.memory.format_memory import FormatMemory
+from pagedkv.daemon.memory.kv_memory import KVMemory, KVPoolMemory, cleanup_stale_files
+from pagedkv.memory.attach import attach_pool
 from pagedkv.vocab.geometry import ModelGeometry
 
 # 3 layers, 2 KV heads, head_dim 4: small, yet every dim of the layout has a distinct size.
@@ -201,3 +204,126 @@ def test_cleanup_removes_dead_owners_files_only(tmp_path: Path) -> None:
         path.write_bytes(b"x")
     assert cleanup_stale_files(str(tmp_path), "pagedkv") == [dead_file]
     assert sorted(tmp_path.iterdir()) == sorted([live_file, other_prefix, not_a_pool])
+
+
+# Two formats over one arena of 3 pages of 512 bytes (block_size 2): A (2 layers, 2 KV heads,
+# head_dim 4, float32) has 256-byte blocks, 2 a page; B (1 layer, 1 KV head, head_dim 8,
+# float16) has 64-byte blocks, 8 a page. Page p is A's blocks [2p, 2p + 2) and B's [8p, 8p + 8).
+NUM_PAGES, PAGE_BYTES = 3, 512
+
+
+@pytest.fixture
+def arena(tmp_path: Path) -> Iterator[KVMemory]:
+    """The arena, every byte random."""
+    with KVMemory.create(NUM_PAGES, PAGE_BYTES, shm_dir=str(tmp_path)) as memory:
+        seeded = torch.Generator().manual_seed(0)
+        memory.pages.copy_(torch.randint(0, 256, memory.pages.shape, generator=seeded,
+                                         dtype=torch.uint8))
+        yield memory
+
+
+def formats(arena: KVMemory) -> tuple[FormatMemory, FormatMemory]:
+    return arena.view(2, 2, 4, "float32", 2), arena.view(1, 1, 8, torch.float16, 2)
+
+
+def page_bytes_of(view: FormatMemory, page: int) -> torch.Tensor:
+    """The bytes of `view`'s blocks in `page`, in order."""
+    k = view.blocks_per_page
+    return view.kv[page * k:(page + 1) * k].contiguous().view(-1).view(torch.uint8)
+
+
+def test_views_have_the_format_shape_and_share_the_arena_handle(arena: KVMemory) -> None:
+    a, b = formats(arena)
+    assert (a.blocks_per_page, a.num_blocks, a.bytes_per_block) == (2, 6, 256)
+    assert (b.blocks_per_page, b.num_blocks, b.bytes_per_block) == (8, 24, 64)
+    assert a.kv.shape == (6, 2, 2, 2, 2, 4) and a.kv.dtype == torch.float32
+    assert b.kv.shape == (24, 1, 2, 2, 1, 8) and b.kv.dtype == torch.float16
+    handles = a.handle(), b.handle()
+    assert [(h.shape, h.dtype) for h in handles] == [((6, 2, 2, 2, 2, 4), "float32"),
+                                                     ((24, 1, 2, 2, 1, 8), "float16")]
+    assert handles[0].shm_path == handles[1].shm_path and handles[0].kind == "shm"
+    assert a.nbytes == b.nbytes == arena.nbytes == NUM_PAGES * PAGE_BYTES
+
+
+def test_two_formats_alias_the_same_bytes_page_by_page(arena: KVMemory) -> None:
+    a, b = formats(arena)
+    for page in range(NUM_PAGES):
+        assert torch.equal(page_bytes_of(a, page), arena.pages[page])
+        assert torch.equal(page_bytes_of(b, page), arena.pages[page])
+    before = arena.pages.clone()
+    b.kv[8 * 1 + 3] = 1.5  # B's block 3 of page 1: bytes [192, 256) of page 1, in A's block 2
+    changed = (arena.pages != before).nonzero()
+    assert changed[:, 0].unique().tolist() == [1]
+    assert int(changed[:, 1].min()) >= 3 * 64 and int(changed[:, 1].max()) < 4 * 64
+    # A sees B's write at the end of its block 2
+    assert torch.equal(page_bytes_of(a, 1)[192:256], b.kv[11].view(-1).view(torch.uint8))
+
+
+def test_zero_pages_zeroes_a_page_in_every_view(arena: KVMemory) -> None:
+    a, b = formats(arena)
+    before = arena.pages.clone()
+    arena.zero_pages([1])
+    assert not a.kv[2:4].any() and not b.kv[8:16].any()
+    assert torch.equal(arena.pages[[0, 2]], before[[0, 2]])
+    for bad in ([3], [-1], [0.5]):
+        with pytest.raises(ValueError, match="page ids"):
+            arena.zero_pages([0, *bad])
+    assert torch.equal(arena.pages[[0, 2]], before[[0, 2]]), "a refused zero changed a page"
+    arena.zero_pages([])
+
+
+def test_copy_and_zero_blocks_per_format(arena: KVMemory) -> None:
+    a, b = formats(arena)
+    before = arena.pages.clone()
+    b.copy_blocks([(0, 9)])  # page 0's first B block onto page 1's second
+    assert torch.equal(b.kv[9].view(torch.uint8), b.kv[0].view(torch.uint8))  # bytes: NaNs
+    assert torch.equal(arena.pages[1, 64:128], before[0, 0:64])
+    changed = (arena.pages != before).nonzero()
+    assert set(changed[:, 0].tolist()) <= {1} and int(changed[:, 1].min()) >= 64
+    assert int(changed[:, 1].max()) < 128
+    a.zero_blocks([5])  # page 2's second half
+    assert not arena.pages[2, 256:].any()
+    assert torch.equal(arena.pages[2, :256], before[2, :256])
+
+
+def test_a_runner_maps_a_view_in_its_format(arena: KVMemory) -> None:
+    a, b = formats(arena)
+    mapped = attach_pool(b.handle())  # another mapping of the file, as a runner's
+    assert mapped.shape == b.kv.shape and mapped.dtype == torch.float16
+    mapped[20] = 2.0  # page 2's fifth B block: bytes [256, 320) of page 2, A's block 5
+    assert bool((b.kv[20] == 2.0).all())
+    assert torch.equal(page_bytes_of(a, 2), arena.pages[2])
+    assert torch.equal(arena.pages[2, 256:320].view(torch.float16),
+                       torch.full((32,), 2.0, dtype=torch.float16))
+
+
+def test_a_format_whose_block_does_not_divide_the_page_is_refused(arena: KVMemory) -> None:
+    with pytest.raises(ValueError, match=r"block of 384 bytes .* does not divide the page of "
+                                         r"512 bytes"):
+        arena.view(3, 2, 4, "float32", 2)
+    with pytest.raises(ValueError, match="must be positive"):
+        arena.view(0, 2, 4, "float32", 2)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        arena.view(1, 1, 8, "int8", 2)
+
+
+def test_closing_the_arena_releases_its_views(tmp_path: Path) -> None:
+    with KVMemory.create(1, 64, shm_dir=str(tmp_path)) as memory:
+        view = memory.view(1, 1, 8, "float16", 2)
+        path = Path(view.handle().shm_path)
+    assert not path.exists()
+    with pytest.raises(ValueError, match="closed"):
+        view.zero_blocks([0])
+    with pytest.raises(ValueError, match="closed"):
+        memory.zero_pages([0])
+    with pytest.raises(ValueError, match="must be positive"):
+        KVMemory.create(0, 64, shm_dir=str(tmp_path))
+
+
+def test_a_one_model_pool_is_one_view_whose_blocks_are_the_pages(pool: KVPoolMemory) -> None:
+    assert (pool.arena.num_pages, pool.arena.page_bytes) == (NUM_BLOCKS, pool.bytes_per_block)
+    assert pool.blocks_per_page == 1 and pool.pool_id == pool.arena.pool_id
+    before = pool.kv.clone()
+    pool.arena.zero_pages([4])
+    assert not pool.kv[4].any()
+    assert torch.equal(pool.kv[[0, 1, 2, 3, 5]], before[[0, 1, 2, 3, 5]])

@@ -130,3 +130,14 @@ def test_ipc_payload_may_only_name_torch(tmp_path: Path) -> None:
     not_a_tensor = pickle.dumps((torch.device, ("cpu",)))
     with pytest.raises(ValueError, match="rebuilt a device, not a tensor"):
         attach_pool(PoolMemoryHandle("cuda_ipc", "", (2,), "float32", 0, not_a_tensor))
+
+
+def test_an_ipc_payload_is_the_arena_viewed_in_the_handles_format() -> None:
+    """A CUDA handle carries the arena's uint8 allocation; attach views its bytes in the
+    handle's shape and dtype (a CPU tensor stands in for the rebuilt allocation here)."""
+    arena = pickle.dumps((torch.ByteTensor, (list(range(8)),)))
+    view = attach_pool(PoolMemoryHandle("cuda_ipc", "", (2, 2), "float16", 0, arena))
+    assert view.shape == (2, 2) and view.dtype == torch.float16
+    assert view.flatten().view(torch.uint8).tolist() == list(range(8))
+    with pytest.raises(ValueError, match=r"IPC payload is \(8,\) torch.uint8, handle says 16"):
+        attach_pool(PoolMemoryHandle("cuda_ipc", "", (2, 2), "float32", 0, arena))

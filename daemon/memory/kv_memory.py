@@ -1,8 +1,12 @@
-"""The KV pool's memory: one tensor, allocated once at start, shared with co-located runners.
+"""The KV pool's memory: one arena of num_pages pages of page_bytes, allocated once at start,
+shared with co-located runners, and viewed by every model format.
 
-The tensor has the one layout of `pagedkv.memory.handle` ([num_blocks, num_layers, 2,
-block_size, num_kv_heads, head_dim]); physical block `b` of every layer is `kv[b]`, one
-contiguous slab, so copying or zeroing a block is one indexed op over BLOCK_DIM.
+`KVMemory` owns the bytes; `view(...)` reinterprets the whole arena in one format's dtype and
+block-major shape (`format_memory.FormatMemory`): page p is blocks [p * k, (p + 1) * k) of every
+format whose bytes_per_block is page_bytes / k (kvpool.proto, "Models and pages"). A page is
+page_bytes at offset p * page_bytes whatever the format, so `zero_pages` clears a page before
+another format uses it. A one-model daemon's arena has page_bytes = its bytes_per_block: its
+view's blocks are the pages (`KVPoolMemory`).
 
 Two backings, chosen by the device:
 - CPU: a file in /dev/shm (tmpfs) sized exactly and reserved up front with posix_fallocate, so
@@ -11,11 +15,12 @@ Two backings, chosen by the device:
   K/V: it is the daemon's user's alone (0o600), or its runner group's too (0o660), never
   every user's. Its name carries the owner's pid so that a restarted daemon
   can remove what a crashed one left (`cleanup_stale_files`).
-- CUDA: a device tensor, plus a CUDA IPC handle (`reduce_tensor`) pickled once into bytes.
-  The daemon keeps the tensor alive for as long as runners may be attached.
+- CUDA: one device allocation of the arena's bytes, plus its CUDA IPC handle (`reduce_tensor`)
+  pickled once into bytes; every format's handle carries that same payload with its own shape
+  and dtype, and a runner reinterprets the allocation it opens (`pagedkv.memory.attach`). The
+  daemon keeps the allocation alive for as long as runners may be attached.
 
-A runner in another process attaches with `pagedkv.memory.attach.attach_pool(handle)`. Sizes
-are validated before anything is written: bad ids change nothing.
+A runner in another process maps a view with `pagedkv.memory.attach.attach_pool(handle)`.
 """
 
 from __future__ import annotations
@@ -24,151 +29,164 @@ import os
 import pickle
 import re
 import secrets
-from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import overload
 
-import numpy as np
 import numpy.typing as npt
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
+from pagedkv.daemon.memory.format_memory import FormatMemory, checked_index
 from pagedkv.daemon.memory.shm_holders import reserve_failure
-from pagedkv.memory import BLOCK_DIM, PoolMemoryHandle, pool_shape
+from pagedkv.memory import PoolMemoryHandle, pool_shape
 from pagedkv.memory.device_memory import pool_device
 from pagedkv.memory.dtypes import torch_dtype
 from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype
 
-# Block ids as the block pool hands them out: a list, or an int64 array on the batch path.
-BlockIds = Sequence[int] | npt.NDArray[np.int64]
 
+class KVMemory:
+    """Owns the arena; create with `KVMemory.create`, release with `close`."""
 
-class KVPoolMemory:
-    """Owns the pool tensor; create with `KVPoolMemory.create`, release with `close`."""
-
-    def __init__(self, kv: torch.Tensor, handle: PoolMemoryHandle, pool_id: str) -> None:
-        self._kv: torch.Tensor | None = kv
-        self._handle = handle
+    def __init__(self, pages: torch.Tensor, kind: str, shm_path: str, ipc_payload: bytes,
+                 pool_id: str) -> None:
+        # The arena as [num_pages, page_bytes] uint8; None once closed.
+        self._pages: torch.Tensor | None = pages
+        # What every view's handle shares: "shm" or "cuda_ipc", the file, the IPC payload.
+        self._kind, self._shm_path, self._ipc_payload = kind, shm_path, ipc_payload
+        self.num_pages, self.page_bytes = pages.shape
         # Random id of this pool instance; also part of the shm file name.
         self.pool_id = pool_id
+        # Views handed out, released when the arena closes.
+        self._views: list[FormatMemory] = []
+
+    @classmethod
+    def create(cls, num_pages: int, page_bytes: int, device: str = "cpu",
+               shm_dir: str = "/dev/shm", name_prefix: str = "pagedkv", mode: int = 0o600,
+               group: int | None = None) -> KVMemory:
+        """Allocate a zeroed arena; `mode` is the shm file's (0o660 to share with `group`, the
+        runners' gid: the file's group is the daemon's own without it)."""
+        if num_pages <= 0 or page_bytes <= 0:
+            raise ValueError(f"num_pages and page_bytes must be positive, got {num_pages} "
+                             f"and {page_bytes}")
+        if mode & ~0o777:
+            raise ValueError(f"mode must be permission bits only, got {oct(mode)}")
+        if mode & 0o007:  # any local user could read and write every tenant's K/V
+            raise ValueError(f"mode {oct(mode)} gives every user access to the pool")
+        pool_id = secrets.token_hex(8)
+        target = pool_device(device)
+        if target.type == "cpu":
+            path = Path(shm_dir) / f"{name_prefix}-{os.getpid()}-{pool_id}.kv"
+            pages = _create_shm(path, num_pages * page_bytes, mode, group)
+            return cls(pages.view(num_pages, page_bytes), "shm", str(path), b"", pool_id)
+        # Zeroed, not empty: the caching allocator may hand back another tensor's data.
+        arena = torch.zeros(num_pages * page_bytes, dtype=torch.uint8, device=target)
+        # torch leaves reduce_tensor unannotated; it returns (rebuild function, args).
+        payload = pickle.dumps(reduce_tensor(arena))  # type: ignore[no-untyped-call]
+        return cls(arena.view(num_pages, page_bytes), "cuda_ipc", "", payload, pool_id)
+
+    @property
+    def pages(self) -> torch.Tensor:
+        """The arena as [num_pages, page_bytes] uint8."""
+        if self._pages is None:
+            raise ValueError(f"pool memory {self.pool_id} is closed")
+        return self._pages
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def view(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str | torch.dtype,
+             block_size: int) -> FormatMemory:
+        """The arena as one format's blocks: [num_pages * blocks_per_page, num_layers, 2,
+        block_size, num_kv_heads, head_dim] of `dtype`; ValueError, nothing made, when the
+        format's bytes_per_block does not divide page_bytes."""
+        name = canonical_dtype(str(dtype))
+        element = torch_dtype(name)
+        if min(num_layers, num_kv_heads, head_dim, block_size) <= 0:
+            raise ValueError(f"a format's num_layers, num_kv_heads, head_dim and block_size must "
+                             f"be positive, got {num_layers}, {num_kv_heads}, {head_dim} and "
+                             f"{block_size}")
+        bytes_per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * element.itemsize
+        if self.page_bytes % bytes_per_block:
+            raise ValueError(f"a block of {bytes_per_block} bytes ({num_layers} layers, "
+                             f"{num_kv_heads} KV heads, head_dim {head_dim}, {name}, block_size "
+                             f"{block_size}) does not divide the page of {self.page_bytes} bytes")
+        blocks_per_page = self.page_bytes // bytes_per_block
+        shape = pool_shape(num_layers=num_layers, num_blocks=self.num_pages * blocks_per_page,
+                           block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        kv = self.pages.view(-1).view(element).view(shape)
+        handle = PoolMemoryHandle(self._kind, self._shm_path, shape, name, kv.get_device(),
+                                  self._ipc_payload)
+        view = FormatMemory(kv, handle, blocks_per_page)
+        self._views.append(view)
+        return view
+
+    def zero_pages(self, pages: npt.ArrayLike) -> None:
+        """Fill the given pages with zeros (page_bytes at page * page_bytes, every format's
+        blocks there); ids are checked before anything is written."""
+        index = checked_index(pages, self.num_pages, "page")
+        if index.numel():
+            self.pages.index_fill_(0, index.to(self.pages.device), 0)
+
+    def synchronize(self) -> None:
+        """Wait until every write issued so far (zero_pages, any view's copies) is in memory."""
+        if self.pages.is_cuda:
+            torch.cuda.synchronize(self.pages.device)
+
+    def close(self) -> None:
+        """Drop the arena and its views and unlink the shm file; idempotent.
+
+        The memory itself is freed once no process maps it any more (attached runners keep
+        their mapping); CUDA memory returns to torch's caching allocator.
+        """
+        self._pages = None
+        for view in self._views:
+            view.release()
+        if self._shm_path:
+            Path(self._shm_path).unlink(missing_ok=True)
+
+    def __enter__(self) -> KVMemory:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class KVPoolMemory(FormatMemory):
+    """A one-model pool: an arena whose pages are the model's blocks (page_bytes = its
+    bytes_per_block, what a daemon without `page_size` allocates), seen as its one view.
+    Closing it closes the arena."""
+
+    def __init__(self, arena: KVMemory, view: FormatMemory) -> None:
+        super().__init__(view.kv, view.handle(), view.blocks_per_page)
+        # The arena under the view (more views, zero_pages).
+        self.arena = arena
 
     @classmethod
     def create(cls, geometry: ModelGeometry, num_blocks: int, block_size: int,
                dtype: str | torch.dtype, device: str = "cpu", shm_dir: str = "/dev/shm",
                name_prefix: str = "pagedkv", mode: int = 0o600,
                group: int | None = None) -> KVPoolMemory:
-        """Allocate a zeroed pool; `mode` is the shm file's (0o660 to share with `group`, the
-        runners' gid: the file's group is the daemon's own without it)."""
+        """Allocate a zeroed pool of `num_blocks` blocks of `geometry` in `dtype`."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} "
                              f"and {block_size}")
-        if mode & ~0o777:
-            raise ValueError(f"mode must be permission bits only, got {oct(mode)}")
-        if mode & 0o007:  # any local user could read and write every tenant's K/V
-            raise ValueError(f"mode {oct(mode)} gives every user access to the pool")
         name = canonical_dtype(str(dtype))
-        shape = pool_shape(num_layers=geometry.num_layers, num_blocks=num_blocks,
-                           block_size=block_size, num_kv_heads=geometry.num_kv_heads,
-                           head_dim=geometry.head_dim)
-        pool_id = secrets.token_hex(8)
-        target = pool_device(device)
-        if target.type == "cpu":
-            path = Path(shm_dir) / f"{name_prefix}-{os.getpid()}-{pool_id}.kv"
-            kv = _create_shm(path, shape, name, mode, group)
-            return cls(kv, PoolMemoryHandle("shm", str(path), shape, name, -1, b""), pool_id)
-        # Zeroed, not empty: the caching allocator may hand back another tensor's data.
-        kv = torch.zeros(shape, dtype=torch_dtype(name), device=target)
-        # torch leaves reduce_tensor unannotated; it returns (rebuild function, args).
-        payload = pickle.dumps(reduce_tensor(kv))  # type: ignore[no-untyped-call]
-        handle = PoolMemoryHandle("cuda_ipc", "", shape, name, kv.get_device(), payload)
-        return cls(kv, handle, pool_id)
+        page_bytes = geometry.bytes_per_block(block_size, torch_dtype(name).itemsize)
+        arena = KVMemory.create(num_blocks, page_bytes, device, shm_dir, name_prefix, mode, group)
+        view = arena.view(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, name,
+                          block_size)
+        return cls(arena, view)
 
     @property
-    def kv(self) -> torch.Tensor:
-        """The pool tensor, in POOL_LAYOUT order."""
-        if self._kv is None:
-            raise ValueError(f"pool memory {self.pool_id} is closed")
-        return self._kv
-
-    @property
-    def num_blocks(self) -> int:
-        return self._handle.shape[BLOCK_DIM]
-
-    @property
-    def block_size(self) -> int:
-        return self._handle.shape[3]
-
-    @property
-    def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
-
-    def handle(self) -> PoolMemoryHandle:
-        return self._handle
-
-    @overload
-    def copy_blocks(self, pairs: Sequence[tuple[int, int]], /) -> None: ...
-    @overload
-    def copy_blocks(self, src: BlockIds, dst: BlockIds, /) -> None: ...
-
-    def copy_blocks(self, src: BlockIds | Sequence[tuple[int, int]],
-                    dst: BlockIds | None = None, /) -> None:
-        """kv[dst[i]] = kv[src[i]] for all i, every layer, K and V, in one op.
-
-        Takes (src, dst) pairs, e.g. `[(c.src, c.dst) for c in update.copies]`, or two id lists.
-        All sources are gathered before any destination is written, so a destination that is
-        also a source (a chain a -> b, b -> c) gets the source's data from before the call.
-        Destinations must be distinct; ids must be in range. Nothing to copy is a no-op.
-        """
-        if dst is None:
-            pairs = np.asarray(src)
-            if pairs.size and (pairs.ndim != 2 or pairs.shape[1] != 2):
-                raise ValueError(f"expected (src, dst) pairs, got {pairs.tolist()}")
-            pairs = pairs.reshape(-1, 2)
-            src_ids, dst_ids = self._block_index(pairs[:, 0]), self._block_index(pairs[:, 1])
-        else:
-            src_ids, dst_ids = self._block_index(src), self._block_index(dst)
-        if src_ids.numel() != dst_ids.numel():
-            raise ValueError(f"{src_ids.numel()} sources but {dst_ids.numel()} destinations")
-        if len(set(dst_ids.tolist())) != dst_ids.numel():
-            raise ValueError("a block is the destination of more than one copy")
-        if src_ids.numel():
-            kv = self.kv
-            kv.index_copy_(BLOCK_DIM, dst_ids.to(kv.device),
-                           kv.index_select(BLOCK_DIM, src_ids.to(kv.device)))
-
-    def zero_blocks(self, ids: BlockIds) -> None:
-        """Fill the given blocks with zeros in every layer, K and V."""
-        index = self._block_index(ids)
-        if index.numel():
-            self.kv.index_fill_(BLOCK_DIM, index.to(self.kv.device), 0)
-
-    def synchronize(self) -> None:
-        """Wait until every copy and zeroing issued so far is complete in memory. On CUDA they
-        are asynchronous kernels; once the device is synchronized, a runner in another process
-        that reads the blocks sees their new data. CPU work is complete when its call returns."""
-        if self.kv.is_cuda:
-            torch.cuda.synchronize(self.kv.device)
-
-    def _block_index(self, ids: npt.ArrayLike) -> torch.Tensor:
-        """Ids as a 1-D int64 CPU tensor, checked against the pool before any write."""
-        array = np.asarray(ids)
-        if array.size and (array.ndim != 1 or not np.issubdtype(array.dtype, np.integer)):
-            raise ValueError(f"expected a list of integer block ids, got {array.tolist()}")
-        index = torch.from_numpy(array.astype(np.int64).reshape(-1))
-        if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.num_blocks):
-            raise ValueError(f"block ids must be in [0, {self.num_blocks}), got {index.tolist()}")
-        return index
+    def pool_id(self) -> str:
+        return self.arena.pool_id
 
     def close(self) -> None:
-        """Drop the tensor and unlink the shm file; idempotent.
-
-        The memory itself is freed once no process maps it any more (attached runners keep
-        their mapping); CUDA memory returns to torch's caching allocator.
-        """
-        self._kv = None
-        if self._handle.shm_path:
-            Path(self._handle.shm_path).unlink(missing_ok=True)
+        """Close the arena (see KVMemory.close) and drop this view."""
+        self.arena.close()
+        self.release()
 
     def __enter__(self) -> KVPoolMemory:
         return self
@@ -178,12 +196,9 @@ class KVPoolMemory:
         self.close()
 
 
-def _create_shm(path: Path, shape: tuple[int, ...], dtype: str, mode: int,
-                group: int | None) -> torch.Tensor:
+def _create_shm(path: Path, nbytes: int, mode: int, group: int | None) -> torch.Tensor:
     """Create the shm file exclusively (the owner's alone until it has its group), reserve its
-    pages, and map it."""
-    numel = int(np.prod(shape))
-    nbytes = numel * torch_dtype(dtype).itemsize
+    pages, and map it as `nbytes` uint8."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     if group is not None:
         try:
@@ -202,7 +217,7 @@ def _create_shm(path: Path, shape: tuple[int, ...], dtype: str, mode: int,
         raise OSError(exc.errno, reserve_failure(path, nbytes, exc)) from exc
     finally:
         os.close(fd)
-    return torch.from_file(str(path), shared=True, size=numel, dtype=torch_dtype(dtype)).view(shape)
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
 
 
 def cleanup_stale_files(shm_dir: str = "/dev/shm", name_prefix: str = "pagedkv") -> list[Path]:
