@@ -46,11 +46,12 @@ class Server:
     def child_pid(self, module: str) -> int:
         """The pid of the server's child process running `module` (its daemon or runner)."""
         pid = self.launched.process.pid
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        for child in children:
-            command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            if module.encode() in command:
-                return int(child)
+        # Any thread's children: its runner supervisor's thread starts the restarted runners.
+        for children in Path(f"/proc/{pid}/task").glob("*/children"):
+            for child in children.read_text().split():
+                command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+                if module.encode() in command:
+                    return int(child)
         raise LookupError(f"the server (pid {pid}) has no {module} child")
 
     def metric(self, name: str) -> float:

@@ -1,7 +1,8 @@
 """The runner supervisor (llm/runner_supervisor.py) with real processes: a daemon and a runner
 started by `start_services(..., restart_runner=True)`, an engine that waits for a restarted
 runner, and the runner SIGKILLed while the engine's requests decode. Every request ends with
-the tokens of an uninterrupted run; the supervisor counts the restart. Runners that exit with
+the tokens of an uninterrupted run; the supervisor counts the restart. The same through
+`pagedkv serve` (its streams through the openai client, its /metrics). Runners that exit with
 a bad setting, or keep dying, are not started again forever.
 """
 
@@ -10,12 +11,17 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import openai
 import pytest
 from pagedkvd_process import short_tmp_dir
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.client import Engine, SamplingParams
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S
@@ -23,7 +29,7 @@ from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.model_ref import resolve_model
 from pagedkv.llm.runner_supervisor import RestartPolicy, RunnerSupervisor
 from pagedkv.llm.services import Services, start_services
-from pagedkv.process.launch import Launched, start_process
+from pagedkv.process.launch import READY_STATE, Launched, free_tcp_port, start_process
 
 PROMPTS = [[(7 * i + 3 * j) % 128 for j in range(n)] for i, n in enumerate((5, 17, 33))]
 NEW_TOKENS = 24
@@ -65,6 +71,63 @@ async def test_requests_finish_with_identical_tokens_across_a_killed_runner(
     assert supervisor.restarts == 1
     assert supervisor.pid != first_pid
     assert supervisor.failed is None
+
+
+def runner_of(server: Launched) -> int:
+    """The pid of the runner `pagedkv serve` started (its child running the runner module)."""
+    # Any thread's children: the supervisor's thread starts the runners after the first.
+    for children in Path(f"/proc/{server.process.pid}/task").glob("*/children"):
+        for child in children.read_text().split():
+            command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            if b"pagedkv.model_runner" in command:
+                return int(child)
+    raise LookupError("the server has no runner child")
+
+
+def test_pagedkv_serve_streams_finish_with_identical_tokens_across_a_killed_runner() -> None:
+    with short_tmp_dir() as folder:
+        port = free_tcp_port()
+        server = start_process("server", [sys.executable, "-m", "pagedkv.cli", "serve", "--model",
+                                          "tiny-llama", "--num-blocks", "128", "--device", "cpu",
+                                          "--port", str(port), "--log-format", "json"],
+                               folder, f"http://127.0.0.1:{port}")
+        with server:
+            server.wait_for_notification(READY_STATE, DECIDE_S)
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                   max_retries=0, timeout=DECIDE_S)
+            uninterrupted = [client.completions.create(
+                model="tiny-llama", prompt=p, max_tokens=NEW_TOKENS, temperature=0,
+                extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]
+                for p in PROMPTS]
+            first_runner = runner_of(server)
+            tokens: list[list[int]] = [[] for _ in PROMPTS]
+            at_kill: list[int] = []
+            lock = threading.Lock()
+
+            def stream(index: int) -> None:
+                chunks = client.completions.create(
+                    model="tiny-llama", prompt=PROMPTS[index], max_tokens=NEW_TOKENS,
+                    temperature=0, stream=True, extra_body={"return_token_ids": True})
+                for chunk in chunks:
+                    with lock:
+                        tokens[index] += chunk.choices[0].model_extra["token_ids"]
+                        if not at_kill and all(len(t) >= KILL_AT for t in tokens):
+                            os.kill(first_runner, signal.SIGKILL)  # every stream is going
+                            at_kill.extend(len(t) for t in tokens)
+
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                for done in [pool.submit(stream, i) for i in range(len(PROMPTS))]:
+                    done.result()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics") as reply:
+                samples = {sample.name: sample.value for family in
+                           text_string_to_metric_families(reply.read().decode())
+                           for sample in family.samples}
+            new_runner = runner_of(server)
+            assert server.stop() == 0
+    assert all(KILL_AT <= n < NEW_TOKENS for n in at_kill)  # killed mid-generation
+    assert tokens == uninterrupted
+    assert samples["pagedkv:runner_restarts"] == 1
+    assert new_runner != first_runner
 
 
 def exiting(folder: Path, status: int) -> Launched:
