@@ -229,3 +229,11 @@ async def test_pool_info_and_metrics_show_the_models(daemon: Daemon, runner: Poo
     assert sample("pagedkv:format_pages", {"format": "1x2x64:float32"}) == 2
     assert sample("pagedkv:format_pages", {"format": "2x2x64:float32"}) == 6
     assert sample("pagedkv:page_moves_total") == 2
+    # A Step's free_blocks is of the session's format: half's 2 free blocks (its seq took a
+    # sixth block) and 4 for each of the 6 pages tiny could surely give (none holds a block).
+    await b.step([1])
+    assert client.free_blocks == 2 + 6 * 4
+    a = await client.open_session("a", keep_alive=False)
+    await a.allocate(1, 4)
+    await a.step([1])
+    assert client.free_blocks == 10  # tiny's own: 12 blocks in 6 pages, two used

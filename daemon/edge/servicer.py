@@ -121,7 +121,7 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
                                             Hold(request.hold_ms, request.end_hold))
         return pb.BatchResponse(results=[sequence_blocks(seq_id_of(op), update)
                                          for op, update in zip(ops, updates, strict=True)],
-                                free_blocks=self._service.free_blocks)
+                                free_blocks=self._service.free_blocks_for(request.session_id))
 
     @grpc_errors
     async def Step(self, request: pb.StepRequest, context: Context) -> pb.StepResponse:
@@ -165,7 +165,9 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
         if streamed:
             answer.step_stream()
         results = [await self._step_entry(step, answer) for step in request.steps]
-        return pb.StepManyResponse(results=results, free_blocks=self._service.free_blocks)
+        first = request.steps[0].session_id if request.steps else ""
+        return pb.StepManyResponse(results=results,
+                                   free_blocks=self._service.free_blocks_for(first))
 
     async def _step_entry(self, request: pb.StepRequest,
                           answer: AnswerBudget) -> pb.StepManyResult:
@@ -193,7 +195,8 @@ class KVPoolServicer(kvpool_pb2_grpc.KVPoolServicer):
             changed_block_id=result.changed_block_id.tolist(),
             copy_src=[copy.src for copy in result.copies],
             copy_dst=[copy.dst for copy in result.copies],
-            num_tokens=result.num_tokens.tolist(), free_blocks=self._service.free_blocks)
+            num_tokens=result.num_tokens.tolist(),
+            free_blocks=self._service.free_blocks_for(request.session_id))
 
     @grpc_errors
     async def GetBlockTables(self, request: pb.GetBlockTablesRequest,
@@ -316,7 +319,7 @@ def pool_info(service: PoolService, *, with_memory: bool) -> pb.PoolInfo:
                        block_size=pool.block_size, layout=POOL_LAYOUT,
                        reservation_blocks=pool.reservation_blocks,
                        page_bytes=service.models.page_bytes,
-                       num_pages=service.pages.num_pages,
+                       num_pages=service.formats.pages.num_pages,
                        models=[model_info(figures, with_memory=with_memory)
                                for figures in service.model_figures()])
     memory = service.memory.handle() if service.memory is not None else None

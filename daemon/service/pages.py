@@ -24,6 +24,7 @@ Batch, a quota, a cap), F keeps the page, free and zeroed, which is harmless (it
 or to give back when another format needs it). The call itself stays all-or-nothing.
 """
 
+from collections import Counter
 from collections.abc import Callable
 
 from pagedkv.daemon.core import BlockPool
@@ -43,12 +44,14 @@ class PageBroker:
         self._registry = registry
         # Page -> the number of the format holding it (all the daemon's own at start).
         self.owner: list[int] = [0] * num_pages
+        # Format number (or NO_FORMAT) -> pages it holds, kept with `owner`.
+        self._count: Counter[int] = Counter({0: num_pages})
         # Pages that changed format so far (a counter for metrics).
         self.moves_total = 0
 
     def held(self, fmt: Format) -> int:
         """Pages `fmt` holds."""
-        return self.owner.count(fmt.number)
+        return self._count[fmt.number]
 
     def make_room(self, fmt: Format, missing: int, work: MemoryWork,
                   withdrawn: Callable[[Format, list[int]], None]) -> int:
@@ -67,7 +70,9 @@ class PageBroker:
         k = fmt.blocks_per_page
         work.zero([b for page in pages for b in range(page * k, (page + 1) * k)])
         for page in pages:
+            self._count[self.owner[page]] -= 1
             self.owner[page] = fmt.number
+        self._count[fmt.number] += len(pages)
         self.moves_total += len(pages)
         return len(pages)
 
@@ -77,12 +82,29 @@ class PageBroker:
         page_bytes = self._registry.page_bytes
         return -(-total // page_bytes) if page_bytes else 0
 
+    def spare_pages(self, fmt: Format) -> int:
+        """Pages `fmt` could surely be given now: free pages other formats' reserves do not
+        need, and pages of other formats beyond their used blocks and reserves (a used block
+        pins at most one page). O(formats): what answers report as free."""
+        spare = max(0, self._count[NO_FORMAT] - self._owed(fmt))
+        for other in self._registry.formats:
+            if other is not fmt:
+                held = self.held(other)
+                stats = other.pool.stats()
+                spare += max(0, min(held - stats.used_blocks, held - self.reserve(other)))
+        return spare
+
     def _free_pages(self, fmt: Format, need: int) -> list[int]:
         """Up to `need` pages no format holds, leaving those other formats' reserves lack."""
+        if not self._count[NO_FORMAT]:
+            return []
         free = [page for page, owner in enumerate(self.owner) if owner == NO_FORMAT]
-        owed = sum(max(0, self.reserve(other) - self.held(other))
+        return free[:max(0, min(need, len(free) - self._owed(fmt)))]
+
+    def _owed(self, fmt: Format) -> int:
+        """Free pages the other formats' reserves still lack."""
+        return sum(max(0, self.reserve(other) - self.held(other))
                    for other in self._registry.formats if other is not fmt)
-        return free[:max(0, min(need, len(free) - owed))]
 
     def _idle_offers(self, fmt: Format, need: int) -> list[tuple[Format, list[int]]]:
         """Up to `need` idle pages of other formats, above their reserves: per format, the

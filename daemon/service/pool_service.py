@@ -43,6 +43,13 @@ free_blocks) and nothing of other sessions' activity; per-session figures only f
 caller's own session (session ids are credentials, so no RPC lists other sessions). Operators
 get every figure from the metrics endpoint.
 
+Models. The pool serves several models (kvpool.proto, "Models and pages"): each session names
+one, and its calls run in that model's format (`formats.py`: one block pool per geometry over
+the pages it holds, pages moved between formats when a call does not fit; per-model caps).
+Pool keys stay (session number, seq_id) in the format's pool; the session's holder groups
+are its number, its tenant's and its model's. A model's sleep closes its sessions and drops
+its cached blocks (`set_model_state`).
+
 Bounds. Every answer is bounded before it is built: each call carries an `AnswerBudget` that
 the call's parts are charged to before the pool does the work (see `answer_size.py`), so a
 request that would produce an answer over `max_answer_bytes` is refused with nothing changed.
@@ -69,7 +76,6 @@ from typing import TypeVar
 
 from pagedkv.daemon.core import (
     BatchAppend,
-    BlockPool,
     InvalidArgument,
     PoolAllocator,
     PoolError,
@@ -78,8 +84,8 @@ from pagedkv.daemon.core import (
     SeqUpdate,
 )
 from pagedkv.daemon.service.answer_size import AnswerBudget
-from pagedkv.daemon.service.cache_hygiene import CacheHygiene
 from pagedkv.daemon.service.call_work import check_work, op_work, step_work
+from pagedkv.daemon.service.formats import Formats
 from pagedkv.daemon.service.holds import (
     NO_HOLD,
     Hold,
@@ -96,10 +102,8 @@ from pagedkv.daemon.service.models import (
     KvShape,
     Model,
     ModelAsleep,
-    ModelAtCap,
     ModelFigures,
     ModelPolicy,
-    ModelRegistry,
 )
 from pagedkv.daemon.service.operations import (
     Allocate,
@@ -111,14 +115,12 @@ from pagedkv.daemon.service.operations import (
     Operation,
     operation_name,
 )
-from pagedkv.daemon.service.pages import PageBroker
 from pagedkv.daemon.service.request_budget import RequestBudget
 from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, PoolFull, SessionOps
 from pagedkv.daemon.service.sessions import Session, SessionRegistry, SessionStats
 from pagedkv.daemon.service.tenants import TenantFigures, Tenants, TenantUsage, trusted_caller
 from pagedkv.process.log_setup import get_logger
-from pagedkv.vocab.blocks import blocks_for
-from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype
+from pagedkv.vocab.geometry import ModelGeometry
 
 log = get_logger(__name__)
 
@@ -148,21 +150,17 @@ class PoolService:
         self.sessions = SessionRegistry(pool_id, default_lease_ttl_ms=default_lease_ttl_ms,
                                         max_lease_ttl_ms=max_lease_ttl_ms, limits=self.limits,
                                         clock=clock)
-        self._zero = zero_freed_blocks
-        self._prefix_hash = prefix_hash
         # Who may call, and each tenant's limits and live sessions.
         self.tenants = tenants or Tenants.single(None)
         # The pool counts the blocks each session, each tenant and each model holds
         # (`_groups`), so GetStats and /metrics cost O(sessions), not O(table entries).
         self._tenant_number = {name: i for i, name in enumerate(self.tenants.by_name)}
-        own = self._own_format(pool, page_bytes)
-        # The models and their formats; the daemon's own model is model 0 of format 0.
-        self.models = ModelRegistry(
-            geometry.name if geometry is not None else "default", own,
-            page_bytes=page_bytes or own.bytes_per_block, policies=model_policies or {},
-            max_models=max_models, new_format=self._new_format)
-        # Pages of page_bytes, and which format holds each (pages.py).
-        self.pages = PageBroker(pool.num_blocks // own.blocks_per_page, self.models)
+        # The models, their formats and pages (formats.py); the daemon's own is format 0.
+        self.formats = Formats(pool, memory, geometry, limits=self.limits,
+                               zero_blocks=zero_freed_blocks, prefix_hash=prefix_hash,
+                               page_bytes=page_bytes, policies=model_policies or {},
+                               max_models=max_models)
+        self.models = self.formats.models
         self._usage = TenantUsage()
         # Serializes every change of pool state: held while a call applies its change and
         # starts its memory work, never while the work runs.
@@ -175,48 +173,6 @@ class PoolService:
         self._reaper: asyncio.Task[None] | None = None
 
     # --------------------------------------------------------------- formats
-
-    def _own_format(self, pool: PoolAllocator, page_bytes: int) -> Format:
-        """Format 0: the daemon's own model's, holding every page (`page_bytes` 0: one block
-        a page)."""
-        geometry, memory = self.geometry, self.memory
-        if geometry is None:
-            shape = KvShape(0, 0, 0, "float32")  # a bookkeeping-only pool: one format
-        else:
-            handle = memory.handle() if memory is not None else None
-            shape = KvShape(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
-                            canonical_dtype(handle.dtype if handle is not None
-                                            else geometry.default_dtype))
-        per_block = shape.bytes_per_block(pool.block_size)
-        if page_bytes and (not per_block or page_bytes % per_block):
-            raise ValueError(f"page_bytes={page_bytes} is not a multiple of the model's "
-                             f"{per_block} bytes per block")
-        blocks_per_page = page_bytes // per_block if page_bytes else 1
-        if isinstance(pool, BlockPool) and pool.blocks_per_page != blocks_per_page:
-            raise ValueError(f"the pool has {pool.blocks_per_page} blocks a page, page_bytes="
-                             f"{page_bytes} makes {blocks_per_page}")
-        return self._format(0, shape, pool, memory, blocks_per_page, per_block)
-
-    def _new_format(self, number: int, shape: KvShape, blocks_per_page: int) -> Format:
-        """A format for another geometry: every block id of every page, all withdrawn."""
-        own = self.models.formats[0]
-        pool = BlockPool(self.pages.num_pages * blocks_per_page, own.pool.block_size,
-                         own.pool.enable_prefix_caching, self._prefix_hash,
-                         blocks_per_page=blocks_per_page, withdrawn=True)
-        view = getattr(self.memory, "view", None)
-        memory: BlockMemory | None = None if view is None else view(
-            shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype, pool.block_size)
-        return self._format(number, shape, pool, memory, blocks_per_page,
-                            shape.bytes_per_block(pool.block_size))
-
-    def _format(self, number: int, shape: KvShape, pool: PoolAllocator,
-                memory: BlockMemory | None, blocks_per_page: int, per_block: int) -> Format:
-        pool.track_holders(3)  # by session, by tenant, by model
-        fmt = Format(number, shape, per_block, blocks_per_page, pool,
-                     SessionOps(pool, self.limits, self._zero), CacheHygiene(pool, self._zero),
-                     memory)
-        fmt.ops.revived = fmt.hygiene.cached.left
-        return fmt
 
     def model_of(self, session: Session) -> Model:
         return self.models.get(session.model)
@@ -305,59 +261,20 @@ class PoolService:
                 self.tenants.check_commit(session.tenant, session.shared_salt)
             if frees:
                 check_release(session, self.sessions.now(), frees)
-            work = MemoryWork()
-            model = self.model_of(session)
-            result = self._fitted(session, model, work, answer or self.answer_budget(), change)
+            work, model = MemoryWork(), self.model_of(session)
+            fmt, budget = model.format, answer or self.answer_budget()
+
+            def body() -> T:
+                with fmt.hygiene.watch(session, work), fmt.pool.holding(self._groups(session)):
+                    result = change(session, fmt.ops, work, budget)
+                self._usage.check_blocks(self.tenants.by_name[session.tenant])
+                return result
+            result = self.formats.fitted(model, work, budget, body)
             apply_hold(session, hold, self.sessions.now())
             bs = self.pool.block_size
             return result, self._start_work(model.format, work,
                                              lambda: answer_blocks(result, bs))
         return await self._arrived(session_id, apply)
-
-    def _fitted(self, session: Session, model: Model, work: MemoryWork, answer: AnswerBudget,
-                change: Callable[[Session, SessionOps, MemoryWork, AnswerBudget], T]) -> T:
-        """`change` applied all-or-nothing in the session's format; where it does not fit, the
-        page broker gives the format pages (pages.py), and where it would take the model past
-        its cap, the model's own oldest cached blocks are dropped, before it is tried again
-        (each retry frees or moves at least one block, so this ends)."""
-        fmt = model.format
-        while True:
-            mark, used, before = len(work.steps), answer.used, model.memory_bytes()
-            try:
-                with fmt.pool.transaction():
-                    with fmt.hygiene.watch(session, work), fmt.pool.holding(
-                            self._groups(session)):
-                        result = change(session, fmt.ops, work, answer)
-                    self._usage.check_blocks(self.tenants.by_name[session.tenant])
-                    self._check_cap(model, before)
-                return result
-            except PoolFull as full:
-                del work.steps[mark:]
-                answer.used = used
-                if not self.pages.make_room(fmt, full.needed - full.available, work,
-                                            self._withdrawn):
-                    raise
-            except ModelAtCap as cap:
-                del work.steps[mark:]
-                answer.used = used
-                oldest = dict(list(fmt.hygiene.cached.blocks_of(model.number).items())[
-                    :cap.excess_blocks])
-                if not fmt.hygiene.drop(oldest, work):
-                    raise
-
-    @staticmethod
-    def _check_cap(model: Model, before: int) -> None:
-        """ModelAtCap if the change took the model's memory up and past its max_memory."""
-        cap = model.policy.max_memory
-        after = model.memory_bytes()
-        if cap and after > cap and after > before:
-            raise ModelAtCap(f"model {model.name!r} is at its cap: the call would take its "
-                             f"memory to {after} bytes; max_memory={cap}",
-                             blocks_for(after - cap, model.format.bytes_per_block))
-
-    def _withdrawn(self, fmt: Format, blocks: list[int]) -> None:
-        """Cached blocks of `fmt` left with a page given to another format."""
-        fmt.hygiene.withdrawn(blocks)
 
     async def _arrived(self, session_id: str,
                        apply: Callable[[Session], tuple[T, Pending]]) -> T:
@@ -426,9 +343,7 @@ class PoolService:
     def register_model(self, name: str, shape: KvShape, runner_target: str = "") -> Model:
         """Register a runner's model (models.py: idempotent for the same geometry). A new
         geometry needs a paged pool and, with memory, per-format views of it."""
-        many = isinstance(self.pool, BlockPool) and (
-            self.memory is None or hasattr(self.memory, "view"))
-        model = self.models.register(name, shape, runner_target, many)
+        model = self.formats.register(name, shape, runner_target)
         log.info("model registered", model=name, format=model.format.shape.label,
                  runner_target=runner_target)
         return model
@@ -467,13 +382,11 @@ class PoolService:
     @property
     def page_moves_total(self) -> int:
         """Pages given to another format so far."""
-        return self.pages.moves_total
+        return self.formats.pages.moves_total
 
     def model_figures(self) -> list[ModelFigures]:
         """Every model's figures now (O(models))."""
-        return [ModelFigures(model, model.format.pool.blocks_held(2, model.number),
-                             model.format.hygiene.cached.count(model.number),
-                             self.pages.held(model.format)) for model in self.models]
+        return self.formats.figures()
 
     # ------------------------------------------------------------ operations
 
@@ -608,6 +521,15 @@ class PoolService:
     def free_blocks(self) -> int:
         """Blocks an allocation could take now (capacity's third figure), for answers."""
         return self.pool.num_free_blocks
+
+    def free_blocks_for(self, session_id: str) -> int:
+        """What answers of a call of this session report as free: blocks of its model's
+        format a call could surely get now (Formats.free_blocks); `free_blocks` when the
+        session is unknown (the call failed) or the pool has one format."""
+        session = self.sessions.peek(session_id)
+        if session is None or len(self.models.formats) == 1:
+            return self.free_blocks
+        return self.formats.free_blocks(self.model_of(session))
 
     @property
     def num_sessions(self) -> int:

@@ -211,6 +211,10 @@ class SessionRegistry:
         session.deadline = now + session.lease_ttl_ms / 1000
         return session
 
+    def peek(self, session_id: str) -> Session | None:
+        """The live session with this id, or None; its lease untouched (for figures)."""
+        return self._sessions.get(session_id)
+
     def arrive(self, session_id: str) -> Session:
         """A call naming the session has arrived: renew the lease and hold it until `depart`."""
         session = self.get(session_id)

@@ -1,0 +1,170 @@
+"""The formats of one pool and the calls fitted into them (kvpool.proto, "Models and pages").
+
+`Formats` builds format 0 (the daemon's own model's, over the pool the daemon made, holding
+every page) and one format per other geometry a runner registers (a `BlockPool` over every
+page's block ids, all withdrawn, and its view of the pool memory), and applies each call in its
+session's format (`fitted`):
+
+- A call that does not fit (`PoolFull`) is undone, its format is given the pages it lacks by the
+  page broker (pages.py: all of them or none; each zeroed as the first memory work of the call),
+  and it is tried again.
+- A call that would take its model past max_memory (`ModelAtCap`) is undone; the model's own
+  oldest cached blocks (as many as it is over) are dropped, and it is tried again; when it has
+  none, the call is refused: RESOURCE_EXHAUSTED, cause "ModelAtCap", naming the model and its
+  cap, nothing of it applied.
+
+Each retry moves or frees at least one block, so the loop ends. What a retry gave (a page, a
+dropped cached block) stays if the call then fails anyway: a free page of the format, or a
+block no longer cached, both harmless; the call itself stays all-or-nothing.
+"""
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from pagedkv.daemon.core import BlockPool, PoolAllocator, PrefixHash
+from pagedkv.daemon.service.answer_size import AnswerBudget
+from pagedkv.daemon.service.cache_hygiene import CacheHygiene
+from pagedkv.daemon.service.limits import Limits
+from pagedkv.daemon.service.models import (
+    Format,
+    KvShape,
+    Model,
+    ModelAtCap,
+    ModelFigures,
+    ModelPolicy,
+    ModelRegistry,
+)
+from pagedkv.daemon.service.pages import PageBroker
+from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, PoolFull, SessionOps
+from pagedkv.vocab.blocks import blocks_for
+from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype
+
+T = TypeVar("T")
+
+
+class Formats:
+    """Every format of one pool, its models and its pages (see the module docstring)."""
+
+    def __init__(self, pool: PoolAllocator, memory: BlockMemory | None,
+                 geometry: ModelGeometry | None, *, limits: Limits, zero_blocks: bool,
+                 prefix_hash: PrefixHash, page_bytes: int, policies: dict[str, ModelPolicy],
+                 max_models: int) -> None:
+        self._memory = memory
+        self._limits = limits
+        self._zero = zero_blocks
+        self._prefix_hash = prefix_hash
+        own = self._own_format(pool, memory, geometry, page_bytes)
+        # The models; the daemon's own model is model 0 of format 0.
+        self.models = ModelRegistry(
+            geometry.name if geometry is not None else "default", own,
+            page_bytes=page_bytes or own.bytes_per_block, policies=policies,
+            max_models=max_models, new_format=self._new_format)
+        # Pages of page_bytes, and which format holds each (pages.py).
+        self.pages = PageBroker(pool.num_blocks // own.blocks_per_page, self.models)
+
+    def _own_format(self, pool: PoolAllocator, memory: BlockMemory | None,
+                    geometry: ModelGeometry | None, page_bytes: int) -> Format:
+        """Format 0, holding every page (`page_bytes` 0: one block a page)."""
+        if geometry is None:
+            shape = KvShape(0, 0, 0, "float32")  # a bookkeeping-only pool: one format
+        else:
+            handle = memory.handle() if memory is not None else None
+            shape = KvShape(geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
+                            canonical_dtype(handle.dtype if handle is not None
+                                            else geometry.default_dtype))
+        per_block = shape.bytes_per_block(pool.block_size)
+        if page_bytes and (not per_block or page_bytes % per_block):
+            raise ValueError(f"page_bytes={page_bytes} is not a multiple of the model's "
+                             f"{per_block} bytes per block")
+        blocks_per_page = page_bytes // per_block if page_bytes else 1
+        if isinstance(pool, BlockPool) and pool.blocks_per_page != blocks_per_page:
+            raise ValueError(f"the pool has {pool.blocks_per_page} blocks a page, page_bytes="
+                             f"{page_bytes} makes {blocks_per_page}")
+        return self._format(0, shape, pool, memory, blocks_per_page, per_block)
+
+    def _new_format(self, number: int, shape: KvShape, blocks_per_page: int) -> Format:
+        """A format for another geometry: every block id of every page, all withdrawn."""
+        own = self.models.formats[0].pool
+        pool = BlockPool(self.pages.num_pages * blocks_per_page, own.block_size,
+                         own.enable_prefix_caching, self._prefix_hash,
+                         blocks_per_page=blocks_per_page, withdrawn=True)
+        view = getattr(self._memory, "view", None)
+        memory: BlockMemory | None = None if view is None else view(
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype, pool.block_size)
+        return self._format(number, shape, pool, memory, blocks_per_page,
+                            shape.bytes_per_block(pool.block_size))
+
+    def _format(self, number: int, shape: KvShape, pool: PoolAllocator,
+                memory: BlockMemory | None, blocks_per_page: int, per_block: int) -> Format:
+        pool.track_holders(3)  # by session, by tenant, by model
+        fmt = Format(number, shape, per_block, blocks_per_page, pool,
+                     SessionOps(pool, self._limits, self._zero), CacheHygiene(pool, self._zero),
+                     memory)
+        fmt.ops.revived = fmt.hygiene.cached.left
+        return fmt
+
+    def register(self, name: str, shape: KvShape, runner_target: str) -> Model:
+        """Register a runner's model (models.py). A new geometry needs a paged pool and, with
+        memory, per-format views of it."""
+        own = self.models.formats[0].pool
+        many = isinstance(own, BlockPool) and (
+            self._memory is None or hasattr(self._memory, "view"))
+        return self.models.register(name, shape, runner_target, many)
+
+    def fitted(self, model: Model, work: MemoryWork, answer: AnswerBudget,
+               body: Callable[[], T]) -> T:
+        """`body` (a call of a session of `model`) applied all-or-nothing in the model's
+        format, fitted as the module docstring says."""
+        fmt = model.format
+        while True:
+            mark, used, before = len(work.steps), answer.used, model.memory_bytes()
+            try:
+                with fmt.pool.transaction():
+                    result = body()
+                    _check_cap(model, before)
+                return result
+            except PoolFull as full:
+                del work.steps[mark:]
+                answer.used = used
+                if not self.pages.make_room(fmt, full.needed - full.available, work,
+                                            _withdrawn):
+                    raise
+            except ModelAtCap as cap:
+                del work.steps[mark:]
+                answer.used = used
+                oldest = dict(list(fmt.hygiene.cached.blocks_of(model.number).items())[
+                    :cap.excess_blocks])
+                if not fmt.hygiene.drop(oldest, work):
+                    raise
+
+    def figures(self) -> list[ModelFigures]:
+        """Every model's figures now (O(models))."""
+        return [ModelFigures(model, model.format.pool.blocks_held(2, model.number),
+                             model.format.hygiene.cached.count(model.number),
+                             self.pages.held(model.format)) for model in self.models]
+
+    def free_blocks(self, model: Model) -> int:
+        """Blocks of the model's format a call could surely get now: its free and evictable
+        blocks, and the blocks of the pages the broker could surely give it (free pages, and
+        pages of other formats beyond both their used blocks and their reserves). O(formats)."""
+        fmt = model.format
+        free = fmt.pool.num_free_blocks
+        if len(self.models.formats) == 1:
+            return free
+        pages = self.pages.spare_pages(fmt)
+        return free + pages * fmt.blocks_per_page
+
+
+def _check_cap(model: Model, before: int) -> None:
+    """ModelAtCap if the change took the model's memory up and past its max_memory."""
+    cap = model.policy.max_memory
+    after = model.memory_bytes()
+    if cap and after > cap and after > before:
+        raise ModelAtCap(f"model {model.name!r} is at its cap: the call would take its memory "
+                         f"to {after} bytes; max_memory={cap}",
+                         blocks_for(after - cap, model.format.bytes_per_block))
+
+
+def _withdrawn(fmt: Format, blocks: list[int]) -> None:
+    """Cached blocks of `fmt` left with a page given to another format."""
+    fmt.hygiene.withdrawn(blocks)
