@@ -1,7 +1,9 @@
-"""`pagedkv daemon|plan|runner|generate|serve`: the product's one command, on top of every part.
+"""`pagedkv daemon|plan|model|runner|generate|serve`: the product's one command, on top of every
+part.
 
     pagedkv daemon ...     the daemon, as `pagedkvd` (daemon/process/cli.py)
     pagedkv plan ...       how many blocks and sequences fit a device (daemon/memory/planner.py)
+    pagedkv model ...      list the daemon's models, put one to sleep or wake it (model_cmd.py)
     pagedkv runner ...     the model runner next to the daemon (model_runner/process/cli.py)
     pagedkv generate ...   completions for prompts with a local model (llm/cli.py)
     pagedkv serve ...      the OpenAI-compatible HTTP server (server/cli.py)
@@ -15,6 +17,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from pagedkv.cli.model_cmd import add_model_arguments, run_model
 from pagedkv.daemon.memory.planner import add_plan_arguments, run_plan
 from pagedkv.daemon.process.cli import run_serve
 from pagedkv.daemon.process.settings_sources import add_serve_arguments
@@ -55,6 +58,8 @@ def parser() -> argparse.ArgumentParser:
     commands = command.add_subparsers(dest="command", required=True)
     add_serve_arguments(commands.add_parser("daemon", help="run the daemon (as pagedkvd)"))
     add_plan_arguments(commands.add_parser("plan", help="how many blocks and sequences fit"))
+    add_model_arguments(commands.add_parser("model", help="list the daemon's models, put one "
+                                                          "to sleep or wake it"))
     commands.add_parser("runner", help="run the model runner next to the daemon "
                                        "(pagedkv runner --help)")
     commands.add_parser("generate", help="generate completions for prompts with a local model "
@@ -72,4 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(args_in)
     if args.command == "daemon":
         return run_serve(args, "pagedkv daemon")
+    if args.command == "model":
+        return run_model(args)
     return run_plan(args)

@@ -7,12 +7,14 @@ takes 4 KiB a block: 4 blocks a page, 32 block ids. Sessions of both allocate un
 full, and every figure is asserted exactly.
 """
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from pagedkv import client as c
+from pagedkv.cli.main import main
 from pagedkv.client import PoolClient
 from pagedkv.daemon.service.models import ModelPolicy
 
@@ -237,3 +239,30 @@ async def test_pool_info_and_metrics_show_the_models(daemon: Daemon, runner: Poo
     await a.allocate(1, 4)
     await a.step([1])
     assert client.free_blocks == 10  # tiny's own: 12 blocks in 6 pages, two used
+
+
+async def test_pagedkv_model_sleeps_wakes_and_lists_over_the_runner_socket(
+        daemon: Daemon, runner: PoolClient, client: PoolClient,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    await runner.register_model("half", **HALF)
+
+    async def pagedkv(*argv: str) -> int:
+        return await asyncio.to_thread(main, ["model", *argv])
+
+    assert await pagedkv("sleep", "half", "--daemon", daemon.runners_target) == 0
+    assert "half: 1x2x64 float32, asleep" in capsys.readouterr().out
+    with pytest.raises(c.ModelAsleep):
+        await client.open_session("b", model="half", keep_alive=False)
+    assert await pagedkv("wake", "half", "--daemon", daemon.runners_target) == 0
+    assert "half: 1x2x64 float32, awake" in capsys.readouterr().out
+    assert await pagedkv("list", "--daemon", daemon.runners_target) == 0
+    listed = [line for line in capsys.readouterr().out.splitlines() if "format pages" in line]
+    assert [line.split(":")[0] for line in listed] == ["tiny", "half"]
+    assert "awake" in listed[-1]
+    assert await pagedkv("sleep", "nobody", "--daemon", daemon.runners_target) == 1
+    assert "no model 'nobody' is registered" in capsys.readouterr().err
+    assert await pagedkv("sleep", "half", "--daemon", daemon.unix_target) == 1  # no runner
+    assert "for runners only" in capsys.readouterr().err
+    assert await pagedkv("sleep", "--daemon", daemon.runners_target) == 2
+    assert not (await figures(client))["half"][0]  # nothing was put to sleep by the refusals
+    await client.open_session("b", model="half", keep_alive=False)
