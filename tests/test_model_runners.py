@@ -5,7 +5,11 @@ a prompt one model cached is no hit for the other; clients find a runner by mode
 session of one model is refused by the other's runner; a restarted runner registers again.
 """
 
+import asyncio
+import json
 import signal
+import sys
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -24,7 +28,9 @@ from pagedkv.client import (
     SeqStep,
     Session,
 )
+from pagedkv.llm import LLM
 from pagedkv.model_runner.models import ModelSource, load_model
+from pagedkv.process.launch import READY_STATE, free_tcp_port, start_process
 from pagedkv.vocab.geometry import model_name
 
 NEW_TOKENS = 6
@@ -188,6 +194,34 @@ def test_a_taken_name_with_another_geometry_is_refused_at_start(
     assert "refused to register model 'base'" in message, message
 
 
+def test_llm_and_serve_find_the_runner_of_a_model_name(
+        daemon: Pagedkvd, runners: dict[str, Pagedkvd],
+        references: dict[str, PreTrainedModel]) -> None:
+    """`LLM(daemon=..., model_name=...)` and `pagedkv serve --daemon ...` without --runner use
+    the runner that registered the name (the served name, for the server)."""
+    expected = hf_greedy(references["tuned"], PROMPT, NEW_TOKENS)
+    with LLM(daemon=daemon.unix_target, model_name="tuned") as llm:
+        (output,) = llm.generate([PROMPT], GREEDY, progress=False)
+    assert list(output.outputs[0].token_ids) == expected
+    with short_tmp_dir() as folder:
+        port = free_tcp_port()
+        server = start_process("server", [
+            sys.executable, "-m", "pagedkv.cli", "serve", "--port", str(port), "--model", "tiny",
+            "--served-model-name", "tuned", "--daemon", daemon.unix_target], folder,
+            f"http://127.0.0.1:{port}")
+        try:
+            server.wait_for_notification(READY_STATE, 120)
+            body = {"model": "tuned", "prompt": PROMPT, "max_tokens": NEW_TOKENS,
+                    "temperature": 0, "return_token_ids": True}
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                             json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            answer = json.loads(urllib.request.urlopen(request, timeout=60).read())
+        finally:
+            assert server.stop() == 0, server.stderr()
+    assert answer["choices"][0]["token_ids"] == expected
+
+
 async def test_a_restarted_runner_registers_again(
         daemon: Pagedkvd, config_path: Path, runners: dict[str, Pagedkvd], tuned_listen: str,
         references: dict[str, PreTrainedModel]) -> None:
@@ -203,3 +237,27 @@ async def test_a_restarted_runner_registers_again(
             output = await engine.generate(PROMPT, GREEDY)
     assert list(output.outputs[0].token_ids) == hf_greedy(references["tuned"], PROMPT,
                                                           NEW_TOKENS)
+
+
+async def test_a_runner_registers_again_with_a_restarted_daemon(
+        config_path: Path, references: dict[str, PreTrainedModel]) -> None:
+    """A new daemon knows only its own model: the runner's watcher registers "tuned" again
+    with the new pool, so its clients open sessions of it as before (ModelNotFound else)."""
+    with pagedkvd("--model-config", str(config_path), "--num-blocks", "64") as first, \
+            pagedkv_runner(first, "--random-init", str(config_path), "--seed", str(TUNED_SEED),
+                           "--model-name", "tuned") as process:
+        async with await RunnerClient.connect(process.unix_target) as runner, \
+                await PoolClient.connect(first.unix_target) as pool:
+            old_pool = (await runner.info()).pool_id
+            assert first.stop() == 0
+            socket_path = Path(first.unix_target.removeprefix("unix://"))
+            with pagedkvd("--model-config", str(config_path), "--num-blocks", "64",
+                          workdir=first.workdir, listen_path=socket_path):
+                for _ in range(100):  # the watcher maps the new pool within a second or two
+                    if (await runner.info()).pool_id != old_pool:
+                        break
+                    await asyncio.sleep(0.1)
+                assert "tuned" in {m.name for m in (await pool.pool_info()).models}
+                async with await pool.open_session("after", model="tuned") as session:
+                    tokens = await generate(runner, session)
+    assert tokens == hf_greedy(references["tuned"], PROMPT, NEW_TOKENS)
