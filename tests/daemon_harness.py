@@ -31,7 +31,7 @@ from pagedkv.daemon.edge.addresses import ListenAddress, parse_listen
 from pagedkv.daemon.edge.metrics import PoolCollector, RpcMetrics
 from pagedkv.daemon.edge.peer_gate import PeerGate
 from pagedkv.daemon.edge.tls import ServerTls
-from pagedkv.daemon.memory.kv_memory import KVPoolMemory
+from pagedkv.daemon.memory.kv_memory import KVMemory, KVPoolMemory
 from pagedkv.daemon.process.server import grpc_server
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.tenants import Tenants
@@ -70,6 +70,20 @@ class Daemon:
         return self.service.pool
 
 
+def tiny_memory(num_blocks: int, block_size: int, blocks_per_page: int,
+                directory: Path) -> KVPoolMemory:
+    """A CPU arena of num_blocks / blocks_per_page pages, seen as the tiny model's blocks."""
+    if blocks_per_page == 1:
+        return KVPoolMemory.create(TINY_CPU_GEOMETRY, num_blocks, block_size, "float32",
+                                   shm_dir=str(directory))
+    per_block = TINY_CPU_GEOMETRY.bytes_per_block(block_size, dtype_bytes("float32"))
+    arena = KVMemory.create(num_blocks // blocks_per_page, blocks_per_page * per_block,
+                            shm_dir=str(directory))
+    return KVPoolMemory(arena, arena.view(TINY_CPU_GEOMETRY.num_layers,
+                                          TINY_CPU_GEOMETRY.num_kv_heads,
+                                          TINY_CPU_GEOMETRY.head_dim, "float32", block_size))
+
+
 @asynccontextmanager
 async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memory: bool = False,
                          tcp: bool = False, tls: ServerTls | None = None,
@@ -89,8 +103,8 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
         stack.callback(shutil.rmtree, directory, ignore_errors=True)
         memory = None
         if with_memory:
-            memory = stack.enter_context(KVPoolMemory.create(
-                TINY_CPU_GEOMETRY, num_blocks, block_size, "float32", shm_dir=str(directory)))
+            memory = stack.enter_context(tiny_memory(num_blocks, block_size, blocks_per_page,
+                                                     directory))
         pool = make_pool(allocator, num_blocks, block_size, max_model_len=max_model_len)
         if blocks_per_page > 1:
             pool = BlockPool(num_blocks, block_size, blocks_per_page=blocks_per_page)

@@ -55,11 +55,11 @@ def kv(daemon: Daemon) -> torch.Tensor:
 
 def write(daemon: Daemon, blocks: list[int], value: float) -> None:
     """What a runner does: K/V written into these blocks."""
-    kv(daemon)[:, :, blocks] = value
+    kv(daemon)[blocks] = value
 
 
 def holds(daemon: Daemon, blocks: list[int], value: float) -> bool:
-    return bool((kv(daemon)[:, :, blocks] == value).all())
+    return bool((kv(daemon)[blocks] == value).all())
 
 
 async def cache_a_prompt(session: Session, value: float, daemon: Daemon) -> list[int]:

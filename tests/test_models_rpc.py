@@ -266,3 +266,23 @@ async def test_pagedkv_model_sleeps_wakes_and_lists_over_the_runner_socket(
     assert await pagedkv("sleep", "--daemon", daemon.runners_target) == 2
     assert not (await figures(client))["half"][0]  # nothing was put to sleep by the refusals
     await client.open_session("b", model="half", keep_alive=False)
+
+
+async def test_a_page_changing_format_is_zeroed_before_the_answer_in_one_arena() -> None:
+    async with running_daemon(num_blocks=16, block_size=4, blocks_per_page=2,
+                              with_memory=True) as daemon:
+        assert daemon.memory is not None
+        kv = daemon.memory.kv  # tiny's view: [16, 2, 2, 4, 2, 64] float32, 2 blocks a page
+        kv.fill_(7.0)  # stale K/V everywhere
+        async with await PoolClient.connect(daemon.runners_target) as runner, \
+                await PoolClient.connect(daemon.unix_target) as client:
+            info = await runner.register_model("half", **HALF)
+            assert info.memory.kind == "shm" and list(info.memory.shape) == [32, 1, 2, 4, 2, 64]
+            shown = (await client.pool_info()).models
+            assert [m.memory.kind for m in shown] == ["", ""]  # views for runners only
+            b = await client.open_session("b", keep_alive=False, model="half")
+            first = await b.allocate(1, 20)  # pages 0 and 1 (tiny holds nothing): zeroed
+            assert first.block_ids == [0, 1, 2, 3, 4]
+            assert bool((kv[0:4] == 0).all())  # pages 0-1 in tiny's view: zero
+            assert bool((kv[4:] == 7.0).all())  # the other pages untouched
+            daemon.service.check_invariants()

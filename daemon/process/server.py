@@ -32,7 +32,7 @@ from pagedkv.daemon.edge.metrics import PoolCollector, Readiness, RpcMetrics
 from pagedkv.daemon.edge.peer_gate import PeerGate, gate_folder
 from pagedkv.daemon.edge.servicer import KVPoolServicer, add_to_server
 from pagedkv.daemon.edge.tls import ServerTls
-from pagedkv.daemon.memory.kv_memory import KVPoolMemory, cleanup_stale_files
+from pagedkv.daemon.memory.kv_memory import KVMemory, KVPoolMemory, cleanup_stale_files
 from pagedkv.daemon.process.config import (
     DEFAULT_SOCKET_MODE,
     MAX_LEASE_TTL_MS,
@@ -144,9 +144,7 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
     if not num_blocks:
         raise ConfigError(f"the pool is smaller than one page of page_size={config.page_size}")
     config.check_reservation(num_blocks)
-    memory = KVPoolMemory.create(geometry, num_blocks, config.block_size, dtype,
-                                 device=config.device, shm_dir=str(config.shm_dir),
-                                 mode=config.runners_mode, group=config.runner_gid())
+    memory = pool_memory(config, geometry, dtype, num_blocks, blocks_per_page)
     try:
         log.info("pool allocated", pool_id=memory.pool_id, model=geometry.name, dtype=dtype,
                  device=config.device, num_blocks=num_blocks, block_size=config.block_size,
@@ -187,6 +185,21 @@ def check_device(device: str) -> None:
     if index >= torch.cuda.device_count():
         raise StartupError(f"device {device}: only {torch.cuda.device_count()} CUDA "
                            "device(s) visible")
+
+
+def pool_memory(config: DaemonConfig, geometry: ModelGeometry, dtype: str, num_blocks: int,
+                blocks_per_page: int) -> KVPoolMemory:
+    """The arena of num_blocks / blocks_per_page pages, seen as the daemon's own model's
+    blocks (every other format a view of it: kv_memory.py)."""
+    shm_dir, mode, group = str(config.shm_dir), config.runners_mode, config.runner_gid()
+    if blocks_per_page == 1:
+        return KVPoolMemory.create(geometry, num_blocks, config.block_size, dtype,
+                                   device=config.device, shm_dir=shm_dir, mode=mode, group=group)
+    per_block = geometry.bytes_per_block(config.block_size, dtype_bytes(dtype))
+    arena = KVMemory.create(num_blocks // blocks_per_page, blocks_per_page * per_block,
+                            device=config.device, shm_dir=shm_dir, mode=mode, group=group)
+    return KVPoolMemory(arena, arena.view(geometry.num_layers, geometry.num_kv_heads,
+                                          geometry.head_dim, dtype, config.block_size))
 
 
 def pool_blocks_per_page(config: DaemonConfig, per_block: int) -> int:

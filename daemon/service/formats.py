@@ -19,7 +19,7 @@ block no longer cached, both harmless; the call itself stays all-or-nothing.
 """
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
 from pagedkv.daemon.core import BlockPool, PoolAllocator, PrefixHash
 from pagedkv.daemon.service.answer_size import AnswerBudget
@@ -40,6 +40,14 @@ from pagedkv.vocab.blocks import blocks_for
 from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype
 
 T = TypeVar("T")
+
+
+@runtime_checkable
+class Arena(Protocol):
+    """What the formats need of the pool memory's arena (kv_memory.KVMemory)."""
+
+    def view(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str,
+             block_size: int, /) -> BlockMemory: ...
 
 
 class Formats:
@@ -88,8 +96,8 @@ class Formats:
         pool = BlockPool(self.pages.num_pages * blocks_per_page, own.block_size,
                          own.enable_prefix_caching, self._prefix_hash,
                          blocks_per_page=blocks_per_page, withdrawn=True)
-        view = getattr(self._memory, "view", None)
-        memory: BlockMemory | None = None if view is None else view(
+        arena = self._arena()
+        memory: BlockMemory | None = None if arena is None else arena.view(
             shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype, pool.block_size)
         return self._format(number, shape, pool, memory, blocks_per_page,
                             shape.bytes_per_block(pool.block_size))
@@ -107,9 +115,15 @@ class Formats:
         """Register a runner's model (models.py). A new geometry needs a paged pool and, with
         memory, per-format views of it."""
         own = self.models.formats[0].pool
-        many = isinstance(own, BlockPool) and (
-            self._memory is None or hasattr(self._memory, "view"))
+        many = isinstance(own, BlockPool) and (self._memory is None
+                                               or self._arena() is not None)
         return self.models.register(name, shape, runner_target, many)
+
+    def _arena(self) -> Arena | None:
+        """The arena under format 0's memory, which makes the other formats' views; None for
+        a bookkeeping-only pool or memory without one (a test's wrapper)."""
+        arena = getattr(self._memory, "arena", None)
+        return arena if isinstance(arena, Arena) else None
 
     def fitted(self, model: Model, work: MemoryWork, answer: AnswerBudget,
                body: Callable[[], T]) -> T:
