@@ -8,7 +8,11 @@ full, and every figure is asserted exactly.
 """
 
 import asyncio
+import re
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -16,6 +20,10 @@ from prometheus_client import CollectorRegistry
 from pagedkv import client as c
 from pagedkv.cli.main import main
 from pagedkv.client import PoolClient
+from pagedkv.daemon.process.config import DaemonConfig
+from pagedkv.daemon.process.server import pool_blocks_per_page, serve
+from pagedkv.daemon.process.settings import ConfigError
+from pagedkv.daemon.process.settings_sources import load_toml
 from pagedkv.daemon.service.models import ModelPolicy
 
 from daemon_harness import Daemon, running_daemon
@@ -286,3 +294,48 @@ async def test_a_page_changing_format_is_zeroed_before_the_answer_in_one_arena()
             assert bool((kv[0:4] == 0).all())  # pages 0-1 in tiny's view: zero
             assert bool((kv[4:] == 7.0).all())  # the other pages untouched
             daemon.service.check_invariants()
+
+
+async def test_pagedkvd_takes_page_size_and_model_tables_from_its_toml(tmp_path: Path) -> None:
+    folder = Path(tempfile.mkdtemp(prefix="pkvm-"))  # short: unix socket paths are limited
+    toml = tmp_path / "pagedkv.toml"
+    toml.write_text(f'listen = "unix://{folder}/d.sock"\nshm_dir = "{folder}"\nnum_blocks = 16\n'
+                    'page_size = "64KiB"\nmax_models = 2\n'  # tiny: 32 KiB a block of 16
+                    '[models.half]\nmin_memory = "64KiB"\nmax_memory = "256KiB"\n')
+    config = DaemonConfig(**load_toml(toml))
+    stop = asyncio.Event()
+    served = asyncio.create_task(serve(config, stop))
+    try:
+        async with await PoolClient.connect(f"unix://{folder}/pagedkvd-runners.sock") as runner:
+            half = await runner.register_model("half", **HALF)
+            assert (half.min_memory, half.max_memory, half.blocks_per_page) == (
+                65536, 262144, 4)
+            info = await runner.pool_info()
+            assert (info.page_bytes, info.num_pages, info.num_blocks) == (65536, 8, 16)
+            with pytest.raises(c.LimitExceeded):
+                await runner.register_model("third", **HALF)  # max_models = 2
+        stop.set()
+        await served
+    finally:
+        served.cancel()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize(("toml", "message"), [
+    ('[models.half]\nmin_memory = "2MiB"\nmax_memory = "1MiB"\n', "is above max_memory"),
+    ("[models.half]\nmax_memroy = 1\n", "unknown key(s) max_memroy"),
+    ('[models."bad name"]\nmax_memory = 1\n', "a model name is"),
+    ('[models.half]\nmax_memory = "lots"\n', "models.half.max_memory"),
+])
+def test_bad_model_tables_are_refused_naming_the_key(tmp_path: Path, toml: str,
+                                                     message: str) -> None:
+    path = tmp_path / "pagedkv.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        DaemonConfig(**load_toml(path))
+
+
+def test_a_page_size_the_model_does_not_divide_is_refused() -> None:
+    config = DaemonConfig(page_size=48 * 1024)  # tiny: 32 KiB a block
+    with pytest.raises(ConfigError, match="page_size=49152 is not a multiple"):
+        pool_blocks_per_page(config, 32 * 1024)
