@@ -53,6 +53,7 @@ class KVMemory:
         self._pages: torch.Tensor | None = pages
         # What every view's handle shares: "shm" or "cuda_ipc", the file, the IPC payload.
         self._kind, self._shm_path, self._ipc_payload = kind, shm_path, ipc_payload
+        # Pages, and bytes in each: page p is bytes [p * page_bytes, (p + 1) * page_bytes).
         self.num_pages, self.page_bytes = pages.shape
         # Random id of this pool instance; also part of the shm file name.
         self.pool_id = pool_id
