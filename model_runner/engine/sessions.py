@@ -38,9 +38,6 @@ class SessionEntry:
     users: int = 0
     # The daemon answered that the session is gone (closed, expired, unknown).
     ended: bool = False
-    # The model whose K/V the session holds, per the daemon (SessionStats.model), asked at the
-    # session's first step; None until then.
-    model: str | None = None
 
 
 class SessionTable:
@@ -49,6 +46,24 @@ class SessionTable:
     def __init__(self, max_idle: int = MAX_IDLE_SESSIONS) -> None:
         self.max_idle = max_idle
         self._entries: OrderedDict[str, SessionEntry] = OrderedDict()
+        # Each session's model per the daemon (SessionStats.model: a session's model never
+        # changes), least recently used first: kept past its entry, which goes whenever the
+        # session holds no sequence (between two requests), for at most max_idle sessions.
+        self._models: OrderedDict[str, str] = OrderedDict()
+
+    def model(self, session_id: str) -> str | None:
+        """The session's model if known."""
+        model = self._models.get(session_id)
+        if model is not None:
+            self._models.move_to_end(session_id)
+        return model
+
+    def learn_model(self, session_id: str, model: str) -> None:
+        """Keep the session's model, as the daemon told it."""
+        self._models[session_id] = model
+        self._models.move_to_end(session_id)
+        while len(self._models) > self.max_idle:
+            self._models.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -79,10 +94,13 @@ class SessionTable:
         if (entry.users == 0 and (entry.ended or not entry.sequences.seqs)
                 and self._entries.get(session_id) is entry):
             del self._entries[session_id]
+            if entry.ended:
+                self._models.pop(session_id, None)
 
     def forget_all(self) -> None:
         """Drop every entry (the daemon restarted: its sessions are gone)."""
         self._entries.clear()
+        self._models.clear()
 
     def _sweep(self) -> None:
         """Forget the least recently used idle entries past max_idle."""

@@ -173,18 +173,20 @@ class StepEngine:
     async def _check_model(self, session_id: str, entry: SessionEntry) -> None:
         """[holds the session's lock] InvalidStep if the session holds another model's K/V
         than this runner computes. Its model is the daemon's word (GetStats under the session),
-        never the client's, asked once per session."""
+        never the client's, asked once per session (the session table keeps it)."""
         if self.model is None:
             return
-        if entry.model is None:
+        model = self.sessions.model(session_id)
+        if model is None:
             handle = entry.sequences.attach(self.pool, session_id, self.runner.block_size)
             stats = (await handle.stats()).session
             assert stats is not None, "GetStats under a session answers its figures"
-            entry.model = stats.model
-        if entry.model != self.model:
-            raise InvalidStep(f"the session holds model {entry.model!r}'s K/V and this runner "
+            model = stats.model
+            self.sessions.learn_model(session_id, model)
+        if model != self.model:
+            raise InvalidStep(f"the session holds model {model!r}'s K/V and this runner "
                               f"computes model {self.model!r}: step it on a runner of "
-                              f"{entry.model!r} (RunnerInfo.model_name)")
+                              f"{model!r} (RunnerInfo.model_name)")
 
     def _let_go(self, session_id: str, entry: SessionEntry) -> None:
         """Let go of the session's lock (no forward of it is left): its hold ends once idle."""
