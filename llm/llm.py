@@ -8,8 +8,9 @@
 By default it starts its own daemon, with the pool planned for the model (pool_budget.py), and
 a runner next to it, as child processes (services.py), and stops both on close(), on leaving
 the `with` block, when the object is collected, or at interpreter exit; or it uses running ones
-(`LLM(model=..., daemon="unix:///...", runner="unix:///...")`, the model directory then only
-for its tokenizer). A process killed outright (SIGKILL) cannot stop its children: they keep
+(`LLM(model=..., daemon="unix:///...", runner="unix:///...")`, or `model_name=NAME` instead of
+`runner`: the runner that registered NAME with the daemon; the model directory then only for
+its tokenizer). A process killed outright (SIGKILL) cannot stop its children: they keep
 running until stopped (their command lines name the LLM's private folder).
 
 Text goes in and comes out through the model directory's tokenizer; token-id prompts need
