@@ -129,13 +129,15 @@ class Formats:
                body: Callable[[], T]) -> T:
         """`body` (a call of a session of `model`) applied all-or-nothing in the model's
         format, fitted as the module docstring says."""
-        fmt = model.format
+        fmt, capped = model.format, bool(model.policy.max_memory)
         while True:
-            mark, used, before = len(work.steps), answer.used, model.memory_bytes()
+            mark, used = len(work.steps), answer.used
+            before = model.memory_bytes() if capped else 0  # a model with no cap: no cost
             try:
                 with fmt.pool.transaction():
                     result = body()
-                    _check_cap(model, before)
+                    if capped:
+                        _check_cap(model, before)
                 return result
             except PoolFull as full:
                 del work.steps[mark:]
@@ -173,7 +175,7 @@ def _check_cap(model: Model, before: int) -> None:
     """ModelAtCap if the change took the model's memory up and past its max_memory."""
     cap = model.policy.max_memory
     after = model.memory_bytes()
-    if cap and after > cap and after > before:
+    if after > cap and after > before:
         raise ModelAtCap(f"model {model.name!r} is at its cap: the call would take its memory "
                          f"to {after} bytes; max_memory={cap}",
                          blocks_for(after - cap, model.format.bytes_per_block))

@@ -167,6 +167,8 @@ class ModelRegistry:
         # Builds format `number` of a shape with `blocks_per_page` (the service's).
         self._new_format = new_format
         self.formats: list[Format] = [own]
+        # The most block ids of any format: what an answer's block ids are bounded by.
+        self.max_num_blocks = own.pool.num_blocks
         self._by_name: dict[str, Model] = {}
         self.own = self._add(own_name, own, "")
 
@@ -223,6 +225,7 @@ class ModelRegistry:
                                   "format (allocator contiguous, or no per-format memory views)")
         fmt = self._new_format(len(self.formats), shape, self.page_bytes // per_block)
         self.formats.append(fmt)
+        self.max_num_blocks = max(self.max_num_blocks, fmt.pool.num_blocks)
         return fmt
 
     def _add(self, name: str, fmt: Format, runner_target: str) -> Model:
@@ -234,7 +237,3 @@ class ModelRegistry:
     def models_of(self, fmt: Format) -> list[Model]:
         """The models sharing `fmt`."""
         return [m for m in self._by_name.values() if m.format is fmt]
-
-    def max_num_blocks(self) -> int:
-        """The most block ids of any format (what an answer's block ids are bounded by)."""
-        return max(f.pool.num_blocks for f in self.formats)

@@ -296,7 +296,7 @@ class PoolService:
 
     def answer_budget(self) -> AnswerBudget:
         """A fresh budget of max_answer_bytes for one call's answer."""
-        return AnswerBudget.for_pool(self.limits.max_answer_bytes, self.models.max_num_blocks(),
+        return AnswerBudget.for_pool(self.limits.max_answer_bytes, self.models.max_num_blocks,
                                      self.pool.block_size)
 
     # -------------------------------------------------------------- sessions
