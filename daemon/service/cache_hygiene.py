@@ -156,4 +156,6 @@ class CacheHygiene:
 
     def check(self, live: set[int]) -> None:
         """Assert the records' invariants (see PrivateBlocks.check); for tests."""
-        self.private.check(live, self._pool.cached_keys())
+        cached = self._pool.cached_keys()
+        self.private.check(live, cached)
+        self.cached.check(cached)

@@ -5,19 +5,20 @@ every page) and one format per other geometry a runner registers (a `BlockPool` 
 page's block ids, all withdrawn, and its view of the pool memory), and applies each call in its
 session's format (`fitted`):
 
-- A call that does not fit (`PoolFull`) is undone, its format is given the pages it lacks by the
-  page broker (pages.py: all of them or none; each zeroed as the first memory work of the call),
-  and it is tried again.
-- A call that would take its model past max_memory (`ModelAtCap`) is undone; the model's own
-  oldest cached blocks (as many as it is over) are dropped, and it is tried again; when it has
-  none, the call is refused: RESOURCE_EXHAUSTED, cause "ModelAtCap", naming the model and its
-  cap, nothing of it applied.
+- A call that does not fit (`PoolFull`) is undone, the page broker plans the pages its format
+  lacks (pages.py: all of them or none), and it is tried again with them.
+- A call that would take its model past max_memory (`ModelAtCap`) is undone, and tried again
+  with as many of the model's own oldest cached blocks dropped as it is over; when its cache
+  cannot cover that, the call is refused: RESOURCE_EXHAUSTED, cause "ModelAtCap", naming the
+  model and its cap.
 
-Each retry moves or frees at least one block, so the loop ends. What a retry gave (a page, a
-dropped cached block) stays if the call then fails anyway: a free page of the format, or a
-block no longer cached, both harmless; the call itself stays all-or-nothing.
+A retry applies what it was given (pages moved and zeroed, cached blocks dropped) inside the
+transactions of the call's format and of the formats giving pages, so a refused call changes
+nothing at all, those included. Each retry plans at least one more page or cached block, of
+finitely many, so the loop ends.
 """
 
+import contextlib
 from collections.abc import Callable
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -34,7 +35,7 @@ from pagedkv.daemon.service.models import (
     ModelPolicy,
     ModelRegistry,
 )
-from pagedkv.daemon.service.pages import PageBroker
+from pagedkv.daemon.service.pages import PageBroker, Room
 from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, PoolFull, SessionOps
 from pagedkv.vocab.blocks import blocks_for
 from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype
@@ -130,28 +131,52 @@ class Formats:
         """`body` (a call of a session of `model`) applied all-or-nothing in the model's
         format, fitted as the module docstring says."""
         fmt, capped = model.format, bool(model.policy.max_memory)
+        before = model.memory_bytes() if capped else 0  # a model with no cap: no cost
+        room: Room | None = None  # made only when a call needs room (rarely)
+        mark, used = len(work.steps), answer.used
         while True:
-            mark, used = len(work.steps), answer.used
-            before = model.memory_bytes() if capped else 0  # a model with no cap: no cost
             try:
-                with fmt.pool.transaction():
-                    result = body()
-                    if capped:
-                        _check_cap(model, before)
-                return result
+                if room is None:  # the usual case: one try
+                    with fmt.pool.transaction():
+                        result = body()
+                        if capped:
+                            _check_cap(model, before)
+                    return result
+                return self._with_room(model, room, work, before, body)
             except PoolFull as full:
                 del work.steps[mark:]
                 answer.used = used
-                if not self.pages.make_room(fmt, full.needed - full.available, work,
-                                            _withdrawn):
+                room = room or Room()
+                if not self.pages.plan(fmt, full.needed - full.available, room):
                     raise
             except ModelAtCap as cap:
                 del work.steps[mark:]
                 answer.used = used
-                oldest = dict(list(fmt.hygiene.cached.blocks_of(model.number).items())[
-                    :cap.excess_blocks])
-                if not fmt.hygiene.drop(oldest, work):
-                    raise
+                room = room or Room()
+                cached = fmt.hygiene.cached.blocks_of(model.number)
+                want = len(room.shed) + cap.excess_blocks
+                if want > len(cached):
+                    raise  # its own cache cannot make room: refused, nothing changed
+                room.shed = dict(list(cached.items())[:want])
+
+    def _with_room(self, model: Model, room: Room, work: MemoryWork, before: int,
+                   body: Callable[[], T]) -> T:
+        """One try of a call given `room`: the pages moved and the cached blocks dropped
+        inside the transactions of its format and of every format giving pages, so a call that
+        fails undoes them with the rest."""
+        fmt = model.format
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(fmt.pool.transaction())
+            for other in room.taken:
+                stack.enter_context(other.pool.transaction())
+            if room.free or room.taken:
+                self.pages.give(fmt, room, work, _withdrawn)
+            if room.shed:
+                fmt.hygiene.drop(room.shed, work)
+            result = body()
+            if model.policy.max_memory:
+                _check_cap(model, before)
+        return result
 
     def figures(self) -> list[ModelFigures]:
         """Every model's figures now (O(models))."""

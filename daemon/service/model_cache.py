@@ -41,6 +41,16 @@ class ModelCache:
         """The model's cached blocks and their keys, oldest parked first (O(cached))."""
         return {block: key for block, (owner, key) in self._of.items() if owner == model}
 
+    def check(self, cached: dict[int, bytes]) -> None:
+        """Assert that the record is exactly the format's cached blocks (`cached`: block ->
+        key), each under its key, and that the counts agree (for tests)."""
+        assert set(self._of) == set(cached), (
+            f"cached blocks of no model {sorted(set(cached) - set(self._of))[:8]}, recorded "
+            f"blocks not cached {sorted(set(self._of) - set(cached))[:8]}")
+        for block, (_, key) in self._of.items():
+            assert cached[block] == key, f"block {block} is cached under another key"
+        assert +self._count == Counter(owner for owner, _ in self._of.values()), "miscounted"
+
     def _set(self, block: int, entry: tuple[int, bytes] | None) -> None:
         self._journal.record(self._put, block, self._of.get(block))
         self._put(block, entry)

@@ -4,7 +4,8 @@ The pool's memory is num_pages pages of page_bytes; each format holds whole page
 pool has the blocks of the others withdrawn). At start the daemon's own model's format holds
 every page, so a one-model daemon never moves one. When a call of a session of format F does
 not fit (the pool's `NoFit`: F has no free block and no cached block left to evict), the
-service asks `make_room` for the blocks missing, and tries the call again:
+service plans the pages for the blocks missing (`plan`, into the call's `Room`) and tries the
+call again with them (`give`):
 
 - F gets ceil(missing / blocks_per_page(F)) pages, never more: first free pages (held by no
   format, lowest first), then idle pages of other formats (pages with no block in use: free or
@@ -19,13 +20,15 @@ service asks `make_room` for the blocks missing, and tries the call again:
   leaves: the zeroing is the first step of the call's memory work, ordered per page with the
   earlier work of the old format on the same bytes (memory_order.py keys work by page).
 
-A page moves outside the call's transaction: if the call then fails anyway (a later op of a
-Batch, a quota, a cap), F keeps the page, free and zeroed, which is harmless (it is F's to use
-or to give back when another format needs it). The call itself stays all-or-nothing.
+Pages move inside the call's transaction and those of the formats giving them (all journaled:
+the withdrawals, the restore, the broker's own records), so a call that fails anyway (a later
+op of a Batch, a quota, a cap) leaves every page where it was: the call, moves included, is
+all-or-nothing, and the zeroing is work of the call only once it succeeds.
 """
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.service.models import Format, ModelRegistry
@@ -34,6 +37,23 @@ from pagedkv.vocab.blocks import blocks_for
 
 # `owner` of a page no format holds.
 NO_FORMAT = -1
+
+
+@dataclass(slots=True)
+class Room:
+    """What one call of a format is given before it is tried (again): pages, and cached
+    blocks of its model to drop (a capped model's); planned on the pool as it was before the
+    call, applied inside the call's transaction."""
+
+    # Pages no format holds.
+    free: list[int] = field(default_factory=list)
+    # Idle pages of other formats, by format.
+    taken: dict[Format, list[int]] = field(default_factory=dict)
+    # The model's own oldest cached blocks and their keys (Formats.fitted).
+    shed: dict[int, bytes] = field(default_factory=dict)
+
+    def pages(self) -> list[int]:
+        return self.free + [page for pages in self.taken.values() for page in pages]
 
 
 class PageBroker:
@@ -53,28 +73,58 @@ class PageBroker:
         """Pages `fmt` holds."""
         return self._count[fmt.number]
 
-    def make_room(self, fmt: Format, missing: int, work: MemoryWork,
-                  withdrawn: Callable[[Format, list[int]], None]) -> int:
-        """Give `fmt` the pages that `missing` blocks take, as far as the policy allows; each
-        page zeroed by `work` (the call's); `withdrawn(old format, cached blocks)` is told of
-        cached blocks that left with a page. Returns the pages given (0: none could be)."""
+    def plan(self, fmt: Format, missing: int, room: Room) -> bool:
+        """Add to `room` (a call's, planned on the pool as it was before the call) the pages
+        that `missing` more blocks of `fmt` take, as far as the policy allows: all of them, or
+        none and False."""
         need = blocks_for(missing, fmt.blocks_per_page)
-        free = self._free_pages(fmt, need)
-        offers = self._idle_offers(fmt, need - len(free))
+        planned = set(room.pages())
+        free = [page for page in self._free_pages(fmt, need + len(room.free))
+                if page not in planned][:need]
+        offers = self._idle_offers(fmt, need - len(free), room)
         if len(free) + sum(len(idle) for _, idle in offers) < need:
-            return 0  # not enough: nothing moves, the call is refused as it is
+            return False  # not enough: the call is refused as it is
+        room.free += free
         for other, idle in offers:
+            room.taken.setdefault(other, []).extend(idle)
+        return True
+
+    def give(self, fmt: Format, room: Room, work: MemoryWork,
+             withdrawn: Callable[[Format, list[int]], None]) -> None:
+        """Move the pages of `room` to `fmt`, inside the transactions of `fmt` and of every
+        format giving pages (the caller's), so a call that fails undoes the moves too; each
+        page zeroed by `work`; `withdrawn(old format, cached blocks)` told of cached blocks that
+        left with a page."""
+        for other, idle in room.taken.items():
             withdrawn(other, paged(other).withdraw_pages(idle))
-        pages = free + [page for _, idle in offers for page in idle]
+        pages = room.pages()
         paged(fmt).restore_pages(pages)
         k = fmt.blocks_per_page
         work.zero([b for page in pages for b in range(page * k, (page + 1) * k)])
+        journal = fmt.pool.journal
         for page in pages:
-            self._count[self.owner[page]] -= 1
-            self.owner[page] = fmt.number
-        self._count[fmt.number] += len(pages)
+            journal.record(self._own, page, self.owner[page])
+            self._own(page, fmt.number)
         self.moves_total += len(pages)
-        return len(pages)
+        journal.record(self._unmove, len(pages))
+
+    def _own(self, page: int, number: int) -> None:
+        self._count[self.owner[page]] -= 1
+        self.owner[page] = number
+        self._count[number] += 1
+
+    def _unmove(self, count: int) -> None:
+        self.moves_total -= count
+
+    def check(self) -> None:
+        """Assert that each format's pool holds the pages the broker says, and that every page
+        is held once (for tests)."""
+        for fmt in self._registry.formats:
+            held = paged(fmt).held_pages if isinstance(fmt.pool, BlockPool) else self.num_pages
+            assert held == self.held(fmt), f"format {fmt.shape.label}: {held} pages, broker says " \
+                f"{self.held(fmt)}"
+        assert sum(self._count.values()) == self.num_pages == len(self.owner), "pages miscounted"
+        assert Counter(self.owner) == +self._count, "the page counts disagree with the owners"
 
     def reserve(self, fmt: Format) -> int:
         """Pages `fmt` keeps for its models' min_memory."""
@@ -106,16 +156,19 @@ class PageBroker:
         return sum(max(0, self.reserve(other) - self.held(other))
                    for other in self._registry.formats if other is not fmt)
 
-    def _idle_offers(self, fmt: Format, need: int) -> list[tuple[Format, list[int]]]:
-        """Up to `need` idle pages of other formats, above their reserves: per format, the
-        pages it would give, the format with the most idle pages first."""
+    def _idle_offers(self, fmt: Format, need: int,
+                     room: Room) -> list[tuple[Format, list[int]]]:
+        """Up to `need` idle pages of other formats, above their reserves and past what
+        `room` already takes: per format, the pages it would give, the format with the most
+        idle pages first."""
         if need <= 0:
             return []
         offers = []
         for other in self._registry.formats:
-            spare = self.held(other) - self.reserve(other)
+            taken = room.taken.get(other, [])
+            spare = self.held(other) - len(taken) - self.reserve(other)
             if other is not fmt and spare > 0:
-                idle = paged(other).idle_pages()[:spare]
+                idle = [page for page in paged(other).idle_pages() if page not in taken][:spare]
                 if idle:
                     offers.append((other, idle))
         offers.sort(key=lambda offer: -len(offer[1]))  # the most idle memory first

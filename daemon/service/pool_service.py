@@ -584,6 +584,11 @@ class PoolService:
 
     def check_invariants(self) -> None:
         """Assert the pool's invariants and that sessions and pool agree; for tests."""
+        self.formats.pages.check()
+        for model in self.models:
+            mine = [s for s in self.sessions if s.model == model.name]
+            assert model.format.pool.blocks_held(2, model.number) == self._recount_held(mine), \
+                f"model {model.name}: used blocks differ from a recount"
         for fmt in self.models.formats:
             fmt.pool.check_invariants()
             mine = [s for s in self.sessions if self.model_of(s).format is fmt]
