@@ -339,3 +339,17 @@ def test_a_page_size_the_model_does_not_divide_is_refused() -> None:
     config = DaemonConfig(page_size=48 * 1024)  # tiny: 32 KiB a block
     with pytest.raises(ConfigError, match="page_size=49152 is not a multiple"):
         pool_blocks_per_page(config, 32 * 1024)
+
+
+async def test_a_batch_refused_after_its_pages_moved_moves_nothing(
+        daemon: Daemon, runner: PoolClient, client: PoolClient) -> None:
+    await runner.register_model("half", **HALF)
+    b = await client.open_session("b", keep_alive=False, model="half")
+    before = await figures(client)
+    with pytest.raises(c.SequenceNotFound):  # op 0 took two pages of tiny, op 1 fails
+        await b.batch([c.Allocate(1, 20), c.Free(99)])
+    assert await figures(client) == before == {"tiny": (0, 0, 8), "half": (0, 0, 0)}
+    assert daemon.service.page_moves_total == 0
+    await b.batch([c.Allocate(1, 20), c.Allocate(2, 4)])  # 6 blocks: 2 pages
+    assert await figures(client) == {"tiny": (0, 0, 6), "half": (6, 0, 2)}
+    daemon.service.check_invariants()
