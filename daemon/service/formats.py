@@ -169,7 +169,7 @@ class Formats:
             stack.enter_context(fmt.pool.transaction())
             for other in room.taken:
                 stack.enter_context(other.pool.transaction())
-            if room.free or room.taken:
+            if room.taken:
                 self.pages.give(fmt, room, work, _withdrawn)
             if room.shed:
                 fmt.hygiene.drop(room.shed, work)
@@ -186,8 +186,8 @@ class Formats:
 
     def free_blocks(self, model: Model) -> int:
         """Blocks of the model's format a call could surely get now: its free and evictable
-        blocks, and the blocks of the pages the broker could surely give it (free pages, and
-        pages of other formats beyond both their used blocks and their reserves). O(formats)."""
+        blocks, and the blocks of the pages the broker could surely give it (pages of other
+        formats beyond both their used blocks and their reserves). O(formats)."""
         fmt = model.format
         free = fmt.pool.num_free_blocks
         if len(self.models.formats) == 1:

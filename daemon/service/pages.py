@@ -7,15 +7,15 @@ not fit (the pool's `NoFit`: F has no free block and no cached block left to evi
 service plans the pages for the blocks missing (`plan`, into the call's `Room`) and tries the
 call again with them (`give`):
 
-- F gets ceil(missing / blocks_per_page(F)) pages, never more: first free pages (held by no
-  format, lowest first), then idle pages of other formats (pages with no block in use: free or
-  cached blocks, whose cached keys go with the page), from the format with the most idle pages
-  first, each format's coldest first (`BlockPool.idle_pages`). So cached K/V is evicted within
-  a format by its LRU before another format loses a page, and across formats from the one
-  that has the most memory doing nothing.
-- min_memory is reserved: a format keeps at least the pages its models' min_memory sum to
-  (rounded up to whole pages), and free pages that a format below that reserve still needs
-  are left to it.
+- F gets ceil(missing / blocks_per_page(F)) pages, never more: idle pages of other formats
+  (pages with no block in use: free or cached blocks, whose cached keys go with the page), from
+  the format with the most idle pages first, each format's coldest first
+  (`BlockPool.idle_pages`). So cached K/V is evicted within a format by its LRU before another
+  format loses a page, and across formats from the one that has the most memory doing nothing.
+  Every page always belongs to one format (format 0 holds them all at start): a page goes
+  straight from the format that gives it to the one that needs it.
+- min_memory is reserved: a format never gives a page away below the pages its models'
+  min_memory sum to (rounded up to whole pages).
 - A page that changes format is zeroed in its new format's view before the call's answer
   leaves: the zeroing is the first step of the call's memory work, ordered per page with the
   earlier work of the old format on the same bytes (memory_order.py keys work by page).
@@ -35,9 +35,6 @@ from pagedkv.daemon.service.models import Format, ModelRegistry
 from pagedkv.daemon.service.session_ops import MemoryWork
 from pagedkv.vocab.blocks import blocks_for
 
-# `owner` of a page no format holds.
-NO_FORMAT = -1
-
 
 @dataclass(slots=True)
 class Room:
@@ -45,15 +42,13 @@ class Room:
     blocks of its model to drop (a capped model's); planned on the pool as it was before the
     call, applied inside the call's transaction."""
 
-    # Pages no format holds.
-    free: list[int] = field(default_factory=list)
     # Idle pages of other formats, by format.
     taken: dict[Format, list[int]] = field(default_factory=dict)
     # The model's own oldest cached blocks and their keys (Formats.fitted).
     shed: dict[int, bytes] = field(default_factory=dict)
 
     def pages(self) -> list[int]:
-        return self.free + [page for pages in self.taken.values() for page in pages]
+        return [page for pages in self.taken.values() for page in pages]
 
 
 class PageBroker:
@@ -64,7 +59,7 @@ class PageBroker:
         self._registry = registry
         # Page -> the number of the format holding it (all the daemon's own at start).
         self.owner: list[int] = [0] * num_pages
-        # Format number (or NO_FORMAT) -> pages it holds, kept with `owner`.
+        # Format number -> pages it holds, kept with `owner`.
         self._count: Counter[int] = Counter({0: num_pages})
         # Pages that changed format so far (a counter for metrics).
         self.moves_total = 0
@@ -78,13 +73,9 @@ class PageBroker:
         that `missing` more blocks of `fmt` take, as far as the policy allows: all of them, or
         none and False."""
         need = blocks_for(missing, fmt.blocks_per_page)
-        planned = set(room.pages())
-        free = [page for page in self._free_pages(fmt, need + len(room.free))
-                if page not in planned][:need]
-        offers = self._idle_offers(fmt, need - len(free), room)
-        if len(free) + sum(len(idle) for _, idle in offers) < need:
+        offers = self._idle_offers(fmt, need, room)
+        if sum(len(idle) for _, idle in offers) < need:
             return False  # not enough: the call is refused as it is
-        room.free += free
         for other, idle in offers:
             room.taken.setdefault(other, []).extend(idle)
         return True
@@ -133,28 +124,16 @@ class PageBroker:
         return -(-total // page_bytes) if page_bytes else 0
 
     def spare_pages(self, fmt: Format) -> int:
-        """Pages `fmt` could surely be given now: free pages other formats' reserves do not
-        need, and pages of other formats beyond their used blocks and reserves (a used block
-        pins at most one page). O(formats): what answers report as free."""
-        spare = max(0, self._count[NO_FORMAT] - self._owed(fmt))
+        """Pages `fmt` could surely be given now: pages of other formats beyond their used
+        blocks and reserves (a used block pins at most one page). O(formats): what answers
+        report as free."""
+        spare = 0
         for other in self._registry.formats:
             if other is not fmt:
                 held = self.held(other)
                 stats = other.pool.stats()
                 spare += max(0, min(held - stats.used_blocks, held - self.reserve(other)))
         return spare
-
-    def _free_pages(self, fmt: Format, need: int) -> list[int]:
-        """Up to `need` pages no format holds, leaving those other formats' reserves lack."""
-        if not self._count[NO_FORMAT]:
-            return []
-        free = [page for page, owner in enumerate(self.owner) if owner == NO_FORMAT]
-        return free[:max(0, min(need, len(free) - self._owed(fmt)))]
-
-    def _owed(self, fmt: Format) -> int:
-        """Free pages the other formats' reserves still lack."""
-        return sum(max(0, self.reserve(other) - self.held(other))
-                   for other in self._registry.formats if other is not fmt)
 
     def _idle_offers(self, fmt: Format, need: int,
                      room: Room) -> list[tuple[Format, list[int]]]:
