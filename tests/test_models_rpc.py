@@ -353,3 +353,19 @@ async def test_a_batch_refused_after_its_pages_moved_moves_nothing(
     await b.batch([c.Allocate(1, 20), c.Allocate(2, 4)])  # 6 blocks: 2 pages
     assert await figures(client) == {"tiny": (0, 0, 6), "half": (6, 0, 2)}
     daemon.service.check_invariants()
+
+
+@pytest.mark.parametrize("daemon", [{"half": ModelPolicy(min_memory=2 * PAGE)}], indirect=True)
+async def test_pages_a_model_below_its_minimum_lacks_are_left_to_it(
+        daemon: Daemon, runner: PoolClient, client: PoolClient) -> None:
+    await runner.register_model("half", **HALF)  # holds no page yet; its minimum is 2
+    await runner.register_model("third", num_layers=2, num_kv_heads=1, head_dim=64,
+                                dtype="float32")  # 4 KiB blocks too, another geometry
+    t = await client.open_session("t", keep_alive=False, model="third")
+    await t.allocate(1, 96)  # 24 blocks: 6 of tiny's 8 idle pages, 2 left for half
+    with pytest.raises(c.PoolExhausted):
+        await t.allocate(2, 4)  # a 7th page would cut into half's minimum
+    h = await client.open_session("h", keep_alive=False, model="half")
+    await h.allocate(1, 32)  # its 2 pages
+    assert await figures(client) == {"tiny": (0, 0, 0), "half": (8, 0, 2), "third": (24, 0, 6)}
+    daemon.service.check_invariants()

@@ -15,7 +15,8 @@ call again with them (`give`):
   Every page always belongs to one format (format 0 holds them all at start): a page goes
   straight from the format that gives it to the one that needs it.
 - min_memory is reserved: a format never gives a page away below the pages its models'
-  min_memory sum to (rounded up to whole pages).
+  min_memory sum to (rounded up to whole pages), and while a format holds fewer, the idle
+  pages it still lacks are left to it (another format takes pages only beyond them).
 - A page that changes format is zeroed in its new format's view before the call's answer
   leaves: the zeroing is the first step of the call's memory work, ordered per page with the
   earlier work of the old format on the same bytes (memory_order.py keys work by page).
@@ -73,12 +74,22 @@ class PageBroker:
         that `missing` more blocks of `fmt` take, as far as the policy allows: all of them, or
         none and False."""
         need = blocks_for(missing, fmt.blocks_per_page)
-        offers = self._idle_offers(fmt, need, room)
-        if sum(len(idle) for _, idle in offers) < need:
+        owed = self._owed(fmt)
+        offers = self._idle_offers(fmt, need + owed, room)
+        if sum(len(idle) for _, idle in offers) < need + owed:
             return False  # not enough: the call is refused as it is
-        for other, idle in offers:
-            room.taken.setdefault(other, []).extend(idle)
+        for other, idle in offers:  # the most idle first; what is left covers the owed pages
+            take = idle[:need]
+            need -= len(take)
+            if take:
+                room.taken.setdefault(other, []).extend(take)
         return True
+
+    def _owed(self, fmt: Format) -> int:
+        """Idle pages to leave for the other formats below their reserves (what their models'
+        min_memory still needs)."""
+        return sum(max(0, self.reserve(other) - self.held(other))
+                   for other in self._registry.formats if other is not fmt)
 
     def give(self, fmt: Format, room: Room, work: MemoryWork,
              withdrawn: Callable[[Format, list[int]], None]) -> None:
@@ -127,13 +138,13 @@ class PageBroker:
         """Pages `fmt` could surely be given now: pages of other formats beyond their used
         blocks and reserves (a used block pins at most one page). O(formats): what answers
         report as free."""
-        spare = 0
+        spare = -self._owed(fmt)
         for other in self._registry.formats:
             if other is not fmt:
                 held = self.held(other)
                 stats = other.pool.stats()
                 spare += max(0, min(held - stats.used_blocks, held - self.reserve(other)))
-        return spare
+        return max(0, spare)
 
     def _idle_offers(self, fmt: Format, need: int,
                      room: Room) -> list[tuple[Format, list[int]]]:
