@@ -63,6 +63,7 @@ bench: setup
 	$(PY) benchmarks/bench_queued_requests.py
 	$(PY) benchmarks/bench_figures.py
 	$(PY) benchmarks/bench_prefill_fairness.py
+	$(PY) benchmarks/bench_multi_model.py
 	$(PY) benchmarks/bench_runner_restart.py
 
 bench-gpu: setup
