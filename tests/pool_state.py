@@ -4,8 +4,11 @@ held pages)."""
 
 from pagedkv.daemon.core import BlockPool
 
+# Where pool_state keeps the sequences' rows (seq -> (num_tokens, committed, table, ...)).
+ROWS = 9
 
-def pool_state(pool: BlockPool) -> object:
+
+def pool_state(pool: BlockPool) -> tuple[object, ...]:
     blocks, seqs = pool._blocks, pool._seqs
     cache = blocks.cache
     rows = {seq: (int(seqs.num_tokens[row]), int(seqs.committed[row]), pool.block_table(seq),

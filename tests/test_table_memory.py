@@ -16,7 +16,7 @@ from pagedkv.daemon.core import BlockPool, NoFit, seq_table, table_store
 from pagedkv.daemon.service.operations import Allocate, Append, PoolExhausted
 from pagedkv.daemon.service.pool_service import PoolService
 
-from pool_state import pool_state
+from pool_state import ROWS, pool_state
 
 # Bytes a held sequence or table entry may cost, with room for doubling (a row holds its
 # lengths, region, flags and a block_size-wide partial block: 81 bytes at block size 4).
@@ -63,7 +63,7 @@ def test_a_rolled_back_free_keeps_the_tables_and_a_later_one_shrinks_them() -> N
     for seq in range(299):
         pool.free(seq)
     assert table_bytes(pool) < grown / 3
-    assert pool.block_table(299) == before[-1][299][2]  # type: ignore[index]
+    assert pool.block_table(299) == before[ROWS][299][2]  # type: ignore[index]
     pool.check_invariants()
 
 
