@@ -404,12 +404,20 @@ class Heard:
     def __init__(self) -> None:
         # ("evicted", blocks) and ("parked", [block]) in the order they happened.
         self.events: list[tuple[str, list[int]]] = []
+        # ("committed", blocks) and ("uncommitted", [block]): what KV events announce.
+        self.keying: list[tuple[str, list[int]]] = []
 
     def evicted(self, blocks: list[int]) -> None:
         self.events.append(("evicted", blocks))
 
     def parked(self, block: int, key: bytes) -> None:
         self.events.append(("parked", [block]))
+
+    def committed(self, blocks: list[int]) -> None:
+        self.keying.append(("committed", blocks))
+
+    def uncommitted(self, block: int) -> None:
+        self.keying.append(("uncommitted", [block]))
 
 
 def test_cache_events_and_uncache_of_what_no_one_can_hit_any_more() -> None:
@@ -432,6 +440,25 @@ def test_cache_events_and_uncache_of_what_no_one_can_hit_any_more() -> None:
     stats = pool.stats()
     assert (stats.cached_blocks, stats.free_blocks) == (0, 1)
     assert ok(pool.allocate("c", 2, [1, 2], salt=b"private")).num_cached_tokens == 0
+    pool.check_invariants()
+
+
+def test_cache_events_hear_the_blocks_a_commit_made_matchable_and_a_rewrite_unkeyed() -> None:
+    """What KV events announce: exactly the blocks a commit made matchable, in chain order
+    (a block another committed first is not among them), and a committed block in use whose
+    owner rewrites it in place."""
+    pool, heard = BlockPool(num_blocks=8, block_size=2), Heard()
+    with pool.cache_events(heard):
+        ok(pool.allocate("a", 5, [1, 2, 3, 4, 5]))  # blocks 0, 1 keyed pending, 2 partial
+        ok(pool.allocate("b", 4, [1, 2, 3, 4]))  # the same content, pending too: 3, 4
+        assert pool.commit(["b"]) == 2
+        assert pool.commit(["a"]) == 0  # b committed it first: a's blocks lose their keys
+        assert pool.commit(["b"]) == 0  # nothing new
+        ok(pool.copy_on_write("b", 1))  # b alone holds block 4: rewritten in place
+        ok(pool.copy_on_write("a", 0))  # pending no more, never committed: not announced
+    assert heard.keying == [("committed", [3, 4]), ("uncommitted", [4])]
+    _, parents, tokens = pool.block_content([3])
+    assert parents == [pool.root_key(b"")] and tokens.tolist() == [[1, 2]]
     pool.check_invariants()
 
 

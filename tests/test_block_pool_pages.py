@@ -36,6 +36,12 @@ class Heard:
     def parked(self, block: int, key: bytes) -> None:
         pass
 
+    def committed(self, blocks: list[int]) -> None:
+        pass
+
+    def uncommitted(self, block: int) -> None:
+        pass
+
 
 def cached_pool() -> BlockPool:
     """Page 0 cached (a committed prompt of ids 1..4, block size 2, freed): the LRU holds

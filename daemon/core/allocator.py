@@ -13,6 +13,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Literal, Protocol, get_args
 
+import numpy as np
 import numpy.typing as npt
 
 from pagedkv.daemon.core.block_pool import BlockPool
@@ -116,6 +117,11 @@ class PoolAllocator(Protocol):
     def uncache(self, candidates: Mapping[int, bytes]) -> list[int]: ...
 
     def cached_keys(self) -> dict[int, bytes]: ...
+
+    def root_key(self, salt: bytes) -> bytes: ...
+
+    def block_content(self, blocks: Sequence[int]) -> tuple[list[bytes], list[bytes],
+                                                            npt.NDArray[np.int64]]: ...
 
     def stats(self) -> PoolStats: ...
 

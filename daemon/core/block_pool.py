@@ -293,7 +293,9 @@ class BlockPool:
         blocks = st.runs(rows, start, upto - start)
         matchable = self._blocks.cache.commit(blocks.tolist())
         st.set_committed(rows, upto)
-        return matchable
+        if matchable and self._blocks.events is not None:
+            self._blocks.events.committed(matchable)
+        return len(matchable)
 
     def fork(self, parent: Hashable, child: Hashable) -> SeqUpdate:
         """`child` shares every block of `parent` (refcounts + 1); nothing is allocated."""
@@ -324,7 +326,10 @@ class BlockPool:
                 return NoFit(1, 0)
             copies.append(self._appender.copy(row, logical_block))
         else:
-            self._blocks.cache.forget(block)
+            cache = self._blocks.cache
+            if cache.is_committed(block) and self._blocks.events is not None:
+                self._blocks.events.uncommitted(block)
+            cache.forget(block)
         self._seqs.set_chain_ok(row, False)
         return SeqUpdate(self.block_table(seq), int(self._seqs.num_tokens[row]), copies=copies)
 
@@ -357,6 +362,21 @@ class BlockPool:
         """Free the candidate blocks still cached under the given keys (content whose only
         possible users are gone, e.g. a session's private salt); returns them."""
         return self._blocks.uncache(candidates)
+
+    def root_key(self, salt: bytes) -> bytes:
+        """The parent key of the first block of every sequence allocated under `salt`."""
+        return self._keys.root(salt)
+
+    def block_content(self, blocks: Sequence[int]) -> tuple[list[bytes], list[bytes],
+                                                            npt.NDArray[np.int64]]:
+        """Keyed `blocks`' keys, parent keys and token ids ([len(blocks), block_size])."""
+        cache, keys, parents = self._blocks.cache, [], []
+        for block in blocks:
+            key, parent = cache.key_of[block], cache.parent_of[block]
+            assert key is not None and parent is not None, f"block {block} has no key"
+            keys.append(key)
+            parents.append(parent)
+        return keys, parents, cache.tokens_of[list(blocks)]
 
     def cached_keys(self) -> dict[int, bytes]:
         """Every evictable cached block and its key (O(cached blocks): for checks)."""

@@ -270,6 +270,17 @@ class ContiguousPool:
     def cached_keys(self) -> dict[int, bytes]:
         return {}
 
+    def root_key(self, salt: bytes) -> bytes:
+        """No block is ever keyed: no chain has a root."""
+        return b""
+
+    def block_content(self, blocks: Sequence[int]) -> tuple[list[bytes], list[bytes],
+                                                            npt.NDArray[np.int64]]:
+        """No block is ever keyed."""
+        if blocks:
+            raise InvalidArgument("a contiguous pool keys no block")
+        return [], [], np.zeros((0, self.block_size), dtype=np.int64)
+
     # ------------------------------------------------------------- internals
 
     def _reserve(self, seq: Hashable, num_tokens: int) -> int | None:

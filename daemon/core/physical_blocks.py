@@ -16,7 +16,8 @@ Every change records its undo in the pool's journal (see `journal.py`).
 A block leaves or enters the cache on behalf of a call: `events`, when set (the service sets it
 around each call), hears of every block `take` evicts (it holds an earlier owner's K/V) and
 every block `release` parks (its owner's K/V stays behind), so the call can zero the one and
-remember the other.
+remember the other; `BlockPool` tells it too of every block a commit made matchable and of a
+committed block in use that loses its key (what KV events announce).
 """
 
 from collections import deque
@@ -39,6 +40,13 @@ class CacheEvents(Protocol):
 
     def parked(self, block: int, key: bytes) -> None:
         """This committed block lost its last reference and stays cached under `key`."""
+
+    def committed(self, blocks: list[int]) -> None:
+        """These pending blocks became committed (matchable), in the order committed: each
+        sequence's in table order, so a block's parent comes before it."""
+
+    def uncommitted(self, block: int) -> None:
+        """This committed block, in use, lost its key (its owner is about to rewrite it)."""
 
 
 class PhysicalBlocks:

@@ -110,13 +110,13 @@ class PrefixCache:
         self.tokens_of[blocks] = tokens
         self.num_keyed -= len(blocks)
 
-    def commit(self, blocks: list[int]) -> int:
+    def commit(self, blocks: list[int]) -> list[int]:
         """The K/V of `blocks` is written: make their pending keys matchable, in order. Returns
-        how many became matchable. A block whose content another block committed first (maybe
-        earlier in `blocks`) loses its key. One loop, one undo record."""
+        the blocks that became matchable, in order. A block whose content another block
+        committed first (maybe earlier in `blocks`) loses its key. One loop, one undo record."""
         key_of, parent_of, committed = self.key_of, self.parent_of, self.committed
         claim = self.block_of.setdefault  # one probe: the key's holder, this block if none
-        added: list[bytes] = []
+        added: list[int] = []
         dropped: DroppedKeys = []
         for block in blocks:
             key = key_of[block]
@@ -124,17 +124,20 @@ class PrefixCache:
                 continue
             if claim(key, block) == block:
                 committed[block] = 1
-                added.append(key)
+                added.append(block)
             else:  # the same content, committed first elsewhere
                 dropped.append((block, key, parent_of[block]))
                 key_of[block] = parent_of[block] = None
         self.num_keyed -= len(dropped)
         self._journal.record(self._uncommit, added, dropped)
-        return len(added)
+        return added
 
-    def _uncommit(self, added: list[bytes], dropped: DroppedKeys) -> None:
-        for key in reversed(added):
-            self.committed[self.block_of.pop(key)] = 0
+    def _uncommit(self, added: list[int], dropped: DroppedKeys) -> None:
+        for block in reversed(added):  # newest first: each still holds the key it committed
+            key = self.key_of[block]
+            assert key is not None, f"committed block {block} lost its key"
+            del self.block_of[key]
+            self.committed[block] = 0
         for block, key, parent in dropped:
             self._rekey(block, key, parent)
 
