@@ -57,7 +57,7 @@ class Recounted:
     def tenant_figures(self) -> list[TenantFigures]:
         service = self._service
         usage = service._usage
-        return usage.figures(service.tenants, lambda name: service._recount_held(
+        return usage.figures(service.tenants, lambda name: service.figures.recount_held(
             usage.sessions.get(name, ())))
 
     def model_figures(self) -> list[ModelFigures]:
@@ -99,7 +99,7 @@ def main() -> None:
     session = service.sessions.get(sid)
     entries = service.stats_of(sid).block_table_entries
     kept = median_ms(lambda: service.stats_of(sid))
-    recount = median_ms(lambda: service._recount_held([session]))
+    recount = median_ms(lambda: service.figures.recount_held([session]))
     metrics = median_ms(scrape(PoolCollector(service)))
     metrics_recount = median_ms(scrape(PoolCollector(Recounted(service))))
     print(f"figures_table_entries: {entries} entries")

@@ -80,7 +80,7 @@ async def test_a_call_beyond_max_concurrent_rpcs_is_refused_by_grpc() -> None:
         stub = Stub(channel)
         sid = (await stub.OpenSession(pb.OpenSessionRequest(client_name="t"))).session_id
         session = daemon.service.sessions.get(sid)
-        async with daemon.service._lock:  # three Allocates wait for the pool
+        async with daemon.service.calls.lock:  # three Allocates wait for the pool
             waiting = [asyncio.ensure_future(stub.Allocate(pb.AllocateRequest(
                 session_id=sid, seq_id=seq_id, num_tokens=1))) for seq_id in (1, 2, 3)]
             await until(lambda: session.in_flight == 3)
@@ -111,7 +111,7 @@ async def test_large_requests_queued_for_the_pool_hold_at_most_the_byte_budget()
                                        token_ids=tokens) for seq_id in range(1, 5)]
         size = requests[0].ByteSize()
         assert size > 3 * 2**20 and 2 * size <= budget.limit < 3 * size
-        async with daemon.service._lock:
+        async with daemon.service.calls.lock:
             calls = [asyncio.ensure_future(stub.Allocate(request)) for request in requests]
             await until(lambda: budget.waiting == 2 and session.in_flight == 2)
             assert budget.admitted == 2 * size <= budget.limit  # the parsed ones

@@ -189,7 +189,7 @@ async def test_each_large_message_holds_the_request_budget_until_answered(
     message = pb.StepStreamRequest(call_id=1, many=request)
     budget = daemon.service.requests
     call = stub.StepStream(None)
-    async with daemon.service._lock:  # the message waits for the pool, parsed
+    async with daemon.service.calls.lock:  # the message waits for the pool, parsed
         await call.write(message)
         await until(lambda: budget.admitted > 0)
         assert budget.admitted == message.ByteSize() > SMALL_REQUEST_BYTES
@@ -236,7 +236,7 @@ async def test_a_draining_daemon_ends_each_stream_after_its_message_in_progress(
         await call.write(pb.StepStreamRequest(call_id=call_id, many=many((sid, [1]))))
         assert isinstance(await call.read(), pb.StepStreamResponse)
     assert daemon.servers is not None
-    async with daemon.service._lock:
+    async with daemon.service.calls.lock:
         await busy.write(pb.StepStreamRequest(call_id=2, many=many((sid, [1]))))
         await until(lambda: live.in_flight == 1)
         drain = asyncio.create_task(daemon.servers.drain())
@@ -300,7 +300,7 @@ async def test_messages_left_unanswered_are_read_back(daemon: Daemon, applied: b
             answers = await asyncio.gather(client.step_many([(alice, Step([1]))]),
                                            client.step_many([(bob, Step([1]))]))
         else:
-            async with daemon.service._lock:  # the first message waits for the pool
+            async with daemon.service.calls.lock:  # the first message waits for the pool
                 calls = asyncio.gather(client.step_many([(alice, Step([1]))]),
                                        client.step_many([(bob, Step([1]))]))
                 await until(lambda: live.in_flight == 1)

@@ -1,0 +1,133 @@
+"""A session's life: opened, renewed, closed, or expired by the lease reaper.
+
+Every session belongs to the tenant of the call that opened it (`tenants.py`: its
+max_sessions is checked at open, its cache salts decide the session's namespace) and to one
+awake model (`ModelNotFound`, `ModelAsleep`). Any call naming a session renews its lease;
+KeepAlive also sets or ends a runner's hold (`holds.py`). A session ends when it is closed
+(refused while a runner holds it), when its lease lapses with no call in flight and no hold
+(the reaper looks every `REAP_INTERVAL_S`), or when its model is put to sleep: its sequences
+are freed all-or-nothing under the pool's lock, and a private session's cached blocks dropped
+(`cache_hygiene.py`), their zeroing waited for before the end is answered.
+"""
+
+import asyncio
+import contextlib
+
+from pagedkv.daemon.service.call_path import CallPath
+from pagedkv.daemon.service.holds import NO_HOLD, Hold, apply_hold, check_hold, check_release
+from pagedkv.daemon.service.memory_order import Pending
+from pagedkv.daemon.service.models import ModelAsleep
+from pagedkv.daemon.service.session_ops import MemoryWork
+from pagedkv.daemon.service.sessions import Session
+from pagedkv.process.log_setup import get_logger
+
+log = get_logger(__name__)
+
+# How often the reaper looks for lapsed leases: a session is freed within this of its expiry.
+REAP_INTERVAL_S = 0.1
+
+
+class SessionLife:
+    """Open, renew, close and expire the pool's sessions (see the module docstring)."""
+
+    def __init__(self, calls: CallPath) -> None:
+        self._calls = calls
+        self._reaper: asyncio.Task[None] | None = None
+
+    def open(self, client_name: str, lease_ttl_ms: int = 0, max_blocks: int = 0,
+             cache_salt: bytes = b"", model: str = "") -> Session:
+        """A session of the calling tenant (checked: its max_sessions and salts) and of
+        `model` ("" = the daemon's own; ModelNotFound, ModelAsleep)."""
+        calls = self._calls
+        tenant = calls.tenants.caller_tenant()
+        calls.usage.check_open(tenant)
+        known = calls.formats.models.get(model)
+        if known.asleep:
+            raise ModelAsleep(f"model {known.name!r} is asleep: wake it first "
+                              f"(pagedkv model wake {known.name})")
+        session = calls.sessions.open(client_name, lease_ttl_ms, max_blocks,
+                                      tenant.cache_salt(cache_salt), tenant=tenant.name,
+                                      shared_salt=tenant.shared_salt(cache_salt),
+                                      model=(known.name, known.number, known.salt_tag))
+        calls.usage.add(session)
+        log.info("session opened", session=session.label, lease_ttl_ms=session.lease_ttl_ms,
+                 max_blocks=session.max_blocks, shared_cache=bool(cache_salt),
+                 tenant=tenant.name)
+        return session
+
+    def keep_alive(self, session_id: str, hold: Hold = NO_HOLD) -> int:
+        """Renew the lease (every call does), and set or end a runner's hold as `hold` asks;
+        returns the lease in ms."""
+        check_hold(hold, self._calls.limits)
+        sessions = self._calls.sessions
+        session = sessions.get(session_id)
+        apply_hold(session, hold, sessions.now())
+        return session.lease_ttl_ms
+
+    async def close(self, session_id: str) -> int:
+        """Close a session and free its sequences; returns how many were freed."""
+        def close(session: Session) -> tuple[int, Pending]:
+            check_release(session, self._calls.sessions.now(), "CloseSession")
+            freed, pending = self.drop(session, expired=False)
+            log.info("session closed", session=session.label, freed_sequences=freed)
+            return freed, pending
+        return await self._calls.arrived(session_id, close)
+
+    def drop(self, session: Session, *, expired: bool) -> tuple[int, Pending]:
+        """Remove a session and free its sequences, all-or-nothing; returns how many, and the
+        memory work to wait for (zeroing). The caller holds the lock."""
+        calls = self._calls
+        calls.memory_order.check()
+        work = MemoryWork()
+        count = len(session.seq_ids)
+        fmt = calls.model_of(session).format
+        with fmt.pool.transaction() as journal:
+            calls.sessions.remove(session, expired=expired)
+            journal.record(calls.sessions.reinstate, session, expired)
+            calls.usage.remove(session)
+            journal.record(calls.usage.add, session)
+            with fmt.hygiene.watch(session, work):
+                for seq_id in list(session.seq_ids):
+                    fmt.ops.free(session, seq_id, work)
+            fmt.hygiene.session_ended(session, work)
+        return count, calls.start_work(fmt, work, tuple)
+
+    # ---------------------------------------------------------------- leases
+
+    async def start(self) -> None:
+        """Start the lease reaper (idempotent)."""
+        if self._reaper is None:
+            self._reaper = asyncio.create_task(self._reap_forever(), name="pagedkv-lease-reaper")
+
+    async def stop(self) -> None:
+        """Stop the lease reaper; sessions stay as they are."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL_S)
+            await self.expire_due()
+
+    async def expire_due(self) -> int:
+        """Expire every session past its lease with no call in flight; returns how many."""
+        expired, calls = 0, self._calls
+        if calls.memory_order.failure is not None:
+            return 0  # fail-stop: the pool changes no more
+        for session in calls.sessions.due():
+            try:
+                async with calls.lock:
+                    if session not in calls.sessions or not calls.sessions.is_due(session):
+                        continue  # a call or a hold arrived, or it closed, while we waited
+                    freed, pending = self.drop(session, expired=True)
+                await pending.wait()
+            except Exception:  # the reaper must outlive any failure of one expiry
+                log.exception("lease expiry failed", session=session.label)
+                continue
+            expired += 1
+            log.info("session expired", session=session.label, freed_sequences=freed,
+                     lease_ttl_ms=session.lease_ttl_ms)
+        return expired
