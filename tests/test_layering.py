@@ -23,7 +23,8 @@ SOURCE_FOLDERS = ("vocab", "proto", "memory", "process", "daemon", "client", "mo
 BASE = {"vocab", "proto"}
 DAEMON_CORE = BASE | {"daemon.core"}
 DAEMON_MEMORY = DAEMON_CORE | {"memory", "process", "daemon.memory"}
-DAEMON_SERVICE = DAEMON_MEMORY | {"daemon.service"}
+DAEMON_EVENTS = DAEMON_MEMORY | {"daemon.events"}
+DAEMON_SERVICE = DAEMON_EVENTS | {"daemon.service"}
 DAEMON_EDGE = DAEMON_SERVICE | {"daemon.edge"}
 DAEMON_PROCESS = DAEMON_EDGE | {"daemon.process"}
 CLIENT_POOL = BASE | {"client.pool"}
@@ -43,6 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     "daemon": DAEMON_PROCESS | {"daemon"},
     "daemon.core": DAEMON_CORE,
     "daemon.memory": DAEMON_MEMORY,
+    "daemon.events": DAEMON_EVENTS,
     "daemon.service": DAEMON_SERVICE,
     "daemon.edge": DAEMON_EDGE,
     "daemon.process": DAEMON_PROCESS,

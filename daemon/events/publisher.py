@@ -1,0 +1,140 @@
+"""The sink that publishes: `EventPublisher`, the event loop's side of the KV events.
+
+Called on the daemon's event loop, a sink call only gives the batch its sequence number and
+appends it to the queue of the sending thread (sender.py), which builds the events, encodes
+them and owns every socket: the loop never waits for I/O, nor encodes.
+
+Overflow. When `queue` batches are waiting (the thread cannot keep up), a call's batch is
+dropped and counted (`pagedkv:kv_events_dropped_total`), and no seq is spent on it; the next
+batch the queue takes is preceded by an AllBlocksCleared on the topic of every model that lost
+one. A subscriber seeing it knows its index of that model is incomplete: it empties it (what
+it rebuilds from later events is a subset of the truth) and asks for a snapshot.
+
+Snapshots. The sending thread asks the loop for the blocks one item of the `snapshot`
+callable at a time (`call_soon_threadsafe`), each item read in its own loop callback, so a
+pool of any size never holds the loop longer than one bounded item (sink.py says what the
+callable must tolerate). The first read also fixes S, the seq of the next batch: every change
+announced below S is in the pool the snapshot reads, the later ones come live from S on. A
+block stored after S may be in the snapshot and stored again live (an index adds it twice,
+harmlessly); one removed after S is removed live after the snapshot put it in. So applying
+the snapshot, then the batches from S in order, gives the pool's committed blocks exactly.
+"""
+
+import asyncio
+import queue
+import time
+from collections.abc import Sequence
+
+from pagedkv.daemon.events.sender import STOP, Answer, EventSettings, Outgoing, Sender, Slice
+from pagedkv.daemon.events.sink import EventCounts, Snapshot, StoredBlock
+from pagedkv.process.log_setup import get_logger
+
+# How long closing waits for the thread to send what is queued.
+CLOSE_TIMEOUT_S = 5.0
+
+log = get_logger(__name__)
+
+
+class EventPublisher:
+    """A KVEventSink (sink.py) that publishes vLLM's KV events over ZMQ (module docstring)."""
+
+    def __init__(self, settings: EventSettings, snapshot: Snapshot) -> None:
+        self._settings = settings
+        self._snapshot = snapshot
+        # Batches for the thread, and the snapshot slices the loop reads for it.
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        # The seq of the next batch queued.
+        self._next_seq = 0
+        # Batches dropped, and the models owed an AllBlocksCleared for one.
+        self._dropped = 0
+        self._lost: set[str] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sender: Sender | None = None
+
+    def start(self) -> None:
+        """Bind the sockets (zmq.ZMQError when an endpoint is unusable) and start the thread;
+        on the running event loop, which every later call must come from."""
+        self._loop = asyncio.get_running_loop()
+        self._sender = Sender(self._settings, self._inbox, self._ask_slice)
+        self._sender.start()
+        pub, replay = self._sender.addresses
+        log.info("kv events publishing", endpoint=pub, replay_endpoint=replay,
+                 topic_prefix=self._settings.topic_prefix)
+
+    async def close(self) -> None:
+        """Stop taking batches, let the thread send what is queued (CLOSE_TIMEOUT_S at most),
+        close the sockets."""
+        sender, self._sender = self._sender, None
+        if sender is None:
+            return
+        self._inbox.put(STOP)
+        await asyncio.to_thread(sender.join, CLOSE_TIMEOUT_S)
+
+    @property
+    def addresses(self) -> tuple[str, str | None]:
+        """The PUB and replay endpoints as bound (a "*" port resolved); after start()."""
+        assert self._sender is not None, "start() first"
+        return self._sender.addresses
+
+    def counts(self) -> EventCounts:
+        sender = self._sender
+        if sender is None:
+            return EventCounts(0, self._dropped, 0, 0)
+        return EventCounts(sender.sent, self._dropped, sender.replayed, sender.snapshots)
+
+    def stored(self, model: str, blocks: Sequence[StoredBlock]) -> None:
+        if blocks:
+            self._put(model, stored=tuple(blocks))
+
+    def removed(self, model: str, hashes: Sequence[int]) -> None:
+        if hashes:
+            self._put(model, removed=tuple(hashes))
+
+    def cleared(self, model: str) -> None:
+        self._put(model)
+
+    def _put(self, model: str, stored: tuple[StoredBlock, ...] | None = None,
+             removed: tuple[int, ...] | None = None) -> None:
+        """Queue one batch, or drop it when the queue is full (module docstring); nothing
+        before start() or after close()."""
+        if self._sender is None:
+            return
+        if self._inbox.qsize() + len(self._lost) >= self._settings.queue:
+            self._dropped += 1
+            self._lost.add(model)
+            return
+        self._clear_lost()
+        self._queue(model, stored, removed)
+
+    def _clear_lost(self) -> None:
+        for model in sorted(self._lost):
+            self._queue(model, None, None)
+        self._lost.clear()
+
+    def _queue(self, model: str, stored: tuple[StoredBlock, ...] | None,
+               removed: tuple[int, ...] | None) -> None:
+        self._inbox.put(Outgoing(self._next_seq, time.time(), model, stored, removed))
+        self._next_seq += 1
+
+    def _ask_slice(self, answer: Answer) -> None:
+        """From the sending thread: read the answer's next snapshot item on the loop."""
+        assert self._loop is not None, "asked only once started"
+        try:
+            self._loop.call_soon_threadsafe(self._read_slice, answer)
+        except RuntimeError:  # the loop is closed: the daemon is stopping
+            self._inbox.put(Slice(answer, None, failed=True))
+
+    def _read_slice(self, answer: Answer) -> None:
+        """On the loop: the first read fixes S (owed AllBlocksCleared go out below it, so
+        they do not empty what the snapshot rebuilds); each read takes one item."""
+        try:
+            if answer.items is None:
+                self._clear_lost()
+                answer.start_seq = self._next_seq
+                answer.items = iter(self._snapshot())
+            item = next(answer.items, None)
+        except Exception:
+            log.exception("kv events: the snapshot failed")
+            self._inbox.put(Slice(answer, None, failed=True))
+            return
+        self._inbox.put(Slice(answer, item))

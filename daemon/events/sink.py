@@ -1,0 +1,101 @@
+"""What the daemon's event sources call: the `KVEventSink` interface and its records.
+
+The service (daemon/service/kv_events.py) tells a sink which committed blocks each model gained
+and lost; the publisher (publisher.py) turns the calls into vLLM's events, `NullSink` (events
+off) drops them for nothing. Every call comes from the daemon's event loop and returns without
+I/O.
+
+Rules for the callers, on which a subscriber's exact index depends:
+- Call once the change is made (its transaction succeeded), never before it: a snapshot
+  (publisher.py) reads the pool at or after the point it names, and a removal announced before
+  the block is gone could be missed by a snapshot that still sees the block.
+- `stored` lists the blocks in chain order: a block whose parent is the block before it in the
+  list continues that chain (one vLLM `BlockStored` per chain).
+- The snapshot callable (`Snapshot`) yields the committed blocks as (model, blocks) items, each
+  list bounded (a few hundred blocks), parents before children. The publisher advances it on
+  the event loop ONE item per loop callback, other work running between items: the iterator
+  must tolerate blocks added and removed between two items (skip a block that is gone).
+"""
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class StoredBlock:
+    """One committed block as a subscriber sees it."""
+
+    # Low 64 bits of the block's content key, unsigned (vLLM's default external block hash).
+    block_hash: int
+    # The previous block's hash; None for a prompt's first block.
+    parent_hash: int | None
+    # The block_size tokens it holds.
+    token_ids: tuple[int, ...]
+    # The block's cache salt when it is not shared (vLLM's extra_keys carry it); else None.
+    extra_key: bytes | None
+
+
+# Every committed block, as (model, a bounded list of blocks) items (see the module docstring).
+Snapshot = Callable[[], Iterator[tuple[str, list[StoredBlock]]]]
+
+
+class KVEventSink(Protocol):
+    """Where the daemon's event sources send what they see (see the module docstring)."""
+
+    def stored(self, model: str, blocks: Sequence[StoredBlock]) -> None:
+        """`blocks` became committed (matchable) in `model`'s namespace, in chain order."""
+
+    def removed(self, model: str, hashes: Sequence[int]) -> None:
+        """The committed blocks of these hashes left `model`'s cache."""
+
+    def cleared(self, model: str) -> None:
+        """Every committed block of `model` is gone."""
+
+
+class EventCounts(NamedTuple):
+    """What a sink did since it started (the metrics `pagedkv:kv_event*_total`)."""
+
+    # Batches published on the PUB socket.
+    sent: int
+    # Batches dropped because the queue to the sending thread was full.
+    dropped: int
+    # Batches sent again in answer to replay requests.
+    replayed: int
+    # Snapshots answered in full.
+    snapshots: int
+
+
+class ManagedSink(KVEventSink, Protocol):
+    """A sink the daemon starts on its event loop and closes when it stops."""
+
+    def start(self) -> None:
+        """Bind the sockets and start sending; called on the running event loop."""
+
+    async def close(self) -> None:
+        """Stop sending (what is queued is sent first, briefly) and close the sockets."""
+
+    def counts(self) -> EventCounts:
+        """The figures so far."""
+
+
+class NullSink:
+    """Events off: every call returns at once and nothing is kept."""
+
+    def stored(self, model: str, blocks: Sequence[StoredBlock]) -> None:
+        pass
+
+    def removed(self, model: str, hashes: Sequence[int]) -> None:
+        pass
+
+    def cleared(self, model: str) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def counts(self) -> EventCounts:
+        return EventCounts(0, 0, 0, 0)
