@@ -8,10 +8,12 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry, generate_latest
 
+from pagedkv.daemon.edge.metrics import EventCollector
 from pagedkv.daemon.events.publisher import EventPublisher
 from pagedkv.daemon.events.sender import SNAPSHOT_REQUEST, EventSettings
-from pagedkv.daemon.events.sink import Snapshot, StoredBlock
+from pagedkv.daemon.events.sink import EventCounts, NullSink, Snapshot, StoredBlock
 from pagedkv.daemon.events.wire import (
     END_SEQ,
     AllBlocksCleared,
@@ -22,6 +24,10 @@ from pagedkv.daemon.events.wire import (
     seq_bytes,
     seq_of,
 )
+from pagedkv.daemon.process.config import DaemonConfig
+from pagedkv.daemon.process.event_sink import make_event_sink, start_event_sink
+from pagedkv.daemon.process.settings import ConfigError
+from pagedkv.process.grpc_server import StartupError
 
 PREFIX = "kv@test@"
 # How long a test waits for the thread before it fails (a guard, not a timing assertion).
@@ -247,3 +253,56 @@ async def test_a_full_queue_drops_and_announces_all_blocks_cleared(
     finally:
         Gate.opened.set()
         await publisher.close()
+
+
+async def test_the_daemon_settings_make_the_sink(context: zmq.asyncio.Context) -> None:
+    # Off by default: the null sink binds nothing and counts nothing.
+    assert isinstance(make_event_sink(DaemonConfig(), no_snapshot), NullSink)
+    config = DaemonConfig(kv_events_endpoint="tcp://127.0.0.1:*",
+                          kv_events_replay_endpoint="tcp://127.0.0.1:*",
+                          kv_events_topic="kv@pod@", kv_events_buffer=3, block_size=4)
+    sink = make_event_sink(config, no_snapshot)
+    assert isinstance(sink, EventPublisher)
+    start_event_sink(sink)
+    try:
+        sink.stored("tiny", [StoredBlock(1, None, (1, 2, 3, 4), None)])
+        await until(lambda: sink.counts().sent == 1)
+        (seq, payload), _ = await request(context, sink, seq_bytes(0))
+        assert seq_of(seq) == 0
+        # A CPU daemon's blocks are in shared memory: medium "CPU"; the pool's block size.
+        event = decode_batch(payload).events[0]
+        assert isinstance(event, BlockStored) and (event.medium, event.block_size) == ("CPU", 4)
+    finally:
+        await sink.close()
+
+
+async def test_an_endpoint_in_use_stops_the_start(context: zmq.asyncio.Context) -> None:
+    taken = context.socket(zmq.PUB)
+    taken.bind("tcp://127.0.0.1:*")
+    address = taken.getsockopt_string(zmq.LAST_ENDPOINT).replace("127.0.0.1", "*")
+    sink = make_event_sink(DaemonConfig(kv_events_endpoint=address), no_snapshot)
+    with pytest.raises(StartupError, match="kv_events_endpoint"):
+        start_event_sink(sink)
+    taken.close(linger=0)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"kv_events_endpoint": "http://x:1"}, "kv_events_endpoint must start with"),
+    ({"kv_events_replay_endpoint": "tcp://*:5558"}, "needs kv_events_endpoint"),
+    ({"kv_events_endpoint": "tcp://*:5557", "kv_events_buffer": 0}, "kv_events_buffer"),
+    ({"kv_events_endpoint": "tcp://*:5557", "kv_events_queue": 0}, "kv_events_queue"),
+])
+def test_bad_event_settings_are_refused(settings: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        DaemonConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_event_metrics() -> None:
+    registry = CollectorRegistry()
+    registry.register(EventCollector(lambda: EventCounts(5, 2, 3, 1)))
+    text = generate_latest(registry).decode()
+    for line in ("pagedkv:kv_events_sent_total 5.0", "pagedkv:kv_events_dropped_total 2.0",
+                 "pagedkv:kv_event_batches_replayed_total 3.0",
+                 "pagedkv:kv_event_snapshots_total 1.0"):
+        assert line in text
+    assert NullSink().counts() == EventCounts(0, 0, 0, 0)

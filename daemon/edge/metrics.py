@@ -7,7 +7,7 @@ the figure is the same (`vllm:kv_cache_usage_perc` is `pagedkv:kv_cache_usage_pe
 existing dashboards carry over.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from pagedkv.daemon.core.types import PoolStats
+from pagedkv.daemon.events.sink import EventCounts
 from pagedkv.daemon.service.models import ModelFigures
 from pagedkv.daemon.service.tenants import TenantFigures
 
@@ -97,6 +98,26 @@ class PoolCollector(Collector):
             "Pages of the pool given to another model format (each zeroed).",
             value=self._figures.page_moves_total,
         )
+
+
+class EventCollector(Collector):
+    """The KV-event publisher's figures (daemon/events/), read per scrape."""
+
+    def __init__(self, counts: Callable[[], EventCounts]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._counts()
+        for name, text, value in (
+            ("kv_events_sent", "KV-event batches published.", counts.sent),
+            ("kv_events_dropped", "KV-event batches dropped because the queue to the sending "
+             "thread was full (each model that lost one then gets AllBlocksCleared).",
+             counts.dropped),
+            ("kv_event_batches_replayed", "KV-event batches sent again to replay requests.",
+             counts.replayed),
+            ("kv_event_snapshots", "KV-event snapshots answered in full.", counts.snapshots),
+        ):
+            yield CounterMetricFamily(f"pagedkv:{name}", text, value=value)
 
 
 # Per-tenant gauges: (metric name, help, the TenantFigures field).

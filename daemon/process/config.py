@@ -44,6 +44,9 @@ DEFAULT_SOCKET_MODE = 0o660
 # Mode of the runner socket and of the pool file: the daemon's user, and runner_group if set.
 RUNNERS_ONLY_MODE = 0o600
 RUNNER_GROUP_MODE = 0o660
+# ZMQ transports a KV-events endpoint may use, and the most batches it may buffer or queue.
+EVENT_TRANSPORTS = ("tcp://", "ipc://", "inproc://")
+MAX_EVENT_BATCHES = 10_000_000
 # The limits' defaults (daemon/service/limits.py), for the fields below.
 _LIMIT_DEFAULTS = Limits()
 
@@ -113,6 +116,25 @@ class DaemonConfig:
     # Folder of the CPU pool's shared-memory file: a tmpfs (or hugetlbfs) mount. The file is
     # mode 0o600 (the daemon's user), or 0o660 with runner_group as its group.
     shm_dir: Path = Path("/dev/shm")
+
+    # ---- KV events in vLLM's wire format (daemon/events/; ops/OPERATIONS.md, "KV events").
+    # ZMQ PUB endpoint; None or "": no events (the default). Bound when it has "*" or "::" or
+    # is ipc:// or inproc://, else connected, as vLLM does ("tcp://*:5557" binds; with
+    # "tcp://indexer:5557" the daemon connects to a subscriber that binds, as llm-d's does).
+    kv_events_endpoint: str | None = None
+    # ZMQ ROUTER endpoint (bound) answering replay requests and snapshots; None: neither.
+    kv_events_replay_endpoint: str | None = None
+    # Batches kept for replay (vLLM's buffer_steps).
+    kv_events_buffer: int = 10_000
+    # Batches waiting for the sending thread before new ones are dropped (each model that lost
+    # one then gets an AllBlocksCleared: its subscribers resync by snapshot).
+    kv_events_queue: int = 100_000
+    # Topic prefix: a model's batches go on the topic prefix + model name (llm-d reads the pod
+    # and the model from "kv@POD@MODEL": set "kv@POD@").
+    kv_events_topic: str = ""
+    # Publish the blocks of every cache salt, their namespace in extra_keys; default: only
+    # blocks under a salt tenants share (the stream has no authentication).
+    kv_events_all_salts: bool = False
 
     # ---- Access: who may connect and as which tenant (modes, TLS, tenants). ----
     # Permission bits of the public unix sockets, whatever the umask: 0o660 lets the daemon's
@@ -192,6 +214,7 @@ class DaemonConfig:
         self._check_access()
         self._check_pool()
         self._check_service()
+        self._check_events()
         check_socket_mode(self.socket_mode)
         self._check_tls()
         check_setting(lambda _: self.limits(), None, "limits")
@@ -309,6 +332,21 @@ class DaemonConfig:
             raise ConfigError(f"max_model_len {self.max_model_len} does not fit in the pool: "
                               f"{num_blocks} blocks x {self.block_size} slots = "
                               f"{num_blocks * self.block_size} slots")
+
+    def _check_events(self) -> None:
+        """ZMQ endpoints the publisher can use; positive buffer and queue."""
+        for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            endpoint = getattr(self, key)
+            if endpoint and not endpoint.startswith(EVENT_TRANSPORTS):
+                raise ConfigError(f"{key} must start with one of {', '.join(EVENT_TRANSPORTS)}"
+                                  f", got {endpoint!r}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint: replays "
+                              "and snapshots serve the events it publishes")
+        for key in ("kv_events_buffer", "kv_events_queue"):
+            if not 1 <= getattr(self, key) <= MAX_EVENT_BATCHES:
+                raise ConfigError(f"{key} must be in 1..{MAX_EVENT_BATCHES}, "
+                                  f"got {getattr(self, key)}")
 
     def _check_service(self) -> None:
         """Metrics address, logging and leases."""

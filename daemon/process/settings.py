@@ -173,6 +173,18 @@ SETTINGS: dict[str, Setting] = {
                              "(required with --allocator contiguous; must fit in the pool)"),
     "zero_freed_blocks": Setting(SWITCH, "zero blocks as they are released"),
     "shm_dir": Setting(PATH, "folder of the CPU pool file (default {default})"),
+    "kv_events_endpoint": Setting(TEXT, "ZMQ PUB endpoint of KV events in vLLM's format, e.g. "
+                                  "tcp://*:5557 (bound; a host name is connected to); default: "
+                                  "no events"),
+    "kv_events_replay_endpoint": Setting(TEXT, "ZMQ ROUTER endpoint answering replay and "
+                                         "snapshot requests, e.g. tcp://*:5558"),
+    "kv_events_buffer": Setting(INTEGER, "KV-event batches kept for replay (default {default})"),
+    "kv_events_queue": Setting(INTEGER, "KV-event batches waiting to be sent before new ones "
+                               "are dropped (default {default})"),
+    "kv_events_topic": Setting(TEXT, "topic prefix of KV events: a model's topic is the prefix "
+                               "and its name (llm-d: kv@POD@)"),
+    "kv_events_all_salts": Setting(SWITCH, "publish blocks of every cache salt, not only of "
+                                   "salts tenants share"),
     "socket_mode": Setting(MODE, "octal mode of the public unix sockets (default 660)"),
     "runner_socket": Setting(PATH, "path of the socket runners call through (default: "
                              f"{DAEMON_RUNNER_SOCKET_NAME} beside the first unix listener)"),
