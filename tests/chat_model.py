@@ -50,6 +50,19 @@ def hf_generate(model: PreTrainedModel, prompt: list[int], **options: object) ->
     return [row[:row.index(0) + 1] if 0 in row else row for row in continuations]
 
 
+def reference_model(folder: Path) -> PreTrainedModel:
+    """The model saved in `folder`, with transformers' eager attention: the reference the
+    paged engine's tokens must equal."""
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
+    model.set_attn_implementation("eager")
+    return model
+
+
+def fast_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
+    """The tokenizer saved in `folder` (its chat template too, if it has one)."""
+    return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+
+
 def make_model_dir(folder: Path, tokenizer: PreTrainedTokenizerFast | None = None) -> None:
     """`tokenizer` (else one trained on SENTENCES) and a random Llama whose eos is the
     tokenizer's, saved in `folder`."""

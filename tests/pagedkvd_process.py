@@ -12,16 +12,18 @@ untouched. Starting and readiness (systemd's notify socket) are `pagedkv.process
 same code `make demo` starts its processes with.
 """
 
+import asyncio
 import contextlib
 import shutil
 import tempfile
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedkv.client import RunnerClient
 from pagedkv.process.launch import (
     DAEMON_COMMAND,
     READY_STATE,
@@ -31,8 +33,8 @@ from pagedkv.process.launch import (
     start_runner,
 )
 
-__all__ = ["COMMAND", "Pagedkvd", "free_tcp_port", "pagedkv_runner", "pagedkvd", "short_tmp_dir",
-           "tenant_samples"]
+__all__ = ["COMMAND", "Pagedkvd", "free_tcp_port", "pagedkv_runner", "pagedkvd", "restarted",
+           "short_tmp_dir", "tenant_samples"]
 
 # The daemon's command line, for tests that run it to completion (`pagedkv daemon`).
 COMMAND = list(DAEMON_COMMAND)
@@ -83,3 +85,20 @@ def pagedkv_runner(daemon: Launched, *args: str, wait_ready: bool = True,
         if wait_ready:
             runner.wait_for_notification(READY_STATE)
         yield runner
+
+
+@asynccontextmanager
+async def restarted(first: Launched, runner: RunnerClient, old_pool: str,
+                    *args: str) -> AsyncIterator[Launched]:
+    """`pagedkvd` with `args` started again in the folder and on the socket of `first` (which
+    the test stopped), yielded once `runner` maps its new pool (its pool id is no longer
+    `old_pool`): the runner's watcher finds the new daemon within a second or two."""
+    socket_path = Path(first.unix_target.removeprefix("unix://"))
+    with pagedkvd(*args, workdir=first.workdir, listen_path=socket_path) as daemon:
+        for _ in range(100):
+            if (await runner.info()).pool_id != old_pool:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"the runner still maps pool {old_pool} after the restart")
+        yield daemon

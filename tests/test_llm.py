@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from chat_model import EOS_PROMPT, hf_generate, make_model_dir
+from chat_model import EOS_PROMPT, fast_tokenizer, hf_generate, make_model_dir, reference_model
 from pagedkvd_process import short_tmp_dir
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from pagedkv.client import RunnerUnreachable
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S
@@ -39,14 +39,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-    model.set_attn_implementation("eager")
-    return model
+    return reference_model(model_dir)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
+    return fast_tokenizer(model_dir)
 
 
 @pytest.fixture(scope="module")

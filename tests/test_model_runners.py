@@ -5,7 +5,6 @@ a prompt one model cached is no hit for the other; clients find a runner by mode
 session of one model is refused by the other's runner; a restarted runner registers again.
 """
 
-import asyncio
 import json
 import signal
 import sys
@@ -14,7 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd, short_tmp_dir
+from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd, restarted, short_tmp_dir
 from served_model import TINY, hf_greedy, write_config
 from transformers import PreTrainedModel
 
@@ -250,13 +249,8 @@ async def test_a_runner_registers_again_with_a_restarted_daemon(
                 await PoolClient.connect(first.unix_target) as pool:
             old_pool = (await runner.info()).pool_id
             assert first.stop() == 0
-            socket_path = Path(first.unix_target.removeprefix("unix://"))
-            with pagedkvd("--model-config", str(config_path), "--num-blocks", "64",
-                          workdir=first.workdir, listen_path=socket_path):
-                for _ in range(100):  # the watcher maps the new pool within a second or two
-                    if (await runner.info()).pool_id != old_pool:
-                        break
-                    await asyncio.sleep(0.1)
+            async with restarted(first, runner, old_pool, "--model-config", str(config_path),
+                                 "--num-blocks", "64"):
                 assert "tuned" in {m.name for m in (await pool.pool_info()).models}
                 async with await pool.open_session("after", model="tuned") as session:
                     tokens = await generate(runner, session)

@@ -20,7 +20,14 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from pagedkvd_process import Pagedkvd, free_tcp_port, pagedkv_runner, pagedkvd, short_tmp_dir
+from pagedkvd_process import (
+    Pagedkvd,
+    free_tcp_port,
+    pagedkv_runner,
+    pagedkvd,
+    restarted,
+    short_tmp_dir,
+)
 from served_model import TINY, hf_greedy, reference_model, write_config
 from transformers import LlamaConfig, PreTrainedModel
 
@@ -274,13 +281,8 @@ async def test_a_daemon_restart_answers_unavailable_then_the_runner_maps_the_new
             assert isinstance(refusal, RunnerUnavailable), refusal
             assert refusal.code == grpc.StatusCode.UNAVAILABLE
             assert "daemon is unavailable" in refusal.message
-            socket_path = Path(first.unix_target.removeprefix("unix://"))
-            with pagedkvd("--model-config", str(config_path), "--num-blocks", "64",
-                          workdir=first.workdir, listen_path=socket_path):
-                for _ in range(100):  # the watcher maps the new pool within a second or two
-                    if (await runner.info()).pool_id != old_pool:
-                        break
-                    await asyncio.sleep(0.1)
+            async with restarted(first, runner, old_pool, "--model-config", str(config_path),
+                                 "--num-blocks", "64"):
                 with pytest.raises(SessionExpired, match="before a daemon restart"):
                     await runner.step(stale, [SeqStep(1, PROMPTS[0], new_sequence=True,
                                                  params=GREEDY)])

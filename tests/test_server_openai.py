@@ -17,9 +17,9 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from chat_model import hf_generate, make_chat_model_dir
+from chat_model import fast_tokenizer, hf_generate, make_chat_model_dir, reference_model
 from pagedkvd_process import short_tmp_dir
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from pagedkv.process.launch import READY_STATE, Launched, free_tcp_port, start_process
 
@@ -67,14 +67,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-    model.set_attn_implementation("eager")
-    return model
+    return reference_model(model_dir)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
+    return fast_tokenizer(model_dir)
 
 
 @pytest.fixture(scope="module")
