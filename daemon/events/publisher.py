@@ -50,6 +50,8 @@ class EventPublisher:
         self._lost: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sender: Sender | None = None
+        # Taking batches: between start() and close().
+        self._open = False
 
     def start(self) -> None:
         """Bind the sockets (zmq.ZMQError when an endpoint is unusable) and start the thread;
@@ -57,6 +59,7 @@ class EventPublisher:
         self._loop = asyncio.get_running_loop()
         self._sender = Sender(self._settings, self._inbox, self._ask_slice)
         self._sender.start()
+        self._open = True
         pub, replay = self._sender.addresses
         log.info("kv events publishing", endpoint=pub, replay_endpoint=replay,
                  topic_prefix=self._settings.topic_prefix)
@@ -64,11 +67,12 @@ class EventPublisher:
     async def close(self) -> None:
         """Stop taking batches, let the thread send what is queued (CLOSE_TIMEOUT_S at most),
         close the sockets."""
-        sender, self._sender = self._sender, None
-        if sender is None:
+        if not self._open:
             return
+        self._open = False
         self._inbox.put(STOP)
-        await asyncio.to_thread(sender.join, CLOSE_TIMEOUT_S)
+        assert self._sender is not None, "open means started"
+        await asyncio.to_thread(self._sender.join, CLOSE_TIMEOUT_S)
 
     @property
     def addresses(self) -> tuple[str, str | None]:
@@ -97,7 +101,7 @@ class EventPublisher:
              removed: tuple[int, ...] | None = None) -> None:
         """Queue one batch, or drop it when the queue is full (module docstring); nothing
         before start() or after close()."""
-        if self._sender is None:
+        if not self._open:
             return
         if self._inbox.qsize() + len(self._lost) >= self._settings.queue:
             self._dropped += 1

@@ -142,6 +142,8 @@ class Sender(threading.Thread):
         except zmq.ZMQError:
             self._close_sockets()
             raise
+        # The endpoints as bound, read here: the sockets belong to the thread once it runs.
+        self.addresses = self._bound_addresses()
         # (seq, topic, payload) of the last `buffer` batches sent.
         self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=settings.buffer)
         self._answers: deque[Answer] = deque()
@@ -163,8 +165,7 @@ class Sender(threading.Thread):
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._router.bind(self._settings.replay_endpoint)
 
-    @property
-    def addresses(self) -> tuple[str, str | None]:
+    def _bound_addresses(self) -> tuple[str, str | None]:
         """The PUB and ROUTER endpoints as bound (a "*" port resolved)."""
         pub = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or self._settings.endpoint
         router = (None if self._router is None
