@@ -31,6 +31,8 @@ from pagedkv.daemon.edge.addresses import ListenAddress, parse_listen
 from pagedkv.daemon.edge.metrics import PoolCollector, RpcMetrics
 from pagedkv.daemon.edge.peer_gate import PeerGate
 from pagedkv.daemon.edge.tls import ServerTls
+from pagedkv.daemon.events.publisher import EventPublisher
+from pagedkv.daemon.events.sender import EventSettings
 from pagedkv.daemon.memory.kv_memory import KVMemory, KVPoolMemory
 from pagedkv.daemon.process.server import grpc_server
 from pagedkv.daemon.service.pool_service import PoolService
@@ -64,6 +66,8 @@ class Daemon:
     gate: PeerGate | None = None
     # Its gRPC servers (what pagedkvd drains on SIGTERM: `servers.drain()`).
     servers: GrpcServers | None = None
+    # Its KV events' publisher, when started with kv_events.
+    events: EventPublisher | None = None
 
     @property
     def pool(self) -> PoolAllocator:
@@ -89,13 +93,15 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
                          tcp: bool = False, tls: ServerTls | None = None,
                          pool_id: str | None = None, tenants: Tenants | None = None,
                          allocator: AllocatorKind = "paged", max_model_len: int | None = None,
-                         blocks_per_page: int = 1,
+                         blocks_per_page: int = 1, kv_events: EventSettings | None = None,
+                         kv_events_all_salts: bool = False,
                          **service_options: Any) -> AsyncIterator[Daemon]:
     """Start a daemon; `service_options` go to PoolService (leases, limits, zeroing, clock).
     With `tcp`, a loopback TCP listener too, serving TLS with `tls` when given. `tenants`
     default to one, "default", whose token is TOKEN. `allocator` and `max_model_len` choose
     the pool's bookkeeping as pagedkvd's settings of the same names do. `blocks_per_page`:
-    pages of that many of the tiny model's blocks (page_size; several models on one pool)."""
+    pages of that many of the tiny model's blocks (page_size; several models on one pool).
+    `kv_events`: publish KV events so (every salt's blocks with `kv_events_all_salts`)."""
     async with AsyncExitStack() as stack:
         # Short and private: unix socket paths are limited to ~107 bytes, pytest's tmp_path is
         # long.
@@ -117,6 +123,12 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
                               tenants=tenants or Tenants.single(TOKEN), **service_options)
         await service.start()
         stack.push_async_callback(service.stop)
+        events = None
+        if kv_events is not None:
+            events = EventPublisher(kv_events, service.formats.kv_snapshot)
+            events.start()
+            stack.push_async_callback(events.close)
+            service.formats.publish_events(events, kv_events_all_salts)
         registry = CollectorRegistry()
         registry.register(PoolCollector(service))
         listeners = [parse_listen(f"unix://{directory / 'pagedkv.sock'}")]
@@ -128,4 +140,4 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
         tcp_target = running.targets[1] if tcp else None
         assert running.runner_target is not None
         yield Daemon(service, running.targets[0], running.runner_target, tcp_target, memory,
-                     registry, running.gate, running.servers)
+                     registry, running.gate, running.servers, events)

@@ -378,6 +378,12 @@ class BlockPool:
             parents.append(parent)
         return keys, parents, cache.tokens_of[list(blocks)]
 
+    def parent_block(self, block: int) -> int | None:
+        """The block holding the committed content of keyed `block`'s parent, if any."""
+        cache = self._blocks.cache
+        parent = cache.parent_of[block]
+        return None if parent is None else cache.block_of.get(parent)
+
     def cached_keys(self) -> dict[int, bytes]:
         """Every evictable cached block and its key (O(cached blocks): for checks)."""
         cache = self._blocks.cache

@@ -274,6 +274,10 @@ class ContiguousPool:
         """No block is ever keyed: no chain has a root."""
         return b""
 
+    def parent_block(self, block: int) -> int | None:
+        """No block is ever keyed: none has a parent."""
+        return None
+
     def block_content(self, blocks: Sequence[int]) -> tuple[list[bytes], list[bytes],
                                                             npt.NDArray[np.int64]]:
         """No block is ever keyed."""

@@ -28,7 +28,7 @@ from prometheus_client.registry import CollectorRegistry
 from pagedkv.daemon.core import BlockPool, make_pool
 from pagedkv.daemon.edge.addresses import ListenAddress, parse_host_port
 from pagedkv.daemon.edge.interceptors import ServerInterceptor
-from pagedkv.daemon.edge.metrics import PoolCollector, Readiness, RpcMetrics
+from pagedkv.daemon.edge.metrics import EventCollector, PoolCollector, Readiness, RpcMetrics
 from pagedkv.daemon.edge.peer_gate import PeerGate, gate_folder
 from pagedkv.daemon.edge.servicer import KVPoolServicer, add_to_server
 from pagedkv.daemon.edge.tls import ServerTls
@@ -40,6 +40,7 @@ from pagedkv.daemon.process.config import (
     RUNNERS_ONLY_MODE,
     DaemonConfig,
 )
+from pagedkv.daemon.process.event_sink import make_event_sink, start_event_sink
 from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.service.memory_order import MemoryOrder
 from pagedkv.daemon.service.pool_service import PoolService
@@ -102,6 +103,12 @@ async def _start(config: DaemonConfig, readiness: Readiness,
     readiness.pool_allocated = True
     registry = CollectorRegistry()
     registry.register(PoolCollector(service))
+    if config.kv_events_endpoint:  # off: nothing recorded, nothing sent
+        events = make_event_sink(config, service.formats.kv_snapshot)
+        start_event_sink(events)
+        stack.push_async_callback(events.close)
+        service.formats.publish_events(events, config.kv_events_all_salts)
+        registry.register(EventCollector(events.counts))
     rpc_metrics = RpcMetrics(registry) if config.metrics_listen else None
     running = await stack.enter_async_context(
         grpc_server(service, config.listeners(), rpc_metrics=rpc_metrics,

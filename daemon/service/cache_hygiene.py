@@ -21,6 +21,7 @@ journal, so a call that fails leaves it as it was.
 import contextlib
 
 from pagedkv.daemon.core import CacheEvents, Journal, PoolAllocator
+from pagedkv.daemon.service.kv_events import FormatEvents
 from pagedkv.daemon.service.model_cache import ModelCache
 from pagedkv.daemon.service.session_ops import MemoryWork
 from pagedkv.daemon.service.sessions import Session
@@ -108,11 +109,21 @@ class _CallEvents(CacheEvents):
         self._hygiene.cached.left(blocks)
         if self._hygiene.zero_blocks:
             self._work.zero(blocks)
+        if self._hygiene.events is not None:
+            self._hygiene.events.removed(blocks)
 
     def parked(self, block: int, key: bytes) -> None:
         self._hygiene.cached.parked(self._session.model_number, block, key)
         if self._session.private_salt:
             self._hygiene.private.parked(self._session.number, block, key)
+
+    def committed(self, blocks: list[int]) -> None:
+        if self._hygiene.events is not None:
+            self._hygiene.events.committed(self._session, blocks)
+
+    def uncommitted(self, block: int) -> None:
+        if self._hygiene.events is not None:
+            self._hygiene.events.removed([block])
 
 
 class CacheHygiene:
@@ -126,6 +137,8 @@ class CacheHygiene:
         self.private = PrivateBlocks(pool.journal)
         # Every committed cached block's model (its memory, its sleep: model_cache.py).
         self.cached = ModelCache(pool.journal)
+        # The format's KV events (kv_events.py); None: events are off, nothing is recorded.
+        self.events: FormatEvents | None = None
 
     def watch(self, session: Session, work: MemoryWork) -> contextlib.AbstractContextManager[None]:
         """Around one call of `session`: hear its evictions and parked blocks."""
@@ -145,6 +158,8 @@ class CacheHygiene:
         dropped = self._pool.uncache(candidates)
         self.cached.left(dropped)
         self.private.evicted(dropped)
+        if self.events is not None:
+            self.events.removed(dropped)
         if self.zero_blocks:
             work.zero(dropped)
         return dropped
@@ -153,6 +168,8 @@ class CacheHygiene:
         """Cached blocks left the cache with their page (given to another format)."""
         self.private.evicted(blocks)
         self.cached.left(blocks)
+        if self.events is not None:
+            self.events.removed(blocks)
 
     def check(self, live: set[int]) -> None:
         """Assert the records' invariants (see PrivateBlocks.check); for tests."""

@@ -19,12 +19,14 @@ finitely many, so the loop ends.
 """
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar, runtime_checkable
 
 from pagedkv.daemon.core import BlockPool, PoolAllocator, PrefixHash
+from pagedkv.daemon.events.sink import KVEventSink, StoredBlock
 from pagedkv.daemon.service.answer_size import AnswerBudget
 from pagedkv.daemon.service.cache_hygiene import CacheHygiene
+from pagedkv.daemon.service.kv_events import FormatEvents
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.models import (
     Format,
@@ -62,6 +64,8 @@ class Formats:
         self._limits = limits
         self._zero = zero_blocks
         self._prefix_hash = prefix_hash
+        # Where KV events go, and whether every salt's blocks are published (None: off).
+        self._events: tuple[KVEventSink, bool] | None = None
         own = self._own_format(pool, memory, geometry, page_bytes)
         # The models; the daemon's own model is model 0 of format 0.
         self.models = ModelRegistry(
@@ -110,7 +114,24 @@ class Formats:
                      SessionOps(pool, self._limits, self._zero), CacheHygiene(pool, self._zero),
                      memory)
         fmt.ops.revived = fmt.hygiene.cached.left
+        if self._events is not None:
+            fmt.hygiene.events = FormatEvents(pool, *self._events)
         return fmt
+
+    def publish_events(self, sink: KVEventSink, all_salts: bool) -> None:
+        """From now on, tell `sink` the committed blocks every format gains and loses
+        (kv_events.py), every salt's with `all_salts`; before any session exists."""
+        self._events = (sink, all_salts)
+        for fmt in self.models.formats:
+            fmt.hygiene.events = FormatEvents(fmt.pool, sink, all_salts)
+
+    def kv_snapshot(self) -> Iterator[tuple[str, list[StoredBlock]]]:
+        """Every block published when it is called, per model in chunks, parents first:
+        what a subscriber rebuilds its index from (the `Snapshot` of daemon/events/sink.py;
+        blocks gone between two chunks are skipped)."""
+        sources = [fmt.hygiene.events for fmt in self.models.formats]
+        return (chunk for events in sources if events is not None
+                for chunk in events.snapshot())
 
     def register(self, name: str, shape: KvShape, runner_target: str) -> Model:
         """Register a runner's model (models.py). A new geometry needs a paged pool and, with
