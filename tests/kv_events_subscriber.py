@@ -6,7 +6,7 @@ It rebuilds the committed-block index {(model, hash): (token ids, parent hash, e
 from the daemon's PUB stream, applying batches strictly in seq order:
 - a gap (a seq missed) is repaired by REPLAY: one frame with the first missing seq on a DEALER
   to the ROUTER, every buffered batch from there, the end marker (seq -1);
-- MODE "gap" also discards the PUB batches of seqs 8..15 as if lost, to force a replay;
+- MODE "gap" also discards the PUB batches of seqs 40..47 as if lost, to force a replay;
 - MODE "late" starts with a SNAPSHOT request: every committed block as BlockStored, then the
   marker [b"", S, b""]; it then follows the live stream from S (batches below S skipped).
 A replayed batch carries no topic (vLLM's answer is [seq, payload]): it is DEFAULT_MODEL's.
@@ -28,7 +28,7 @@ from typing import Any
 import msgpack
 import zmq
 
-GAP = range(8, 16)
+GAP = range(40, 48)
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                  "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
                  "kv_cache_spec_sliding_window")

@@ -244,7 +244,7 @@ async def test_a_subscriber_process_rebuilds_the_committed_blocks_exactly(seed: 
 
 
 async def test_a_gap_is_repaired_by_replay() -> None:
-    """The subscriber drops the batches of seqs 8..15 as if lost and replays them."""
+    """The subscriber drops the batches of seqs 40..47 as if lost and replays them."""
     async with daemon_with_events() as daemon, \
             await PoolClient.connect(daemon.unix_target) as client:
         workload = Workload(daemon, 7)
@@ -253,16 +253,19 @@ async def test_a_gap_is_repaired_by_replay() -> None:
         subscriber = SubscriberProcess(daemon, "gap", model="tiny")
         try:
             assert (await subscriber.line())["ready"]
-            dumps = await phases(daemon, workload, subscriber, 2, 150)
+            dumps = await phases(daemon, workload, subscriber, 3, 250)
         finally:
             subscriber.close()
-        assert dumps[-1]["skipped"] == 8 and dumps[-1]["replays"] >= 1
-        assert daemon.events is not None and daemon.events.counts().replayed >= 8
+        # (the subscriber's slow join may have lost some of them before it got them)
+        skipped = dumps[-1]["skipped"]
+        assert skipped and dumps[-1]["replays"] and dumps[-1]["next_seq"] > 48
+        assert daemon.events is not None and daemon.events.counts().replayed >= skipped
 
 
 async def test_a_late_subscriber_catches_up_by_snapshot() -> None:
-    """A subscriber started after hundreds of batches, with a replay buffer of 4, asks for a
-    snapshot, then follows live: its index is exact, every salt's blocks included."""
+    """A subscriber started after tens of batches, with a replay buffer of 4, asks for a
+    snapshot while calls go on, then follows live: its index is exact, every salt's blocks
+    included."""
     async with daemon_with_events(buffer=4, all_salts=True) as daemon, \
             await PoolClient.connect(daemon.unix_target) as client:
         workload = Workload(daemon, 3)
@@ -270,8 +273,9 @@ async def test_a_late_subscriber_catches_up_by_snapshot() -> None:
         await workload.run(200)
         assert daemon.events is not None and daemon.events.counts().sent > 4
         subscriber = SubscriberProcess(daemon, "late", model="tiny")
-        try:
-            assert (await subscriber.line())["ready"]
+        try:  # calls go on while the daemon reads the snapshot for it
+            ready, _ = await asyncio.gather(subscriber.line(), workload.run(60))
+            assert ready["ready"]
             dumps = await phases(daemon, workload, subscriber, 2, 100, all_salts=True)
         finally:
             subscriber.close()

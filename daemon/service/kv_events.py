@@ -39,7 +39,8 @@ SNAPSHOT_CHUNK = 256
 
 
 def hash64(key: bytes) -> int:
-    """The hash a consumer sees for a content key: its low 64 bits, unsigned."""
+    """The hash a consumer sees for a content key: its low 64 bits, unsigned, as vLLM's
+    `maybe_convert_block_hash` (int.from_bytes(key, "big") & (2**64 - 1))."""
     return int.from_bytes(key[-8:], "big")
 
 
