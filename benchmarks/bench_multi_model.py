@@ -2,19 +2,22 @@
 
 Three models of different geometries (the presets tiny-llama, tiny and small-llama, random
 weights) take turns: each burst is one model's requests, all submitted at once, needing a share
-of the KV memory at full length (--burst-share, 0.6 by default: more than a third already to
-admit them); the next model's burst starts when the last one ended. The same total KV memory is
-either shared by one daemon (three runners on it, pages moving between the models' formats as
-the bursts alternate) or split into static thirds (three daemons, a third
-each: what a static gpu_memory_utilization split gives). Side by side in one run:
+of the KV memory at full length (--burst-share, 0.8 by default: more than a third already to
+admit them); the next model's burst starts when the last one ended. Both sides' engines take up
+to 4,096 tokens a step (--max-batched-tokens), a burst's prompts, so what is measured is memory,
+not prefill chunking. The same total KV memory is either shared by one daemon (three runners on
+it, pages moving between the models' formats as the bursts alternate) or split into static
+thirds (three daemons, a third each: what a static gpu_memory_utilization split gives). Side by
+side in one run:
 
     multi_model_ttft_p99_ratio      static / shared, p99 time to first token over all requests
     multi_model_tok_s_ratio         shared / static, generated tokens per second
     multi_model_peak_seqs_ratio     shared / static, the most sequences one model ran at once
-    model_sleep_ms, model_wake_ms   putting to sleep (and waking) a model whose cached blocks
-                                    hold about half the pool (shared daemon)
+    model_sleep_ms, model_wake_ms   putting to sleep (and waking) the last burst's model, whose
+                                    cached blocks then hold most of the pool (shared daemon)
 
-Usage: python benchmarks/bench_multi_model.py [--rounds 1] [--burst-share 0.6] [--quick]
+Usage: python benchmarks/bench_multi_model.py [--rounds 1] [--burst-share 0.8]
+       [--max-batched-tokens 4096] [--memory-mib 6] [--quick]
 """
 
 import argparse
@@ -31,6 +34,7 @@ from e2e import figure
 
 from pagedkv.client import SamplingParams
 from pagedkv.client.engine.engine import Engine
+from pagedkv.client.engine.scheduler import SchedulerConfig
 from pagedkv.client.pool.client import PoolClient
 from pagedkv.process.launch import READY_STATE, Launched, start_daemon, start_runner
 from pagedkv.vocab.geometry import PRESETS, dtype_bytes
@@ -118,9 +122,13 @@ class Run:
     peak_seqs: int
 
 
-async def bursts(served: list[Served], memory: int, rounds: int, share: float) -> Run:
-    """Each model's burst in turn, `rounds` times over."""
-    engines = [await Engine.connect(s.daemon, s.runner, client_name=f"bench-{s.name}")
+async def bursts(served: list[Served], memory: int, rounds: int, share: float,
+                 batched_tokens: int) -> Run:
+    """Each model's burst in turn, `rounds` times over; each engine computes at most
+    `batched_tokens` a step (prompts are chunked)."""
+    config = SchedulerConfig(max_num_batched_tokens=batched_tokens)
+    engines = [await Engine.connect(s.daemon, s.runner, client_name=f"bench-{s.name}",
+                                    config=config)
                for s in served]
     ttft: list[float] = []
     tokens = 0
@@ -164,15 +172,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--memory-mib", type=int, default=6)
-    parser.add_argument("--burst-share", type=float, default=0.6,
-                        help="the memory one burst needs at full length (default 0.6)")
+    parser.add_argument("--burst-share", type=float, default=0.8,
+                        help="the memory one burst needs at full length (default 0.8)")
+    parser.add_argument("--max-batched-tokens", type=int, default=4096,
+                        help="the engines' token budget per step (default 4096: one burst's "
+                             "prompts, so prefill chunking is not what is measured)")
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     args = parser.parse_args()
     memory = (3 if args.quick else args.memory_mib) * 2**20
     with static(memory) as split:
-        apart = asyncio.run(bursts(split, memory, args.rounds, args.burst_share))
+        apart = asyncio.run(bursts(split, memory, args.rounds, args.burst_share,
+                                   args.max_batched_tokens))
     with shared(memory) as together:
-        pooled = asyncio.run(bursts(together, memory, args.rounds, args.burst_share))
+        pooled = asyncio.run(bursts(together, memory, args.rounds, args.burst_share,
+                                    args.max_batched_tokens))
         # The last burst's model holds about half the pool in cached blocks now.
         sleep_ms, wake_ms = asyncio.run(sleep_and_wake(together[-1].control, MODELS[-1]))
     figure("multi_model_shared_tok_s", pooled.tokens / pooled.seconds, "tok/s")
