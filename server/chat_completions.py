@@ -17,7 +17,7 @@ from pagedkv.server.completions import usage
 from pagedkv.server.errors import ApiError, from_value_error
 from pagedkv.server.generation import PromptRun, TokenInfo, merged
 from pagedkv.server.protocol import ChatRequest, Limits, read_chat
-from pagedkv.server.sse import done, open_stream, send
+from pagedkv.server.sse import done, errors_as_event, open_stream, send
 from pagedkv.server.text import token_bytes, token_text
 
 
@@ -73,21 +73,23 @@ class _Reply:
         response = await open_stream(request)
         started: set[int] = set()
         obj = "chat.completion.chunk"
-        async for _, updates in merged([self.run]):
-            for update in updates:
-                if update.index not in started:  # OpenAI's first delta names the role
-                    started.add(update.index)
+        async with errors_as_event(response):
+            async for _, updates in merged([self.run]):
+                for update in updates:
+                    if update.index not in started:  # OpenAI's first delta names the role
+                        started.add(update.index)
+                        await send(response, self._chunk(obj, [{
+                            "index": update.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}]))
+                    delta = {"content": update.text} if update.text else {}
                     await send(response, self._chunk(obj, [{
-                        "index": update.index, "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None, "finish_reason": None}]))
-                delta = {"content": update.text} if update.text else {}
-                await send(response, self._chunk(obj, [{
-                    "index": update.index, "delta": delta,
-                    "logprobs": self._logprobs(update.tokens),
-                    "finish_reason": update.finish_reason}]))
-        if self.chat.sampling.include_usage:
-            await send(response, {**self._chunk(obj, []), "usage": usage([self.run])})
-        await done(response)
+                        "index": update.index, "delta": delta,
+                        "logprobs": self._logprobs(update.tokens),
+                        "finish_reason": update.finish_reason}]))
+            if self.chat.sampling.include_usage:
+                await send(response, {**self._chunk(obj, []), "usage": usage([self.run])})
+            await done(response)
         return response
 
     def _logprobs(self, tokens: list[TokenInfo]) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ from pagedkv.server.backend import Backend
 from pagedkv.server.errors import ApiError
 from pagedkv.server.generation import PromptRun, TokenInfo, merged, token_string
 from pagedkv.server.protocol import CompletionRequest, Limits, read_completion
-from pagedkv.server.sse import done, open_stream, send
+from pagedkv.server.sse import done, errors_as_event, open_stream, send
 
 
 async def create_completion(request: web.Request, backend: Backend, body: dict[str, Any],
@@ -89,19 +89,21 @@ class _Answer:
     async def stream(self, request: web.Request) -> web.StreamResponse:
         response = await open_stream(request)
         echoed: set[tuple[int, int]] = set()
-        async for position, updates in merged(self.runs):
-            for update in updates:
-                key = (position, update.index)
-                prefix = "" if key in echoed else self._echo(position)
-                echoed.add(key)
-                choice = self._choice(position, update.index, prefix + update.text,
-                                      update.tokens, update.finish_reason, offset=len(prefix))
-                if self.token_ids:
-                    choice["token_ids"] = [t.token_id for t in update.tokens]
-                await send(response, self._chunk([choice]))
-        if self.completion.sampling.include_usage:
-            await send(response, {**self._chunk([]), "usage": usage(self.runs)})
-        await done(response)
+        async with errors_as_event(response):
+            async for position, updates in merged(self.runs):
+                for update in updates:
+                    key = (position, update.index)
+                    prefix = "" if key in echoed else self._echo(position)
+                    echoed.add(key)
+                    choice = self._choice(position, update.index, prefix + update.text,
+                                          update.tokens, update.finish_reason,
+                                          offset=len(prefix))
+                    if self.token_ids:
+                        choice["token_ids"] = [t.token_id for t in update.tokens]
+                    await send(response, self._chunk([choice]))
+            if self.completion.sampling.include_usage:
+                await send(response, {**self._chunk([]), "usage": usage(self.runs)})
+            await done(response)
         return response
 
     def _choice(self, position: int, index: int, text: str, tokens: list[TokenInfo],
