@@ -88,16 +88,19 @@ class _Answer:
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         response = await open_stream(request)
-        echoed: set[tuple[int, int]] = set()
+        # Per choice, where its next token's text starts (text_offset counts from the start).
+        offsets: dict[tuple[int, int], int] = {}
         async with errors_as_event(response):
             async for position, updates in merged(self.runs):
                 for update in updates:
                     key = (position, update.index)
-                    prefix = "" if key in echoed else self._echo(position)
-                    echoed.add(key)
+                    prefix = "" if key in offsets else self._echo(position)
+                    offset = offsets.get(key, len(prefix))
                     choice = self._choice(position, update.index, prefix + update.text,
-                                          update.tokens, update.finish_reason,
-                                          offset=len(prefix))
+                                          update.tokens, update.finish_reason, offset)
+                    logprobs = choice["logprobs"]
+                    offsets[key] = offset + (sum(map(len, logprobs["tokens"]))
+                                             if logprobs is not None else 0)
                     if self.token_ids:
                         choice["token_ids"] = [t.token_id for t in update.tokens]
                     await send(response, self._chunk([choice]))

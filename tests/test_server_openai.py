@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -117,6 +118,19 @@ def test_streamed_text_equals_the_whole_answer(client: openai.OpenAI) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_streamed_text_offsets_count_from_the_start(client: openai.OpenAI) -> None:
+    """Each token's text_offset is where it starts in the whole text (vLLM's), not in its
+    chunk: the streamed offsets are the whole answer's."""
+    options: dict[str, Any] = dict(model=NAME, prompt=PROMPT, max_tokens=6, temperature=0,
+                                   logprobs=0, echo=False)
+    whole = client.completions.create(**options).choices[0].logprobs
+    streamed = [offset for chunk in client.completions.create(**options, stream=True)
+                for offset in (chunk.choices[0].logprobs.text_offset or []
+                               if chunk.choices and chunk.choices[0].logprobs else [])]
+    assert whole is not None and whole.text_offset is not None
+    assert len(whole.text_offset) == 6 and streamed == whole.text_offset
 
 
 def test_chat_equals_transformers_on_the_rendered_template(
