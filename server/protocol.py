@@ -107,8 +107,12 @@ def read_chat(body: Mapping[str, Any], limits: Limits) -> ChatRequest:
     if top is not None and not wanted:
         raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
     logprobs = (top or 0) if wanted else None
-    if "max_completion_tokens" in body:  # OpenAI's newer name wins
-        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    completion_tokens = _optional_int(body, "max_completion_tokens")
+    if completion_tokens is not None:  # OpenAI's newer name wins; its errors name it
+        if completion_tokens < 1:
+            raise bad_request("max_completion_tokens", f"max_completion_tokens must be >= 1, "
+                                                       f"got {completion_tokens}")
+        body = {**body, "max_tokens": completion_tokens}
     # A chat request without max_tokens may use what is left of the model's positions: the
     # engine takes min(max_tokens, positions left) per sequence.
     sampling = _sampling(body, logprobs, limits.max_model_len or COMPLETIONS_MAX_TOKENS)
