@@ -65,7 +65,7 @@ def _endpoint(create: Endpoint) -> Handler:
         backend = request.app[BACKEND]
         try:
             body = await request.json()
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested deep
             raise ApiError(400, f"the body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")

@@ -1,9 +1,17 @@
-"""Request bodies read into typed requests (server/protocol.py), without a server: a bad field
-is a 400 naming the field the client sent."""
+"""Request bodies read into typed requests (server/protocol.py; the JSON body, app.py), without
+a server process: a bad field is a 400 naming the field the client sent."""
+
+from typing import cast
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from test_server_stream import FailingEngine
 
+from pagedkv.client.engine.engine import Engine
+from pagedkv.server.app import build_app
+from pagedkv.server.backend import Backend, ServeConfig
 from pagedkv.server.errors import ApiError
+from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import Limits, read_chat
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -22,3 +30,15 @@ def test_max_completion_tokens_null_leaves_max_tokens() -> None:
     chat = read_chat({"model": "m", "messages": MESSAGES, "max_tokens": 5,
                       "max_completion_tokens": None}, Limits(max_model_len=64))
     assert chat.sampling.params.max_tokens == 5 and chat.sampling.max_tokens_given
+
+
+async def test_json_nested_too_deep_is_a_400() -> None:
+    """A small body of nested lists makes json.loads recurse too deep: a bad body (400), not
+    the server's fault (500)."""
+    backend = Backend(cast(Engine, FailingEngine()), None, "a preset", ServeConfig("m"),
+                      ServerMetrics())
+    async with TestClient(TestServer(build_app(backend))) as client:
+        response = await client.post("/v1/completions", data="[" * 100_000,
+                                     headers={"Content-Type": "application/json"})
+        assert response.status == 400
+        assert "not valid JSON" in (await response.json())["error"]["message"]
