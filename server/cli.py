@@ -43,6 +43,9 @@ EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
 # How often a drain looks whether the running requests are done.
 DRAIN_POLL_S = 0.05
+# After the drain, how long aiohttp's shutdown lets handlers end before it cancels them (its
+# default, 60 s, would let streams run on past --drain-timeout-s and systemd's TimeoutStopSec).
+SHUTDOWN_GRACE_S = 1.0
 log = log_setup.get_logger("pagedkv.server")
 
 
@@ -164,7 +167,8 @@ async def _serve(args: argparse.Namespace, config: LLMConfig, services: Services
         app_runner = web.AppRunner(build_app(backend, api_keys=keys,
                                              max_request_bytes=args.max_request_bytes,
                                              max_per_peer=args.max_requests_per_peer),
-                                   access_log=None, handler_cancellation=True)
+                                   access_log=None, handler_cancellation=True,
+                                   shutdown_timeout=SHUTDOWN_GRACE_S)
         await app_runner.setup()
         try:
             await web.TCPSite(app_runner, args.host, args.port).start()

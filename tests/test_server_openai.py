@@ -366,3 +366,27 @@ def test_a_body_over_the_bound_is_refused(server: int) -> None:
         urllib.request.urlopen(request, timeout=30)
     assert refused.value.code == 413
     assert json.loads(refused.value.read())["error"]["code"] == 413
+
+
+def test_sigterm_cuts_the_streams_still_running_at_the_drain_timeout() -> None:
+    """--drain-timeout-s 0: the stream running at SIGTERM is cut (aborted) then, not left to
+    run to its end under aiohttp's own 60 s shutdown grace."""
+    with short_tmp_dir() as folder:
+        process, port = start_server(folder, "--model", "tiny-llama", "--num-blocks", "512",
+                                     "--drain-timeout-s", "0")
+        try:
+            limit = json.loads(http_get(port, "/v1/models")[1])["data"][0]["max_model_len"]
+            running = preset_client(port).completions.create(
+                model="tiny-llama", prompt=[1, 2, 3], max_tokens=limit - 3, temperature=0,
+                stream=True)
+            chunks = iter(running)
+            next(chunks)  # generating
+            process.send(signal.SIGTERM)
+            reasons = []
+            with pytest.raises((httpx.HTTPError, openai.APIError)):
+                for chunk in chunks:
+                    reasons.append(chunk.choices[0].finish_reason)
+            assert "length" not in reasons
+            assert process.wait_for_exit() == 0
+        finally:
+            process.stop(signal.SIGKILL)
