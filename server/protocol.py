@@ -151,9 +151,13 @@ def _sampling(body: Mapping[str, Any], logprobs: int | None, max_tokens: int) ->
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad_request("stream_options", "stream_options must be an object")
-    return Sampling(model, params, _stop(body.get("stop")), stream,
-                    bool(stream_options.get("include_usage", False)), logprobs,
-                    body.get("max_tokens") is not None)
+    include_usage = stream_options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad_request("stream_options.include_usage", f"stream_options.include_usage must "
+                                                          f"be true or false, got "
+                                                          f"{include_usage!r}")
+    return Sampling(model, params, _stop(body.get("stop")), stream, bool(include_usage),
+                    logprobs, body.get("max_tokens") is not None)
 
 
 def _check_choices(sampling: Sampling, prompts: int, limits: Limits) -> None:

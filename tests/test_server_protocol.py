@@ -42,3 +42,10 @@ async def test_json_nested_too_deep_is_a_400() -> None:
                                      headers={"Content-Type": "application/json"})
         assert response.status == 400
         assert "not valid JSON" in (await response.json())["error"]["message"]
+
+
+def test_a_non_bool_include_usage_is_a_400() -> None:
+    with pytest.raises(ApiError) as refused:
+        read_chat({"model": "m", "messages": MESSAGES, "stream": True,
+                   "stream_options": {"include_usage": "false"}}, Limits())
+    assert refused.value.param == "stream_options.include_usage"
