@@ -5,6 +5,7 @@ generated as a completion of it (generation.py), so stop strings, logprobs and u
 /v1/completions; only the wire shape differs (messages and deltas, chat logprobs).
 """
 
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -57,11 +58,14 @@ class _Reply:
         texts: dict[int, list[str]] = {}
         tokens: dict[int, list[TokenInfo]] = {}
         reasons: dict[int, str | None] = {}
-        async for _, updates in merged([self.run]):
-            for update in updates:
-                texts.setdefault(update.index, []).append(update.text)
-                tokens.setdefault(update.index, []).extend(update.tokens)
-                reasons[update.index] = update.finish_reason
+        # Closed at once however the loop ends (a client gone, an error): its
+        # requests are aborted now, not when the generator is collected.
+        async with contextlib.aclosing(merged([self.run])) as updates_of_runs:
+            async for _, updates in updates_of_runs:
+                for update in updates:
+                    texts.setdefault(update.index, []).append(update.text)
+                    tokens.setdefault(update.index, []).extend(update.tokens)
+                    reasons[update.index] = update.finish_reason
         choices = [{"index": index,
                     "message": {"role": "assistant", "content": "".join(parts)},
                     "logprobs": self._logprobs(tokens[index]), "finish_reason": reasons[index]}
@@ -74,19 +78,22 @@ class _Reply:
         started: set[int] = set()
         obj = "chat.completion.chunk"
         async with errors_as_event(response):
-            async for _, updates in merged([self.run]):
-                for update in updates:
-                    if update.index not in started:  # OpenAI's first delta names the role
-                        started.add(update.index)
+            # Closed at once however the loop ends (a client gone, an error): its
+            # requests are aborted now, not when the generator is collected.
+            async with contextlib.aclosing(merged([self.run])) as updates_of_runs:
+                async for _, updates in updates_of_runs:
+                    for update in updates:
+                        if update.index not in started:  # OpenAI's first delta names the role
+                            started.add(update.index)
+                            await send(response, self._chunk(obj, [{
+                                "index": update.index,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}]))
+                        delta = {"content": update.text} if update.text else {}
                         await send(response, self._chunk(obj, [{
-                            "index": update.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}]))
-                    delta = {"content": update.text} if update.text else {}
-                    await send(response, self._chunk(obj, [{
-                        "index": update.index, "delta": delta,
-                        "logprobs": self._logprobs(update.tokens),
-                        "finish_reason": update.finish_reason}]))
+                            "index": update.index, "delta": delta,
+                            "logprobs": self._logprobs(update.tokens),
+                            "finish_reason": update.finish_reason}]))
             if self.chat.sampling.include_usage:
                 await send(response, {**self._chunk(obj, []), "usage": usage([self.run])})
             await done(response)

@@ -5,6 +5,7 @@ OpenAI numbers them. Both shapes are built from the same choice updates (generat
 whole answer accumulates them, the stream sends them as they come.
 """
 
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -70,12 +71,15 @@ class _Answer:
         texts: dict[tuple[int, int], list[str]] = {}
         tokens: dict[tuple[int, int], list[TokenInfo]] = {}
         reasons: dict[tuple[int, int], str | None] = {}
-        async for position, updates in merged(self.runs):
-            for update in updates:
-                key = (position, update.index)
-                texts.setdefault(key, [self._echo(position)]).append(update.text)
-                tokens.setdefault(key, []).extend(update.tokens)
-                reasons[key] = update.finish_reason
+        # Closed at once however the loop ends (a client gone, an error): its
+        # requests are aborted now, not when the generator is collected.
+        async with contextlib.aclosing(merged(self.runs)) as updates_of_runs:
+            async for position, updates in updates_of_runs:
+                for update in updates:
+                    key = (position, update.index)
+                    texts.setdefault(key, [self._echo(position)]).append(update.text)
+                    tokens.setdefault(key, []).extend(update.tokens)
+                    reasons[key] = update.finish_reason
         choices = []
         for (position, index), parts in sorted(texts.items()):
             choice = self._choice(position, index, "".join(parts), tokens[(position, index)],
@@ -91,19 +95,22 @@ class _Answer:
         # Per choice, where its next token's text starts (text_offset counts from the start).
         offsets: dict[tuple[int, int], int] = {}
         async with errors_as_event(response):
-            async for position, updates in merged(self.runs):
-                for update in updates:
-                    key = (position, update.index)
-                    prefix = "" if key in offsets else self._echo(position)
-                    offset = offsets.get(key, len(prefix))
-                    choice = self._choice(position, update.index, prefix + update.text,
-                                          update.tokens, update.finish_reason, offset)
-                    logprobs = choice["logprobs"]
-                    offsets[key] = offset + (sum(map(len, logprobs["tokens"]))
-                                             if logprobs is not None else 0)
-                    if self.token_ids:
-                        choice["token_ids"] = [t.token_id for t in update.tokens]
-                    await send(response, self._chunk([choice]))
+            # Closed at once however the loop ends (a client gone, an error): its
+            # requests are aborted now, not when the generator is collected.
+            async with contextlib.aclosing(merged(self.runs)) as updates_of_runs:
+                async for position, updates in updates_of_runs:
+                    for update in updates:
+                        key = (position, update.index)
+                        prefix = "" if key in offsets else self._echo(position)
+                        offset = offsets.get(key, len(prefix))
+                        choice = self._choice(position, update.index, prefix + update.text,
+                                              update.tokens, update.finish_reason, offset)
+                        logprobs = choice["logprobs"]
+                        offsets[key] = offset + (sum(map(len, logprobs["tokens"]))
+                                                 if logprobs is not None else 0)
+                        if self.token_ids:
+                            choice["token_ids"] = [t.token_id for t in update.tokens]
+                        await send(response, self._chunk([choice]))
             if self.completion.sampling.include_usage:
                 await send(response, {**self._chunk([]), "usage": usage(self.runs)})
             await done(response)

@@ -18,7 +18,7 @@ through the same cut once.
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from pagedkv.client.engine.outputs import CompletionOutput, RequestOutput
@@ -160,7 +160,7 @@ class PromptRun:
                 for i in range(start, end)]
 
 
-async def merged(runs: list[PromptRun]) -> AsyncIterator[tuple[int, list[ChoiceUpdate]]]:
+async def merged(runs: list[PromptRun]) -> AsyncGenerator[tuple[int, list[ChoiceUpdate]]]:
     """Every run's updates as they come, tagged with the run's position; the first failure
     ends them all (their requests aborted)."""
     queue: asyncio.Queue[tuple[int, list[ChoiceUpdate] | BaseException | None]] = \
