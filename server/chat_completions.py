@@ -16,7 +16,7 @@ from pagedkv.server.backend import Backend
 from pagedkv.server.chat import render_chat
 from pagedkv.server.completions import usage
 from pagedkv.server.errors import ApiError, from_value_error
-from pagedkv.server.generation import PromptRun, TokenInfo, merged
+from pagedkv.server.generation import PromptRun, TokenInfo, collect, merged
 from pagedkv.server.protocol import ChatRequest, Limits, read_chat
 from pagedkv.server.sse import done, errors_as_event, open_stream, send
 from pagedkv.server.text import token_bytes, token_text
@@ -55,21 +55,10 @@ class _Reply:
                 "model": self.chat.sampling.model, "choices": choices}
 
     async def whole(self) -> web.Response:
-        texts: dict[int, list[str]] = {}
-        tokens: dict[int, list[TokenInfo]] = {}
-        reasons: dict[int, str | None] = {}
-        # Closed at once however the loop ends (a client gone, an error): its
-        # requests are aborted now, not when the generator is collected.
-        async with contextlib.aclosing(merged([self.run])) as updates_of_runs:
-            async for _, updates in updates_of_runs:
-                for update in updates:
-                    texts.setdefault(update.index, []).append(update.text)
-                    tokens.setdefault(update.index, []).extend(update.tokens)
-                    reasons[update.index] = update.finish_reason
-        choices = [{"index": index,
-                    "message": {"role": "assistant", "content": "".join(parts)},
-                    "logprobs": self._logprobs(tokens[index]), "finish_reason": reasons[index]}
-                   for index, parts in sorted(texts.items())]
+        choices = [{"index": index, "message": {"role": "assistant", "content": whole.text},
+                    "logprobs": self._logprobs(whole.tokens),
+                    "finish_reason": whole.finish_reason}
+                   for (_, index), whole in sorted((await collect([self.run])).items())]
         return web.json_response({**self._chunk("chat.completion", choices),
                                   "usage": usage([self.run])})
 

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from pagedkv.server.backend import Backend
 from pagedkv.server.errors import ApiError
-from pagedkv.server.generation import PromptRun, TokenInfo, merged, token_string
+from pagedkv.server.generation import PromptRun, TokenInfo, collect, merged, token_string
 from pagedkv.server.protocol import CompletionRequest, Limits, read_completion
 from pagedkv.server.sse import done, errors_as_event, open_stream, send
 
@@ -68,22 +68,11 @@ class _Answer:
         return "" if tokenizer is None else tokenizer.decode(prompt)
 
     async def whole(self) -> web.Response:
-        texts: dict[tuple[int, int], list[str]] = {}
-        tokens: dict[tuple[int, int], list[TokenInfo]] = {}
-        reasons: dict[tuple[int, int], str | None] = {}
-        # Closed at once however the loop ends (a client gone, an error): its
-        # requests are aborted now, not when the generator is collected.
-        async with contextlib.aclosing(merged(self.runs)) as updates_of_runs:
-            async for position, updates in updates_of_runs:
-                for update in updates:
-                    key = (position, update.index)
-                    texts.setdefault(key, [self._echo(position)]).append(update.text)
-                    tokens.setdefault(key, []).extend(update.tokens)
-                    reasons[key] = update.finish_reason
         choices = []
-        for (position, index), parts in sorted(texts.items()):
-            choice = self._choice(position, index, "".join(parts), tokens[(position, index)],
-                                  reasons[(position, index)], offset=len(parts[0]))
+        for (position, index), whole in sorted((await collect(self.runs)).items()):
+            echo = self._echo(position)
+            choice = self._choice(position, index, echo + whole.text, whole.tokens,
+                                  whole.finish_reason, offset=len(echo))
             if self.token_ids:
                 choice["token_ids"] = self.runs[position].texts[index]
                 choice["prompt_token_ids"] = self.runs[position].prompt_ids

@@ -17,6 +17,7 @@ through the same cut once.
 """
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -158,6 +159,30 @@ class PromptRun:
         return [TokenInfo(ids[i], logprobs[i] if logprobs is not None else None,
                           tops[i] if tops is not None else {})
                 for i in range(start, end)]
+
+
+@dataclass(slots=True)
+class WholeChoice:
+    """One choice read to its end (the whole, non-streamed answer)."""
+
+    text: str = ""
+    tokens: list[TokenInfo] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def collect(runs: list[PromptRun]) -> dict[tuple[int, int], WholeChoice]:
+    """Every choice of `runs` read to its end, by (run's position, choice's index)."""
+    choices: dict[tuple[int, int], WholeChoice] = {}
+    # Closed at once however the loop ends (a client gone, an error): its requests are aborted
+    # now, not when the generator is collected.
+    async with contextlib.aclosing(merged(runs)) as updates_of_runs:
+        async for position, updates in updates_of_runs:
+            for update in updates:
+                choice = choices.setdefault((position, update.index), WholeChoice())
+                choice.text += update.text
+                choice.tokens.extend(update.tokens)
+                choice.finish_reason = update.finish_reason
+    return choices
 
 
 async def merged(runs: list[PromptRun]) -> AsyncGenerator[tuple[int, list[ChoiceUpdate]]]:
