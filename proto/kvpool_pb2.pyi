@@ -157,6 +157,32 @@ by the model's sessions and its committed cached blocks, in bytes. A model can b
 (SetModelState, runner socket only; `pagedkv model sleep NAME`): its cached blocks are
 dropped, its sessions are closed (their clients get NOT_FOUND, as after expiry) and new
 sessions of it are refused with FAILED_PRECONDITION, cause "ModelAsleep", until it is woken.
+
+The host-memory tier. A daemon may own a second pool of blocks in host memory (its
+`host_tier_memory` setting, in bytes; 0 = off, the default): a shared-memory region only the
+daemon maps on CPU, pinned host memory on CUDA. It holds copies of the daemon's own model's
+committed blocks (other models' formats have none yet), keyed by content as the prefix cache.
+- Offload on eviction: when an allocation evicts committed cached blocks from the pool, the
+  daemon first copies them to the host tier (that call's memory work, before the blocks' new
+  owner gets them), evicting the host tier's least recently used copies when it is full.
+  Content never evicted is never copied: a workload that never reuses pays nothing.
+- Restore on a prefix hit: an Allocate (or a runner's allocation) with token ids whose prefix
+  continues past the pool's cached blocks into the host tier gets fresh blocks for those
+  host copies; the daemon copies them in before the answer leaves and counts them in
+  num_cached_tokens, as pool hits. They are committed at once (their K/V was certified when
+  it was first computed). AllocateRequest.skip_host_tier asks for recomputation instead.
+- Swap on preemption is this path seen from a client: a preempted sequence is freed (its
+  committed blocks stay cached), its blocks go to the host tier if and when the pool evicts
+  them, and re-admitting it with its token ids restores them; only its last partial block
+  (fewer than block_size tokens) is computed again. A client chooses per allocation, by
+  comparing the bytes to copy (PoolInfo.host_copy_bytes_per_s) with the tokens to recompute
+  (pagedkv's engine: SchedulerConfig.swap, ops/OPERATIONS.md "Host-memory tier").
+The rules of the pool hold there too: host copies are keyed under the same salts (a tenant
+never hits another's), a private session's copies are dropped when it ends, copies are made
+and restored all-or-nothing with the call that causes them, ordered per block and per host
+slot with every other memory work, and with zero_freed_blocks a dropped host copy is zeroed.
+KV events announce each copy: BlockStored with medium "CPU" when a block reaches the host
+tier, BlockRemoved with medium "CPU" when its copy leaves.
 """
 
 from collections import abc as _abc
@@ -260,6 +286,8 @@ class PoolInfo(_message.Message):
     PAGE_BYTES_FIELD_NUMBER: _builtins.int
     NUM_PAGES_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
+    HOST_TIER_BLOCKS_FIELD_NUMBER: _builtins.int
+    HOST_COPY_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     """Random id of this daemon run; changes on every start. Session ids embed it."""
     num_blocks: _builtins.int
@@ -288,6 +316,12 @@ class PoolInfo(_message.Message):
     to 11 describe the daemon's own model's format (num_blocks: its block ids).
     """
     num_pages: _builtins.int
+    host_tier_blocks: _builtins.int
+    """The host-memory tier (see "The host-memory tier"): blocks of the daemon's own model it
+    holds (0 = no tier), and the rate of the daemon's copies between it and the pool, in bytes
+    per second, measured when the daemon starts: what a client's swap-or-recompute rule reads.
+    """
+    host_copy_bytes_per_s: _builtins.int
     @_builtins.property
     def memory(self) -> Global___PoolMemory:
         """How to map the pool memory, which holds every tenant's K/V: set only for callers on the
@@ -316,10 +350,12 @@ class PoolInfo(_message.Message):
         page_bytes: _builtins.int = ...,
         num_pages: _builtins.int = ...,
         models: _abc.Iterable[Global___ModelInfo] | None = ...,
+        host_tier_blocks: _builtins.int = ...,
+        host_copy_bytes_per_s: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "dtype", b"dtype", "head_dim", b"head_dim", "layout", b"layout", "memory", b"memory", "model", b"model", "models", b"models", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "num_pages", b"num_pages", "page_bytes", b"page_bytes", "pool_id", b"pool_id", "reservation_blocks", b"reservation_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "dtype", b"dtype", "head_dim", b"head_dim", "host_copy_bytes_per_s", b"host_copy_bytes_per_s", "host_tier_blocks", b"host_tier_blocks", "layout", b"layout", "memory", b"memory", "model", b"model", "models", b"models", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "num_pages", b"num_pages", "page_bytes", b"page_bytes", "pool_id", b"pool_id", "reservation_blocks", b"reservation_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -639,10 +675,15 @@ class AllocateRequest(_message.Message):
     SEQ_ID_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SKIP_HOST_TIER_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     seq_id: _builtins.int
     num_tokens: _builtins.int
     """Tokens of the prompt (may be 0: an empty table). Negative is refused."""
+    skip_host_tier: _builtins.bool
+    """Do not restore prefix blocks from the host tier: blocks past the pool's own cached prefix
+    are taken fresh, to be computed (see "The host-memory tier").
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt's token ids (empty, or exactly num_tokens of them): enables prefix reuse."""
@@ -654,10 +695,11 @@ class AllocateRequest(_message.Message):
         seq_id: _builtins.int = ...,
         num_tokens: _builtins.int = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        skip_host_tier: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "seq_id", b"seq_id", "session_id", b"session_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "seq_id", b"seq_id", "session_id", b"session_id", "skip_host_tier", b"skip_host_tier", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -157,6 +157,32 @@ by the model's sessions and its committed cached blocks, in bytes. A model can b
 (SetModelState, runner socket only; `pagedkv model sleep NAME`): its cached blocks are
 dropped, its sessions are closed (their clients get NOT_FOUND, as after expiry) and new
 sessions of it are refused with FAILED_PRECONDITION, cause "ModelAsleep", until it is woken.
+
+The host-memory tier. A daemon may own a second pool of blocks in host memory (its
+`host_tier_memory` setting, in bytes; 0 = off, the default): a shared-memory region only the
+daemon maps on CPU, pinned host memory on CUDA. It holds copies of the daemon's own model's
+committed blocks (other models' formats have none yet), keyed by content as the prefix cache.
+- Offload on eviction: when an allocation evicts committed cached blocks from the pool, the
+  daemon first copies them to the host tier (that call's memory work, before the blocks' new
+  owner gets them), evicting the host tier's least recently used copies when it is full.
+  Content never evicted is never copied: a workload that never reuses pays nothing.
+- Restore on a prefix hit: an Allocate (or a runner's allocation) with token ids whose prefix
+  continues past the pool's cached blocks into the host tier gets fresh blocks for those
+  host copies; the daemon copies them in before the answer leaves and counts them in
+  num_cached_tokens, as pool hits. They are committed at once (their K/V was certified when
+  it was first computed). AllocateRequest.skip_host_tier asks for recomputation instead.
+- Swap on preemption is this path seen from a client: a preempted sequence is freed (its
+  committed blocks stay cached), its blocks go to the host tier if and when the pool evicts
+  them, and re-admitting it with its token ids restores them; only its last partial block
+  (fewer than block_size tokens) is computed again. A client chooses per allocation, by
+  comparing the bytes to copy (PoolInfo.host_copy_bytes_per_s) with the tokens to recompute
+  (pagedkv's engine: SchedulerConfig.swap, ops/OPERATIONS.md "Host-memory tier").
+The rules of the pool hold there too: host copies are keyed under the same salts (a tenant
+never hits another's), a private session's copies are dropped when it ends, copies are made
+and restored all-or-nothing with the call that causes them, ordered per block and per host
+slot with every other memory work, and with zero_freed_blocks a dropped host copy is zeroed.
+KV events announce each copy: BlockStored with medium "CPU" when a block reaches the host
+tier, BlockRemoved with medium "CPU" when its copy leaves.
 """
 
 from collections import abc as _abc

@@ -354,6 +354,7 @@ class SequenceStep(_message.Message):
     HISTORY_FIELD_NUMBER: _builtins.int
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     DECODE_AHEAD_FIELD_NUMBER: _builtins.int
+    SKIP_HOST_TIER_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     new_sequence: _builtins.bool
     """True: a new sequence. Without a parent its prompt is token_ids (the runner allocates it in
@@ -394,6 +395,11 @@ class SequenceStep(_message.Message):
     After a runner restart, resend the sequence's history without the token and the token as
     token_ids: the runner takes the daemon's one extra token for it, if the daemon has it.
     """
+    skip_host_tier: _builtins.bool
+    """A new sequence without a parent: do not restore its prefix from the daemon's host tier;
+    recompute what the pool itself does not hold (AllocateRequest.skip_host_tier). The
+    pagedkv engine sets it when its swap rule says recomputing is cheaper than copying.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens to add: the prompt (new), a decode token, or more prompt (chunked prefill)."""
@@ -432,10 +438,11 @@ class SequenceStep(_message.Message):
         history: Global___SequenceHistory | None = ...,
         num_prompt_tokens: _builtins.int = ...,
         decode_ahead: _builtins.bool = ...,
+        skip_host_tier: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ahead", b"decode_ahead", "has_parent", b"has_parent", "history", b"history", "max_compute_tokens", b"max_compute_tokens", "new_sequence", b"new_sequence", "num_prompt_tokens", b"num_prompt_tokens", "parent_seq_id", b"parent_seq_id", "sampling", b"sampling", "seq_id", b"seq_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ahead", b"decode_ahead", "has_parent", b"has_parent", "history", b"history", "max_compute_tokens", b"max_compute_tokens", "new_sequence", b"new_sequence", "num_prompt_tokens", b"num_prompt_tokens", "parent_seq_id", b"parent_seq_id", "sampling", b"sampling", "seq_id", b"seq_id", "skip_host_tier", b"skip_host_tier", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
