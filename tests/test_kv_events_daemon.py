@@ -50,8 +50,7 @@ Row = tuple[int, int, tuple[int, ...], int | None]
 
 def settings(buffer: int) -> EventSettings:
     return EventSettings(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
-                         buffer=buffer, queue=100_000, topic_prefix=PREFIX, block_size=BLOCK,
-                         medium="CPU")
+                         buffer=buffer, queue=100_000, topic_prefix=PREFIX, block_size=BLOCK)
 
 
 @asynccontextmanager

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pagedkv.daemon.edge.metrics import EventCollector
 from pagedkv.daemon.events.publisher import EventPublisher
 from pagedkv.daemon.events.sender import SNAPSHOT_REQUEST, EventSettings
-from pagedkv.daemon.events.sink import EventCounts, NullSink, Snapshot, StoredBlock
+from pagedkv.daemon.events.sink import EventCounts, NullSink, Snapshot, SnapshotItem, StoredBlock
 from pagedkv.daemon.events.wire import (
     END_SEQ,
     AllBlocksCleared,
@@ -36,15 +36,14 @@ WAIT_S = 10.0
 
 def settings(buffer: int = 100, queue: int = 1000) -> EventSettings:
     return EventSettings(endpoint="tcp://127.0.0.1:*", replay_endpoint="tcp://127.0.0.1:*",
-                         buffer=buffer, queue=queue, topic_prefix=PREFIX, block_size=2,
-                         medium="CPU")
+                         buffer=buffer, queue=queue, topic_prefix=PREFIX, block_size=2)
 
 
 def block(h: int, parent: int | None = None) -> StoredBlock:
     return StoredBlock(h, parent, (h, h + 1), None)
 
 
-def no_snapshot() -> Iterator[tuple[str, list[StoredBlock]]]:
+def no_snapshot() -> Iterator[SnapshotItem]:
     return iter(())
 
 
@@ -142,13 +141,13 @@ async def test_live_batches_in_order_on_the_model_topic(context: zmq.asyncio.Con
         topic, got, batch = await receive(sub)
         assert (topic, got) == (f"{PREFIX}tiny", seq) and batch.data_parallel_rank == 0
         assert batch.events == (
-            BlockStored((1, 2), None, (1, 2, 2, 3), 2, medium="CPU", extra_keys=(None, None),
+            BlockStored((1, 2), None, (1, 2, 2, 3), 2, medium="GPU", extra_keys=(None, None),
                         group_idx=0, kv_cache_spec_kind="full_attention"),
-            BlockStored((7,), 1, (7, 8), 2, medium="CPU", extra_keys=(None,), group_idx=0,
+            BlockStored((7,), 1, (7, 8), 2, medium="GPU", extra_keys=(None,), group_idx=0,
                         kv_cache_spec_kind="full_attention"))
         topic, got, batch = await receive(sub)
         assert (topic, got, batch.events) == (f"{PREFIX}tiny", seq + 1,
-                                              (BlockRemoved((2, 7), "CPU", 0),))
+                                              (BlockRemoved((2, 7), "GPU", 0),))
         topic, got, batch = await receive(sub)
         assert (topic, got, batch.events) == (f"{PREFIX}other", seq + 2, (AllBlocksCleared(),))
     finally:
@@ -163,13 +162,13 @@ async def test_snapshot_then_live_rebuilds_the_index_exactly(
     pool = {"m": {h: block(h) for h in range(1, 6)}}
     publisher: EventPublisher
 
-    def snapshot() -> Iterator[tuple[str, list[StoredBlock]]]:
-        yield "m", [pool["m"][h] for h in (1, 2, 3)]
+    def snapshot() -> Iterator[SnapshotItem]:
+        yield SnapshotItem("m", [pool["m"][h] for h in (1, 2, 3)])
         del pool["m"][2]
         publisher.removed("m", [2])
         pool["m"][9] = block(9)
         publisher.stored("m", [block(9)])
-        yield "m", [b for h, b in pool["m"].items() if h not in (1, 3)]
+        yield SnapshotItem("m", [b for h, b in pool["m"].items() if h not in (1, 3)])
 
     publisher = await started(snapshot)
     try:
@@ -203,8 +202,8 @@ async def test_snapshot_then_live_rebuilds_the_index_exactly(
 
 async def test_a_failed_snapshot_ends_with_the_end_marker(
         context: zmq.asyncio.Context) -> None:
-    def broken() -> Iterator[tuple[str, list[StoredBlock]]]:
-        yield "m", [block(1)]
+    def broken() -> Iterator[SnapshotItem]:
+        yield SnapshotItem("m", [block(1)])
         raise RuntimeError("the pool changed under the iterator")
 
     publisher = await started(broken)
@@ -269,9 +268,10 @@ async def test_the_daemon_settings_make_the_sink(context: zmq.asyncio.Context) -
         await until(lambda: sink.counts().sent == 1)
         (seq, payload), _ = await request(context, sink, seq_bytes(0))
         assert seq_of(seq) == 0
-        # A CPU daemon's blocks are in shared memory: medium "CPU"; the pool's block size.
+        # The pool's blocks are the tier runners compute into: medium "GPU", even on a CPU
+        # daemon (its host tier's copies are "CPU"); the pool's block size.
         event = decode_batch(payload).events[0]
-        assert isinstance(event, BlockStored) and (event.medium, event.block_size) == ("CPU", 4)
+        assert isinstance(event, BlockStored) and (event.medium, event.block_size) == ("GPU", 4)
     finally:
         await sink.close()
 

@@ -42,7 +42,8 @@ class IndexSink:
         self.index: dict[tuple[str, int], Entry] = {}
         self.calls = 0
 
-    def stored(self, model: str, blocks: Sequence[StoredBlock]) -> None:
+    def stored(self, model: str, blocks: Sequence[StoredBlock], medium: str = "GPU") -> None:
+        assert medium == "GPU", "a host tier's event from a daemon without one"
         self.calls += 1
         assert blocks, "an empty stored event"
         for block in blocks:
@@ -51,7 +52,8 @@ class IndexSink:
             self.index[model, block.block_hash] = (block.token_ids, block.parent_hash,
                                                    block.extra_key)
 
-    def removed(self, model: str, hashes: Sequence[int]) -> None:
+    def removed(self, model: str, hashes: Sequence[int], medium: str = "GPU") -> None:
+        assert medium == "GPU", "a host tier's event from a daemon without one"
         self.calls += 1
         assert hashes, "an empty removed event"
         for block_hash in hashes:
@@ -207,7 +209,7 @@ async def test_a_snapshot_read_while_calls_change_the_pool_rebuilds_it_exactly(
     await svc.commit(sid, Commit([9], [4]))  # its first block: not an evicted one
     seen.extend(chunks)
     index: dict[tuple[str, int], Entry] = {}
-    for model, blocks in seen:
+    for model, blocks, _ in seen:
         for block in blocks:
             assert block.parent_hash is None or (model, block.parent_hash) in index, \
                 "a child before its parent"
@@ -230,10 +232,10 @@ class EventLog:
     def __init__(self) -> None:
         self.events: list[Event] = []
 
-    def stored(self, model: str, blocks: Sequence[StoredBlock]) -> None:
+    def stored(self, model: str, blocks: Sequence[StoredBlock], medium: str = "GPU") -> None:
         self.events.append(("stored", model, blocks))
 
-    def removed(self, model: str, hashes: Sequence[int]) -> None:
+    def removed(self, model: str, hashes: Sequence[int], medium: str = "GPU") -> None:
         self.events.append(("removed", model, hashes))
 
     def cleared(self, model: str) -> None:

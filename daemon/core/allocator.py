@@ -20,6 +20,7 @@ from pagedkv.daemon.core.block_pool import BlockPool
 from pagedkv.daemon.core.content_keys import PrefixHash
 from pagedkv.daemon.core.contiguous import ContiguousPool
 from pagedkv.daemon.core.errors import InvalidArgument
+from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.physical_blocks import CacheEvents
 from pagedkv.daemon.core.types import BatchAppend, NoFit, PoolStats, SeqUpdate
@@ -84,7 +85,9 @@ class PoolAllocator(Protocol):
         """Block copies a fork of a sequence of `num_tokens` tokens reports."""
 
     def allocate(self, seq: Hashable, num_tokens: int, token_ids: TokenIds | None = None,
-                 salt: bytes = b"") -> SeqUpdate | NoFit: ...
+                 salt: bytes = b"", use_host_tier: bool = True) -> SeqUpdate | NoFit:
+        """A new sequence; with `use_host_tier`, its prefix may be restored from the host
+        tier, where the pool has one (paged pools only)."""
 
     def append(self, seq: Hashable, num_tokens: int = 1,
                token_ids: TokenIds | None = None) -> SeqUpdate | NoFit: ...
@@ -103,6 +106,10 @@ class PoolAllocator(Protocol):
     def free(self, seq: Hashable) -> list[int]: ...
 
     def cache_events(self, events: CacheEvents) -> AbstractContextManager[None]: ...
+
+    @property
+    def host_tier(self) -> HostTier | None:
+        """Where evicted committed blocks are copied (`host_tier.py`); None: nowhere."""
 
     def track_holders(self, levels: int) -> None:
         """Count, from now on, the distinct blocks held by each group of sequences, for

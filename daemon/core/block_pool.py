@@ -37,6 +37,7 @@ from pagedkv.daemon.core.appender import Appender
 from pagedkv.daemon.core.content_keys import ContentKeys, PrefixHash
 from pagedkv.daemon.core.errors import SequenceExists
 from pagedkv.daemon.core.holders import HeldBlocks
+from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.pages import Pages, page_count
 from pagedkv.daemon.core.physical_blocks import CacheEvents, PhysicalBlocks
@@ -208,12 +209,15 @@ class BlockPool:
         self._pages.restore(pages)
 
     def allocate(self, seq: Hashable, num_tokens: int, token_ids: TokenIds | None = None,
-                 salt: bytes = b"") -> SeqUpdate | NoFit:
+                 salt: bytes = b"", use_host_tier: bool = True) -> SeqUpdate | NoFit:
         """A new sequence of `num_tokens` tokens, reusing cached full blocks of its prefix.
 
         With token ids (and prefix caching on), the longest prefix of committed full blocks
         under the same salt is shared instead of allocated; `num_cached_tokens` says how many
-        leading tokens need no recomputation. The prompt's other full blocks are keyed pending.
+        leading tokens need no recomputation. Where that prefix goes on in the host tier (and
+        `use_host_tier`), the next blocks are fresh ones restored from it: committed at once,
+        told to `cache_events` as restored, counted as cached. The prompt's other full blocks
+        are keyed pending.
         """
         if seq in self._seqs.row_of:
             raise SequenceExists(f"sequence {seq!r} already exists")
@@ -230,11 +234,13 @@ class BlockPool:
         no_fit = self._allocate_fit(num_tokens, hits)
         if no_fit is not None:
             return no_fit
+        host = self._blocks.host
+        slots = host.lookup(keys[len(hits):]) if host is not None and use_host_tier else []
         st, cached = self._seqs, len(hits)
         row = st.add(seq, keys[-1] if keys else root, tokens is not None)
         before = self._blocks.ref[hits] if self._held.levels else None
         self._blocks.share(hits)
-        taken = self._blocks.take(blocks_for(num_tokens, bs) - cached)
+        taken = self._take_restoring(blocks_for(num_tokens, bs) - cached, slots)
         table = hits + taken.tolist()
         st.put_table(row, table if cached else taken)  # an array: no list conversion
         st.num_blocks[row], st.committed[row], st.num_tokens[row] = len(table), cached, num_tokens
@@ -243,14 +249,17 @@ class BlockPool:
             self._hold_new(row, np.asarray(table, dtype=np.int64),
                            np.concatenate([before, np.zeros(len(taken), dtype=np.int64)]))
         if tokens is not None:
-            self._blocks.cache.count(num_tokens, cached * bs)
+            self._blocks.cache.count(num_tokens, (cached + len(slots)) * bs)
             parents = [root, *keys][cached:full]
             if parents:  # the prompt's full blocks past the cached prefix: keyed pending
                 self._blocks.cache.key_blocks(taken[:full - cached], parents, keys[cached:],
                                               tokens[cached * bs:full * bs].reshape(-1, bs))
             st.partial[row, :num_tokens - full * bs] = tokens[full * bs:]
+        if slots:
+            self._restore(row, taken[:len(slots)].tolist(), slots)
         blocks = taken if not cached else np.asarray(table, dtype=np.int64)
-        return SeqUpdate(table, num_tokens, cached * bs, self._slots(blocks, num_tokens), [])
+        return SeqUpdate(table, num_tokens, (cached + len(slots)) * bs,
+                         self._slots(blocks, num_tokens), [])
 
     def append(self, seq: Hashable, num_tokens: int = 1,
                token_ids: TokenIds | None = None) -> SeqUpdate | NoFit:
@@ -389,6 +398,49 @@ class BlockPool:
         cache = self._blocks.cache
         return {block: cache.key_of[block] or b"" for block in cache.evictable}
 
+    # ------------------------------------------------------------------ host tier
+
+    def attach_host_tier(self, num_slots: int) -> HostTier:
+        """From now on, copy committed blocks evicted from the pool into a host tier of
+        `num_slots` slots and restore prompts' prefixes from it (`host_tier.py`)."""
+        count(num_slots, "num_slots", 1)
+        self._blocks.host = HostTier(num_slots, self.block_size, self._journal, self._keys)
+        return self._blocks.host
+
+    @property
+    def host_tier(self) -> HostTier | None:
+        return self._blocks.host
+
+    def _take_restoring(self, n: int, slots: list[int]) -> Int64Array:
+        """`n` blocks for a new sequence, of which the first len(`slots`) will be filled from
+        those host slots: they are touched and protected first, so that the copies this take
+        makes of the blocks it evicts never drop them."""
+        host = self._blocks.host
+        if not slots or host is None:
+            return self._blocks.take(n)
+        host.touch(slots)
+        host.protected = len(slots)
+        try:
+            return self._blocks.take(n)
+        finally:
+            host.protected = 0
+
+    def _restore(self, row: int, blocks: list[int], slots: list[int]) -> None:
+        """The fresh `blocks` after a sequence's cached prefix (keyed pending by `allocate`)
+        hold the host copies in `slots`: committed now, since their K/V was certified when it
+        was first computed and the copy is memory work its answer waits for."""
+        host = self._blocks.host
+        assert host is not None
+        host.restored(slots)
+        events = self._blocks.events
+        if events is not None:
+            events.restored(slots, blocks)
+        matchable = self._blocks.cache.commit(blocks)
+        self._seqs.set_committed(np.array([row]), np.array([self._seqs.committed[row]
+                                                             + len(blocks)]))
+        if matchable and events is not None:
+            events.committed(matchable)
+
     # ------------------------------------------------------------------ helpers
 
     def _hold_new(self, row: int, blocks: Int64Array, before: Int64Array) -> None:
@@ -444,3 +496,5 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Assert every invariant of the pool and that `stats` equals a recount (`pool_checks`)."""
         check_pool(self._seqs, self._blocks, self._pages, self._held, self.stats())
+        if self._blocks.host is not None:
+            self._blocks.host.check()

@@ -172,9 +172,9 @@ class ContiguousPool:
     # --------------------------------------------------------------- operations
 
     def allocate(self, seq: Hashable, num_tokens: int, token_ids: TokenIds | None = None,
-                 salt: bytes = b"") -> SeqUpdate | NoFit:
+                 salt: bytes = b"", use_host_tier: bool = True) -> SeqUpdate | NoFit:
         """A new sequence of `num_tokens` tokens in a reservation of its own, first fit.
-        Token ids are checked, then dropped: nothing is cached."""
+        Token ids are checked, then dropped: nothing is cached (and there is no host tier)."""
         if seq in self._row_of:
             raise SequenceExists(f"sequence {seq!r} already exists")
         seq_tokens(token_ids, self._check_length(count(num_tokens, "num_tokens", 0)))
@@ -258,6 +258,10 @@ class ContiguousPool:
         blocks = np.arange(start, start + self.reservation)
         self._held.drop(self._groups[row], blocks, np.zeros_like(blocks))
         return blocks.tolist()
+
+    @property
+    def host_tier(self) -> None:
+        return None  # nothing is cached, so nothing is offloaded
 
     def cache_events(self, events: CacheEvents) -> AbstractContextManager[None]:
         """Nothing is ever cached, so `events` never hears of anything."""

@@ -4,6 +4,7 @@ Every block is in exactly one of three states:
 - free:   refcount 0, no cached content; on `free` (FIFO).
 - used:   refcount > 0 = the number of block tables that reference it.
 - cached: refcount 0 but holding a committed full block; evictable in LRU order (`PrefixCache`).
+  With a host tier, an evicted block's content is first copied there (`host_tier.py`).
 A block of a page the pool does not hold is *withdrawn* (`pages.py`): refcount 0, no key, on
 neither the free list nor the LRU; it is in none of the three states until its page is restored.
 A writer's block comes from `free` first, and only then evicts the least recently released
@@ -27,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from pagedkv.daemon.core.content_keys import ContentKeys
+from pagedkv.daemon.core.host_tier import HostTier, Stored
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.prefix_cache import PrefixCache
 from pagedkv.daemon.core.seq_table import Int64Array
@@ -48,6 +50,14 @@ class CacheEvents(Protocol):
     def uncommitted(self, block: int) -> None:
         """This committed block, in use, lost its key (its owner is about to rewrite it)."""
 
+    def offloaded(self, blocks: list[int], stored: Stored) -> None:
+        """Some of these just-evicted blocks were copied to the host tier (`stored.copied`:
+        index into `blocks`, host slot), which dropped `stored.dropped` to make room; told
+        before `evicted`, so the copies are made before anything writes the blocks."""
+
+    def restored(self, slots: list[int], blocks: list[int]) -> None:
+        """An allocation fills fresh `blocks` from host `slots`, pairwise (then commits them)."""
+
 
 class PhysicalBlocks:
     """Refcounts and free/cached bookkeeping of `num_blocks` blocks. No sequences here."""
@@ -64,6 +74,8 @@ class PhysicalBlocks:
         self.cache = PrefixCache(num_blocks, block_size, journal, keys)
         # Who hears of evictions and parked blocks (None: no one).
         self.events: CacheEvents | None = None
+        # Where evicted committed blocks are copied (`host_tier.py`); None: nowhere, they go.
+        self.host: HostTier | None = None
 
     @property
     def num_available(self) -> int:
@@ -75,7 +87,11 @@ class PhysicalBlocks:
         popleft = self.free.popleft
         from_free = blocks = [popleft() for _ in range(min(n, len(self.free)))]
         if len(from_free) < n:  # the free list ran out: evict cached blocks
-            evicted = self.cache.evict(n - len(from_free))
+            evicted, keys, parents = self.cache.evict(n - len(from_free))
+            if self.host is not None:
+                stored = self.host.store(keys, parents, self.cache.tokens_of[evicted])
+                if self.events is not None:
+                    self.events.offloaded(evicted, stored)
             if self.events is not None:
                 self.events.evicted(evicted)
             blocks = from_free + evicted

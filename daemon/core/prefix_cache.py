@@ -218,26 +218,29 @@ class PrefixCache:
         self._uncommit_one(block, key)
         self._drop_key(block)
 
-
-    def evict(self, n: int) -> list[int]:
-        """Take the `n` least recently released cached blocks and drop their keys."""
+    def evict(self, n: int) -> tuple[list[int], list[bytes], list[bytes]]:
+        """Take the `n` least recently released cached blocks and drop their keys. Returns
+        them, with the keys and parent keys they held (their token ids stay in `tokens_of`
+        until they are keyed again)."""
         evictable, block_of, key_of, parent_of = (self.evictable, self.block_of, self.key_of,
                                                   self.parent_of)
         committed = self.committed
-        blocks, keys, parents = [], [], []
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        parents: list[bytes] = []
         for _ in range(n):
             block = evictable.pop_head()
-            key = key_of[block]
-            assert key is not None, f"evictable block {block} has no key"
+            key, parent = key_of[block], parent_of[block]
+            assert key is not None and parent is not None, f"evictable block {block} has no key"
             del block_of[key]
             committed[block] = 0
             blocks.append(block)
             keys.append(key)
-            parents.append(parent_of[block])
+            parents.append(parent)
             key_of[block] = parent_of[block] = None
         self.num_keyed -= n
         self._journal.record(self._unevict, blocks, keys, parents)
-        return blocks
+        return blocks, keys, parents
 
     def _unevict(self, blocks: list[int], keys: list[bytes], parents: list[bytes]) -> None:
         for block, key, parent in zip(reversed(blocks), reversed(keys), reversed(parents),

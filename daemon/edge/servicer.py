@@ -250,7 +250,8 @@ def add_to_server(servicer: KVPoolServicer, server: grpc.aio.Server) -> None:
 # Token ids stay in their packed protobuf field until the pool reads them, under the lock, into
 # one int64 array: a list of Python ints would take 30-40 bytes a token while the call queues.
 def allocate_op(request: pb.AllocateRequest) -> Allocate:
-    return Allocate(request.seq_id, request.num_tokens, request.token_ids)
+    return Allocate(request.seq_id, request.num_tokens, request.token_ids,
+                    request.skip_host_tier)
 
 
 def append_op(request: pb.AppendRequest) -> Append:
@@ -321,7 +322,9 @@ def pool_info(service: PoolService, *, with_memory: bool) -> pb.PoolInfo:
                        page_bytes=service.models.page_bytes,
                        num_pages=service.formats.pages.num_pages,
                        models=[model_info(figures, with_memory=with_memory)
-                               for figures in service.model_figures()])
+                               for figures in service.model_figures()],
+                       host_tier_blocks=service.host_tier.num_slots if service.host_tier else 0,
+                       host_copy_bytes_per_s=service.host_copy_rate)
     memory = service.memory.handle() if service.memory is not None else None
     if memory is not None and with_memory:
         info.memory.CopyFrom(memory.to_proto())

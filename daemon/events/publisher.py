@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from pagedkv.daemon.events.sender import STOP, Answer, EventSettings, Outgoing, Sender, Slice
 from pagedkv.daemon.events.sink import EventCounts, Snapshot, StoredBlock
+from pagedkv.daemon.events.wire import MEDIUM_GPU
 from pagedkv.process.log_setup import get_logger
 
 # How long closing waits for the thread to send what is queued.
@@ -86,19 +87,19 @@ class EventPublisher:
             return EventCounts(0, self._dropped, 0, 0)
         return EventCounts(sender.sent, self._dropped, sender.replayed, sender.snapshots)
 
-    def stored(self, model: str, blocks: Sequence[StoredBlock]) -> None:
+    def stored(self, model: str, blocks: Sequence[StoredBlock], medium: str = MEDIUM_GPU) -> None:
         if blocks:
-            self._put(model, stored=tuple(blocks))
+            self._put(model, stored=tuple(blocks), medium=medium)
 
-    def removed(self, model: str, hashes: Sequence[int]) -> None:
+    def removed(self, model: str, hashes: Sequence[int], medium: str = MEDIUM_GPU) -> None:
         if hashes:
-            self._put(model, removed=tuple(hashes))
+            self._put(model, removed=tuple(hashes), medium=medium)
 
     def cleared(self, model: str) -> None:
         self._put(model)
 
     def _put(self, model: str, stored: tuple[StoredBlock, ...] | None = None,
-             removed: tuple[int, ...] | None = None) -> None:
+             removed: tuple[int, ...] | None = None, medium: str = MEDIUM_GPU) -> None:
         """Queue one batch, or drop it when the queue is full (module docstring); nothing
         before start() or after close()."""
         if not self._open:
@@ -108,7 +109,7 @@ class EventPublisher:
             self._lost.add(model)
             return
         self._clear_lost()
-        self._queue(model, stored, removed)
+        self._queue(model, stored, removed, medium)
 
     def _clear_lost(self) -> None:
         for model in sorted(self._lost):
@@ -116,8 +117,8 @@ class EventPublisher:
         self._lost.clear()
 
     def _queue(self, model: str, stored: tuple[StoredBlock, ...] | None,
-               removed: tuple[int, ...] | None) -> None:
-        self._inbox.put(Outgoing(self._next_seq, time.time(), model, stored, removed))
+               removed: tuple[int, ...] | None, medium: str = MEDIUM_GPU) -> None:
+        self._inbox.put(Outgoing(self._next_seq, time.time(), model, stored, removed, medium))
         self._next_seq += 1
 
     def _ask_slice(self, answer: Answer) -> None:

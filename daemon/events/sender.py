@@ -29,9 +29,10 @@ from typing import NamedTuple
 
 import zmq
 
-from pagedkv.daemon.events.sink import StoredBlock
+from pagedkv.daemon.events.sink import SnapshotItem, StoredBlock
 from pagedkv.daemon.events.wire import (
     END_SEQ,
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     Event,
@@ -71,9 +72,8 @@ class EventSettings:
     queue: int
     # A model's topic is this prefix and its name.
     topic_prefix: str
-    # Tokens per block, and where the blocks live ("GPU" or "CPU"), as the events say.
+    # Tokens per block, as the events say.
     block_size: int
-    medium: str
 
 
 class Outgoing(NamedTuple):
@@ -88,6 +88,8 @@ class Outgoing(NamedTuple):
     # What happened: blocks stored, hashes removed, or None: every block cleared.
     stored: tuple[StoredBlock, ...] | None = None
     removed: tuple[int, ...] | None = None
+    # The tier: MEDIUM_GPU (the pool) or MEDIUM_CPU (the host tier).
+    medium: str = MEDIUM_GPU
 
 
 @dataclass(eq=False)
@@ -102,7 +104,7 @@ class Answer:
     # the blocks still to read (None before the first slice).
     snapshot: bool = False
     start_seq: int = 0
-    items: Iterator[tuple[str, list[StoredBlock]]] | None = None
+    items: Iterator[SnapshotItem] | None = None
     # A slice is asked of the loop and not yet here; the last item has come; dropped.
     asking: bool = False
     done: bool = True
@@ -116,7 +118,7 @@ class Slice(NamedTuple):
     failure, `failed`)."""
 
     answer: Answer
-    item: tuple[str, list[StoredBlock]] | None
+    item: SnapshotItem | None
     failed: bool = False
 
 
@@ -210,7 +212,7 @@ class Sender(threading.Thread):
         self.sent += 1
 
     def _events(self, item: Outgoing) -> tuple[Event, ...]:
-        medium = self._settings.medium
+        medium = item.medium
         if item.stored is not None:
             return tuple(stored_events(item.stored, self._settings.block_size, medium))
         if item.removed is not None:
@@ -250,8 +252,8 @@ class Sender(threading.Thread):
             end = END_SEQ if got.failed else seq_bytes(answer.start_seq)
             answer.ready.append([b"", end, b""])
             return
-        model, blocks = got.item
-        events = tuple(stored_events(blocks, self._settings.block_size, self._settings.medium))
+        model, blocks, medium = got.item
+        events = tuple(stored_events(blocks, self._settings.block_size, medium))
         if events:
             answer.ready.append([(self._settings.topic_prefix + model).encode(),
                                  seq_bytes(answer.start_seq),

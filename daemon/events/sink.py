@@ -11,15 +11,21 @@ Rules for the callers, on which a subscriber's exact index depends:
   the block is gone could be missed by a snapshot that still sees the block.
 - `stored` lists the blocks in chain order: a block whose parent is the block before it in the
   list continues that chain (one vLLM `BlockStored` per chain).
-- The snapshot callable (`Snapshot`) yields the committed blocks as (model, blocks) items, each
-  list bounded (a few hundred blocks), parents before children. The publisher advances it on
-  the event loop ONE item per loop callback, other work running between items: the iterator
+- The snapshot callable (`Snapshot`) yields the committed blocks and host copies as
+  `SnapshotItem`s, each list bounded (a few hundred blocks), parents before children. The
+  publisher advances it on the event loop ONE item per loop callback, other work running
+  between items: the iterator
   must tolerate blocks added and removed between two items (skip a block that is gone).
 """
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
+
+# BlockStored/BlockRemoved `medium`: the tier the blocks are in. vLLM's MEDIUM_GPU is the pool
+# runners compute into (GPU memory, or a CPU daemon's shared memory); "CPU" is the host tier.
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,18 +42,28 @@ class StoredBlock:
     extra_key: bytes | None
 
 
-# Every committed block, as (model, a bounded list of blocks) items (see the module docstring).
-Snapshot = Callable[[], Iterator[tuple[str, list[StoredBlock]]]]
+class SnapshotItem(NamedTuple):
+    """One bounded list of a model's blocks in a snapshot, and the tier they are in."""
+
+    model: str
+    blocks: list[StoredBlock]
+    # MEDIUM_GPU (the pool) or MEDIUM_CPU (the host tier's copies).
+    medium: str = MEDIUM_GPU
+
+
+# Every committed block and host copy, as bounded items (see the module docstring).
+Snapshot = Callable[[], Iterator[SnapshotItem]]
 
 
 class KVEventSink(Protocol):
     """Where the daemon's event sources send what they see (see the module docstring)."""
 
-    def stored(self, model: str, blocks: Sequence[StoredBlock]) -> None:
-        """`blocks` became committed (matchable) in `model`'s namespace, in chain order."""
+    def stored(self, model: str, blocks: Sequence[StoredBlock], medium: str = MEDIUM_GPU) -> None:
+        """`blocks` became committed (matchable) in `model`'s namespace, in chain order: in the
+        pool (MEDIUM_GPU), or copied to the host tier (MEDIUM_CPU)."""
 
-    def removed(self, model: str, hashes: Sequence[int]) -> None:
-        """The committed blocks of these hashes left `model`'s cache."""
+    def removed(self, model: str, hashes: Sequence[int], medium: str = MEDIUM_GPU) -> None:
+        """The committed blocks of these hashes left `model`'s cache in that tier."""
 
     def cleared(self, model: str) -> None:
         """Every committed block of `model` is gone."""
@@ -82,10 +98,10 @@ class ManagedSink(KVEventSink, Protocol):
 class NullSink:
     """Events off: every call returns at once and nothing is kept."""
 
-    def stored(self, model: str, blocks: Sequence[StoredBlock]) -> None:
+    def stored(self, model: str, blocks: Sequence[StoredBlock], medium: str = MEDIUM_GPU) -> None:
         pass
 
-    def removed(self, model: str, hashes: Sequence[int]) -> None:
+    def removed(self, model: str, hashes: Sequence[int], medium: str = MEDIUM_GPU) -> None:
         pass
 
     def cleared(self, model: str) -> None:

@@ -21,12 +21,10 @@ from typing import Any
 
 import msgpack
 
+from pagedkv.daemon.events.sink import MEDIUM_CPU as MEDIUM_CPU  # re-exported: the tiers
+from pagedkv.daemon.events.sink import MEDIUM_GPU as MEDIUM_GPU
 from pagedkv.daemon.events.sink import StoredBlock
 
-# BlockStored/BlockRemoved `medium`: where the blocks live (vLLM's MEDIUM_GPU; "CPU" for a
-# host tier, and for a pool in shared memory).
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
 # BlockStored `kv_cache_spec_kind` of a full-attention cache group (vLLM's spec kinds).
 FULL_ATTENTION = "full_attention"
 # The seq of the end marker closing a replay answer: -1, 8 bytes signed big-endian.

@@ -117,6 +117,10 @@ class DaemonConfig:
     # mode 0o600 (the daemon's user), or 0o660 with runner_group as its group.
     shm_dir: Path = Path("/dev/shm")
 
+    # ---- The host-memory tier (kvpool.proto, "The host-memory tier"): bytes of host memory
+    # holding copies of committed blocks the pool evicts; 0: no tier (the default).
+    host_tier_memory: int = 0
+
     # ---- KV events in vLLM's wire format (daemon/events/; ops/OPERATIONS.md, "KV events").
     # ZMQ PUB endpoint; None or "": no events (the default). Bound when it has "*" or "::" or
     # is ipc:// or inproc://, else connected, as vLLM does ("tcp://*:5557" binds; with
@@ -291,6 +295,9 @@ class DaemonConfig:
             raise ConfigError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.kv_memory is not None and self.kv_memory <= 0:
             raise ConfigError(f"kv_memory must be positive, got {self.kv_memory}")
+        if self.host_tier_memory < 0:
+            raise ConfigError(f"host_tier_memory must be 0 (no tier) or positive, got "
+                              f"{self.host_tier_memory}")
         if self.kv_fraction is not None and not 0 < self.kv_fraction <= 1:
             raise ConfigError(f"kv_fraction must be in (0, 1], got {self.kv_fraction}")
         device, _, index = self.device.partition(":")

@@ -10,7 +10,6 @@ import zmq
 from pagedkv.daemon.events.publisher import EventPublisher
 from pagedkv.daemon.events.sender import EventSettings
 from pagedkv.daemon.events.sink import ManagedSink, NullSink, Snapshot
-from pagedkv.daemon.events.wire import MEDIUM_CPU, MEDIUM_GPU
 from pagedkv.daemon.process.config import DaemonConfig
 from pagedkv.process.grpc_server import StartupError
 
@@ -24,9 +23,7 @@ def make_event_sink(config: DaemonConfig, snapshot: Snapshot) -> ManagedSink:
         endpoint=config.kv_events_endpoint,
         replay_endpoint=config.kv_events_replay_endpoint or None,
         buffer=config.kv_events_buffer, queue=config.kv_events_queue,
-        topic_prefix=config.kv_events_topic, block_size=config.block_size,
-        # vLLM's medium: where the blocks live. A CPU pool is in shared memory.
-        medium=MEDIUM_GPU if config.device.startswith("cuda") else MEDIUM_CPU), snapshot)
+        topic_prefix=config.kv_events_topic, block_size=config.block_size), snapshot)
 
 
 def start_event_sink(sink: ManagedSink) -> None:

@@ -17,7 +17,7 @@ daemon/service/memory_order.py), with a failure exit status: its supervisor rest
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from pagedkv.daemon.edge.metrics import EventCollector, PoolCollector, Readiness
 from pagedkv.daemon.edge.peer_gate import PeerGate, gate_folder
 from pagedkv.daemon.edge.servicer import KVPoolServicer, add_to_server
 from pagedkv.daemon.edge.tls import ServerTls
+from pagedkv.daemon.memory.host_memory import HostMemory
 from pagedkv.daemon.memory.kv_memory import KVMemory, KVPoolMemory, cleanup_stale_files
 from pagedkv.daemon.process.config import (
     DEFAULT_SOCKET_MODE,
@@ -172,13 +173,36 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
                               page_bytes=blocks_per_page * per_block,
                               model_policies=dict(config.models),
                               max_models=config.max_models, prefix_hash=config.prefix_hash)
-        await service.start()
-        try:
-            yield service, memory
-        finally:
-            await service.stop()
+        with host_tier(config, service, memory):
+            await service.start()
+            try:
+                yield service, memory
+            finally:
+                await service.stop()
     finally:
         memory.close()
+
+
+@contextlib.contextmanager
+def host_tier(config: DaemonConfig, service: PoolService, memory: KVPoolMemory) -> Iterator[None]:
+    """The host tier of `host_tier_memory` bytes, attached to the service, its copy rate
+    measured before anyone is served; closed on exit. Nothing without the setting."""
+    if not config.host_tier_memory:
+        yield
+        return
+    slots = config.host_tier_memory // memory.bytes_per_block
+    if not slots:
+        raise ConfigError(f"host_tier_memory={config.host_tier_memory} holds no block of "
+                          f"{memory.bytes_per_block} bytes")
+    host = HostMemory.create(slots, memory, str(config.shm_dir))
+    try:
+        rate = host.measure_copy_rate()
+        service.attach_host_tier(host, copy_rate=rate)
+        log.info("host tier allocated", slots=slots, bytes=slots * memory.bytes_per_block,
+                 copy_bytes_per_s=rate, pinned=memory.kv.is_cuda)
+        yield
+    finally:
+        host.close()
 
 
 def check_device(device: str) -> None:

@@ -173,6 +173,8 @@ SETTINGS: dict[str, Setting] = {
                              "(required with --allocator contiguous; must fit in the pool)"),
     "zero_freed_blocks": Setting(SWITCH, "zero blocks as they are released"),
     "shm_dir": Setting(PATH, "folder of the CPU pool file (default {default})"),
+    "host_tier_memory": Setting(BYTES, "host memory for copies of evicted prefix blocks, e.g. "
+                                "32GiB (default 0: no host tier)"),
     "kv_events_endpoint": Setting(TEXT, "ZMQ PUB endpoint of KV events in vLLM's format, e.g. "
                                   "tcp://*:5557 (bound; a host name is connected to); default: "
                                   "no events"),

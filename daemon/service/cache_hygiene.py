@@ -9,7 +9,8 @@ under the same salt can reuse it. Two consequences for tenants, handled here:
   back to the free list, zeroed first when `zero_freed_blocks` is on. The service learns which
   blocks a session parked from the pool's cache events during each of its calls.
 - A cached block evicted to make room is handed to a new owner, often another tenant, with
-  the old K/V in it. With `zero_freed_blocks` on, the evicting call zeroes it: the zeroing is
+  the old K/V in it (copied first to the host tier, where the format has one: host_copies.py).
+  With `zero_freed_blocks` on, the evicting call zeroes it: the zeroing is
   a step of that call's memory work, recorded when the eviction happens, so it runs before
   any copy the same call makes into the block and before the answer leaves.
 
@@ -20,80 +21,14 @@ journal, so a call that fails leaves it as it was.
 
 import contextlib
 
-from pagedkv.daemon.core import CacheEvents, Journal, PoolAllocator
+from pagedkv.daemon.core import CacheEvents, PoolAllocator
+from pagedkv.daemon.core.host_tier import Stored
+from pagedkv.daemon.service.host_copies import HostCopies, Owners
 from pagedkv.daemon.service.kv_events import FormatEvents
 from pagedkv.daemon.service.model_cache import ModelCache
+from pagedkv.daemon.service.private_blocks import PrivateBlocks
 from pagedkv.daemon.service.session_ops import MemoryWork
 from pagedkv.daemon.service.sessions import Session
-
-
-class PrivateBlocks:
-    """Which cached blocks each private-salt session left, so they go when it ends."""
-
-    def __init__(self, journal: Journal) -> None:
-        self._journal = journal
-        # Session number -> {block: the committed key it was parked under}.
-        self._of: dict[int, dict[int, bytes]] = {}
-        # Block -> the session number whose record holds it (at most one: a block is parked
-        # by one session at a time, and leaves the record when evicted).
-        self._owner: dict[int, int] = {}
-
-    def parked(self, number: int, block: int, key: bytes) -> None:
-        """Session `number` left `block` cached under `key`."""
-        self._journal.record(self._restore, block, *self._entry(block))
-        self._forget(block)
-        self._of.setdefault(number, {})[block] = key
-        self._owner[block] = number
-
-    def evicted(self, blocks: list[int]) -> None:
-        """These blocks left the cache for a new owner: no session's record holds them now."""
-        for block in blocks:
-            if block in self._owner:
-                self._journal.record(self._restore, block, *self._entry(block))
-                self._forget(block)
-
-    def _entry(self, block: int) -> tuple[int | None, bytes | None]:
-        """The session whose record holds `block`, and the key there (None, None if none)."""
-        owner = self._owner.get(block)
-        return (None, None) if owner is None else (owner, self._of[owner][block])
-
-    def release(self, number: int) -> dict[int, bytes]:
-        """Session `number` has ended: its record, removed."""
-        record = self._of.pop(number, {})
-        for block in record:
-            del self._owner[block]
-        self._journal.record(self._unrelease, number, record)
-        return record
-
-    def _forget(self, block: int) -> None:
-        owner = self._owner.pop(block, None)
-        if owner is not None:
-            record = self._of[owner]
-            del record[block]
-            if not record:
-                del self._of[owner]
-
-    def _restore(self, block: int, owner: int | None, key: bytes | None) -> None:
-        self._forget(block)
-        if owner is not None and key is not None:
-            self._of.setdefault(owner, {})[block] = key
-            self._owner[block] = owner
-
-    def _unrelease(self, number: int, record: dict[int, bytes]) -> None:
-        if record:
-            self._of[number] = record
-            self._owner.update(dict.fromkeys(record, number))
-
-    def check(self, live: set[int], cached: dict[int, bytes]) -> None:
-        """Assert that only live sessions have records, each of blocks cached under the
-        recorded key or in use again (revived by their session), and that the two maps agree."""
-        assert set(self._of) <= live, f"records of ended sessions {set(self._of) - live}"
-        for number, record in self._of.items():
-            assert record, f"an empty record for session {number}"
-            for block, key in record.items():
-                assert self._owner[block] == number, f"block {block}'s owner disagrees"
-                assert cached.get(block, key) == key, f"block {block} is cached under another key"
-        assert len(self._owner) == sum(map(len, self._of.values())), "a block recorded twice"
 
 
 class _CallEvents(CacheEvents):
@@ -125,6 +60,16 @@ class _CallEvents(CacheEvents):
         if self._hygiene.events is not None:
             self._hygiene.events.removed([block])
 
+    def offloaded(self, blocks: list[int], stored: Stored) -> None:
+        hygiene = self._hygiene
+        assert hygiene.host is not None, "a pool with a host tier and a service without"
+        hygiene.host.offloaded(blocks, stored, self._work,
+                               Owners(hygiene.private, hygiene.cached), hygiene.events)
+
+    def restored(self, slots: list[int], blocks: list[int]) -> None:
+        assert self._hygiene.host is not None, "a pool with a host tier and a service without"
+        self._hygiene.host.restored(slots, blocks, self._work)
+
 
 class CacheHygiene:
     """The service's part in keeping one tenant's cached K/V from the next (module docstring)."""
@@ -139,6 +84,8 @@ class CacheHygiene:
         self.cached = ModelCache(pool.journal)
         # The format's KV events (kv_events.py); None: events are off, nothing is recorded.
         self.events: FormatEvents | None = None
+        # The format's host tier (host_copies.py); None: it has none.
+        self.host: HostCopies | None = None
 
     def watch(self, session: Session, work: MemoryWork) -> contextlib.AbstractContextManager[None]:
         """Around one call of `session`: hear its evictions and parked blocks."""
@@ -148,6 +95,8 @@ class CacheHygiene:
         """Drop what a private-salt session left cached (after its sequences were freed, under
         `watch`); returns how many blocks went back to the free list."""
         record = self.private.release(session.number)
+        if self.host is not None:
+            self.host.session_ended(session.number, session.private_salt, work, self.events)
         if not session.private_salt:
             return 0
         return len(self.drop(record, work))
@@ -176,3 +125,5 @@ class CacheHygiene:
         cached = self._pool.cached_keys()
         self.private.check(live, cached)
         self.cached.check(cached)
+        if self.host is not None:
+            self.host.check(live)

@@ -29,7 +29,7 @@ from pagedkv.daemon.service.holds import NO_HOLD, Hold, apply_hold, check_hold, 
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.memory_order import MemoryOrder, Pending, answer_blocks
 from pagedkv.daemon.service.models import Format, Model
-from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, SessionOps
+from pagedkv.daemon.service.session_ops import BlockMemory, HostMemory, MemoryWork, SessionOps
 from pagedkv.daemon.service.sessions import Session, SessionRegistry
 from pagedkv.daemon.service.tenants import Tenants, TenantUsage
 
@@ -48,8 +48,10 @@ class CallPath:
         self.tenants = tenants
         self.usage = usage
         self.limits = limits
-        # Format 0's memory, where its calls' memory work runs (tests may swap in a wrapper).
+        # Format 0's memory, where its calls' memory work runs (tests may swap in a wrapper),
+        # and its host tier's (None: it has none).
         self.memory = memory
+        self.host_memory: HostMemory | None = None
         # Tenant name -> its holder group number in every format's pool.
         self._tenant_number = {name: i for i, name in enumerate(tenants.by_name)}
         # Serializes every change of pool state: held while a call applies its change and
@@ -129,5 +131,7 @@ class CallPath:
                    blocks: Callable[[], Iterable[int]]) -> Pending:
         """Start the memory work of a call on `fmt` (in its view, ordered by page); format 0's
         is `self.memory`, which tests may swap for a wrapper."""
-        memory = self.memory if fmt.number == 0 else fmt.memory
-        return self.memory_order.start(memory, work, blocks, fmt.blocks_per_page)
+        if fmt.number:
+            return self.memory_order.start(fmt.memory, work, blocks, fmt.blocks_per_page)
+        return self.memory_order.start(self.memory, work, blocks, fmt.blocks_per_page,
+                                       self.host_memory)

@@ -22,10 +22,12 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar, runtime_checkable
 
-from pagedkv.daemon.core import BlockPool, PoolAllocator, PrefixHash
-from pagedkv.daemon.events.sink import KVEventSink, StoredBlock
+from pagedkv.daemon.core import BlockPool, InvalidArgument, PoolAllocator, PrefixHash
+from pagedkv.daemon.core.host_tier import HostTier
+from pagedkv.daemon.events.sink import KVEventSink, SnapshotItem
 from pagedkv.daemon.service.answer_size import AnswerBudget
 from pagedkv.daemon.service.cache_hygiene import CacheHygiene
+from pagedkv.daemon.service.host_copies import HostCopies
 from pagedkv.daemon.service.kv_events import FormatEvents
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.models import (
@@ -125,7 +127,18 @@ class Formats:
         for fmt in self.models.formats:
             fmt.hygiene.events = FormatEvents(fmt.pool, sink, all_salts)
 
-    def kv_snapshot(self) -> Iterator[tuple[str, list[StoredBlock]]]:
+    def attach_host_tier(self, num_slots: int) -> HostTier:
+        """Give format 0 (the daemon's own model's) a host tier of `num_slots` slots
+        (host_copies.py); other formats have none. Before any session exists."""
+        fmt = self.models.formats[0]
+        if not isinstance(fmt.pool, BlockPool):
+            raise InvalidArgument("the host tier needs the paged allocator (a contiguous pool "
+                                  "caches nothing to offload)")
+        tier = fmt.pool.attach_host_tier(num_slots)
+        fmt.hygiene.host = HostCopies(tier, self._zero)
+        return tier
+
+    def kv_snapshot(self) -> Iterator[SnapshotItem]:
         """Every block published when it is called, per model in chunks, parents first:
         what a subscriber rebuilds its index from (the `Snapshot` of daemon/events/sink.py;
         blocks gone between two chunks are skipped)."""

@@ -8,6 +8,11 @@ this module tells its sink (`KVEventSink`), in vLLM's wire format.
   runner's certification): `stored(model, blocks)` with exactly the blocks the call made
   matchable, in chain order (each sequence's in table order), each with its token ids, its
   parent's hash (None for a prompt's first block) and its salt as `extra_key`.
+- Host tier (kvpool.proto, "The host-memory tier"): a published block copied to the host tier
+  is announced stored again with medium "CPU" (the pool's own blocks are "GPU": the tier the
+  runners compute into, GPU memory or a CPU daemon's shared memory), and its copy's leaving
+  the host tier removed with medium "CPU". A router so knows which daemon holds a prefix and
+  in which tier.
 - Removed: a committed block's key goes: evicted for a new owner, withdrawn with its page,
   dropped by cache hygiene (a private session ended, a model put to sleep, a capped model's
   cache shed), or rewritten in place by its owner (copy-on-write of a private block). A
@@ -31,7 +36,8 @@ from dataclasses import dataclass
 from functools import partial
 
 from pagedkv.daemon.core import PoolAllocator
-from pagedkv.daemon.events.sink import KVEventSink, StoredBlock
+from pagedkv.daemon.events.sink import KVEventSink, SnapshotItem, StoredBlock
+from pagedkv.daemon.events.wire import MEDIUM_CPU, MEDIUM_GPU
 from pagedkv.daemon.service.sessions import Session
 
 # Blocks per `stored` of a snapshot: bounded messages, whatever the pool's size.
@@ -75,6 +81,8 @@ class FormatEvents:
         self.all_salts = all_salts
         # Block -> what was announced of it: committed blocks published, in commit order.
         self.published: dict[int, Published] = {}
+        # Host slot -> what was announced of its copy ("CPU").
+        self.host_published: dict[int, Published] = {}
         # Events of the open transaction, each a call of the sink, made once it succeeds.
         self._queued: list[Callable[[], None]] = []
 
@@ -111,7 +119,34 @@ class FormatEvents:
         if run:
             self._queue(partial(self._sink.removed, model, run))
 
-    def snapshot(self) -> Iterator[tuple[str, list[StoredBlock]]]:
+    def offloaded(self, moved: list[tuple[int, int, list[int]]]) -> None:
+        """Published blocks were copied to host slots: (block, slot, its token ids) each, in
+        eviction order; announced stored with medium "CPU", parents first."""
+        records = {}
+        for block, slot, ids in moved:
+            record = self.published.get(block)
+            if record is not None:
+                self._set_host(slot, record)
+                records[record.block_hash] = (record, ids)
+        by_model: dict[str, list[StoredBlock]] = {}
+        for record, ids in _parents_first(records):
+            by_model.setdefault(record.model, []).append(StoredBlock(
+                record.block_hash, record.parent_hash, tuple(ids), record.extra_key))
+        for model, stored in by_model.items():
+            self._queue(partial(self._sink.stored, model, stored, MEDIUM_CPU))
+
+    def host_dropped(self, slots: Sequence[int]) -> None:
+        """These host copies are gone; those published are announced removed ("CPU")."""
+        by_model: dict[str, list[int]] = {}
+        for slot in slots:
+            record = self.host_published.get(slot)
+            if record is not None:
+                self._set_host(slot, None)
+                by_model.setdefault(record.model, []).append(record.block_hash)
+        for model, hashes in by_model.items():
+            self._queue(partial(self._sink.removed, model, hashes, MEDIUM_CPU))
+
+    def snapshot(self) -> Iterator[SnapshotItem]:
         """Every block published when it is first advanced, as stored, per model in chunks,
         parents before children. Lazy, as the publisher reads it (one item per event-loop
         callback, calls between two): the first step copies the published block ids (one
@@ -125,6 +160,25 @@ class FormatEvents:
             for block in blocks[start:start + SNAPSHOT_CHUNK]:
                 order.extend(self._unsent_chain(block, sent))
             yield from self._stored_chunks(order)
+        yield from self._host_snapshot()
+
+    def _host_snapshot(self) -> Iterator[SnapshotItem]:
+        """The host copies published when first advanced, as stored with medium "CPU", per
+        model in chunks, parents first (a copy dropped meanwhile is skipped)."""
+        slots, tier = list(self.host_published), self._pool.host_tier
+        if tier is None:
+            return
+        tokens = tier.tokens_of
+        for start in range(0, len(slots), SNAPSHOT_CHUNK):
+            records = {record.block_hash: (record, tokens[slot].tolist())
+                       for slot in slots[start:start + SNAPSHOT_CHUNK]
+                       if (record := self.host_published.get(slot)) is not None}
+            chunks: dict[str, list[StoredBlock]] = {}
+            for record, ids in _parents_first(records):
+                chunks.setdefault(record.model, []).append(StoredBlock(
+                    record.block_hash, record.parent_hash, tuple(ids), record.extra_key))
+            for model, stored in chunks.items():
+                yield SnapshotItem(model, stored, MEDIUM_CPU)
 
     def _unsent_chain(self, block: int, sent: set[int]) -> list[int]:
         """`block` (if still published) after its published ancestors not yet sent, oldest
@@ -138,7 +192,7 @@ class FormatEvents:
         chain.reverse()
         return chain
 
-    def _stored_chunks(self, order: list[int]) -> Iterator[tuple[str, list[StoredBlock]]]:
+    def _stored_chunks(self, order: list[int]) -> Iterator[SnapshotItem]:
         """The published `order` as stored blocks, one list per model, in order."""
         tokens = self._pool.block_content(order)[2].tolist() if order else []
         chunks: dict[str, list[StoredBlock]] = {}
@@ -146,7 +200,8 @@ class FormatEvents:
             record = self.published[block]
             chunks.setdefault(record.model, []).append(StoredBlock(
                 record.block_hash, record.parent_hash, tuple(ids), record.extra_key))
-        yield from chunks.items()
+        for model, stored in chunks.items():
+            yield SnapshotItem(model, stored, MEDIUM_GPU)
 
     def _set(self, block: int, record: Published | None) -> None:
         self._pool.journal.record(self._put, block, self.published.get(block))
@@ -156,6 +211,15 @@ class FormatEvents:
         self.published.pop(block, None)
         if record is not None:
             self.published[block] = record
+
+    def _set_host(self, slot: int, record: Published | None) -> None:
+        self._pool.journal.record(self._put_host, slot, self.host_published.get(slot))
+        self._put_host(slot, record)
+
+    def _put_host(self, slot: int, record: Published | None) -> None:
+        self.host_published.pop(slot, None)
+        if record is not None:
+            self.host_published[slot] = record
 
     def _queue(self, event: Callable[[], None]) -> None:
         self._pool.journal.record(self._unqueue, len(self._queued))
@@ -170,3 +234,19 @@ class FormatEvents:
         for event in queued:
             event()
 
+
+def _parents_first(records: dict[int, tuple[Published, list[int]]]
+                   ) -> list[tuple[Published, list[int]]]:
+    """`records` (by block hash) ordered so that a record whose parent is among them comes
+    after that parent."""
+    order: list[tuple[Published, list[int]]] = []
+    sent: set[int] = set()
+    for block_hash in records:
+        chain = []
+        current: int | None = block_hash
+        while current is not None and current not in sent and current in records:
+            sent.add(current)
+            chain.append(records[current])
+            current = records[current][0].parent_hash
+        order.extend(reversed(chain))
+    return order

@@ -6,7 +6,8 @@ before the work runs, so another call is applied at once; only the memory work a
 are ordered, by the blocks they touch:
 
 - A call's work runs after every earlier call's work on any block it copies from, copies to or
-  zeroes (write after write, write after read, read after write). Work on disjoint blocks runs
+  zeroes (write after write, write after read, read after write), and likewise for the host
+  tier's slots it copies to or from. Work on disjoint blocks runs
   on the worker threads side by side, off the event loop.
 - A call's answer leaves once its own work is complete and synchronized (CUDA), and once every
   earlier call's work on the blocks the answer hands out (a table, the blocks a Step writes or
@@ -38,7 +39,7 @@ from functools import partial
 import numpy as np
 
 from pagedkv.daemon.core import BatchAppend, SeqUpdate
-from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork
+from pagedkv.daemon.service.session_ops import BlockMemory, HostMemory, MemoryWork
 from pagedkv.process.log_setup import get_logger
 
 log = get_logger(__name__)
@@ -93,21 +94,23 @@ class MemoryOrder:
             raise self.failure
 
     def start(self, memory: BlockMemory | None, work: MemoryWork,
-              answer_blocks: Callable[[], Iterable[int]], blocks_per_page: int = 1) -> Pending:
+              answer_blocks: Callable[[], Iterable[int]], blocks_per_page: int = 1,
+              host: HostMemory | None = None) -> Pending:
         """Start a call's work, just applied (the caller holds the pool lock and does not await
         before this); `answer_blocks` names the blocks its answer hands out (asked only while
         some work is in flight). Work is ordered by page (block // `blocks_per_page` of the
         call's format: formats share the pages' bytes, pages.py); with one block a page, by
-        block."""
+        block; and by host slot, slot s under the key -1 - s (`host`: the host tier's memory)."""
         blocks = work.blocks()
         if blocks_per_page > 1:
             blocks = [block // blocks_per_page for block in blocks]
             answer = answer_blocks
             answer_blocks = lambda: (block // blocks_per_page for block in answer())  # noqa: E731
+        blocks += [-1 - slot for slot in work.host_slots()]
         earlier = self._earlier(blocks, answer_blocks) if self._latest else ()
         if memory is None or not work.steps:
             return Pending(earlier)
-        task = asyncio.ensure_future(self._run(memory, work, earlier))
+        task = asyncio.ensure_future(self._run(memory, work, earlier, host))
         touched = set(blocks)
         for block in touched:
             self._latest[block] = task
@@ -128,11 +131,12 @@ class MemoryOrder:
         return tuple(found)
 
     async def _run(self, memory: BlockMemory, work: MemoryWork,
-                   earlier: tuple["asyncio.Future[None]", ...]) -> None:
+                   earlier: tuple["asyncio.Future[None]", ...], host: HostMemory | None) -> None:
         if earlier:
             await asyncio.gather(*earlier)  # MemoryFailed if one failed: this work never runs
         try:
-            await asyncio.get_running_loop().run_in_executor(self._workers, work.perform, memory)
+            await asyncio.get_running_loop().run_in_executor(self._workers, work.perform, memory,
+                                                             host)
         except Exception as exc:
             raise self._fail(exc) from exc
 

@@ -37,6 +37,10 @@ class ModelCache:
             if block in self._of:
                 self._set(block, None)
 
+    def entry(self, block: int) -> tuple[int, bytes] | None:
+        """`block`'s model number and key, if it is recorded."""
+        return self._of.get(block)
+
     def blocks_of(self, model: int) -> dict[int, bytes]:
         """The model's cached blocks and their keys, oldest parked first (O(cached))."""
         return {block: key for block, (owner, key) in self._of.items() if owner == model}

@@ -53,6 +53,8 @@ class ModelOps:
             pending = [self._life.drop(session, expired=False)[1] for session in mine]
             fmt, work = model.format, MemoryWork()
             dropped = fmt.hygiene.drop(fmt.hygiene.cached.blocks_of(model.number), work)
+            if fmt.hygiene.host is not None:  # its host copies go with its cached blocks
+                fmt.hygiene.host.model_asleep(model.number, work, fmt.hygiene.events)
             pending.append(calls.start_work(fmt, work, tuple))
             model.asleep = True
         for done in pending:

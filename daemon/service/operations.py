@@ -23,6 +23,8 @@ class Allocate:
     num_tokens: int
     # Empty, or exactly num_tokens ids.
     token_ids: Sequence[int] = ()
+    # Recompute what the pool does not cache rather than restore it from the host tier.
+    skip_host_tier: bool = False
 
 
 @dataclass(frozen=True, slots=True)

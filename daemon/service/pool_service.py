@@ -60,6 +60,7 @@ from pagedkv.daemon.core import (
     PrefixHash,
     SeqUpdate,
 )
+from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.service.answer_size import AnswerBudget
 from pagedkv.daemon.service.call_path import CallPath
 from pagedkv.daemon.service.call_work import check_work, op_work, step_work
@@ -87,7 +88,13 @@ from pagedkv.daemon.service.operations import (
 )
 from pagedkv.daemon.service.request_budget import RequestBudget
 from pagedkv.daemon.service.session_life import SessionLife
-from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, PoolFull, SessionOps
+from pagedkv.daemon.service.session_ops import (
+    BlockMemory,
+    HostMemory,
+    MemoryWork,
+    PoolFull,
+    SessionOps,
+)
 from pagedkv.daemon.service.sessions import Session, SessionRegistry, SessionStats
 from pagedkv.daemon.service.tenants import TenantFigures, Tenants, TenantUsage, trusted_caller
 from pagedkv.vocab.geometry import ModelGeometry
@@ -121,6 +128,10 @@ class PoolService:
                                page_bytes=page_bytes, policies=model_policies or {},
                                max_models=max_models)
         self.models = self.formats.models
+        # Format 0's host tier (`attach_host_tier`), and its copies' bytes per second, measured
+        # at start (PoolInfo.host_copy_bytes_per_s); None and 0: the daemon has none.
+        self.host_tier: HostTier | None = None
+        self.host_copy_rate = 0
         self._usage = TenantUsage()
         # The lock, the transaction and the memory work around every change.
         self.calls = CallPath(self.sessions, self.formats, self.tenants, self._usage,
@@ -136,6 +147,16 @@ class PoolService:
         # The wire bytes of large requests parsed and not yet answered (the interceptor admits
         # each before parsing it): what calls queued for the lock may hold.
         self.requests = RequestBudget(self.limits.max_queued_request_bytes)
+
+    def attach_host_tier(self, memory: HostMemory | None, num_slots: int = 0,
+                         copy_rate: int = 0) -> None:
+        """Give the daemon's own model a host tier (kvpool.proto, "The host-memory tier") of
+        `memory`'s slots, or of `num_slots` with no memory (bookkeeping only, for tests and
+        benchmarks of the pool alone), its copies measured at `copy_rate` bytes per second.
+        Before any session exists."""
+        self.host_tier = self.formats.attach_host_tier(memory.num_slots if memory else num_slots)
+        self.calls.host_memory = memory
+        self.host_copy_rate = copy_rate
 
     @property
     def memory(self) -> BlockMemory | None:

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from pagedkv.memory import PoolMemoryHandle  # for the annotation below only
 
 Result = TypeVar("Result", SeqUpdate, BatchAppend)
+StepKind = Literal["copy", "zero", "to_host", "from_host", "zero_host"]
 
 
 class BlockMemory(Protocol):
@@ -64,6 +65,18 @@ class BlockMemory(Protocol):
     def handle(self) -> "PoolMemoryHandle": ...
 
 
+class HostMemory(Protocol):
+    """What the service needs from the host tier's memory (host_memory.HostMemory)."""
+
+    num_slots: int
+
+    def to_host(self, blocks: Sequence[int], slots: Sequence[int], /) -> None: ...
+
+    def from_host(self, slots: Sequence[int], blocks: Sequence[int], /) -> None: ...
+
+    def zero(self, slots: Sequence[int], /) -> None: ...
+
+
 @dataclass(slots=True)
 class MemoryWork:
     """Copies and zeroing a call owes pool memory, started once the call is applied and
@@ -73,8 +86,10 @@ class MemoryWork:
     destination of a later one.
     """
 
-    # ("copy", sources, destinations) or ("zero", blocks, []), in the order the pool made them.
-    steps: list[tuple[Literal["copy", "zero"], list[int], list[int]]] = field(default_factory=list)
+    # ("copy", sources, destinations) or ("zero", blocks, []) in pool blocks, or the host
+    # tier's ("to_host", blocks, slots), ("from_host", slots, blocks), ("zero_host", slots, []),
+    # in the order the pool made them.
+    steps: list[tuple[StepKind, list[int], list[int]]] = field(default_factory=list)
 
     def copy(self, copies: Sequence[BlockCopy]) -> None:
         if copies:
@@ -84,19 +99,52 @@ class MemoryWork:
         if blocks:
             self.steps.append(("zero", blocks, []))
 
-    def blocks(self) -> list[int]:
-        """Every block the work reads or writes (a block may appear more than once)."""
-        return [block for _, blocks, destinations in self.steps
-                for block in (*blocks, *destinations)]
+    def to_host(self, blocks: list[int], slots: list[int]) -> None:
+        if blocks:
+            self.steps.append(("to_host", blocks, slots))
 
-    def perform(self, memory: BlockMemory) -> None:
-        """Do the work in pool memory and wait until it is complete and visible to every
-        process that maps the pool (on CUDA the copies are asynchronous until synchronized)."""
-        for kind, blocks, destinations in self.steps:
+    def from_host(self, slots: list[int], blocks: list[int]) -> None:
+        if slots:
+            self.steps.append(("from_host", slots, blocks))
+
+    def zero_host(self, slots: list[int]) -> None:
+        if slots:
+            self.steps.append(("zero_host", slots, []))
+
+    def blocks(self) -> list[int]:
+        """Every pool block the work reads or writes (a block may appear more than once)."""
+        touched: list[int] = []
+        for kind, first, second in self.steps:
+            if kind in ("copy", "zero"):
+                touched += first + second
+            elif kind == "to_host":
+                touched += first
+            elif kind == "from_host":
+                touched += second
+        return touched
+
+    def host_slots(self) -> list[int]:
+        """Every host slot the work reads or writes."""
+        return [slot for kind, first, second in self.steps if kind != "copy" and kind != "zero"
+                for slot in (second if kind == "to_host" else first)]
+
+    def perform(self, memory: BlockMemory, host: HostMemory | None = None) -> None:
+        """Do the work in pool memory (and `host`, the host tier's) and wait until it is
+        complete and visible to every process that maps the pool (on CUDA the copies are
+        asynchronous until synchronized)."""
+        for kind, first, second in self.steps:
             if kind == "copy":
-                memory.copy_blocks(blocks, destinations)
+                memory.copy_blocks(first, second)
+            elif kind == "zero":
+                memory.zero_blocks(first)
             else:
-                memory.zero_blocks(blocks)
+                assert host is not None, f"{kind} work on a pool with no host tier"
+                if kind == "to_host":
+                    host.to_host(first, second)
+                elif kind == "from_host":
+                    host.from_host(first, second)
+                else:
+                    host.zero(first)
         memory.synchronize()
 
 
@@ -141,14 +189,15 @@ class SessionOps:
         then the session's books."""
         bs, quota = self.pool.block_size, self.pool.quota_blocks
         match op:
-            case Allocate(seq_id, num_tokens, token_ids):
+            case Allocate(seq_id, num_tokens, token_ids, skip_host_tier):
                 tokens = self._check_tokens(num_tokens, token_ids, minimum=0)
                 self._check_new_seq(session, seq_id)
                 charge = quota(num_tokens)
                 self._check_quota(session, charge)
                 answer.sequence("allocate", blocks_for(num_tokens, bs), slots=num_tokens)
                 update = _fit(self.pool.allocate(session.key(seq_id), num_tokens, tokens,
-                                                 salt=session.salt_tag + session.salt))
+                                                 salt=session.salt_tag + session.salt,
+                                                 use_host_tier=not skip_host_tier))
                 if update.num_cached_tokens:  # revived cached blocks are held now
                     self.revived(update.block_table[:update.num_cached_tokens // bs])
                 self._add_seq(session, seq_id)

@@ -1,0 +1,109 @@
+"""The host tier's memory: slots of one format's blocks in host memory, and the copies to and
+from the pool (kvpool.proto, "The host-memory tier"; the bookkeeping is `core/host_tier.py`).
+
+Slot s holds one block's bytes, [num_layers, 2, block_size, num_kv_heads, head_dim] of the
+format's dtype, as `bytes_per_block` raw bytes: a copy is one gather and one scatter of whole
+blocks, whatever the dtype, and never converts. Two backings, as the pool's:
+- CPU: a second shared-memory arena (`KVMemory`, a 0o600 file in /dev/shm reserved up front,
+  removed on close and by `cleanup_stale_files` after a crash). Only the daemon maps it: no
+  runner reads the host tier, so no tenant's process ever sees a host copy's bytes.
+- CUDA: pinned host memory, so that copies between it and the device run as DMA.
+
+A restore copies whole blocks, so a slot's stale bytes never reach a block partly; dropped
+copies are zeroed on request (`zero`) for defense in depth, as freed pool blocks are.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy.typing as npt
+import torch
+
+from pagedkv.daemon.memory.format_memory import FormatMemory, checked_index
+from pagedkv.daemon.memory.kv_memory import KVMemory
+
+# Blocks and rounds of the copy-rate measurement at start (a few ms on this CPU).
+MEASURE_BLOCKS = 16
+MEASURE_ROUNDS = 3
+
+
+class HostMemory:
+    """`num_slots` slots of host memory for the blocks of one pool view (`pool`)."""
+
+    def __init__(self, slots: torch.Tensor, pool: FormatMemory, arena: KVMemory | None) -> None:
+        # [num_slots, bytes_per_block] uint8 in host memory.
+        self.slots = slots
+        self.num_slots = slots.shape[0]
+        # The pool view whose blocks the slots copy: [num_blocks, bytes_per_block] uint8.
+        self._pool = pool
+        self._pool_bytes = pool.kv.view(pool.num_blocks, -1).view(torch.uint8)
+        # The shm arena behind `slots` (CPU), closed with this.
+        self._arena = arena
+
+    @classmethod
+    def create(cls, num_slots: int, pool: FormatMemory, shm_dir: str = "/dev/shm",
+               name_prefix: str = "pagedkv") -> HostMemory:
+        """Zeroed slots for `num_slots` blocks of `pool`'s format, in shared memory beside a CPU
+        pool, in pinned memory beside a CUDA one."""
+        if num_slots <= 0:
+            raise ValueError(f"the host tier needs at least one slot, got {num_slots}")
+        bytes_per_block = pool.bytes_per_block
+        if pool.kv.is_cuda:
+            slots = torch.zeros(num_slots, bytes_per_block, dtype=torch.uint8, pin_memory=True)
+            return cls(slots, pool, None)
+        arena = KVMemory.create(num_slots, bytes_per_block, "cpu", shm_dir, name_prefix, 0o600)
+        return cls(arena.pages, pool, arena)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return int(self.slots.shape[1])
+
+    def to_host(self, blocks: npt.ArrayLike, slots: npt.ArrayLike) -> None:
+        """slots[i] = pool block blocks[i], for all i (destinations distinct)."""
+        src = checked_index(blocks, self._pool.num_blocks, "block")
+        dst = checked_index(slots, self.num_slots, "host slot")
+        if src.numel():
+            data = self._pool_bytes.index_select(0, src.to(self._pool_bytes.device))
+            self.slots.index_copy_(0, dst, data.to("cpu", non_blocking=True))
+
+    def from_host(self, slots: npt.ArrayLike, blocks: npt.ArrayLike) -> None:
+        """Pool block blocks[i] = slots[i], for all i (destinations distinct)."""
+        src = checked_index(slots, self.num_slots, "host slot")
+        dst = checked_index(blocks, self._pool.num_blocks, "block")
+        if src.numel():
+            device = self._pool_bytes.device
+            data = self.slots.index_select(0, src).to(device, non_blocking=True)
+            self._pool_bytes.index_copy_(0, dst.to(device), data)
+
+    def zero(self, slots: npt.ArrayLike) -> None:
+        index = checked_index(slots, self.num_slots, "host slot")
+        if index.numel():
+            self.slots.index_fill_(0, index, 0)
+
+    def synchronize(self) -> None:
+        """Copies issued so far are complete (CUDA copies are asynchronous until then)."""
+        self._pool.synchronize()
+
+    def measure_copy_rate(self) -> int:
+        """Bytes per second of copies between the pool and the slots, both ways, timed over a
+        few blocks: what a client weighs a restore against a recompute by (PoolInfo). Copies
+        the pool's first blocks out and back, so call it before the pool serves anyone."""
+        n = min(MEASURE_BLOCKS, self.num_slots, self._pool.num_blocks)
+        ids = list(range(n))
+        self.to_host(ids, ids)  # warm up: first touches of the pages
+        self.from_host(ids, ids)
+        self.synchronize()
+        start = time.perf_counter()
+        for _ in range(MEASURE_ROUNDS):
+            self.to_host(ids, ids)
+            self.from_host(ids, ids)
+        self.synchronize()
+        elapsed = max(time.perf_counter() - start, 1e-9)
+        self.zero(ids)
+        return int(2 * MEASURE_ROUNDS * n * self.bytes_per_block / elapsed)
+
+    def close(self) -> None:
+        """Release the slots (the CPU arena's file is removed)."""
+        if self._arena is not None:
+            self._arena.close()
