@@ -6,8 +6,8 @@ It reads only the wire (pyzmq SUB and msgpack, no pagedkv import), in llm-d's "g
 layout: its SUB socket binds one endpoint per daemon and each daemon's PUB connects to it
 (`kv_events_endpoint = "tcp://127.0.0.1:PORT"`, a host name: connected); the daemon is named by
 its topic, `kv@NAME@MODEL`. A batch whose seq skips ahead is repaired by a replay from the
-daemon's ROUTER endpoint. Events are read in both encodings (a map tagged under "type", or
-vLLM's older array `[tag, fields...]`).
+daemon's ROUTER endpoint; a seq back to 0 (a restarted daemon) empties its blocks. Events are
+read in both encodings (a map tagged under "type", or vLLM's older array `[tag, fields...]`).
 
 The index keys each block by its token ids chained to its parent's key, as llm-d rehashes
 blocks from `token_ids`: it never relies on the daemon's hash function, which it uses only to
@@ -197,6 +197,9 @@ class KvRouter:
         topic, seq_frame, payload = self.sub.recv_multipart()
         daemon = topic.decode().split("@")[1]
         feed, seq = self.feeds[daemon], int.from_bytes(seq_frame, "big")
+        if seq == 0 and feed.next_seq > 0:  # the daemon restarted: a new, empty pool
+            self.index.clear(daemon)
+            feed.next_seq = 0
         if seq > feed.next_seq:
             self.replay(daemon)
         if seq == feed.next_seq:
