@@ -21,13 +21,15 @@ from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
 BLOCK = 4
 
 
-def service() -> PoolService:
+def service(host_slots: int = 0) -> PoolService:
     pool = BlockPool(16, BLOCK, blocks_per_page=2)
     svc = PoolService(pool, None, pool_id="p", geometry=TINY_CPU_GEOMETRY, page_bytes=16384,
                       model_policies={"half": ModelPolicy(max_memory=20 * 4096)},
                       zero_freed_blocks=True)
     svc.register_model("tiny-ft", KvShape(2, 2, 64, "float32"))
     svc.register_model("half", KvShape(1, 2, 64, "float32"))
+    if host_slots:  # the own format's (tiny, tiny-ft) evicted blocks go to a host tier
+        svc.attach_host_tier(None, host_slots)
     return svc
 
 
@@ -40,13 +42,17 @@ def snapshot(svc: PoolService) -> object:
             key = session.key(seq_id)
             tables[key] = (pool.block_table(key), pool.num_tokens(key))
     models = [(f.model.name, f.used_blocks, f.cached_blocks) for f in svc.model_figures()]
-    return tables, models, list(svc.formats.pages.owner), svc.page_moves_total
+    tier = svc.host_tier
+    host = None if tier is None else (dict(tier.slot_of), list(tier.lru), tier.stores)
+    return tables, models, list(svc.formats.pages.owner), svc.page_moves_total, host
 
 
-@pytest.mark.parametrize("seed", range(6))
-async def test_random_calls_of_three_models_keep_every_invariant(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "host_slots"), [(seed, 0) for seed in range(6)]
+                         + [(seed, 8) for seed in range(3)])
+async def test_random_calls_of_three_models_keep_every_invariant(seed: int,
+                                                                 host_slots: int) -> None:
     rng = random.Random(seed)
-    svc = service()
+    svc = service(host_slots)
     sessions: list[Session] = [
         svc.open_session(f"{model}-{i}", cache_salt=b"shared" if i else b"", model=model)
         for model in ("", "tiny-ft", "half") for i in range(2)]
@@ -88,5 +94,6 @@ async def test_random_calls_of_three_models_keep_every_invariant(seed: int) -> N
         half = next(f for f in svc.model_figures() if f.model.name == "half")
         assert half.used_blocks + half.cached_blocks <= 20  # its cap
     assert refused  # the pool filled up at least once
+    assert not host_slots or (svc.host_tier is not None and svc.host_tier.stores)
     assert min(pages) < 8  # pages went to half
     assert any(later > earlier for earlier, later in pairwise(pages))  # and came back

@@ -51,7 +51,10 @@ def snapshot(service: PoolService) -> tuple[object, ...]:
               for s in service.sessions for q in s.seq_ids}
     books = {s.label: (sorted(s.seq_ids), s.table_entries, s.prefix_cache_queries,
                        s.prefix_cache_hits) for s in service.sessions}
-    return service.pool_stats(), tables, books
+    tier = service.host_tier
+    host = None if tier is None else (dict(tier.slot_of), list(tier.lru), tier.stores,
+                                      tier.restores)
+    return service.pool_stats(), tables, books, host
 
 
 async def test_operations_exact_blocks_and_session_stats(service: PoolService) -> None:
@@ -242,14 +245,19 @@ _ops = st.one_of(
 )
 
 
+@pytest.mark.parametrize("host_slots", [0, 6])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, 2), st.lists(_ops, min_size=1, max_size=3)),
                 max_size=25))
 async def test_random_operations_keep_sessions_and_pool_consistent(
-        script: list[tuple[int, list[Operation]]]) -> None:
+        host_slots: int, script: list[tuple[int, list[Operation]]]) -> None:
     """check_invariants also recounts the figures the pool keeps as it goes (pool stats, each
-    session's and tenant's blocks_held): b and c share cached blocks (same salt)."""
+    session's and tenant's blocks_held): b and c share cached blocks (same salt). With a host
+    tier (bookkeeping only), evicted blocks are copied and restored, and its records too are
+    checked after every call and left as they were by a refused one."""
     service = make_service(num_blocks=12, block_size=2)
+    if host_slots:
+        service.attach_host_tier(None, host_slots)
     sids = [service.open_session("a", max_blocks=10).session_id,
             service.open_session("b", cache_salt=b"s").session_id,
             service.open_session("c", cache_salt=b"s").session_id]

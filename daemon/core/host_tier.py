@@ -104,15 +104,18 @@ class HostTier:
     def store(self, keys: list[bytes], parents: list[bytes],
               tokens: npt.NDArray[np.int64]) -> Stored:
         """Copies of these committed blocks (evicted from the pool) come here, as far as room
-        allows: each one a key not already held takes a free slot, else the least recently used
-        slot not protected, whose copy is dropped. A key already held is only touched."""
+        allows. Keys already held are only touched, first, so that the copies of the others
+        never drop them; each other block takes a free slot, else the least recently used
+        slot that is neither protected nor just touched, whose copy is dropped."""
         result = Stored()
-        room = len(self.free) + len(self.lru) - self.protected
+        held = [self.slot_of.get(key) for key in keys]
+        touched = [slot for slot in dict.fromkeys(held) if slot is not None]
+        self.touch(touched)
+        # The LRU's tail holds the protected and the touched slots: drop only before them.
+        room = len(self.free) + len(self.lru) - self.protected - len(touched)
         for index, (key, parent) in enumerate(zip(keys, parents, strict=True)):
-            held = self.slot_of.get(key)
-            if held is not None:
-                self.touch([held])
-                continue
+            if held[index] is not None or key in self.slot_of:
+                continue  # held, or copied earlier in this call (the same content twice)
             if room <= 0:
                 break
             room -= 1

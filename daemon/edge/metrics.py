@@ -15,6 +15,7 @@ import prometheus_client
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.core.types import PoolStats
 from pagedkv.daemon.events.sink import EventCounts
 from pagedkv.daemon.service.models import ModelFigures
@@ -43,6 +44,9 @@ class PoolFigures(Protocol):
 
     @property
     def page_moves_total(self) -> int: ...
+
+    @property
+    def host_tier(self) -> HostTier | None: ...
 
 
 class PoolCollector(Collector):
@@ -98,6 +102,21 @@ class PoolCollector(Collector):
             "Pages of the pool given to another model format (each zeroed).",
             value=self._figures.page_moves_total,
         )
+        if self._figures.host_tier is not None:
+            yield from _host_families(self._figures.host_tier)
+
+
+def _host_families(tier: HostTier) -> Iterator[Metric]:
+    """The host tier's figures (kvpool.proto, "The host-memory tier")."""
+    yield GaugeMetricFamily("pagedkv:host_tier_blocks", "Blocks the host tier holds at most.",
+                            value=tier.num_slots)
+    yield GaugeMetricFamily("pagedkv:host_tier_used_blocks", "Host-tier slots holding a copy "
+                            "of an evicted committed block.", value=tier.num_held)
+    yield CounterMetricFamily("pagedkv:host_tier_stores", "Evicted committed blocks copied to "
+                              "the host tier.", value=tier.stores)
+    yield CounterMetricFamily("pagedkv:host_tier_restores", "Blocks restored from the host tier "
+                              "by a prefix hit (counted in prefix_cache_hits too).",
+                              value=tier.restores)
 
 
 class EventCollector(Collector):

@@ -6,6 +6,8 @@
     token_capacity   = num_blocks x block_size
     paged_seqs       = floor(num_blocks / ceil(seq_len / block_size))
     contiguous_seqs  = floor(KV budget / (max_model_len x bytes_per_token))
+    host_tier_blocks = floor(host memory / bytes_per_block)   (the daemon's host_tier_memory)
+    host_tier_tokens = host_tier_blocks x block_size
 
 Paged sequences hold only the blocks their tokens need; contiguous ones each reserve a slab
 for the longest allowed sequence, which is the waste paging removes. Run as `pagedkv plan`
@@ -50,15 +52,22 @@ class Plan:
     paged_seqs: int
     # Sequences that fit when each reserves max_model_len contiguous slots.
     contiguous_seqs: int
+    # The host tier of the host memory given (0 bytes: none): blocks, and their tokens.
+    host_tier_memory: int = 0
+    host_tier_blocks: int = 0
 
 
 def plan(geometry: ModelGeometry, device_memory: int, weights_memory: int | None, reserve: int,
-         block_size: int, dtype_bytes: int, seq_len: int, max_model_len: int) -> Plan:
-    """Plan a pool; ValueError when the inputs are inconsistent or leave no room for KV."""
+         block_size: int, dtype_bytes: int, seq_len: int, max_model_len: int,
+         host_memory: int = 0) -> Plan:
+    """Plan a pool (and its host tier of `host_memory` bytes); ValueError when the inputs are
+    inconsistent or leave no room for KV."""
     for name, value in (("block_size", block_size), ("dtype_bytes", dtype_bytes),
                         ("seq_len", seq_len), ("max_model_len", max_model_len)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
+    if host_memory < 0:
+        raise ValueError(f"host_memory must be 0 or positive, got {host_memory}")
     if seq_len > max_model_len:
         raise ValueError(f"seq_len {seq_len} exceeds max_model_len {max_model_len}")
     if weights_memory is None:
@@ -79,7 +88,8 @@ def plan(geometry: ModelGeometry, device_memory: int, weights_memory: int | None
                 token_capacity=num_blocks * block_size, seq_len=seq_len,
                 max_model_len=max_model_len, blocks_per_seq=blocks_per_seq,
                 paged_seqs=num_blocks // blocks_per_seq,
-                contiguous_seqs=budget // (max_model_len * per_token))
+                contiguous_seqs=budget // (max_model_len * per_token),
+                host_tier_memory=host_memory, host_tier_blocks=host_memory // per_block)
 
 
 def format_plan(p: Plan, title: str = "") -> str:
@@ -95,6 +105,9 @@ def format_plan(p: Plan, title: str = "") -> str:
         ("paged_seqs", p.paged_seqs, "seqs"),
         ("contiguous_seqs", p.contiguous_seqs, "seqs"),
     ]
+    if p.host_tier_memory:
+        figures += [("host_tier_blocks", p.host_tier_blocks, "blocks"),
+                    ("host_tier_tokens", p.host_tier_blocks * p.block_size, "tokens")]
     lines = [f"{name}: {value} {unit}" for name, value, unit in figures]
     paged_slab = p.blocks_per_seq * p.bytes_per_block
     contiguous_slab = p.max_model_len * p.bytes_per_token
@@ -108,6 +121,10 @@ def format_plan(p: Plan, title: str = "") -> str:
         f"{'contiguous (' + str(p.max_model_len) + ' reserved)':<28}"
         f"{format_bytes(contiguous_slab):>14}{p.contiguous_seqs:>8}",
     ]
+    if p.host_tier_memory:
+        lines.append(f"host tier {format_bytes(p.host_tier_memory)} = {p.host_tier_blocks} "
+                     f"blocks = {p.host_tier_blocks * p.block_size} tokens of evicted prefixes "
+                     f"({p.host_tier_blocks / max(p.num_blocks, 1):.1f}x the pool)")
     return "\n".join(lines)
 
 
@@ -127,6 +144,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="length of the sequences to count")
     parser.add_argument("--max-model-len", type=int, default=2048,
                         help="longest sequence; what a contiguous cache reserves per sequence")
+    parser.add_argument("--host-memory", default="0",
+                        help="host memory for the host tier (the daemon's host_tier_memory), "
+                             "e.g. 64GiB; default 0: none")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -138,7 +158,8 @@ def run_plan(args: argparse.Namespace) -> int:
         result = plan(geometry, device_memory=parse_bytes(args.device_memory),
                       weights_memory=weights, reserve=parse_bytes(args.reserve),
                       block_size=args.block_size, dtype_bytes=dtype_bytes(dtype),
-                      seq_len=args.seq_len, max_model_len=args.max_model_len)
+                      seq_len=args.seq_len, max_model_len=args.max_model_len,
+                      host_memory=parse_bytes(args.host_memory))
     except ValueError as exc:
         print(f"pagedkv plan: error: {exc}", file=sys.stderr)
         return 2
