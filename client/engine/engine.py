@@ -38,12 +38,14 @@ from pagedkv.client.engine.outputs import RequestOutput, StepRecord
 from pagedkv.client.engine.requests import Request
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S, RunnerLink
 from pagedkv.client.engine.scheduler import Plan, Scheduler, SchedulerConfig
+from pagedkv.client.engine.swap_rule import HostTier
 from pagedkv.client.engine.waiters import Waiters
 from pagedkv.client.pool.client import PoolClient
 from pagedkv.client.pool.errors import OutcomeUnknown, PagedKVError, PoolExhausted, StalePlan
 from pagedkv.client.pool.runner_client import RunnerClient, RunnerInfo, StepOutputs
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
+from pagedkv.client.pool.types import PoolInfo
 from pagedkv.vocab.token_ids import check_vocabulary
 
 # How often an idle engine whose next request does not fit reads the pool's free blocks again.
@@ -59,7 +61,8 @@ class Engine:
                  vocab_size: int, eos_token_ids: Sequence[int], num_blocks: int,
                  free_blocks: int, config: SchedulerConfig, reservation_blocks: int = 0,
                  max_model_len: int = 0, runner_id: str = "",
-                 runner_restart_wait_s: float = RESTART_WAIT_S) -> None:
+                 runner_restart_wait_s: float = RESTART_WAIT_S,
+                 host_tier: HostTier | None = None) -> None:
         self.pool = pool
         self.session = session
         self.runner = runner
@@ -70,7 +73,10 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         # The most tokens a sequence may hold (the runner's RunnerInfo.max_model_len; 0 = none).
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(config, session.block_size, num_blocks, reservation_blocks)
+        # host_tier: the daemon's host-memory tier as it serves this session's model (none:
+        # no tier), for the scheduler's swap-or-recompute rule.
+        self.scheduler = Scheduler(config, session.block_size, num_blocks, reservation_blocks,
+                                   host_tier)
         self.num_blocks = num_blocks
         # Called with each step's record (from the engine's task).
         self.observers: list[Callable[[StepRecord], None]] = []
@@ -134,7 +140,8 @@ class Engine:
                    free_blocks=stats.free_blocks, config=config or SchedulerConfig(),
                    reservation_blocks=pool_info.reservation_blocks,
                    max_model_len=info.max_model_len, runner_id=info.runner_id,
-                   runner_restart_wait_s=runner_restart_wait_s)
+                   runner_restart_wait_s=runner_restart_wait_s,
+                   host_tier=_host_tier(pool_info, info.model_name))
 
     def failure(self) -> str | None:
         """Why the engine no longer steps (its loop ended: a lost daemon, a bug, closed), or
@@ -256,9 +263,11 @@ class Engine:
         unseen = bool(self.following.implied.seqs)
         try:
             self._in_flight = plan
+            sent = time.monotonic()
             outputs = await self.link.step(plan.seqs, plan.steps, plan.release,
                                            follow=self._follow, resend=not unseen)
             self._in_flight = None
+            self._measure(plan, outputs, time.monotonic() - sent)
         except OutcomeUnknown as exc:
             if unseen:
                 await self._recompute(plan)
@@ -282,6 +291,13 @@ class Engine:
         self._exhausted = self._stale = 0
         self.following.answered(plan, outputs, self._follow)
         return outputs
+
+    def _measure(self, plan: Plan, outputs: StepOutputs, seconds: float) -> None:
+        """Feed the swap rule's prefill rate with a step the engine sent (before its answer
+        is applied: the sequences still say what was computed before it)."""
+        computed = sum(seq.newly_computed(out)
+                       for seq, out in zip(plan.seqs, outputs, strict=True))
+        self.scheduler.swap.prefill.observe(computed, seconds)
 
     def _answered(self, plan: Plan, outputs: StepOutputs, planned: float) -> None:
         """Apply the answer to `plan` (a step the engine sent, or one the runner took by itself
@@ -441,6 +457,14 @@ class Engine:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.close()
+
+
+def _host_tier(pool_info: PoolInfo, model: str) -> HostTier:
+    """The daemon's host tier as it serves `model`: it holds copies of the daemon's own
+    model's blocks only (kvpool.proto), so for another model there is none."""
+    if model != pool_info.model:
+        return HostTier()
+    return HostTier.from_pool_info(pool_info)
 
 
 def _check_runner(info: RunnerInfo, pool_id: str, model: str, runner: str, daemon: str) -> None:

@@ -17,6 +17,10 @@ On a contiguous daemon (PoolInfo.reservation_blocks) a sequence takes a whole re
 it is made (allocated, forked or re-admitted) and no block as it grows: no watermark is kept,
 and a request is admitted only with a reservation for each sequence it runs at once, so its
 forks do not push out the requests admitted after it.
+
+A new sequence without a parent (a first admission, or a re-admission after preemption) says
+whether the daemon restores its prefix from its host tier or it is recomputed: the rule of
+swap_rule.py, as `SchedulerConfig.swap` sets it.
 """
 
 from collections import deque
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 
 from pagedkv.client.engine.requests import Request
 from pagedkv.client.engine.sequences import Seq
+from pagedkv.client.engine.swap_rule import SWAP_MODES, HostTier, SwapRule
 from pagedkv.client.pool.runner_client import SeqOutput, SeqStep
 
 
@@ -45,6 +50,10 @@ class SchedulerConfig:
     # Let the runner go on stepping those sequences by itself and push each answer, while this
     # client's plan is that same step (runner.proto's `follow`; steps on a stream only).
     follow: bool = True
+    # Swap or recompute a new sequence's prefix that the daemon's host tier holds (a request
+    # re-admitted after preemption, a prompt's prefix): "auto" by the cost rule of
+    # swap_rule.py, "always" restore, "never" recompute.
+    swap: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -52,6 +61,8 @@ class SchedulerConfig:
                              f"{self.max_num_seqs} and {self.max_num_batched_tokens}")
         if not 0 <= self.watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.swap not in SWAP_MODES:
+            raise ValueError(f"swap must be one of {', '.join(SWAP_MODES)}, got {self.swap!r}")
 
 
 @dataclass
@@ -76,9 +87,12 @@ class Scheduler:
     """The waiting and running requests of one client."""
 
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int,
-                 reservation_blocks: int = 0) -> None:
+                 reservation_blocks: int = 0, host_tier: HostTier | None = None) -> None:
         self.config = config
         self.block_size = block_size
+        # Whether new sequences restore their prefix from the daemon's host tier (none: no
+        # tier); the engine feeds it its prefill rate.
+        self.swap = SwapRule(config.swap, host_tier or HostTier(), block_size)
         # Blocks a contiguous daemon reserves per sequence (PoolInfo); 0 when paged.
         self.reservation_blocks = reservation_blocks
         # Reservations never grow: nothing to keep back for them.
@@ -156,7 +170,9 @@ class Scheduler:
             else:
                 budget -= 1
             plan.seqs.append(seq)
-            plan.steps.append(seq.step(chunk, ahead and not request.forks_later(seq, ready)))
+            skip = seq.allocates() and self.swap.skip_host_tier()
+            plan.steps.append(seq.step(chunk, ahead and not request.forks_later(seq, ready),
+                                       skip_host_tier=skip))
             plan.owners.append(request)
             plan.blocks += seq.blocks_needed(self.block_size, id(seq) in forked_from,
                                              self.reservation_blocks)

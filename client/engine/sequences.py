@@ -78,9 +78,16 @@ class Seq:
             return len(self.tokens) if self.parent is None else 0
         return self.held - self.computed
 
-    def step(self, max_compute_tokens: int = 0, decode_ahead: bool = False) -> SeqStep:
+    def allocates(self) -> bool:
+        """Whether its next step allocates it from its tokens (new, without a parent): the
+        one step where the daemon's host tier may serve its prefix."""
+        return not self.allocated and self.parent is None
+
+    def step(self, max_compute_tokens: int = 0, decode_ahead: bool = False,
+             skip_host_tier: bool = False) -> SeqStep:
         """What to send for it this step (max_compute_tokens: 0 = all; decode_ahead: its next
-        step appends the token this one samples)."""
+        step appends the token this one samples; skip_host_tier: when it allocates, recompute
+        its prefix rather than restore it from the host tier)."""
         if not self.allocated and self.parent is not None:
             return SeqStep(self.seq_id, self.tokens[self.parent.held:], new_sequence=True,
                            params=self.params, parent_seq_id=self.parent.seq_id,
@@ -90,7 +97,7 @@ class Seq:
             return SeqStep(self.seq_id, list(self.tokens), new_sequence=True,
                            max_compute_tokens=max_compute_tokens, params=self.params,
                            num_prompt_tokens=self.prompt_len if readmitted else 0,
-                           decode_ahead=decode_ahead)
+                           decode_ahead=decode_ahead, skip_host_tier=skip_host_tier)
         # The runner keeps the sampling its first step sent.
         return SeqStep(self.seq_id, self.tokens[self.held:], max_compute_tokens=max_compute_tokens,
                        decode_ahead=decode_ahead)
@@ -109,6 +116,18 @@ class Seq:
         grow = blocks_for(len(self.tokens), block_size) - blocks_for(base, block_size)
         shared = self.shares_last_block or forked_from or not self.allocated
         return grow + (1 if shared and base % block_size else 0)
+
+    def newly_computed(self, out: SeqOutput) -> int:
+        """Tokens whose K/V the step answered by `out` computed for it (before `stepped`
+        applies the answer): a new sequence's cached prefix and a fork's inherited tokens were
+        not computed by it."""
+        if self.allocated:
+            before = self.computed
+        elif self.parent is not None:
+            before = self.parent.computed
+        else:
+            before = out.num_cached
+        return max(0, out.num_computed - before)
 
     def stepped(self, out: SeqOutput) -> None:
         """A step's answer about it (the token it sampled is for the request to handle)."""

@@ -24,6 +24,9 @@ class Allocate:
     num_tokens: int | None = None
     # The prompt's token ids, or empty.
     token_ids: Sequence[int] = ()
+    # Take fresh blocks (to compute) past the pool's cached prefix instead of restoring the
+    # daemon's host-tier copies (kvpool.proto's "The host-memory tier").
+    skip_host_tier: bool = False
 
     @property
     def token_count(self) -> int:
@@ -32,7 +35,8 @@ class Allocate:
 
     def request(self, session_id: str) -> pb.AllocateRequest:
         return pb.AllocateRequest(session_id=session_id, seq_id=self.seq_id,
-                                  num_tokens=self.token_count, token_ids=self.token_ids)
+                                  num_tokens=self.token_count, token_ids=self.token_ids,
+                                  skip_host_tier=self.skip_host_tier)
 
     def batch_op(self) -> pb.BatchOp:
         return pb.BatchOp(allocate=self.request(""))

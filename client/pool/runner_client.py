@@ -68,13 +68,17 @@ class SeqStep:
     # The next step of this sequence appends exactly the token this one samples (or releases
     # it): the runner may compute that step ahead, while the answer travels.
     decode_ahead: bool = False
+    # A new sequence without a parent: recompute its prefix rather than restore it from the
+    # daemon's host tier (AllocateRequest.skip_host_tier); the runner ignores it elsewhere.
+    skip_host_tier: bool = False
 
     def message(self) -> rpb.SequenceStep:
         step = rpb.SequenceStep(
             seq_id=self.seq_id, new_sequence=self.new_sequence, token_ids=self.token_ids,
             max_compute_tokens=self.max_compute_tokens,
             has_parent=self.parent_seq_id is not None, parent_seq_id=self.parent_seq_id or 0,
-            num_prompt_tokens=self.num_prompt_tokens, decode_ahead=self.decode_ahead)
+            num_prompt_tokens=self.num_prompt_tokens, decode_ahead=self.decode_ahead,
+            skip_host_tier=self.skip_host_tier)
         p = self.params
         if p is not None:
             step.sampling.CopyFrom(rpb.SamplingParams(

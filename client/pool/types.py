@@ -140,6 +140,10 @@ class PoolInfo:
     num_pages: int = 0
     # Every registered model (the daemon's own included), by registration order.
     models: tuple[ModelInfo, ...] = ()
+    # The host-memory tier: blocks of the daemon's own model it holds (0 = no tier), and the
+    # daemon's copy rate between it and the pool, in bytes per second (kvpool.proto).
+    host_tier_blocks: int = 0
+    host_copy_bytes_per_s: int = 0
 
     @classmethod
     def from_proto(cls, message: pb.PoolInfo) -> "PoolInfo":
@@ -147,7 +151,8 @@ class PoolInfo:
                    message.num_layers, message.num_kv_heads, message.head_dim, message.dtype,
                    message.bytes_per_block, message.layout, message.memory,
                    message.reservation_blocks, message.page_bytes, message.num_pages,
-                   tuple(ModelInfo.from_proto(m) for m in message.models))
+                   tuple(ModelInfo.from_proto(m) for m in message.models),
+                   message.host_tier_blocks, message.host_copy_bytes_per_s)
 
     def model_info(self, name: str) -> ModelInfo | None:
         """The registered model of that name, or None."""

@@ -163,7 +163,10 @@ class Preparer:
         ops.extend(Fork(r.parent_seq_id, r.seq_id) for r in forks if r.parent_seq_id is not None)
         for r in requests:
             if r.new_sequence and r.parent_seq_id is None:
-                ops.append(Allocate(r.seq_id, token_ids=r.token_ids))
+                # The client chose (its swap rule): restore its prefix from the daemon's host
+                # tier, or recompute it.
+                ops.append(Allocate(r.seq_id, token_ids=r.token_ids,
+                                    skip_host_tier=r.skip_host_tier))
             elif r.new_sequence:  # a fork's child
                 if r.token_ids:
                     ops.append(Append(r.seq_id, token_ids=r.token_ids))

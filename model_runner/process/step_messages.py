@@ -42,7 +42,15 @@ def seq_request(message: rpb.SequenceStep) -> SeqStep:
     return SeqStep(message.seq_id, tuple(message.token_ids), message.new_sequence,
                    message.max_compute_tokens, params,
                    message.parent_seq_id if message.has_parent else None, history,
-                   message.num_prompt_tokens, message.decode_ahead)
+                   message.num_prompt_tokens, message.decode_ahead, _skip_host_tier(message))
+
+
+def _skip_host_tier(message: rpb.SequenceStep) -> bool:
+    """skip_host_tier as the runner acts on it: only a new sequence without a parent has an
+    Allocate to carry it to the daemon (a fork's child shares its parent's blocks, an existing
+    sequence only appends), so on any other sequence it is ignored, not refused, as
+    runner.proto words it ("A new sequence without a parent")."""
+    return message.skip_host_tier and message.new_sequence and not message.has_parent
 
 
 def answer_message(outputs: StepOutputs) -> rpb.RunnerStepResponse:
