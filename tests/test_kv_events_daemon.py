@@ -291,8 +291,10 @@ async def test_pagedkvd_publishes_what_its_settings_say() -> None:
     model's committed blocks, a namespaced salt's with kv_events_all_salts, to a subscriber
     process; the stream's topic is the prefix and the model's name."""
     pub, replay = free_tcp_port(), free_tcp_port()
-    with pagedkvd("--num-blocks", "16", "--kv-events-endpoint", f"tcp://127.0.0.1:{pub}",
-                  "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay}",
+    # "*" binds (a host name or address is connected to, as vLLM does): the subscriber then
+    # connects to the daemon's PUB on loopback.
+    with pagedkvd("--num-blocks", "16", "--kv-events-endpoint", f"tcp://*:{pub}",
+                  "--kv-events-replay-endpoint", f"tcp://*:{replay}",
                   "--kv-events-topic", PREFIX, "--kv-events-all-salts") as daemon:
         async with await PoolClient.connect(daemon.unix_target) as client:
             session = await client.open_session("c", cache_salt=b"team")

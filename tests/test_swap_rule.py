@@ -48,8 +48,8 @@ from pagedkv.proto import kvpool_pb2 as pb
 from daemon_harness import Daemon, running_daemon
 
 BS = 16
-# A block of 1,000 bytes copied at 2,000 bytes/s, twice: copy_s = 1 s per block.
-TIER = HostTier(num_blocks=100, bytes_per_block=1000, copy_bytes_per_s=2000)
+# A block of 1,000 bytes copied in at 1,000 bytes/s: copy_s = 1 s per block.
+TIER = HostTier(num_blocks=100, bytes_per_block=1000, copy_bytes_per_s=1000)
 # 16 tokens a block at 16 tokens/s: recompute_s = 1 s per block, the tie.
 TIE_RATE = 16.0
 

@@ -5,8 +5,11 @@ that the pool evicted since sit in the daemon's host tier (kvpool.proto's "The h
 tier"), which restores them unless the allocation says `skip_host_tier`. Restoring costs
 copies, recomputing costs a forward over the block's tokens. Per block:
 
-    copy_s      = 2 * bytes_per_block / host_copy_bytes_per_s   (out at eviction, in again)
+    copy_s      = bytes_per_block / host_copy_bytes_per_s   (the copy in)
     recompute_s = block_size / prefill_tokens_per_s
+
+The copy out to the host tier was made when the pool evicted the block, whatever this choice
+is, so only the copy back in is weighed.
 
 `SchedulerConfig.swap` picks the rule: "auto" restores when copy_s < recompute_s (a tie
 recomputes), and also while prefill_tokens_per_s is not measured yet (the daemon's default, what
@@ -62,7 +65,7 @@ def skip_host_tier(mode: str, tier: HostTier, block_size: int,
         return True
     if not prefill_tokens_per_s or tier.copy_bytes_per_s <= 0:
         return False
-    copy_s = 2 * tier.bytes_per_block / tier.copy_bytes_per_s
+    copy_s = tier.bytes_per_block / tier.copy_bytes_per_s
     recompute_s = block_size / prefill_tokens_per_s
     return not copy_s < recompute_s
 
