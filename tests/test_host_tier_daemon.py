@@ -5,18 +5,13 @@ Pool: 8 blocks of 16 tokens of the tiny model (32 KiB a block); host tier: 1 MiB
 """
 
 import asyncio
-import sys
-from pathlib import Path
 
-import msgpack
 import zmq
 import zmq.asyncio
+from kv_events_subscriber import decode  # the tests' decoder, from the consumers' rules
 from pagedkvd_process import free_tcp_port, pagedkvd, tenant_samples
 
 from pagedkv.client import PoolClient
-
-sys.path.insert(0, str(Path(__file__).parent))
-from kv_events_subscriber import decode  # noqa: E402  (the tests' consumer-rule decoder)
 
 END = (-1).to_bytes(8, "big", signed=True)
 
@@ -77,5 +72,3 @@ async def test_a_prefix_evicted_to_the_host_tier_is_restored_and_announced() -> 
         ("BlockStored", "GPU", sorted(chain)), ("BlockStored", "CPU", sorted(chain)),
         ("BlockRemoved", "GPU", sorted(chain)), ("BlockStored", "GPU", sorted(chain))]
 
-
-_ = msgpack  # the decoder's dependency: imported first so a missing package fails clearly
