@@ -2,8 +2,10 @@
 a port no container opens or a probe path no process serves fails on the cluster minutes after
 `kubectl apply`, so each is checked here against the code that reads it.
 
-- Every manifest passes the OpenAPI schemas of a pinned Kubernetes version in strict mode
-  (kubernetes-validate bundles them: no network), and strict mode refuses a misspelt field.
+- Every manifest passes the OpenAPI schemas of pinned Kubernetes versions in strict mode
+  (kubernetes-validate bundles them: no network): 1.34, the first with Dynamic Resource
+  Allocation GA (resource.k8s.io/v1), and the newest bundled; strict mode refuses a misspelt
+  field.
 - Every container's command line parses with the real parser of its subcommand (`pagedkv
   daemon`, `runner`, `serve`), each flag spelt exactly as the parser has it (argparse would
   accept abbreviations); the ConfigMap's TOML loads with the daemon's own loader into a
@@ -11,8 +13,13 @@ a port no container opens or a probe path no process serves fails on the cluster
 - The three processes agree: the server's --daemon is the daemon's listener, the runner's
   --daemon the daemon's runner socket, the server's --runner the runner's --listen; the ports
   the flags and settings give are the containers' ports; probes name those ports and paths the
-  process serves; Services and the NetworkPolicy name ports that exist; the runner holds one
-  GPU, every container requests CPU and memory, nothing runs as root.
+  process serves; Services and the NetworkPolicy name ports that exist; every container requests
+  CPU and memory, nothing runs as root.
+- The GPU: the daemon allocates the pool on it (device = "cuda") and the runner maps it by CUDA
+  IPC, so both containers name the same DRA claim, whose template asks for exactly one GPU of
+  NVIDIA's device class; no container requests nvidia.com/gpu (a device-plugin GPU goes to one
+  container only); the pod shares one PID namespace (CUDA IPC refuses an importer with the
+  exporter's PID, and each container's process is PID 1 in a namespace of its own).
 """
 
 import argparse
@@ -33,8 +40,11 @@ from pagedkv.server.app import build_app
 from pagedkv.server.cli import parser as serve_parser
 
 FOLDER = Path(__file__).resolve().parents[1] / "ops" / "kubernetes"
-# The Kubernetes version whose schemas the manifests must pass (native sidecars are GA here).
-KUBERNETES_VERSION = "1.33.0"
+# The Kubernetes versions whose schemas the manifests must pass: 1.34, the first with DRA GA
+# (resource.k8s.io/v1; native sidecars are GA from 1.33), and the newest kubernetes-validate has.
+KUBERNETES_VERSIONS = ("1.34.0", kubernetes_validate.latest_version())
+# The DeviceClass NVIDIA's DRA driver for GPUs installs.
+NVIDIA_GPU_CLASS = "gpu.nvidia.com"
 CONFIG_PATH = "/etc/pagedkv/pagedkv.toml"
 Manifest = dict[str, Any]
 
@@ -133,18 +143,35 @@ def serve_args() -> argparse.Namespace:
 # ------------------------------------------------------------------ schemas
 
 
+def test_the_newest_bundled_schemas_are_at_least_1_34() -> None:
+    assert tuple(map(int, KUBERNETES_VERSIONS[1].split(".")[:2])) >= (1, 34)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("doc", manifests(), ids=lambda doc: f"{doc['kind']}/"
                          f"{doc['metadata']['name']}")
-def test_every_manifest_passes_the_strict_schemas(doc: Manifest) -> None:
-    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+def test_every_manifest_passes_the_strict_schemas(doc: Manifest, version: str) -> None:
+    kubernetes_validate.validate(doc, version, strict=True)
 
 
-def test_strict_mode_refuses_a_misspelt_field() -> None:
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_strict_mode_refuses_a_misspelt_field(version: str) -> None:
     """The check above is not vacuous: an unknown field fails it."""
     broken = only("StatefulSet")
     broken["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+        kubernetes_validate.validate(broken, version, strict=True)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_strict_mode_refuses_the_pre_v1_claim_request(version: str) -> None:
+    """The claim template is checked against resource.k8s.io/v1 itself: a request in the
+    v1beta1 form (deviceClassName beside name, no `exactly`) fails."""
+    template = only("ResourceClaimTemplate")
+    request = template["spec"]["spec"]["devices"]["requests"][0]
+    request.update(request.pop("exactly"))
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(template, version, strict=True)
 
 
 def test_the_kustomization_lists_every_manifest() -> None:
@@ -268,13 +295,46 @@ def test_the_headless_service_governs_the_statefulset() -> None:
 # ------------------------------------------------------------------ resources and security
 
 
-def test_the_runner_holds_one_gpu_and_every_container_requests_cpu_and_memory() -> None:
-    runner = container("runner")
-    assert runner["resources"]["limits"]["nvidia.com/gpu"] == 1
+def test_every_container_requests_cpu_and_memory_and_none_nvidia_com_gpu() -> None:
+    """A device-plugin GPU goes to one container only: the daemon could not allocate its pool
+    on the runner's GPU. The GPU comes from the DRA claim (the tests below)."""
     for name, c in containers().items():
-        assert {"cpu", "memory"} <= set(c["resources"]["requests"]), name
-        if name != runner["name"]:
-            assert "nvidia.com/gpu" not in c["resources"].get("limits", {}), name
+        resources = c["resources"]
+        assert {"cpu", "memory"} <= set(resources["requests"]), name
+        for kind in ("requests", "limits"):
+            assert "nvidia.com/gpu" not in resources.get(kind, {}), name
+
+
+def test_the_daemon_and_the_runner_name_the_same_gpu_claim(tmp_path: Path) -> None:
+    """The daemon allocates the pool on the GPU and the runner maps it by CUDA IPC: the one
+    claim of the pod, from the one template, in both containers; the server names none."""
+    assert daemon_config(tmp_path).device == "cuda"
+    pod_claims = pod_spec()["resourceClaims"]
+    assert len(pod_claims) == 1
+    claim = pod_claims[0]
+    assert claim["resourceClaimTemplateName"] == only("ResourceClaimTemplate")["metadata"]["name"]
+    assert "resourceClaimName" not in claim  # one claim per pod, not one for every pod
+    named = {name: [ref["name"] for ref in c["resources"].get("claims", [])]
+             for name, c in containers().items()}
+    assert named[container("daemon")["name"]] == [claim["name"]]
+    assert named[container("runner")["name"]] == [claim["name"]]
+    assert named[container("serve")["name"]] == []
+
+
+def test_the_claim_template_requests_exactly_one_nvidia_gpu() -> None:
+    requests = only("ResourceClaimTemplate")["spec"]["spec"]["devices"]["requests"]
+    assert len(requests) == 1
+    exactly = requests[0]["exactly"]
+    assert exactly["deviceClassName"] == NVIDIA_GPU_CLASS
+    # ExactCount and 1 are the API's defaults; the template spells them out.
+    assert exactly["allocationMode"] == "ExactCount" and exactly["count"] == 1
+    assert not exactly.get("selectors") and not exactly.get("adminAccess")
+
+
+def test_the_containers_share_one_pid_namespace() -> None:
+    """CUDA IPC refuses a handle whose exporter has the importer's PID; apart, the daemon and
+    the runner would both be PID 1 of their containers."""
+    assert pod_spec()["shareProcessNamespace"] is True
 
 
 def test_the_pool_and_the_sockets_are_shared_emptydirs() -> None:
