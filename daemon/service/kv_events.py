@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from pagedkv.daemon.core import PoolAllocator
+from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.events.sink import KVEventSink, SnapshotItem, StoredBlock
 from pagedkv.daemon.events.wire import MEDIUM_CPU, MEDIUM_GPU
 from pagedkv.daemon.service.sessions import Session
@@ -164,21 +165,39 @@ class FormatEvents:
 
     def _host_snapshot(self) -> Iterator[SnapshotItem]:
         """The host copies published when first advanced, as stored with medium "CPU", per
-        model in chunks, parents first (a copy dropped meanwhile is skipped)."""
+        model in chunks, parents first (a copy dropped meanwhile is skipped). Copies are
+        published in eviction order, children before parents (a freed table's tail is evicted
+        first), so each chunk puts a copy's published ancestors not yet sent before it, as the
+        pool's chunks do."""
         slots, tier = list(self.host_published), self._pool.host_tier
         if tier is None:
             return
-        tokens = tier.tokens_of
+        sent: set[int] = set()
         for start in range(0, len(slots), SNAPSHOT_CHUNK):
-            records = {record.block_hash: (record, tokens[slot].tolist())
-                       for slot in slots[start:start + SNAPSHOT_CHUNK]
-                       if (record := self.host_published.get(slot)) is not None}
+            order: list[int] = []
+            for slot in slots[start:start + SNAPSHOT_CHUNK]:
+                order.extend(self._unsent_host_chain(tier, slot, sent))
             chunks: dict[str, list[StoredBlock]] = {}
-            for record, ids in _parents_first(records):
+            for slot in order:
+                record = self.host_published[slot]
                 chunks.setdefault(record.model, []).append(StoredBlock(
-                    record.block_hash, record.parent_hash, tuple(ids), record.extra_key))
+                    record.block_hash, record.parent_hash, tuple(tier.tokens_of[slot].tolist()),
+                    record.extra_key))
             for model, stored in chunks.items():
                 yield SnapshotItem(model, stored, MEDIUM_CPU)
+
+    def _unsent_host_chain(self, tier: HostTier, slot: int, sent: set[int]) -> list[int]:
+        """`slot` (if still published) after the published slots of its ancestors not yet
+        sent, oldest first; marks them sent."""
+        chain: list[int] = []
+        current: int | None = slot
+        while current is not None and current not in sent and current in self.host_published:
+            chain.append(current)
+            sent.add(current)
+            parent = tier.parent_of[current]
+            current = None if parent is None else tier.slot_of.get(parent)
+        chain.reverse()
+        return chain
 
     def _unsent_chain(self, block: int, sent: set[int]) -> list[int]:
         """`block` (if still published) after its published ancestors not yet sent, oldest
