@@ -1,12 +1,19 @@
 """Review of the host-memory tier: each test pins a bug found in review (it failed before the
 fix beside it). Pools are bookkeeping-only unless a test says otherwise; block size 4."""
 
+import asyncio
+import random
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
+import torch
 
-from pagedkv.daemon.core import BlockPool
+from pagedkv.daemon.core import BlockPool, PoolError
 from pagedkv.daemon.events.sink import MEDIUM_GPU, StoredBlock
+from pagedkv.daemon.memory.host_memory import HostMemory
+from pagedkv.daemon.memory.kv_memory import KVPoolMemory
 from pagedkv.daemon.service import kv_events
 from pagedkv.daemon.service.operations import Allocate, Commit, Free
 from pagedkv.daemon.service.pool_service import PoolService
@@ -14,6 +21,7 @@ from pagedkv.daemon.service.tenants import Tenants
 from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
 
 BLOCK = 4
+PREFIX = list(range(8))  # two full blocks
 
 
 class Stored:
@@ -122,3 +130,145 @@ async def test_a_failed_batch_leaves_every_host_record_as_it_was() -> None:
         await svc.batch(shared, [*BATCH, Allocate(5, 1, [7])])  # exists: the batch fails
     assert state(svc) == before and len(sink.blocks) == sent
     svc.check_invariants()
+
+
+async def test_a_private_sessions_end_zeroes_its_copies_after_their_restore_in_flight(
+        tmp_path: Path) -> None:
+    """A private session's restore runs slowly; the session is closed meanwhile: the zeroing
+    of its copies (and of the restored blocks) waits for the restore, which brings back the
+    bytes the copies held."""
+    with KVPoolMemory.create(TINY_CPU_GEOMETRY, 4, BLOCK, "float32",
+                             shm_dir=str(tmp_path)) as memory:
+        host = HostMemory.create(4, memory, shm_dir=str(tmp_path))
+        svc = PoolService(BlockPool(4, BLOCK), memory, pool_id="p", geometry=TINY_CPU_GEOMETRY,
+                          zero_freed_blocks=True)
+        svc.attach_host_tier(host, copy_rate=1)
+        private = svc.open_session("private").session_id
+        table = (await svc.allocate(private, Allocate(1, 8, PREFIX))).block_table
+        for i, block in enumerate(table):
+            memory.kv[block].fill_(1.0 + i)
+        await svc.commit(private, Commit([1]))
+        await svc.free(private, Free(1))
+        other = svc.open_session("other", cache_salt=b"shared").session_id
+        await svc.allocate(other, Allocate(2, 16, [100 + i for i in range(16)]))  # offloads
+        await svc.free(other, Free(2))
+        seen: list[list[float]] = []
+        slow_from_host = host.from_host
+
+        def from_host(slots: Sequence[int], blocks: Sequence[int]) -> None:
+            time.sleep(0.3)
+            slow_from_host(slots, blocks)
+            seen.append([float(memory.kv[b].flatten()[0]) for b in blocks])
+
+        host.from_host = from_host  # type: ignore[method-assign]
+        restoring = asyncio.ensure_future(svc.allocate(private, Allocate(3, 8, PREFIX)))
+        await asyncio.sleep(0.05)  # applied: the restore is running
+        assert not restoring.done()
+        await svc.close_session(private)  # drops and zeroes the copies and the blocks
+        assert (await restoring).num_cached_tokens == 8  # applied before the close
+        assert seen == [[1.0, 2.0]]
+        assert bool((host.slots == 0).all()) and bool((memory.kv == 0).all())
+        svc.check_invariants()
+        host.close()
+
+
+def value(tokens: Sequence[int]) -> float:
+    """The K/V a runner computes for a block ending a prompt's `tokens` (a stand-in)."""
+    return float(hash(tuple(tokens)) % 9973 + 1)
+
+
+@pytest.mark.parametrize("seed", range(24))
+async def test_random_calls_restore_exactly_what_was_computed(tmp_path: Path, seed: int) -> None:
+    """Random prompts of three sessions (two salts, one private, reopened when closed), frees,
+    Batches (a restore then a prompt that may hit or evict it; and Batches that fail at their
+    end) and closes, over real memory: every block a prompt finds
+    cached (pool or host tier) holds what was computed for its tokens, a failed call changes
+    neither the records nor the memory, and every invariant holds after each call.
+    Pool: 6 blocks, a host tier of 4 slots."""
+    rng = random.Random(seed)
+    zero = seed % 2 == 1
+    with KVPoolMemory.create(TINY_CPU_GEOMETRY, 6, BLOCK, "float32",
+                             shm_dir=str(tmp_path)) as memory:
+        host = HostMemory.create(4, memory, shm_dir=str(tmp_path))
+        svc = PoolService(BlockPool(6, BLOCK), memory, pool_id="p", geometry=TINY_CPU_GEOMETRY,
+                          zero_freed_blocks=zero, tenants=Tenants.single(None))
+        svc.attach_host_tier(host, copy_rate=1)
+        svc.formats.publish_events(Stored(), all_salts=True)
+        sids = [svc.open_session("a1", cache_salt=b"a").session_id,
+                svc.open_session("a2", cache_salt=b"a").session_id,
+                svc.open_session("p").session_id]
+        live: list[tuple[int, int]] = []  # (session index, seq id)
+        families = [[f * 10 + i for i in range(16)] for f in range(3)]
+        for n in range(60):
+            who = rng.randrange(3)
+            sid = sids[who]
+            kind = rng.random()
+            if kind < 0.55:
+                family = rng.choice(families)
+                cut = rng.randrange(1, 17)
+                tokens = family[:cut] if rng.random() < 0.8 else [*family[:cut - 1], 999]
+                skip = rng.random() < 0.2
+                try:
+                    got = await svc.allocate(sid, Allocate(n, cut, tokens, skip_host_tier=skip))
+                except PoolError:
+                    svc.check_invariants()
+                    continue
+                table, cached = got.block_table, got.num_cached_tokens // BLOCK
+                found = [float(memory.kv[b].flatten()[0]) for b in table[:cached]]
+                assert found == [value(tokens[:(i + 1) * BLOCK]) for i in range(cached)]
+                for i in range(cached, len(table)):
+                    memory.kv[table[i]].fill_(value(tokens[:(i + 1) * BLOCK]))
+                if rng.random() < 0.8:
+                    await svc.commit(sid, Commit([n]))
+                if rng.random() < 0.7:
+                    await svc.free(sid, Free(n))
+                else:
+                    live.append((who, n))
+            elif kind < 0.75 and live:
+                owner, seq = live.pop(rng.randrange(len(live)))
+                await svc.free(sids[owner], Free(seq))
+            elif kind < 0.82:  # a restore, then a prompt that may hit it or evict it
+                first, then = (rng.choice(families)[:rng.randrange(4, 17)] for _ in range(2))
+                try:
+                    got = (await svc.batch(sid, [Allocate(n, len(first), first), Free(n),
+                                                 Allocate(n + 500, len(then), then)]))[2]
+                except PoolError:
+                    svc.check_invariants()
+                    continue
+                cached = got.num_cached_tokens // BLOCK
+                found = [float(memory.kv[b].flatten()[0]) for b in got.block_table[:cached]]
+                assert found == [value(then[:(i + 1) * BLOCK]) for i in range(cached)]
+                await svc.free(sid, Free(n + 500))
+            elif kind < 0.9:
+                before, kv, slots = state(svc), memory.kv.clone(), host.slots.clone()
+                family = rng.choice(families)
+                with pytest.raises(PoolError):
+                    await svc.batch(sid, [Allocate(n, 16, family), Commit([n]), Free(n),
+                                          Allocate(n + 1000, 16, [7] * 16),
+                                          Free(n + 1000), Free(n + 1000)])  # freed twice
+                assert state(svc) == before
+                assert torch.equal(memory.kv, kv) and torch.equal(host.slots, slots)
+            else:
+                await svc.close_session(sid)
+                live = [(o, s) for o, s in live if o != who]
+                salt = b"a" if who < 2 else b""  # b"": a private salt again
+                sids[who] = svc.open_session(f"s{n}", cache_salt=salt).session_id
+            svc.check_invariants()
+        host.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_copy_out_of_a_cuda_pool_holds_the_blocks_bytes(tmp_path: Path) -> None:
+    """to_host from device memory: the slots hold the blocks' bytes once it returns (a copy
+    to the host left asynchronous would be read before the device wrote it). Large blocks, so
+    that the device copy takes long enough to be caught."""
+    with KVPoolMemory.create(TINY_CPU_GEOMETRY, 64, 256, "float32", device="cuda",
+                             shm_dir=str(tmp_path)) as memory:
+        host = HostMemory.create(64, memory, shm_dir=str(tmp_path))
+        for block in range(64):
+            memory.kv[block].fill_(block + 1.0)
+        memory.synchronize()
+        host.to_host(list(range(64)), list(range(64)))
+        expected = memory.kv.reshape(64, -1).view(torch.uint8).cpu()
+        assert torch.equal(host.slots, expected)
+        host.close()

@@ -65,7 +65,10 @@ class HostMemory:
         dst = checked_index(slots, self.num_slots, "host slot")
         if src.numel():
             data = self._pool_bytes.index_select(0, src.to(self._pool_bytes.device))
-            self.slots.index_copy_(0, dst, data.to("cpu", non_blocking=True))
+            # A blocking copy: from a CUDA tensor, `.to("cpu", non_blocking=True)` returns
+            # pinned memory the device has not filled yet, and the CPU index_copy_ below would
+            # read it at once (stale bytes in the slots, restored later as K/V).
+            self.slots.index_copy_(0, dst, data.to("cpu"))
 
     def from_host(self, slots: npt.ArrayLike, blocks: npt.ArrayLike) -> None:
         """Pool block blocks[i] = slots[i], for all i (destinations distinct)."""
