@@ -4,20 +4,24 @@ fix beside it). Pools are bookkeeping-only unless a test says otherwise; block s
 import asyncio
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
+from test_kv_events_service import committed, random_calls
 
 from pagedkv.daemon.core import BlockPool, PoolError
 from pagedkv.daemon.events.sink import MEDIUM_GPU, StoredBlock
 from pagedkv.daemon.memory.host_memory import HostMemory
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
 from pagedkv.daemon.service import kv_events
+from pagedkv.daemon.service.kv_events import hash64
+from pagedkv.daemon.service.models import KvShape
 from pagedkv.daemon.service.operations import Allocate, Commit, Free
 from pagedkv.daemon.service.pool_service import PoolService
-from pagedkv.daemon.service.tenants import Tenants
+from pagedkv.daemon.service.sessions import Session
+from pagedkv.daemon.service.tenants import Tenant, Tenants
 from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
 
 BLOCK = 4
@@ -272,3 +276,114 @@ def test_a_copy_out_of_a_cuda_pool_holds_the_blocks_bytes(tmp_path: Path) -> Non
         expected = memory.kv.reshape(64, -1).view(torch.uint8).cpu()
         assert torch.equal(host.slots, expected)
         host.close()
+
+
+class TwoTiers:
+    """A subscriber's index per medium, strict: a block stored twice in one medium, or removed
+    unknown, fails."""
+
+    def __init__(self) -> None:
+        self.index: dict[str, dict[tuple[str, int], tuple[tuple[int, ...], int | None]]] = {
+            "GPU": {}, "CPU": {}}
+
+    def stored(self, model: str, blocks: Sequence[StoredBlock], medium: str = MEDIUM_GPU) -> None:
+        index = self.index[medium]
+        for block in blocks:
+            assert (model, block.block_hash) not in index, f"stored twice ({medium})"
+            index[model, block.block_hash] = (block.token_ids, block.parent_hash)
+
+    def removed(self, model: str, hashes: Sequence[int], medium: str = MEDIUM_GPU) -> None:
+        for block_hash in hashes:
+            assert self.index[medium].pop((model, block_hash), None) is not None, \
+                f"removed unknown ({medium})"
+
+    def cleared(self, model: str) -> None:
+        raise AssertionError("never cleared")
+
+
+def host_copies(svc: PoolService, roots: set[bytes]) -> set[tuple[str, int, tuple[int, ...],
+                                                                    int | None]]:
+    """Every copy the host tier holds: (model, hash, tokens, parent hash or None)."""
+    tier, fmt = svc.host_tier, svc.formats.models.formats[0]
+    assert tier is not None and fmt.hygiene.host is not None
+    names = {model.number: model.name for model in svc.formats.models}
+    found = set()
+    for key, slot in tier.slot_of.items():
+        _, parent, tokens = tier.content(slot)
+        model = fmt.hygiene.host.models._of[slot][0]
+        found.add((names[model], hash64(key), tuple(tokens.tolist()),
+                   None if parent in roots else hash64(parent)))
+    return found
+
+
+async def prompts(svc: PoolService, sessions: list[Session], rng: random.Random, steps: int,
+                  check: Callable[[], None]) -> None:
+    """Random prompts from a few families (cut anywhere, most committed, all freed), so that
+    prefixes come back after their eviction."""
+    families = [[f + i % 3 for i in range(16)] for f in range(4)]
+    for n in range(steps):
+        session = rng.choice(sessions)
+        seq = 5000 + n + rng.randrange(10**6) * 100
+        tokens = rng.choice(families)[:rng.randrange(1, 17)]
+        try:
+            await svc.allocate(session.session_id, Allocate(seq, len(tokens), tokens))
+        except PoolError:
+            check()
+            continue
+        if rng.random() < 0.8:
+            await svc.commit(session.session_id, Commit([seq]))
+        await svc.free(session.session_id, Free(seq))
+        check()
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_events_rebuild_the_host_tier_of_a_daemon_with_several_formats(seed: int) -> None:
+    """Three models (two share format 0, which has a host tier of 8 slots; one has a geometry
+    of its own, so pages move), private and global sessions, random calls, closes and sleeps:
+    after every call the CPU index a subscriber rebuilds from the events is exactly the tier's
+    copies and the GPU index the pools' committed blocks; so is a snapshot's."""
+    rng = random.Random(seed)
+    pool = BlockPool(12, BLOCK, blocks_per_page=2)
+    svc = PoolService(pool, None, pool_id="p", geometry=TINY_CPU_GEOMETRY, page_bytes=16384,
+                      tenants=Tenants([Tenant("default", salts=frozenset({b"public"}))]))
+    svc.attach_host_tier(None, num_slots=8)
+    sink = TwoTiers()
+    svc.formats.publish_events(sink, all_salts=True)
+    svc.register_model("tiny-ft", KvShape(2, 2, 64, "float32"))
+    svc.register_model("half", KvShape(1, 2, 64, "float32"))
+    models = ("", "tiny-ft", "half")
+    roots: set[bytes] = set()
+
+    def opened(model: str, i: int) -> Session:
+        session = svc.open_session(f"{model}-{i}", cache_salt=b"public" if i else b"",
+                                   model=model)
+        roots.add(svc.model_of(session).format.pool.root_key(session.salt_tag + session.salt))
+        return session
+
+    def check() -> None:
+        svc.check_invariants()
+        assert {(svc.formats.models.get(m).format.number, h, ids, parent)
+                for (m, h), (ids, parent) in sink.index["GPU"].items()} == committed(svc, roots)
+        assert {(m, h, ids, parent) for (m, h), (ids, parent) in sink.index["CPU"].items()} \
+            == host_copies(svc, roots)
+
+    sessions = [opened(model, i) for model in models for i in range(2)]
+    for _ in range(6):
+        await random_calls(svc, sessions, rng, 20, check)
+        await prompts(svc, sessions, rng, 40, check)
+        victim = rng.randrange(len(sessions))
+        session = sessions[victim]
+        if rng.random() < 0.5:
+            await svc.close_session(session.session_id)
+        else:
+            await svc.set_model_state(session.model or "default", asleep=True)
+            await svc.set_model_state(session.model or "default", asleep=False)
+        check()
+        sessions = [s if s.session_id in {x.session_id for x in svc.calls.sessions}
+                    else opened(s.model, 0 if s.private_salt else 1) for s in sessions]
+    tier = svc.host_tier
+    assert tier is not None and tier.stores, "the workload offloaded nothing"
+    rebuilt = TwoTiers()
+    for item in svc.formats.kv_snapshot():
+        rebuilt.stored(item.model, item.blocks, item.medium)
+    assert rebuilt.index == sink.index
