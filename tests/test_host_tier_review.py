@@ -18,7 +18,7 @@ from pagedkv.daemon.memory.kv_memory import KVPoolMemory
 from pagedkv.daemon.service import kv_events
 from pagedkv.daemon.service.kv_events import hash64
 from pagedkv.daemon.service.models import KvShape
-from pagedkv.daemon.service.operations import Allocate, Commit, Free
+from pagedkv.daemon.service.operations import Allocate, Commit, CopyOnWrite, Free
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.sessions import Session
 from pagedkv.daemon.service.tenants import Tenant, Tenants
@@ -387,3 +387,32 @@ async def test_events_rebuild_the_host_tier_of_a_daemon_with_several_formats(see
     for item in svc.formats.kv_snapshot():
         rebuilt.stored(item.model, item.blocks, item.medium)
     assert rebuilt.index == sink.index
+
+
+async def test_a_private_block_rewritten_in_place_leaves_its_sessions_record() -> None:
+    """A private session revives its cached block, rewrites it in place (copy-on-write of a
+    block it alone holds: the key goes) and frees it; a shared session's prompt then gets that
+    block, caches it, and the pool offloads it. The private session's ending must not drop the
+    shared session's copy: the block left the private record when it lost its key.
+    Pool: 2 blocks, 4 slots."""
+    svc = bookkeeping(2, 4)
+    private = svc.open_session("private").session_id
+    shared = svc.open_session("shared", cache_salt=b"shared").session_id
+    await svc.allocate(private, Allocate(1, 4, [1, 2, 3, 4]))
+    await svc.commit(private, Commit([1]))
+    await svc.free(private, Free(1))  # block 0 cached, the private session's
+    assert (await svc.allocate(private, Allocate(2, 4, [1, 2, 3, 4]))).block_table == [0]
+    await svc.copy_on_write(private, CopyOnWrite(2, 0))  # alone: rewritten in place, unkeyed
+    await svc.free(private, Free(2))  # block 0 free, no content
+    prompt = list(range(10, 18))
+    assert (await svc.allocate(shared, Allocate(3, 8, prompt))).block_table == [1, 0]
+    await svc.commit(shared, Commit([3]))
+    await svc.free(shared, Free(3))
+    await svc.allocate(shared, Allocate(4, 8, [7] * 8))  # evicts both: offloaded
+    await svc.free(shared, Free(4))
+    tier = svc.host_tier
+    assert tier is not None and tier.num_held == 2
+    await svc.close_session(private)
+    assert tier.num_held == 2  # the shared session's copies stay
+    assert (await svc.allocate(shared, Allocate(5, 8, prompt))).num_cached_tokens == 8
+    svc.check_invariants()

@@ -57,6 +57,10 @@ class _CallEvents(CacheEvents):
             self._hygiene.events.committed(self._session, blocks)
 
     def uncommitted(self, block: int) -> None:
+        # A private session's revived block rewritten in place: its record goes with the key,
+        # or the block, freed and then cached by another session, would still count as the
+        # private session's (its host copy dropped, and zeroed, when that session ends).
+        self._hygiene.private.evicted([block])
         if self._hygiene.events is not None:
             self._hygiene.events.removed([block])
 
