@@ -11,10 +11,13 @@ import pytest
 import torch
 from test_kv_events_service import committed, random_calls
 
-from pagedkv.daemon.core import BlockPool, PoolError
+from pagedkv.daemon.core import BlockPool, ContiguousPool, PoolError
 from pagedkv.daemon.events.sink import MEDIUM_GPU, StoredBlock
 from pagedkv.daemon.memory.host_memory import HostMemory
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
+from pagedkv.daemon.process.config import DaemonConfig
+from pagedkv.daemon.process.server import host_tier
+from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.service import kv_events
 from pagedkv.daemon.service.kv_events import hash64
 from pagedkv.daemon.service.models import KvShape
@@ -416,3 +419,17 @@ async def test_a_private_block_rewritten_in_place_leaves_its_sessions_record() -
     assert tier.num_held == 2  # the shared session's copies stay
     assert (await svc.allocate(shared, Allocate(5, 8, prompt))).num_cached_tokens == 8
     svc.check_invariants()
+
+
+def test_a_host_tier_beside_a_contiguous_pool_is_a_config_error(tmp_path: Path) -> None:
+    """pagedkvd --allocator contiguous --host-tier-memory ...: refused as a setting (what the
+    command line reports as one), not an InvalidArgument traceback at start."""
+    config = DaemonConfig(num_blocks=4, block_size=BLOCK, allocator="contiguous",
+                          max_model_len=8, host_tier_memory=1 << 20, shm_dir=tmp_path)
+    with KVPoolMemory.create(TINY_CPU_GEOMETRY, 4, BLOCK, "float32",
+                             shm_dir=str(tmp_path)) as memory:
+        svc = PoolService(ContiguousPool(4, BLOCK, 8), memory, pool_id="p",
+                          geometry=TINY_CPU_GEOMETRY)
+        with pytest.raises(ConfigError, match="host_tier_memory needs allocator = \"paged\""), \
+                host_tier(config, svc, memory):
+            pass

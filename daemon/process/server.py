@@ -190,6 +190,9 @@ def host_tier(config: DaemonConfig, service: PoolService, memory: KVPoolMemory) 
     if not config.host_tier_memory:
         yield
         return
+    if config.allocator != "paged":  # a setting's mistake, said as one (not a traceback)
+        raise ConfigError("host_tier_memory needs allocator = \"paged\": a contiguous pool "
+                          "caches nothing to offload")
     slots = config.host_tier_memory // memory.bytes_per_block
     if not slots:
         raise ConfigError(f"host_tier_memory={config.host_tier_memory} holds no block of "
