@@ -11,7 +11,10 @@ import pytest
 import torch
 from test_kv_events_service import committed, random_calls
 
+from pagedkv.client.engine.engine import _host_tier as engine_host_tier
+from pagedkv.client.pool.types import PoolInfo
 from pagedkv.daemon.core import BlockPool, ContiguousPool, PoolError
+from pagedkv.daemon.edge.servicer import pool_info
 from pagedkv.daemon.events.sink import MEDIUM_GPU, StoredBlock
 from pagedkv.daemon.memory.host_memory import HostMemory
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
@@ -433,3 +436,24 @@ def test_a_host_tier_beside_a_contiguous_pool_is_a_config_error(tmp_path: Path) 
         with pytest.raises(ConfigError, match="host_tier_memory needs allocator = \"paged\""), \
                 host_tier(config, svc, memory):
             pass
+
+
+async def test_a_model_sharing_the_daemons_format_is_served_by_its_host_tier() -> None:
+    """The tier holds copies of format 0's blocks, whichever of its models left them (a
+    fine-tune of the daemon's geometry too): the engine of such a model sees the tier (its swap
+    rule applies: swap = "never" does skip it), one of another geometry does not."""
+    svc = bookkeeping(4, 4)
+    svc.register_model("tiny-ft", KvShape(2, 2, 64, "float32"))  # format 0's geometry
+    svc.register_model("half", KvShape(1, 2, 64, "float32"))
+    assert svc.formats.models.get("tiny-ft").format.number == 0
+    ft = svc.open_session("ft", cache_salt=b"shared", model="tiny-ft").session_id
+    await svc.allocate(ft, Allocate(1, 8, PREFIX))
+    await svc.commit(ft, Commit([1]))
+    await svc.free(ft, Free(1))
+    await svc.allocate(ft, Allocate(2, 16, [100 + i for i in range(16)]))  # offloads PREFIX
+    await svc.free(ft, Free(2))
+    assert (await svc.allocate(ft, Allocate(3, 8, PREFIX))).num_cached_tokens == 8  # restored
+    info = PoolInfo.from_proto(pool_info(svc, with_memory=False))
+    assert engine_host_tier(info, "tiny-ft").num_blocks == 4
+    assert engine_host_tier(info, info.model).num_blocks == 4
+    assert engine_host_tier(info, "half").num_blocks == 0

@@ -45,7 +45,7 @@ from pagedkv.client.pool.errors import OutcomeUnknown, PagedKVError, PoolExhaust
 from pagedkv.client.pool.runner_client import RunnerClient, RunnerInfo, StepOutputs
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
-from pagedkv.client.pool.types import PoolInfo
+from pagedkv.client.pool.types import ModelInfo, PoolInfo
 from pagedkv.vocab.token_ids import check_vocabulary
 
 # How often an idle engine whose next request does not fit reads the pool's free blocks again.
@@ -460,11 +460,18 @@ class Engine:
 
 
 def _host_tier(pool_info: PoolInfo, model: str) -> HostTier:
-    """The daemon's host tier as it serves `model`: it holds copies of the daemon's own
-    model's blocks only (kvpool.proto), so for another model there is none."""
-    if model != pool_info.model:
+    """The daemon's host tier as it serves `model`: it holds copies of the blocks of the daemon's
+    own format (kvpool.proto), whichever model of that geometry left them, so for a model of
+    another geometry there is none."""
+    own, mine = pool_info.model_info(pool_info.model), pool_info.model_info(model)
+    if model != pool_info.model and (own is None or mine is None or _shape(own) != _shape(mine)):
         return HostTier()
     return HostTier.from_pool_info(pool_info)
+
+
+def _shape(model: ModelInfo) -> tuple[int, int, int, str]:
+    """What makes models share a format (the daemon's KvShape)."""
+    return model.num_layers, model.num_kv_heads, model.head_dim, model.dtype
 
 
 def _check_runner(info: RunnerInfo, pool_id: str, model: str, runner: str, daemon: str) -> None:
