@@ -58,6 +58,8 @@ bench: setup
 	$(PY) benchmarks/bench_sharing.py
 	$(PY) benchmarks/bench_prefix.py
 	$(PY) benchmarks/bench_preempt.py
+	$(PY) benchmarks/bench_host_tier.py
+	$(PY) benchmarks/bench_kv_events_load.py
 	$(PY) benchmarks/bench_scheduler.py
 	$(PY) benchmarks/bench_call_work.py
 	$(PY) benchmarks/bench_queued_requests.py

@@ -24,6 +24,7 @@ import prometheus_client
 from prometheus_client.registry import CollectorRegistry
 
 from pagedkv.daemon.core import BlockPool, PoolStats
+from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.edge.metrics import PoolCollector
 from pagedkv.daemon.service.models import ModelFigures
 from pagedkv.daemon.service.operations import Allocate, Fork
@@ -66,6 +67,10 @@ class Recounted:
     @property
     def page_moves_total(self) -> int:
         return self._service.page_moves_total
+
+    @property
+    def host_tier(self) -> HostTier | None:
+        return self._service.host_tier
 
 
 async def loaded_service() -> tuple[PoolService, str]:

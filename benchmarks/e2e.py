@@ -48,37 +48,49 @@ class Stack:
     runner: str
     # host:port of the runner's /metrics.
     runner_metrics: str
+    # host:port of the daemon's /metrics.
+    daemon_metrics: str = ""
 
     def computed_tokens(self) -> int:
         """Tokens the runner's forwards computed so far, prefill and decode (its /metrics): a
         prefix-cache hit computes nothing, a preempted sequence's recompute counts again."""
-        from prometheus_client.parser import text_string_to_metric_families
+        return round(metric_sum(self.runner_metrics, "pagedkv_runner:tokens_total"))
 
-        with urllib.request.urlopen(f"http://{self.runner_metrics}/metrics",
-                                    timeout=10) as reply:
-            text = reply.read().decode()
-        return round(sum(sample.value for family in text_string_to_metric_families(text)
-                         for sample in family.samples
-                         if sample.name == "pagedkv_runner:tokens_total"))
+    def daemon_metric(self, sample: str) -> float:
+        """One sample of the daemon's /metrics (summed over its labels), e.g.
+        "pagedkv:host_tier_restores_total"."""
+        return metric_sum(self.daemon_metrics, sample)
+
+
+def metric_sum(address: str, sample: str) -> float:
+    """The sum of the samples named `sample` that the /metrics at `address` shows."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(found.value for family in text_string_to_metric_families(text)
+               for found in family.samples if found.name == sample)
 
 
 @contextlib.contextmanager
-def serving(num_blocks: int, *daemon_args: str) -> Iterator[Stack]:
-    """A pool of `num_blocks` blocks of BLOCK_SIZE laid out for PRESET (plus `daemon_args`), and
-    a runner of PRESET on it; their sockets, logs and pool file in a private folder. The runner
-    stops first, so no step is in flight when the daemon drains."""
+def serving(num_blocks: int, *daemon_args: str, preset: str = PRESET) -> Iterator[Stack]:
+    """A pool of `num_blocks` blocks of BLOCK_SIZE laid out for `preset` (plus `daemon_args`),
+    and a runner of `preset` on it; their sockets, logs and pool file in a private folder. The
+    runner stops first, so no step is in flight when the daemon drains."""
     with tempfile.TemporaryDirectory(prefix="pkv-e2e-") as name:
         folder = Path(name)
+        daemon_metrics = f"127.0.0.1:{free_tcp_port()}"
         with start_daemon(folder, "--shm-dir", name, "--log-level", "warning",
-                          "--model-config", PRESET, "--num-blocks", str(num_blocks),
-                          "--block-size", str(BLOCK_SIZE), *daemon_args) as daemon:
+                          "--model-config", preset, "--num-blocks", str(num_blocks),
+                          "--block-size", str(BLOCK_SIZE), "--metrics-listen", daemon_metrics,
+                          *daemon_args) as daemon:
             daemon.wait_for_notification(READY_STATE)
             metrics = f"127.0.0.1:{free_tcp_port()}"
-            with start_runner(daemon.runners_target, folder, "--random-init", PRESET,
+            with start_runner(daemon.runners_target, folder, "--random-init", preset,
                               "--torch-threads", "1", "--metrics-listen", metrics,
                               "--log-level", "warning") as runner:
                 runner.wait_for_notification(READY_STATE)
-                yield Stack(daemon.unix_target, runner.unix_target, metrics)
+                yield Stack(daemon.unix_target, runner.unix_target, metrics, daemon_metrics)
                 runner.stop()
             daemon.stop()
 
