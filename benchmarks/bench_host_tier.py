@@ -28,19 +28,30 @@ working set's size, pool + a tier of half that, the pool alone, and an unbounded
 reuse hits). Figures: host_tier_hit_rate (pool + tier / unbounded), host_tier_half_hit_rate,
 pool_only_hit_rate (pool / unbounded), chat_cached_tokens_{unbounded,tier,tier_half,pool}.
 
-Usage: python benchmarks/bench_host_tier.py [--rounds 7] [--only ttft|hit-rate] [--quick]
+host_offload_call_ratio (two real pagedkvd, no runner, tiny-llama geometry, OFFLOAD_BLOCKS
+each, one with a host tier of 8x that): what the tier costs a workload that never reuses what it
+evicts. One Batch call allocates OFFLOAD_SEQS prompts of fresh random tokens, commits and frees
+them; once the pool is full of committed blocks every call evicts as many as it commits, and on
+the tier's daemon copies each evicted block to host memory first (its memory work, which the
+answer waits for). Median call time on each daemon (host_offload_call_ms, host_plain_call_ms),
+calls alternating between them; host_offload_call_ratio = tier / plain;
+host_offload_us_per_block = the difference per evicted block.
+
+Usage: python benchmarks/bench_host_tier.py [--rounds 7] [--only ttft|hit-rate|offload] [--quick]
 """
 
 import argparse
 import asyncio
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from e2e import BLOCK_SIZE, VOCAB, Stack, add_quick_flag, figure, serving
+from daemon_process import running_pagedkvd
+from e2e import BLOCK_SIZE, PRESET, VOCAB, Stack, add_quick_flag, figure, metric_sum, serving
 
-from pagedkv.client import PoolClient, SamplingParams
+from pagedkv.client import Allocate, Commit, Free, PoolClient, SamplingParams, Session
 from pagedkv.client.engine.engine import Engine
 from pagedkv.client.engine.outputs import RequestOutput
 from pagedkv.daemon.core.block_pool import BlockPool
@@ -66,16 +77,22 @@ USER_TOKENS = (16, 96)
 ANSWER_TOKENS = (32, 192)
 WORKING_SET_FACTOR = 3
 
+# --- host_offload_call_ratio
+OFFLOAD_BLOCKS = 512
+OFFLOAD_SEQS = 16
+OFFLOAD_TOKENS = 256
+OFFLOAD_CALLS = 200
 
-async def bytes_per_block(stack: Stack) -> int:
-    """Bytes of one block of the stack's pool (PoolInfo)."""
-    async with await PoolClient.connect(stack.daemon) as client:
+
+async def bytes_per_block(daemon: str) -> int:
+    """Bytes of one block of the pool of the daemon at `daemon` (PoolInfo)."""
+    async with await PoolClient.connect(daemon) as client:
         return (await client.pool_info()).bytes_per_block
 
 
 def host_tier_args(stack: Stack, num_slots: int) -> tuple[str, ...]:
     """pagedkvd flags of a host tier of `num_slots` blocks of `stack`'s pool geometry."""
-    return ("--host-tier-memory", str(num_slots * asyncio.run(bytes_per_block(stack))))
+    return ("--host-tier-memory", str(num_slots * asyncio.run(bytes_per_block(stack.daemon))))
 
 
 # ----------------------------------------------------------------- TTFT of a host-tier hit
@@ -235,17 +252,69 @@ def measure_hit_rate(conversations: int, turns: int) -> None:
     figure("pool_only_hit_rate", found["pool"] / found["unbounded"], "ratio")
 
 
+# ----------------------------------------------------------------- the cost of offloading
+
+
+async def churn_call_ms(session: Session, rng: np.random.Generator) -> float:
+    """One Batch: fresh prompts allocated, committed and freed; its time in ms."""
+    seq_ids = list(range(OFFLOAD_SEQS))
+    tokens = rng.integers(0, VOCAB, (OFFLOAD_SEQS, OFFLOAD_TOKENS)).tolist()
+    start = time.perf_counter()
+    await session.batch([*(Allocate(s, token_ids=tokens[s]) for s in seq_ids),
+                         Commit(seq_ids), *(Free(s) for s in seq_ids)])
+    return (time.perf_counter() - start) * 1e3
+
+
+async def alternate_churn(plain: str, tier: str, calls: int) -> dict[str, list[float]]:
+    """`calls` timed churn calls on each daemon, alternating, after filling both pools."""
+    times: dict[str, list[float]] = {"plain": [], "tier": []}
+    rng = np.random.default_rng(0)
+    async with await PoolClient.connect(plain) as plain_client, \
+            await PoolClient.connect(tier) as tier_client, \
+            await plain_client.open_session("bench-offload") as plain_session, \
+            await tier_client.open_session("bench-offload") as tier_session:
+        sessions = {"plain": plain_session, "tier": tier_session}
+        fill = OFFLOAD_BLOCKS * BLOCK_SIZE // (OFFLOAD_SEQS * OFFLOAD_TOKENS) + 1
+        for index in range(fill + calls):
+            for name, session in sessions.items():
+                took = await churn_call_ms(session, rng)
+                if index >= fill:
+                    times[name].append(took)
+    return times
+
+
+def measure_offload(calls: int) -> None:
+    pool = ("--model-config", PRESET, "--num-blocks", str(OFFLOAD_BLOCKS),
+            "--block-size", str(BLOCK_SIZE))
+    with running_pagedkvd(*pool) as plain:
+        tier_memory = 8 * OFFLOAD_BLOCKS * asyncio.run(bytes_per_block(plain.target))
+        with running_pagedkvd(*pool, "--host-tier-memory", str(tier_memory)) as tier:
+            stores = metric_sum(tier.metrics, STORES)
+            times = asyncio.run(alternate_churn(plain.target, tier.target, calls))
+            stored = metric_sum(tier.metrics, STORES) - stores
+    evicted = OFFLOAD_SEQS * OFFLOAD_TOKENS // BLOCK_SIZE
+    assert stored >= calls * evicted, f"{stored} blocks offloaded, expected {calls * evicted}"
+    plain_ms, tier_ms = (statistics.median(times[name]) for name in ("plain", "tier"))
+    figure("host_plain_call_ms", plain_ms, "ms")
+    figure("host_offload_call_ms", tier_ms, "ms")
+    figure("host_offload_call_ratio", tier_ms / plain_ms, "ratio", 2)
+    figure("host_offload_us_per_block", (tier_ms - plain_ms) * 1e3 / evicted, "us", 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="TTFT rounds per side")
-    parser.add_argument("--only", choices=("ttft", "hit-rate"), help="one part only")
+    parser.add_argument("--only", choices=("ttft", "hit-rate", "offload"),
+                        help="one part only")
     add_quick_flag(parser)
     args = parser.parse_args()
-    if args.only != "ttft":
+    if args.only in (None, "hit-rate"):
         measure_hit_rate(8 if args.quick else CONVERSATIONS, 3 if args.quick else TURNS)
-    if args.only != "hit-rate":
+    if args.only in (None, "ttft"):
         # Quick: a pool of 64 blocks, so the fill is 2 prompts.
         measure_ttft(1 if args.quick else args.rounds, 64 if args.quick else NUM_BLOCKS)
+    if args.only in (None, "offload"):
+        measure_offload(10 if args.quick else OFFLOAD_CALLS)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,14 @@ all tokens the small pool computed), preempt_num_preemptions; with the host tier
 preempt_swap_tok_s, preempt_swap_tok_s_ratio (small with the tier / small without: what
 swapping gains over recompute), preempt_swap_recomputed_frac, preempt_swap_num_preemptions,
 preempt_swap_stored_blocks and preempt_swap_restored_blocks (the daemon's
-pagedkv:host_tier_stores and _restores during a run); {preempt,preempt_swap,baseline}_steps and
-_step_ms (engine steps of a run, mean time between them).
+pagedkv:host_tier_stores and _restores during a run). The host-tier pair also runs the trace
+with `SchedulerConfig(swap="never")`: the tier still takes every evicted committed block, but
+re-admissions recompute, so it separates what the copies to the tier cost from what restoring
+gains: preempt_swap_never_tok_s, preempt_swap_never_ratio (never / small without a tier),
+preempt_swap_vs_never_ratio (restoring / recomputing on the same daemon),
+preempt_swap_never_recomputed_frac, preempt_swap_never_restored_blocks (0 expected).
+{preempt,preempt_swap,preempt_swap_never,baseline}_steps and _step_ms: engine steps of a run,
+mean time between them.
 `--trace alpaca` runs short requests (input ~19, output ~58 tokens: a few committed blocks each)
 on a pool scaled to the trace, where there is little to restore.
 Usage: python benchmarks/bench_preempt.py [--requests 48] [--rounds 2] [--trace sharegpt]
@@ -59,17 +65,20 @@ MAX_MODEL_LEN = 1024
 SMALL_BLOCKS, LARGE_BLOCKS = 384, 4096
 # No watermark: the small pool's preemptions come from growth alone, not from admission slack.
 CONFIG = SchedulerConfig(watermark=0.0)
+# The same, recomputing what the host tier holds (the tier still takes the pool's evictions).
+NEVER = SchedulerConfig(watermark=0.0, swap="never")
 # The host tier holds this many times the small pool's blocks.
 TIER_FACTOR = 3
 # Alpaca's requests need about a sixth of ShareGPT's blocks: the pools shrink with them.
 ALPACA_SMALL_BLOCKS, ALPACA_REQUESTS = 64, 96
 
 
-def run_counting(stack: Stack, jobs: list[Job]) -> tuple[TraceRun, tuple[int, int]]:
+def run_counting(stack: Stack, jobs: list[Job],
+                 config: SchedulerConfig) -> tuple[TraceRun, tuple[int, int]]:
     """The trace on `stack`, and the blocks its daemon copied to its host tier and restored from
     it meanwhile."""
     before = [stack.daemon_metric(name) for name in (STORES, RESTORES)]
-    run = asyncio.run(run_trace(stack, jobs, CONFIG))
+    run = asyncio.run(run_trace(stack, jobs, config))
     stored, restored = (round(stack.daemon_metric(name) - count)
                         for name, count in zip((STORES, RESTORES), before, strict=True))
     return run, (stored, restored)
@@ -101,27 +110,29 @@ def main() -> None:
     if args.quick:  # one sequence at most 256 tokens (16 blocks), the small pool 24 blocks
         requests, max_model_len, small_blocks, rounds = 6, 256, 24, 1
     jobs = jobs_from_trace(make_trace(spec, requests, max_model_len, VOCAB), greedy)
-    runs: dict[str, list[TraceRun]] = {"small": [], "swap": [], "large": []}
-    copied: list[tuple[int, int]] = []
+    runs: dict[str, list[TraceRun]] = {"small": [], "swap": [], "never": [], "large": []}
+    copied: dict[str, list[tuple[int, int]]] = {name: [] for name in runs}
     preset = args.preset
     with serving(small_blocks, preset=preset) as small, \
             serving(LARGE_BLOCKS, preset=preset) as large, \
             serving(small_blocks, *host_tier_args(small, TIER_FACTOR * small_blocks),
                     preset=preset) as swap:
-        stacks = {"small": small, "swap": swap, "large": large}
+        sides = {"small": (small, CONFIG), "swap": (swap, CONFIG), "never": (swap, NEVER),
+                 "large": (large, CONFIG)}
         for index in range(rounds):
-            order = list(stacks)[index % 3:] + list(stacks)[:index % 3]
+            order = list(sides)[index % 4:] + list(sides)[:index % 4]
             for name in order:
-                run, blocks = run_counting(stacks[name], jobs)
+                stack, config = sides[name]
+                run, blocks = run_counting(stack, jobs, config)
                 runs[name].append(run)
-                if name == "swap":
-                    copied.append(blocks)
+                copied[name].append(blocks)
     assert all(run.num_preemptions == 0 for run in runs["large"]), \
         "the large pool preempted: make it larger"
     report(runs, copied)
 
 
-def report(runs: dict[str, list[TraceRun]], copied: list[tuple[int, int]]) -> None:
+def report(runs: dict[str, list[TraceRun]],
+           copied: dict[str, list[tuple[int, int]]]) -> None:
     """The figures, medians over rounds; a round's recomputed tokens are what its small pool
     computed beyond the large pool's run of the same round."""
     tok_s = {name: statistics.median(run.tok_s for run in kind) for name, kind in runs.items()}
@@ -144,9 +155,18 @@ def report(runs: dict[str, list[TraceRun]], copied: list[tuple[int, int]]) -> No
     figure("preempt_swap_vs_baseline_ratio", tok_s["swap"] / tok_s["large"], "ratio", 2)
     figure("preempt_swap_recomputed_frac", recomputed("swap"), "fraction")
     figure("preempt_swap_num_preemptions", preemptions("swap"), "preemptions", 0)
-    figure("preempt_swap_stored_blocks", statistics.median(c[0] for c in copied), "blocks", 0)
-    figure("preempt_swap_restored_blocks", statistics.median(c[1] for c in copied), "blocks", 0)
-    for name, label in (("small", "preempt"), ("swap", "preempt_swap"), ("large", "baseline")):
+    figure("preempt_swap_stored_blocks", statistics.median(c[0] for c in copied["swap"]),
+           "blocks", 0)
+    figure("preempt_swap_restored_blocks", statistics.median(c[1] for c in copied["swap"]),
+           "blocks", 0)
+    figure("preempt_swap_never_tok_s", tok_s["never"], "tok/s", 1)
+    figure("preempt_swap_never_ratio", tok_s["never"] / tok_s["small"], "ratio", 2)
+    figure("preempt_swap_vs_never_ratio", tok_s["swap"] / tok_s["never"], "ratio", 2)
+    figure("preempt_swap_never_recomputed_frac", recomputed("never"), "fraction")
+    figure("preempt_swap_never_restored_blocks",
+           statistics.median(c[1] for c in copied["never"]), "blocks", 0)
+    for name, label in (("small", "preempt"), ("swap", "preempt_swap"),
+                        ("never", "preempt_swap_never"), ("large", "baseline")):
         figure(f"{label}_steps", statistics.median(len(run.records) for run in runs[name]),
                "steps", 0)
         figure(f"{label}_step_ms", statistics.median(step_ms(run) for run in runs[name]), "ms")
