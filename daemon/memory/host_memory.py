@@ -35,9 +35,14 @@ class HostMemory:
         # [num_slots, bytes_per_block] uint8 in host memory.
         self.slots = slots
         self.num_slots = slots.shape[0]
-        # The pool view whose blocks the slots copy: [num_blocks, bytes_per_block] uint8.
+        # The pool view whose blocks the slots copy.
         self._pool = pool
-        self._pool_bytes = pool.kv.view(pool.num_blocks, -1).view(torch.uint8)
+        # Both sides as rows of the widest integer words a block's bytes divide into: torch's
+        # row gather and scatter move 8-byte words about 7x faster than single bytes on this
+        # CPU (16 blocks of 16 KiB: 0.07 ms against 0.50 ms), and the bytes are the same.
+        word = _word_dtype(slots.shape[1])
+        self._slot_words = slots.view(word)
+        self._pool_words = pool.kv.view(pool.num_blocks, -1).view(torch.uint8).view(word)
         # The shm arena behind `slots` (CPU), closed with this.
         self._arena = arena
 
@@ -64,20 +69,20 @@ class HostMemory:
         src = checked_index(blocks, self._pool.num_blocks, "block")
         dst = checked_index(slots, self.num_slots, "host slot")
         if src.numel():
-            data = self._pool_bytes.index_select(0, src.to(self._pool_bytes.device))
+            data = self._pool_words.index_select(0, src.to(self._pool_words.device))
             # A blocking copy: from a CUDA tensor, `.to("cpu", non_blocking=True)` returns
             # pinned memory the device has not filled yet, and the CPU index_copy_ below would
             # read it at once (stale bytes in the slots, restored later as K/V).
-            self.slots.index_copy_(0, dst, data.to("cpu"))
+            self._slot_words.index_copy_(0, dst, data.to("cpu"))
 
     def from_host(self, slots: npt.ArrayLike, blocks: npt.ArrayLike) -> None:
         """Pool block blocks[i] = slots[i], for all i (destinations distinct)."""
         src = checked_index(slots, self.num_slots, "host slot")
         dst = checked_index(blocks, self._pool.num_blocks, "block")
         if src.numel():
-            device = self._pool_bytes.device
-            data = self.slots.index_select(0, src).to(device, non_blocking=True)
-            self._pool_bytes.index_copy_(0, dst.to(device), data)
+            device = self._pool_words.device
+            data = self._slot_words.index_select(0, src).to(device, non_blocking=True)
+            self._pool_words.index_copy_(0, dst.to(device), data)
 
     def zero(self, slots: npt.ArrayLike) -> None:
         index = checked_index(slots, self.num_slots, "host slot")
@@ -110,3 +115,11 @@ class HostMemory:
         """Release the slots (the CPU arena's file is removed)."""
         if self._arena is not None:
             self._arena.close()
+
+
+def _word_dtype(nbytes: int) -> torch.dtype:
+    """The widest integer dtype whose size divides `nbytes` (a block's bytes)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if nbytes % dtype.itemsize == 0:
+            return dtype
+    return torch.uint8
