@@ -103,35 +103,60 @@ class HostTier:
 
     def store(self, keys: list[bytes], parents: list[bytes],
               tokens: npt.NDArray[np.int64]) -> Stored:
-        """Copies of these committed blocks (evicted from the pool) come here, as far as room
-        allows. Keys already held are only touched, first, so that the copies of the others
-        never drop them; each other block takes a free slot, else the least recently used
-        slot that is neither protected nor just touched, whose copy is dropped."""
-        result = Stored()
-        held = [self.slot_of.get(key) for key in keys]
+        """Copies of these committed blocks (evicted from the pool: distinct keys) come here, as
+        far as room allows. Keys already held are only touched, first, so that the copies of the
+        others never drop them; the others take free slots, then the least recently used slots
+        that are neither protected nor just touched, whose copies are dropped. One undo record
+        for the whole store: this runs for every block an allocation evicts."""
+        slot_of = self.slot_of
+        held = [slot_of.get(key) for key in keys]
         touched = [slot for slot in dict.fromkeys(held) if slot is not None]
         self.touch(touched)
         # The LRU's tail holds the protected and the touched slots: drop only before them.
         room = len(self.free) + len(self.lru) - self.protected - len(touched)
-        for index, (key, parent) in enumerate(zip(keys, parents, strict=True)):
-            if held[index] is not None or key in self.slot_of:
-                continue  # held, or copied earlier in this call (the same content twice)
-            if room <= 0:
-                break
-            room -= 1
-            if self.free:
-                slot = self.free.popleft()
-                self._journal.record(self.free.appendleft, slot)
-            else:
-                slot = self.lru.pop_head()
-                self._journal.record(self.lru.put_back_head, slot)
-                result.dropped.append((slot, self._unkey(slot)))
-            self._key(slot, key, parent, tokens[index])
-            self.lru.extend([slot])
-            self._journal.record(self.lru.drop_tail, 1)
-            result.copied.append((index, slot))
-        self._count(len(result.copied), 0)
+        new = [index for index, slot in enumerate(held) if slot is None][:max(room, 0)]
+        result = Stored()
+        if not new:
+            return result
+        from_free = [self.free.popleft() for _ in range(min(len(new), len(self.free)))]
+        reused = [self.lru.pop_head() for _ in range(len(new) - len(from_free))]
+        gone: list[tuple[int, bytes, bytes]] = []
+        for slot in reused:
+            key, parent = self.key_of[slot], self.parent_of[slot]
+            assert key is not None and parent is not None, f"host slot {slot} holds nothing"
+            gone.append((slot, key, parent))
+            del slot_of[key]
+        slots = from_free + reused
+        if self._journal.active:
+            self._journal.record(self._unstore, slots, len(from_free), gone,
+                                 self.tokens_of[slots].copy())
+        key_of, parent_of = self.key_of, self.parent_of
+        for slot, index in zip(slots, new, strict=True):
+            key_of[slot], parent_of[slot] = keys[index], parents[index]
+            slot_of[keys[index]] = slot
+        self.tokens_of[slots] = tokens[new]
+        self.lru.extend(slots)
+        result.copied = list(zip(new, slots, strict=True))
+        result.dropped = [(slot, key) for slot, key, _ in gone]
+        self.stores += len(slots)
         return result
+
+    def _unstore(self, slots: list[int], num_free: int,
+                 gone: list[tuple[int, bytes, bytes]], tokens: npt.NDArray[np.int64]) -> None:
+        """Undo of `store`: its slots leave the LRU and their keys go; the copies it dropped
+        come back at the LRU's head, the free slots it took at the free list's."""
+        self.lru.drop_tail(len(slots))
+        for slot in slots:
+            key = self.key_of[slot]
+            assert key is not None, f"host slot {slot} lost its key"
+            del self.slot_of[key]
+            self.key_of[slot] = self.parent_of[slot] = None
+        self.tokens_of[slots] = tokens
+        for slot, key, parent in reversed(gone):
+            self._rekey(slot, key, parent)
+            self.lru.put_back_head(slot)
+        self.free.extendleft(reversed(slots[:num_free]))
+        self.stores -= len(slots)
 
     def drop(self, slots: list[int]) -> list[tuple[int, bytes]]:
         """Drop the copies in `slots` (those still held); their slots are free again. Returns
@@ -156,19 +181,6 @@ class HostTier:
     @property
     def num_held(self) -> int:
         return len(self.lru)
-
-    def _key(self, slot: int, key: bytes, parent: bytes, tokens: npt.NDArray[np.int64]) -> None:
-        self._journal.record(self._unkey_undo, slot, self.tokens_of[slot].copy())
-        self.slot_of[key] = slot
-        self.key_of[slot], self.parent_of[slot] = key, parent
-        self.tokens_of[slot] = tokens
-
-    def _unkey_undo(self, slot: int, tokens: npt.NDArray[np.int64]) -> None:
-        key = self.key_of[slot]
-        assert key is not None
-        del self.slot_of[key]
-        self.key_of[slot] = self.parent_of[slot] = None
-        self.tokens_of[slot] = tokens
 
     def _unkey(self, slot: int) -> bytes:
         key, parent = self.key_of[slot], self.parent_of[slot]

@@ -48,14 +48,17 @@ class HostCopies:
         dropped = [slot for slot, _ in stored.dropped]
         self._forget(dropped)
         moved = [(blocks[index], slot) for index, slot in stored.copied]
+        models: list[tuple[int, int, bytes]] = []
+        key_of = self.tier.key_of
         for block, slot in moved:
-            key = self.tier.key_of[slot]
+            key = key_of[slot]
             assert key is not None
             session, model = owners.private_owner(block), owners.model_of(block)
             if session is not None:
                 self.private.parked(session, slot, key)
             if model is not None:
-                self.models.parked(model, slot, key)
+                models.append((slot, model, key))
+        self.models.park(models)
         work.to_host([block for block, _ in moved], [slot for _, slot in moved])
         if events is not None:
             events.host_dropped(dropped)

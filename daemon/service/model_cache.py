@@ -31,11 +31,28 @@ class ModelCache:
         """A session of `model` left `block` cached under `key`."""
         self._set(block, (model, key))
 
+    def park(self, entries: list[tuple[int, int, bytes]]) -> None:
+        """Many `parked` at once, (block, model, key) each, with one undo record (the host
+        tier records every copy an eviction makes)."""
+        old = [(block, self._of.get(block)) for block, _, _ in entries]
+        self._journal.record(self._restore, old)
+        for block, model, key in entries:
+            self._put(block, (model, key))
+
     def left(self, blocks: list[int]) -> None:
-        """These blocks left the cache (evicted, dropped, withdrawn) or were revived."""
-        for block in blocks:
-            if block in self._of:
-                self._set(block, None)
+        """These blocks left the cache (evicted, dropped, withdrawn) or were revived. One undo
+        record: an eviction runs this for every block it takes."""
+        of = self._of
+        gone = [(block, of[block]) for block in blocks if block in of]
+        if not gone:
+            return
+        self._journal.record(self._restore, gone)
+        for block, _ in gone:
+            self._put(block, None)
+
+    def _restore(self, old: list[tuple[int, tuple[int, bytes] | None]]) -> None:
+        for block, entry in reversed(old):
+            self._put(block, entry)
 
     def entry(self, block: int) -> tuple[int, bytes] | None:
         """`block`'s model number and key, if it is recorded."""
