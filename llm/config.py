@@ -32,6 +32,11 @@ class LLMConfig:
     # Most sequences stepped together, and most tokens computed per step (prompts are chunked).
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # The embedded daemon's host tier (bytes, an int or "4GiB"; 0: none), as vLLM's swap_space:
+    # evicted prefix blocks and preempted requests' blocks come back from host memory instead
+    # of being recomputed. `swap` chooses per sequence (SchedulerConfig.swap).
+    host_tier_memory: int | str = 0
+    swap: str = "auto"
     # Where the pool and the model live: "cpu", "cuda" or "cuda:N"; None: cuda when available.
     device: str | None = None
     # Seed of a preset's random initialization.
@@ -89,11 +94,28 @@ class LLMConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        try:
+            host_tier = self.host_tier_bytes
+        except ValueError as exc:
+            raise ValueError(f"host_tier_memory: {exc}") from exc
+        if host_tier and self.daemon is not None:
+            raise ValueError("host_tier_memory sizes the daemon LLM starts: a running daemon's "
+                             "is its own setting")
 
     def scheduler(self) -> SchedulerConfig:
         """The engine's batch limits."""
         return SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                               max_num_batched_tokens=self.max_num_batched_tokens)
+                               max_num_batched_tokens=self.max_num_batched_tokens,
+                               swap=self.swap)
+
+    @property
+    def host_tier_bytes(self) -> int:
+        """host_tier_memory in bytes (ValueError for a malformed or negative size)."""
+        size = self.host_tier_memory
+        nbytes = size if isinstance(size, int) else parse_bytes(size)
+        if nbytes < 0:
+            raise ValueError(f"host_tier_memory must be 0 (none) or positive, got {size!r}")
+        return nbytes
 
     @property
     def kv_cache_bytes(self) -> int | None:

@@ -54,10 +54,13 @@ def start_services(config: LLMConfig, model: ModelRef, resources: contextlib.Exi
     dtype = model.config_dtype() if config.dtype == "auto" else config.dtype
     pool_args = pool_size_args(config, device, model.weights_bytes(dtype))
     dtype_args = [] if config.dtype == "auto" else ["--dtype", config.dtype]
+    host_args = ["--host-tier-memory", str(config.host_tier_bytes)] if config.host_tier_bytes \
+        else []
     folder = _private_folder()
     resources.callback(shutil.rmtree, folder, ignore_errors=True)
     daemon = start_daemon(folder, *model.daemon_args(), "--block-size", str(config.block_size),
-                          "--device", device, *dtype_args, *pool_args, *CHILD_LOG_ARGS)
+                          "--device", device, *dtype_args, *pool_args, *host_args,
+                          *CHILD_LOG_ARGS)
     resources.callback(daemon.stop)
     daemon.wait_for_notification(READY_STATE, config.startup_timeout_s)
     runner_args = [*model.runner_args(config.seed), *dtype_args, *CHILD_LOG_ARGS]

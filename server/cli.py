@@ -85,6 +85,11 @@ def parser() -> argparse.ArgumentParser:
     pool.add_argument("--kv-cache-memory", metavar="BYTES", help="KV pool size, e.g. 2GiB")
     pool.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
     cli.add_argument("--max-num-seqs", type=int, default=256, help="default 256")
+    cli.add_argument("--host-tier-memory", metavar="BYTES", default="0",
+                     help="the started daemon's host tier, e.g. 8GiB (default 0: none)")
+    cli.add_argument("--swap", choices=("auto", "always", "never"), default="auto",
+                     help="restore evicted and preempted blocks from the host tier, or "
+                          "recompute them (default auto: whichever is faster)")
     cli.add_argument("--log-level", default="info", help="default info")
     cli.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
     return cli
@@ -121,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                            device=args.device, daemon=args.daemon, runner=args.runner,
                            model_name=_registered_name(args),
                            kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
-                           max_num_seqs=args.max_num_seqs)
+                           max_num_seqs=args.max_num_seqs,
+                           host_tier_memory=args.host_tier_memory, swap=args.swap)
         model = resolve_model(args.model)
         tokenizer, no_tokenizer = tokenizer_for(config, model)
         if min(args.max_waiting_requests, args.max_requests_per_peer, args.port) < 0 \

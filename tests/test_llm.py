@@ -6,6 +6,7 @@ tests/chat_model.py's `make_model_dir`: its eos `<eos>` (id 0) ends EOS_PROMPT a
 tokens.
 """
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from chat_model import EOS_PROMPT, fast_tokenizer, hf_generate, make_model_dir, 
 from pagedkvd_process import short_tmp_dir
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from pagedkv.client import RunnerUnreachable
+from pagedkv.client import PoolClient, RunnerUnreachable
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S
 from pagedkv.llm import LLM, SamplingParams
 from pagedkv.llm.pool_budget import CPU_KV_CAP, embedded_budget
@@ -49,8 +50,9 @@ def tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path) -> Iterator[LLM]:
-    """The LLM under test: its own daemon (a 4 MiB pool) and runner."""
-    with LLM(model=str(model_dir), kv_cache_memory="4MiB", max_num_seqs=8) as started:
+    """The LLM under test: its own daemon (a 4 MiB pool, a 2 MiB host tier) and runner."""
+    with LLM(model=str(model_dir), kv_cache_memory="4MiB", max_num_seqs=8,
+             host_tier_memory="2MiB") as started:
         yield started
 
 
@@ -170,6 +172,24 @@ def test_bad_arguments_are_refused(llm: LLM, model_dir: Path, tmp_path: Path) ->
         LLM(str(model_dir), dtype="int3")
     with pytest.raises(ValueError, match="kv_cache_memory or num_blocks, not both"):
         LLM(str(model_dir), kv_cache_memory="1GiB", num_blocks=4)
+    with pytest.raises(ValueError, match="host_tier_memory: not a byte size"):
+        LLM(str(model_dir), host_tier_memory="lots")
+    with pytest.raises(ValueError, match="host_tier_memory sizes the daemon LLM starts"):
+        LLM(str(model_dir), host_tier_memory="1MiB", daemon=llm.daemon_target,
+            runner=llm.runner_target)
+    with pytest.raises(ValueError, match="swap must be one of auto, always, never"):
+        LLM(str(model_dir), swap="sometimes")
+
+
+async def _host_tier_blocks(daemon: str) -> tuple[int, int]:
+    async with await PoolClient.connect(daemon) as client:
+        info = await client.pool_info()
+        return info.host_tier_blocks, info.bytes_per_block
+
+
+def test_the_started_daemon_has_the_host_tier_asked_for(llm: LLM) -> None:
+    blocks, per_block = asyncio.run(_host_tier_blocks(llm.daemon_target))
+    assert blocks == (2 << 20) // per_block > 0
 
 
 def test_the_cli_prints_completions(llm: LLM, model_dir: Path) -> None:

@@ -41,6 +41,9 @@ def test_api_keys_come_from_flags_and_a_file(tmp_path: Path) -> None:
     (["--model", "tiny", "--max-choices", "0"], "--max-choices"),
     (["--model", "tiny", "--runner", "unix:///x"], "give daemon too"),
     (["--model", "tiny", "--api-key-file", "/no/such/keys"], "No such file"),
+    (["--model", "tiny", "--host-tier-memory", "lots"], "host_tier_memory: not a byte size"),
+    (["--model", "tiny", "--daemon", "unix:///x", "--runner", "unix:///y",
+      "--host-tier-memory", "1GiB"], "host_tier_memory sizes the daemon LLM starts"),
 ])
 def test_bad_flags_exit_2_before_anything_starts(argv: list[str], message: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
