@@ -457,3 +457,30 @@ async def test_a_model_sharing_the_daemons_format_is_served_by_its_host_tier() -
     assert engine_host_tier(info, "tiny-ft").num_blocks == 4
     assert engine_host_tier(info, info.model).num_blocks == 4
     assert engine_host_tier(info, "half").num_blocks == 0
+
+
+async def test_a_snapshot_sends_a_pool_blocks_parent_held_only_by_the_host_tier_first() -> None:
+    """A prefix's first block is evicted to the host tier while its second stays cached in the
+    pool (a second prompt computed both, lost the first to the first prompt's commit, and
+    was freed last): the snapshot sends the parent (CPU) before the child (GPU), as a
+    subscriber that chains blocks to their parents needs. Pool: 4 blocks, 4 slots."""
+    svc = bookkeeping(4, 4)
+    sink = Stored()
+    svc.formats.publish_events(sink, all_salts=True)
+    sid = svc.open_session("a", cache_salt=b"shared").session_id
+    first, second = [1, 2, 3, 4], [5, 6, 7, 8]
+    assert (await svc.allocate(sid, Allocate(1, 4, first))).block_table == [0]
+    assert (await svc.allocate(sid, Allocate(2, 8, first + second))).block_table == [1, 2]
+    await svc.commit(sid, Commit([1]))  # block 0 holds the first block's content
+    await svc.commit(sid, Commit([2]))  # block 1 loses its key; block 2's parent is block 0
+    await svc.free(sid, Free(1))  # block 0 cached first
+    await svc.free(sid, Free(2))  # then block 2
+    await svc.allocate(sid, Allocate(3, 12, [9] * 12))  # blocks 1, 3 free; evicts block 0
+    tier = svc.host_tier
+    assert tier is not None and tier.num_held == 1
+    order = [(item.medium, b.block_hash, b.parent_hash) for item in svc.formats.kv_snapshot()
+             for b in item.blocks]
+    assert [medium for medium, _, _ in order] == ["CPU", "GPU"]
+    (_, parent, root), (_, _, of) = order
+    assert root is None and of == parent
+    svc.check_invariants()

@@ -393,6 +393,10 @@ class BlockPool:
         parent = cache.parent_of[block]
         return None if parent is None else cache.block_of.get(parent)
 
+    def committed_block(self, key: bytes) -> int | None:
+        """The block holding the committed content `key`, if any."""
+        return self._blocks.cache.block_of.get(key)
+
     def cached_keys(self) -> dict[int, bytes]:
         """Every evictable cached block and its key (O(cached blocks): for checks)."""
         cache = self._blocks.cache

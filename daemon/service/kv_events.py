@@ -31,18 +31,21 @@ Every record goes through the format's journal: the events of a call that fails 
 with it, and a call's events reach the sink once its transaction succeeded (`Journal.after`).
 """
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from pagedkv.daemon.core import PoolAllocator
-from pagedkv.daemon.core.host_tier import HostTier
+from pagedkv.daemon.core import BlockPool, PoolAllocator
 from pagedkv.daemon.events.sink import KVEventSink, SnapshotItem, StoredBlock
 from pagedkv.daemon.events.wire import MEDIUM_CPU, MEDIUM_GPU
 from pagedkv.daemon.service.sessions import Session
 
 # Blocks per `stored` of a snapshot: bounded messages, whatever the pool's size.
 SNAPSHOT_CHUNK = 256
+
+# A snapshot's entry: a pool block (medium "GPU") or a host slot ("CPU").
+Entry = tuple[str, int]
 
 
 def hash64(key: bytes) -> int:
@@ -148,79 +151,82 @@ class FormatEvents:
             self._queue(partial(self._sink.removed, model, hashes, MEDIUM_CPU))
 
     def snapshot(self) -> Iterator[SnapshotItem]:
-        """Every block published when it is first advanced, as stored, per model in chunks,
-        parents before children. Lazy, as the publisher reads it (one item per event-loop
-        callback, calls between two): the first step copies the published block ids (one
-        C-level copy), and each chunk reads its blocks when it is made, skipping any gone by
-        then (its removal is an event after the snapshot's point) and putting a block's
-        published ancestors not yet sent before it."""
-        blocks = list(self.published)
-        sent: set[int] = set()
-        for start in range(0, len(blocks), SNAPSHOT_CHUNK):
-            order: list[int] = []
-            for block in blocks[start:start + SNAPSHOT_CHUNK]:
-                order.extend(self._unsent_chain(block, sent))
+        """Every block and host copy published when it is first advanced, as stored (medium
+        "GPU", then "CPU"), per model in chunks, parents before children. Lazy, as the publisher
+        reads it (one item per event-loop callback, calls between two): the first step copies
+        the published ids (one C-level copy each), and each chunk reads its blocks when it is
+        made, skipping any gone by then (its removal is an event after the snapshot's point)
+        and putting a block's published ancestors not yet sent before it, in either tier (a
+        pool block's parent may be held by the host tier alone, and a copy's by the pool)."""
+        entries = [*((MEDIUM_GPU, block) for block in self.published),
+                   *((MEDIUM_CPU, slot) for slot in self.host_published)]
+        sent: set[Entry] = set()
+        for start in range(0, len(entries), SNAPSHOT_CHUNK):
+            order: list[Entry] = []
+            for entry in entries[start:start + SNAPSHOT_CHUNK]:
+                order.extend(self._unsent_chain(entry, sent))
             yield from self._stored_chunks(order)
-        yield from self._host_snapshot()
 
-    def _host_snapshot(self) -> Iterator[SnapshotItem]:
-        """The host copies published when first advanced, as stored with medium "CPU", per
-        model in chunks, parents first (a copy dropped meanwhile is skipped). Copies are
-        published in eviction order, children before parents (a freed table's tail is evicted
-        first), so each chunk puts a copy's published ancestors not yet sent before it, as the
-        pool's chunks do."""
-        slots, tier = list(self.host_published), self._pool.host_tier
-        if tier is None:
-            return
-        sent: set[int] = set()
-        for start in range(0, len(slots), SNAPSHOT_CHUNK):
-            order: list[int] = []
-            for slot in slots[start:start + SNAPSHOT_CHUNK]:
-                order.extend(self._unsent_host_chain(tier, slot, sent))
-            chunks: dict[str, list[StoredBlock]] = {}
-            for slot in order:
-                record = self.host_published[slot]
-                chunks.setdefault(record.model, []).append(StoredBlock(
-                    record.block_hash, record.parent_hash, tuple(tier.tokens_of[slot].tolist()),
-                    record.extra_key))
-            for model, stored in chunks.items():
-                yield SnapshotItem(model, stored, MEDIUM_CPU)
+    def _record(self, entry: Entry) -> Published | None:
+        """What was announced of a pool block ("GPU") or a host slot ("CPU"), if published."""
+        medium, where = entry
+        return (self.published if medium == MEDIUM_GPU else self.host_published).get(where)
 
-    def _unsent_host_chain(self, tier: HostTier, slot: int, sent: set[int]) -> list[int]:
-        """`slot` (if still published) after the published slots of its ancestors not yet
-        sent, oldest first; marks them sent."""
-        chain: list[int] = []
-        current: int | None = slot
-        while current is not None and current not in sent and current in self.host_published:
-            chain.append(current)
-            sent.add(current)
-            parent = tier.parent_of[current]
-            current = None if parent is None else tier.slot_of.get(parent)
-        chain.reverse()
-        return chain
-
-    def _unsent_chain(self, block: int, sent: set[int]) -> list[int]:
-        """`block` (if still published) after its published ancestors not yet sent, oldest
+    def _unsent_chain(self, entry: Entry, sent: set[Entry]) -> list[Entry]:
+        """`entry` (if still published) after its published ancestors not yet sent, oldest
         first; marks them sent."""
-        chain: list[int] = []
-        current: int | None = block
-        while current is not None and current not in sent and current in self.published:
+        chain: list[Entry] = []
+        current: Entry | None = entry
+        while current is not None and current not in sent and self._record(current) is not None:
             chain.append(current)
             sent.add(current)
-            current = self._pool.parent_block(current)
+            current = self._parent(current)
         chain.reverse()
         return chain
 
-    def _stored_chunks(self, order: list[int]) -> Iterator[SnapshotItem]:
-        """The published `order` as stored blocks, one list per model, in order."""
-        tokens = self._pool.block_content(order)[2].tolist() if order else []
-        chunks: dict[str, list[StoredBlock]] = {}
-        for block, ids in zip(order, tokens, strict=True):
-            record = self.published[block]
-            chunks.setdefault(record.model, []).append(StoredBlock(
-                record.block_hash, record.parent_hash, tuple(ids), record.extra_key))
+    def _parent(self, entry: Entry) -> Entry | None:
+        """The published pool block, else host copy, holding `entry`'s parent content."""
+        medium, where = entry
+        tier = self._pool.host_tier
+        if medium == MEDIUM_GPU:
+            block = self._pool.parent_block(where)
+            if block is not None and block in self.published:
+                return MEDIUM_GPU, block
+            if tier is None:
+                return None
+            parent: bytes | None = self._pool.block_content([where])[1][0]
+        else:
+            assert tier is not None, "a host copy published by a pool without a tier"
+            parent = tier.parent_of[where]
+            pool = self._pool
+            block = pool.committed_block(parent) if (
+                parent is not None and isinstance(pool, BlockPool)) else None
+            if block is not None and block in self.published:
+                return MEDIUM_GPU, block
+        slot = None if parent is None else tier.slot_of.get(parent)
+        return None if slot is None or slot not in self.host_published else (MEDIUM_CPU, slot)
+
+    def _stored_chunks(self, order: list[Entry]) -> Iterator[SnapshotItem]:
+        """The published `order` as stored blocks: per model, one item per run of one medium,
+        in order."""
+        blocks = [where for medium, where in order if medium == MEDIUM_GPU]
+        tokens = dict(zip(blocks, self._pool.block_content(blocks)[2].tolist(), strict=True)) \
+            if blocks else {}
+        tier = self._pool.host_tier
+        chunks: dict[str, list[tuple[str, StoredBlock]]] = {}
+        for medium, where in order:
+            record = self._record((medium, where))
+            assert record is not None
+            if medium == MEDIUM_GPU:
+                ids = tokens[where]
+            else:
+                assert tier is not None
+                ids = tier.tokens_of[where].tolist()
+            chunks.setdefault(record.model, []).append((medium, StoredBlock(
+                record.block_hash, record.parent_hash, tuple(ids), record.extra_key)))
         for model, stored in chunks.items():
-            yield SnapshotItem(model, stored, MEDIUM_GPU)
+            for medium, run in itertools.groupby(stored, key=lambda pair: pair[0]):
+                yield SnapshotItem(model, [block for _, block in run], medium)
 
     def _set(self, block: int, record: Published | None) -> None:
         self._pool.journal.record(self._put, block, self.published.get(block))
