@@ -160,8 +160,9 @@ sessions of it are refused with FAILED_PRECONDITION, cause "ModelAsleep", until 
 
 The host-memory tier. A daemon may own a second pool of blocks in host memory (its
 `host_tier_memory` setting, in bytes; 0 = off, the default): a shared-memory region only the
-daemon maps on CPU, pinned host memory on CUDA. It holds copies of the daemon's own model's
-committed blocks (other models' formats have none yet), keyed by content as the prefix cache.
+daemon maps on CPU, pinned host memory on CUDA. It holds copies of committed blocks of the
+daemon's own model's format (its model, and every registered model of the same geometry;
+other formats have no tier yet), keyed by content as the prefix cache.
 - Offload on eviction: when an allocation evicts committed cached blocks from the pool, the
   daemon first copies them to the host tier (that call's memory work, before the blocks' new
   owner gets them), evicting the host tier's least recently used copies when it is full.
