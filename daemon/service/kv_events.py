@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from pagedkv.daemon.core import BlockPool, PoolAllocator
+from pagedkv.daemon.core import BlockPool, Journal, PoolAllocator
 from pagedkv.daemon.events.sink import KVEventSink, SnapshotItem, StoredBlock
 from pagedkv.daemon.events.wire import MEDIUM_CPU, MEDIUM_GPU
 from pagedkv.daemon.service.sessions import Session
@@ -229,22 +229,12 @@ class FormatEvents:
                 yield SnapshotItem(model, [block for _, block in run], medium)
 
     def _set(self, block: int, record: Published | None) -> None:
-        self._pool.journal.record(self._put, block, self.published.get(block))
-        self._put(block, record)
-
-    def _put(self, block: int, record: Published | None) -> None:
-        self.published.pop(block, None)
-        if record is not None:
-            self.published[block] = record
+        """What was announced of pool block `block` (None: nothing), through the journal."""
+        _assign(self._pool.journal, self.published, block, record)
 
     def _set_host(self, slot: int, record: Published | None) -> None:
-        self._pool.journal.record(self._put_host, slot, self.host_published.get(slot))
-        self._put_host(slot, record)
-
-    def _put_host(self, slot: int, record: Published | None) -> None:
-        self.host_published.pop(slot, None)
-        if record is not None:
-            self.host_published[slot] = record
+        """What was announced of host slot `slot`'s copy (None: nothing), likewise."""
+        _assign(self._pool.journal, self.host_published, slot, record)
 
     def _queue(self, event: Callable[[], None]) -> None:
         self._pool.journal.record(self._unqueue, len(self._queued))
@@ -275,3 +265,16 @@ def _parents_first(records: dict[int, tuple[Published, list[int]]]
             current = records[current][0].parent_hash
         order.extend(reversed(chain))
     return order
+
+
+def _assign(journal: Journal, records: dict[int, Published], key: int,
+            record: Published | None) -> None:
+    """records[key] = record (None: removed), its undo in `journal`."""
+    journal.record(_put, records, key, records.get(key))
+    _put(records, key, record)
+
+
+def _put(records: dict[int, Published], key: int, record: Published | None) -> None:
+    records.pop(key, None)
+    if record is not None:
+        records[key] = record
