@@ -15,18 +15,15 @@ import asyncio
 import types
 from collections.abc import AsyncIterator, Sequence
 
-import grpc
 import pytest
 import torch
 from engine_driver import decode
+from test_engine_contention import ScriptedRunner, free_pool
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedkv.client import (
     PoolClient,
-    PoolExhausted,
-    PoolStats,
     SamplingParams,
-    SeqOutput,
     SeqStep,
     StepOutputs,
 )
@@ -104,40 +101,22 @@ def test_scheduler_config_checks_swap() -> None:
 # ------------------------------------------------------------------ the engine
 
 
-class RecordingRunner:
-    """Computes every step at once and samples token 7, except step 3 (a decode), which fails
-    twice as a pool full of another client's blocks would: the engine preempts its request and
-    re-admits it. Records every SeqStep sent."""
+class RecordingRunner(ScriptedRunner):
+    """test_engine_contention's scripted runner whose steps 2 and 3 (decodes) fail as a pool
+    full of another client's blocks would: the engine preempts the request and re-admits it.
+    Records every SeqStep that went through, and takes a moment per step (the engine measures
+    its prefill rate)."""
 
     def __init__(self) -> None:
-        self.calls = 0
-        self.held: dict[int, int] = {}
+        super().__init__(full={2, 3})
         self.sent: list[SeqStep] = []
-        # Unary steps: nothing follows, nothing pushes.
-        self.streams = None
 
     async def step(self, session: object, seqs: Sequence[SeqStep],
                    release: Sequence[int] = (), *, follow: bool = False) -> StepOutputs:
-        self.calls += 1
-        if self.calls in (2, 3):
-            raise PoolExhausted(grpc.StatusCode.RESOURCE_EXHAUSTED, "pool full")
+        outputs = await super().step(session, seqs, release, follow=follow)
         self.sent.extend(seqs)
-        await asyncio.sleep(0.001)  # a step takes time: the engine measures its rate
-        outputs = []
-        for seq in seqs:
-            held = (0 if seq.new_sequence else self.held[seq.seq_id]) + len(seq.token_ids)
-            self.held[seq.seq_id] = held
-            outputs.append(SeqOutput(seq.seq_id, held, held, 0, True, 7, -0.5, (), (), False))
-        for seq_id in release:
-            self.held.pop(seq_id)
-        return StepOutputs(outputs, 8)
-
-    async def close(self) -> None:
-        pass
-
-
-async def free_pool() -> PoolStats:
-    return PoolStats(8, BS, 8, None)
+        await asyncio.sleep(0.001)
+        return outputs
 
 
 async def generate(swap: str, tier: HostTier) -> tuple[Engine, list[SeqStep]]:
