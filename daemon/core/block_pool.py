@@ -243,7 +243,10 @@ class BlockPool:
         taken = self._take_restoring(blocks_for(num_tokens, bs) - cached, slots)
         table = hits + taken.tolist()
         st.put_table(row, table if cached else taken)  # an array: no list conversion
-        st.num_blocks[row], st.committed[row], st.num_tokens[row] = len(table), cached, num_tokens
+        # Restored blocks count as committed with the cached ones (`_restore` commits them).
+        st.num_blocks[row], st.committed[row], st.num_tokens[row] = (len(table),
+                                                                     cached + len(slots),
+                                                                     num_tokens)
         st.grew(num_tokens, len(table))
         if before is not None:
             self._hold_new(row, np.asarray(table, dtype=np.int64),
@@ -256,7 +259,7 @@ class BlockPool:
                                               tokens[cached * bs:full * bs].reshape(-1, bs))
             st.partial[row, :num_tokens - full * bs] = tokens[full * bs:]
         if slots:
-            self._restore(row, taken[:len(slots)].tolist(), slots)
+            self._restore(taken[:len(slots)].tolist(), slots)
         blocks = taken if not cached else np.asarray(table, dtype=np.int64)
         return SeqUpdate(table, num_tokens, (cached + len(slots)) * bs,
                          self._slots(blocks, num_tokens), [])
@@ -429,10 +432,11 @@ class BlockPool:
         finally:
             host.protected = 0
 
-    def _restore(self, row: int, blocks: list[int], slots: list[int]) -> None:
-        """The fresh `blocks` after a sequence's cached prefix (keyed pending by `allocate`)
-        hold the host copies in `slots`: committed now, since their K/V was certified when it
-        was first computed and the copy is memory work its answer waits for."""
+    def _restore(self, blocks: list[int], slots: list[int]) -> None:
+        """The fresh `blocks` after a sequence's cached prefix (keyed pending by `allocate`,
+        which counts them committed) hold the host copies in `slots`: committed now, since their
+        K/V was certified when it was first computed and the copy is memory work its answer
+        waits for."""
         host = self._blocks.host
         assert host is not None
         host.restored(slots)
@@ -440,8 +444,6 @@ class BlockPool:
         if events is not None:
             events.restored(slots, blocks)
         matchable = self._blocks.cache.commit(blocks)
-        self._seqs.set_committed(np.array([row]), np.array([self._seqs.committed[row]
-                                                             + len(blocks)]))
         if matchable and events is not None:
             events.committed(matchable)
 
