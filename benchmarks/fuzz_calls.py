@@ -481,7 +481,9 @@ class CallMaker:
             return single(f"{op.WhichOneof('op')}_junk_session", session, op, Expect.FAIL, junk)
         rpc = self.rng.choice(["KeepAlive", "CloseSession", "Step", "GetBlockTables", "Batch",
                                "GetStats"])
-        request = REQUESTS[rpc](session_id=junk)
+        # A named factory: the stubs type Message() as taking no fields (types-protobuf 2026-11).
+        factory: Callable[..., Message] = REQUESTS[rpc]
+        request = factory(session_id=junk)
         if rpc == "GetStats" and not junk:
             return Plan("stats", rpc, request, None, Expect.OK)
         if rpc == "Step":

@@ -165,7 +165,8 @@ async def test_session_caps_names_and_ids() -> None:
             client_name="n" * (7 << 20))), "client_name of 7340032 bytes; the limit is "
             "max_client_name_bytes=128")
         await refused(daemon, Code.INVALID_ARGUMENT, stub.OpenSession(pb.OpenSessionRequest(
-            cache_salt=b"s" * 257)), "the limit is max_cache_salt_bytes=256")
+            cache_salt=b"s" * 257)), "cache_salt of 257 bytes; the limit is "
+            "max_cache_salt_bytes=256")
         first = await open_session(stub)  # asks for no quota: gets the daemon's cap
         second = await open_session(stub, max_blocks=100)  # asks for more: clamped
         assert (first.max_blocks, second.max_blocks) == (8, 8)
@@ -274,3 +275,14 @@ def test_a_step_many_envelope_bounds_its_encoding() -> None:
         assert 1 + varint_bytes(result.ByteSize()) + result.ByteSize() <= STEP_MANY_ENTRY
     answer = pb.StepManyResponse(results=[failed, applied, failed], free_blocks=2**32 - 1)
     assert answer.ByteSize() <= STEP_MANY_FIXED + 3 * STEP_MANY_ENTRY
+
+
+async def test_cache_salt_limit_counts_only_the_bytes_the_client_sent() -> None:
+    """A 20-byte salt under a 32-byte cap is taken: the daemon files it under the caller's
+    tenant ("tenant:default\\0" + salt, 35 bytes), but the cap is on what the client sent."""
+    async with daemon_and_stub(limits=Limits(max_cache_salt_bytes=32)) as (daemon, stub):
+        taken = await open_session(stub, cache_salt=b"s" * 20)
+        assert daemon.service.sessions.get(taken.session_id).salt.endswith(b"s" * 20)
+        await open_session(stub, cache_salt=b"s" * 32)
+        await refused(daemon, Code.INVALID_ARGUMENT, open_session(stub, cache_salt=b"s" * 33),
+                      "cache_salt of 33 bytes; the limit is max_cache_salt_bytes=32")

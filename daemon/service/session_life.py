@@ -39,6 +39,8 @@ class SessionLife:
         """A session of the calling tenant (checked: its max_sessions and salts) and of
         `model` ("" = the daemon's own; ModelNotFound, ModelAsleep)."""
         calls = self._calls
+        # The limit counts the bytes the client sent, not the tenant's namespace around them.
+        calls.limits.check_length("cache_salt", cache_salt, "max_cache_salt_bytes")
         tenant = calls.tenants.caller_tenant()
         calls.usage.check_open(tenant)
         known = calls.formats.models.get(model)

@@ -16,8 +16,9 @@ sessions are remembered (a bounded set) so their owners hear "expired", not "unk
 Stats and logs name a session by its label `{client_name}#{number}`, never by its id, and
 errors name it `#{number}`: an id is neither logged nor echoed back.
 
-Bounds (`Limits`): at most `max_sessions` live sessions; a client_name, cache_salt or
-session_id over its byte cap is refused before anything is stored or looked up; a session's
+Bounds (`Limits`): at most `max_sessions` live sessions; a client_name or session_id over its
+byte cap is refused before anything is stored or looked up (a cache_salt is checked as the client
+sent it, before its tenant's namespace is added: SessionLife.open); a session's
 quota `max_blocks` is the daemon's `max_blocks_per_session` unless the client asks for less.
 """
 
@@ -179,7 +180,6 @@ class SessionRegistry:
                                   "must not be negative")
         limits = self.limits
         limits.check_length("client_name", client_name, "max_client_name_bytes")
-        limits.check_length("cache_salt", cache_salt, "max_cache_salt_bytes")
         if len(self._sessions) >= limits.max_sessions:
             raise LimitExceeded(f"{len(self._sessions)} sessions are open; the limit is "
                                 f"max_sessions={limits.max_sessions}")
