@@ -7,7 +7,7 @@ full block hashed exactly once with xxhash64 (seeded with its parent's hash, so 
 no concatenation), no objects made per call beyond the block table's growth.
 
 It follows `pagedkv.daemon.core.BlockPool`'s policy exactly, so that on a trace both do the same
-work and hand out the same block ids (tests/test_reference_block_manager.py checks it):
+work and hand out the same block ids (tests/benchmarks/test_reference_block_manager.py checks it):
 - a new block comes from the FIFO free deque first, and only then by evicting the least
   recently released cached block;
 - a full block is keyed as soon as it fills, unless another block already holds that content;
