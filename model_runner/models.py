@@ -25,7 +25,6 @@ from transformers import (
 from pagedkv.client import PoolInfo
 from pagedkv.memory.dtypes import torch_dtype
 from pagedkv.vocab.geometry import (
-    HF_SHAPE_KEYS,
     PRESETS,
     Preset,
     geometry_from_config_fields,
@@ -117,9 +116,8 @@ def load_model(source: ModelSource, device: str = "cpu") -> PreTrainedModel:
 
 def kv_geometry(model: PreTrainedModel) -> tuple[int, int, int, str]:
     """(layers, KV heads, head dim, dtype name) the model's attention caches."""
-    text = model.config.get_text_config()
-    # Attributes, not to_dict(): they follow a config class's aliases (GPT-2's n_head).
-    fields = {key: getattr(text, key, None) for key in HF_SHAPE_KEYS}
+    # The fields as config.json holds them, read by the daemon's reader: one rule for both.
+    fields = model.config.get_text_config().to_dict()
     geometry = geometry_from_config_fields(fields, "of the runner's model", str(model.dtype))
     return (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
             geometry.default_dtype)

@@ -25,9 +25,6 @@ DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
 # Short spellings people type on a command line -> canonical name.
 _DTYPE_ALIASES: dict[str, str] = {"fp16": "float16", "half": "float16", "bf16": "bfloat16",
                                   "fp32": "float32", "float": "float32"}
-# The fields of a Hugging Face text config that decide the KV geometry (besides the dtype).
-HF_SHAPE_KEYS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "hidden_size")
 
 
 def canonical_dtype(name: str) -> str:
@@ -145,24 +142,67 @@ def _config_dtype(text: Mapping[str, Any]) -> str:
     return canonical_dtype(str(text.get("dtype") or text.get("torch_dtype") or "float32"))
 
 
+# Families whose config.json stores a shape field under another key (their config class's
+# `attribute_map` in transformers): GPT-2 saves `n_head` where Llama saves num_attention_heads.
+_GPT2_KEYS = {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+              "hidden_size": "n_embd"}
+_STORED_AS: dict[str, dict[str, str]] = {
+    "gpt2": _GPT2_KEYS,
+    "gptj": _GPT2_KEYS,
+    "codegen": _GPT2_KEYS,
+    "bloom": {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head"},
+    "gpt_neo": {"num_hidden_layers": "num_layers", "num_attention_heads": "num_heads"},
+}
+
+
+def _shape_field(text: Mapping[str, Any], key: str) -> Any:
+    """A shape field of a config as saved: under the key its family stores it as."""
+    stored = _STORED_AS.get(str(text.get("model_type", "")), {})
+    value = text.get(stored.get(key, key))
+    return text.get(key) if value is None else value
+
+
+def _kv_heads(text: Mapping[str, Any], heads: int) -> int:
+    """KV heads per layer: `num_key_value_heads`, else one per query head (no GQA). Falcon says
+    it its own way: one shared KV head under multi_query (its default), `num_kv_heads` under the
+    new decoder architecture or without multi_query."""
+    if text.get("model_type") == "falcon":
+        if text.get("multi_query", True) and not text.get("new_decoder_architecture", False):
+            return 1
+        return int(text.get("num_kv_heads") or heads)
+    return int(_shape_field(text, "num_key_value_heads") or heads)
+
+
 def geometry_from_config_fields(text: Mapping[str, Any], name: str,
                                 dtype: str) -> ModelGeometry:
-    """The geometry of a Hugging Face text config's HF_SHAPE_KEYS fields, served in `dtype`.
+    """The geometry of a Hugging Face text config's fields (as config.json holds them), served
+    in `dtype`.
 
-    KV heads are `num_key_value_heads`, or `num_attention_heads` for models without GQA;
-    head_dim is `head_dim` when the config sets it, else hidden_size // num_attention_heads.
+    KV heads: _kv_heads; head_dim is `head_dim` when the config sets it, else
+    hidden_size // num_attention_heads; keys follow the family's _STORED_AS.
     """
     try:
-        heads = int(text["num_attention_heads"])
-        kv_heads = int(text.get("num_key_value_heads") or heads)
-        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-        layers = int(text["num_hidden_layers"])
+        heads = int(_required(text, "num_attention_heads"))
+        kv_heads = _kv_heads(text, heads)
+        head_dim = int(_shape_field(text, "head_dim")
+                       or int(_required(text, "hidden_size")) // heads)
+        layers = int(_required(text, "num_hidden_layers"))
     except KeyError as exc:
         raise ValueError(f"model config {name} has no {exc.args[0]}") from exc
     except (TypeError, ValueError, ZeroDivisionError) as exc:
         raise ValueError(f"model config {name} has a malformed size: {exc}") from exc
     return ModelGeometry(name=name, num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                          num_params=None, default_dtype=canonical_dtype(dtype))
+
+
+def _required(text: Mapping[str, Any], key: str) -> Any:
+    """A shape field the geometry cannot do without; KeyError naming it (and the key its family
+    saves it under) when the config lacks it."""
+    value = _shape_field(text, key)
+    if value is None:
+        stored = _STORED_AS.get(str(text.get("model_type", "")), {}).get(key)
+        raise KeyError(f"{key} ({stored})" if stored else key)
+    return value
 
 
 def _read_text_config(path: str | Path) -> dict[str, Any]:
