@@ -45,6 +45,7 @@ from pagedkv.daemon.process.event_sink import make_event_sink, start_event_sink
 from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.service.memory_order import MemoryOrder
 from pagedkv.daemon.service.pool_service import PoolService
+from pagedkv.memory.cuda_driver import CudaDriverTooOld, require_driver_for_torch
 from pagedkv.memory.device_memory import measure
 from pagedkv.process.grpc_server import GrpcServers, StartupError, grpc_servers
 from pagedkv.process.lifecycle import cancel, stop_on_signals
@@ -209,9 +210,14 @@ def host_tier(config: DaemonConfig, service: PoolService, memory: KVPoolMemory) 
 
 
 def check_device(device: str) -> None:
-    """A clear StartupError when a CUDA device is asked for and torch cannot see it."""
+    """A clear StartupError when a CUDA device is asked for and torch cannot see it, or the
+    driver is too old for torch's CUDA build (torch would only say it sees no device)."""
     if not device.startswith("cuda"):
         return
+    try:
+        require_driver_for_torch()
+    except CudaDriverTooOld as exc:
+        raise StartupError(f"device {device}: {exc}") from None
     if not torch.cuda.is_available():
         raise StartupError(f"device {device}: torch sees no CUDA device (driver, "
                            "CUDA_VISIBLE_DEVICES, or a CPU-only torch build)")

@@ -47,6 +47,7 @@ from pagedkv.client import (
 )
 from pagedkv.memory import PoolMemoryHandle
 from pagedkv.memory.attach import attach_pool
+from pagedkv.memory.cuda_driver import require_driver_for_torch
 from pagedkv.model_runner.engine.answer_limits import AnswerLimits
 from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
@@ -170,7 +171,10 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
             raise ValueError(f"the daemon at {config.daemon} gave no pool memory: connect the "
                              "runner to the daemon's runner socket (its runner_socket, "
                              f"{DAEMON_RUNNER_SOCKET_NAME} by default), not its public one")
-        model = load_model(config.model, device=_pool_device(info))
+        device = _pool_device(info)
+        if device != "cpu":  # before torch opens it: it would only say it sees no device
+            require_driver_for_torch()
+        model = load_model(config.model, device=device)
         name = config.model_name or config.model.pool_name
         backend = get_backend(config.attention_backend, model.device)
         target = f"unix://{_listen_path(config.listen).absolute()}"

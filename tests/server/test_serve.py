@@ -16,6 +16,7 @@ from pagedkv.daemon.process import server
 from pagedkv.daemon.process.config import DaemonConfig
 from pagedkv.daemon.process.server import check_device, pool_geometry, pool_num_blocks, serve
 from pagedkv.daemon.process.settings import ConfigError
+from pagedkv.memory import cuda_driver
 from pagedkv.process.grpc_server import StartupError
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
@@ -114,4 +115,16 @@ def test_cuda_without_a_visible_device_is_refused(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(server.torch.cuda, "is_available", lambda: False)
     with pytest.raises(StartupError, match="device cuda: torch sees no CUDA device"):
         check_device("cuda")
+    check_device("cpu")  # no CUDA needed
+
+
+def test_cuda_with_a_driver_too_old_for_torch_is_refused_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch would only say it sees no device; the check names both versions.
+    monkeypatch.setattr(server.torch.version, "cuda", "13.0")
+    monkeypatch.setattr(cuda_driver, "driver_cuda_version", lambda: 12080)
+    monkeypatch.setattr(server.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(StartupError, match=r"device cuda:1: torch .* was built for CUDA 13\.0, "
+                                           r"but the NVIDIA driver supports CUDA up to 12\.8"):
+        check_device("cuda:1")
     check_device("cpu")  # no CUDA needed
