@@ -11,9 +11,15 @@
    time, reported as a fraction of the device-to-device copy bandwidth measured here, and the
    time against torch SDPA on a contiguous copy of the same K/V (query heads of one KV head
    folded into the query length, so SDPA reads each K/V row once too).
+3. Chunked prefill timing in the same geometry (PREFILL_POINTS: a whole prompt, chunks after a
+   cached prefix): the bytes it must move (each context token's K/V once, the chunk's q and out,
+   the tables) over its median time, as a fraction of the copy bandwidth, its TFLOP/s (QK^T and
+   PV of the causal chunk), and its time against SDPA on a contiguous copy with the chunk's
+   causal mask aligned to the end of the context (torch's causal_lower_right).
 
-Without CUDA the script says so, runs the check on tiny shapes (Triton under the interpreter)
-and exits 0. Figures print one per line as `name: value unit`, then a table.
+Without CUDA it fails (exit 1, the reason on one line of stderr); `--cpu-check` runs the check
+on tiny shapes there (Triton under the interpreter). Figures print one per line as
+`name: value unit`, then a table (benchmarks/gpu_check.py reads them).
 """
 
 import argparse
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedkv.memory.cuda_driver import why_no_cuda
 from pagedkv.model_runner.kernels.attention_backend import TORCH_BACKEND, TRITON_BACKEND
 from pagedkv.model_runner.kernels.triton_env import triton
 
@@ -33,6 +40,9 @@ BATCHES = (1, 8, 32, 64, 128, 256)
 CONTEXTS = (512, 2048, 4096, 8192, 32768)
 # batch x context cap: 2**21 tokens are 8 GiB of bf16 K/V, plus as much again for SDPA's copy.
 MAX_TOKENS = 1 << 21
+# Prefill (batch, context, chunk): a whole 2k prompt, alone and 16 at once; 512-token chunks
+# after 3.5k cached tokens; a 2k chunk at the end of a 32k context.
+PREFILL_POINTS = ((1, 2048, 2048), (16, 2048, 2048), (8, 4096, 512), (1, 32768, 2048))
 # Targets, printed as context: fraction of copy bandwidth at batch 64 / ctx 4096, and SDPA ratio.
 TARGET_BW_FRAC, TARGET_SDPA_RATIO = 0.70, 1.25
 # Triton vs torch tolerance per dtype, on |a - e| / (1 + |e|): both compute in fp32 and round
@@ -179,6 +189,48 @@ def decode_point(batch: int, context: int, geo: Geometry,
     return bench_ms(paged), bench_ms(sdpa), moved
 
 
+def prefill_point(batch: int, context: int, chunk: int, geo: Geometry,
+                  device: torch.device) -> tuple[float, float, int, int]:
+    """(paged ms, SDPA ms, bytes the paged kernel must move, its flops) for `batch` sequences of
+    `context` tokens whose last `chunk` are new queries (the rest a cached prefix)."""
+    # Imported here: it imports triton, which must load after triton_env's TRITON_INTERPRET.
+    from torch.nn.attention.bias import causal_lower_right
+
+    dtype, scale, group = torch.bfloat16, geo.head_dim**-0.5, geo.num_q_heads // geo.num_kv_heads
+    cache = paged_batch([context] * batch, geo, dtype, device, poison=False)
+    k_cache, v_cache = cache.pool[:, 0], cache.pool[:, 1]
+    query = torch.randn(batch * chunk, geo.num_q_heads, geo.head_dim, dtype=dtype, device=device)
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=device) * chunk
+
+    def paged() -> torch.Tensor:
+        return TRITON_BACKEND.paged_prefill_attention(
+            query, k_cache, v_cache, cache.block_tables, cache.seq_lens, starts, scale,
+            check_values=False)
+
+    # SDPA baseline: contiguous [S, H_q, L, D] (each KV head repeated for its query heads), the
+    # chunk's causal mask aligned to the context's end.
+    table = cache.block_tables.long()
+    k_dense, v_dense = (kv[table].flatten(1, 2)[:, :context].transpose(1, 2)
+                        .repeat_interleave(group, dim=1).contiguous() for kv in (k_cache, v_cache))
+    q_dense = query.view(batch, chunk, geo.num_q_heads, geo.head_dim).transpose(1, 2)
+    mask = causal_lower_right(chunk, context)
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q_dense, k_dense, v_dense, attn_mask=mask,
+                                              scale=scale)
+
+    expected = sdpa().transpose(1, 2).reshape_as(query)
+    torch.testing.assert_close(paged(), expected, atol=2e-2, rtol=2e-2)
+    bf16_bytes, int32_bytes = 2, 4
+    kv_bytes = 2 * batch * context * geo.num_kv_heads * geo.head_dim * bf16_bytes
+    io_bytes = 2 * query.numel() * bf16_bytes
+    table_bytes = (cache.block_tables.numel() + 2 * batch + 1) * int32_bytes
+    # Query i of a chunk sees the cached prefix and i + 1 of the chunk's own keys.
+    attended = batch * (chunk * (context - chunk) + chunk * (chunk + 1) // 2)
+    flops = 4 * attended * geo.num_q_heads * geo.head_dim  # QK^T and PV, 2 flops a multiply-add
+    return bench_ms(paged), bench_ms(sdpa), kv_bytes + io_bytes + table_bytes, flops
+
+
 def run_gpu(device: torch.device) -> int:
     geo = Geometry(NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
     print(f"device: {torch.cuda.get_device_name(device)}")
@@ -198,6 +250,7 @@ def run_gpu(device: torch.device) -> int:
             frac = moved / (paged_ms * 1e-3) / copy_bw
             name = f"b{batch}_c{context}"
             print(f"decode_us_{name}: {paged_ms * 1e3:.1f} us")
+            print(f"decode_gbps_{name}: {moved / (paged_ms * 1e-3) / 1e9:.1f} GB/s")
             print(f"decode_bw_frac_{name}: {frac:.2f} fraction")
             print(f"decode_vs_sdpa_{name}: {paged_ms / sdpa_ms:.2f} ratio")
             rows.append((batch, context, paged_ms, sdpa_ms, moved / (paged_ms * 1e-3) / 1e9, frac))
@@ -207,20 +260,47 @@ def run_gpu(device: torch.device) -> int:
     for batch, context, paged_ms, sdpa_ms, gbps, frac in rows:
         print(f"{batch:>6} {context:>6} {paged_ms * 1e3:>9.1f} {sdpa_ms * 1e3:>9.1f} {gbps:>7.0f}"
               f" {frac:>8.2f} {paged_ms / sdpa_ms:>8.2f}")
+    print()
+    run_prefill(geo, device, copy_bw)
     return 0
+
+
+def run_prefill(geo: Geometry, device: torch.device, copy_bw: float) -> None:
+    """Time PREFILL_POINTS and print their figures, then their table."""
+    rows = []
+    for batch, context, chunk in PREFILL_POINTS:
+        paged_ms, sdpa_ms, moved, flops = prefill_point(batch, context, chunk, geo, device)
+        gbps, tflops = moved / (paged_ms * 1e-3) / 1e9, flops / (paged_ms * 1e-3) / 1e12
+        name = f"b{batch}_c{context}_q{chunk}"
+        print(f"prefill_us_{name}: {paged_ms * 1e3:.1f} us")
+        print(f"prefill_gbps_{name}: {gbps:.1f} GB/s")
+        print(f"prefill_bw_frac_{name}: {gbps * 1e9 / copy_bw:.2f} fraction")
+        print(f"prefill_tflops_{name}: {tflops:.1f} TFLOP/s")
+        print(f"prefill_vs_sdpa_{name}: {paged_ms / sdpa_ms:.2f} ratio")
+        rows.append((batch, context, chunk, paged_ms, sdpa_ms, gbps, tflops))
+        torch.cuda.empty_cache()
+    print(f"\n{'batch':>6} {'ctx':>6} {'chunk':>6} {'paged us':>9} {'sdpa us':>9} {'GB/s':>7}"
+          f" {'TFLOP/s':>8} {'vs sdpa':>8}")
+    for batch, context, chunk, paged_ms, sdpa_ms, gbps, tflops in rows:
+        print(f"{batch:>6} {context:>6} {chunk:>6} {paged_ms * 1e3:>9.1f} {sdpa_ms * 1e3:>9.1f}"
+              f" {gbps:>7.0f} {tflops:>8.1f} {paged_ms / sdpa_ms:>8.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu-check", action="store_true",
-                        help="only the correctness check, on tiny CPU shapes (interpreter)")
+                        help="only the correctness check, on tiny CPU shapes (Triton's "
+                             "interpreter: TRITON_INTERPRET=1 on a machine with CUDA)")
     args = parser.parse_args(argv)
-    if torch.cuda.is_available() and not args.cpu_check:
-        return run_gpu(torch.device("cuda"))
-    if not torch.cuda.is_available():
-        print("no CUDA device: running the CPU-safe correctness check only (Triton interpreted)")
-    passed = check(Geometry(8, 2, 64, 16), [1, 15, 16, 17, 100], torch.device("cpu"))
-    return 0 if passed else 1
+    if args.cpu_check:
+        passed = check(Geometry(8, 2, 64, 16), [1, 15, 16, 17, 100], torch.device("cpu"))
+        return 0 if passed else 1
+    missing = why_no_cuda()
+    if missing is not None:
+        print(f"bench-gpu: {missing}; --cpu-check runs the correctness check alone on the CPU",
+              file=sys.stderr)
+        return 1
+    return run_gpu(torch.device("cuda"))
 
 
 if __name__ == "__main__":
