@@ -1,27 +1,65 @@
 # Two commands on a fresh machine: `make demo` and `make test`. Everything else is a helper.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+PYTHON ?= python3
+# Which lock `make setup` installs: cpu (PyTorch's CPU wheel) or cuda (PyPI's CUDA build, with
+# its nvidia-* wheels). pip does not look for GPUs: the choice is this variable, which defaults to
+# cuda where nvidia-smi is on PATH and to cpu elsewhere. `make setup TORCH_BACKEND=cpu` on a GPU
+# machine installs the CPU build on purpose.
+TORCH_BACKEND ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
+LOCK   := requirements/$(TORCH_BACKEND).txt
+# PyTorch publishes its CPU wheels on its own index, not on PyPI (the cpu lock pins their hashes).
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_SOURCE := $(if $(filter cpu,$(TORCH_BACKEND)),--extra-index-url $(TORCH_CPU_INDEX),)
+# The venv holds exactly one lock: made anew when the lock (or the backend) changes.
+LOCKED := $(VENV)/.locked-$(TORCH_BACKEND)
 STAMP  := $(VENV)/.installed
-# Torch first, pinned: on a machine without CUDA, 2.13.0 is the CPU wheel, so the `runtime`
-# extra's range is already satisfied and pip never pulls a CUDA build or nvidia-* packages.
-TORCH  ?= torch==2.13.0
+# `make lock LOCK_ARGS=--upgrade` takes the newest releases the ranges allow; plain `make lock`
+# keeps every pin that still satisfies pyproject.toml.
+LOCK_ARGS ?=
+PIP_COMPILE = CUSTOM_COMPILE_COMMAND="make lock" $(PY) -m piptools compile --quiet \
+	--generate-hashes --allow-unsafe --strip-extras --no-emit-index-url --no-emit-find-links \
+	$(LOCK_ARGS)
 
-.PHONY: setup soak test lint typecheck pytest demo bench bench-gpu proto proto-check clean
+include ops/image.env
+
+.PHONY: setup lock soak test lint typecheck pytest demo bench bench-gpu gpu-check image proto \
+	proto-check clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[runtime,test,bench]'
-	@if $(PY) -m pip list 2>/dev/null | grep -qi '^nvidia-'; then \
-	  if ! command -v nvidia-smi >/dev/null; then echo "nvidia-* packages on a machine without CUDA" >&2; exit 1; fi; fi
+$(LOCKED): $(LOCK)
+	@case "$(TORCH_BACKEND)" in cpu|cuda) ;; *) echo "TORCH_BACKEND must be cpu or cuda, not '$(TORCH_BACKEND)'" >&2; exit 1;; esac
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { \
+	  echo "the locks in requirements/ are compiled for CPython 3.11: make setup PYTHON=python3.11" >&2; exit 1; }
+	@echo "setup: installing $(LOCK) (TORCH_BACKEND=$(TORCH_BACKEND)) into a new $(VENV)"
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --require-hashes --no-deps $(TORCH_SOURCE) -r $(LOCK)
 	touch $@
+
+$(STAMP): $(LOCKED) pyproject.toml
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
+	@if [ "$(TORCH_BACKEND)" = cpu ] && $(PY) -m pip list 2>/dev/null | grep -qi '^nvidia-'; then \
+	  echo "nvidia-* packages in a cpu venv" >&2; exit 1; fi
+	touch $@
+
+# Refresh the locks from pyproject.toml and requirements/*.in (tests/project/test_lock.py fails
+# while they disagree): cpu and cuda hold every extra, image only the runtime the container runs.
+# The CUDA builds are resolved against PyPI alone: a local wheel folder or a pip constraint of this
+# machine must not leak into what other machines install.
+PYPI_ONLY := env -u PIP_FIND_LINKS -u PIP_CONSTRAINT PIP_CONFIG_FILE=/dev/null
+lock: setup
+	$(PIP_COMPILE) --all-extras pyproject.toml requirements/cpu.in -o requirements/cpu.txt
+	$(PYPI_ONLY) $(PIP_COMPILE) --all-extras pyproject.toml requirements/cuda.in \
+	  -o requirements/cuda.txt
+	$(PYPI_ONLY) $(PIP_COMPILE) --extra runtime pyproject.toml requirements/image.in \
+	  -o requirements/image.txt
 
 # The stateful fuzzer (30,000 calls), the load run (8 clients, 60 s, a SIGKILLed client) and
 # the runner fuzzer (120 s: honest clients checked token by token, hostile and killed ones) at
-# full size; `make test` runs them briefly (tests/test_fuzz_brief.py). About 10 minutes.
+# full size; `make test` runs them briefly (tests/benchmarks/test_fuzzers.py). About 10 minutes.
 soak: setup
 	$(PY) benchmarks/soak.py
 
@@ -70,6 +108,18 @@ bench: setup
 
 bench-gpu: setup
 	$(PY) benchmarks/bench_kernels_gpu.py
+
+# The first thing a session with a lent GPU runs (at most 8 minutes): CUDA seen, `pytest -m gpu`,
+# bench-gpu, `pagedkv serve` on CUDA against transformers, one summary. Fails without CUDA.
+gpu-check: setup
+	$(PY) benchmarks/gpu_check.py
+
+# The image ops/kubernetes runs (name and tag: ops/image.env), where a container engine runs.
+image:
+	@engine=$$(command -v docker || command -v podman) || { echo "make image: no docker or podman on PATH" >&2; exit 1; }; \
+	$$engine info >/dev/null 2>&1 || { echo "make image: $$engine finds no running container engine" >&2; exit 1; }; \
+	$$engine build --build-arg VERSION=$(lastword $(subst :, ,$(IMAGE))) \
+	  --build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown) -t $(IMAGE) .
 
 proto: setup
 	$(PY) proto/generate.py
