@@ -7,7 +7,8 @@
 #
 # Two stages, in the pattern of vLLM's docker/Dockerfile (a build image, then a slimmer final one):
 #   builder  a standalone CPython 3.11 (uv's managed Python) and a venv at /opt/pagedkv/venv with
-#            requirements/cuda.txt installed exactly (hashes checked, no resolution), then pagedkv;
+#            requirements/image.txt (the runtime extra, CUDA build: no test tools) installed
+#            exactly (hashes checked, no resolution), then pagedkv;
 #   runtime  NVIDIA's CUDA *base* image (cudart and the forward-compat driver libraries only) with
 #            that Python and that venv copied in. The CUDA user-space libraries come as nvidia-*
 #            wheels with PyPI's torch (in the lock); the host brings the driver through the
@@ -22,7 +23,7 @@
 ARG CUDA_BASE_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
 # uv, for the managed Python and the install. TODO: pin by digest, as above.
 ARG UV_IMAGE=ghcr.io/astral-sh/uv:0.13.8
-# requirements/cuda.txt is compiled for CPython 3.11 on linux x86_64. A pinned uv always picks
+# requirements/image.txt is compiled for CPython 3.11 on linux x86_64. A pinned uv always picks
 # the same 3.11.x build.
 ARG PYTHON_VERSION=3.11
 
@@ -50,9 +51,9 @@ WORKDIR /src
 
 # The lock first, alone: its layer is rebuilt only when the lock changes. Exactly the lock:
 # every requirement pinned with its hashes (--require-hashes), nothing resolved (--no-deps).
-COPY requirements/cuda.txt requirements/cuda.txt
+COPY requirements/image.txt requirements/image.txt
 RUN uv pip install --no-cache --python /opt/pagedkv/venv/bin/python \
-        --require-hashes --no-deps -r requirements/cuda.txt
+        --require-hashes --no-deps -r requirements/image.txt
 
 # Then pagedkv itself, not editable, built with the lock's setuptools (--no-build-isolation), and
 # its dependencies are the lock's (--no-deps). .dockerignore lets in only what the build reads.

@@ -19,7 +19,7 @@ instruction, and checked against what runs it.
 - The folders: every path the manifests mount (but /dev/shm and /tmp, which the runtime
   provides) and every unix socket's folder is created in the final stage; the writable ones
   belong to the image's user.
-- The install: the builder installs requirements/cuda.txt with --require-hashes and --no-deps
+- The install: the builder installs requirements/image.txt with --require-hashes and --no-deps
   into the venv, then pagedkv with --no-deps --no-build-isolation, not editable; no pip or uv
   leaves a cache; the final stage is a CUDA base or runtime image (not devel) that copies in
   only the venv and its Python (same paths), installs no Python packages, and of a toolchain only
@@ -50,7 +50,7 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 IMAGE_ENV = ROOT / "ops" / "image.env"
 KUBERNETES = ROOT / "ops" / "kubernetes"
-LOCK = "requirements/cuda.txt"
+LOCK = "requirements/image.txt"
 # The systemd units and the process each runs.
 UNITS = {"pagedkvd.service": "daemon", "pagedkv-runner.service": "runner",
          "pagedkv-server.service": "serve"}
