@@ -22,7 +22,13 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedkv.process.launch import READY_STATE, Launched, free_tcp_port, start_process
+from pagedkv.process.launch import (
+    READY_STATE,
+    START_TIMEOUT_S,
+    Launched,
+    free_tcp_port,
+    start_process,
+)
 
 SERVE_COMMAND = (sys.executable, "-m", "pagedkv.cli", "serve")
 # The module names in the command lines of the server's children.
@@ -62,23 +68,30 @@ class Server:
                    for sample in family.samples if sample.name == name)
 
 
-def start_server(folder: Path, model: str, *args: str) -> Server:
+def start_server(folder: Path, model: str, *args: str,
+                 timeout: float = START_TIMEOUT_S) -> Server:
     """`pagedkv serve --model MODEL ARGS` on a free loopback port, logging warnings and up, its
     log and notify socket in `folder`, and its children's private folder there too (so that
-    removing `folder` removes it, even after a SIGKILL); once its port listens."""
+    removing `folder` removes it, even after a SIGKILL); once its port listens (NoNotification,
+    the server stopped, when it does not within `timeout` seconds)."""
     port = free_tcp_port()
     launched = start_process("pagedkv-serve", [*SERVE_COMMAND, "--model", model, "--port",
                                                str(port), "--log-level", "warning",
                                                "--log-format", "json", *args],
                              folder, f"http://127.0.0.1:{port}", env={"TMPDIR": str(folder)})
-    launched.wait_for_notification(READY_STATE)
+    try:
+        launched.wait_for_notification(READY_STATE, timeout)
+    except BaseException:
+        launched.stop()  # SIGTERM (SIGKILL if it lingers): it stops what it started, if it can
+        raise
     return Server(launched, port, model)
 
 
 @contextlib.contextmanager
-def served(folder: Path, model: str, *args: str) -> Iterator[Server]:
+def served(folder: Path, model: str, *args: str,
+           timeout: float = START_TIMEOUT_S) -> Iterator[Server]:
     """`start_server`, stopped (SIGTERM: it drains, then stops its runner and daemon) on exit."""
-    server = start_server(folder, model, *args)
+    server = start_server(folder, model, *args, timeout=timeout)
     with server.launched:
         yield server
         server.launched.stop()
