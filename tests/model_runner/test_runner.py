@@ -23,6 +23,7 @@ from pagedkv.model_runner.kernels.paged_attention import CONTEXT_KWARG
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 
 from engine_driver import greedy
+from kernel_utils import skip_unless_triton_runs_on
 from pagedkvd_process import Pagedkvd, free_tcp_port, pagedkvd
 
 BLOCK_SIZE = 16
@@ -217,6 +218,7 @@ async def test_triton_backend_matches_torch(
 ) -> None:
     """The Triton kernels (interpreted on CPU) give the torch kernels' logits, prefill and
     decode. Both runners compute the same chunks into the same slots."""
+    skip_unless_triton_runs_on("cpu")
     info = await client.pool_info()
     runners = [ModelRunner.attach(model, info, get_backend("torch")),
                ModelRunner.attach(model, info, get_backend("triton"))]

@@ -41,6 +41,7 @@ from pagedkv.model_runner.kernels.paged_attention import (
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 
 from engine_driver import greedy
+from kernel_utils import skip_unless_triton_runs_on
 from pagedkvd_process import Pagedkvd, pagedkvd
 
 BLOCK_SIZE = 16
@@ -121,6 +122,8 @@ async def test_greedy_tokens_and_logits_match_eager_transformers(
     runner_client: PoolClient, session: Session, prompts: list[list[int]], family: str,
     backend: str,
 ) -> None:
+    if backend == "triton":
+        skip_unless_triton_runs_on("cpu")
     reference = reference_model(family)
     runner = LogitsRunner.attach(copy.deepcopy(reference), await runner_client.pool_info(),
                                  get_backend(backend))

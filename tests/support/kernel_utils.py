@@ -11,7 +11,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-# "cpu" runs Triton under the interpreter; "cuda" runs the compiled kernels on a GPU.
+from pagedkv.model_runner.kernels.triton_env import interpreter_enabled
+
+# "cpu" runs Triton under the interpreter (skip_unless_triton_runs_on: only where it is on);
+# "cuda" runs the compiled kernels on a GPU.
 DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param(
@@ -23,6 +26,19 @@ DEVICES = [
         ],
     ),
 ]
+
+TRITON_CPU_SKIP = ("Triton runs on CPU tensors only under its interpreter, which triton_env "
+                   "switches on only without CUDA: here the compiled kernels are tested on "
+                   "CUDA tensors instead (the gpu-marked cases, make gpu-check)")
+
+
+def skip_unless_triton_runs_on(device: str | torch.device) -> None:
+    """Skip the calling test where Triton kernels cannot run on tensors on `device`: CPU tensors
+    need the interpreter, which is on where there is no CUDA (or with TRITON_INTERPRET=1). Call
+    it first in every test that runs a Triton kernel on CPU tensors."""
+    if torch.device(device).type == "cpu" and not interpreter_enabled():
+        pytest.skip(TRITON_CPU_SKIP)
+
 
 # Tolerance of an output computed in fp32 and rounded to the dtype, per dtype: (atol, rtol).
 TOLERANCE = {

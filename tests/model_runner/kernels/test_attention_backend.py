@@ -18,7 +18,13 @@ from pagedkv.model_runner.kernels.attention_backend import (
 from pagedkv.model_runner.kernels.store_kv import _store_kv_kernel
 from pagedkv.model_runner.kernels.triton_env import is_interpreted, triton
 
-from kernel_utils import assert_close_to, make_paged_batch, oracle_attention, random_tokens
+from kernel_utils import (
+    assert_close_to,
+    make_paged_batch,
+    oracle_attention,
+    random_tokens,
+    skip_unless_triton_runs_on,
+)
 
 
 def test_auto_picks_triton_on_cuda_and_torch_elsewhere():
@@ -29,6 +35,7 @@ def test_auto_picks_triton_on_cuda_and_torch_elsewhere():
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    skip_unless_triton_runs_on("cpu")
     assert get_backend("triton", "cpu") is TRITON_BACKEND  # triton_env enabled it (no CUDA here)
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
@@ -67,6 +74,8 @@ def test_triton_imported_before_the_switch_is_a_clear_error():
 
 @pytest.mark.parametrize("backend", [TORCH_BACKEND, TRITON_BACKEND], ids=lambda b: b.name)
 def test_prefill_then_decode_round(backend):
+    if backend is TRITON_BACKEND:
+        skip_unless_triton_runs_on("cpu")
     # A 20-token prompt is written and attended, then one generated token is appended and decoded.
     batch = make_paged_batch([21], 8, 2, 32, torch.float32, "cpu")
     k_new, v_new = batch.k_cache.clone(), batch.v_cache.clone()

@@ -30,6 +30,7 @@ from kernel_utils import (
     param_id,
     ragged_lengths,
     random_tokens,
+    skip_unless_triton_runs_on,
 )
 
 SCALE = 0.125
@@ -105,6 +106,7 @@ TRITON_CASES = [
 @pytest.mark.parametrize(("block_size", "group", "head_dim", "dtype"), TRITON_CASES,
                          ids=param_id)
 def test_triton_matches_torch(device, block_size, group, head_dim, dtype):
+    skip_unless_triton_runs_on(device)
     batch, query = _batch_and_query(ragged_lengths(block_size), block_size, group, head_dim,
                                     dtype, device)
     out = _decode(paged_decode_attention_triton, batch, query)
@@ -115,6 +117,7 @@ def test_triton_matches_torch(device, block_size, group, head_dim, dtype):
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=param_id)
 def test_split_k_merges_to_the_same_result(device, num_splits, dtype):
+    skip_unless_triton_runs_on(device)
     # 700 tokens are 11 tiles; the 5-token sequence leaves most of its splits empty.
     batch, query = _batch_and_query([700, 5], 16, 4, 64, dtype, device, num_kv_heads=1)
     out = _decode(paged_decode_attention_triton, batch, query, num_splits)

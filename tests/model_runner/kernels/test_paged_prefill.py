@@ -30,6 +30,7 @@ from kernel_utils import (
     query_start_loc,
     ragged_lengths,
     random_tokens,
+    skip_unless_triton_runs_on,
 )
 
 SCALE = 0.09
@@ -84,6 +85,7 @@ TRITON_CASES = [
 @pytest.mark.parametrize(("block_size", "group", "head_dim", "dtype"), TRITON_CASES,
                          ids=param_id)
 def test_triton_matches_torch(device, block_size, group, head_dim, dtype):
+    skip_unless_triton_runs_on(device)
     seq_lens, q_lens = _chunks(block_size)
     batch, query, qsl = _setup(seq_lens, q_lens, block_size, group, head_dim, dtype, device)
     out = _prefill(paged_prefill_attention_triton, batch, query, qsl)
@@ -92,6 +94,7 @@ def test_triton_matches_torch(device, block_size, group, head_dim, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_long_chunk_spans_several_row_blocks(device):
+    skip_unless_triton_runs_on(device)
     # 150 new tokens after a 30-token cached prefix: three 64-row query blocks, three tiles.
     batch, query, qsl = _setup([180, 9], [150, 9], 16, 2, 64, torch.float32, device)
     out = _prefill(paged_prefill_attention_triton, batch, query, qsl)
@@ -102,6 +105,8 @@ def test_triton_long_chunk_spans_several_row_blocks(device):
 @pytest.mark.parametrize("impl", [paged_prefill_attention_torch, paged_prefill_attention_triton],
                          ids=["torch", "triton"])
 def test_chunked_prefill_equals_whole_prompt(device, impl):
+    if impl is paged_prefill_attention_triton:
+        skip_unless_triton_runs_on(device)
     # A prompt of 40 in one go, then the same prompt as a cached 27-token prefix + 13 new tokens.
     batch, query, _ = _setup([40], [40], 8, 2, 64, torch.float32, device)
     whole = _prefill(impl, batch, query, query_start_loc([40], device))
@@ -111,6 +116,7 @@ def test_chunked_prefill_equals_whole_prompt(device, impl):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_token_chunks_equal_decode(device):
+    skip_unless_triton_runs_on(device)
     batch, query, qsl = _setup([1, 17, 33], [1, 1, 1], 16, 4, 64, torch.float32, device)
     prefill = _prefill(paged_prefill_attention_triton, batch, query, qsl)
     decode = paged_decode_attention_triton(query, batch.k_cache, batch.v_cache,

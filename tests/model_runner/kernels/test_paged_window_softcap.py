@@ -34,6 +34,7 @@ from kernel_utils import (
     query_start_loc,
     ragged_lengths,
     random_tokens,
+    skip_unless_triton_runs_on,
 )
 
 SCALE = 0.125
@@ -93,6 +94,7 @@ def test_the_oracle_sees_both_variants():
 @pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("window", WINDOWS)
 def test_triton_decode_matches_torch_and_oracle(device, window, softcap):
+    skip_unless_triton_runs_on(device)
     batch, query = _setup(SEQ_LENS, len(SEQ_LENS), 4, torch.float32, device)
     out = _decode(paged_decode_attention_triton, batch, query, window, softcap)
     assert_close_to(out, _decode(paged_decode_attention_torch, batch, query, window, softcap),
@@ -104,6 +106,7 @@ def test_triton_decode_matches_torch_and_oracle(device, window, softcap):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
 def test_split_k_covers_only_the_window(device, num_splits):
+    skip_unless_triton_runs_on(device)
     """700 positions (11 tiles) under a 61-position window that starts on the last position of
     tile 9: the splits share tiles 9 and 10 only, and the 5-token sequence leaves its second
     split empty, which must weigh nothing in the merge."""
@@ -126,6 +129,7 @@ def test_split_plan_counts_the_tiles_a_window_reaches():
 @pytest.mark.parametrize("softcap", SOFTCAPS)
 @pytest.mark.parametrize("window", WINDOWS)
 def test_triton_prefill_matches_torch_and_oracle(device, window, softcap):
+    skip_unless_triton_runs_on(device)
     batch, query = _setup(SEQ_LENS, sum(Q_LENS), 1, torch.float32, device)
     out = _prefill(paged_prefill_attention_triton, batch, query, Q_LENS, window, softcap)
     assert_close_to(out, _prefill(paged_prefill_attention_torch, batch, query, Q_LENS, window,
@@ -136,6 +140,7 @@ def test_triton_prefill_matches_torch_and_oracle(device, window, softcap):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_triton_prefill_rows_whose_window_starts_in_a_later_tile(device):
+    skip_unless_triton_runs_on(device)
     """150 new tokens after a 30-token prefix, window 32: the second 64-row program's first row
     (position 94) sees from position 63, the last of tile 0, while its last rows see tile 1
     only, so they count nothing in the first tile walked (their softmax state must stay
@@ -148,6 +153,7 @@ def test_triton_prefill_rows_whose_window_starts_in_a_later_tile(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_large_scores_saturate_the_softcap_without_nan(device):
+    skip_unless_triton_runs_on(device)
     """Scores of +-hundreds (scale 20) put tanh deep in saturation."""
     batch, query = _setup([40, 3], 2, 2, torch.float32, device)
     args = (query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, 20.0)
@@ -160,6 +166,8 @@ def test_large_scores_saturate_the_softcap_without_nan(device):
                                   paged_prefill_attention_torch, paged_prefill_attention_triton],
                          ids=["decode-torch", "decode-triton", "prefill-torch", "prefill-triton"])
 def test_bad_window_or_softcap_is_refused(impl):
+    if impl in (paged_decode_attention_triton, paged_prefill_attention_triton):
+        skip_unless_triton_runs_on("cpu")
     batch, query = _setup([5, 20], 2, 1, torch.float32, "cpu")
     args = [query, batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens]
     if impl in (paged_prefill_attention_torch, paged_prefill_attention_triton):

@@ -11,7 +11,7 @@ import torch
 
 from pagedkv.model_runner.kernels.store_kv import store_kv_torch, store_kv_triton
 
-from kernel_utils import DEVICES
+from kernel_utils import DEVICES, skip_unless_triton_runs_on
 
 IMPLS = [pytest.param(store_kv_torch, id="torch"), pytest.param(store_kv_triton, id="triton")]
 
@@ -43,6 +43,8 @@ def _new_tokens(num_tokens: int, heads: int, head_dim: int, dtype: torch.dtype,
     ],
 )
 def test_rows_land_in_their_slots(store, device, block_size, heads, head_dim, dtype):
+    if store is store_kv_triton:
+        skip_unless_triton_runs_on(device)
     pool = _pool(6, block_size, heads, head_dim, dtype, device)
     key, value = _new_tokens(9, heads, head_dim, dtype, device)
     gen = torch.Generator().manual_seed(1)
@@ -62,6 +64,8 @@ def test_rows_land_in_their_slots(store, device, block_size, heads, head_dim, dt
 
 @pytest.mark.parametrize("store", IMPLS)
 def test_all_padding_and_empty_batches_write_nothing(store):
+    if store is store_kv_triton:
+        skip_unless_triton_runs_on("cpu")
     pool = _pool(2, 8, 1, 16, torch.float32, "cpu")
     key, value = _new_tokens(3, 1, 16, torch.float32, "cpu")
     store(key, value, pool[:, 0, 0], pool[:, 0, 1], torch.full((3,), -1, dtype=torch.int64))
