@@ -132,12 +132,12 @@ class Facts:
 
 def run_logged(command: list[str], timeout: float, tag: str,
                env: dict[str, str] | None = None) -> tuple[int | None, list[str]]:
-    """Run `command` from the repository root, echoing its output lines prefixed with `tag`;
-    (its exit status, its lines). INTERRUPT_GRACE_S before `timeout`: SIGINT (pytest then
-    writes its report), SIGKILL at `timeout`, and the status is None."""
+    """Run `command` from the repository root, echoing its output lines (unbuffered) prefixed
+    with `tag`; (its exit status, its lines). INTERRUPT_GRACE_S before `timeout`: SIGINT
+    (pytest then writes its report), SIGKILL at `timeout`, and the status is None."""
     process = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, **(env or {})})
+                               env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     lines: list[str] = []
 
     def read() -> None:
