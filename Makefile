@@ -9,8 +9,9 @@ PYTHON ?= python3
 TORCH_BACKEND ?= $(if $(shell command -v nvidia-smi 2>/dev/null),cuda,cpu)
 LOCK   := requirements/$(TORCH_BACKEND).txt
 # PyTorch publishes its CPU wheels on its own index, not on PyPI (the cpu lock pins their hashes).
+# Setup adds that index only when pip's own sources (a find-links folder) lack the pinned wheel:
+# pip asks every index for every package, and an index it cannot reach costs seconds each.
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-TORCH_SOURCE := $(if $(filter cpu,$(TORCH_BACKEND)),--extra-index-url $(TORCH_CPU_INDEX),)
 # The venv holds exactly one lock: made anew when the lock (or the backend) changes.
 LOCKED := $(VENV)/.locked-$(TORCH_BACKEND)
 STAMP  := $(VENV)/.installed
@@ -35,7 +36,10 @@ $(LOCKED): $(LOCK)
 	@echo "setup: installing $(LOCK) (TORCH_BACKEND=$(TORCH_BACKEND)) into a new $(VENV)"
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --require-hashes --no-deps $(TORCH_SOURCE) -r $(LOCK)
+	torch=$$(grep -o '^torch==[^ ]*' $(LOCK)); source=""; \
+	if [ $(TORCH_BACKEND) = cpu ] && ! $(PY) -m pip install -q --dry-run --no-deps --no-index \
+	  "$$torch" >/dev/null 2>&1; then source="--extra-index-url $(TORCH_CPU_INDEX)"; fi; \
+	$(PY) -m pip install -q --require-hashes --no-deps $$source -r $(LOCK)
 	touch $@
 
 $(STAMP): $(LOCKED) pyproject.toml
@@ -75,8 +79,11 @@ typecheck: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy benchmarks
 
+# Two workers, one per core of the CI machine; each test file stays on one worker, so a module's
+# daemons start once. PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= 2
 pytest: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile
 
 demo: setup
 	$(PY) -m pagedkv.demo

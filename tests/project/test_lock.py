@@ -89,8 +89,9 @@ def test_the_lock_satisfies_pyproject_and_asks_for_nothing_it_dropped(backend: s
     for requirement in wanted:
         name = canonicalize_name(requirement.name)
         assert name in pins, f"{backend} lock lacks {requirement}: run make lock"
-        assert requirement.specifier.contains(pins[name].version, prereleases=True), \
-            f"{backend} lock pins {name}=={pins[name].version}, outside {requirement}: run make lock"
+        pinned = pins[name].version
+        assert requirement.specifier.contains(pinned, prereleases=True), \
+            f"{backend} lock pins {name}=={pinned}, outside {requirement}: run make lock"
     direct = {name for name, pin in pins.items() if FROM_PYPROJECT in pin.via}
     assert direct == {canonicalize_name(r.name) for r in wanted}, \
         f"{backend} lock was compiled from another pyproject.toml: run make lock"
