@@ -63,6 +63,10 @@ PROMPTS = [[(7 * i + 3 * j) % 128 for j in range(n)] for i, n in enumerate((5, 1
 RESTART_NEW_TOKENS = 16
 # Sent with each sequence's first step; the runner keeps it for the later steps.
 GREEDY = SamplingParams(temperature=0.0, max_tokens=RESTART_NEW_TOKENS)
+# Runners these tests kill (and their successors) hold a session for 1 s past their last renewal
+# (default 5 s; renewed at half that while a forward waits and runs): a killed runner's hold
+# lapses, and its session closes, that much sooner.
+KILLED_RUNNER_ARGS = ("--hold-ms", "1000")
 
 
 @pytest.fixture
@@ -216,7 +220,8 @@ async def test_a_killed_runner_restarted_continues_with_identical_tokens(
     prompt = PROMPTS[2]
     async with await PoolClient.connect(daemon.unix_target) as pool, \
             await pool.open_session("survivor", lease_ttl_ms=LEASE_MS) as session:
-        with pagedkv_runner(daemon, "--random-init", str(config_path)) as first:
+        with pagedkv_runner(daemon, "--random-init", str(config_path),
+                            *KILLED_RUNNER_ARGS) as first:
             async with await RunnerClient.connect(first.unix_target) as runner:
                 (out,) = await runner.step(session, [SeqStep(1, prompt, new_sequence=True,
                                                              params=GREEDY)])
@@ -224,7 +229,8 @@ async def test_a_killed_runner_restarted_continues_with_identical_tokens(
                 (out,) = await runner.step(session, [SeqStep(1, [tokens[-1]])])
                 tokens.append(out.token_id)
             first.stop(signal.SIGKILL)
-        with pagedkv_runner(daemon, "--random-init", str(config_path)) as second:
+        with pagedkv_runner(daemon, "--random-init", str(config_path),
+                            *KILLED_RUNNER_ARGS) as second:
             async with await RunnerClient.connect(second.unix_target) as runner:
                 step = SeqStep(1, [tokens[-1]])
                 with pytest.raises(UnknownSequence, match="resend it with its history"):
@@ -345,7 +351,7 @@ async def test_engine_requests_finish_with_identical_tokens_across_a_runner_rest
     tests/client/engine/test_follow.py's.)"""
     with contextlib.ExitStack() as runners:
         first = runners.enter_context(pagedkv_runner(daemon, "--random-init", str(config_path),
-                                                     listen=listen))
+                                                     *KILLED_RUNNER_ARGS, listen=listen))
         async with await Engine.connect(daemon.unix_target, listen, lease_ttl_ms=LEASE_MS,
                                         config=SchedulerConfig(follow=False)) as engine:
             others = [asyncio.create_task(engine.generate(p, GREEDY)) for p in PROMPTS[1:]]
@@ -355,7 +361,8 @@ async def test_engine_requests_finish_with_identical_tokens_across_a_runner_rest
                 if not restarted_at and done >= 4:
                     first.stop(signal.SIGKILL)
                     runners.enter_context(pagedkv_runner(daemon, "--random-init",
-                                                         str(config_path), listen=listen))
+                                                         str(config_path), *KILLED_RUNNER_ARGS,
+                                                         listen=listen))
                     restarted_at = done
                 final = output
             results = [final, *await asyncio.gather(*others)]
@@ -391,13 +398,15 @@ async def test_a_restarted_runner_that_does_not_know_the_sequences_gets_their_hi
     seqs = new_seqs()
     async with await PoolClient.connect(daemon.unix_target) as pool, \
             await pool.open_session("link", lease_ttl_ms=LEASE_MS) as session:
-        with pagedkv_runner(daemon, "--random-init", str(config_path), listen=listen) as first:
+        with pagedkv_runner(daemon, "--random-init", str(config_path), *KILLED_RUNNER_ARGS,
+                            listen=listen) as first:
             async with await RunnerClient.connect(listen) as runner:
                 link = RunnerLink(runner, session, (await runner.info()).runner_id)
                 for _ in range(3):
                     await greedy_step(link, seqs)
             first.stop(signal.SIGKILL)
-        with pagedkv_runner(daemon, "--random-init", str(config_path), listen=listen):
+        with pagedkv_runner(daemon, "--random-init", str(config_path), *KILLED_RUNNER_ARGS,
+                            listen=listen):
             async with await RunnerClient.connect(listen) as runner:
                 # a new channel: the first call reaches the new runner
                 link = RunnerLink(runner, session, link.runner_id)
@@ -416,22 +425,21 @@ async def test_a_restarted_runner_that_does_not_know_the_sequences_gets_their_hi
 
 @pytest.mark.parametrize("known_id", [True, False], ids=["same-id", "unknown-id"])
 async def test_a_step_lost_by_a_runner_that_still_runs_is_not_resent(
-        daemon: Pagedkvd, config_path: Path, listen: str, known_id: bool) -> None:
+        daemon: Pagedkvd, runner: Pagedkvd, known_id: bool) -> None:
     """No answer, but the same runner_id answers its info (or the link never knew one): the
     runner may have applied the step and still knows the sequences, so the error stands and
-    nothing is sent again."""
+    nothing is sent again. (The module's runner, which keeps running: a session of its own.)"""
     seqs = new_seqs()
     async with await PoolClient.connect(daemon.unix_target) as pool, \
-            await pool.open_session("same-runner", lease_ttl_ms=LEASE_MS) as session:
-        with pagedkv_runner(daemon, "--random-init", str(config_path), listen=listen):
-            async with await RunnerClient.connect(listen) as runner:
-                runner_id = (await runner.info()).runner_id if known_id else ""
-                link = RunnerLink(runner, session, runner_id)
-                runner.timeout = 1e-6  # every step's deadline passes at once
-                with pytest.raises(DeadlineExceeded):
-                    await greedy_step(link, seqs)
-                assert link.restarts == 0
-            await release(session, seqs, missing_ok=True)  # the step may have allocated them
+            await pool.open_session(f"same-runner-{known_id}", lease_ttl_ms=LEASE_MS) as session:
+        async with await RunnerClient.connect(runner.unix_target) as compute:
+            runner_id = (await compute.info()).runner_id if known_id else ""
+            link = RunnerLink(compute, session, runner_id)
+            compute.timeout = 1e-6  # every step's deadline passes at once
+            with pytest.raises(DeadlineExceeded):
+                await greedy_step(link, seqs)
+            assert link.restarts == 0
+        await release(session, seqs, missing_ok=True)  # the step may have allocated them
 
 
 async def release(session: Session, seqs: list[Seq], missing_ok: bool = False) -> None:
