@@ -23,7 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from pagedkv.process.launch import READY_STATE, Launched, free_tcp_port, start_process
 
 from chat_model import fast_tokenizer, hf_generate, make_chat_model_dir, reference_model
-from pagedkvd_process import short_tmp_dir
+from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd, short_tmp_dir
 
 try:  # the http client the openai package is built on: httpx2 from openai 3, httpx before
     import httpx2 as httpx
@@ -295,11 +295,32 @@ def preset_client(port: int, source: str = "127.0.0.1") -> openai.OpenAI:
                          http_client=httpx.Client(transport=transport, timeout=60))
 
 
-def test_a_preset_refuses_text_bounds_peers_and_the_queue_then_sigterm_drains() -> None:
+@pytest.fixture(scope="module")
+def preset_stack() -> Iterator[tuple[Pagedkvd, Pagedkvd]]:
+    """A daemon of 12 blocks of 16 slots laid out for the tiny-llama preset, and a runner of it:
+    the preset servers below are started on it (`--daemon`, `--runner`), each with its own
+    engine session, and stopped by their test; the module's `server` is the one that starts
+    its own daemon and runner."""
+    with pagedkvd("--model-config", "tiny-llama", "--num-blocks", "12", "--block-size",
+                  "16") as daemon, \
+            pagedkv_runner(daemon, "--random-init", "tiny-llama", "--seed", "0") as runner:
+        yield daemon, runner
+
+
+def start_preset_server(folder: Path, stack: tuple[Pagedkvd, Pagedkvd],
+                        *args: str) -> tuple[Launched, int]:
+    """`pagedkv serve --model tiny-llama` with `args` on the daemon and runner of `stack`."""
+    daemon, runner = stack
+    return start_server(folder, "--model", "tiny-llama", "--daemon", daemon.unix_target,
+                        "--runner", runner.unix_target, *args)
+
+
+def test_a_preset_refuses_text_bounds_peers_and_the_queue_then_sigterm_drains(
+        preset_stack: tuple[Pagedkvd, Pagedkvd]) -> None:
     with short_tmp_dir() as folder:
-        process, port = start_server(folder, "--model", "tiny-llama", "--max-num-seqs", "1",
-                                     "--max-waiting-requests", "1", "--max-requests-per-peer",
-                                     "2", "--num-blocks", "64")
+        process, port = start_preset_server(folder, preset_stack, "--max-num-seqs", "1",
+                                            "--max-waiting-requests", "1",
+                                            "--max-requests-per-peer", "2")
         try:
             client = preset_client(port)
             with pytest.raises(openai.BadRequestError) as caught:
@@ -334,11 +355,12 @@ def test_a_preset_refuses_text_bounds_peers_and_the_queue_then_sigterm_drains() 
             process.stop(signal.SIGKILL)
 
 
-def test_a_full_pool_queues_and_preempts_and_every_request_finishes() -> None:
+def test_a_full_pool_queues_and_preempts_and_every_request_finishes(
+        preset_stack: tuple[Pagedkvd, Pagedkvd]) -> None:
     """12 blocks of 16 slots for 6 requests of 20 + 40 tokens (4 blocks each): requests wait,
     sequences are preempted and recomputed, and each ends with the tokens it has alone."""
     with short_tmp_dir() as folder:
-        process, port = start_server(folder, "--model", "tiny-llama", "--num-blocks", "12")
+        process, port = start_preset_server(folder, preset_stack)
         try:
             client = preset_client(port)
 
