@@ -58,6 +58,8 @@ LEASE_MS = 500
 
 # A client process: become `uid` (if not ours), open a session, allocate 2 blocks and try a
 # second session; print what happened as one JSON line, then hold the session until stdin ends.
+# A client the gate refuses waits out its connect timeout (the gate closes each connection as
+# it arrives; grpc tries again): 2 s, not the 5 s it was, which no accepted client comes near.
 CLIENT = """
 import asyncio, json, os, sys
 import concurrent.futures.thread  # run_in_executor's, imported before setuid
@@ -68,7 +70,7 @@ async def main(target, uid):
         os.setuid(uid)  # after the imports: the new uid may not read the code
     outcome = {"uid": os.getuid()}
     try:
-        client = await PoolClient.connect(target, timeout=5)
+        client = await PoolClient.connect(target, timeout=2)
     except PagedKVError as exc:  # the gate closed the connection
         print(json.dumps({**outcome, "error": type(exc).__name__}), flush=True)
         return
