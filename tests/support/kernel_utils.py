@@ -6,10 +6,12 @@ and every slot that holds no token of any sequence is NaN, so a kernel that read
 into its result.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pytest
 import torch
+from _pytest.mark import ParameterSet
 
 from pagedkv.model_runner.kernels.triton_env import interpreter_enabled
 
@@ -38,6 +40,48 @@ def skip_unless_triton_runs_on(device: str | torch.device) -> None:
     it first in every test that runs a Triton kernel on CPU tensors."""
     if torch.device(device).type == "cpu" and not interpreter_enabled():
         pytest.skip(TRITON_CPU_SKIP)
+
+
+def device_matrix(cases: Iterable[object],
+                  cpu: Iterable[object] | None = None) -> list[ParameterSet]:
+    """A test's matrix on DEVICES: every case on "cuda", on "cpu" only the cases in `cpu`.
+
+    Under the interpreter Triton runs a grid's programs one after another, each tl op a numpy
+    call, so a Triton case on CPU tensors costs tenths of a second to seconds, and a shape or
+    dtype that takes the kernel down a path another case already took adds that time and no
+    coverage; what differs from shape to shape in the compiled kernel (tile layouts, tl.dot
+    shapes, precision) shows only on a GPU. So a test that runs a Triton kernel passes, as `cpu`,
+    one case per feature of the kernel its matrix reaches (MHA and GQA, each dtype the
+    interpreter computes, a block size and a head_dim that are not powers of two, a window, a
+    softcap, one split and several...; a feature with distinct paths, a few), and the gpu tier
+    (the "cuda" params, marked gpu: `pytest -m gpu`, make gpu-check) keeps the full matrix.
+    Torch twins, cheap on CPU, leave `cpu` at None: every case on both devices.
+
+    `cases`: values of the test's other parameters, a tuple per case (a bare value for one
+    parameter) or a pytest.param; `cpu`: some of them, as values. Returns pytest.params of the
+    case's values then the device (so "device" comes last in the argnames), whose ids are those
+    of `@pytest.mark.parametrize("device", DEVICES)` stacked over the cases' own parametrize:
+    `<case id>-cpu` and `<case id>-cuda`, the case id being its values' param_id joined by "-",
+    or its pytest.param id.
+    """
+    matrix = []
+    for case in cases:
+        if isinstance(case, ParameterSet):
+            values, case_id, marks = case.values, case.id, list(case.marks)
+        else:
+            values = case if isinstance(case, tuple) else (case,)
+            case_id, marks = "-".join(param_id(value) for value in values), []
+        matrix.append((values, case_id, marks))
+    kept = None if cpu is None else [c if isinstance(c, tuple) else (c,) for c in cpu]
+    unknown = [c for c in kept or [] if c not in [values for values, _, _ in matrix]]
+    assert not unknown, f"cpu names cases the matrix lacks: {unknown}"
+    return [
+        pytest.param(*values, device.values[0], id=f"{case_id}-{device.id}",
+                     marks=[*marks, *device.marks])
+        for values, case_id, marks in matrix
+        for device in DEVICES
+        if device.values[0] != "cpu" or kept is None or values in kept
+    ]
 
 
 # Tolerance of an output computed in fp32 and rounded to the dtype, per dtype: (atol, rtol).

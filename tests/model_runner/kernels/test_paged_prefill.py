@@ -24,9 +24,9 @@ from kernel_utils import (
     DEVICES,
     PagedBatch,
     assert_close_to,
+    device_matrix,
     make_paged_batch,
     oracle_attention,
-    param_id,
     query_start_loc,
     ragged_lengths,
     random_tokens,
@@ -56,12 +56,10 @@ def _prefill(impl, batch: PagedBatch, query: torch.Tensor, qsl: torch.Tensor) ->
                 SCALE)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("block_size", "group", "head_dim", "dtype"),
-    list(itertools.product([8, 16, 32], [1, 2, 4, 8], [64, 128],
-                           [torch.float32, torch.float16, torch.bfloat16])),
-    ids=param_id,
+    ("block_size", "group", "head_dim", "dtype", "device"),
+    device_matrix(itertools.product([8, 16, 32], [1, 2, 4, 8], [64, 128],
+                                    [torch.float32, torch.float16, torch.bfloat16])),
 )
 def test_torch_matches_float64_oracle(device, block_size, group, head_dim, dtype):
     seq_lens, q_lens = _chunks(block_size)
@@ -79,11 +77,19 @@ TRITON_CASES = [
     (16, 8, 64, torch.float32),
     (12, 2, 80, torch.float32),
 ]
+# Under the interpreter (device_matrix): MHA with exact fp32 dots; GQA with bf16 through the
+# TF32 dots; a block size and head_dim that are not powers of two (padded, masked columns).
+# fp16 (the same TF32 dots, an fp16 store) runs in test_paged_window_softcap.py's
+# test_triton_prefill_rows_whose_window_starts_in_a_later_tile.
+TRITON_CPU_CASES = [
+    (8, 1, 64, torch.float32),
+    (32, 4, 64, torch.bfloat16),
+    (12, 2, 80, torch.float32),
+]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(("block_size", "group", "head_dim", "dtype"), TRITON_CASES,
-                         ids=param_id)
+@pytest.mark.parametrize(("block_size", "group", "head_dim", "dtype", "device"),
+                         device_matrix(TRITON_CASES, cpu=TRITON_CPU_CASES))
 def test_triton_matches_torch(device, block_size, group, head_dim, dtype):
     skip_unless_triton_runs_on(device)
     seq_lens, q_lens = _chunks(block_size)
@@ -101,9 +107,10 @@ def test_triton_long_chunk_spans_several_row_blocks(device):
     assert_close_to(out, oracle_attention(query, batch, [150, 9], SCALE), torch.float32)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", [paged_prefill_attention_torch, paged_prefill_attention_triton],
-                         ids=["torch", "triton"])
+@pytest.mark.parametrize(("impl", "device"), device_matrix([
+    pytest.param(paged_prefill_attention_torch, id="torch"),
+    pytest.param(paged_prefill_attention_triton, id="triton"),
+]))
 def test_chunked_prefill_equals_whole_prompt(device, impl):
     if impl is paged_prefill_attention_triton:
         skip_unless_triton_runs_on(device)

@@ -9,6 +9,7 @@ random queries hard, so a kernel that skipped it would fail. Pools are NaN outsi
 slots, so reading past a sequence, or a window start that is off by one, shows.
 """
 
+import itertools
 import re
 
 import pytest
@@ -28,6 +29,7 @@ from kernel_utils import (
     DEVICES,
     PagedBatch,
     assert_close_to,
+    device_matrix,
     make_paged_batch,
     oracle_attention,
     param_id,
@@ -45,6 +47,12 @@ SOFTCAPS = [None, 1.5]
 SEQ_LENS = [*ragged_lengths(BLOCK_SIZE), 150]
 # Prefill chunks of those contexts: whole prompts, a cached prefix, unaligned chunks.
 Q_LENS = [1, 15, 3, 17, 20, 100]
+# (window, softcap) cases of the Triton tests; under the interpreter (device_matrix), a window of
+# one position with the softcap (the 150-position context's earlier tiles are skipped) and a
+# window of 70 without it (longer than a tile, and than the shorter contexts). The softcap
+# without a window runs in test_large_scores_saturate_the_softcap_without_nan.
+WINDOW_SOFTCAP = list(itertools.product(WINDOWS, SOFTCAPS))
+WINDOW_SOFTCAP_CPU = [(1, 1.5), (70, None)]
 
 
 def _setup(seq_lens: list[int], num_queries: int, group: int, dtype: torch.dtype, device: str,
@@ -90,9 +98,8 @@ def test_the_oracle_sees_both_variants():
     assert torch.equal(oracle_attention(query, batch, Q_LENS, SCALE, 150), plain)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize(("window", "softcap", "device"),
+                         device_matrix(WINDOW_SOFTCAP, cpu=WINDOW_SOFTCAP_CPU))
 def test_triton_decode_matches_torch_and_oracle(device, window, softcap):
     skip_unless_triton_runs_on(device)
     batch, query = _setup(SEQ_LENS, len(SEQ_LENS), 4, torch.float32, device)
@@ -103,8 +110,9 @@ def test_triton_decode_matches_torch_and_oracle(device, window, softcap):
     assert_close_to(out, expected, torch.float32)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_splits", [None, 1, 3, 8])
+# Under the interpreter (device_matrix): the default plan (one split without SMs) and 3 (the
+# window's two tiles, merged; 8 asks for more and gets the same two).
+@pytest.mark.parametrize(("num_splits", "device"), device_matrix([None, 1, 3, 8], cpu=[None, 3]))
 def test_split_k_covers_only_the_window(device, num_splits):
     skip_unless_triton_runs_on(device)
     """700 positions (11 tiles) under a 61-position window that starts on the last position of
@@ -125,9 +133,8 @@ def test_split_plan_counts_the_tiles_a_window_reaches():
     assert split_plan(8, 1, 100, cpu, 4096) == (2, 1)  # a window longer than the table
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("softcap", SOFTCAPS)
-@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize(("window", "softcap", "device"),
+                         device_matrix(WINDOW_SOFTCAP, cpu=WINDOW_SOFTCAP_CPU))
 def test_triton_prefill_matches_torch_and_oracle(device, window, softcap):
     skip_unless_triton_runs_on(device)
     batch, query = _setup(SEQ_LENS, sum(Q_LENS), 1, torch.float32, device)

@@ -11,7 +11,7 @@ import torch
 
 from pagedkv.model_runner.kernels.store_kv import store_kv_torch, store_kv_triton
 
-from kernel_utils import DEVICES, skip_unless_triton_runs_on
+from kernel_utils import device_matrix, skip_unless_triton_runs_on
 
 IMPLS = [pytest.param(store_kv_torch, id="torch"), pytest.param(store_kv_triton, id="triton")]
 
@@ -31,8 +31,9 @@ def _new_tokens(num_tokens: int, heads: int, head_dim: int, dtype: torch.dtype,
     return qkv[:, heads : 2 * heads], qkv[:, 2 * heads :]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("store", IMPLS)
+# Every shape on both devices: store_kv is one small program per token, cheap under the
+# interpreter, and each shape is a feature (fp32, fp16, bf16, heads and head_dim padded).
+@pytest.mark.parametrize(("store", "device"), device_matrix(IMPLS))
 @pytest.mark.parametrize(
     ("block_size", "heads", "head_dim", "dtype"),
     [
