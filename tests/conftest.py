@@ -1,13 +1,20 @@
 """Suite-wide setup."""
 
-# Decide TRITON_INTERPRET before any test module imports triton (transformers imports it too):
-# without CUDA, Triton kernels run only under the interpreter.
 import logging
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+# One compute thread per process, set before torch loads (here and, inherited, in every daemon
+# and runner a test starts): `make test` runs a worker per core, so torch's default of a thread
+# per core made each worker's small ops fight the other's (a sweep of 144 tiny attention cases
+# took 14 s with two threads on two busy cores, 2.4 s with one). Tests check behaviour, not speed.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
+# Decide TRITON_INTERPRET before any test module imports triton (transformers imports it too):
+# without CUDA, Triton kernels run only under the interpreter.
 import pagedkv.model_runner.kernels.triton_env  # noqa: F401
 from pagedkv.client import PoolClient, Session
 
