@@ -80,10 +80,11 @@ typecheck: setup
 	$(VENV)/bin/mypy benchmarks
 
 # Two workers, one per core of the CI machine; each test file stays on one worker, so a module's
-# daemons start once. PYTEST_WORKERS=0 runs the suite in one process.
+# daemons start once. PYTEST_WORKERS=0 runs the suite in one process. The 25 slowest tests are
+# printed at the end (benchmarks/RESULTS.md keeps a run's list).
 PYTEST_WORKERS ?= 2
 pytest: setup
-	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 
 demo: setup
 	$(PY) -m pagedkv.demo
