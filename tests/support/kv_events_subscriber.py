@@ -4,12 +4,16 @@
 
 It rebuilds the committed-block index {(model, hash): (token ids, parent hash, extra keys)}
 from the daemon's PUB stream, applying batches strictly in seq order:
-- a gap (a seq missed) is repaired by REPLAY: one frame with the first missing seq on a DEALER
-  to the ROUTER, every buffered batch from there, the end marker (seq -1);
-- MODE "gap" also discards the PUB batches of seqs 40..47 as if lost, to force a replay;
-- MODE "late" starts with a SNAPSHOT request: every committed block as BlockStored, then the
-  marker [b"", S, b""]; it then follows the live stream from S (batches below S skipped).
-A replayed batch carries no topic (vLLM's answer is [seq, payload]): it is DEFAULT_MODEL's.
+- a gap (a seq missed) is repaired by REPLAY when DEFAULT_MODEL is given: one frame with the
+  first missing seq on a DEALER to the ROUTER, every buffered batch from there, the end marker
+  (seq -1). A replayed batch carries no topic (vLLM's answer is [seq, payload]), so it is taken
+  as DEFAULT_MODEL's: give one only when a single model publishes;
+- without DEFAULT_MODEL (several models publish) a gap is repaired by a SNAPSHOT instead, as
+  ops/OPERATIONS.md says: the index emptied, every committed block as BlockStored, then the
+  marker [b"", S, b""]; the live stream followed from S (batches below S skipped);
+- MODE "live" discards the PUB batches of seqs 0..7 as a slow join loses them, so the first
+  repair is always exercised; MODE "gap" discards those of seqs 40..47 as if lost;
+- MODE "late" starts with a snapshot.
 
 Every payload goes through `decode`, written from the consumers' published decoding rules
 (llm-d's kv-cache indexer VLLMAdapter and Dynamo's KvEventBatch / RawKvEvent, as the issue
@@ -29,6 +33,7 @@ import msgpack
 import zmq
 
 GAP = range(40, 48)
+SLOW_JOIN = range(8)
 STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                  "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
                  "kv_cache_spec_sliding_window")
@@ -101,6 +106,11 @@ class Index:
         # Hashes removed, over the whole stream.
         self.removed = 0
 
+    def clear(self) -> None:
+        """Forget every block (a snapshot rebuilds them)."""
+        self.blocks.clear()
+        self.first_tokens.clear()
+
     def apply(self, model: str, payload: bytes) -> None:
         try:
             events = decode(payload)
@@ -147,6 +157,7 @@ class Subscriber:
         return topic.decode()[len(self.prefix):]
 
     def snapshot(self) -> None:
+        self.index.clear()
         self.dealer.send_multipart([b"", b"snapshot"])
         while True:
             frames = self.dealer.recv_multipart()[1:]
@@ -157,6 +168,14 @@ class Subscriber:
                 self.next_seq, self.snapshots = start, self.snapshots + 1
                 return
             self.index.apply(self.model_of(topic), payload)
+
+    def repair(self) -> None:
+        """Catch up from next_seq: by replay when the topicless replayed batches are known to
+        be DEFAULT_MODEL's, else by a snapshot."""
+        if self.model:
+            self.replay()
+        else:
+            self.snapshot()
 
     def replay(self) -> None:
         self.replays += 1
@@ -177,13 +196,13 @@ class Subscriber:
             return False
         topic, seq_frame, payload = self.sub.recv_multipart()
         seq = int.from_bytes(seq_frame, "big")
-        if self.mode == "gap" and seq in GAP:
+        if (self.mode == "gap" and seq in GAP) or (self.mode == "live" and seq in SLOW_JOIN):
             self.skipped += 1
             return True
         if seq < self.next_seq:
             return True  # below the snapshot's S, or replayed already
         if seq > self.next_seq:
-            self.replay()
+            self.repair()
             if seq < self.next_seq:
                 return True
         assert seq == self.next_seq, f"seq {seq} after replay to {self.next_seq}"
@@ -194,7 +213,7 @@ class Subscriber:
     def sync(self, token: int) -> None:
         while token not in self.index.first_tokens:
             if not self.receive(1000):
-                self.replay()  # a batch the PUB socket dropped at the end: ask again
+                self.repair()  # a batch the PUB socket dropped at the end: ask again
 
     def dump(self) -> str:
         return json.dumps({

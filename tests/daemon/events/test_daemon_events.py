@@ -7,10 +7,12 @@ The workload is random (allocate, append, step with commit, commit, copy-on-writ
 over clients of two models of two geometries ("tiny", the daemon's own, and "half"), with a
 pool of 16 blocks, so evictions and page moves happen. The expected index is read from each
 format's prefix cache (the core's committed keys), not from what the service published.
-Three ways to follow: live (the subscriber's slow join repaired by replay), a gap the
-subscriber makes on purpose repaired by REPLAY, a late start repaired by a SNAPSHOT (the
-replay buffer too short to help). Every message passes the subscriber's decoder written from
-llm-d's and Dynamo's decoding rules. By default private sessions' blocks never appear.
+Three ways to follow: live over both models (a slow join, forced by discarding the first
+batches, repaired by a SNAPSHOT: replayed batches carry no topic, so a replay cannot say which
+model a lost batch was), a gap the subscriber makes on purpose on a one-model stream repaired
+by REPLAY, a late start repaired by a snapshot (the replay buffer too short to help). Every
+message passes the subscriber's decoder written from llm-d's and Dynamo's decoding rules. By
+default private sessions' blocks never appear.
 """
 
 import asyncio
@@ -222,7 +224,9 @@ async def phases(daemon: Daemon, workload: Workload, subscriber: SubscriberProce
 @pytest.mark.parametrize("seed", range(2))
 async def test_a_subscriber_process_rebuilds_the_committed_blocks_exactly(seed: int) -> None:
     """Live, over two models: a private session's blocks never appear; the stream carries
-    stores and removals (evictions among them); the index is exact after every phase."""
+    stores and removals (evictions among them); the index is exact after every phase. The
+    first batches, lost as by a slow join, are repaired by a snapshot (a replay's batches
+    would be taken as one model's)."""
     async with daemon_with_events() as daemon, \
             await PoolClient.connect(daemon.unix_target) as client:
         workload = Workload(daemon, seed)
@@ -235,6 +239,7 @@ async def test_a_subscriber_process_rebuilds_the_committed_blocks_exactly(seed: 
             subscriber.close()
         models = {row[0] for dump in dumps for row in dump["blocks"]}
         assert models == {"tiny", "half"}
+        assert dumps[0]["snapshots"] >= 1 and not dumps[-1]["replays"]
         assert all(tokens[0] not in PRIVATE_IDS
                    for dump in dumps for _, _, tokens, _, _ in dump["blocks"])
         assert all(extra is None for dump in dumps for *_, extra in dump["blocks"])
@@ -273,14 +278,14 @@ async def test_a_late_subscriber_catches_up_by_snapshot() -> None:
         await workload.open(client)
         await workload.run(200)
         assert daemon.events is not None and daemon.events.counts().sent > 4
-        subscriber = SubscriberProcess(daemon, "late", model="tiny")
+        subscriber = SubscriberProcess(daemon, "late")  # two models: no replay
         try:  # calls go on while the daemon reads the snapshot for it
             ready, _ = await asyncio.gather(subscriber.line(), workload.run(60))
             assert ready["ready"]
             dumps = await phases(daemon, workload, subscriber, 2, 100, all_salts=True)
         finally:
             subscriber.close()
-        assert dumps[0]["snapshots"] == 1
+        assert dumps[0]["snapshots"] >= 1  # more if the PUB stream lost a batch later
         # Every salt: the private sessions' blocks too, under their namespace.
         extras = {json.dumps(extra) for dump in dumps for *_, extra in dump["blocks"]}
         assert any("session:" in extra for extra in extras)
