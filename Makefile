@@ -113,6 +113,7 @@ bench: setup
 	$(PY) benchmarks/bench_prefill_fairness.py
 	$(PY) benchmarks/bench_multi_model.py
 	$(PY) benchmarks/bench_runner_restart.py
+	$(PY) benchmarks/bench_suite.py
 
 bench-gpu: setup
 	$(PY) benchmarks/bench_kernels_gpu.py

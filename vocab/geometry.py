@@ -155,10 +155,14 @@ _STORED_AS: dict[str, dict[str, str]] = {
 }
 
 
+def _stored_key(text: Mapping[str, Any], key: str) -> str:
+    """The key under which a config of this family saves the shape field `key`."""
+    return _STORED_AS.get(str(text.get("model_type", "")), {}).get(key, key)
+
+
 def _shape_field(text: Mapping[str, Any], key: str) -> Any:
     """A shape field of a config as saved: under the key its family stores it as."""
-    stored = _STORED_AS.get(str(text.get("model_type", "")), {})
-    value = text.get(stored.get(key, key))
+    value = text.get(_stored_key(text, key))
     return text.get(key) if value is None else value
 
 
@@ -200,8 +204,8 @@ def _required(text: Mapping[str, Any], key: str) -> Any:
     saves it under) when the config lacks it."""
     value = _shape_field(text, key)
     if value is None:
-        stored = _STORED_AS.get(str(text.get("model_type", "")), {}).get(key)
-        raise KeyError(f"{key} ({stored})" if stored else key)
+        stored = _stored_key(text, key)
+        raise KeyError(key if stored == key else f"{key} ({stored})")
     return value
 
 

@@ -50,11 +50,11 @@ def read_lock(path: Path) -> dict[str, Pin]:
             assert current is not None, f"{path.name}: a hash before any pin"
             current.hashes.append(match[1])
         elif match := re.fullmatch(r"#\s+(?:via\s+)?(.+)", text):
-            if current is not None and match[1] not in ("via",):
+            # `# via X` on one line, or `# via` then `#   X` one per line.
+            if current is not None and match[1] != "via":
                 current.via.append(match[1].removeprefix("-r "))
         else:
-            assert text in ("", "#", "# via") or text.startswith("#"), \
-                f"{path.name}: not a pin: {line!r}"
+            assert not text or text.startswith("#"), f"{path.name}: not a pin: {line!r}"
     return pins
 
 

@@ -39,7 +39,7 @@ from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 from pagedkv.proto.limits import GRPC_DEFAULT_RECEIVE_BYTES, MAX_MESSAGE_BYTES
 
-from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd
+from pagedkvd_process import Pagedkvd, pagedkv_runner
 from served_model import write_config
 
 VOCAB = 32_000
@@ -55,12 +55,6 @@ CONFIG = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
 @pytest.fixture(scope="module")
 def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_config(CONFIG, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def daemon(config_path: Path) -> Iterator[Pagedkvd]:
-    with pagedkvd("--model-config", str(config_path), "--num-blocks", "128") as running:
-        yield running
 
 
 @pytest.fixture(scope="module")

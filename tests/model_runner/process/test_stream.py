@@ -7,12 +7,13 @@ session than the stream's is INVALID_ARGUMENT for that step alone. A `RunnerClie
 `stream_steps` (the engine's) reopens its stream after a break (a runner restarted under it, a
 step cancelled by its caller or past its deadline), and the engine's `RunnerLink` recovers over
 it with transformers' tokens. A session the runner follows is pushed transformers' tokens
-(`RunnerClient.next_push`; the client plumbing alone: test_pushes.py).
+(`RunnerClient.next_push`; the client plumbing alone: test_pushes.py). The daemon, runner,
+config_path and reference fixtures are this folder's conftest.py's.
 """
 
 import asyncio
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -34,36 +35,14 @@ from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
 
-from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd, short_tmp_dir
-from served_model import TINY, hf_greedy, reference_model, write_config
+from pagedkvd_process import Pagedkvd, pagedkv_runner, short_tmp_dir
+from served_model import hf_greedy
 
 NEW_TOKENS = 8
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 PROMPTS = [[(5 * i + 3 * j) % 128 for j in range(n)] for i, n in enumerate((6, 19, 30))]
 # Sessions that outlive a runner process: this test's event loop blocks while one starts.
 LEASE_MS = 300_000
-
-
-@pytest.fixture(scope="module")
-def config_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_config(TINY, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def reference(config_path: Path) -> PreTrainedModel:
-    return reference_model(config_path)
-
-
-@pytest.fixture(scope="module")
-def daemon(config_path: Path) -> Iterator[Pagedkvd]:
-    with pagedkvd("--model-config", str(config_path), "--num-blocks", "128") as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def runner(daemon: Pagedkvd, config_path: Path) -> Iterator[Pagedkvd]:
-    with pagedkv_runner(daemon, "--random-init", str(config_path)) as running:
-        yield running
 
 
 @pytest.fixture
