@@ -166,14 +166,17 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
                 make_pool(config.allocator, num_blocks, config.block_size,
                           enable_prefix_caching=config.enable_prefix_caching,
                           prefix_hash=config.prefix_hash, max_model_len=config.max_model_len))
-        service = PoolService(pool, memory, pool_id=memory.pool_id,
-                              default_lease_ttl_ms=config.lease_ttl_ms,
-                              max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,
-                              zero_freed_blocks=config.zero_freed_blocks,
-                              tenants=config.build_tenants(), limits=config.limits(),
-                              page_bytes=blocks_per_page * per_block,
-                              model_policies=dict(config.models),
-                              max_models=config.max_models, prefix_hash=config.prefix_hash)
+        try:
+            service = PoolService(pool, memory, pool_id=memory.pool_id,
+                                  default_lease_ttl_ms=config.lease_ttl_ms,
+                                  max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,
+                                  zero_freed_blocks=config.zero_freed_blocks,
+                                  tenants=config.build_tenants(), limits=config.limits(),
+                                  page_bytes=blocks_per_page * per_block,
+                                  model_policies=dict(config.models),
+                                  max_models=config.max_models, prefix_hash=config.prefix_hash)
+        except ValueError as exc:  # the [models.NAME] reserves do not fit in the pool
+            raise ConfigError(f"models: {exc}") from exc
         with host_tier(config, service, memory):
             await service.start()
             try:

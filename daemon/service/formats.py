@@ -76,6 +76,8 @@ class Formats:
             max_models=max_models, new_format=self._new_format)
         # Pages of page_bytes, and which format holds each (pages.py).
         self.pages = PageBroker(pool.num_blocks // own.blocks_per_page, self.models)
+        if isinstance(pool, BlockPool):  # a contiguous pool serves one format: nothing to park
+            self.pages.park()
 
     def _own_format(self, pool: PoolAllocator, memory: BlockMemory | None,
                     geometry: ModelGeometry | None, page_bytes: int) -> Format:
@@ -147,12 +149,14 @@ class Formats:
                 for chunk in events.snapshot())
 
     def register(self, name: str, shape: KvShape, runner_target: str) -> Model:
-        """Register a runner's model (models.py). A new geometry needs a paged pool and, with
-        memory, per-format views of it."""
+        """Register a runner's model (models.py), giving its format the pages parked for its
+        min_memory. A new geometry needs a paged pool and, with memory, per-format views of it."""
         own = self.models.formats[0].pool
         many = isinstance(own, BlockPool) and (self._memory is None
                                                or self._arena() is not None)
-        return self.models.register(name, shape, runner_target, many)
+        model = self.models.register(name, shape, runner_target, many)
+        self.pages.unpark(model)  # its reserve, parked since start
+        return model
 
     def _arena(self) -> Arena | None:
         """The arena under format 0's memory, which makes the other formats' views; None for

@@ -2,21 +2,27 @@
 
 The pool's memory is num_pages pages of page_bytes; each format holds whole pages (its block
 pool has the blocks of the others withdrawn). At start the daemon's own model's format holds
-every page, so a one-model daemon never moves one. When a call of a session of format F does
-not fit (the pool's `NoFit`: F has no free block and no cached block left to evict), the
-service plans the pages for the blocks missing (`plan`, into the call's `Room`) and tries the
-call again with them (`give`):
+every page but those parked for other models' reserves, so a one-model daemon never moves
+one. When a call of a session of format F does not fit (the pool's `NoFit`: F has no free
+block and no cached block left to evict), the service plans the pages for the blocks missing
+(`plan`, into the call's `Room`) and tries the call again with them (`give`):
 
 - F gets ceil(missing / blocks_per_page(F)) pages, never more: idle pages of other formats
   (pages with no block in use: free or cached blocks, whose cached keys go with the page), from
   the format with the most idle pages first, each format's coldest first
   (`BlockPool.idle_pages`). So cached K/V is evicted within a format by its LRU before another
   format loses a page, and across formats from the one that has the most memory doing nothing.
-  Every page always belongs to one format (format 0 holds them all at start): a page goes
-  straight from the format that gives it to the one that needs it.
+  Every page belongs to one format or is parked (below): a page goes straight from the format
+  that gives it to the one that needs it.
 - min_memory is reserved: a format never gives a page away below the pages its models'
   min_memory sum to (rounded up to whole pages), and while a format holds fewer, the idle
   pages it still lacks are left to it (another format takes pages only beyond them).
+- A reserve is its model's from the start: at start, each model with a min_memory that is not
+  the daemon's own has its pages (min_memory rounded up) *parked*: withdrawn from format 0,
+  owned by no format, so no call of another model can use them before it registers. Its
+  registration gives them to its format (`unpark`). They need no zeroing: no format used
+  them since the pool was made. A model that never registers keeps them parked: that is what
+  reserving means.
 - A page that changes format is zeroed in its new format's view before the call's answer
   leaves: the zeroing is the first step of the call's memory work, ordered per page with the
   earlier work of the old format on the same bytes (memory_order.py keys work by page).
@@ -32,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedkv.daemon.core import BlockPool
-from pagedkv.daemon.service.models import Format, ModelRegistry
+from pagedkv.daemon.service.models import Format, Model, ModelRegistry
 from pagedkv.daemon.service.session_ops import MemoryWork
 from pagedkv.vocab.blocks import blocks_for
 
@@ -52,18 +58,57 @@ class Room:
         return [page for pages in self.taken.values() for page in pages]
 
 
+# The owner of a page parked for a model that has not registered yet (`PageBroker.park`).
+PARKED = -1
+
+
 class PageBroker:
     """Pages between formats (see the module docstring)."""
 
     def __init__(self, num_pages: int, registry: ModelRegistry) -> None:
         self.num_pages = num_pages
         self._registry = registry
-        # Page -> the number of the format holding it (all the daemon's own at start).
+        # Page -> the number of the format holding it (all the daemon's own at start), or
+        # PARKED.
         self.owner: list[int] = [0] * num_pages
-        # Format number -> pages it holds, kept with `owner`.
+        # Format number (or PARKED) -> pages it holds, kept with `owner`.
         self._count: Counter[int] = Counter({0: num_pages})
         # Pages that changed format so far (a counter for metrics).
         self.moves_total = 0
+        # Model name -> the pages parked for its min_memory until it registers.
+        self.parked: dict[str, list[int]] = {}
+
+    def park(self) -> None:
+        """At start, before any call: withdraw from format 0 the reserve (min_memory in whole
+        pages) of every model with a policy but the daemon's own, the highest pages first, so
+        no other model can take them before it registers. ValueError naming min_memory if the
+        reserves do not fit in the pool."""
+        registry = self._registry
+        own = registry.formats[0]
+        wanted = {name: self._pages_of(policy.min_memory)
+                  for name, policy in registry.policies.items()
+                  if name != registry.own.name and policy.min_memory}
+        total = sum(wanted.values()) + self.reserve(own)
+        if total > self.num_pages:
+            raise ValueError(f"the models' min_memory ({', '.join(sorted(wanted))} and the "
+                             f"daemon's own) sum to {total} pages of {registry.page_bytes} "
+                             f"bytes; the pool has {self.num_pages}")
+        top = self.num_pages
+        for name, count in wanted.items():
+            pages = list(range(top - count, top))
+            top -= count
+            paged(own).withdraw_pages(pages)
+            for page in pages:
+                self._own(page, PARKED)
+            self.parked[name] = pages
+
+    def unpark(self, model: Model) -> None:
+        """Give `model`'s format the pages parked for it, if any (at its registration)."""
+        pages = self.parked.pop(model.name, [])
+        if pages:
+            paged(model.format).restore_pages(pages)
+            for page in pages:
+                self._own(page, model.format.number)
 
     def held(self, fmt: Format) -> int:
         """Pages `fmt` holds."""
@@ -125,14 +170,19 @@ class PageBroker:
             held = paged(fmt).held_pages if isinstance(fmt.pool, BlockPool) else self.num_pages
             assert held == self.held(fmt), f"format {fmt.shape.label}: {held} pages, broker says " \
                 f"{self.held(fmt)}"
+        parked = sum(len(pages) for pages in self.parked.values())
+        assert parked == self._count[PARKED], f"{parked} pages parked, {self._count[PARKED]} owned"
         assert sum(self._count.values()) == self.num_pages == len(self.owner), "pages miscounted"
         assert Counter(self.owner) == +self._count, "the page counts disagree with the owners"
 
     def reserve(self, fmt: Format) -> int:
         """Pages `fmt` keeps for its models' min_memory."""
-        total = sum(m.policy.min_memory for m in self._registry.models_of(fmt))
+        return self._pages_of(sum(m.policy.min_memory for m in self._registry.models_of(fmt)))
+
+    def _pages_of(self, memory: int) -> int:
+        """`memory` bytes in whole pages, rounded up."""
         page_bytes = self._registry.page_bytes
-        return -(-total // page_bytes) if page_bytes else 0
+        return -(-memory // page_bytes) if page_bytes else 0
 
     def spare_pages(self, fmt: Format) -> int:
         """Pages `fmt` could surely be given now: pages of other formats beyond their used

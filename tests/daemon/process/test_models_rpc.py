@@ -124,6 +124,23 @@ async def test_min_memory_keeps_its_pages_from_other_formats(
     daemon.service.check_invariants()
 
 
+@pytest.mark.parametrize("daemon", [{"half": ModelPolicy(min_memory=4 * PAGE)}], indirect=True)
+async def test_min_memory_is_the_models_own_before_it_registers(
+        daemon: Daemon, runner: PoolClient, client: PoolClient) -> None:
+    a = await client.open_session("a", keep_alive=False)
+    await a.allocate(1, 32)  # 8 blocks: the 4 pages tiny holds; half's 4 are parked
+    with pytest.raises(c.PoolExhausted):
+        await a.allocate(2, 4)
+    assert await figures(client) == {"tiny": (8, 0, 4)}
+    await runner.register_model("half", **HALF)
+    assert await figures(client) == {"tiny": (8, 0, 4), "half": (0, 0, 4)}
+    b = await client.open_session("b", keep_alive=False, model="half")
+    await b.allocate(1, 64)  # 16 blocks: its 4 pages
+    assert await figures(client) == {"tiny": (8, 0, 4), "half": (16, 0, 4)}
+    assert daemon.service.page_moves_total == 0
+    daemon.service.check_invariants()
+
+
 async def test_models_of_one_geometry_share_a_format_but_never_a_prefix(
         daemon: Daemon, runner: PoolClient, client: PoolClient) -> None:
     info = await runner.register_model("tiny-ft", **TINY)
