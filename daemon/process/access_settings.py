@@ -7,6 +7,9 @@ so a token file nobody may read or a group that does not exist stops the daemon 
 """
 
 import grp
+import os
+import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 from pagedkv.daemon.edge.tls import ServerTls, load_server_tls
@@ -73,6 +76,31 @@ def group_id(runner_group: str | None) -> int | None:
         return grp.getgrnam(runner_group).gr_gid
     except KeyError:
         raise ConfigError(f"runner_group: no group named {runner_group!r}") from None
+
+
+def check_runner_group(runner_gid: int | None, public: Iterable[Path], socket_mode: int) -> None:
+    """ConfigError naming runner_group and socket_mode if the runner group is the group of a
+    public unix socket that socket_mode opens to its group: each client of that group could then
+    connect to the runner socket too, and map every tenant's K/V read-write."""
+    if runner_gid is None or not socket_mode & 0o070:
+        return
+    for path in public:
+        if socket_group(path) == runner_gid:
+            raise ConfigError(
+                f"runner_group (gid {runner_gid}) is the group of the public socket {path}, "
+                f"which socket_mode {oct(socket_mode)} opens to its group: every client of that "
+                "group could act as a runner and map every tenant's K/V; give runners a group "
+                "of their own, or set socket_mode = 0o600")
+
+
+def socket_group(path: Path) -> int:
+    """The group a unix socket made at `path` gets: its nearest existing folder's when that
+    folder is set-group-ID (new folders below it inherit both), else the daemon's."""
+    folder = path.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    info = folder.stat()
+    return info.st_gid if info.st_mode & stat.S_ISGID else os.getegid()
 
 
 def check_socket_mode(mode: int) -> None:

@@ -19,6 +19,7 @@ from pagedkv.daemon.edge.addresses import ListenAddress, parse_host_port, parse_
 from pagedkv.daemon.edge.peer_gate import check_gate_paths
 from pagedkv.daemon.edge.tls import ServerTls
 from pagedkv.daemon.process.access_settings import (
+    check_runner_group,
     check_socket_mode,
     group_id,
     load_tenants,
@@ -225,13 +226,14 @@ class DaemonConfig:
 
     def _check_access(self) -> None:
         """Listeners parse, and TCP ones come with a usable token; the tenants are usable; the
-        runner socket is none of the listeners and its group exists."""
+        runner socket is none of the listeners and its group exists and is no public socket's."""
         listeners = self.listeners()
         runner = self.runner_listener()
         if any(lst.unix_path == runner.unix_path for lst in listeners):
             raise ConfigError(f"runner_socket: {runner.unix_path} is also a listen address; "
                               "runners need a socket of their own")
-        self.runner_gid()
+        check_runner_group(self.runner_gid(), (lst.unix_path for lst in listeners
+                                               if lst.unix_path is not None), self.socket_mode)
         tenants = self.build_tenants()
         self._check_prefix_hash(tenants)
         if any(lst.is_tcp for lst in listeners) and not tenants.any_token:

@@ -157,7 +157,8 @@ async def test_a_uid_mapped_tenant_names_only_its_own_sessions() -> None:
 async def test_the_pool_file_and_runner_socket_are_the_runner_groups_alone() -> None:
     # Not the daemon's own group when run as root (who may give files to any group).
     group = 65534 if os.getuid() == 0 else os.getgid()
-    with pagedkvd("--runner-group", str(group)) as daemon:
+    # socket_mode 600: the daemon's group may not be the public socket's too (refused).
+    with pagedkvd("--runner-group", str(group), "--socket-mode", "600") as daemon:
         (pool_file,) = daemon.pool_files()
         runner_socket = Path(daemon.runners_target.removeprefix("unix://"))
         for path in (pool_file, runner_socket):

@@ -1,5 +1,6 @@
 """DaemonConfig: defaults <- TOML <- flags, and a clear error for every bad setting."""
 
+import os
 from dataclasses import fields
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def test_toml_then_flags_override(tmp_path: Path, token_file: Path) -> None:
         f'listen = ["unix:///tmp/a.sock", "127.0.0.1:7001"]\n'
         f'auth_token_file = "{token_file}"\n'
         'block_size = 32\nkv_memory = "64MiB"\nlog_level = "debug"\n'
-        "enable_prefix_caching = false\nlease_ttl_ms = 5000\nrunner_group = \"0\"\n"
+        "enable_prefix_caching = false\nlease_ttl_ms = 5000\nrunner_group = \"65534\"\n"
     )
     config = parse(["--config", str(toml), "--block-size", "8", "--listen", "unix:///tmp/b.sock"])
     assert config.block_size == 8  # flag wins
@@ -48,7 +49,7 @@ def test_toml_then_flags_override(tmp_path: Path, token_file: Path) -> None:
     assert config.log_level == "debug" and config.lease_ttl_ms == 5000
     assert not config.enable_prefix_caching
     assert config.auth_token_file == token_file
-    assert config.runner_gid() == 0 and config.runners_mode == 0o660
+    assert config.runner_gid() == 65534 and config.runners_mode == 0o660
     assert not config.zero_freed_blocks
 
 
@@ -57,6 +58,30 @@ def test_the_retired_shm_mode_says_what_replaced_it(tmp_path: Path) -> None:
     toml.write_text("shm_mode = 0o660\n")  # it gave the public socket's group every K/V
     with pytest.raises(ConfigError, match=r"shm_mode .* is gone: .*set runner_group"):
         parse(["--config", str(toml)])
+
+
+def test_a_runner_group_that_is_the_public_sockets_group_is_refused(tmp_path: Path) -> None:
+    public = tmp_path / "d.sock"
+    own = str(os.getegid())  # the group of a socket made in a folder without set-group-ID
+    with pytest.raises(ConfigError, match=r"runner_group \(gid \d+\) is the group of the public "
+                                          r"socket .*d\.sock, which socket_mode 0o660 opens"):
+        parse(["--listen", f"unix://{public}", "--runner-group", own])
+    # Its group shut out of the public socket, or another group for runners: accepted.
+    parse(["--listen", f"unix://{public}", "--runner-group", own, "--socket-mode", "600"])
+    parse(["--listen", f"unix://{public}", "--runner-group", str(os.getegid() + 1)])
+
+
+def test_a_set_group_id_folder_gives_the_public_socket_its_group(tmp_path: Path) -> None:
+    other = 65534 if os.geteuid() == 0 else next(
+        (gid for gid in os.getgroups() if gid != os.getegid()), None)
+    if other is None:
+        pytest.skip("needs root or a second group to give the folder")
+    folder = tmp_path / "run"
+    folder.mkdir()
+    os.chown(folder, -1, other)
+    os.chmod(folder, 0o2770)  # sockets made below it (new folders too) get its group
+    with pytest.raises(ConfigError, match=f"runner_group \\(gid {other}\\)"):
+        parse(["--listen", f"unix://{folder}/new/d.sock", "--runner-group", str(other)])
 
 
 def test_octal_socket_mode_and_zeroing_flags() -> None:
