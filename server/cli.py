@@ -21,8 +21,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from aiohttp import web
-
 from pagedkv.client.engine.engine import Engine
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S
 from pagedkv.llm.config import LLMConfig
@@ -35,6 +33,14 @@ from pagedkv.process.lifecycle import stop_on_signals
 from pagedkv.process.notify import notify
 from pagedkv.server.app import DEFAULT_MAX_PER_PEER, DEFAULT_MAX_REQUEST_BYTES, build_app
 from pagedkv.server.backend import Backend, ServeConfig
+from pagedkv.server.connections import ConnectionGuard, ConnectionLimits
+from pagedkv.server.listener import (
+    GuardedSite,
+    add_flags,
+    connection_limits,
+    http_runner,
+    raise_fd_limit,
+)
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.vocab.geometry import model_name
 
@@ -77,6 +83,7 @@ def parser() -> argparse.ArgumentParser:
                      help=f"largest request body (default {DEFAULT_MAX_REQUEST_BYTES})")
     cli.add_argument("--max-choices", type=int, default=64,
                      help="most prompts x n one request computes (default 64)")
+    add_flags(cli)
     cli.add_argument("--drain-timeout-s", type=float, default=30.0, help="how long SIGTERM "
                      "lets running requests finish (default 30)")
     cli.add_argument("--dtype", default="auto", help="float16, bfloat16, float32 or auto")
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         keys = api_keys(args)
+        limits = connection_limits(args, raise_fd_limit())
         config = LLMConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
                            device=args.device, daemon=args.daemon, runner=args.runner,
                            model_name=_registered_name(args),
@@ -147,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 # No --runner: Engine.connect finds the runner serving config.model_name.
                 services = Services(config.daemon, config.runner or "")
-            asyncio.run(_serve(args, config, services, keys, lambda engine, metrics:
+            asyncio.run(_serve(args, config, services, keys, limits, lambda engine, metrics:
                                Backend(engine, tokenizer, no_tokenizer, serve_config, metrics)))
     except (NoNotification, OSError) as exc:
         print(f"{PROG}: failed: {exc}", file=sys.stderr)
@@ -156,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _serve(args: argparse.Namespace, config: LLMConfig, services: Services,
-                 keys: tuple[str, ...],
+                 keys: tuple[str, ...], limits: ConnectionLimits,
                  backend_for: Callable[[Engine, ServerMetrics], Backend]) -> None:
     """Serve until SIGTERM or SIGINT, then drain."""
     with stop_on_signals() as stop:
@@ -170,14 +178,13 @@ async def _serve(args: argparse.Namespace, config: LLMConfig, services: Services
         supervisor = services.supervisor
         metrics.watch(engine, lambda: supervisor.restarts if supervisor is not None else 0)
         backend = backend_for(engine, metrics)
-        app_runner = web.AppRunner(build_app(backend, api_keys=keys,
-                                             max_request_bytes=args.max_request_bytes,
-                                             max_per_peer=args.max_requests_per_peer),
-                                   access_log=None, handler_cancellation=True,
-                                   shutdown_timeout=SHUTDOWN_GRACE_S)
+        app_runner = http_runner(build_app(backend, api_keys=keys,
+                                           max_request_bytes=args.max_request_bytes,
+                                           max_per_peer=args.max_requests_per_peer),
+                                 limits, SHUTDOWN_GRACE_S)
         await app_runner.setup()
         try:
-            await web.TCPSite(app_runner, args.host, args.port).start()
+            await GuardedSite(app_runner, args.host, args.port, ConnectionGuard(limits)).start()
             log.info("serving", url=f"http://{args.host}:{args.port}/v1",
                      model=backend.config.model_name)
             notify("READY=1")
