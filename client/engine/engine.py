@@ -33,6 +33,7 @@ from typing import Self
 
 import grpc
 
+from pagedkv.client.engine.fair_queue import Line
 from pagedkv.client.engine.follow import Following, next_push
 from pagedkv.client.engine.outputs import RequestOutput, StepRecord
 from pagedkv.client.engine.requests import Request
@@ -62,7 +63,7 @@ class Engine:
                  free_blocks: int, config: SchedulerConfig, reservation_blocks: int = 0,
                  max_model_len: int = 0, runner_id: str = "",
                  runner_restart_wait_s: float = RESTART_WAIT_S,
-                 host_tier: HostTier | None = None) -> None:
+                 host_tier: HostTier | None = None, waiting: Line | None = None) -> None:
         self.pool = pool
         self.session = session
         self.runner = runner
@@ -74,9 +75,10 @@ class Engine:
         # The most tokens a sequence may hold (the runner's RunnerInfo.max_model_len; 0 = none).
         self.max_model_len = max_model_len
         # host_tier: the daemon's host-memory tier as it serves this session's model (none:
-        # no tier), for the scheduler's swap-or-recompute rule.
+        # no tier), for the scheduler's swap-or-recompute rule; waiting: the line its requests
+        # wait in (fair_queue.py; engines sharing a queue take turns by key).
         self.scheduler = Scheduler(config, session.block_size, num_blocks, reservation_blocks,
-                                   host_tier)
+                                   host_tier, waiting)
         self.num_blocks = num_blocks
         # Called with each step's record (from the engine's task).
         self.observers: list[Callable[[StepRecord], None]] = []
@@ -108,13 +110,15 @@ class Engine:
                       config: SchedulerConfig | None = None, client_name: str = "engine",
                       auth_token: str | None = None, cache_salt: bytes | str = b"",
                       lease_ttl_ms: int = 0,
-                      runner_restart_wait_s: float = RESTART_WAIT_S) -> Self:
+                      runner_restart_wait_s: float = RESTART_WAIT_S,
+                      waiting: Line | None = None) -> Self:
         """Open a session on the daemon and a channel to the runner computing on its pool: the
         runner at `runner`, else the one serving `model` (as it registered with the daemon;
         ValueError naming the models served when none serves it). The session holds the
         runner's model's K/V (RunnerInfo.model_name), so a client of a runner always steps
         its model. `runner_restart_wait_s`: how long a step that got no answer waits for a
-        restarted runner (0 when nothing restarts it) before its requests fail."""
+        restarted runner (0 when nothing restarts it) before its requests fail. `waiting`: a
+        line of a queue shared with other engines (fair_queue.py), else one of its own."""
         pool = await PoolClient.connect(daemon, auth_token=auth_token)
         runner_client: RunnerClient | None = None
         try:
@@ -141,7 +145,7 @@ class Engine:
                    reservation_blocks=pool_info.reservation_blocks,
                    max_model_len=info.max_model_len, runner_id=info.runner_id,
                    runner_restart_wait_s=runner_restart_wait_s,
-                   host_tier=_host_tier(pool_info, info.model_name))
+                   host_tier=_host_tier(pool_info, info.model_name), waiting=waiting)
 
     def failure(self) -> str | None:
         """Why the engine no longer steps (its loop ended: a lost daemon, a bug, closed), or
@@ -161,25 +165,27 @@ class Engine:
 
     async def generate(self, prompt_token_ids: Sequence[int],
                        params: SamplingParams | None = None,
-                       request_id: str | None = None) -> RequestOutput:
-        """Generate to the end; the final output."""
+                       request_id: str | None = None, key: str = "") -> RequestOutput:
+        """Generate to the end; the final output. `key`: whose request it is (waiting
+        requests take turns by key: fair_queue.py)."""
         final = None
-        async for output in self._outputs(prompt_token_ids, params, request_id, False):
+        async for output in self._outputs(prompt_token_ids, params, request_id, False, key):
             final = output
         assert final is not None and final.finished
         return final
 
     def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-               request_id: str | None = None) -> AsyncGenerator[RequestOutput]:
+               request_id: str | None = None, key: str = "") -> AsyncGenerator[RequestOutput]:
         """The request's output after each step that changed it; the last one is finished.
         Closing it (`aclose`) before the end aborts the request and frees its blocks."""
-        return self._outputs(prompt_token_ids, params, request_id, True)
+        return self._outputs(prompt_token_ids, params, request_id, True, key)
 
     async def _outputs(self, prompt_token_ids: Sequence[int], params: SamplingParams | None,
-                       request_id: str | None, every_step: bool) -> AsyncGenerator[RequestOutput]:
+                       request_id: str | None, every_step: bool,
+                       key: str) -> AsyncGenerator[RequestOutput]:
         """The request's outputs: after each step that changed it, or only the final one (an
         output per step costs the engine's loop a copy of every token so far)."""
-        request = self._request(prompt_token_ids, params or SamplingParams(), request_id)
+        request = self._request(prompt_token_ids, params or SamplingParams(), request_id, key)
         queue = self.waiters.open(request.request_id, every_step)
         self.scheduler.add(request)
         self._wake.set()
@@ -197,8 +203,8 @@ class Engine:
                 self.scheduler.abort(request)
                 self._wake.set()
 
-    def _request(self, prompt: Sequence[int], params: SamplingParams,
-                 request_id: str | None) -> Request:
+    def _request(self, prompt: Sequence[int], params: SamplingParams, request_id: str | None,
+                 key: str) -> Request:
         if not prompt:
             raise ValueError("the prompt has no tokens")
         check_vocabulary(prompt, self.vocab_size, "prompt")
@@ -213,7 +219,8 @@ class Engine:
         name = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if name in self.waiters:
             raise ValueError(f"request id {name!r} is already running")
-        return Request(name, prompt, params, lambda: next(self._seq_ids), self.eos_token_ids)
+        return Request(name, prompt, params, lambda: next(self._seq_ids), self.eos_token_ids,
+                       key)
 
     # ------------------------------------------------------------------ the loop
 
@@ -223,6 +230,8 @@ class Engine:
         except Exception as exc:  # a bug or a lost daemon: no waiter may hang
             self.waiters.fail_all(exc)
             raise
+        finally:  # its requests no longer wait: they must not hold a shared queue's turns
+            self.scheduler.waiting.clear()
 
     async def _steps(self) -> None:
         while True:
@@ -364,11 +373,12 @@ class Engine:
         self.scheduler.preempted(preempt)
 
     async def _wait_for_room(self) -> None:
-        """Nothing runs and the oldest waiting request does not fit now: other clients hold
-        the pool. Fail it if it could never fit; else read the free blocks again shortly."""
-        head = self.scheduler.waiting[0]
-        need = self.scheduler.blocks_to_admit(head)
-        if need > self.num_blocks:
+        """Nothing runs and the next waiting request does not fit now (other clients hold the
+        pool), or it is another engine's turn (a shared queue). Fail it if it could never fit;
+        else read the free blocks again shortly."""
+        head = self.scheduler.waiting.head()
+        need = self.scheduler.blocks_to_admit(head) if head is not None else 0
+        if head is not None and need > self.num_blocks:
             self._fail_request(head, PoolExhausted(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {head.request_id} needs {need} "
                 f"blocks; the pool has {self.num_blocks}"))

@@ -37,8 +37,11 @@ class Request:
     """One request: its prompt, its sequences, and its outputs."""
 
     def __init__(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                 new_seq_id: Callable[[], int], eos_token_ids: Sequence[int] = ()) -> None:
+                 new_seq_id: Callable[[], int], eos_token_ids: Sequence[int] = (),
+                 key: str = "") -> None:
         self.request_id = request_id
+        # Whose request it is (fair_queue.py: waiting requests take turns by key).
+        self.key = key
         self.prompt = tuple(prompt)
         self.params = params
         self._new_seq_id = new_seq_id

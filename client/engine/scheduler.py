@@ -8,8 +8,10 @@ hands the answers back. Each step:
 2. if those steps need more blocks than are free, the most recently admitted request is
    preempted instead (its sequences are freed by a release-only step; their committed prefix
    blocks stay cached, so recomputing them is cheap) and the plan is made again;
-3. waiting requests are admitted, oldest first (preempted ones go back to the front), while
-   `max_num_seqs` and the token budget allow and the free blocks stay above the watermark.
+3. waiting requests are admitted in their line's turns (fair_queue.py: oldest first within a
+   key, the key served longest ago first; preempted ones go back to the front of their key),
+   while `max_num_seqs` and the token budget allow and the free blocks stay above the
+   watermark.
 Finished and dropped sequences are released with the next step (a step frees only after it
 computes, so when the blocks are short a release-only step goes first).
 
@@ -23,10 +25,10 @@ whether the daemon restores its prefix from its host tier or it is recomputed: t
 swap_rule.py, as `SchedulerConfig.swap` sets it.
 """
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedkv.client.engine.fair_queue import FairQueue, Line
 from pagedkv.client.engine.requests import Request
 from pagedkv.client.engine.sequences import Seq
 from pagedkv.client.engine.swap_rule import SWAP_MODES, HostTier, SwapRule
@@ -87,7 +89,8 @@ class Scheduler:
     """The waiting and running requests of one client."""
 
     def __init__(self, config: SchedulerConfig, block_size: int, num_blocks: int,
-                 reservation_blocks: int = 0, host_tier: HostTier | None = None) -> None:
+                 reservation_blocks: int = 0, host_tier: HostTier | None = None,
+                 waiting: Line | None = None) -> None:
         self.config = config
         self.block_size = block_size
         # Whether new sequences restore their prefix from the daemon's host tier (none: no
@@ -97,7 +100,9 @@ class Scheduler:
         self.reservation_blocks = reservation_blocks
         # Reservations never grow: nothing to keep back for them.
         self.watermark_blocks = 0 if reservation_blocks else int(config.watermark * num_blocks)
-        self.waiting: deque[Request] = deque()
+        # Its waiting requests, in the turns of a queue it may share with other engines (none
+        # given: a queue of its own, first in first out when every request has the same key).
+        self.waiting = waiting if waiting is not None else FairQueue().line()
         # In admission order: the last is the first to be preempted.
         self.running: list[Request] = []
         # Sequence ids to free with the next step.
@@ -132,6 +137,7 @@ class Scheduler:
             return
         if request in self.running:
             self.running.remove(request)
+        self.waiting.left(request)  # admitted, maybe by a step that got no answer
         self.to_release.extend(seq.seq_id for seq in request.seqs)
 
     def _drop_aborted(self) -> None:
@@ -183,8 +189,7 @@ class Scheduler:
         # Contiguous: the reservations that requests admitted by this plan take next step, when
         # their samples or beams fork from the computed prompt.
         forks_ahead = 0
-        while self.waiting and budget > 0:
-            request = self.waiting[0]
+        while budget > 0 and (request := self.waiting.head()) is not None:
             size = _width(request)
             if num_seqs + size > self.config.max_num_seqs and (num_seqs or plan.admit):
                 return
@@ -241,7 +246,9 @@ class Scheduler:
         for request, results in by_request.values():
             self.to_release.extend(request.on_outputs(results))
         progressed = [request for request, _ in by_request.values()]
-        self.running = [r for r in self.running if not r.finished]
+        for request in [r for r in self.running if r.finished]:
+            self.running.remove(request)
+            self.waiting.left(request)
         return progressed
 
 
