@@ -138,7 +138,7 @@ class DaemonConfig:
     # and the model from "kv@POD@MODEL": set "kv@POD@").
     kv_events_topic: str = ""
     # Publish the blocks of every cache salt, their namespace in extra_keys; default: only
-    # blocks under a salt tenants share (the stream has no authentication).
+    # blocks under a salt the tenants mark public_salts (the stream has no authentication).
     kv_events_all_salts: bool = False
 
     # ---- Access: who may connect and as which tenant (modes, TLS, tenants). ----

@@ -109,7 +109,8 @@ async def _start(config: DaemonConfig, readiness: Readiness,
         events = make_event_sink(config, service.formats.kv_snapshot)
         start_event_sink(events)
         stack.push_async_callback(events.close)
-        service.formats.publish_events(events, config.kv_events_all_salts)
+        service.formats.publish_events(events, config.kv_events_all_salts,
+                                       service.tenants.public_salts)
         registry.register(EventCollector(events.counts))
     rpc_metrics = RpcMetrics(registry) if config.metrics_listen else None
     running = await stack.enter_async_context(

@@ -186,7 +186,7 @@ SETTINGS: dict[str, Setting] = {
     "kv_events_topic": Setting(TEXT, "topic prefix of KV events: a model's topic is the prefix "
                                "and its name (llm-d: kv@POD@)"),
     "kv_events_all_salts": Setting(SWITCH, "publish blocks of every cache salt, not only of "
-                                   "salts tenants share"),
+                                   "the tenants' public_salts"),
     "socket_mode": Setting(MODE, "octal mode of the public unix sockets (default 660)"),
     "runner_socket": Setting(PATH, "path of the socket runners call through (default: "
                              f"{DAEMON_RUNNER_SOCKET_NAME} beside the first unix listener)"),

@@ -21,7 +21,8 @@ from pagedkv.daemon.service.tenants import (
 # Tenant names: they appear in metrics labels and logs.
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # Keys of a [tenants.NAME] table.
-TENANT_KEYS = ("token_file", "uids", "max_blocks", "max_sessions", "salts", "certifies")
+TENANT_KEYS = ("token_file", "uids", "max_blocks", "max_sessions", "salts", "certifies",
+               "public_salts")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,9 @@ class TenantSpec:
     # Those of its salts under which its own sessions may commit K/V that other tenants
     # listing the salt will read (a subset of salts).
     certifies: tuple[str, ...] = ()
+    # Those of its salts whose blocks the KV events publish, token ids included (the event
+    # stream is unauthenticated): every tenant listing such a salt marks it (check_specs).
+    public_salts: tuple[str, ...] = ()
 
 
 def parse_tenants(raw: Any) -> tuple[TenantSpec, ...]:
@@ -63,7 +67,8 @@ def _parse_tenant(name: str, table: Any) -> TenantSpec:
     if salts is not None and (not isinstance(salts, list)
                               or not all(isinstance(s, str) and s for s in salts)):
         raise TypeError(f"tenants.{name}.salts: expected a list of non-empty strings")
-    certifies = _certifies(table, name, salts)
+    certifies = _some_salts(table, name, "certifies", salts)
+    public_salts = _some_salts(table, name, "public_salts", salts)
     token_file = table.get("token_file")
     if token_file is not None and not isinstance(token_file, str):
         raise TypeError(f"tenants.{name}.token_file: expected a path")
@@ -71,19 +76,21 @@ def _parse_tenant(name: str, table: Any) -> TenantSpec:
                       uids=_uids(table, name),
                       max_blocks=_count(table, name, "max_blocks"),
                       max_sessions=_count(table, name, "max_sessions"),
-                      salts=None if salts is None else tuple(salts), certifies=certifies)
+                      salts=None if salts is None else tuple(salts), certifies=certifies,
+                      public_salts=public_salts)
 
 
-def _certifies(table: Mapping[str, Any], name: str, salts: list[str] | None) -> tuple[str, ...]:
-    """The tenant's `certifies`: some of its `salts` (absent: none)."""
-    certifies = table.get("certifies", [])
-    if not isinstance(certifies, list) or not all(isinstance(s, str) for s in certifies):
-        raise TypeError(f"tenants.{name}.certifies: expected a list of salts, got {certifies!r}")
-    outside = [salt for salt in certifies if salt not in (salts or ())]
+def _some_salts(table: Mapping[str, Any], name: str, key: str,
+                salts: list[str] | None) -> tuple[str, ...]:
+    """The tenant's `certifies` or `public_salts`: some of its `salts` (absent: none)."""
+    chosen = table.get(key, [])
+    if not isinstance(chosen, list) or not all(isinstance(s, str) for s in chosen):
+        raise TypeError(f"tenants.{name}.{key}: expected a list of salts, got {chosen!r}")
+    outside = [salt for salt in chosen if salt not in (salts or ())]
     if outside:
-        raise ValueError(f"tenants.{name}.certifies: {outside[0]!r} is not in "
-                         f"tenants.{name}.salts; a tenant certifies only global salts it uses")
-    return tuple(certifies)
+        raise ValueError(f"tenants.{name}.{key}: {outside[0]!r} is not in "
+                         f"tenants.{name}.salts; {key} names global salts the tenant uses")
+    return tuple(chosen)
 
 
 def _count(table: Mapping[str, Any], name: str, key: str) -> int:
@@ -129,9 +136,24 @@ def check_specs(specs: Iterable[TenantSpec], unix_tenant: str, unmapped_uids: st
                 raise ValueError(f"uid {uid} is in the uids of tenants {owners[uid]} and "
                                  f"{spec.name}: a unix caller has one tenant")
             owners[uid] = spec.name
+    _check_public_salts(specs)
     if unmapped_uids not in UNMAPPED_UIDS:
         raise ValueError(f"unmapped_uids: expected one of {', '.join(UNMAPPED_UIDS)}, "
                          f"got {unmapped_uids!r}")
+
+
+def _check_public_salts(specs: Iterable[TenantSpec]) -> None:
+    """A salt is public for every tenant listing it or for none: its blocks are shared, so
+    whose prompt a published block came from cannot be told apart."""
+    marked = {salt: spec.name for spec in specs for salt in spec.public_salts}
+    for spec in specs:
+        for salt in spec.salts or ():
+            if salt in marked and salt not in spec.public_salts:
+                raise ValueError(
+                    f"tenants.{marked[salt]}.public_salts: {salt!r} is also in "
+                    f"tenants.{spec.name}.salts, which does not mark it public: a salt's "
+                    f"blocks are published for every tenant sharing it or for none (add it "
+                    f"to tenants.{spec.name}.public_salts, or remove it)")
 
 
 def build_tenants(specs: Iterable[TenantSpec], unix_tenant: str, unmapped_uids: str,
@@ -147,5 +169,6 @@ def build_tenants(specs: Iterable[TenantSpec], unix_tenant: str, unmapped_uids: 
         spec.name, bearer_of(tokens[spec.name]) if spec.name in tokens else None,
         spec.max_blocks, spec.max_sessions,
         None if spec.salts is None else frozenset(s.encode() for s in spec.salts),
-        frozenset(spec.uids), frozenset(s.encode() for s in spec.certifies))
+        frozenset(spec.uids), frozenset(s.encode() for s in spec.certifies),
+        frozenset(s.encode() for s in spec.public_salts))
         for spec in specs], unix_tenant, unmapped_uids)

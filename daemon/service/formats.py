@@ -66,8 +66,9 @@ class Formats:
         self._limits = limits
         self._zero = zero_blocks
         self._prefix_hash = prefix_hash
-        # Where KV events go, and whether every salt's blocks are published (None: off).
-        self._events: tuple[KVEventSink, bool] | None = None
+        # Where KV events go, whether every salt's blocks are published, the public salts
+        # (None: off).
+        self._events: tuple[KVEventSink, bool, frozenset[bytes]] | None = None
         own = self._own_format(pool, memory, geometry, page_bytes)
         # The models; the daemon's own model is model 0 of format 0.
         self.models = ModelRegistry(
@@ -122,12 +123,14 @@ class Formats:
             fmt.hygiene.events = FormatEvents(pool, *self._events)
         return fmt
 
-    def publish_events(self, sink: KVEventSink, all_salts: bool) -> None:
+    def publish_events(self, sink: KVEventSink, all_salts: bool,
+                       public_salts: frozenset[bytes] = frozenset()) -> None:
         """From now on, tell `sink` the committed blocks every format gains and loses
-        (kv_events.py), every salt's with `all_salts`; before any session exists."""
-        self._events = (sink, all_salts)
+        (kv_events.py): those under `public_salts`, every salt's with `all_salts`; before any
+        session exists."""
+        self._events = (sink, all_salts, public_salts)
         for fmt in self.models.formats:
-            fmt.hygiene.events = FormatEvents(fmt.pool, sink, all_salts)
+            fmt.hygiene.events = FormatEvents(fmt.pool, sink, all_salts, public_salts)
 
     def attach_host_tier(self, num_slots: int) -> HostTier:
         """Give format 0 (the daemon's own model's) a host tier of `num_slots` slots

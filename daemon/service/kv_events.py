@@ -21,11 +21,13 @@ this module tells its sink (`KVEventSink`), in vLLM's wire format.
   namespace (the key's last 8 bytes, big-endian, unsigned: what vLLM sends as an integer
   block hash); its parent's likewise.
 
-Tenancy. The event stream is not authenticated, so by default it shows only blocks under a
-global salt (a salt a tenant's `salts` lists: sessions of every tenant listing it share them),
-with no extra key. With `kv_events_all_salts` every block is published, its namespace in
-`extra_key`: a tenant's namespaced salt as b"tenant:NAME\\0SALT", a private session's as
-b"session:NUMBER" (never the session id, which is a credential).
+Tenancy. The event stream is not authenticated and carries token ids, so by default it shows
+only blocks under a public salt: a global salt (one a tenant's `salts` lists) that the operator
+marks public (`public_salts` in the tenants' config, every tenant listing it alike), with no
+extra key. Listing a salt does not make it public, even when one tenant alone lists it. With
+`kv_events_all_salts` every block is published, its namespace in `extra_key`: a global salt not
+marked public as b"shared:SALT", a tenant's namespaced salt as b"tenant:NAME\\0SALT", a private
+session's as b"session:NUMBER" (never the session id, which is a credential).
 
 Every record goes through the format's journal: the events of a call that fails are undone
 with it, and a call's events reach the sink once its transaction succeeded (`Journal.after`).
@@ -54,9 +56,9 @@ def hash64(key: bytes) -> int:
     return int.from_bytes(key[-8:], "big")
 
 
-def extra_key(session: Session) -> bytes | None:
-    """The namespace a session's blocks are published with: None for a global salt."""
-    if session.shared_salt:
+def extra_key(session: Session, public_salts: frozenset[bytes]) -> bytes | None:
+    """The namespace a session's blocks are published with: None for a public salt."""
+    if session.shared_salt and session.shared_salt in public_salts:
         return None
     if session.private_salt:
         return b"session:%d" % session.number
@@ -78,11 +80,14 @@ class Published:
 class FormatEvents:
     """The KV events of one format's pool (see the module docstring)."""
 
-    def __init__(self, pool: PoolAllocator, sink: KVEventSink, all_salts: bool) -> None:
+    def __init__(self, pool: PoolAllocator, sink: KVEventSink, all_salts: bool,
+                 public_salts: frozenset[bytes]) -> None:
         self._pool = pool
         self._sink = sink
-        # Publish blocks of every salt (`kv_events_all_salts`), not only global ones.
+        # Publish blocks of every salt (`kv_events_all_salts`), not only public ones.
         self.all_salts = all_salts
+        # The global salts the operator marks public (Tenants.public_salts).
+        self.public_salts = public_salts
         # Block -> what was announced of it: committed blocks published, in commit order.
         self.published: dict[int, Published] = {}
         # Host slot -> what was announced of its copy ("CPU").
@@ -92,7 +97,7 @@ class FormatEvents:
 
     def committed(self, session: Session, blocks: list[int]) -> None:
         """A call of `session` made `blocks` matchable, in chain order."""
-        extra = extra_key(session)
+        extra = extra_key(session, self.public_salts)
         if extra is not None and not self.all_salts:
             return
         keys, parents, tokens = self._pool.block_content(blocks)

@@ -40,6 +40,11 @@ lists, a session's commit (Commit, a Batch commit op, StepRequest.commit) is ref
 tenants' clients the others trust to tell the truth about K/V. Private, namespaced and
 single-tenant salts are unaffected: a wrong commit there misleads only its own tenant.
 
+Which salts are published. The KV event stream is unauthenticated and carries token ids, so
+it publishes a global salt's blocks only when the operator marks the salt public
+(`public_salts`, every tenant listing it alike); listing a salt, even by one tenant only,
+does not publish it (daemon/service/kv_events.py).
+
 The old single `auth_token_file` is the one-tenant shortcut: the "default" tenant, no limits,
 any salt in its namespace; unix callers are that tenant too. The [tenants.NAME] settings are
 read and checked in tenant_config.py.
@@ -89,6 +94,8 @@ class Tenant:
     uids: frozenset[int] = frozenset()
     # Global salts under which its sessions may commit though other tenants list them.
     certifies: frozenset[bytes] = frozenset()
+    # Global salts whose blocks the KV events publish (kv_events.py): the operator's mark.
+    public_salts: frozenset[bytes] = frozenset()
 
     def shared_salt(self, requested: bytes) -> bytes:
         """The global salt `requested` is for this tenant's sessions (one of its `salts`), or
@@ -168,6 +175,13 @@ class Tenants:
         for tenant in self.by_name.values():
             for salt in tenant.salts or ():
                 self.salt_users.setdefault(salt, set()).add(tenant.name)
+
+    @property
+    def public_salts(self) -> frozenset[bytes]:
+        """The global salts marked public (tenant_config.py makes every tenant listing one
+        mark it): the only salts whose blocks the KV events publish by default."""
+        return frozenset(salt for tenant in self.by_name.values()
+                         for salt in tenant.public_salts)
 
     @classmethod
     def single(cls, token: str | None) -> "Tenants":

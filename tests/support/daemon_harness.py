@@ -128,7 +128,8 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
             events = EventPublisher(kv_events, service.formats.kv_snapshot)
             events.start()
             stack.push_async_callback(events.close)
-            service.formats.publish_events(events, kv_events_all_salts)
+            service.formats.publish_events(events, kv_events_all_salts,
+                                           service.tenants.public_salts)
         registry = CollectorRegistry()
         registry.register(PoolCollector(service))
         listeners = [parse_listen(f"unix://{directory / 'pagedkv.sock'}")]

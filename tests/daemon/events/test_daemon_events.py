@@ -60,7 +60,8 @@ def settings(buffer: int) -> EventSettings:
 @asynccontextmanager
 async def daemon_with_events(buffer: int = 10_000,
                              all_salts: bool = False) -> AsyncIterator[Daemon]:
-    tenants = Tenants([Tenant("default", bearer_of(TOKEN), salts=frozenset({PUBLIC}))])
+    tenants = Tenants([Tenant("default", bearer_of(TOKEN), salts=frozenset({PUBLIC}),
+                              public_salts=frozenset({PUBLIC}))])
     async with running_daemon(num_blocks=16, block_size=BLOCK, blocks_per_page=2,
                               tenants=tenants, kv_events=settings(buffer),
                               kv_events_all_salts=all_salts) as daemon:

@@ -25,8 +25,10 @@ from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
 from service_calls import SHARED_IDS, committed, random_calls
 
 BLOCK = 4
-# The default tenant's global salt: its blocks are published by default.
+# The default tenant's global salts: PUBLIC is marked public (its blocks are published by
+# default), UNMARKED is not (listed by this one tenant alone, it is still not published).
 PUBLIC = b"public"
+UNMARKED = b"unmarked"
 
 Entry = tuple[tuple[int, ...], int | None, bytes | None]
 
@@ -64,9 +66,10 @@ def service(all_salts: bool, sink: "IndexSink | EventLog | None" = None
     pool = BlockPool(16, BLOCK, blocks_per_page=2)
     svc = PoolService(pool, None, pool_id="p", geometry=TINY_CPU_GEOMETRY, page_bytes=16384,
                       model_policies={"half": ModelPolicy(max_memory=20 * 4096)},
-                      tenants=Tenants([Tenant("default", salts=frozenset({PUBLIC}))]))
+                      tenants=Tenants([Tenant("default", salts=frozenset({PUBLIC, UNMARKED}),
+                                              public_salts=frozenset({PUBLIC}))]))
     sink = sink or IndexSink()
-    svc.formats.publish_events(sink, all_salts)
+    svc.formats.publish_events(sink, all_salts, svc.tenants.public_salts)
     svc.register_model("tiny-ft", KvShape(2, 2, 64, "float32"))
     svc.register_model("half", KvShape(1, 2, 64, "float32"))
     return svc, sink
@@ -123,6 +126,25 @@ async def test_by_default_only_blocks_under_a_global_salt_are_published(seed: in
     assert sink.index, "nothing was published"
     assert all(ids[0] in SHARED_IDS and extra is None
                for ids, _, extra in sink.index.values())
+
+
+@pytest.mark.parametrize("all_salts", [False, True])
+async def test_a_global_salt_not_marked_public_is_never_published_bare(all_salts: bool) -> None:
+    """A salt one tenant alone lists is global, yet not public: by default its blocks never
+    reach the sink (as a private session's); with kv_events_all_salts they go with their
+    namespace, b"shared:SALT", as extra key. The public salt's blocks go bare either way."""
+    svc, sink = service(all_salts=all_salts)
+    assert isinstance(sink, IndexSink)
+    for salt, first in ((UNMARKED, 50), (PUBLIC, 60)):
+        session = svc.open_session(salt.decode(), cache_salt=salt)
+        await svc.allocate(session.session_id, Allocate(1, 2 * BLOCK,
+                                                        list(range(first, first + 2 * BLOCK))))
+        await svc.batch(session.session_id, [Commit([1])])
+    by_first = {ids[0]: extra for ids, _, extra in sink.index.values()}
+    unmarked = {b"shared:" + UNMARKED} if all_salts else set()
+    assert {by_first[first] for first in (50, 54) if first in by_first} == unmarked
+    assert by_first[60] is None and by_first[64] is None
+    assert len(by_first) == (4 if all_salts else 2)
 
 
 async def test_a_snapshot_read_while_calls_change_the_pool_rebuilds_it_exactly(

@@ -176,6 +176,21 @@ salts = ["shared"]
     assert sorted(tenants.by_name) == ["alice", "default", "ops"]
 
 
+def test_only_salts_marked_public_are_public(tmp_path: Path) -> None:
+    """Listing a salt, even by one tenant alone, does not make it public; a salt every tenant
+    listing it marks in public_salts is."""
+    tenants = toml_config(tmp_path, """
+[tenants.a]
+salts = ["mine", "docs"]
+public_salts = ["docs"]
+[tenants.b]
+salts = ["docs"]
+public_salts = ["docs"]
+""").build_tenants()
+    assert tenants.public_salts == frozenset({b"docs"})
+    assert tenants.by_name["a"].public_salts == frozenset({b"docs"})
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -196,6 +211,11 @@ salts = ["shared"]
         ("[tenants.a]\nsalts = [\"s\"]\ncertifies = [\"t\"]\n",
          r"tenants.a.certifies: 't' is not in tenants.a.salts"),
         ("[tenants.a]\ncertifies = [\"t\"]\n", r"'t' is not in tenants.a.salts"),
+        ("[tenants.a]\nsalts = [\"s\"]\npublic_salts = [\"t\"]\n",
+         r"tenants.a.public_salts: 't' is not in tenants.a.salts"),
+        ("[tenants.a]\nsalts = [\"s\"]\npublic_salts = [\"s\"]\n[tenants.b]\nsalts = [\"s\"]\n",
+         r"tenants.a.public_salts: 's' is also in tenants.b.salts, which does not mark it "
+         r"public"),
         ("[tenants.\"a b\"]\n", "a tenant name is 1 to 64 letters"),
         ('unix_tenant = "nobody"\n', "unix_tenant: no tenant named 'nobody'"),
         ("tenants = 3\n", "expected .tenants.NAME. tables"),
