@@ -9,6 +9,7 @@ the command line). The pool is sized by exactly one of `num_blocks`, `kv_memory`
 before it allocates anything, with a message naming the setting (`ConfigError`).
 """
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -24,6 +25,7 @@ from pagedkv.daemon.process.access_settings import (
     group_id,
     load_tenants,
     load_tls,
+    read_auth_token,
 )
 from pagedkv.daemon.process.settings import SETTINGS, ConfigError, check_setting
 from pagedkv.daemon.process.tenant_config import TenantSpec
@@ -88,6 +90,9 @@ class DaemonConfig:
     models: tuple[tuple[str, ModelPolicy], ...] = ()
     # host:port of the HTTP server for /metrics, /healthz and /readyz; None: no HTTP server.
     metrics_listen: str | None = None
+    # File holding the bearer token /metrics asks for (it names tenants); None: no token, and
+    # a warning at start when metrics_listen is not a loopback address.
+    metrics_token_file: Path | None = None
     # Log output: "json" (journald), "console" (a person), "auto" (console on a terminal).
     log_format: LogFormat = "auto"
     # Lowest level logged: debug, info, warning, error, critical.
@@ -270,6 +275,25 @@ class DaemonConfig:
         path = (folder or runtime_dir(os.environ)) / DAEMON_RUNNER_SOCKET_NAME
         return check_setting(parse_listen, f"unix://{path}", "runner_socket")
 
+    def metrics_token(self) -> str | None:
+        """The token /metrics asks for, read from metrics_token_file; None without one."""
+        if self.metrics_token_file is None:
+            return None
+        if self.metrics_listen is None:
+            raise ConfigError("metrics_token_file is the token of metrics_listen's /metrics: "
+                              "set metrics_listen too, or drop it")
+        return read_auth_token(self.metrics_token_file, "metrics_token_file")
+
+    def metrics_open_beyond_loopback(self) -> bool:
+        """Whether /metrics (which names tenants) is served beyond loopback with no token."""
+        if self.metrics_listen is None or self.metrics_token_file is not None:
+            return False
+        host, _ = parse_host_port(self.metrics_listen)
+        try:
+            return not ipaddress.ip_address(host.strip("[]")).is_loopback
+        except ValueError:  # a name: it may resolve to any address
+            return host != "localhost"
+
     def runner_gid(self) -> int | None:
         """The gid of runner_group; None without one."""
         return group_id(self.runner_group)
@@ -361,6 +385,7 @@ class DaemonConfig:
         """Metrics address, logging and leases."""
         if self.metrics_listen is not None:
             check_setting(parse_host_port, self.metrics_listen, "metrics_listen")
+        self.metrics_token()
         if self.log_format not in LOG_FORMATS:
             raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}")
         if self.log_level not in LOG_LEVELS:

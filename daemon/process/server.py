@@ -121,7 +121,13 @@ async def _start(config: DaemonConfig, readiness: Readiness,
     readiness.listeners_up = True
     if config.metrics_listen is not None:
         host, port = parse_host_port(config.metrics_listen)
-        http = await start_http(metrics_app(registry, readiness.reason_not_ready), host, port)
+        if config.metrics_open_beyond_loopback():
+            log.warning("metrics_listen is not a loopback address and metrics_token_file is "
+                        "unset: whoever reaches it reads every tenant's name and figures; set "
+                        "metrics_token_file, bind it to 127.0.0.1, or firewall it",
+                        metrics_listen=config.metrics_listen)
+        http = await start_http(metrics_app(registry, readiness.reason_not_ready,
+                                            config.metrics_token()), host, port)
         stack.push_async_callback(http.cleanup)
     status = (f"serving pool {service.pool_id}: {service.pool.num_blocks} blocks x "
               f"{service.pool.block_size} tokens, {format_bytes(memory.nbytes, binary=True)}, "

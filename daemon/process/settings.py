@@ -154,6 +154,7 @@ SETTINGS: dict[str, Setting] = {
     "max_models": Setting(INTEGER, "models runners may register at most (default {default})"),
     "models": Setting(MODEL_TABLES, None),
     "metrics_listen": Setting(TEXT, "host:port for /metrics, /healthz, /readyz over HTTP"),
+    "metrics_token_file": Setting(PATH, "file holding the bearer token /metrics asks for"),
     "log_format": Setting(TEXT, "json, console or auto (default)", LOG_FORMATS),
     "log_level": Setting(TEXT, "default: {default}", LOG_LEVELS),
     "lease_ttl_ms": Setting(INTEGER, "default session lease in milliseconds"),

@@ -1,6 +1,7 @@
 """A running pagedkvd seen from outside: metrics, HTTP probes, gRPC health and reflection."""
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import grpc
@@ -97,3 +98,26 @@ async def test_reflection_lists_the_services(daemon: tuple[Pagedkvd, str]) -> No
         (reply,) = [reply async for reply in stream]
     names = {service.name for service in reply.list_services_response.service}
     assert {"pagedkv.v1.KVPool", "grpc.health.v1.Health"} <= names
+
+
+async def test_metrics_ask_for_the_token_of_metrics_token_file(tmp_path: Path) -> None:
+    token = tmp_path / "metrics.token"
+    token.write_text("s3cret\n")
+    token.chmod(0o600)
+    port = free_tcp_port()
+    with pagedkvd("--num-blocks", "8", "--metrics-listen", f"127.0.0.1:{port}",
+                  "--metrics-token-file", str(token)) as running:
+        base = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as http:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+                async with http.get(f"{base}/metrics", headers=headers) as response:
+                    assert response.status == 401, headers
+                    assert response.headers["WWW-Authenticate"] == "Bearer"
+                    assert "pagedkv:" not in await response.text()
+            async with http.get(f"{base}/metrics",
+                                headers={"Authorization": "Bearer s3cret"}) as response:
+                assert response.status == 200
+                assert "pagedkv:tenant_sessions" in await response.text()
+            async with http.get(f"{base}/healthz") as response:  # probes need no token
+                assert response.status == 200
+        assert running.stop() == 0

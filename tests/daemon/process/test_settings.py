@@ -287,3 +287,24 @@ def test_the_runner_unit_follows_the_daemon_and_its_exit_codes() -> None:
     config = DaemonConfig(**load_toml(OPS / "pagedkv.toml"))
     assert str(config.runner_listener().unix_path) == "/run/pagedkv/pagedkvd-runners.sock"
     assert unit["RestartPreventExitStatus"] == [str(EXIT_BAD_CONFIG)]
+
+
+@pytest.mark.parametrize(("listen", "open_beyond"), [
+    ("127.0.0.1:9464", False), ("[::1]:9464", False), ("localhost:9464", False),
+    ("0.0.0.0:9464", True), ("10.1.2.3:9464", True), ("metrics.example:9464", True)])
+def test_metrics_beyond_loopback_without_a_token_are_flagged(listen: str,
+                                                             open_beyond: bool) -> None:
+    assert parse(["--metrics-listen", listen]).metrics_open_beyond_loopback() == open_beyond
+
+
+def test_a_metrics_token_file_is_read_at_start(tmp_path: Path) -> None:
+    token = tmp_path / "metrics.token"
+    token.write_text("")
+    token.chmod(0o600)
+    with pytest.raises(ConfigError, match=r"metrics_token_file: .* is empty"):
+        parse(["--metrics-listen", "0.0.0.0:9464", "--metrics-token-file", str(token)])
+    token.write_text("t\n")
+    config = parse(["--metrics-listen", "0.0.0.0:9464", "--metrics-token-file", str(token)])
+    assert config.metrics_token() == "t" and not config.metrics_open_beyond_loopback()
+    with pytest.raises(ConfigError, match="metrics_token_file is the token of metrics_listen"):
+        parse(["--metrics-token-file", str(token)])
