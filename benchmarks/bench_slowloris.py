@@ -2,21 +2,24 @@
 connections (slowloris, issue 31), beside the same latency with no attack.
 
 The server (`pagedkv serve --model tiny-llama`, CPU, its default connection bounds) is asked
-REQUESTS small completions (a 4-token prompt, 1 new token) one after another, each on a new
-connection from 127.0.0.2, first with no attack, then while attacker processes open ATTACK
-connections from 127.0.0.1, each sending part of a request head and one more header line every
-TRICKLE_S, and opening again, every REOPEN_S, those the server reset (as slowloris does).
-Each process raises its soft RLIMIT_NOFILE to the hard limit (the server does so itself); an
-attacker process holds at most PER_ATTACKER connections, below the hard limit, so ATTACK is
-split across processes.
+--requests small completions (a 4-token prompt, 1 new token) one after another, each on a new
+connection from 127.0.0.2, first with no attack, then while attacker processes open --attack
+connections (default 20,000) from 127.0.0.1, each sending part of a request head and one more
+header line every TRICKLE_S, and opening again, every --reopen-s, those the server reset (as
+slowloris does). Each process raises its soft RLIMIT_NOFILE to the hard limit (the server does
+so itself); an attacker process opens at most PER_ATTACKER connections, below the hard limit
+of this machine (20,000), so the attack is split across processes.
 
 Figures:
-    slowloris_attack: N connections        the half-open connections the attackers opened
-    slowloris_server_open_max: N connections  the most the server held open at once (its
-                                           socket descriptors, /proc, beyond those before)
-    slowloris_baseline_p99_ms, slowloris_legit_p99_ms, slowloris_p99_ratio
+    slowloris_half_open: N connections     the connections the attackers opened (the server
+                                           resets all but --max-connections-per-address)
+    slowloris_server_open_max: N connections  the most socket descriptors the server held at
+                                           once beyond those before the attack (/proc)
     slowloris_legit_failures: N requests   requests that got no answer during the attack
-Usage: python benchmarks/bench_slowloris.py [--attack N] [--requests N] [--quick]
+    slowloris_baseline_p50_ms, slowloris_baseline_p99_ms   no attack
+    slowloris_legit_p50_ms, slowloris_legit_p99_ms         during the attack
+    slowloris_p99_ratio: X x               legit p99 / baseline p99
+Usage: python benchmarks/bench_slowloris.py [--attack N] [--requests N] [--reopen-s S] [--quick]
 """
 
 import argparse
@@ -153,7 +156,7 @@ async def under_attack(server: Server, attack: int, reopen_s: float,
         deadline = time.monotonic() + 120
         while opened.value < attack and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
-        figure("slowloris_attack", opened.value, "connections", 0)
+        figure("slowloris_half_open", opened.value, "connections", 0)
         held = [open_sockets(pid) - before]
         task = asyncio.create_task(latencies(server, requests))
         while not task.done():
