@@ -78,7 +78,7 @@ class ConnectionGuard:
         self.open_by_address: Counter[str] = Counter()
         # The header timer of each connection whose first request head is not complete yet.
         self._awaiting_head: dict[RequestHandler, asyncio.TimerHandle] = {}
-        # One rate limit per kind of line a peer can repeat at will.
+        # One rate limit per kind of line a peer can repeat at will (event and flag).
         self._logs: dict[str, RateLimitedLog] = {}
         self._clock = clock
 
@@ -155,9 +155,11 @@ class ConnectionGuard:
             loop.default_exception_handler(context)
 
     def _log_rarely(self, event: str, **fields: Any) -> None:
-        """Warn of `event`, at most once per HOSTILE_LOG_INTERVAL_S, with how many happened."""
-        limit = self._logs.setdefault(event, RateLimitedLog(HOSTILE_LOG_INTERVAL_S, self._clock))
-        count = limit.event()
+        """Warn of `event`, at most once per HOSTILE_LOG_INTERVAL_S for each flag it names,
+        with how many happened."""
+        rate = self._logs.setdefault(f"{event} {fields.get('limit', '')}",
+                                     RateLimitedLog(HOSTILE_LOG_INTERVAL_S, self._clock))
+        count = rate.event()
         if count is not None:
             _log.warning(event, **fields, count=count, interval_s=HOSTILE_LOG_INTERVAL_S)
 

@@ -140,8 +140,7 @@ async def test_a_kept_alive_connection_idle_past_the_idle_timeout_is_closed() ->
         length = next(int(line.partition(":")[2]) for line in head.splitlines()
                       if line.lower().startswith("content-length:"))
         await reader.readexactly(length)
-        # Past the header timeout it stays (its head came in time), then the idle timeout
-        # closes it.
+        # Idle after its answer: the idle timeout (aiohttp's keep-alive timer) closes it.
         assert await closed_by_server(reader)
         writer.close()
 
