@@ -25,7 +25,8 @@ import queue
 import time
 from collections.abc import Sequence
 
-from pagedkv.daemon.events.sender import STOP, Answer, EventSettings, Outgoing, Sender, Slice
+from pagedkv.daemon.events.replay import SnapshotAnswer
+from pagedkv.daemon.events.sender import STOP, EventSettings, Outgoing, Sender, Slice
 from pagedkv.daemon.events.sink import EventCounts, Snapshot, StoredBlock
 from pagedkv.daemon.events.wire import MEDIUM_GPU
 from pagedkv.process.log_setup import get_logger
@@ -121,7 +122,7 @@ class EventPublisher:
         self._inbox.put(Outgoing(self._next_seq, time.time(), model, stored, removed, medium))
         self._next_seq += 1
 
-    def _ask_slice(self, answer: Answer) -> None:
+    def _ask_slice(self, answer: SnapshotAnswer) -> None:
         """From the sending thread: read the answer's next snapshot item on the loop."""
         assert self._loop is not None, "asked only once started"
         try:
@@ -129,7 +130,7 @@ class EventPublisher:
         except RuntimeError:  # the loop is closed: the daemon is stopping
             self._inbox.put(Slice(answer, None, failed=True))
 
-    def _read_slice(self, answer: Answer) -> None:
+    def _read_slice(self, answer: SnapshotAnswer) -> None:
         """On the loop: the first read fixes S (owed AllBlocksCleared go out below it, so
         they do not empty what the snapshot rebuilds); each read takes one item."""
         try:

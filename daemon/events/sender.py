@@ -2,9 +2,13 @@
 replay and snapshot requests.
 
 Sockets (vLLM's ZmqEventPublisher, and one request of ours):
-- PUB, multipart `[topic, seq, payload]`. The endpoint is bound when it has "*" or "::" or is
-  ipc:// or inproc://, else connected (vLLM's rule: llm-d's indexer binds its SUB and the
-  engines connect to it).
+- XPUB (a PUB to subscribers, which also tells us of their subscriptions), multipart
+  `[topic, seq, payload]`. The endpoint is bound when it has "*" or "::" or is ipc:// or
+  inproc://, else connected (vLLM's rule: llm-d's indexer binds its SUB and the engines connect
+  to it). Connected, the socket drops what it sends before the subscriber's subscription has
+  arrived (ZMQ's slow joiner), so the thread holds the batches until the first subscription
+  comes, CONNECT_WAIT_S at most (then it warns that a subscriber may have missed batches: a
+  replay or a snapshot repairs it).
 - ROUTER on the replay endpoint (bound), for REQ (or DEALER with an empty delimiter frame)
   clients. A request is one frame:
   - a start seq (8 bytes big-endian): every buffered batch from there as `[seq, payload]`,
@@ -14,21 +18,27 @@ Sockets (vLLM's ZmqEventPublisher, and one request of ours):
     `[topic, seq, payload]`, each seq the one the live stream continues from (S), then the
     marker `[b"", S, b""]`: apply the snapshot, then the live batches from S on (replay from S
     if the PUB socket lost any). A failed snapshot ends with `[b"", END_SEQ, b""]`.
-  Answers go out one request at a time, in order, at the pace the client reads (the ROUTER
-  refuses rather than queues beyond its high-water mark); one that cannot move for STALL_S
-  seconds, or whose client left, is dropped.
+  Answers go out at the pace each client reads, clients in turns, within bounds on what a
+  client can make the daemon hold (replay.py).
 """
 
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import zmq
 
+from pagedkv.daemon.events.replay import (
+    ROUTER_HWM,
+    Answers,
+    ReplayAnswer,
+    ReplayBuffer,
+    SnapshotAnswer,
+)
 from pagedkv.daemon.events.sink import SnapshotItem, StoredBlock
 from pagedkv.daemon.events.wire import (
     END_SEQ,
@@ -46,10 +56,12 @@ from pagedkv.process.log_setup import get_logger
 
 # How long the thread waits for a batch before it looks at requests and answers again.
 POLL_S = 0.02
-# An answer that cannot move for this long (its client does not read) is dropped.
-STALL_S = 10.0
 # Messages the PUB socket queues per subscriber before it drops (vLLM's hwm).
 PUB_HWM = 100_000
+# Connected PUB: how long batches wait for the subscriber's first subscription.
+CONNECT_WAIT_S = 5.0
+# Requests read per turn of the thread (the ROUTER's receive HWM bounds what waits).
+MAX_REQUESTS_PER_TURN = 1024
 # The request frame asking for a snapshot.
 SNAPSHOT_REQUEST = b"snapshot"
 # How long closing waits for queued messages to leave.
@@ -92,32 +104,11 @@ class Outgoing(NamedTuple):
     medium: str = MEDIUM_GPU
 
 
-@dataclass(eq=False)
-class Answer:
-    """One client's answer in progress."""
-
-    # The client's ROUTER identity.
-    identity: bytes
-    # Messages built and not yet sent (without the envelope).
-    ready: deque[list[bytes]] = field(default_factory=deque)
-    # A snapshot's state, set on the event loop: the seq the live stream continues from, and
-    # the blocks still to read (None before the first slice).
-    snapshot: bool = False
-    start_seq: int = 0
-    items: Iterator[SnapshotItem] | None = None
-    # A slice is asked of the loop and not yet here; the last item has come; dropped.
-    asking: bool = False
-    done: bool = True
-    dropped: bool = False
-    # When sending began to fail for want of room (monotonic seconds), None while it moves.
-    stalled_since: float | None = None
-
-
 class Slice(NamedTuple):
     """A snapshot item read on the event loop, for `answer`: None after the last one (or on a
     failure, `failed`)."""
 
-    answer: Answer
+    answer: SnapshotAnswer
     item: SnapshotItem | None
     failed: bool = False
 
@@ -130,15 +121,18 @@ class Sender(threading.Thread):
     """Owns the sockets; fed through `inbox` by the event loop (see the module docstring)."""
 
     def __init__(self, settings: EventSettings, inbox: "queue.SimpleQueue[object]",
-                 ask_slice: Callable[[Answer], None]) -> None:
+                 ask_slice: Callable[[SnapshotAnswer], None]) -> None:
         super().__init__(name="kv-events", daemon=True)
         self._settings = settings
         self._inbox = inbox
         # Reads the answer's next snapshot item on the event loop, which puts a Slice here.
         self._ask_slice = ask_slice
         self._context = zmq.Context()
-        self._pub = self._context.socket(zmq.PUB)
+        self._pub = self._context.socket(zmq.XPUB)
         self._router: zmq.Socket[bytes] | None = None
+        # Connected: when holding batches for the first subscription ends (monotonic
+        # seconds); None: not holding.
+        self._join_deadline: float | None = None
         try:
             self._open_sockets()
         except zmq.ZMQError:
@@ -146,13 +140,23 @@ class Sender(threading.Thread):
             raise
         # The endpoints as bound, read here: the sockets belong to the thread once it runs.
         self.addresses = self._bound_addresses()
-        # (seq, topic, payload) of the last `buffer` batches sent.
-        self._buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=settings.buffer)
-        self._answers: deque[Answer] = deque()
-        # Batches published, batches sent again by replays, snapshots answered in full.
+        self._buffer = ReplayBuffer(settings.buffer)
+        # Batches taken from the inbox and not yet published (held while joining).
+        self._held: deque[Outgoing] = deque()
+        # The answers to replay and snapshot requests, and their figures; None: no ROUTER.
+        self.answers = None if self._router is None else Answers(self._router, self._buffer)
+        # Batches published.
         self.sent = 0
-        self.replayed = 0
-        self.snapshots = 0
+
+    @property
+    def replayed(self) -> int:
+        """Batches sent again by replays."""
+        return 0 if self.answers is None else self.answers.replayed
+
+    @property
+    def snapshots(self) -> int:
+        """Snapshots answered in full."""
+        return 0 if self.answers is None else self.answers.snapshots
 
     def _open_sockets(self) -> None:
         self._pub.set_hwm(PUB_HWM)
@@ -161,10 +165,12 @@ class Sender(threading.Thread):
             self._pub.bind(endpoint)
         else:
             self._pub.connect(endpoint)
+            self._join_deadline = time.monotonic() + CONNECT_WAIT_S
         if self._settings.replay_endpoint is not None:
             self._router = self._context.socket(zmq.ROUTER)
             # Refuse (zmq.Again) rather than drop what a slow client has no room for yet.
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._router.set_hwm(ROUTER_HWM)
             self._router.bind(self._settings.replay_endpoint)
 
     def _bound_addresses(self) -> tuple[str, str | None]:
@@ -175,18 +181,21 @@ class Sender(threading.Thread):
         return pub, router
 
     def run(self) -> None:
+        busy = False
         try:
             while True:
                 try:
-                    item = self._inbox.get(timeout=POLL_S)
+                    item = self._inbox.get(timeout=0 if busy else POLL_S)
                 except queue.Empty:
                     item = None
                 if item is STOP:
+                    self._join_deadline = None
+                    self._publish_held()
                     return
                 try:
                     self._take(item)
-                    self._serve_requests()
-                    self._pump()
+                    self._publish_held()
+                    busy = self._serve()
                 except Exception:  # a bad request or a bug: log it, keep publishing
                     log.exception("kv events: sending failed")
         finally:
@@ -200,15 +209,41 @@ class Sender(threading.Thread):
 
     def _take(self, item: object) -> None:
         if isinstance(item, Outgoing):
-            self._publish(item)
+            self._held.append(item)
         elif isinstance(item, Slice):
             self._add_slice(item)
+
+    def _publish_held(self) -> None:
+        """Publish the batches taken, unless they wait for the first subscription."""
+        if self._joining():
+            return
+        while self._held:
+            self._publish(self._held.popleft())
+
+    def _joining(self) -> bool:
+        """Connected and no subscription yet: hold the batches (module docstring), until
+        CONNECT_WAIT_S passes or `queue` batches are held."""
+        if self._join_deadline is None:
+            return False
+        while self._pub.poll(0):
+            if self._pub.recv()[:1] == b"\x01":  # a subscription: the subscriber is there
+                log.info("kv events: the subscriber subscribed", endpoint=self.addresses[0])
+                self._join_deadline = None
+                return False
+        if (time.monotonic() < self._join_deadline
+                and len(self._held) < self._settings.queue):
+            return True
+        log.warning("kv events: no subscriber subscribed yet; it may miss the first batches "
+                    "(a replay or a snapshot repairs that)", endpoint=self.addresses[0],
+                    waited_s=CONNECT_WAIT_S)
+        self._join_deadline = None
+        return False
 
     def _publish(self, item: Outgoing) -> None:
         topic = (self._settings.topic_prefix + item.model).encode()
         payload = encode_batch(EventBatch(item.ts, self._events(item)))
         self._pub.send_multipart([topic, seq_bytes(item.seq), payload])
-        self._buffer.append((item.seq, topic, payload))
+        self._buffer.append(item.seq, payload)
         self.sent += 1
 
     def _events(self, item: Outgoing) -> tuple[Event, ...]:
@@ -219,28 +254,32 @@ class Sender(threading.Thread):
             return (BlockRemoved(item.removed, medium, 0),)
         return (AllBlocksCleared(),)
 
-    def _serve_requests(self) -> None:
-        while self._router is not None and self._router.poll(0):
-            frames = self._router.recv_multipart()
-            if len(frames) != 3 or frames[1]:
-                log.warning("kv events: a request is one frame after the empty delimiter",
-                            frames=len(frames))
-                continue
-            identity, _, body = frames
-            if body == SNAPSHOT_REQUEST:
-                self._answers.append(Answer(identity, snapshot=True, done=False))
-            elif len(body) == 8:
-                self._answers.append(self._replay(identity, seq_of(body)))
-            else:
-                log.warning("kv events: a request is a start seq or b'snapshot'",
-                            request=body[:32])
+    def _serve(self) -> bool:
+        """Read requests, drain the subscriptions the XPUB reports, send answers; True when
+        answers could send more at once."""
+        while self._join_deadline is None and self._pub.poll(0):
+            self._pub.recv()  # subscriptions matter only while joining
+        if self._router is None or self.answers is None:
+            return False
+        for _ in range(MAX_REQUESTS_PER_TURN):
+            if not self._router.poll(0):
+                break
+            self._request(self._router.recv_multipart(), self.answers)
+        return self.answers.pump()
 
-    def _replay(self, identity: bytes, start: int) -> Answer:
-        answer = Answer(identity)
-        answer.ready.extend([seq_bytes(seq), payload]
-                            for seq, _, payload in self._buffer if seq >= start)
-        answer.ready.append([END_SEQ, b""])
-        return answer
+    def _request(self, frames: list[bytes], answers: Answers) -> None:
+        if len(frames) != 3 or frames[1]:
+            log.warning("kv events: a request is one frame after the empty delimiter",
+                        frames=len(frames))
+            return
+        identity, _, body = frames
+        if body == SNAPSHOT_REQUEST:
+            answers.add(identity, SnapshotAnswer(self._ask_slice))
+        elif len(body) == 8:
+            answers.add(identity, ReplayAnswer(seq_of(body), self._buffer.end))
+        else:
+            log.warning("kv events: a request is a start seq or b'snapshot'",
+                        request=body[:32])
 
     def _add_slice(self, got: Slice) -> None:
         answer = got.answer
@@ -258,46 +297,3 @@ class Sender(threading.Thread):
             answer.ready.append([(self._settings.topic_prefix + model).encode(),
                                  seq_bytes(answer.start_seq),
                                  encode_batch(EventBatch(time.time(), events))])
-
-    def _pump(self) -> None:
-        """Send what the first answers have ready, as far as their clients take it."""
-        while self._answers:
-            answer = self._answers[0]
-            if not self._send_ready(answer):
-                return
-            if not answer.done:
-                if not answer.asking:
-                    answer.asking = True
-                    self._ask_slice(answer)
-                return
-            self._answers.popleft()
-
-    def _send_ready(self, answer: Answer) -> bool:
-        """Send the answer's ready messages; False when the client has no room for more yet."""
-        assert self._router is not None, "answers exist only with a ROUTER socket"
-        while answer.ready and not answer.dropped:
-            message = answer.ready[0]
-            try:
-                self._router.send_multipart([answer.identity, b"", *message], zmq.NOBLOCK)
-            except zmq.Again:
-                now = time.monotonic()
-                answer.stalled_since = answer.stalled_since or now
-                if now - answer.stalled_since < STALL_S:
-                    return False
-                answer.dropped = True
-            except zmq.ZMQError:  # EHOSTUNREACH: the client is gone
-                answer.dropped = True
-            else:
-                answer.stalled_since = None
-                answer.ready.popleft()
-                self._count(answer, message)
-        if answer.dropped:
-            answer.ready.clear()
-            answer.done = True
-        return True
-
-    def _count(self, answer: Answer, message: list[bytes]) -> None:
-        if not answer.snapshot and message[1]:
-            self.replayed += 1
-        elif answer.snapshot and not message[2] and message[1] != END_SEQ:
-            self.snapshots += 1
