@@ -31,6 +31,7 @@ from pagedkv.server.backend import RETRY_AFTER_S, Backend
 from pagedkv.server.chat_completions import create_chat_completion
 from pagedkv.server.completions import create_completion
 from pagedkv.server.errors import ApiError
+from pagedkv.server.key_engines import API_KEY, ApiKey
 from pagedkv.server.protocol import Limits
 
 log = get_logger("pagedkv.server")
@@ -44,7 +45,7 @@ Endpoint = Callable[[web.Request, Backend, dict[str, Any], Limits],
                     Awaitable[web.StreamResponse]]
 
 
-def build_app(backend: Backend, *, api_keys: tuple[str, ...] = (),
+def build_app(backend: Backend, *, api_keys: tuple[ApiKey, ...] = (),
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               max_per_peer: int = DEFAULT_MAX_PER_PEER) -> web.Application:
     app = web.Application(client_max_size=max_request_bytes,
@@ -132,9 +133,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return web.json_response(error.body(), status=500)
 
 
-def _api_keys(keys: tuple[str, ...]) -> Middleware:
-    """Require one of `keys` as a bearer token on /v1/ routes (none configured: open)."""
-    encoded = [key.encode() for key in keys]
+def _api_keys(keys: tuple[ApiKey, ...]) -> Middleware:
+    """Require one of `keys` as a bearer token on /v1/ routes (none configured: open), and
+    leave the key matched in request[API_KEY] (its cache group and fair share)."""
+    encoded = [key.secret.encode() for key in keys]
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -145,6 +147,7 @@ def _api_keys(keys: tuple[str, ...]) -> Middleware:
             if scheme.lower() != "bearer" or not any(matches):
                 raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY",
                                headers={"WWW-Authenticate": "Bearer"})
+            request[API_KEY] = keys[matches.index(True)]
         return await handler(request)
 
     return check

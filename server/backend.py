@@ -15,11 +15,14 @@ goes away is aborted (its stream is closed), which frees its blocks.
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
 
+from aiohttp import web
+
 from pagedkv.client.engine.engine import Engine
 from pagedkv.client.engine.outputs import RequestOutput
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.llm.tokenizer import Tokenizer
 from pagedkv.server.errors import ApiError, bad_request
+from pagedkv.server.key_engines import API_KEY, ApiKey, Caller, KeyEngines
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.vocab.token_ids import check_vocabulary
 
@@ -56,6 +59,9 @@ class Backend:
         self.draining = False
         # Requests admitted and not yet finished (the drain waits for none to be left).
         self.active = 0
+        # With API keys: each cache group's engine and the turns of their requests; None: every
+        # request goes to `engine`, first in first out.
+        self.key_engines: KeyEngines | None = None
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
@@ -98,6 +104,14 @@ class Backend:
                                 f"server's bound is {self.config.max_waiting}): retry later",
                            headers=retry)
 
+    async def caller(self, request: web.Request) -> Caller:
+        """Whose request it is (the API key app.py matched) and the engine of its cache group;
+        429 when its key has as many requests waiting as it may."""
+        key = request.get(API_KEY)
+        if self.key_engines is None or not isinstance(key, ApiKey):
+            return Caller("", self.engine)
+        return await self.key_engines.caller(key)
+
     def max_tokens_for(self, params: SamplingParams, prompt_len: int,
                        given: bool) -> SamplingParams:
         """`params` with max_tokens at most the positions the prompt leaves (an explicit
@@ -111,14 +125,14 @@ class Backend:
                                             "positions")
         return replace(params, max_tokens=limit - prompt_len)
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams,
-                     every_step: bool) -> AsyncGenerator[RequestOutput]:
-        """The request's outputs (each step's when `every_step`, else the final one); closing
-        the iterator early aborts the request and frees its blocks."""
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, every_step: bool,
+                     caller: Caller) -> AsyncGenerator[RequestOutput]:
+        """The request's outputs (each step's when `every_step`, else the final one) from the
+        caller's engine; closing the iterator early aborts the request and frees its blocks."""
         self.active += 1
         self.metrics.arrived(len(prompt_ids))
-        outputs = (self.engine.stream(prompt_ids, params) if every_step
-                   else _final(self.engine, prompt_ids, params))
+        outputs = (caller.engine.stream(prompt_ids, params, key=caller.name) if every_step
+                   else _final(caller, prompt_ids, params))
         try:
             async for output in outputs:
                 yield output
@@ -127,6 +141,6 @@ class Backend:
             self.active -= 1
 
 
-async def _final(engine: Engine, prompt_ids: list[int],
+async def _final(caller: Caller, prompt_ids: list[int],
                  params: SamplingParams) -> AsyncGenerator[RequestOutput]:
-    yield await engine.generate(prompt_ids, params)
+    yield await caller.engine.generate(prompt_ids, params, key=caller.name)

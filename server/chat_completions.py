@@ -34,8 +34,8 @@ async def create_chat_completion(request: web.Request, backend: Backend, body: d
     except ValueError as exc:
         raise from_value_error(exc) from exc
     backend.check_prompt(prompt_ids, "messages")
-    run = PromptRun(backend, prompt_ids, chat.sampling)
     backend.admit()
+    run = PromptRun(backend, prompt_ids, chat.sampling, await backend.caller(request))
     reply = _Reply(chat, backend, run)
     return await (reply.stream(request) if chat.sampling.stream else reply.whole())
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedkv.client.engine.engine import Engine
+from pagedkv.client.engine.fair_queue import Line
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S
 from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.llm import tokenizer_for
@@ -34,6 +35,7 @@ from pagedkv.process.notify import notify
 from pagedkv.server.app import DEFAULT_MAX_PER_PEER, DEFAULT_MAX_REQUEST_BYTES, build_app
 from pagedkv.server.backend import Backend, ServeConfig
 from pagedkv.server.connections import ConnectionGuard, ConnectionLimits
+from pagedkv.server.key_engines import ApiKey, KeyEngines, parse_keys
 from pagedkv.server.listener import (
     GuardedSite,
     add_flags,
@@ -47,6 +49,10 @@ from pagedkv.vocab.geometry import model_name
 PROG = "pagedkv serve"
 EXIT_BAD_INPUT = 2
 EXIT_FAILURE = 1
+# Requests one API key may have running, and waiting, by default: a key flooding the server
+# leaves the rest of the batch to the others, and queues no more than this.
+DEFAULT_MAX_RUNNING_PER_KEY = 64
+DEFAULT_MAX_WAITING_PER_KEY = 64
 # How often a drain looks whether the running requests are done.
 DRAIN_POLL_S = 0.05
 # After the drain, how long aiohttp's shutdown lets handlers end before it cancels them (its
@@ -72,8 +78,17 @@ def parser() -> argparse.ArgumentParser:
                                       "--model's folder name or preset)")
     cli.add_argument("--runner", help="gRPC target of a running pagedkv runner (with --daemon)")
     cli.add_argument("--api-key", action="append", default=[], help="a key clients must send "
-                     "as `Authorization: Bearer KEY` (repeatable; default: none needed)")
-    cli.add_argument("--api-key-file", help="keys, one per line (# comments)")
+                     "as `Authorization: Bearer KEY` (repeatable; default: none needed); "
+                     "'KEY GROUP' puts it in a cache group, whose keys share a prefix cache "
+                     "(else each key has its own)")
+    cli.add_argument("--api-key-file", help="keys, one per line, `KEY` or `KEY GROUP` "
+                                            "(# comments)")
+    cli.add_argument("--max-running-per-key", type=int, default=DEFAULT_MAX_RUNNING_PER_KEY,
+                     help="requests one API key may have running before its others wait "
+                          f"(default {DEFAULT_MAX_RUNNING_PER_KEY}; 0: no cap)")
+    cli.add_argument("--max-waiting-per-key", type=int, default=DEFAULT_MAX_WAITING_PER_KEY,
+                     help="requests one API key may have waiting before more get 429 "
+                          f"(default {DEFAULT_MAX_WAITING_PER_KEY}; 0: no cap)")
     cli.add_argument("--max-waiting-requests", type=int, default=256, help="requests waiting "
                      "for room beyond which new ones get 429 (default 256; 0: no bound)")
     cli.add_argument("--max-requests-per-peer", type=int, default=DEFAULT_MAX_PER_PEER,
@@ -110,8 +125,9 @@ def _registered_name(args: argparse.Namespace) -> str | None:
     return str(args.served_model_name or model_name(args.model))
 
 
-def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
-    """The keys of --api-key and --api-key-file (ValueError: an unreadable or empty file)."""
+def api_keys(args: argparse.Namespace) -> tuple[ApiKey, ...]:
+    """The keys of --api-key and --api-key-file, each `KEY` or `KEY GROUP` (key_engines.py;
+    ValueError: an unreadable or empty file, a bad line, a key given twice)."""
     keys = list(args.api_key)
     if args.api_key_file is not None:
         lines = Path(args.api_key_file).read_text().splitlines()
@@ -122,7 +138,7 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
         keys += from_file
     if any(not key or key != key.strip() for key in keys):
         raise ValueError("an API key is empty or has spaces around it")
-    return tuple(keys)
+    return parse_keys(keys)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,10 +154,12 @@ def main(argv: list[str] | None = None) -> int:
                            host_tier_memory=args.host_tier_memory, swap=args.swap)
         model = resolve_model(args.model)
         tokenizer, no_tokenizer = tokenizer_for(config, model)
-        if min(args.max_waiting_requests, args.max_requests_per_peer, args.port) < 0 \
+        if min(args.max_waiting_requests, args.max_requests_per_peer, args.port,
+               args.max_running_per_key, args.max_waiting_per_key) < 0 \
                 or args.max_choices < 1 or args.max_request_bytes < 1:
-            raise ValueError("--max-waiting-requests, --max-requests-per-peer and --port must "
-                             "be >= 0, --max-choices and --max-request-bytes >= 1")
+            raise ValueError("--max-waiting-requests, --max-requests-per-peer, --port, "
+                             "--max-running-per-key and --max-waiting-per-key must be >= 0, "
+                             "--max-choices and --max-request-bytes >= 1")
     except (OSError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -164,20 +182,28 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _serve(args: argparse.Namespace, config: LLMConfig, services: Services,
-                 keys: tuple[str, ...], limits: ConnectionLimits,
+                 keys: tuple[ApiKey, ...], limits: ConnectionLimits,
                  backend_for: Callable[[Engine, ServerMetrics], Backend]) -> None:
     """Serve until SIGTERM or SIGINT, then drain."""
     with stop_on_signals() as stop:
-        # Whoever runs the runner (our supervisor, or the operator's unit) restarts it: a step
-        # left unanswered waits for the new one.
-        engine = await Engine.connect(services.daemon_target, services.runner_target or None,
-                                      model=config.model_name or "",
-                                      config=config.scheduler(), client_name="pagedkv-serve",
-                                      runner_restart_wait_s=RESTART_WAIT_S)
-        metrics = ServerMetrics()
+        async def connect(salt: bytes = b"", waiting: Line | None = None) -> Engine:
+            # Whoever runs the runner (our supervisor, or the operator's unit) restarts it: a
+            # step left unanswered waits for the new one.
+            return await Engine.connect(services.daemon_target, services.runner_target or None,
+                                        model=config.model_name or "",
+                                        config=config.scheduler(), client_name="pagedkv-serve",
+                                        runner_restart_wait_s=RESTART_WAIT_S, cache_salt=salt,
+                                        waiting=waiting)
+
+        engine = await connect()
+        metrics = ServerMetrics(cache_figures=not keys)
         supervisor = services.supervisor
         metrics.watch(engine, lambda: supervisor.restarts if supervisor is not None else 0)
         backend = backend_for(engine, metrics)
+        if keys:  # each cache group its own engine, every key its share (key_engines.py)
+            backend.key_engines = KeyEngines(connect, args.max_running_per_key,
+                                             args.max_waiting_per_key)
+            metrics.watch_keys(backend.key_engines)
         app_runner = http_runner(build_app(backend, api_keys=keys,
                                            max_request_bytes=args.max_request_bytes,
                                            max_per_peer=args.max_requests_per_peer),
@@ -193,6 +219,8 @@ async def _serve(args: argparse.Namespace, config: LLMConfig, services: Services
             await _drain(backend, args.drain_timeout_s)
         finally:
             await app_runner.cleanup()
+            if backend.key_engines is not None:
+                await backend.key_engines.close()
             await engine.close()
 
 

@@ -26,8 +26,9 @@ async def create_completion(request: web.Request, backend: Backend, body: dict[s
     _check_text(completion, backend)
     prompts = [backend.encode(p, "prompt" if len(completion.prompts) == 1 else f"prompt[{i}]")
                for i, p in enumerate(completion.prompts)]
-    runs = [PromptRun(backend, ids, completion.sampling) for ids in prompts]
     backend.admit()
+    caller = await backend.caller(request)
+    runs = [PromptRun(backend, ids, completion.sampling, caller) for ids in prompts]
     answer = _Answer(completion, backend, runs, body.get("return_token_ids") is True)
     if completion.sampling.stream:
         return await answer.stream(request)

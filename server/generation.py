@@ -1,7 +1,7 @@
 """One prompt's generation as the HTTP endpoints see it: per choice, new text, new tokens with
 their logprobs, and a finish reason, whatever the endpoint's wire shape.
 
-    run = PromptRun(backend, prompt_ids, sampling)
+    run = PromptRun(backend, prompt_ids, sampling, await backend.caller(request))
     async for updates in run.updates():          # one list per engine step that changed it
         for update in updates: ...                # ChoiceUpdate: index, text, tokens, finish
     run.prompt_tokens, run.cached_tokens, run.completion_tokens   # usage
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pagedkv.client.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.llm.tokenizer import Tokenizer
 from pagedkv.server.backend import Backend
+from pagedkv.server.key_engines import Caller
 from pagedkv.server.protocol import Sampling
 from pagedkv.server.text import TextStream, token_text
 
@@ -71,8 +72,11 @@ def token_string(tokenizer: Tokenizer | None, token_id: int) -> str:
 class PromptRun:
     """One prompt's request in the engine, read as choice updates."""
 
-    def __init__(self, backend: Backend, prompt_ids: list[int], sampling: Sampling) -> None:
+    def __init__(self, backend: Backend, prompt_ids: list[int], sampling: Sampling,
+                 caller: Caller) -> None:
         self.backend = backend
+        # Whose request it is, and the engine of its cache group (key_engines.py).
+        self.caller = caller
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.params = backend.max_tokens_for(sampling.params, len(prompt_ids),
@@ -95,7 +99,7 @@ class PromptRun:
         started = last = time.monotonic()
         output: RequestOutput | None = None
         every_step = self.params.num_samples == self.params.n and not self.params.beam_width
-        outputs = self.backend.stream(self.prompt_ids, self.params, every_step)
+        outputs = self.backend.stream(self.prompt_ids, self.params, every_step, self.caller)
         try:
             async for output in outputs:
                 now = time.monotonic()

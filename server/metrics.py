@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedkv.client.engine.engine import Engine
 from pagedkv.client.engine.outputs import RequestOutput
+from pagedkv.server.key_engines import KeyEngines
 
 PREFIX = "pagedkv:"
 # vLLM's buckets (seconds) for time to first token and inter-token latency.
@@ -26,11 +27,17 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 
 
 class ServerMetrics:
-    """Series of one server, in their own registry (a test may run several servers)."""
+    """Series of one server, in their own registry (a test may run several servers).
 
-    def __init__(self) -> None:
+    `cache_figures=False` (a server with API keys) leaves out the prefix-cache queries and hits:
+    /metrics needs no key, and the hits counted after one request say how much of its prompt
+    some earlier request cached, a figure only its own key may see (its usage says it)."""
+
+    def __init__(self, cache_figures: bool = True) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # Only with cache_figures: else their counters are in no registry, never served.
+        cache_registry = r if cache_figures else None
         self.running = Gauge(f"{PREFIX}num_requests_running", "Requests being computed.",
                              registry=r)
         self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for room.",
@@ -40,9 +47,11 @@ class ServerMetrics:
         self.runner_restarts = Gauge(f"{PREFIX}runner_restarts",
                                      "Times the supervisor restarted the runner.", registry=r)
         self.cache_queries = Counter(f"{PREFIX}prefix_cache_queries",
-                                     "Prompt tokens looked up in the prefix cache.", registry=r)
+                                     "Prompt tokens looked up in the prefix cache.",
+                                     registry=cache_registry)
         self.cache_hits = Counter(f"{PREFIX}prefix_cache_hits",
-                                  "Prompt tokens served by the prefix cache.", registry=r)
+                                  "Prompt tokens served by the prefix cache.",
+                                  registry=cache_registry)
         self.preemptions = Counter(f"{PREFIX}num_preemptions",
                                    "Preemptions of finished requests.", registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens admitted.",
@@ -68,6 +77,11 @@ class ServerMetrics:
         self.waiting.set_function(lambda: len(engine.scheduler.waiting))
         self.kv_usage.set_function(lambda: engine.kv_usage)
         self.runner_restarts.set_function(restarts)
+
+    def watch_keys(self, engines: KeyEngines) -> None:
+        """Read the requests running and waiting from every cache group's engine."""
+        self.running.set_function(engines.running)
+        self.waiting.set_function(lambda: len(engines.queue))
 
     def arrived(self, prompt_len: int) -> None:
         self.prompt_tokens.inc(prompt_len)

@@ -30,7 +30,7 @@ def test_api_keys_come_from_flags_and_a_file(tmp_path: Path) -> None:
     keys.write_text("# the team's keys\nsk-one\n\n  sk-two  \n")
     args = parser().parse_args(["--model", "tiny", "--api-key", "sk-flag",
                                 "--api-key-file", str(keys)])
-    assert api_keys(args) == ("sk-flag", "sk-one", "sk-two")
+    assert [key.secret for key in api_keys(args)] == ["sk-flag", "sk-one", "sk-two"]
     keys.write_text("# none\n")
     with pytest.raises(ValueError, match="holds no key"):
         api_keys(args)
