@@ -1,35 +1,24 @@
 """One connection through the peer-credential gate (peer_gate.py): the caller's side and gRPC's.
 
-The caller's side is admitted (or closed) by the gate as it arrives, reads its caller's uid
-(SO_PEERCRED), opens gRPC's side from a name that says the uid, and copies bytes both ways with
+The caller's side is admitted (or closed) by the gate as it arrives, reads its caller's uid and
+pid (SO_PEERCRED), opens gRPC's side from a name that says them, and copies bytes both ways with
 backpressure until either side closes. It also keeps the connection's idle clock: a connection
 that passes no byte either way for the gate's `idle_s` is closed (one timer per connection,
 re-armed from its last byte).
 """
 
 import asyncio
-import socket
-import struct
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from pagedkv.daemon.service.fence import PeerCredentials
 from pagedkv.process.log_setup import get_logger
 
 if TYPE_CHECKING:  # the gate imports this module
     from pagedkv.daemon.edge.peer_gate import PeerGate
 
-# SO_PEERCRED's struct ucred: pid, uid, gid.
-_UCRED = struct.Struct("=iII")
-
 _log = get_logger(__name__)
-
-
-def caller_uid(sock: Any) -> int:
-    """The uid of the process that connected `sock` (a socket, or asyncio's wrapper of one)."""
-    _pid, uid, _gid = _UCRED.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    return int(uid)
 
 
 class _Side(asyncio.Protocol):
@@ -75,13 +64,15 @@ class CallerSide(_Side):
     """The side a caller connected to: admitted (or closed) by the gate, it opens the gRPC
     side and reads nothing until that is connected."""
 
-    def __init__(self, gate: "PeerGate", folder: Path) -> None:
+    def __init__(self, gate: "PeerGate", folder: Path, runners: bool) -> None:
         super().__init__()
         self._gate = gate
-        # The private folder of the public socket this caller came through.
+        # The private folder of the public socket this caller came through, and whether that
+        # is the runner socket.
         self._folder = folder
-        # The caller's uid (SO_PEERCRED), read once connected.
-        self.uid = -1
+        self.runners = runners
+        # The caller's uid and pid (SO_PEERCRED), read once connected.
+        self.credentials = PeerCredentials(pid=0, uid=-1)
         # When a byte last passed either way (time.monotonic()), and the timer that closes the
         # connection once none has for the gate's idle_s.
         self.last_bytes = time.monotonic()
@@ -89,13 +80,18 @@ class CallerSide(_Side):
         # Opening the gRPC side; None if the gate refused the connection (it is not counted).
         self.joining: asyncio.Task[None] | None = None
 
+    @property
+    def uid(self) -> int:
+        return self.credentials.uid
+
     def caller_side(self) -> "CallerSide":
         return self
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         assert self.transport is not None
-        self.uid = caller_uid(self.transport.get_extra_info("socket"))
+        self.credentials = self._gate.credentials(self.transport.get_extra_info("socket"),
+                                                  self.runners)
         if not self._gate.admit(self):
             self.transport.abort()
             return
@@ -119,7 +115,7 @@ class CallerSide(_Side):
     async def _join(self) -> None:
         assert self.transport is not None
         try:
-            await self._gate.connect_grpc(self._folder, self.uid, self._grpc_side)
+            await self._gate.connect_grpc(self._folder, self.credentials, self._grpc_side)
         except OSError as exc:  # gRPC stopping, or out of file descriptors
             _log.debug("unix_connection_failed", uid=self.uid, error=str(exc))
             self.transport.close()

@@ -6,12 +6,11 @@ because the socket file's owner, group and mode already decide who may connect, 
 the tenant listing its caller's uid when tenants list uids (the peer-credential gate names the
 connection by uid, peer_gate.py; a uid no tenant lists is closed at accept there, and
 PERMISSION_DENIED here, unless `unmapped_uids = "unix_tenant"`), else as the unix tenant (see
-tenants.py). The runner socket
-has a server and an interceptor of its own (`runners=True`): every call there is a runner's. The
-caller is set for the call's duration
-(`tenants.calling_as`), where the service and the session registry read it. Health checks
-(grpc.health.v1) are exempt so that load balancers and `grpc_health_probe` work without the
-secret; they reveal only SERVING or NOT_SERVING.
+tenants.py). The runner socket has a server and an interceptor of its own (`runners`): every
+call there is a runner's, and names the runner's process (the gate's pid: fence.py). The caller
+is set for the call's duration (`tenants.calling_as`), where the service and the session
+registry read it. Health checks (grpc.health.v1) are exempt so that load balancers and
+`grpc_health_probe` work without the secret; they reveal only SERVING or NOT_SERVING.
 Reflection is not exempt: `grpcurl -H 'authorization: Bearer ...'` lists the services.
 
 Authentication comes before parsing. grpc would parse a unary request before any handler
@@ -60,7 +59,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import grpc
 
 from pagedkv.daemon.edge.metrics import RpcMetrics
-from pagedkv.daemon.edge.peer_gate import peer_uid
+from pagedkv.daemon.edge.peer_gate import peer_credentials
+from pagedkv.daemon.service.fence import RunnerProcesses
 from pagedkv.daemon.service.request_budget import RequestBudget
 from pagedkv.daemon.service.sessions import SESSION_ID
 from pagedkv.daemon.service.tenants import Caller, Tenants, calling_as
@@ -190,14 +190,16 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Auth, logging and metrics around every RPC handler of the server."""
 
     def __init__(self, tenants: Tenants, rpc_metrics: RpcMetrics | None,
-                 gate_folders: frozenset[str], *, runners: bool = False,
+                 gate_folders: frozenset[str], *, runners: RunnerProcesses | None = None,
                  requests: RequestBudget | None = None) -> None:
         # Who may call: each tenant's token and uids, and the tenant of unix callers.
         self._tenants = tenants
-        # It serves the runner socket, whose mode alone decides who connects: runners.
+        # It serves the runner socket, whose mode alone decides who connects (runners): the
+        # processes connected there, by pid (fence.py). None: the public listeners.
         self._runners = runners
         self._metrics = rpc_metrics
-        # The peer-credential gate's private folders: unix peers named there carry a uid.
+        # The peer-credential gate's private folders: unix peers named there carry a uid and
+        # a pid.
         self._gate_folders = gate_folders
         self._malformed_log = RateLimitedLog(HOSTILE_LOG_INTERVAL_S)
         # Admits each large request before it is parsed (request_budget.py); None: no bound.
@@ -224,8 +226,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         listeners then, so only a listener added behind config's back gets here; refuse
         rather than trust)."""
         peer = context.peer()
-        if self._runners and is_unix_peer(peer):
-            return Caller(self._tenants.unix, runner=True)
+        if self._runners is not None and is_unix_peer(peer):
+            credentials = peer_credentials(peer, self._gate_folders)
+            process = None if credentials is None else self._runners.get(credentials.pid)
+            return Caller(self._tenants.unix, runner=True, process=process)
         if is_unix_peer(peer):
             return self._unix_caller(peer)
         # Exactly one authorization header: which of several counts must not depend on order.
@@ -237,11 +241,11 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         """The unix tenant, or when tenants list uids the tenant of the uid the gate gave."""
         if not self._tenants.maps_uids:
             return Caller(self._tenants.unix)
-        uid = peer_uid(peer, self._gate_folders)
-        if uid is None:
+        credentials = peer_credentials(peer, self._gate_folders)
+        if credentials is None:
             return NOT_THROUGH_GATE
-        tenant = self._tenants.for_uid(uid)
-        return unmapped_uid(uid) if tenant is None else Caller(tenant)
+        tenant = self._tenants.for_uid(credentials.uid)
+        return unmapped_uid(credentials.uid) if tenant is None else Caller(tenant)
 
     @asynccontextmanager
     async def _call(self, service: str, method: str, context: Context,

@@ -7,14 +7,22 @@ carry its uid. So when a tenant lists `uids`, gRPC does not serve the public uni
 itself: this gate does, and gRPC listens in a private folder beside each one,
 `<socket>.gate/grpc.sock`. For each connection the gate accepts on a public socket it
 
-1. reads the uid of the process that connected (SO_PEERCRED: the kernel's record, made at
-   connect, not anything the caller sends);
-2. connects to gRPC's socket from a socket bound to `<socket>.gate/peer-<uid>-<n>`, and removes
-   that file at once: the connection keeps the name as its address, the file is not needed;
+1. reads the uid and pid of the process that connected (SO_PEERCRED: the kernel's record,
+   made at connect, not anything the caller sends);
+2. connects to gRPC's socket from a socket bound to `<socket>.gate/peer-<uid>-<pid>-<n>`, and
+   removes that file at once: the connection keeps the name as its address, the file is not
+   needed;
 3. copies bytes both ways until either side closes, then closes both (gate_link.py).
 
-gRPC reports the calls of that connection as coming from "unix:<socket>.gate/peer-<uid>-<n>",
-and the interceptor maps the uid to a tenant (`peer_uid`; tenants.py). The folder is the
+gRPC reports the calls of that connection as coming from
+"unix:<socket>.gate/peer-<uid>-<pid>-<n>", and the interceptor maps the uid to a tenant
+(`peer_credentials`; tenants.py).
+
+The runner socket is always served through the gate, for the pid: the daemon must be able to
+stop a runner that stalls past its hold (fence.py), so the gate takes a pidfd of each process
+that connects there (`RunnerProcesses.connected`) and the interceptor names the runner process
+of each call. Who may connect there is the socket's mode and group alone (no tenant maps
+runners' uids); the connection bounds below hold there too. The folder is the
 daemon's (mode 0o700, made afresh at start), so only the daemon's user can bind a name in it
 or connect to gRPC's socket there: a peer named in it was named by the gate. The gate decides
 nothing but the uid, and bounds what one uid can hold (limits.py), so that no caller can lock
@@ -50,6 +58,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.daemon.edge.gate_link import CallerSide
+from pagedkv.daemon.service.fence import PeerCredentials, RunnerProcesses
+from pagedkv.daemon.service.fence import peer_credentials as socket_credentials
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.tenants import MAX_UID, Tenants
 from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, get_logger
@@ -62,8 +72,10 @@ GRPC_SOCKET_NAME = "grpc.sock"
 # A connection's name is removed once it is connected, so its number need only differ from
 # the few names bound at the same moment; wrapping keeps names (and the path check) bounded.
 NAME_NUMBERS = 10**9
-# A connection's name in the private folder: its caller's uid, then a number.
-_PEER_NAME = re.compile(r"^peer-([0-9]+)-[0-9]+$")
+# A connection's name in the private folder: its caller's uid and pid, then a number.
+_PEER_NAME = re.compile(r"^peer-([0-9]+)-([0-9]+)-[0-9]+$")
+# The largest pid Linux gives (pid_max's ceiling, 2^22).
+MAX_PID = 2**22
 
 _log = get_logger(__name__)
 
@@ -73,29 +85,32 @@ def gate_folder(public: Path) -> Path:
     return public.with_name(public.name + GATE_SUFFIX)
 
 
-def peer_name(folder: Path, uid: int, number: int) -> Path:
-    return folder / f"peer-{uid}-{number}"
+def peer_name(folder: Path, credentials: PeerCredentials, number: int) -> Path:
+    return folder / f"peer-{credentials.uid}-{credentials.pid}-{number}"
 
 
 def check_gate_paths(public: Path) -> None:
     """ValueError if a name the gate may bind beside `public` is too long for a unix socket."""
-    longest = peer_name(gate_folder(public), MAX_UID, NAME_NUMBERS - 1)
+    longest = peer_name(gate_folder(public), PeerCredentials(MAX_PID, MAX_UID),
+                        NAME_NUMBERS - 1)
     excess = len(os.fsencode(longest)) - MAX_UNIX_PATH_BYTES
     if excess > 0:
-        raise ValueError(f"{public}: with tenants' uids, the peer-credential gate names each "
+        raise ValueError(f"{public}: the peer-credential gate names each "
                          f"connection in {gate_folder(public)} (up to {longest.name}), "
                          f"{excess} bytes over the {MAX_UNIX_PATH_BYTES} a socket path may "
                          "have; use a shorter socket path")
 
 
-def peer_uid(peer: str, folders: Collection[str]) -> int | None:
-    """The caller's uid, from gRPC's address of a peer the gate connected from one of
+def peer_credentials(peer: str, folders: Collection[str]) -> PeerCredentials | None:
+    """The caller's uid and pid, from gRPC's address of a peer the gate connected from one of
     `folders`; None for any other peer."""
     if not peer.startswith("unix:"):
         return None
     folder, _, name = peer.removeprefix("unix:").rpartition("/")
     match = _PEER_NAME.match(name)
-    return int(match.group(1)) if match is not None and folder in folders else None
+    if match is None or folder not in folders:
+        return None
+    return PeerCredentials(pid=int(match.group(2)), uid=int(match.group(1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,13 +122,16 @@ class _Route:
     public: Path
     # The private folder its connections go to (gRPC's socket, their names).
     folder: Path
+    # The runner socket: admitted by its mode and group alone, each process's pidfd taken.
+    runners: bool
 
 
 class PeerGate:
     """Unix sockets served on the gate's own thread, each connection named by its caller's
     uid. Used from the daemon's loop: `add` each socket, `start`, and at the end `stop`."""
 
-    def __init__(self, limits: Limits, tenants: Tenants) -> None:
+    def __init__(self, limits: Limits, tenants: Tenants,
+                 processes: RunnerProcesses | None = None) -> None:
         # Connections open at once: all uids together, and one uid.
         self.max_connections = limits.max_unix_connections
         self.max_per_uid = limits.max_unix_connections_per_uid
@@ -122,6 +140,8 @@ class PeerGate:
         # Who may connect: a uid the tenants map (all of them, with unmapped_uids =
         # "unix_tenant").
         self._tenants = tenants
+        # The processes connected to the runner socket, by pid (fence.py).
+        self.processes = processes or RunnerProcesses()
         # Connections open now, all and by uid; changed on the gate's loop only (others may
         # read them).
         self.open_connections = 0
@@ -137,17 +157,20 @@ class PeerGate:
         self._thread: threading.Thread | None = None
         self._servers: list[asyncio.Server] = []
 
-    @property
-    def folders(self) -> frozenset[str]:
-        return frozenset(str(route.folder) for route in self._routes)
+    def folders(self, *, runners: bool = False) -> frozenset[str]:
+        """The private folders of the public sockets, or of the runner socket."""
+        return frozenset(str(route.folder) for route in self._routes if route.runners == runners)
 
-    def add(self, public: Path, socket_mode: int) -> str:
+    def add(self, public: Path, socket_mode: int, *, group: int | None = None,
+            runners: bool = False) -> str:
         """Serve the socket path `public` (claimed: no live daemon there) through the gate:
-        make its private folder, bind it with exactly `socket_mode`. Returns the target gRPC
-        must listen on instead."""
+        make its private folder, bind it with exactly `socket_mode` (given to `group` when
+        given); `runners`: it is the runner socket. Returns the target gRPC must listen on
+        instead."""
         folder = gate_folder(public)
         make_private_folder(folder)
-        self._routes.append(_Route(bind_unix_socket(public, socket_mode), public, folder))
+        listener = bind_unix_socket(public, socket_mode, group)
+        self._routes.append(_Route(listener, public, folder, runners))
         return f"unix://{folder / GRPC_SOCKET_NAME}"
 
     async def start(self) -> None:
@@ -181,7 +204,8 @@ class PeerGate:
         loop = asyncio.get_running_loop()
         for route in self._routes:
             self._servers.append(await loop.create_unix_server(
-                functools.partial(CallerSide, self, route.folder), sock=route.listener))
+                functools.partial(CallerSide, self, route.folder, route.runners),
+                sock=route.listener))
 
     async def _close_all(self) -> None:
         for server in self._servers:
@@ -193,10 +217,14 @@ class PeerGate:
                              return_exceptions=True)
         await asyncio.sleep(0)  # let the aborted transports report their loss
 
+    def credentials(self, sock: Any, runners: bool) -> PeerCredentials:
+        """Who connected `sock`; on the runner socket, its process is noted (its pidfd)."""
+        return self.processes.connected(sock) if runners else socket_credentials(sock)
+
     def admit(self, link: "CallerSide") -> bool:
         """Count a new connection in, unless its uid may not connect or holds its share, or
         the gate is full (then warn, rarely, naming the setting)."""
-        refusal = self._refusal(link.uid)
+        refusal = self._refusal(link.uid, link.runners)
         if refusal is not None:
             setting, value = refusal
             count = self._refusals.setdefault(
@@ -210,9 +238,9 @@ class PeerGate:
         self._links.add(link)
         return True
 
-    def _refusal(self, uid: int) -> tuple[str, object] | None:
+    def _refusal(self, uid: int, runners: bool) -> tuple[str, object] | None:
         """The setting refusing a new connection of `uid`, and its value; None to admit it."""
-        if self._tenants.for_uid(uid) is None:
+        if not runners and self._tenants.for_uid(uid) is None:
             return "unmapped_uids", "refuse"
         if self.open_by_uid[uid] >= self.max_per_uid:
             return "max_unix_connections_per_uid", self.max_per_uid
@@ -227,11 +255,12 @@ class PeerGate:
             del self.open_by_uid[link.uid]
         self._links.discard(link)
 
-    async def connect_grpc(self, folder: Path, uid: int,
+    async def connect_grpc(self, folder: Path, credentials: PeerCredentials,
                            protocol: Callable[[], asyncio.Protocol]) -> None:
-        """Connect a new `protocol` to gRPC's socket in `folder`, from a name that says `uid`."""
+        """Connect a new `protocol` to gRPC's socket in `folder`, from a name that says the
+        caller's `credentials`."""
         loop = asyncio.get_running_loop()
-        name = peer_name(folder, uid, next(self._numbers) % NAME_NUMBERS)
+        name = peer_name(folder, credentials, next(self._numbers) % NAME_NUMBERS)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.setblocking(False)

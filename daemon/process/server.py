@@ -308,10 +308,14 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
     serve TLS with `tls` (plaintext, with a warning, without it). Stopped, and the socket files
     and gate folders it created removed, on exit. serve() and the tests' daemon both use this.
     """
-    # The gate, when unix callers are told apart by uid; its folders are known before binding.
-    gate = PeerGate(service.limits, service.tenants) if service.tenants.maps_uids else None
+    # The gate, when unix callers are told apart by uid, and for the runner socket (the pid of
+    # each runner: fence.py); its folders are known before binding.
+    public_gate = service.tenants.maps_uids
+    gate = (PeerGate(service.limits, service.tenants, service.runner_processes)
+            if public_gate or runner_socket is not None else None)
     folders = frozenset(str(gate_folder(lst.unix_path)) for lst in listeners
-                        if gate is not None and lst.unix_path is not None)
+                        if public_gate and lst.unix_path is not None)
+    runner_folders = frozenset(() if runner_socket is None else (str(gate_folder(runner_socket)),))
     async with contextlib.AsyncExitStack() as stack:
         if gate is not None:  # stopped after gRPC: the calls it drained needed the gate
             stack.push_async_callback(gate.stop)
@@ -321,20 +325,20 @@ async def grpc_server(service: PoolService, listeners: Sequence[ListenAddress], 
         server = _kvpool_server(servers, service, ServerInterceptor(
             service.tenants, rpc_metrics, folders, requests=service.requests))
         runners = None if runner_socket is None else _kvpool_server(
-            servers, service, ServerInterceptor(service.tenants, rpc_metrics, frozenset(),
-                                                runners=True, requests=service.requests))
-        targets = tuple(_bind(servers, server, listener, socket_mode, tls, gate)
+            servers, service, ServerInterceptor(service.tenants, rpc_metrics, runner_folders,
+                                                runners=service.runner_processes,
+                                                requests=service.requests))
+        targets = tuple(_bind(servers, server, listener, socket_mode, tls,
+                              gate if public_gate else None)
                         for listener in listeners)
         runner_target = None
         if runners is not None and runner_socket is not None:  # after the listeners' folders
-            # Created 0o600, given to the runners' group and opened to it (0o660) only then;
-            # a folder it creates lets the group in.
-            runner_target = servers.bind_unix(
-                runners, runner_socket,
-                RUNNERS_ONLY_MODE if runner_gid is None else RUNNER_GROUP_MODE, runner_gid)
+            assert gate is not None, "the runner socket is gated"
+            runner_target = _bind_runners(runners, runner_socket, runner_gid, gate)
         await servers.start()
         if gate is not None:
-            assert gate.folders == folders, "the interceptor knows every gate folder"
+            assert gate.folders() == folders, "the interceptor knows every gate folder"
+            assert gate.folders(runners=True) == runner_folders
             await gate.start()
         await servers.set_serving()
         yield GrpcServer(servers, targets, gate, runner_target)
@@ -371,6 +375,25 @@ def _bind(servers: GrpcServers, server: grpc.aio.Server, listener: ListenAddress
     except RuntimeError as exc:
         raise StartupError(f"cannot listen on {listener.target}: address in use or "
                            "not permitted") from exc
+
+
+def _bind_runners(server: grpc.aio.Server, path: Path, group: int | None,
+                  gate: PeerGate) -> str:
+    """Serve the runner socket `path` through `gate`: mode 0o600, or 0o660 with `group` (a
+    folder it creates lets the group in). Returns its target."""
+    mode = RUNNERS_ONLY_MODE if group is None else RUNNER_GROUP_MODE
+    try:
+        claim_socket_path(path, mode)
+        server.add_insecure_port(gate.add(path, mode, group=group, runners=True))
+    except SocketInUse as exc:
+        raise StartupError(str(exc)) from exc
+    except PermissionError as exc:
+        raise StartupError(f"cannot give {path} to group {group}: {exc.strerror} (this "
+                           "process's user must be a member)") from exc
+    except RuntimeError as exc:
+        raise StartupError(f"cannot listen on unix://{path}: address in use or not "
+                           "permitted") from exc
+    return f"unix://{path}"
 
 
 def _bind_tcp(server: grpc.aio.Server, target: str, tls: ServerTls | None) -> int:

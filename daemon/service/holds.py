@@ -12,6 +12,12 @@ forward of the session is queued or running; a hold it does not end lapses by it
 runner that dies holds nothing for longer than its last hold_ms (at most `max_hold_ms`). A held
 session never expires (sessions.py): expiry waits for the hold to end.
 
+A lapsed hold is not released while its runner lives: the runner may be stopped, not dead, and
+resume writing. A caller that needs the blocks then has the runner fenced (fence.py: SIGKILL
+through its pidfd) and gets SessionBusy until the runner's exit is seen; a runner's exit ends
+its holds at once. Each hold names the runner process that set it (the caller's, from the
+runner socket's peer credentials), and `end_hold` ends that runner's hold only.
+
 Runner calls are never refused by a hold: the runner frees its clients' sequences only after
 their forwards (its release path), and so does the daemon's own code (no caller). The check
 runs under the pool lock before the call's transaction opens; the hold is set or ended only
@@ -21,9 +27,10 @@ once the call has been applied, so a call that fails sets nothing.
 from dataclasses import dataclass
 
 from pagedkv.daemon.core import InvalidArgument, PoolError
+from pagedkv.daemon.service.fence import RunnerProcess
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.sessions import Session
-from pagedkv.daemon.service.tenants import trusted_caller
+from pagedkv.daemon.service.tenants import PermissionDenied, current_caller, trusted_caller
 
 
 class SessionBusy(PoolError):
@@ -47,7 +54,8 @@ NO_HOLD = Hold()
 
 def check_hold(hold: Hold, limits: Limits) -> None:
     """INVALID_ARGUMENT for a hold asked by a caller that is not a runner, hold_ms and end_hold
-    both set, or hold_ms past max_hold_ms."""
+    both set, or hold_ms past max_hold_ms; PERMISSION_DENIED for a hold of a runner whose
+    process the daemon cannot see (it could never be fenced)."""
     if hold == NO_HOLD:
         return
     field = "hold_ms" if hold.hold_ms else "end_hold"
@@ -59,24 +67,46 @@ def check_hold(hold: Hold, limits: Limits) -> None:
     if hold.hold_ms > limits.max_hold_ms:
         raise InvalidArgument(f"hold_ms={hold.hold_ms}; the limit is "
                               f"max_hold_ms={limits.max_hold_ms}")
+    caller = current_caller()
+    if hold.hold_ms and caller is not None and caller.process is None:
+        raise PermissionDenied("hold_ms refused: the daemon cannot see this runner's process "
+                               "(its pid namespace is not the daemon's), so it could not stop "
+                               "it if it stalled past its hold; run the runner in the "
+                               "daemon's pid namespace")
+
+
+def holder() -> RunnerProcess | None:
+    """The runner process of the call being served (None: the daemon's own code)."""
+    caller = current_caller()
+    return None if caller is None else caller.process
 
 
 def check_release(session: Session, now: float, rpc: str) -> None:
     """Refuse (`SessionBusy`) a free of the session's memory by a caller that is not a runner
-    while a runner holds the session. The message names the session by its label (its
-    client_name, never its id) and says how long the hold still lasts."""
-    if trusted_caller() or now >= session.hold_until:
+    while a runner holds the session (a lapsed hold's runner is fenced meanwhile). The message
+    names the session by its label (its client_name, never its id) and says how long the hold
+    still lasts."""
+    if trusted_caller() or not session.held(now, rpc):
         return
-    left_ms = max(1, round((session.hold_until - now) * 1000))
-    raise SessionBusy(f"{rpc} refused: a runner holds session {session.label} for {left_ms} ms "
-                      "more (a forward of it may still write its blocks); release the "
-                      "sequences through the runner (its release ends the hold), or retry once "
-                      "the hold is over")
+    raise SessionBusy(f"{rpc} refused: {busy_reason(session, now)}; release the sequences "
+                      "through the runner (its release ends the hold), or retry once the hold "
+                      "is over")
+
+
+def busy_reason(session: Session, now: float) -> str:
+    """Why a held session's blocks cannot be freed yet, for SessionBusy's message."""
+    left_ms = session.hold_left_ms(now)
+    if left_ms:
+        return (f"a runner holds session {session.label} for {left_ms} ms more (a forward of "
+                "it may still write its blocks)")
+    return (f"the runner holding session {session.label} stalled past its hold; it is being "
+            "stopped (fenced) before its blocks are freed, a moment")
 
 
 def apply_hold(session: Session, hold: Hold, now: float) -> None:
-    """Set or end the session's hold as an applied call asked."""
+    """Set or end the calling runner's hold on the session as an applied call asked."""
+    process = holder()
     if hold.end:
-        session.hold_until = 0.0
+        session.holds.pop(process, None)
     elif hold.hold_ms:
-        session.hold_until = max(session.hold_until, now + hold.hold_ms / 1000)
+        session.holds[process] = max(session.holds.get(process, 0.0), now + hold.hold_ms / 1000)

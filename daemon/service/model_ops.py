@@ -10,7 +10,7 @@ holds one of its sessions, and new sessions of a sleeping model are refused unti
 """
 
 from pagedkv.daemon.service.call_path import CallPath
-from pagedkv.daemon.service.holds import SessionBusy
+from pagedkv.daemon.service.holds import SessionBusy, busy_reason
 from pagedkv.daemon.service.models import KvShape, Model
 from pagedkv.daemon.service.session_life import SessionLife
 from pagedkv.daemon.service.session_ops import MemoryWork
@@ -67,8 +67,7 @@ class ModelOps:
         """SessionBusy if a runner holds one of the model's `sessions` now."""
         now = self._calls.sessions.now()
         for session in sessions:
-            if now < session.hold_until:
-                raise SessionBusy(f"SetModelState refused: a runner holds session "
-                                  f"{session.label} of model {model.name!r} for "
-                                  f"{max(1, round((session.hold_until - now) * 1000))} ms "
-                                  "more; stop its runner's steps, then retry")
+            if session.held(now, f"model {model.name!r}'s sleep"):
+                raise SessionBusy(f"SetModelState refused (model {model.name!r}): "
+                                  f"{busy_reason(session, now)}; stop its runner's steps, "
+                                  "then retry")

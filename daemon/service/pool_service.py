@@ -64,6 +64,7 @@ from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.service.answer_size import AnswerBudget
 from pagedkv.daemon.service.call_path import CallPath
 from pagedkv.daemon.service.call_work import check_work, op_work, step_work
+from pagedkv.daemon.service.fence import RunnerProcesses
 from pagedkv.daemon.service.figures import ServiceFigures
 from pagedkv.daemon.service.formats import Formats
 from pagedkv.daemon.service.holds import NO_HOLD, Hold
@@ -147,6 +148,9 @@ class PoolService:
         # The wire bytes of large requests parsed and not yet answered (the interceptor admits
         # each before parsing it): what calls queued for the lock may hold.
         self.requests = RequestBudget(self.limits.max_queued_request_bytes)
+        # The processes connected to the runner socket (the gate notes them), which the
+        # daemon stops when a hold of theirs lapses while its blocks are needed (fence.py).
+        self.runner_processes = RunnerProcesses()
 
     def attach_host_tier(self, memory: HostMemory | None, num_slots: int = 0,
                          copy_rate: int = 0) -> None:
@@ -181,6 +185,7 @@ class PoolService:
         stay as they are."""
         await self.life.stop()
         await self.memory_order.close()
+        self.runner_processes.close()
 
     async def expire_due(self) -> int:
         """Expire every session past its lease with no call in flight; returns how many."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from pagedkv.daemon.core import InvalidArgument, PoolError
+from pagedkv.daemon.service.fence import RunnerProcess
 from pagedkv.daemon.service.limits import LimitExceeded, Limits, clip
 from pagedkv.daemon.service.tenants import DEFAULT_TENANT, may_use_session_of
 
@@ -90,9 +91,10 @@ class Session:
     # Calls naming the session that have arrived and not finished: while any is in flight the
     # session cannot expire.
     in_flight: int = 0
-    # Monotonic time until which a runner holds the session (holds.py): no free by another
-    # caller, and no expiry, before it; 0.0: no hold.
-    hold_until: float = 0.0
+    # Runner holds (holds.py): each holding runner's process (None: code of the daemon's own
+    # process) -> the monotonic time its hold lapses. While any holds, no free by another
+    # caller and no expiry; a lapsed hold of a live runner holds until the fence ends it.
+    holds: dict[RunnerProcess | None, float] = field(default_factory=dict)
 
     @property
     def private_salt(self) -> bool:
@@ -108,6 +110,24 @@ class Session:
     def key(self, seq_id: int) -> tuple[int, int]:
         """The pool's key for one of this session's sequences."""
         return (self.number, seq_id)
+
+    def held(self, now: float, need: str) -> bool:
+        """Whether a runner may still write the session's blocks. A hold ends when its runner
+        ends it or exits; a lapsed one whose runner is alive is fenced (fence.py) for `need`
+        (what wants the blocks), and holds until the runner's exit is seen."""
+        for process, until in list(self.holds.items()):
+            if process is None:
+                if now >= until:  # the daemon's own code: nothing outlives its call
+                    del self.holds[process]
+            elif not process.alive():
+                del self.holds[process]
+            elif now >= until:
+                process.fence(f"{need} of session {self.label}")
+        return bool(self.holds)
+
+    def hold_left_ms(self, now: float) -> int:
+        """How long the longest hold still lasts before it lapses (0: lapsed, being fenced)."""
+        return max(0, round((max(self.holds.values(), default=now) - now) * 1000))
 
 
 def private_salt(session_id: str) -> bytes:
@@ -245,7 +265,8 @@ class SessionRegistry:
     def _is_due(session: Session, now: float) -> bool:
         """Past its lease, with no call in flight and no runner holding it (a held session
         waits for its hold to end: a forward may still write its blocks)."""
-        return now > session.deadline and not session.in_flight and now >= session.hold_until
+        return (now > session.deadline and not session.in_flight
+                and not session.held(now, "the lease's expiry"))
 
     def now(self) -> float:
         """The registry's clock (monotonic seconds): what leases and holds are measured by."""

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedkv.daemon.core import PoolError
+from pagedkv.daemon.service.fence import RunnerProcess
 from pagedkv.daemon.service.operations import PoolExhausted
 
 if TYPE_CHECKING:
@@ -123,6 +124,9 @@ class Caller:
     tenant: Tenant
     # It came over the daemon's runner socket: a runner (module docstring).
     runner: bool = False
+    # A runner's process, from the runner socket's peer credentials (fence.py); None: one the
+    # daemon cannot see (another pid namespace), which may not hold sessions.
+    process: RunnerProcess | None = None
 
 
 # The caller of the RPC being served; None outside the gRPC server (in-process use, tests).

@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import socket
-import struct
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -33,11 +32,12 @@ from pagedkv.client import (
     TlsOptions,
     Unauthenticated,
 )
-from pagedkv.daemon.edge import gate_link
+from pagedkv.daemon.edge import peer_gate
 from pagedkv.daemon.edge.addresses import parse_listen
 from pagedkv.daemon.edge.peer_gate import GRPC_SOCKET_NAME, PeerGate, gate_folder
 from pagedkv.daemon.edge.tls import load_server_tls
 from pagedkv.daemon.process.server import grpc_server
+from pagedkv.daemon.service.fence import PeerCredentials
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.tenants import Tenant, Tenants, bearer_of
 from pagedkv.process.grpc_server import StartupError
@@ -148,14 +148,15 @@ def own_process_is(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], None]:
     """Make the gate read `uid` for connections made by this test process (SO_PEERCRED's pid is
     ours); other processes keep their real uid. One uid's connections against another's,
     without root."""
-    real = gate_link.caller_uid
+    real = peer_gate.socket_credentials
 
     def set_uid(uid: int) -> None:
-        def read(sock: socket.socket) -> int:
-            pid, _uid, _gid = struct.unpack("=iII", sock.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("=iII")))
-            return uid if pid == os.getpid() else real(sock)
-        monkeypatch.setattr(gate_link, "caller_uid", read)
+        def read(sock: socket.socket) -> PeerCredentials:
+            credentials = real(sock)
+            if credentials.pid != os.getpid():
+                return credentials
+            return PeerCredentials(pid=credentials.pid, uid=uid)
+        monkeypatch.setattr(peer_gate, "socket_credentials", read)
     return set_uid
 
 
@@ -523,7 +524,7 @@ async def test_the_gate_names_the_uid_copies_exactly_and_holds_back_a_fast_write
             assert await asyncio.wait_for(reader.readexactly(total), 60) == blob
             assert await reader.read() == b""  # the server's close reaches the caller
             writer.close()
-            assert peers == [f"{gate_folder(public)}/peer-{UID}-0"]
+            assert peers == [f"{gate_folder(public)}/peer-{UID}-{os.getpid()}-0"]
         finally:
             server.close()
             await gate.stop()
@@ -627,9 +628,10 @@ async def test_tcp_callers_are_still_told_by_token_with_tls(tmp_path: Path) -> N
                 await tokenless.open_session("x")
 
 
-async def test_without_uids_there_is_no_gate() -> None:
+async def test_without_uids_the_public_socket_has_no_gate() -> None:
+    """Only the runner socket passes the gate then (its callers' pids: fence.py)."""
     async with running_daemon(tenants=Tenants([Tenant("me")], unix_tenant="me")) as daemon:
-        assert daemon.gate is None
+        assert daemon.gate is not None and not daemon.gate.folders()
         assert not gate_folder(socket_path(daemon)).exists()
         async with await PoolClient.connect(daemon.unix_target) as client:
             await client.open_session("plain")
