@@ -16,11 +16,17 @@ per sequence) go first, then pieces of the other steps' chunks up to the budget,
 arrival order. A long prefill so runs as several forwards, and the decodes of other clients
 join each of them instead of waiting for the whole prompt; its step is answered (and its blocks
 committed) when its last piece is computed.
+
+No forward starts on a session whose hold may lapse before the forward ends (`_refuse_lapsed`):
+the runner was stalled (its renewals did not run), so the daemon may be about to hand the
+session's blocks to someone else once it has stopped this runner (kvpool.proto's "Runner
+holds"). Those steps fail alone (StepNotComputed: resend); the rest of the batch goes on.
 """
 
 import asyncio
 import contextlib
 import dataclasses
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -69,6 +75,10 @@ class Prepared:
     picked: dict[int, Pick] = field(default_factory=dict)
     # Forwards that computed a piece of it.
     forwards: int = 0
+    # When the runner last asked the daemon to hold the step's session (its clock; the
+    # daemon's deadline is at least this + hold_ms), read as each forward starts; None: no
+    # hold to check (an engine without a daemon hold).
+    held_since: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
         self.left = deque(self.chunks)
@@ -110,11 +120,16 @@ def _split(chunk: SequenceChunk, count: int) -> tuple[SequenceChunk, SequenceChu
     return head, tail
 
 
+class HoldMayHaveLapsed(RuntimeError):
+    """The step's session may go unheld before its forward ends: the forward was not started."""
+
+
 class ForwardLoop:
     """Runs the forward passes of every client's prepared steps, merged."""
 
     def __init__(self, runner: Callable[[], ModelRunner], sampler: Sampler, *,
-                 max_batch_tokens: int = 8192, metrics: RunnerMetrics | None = None) -> None:
+                 max_batch_tokens: int = 8192, metrics: RunnerMetrics | None = None,
+                 hold_ms: int | None = None) -> None:
         # The model runner in use (it is replaced when the daemon restarts).
         self._runner = runner
         self.sampler = sampler
@@ -123,6 +138,8 @@ class ForwardLoop:
             raise ValueError(f"max_batch_tokens must be >= 1, got {max_batch_tokens}")
         # Most tokens one forward pass computes (longer chunks are split across passes).
         self.max_batch_tokens = max_batch_tokens
+        # How long a hold lasts from the runner's call (`_refuse_lapsed`); None: not checked.
+        self.hold_s = None if hold_ms is None else hold_ms / 1000
         # Prepared steps waiting for a forward, in arrival order.
         self._ready: deque[Prepared] = deque()
         self._wake = asyncio.Event()
@@ -163,8 +180,8 @@ class ForwardLoop:
                 await self._wake.wait()
                 continue
             await self._gather(recent, min(MAX_GATHER_S, last_forward_s))
-            batch = self._take_batch()
-            if not batch:  # every waiting step was cancelled
+            batch = self._refuse_lapsed(self._take_batch(), last_forward_s)
+            if not batch:  # every waiting step was cancelled or refused
                 continue
             started = time.monotonic()
             try:
@@ -231,6 +248,23 @@ class ForwardLoop:
         taken = {id(prepared) for prepared, _ in batch}
         self._ready = deque(prepared for prepared in waiting if id(prepared) not in taken)
         return batch
+
+    def _refuse_lapsed(self, batch: Batch, forward_s: float) -> Batch:
+        """Fail the steps whose session's hold may lapse before a forward as long as twice the
+        last one ends; the rest of the batch. Checked just before the forward is launched."""
+        if self.hold_s is None:
+            return batch
+        ends = time.monotonic() + 2 * forward_s
+        kept: Batch = []
+        for prepared, pieces in batch:
+            since = prepared.held_since() if prepared.held_since is not None else math.inf
+            if since + self.hold_s > ends:
+                kept.append((prepared, pieces))
+            elif not prepared.done.done():
+                prepared.done.set_exception(HoldMayHaveLapsed(
+                    "the runner's hold on the step's session may lapse before its forward "
+                    "ends (the runner was stalled): forward not started"))
+        return kept
 
     def _compute(self, batch: Batch) -> list[Pick]:
         """[forward thread] One forward over every piece, then sampling where it is due; the

@@ -96,7 +96,8 @@ class StepEngine:
         self.runner = runner
         self.metrics = metrics
         self.forwards = ForwardLoop(lambda: self.runner, sampler or Sampler(),
-                                    max_batch_tokens=max_batch_tokens, metrics=metrics)
+                                    max_batch_tokens=max_batch_tokens, metrics=metrics,
+                                    hold_ms=hold_ms)
         # Each client session's sequences and lock, forgotten when the session ends.
         self.sessions = SessionTable()
         # The daemon's holds on the sessions while their forwards may write (hold_ms each).
@@ -202,6 +203,7 @@ class StepEngine:
         blocks) before the hold ends and the lock goes."""
         check_writes(prepared)
         await self.holds.ensure(known)
+        prepared.held_since = lambda: known.held_at
         holder = asyncio.create_task(self.holds.keep(known))
         forward = asyncio.ensure_future(self.forwards.compute(prepared))
         try:
