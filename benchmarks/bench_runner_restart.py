@@ -3,7 +3,7 @@
 Through the server: `pagedkv serve --model tiny-llama` (CPU), STREAMS greedy streams as HTTP
 server-sent events from aiohttp's client to /v1/completions (token-id prompts). Hot: once every
 stream has half its tokens, the server's runner is SIGKILLed; its supervisor
-(llm/runner_supervisor.py) starts it again on the same socket, the engine resends each
+(llm/supervisor.py) starts it again on the same socket, the engine resends each
 sequence's history, and the K/V stays in the daemon. Cold: the same streams on a fresh server;
 at the same point the server, its daemon and its runner are SIGKILLed, a new server is started,
 and each stream's prompt plus its tokens so far is submitted again (what a client must do when

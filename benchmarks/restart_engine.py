@@ -23,7 +23,7 @@ from restart_streams import Crash, StreamLog, kill_midway
 from pagedkv.client import PagedKVError, SamplingParams
 from pagedkv.client.engine.engine import Engine
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S
-from pagedkv.llm.runner_supervisor import RunnerSupervisor
+from pagedkv.llm.supervisor import Supervisor
 from pagedkv.process.launch import READY_STATE, Launched, free_tcp_port, start_daemon, start_runner
 
 # Room for every stream twice over (the uninterrupted run's cached blocks stay).
@@ -57,17 +57,17 @@ def start_pair(folder: Path, metrics: str) -> tuple[Launched, Callable[[], Launc
 
 
 @contextlib.contextmanager
-def supervised(folder: Path) -> Iterator[tuple[Processes, RunnerSupervisor]]:
+def supervised(folder: Path) -> Iterator[tuple[Processes, Supervisor]]:
     """A daemon and a runner that the supervisor starts again when it dies."""
     metrics = f"127.0.0.1:{free_tcp_port()}"
     daemon, new_runner = start_pair(folder, metrics)
     with daemon:
         runner = new_runner()
         runner.wait_for_notification(READY_STATE)
-        supervisor = RunnerSupervisor(new_runner, runner, startup_timeout_s=120.0)
+        supervisor = Supervisor(new_runner, runner, startup_timeout_s=120.0)
         supervisor.start()
         try:
-            yield Processes(daemon, lambda: supervisor.runner, metrics), supervisor
+            yield Processes(daemon, lambda: supervisor.child, metrics), supervisor
         finally:
             supervisor.stop()
             daemon.stop()
@@ -120,15 +120,15 @@ async def uncommitted(engine: Engine) -> int:
                for seq, table in zip(seqs, tables, strict=True))
 
 
-async def restarted(supervisor: RunnerSupervisor) -> float:
+async def restarted(supervisor: Supervisor) -> float:
     """Once the supervisor's new runner said READY=1: the time of it."""
     while not (supervisor.restarts and any(READY_STATE in message.split("\n")
-                                           for message in supervisor.runner.notifications)):
+                                           for message in supervisor.child.notifications)):
         await asyncio.sleep(0.002)
     return time.monotonic()
 
 
-async def hot(processes: Processes, supervisor: RunnerSupervisor, prompts: list[list[int]],
+async def hot(processes: Processes, supervisor: Supervisor, prompts: list[list[int]],
               params: SamplingParams) -> Crash:
     """The streams, the runner killed midway and started again by the supervisor."""
     logs = [StreamLog(p) for p in prompts]

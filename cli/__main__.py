@@ -1,7 +1,6 @@
 """`python -m pagedkv.cli`: the `pagedkv` command (see main.py)."""
 
-import sys
-
 from pagedkv.cli.main import main
+from pagedkv.process.lifecycle import exit_now
 
-sys.exit(main())
+exit_now(main())

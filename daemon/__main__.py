@@ -1,7 +1,6 @@
 """`python -m pagedkv.daemon`: `pagedkvd`, the daemon (see process/cli.py)."""
 
-import sys
-
 from pagedkv.daemon.process.cli import serve_main
+from pagedkv.process.lifecycle import exit_now
 
-sys.exit(serve_main())
+exit_now(serve_main())

@@ -8,21 +8,24 @@ The folder (mode 0700, from mkdtemp) holds both unix sockets, the notify sockets
 the pool file lives in /dev/shm on CPU (the daemon names it after its pid and removes it on
 exit). Starting, readiness and stopping are `pagedkv.process.launch`'s. The daemon starts first
 and is ready before the runner connects to it; the runner is stopped first (SIGTERM, SIGKILL
-if it takes too long), so no step is in flight when the daemon drains. With `restart_runner`, a
-runner that dies is started again on the same socket (runner_supervisor.py): its clients then
-connect with `runner_restart_wait_s=RESTART_WAIT_S` to wait for it.
+if it takes too long), so no step is in flight when the daemon drains. With `supervise`, a
+child that dies is reaped and started again on the same sockets (supervisor.py): a runner's
+clients connect with `runner_restart_wait_s=RESTART_WAIT_S` to wait for it; a daemon's lose
+their sessions and open new ones once it is back (server/recovery.py), and the runner maps the
+new pool by itself.
 """
 
 import contextlib
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.model_ref import ModelRef
 from pagedkv.llm.pool_budget import pool_size_args
-from pagedkv.llm.runner_supervisor import RunnerSupervisor
+from pagedkv.llm.supervisor import Supervisor
 from pagedkv.process.launch import READY_STATE, Launched, start_daemon, start_runner
 from pagedkv.vocab.paths import DAEMON_RUNNER_SOCKET_NAME, MAX_UNIX_PATH_BYTES
 
@@ -40,16 +43,17 @@ class Services:
     # gRPC targets of their unix sockets (a restarted runner listens on the same one).
     daemon_target: str
     runner_target: str
-    # What restarts the runner (None without restart_runner): its restart count and pid.
-    supervisor: RunnerSupervisor | None = None
+    # What restarts each (None without supervise): whether it is up, its restarts and pid.
+    daemon_supervisor: Supervisor | None = None
+    runner_supervisor: Supervisor | None = None
 
 
 def start_services(config: LLMConfig, model: ModelRef, resources: contextlib.ExitStack, *,
-                   restart_runner: bool = False) -> Services:
+                   supervise: bool = False) -> Services:
     """Start the daemon, planned for `model`, then the runner; return them once both are
-    ready. `restart_runner`: start the runner again whenever it dies (but for a bad setting).
-    Closing `resources` stops what was started and removes the folder, whether or not the
-    start got that far."""
+    ready. `supervise`: start either again whenever it dies (but for a bad setting). Closing
+    `resources` stops what was started and removes the folder, whether or not the start got
+    that far."""
     device = config.device or _default_device()
     dtype = model.config_dtype() if config.dtype == "auto" else config.dtype
     pool_args = pool_size_args(config, device, model.weights_bytes(dtype))
@@ -58,25 +62,41 @@ def start_services(config: LLMConfig, model: ModelRef, resources: contextlib.Exi
         else []
     folder = _private_folder()
     resources.callback(shutil.rmtree, folder, ignore_errors=True)
-    daemon = start_daemon(folder, *model.daemon_args(), "--block-size", str(config.block_size),
-                          "--device", device, *dtype_args, *pool_args, *host_args,
-                          *CHILD_LOG_ARGS)
-    resources.callback(daemon.stop)
-    daemon.wait_for_notification(READY_STATE, config.startup_timeout_s)
+    daemon_args = [*model.daemon_args(), "--block-size", str(config.block_size), "--device",
+                   device, *dtype_args, *pool_args, *host_args, *CHILD_LOG_ARGS]
+
+    def new_daemon() -> Launched:
+        return start_daemon(folder, *daemon_args)
+
+    daemon = _started(new_daemon, config, resources)
+    daemon_supervisor = _supervised(new_daemon, daemon, config, resources) if supervise else None
     runner_args = [*model.runner_args(config.seed), *dtype_args, *CHILD_LOG_ARGS]
 
     def new_runner() -> Launched:
         return start_runner(daemon.runners_target, folder, *runner_args)
 
-    runner = new_runner()
-    resources.callback(runner.stop)
-    runner.wait_for_notification(READY_STATE, config.startup_timeout_s)
-    if not restart_runner:
-        return Services(daemon.unix_target, runner.unix_target)
-    supervisor = RunnerSupervisor(new_runner, runner, startup_timeout_s=config.startup_timeout_s)
+    runner = _started(new_runner, config, resources)
+    runner_supervisor = _supervised(new_runner, runner, config, resources) if supervise else None
+    return Services(daemon.unix_target, runner.unix_target, daemon_supervisor, runner_supervisor)
+
+
+def _started(start: Callable[[], Launched], config: LLMConfig,
+             resources: contextlib.ExitStack) -> Launched:
+    """A child started, stopped with `resources`, once it is ready."""
+    child = start()
+    resources.callback(child.stop)
+    child.wait_for_notification(READY_STATE, config.startup_timeout_s)
+    return child
+
+
+def _supervised(start: Callable[[], Launched], child: Launched, config: LLMConfig,
+                resources: contextlib.ExitStack) -> Supervisor:
+    """`child`'s supervisor, watching; stopped with `resources` before the first child's own
+    stop (no restart once stopping; it stops the child that is current)."""
+    supervisor = Supervisor(start, child, startup_timeout_s=config.startup_timeout_s)
     supervisor.start()
-    resources.callback(supervisor.stop)  # before runner.stop: no restart once stopping
-    return Services(daemon.unix_target, runner.unix_target, supervisor)
+    resources.callback(supervisor.stop)
+    return supervisor
 
 
 def _private_folder() -> Path:

@@ -1,7 +1,6 @@
 """`python -m pagedkv.model_runner`: the runner process (see process/cli.py)."""
 
-import sys
-
 from pagedkv.model_runner.process.cli import main
+from pagedkv.process.lifecycle import exit_now
 
-sys.exit(main())
+exit_now(main())

@@ -30,23 +30,44 @@ those calls are answered; a client that frees the same blocks directly (Free, Cl
 Batch free op) while that forward is queued or running would let another session get them and
 the forward write into them. So a runner's call may carry `hold_ms`: "this runner writes the
 session's blocks until now + hold_ms" (StepRequest, each StepMany entry, BatchRequest,
-GetBlockTablesRequest, KeepAliveRequest). The session's hold deadline becomes the later of the two; a runner renews
-it with KeepAlive(hold_ms) while a long forward runs, and ends it at once with `end_hold`
-(BatchRequest, KeepAliveRequest) once no forward of the session is queued or running (when it
-releases a client's sequences, after a cancelled step's forward). Until the deadline, a Free,
-CloseSession or Batch with a free op from a caller that is not a runner is refused with
-FAILED_PRECONDITION, cause "SessionBusy", nothing changed (the message names the session by
-its client_name, says how long the hold still lasts, and to release through the runner); the
-lease does not expire a held session (expiry waits for the hold to end). Runner calls are
-never refused by a hold. hold_ms is at most the daemon's `max_hold_ms` (INVALID_ARGUMENT
-beyond); a caller that is not a runner sending hold_ms or end_hold gets INVALID_ARGUMENT.
-The pagedkv runner holds for --hold-ms (5 s by default) and also ends its hold once a
-session has had no step for 0.1 s; a hold the runner does not end (it died) lapses by itself
-hold_ms after its last call. So a client that frees directly right after a runner step may
-get SessionBusy for a moment, or up to hold_ms. Release sequences through the runner instead
-(RunnerStepRequest.release_seq_ids: the runner frees them after its forwards and ends the
-hold), then close the session; or retry a SessionBusy close later (the bundled client's
-Session.close waits for the hold to end).
+GetBlockTablesRequest, KeepAliveRequest). The runner's hold deadline becomes the later of the
+two; a runner renews it with KeepAlive(hold_ms) while a long forward runs, and ends its own
+hold at once with `end_hold` (BatchRequest, KeepAliveRequest) once no forward of the session is
+queued or running (when it releases a client's sequences, after a cancelled step's forward).
+While a runner holds the session, a Free, CloseSession or Batch with a free op from a caller
+that is not a runner is refused with FAILED_PRECONDITION, cause "SessionBusy", nothing changed
+(the message names the session by its client_name, says how long the hold still lasts or that
+its runner is being stopped, and to release through the runner); the lease does not expire a
+held session, and a model with a held session does not go to sleep (SetModelState, the same
+SessionBusy). Runner calls are never refused by a hold. hold_ms is at most the daemon's
+`max_hold_ms` (INVALID_ARGUMENT beyond); a caller that is not a runner sending hold_ms or
+end_hold gets INVALID_ARGUMENT.
+
+A hold is a fence, not a timer. What is guaranteed: a block a runner may still write goes to
+no one else (no free, close, expiry or sleep releases it; page withdrawal, host-tier offload
+and eviction touch only blocks no sequence holds) until that runner has ended its hold or its
+process has exited. The deadline only detects a stall: when a hold has lapsed and someone
+needs the session's blocks, the daemon kills the runner (SIGKILL through a pidfd it took when
+the runner connected) and answers SessionBusy until the kernel reports the runner's exit; then
+the blocks are freed as asked. A runner's exit (a crash, a stop, a fence) ends its holds at
+once. So a runner stopped rather than dead (SIGSTOP, a frozen cgroup, a throttled container,
+swap, a VM stall) never writes blocks someone else was given: it is dead before they are.
+Under these assumptions: the runner runs beside the daemon, in the daemon's pid namespace (or
+one below it), and connects over the runner socket, whose peer credentials give its pid (a
+runner whose pid the daemon cannot see may not hold: PERMISSION_DENIED); the daemon may
+signal it (the same user, or CAP_KILL; a refused kill leaves the blocks held until the runner
+ends its hold or exits, logged); a process that has exited writes nothing more (on CUDA the
+driver tears down its contexts as it exits). The daemon never kills its own process. The cost
+is availability under a stall: a stalled runner is killed (its clients lose their uncommitted
+work, as in a crash) and restarted by its supervisor (`pagedkv serve`, systemd).
+
+The pagedkv runner holds for --hold-ms (5 s by default), renews at half of it while a forward
+waits or runs, never starts a forward whose hold may lapse before it ends (the step fails
+alone with StepNotComputed), and ends its hold once a session has had no step for 0.1 s. So a
+client that frees directly right after a runner step may get SessionBusy for a moment. Release
+sequences through the runner instead (RunnerStepRequest.release_seq_ids: the runner frees them
+after its forwards and ends the hold), then close the session; or retry a SessionBusy close
+later (the bundled client's Session.close waits for the hold to end).
 
 Who may commit. A commit (the Commit RPC, a Batch commit op, StepRequest.commit) certifies
 that blocks hold the K/V of their tokens, and later prompts under the same cache salt are
@@ -103,7 +124,8 @@ GetBlockTables, which gives each sequence's num_tokens and table:
 - Commit, KeepAlive and CloseSession are idempotent: retry them as they are.
 - SessionBusy (FAILED_PRECONDITION, a Free, CloseSession or Batch free while a runner holds
   the session) changed nothing: release through the runner, or retry after the hold (the
-  message says how long it still lasts).
+  message says how long it still lasts, or that its stalled runner is being stopped: a
+  moment).
 Read back only once the lost call has ended on the client (its deadline passed or its
 connection broke): the daemon cancels a call whose client gave up, and the call is then
 applied whole or not at all (one cancelled while its memory work runs stays applied: it

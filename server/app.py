@@ -3,7 +3,7 @@
     POST /v1/completions        completions.py
     POST /v1/chat/completions   chat_completions.py
     GET  /v1/models             the served model
-    GET  /health                200 while the engine runs, 503 once it failed or drains
+    GET  /health                200 while the daemon, runner and engine serve; else 503, why
     GET  /metrics               Prometheus text (metrics.py)
 
 Middlewares, outermost first: the access log (one structlog line per request), errors (every
@@ -87,7 +87,7 @@ async def _models(request: web.Request) -> web.Response:
 
 async def _health(request: web.Request) -> web.Response:
     backend = request.app[BACKEND]
-    reason = backend.engine.failure() or ("draining" if backend.draining else None)
+    reason = backend.unhealthy()
     if reason is None:
         return web.Response(text="ok\n")
     return web.Response(status=503, text=f"unhealthy: {reason}\n")

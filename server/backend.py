@@ -8,8 +8,11 @@
 One `Engine` serves every HTTP request (one daemon session, continuous batching across them),
 on the server's event loop. Admission is bounded: a request arriving while `max_waiting`
 requests already wait for room in the pool is refused with 429 and Retry-After instead of
-queueing without limit; a draining server refuses new requests with 503. A request whose client
-goes away is aborted (its stream is closed), which frees its blocks.
+queueing without limit; a draining server refuses new requests with 503, and so does one whose
+daemon or runner is down (`down`, kept by server/recovery.py), instead of queueing requests that
+wait for nothing. A request that fails because the daemon or the runner went away gets a
+retryable 503 too. A request whose client goes away is aborted (its stream is closed), which
+frees its blocks.
 """
 
 from collections.abc import AsyncGenerator, Sequence
@@ -19,6 +22,7 @@ from aiohttp import web
 
 from pagedkv.client.engine.engine import Engine
 from pagedkv.client.engine.outputs import RequestOutput
+from pagedkv.client.pool.errors import OutcomeUnknown, RunnerUnavailable
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.llm.tokenizer import Tokenizer
 from pagedkv.server.errors import ApiError, bad_request
@@ -28,6 +32,12 @@ from pagedkv.vocab.token_ids import check_vocabulary
 
 # Seconds a refused client is told to wait (Retry-After) when the queue is full or we drain.
 RETRY_AFTER_S = 1
+
+
+def unavailable(reason: str) -> ApiError:
+    """A 503 the client may retry after RETRY_AFTER_S: nothing of the request is kept."""
+    return ApiError(503, f"{reason}: retry the request",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,9 @@ class Backend:
         # With API keys: each cache group's engine and the turns of their requests; None: every
         # request goes to `engine`, first in first out.
         self.key_engines: KeyEngines | None = None
+        # Why no request can be served now (a child restarting, the engine reopening; None:
+        # they can), kept by server/recovery.py: new requests get 503, /health says it.
+        self.down: str | None = None
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
@@ -92,17 +105,24 @@ class Backend:
             raise bad_request(param, f"{param} has {len(token_ids)} tokens; the model takes at "
                                      f"most {limit} positions, prompt and completion together")
 
-    def admit(self) -> None:
-        """Refuse a new request when draining (503) or when the queue is full (429)."""
-        retry = {"Retry-After": str(RETRY_AFTER_S)}
+    def unhealthy(self) -> str | None:
+        """Why the server cannot serve a request now (None: it can): /health's 503."""
         if self.draining:
-            raise ApiError(503, "the server is shutting down", headers=retry)
+            return "draining"
+        return self.down or self.engine.failure()
+
+    def admit(self) -> None:
+        """Refuse a new request when draining or down (503), or when the queue is full (429)."""
+        if self.draining:
+            raise unavailable("the server is shutting down")
+        if self.down is not None:
+            raise unavailable(self.down)
         waiting = len(self.engine.scheduler.waiting)
         if self.config.max_waiting and waiting >= self.config.max_waiting:
             self.metrics.refused()
             raise ApiError(429, f"{waiting} requests are waiting for room in the KV pool (the "
                                 f"server's bound is {self.config.max_waiting}): retry later",
-                           headers=retry)
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def caller(self, request: web.Request) -> Caller:
         """Whose request it is (the API key app.py matched) and the engine of its cache group;
@@ -136,6 +156,8 @@ class Backend:
         try:
             async for output in outputs:
                 yield output
+        except (RunnerUnavailable, OutcomeUnknown) as exc:  # the daemon or the runner went away
+            raise unavailable(f"the KV cache service failed the request ({exc})") from exc
         finally:  # closed early (a stop string, a client gone): the engine aborts it now
             await outputs.aclose()
             self.active -= 1

@@ -6,12 +6,16 @@
         --runner unix:///run/pagedkv-runner/pagedkv-runner.sock --api-key-file /etc/pagedkv/keys
 
 It starts a daemon planned for the model and a runner next to it, as the `LLM` does (or uses
-running ones), opens one engine on them and serves HTTP (app.py). A runner it started is
-supervised: when it dies, it is started again and the engine resends each sequence's history,
-so the streams go on with the tokens they would have had. systemd readiness (READY=1) is sent
-once the port listens. SIGTERM drains: new requests get 503, running ones finish (up to
+running ones), opens one engine on them and serves HTTP (app.py). The daemon and the runner it
+started are supervised (llm/supervisor.py, server/recovery.py): a runner that dies is started
+again and the engine resends each sequence's history, so the streams go on with the tokens they
+would have had; a daemon that dies takes every sequence with it, so the requests in flight get
+a retryable 503, and once it is started again a new engine opens on it. While either is down,
+new requests and /health get 503 with the reason. systemd readiness (READY=1) is sent once the
+port listens. SIGTERM drains: new requests get 503, running ones finish (up to
 --drain-timeout-s), then the engine, the runner and the daemon stop. Exit codes: 0, 2 for a bad
-flag or model, 1 when the services failed to start.
+flag or model, 1 when the services failed to start, or are not restarted any more (a bad
+setting, too many deaths within a minute: systemd then restarts the whole unit).
 """
 
 import argparse
@@ -28,6 +32,7 @@ from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.llm import tokenizer_for
 from pagedkv.llm.model_ref import resolve_model
 from pagedkv.llm.services import Services, start_services
+from pagedkv.llm.supervisor import Supervisor
 from pagedkv.process import log_setup
 from pagedkv.process.launch import NoNotification
 from pagedkv.process.lifecycle import stop_on_signals
@@ -44,6 +49,7 @@ from pagedkv.server.listener import (
     raise_fd_limit,
 )
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.recovery import EngineKeeper, ServicesFailed
 from pagedkv.vocab.geometry import model_name
 
 PROG = "pagedkv serve"
@@ -169,13 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with contextlib.ExitStack() as resources:
             if config.daemon is None:
-                services = start_services(config, model, resources, restart_runner=True)
+                services = start_services(config, model, resources, supervise=True)
             else:
                 # No --runner: Engine.connect finds the runner serving config.model_name.
                 services = Services(config.daemon, config.runner or "")
             asyncio.run(_serve(args, config, services, keys, limits, lambda engine, metrics:
                                Backend(engine, tokenizer, no_tokenizer, serve_config, metrics)))
-    except (NoNotification, OSError) as exc:
+    except (NoNotification, OSError, ServicesFailed) as exc:
         print(f"{PROG}: failed: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
@@ -195,15 +201,16 @@ async def _serve(args: argparse.Namespace, config: LLMConfig, services: Services
                                         runner_restart_wait_s=RESTART_WAIT_S, cache_salt=salt,
                                         waiting=waiting)
 
-        engine = await connect()
         metrics = ServerMetrics(cache_figures=not keys)
-        supervisor = services.supervisor
-        metrics.watch(engine, lambda: supervisor.restarts if supervisor is not None else 0)
-        backend = backend_for(engine, metrics)
+        backend = backend_for(await connect(), metrics)
+        metrics.watch(lambda: backend.engine, _restarts(services.runner_supervisor),
+                      _restarts(services.daemon_supervisor))
         if keys:  # each cache group its own engine, every key its share (key_engines.py)
             backend.key_engines = KeyEngines(connect, args.max_running_per_key,
                                              args.max_waiting_per_key)
             metrics.watch_keys(backend.key_engines)
+        keeper = EngineKeeper(backend, connect, services.daemon_supervisor,
+                              services.runner_supervisor)
         app_runner = http_runner(build_app(backend, api_keys=keys,
                                            max_request_bytes=args.max_request_bytes,
                                            max_per_peer=args.max_requests_per_peer),
@@ -214,14 +221,21 @@ async def _serve(args: argparse.Namespace, config: LLMConfig, services: Services
             log.info("serving", url=f"http://{args.host}:{args.port}/v1",
                      model=backend.config.model_name)
             notify("READY=1")
-            await stop.wait()
+            failed = await keeper.watch_until(stop)
+            if failed is not None:
+                raise ServicesFailed(failed)
             notify("STOPPING=1")
             await _drain(backend, args.drain_timeout_s)
         finally:
             await app_runner.cleanup()
             if backend.key_engines is not None:
                 await backend.key_engines.close()
-            await engine.close()
+            await keeper.close()
+
+
+def _restarts(supervisor: Supervisor | None) -> Callable[[], int]:
+    """The restarts of a child the server supervises (none of a running one's)."""
+    return lambda: supervisor.restarts if supervisor is not None else 0
 
 
 async def _drain(backend: Backend, timeout_s: float) -> None:

@@ -4,8 +4,9 @@ A dashboard built for `vllm serve` reads the same series here: requests running 
 KV usage, prefix-cache queries and hits (in tokens, as vLLM counts them), preemptions, prompt and
 generation tokens, time to first token, inter-token latency and end-to-end latency histograms,
 finished requests by reason. Gauges are read from the engine at scrape time; counters and
-histograms are fed by the request streams (backend.py). Runner restarts come from the
-supervisor, when the server started the runner.
+histograms are fed by the request streams (backend.py), from the engine that is current (a
+daemon's restart opens a new one: server/recovery.py); a stopped engine runs nothing. Runner and
+daemon restarts come from their supervisors, when the server started them.
 """
 
 from collections.abc import Callable
@@ -46,6 +47,8 @@ class ServerMetrics:
                               "Share of the KV pool's blocks in use (1 = full).", registry=r)
         self.runner_restarts = Gauge(f"{PREFIX}runner_restarts",
                                      "Times the supervisor restarted the runner.", registry=r)
+        self.daemon_restarts = Gauge(f"{PREFIX}daemon_restarts",
+                                     "Times the supervisor restarted the daemon.", registry=r)
         self.cache_queries = Counter(f"{PREFIX}prefix_cache_queries",
                                      "Prompt tokens looked up in the prefix cache.",
                                      registry=cache_registry)
@@ -71,12 +74,15 @@ class ServerMetrics:
         self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds",
                              "Arrival to the last token.", buckets=E2E_BUCKETS, registry=r)
 
-    def watch(self, engine: Engine, restarts: Callable[[], int] = lambda: 0) -> None:
-        """Read the gauges from `engine` (and the supervisor's restarts) at each scrape."""
-        self.running.set_function(lambda: len(engine.scheduler.running))
-        self.waiting.set_function(lambda: len(engine.scheduler.waiting))
-        self.kv_usage.set_function(lambda: engine.kv_usage)
-        self.runner_restarts.set_function(restarts)
+    def watch(self, engine: Callable[[], Engine], runner_restarts: Callable[[], int],
+              daemon_restarts: Callable[[], int]) -> None:
+        """Read the gauges from the engine `engine()` returns (that of the moment) and the
+        supervisors' restarts at each scrape."""
+        self.running.set_function(lambda: _live(engine(), lambda e: len(e.scheduler.running)))
+        self.waiting.set_function(lambda: _live(engine(), lambda e: len(e.scheduler.waiting)))
+        self.kv_usage.set_function(lambda: _live(engine(), lambda e: e.kv_usage))
+        self.runner_restarts.set_function(runner_restarts)
+        self.daemon_restarts.set_function(daemon_restarts)
 
     def watch_keys(self, engines: KeyEngines) -> None:
         """Read the requests running and waiting from every cache group's engine."""
@@ -107,3 +113,8 @@ class ServerMetrics:
         for reason in reasons:
             self.finished.labels(reason).inc()
         self.e2e.observe(seconds)
+
+
+def _live(engine: Engine, figure: Callable[[Engine], float]) -> float:
+    """`figure` of `engine`, 0 once it stopped (its scheduler's lists are what it had then)."""
+    return figure(engine) if engine.failure() is None else 0.0

@@ -1,9 +1,10 @@
-"""The runner supervisor (llm/runner_supervisor.py) with real processes: a daemon and a runner
-started by `start_services(..., restart_runner=True)`, an engine that waits for a restarted
+"""The supervisor (llm/supervisor.py) of a runner, with real processes: a daemon and a runner
+started by `start_services(..., supervise=True)`, an engine that waits for a restarted
 runner, and the runner SIGKILLed while the engine's requests decode. Every request ends with
 the tokens of an uninterrupted run; the supervisor counts the restart. The same through
-`pagedkv serve` (its streams through the openai client, its /metrics). Runners that exit with
-a bad setting, or keep dying, are not started again forever.
+`pagedkv serve` (its streams through the openai client, its /metrics). Children that exit with
+a bad setting, or keep dying, are not started again forever; the listeners hear each change.
+A daemon's supervision through `pagedkv serve`: tests/server/test_recovery.py.
 """
 
 import asyncio
@@ -26,8 +27,8 @@ from pagedkv.client import Engine, SamplingParams
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S
 from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.model_ref import resolve_model
-from pagedkv.llm.runner_supervisor import RestartPolicy, RunnerSupervisor
 from pagedkv.llm.services import Services, start_services
+from pagedkv.llm.supervisor import RestartPolicy, Supervisor
 from pagedkv.process.launch import READY_STATE, Launched, free_tcp_port, start_process
 
 from pagedkvd_process import short_tmp_dir
@@ -45,12 +46,12 @@ DECIDE_S = 60.0
 def services() -> Iterator[Services]:
     config = LLMConfig(model="tiny-llama", num_blocks=64, device="cpu")
     with contextlib.ExitStack() as resources:
-        yield start_services(config, resolve_model("tiny-llama"), resources, restart_runner=True)
+        yield start_services(config, resolve_model("tiny-llama"), resources, supervise=True)
 
 
 async def test_requests_finish_with_identical_tokens_across_a_killed_runner(
         services: Services) -> None:
-    supervisor = services.supervisor
+    supervisor = services.runner_supervisor
     assert supervisor is not None
     first_pid = supervisor.pid
     async with await Engine.connect(services.daemon_target, services.runner_target,
@@ -137,7 +138,7 @@ def exiting(folder: Path, status: int) -> Launched:
                          folder, f"unix://{folder}/none.sock")
 
 
-def wait_until_given_up(supervisor: RunnerSupervisor) -> str:
+def wait_until_given_up(supervisor: Supervisor) -> str:
     deadline = time.monotonic() + DECIDE_S
     while supervisor.failed is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -153,19 +154,24 @@ def test_a_runner_that_exits_with_a_bad_setting_is_not_started_again() -> None:
             started.append(exiting(folder, 2))
             return started[-1]
 
-        supervisor = RunnerSupervisor(start, exiting(folder, 2), startup_timeout_s=DECIDE_S)
+        supervisor = Supervisor(start, exiting(folder, 2), startup_timeout_s=DECIDE_S)
+        told: list[tuple[bool, str | None]] = []
+        supervisor.listeners.append(lambda: told.append((supervisor.up, supervisor.failed)))
+        assert supervisor.up  # the child given is ready
         supervisor.start()
         assert "status 2" in wait_until_given_up(supervisor)
         assert supervisor.stop() == 2
     assert started == []
     assert supervisor.restarts == 0
+    assert not supervisor.up and supervisor.last_exit == 2
+    assert told == [(False, None), (False, supervisor.failed)]  # down, then given up
 
 
 def test_a_runner_that_keeps_dying_is_restarted_up_to_the_bound() -> None:
     with short_tmp_dir() as folder:
-        supervisor = RunnerSupervisor(lambda: exiting(folder, 1), exiting(folder, 1),
-                                      startup_timeout_s=DECIDE_S,
-                                      policy=RestartPolicy(max_per_minute=2, backoff_base_s=0.01))
+        supervisor = Supervisor(lambda: exiting(folder, 1), exiting(folder, 1),
+                                startup_timeout_s=DECIDE_S,
+                                policy=RestartPolicy(max_per_minute=2, backoff_base_s=0.01))
         supervisor.start()
         assert "3 times within 60 s" in wait_until_given_up(supervisor)
         assert supervisor.stop() == 1

@@ -1,0 +1,198 @@
+"""A child process (the daemon, the runner) started again when it dies, as its systemd unit's
+`Restart=on-failure` does.
+
+    supervisor = Supervisor(lambda: start_runner(daemon.runners_target, folder, *args),
+                            first_runner, startup_timeout_s=300.0)
+    supervisor.listeners.append(on_change)   # called on the watch's thread
+    supervisor.start()          # a thread watches the child
+    ... supervisor.up, supervisor.restarts, supervisor.pid, supervisor.failed ...
+    supervisor.stop()           # SIGTERM the child, wait for it, join the thread
+
+Nobody would restart a daemon or a runner that `LLM` or `pagedkv serve` started as a child:
+this does, with the same command, sockets and folder. What survives depends on the child: the
+K/V lives in the daemon, so a runner that crashes loses only what it knew of its clients'
+sequences (an engine connected with `runner_restart_wait_s` waits for the new runner and resends
+each sequence's history: client/engine/runner_link.py); a daemon that crashes loses the pool and
+every session, so its clients fail their requests and open a new session (server/recovery.py),
+while the runner maps the new pool by itself (model_runner/process/server.py).
+
+The watch runs on a thread of its own: waiting for the child's exit (which reaps it: no zombie)
+and for the new child's READY=1 blocks (a model load takes seconds), and the server's event loop
+must never block. `up` is true from a child's READY=1 to its exit; each change of `up`, and a
+give-up, calls the listeners. A child that exits with status 2 (a bad setting: it would fail the
+same way again) is not restarted, nor one that exits while the supervisor stops; restarts are
+spaced by a growing backoff and bounded per minute, past which the supervisor gives up and says
+why (`failed`).
+"""
+
+import collections
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pagedkv.process.launch import READY_STATE, Launched, NoNotification
+from pagedkv.process.log_setup import get_logger
+
+log = get_logger(__name__)
+
+# The exit status of the daemon and the runner for a bad setting (their CLIs; the units'
+# RestartPreventExitStatus=2): a restart would fail the same way.
+EXIT_BAD_CONFIG = 2
+# The window over which restarts are counted.
+RESTART_WINDOW_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """How often a dead child is started again."""
+
+    # Most restarts within RESTART_WINDOW_S; one more and the supervisor gives up (a child that
+    # keeps dying at start would otherwise burn the machine loading its model or its pool).
+    max_per_minute: int = 5
+    # Wait before a restart: none for the first within the window (the clients are waiting),
+    # then base_s, growing fourfold with each restart in the window, at most max_s.
+    backoff_base_s: float = 0.1
+    backoff_max_s: float = 10.0
+
+    def backoff_s(self, recent: int) -> float:
+        """The wait before a restart that follows `recent` restarts within the window."""
+        if recent == 0:
+            return 0.0
+        return float(min(self.backoff_max_s, self.backoff_base_s * 4 ** (recent - 1)))
+
+
+class Supervisor:
+    """Watches one child and starts it again (with `start`: the same command, sockets and
+    folder) when it dies."""
+
+    def __init__(self, start: Callable[[], Launched], child: Launched, *,
+                 startup_timeout_s: float, policy: RestartPolicy | None = None) -> None:
+        self._start = start
+        self._child = child
+        self.startup_timeout_s = startup_timeout_s
+        self.policy = policy or RestartPolicy()
+        # Children started again so far (for the server's /metrics).
+        self.restarts = 0
+        # Why the supervisor stopped restarting (None while it restarts): exit status 2, or
+        # too many restarts within a minute.
+        self.failed: str | None = None
+        # The last exit status of a child (None: none exited yet), for the reasons it gives.
+        self.last_exit: int | None = None
+        # Called (on the watch's thread, so they must not block) whenever `up` changes or the
+        # supervisor gives up.
+        self.listeners: list[Callable[[], None]] = []
+        # Set from the current child's READY=1 (the first child is given ready) to its exit.
+        self._up = threading.Event()
+        self._up.set()
+        # Monotonic times of the restarts within the last RESTART_WINDOW_S.
+        self._recent: collections.deque[float] = collections.deque()
+        self._stopping = threading.Event()
+        # Held while the child is replaced, so stop() signals the child that is current.
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name=f"pagedkv-{child.name}-supervisor",
+                                        daemon=True)
+
+    @property
+    def name(self) -> str:
+        """The child's name ("pagedkvd", "runner")."""
+        return self._child.name
+
+    @property
+    def pid(self) -> int:
+        """The current child's process id (a new one after each restart)."""
+        return self._child.process.pid
+
+    @property
+    def child(self) -> Launched:
+        """The current child process."""
+        return self._child
+
+    @property
+    def up(self) -> bool:
+        """Whether the current child runs and said READY=1."""
+        return self._up.is_set()
+
+    def start(self) -> None:
+        """Start watching (the child given is already started and ready)."""
+        self._thread.start()
+
+    def stop(self) -> int:
+        """Stop restarting, stop the current child (SIGTERM; SIGKILL past launch's
+        STOP_TIMEOUT_S) and wait for the watch to end; the child's exit status. Idempotent."""
+        self._stopping.set()
+        with self._lock:
+            child = self._child
+            if child.process.poll() is None:
+                child.send(signal.SIGTERM)
+        code = child.wait_for_exit()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._child.stop()  # closes its notify socket; the thread no longer reads it
+        return code
+
+    def _watch(self) -> None:
+        """Until stopped or given up: wait for the child's exit, then start it again."""
+        while True:
+            code = self._child.process.wait()
+            if self._stopping.is_set():
+                return
+            self.last_exit = code
+            self._changed(up=False)
+            if code == EXIT_BAD_CONFIG:
+                self._give_up(f"the {self.name} exited with status {code} (a bad setting)")
+                return
+            log.warning("child exited", child=self.name, status=code, pid=self.pid)
+            if not self._wait_for_turn():
+                return
+            self._restart()
+
+    def _wait_for_turn(self) -> bool:
+        """Sleep the backoff the restarts within the window ask for; False when stopped
+        meanwhile or when the bound is reached (then given up)."""
+        now = time.monotonic()
+        while self._recent and now - self._recent[0] > RESTART_WINDOW_S:
+            self._recent.popleft()
+        if len(self._recent) >= self.policy.max_per_minute:
+            self._give_up(f"the {self.name} died {len(self._recent) + 1} times within "
+                          f"{RESTART_WINDOW_S:g} s")
+            return False
+        return not self._stopping.wait(self.policy.backoff_s(len(self._recent)))
+
+    def _restart(self) -> None:
+        """Start a new child and wait for its READY=1; a child that dies or stays silent
+        meanwhile is left to the next turn of the watch (a silent one is killed first)."""
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            self._child.notify_socket.close()
+            self._child = self._start()
+            self._recent.append(time.monotonic())
+            self.restarts += 1
+        log.warning("child restarted", child=self.name, pid=self.pid, restarts=self.restarts)
+        try:
+            self._child.wait_for_notification(READY_STATE, self.startup_timeout_s)
+        except (NoNotification, OSError) as exc:  # OSError: stop() closed the socket
+            if not self._stopping.is_set():
+                log.warning("restarted child not ready", child=self.name,
+                            error=str(exc).splitlines()[0])
+                self._child.process.kill()
+            return
+        self._changed(up=True)
+
+    def _changed(self, *, up: bool) -> None:
+        if up:
+            self._up.set()
+        else:
+            self._up.clear()
+        self._tell()
+
+    def _give_up(self, reason: str) -> None:
+        self.failed = reason
+        log.error("child not restarted", child=self.name, reason=reason)
+        self._tell()
+
+    def _tell(self) -> None:
+        for listener in self.listeners:
+            listener()
