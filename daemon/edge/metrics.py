@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.core.types import PoolStats
 from pagedkv.daemon.events.sink import EventCounts
+from pagedkv.daemon.service.fence import RunnerProcesses
 from pagedkv.daemon.service.models import ModelFigures
 from pagedkv.daemon.service.tenants import TenantFigures
 
@@ -47,6 +48,9 @@ class PoolFigures(Protocol):
 
     @property
     def host_tier(self) -> HostTier | None: ...
+
+    @property
+    def runner_processes(self) -> RunnerProcesses: ...
 
 
 class PoolCollector(Collector):
@@ -101,6 +105,18 @@ class PoolCollector(Collector):
             "pagedkv:page_moves",
             "Pages of the pool given to another model format (each zeroed).",
             value=self._figures.page_moves_total,
+        )
+        fences = self._figures.runner_processes.counts
+        yield CounterMetricFamily(
+            "pagedkv:runner_fences",
+            "Runners killed because a hold of theirs lapsed while its blocks were needed "
+            "(kvpool.proto, \"Runner holds\").",
+            value=fences.fenced,
+        )
+        yield CounterMetricFamily(
+            "pagedkv:runner_fences_refused",
+            "Runners the kernel would not let the daemon kill: their lapsed holds stay.",
+            value=fences.refused,
         )
         if self._figures.host_tier is not None:
             yield from _host_families(self._figures.host_tier)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from pagedkv.client import PoolClient, Session, SessionBusy
+from pagedkv.daemon.edge.metrics import PoolCollector
 
 from daemon_harness import Daemon, running_daemon
 
@@ -70,6 +71,13 @@ async def app(daemon: Daemon) -> AsyncIterator[Session]:
         yield session
 
 
+def fence_figures(daemon: Daemon) -> dict[str, float]:
+    """The fence's counters on the daemon's /metrics."""
+    return {family.name: family.samples[0].value
+            for family in PoolCollector(daemon.service).collect()
+            if family.name.startswith("pagedkv:runner_fences")}
+
+
 async def holding_runner(daemon: Daemon, session: Session,
                          then: str) -> asyncio.subprocess.Process:
     """A runner process that has held `session` for HOLD_MS, then stopped or exited."""
@@ -106,7 +114,8 @@ async def test_a_stopped_runner_is_killed_before_its_lapsed_hold_frees_anything(
             await app.free(1)
         assert daemon.pool.stats() == before  # nothing freed while it may still write
         assert await asyncio.wait_for(runner.wait(), 10) == -signal.SIGKILL
-        assert daemon.service.runner_processes.counts.fenced == 1
+        assert fence_figures(daemon) == {"pagedkv:runner_fences": 1,
+                                         "pagedkv:runner_fences_refused": 0}
         assert await app.free(1) > 0  # its exit is seen: the blocks are free to go
     finally:
         if runner.returncode is None:
