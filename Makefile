@@ -113,6 +113,9 @@ bench: setup
 	$(PY) benchmarks/bench_prefill_fairness.py
 	$(PY) benchmarks/bench_multi_model.py
 	$(PY) benchmarks/bench_runner_restart.py
+	$(PY) benchmarks/bench_fair_keys.py
+	$(PY) benchmarks/bench_slowloris.py
+	$(PY) benchmarks/bench_replay_flood.py
 	$(PY) benchmarks/bench_suite.py
 
 bench-gpu: setup
