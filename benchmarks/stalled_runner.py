@@ -1,0 +1,298 @@
+"""Issue 31's attack on real processes: a runner stopped (SIGSTOP) while a forward it queued or
+runs may still write a session's blocks, the blocks wanted by another session, and what the
+daemon does about it (daemon/service/fence.py). Shared by the tests
+(tests/model_runner/test_stalled_runner.py), bench_fence.py and soak.py's paused-runner case.
+
+    with fence_stack(folder, write_slow_model(folder)) as stack:   # pagedkvd, runners A and B
+        outcome = await attack(stack, reference, QUEUED)
+
+The attack (`attack`):
+1. runner A computes a long prefill: bystander gamma's with beta's short step queued behind it
+   (QUEUED), or beta's own (MID_FORWARD). Once the daemon has answered A's call for beta
+   (beta's blocks allocated, A's hold set) A is stopped: at once when queued, once it has spent
+   CPU time in the forward when mid-forward. A filler session takes what the pool has left;
+2. beta's hold lapses (A renews nothing while stopped); beta frees directly: Free probes until
+   one is not "held for N ms more" (`Outcome.first_free`), then the bundled client's close,
+   which retries SessionBusy;
+3. alpha, a session on runner B, gets the blocks beta had (nothing else is free) and B computes
+   alpha's prompt into them;
+4. A resumes (SIGCONT: harmless if it was killed) and runs what it had queued; then alpha
+   decodes, each token judged against a private recomputation (fuzz_runner_shadow.Reference).
+Without a fence A's forward writes beta's K/V into alpha's blocks and alpha's tokens go wrong.
+With it, A is killed (SIGKILL) before beta's free goes through and writes nothing.
+"""
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fuzz_runner_corpus import GREEDY
+from fuzz_runner_shadow import Reference
+from transformers import LlamaConfig
+
+from pagedkv.client import PagedKVError, PoolClient, RunnerClient, SeqStep, Session, SessionBusy
+from pagedkv.process.launch import READY_STATE, Launched, start_daemon, start_runner
+
+# Large enough that a 1,536-token prefill takes a second or more of one CPU core: a stop lands
+# inside it. Random weights with initializer_range=0.2 and no EOS, as the tests' tiny model.
+SLOW_MODEL = LlamaConfig(vocab_size=128, hidden_size=512, intermediate_size=2048,
+                         num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=2048, initializer_range=0.2,
+                         eos_token_id=None, bos_token_id=None, pad_token_id=None)
+BLOCK_SIZE = 16
+# The long prefill (gamma's, or beta's mid-forward), in blocks: 1,536 tokens.
+LONG_BLOCKS = 96
+# Beta's short prompt (queued case) and alpha's: alpha's fits in beta's blocks with its decodes.
+SHORT_PROMPT = 2 * BLOCK_SIZE
+ALPHA_PROMPT = 2 * BLOCK_SIZE - 8
+ALPHA_TOKENS = 6
+# Blocks past the prompts (the runner's reservations, if any), taken by the filler.
+SLACK_BLOCKS = 8
+NUM_BLOCKS = LONG_BLOCKS + 2 * (SHORT_PROMPT // BLOCK_SIZE) + SLACK_BLOCKS
+# How long the runners' daemon calls hold a session (`pagedkv runner --hold-ms`).
+HOLD_MS = 500
+# CPU seconds the stopped runner spends in the long forward before the mid-forward stop.
+STOP_AFTER_CPU_S = 0.15
+# Patience for anything awaited (processes starting on a loaded 2-core machine).
+PATIENCE_S = 60.0
+# SessionBusy's message while a hold still runs, with what is left of it.
+_HELD_FOR = re.compile(r"holds session \S+ for ([0-9]+) ms more")
+
+QUEUED = "queued"
+MID_FORWARD = "mid_forward"
+
+
+def write_slow_model(folder: Path) -> Path:
+    """SLOW_MODEL's config.json in `folder` (the daemon's --model-config, the runners'
+    --random-init, the reference's source)."""
+    model = folder / "slow-model"
+    SLOW_MODEL.save_pretrained(model)
+    return model / "config.json"
+
+
+def runner_args(model: Path, hold_ms: int = HOLD_MS) -> tuple[str, ...]:
+    return ("--random-init", str(model), "--hold-ms", str(hold_ms), "--torch-threads", "1",
+            "--log-level", "warning")
+
+
+@dataclass
+class FenceStack:
+    """A daemon and two runners of one model: A (the one stopped) and B."""
+
+    daemon: Launched
+    a: Launched
+    b: Launched
+    model: Path
+    folder: Path
+
+    def restart_a(self, hold_ms: int = HOLD_MS) -> Launched:
+        """A new runner A (the last one was fenced), as a supervisor would start it."""
+        self.a.stop()
+        self.a = start_runner(self.daemon.runners_target, self.folder / "a",
+                              *runner_args(self.model, hold_ms))
+        self.a.wait_for_notification(READY_STATE, PATIENCE_S)
+        return self.a
+
+
+@contextmanager
+def fence_stack(folder: Path, model: Path, num_blocks: int = NUM_BLOCKS,
+                hold_ms: int = HOLD_MS) -> Iterator[FenceStack]:
+    """pagedkvd (its pool laid out for `model`, num_blocks of BLOCK_SIZE) and runners A and B,
+    each in its own subfolder of `folder`; every process stopped (A resumed first) at the end."""
+    for name in ("d", "a", "b"):
+        (folder / name).mkdir(exist_ok=True)
+    with start_daemon(folder / "d", "--shm-dir", str(folder / "d"), "--model-config",
+                      str(model), "--num-blocks", str(num_blocks), "--block-size",
+                      str(BLOCK_SIZE)) as daemon:
+        daemon.wait_for_notification(READY_STATE, PATIENCE_S)
+        args = runner_args(model, hold_ms)
+        stack = FenceStack(daemon, start_runner(daemon.runners_target, folder / "a", *args),
+                           start_runner(daemon.runners_target, folder / "b", *args),
+                           model, folder)
+        try:
+            stack.a.wait_for_notification(READY_STATE, PATIENCE_S)
+            stack.b.wait_for_notification(READY_STATE, PATIENCE_S)
+            yield stack
+        finally:
+            resume(stack.a)
+            stack.a.stop()
+            stack.b.stop()
+
+
+def resume(process: Launched) -> None:
+    """SIGCONT, if it still runs."""
+    if process.process.poll() is None:
+        process.send(signal.SIGCONT)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process `pid` so far (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def eventually(condition: Callable[[], Awaitable[bool]], what: str,
+                     timeout: float = PATIENCE_S, poll_s: float = 0.01) -> None:
+    """Poll `condition` until true; AssertionError naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s")
+        await asyncio.sleep(poll_s)
+
+
+async def blocks_held(session: Session) -> int:
+    stats = (await session.stats()).session
+    return 0 if stats is None else stats.blocks_held
+
+
+async def allocated(session: Session) -> None:
+    """Wait until `session` holds blocks: a runner's daemon call for its step was answered."""
+    async def holds() -> bool:
+        return await blocks_held(session) > 0
+    await eventually(holds, f"the blocks of session {session.session_id[:8]}")
+
+
+async def computing(runner: Launched) -> None:
+    """Wait until `runner` has spent STOP_AFTER_CPU_S of CPU from now: inside a forward."""
+    start = cpu_seconds(runner.process.pid)
+
+    async def spent() -> bool:
+        return cpu_seconds(runner.process.pid) - start >= STOP_AFTER_CPU_S
+    await eventually(spent, "the runner computing", poll_s=0.002)
+
+
+async def fill(pool: PoolClient) -> Session:
+    """A session holding every block still free."""
+    filler = await pool.open_session("filler")
+    free = (await pool.stats()).free_blocks
+    if free:
+        await filler.allocate(1, free * BLOCK_SIZE)
+    return filler
+
+
+@dataclass
+class FreeProbe:
+    """Beta's direct Free, asked until its hold has lapsed."""
+
+    # The first answer after the lapse: "freed" (no fence), or SessionBusy's message.
+    first: str = ""
+    # When the hold lapsed, by the last "held for N ms more" answer (monotonic seconds; the
+    # daemon's clock, seen from here).
+    lapse: float = 0.0
+    # When the first answer after the lapse came.
+    answered: float = 0.0
+
+
+async def probe_free(session: Session, seq_id: int) -> FreeProbe:
+    """Free `seq_id` directly, every few ms while a hold refuses it with time left."""
+    probe = FreeProbe()
+    while True:
+        sent = time.monotonic()
+        try:
+            await session.free(seq_id)
+            probe.first = "freed"
+        except SessionBusy as exc:
+            left = _HELD_FOR.search(exc.message)
+            if left is not None:
+                probe.lapse = sent + int(left.group(1)) / 1000
+                await asyncio.sleep(0.005)
+                continue
+            probe.first = exc.message
+        probe.answered = time.monotonic()
+        return probe
+
+
+@dataclass
+class Outcome:
+    """What the attack did."""
+
+    probe: FreeProbe
+    # Alpha's blocks were beta's (the premise: else nothing could go wrong).
+    shared_blocks: int = 0
+    # Alpha's tokens, and the reference's verdict on each wrong one.
+    alpha_tokens: list[int] = field(default_factory=list)
+    wrong: list[str] = field(default_factory=list)
+    # Runner A's exit status once resumed and awaited (None: still running).
+    a_exit: int | None = None
+    # When beta's close returned (monotonic seconds).
+    closed: float = 0.0
+
+
+async def judged_steps(runner: RunnerClient, session: Session, reference: Reference,
+                       prompt: list[int], outcome: Outcome, between: Callable[[], Awaitable[None]]
+                       ) -> None:
+    """Alpha's prompt then ALPHA_TOKENS - 1 decodes on `runner`, each token judged; `between`
+    runs after the prompt's step."""
+    tokens = list(prompt)
+    step = SeqStep(1, prompt, new_sequence=True, params=GREEDY)
+    for i in range(ALPHA_TOKENS):
+        last = i == ALPHA_TOKENS - 1
+        (out,) = await runner.step(session, [step], release=[1] if last else [])
+        verdict = reference.judge(tokens, out.token_id, out.logprob)
+        if verdict.wrong:
+            outcome.wrong.append(f"token {i}: {verdict.wrong}")
+        outcome.alpha_tokens.append(out.token_id)
+        tokens.append(out.token_id)
+        step = SeqStep(1, [out.token_id])
+        if i == 0:
+            await between()
+
+
+async def attack(stack: FenceStack, reference: Reference, case: str) -> Outcome:
+    """Issue 31's attack (module docstring) on `stack`; its outcome. Stack's runner A ends
+    stopped or dead either way."""
+    mid_forward = case == MID_FORWARD
+    long_prompt = [(7 * j + 3) % 128 for j in range(LONG_BLOCKS * BLOCK_SIZE)]
+    beta_prompt = long_prompt if mid_forward else [(5 * j + 1) % 128 for j in range(SHORT_PROMPT)]
+    alpha_prompt = [(11 * j + 2) % 128 for j in range(ALPHA_PROMPT)]
+    async with contextlib.AsyncExitStack() as exits:
+        pool = await exits.enter_async_context(await PoolClient.connect(stack.daemon.unix_target))
+        on_a = await exits.enter_async_context(await RunnerClient.connect(stack.a.unix_target))
+        on_b = await exits.enter_async_context(await RunnerClient.connect(stack.b.unix_target))
+        beta = await exits.enter_async_context(await pool.open_session("beta"))
+        alpha = await exits.enter_async_context(await pool.open_session("alpha"))
+        a_steps = []
+        if not mid_forward:  # gamma's long prefill keeps A's forward thread busy
+            gamma = await exits.enter_async_context(await pool.open_session("gamma"))
+            a_steps.append(asyncio.create_task(on_a.step(
+                gamma, [SeqStep(1, long_prompt, new_sequence=True, params=GREEDY)])))
+            await allocated(gamma)
+            await computing(stack.a)
+        a_steps.append(asyncio.create_task(on_a.step(
+            beta, [SeqStep(1, beta_prompt, new_sequence=True, params=GREEDY)])))
+        try:
+            await allocated(beta)
+            if mid_forward:
+                await computing(stack.a)
+            stack.a.send(signal.SIGSTOP)
+            if any(task.done() for task in a_steps):
+                raise AssertionError("runner A answered before it was stopped: the long "
+                                     "prefill is too short for this machine")
+            (table,) = await beta.block_tables([1])
+            await exits.enter_async_context(await fill(pool))
+            outcome = Outcome(await probe_free(beta, 1))
+            await beta.close()
+            outcome.closed = time.monotonic()
+
+            async def a_resumes() -> None:
+                (mine,) = await alpha.block_tables([1])
+                outcome.shared_blocks = len(set(mine.block_ids) & set(table.block_ids))
+                resume(stack.a)
+                await asyncio.wait(a_steps, timeout=PATIENCE_S)
+            await judged_steps(on_b, alpha, reference, alpha_prompt, outcome, a_resumes)
+        finally:
+            resume(stack.a)
+            await asyncio.wait(a_steps, timeout=PATIENCE_S)
+        for task in a_steps:  # their answers (or A's death) are not what is judged
+            with contextlib.suppress(PagedKVError):
+                task.result()
+    outcome.a_exit = stack.a.process.poll()
+    return outcome
