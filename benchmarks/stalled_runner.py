@@ -3,27 +3,30 @@ runs may still write a session's blocks, the blocks wanted by another session, a
 daemon does about it (daemon/service/fence.py). Shared by the tests
 (tests/model_runner/test_stalled_runner.py), bench_fence.py and soak.py's paused-runner case.
 
-    with fence_stack(folder, write_slow_model(folder)) as stack:   # pagedkvd, runners A and B
-        outcome = await attack(stack, reference, QUEUED)
+    with fence_stack(folder, write_model(folder)) as stack:   # pagedkvd, runners A and B
+        outcome = await attack(stack, reference, Scenario(MID_FORWARD))
 
 The attack (`attack`):
 1. runner A computes a long prefill: bystander gamma's with beta's short step queued behind it
    (QUEUED), or beta's own (MID_FORWARD). Once the daemon has answered A's call for beta
    (beta's blocks allocated, A's hold set) A is stopped: at once when queued, once it has spent
-   CPU time in the forward when mid-forward. A filler session takes what the pool has left;
-2. beta's hold lapses (A renews nothing while stopped); beta frees directly: Free probes until
-   one is not "held for N ms more" (`Outcome.first_free`), then the bundled client's close,
-   which retries SessionBusy;
-3. alpha, a session on runner B, gets the blocks beta had (nothing else is free) and B computes
-   alpha's prompt into them;
+   CPU time in the forward when mid-forward. A filler session of alpha's model takes every
+   block alpha's format could get but beta's;
+2. beta's hold lapses (A renews nothing while stopped); beta's blocks are taken: its own Free,
+   or its model's sleep (SetModelState), asked every few ms until it goes through (`take`:
+   `Taking.first` is the first answer after the lapse);
+3. alpha, a session on runner B, gets the memory beta had: the same blocks (one model), or
+   beta's pages withdrawn from A's format into B's (two models: "Models and pages"), and B
+   computes alpha's prompt into them;
 4. A resumes (SIGCONT: harmless if it was killed) and runs what it had queued; then alpha
    decodes, each token judged against a private recomputation (fuzz_runner_shadow.Reference).
 Without a fence A's forward writes beta's K/V into alpha's blocks and alpha's tokens go wrong.
-With it, A is killed (SIGKILL) before beta's free goes through and writes nothing.
+With it, A is killed (SIGKILL) before beta's blocks are freed and writes nothing.
 """
 
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -39,6 +42,7 @@ from transformers import LlamaConfig
 
 from pagedkv.client import PagedKVError, PoolClient, RunnerClient, SeqStep, Session, SessionBusy
 from pagedkv.process.launch import READY_STATE, Launched, start_daemon, start_runner
+from pagedkv.vocab.geometry import dtype_bytes, geometry_from_hf_config, model_name
 
 # Large enough that a 1,536-token prefill takes a second or more of one CPU core: a stop lands
 # inside it. Random weights with initializer_range=0.2 and no EOS, as the tests' tiny model.
@@ -53,6 +57,8 @@ LONG_BLOCKS = 96
 SHORT_PROMPT = 2 * BLOCK_SIZE
 ALPHA_PROMPT = 2 * BLOCK_SIZE - 8
 ALPHA_TOKENS = 6
+# Blocks of the stopped runner's model a page holds: pages move between formats one by one.
+PAGE_BLOCKS = 2
 # Blocks past the prompts (the runner's reservations, if any), taken by the filler.
 SLACK_BLOCKS = 8
 NUM_BLOCKS = LONG_BLOCKS + 2 * (SHORT_PROMPT // BLOCK_SIZE) + SLACK_BLOCKS
@@ -69,53 +75,78 @@ QUEUED = "queued"
 MID_FORWARD = "mid_forward"
 
 
-def write_slow_model(folder: Path) -> Path:
-    """SLOW_MODEL's config.json in `folder` (the daemon's --model-config, the runners'
-    --random-init, the reference's source)."""
-    model = folder / "slow-model"
-    SLOW_MODEL.save_pretrained(model)
+def write_model(folder: Path, num_layers: int = SLOW_MODEL.num_hidden_layers) -> Path:
+    """SLOW_MODEL with `num_layers` layers (another K/V format when fewer), its config.json in a
+    subfolder of `folder` named after it (the model's name): the daemon's --model-config, the
+    runners' --random-init, the reference's source."""
+    model = folder / f"slow-{num_layers}-layers"
+    SLOW_MODEL.__class__(**{**SLOW_MODEL.to_dict(),
+                            "num_hidden_layers": num_layers}).save_pretrained(model)
     return model / "config.json"
 
 
-def runner_args(model: Path, hold_ms: int = HOLD_MS) -> tuple[str, ...]:
+def block_bytes(model: Path) -> int:
+    """Bytes of one block of `model`'s K/V."""
+    geometry = geometry_from_hf_config(model)
+    return geometry.bytes_per_block(BLOCK_SIZE, dtype_bytes(geometry.default_dtype))
+
+
+def runner_args(model: Path, hold_ms: int) -> tuple[str, ...]:
     return ("--random-init", str(model), "--hold-ms", str(hold_ms), "--torch-threads", "1",
             "--log-level", "warning")
 
 
 @dataclass
 class FenceStack:
-    """A daemon and two runners of one model: A (the one stopped) and B."""
+    """A daemon and two runners: A (the one stopped) and B, each of its model (the daemon's own
+    is B's)."""
 
     daemon: Launched
     a: Launched
     b: Launched
-    model: Path
+    # Each runner's model (a config.json); the names sessions open them by.
+    a_model: Path
+    b_model: Path
     folder: Path
+    hold_ms: int
 
-    def restart_a(self, hold_ms: int = HOLD_MS) -> Launched:
+    @property
+    def a_name(self) -> str:
+        return model_name(str(self.a_model))
+
+    @property
+    def b_name(self) -> str:
+        return model_name(str(self.b_model))
+
+    def restart_a(self) -> Launched:
         """A new runner A (the last one was fenced), as a supervisor would start it."""
+        resume(self.a)
         self.a.stop()
         self.a = start_runner(self.daemon.runners_target, self.folder / "a",
-                              *runner_args(self.model, hold_ms))
+                              *runner_args(self.a_model, self.hold_ms))
         self.a.wait_for_notification(READY_STATE, PATIENCE_S)
         return self.a
 
 
 @contextmanager
-def fence_stack(folder: Path, model: Path, num_blocks: int = NUM_BLOCKS,
-                hold_ms: int = HOLD_MS) -> Iterator[FenceStack]:
-    """pagedkvd (its pool laid out for `model`, num_blocks of BLOCK_SIZE) and runners A and B,
-    each in its own subfolder of `folder`; every process stopped (A resumed first) at the end."""
+def fence_stack(folder: Path, a_model: Path, b_model: Path | None = None,
+                num_blocks: int = NUM_BLOCKS, hold_ms: int = HOLD_MS) -> Iterator[FenceStack]:
+    """pagedkvd (its own model B's; the memory of num_blocks of A's model, BLOCK_SIZE tokens
+    each, PAGE_BLOCKS of them a page) and runners A and B (B's model is A's unless named), each
+    in its own subfolder of `folder`; every process stopped (A resumed first) at the end."""
+    b_model = b_model or a_model
     for name in ("d", "a", "b"):
         (folder / name).mkdir(exist_ok=True)
+    a_bytes, b_bytes = block_bytes(a_model), block_bytes(b_model)
     with start_daemon(folder / "d", "--shm-dir", str(folder / "d"), "--model-config",
-                      str(model), "--num-blocks", str(num_blocks), "--block-size",
+                      str(b_model), "--num-blocks", str(num_blocks * a_bytes // b_bytes),
+                      "--page-size", str(PAGE_BLOCKS * a_bytes), "--block-size",
                       str(BLOCK_SIZE)) as daemon:
         daemon.wait_for_notification(READY_STATE, PATIENCE_S)
-        args = runner_args(model, hold_ms)
-        stack = FenceStack(daemon, start_runner(daemon.runners_target, folder / "a", *args),
-                           start_runner(daemon.runners_target, folder / "b", *args),
-                           model, folder)
+        start = functools.partial(start_runner, daemon.runners_target)
+        stack = FenceStack(daemon, start(folder / "a", *runner_args(a_model, hold_ms)),
+                           start(folder / "b", *runner_args(b_model, hold_ms)),
+                           a_model, b_model, folder, hold_ms)
         try:
             stack.a.wait_for_notification(READY_STATE, PATIENCE_S)
             stack.b.wait_for_notification(READY_STATE, PATIENCE_S)
@@ -169,61 +200,73 @@ async def computing(runner: Launched) -> None:
     await eventually(spent, "the runner computing", poll_s=0.002)
 
 
-async def fill(pool: PoolClient) -> Session:
-    """A session holding every block still free."""
-    filler = await pool.open_session("filler")
-    free = (await pool.stats()).free_blocks
+async def fill(pool: PoolClient, model: str) -> Session:
+    """A session of `model` holding every block its format could get now."""
+    filler = await pool.open_session("filler", model=model)
+    free = (await filler.stats()).free_blocks
     if free:
         await filler.allocate(1, free * BLOCK_SIZE)
     return filler
 
 
 @dataclass
-class FreeProbe:
-    """Beta's direct Free, asked until its hold has lapsed."""
+class Taking:
+    """A call that frees beta's blocks, asked until it goes through (`take`)."""
 
-    # The first answer after the lapse: "freed" (no fence), or SessionBusy's message.
+    # The first answer after the hold lapsed: "granted" (no fence), or SessionBusy's message.
     first: str = ""
-    # When the hold lapsed, by the last "held for N ms more" answer (monotonic seconds; the
-    # daemon's clock, seen from here).
+    # When the hold lapsed, by the last "held for N ms more" answer (monotonic seconds: the
+    # daemon's clock, seen from here), when the first answer after it came, and when the call
+    # went through.
     lapse: float = 0.0
-    # When the first answer after the lapse came.
     answered: float = 0.0
+    granted: float = 0.0
 
 
-async def probe_free(session: Session, seq_id: int) -> FreeProbe:
-    """Free `seq_id` directly, every few ms while a hold refuses it with time left."""
-    probe = FreeProbe()
+async def take(call: Callable[[], Awaitable[object]]) -> Taking:
+    """Ask `call` (beta's Free, its model's sleep) every few ms until it goes through."""
+    taking = Taking()
     while True:
         sent = time.monotonic()
         try:
-            await session.free(seq_id)
-            probe.first = "freed"
+            await call()
         except SessionBusy as exc:
             left = _HELD_FOR.search(exc.message)
             if left is not None:
-                probe.lapse = sent + int(left.group(1)) / 1000
-                await asyncio.sleep(0.005)
-                continue
-            probe.first = exc.message
-        probe.answered = time.monotonic()
-        return probe
+                taking.lapse = sent + int(left.group(1)) / 1000
+            elif not taking.first:
+                taking.first, taking.answered = exc.message, time.monotonic()
+            await asyncio.sleep(0.005)
+            continue
+        taking.granted = time.monotonic()
+        if not taking.first:
+            taking.first, taking.answered = "granted", taking.granted
+        return taking
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One form of the attack."""
+
+    # Where runner A is stopped: QUEUED (beta's step behind gamma's long prefill) or
+    # MID_FORWARD (inside beta's own long prefill).
+    stop: str
+    # What takes beta's blocks from it: its own Free (False) or its model's sleep (True).
+    sleep: bool = False
 
 
 @dataclass
 class Outcome:
     """What the attack did."""
 
-    probe: FreeProbe
-    # Alpha's blocks were beta's (the premise: else nothing could go wrong).
-    shared_blocks: int = 0
+    taking: Taking
+    # Pages of alpha's blocks that held beta's (the premise: else nothing could go wrong).
+    shared_pages: int = 0
     # Alpha's tokens, and the reference's verdict on each wrong one.
     alpha_tokens: list[int] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)
     # Runner A's exit status once resumed and awaited (None: still running).
     a_exit: int | None = None
-    # When beta's close returned (monotonic seconds).
-    closed: float = 0.0
 
 
 async def judged_steps(runner: RunnerClient, session: Session, reference: Reference,
@@ -246,22 +289,34 @@ async def judged_steps(runner: RunnerClient, session: Session, reference: Refere
             await between()
 
 
-async def attack(stack: FenceStack, reference: Reference, case: str) -> Outcome:
-    """Issue 31's attack (module docstring) on `stack`; its outcome. Stack's runner A ends
-    stopped or dead either way."""
-    mid_forward = case == MID_FORWARD
+async def pages_of(pool: PoolClient, model: str, session: Session) -> set[int]:
+    """The pages of sequence 1's blocks of `session` (of `model`)."""
+    (table,) = await session.block_tables([1])
+    per_page = {m.name: m.blocks_per_page for m in (await pool.pool_info()).models}[model]
+    return {block // per_page for block in table.block_ids}
+
+
+async def attack(stack: FenceStack, reference: Reference, scenario: Scenario) -> Outcome:
+    """Issue 31's attack (module docstring) on `stack`, alpha judged by `reference` (runner B's
+    model); its outcome. Runner A ends dead, or resumed."""
+    mid_forward = scenario.stop == MID_FORWARD
     long_prompt = [(7 * j + 3) % 128 for j in range(LONG_BLOCKS * BLOCK_SIZE)]
     beta_prompt = long_prompt if mid_forward else [(5 * j + 1) % 128 for j in range(SHORT_PROMPT)]
     alpha_prompt = [(11 * j + 2) % 128 for j in range(ALPHA_PROMPT)]
     async with contextlib.AsyncExitStack() as exits:
-        pool = await exits.enter_async_context(await PoolClient.connect(stack.daemon.unix_target))
+        async def connect(target: str) -> PoolClient:
+            return await exits.enter_async_context(await PoolClient.connect(target))
+        pool = await connect(stack.daemon.unix_target)
         on_a = await exits.enter_async_context(await RunnerClient.connect(stack.a.unix_target))
         on_b = await exits.enter_async_context(await RunnerClient.connect(stack.b.unix_target))
-        beta = await exits.enter_async_context(await pool.open_session("beta"))
-        alpha = await exits.enter_async_context(await pool.open_session("alpha"))
+        beta = await exits.enter_async_context(await pool.open_session("beta",
+                                                                       model=stack.a_name))
+        alpha = await exits.enter_async_context(await pool.open_session("alpha",
+                                                                        model=stack.b_name))
         a_steps = []
         if not mid_forward:  # gamma's long prefill keeps A's forward thread busy
-            gamma = await exits.enter_async_context(await pool.open_session("gamma"))
+            gamma = await exits.enter_async_context(await pool.open_session(
+                "gamma", model=stack.a_name))
             a_steps.append(asyncio.create_task(on_a.step(
                 gamma, [SeqStep(1, long_prompt, new_sequence=True, params=GREEDY)])))
             await allocated(gamma)
@@ -276,15 +331,19 @@ async def attack(stack: FenceStack, reference: Reference, case: str) -> Outcome:
             if any(task.done() for task in a_steps):
                 raise AssertionError("runner A answered before it was stopped: the long "
                                      "prefill is too short for this machine")
-            (table,) = await beta.block_tables([1])
-            await exits.enter_async_context(await fill(pool))
-            outcome = Outcome(await probe_free(beta, 1))
+            beta_pages = await pages_of(pool, stack.a_name, beta)
+            await exits.enter_async_context(await fill(pool, stack.b_name))
+            if scenario.sleep:  # on the runner socket: SetModelState is for runners
+                runners = await connect(stack.daemon.runners_target)
+                outcome = Outcome(await take(lambda: runners.set_model_state(stack.a_name,
+                                                                             True)))
+            else:
+                outcome = Outcome(await take(lambda: beta.free(1)))
             await beta.close()
-            outcome.closed = time.monotonic()
 
             async def a_resumes() -> None:
-                (mine,) = await alpha.block_tables([1])
-                outcome.shared_blocks = len(set(mine.block_ids) & set(table.block_ids))
+                outcome.shared_pages = len(await pages_of(pool, stack.b_name, alpha)
+                                           & beta_pages)
                 resume(stack.a)
                 await asyncio.wait(a_steps, timeout=PATIENCE_S)
             await judged_steps(on_b, alpha, reference, alpha_prompt, outcome, a_resumes)
