@@ -7,14 +7,20 @@
                  by token against a private recomputation (some followed by the runner: its
                  pushes checked, stale plans refused), a hostile client, client processes
                  SIGKILLed mid-step (fuzz_runner.py)
+    paused runner  a pagedkvd and two runners (tiny Llama) for 60 s: runner A stopped (SIGSTOP)
+                 at random points while honest clients step on both, an impatient client
+                 closing its session directly meanwhile; the daemon fences A (SIGKILL), it is
+                 restarted; every token checked against a private recomputation
+                 (paused_runners.py)
 
 Prints every figure as `name: value unit` (fuzz_calls, fuzz_internal_errors, fuzz_leaked_blocks,
 load_ops_per_s, load_step_p99_ms, load_healthy_sessions_expired, load_blocks_leaked,
-runner_fuzz_steps, runner_fuzz_wrong_tokens, runner_fuzz_leaked_blocks, ...), then `# ` lines
+runner_fuzz_steps, runner_fuzz_wrong_tokens, runner_fuzz_leaked_blocks,
+paused_runner_wrong_tokens, paused_runner_fences, ...), then `# ` lines
 naming any finding; exits 1 if there is one (malformed bytes answered UNKNOWN and over-long
 error details are counted, not failed: known findings).
 Usage: python benchmarks/soak.py [--seed 1] [--calls 30000] [--clients 8] [--seconds 60]
-       [--runner-seconds 120]
+       [--runner-seconds 120] [--paused-seconds 60]
 """
 
 import argparse
@@ -26,6 +32,7 @@ from daemon_process import running_pagedkvd
 from fuzz_daemon import FuzzConfig, run_fuzz
 from fuzz_runner import RunnerFuzzConfig, run_runner_fuzz, running_stack
 from load_daemon import LoadConfig, run_load
+from paused_runners import PausedConfig, pause_runners
 
 
 def main() -> int:
@@ -36,6 +43,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--runner-seconds", type=float, default=120.0)
+    parser.add_argument("--paused-seconds", type=float, default=60.0)
     args = parser.parse_args()
     findings: list[str] = []
 
@@ -75,6 +83,11 @@ def main() -> int:
     if stack.exit_codes != (0, 0):
         findings.append(f"runner fuzz: pagedkvd and the runner exited {stack.exit_codes}:\n"
                         f"{stack.logs}")
+
+    paused = pause_runners(PausedConfig(seed=args.seed, seconds=args.paused_seconds))
+    for line in paused.figures():
+        print(line, flush=True)
+    findings += [f"paused runner: {finding}" for finding in paused.findings()]
 
     for finding in [*findings, *fuzz.trailer_overflows[:3]]:
         print(f"# {finding}")

@@ -42,7 +42,7 @@ from transformers import LlamaConfig
 
 from pagedkv.client import PagedKVError, PoolClient, RunnerClient, SeqStep, Session, SessionBusy
 from pagedkv.process.launch import READY_STATE, Launched, start_daemon, start_runner
-from pagedkv.vocab.geometry import dtype_bytes, geometry_from_hf_config, model_name
+from pagedkv.vocab.geometry import dtype_bytes, model_name, resolve_geometry
 
 # Large enough that a 1,536-token prefill takes a second or more of one CPU core: a stop lands
 # inside it. Random weights with initializer_range=0.2 and no EOS, as the tests' tiny model.
@@ -75,23 +75,23 @@ QUEUED = "queued"
 MID_FORWARD = "mid_forward"
 
 
-def write_model(folder: Path, num_layers: int = SLOW_MODEL.num_hidden_layers) -> Path:
+def write_model(folder: Path, num_layers: int = SLOW_MODEL.num_hidden_layers) -> str:
     """SLOW_MODEL with `num_layers` layers (another K/V format when fewer), its config.json in a
     subfolder of `folder` named after it (the model's name): the daemon's --model-config, the
     runners' --random-init, the reference's source."""
     model = folder / f"slow-{num_layers}-layers"
     SLOW_MODEL.__class__(**{**SLOW_MODEL.to_dict(),
                             "num_hidden_layers": num_layers}).save_pretrained(model)
-    return model / "config.json"
+    return str(model / "config.json")
 
 
-def block_bytes(model: Path) -> int:
-    """Bytes of one block of `model`'s K/V."""
-    geometry = geometry_from_hf_config(model)
+def block_bytes(model: str) -> int:
+    """Bytes of one block of `model`'s K/V (a preset, or a config.json)."""
+    geometry = resolve_geometry(model)
     return geometry.bytes_per_block(BLOCK_SIZE, dtype_bytes(geometry.default_dtype))
 
 
-def runner_args(model: Path, hold_ms: int) -> tuple[str, ...]:
+def runner_args(model: str, hold_ms: int) -> tuple[str, ...]:
     return ("--random-init", str(model), "--hold-ms", str(hold_ms), "--torch-threads", "1",
             "--log-level", "warning")
 
@@ -104,19 +104,19 @@ class FenceStack:
     daemon: Launched
     a: Launched
     b: Launched
-    # Each runner's model (a config.json); the names sessions open them by.
-    a_model: Path
-    b_model: Path
+    # Each runner's model (a preset, or a config.json).
+    a_model: str
+    b_model: str
     folder: Path
     hold_ms: int
 
     @property
     def a_name(self) -> str:
-        return model_name(str(self.a_model))
+        return model_name(self.a_model)
 
     @property
     def b_name(self) -> str:
-        return model_name(str(self.b_model))
+        return model_name(self.b_model)
 
     def restart_a(self) -> Launched:
         """A new runner A (the last one was fenced), as a supervisor would start it."""
@@ -129,7 +129,7 @@ class FenceStack:
 
 
 @contextmanager
-def fence_stack(folder: Path, a_model: Path, b_model: Path | None = None,
+def fence_stack(folder: Path, a_model: str, b_model: str | None = None,
                 num_blocks: int = NUM_BLOCKS, hold_ms: int = HOLD_MS) -> Iterator[FenceStack]:
     """pagedkvd (its own model B's; the memory of num_blocks of A's model, BLOCK_SIZE tokens
     each, PAGE_BLOCKS of them a page) and runners A and B (B's model is A's unless named), each
@@ -139,7 +139,7 @@ def fence_stack(folder: Path, a_model: Path, b_model: Path | None = None,
         (folder / name).mkdir(exist_ok=True)
     a_bytes, b_bytes = block_bytes(a_model), block_bytes(b_model)
     with start_daemon(folder / "d", "--shm-dir", str(folder / "d"), "--model-config",
-                      str(b_model), "--num-blocks", str(num_blocks * a_bytes // b_bytes),
+                      b_model, "--num-blocks", str(num_blocks * a_bytes // b_bytes),
                       "--page-size", str(PAGE_BLOCKS * a_bytes), "--block-size",
                       str(BLOCK_SIZE)) as daemon:
         daemon.wait_for_notification(READY_STATE, PATIENCE_S)

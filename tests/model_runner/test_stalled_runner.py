@@ -12,7 +12,6 @@ tokens equal a private recomputation.
 """
 
 import signal
-from pathlib import Path
 
 import pytest
 from fuzz_runner_shadow import Reference
@@ -34,15 +33,15 @@ OTHER_LAYERS = 4
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """Runner A's model, and another format's."""
     folder = tmp_path_factory.mktemp("models")
     return write_model(folder), write_model(folder, OTHER_LAYERS)
 
 
 @pytest.fixture(scope="module")
-def references(models: tuple[Path, Path]) -> dict[Path, Reference]:
-    return {model: Reference(str(model)) for model in models}
+def references(models: tuple[str, str]) -> dict[str, Reference]:
+    return {model: Reference(model) for model in models}
 
 
 def assert_fenced(stack: FenceStack, outcome: Outcome) -> None:
@@ -56,7 +55,7 @@ def assert_fenced(stack: FenceStack, outcome: Outcome) -> None:
 
 @pytest.mark.parametrize("stop", [QUEUED, MID_FORWARD])
 async def test_a_stopped_runner_is_fenced_before_its_blocks_move(
-        models: tuple[Path, Path], references: dict[Path, Reference], stop: str) -> None:
+        models: tuple[str, str], references: dict[str, Reference], stop: str) -> None:
     model = models[0]
     with short_tmp_dir() as folder, fence_stack(folder, model) as stack:
         assert_fenced(stack, await attack(stack, references[model], Scenario(stop)))
@@ -64,7 +63,7 @@ async def test_a_stopped_runner_is_fenced_before_its_blocks_move(
 
 @pytest.mark.parametrize("sleep", [False, True], ids=["withdrawn", "asleep"])
 async def test_a_page_of_a_stopped_runner_moves_to_another_format_once_it_is_fenced(
-        models: tuple[Path, Path], references: dict[Path, Reference], sleep: bool) -> None:
+        models: tuple[str, str], references: dict[str, Reference], sleep: bool) -> None:
     """Beta's blocks freed by its own Free, or by its model's sleep; alpha, of another model,
     gets beta's pages withdrawn into its format."""
     a_model, b_model = models
