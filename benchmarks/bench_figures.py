@@ -26,6 +26,7 @@ from prometheus_client.registry import CollectorRegistry
 from pagedkv.daemon.core import BlockPool, PoolStats
 from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.edge.metrics import PoolCollector
+from pagedkv.daemon.service.fence import RunnerProcesses
 from pagedkv.daemon.service.models import ModelFigures
 from pagedkv.daemon.service.operations import Allocate, Fork
 from pagedkv.daemon.service.pool_service import PoolService
@@ -71,6 +72,10 @@ class Recounted:
     @property
     def host_tier(self) -> HostTier | None:
         return self._service.host_tier
+
+    @property
+    def runner_processes(self) -> RunnerProcesses:
+        return self._service.runner_processes
 
 
 async def loaded_service() -> tuple[PoolService, str]:
