@@ -24,29 +24,28 @@ kept for as long as a forward of the session may write, and no longer:
   only if no step began meanwhile: a client stepping back to back costs no call.
 
 A decode step inside its sequences' reservations makes no daemon call (reservations.py): the
-hold is then renewed by `ensure` and `keep` alone, and a step that finds the hold may have
-lapsed (`may_have_lapsed`: ended, or near its end) makes a call first, since the client may have
-freed or re-created its sequences directly meanwhile.
+hold is then renewed by `ensure` and `keep` alone, and a step that finds the hold ended (`ended`:
+the client may have freed or re-created its sequences directly since) makes a call first.
 
 A prefill's commit (SeqState.commit_due) rides the session's next daemon Step or Batch
 (preparation.py); if none comes, it rides the end of the hold (`end`: a Batch with the commit
 and end_hold instead of a KeepAlive), so computed K/V is certified before the client can free
-it. A commit rides only a call made while the hold it was computed under surely lasts
-(`due_commit`): once that hold may have lapsed, the client may have freed and re-created the
-sequence, and the commit is dropped (the K/V is not shared; nothing wrong is certified).
+it.
 
-A hold the runner does not end lapses hold_ms after its last renewal: the runner died, or the
-session was forgotten while idle (past MAX_IDLE_SESSIONS; without its entry's lock nothing
-orders an end after a later step's hold).
+A hold's deadline is the daemon's stall detector, not its release: a hold that lapses while
+this runner lives is never released to anyone else; the daemon kills the runner first
+(kvpool.proto, "Runner holds"; daemon/service/fence.py). So a hold that lapsed without being
+ended still protects what was computed under it: only an ended hold lets the client in. A hold
+the runner does not end lapses hold_ms after its last renewal and ends with the runner's
+process (it died), or is fenced when the session's blocks are needed (it stalled).
 """
 
 import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Sequence
 
-from pagedkv.client import Commit, NotFound, PagedKVError, SessionExpired
+from pagedkv.client import NotFound, PagedKVError, SessionExpired
 from pagedkv.model_runner.engine.sequences import SessionSequences
 from pagedkv.model_runner.engine.sessions import SessionEntry, SessionTable
 from pagedkv.process.lifecycle import cancel
@@ -59,9 +58,6 @@ HOLD_RETRY_S = 0.1
 # How long a session with no step waits before the runner ends its hold: a client that closes
 # its session directly after its last answer waits about this long (SessionBusy).
 IDLE_END_S = 0.1
-# The share of a hold's length after which a commit due no longer rides a call: the hold may
-# lapse before the call arrives (`due_commit`).
-COMMIT_WITHIN = 0.75
 
 
 class SessionHolds:
@@ -88,7 +84,7 @@ class SessionHolds:
     async def end(self, known: SessionSequences) -> None:
         """End the runner's hold (no forward of the session is queued or running), with the
         commits still due (a Batch), else with a KeepAlive."""
-        commit = self.due_commit(known)
+        commit = known.due()
         if commit is None:
             await known.session.keep_alive(end_hold=True)
         else:
@@ -96,19 +92,12 @@ class SessionHolds:
             known.clear_due(commit.seq_ids)
         known.held_at = -math.inf
 
-    def due_commit(self, known: SessionSequences, skip: Sequence[int] = ()) -> Commit | None:
-        """The commits due (but those of `skip`) to ride a call made now, or None. If the hold
-        they were computed under may lapse before the call arrives, they are dropped."""
-        if time.monotonic() - known.held_at > COMMIT_WITHIN * self.hold_ms / 1000:
-            known.clear_due(list(known.seqs))
-            return None
-        return known.due(skip)
-
-    def may_have_lapsed(self, known: SessionSequences) -> bool:
-        """Whether the session may have gone unheld since the runner's last call (the hold
-        ended, or is near its end): the client may have freed or re-created its sequences
-        directly, so the runner's own view of their reservations needs a call to confirm."""
-        return time.monotonic() - known.held_at > COMMIT_WITHIN * self.hold_ms / 1000
+    def ended(self, known: SessionSequences) -> bool:
+        """Whether the session is unheld since the runner's last call (never held, or the hold
+        ended): the client may have freed or re-created its sequences directly, so the runner's
+        own view of their reservations needs a call to confirm. (A hold that lapsed without
+        ending still holds: the daemon stops this runner before anyone else gets its blocks.)"""
+        return known.held_at == -math.inf
 
     async def end_quietly(self, known: SessionSequences) -> None:
         """End the hold, if any, before a failed step answers (its client may free at once);

@@ -102,7 +102,7 @@ class Preparer:
         """One daemon call for the step's memory operations: `Step` for single decode tokens
         whose commit carries every commit due, else a `Batch`."""
         if all(not r.new_sequence and len(r.token_ids) == 1 for r in requests):
-            due = self.holds.due_commit(known)
+            due = known.due()
             seq_ids = {r.seq_id for r in requests}
             if due is None or (self._committable(known, requests)
                                and seq_ids.issuperset(due.seq_ids)):
@@ -178,7 +178,7 @@ class Preparer:
                     ops.append(Append(r.seq_id, token_ids=tokens))
         answers: list[SequenceBlocks] = []
         if ops:
-            due = self.holds.due_commit(known)  # first: a fork's child shares what it certifies
+            due = known.due()  # first: a fork's child shares what it certifies
             sent = time.monotonic()
             answers = await known.session.batch([due, *ops] if due else ops,
                                                 hold_ms=self.holds.hold_ms)

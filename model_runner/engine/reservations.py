@@ -60,8 +60,7 @@ class BlockSteps:
                  runner: Callable[[], ModelRunner]) -> None:
         # The runner's daemon Steps, those made at the same moment sent in one StepMany.
         self.steps = steps
-        # The runner's holds: how long a call holds the session, and whether a hold may have
-        # lapsed.
+        # The runner's holds: how long a call holds the session, and whether its hold ended.
         self.holds = holds
         # The model runner in use (its block size and positions).
         self._runner = runner
@@ -103,9 +102,10 @@ class BlockSteps:
 
     def _needs_call(self, known: SessionSequences, states: Sequence[SeqState]) -> bool:
         """A call is needed when a sequence's next token lies past its private slots, or the
-        hold may have lapsed since the last call; a session low on slots joins a call that
-        other sessions are making now."""
-        if self.holds.may_have_lapsed(known):
+        hold ended since the last call (the client may have freed or re-created its sequences
+        directly since); a session low on slots joins a call that other sessions are making
+        now."""
+        if self.holds.ended(known):
             return True
         low = LOW_BLOCKS * self._runner().block_size if self.steps.gathering else 0
         return any(len(state.tokens) + low >= state.private_end for state in states)

@@ -277,7 +277,7 @@ class StepEngine:
         released = [seq_id for seq_id in release if known.get(seq_id) is not None]
         certified = [(seq_id, state, _computed(state)) for seq_id in released
                      if (state := known.known(seq_id)).verified]
-        due = self.holds.due_commit(known, skip=released)
+        due = known.due(skip=released)
         ops: list[Commit | Free | Append] = [due] if due is not None else []
         # The tokens they decoded into reserved slots and computed are appended first (by id:
         # certified), so their blocks are committed too; nothing past them ever is.
