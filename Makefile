@@ -113,9 +113,11 @@ bench: setup
 	$(PY) benchmarks/bench_prefill_fairness.py
 	$(PY) benchmarks/bench_multi_model.py
 	$(PY) benchmarks/bench_runner_restart.py
+	$(PY) benchmarks/bench_daemon_restart.py
 	$(PY) benchmarks/bench_fair_keys.py
 	$(PY) benchmarks/bench_slowloris.py
 	$(PY) benchmarks/bench_replay_flood.py
+	$(PY) benchmarks/bench_fence.py --rounds 5
 	$(PY) benchmarks/bench_suite.py
 
 bench-gpu: setup
