@@ -1,5 +1,6 @@
 """Suite-wide setup."""
 
+import io
 import logging
 import os
 from collections.abc import AsyncIterator, Iterator
@@ -17,6 +18,24 @@ import pytest
 # without CUDA, Triton kernels run only under the interpreter.
 import pagedkv.model_runner.kernels.triton_env  # noqa: F401
 from pagedkv.client import PoolClient, Session
+from pagedkv.process.log_setup import configure
+
+from hand_clock import HandClock
+
+
+@pytest.fixture
+def clock() -> HandClock:
+    """The daemon's clock, moved by the test (pass it as the service's `clock`)."""
+    return HandClock()
+
+
+@pytest.fixture
+def log_lines(restore_root_logger: None) -> io.StringIO:
+    """The log as JSON lines (daemons' gates and servers' guards log from their own threads;
+    read them with log_capture.events)."""
+    stream = io.StringIO()
+    configure("info", "json", stream)
+    return stream
 
 
 @pytest.fixture

@@ -41,9 +41,9 @@ from pagedkv.daemon.service.fence import PeerCredentials
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.tenants import Tenant, Tenants, bearer_of
 from pagedkv.process.grpc_server import StartupError
-from pagedkv.process.log_setup import configure
 
 from daemon_harness import Daemon, running_daemon
+from log_capture import events
 from pagedkvd_process import free_tcp_port, pagedkvd, short_tmp_dir, tenant_samples
 from tls_certs import make_tls_files
 
@@ -206,17 +206,6 @@ async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> No
     raise AssertionError("condition not met in time")
 
 
-@pytest.fixture
-def log_lines(restore_root_logger: None) -> io.StringIO:
-    """The daemon's log as JSON lines (the gate logs from its own thread)."""
-    stream = io.StringIO()
-    configure("info", "json", stream)
-    return stream
-
-
-def events(stream: io.StringIO, name: str) -> list[dict[str, object]]:
-    return [line for line in map(json.loads, stream.getvalue().splitlines())
-            if line["event"] == name]
 
 
 # ------------------------------------------------------------------------------ mapping

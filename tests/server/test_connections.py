@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import errno
 import io
-import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import cast
@@ -20,7 +19,7 @@ from typing import cast
 import pytest
 
 from pagedkv.client.engine.engine import Engine
-from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, configure
+from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S
 from pagedkv.server.app import build_app
 from pagedkv.server.backend import Backend, ServeConfig
 from pagedkv.server.cli import main, parser
@@ -35,6 +34,7 @@ from pagedkv.server.listener import (
 from pagedkv.server.metrics import ServerMetrics
 
 from failing_engine import FailingEngine
+from log_capture import events
 
 # A head a slowloris client sends and never finishes.
 PARTIAL_HEAD = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
@@ -106,16 +106,6 @@ async def until(condition: Callable[[], bool]) -> None:
     raise AssertionError("the server never got there")
 
 
-@pytest.fixture
-def log_lines(restore_root_logger: None) -> io.StringIO:
-    stream = io.StringIO()
-    configure("info", "json", stream)
-    return stream
-
-
-def events(stream: io.StringIO, name: str) -> list[dict[str, object]]:
-    return [line for line in map(json.loads, stream.getvalue().splitlines())
-            if line["event"] == name]
 
 
 async def test_a_head_not_complete_in_time_is_reset_and_a_complete_one_is_answered(

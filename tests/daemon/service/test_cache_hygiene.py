@@ -17,23 +17,11 @@ import torch
 from pagedkv.client import Allocate, PoolClient, PoolExhausted, Session
 
 from daemon_harness import Daemon, running_daemon
+from hand_clock import HandClock
 
 PROMPT = list(range(100, 108))  # two full blocks of 4 tokens
 
 
-class Clock:
-    """A monotonic clock the test moves by hand (leases expire when it says)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
 
 
 @pytest.fixture(params=[True, False], ids=["zeroing", "no-zeroing"])
@@ -42,7 +30,7 @@ def zeroing(request: pytest.FixtureRequest) -> bool:
 
 
 @pytest.fixture
-async def daemon(zeroing: bool, clock: Clock) -> AsyncIterator[Daemon]:
+async def daemon(zeroing: bool, clock: HandClock) -> AsyncIterator[Daemon]:
     async with running_daemon(num_blocks=16, block_size=4, with_memory=True,
                               zero_freed_blocks=zeroing, clock=clock) as running:
         yield running
@@ -71,19 +59,19 @@ async def cache_a_prompt(session: Session, value: float, daemon: Daemon) -> list
     return blocks
 
 
-async def end_by_close(session: Session, daemon: Daemon, clock: Clock) -> None:
+async def end_by_close(session: Session, daemon: Daemon, clock: HandClock) -> None:
     await session.close()
 
 
-async def end_by_expiry(session: Session, daemon: Daemon, clock: Clock) -> None:
+async def end_by_expiry(session: Session, daemon: Daemon, clock: HandClock) -> None:
     clock.now += 3600  # far past its lease (it keeps no lease alive: keep_alive=False)
     assert await daemon.service.expire_due() == 1
 
 
 @pytest.mark.parametrize("end", [end_by_close, end_by_expiry], ids=["close", "expiry"])
 async def test_a_private_sessions_cached_blocks_go_when_it_ends(
-        daemon: Daemon, zeroing: bool, clock: Clock,
-        end: Callable[[Session, Daemon, Clock], object]) -> None:
+        daemon: Daemon, zeroing: bool, clock: HandClock,
+        end: Callable[[Session, Daemon, HandClock], object]) -> None:
     async with await PoolClient.connect(daemon.unix_target) as client:
         tenant_a = await client.open_session("a", keep_alive=False)  # private salt
         blocks = await cache_a_prompt(tenant_a, 7.0, daemon)

@@ -18,6 +18,7 @@ from pagedkv.client import PoolClient, Session, SessionBusy
 from pagedkv.daemon.edge.metrics import PoolCollector
 
 from daemon_harness import Daemon, running_daemon
+from hand_clock import HandClock
 
 HOLD_MS = 1000
 LEASE_MS = 500
@@ -39,23 +40,10 @@ asyncio.run(main(*sys.argv[1:]))
 """
 
 
-class Clock:
-    """The daemon's monotonic clock, moved by the test."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-async def daemon(clock: Clock) -> AsyncIterator[Daemon]:
+async def daemon(clock: HandClock) -> AsyncIterator[Daemon]:
     async with running_daemon(num_blocks=16, block_size=4, clock=clock) as running:
         yield running
         running.service.check_invariants()
@@ -100,7 +88,7 @@ async def stopped(process: asyncio.subprocess.Process) -> None:
 
 
 async def test_a_stopped_runner_is_killed_before_its_lapsed_hold_frees_anything(
-        daemon: Daemon, clock: Clock, app: Session) -> None:
+        daemon: Daemon, clock: HandClock, app: Session) -> None:
     runner = await holding_runner(daemon, app, "stop")
     try:
         await stopped(runner)
@@ -124,7 +112,7 @@ async def test_a_stopped_runner_is_killed_before_its_lapsed_hold_frees_anything(
 
 
 async def test_the_leases_expiry_fences_a_stopped_runner_too(
-        daemon: Daemon, clock: Clock, app: Session) -> None:
+        daemon: Daemon, clock: HandClock, app: Session) -> None:
     runner = await holding_runner(daemon, app, "stop")
     await stopped(runner)
     clock.now += 2 * HOLD_MS / 1000  # past the hold and the lease

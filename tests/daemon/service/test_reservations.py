@@ -30,21 +30,13 @@ from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 
 from daemon_harness import Daemon, running_daemon
+from hand_clock import HandClock
 
 NUM_BLOCKS = 16
 # A prompt of two full blocks, and the four tokens a runner decodes after it.
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 DECODED = [9, 10, 11, 12]
 
-
-class Clock:
-    """A monotonic clock the test moves by hand (the daemon's lease clock)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -256,7 +248,7 @@ async def test_an_abort_through_close_session_frees_its_reservation(
 
 
 async def test_lease_expiry_mid_reservation_gives_every_block_back() -> None:
-    clock = Clock()
+    clock = HandClock()
     async with running_daemon(num_blocks=NUM_BLOCKS, block_size=4, clock=clock) as daemon, \
             await PoolClient.connect(daemon.unix_target) as client:
         session = await client.open_session("lapses", keep_alive=False, cache_salt="shared")

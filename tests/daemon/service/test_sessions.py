@@ -8,24 +8,11 @@ from pagedkv.daemon.edge.status import cause_of
 from pagedkv.daemon.service import sessions as sessions_module
 from pagedkv.daemon.service.sessions import SessionExpired, SessionNotFound, SessionRegistry
 
-
-class FakeClock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from hand_clock import HandClock
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
-@pytest.fixture
-def registry(clock: FakeClock) -> SessionRegistry:
+def registry(clock: HandClock) -> SessionRegistry:
     return SessionRegistry("pool1", default_lease_ttl_ms=1000, max_lease_ttl_ms=5000,
                            clock=clock)
 
@@ -68,7 +55,7 @@ def test_salts_default_unique_and_client_salts_namespaced(registry: SessionRegis
 
 
 def test_every_call_renews_the_lease_and_a_lapsed_one_is_never_revived(
-        registry: SessionRegistry, clock: FakeClock) -> None:
+        registry: SessionRegistry, clock: HandClock) -> None:
     """The lease rules on a fake clock; tests/client/pool/test_client_process.py runs the real
     reaper."""
     session = registry.open("a", 1000, 0, b"")
@@ -88,7 +75,7 @@ def test_every_call_renews_the_lease_and_a_lapsed_one_is_never_revived(
 
 
 def test_a_call_in_flight_holds_the_lease_from_arrival_to_departure(
-        registry: SessionRegistry, clock: FakeClock) -> None:
+        registry: SessionRegistry, clock: HandClock) -> None:
     session = registry.open("a", 1000, 0, b"")
     clock.now += 0.9
     assert registry.arrive(session.session_id) is session  # renewed on arrival
@@ -124,7 +111,7 @@ def test_removed_session_is_unknown_until_reinstated(registry: SessionRegistry) 
     assert registry.get(session.session_id) is session
 
 
-def test_expired_ids_remembered_within_a_bound(registry: SessionRegistry, clock: FakeClock,
+def test_expired_ids_remembered_within_a_bound(registry: SessionRegistry, clock: HandClock,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sessions_module, "REMEMBERED_EXPIRED_IDS", 2)
     ids = [registry.open(str(i), 1000, 0, b"").session_id for i in range(3)]

@@ -33,31 +33,16 @@ from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 
 from daemon_harness import Daemon, running_daemon
+from hand_clock import HandClock
 
 HOLD_MS = 5000
 LEASE_MS = 1000
 
 
-class Clock:
-    """The daemon's monotonic clock, moved by the test."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, ms: float) -> None:
-        self.now += ms / 1000
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-async def daemon(clock: Clock) -> AsyncIterator[Daemon]:
+async def daemon(clock: HandClock) -> AsyncIterator[Daemon]:
     async with running_daemon(num_blocks=16, block_size=4, clock=clock) as running:
         yield running
         running.service.check_invariants()
@@ -155,7 +140,7 @@ async def test_a_runner_is_never_refused_and_its_batch_ends_the_hold(
 
 
 async def test_a_hold_renewed_lasts_hold_ms_from_its_renewal(
-        daemon: Daemon, clock: Clock, client: PoolClient, runner: PoolClient,
+        daemon: Daemon, clock: HandClock, client: PoolClient, runner: PoolClient,
         app: Session) -> None:
     await runner_step(runner, app, 100)
     clock.advance(90)
@@ -165,7 +150,7 @@ async def test_a_hold_renewed_lasts_hold_ms_from_its_renewal(
 
 
 async def test_a_lapsed_hold_of_a_runner_the_daemon_cannot_stop_holds_until_it_ends(
-        daemon: Daemon, clock: Clock, client: PoolClient, runner: PoolClient,
+        daemon: Daemon, clock: HandClock, client: PoolClient, runner: PoolClient,
         app: Session) -> None:
     """The runner here is the daemon's own process, which the daemon never kills: a lapse
     alone proves nothing (the runner may be stopped, not dead), so its blocks stay out of
@@ -186,7 +171,7 @@ async def test_a_lapsed_hold_of_a_runner_the_daemon_cannot_stop_holds_until_it_e
 
 
 async def test_a_held_session_outlives_its_lease_and_expires_once_the_hold_ends(
-        daemon: Daemon, clock: Clock, runner: PoolClient, app: Session) -> None:
+        daemon: Daemon, clock: HandClock, runner: PoolClient, app: Session) -> None:
     await runner_step(runner, app, HOLD_MS)
     clock.advance(3 * LEASE_MS)  # past its lease, not past the hold
     assert await daemon.service.expire_due() == 0
