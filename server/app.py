@@ -94,8 +94,9 @@ async def _health(request: web.Request) -> web.Response:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    registry = request.app[BACKEND].metrics.registry
-    return web.Response(body=prometheus_client.generate_latest(registry),
+    metrics = request.app[BACKEND].metrics
+    await metrics.refresh()
+    return web.Response(body=prometheus_client.generate_latest(metrics.registry),
                         headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
 

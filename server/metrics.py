@@ -7,14 +7,21 @@ finished requests by reason. Gauges are read from the engine at scrape time; cou
 histograms are fed by the request streams (backend.py), from the engine that is current (a
 daemon's restart opens a new one: server/recovery.py); a stopped engine runs nothing. Runner and
 daemon restarts come from their supervisors, when the server started them.
+
+The KV usage is the pool's, read from the daemon when /metrics is scraped (`refresh`): the free
+blocks an engine's answers carry stay as they were while the runner steps into reserved slots,
+while the engine is idle (after an abort), and for every engine but the one that made the call
+(a server with API keys has one per cache group).
 """
 
+import asyncio
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedkv.client.engine.engine import Engine
 from pagedkv.client.engine.outputs import RequestOutput
+from pagedkv.client.pool.errors import PagedKVError
 from pagedkv.server.key_engines import KeyEngines
 
 PREFIX = "pagedkv:"
@@ -73,6 +80,10 @@ class ServerMetrics:
                              buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds",
                              "Arrival to the last token.", buckets=E2E_BUCKETS, registry=r)
+        # The engine of the moment (set by `watch`): its daemon is asked for the KV usage.
+        self._engine: Callable[[], Engine] | None = None
+        # The KV usage's read in flight: scrapes arriving meanwhile wait for it, not another.
+        self._usage_read: asyncio.Task[None] | None = None
 
     def watch(self, engine: Callable[[], Engine], runner_restarts: Callable[[], int],
               daemon_restarts: Callable[[], int]) -> None:
@@ -80,9 +91,29 @@ class ServerMetrics:
         supervisors' restarts at each scrape."""
         self.running.set_function(lambda: _live(engine(), lambda e: len(e.scheduler.running)))
         self.waiting.set_function(lambda: _live(engine(), lambda e: len(e.scheduler.waiting)))
-        self.kv_usage.set_function(lambda: _live(engine(), lambda e: e.kv_usage))
+        self._engine = engine
         self.runner_restarts.set_function(runner_restarts)
         self.daemon_restarts.set_function(daemon_restarts)
+
+    async def refresh(self) -> None:
+        """Read the KV usage from the daemon before a scrape: one GetStats, shared by the
+        scrapes that arrive while it is read (a flood of scrapes costs the daemon one call at a
+        time)."""
+        if self._usage_read is None or self._usage_read.done():
+            self._usage_read = asyncio.create_task(self._read_usage())
+        await asyncio.shield(self._usage_read)  # a scrape that goes does not cancel the others'
+
+    async def _read_usage(self) -> None:
+        if self._engine is None:
+            return
+        engine = self._engine()
+        if engine.failure() is not None:  # a stopped engine runs nothing
+            self.kv_usage.set(0.0)
+            return
+        try:
+            self.kv_usage.set(await engine.kv_usage())
+        except PagedKVError:
+            return  # the daemon is away (its restart: server/recovery.py): the last read stays
 
     def watch_keys(self, engines: KeyEngines) -> None:
         """Read the requests running and waiting from every cache group's engine."""

@@ -156,10 +156,13 @@ class Engine:
             return "the engine is closed"
         return f"the engine stopped: {self._task.exception()!r}"
 
-    @property
-    def kv_usage(self) -> float:
-        """The share of the pool's blocks in use, as the last answer said (1 = full)."""
-        return 1.0 - self._free_blocks / self.num_blocks if self.num_blocks else 0.0
+    async def kv_usage(self) -> float:
+        """The share of the pool's blocks in use now (1 = full), read from the daemon: one
+        GetStats. Not the free blocks of the latest answer, which stay as they were while the
+        runner steps into reserved slots (no daemon call), while this engine is idle, and while
+        other sessions take and free blocks."""
+        stats = await self.pool.stats()
+        return 1.0 - stats.free_blocks / stats.num_blocks if stats.num_blocks else 0.0
 
     # ------------------------------------------------------------------ requests
 

@@ -256,19 +256,28 @@ def test_the_api_key_is_required(server: int) -> None:
     assert status == 200 and json.loads(body)["data"][0]["id"] == NAME
 
 
-def test_a_client_gone_mid_stream_frees_its_request(client: openai.OpenAI,
-                                                     server: int) -> None:
-    stream = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=400,
-                                       temperature=0, stream=True)
-    for index, _ in enumerate(stream):
-        if index == 2:
-            break
-    stream.close()  # the connection goes: the server aborts the request
+def test_clients_gone_mid_stream_free_their_requests_and_blocks(client: openai.OpenAI,
+                                                                server: int) -> None:
+    streams = [client.completions.create(model=NAME, prompt=PROMPT * (n + 1), max_tokens=400,
+                                         temperature=0, stream=True) for n in range(3)]
+    for stream in streams:
+        for index, _ in enumerate(stream):
+            if index == 2:
+                break
+    # The pool's usage, not the figure of an engine's last answer: the key's engine holds the
+    # streams' blocks (and the runner steps them into reserved slots without a daemon call).
+    assert metric(server, "pagedkv:kv_cache_usage_perc") > 0
+    for stream in streams:
+        stream.close()  # the connection goes: the server aborts the request
     deadline = time.monotonic() + 30
     while metric(server, "pagedkv:num_requests_running") != 0:
         assert time.monotonic() < deadline, "the abandoned request still runs"
         time.sleep(0.05)
     assert metric(server, 'pagedkv:request_success_total{finished_reason="abort"}') >= 1
+    # Their blocks are freed, and the usage says so with no request after them.
+    while metric(server, "pagedkv:kv_cache_usage_perc") != 0:
+        assert time.monotonic() < deadline, "kv_cache_usage_perc stays above 0 after an abort"
+        time.sleep(0.05)
 
 
 def metric(port: int, name: str) -> float:
