@@ -77,7 +77,7 @@ class SessionHolds:
 
     async def hold(self, known: SessionSequences) -> None:
         """Hold the session for hold_ms from now (KeepAlive, which renews its lease too)."""
-        sent = time.monotonic()
+        sent = known.asking_hold()
         await known.session.keep_alive(hold_ms=self.hold_ms)
         known.held_at = sent
 
@@ -90,7 +90,7 @@ class SessionHolds:
         else:
             await known.session.batch([commit], end_hold=True)
             known.clear_due(commit.seq_ids)
-        known.held_at = -math.inf
+        known.hold_ended()
 
     def ended(self, known: SessionSequences) -> bool:
         """Whether the session is unheld since the runner's last call (never held, or the hold
@@ -102,7 +102,7 @@ class SessionHolds:
     async def end_quietly(self, known: SessionSequences) -> None:
         """End the hold, if any, before a failed step answers (its client may free at once);
         one that cannot be ended lapses by itself."""
-        if known.held_at > -math.inf:
+        if known.may_hold:
             with contextlib.suppress(PagedKVError):
                 await self.end(known)
 
@@ -129,7 +129,7 @@ class SessionHolds:
         """The session's lock was let go (no forward of it is left): end its hold, if any, once
         it has been idle for IDLE_END_S."""
         known = entry.sequences
-        if known.held_at > -math.inf and not entry.ended:
+        if known.may_hold and not entry.ended:
             task = asyncio.create_task(self._end_when_idle(session_id, known.stepped))
             self._idle_ends.add(task)
             task.add_done_callback(self._idle_ends.discard)
@@ -147,7 +147,7 @@ class SessionHolds:
         try:
             async with entry.lock:
                 known = entry.sequences
-                if known.stepped == stepped and known.held_at > -math.inf and not entry.ended:
+                if known.stepped == stepped and known.may_hold and not entry.ended:
                     with contextlib.suppress(PagedKVError):  # else it lapses by itself
                         await self.end(entry.sequences)
         finally:
@@ -158,5 +158,5 @@ class SessionHolds:
         await cancel(*self._idle_ends)
         await asyncio.gather(*(self.end(entry.sequences)
                                for _, entry in self.sessions.items()
-                               if entry.sequences.held_at > -math.inf and not entry.ended),
+                               if entry.sequences.may_hold and not entry.ended),
                              return_exceptions=True)

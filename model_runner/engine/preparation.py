@@ -19,7 +19,6 @@ forward that follows them is done (the engine renews or ends the hold), no clien
 blocks they answered.
 """
 
-import time
 from collections.abc import Callable, Sequence
 
 from pagedkv.client import Allocate, Append, Commit, Fork, PoolClient, SeqStep, SequenceBlocks
@@ -179,7 +178,7 @@ class Preparer:
         answers: list[SequenceBlocks] = []
         if ops:
             due = known.due()  # first: a fork's child shares what it certifies
-            sent = time.monotonic()
+            sent = known.asking_hold()
             answers = await known.session.batch([due, *ops] if due else ops,
                                                 hold_ms=self.holds.hold_ms)
             known.held_at = sent

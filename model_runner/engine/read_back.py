@@ -15,7 +15,6 @@ history. A known sequence the step computes without appending to it is read back
 two steps the client may have freed or re-created it directly.
 """
 
-import time
 from collections.abc import Sequence
 
 from pagedkv.client import SeqStep, SequenceBlocks
@@ -46,7 +45,7 @@ class ReadBack:
         if not unknown and not idle:
             return
         # The daemon first: another session's sequence is NOT_FOUND there, as it must be here.
-        sent = time.monotonic()
+        sent = known.asking_hold()
         tables = await known.session.block_tables([r.seq_id for r in unknown] + idle,
                                                   token_ids=True, hold_ms=self.holds.hold_ms)
         known.held_at = sent

@@ -31,7 +31,6 @@ answer the runner checks its view against, before it writes anything.
 """
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from pagedkv.client import InvalidArgument, PoolExhausted, SeqStep, Step, StepResult
@@ -157,7 +156,7 @@ class BlockSteps:
         """The daemon's answer to `op`, or None when its reservation does not fit (the pool or
         the session's quota) or is refused as too large: nothing changed, and the same Step
         without it is the per-token Step of old."""
-        sent = time.monotonic()
+        sent = known.asking_hold()
         try:
             reply = await self.steps.step(known.session, op)
         except (PoolExhausted, InvalidArgument) as exc:

@@ -14,6 +14,7 @@ computed.
 
 import dataclasses
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
@@ -102,12 +103,27 @@ class SessionSequences:
     # no client frees its blocks until then + hold_ms), monotonic seconds taken before the
     # call; -inf: no hold asked, or the hold ended.
     held_at: float = -math.inf
+    # Whether a call asking the daemon to hold the session was sent since the hold last ended,
+    # answered or not (a call cut short by a deadline may have been applied): the runner ends
+    # that hold itself, since the daemon stops a live runner whose hold lapses when someone
+    # needs the session's blocks (kvpool.proto, "Runner holds").
+    may_hold: bool = False
     # The runner's handle on the client's session in the daemon (`attach`): every daemon call
     # about the session goes through it, and a lost answer is read back from the lengths it saw.
     handle: Session | None = None
     # Steps of the session the runner has begun (the client's and its own ahead): an idle
     # session's hold ends only if none began meanwhile (holds.py).
     stepped: int = 0
+
+    def asking_hold(self) -> float:
+        """A call asking the daemon to hold the session goes now: from here on the session may
+        be held until the runner ends the hold. The send time, for `held_at` once answered."""
+        self.may_hold = True
+        return time.monotonic()
+
+    def hold_ended(self) -> None:
+        """The daemon answered a call that ended the runner's hold: nothing holds the session."""
+        self.held_at, self.may_hold = -math.inf, False
 
     def attach(self, pool: PoolClient, session_id: str, block_size: int) -> Session:
         """The handle on the session, made at its first step."""

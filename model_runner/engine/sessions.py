@@ -89,13 +89,16 @@ class SessionTable:
 
     def leave(self, session_id: str, entry: SessionEntry) -> None:
         """A step is done with the session (its lock let go): forget it if nothing else uses
-        it and it ended or holds no sequence the runner knows."""
+        it and it ended, or holds no sequence the runner knows and no hold the runner must end
+        (holds.py ends it under the entry's lock)."""
         entry.users -= 1
-        if (entry.users == 0 and (entry.ended or not entry.sequences.seqs)
+        known = entry.sequences
+        if (entry.users == 0 and (entry.ended or not (known.seqs or known.may_hold))
                 and self._entries.get(session_id) is entry):
             del self._entries[session_id]
             if entry.ended:
                 self._models.pop(session_id, None)
+        self._sweep()  # an entry kept past max_idle while it held goes once its hold ended
 
     def forget_all(self) -> None:
         """Drop every entry (the daemon restarted: its sessions are gone)."""
@@ -109,7 +112,7 @@ class SessionTable:
         for session_id, entry in self._entries.items():
             if len(idle) >= excess:
                 break
-            if entry.users == 0:
+            if entry.users == 0 and not entry.sequences.may_hold:  # its hold ends first
                 idle.append(session_id)
         for session_id in idle:
             del self._entries[session_id]

@@ -45,7 +45,6 @@ changed".
 
 import asyncio
 import contextlib
-import math
 import time
 from collections.abc import Sequence
 
@@ -289,7 +288,7 @@ class StepEngine:
         ops.extend(Free(seq_id) for seq_id in released)
         if ops:
             await known.session.batch(ops, end_hold=True)
-            known.held_at = -math.inf
+            known.hold_ended()
             known.clear_due(due.seq_ids if due is not None else ())
         known.drop(released)
         for seq_id in set(release) - set(released):  # never stepped here (a pruned fork)
