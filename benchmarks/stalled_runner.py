@@ -40,7 +40,15 @@ from fuzz_runner_corpus import GREEDY
 from fuzz_runner_shadow import Reference
 from transformers import LlamaConfig
 
-from pagedkv.client import PagedKVError, PoolClient, RunnerClient, SeqStep, Session, SessionBusy
+from pagedkv.client import (
+    PagedKVError,
+    PoolClient,
+    PoolExhausted,
+    RunnerClient,
+    SeqStep,
+    Session,
+    SessionBusy,
+)
 from pagedkv.process.launch import READY_STATE, Launched, start_daemon, start_runner
 from pagedkv.vocab.geometry import dtype_bytes, model_name, resolve_geometry
 
@@ -68,6 +76,8 @@ HOLD_MS = 500
 STOP_AFTER_CPU_S = 0.15
 # Patience for anything awaited (processes starting on a loaded 2-core machine).
 PATIENCE_S = 60.0
+# How often `fill` reads the free blocks again when other clients took some meanwhile.
+FILL_TRIES = 5
 # SessionBusy's message while a hold still runs, with what is left of it.
 _HELD_FOR = re.compile(r"holds session \S+ for ([0-9]+) ms more")
 
@@ -201,11 +211,18 @@ async def computing(runner: Launched) -> None:
 
 
 async def fill(pool: PoolClient, model: str) -> Session:
-    """A session of `model` holding every block its format could get now."""
+    """A session of `model` holding every block its format could get now (read again when
+    other clients took some between the figure and the allocation)."""
     filler = await pool.open_session("filler", model=model)
-    free = (await filler.stats()).free_blocks
-    if free:
-        await filler.allocate(1, free * BLOCK_SIZE)
+    for _ in range(FILL_TRIES):
+        free = (await filler.stats()).free_blocks
+        if not free:
+            break
+        try:
+            await filler.allocate(1, free * BLOCK_SIZE)
+            break
+        except PoolExhausted:
+            continue
     return filler
 
 
