@@ -24,6 +24,9 @@ number of such requests since the last line), never with a traceback. Calls refu
 of a token, or for an unmapped uid, are logged the same way: a peer must not be able to fill
 the log. So are failed calls of authenticated and unix callers (one warning per method and
 status code per interval, with the count); every outcome is still counted in the metrics.
+A refused call ends with its status set and no answer (`Refused`), never through
+`context.abort`, whose exception would keep the refused bytes alive in a reference cycle
+(process/grpc_errors.py says how).
 
 Admission comes before parsing too: after the auth check, a request over 64 KiB takes its wire
 bytes from the daemon's request budget (`request_budget.py`, max_queued_request_bytes) and
@@ -51,7 +54,7 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -64,6 +67,7 @@ from pagedkv.daemon.service.fence import RunnerProcesses
 from pagedkv.daemon.service.request_budget import RequestBudget
 from pagedkv.daemon.service.sessions import SESSION_ID
 from pagedkv.daemon.service.tenants import Caller, Tenants, calling_as
+from pagedkv.process.grpc_errors import end_with_status
 from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, get_logger
 
 # grpc.StatusCode by its number (the code a stream's answer message carries).
@@ -92,8 +96,20 @@ Behavior = Callable[..., Any]
 Deserializer = Callable[[bytes], Any] | None
 
 
-class MalformedRequest(Exception):
+class Refused(Exception):
+    """A call the interceptor answers itself, with `code` and the message, before its handler
+    runs: `_scoped`'s wrapper sets that status and returns."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class MalformedRequest(Refused):
     """A request's bytes do not parse as the method's request message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +275,7 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             limit = self._refusal_logs.setdefault(
                 caller.event, RateLimitedLog(HOSTILE_LOG_INTERVAL_S))
             self._log_rarely(limit, caller.event, rpc)
-            await context.abort(caller.code, caller.message)
+            raise Refused(caller.code, caller.message)
         try:
             async with self._admit(nbytes):
                 with (calling_as(caller) if isinstance(caller, Caller)
@@ -268,8 +284,10 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         except asyncio.CancelledError:
             self._record(rpc, grpc.StatusCode.CANCELLED)
             raise
-        except MalformedRequest as exc:
-            await self._refuse_malformed(rpc, context, str(exc))
+        except MalformedRequest:
+            self._record(rpc, grpc.StatusCode.INVALID_ARGUMENT, log=False)
+            self._log_rarely(self._malformed_log, "malformed_requests", rpc)
+            raise
         except Exception:
             # context.abort() sets the code before it raises; anything else is a bug (UNKNOWN).
             code = context.code()
@@ -284,12 +302,6 @@ class ServerInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if self._requests is None:
             return contextlib.nullcontext()
         return self._requests.admit(nbytes)
-
-    async def _refuse_malformed(self, rpc: Rpc, context: Context, message: str) -> None:
-        """INVALID_ARGUMENT for a request that does not parse: counted, logged rate-limited."""
-        self._record(rpc, grpc.StatusCode.INVALID_ARGUMENT, log=False)
-        self._log_rarely(self._malformed_log, "malformed_requests", rpc)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
     @staticmethod
     def _log_rarely(limit: RateLimitedLog, event: str, rpc: Rpc) -> None:
@@ -359,7 +371,8 @@ def _scoped(behavior: Behavior, scope: CallScope, deserializer: Deserializer,
     """`behavior` run inside `scope`, its request (or each streamed request) parsed after the
     scope's checks, keeping its shape: grpc treats an async generator (which yields responses)
     differently from a coroutine (which returns one or calls context.write). A streamed
-    request's parser is closed when the call ends, giving back the budget its message held."""
+    request's parser is closed when the call ends, giving back the budget its message held. A
+    refused call ends with its status and no answer."""
 
     @asynccontextmanager
     async def parsed(raw: Any, rpc: Rpc) -> AsyncIterator[Any]:
@@ -372,22 +385,35 @@ def _scoped(behavior: Behavior, scope: CallScope, deserializer: Deserializer,
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(raw: Any, context: Context) -> Any:
-            async with scope(context, 0 if streamed else len(raw)) as rpc, \
-                    parsed(raw, rpc) as request:
-                async for response in behavior(request, context):
-                    if streamed:  # a message of a stream-stream call, answered
-                        rpc.answered(response)
-                    yield response
+            with refusals_answered(context):
+                async with scope(context, 0 if streamed else len(raw)) as rpc, \
+                        parsed(raw, rpc) as request:
+                    async for response in behavior(request, context):
+                        if streamed:  # a message of a stream-stream call, answered
+                            rpc.answered(response)
+                        yield response
 
         return stream
 
     async def call(raw: Any, context: Context) -> Any:
-        async with scope(context, 0 if streamed else len(raw)) as rpc, \
-                parsed(raw, rpc) as request:
-            result = behavior(request, context)
-            return await result if inspect.isawaitable(result) else result
+        with refusals_answered(context):
+            async with scope(context, 0 if streamed else len(raw)) as rpc, \
+                    parsed(raw, rpc) as request:
+                result = behavior(request, context)
+                return await result if inspect.isawaitable(result) else result
+        return None  # refused: the status is set
 
     return call
+
+
+@contextlib.contextmanager
+def refusals_answered(context: Context) -> Iterator[None]:
+    """A `Refused` raised in the block ends the call with its status (the block's exception
+    and traceback go with it, and the refused request's bytes with them)."""
+    try:
+        yield
+    except Refused as refused:
+        end_with_status(context, refused.code, str(refused))
 
 
 async def _parse_each(raw_requests: AsyncIterator[Any], rpc: Rpc,
