@@ -25,6 +25,7 @@ from pagedkv.daemon.service.operations import PoolExhausted
 from pagedkv.daemon.service.session_ops import PoolFull
 from pagedkv.daemon.service.sessions import SessionExpired, SessionNotFound
 from pagedkv.daemon.service.tenants import PermissionDenied
+from pagedkv.model_runner.engine.forward_loop import HoldMayHaveLapsed
 from pagedkv.model_runner.engine.steps import (
     InvalidStep,
     StalePlan,
@@ -70,6 +71,8 @@ RUNNER: dict[type[Exception], type[c.PagedKVError]] = {
     # A forward after the pool was released: the step engine says StepNotComputed; met
     # anywhere else it is a bug (INTERNAL, the base class).
     PoolReleased: c.PagedKVError,
+    # A forward not started because its hold may lapse: the same (StepNotComputed in a step).
+    HoldMayHaveLapsed: c.PagedKVError,
 }
 
 
