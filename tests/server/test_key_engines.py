@@ -9,45 +9,27 @@ preset, token-id prompts, 16-slot blocks):
 """
 
 import contextlib
-import signal
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 import pytest
 
-from pagedkv.process.launch import READY_STATE, Launched, free_tcp_port, start_process
 from pagedkv.server.key_engines import parse_keys
 
-from pagedkvd_process import short_tmp_dir
+from pagedkvd_process import short_tmp_dir, start_serve
 
 MODEL = "tiny-llama"
 SECRET = [(17 * i) % 200 + 3 for i in range(64)]  # four full blocks
-
-
-def start_server(folder: Path, *args: str) -> tuple[Launched, int]:
-    """`pagedkv serve --model tiny-llama` with `args`, ready (its port listening)."""
-    port = free_tcp_port()
-    server = start_process("server", [sys.executable, "-m", "pagedkv.cli", "serve", "--model",
-                                      MODEL, "--port", str(port), "--log-format", "json",
-                                      *args], folder, f"http://127.0.0.1:{port}")
-    try:
-        server.wait_for_notification(READY_STATE, 120)
-    except BaseException:
-        server.stop(signal.SIGKILL)
-        raise
-    return server, port
 
 
 @contextlib.contextmanager
 def served(*args: str) -> Iterator[int]:
     """A server started with `args`, stopped at the end; its port."""
     with short_tmp_dir() as folder:
-        process, port = start_server(folder, *args)
+        process, port = start_serve(folder, "--model", MODEL, *args)
         try:
             yield port
         finally:

@@ -5,7 +5,6 @@ chat template trained here), against transformers' own generate on the same weig
 
 import json
 import signal
-import sys
 import threading
 import time
 import urllib.error
@@ -20,10 +19,10 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from pagedkv.process.launch import READY_STATE, Launched, free_tcp_port, start_process
+from pagedkv.process.launch import Launched
 
 from chat_model import fast_tokenizer, hf_generate, make_chat_model_dir, reference_model
-from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd, short_tmp_dir
+from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd, short_tmp_dir, start_serve
 
 try:  # the http client the openai package is built on: httpx2 from openai 3, httpx before
     import httpx2 as httpx
@@ -44,20 +43,6 @@ def http_get(port: int, path: str, headers: dict[str, str] | None = None) -> tup
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
-
-
-def start_server(folder: Path, *args: str) -> tuple[Launched, int]:
-    """`pagedkv serve` with `args`, ready (its port listening)."""
-    port = free_tcp_port()
-    server = start_process("server", [sys.executable, "-m", "pagedkv.cli", "serve",
-                                      "--port", str(port), "--log-format", "json", *args],
-                           folder, f"http://127.0.0.1:{port}")
-    try:
-        server.wait_for_notification(READY_STATE, 120)
-    except BaseException:
-        server.stop(signal.SIGKILL)
-        raise
-    return server, port
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +66,7 @@ def tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
 def server(model_dir: Path) -> Iterator[int]:
     """The server under test (its port): API key KEY, a 4 MiB pool, 8 sequences at once."""
     with short_tmp_dir() as folder:
-        process, port = start_server(folder, "--model", str(model_dir), "--served-model-name",
+        process, port = start_serve(folder, "--model", str(model_dir), "--served-model-name",
                                      NAME, "--api-key", KEY, "--kv-cache-memory", "4MiB",
                                      "--max-num-seqs", "8")
         try:
@@ -321,7 +306,7 @@ def start_preset_server(folder: Path, stack: tuple[Pagedkvd, Pagedkvd],
                         *args: str) -> tuple[Launched, int]:
     """`pagedkv serve --model tiny-llama` with `args` on the daemon and runner of `stack`."""
     daemon, runner = stack
-    return start_server(folder, "--model", "tiny-llama", "--daemon", daemon.unix_target,
+    return start_serve(folder, "--model", "tiny-llama", "--daemon", daemon.unix_target,
                         "--runner", runner.unix_target, *args)
 
 
@@ -405,7 +390,7 @@ def test_sigterm_cuts_the_streams_still_running_at_the_drain_timeout() -> None:
     """--drain-timeout-s 0: the stream running at SIGTERM is cut (aborted) then, not left to
     run to its end under aiohttp's own 60 s shutdown grace."""
     with short_tmp_dir() as folder:
-        process, port = start_server(folder, "--model", "tiny-llama", "--num-blocks", "512",
+        process, port = start_serve(folder, "--model", "tiny-llama", "--num-blocks", "512",
                                      "--drain-timeout-s", "0")
         try:
             limit = json.loads(http_get(port, "/v1/models")[1])["data"][0]["max_model_len"]

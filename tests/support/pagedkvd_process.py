@@ -15,6 +15,8 @@ same code `make demo` starts its processes with.
 import asyncio
 import contextlib
 import shutil
+import signal
+import sys
 import tempfile
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -30,11 +32,12 @@ from pagedkv.process.launch import (
     Launched,
     free_tcp_port,
     start_daemon,
+    start_process,
     start_runner,
 )
 
 __all__ = ["COMMAND", "Pagedkvd", "free_tcp_port", "pagedkv_runner", "pagedkvd", "restarted",
-           "short_tmp_dir", "tenant_samples"]
+           "short_tmp_dir", "start_serve", "tenant_samples"]
 
 # The daemon's command line, for tests that run it to completion (`pagedkv daemon`).
 COMMAND = list(DAEMON_COMMAND)
@@ -102,3 +105,17 @@ async def restarted(first: Launched, runner: RunnerClient, old_pool: str,
         else:
             raise AssertionError(f"the runner still maps pool {old_pool} after the restart")
         yield daemon
+
+
+def start_serve(folder: Path, *args: str) -> tuple[Launched, int]:
+    """`pagedkv serve` with `args`, ready (its port listening), and its port."""
+    port = free_tcp_port()
+    server = start_process("server", [sys.executable, "-m", "pagedkv.cli", "serve",
+                                      "--port", str(port), "--log-format", "json", *args],
+                           folder, f"http://127.0.0.1:{port}")
+    try:
+        server.wait_for_notification(READY_STATE, 120)
+    except BaseException:
+        server.stop(signal.SIGKILL)
+        raise
+    return server, port
