@@ -118,7 +118,8 @@ async def test_the_leases_expiry_fences_a_stopped_runner_too(
     clock.now += 2 * HOLD_MS / 1000  # past the hold and the lease
     assert await daemon.service.expire_due() == 0
     assert await asyncio.wait_for(runner.wait(), 10) == -signal.SIGKILL
-    assert await daemon.service.expire_due() == 1
+    await daemon.service.expire_due()  # unless the daemon's own reaper got there first
+    assert daemon.service.sessions.peek(app.session_id) is None
     assert daemon.pool.stats().num_sequences == 0
 
 
