@@ -1,6 +1,7 @@
 """DaemonConfig: defaults <- TOML <- flags, and a clear error for every bad setting."""
 
 import os
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from pagedkv.daemon.process.config import DEFAULT_NUM_BLOCKS, DaemonConfig, defa
 from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.process.settings_sources import load_toml
 from pagedkv.process.grpc_server import SHUTDOWN_GRACE_S
+from pagedkv.vocab.geometry import resolve_geometry
 
 from daemon_config import parse
 
@@ -256,6 +258,17 @@ def test_the_shipped_toml_sets_valid_values_and_documents_every_key() -> None:
         tables = ("tenants", "models")
         written = f"[{setting.name}." if setting.name in tables else f"{setting.name} = "
         assert written in text, f"{setting.name} is not in ops/pagedkv.toml"
+
+
+def test_the_shipped_toml_lays_the_pool_out_for_the_readmes_runner() -> None:
+    """The README starts `pagedkvd --config ops/pagedkv.toml` beside `pagedkv runner
+    --random-init tiny-llama`: the pool's geometry must be that runner's, or it is refused."""
+    readme = (OPS.parent / "README.md").read_text()
+    preset = re.search(r"pagedkv runner --random-init (\S+)", readme)
+    assert preset is not None and "--config ops/pagedkv.toml" in readme
+    config = DaemonConfig(**load_toml(OPS / "pagedkv.toml"))
+    assert config.model_config is not None
+    assert resolve_geometry(config.model_config) == resolve_geometry(preset.group(1))
 
 
 def test_the_unit_matches_the_daemon() -> None:
