@@ -20,6 +20,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # At most one log line per this many seconds about each kind of event a hostile peer can repeat
 # at will (requests that do not parse, calls without a valid token, refused connections).
 HOSTILE_LOG_INTERVAL_S = 10.0
+# The logger of gRPC's cython layer, held at info or above (`configure`).
+GRPC_CYTHON_LOGGER = "grpc._cython.cygrpc"
 
 
 def resolve_format(fmt: LogFormat, stream: TextIO) -> Literal["json", "console"]:
@@ -68,6 +70,9 @@ def configure(level: str = "info", fmt: LogFormat = "auto", stream: TextIO | Non
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(level.upper())
+    # gRPC's cython layer logs a debug line per call ("Loaded running loop"): at debug level it
+    # drowned the process's own lines (77 of the daemon's 116). Its warnings and errors stay.
+    logging.getLogger(GRPC_CYTHON_LOGGER).setLevel(max(logging.INFO, root.level))
 
     structlog.configure(
         processors=[

@@ -1,9 +1,11 @@
 """The daemon's one logging setup: JSON for journald, console for people, stdlib records too."""
 
+import contextlib
 import io
 import json
 import logging
 
+import grpc
 import pytest
 
 from pagedkv.process.log_setup import configure, get_logger, resolve_format
@@ -35,6 +37,25 @@ def test_level_filters_both_structlog_and_stdlib() -> None:
     logging.getLogger("b").info("dropped too")
     get_logger("a").error("kept")
     assert [line["event"] for line in lines(out)] == ["kept"]
+
+
+async def test_debug_level_leaves_out_grpcs_line_per_call() -> None:
+    """gRPC's cython layer logs "Loaded running loop" at debug for every call: at debug level
+    those lines drowned the daemon's own; its warnings still pass."""
+    out = io.StringIO()
+    configure("debug", "json", out)
+    server = grpc.aio.server()
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with contextlib.suppress(grpc.aio.AioRpcError):  # no such method: UNIMPLEMENTED
+            await channel.unary_unary("/x.Y/Z")(b"", timeout=5)
+    await server.stop(0)
+    get_logger("pagedkv.test").debug("mine")
+    logging.getLogger("grpc._cython.cygrpc").warning("a grpc warning")
+    events = [str(line["event"]) for line in lines(out)]
+    assert not any("Loaded running loop" in event for event in events)
+    assert "mine" in events and "a grpc warning" in events
 
 
 def test_json_tracebacks_are_data_without_frame_locals() -> None:
