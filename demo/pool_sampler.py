@@ -60,7 +60,7 @@ def sample(address: str) -> PoolSample:
 
     return PoolSample(time.monotonic(), int(samples["pagedkv:num_blocks"]),
                       int(samples["pagedkv:used_blocks"]),
-                      samples["pagedkv:kv_cache_utilization"],
+                      samples.get("pagedkv:kv_cache_slot_fill_ratio", 0.0),
                       int(samples["pagedkv:num_sequences"]),
                       tenants_total("tenant_block_table_entries"),
                       tenants_total("tenant_blocks_held"))

@@ -89,11 +89,14 @@ class PoolCollector(Collector):
             ("num_sessions", self._figures.num_sessions, "Open sessions."),
         ):
             yield GaugeMetricFamily(f"pagedkv:{name}", text, value=value)
-        yield GaugeMetricFamily(
-            "pagedkv:kv_cache_utilization",
-            "Filled token slots / slots of used blocks (internal fragmentation is 1 - this).",
-            value=stats.utilization,
-        )
+        if stats.allocated_slots:  # no figure, not a vacuous 1.0, while no slot is allocated
+            yield GaugeMetricFamily(
+                "pagedkv:kv_cache_slot_fill_ratio",
+                "Filled token slots / slots of used blocks (internal fragmentation is 1 - this); "
+                "absent while no block is used. The share of blocks in use is "
+                "kv_cache_usage_perc.",
+                value=stats.utilization,
+            )
         yield CounterMetricFamily(
             "pagedkv:lease_expiries",
             "Sessions closed by the daemon because their lease ran out.",

@@ -40,6 +40,8 @@ async def test_pool_figures_are_read_at_each_scrape() -> None:
     before = samples(registry)
     assert before[("pagedkv:kv_cache_usage_perc", ())] == 0.0
     assert before[("pagedkv:free_blocks", ())] == 8
+    # No slot allocated: no fill ratio at all, rather than a vacuous 1.0.
+    assert ("pagedkv:kv_cache_slot_fill_ratio", ()) not in before
 
     # a and b share a 40-token prompt under one salt: a commits its full blocks 0 and 1 (its
     # K/V is written), b finds those 32 tokens cached; 2 and 3 are their partial last blocks.
@@ -70,7 +72,7 @@ async def test_pool_figures_are_read_at_each_scrape() -> None:
     assert after[("pagedkv:prefix_cache_hits_total", ())] == 32
     assert after[("pagedkv:lease_expiries_total", ())] == 1
     # Filled slots / slots of used blocks: (16 + 16 + 8 + 8 + 16) / (5 * 16).
-    assert after[("pagedkv:kv_cache_utilization", ())] == 64 / 80
+    assert after[("pagedkv:kv_cache_slot_fill_ratio", ())] == 64 / 80
 
 
 def test_rpc_metrics_count_by_code_and_time_by_method() -> None:

@@ -69,7 +69,7 @@ async def test_metrics_move_after_an_allocate(daemon: tuple[Pagedkvd, str]) -> N
     assert value(during, "pagedkv:rpc_duration_seconds_count", **kvpool,
                  method="Allocate") == 2
     for name in ("pagedkv:free_blocks", "pagedkv:cached_blocks", "pagedkv:lease_expiries_total",
-                 "pagedkv:kv_cache_utilization"):
+                 "pagedkv:kv_cache_slot_fill_ratio"):
         assert (name, frozenset()) in during
 
 
