@@ -11,16 +11,20 @@ started are supervised (llm/supervisor.py, server/recovery.py): a runner that di
 again and the engine resends each sequence's history, so the streams go on with the tokens they
 would have had; a daemon that dies takes every sequence with it, so the requests in flight get
 a retryable 503, and once it is started again a new engine opens on it. While either is down,
-new requests and /health get 503 with the reason. systemd readiness (READY=1) is sent once the
-port listens. SIGTERM drains: new requests get 503, running ones finish (up to
+new requests and /health get 503 with the reason. The port is bound first, before any child
+starts or any model loads, so a port in use fails the start at once; an unreachable --daemon or
+--runner fails it in one line naming the target. systemd readiness (READY=1) is sent once the
+port serves. SIGTERM drains: new requests get 503, running ones finish (up to
 --drain-timeout-s), then the engine, the runner and the daemon stop. Exit codes: 0, 2 for a bad
-flag or model, 1 when the services failed to start, or are not restarted any more (a bad
-setting, too many deaths within a minute: systemd then restarts the whole unit).
+flag or model, 1 when the port is in use (it may be freed: systemd retries), when the services
+failed to start or cannot be reached, or are not restarted any more (a bad setting, too many
+deaths within a minute: systemd then restarts the whole unit).
 """
 
 import argparse
 import asyncio
 import contextlib
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +32,7 @@ from pathlib import Path
 from pagedkv.client.engine.engine import Engine
 from pagedkv.client.engine.fair_queue import Line
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S
+from pagedkv.client.pool.errors import PagedKVError
 from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.llm import tokenizer_for
 from pagedkv.llm.model_ref import resolve_model
@@ -46,6 +51,7 @@ from pagedkv.server.listener import (
     add_flags,
     connection_limits,
     http_runner,
+    listen,
     raise_fd_limit,
 )
 from pagedkv.server.metrics import ServerMetrics
@@ -174,23 +180,25 @@ def main(argv: list[str] | None = None) -> int:
                                args.max_choices)
     try:
         with contextlib.ExitStack() as resources:
+            sockets = [resources.enter_context(sock) for sock in listen(args.host, args.port)]
             if config.daemon is None:
                 services = start_services(config, model, resources, supervise=True)
             else:
                 # No --runner: Engine.connect finds the runner serving config.model_name.
                 services = Services(config.daemon, config.runner or "")
-            asyncio.run(_serve(args, config, services, keys, limits, lambda engine, metrics:
-                               Backend(engine, tokenizer, no_tokenizer, serve_config, metrics)))
+            asyncio.run(_serve(args, sockets, config, services, keys, limits,
+                               lambda engine, metrics: Backend(engine, tokenizer, no_tokenizer,
+                                                               serve_config, metrics)))
     except (NoNotification, OSError, ServicesFailed) as exc:
         print(f"{PROG}: failed: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     return 0
 
 
-async def _serve(args: argparse.Namespace, config: LLMConfig, services: Services,
-                 keys: tuple[ApiKey, ...], limits: ConnectionLimits,
+async def _serve(args: argparse.Namespace, sockets: list[socket.socket], config: LLMConfig,
+                 services: Services, keys: tuple[ApiKey, ...], limits: ConnectionLimits,
                  backend_for: Callable[[Engine, ServerMetrics], Backend]) -> None:
-    """Serve until SIGTERM or SIGINT, then drain."""
+    """Serve on `sockets` (bound by `listen`) until SIGTERM or SIGINT, then drain."""
     with stop_on_signals() as stop:
         async def connect(salt: bytes = b"", waiting: Line | None = None) -> Engine:
             # Whoever runs the runner (our supervisor, or the operator's unit) restarts it: a
@@ -202,7 +210,11 @@ async def _serve(args: argparse.Namespace, config: LLMConfig, services: Services
                                         waiting=waiting)
 
         metrics = ServerMetrics(cache_figures=not keys)
-        backend = backend_for(await connect(), metrics)
+        try:
+            engine = await connect()
+        except PagedKVError as exc:  # e.g. no daemon or runner answers at the target given
+            raise ServicesFailed(f"cannot open an engine: {exc}") from None
+        backend = backend_for(engine, metrics)
         metrics.watch(lambda: backend.engine, _restarts(services.runner_supervisor),
                       _restarts(services.daemon_supervisor))
         if keys:  # each cache group its own engine, every key its share (key_engines.py)
@@ -217,8 +229,9 @@ async def _serve(args: argparse.Namespace, config: LLMConfig, services: Services
                                  limits, SHUTDOWN_GRACE_S)
         await app_runner.setup()
         try:
-            await GuardedSite(app_runner, args.host, args.port, ConnectionGuard(limits)).start()
-            log.info("serving", url=f"http://{args.host}:{args.port}/v1",
+            site = GuardedSite(app_runner, sockets, ConnectionGuard(limits))
+            await site.start()
+            log.info("serving", url=f"{site.name}/v1",
                      model=backend.config.model_name)
             notify("READY=1")
             failed = await keeper.watch_until(stop)

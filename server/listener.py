@@ -5,11 +5,15 @@ The total cap must fit the process's descriptors: `pagedkv serve` raises its sof
 RLIMIT_NOFILE to the hard limit at start (asyncio polls with epoll, so no select() limit
 applies), keeps `FD_RESERVE + LISTEN_BACKLOG` descriptors for everything but connections, and
 refuses a `--max-connections` that does not fit in the rest (the default is the rest).
+
+`pagedkv serve` binds its port (`listen`) before it starts anything else, as vLLM does: a port
+in use fails the start at once, before a daemon, a runner or a model is loaded for nothing.
 """
 
 import argparse
 import asyncio
 import resource
+import socket
 
 from aiohttp import web
 
@@ -79,6 +83,28 @@ def connection_limits(args: argparse.Namespace, fd_limit: int) -> ConnectionLimi
                             args.max_connections_per_address)
 
 
+def listen(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on each address of `host` (IPv6 ones v6-only), as asyncio's
+    create_server binds them; OSError naming the address when one cannot be bound."""
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        for sock in sockets:
+            sock.close()
+        raise OSError(f"cannot listen on http://{host}:{port}: "
+                      f"{exc.strerror or exc}") from None
+    return sockets
+
+
 def http_runner(app: web.Application, limits: ConnectionLimits,
                 shutdown_timeout_s: float) -> web.AppRunner:
     """aiohttp's runner of `app`: no access log of its own (the app logs), handler cancellation
@@ -90,25 +116,28 @@ def http_runner(app: web.Application, limits: ConnectionLimits,
 
 
 class GuardedSite(web.BaseSite):
-    """A TCP site of a runner of `http_runner` whose connections `guard` bounds; the loop's
-    exception handler logs accept errors through the guard while the site listens."""
+    """A site of a runner of `http_runner` serving the sockets of `listen`, whose connections
+    `guard` bounds; the loop's exception handler logs accept errors through the guard while the
+    site listens. Stopping it closes them."""
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int,
+    def __init__(self, runner: web.AppRunner, sockets: list[socket.socket],
                  guard: ConnectionGuard) -> None:
         super().__init__(runner, backlog=LISTEN_BACKLOG)
-        self._host = host
-        self._port = port
+        assert sockets, "listen() gives a socket per address of the host"
+        self._sockets = sockets
+        # One asyncio server per socket (create_server takes one socket at a time).
+        self._servers: list[asyncio.Server] = []
         self.guard = guard
 
     @property
     def name(self) -> str:
-        return f"http://{self._host}:{self._port}"
+        host, port = self._sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
 
     @property
     def port(self) -> int:
         """The port listened on (the one the system chose, for port 0)."""
-        assert isinstance(self._server, asyncio.Server), "the site is started"
-        return int(self._server.sockets[0].getsockname()[1])
+        return int(self._sockets[0].getsockname()[1])
 
     async def start(self) -> None:
         await super().start()
@@ -116,9 +145,12 @@ class GuardedSite(web.BaseSite):
         server = self._runner.server
         assert server is not None, "the runner is set up"
         loop.set_exception_handler(self.guard.accept_errors)
-        self._server = await loop.create_server(self.guard.protocol_factory(server),
-                                                self._host, self._port, backlog=self._backlog)
+        for sock in self._sockets:
+            self._servers.append(await loop.create_server(self.guard.protocol_factory(server),
+                                                          sock=sock, backlog=self._backlog))
 
     async def stop(self) -> None:
+        for server in self._servers:  # each closes its socket
+            server.close()
         await super().stop()
         asyncio.get_running_loop().set_exception_handler(None)

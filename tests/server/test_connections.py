@@ -30,6 +30,7 @@ from pagedkv.server.listener import (
     GuardedSite,
     connection_limits,
     http_runner,
+    listen,
 )
 from pagedkv.server.metrics import ServerMetrics
 
@@ -58,7 +59,7 @@ async def serving(guard: ConnectionGuard) -> AsyncIterator[int]:
     runner = http_runner(build_app(backend), guard.limits, shutdown_timeout_s=1.0)
     await runner.setup()
     try:
-        site = GuardedSite(runner, "127.0.0.1", 0, guard)
+        site = GuardedSite(runner, listen("127.0.0.1", 0), guard)
         await site.start()
         yield site.port
     finally:
