@@ -4,12 +4,15 @@
 
 Names, defaults and ranges are OpenAI's, with vLLM's extensions (`top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids`, `use_beam_search`, `length_penalty`, `best_of`,
-`ignore_eos` is not offered). Every field is checked before anything is submitted, and a bad one
-is refused with its name as `param`; fields the server does not know are ignored, as OpenAI's
-own server ignores them. The sampling fields become one `SamplingParams` (which checks its own
-ranges: its messages start with the field's name, errors.py maps them).
+`ignore_eos`). Every field is checked before anything is submitted, and a bad one is refused
+with its name as `param`; fields the server does not know are ignored, as OpenAI's own server
+ignores them. Fields it knows but does not honour yet (structured outputs, tool calls: NOT_YET)
+are refused, unless their value changes nothing: a 200 with free text would be a wrong answer.
+The sampling fields become one `SamplingParams` (which checks its own ranges: its messages
+start with the field's name, errors.py maps them).
 """
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +24,21 @@ from pagedkv.server.errors import bad_request, from_value_error
 SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "n", "best_of", "max_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty",
-    "stop_token_ids", "logprobs"})
+    "stop_token_ids", "logprobs", "ignore_eos"})
+# Fields not honoured yet: the values that change nothing (accepted), and the feature that will
+# honour the others (named in the 400).
+NOT_YET: dict[str, tuple[tuple[object, ...], str]] = {
+    "response_format": ((None, {"type": "text"}), "structured outputs"),
+    "structured_outputs": ((None,), "structured outputs"),
+    "guided_json": ((None,), "structured outputs"),
+    "guided_regex": ((None,), "structured outputs"),
+    "guided_choice": ((None,), "structured outputs"),
+    "guided_grammar": ((None,), "structured outputs"),
+    "tools": ((None, []), "tool calls"),
+    "tool_choice": ((None, "none"), "tool calls"),
+    "functions": ((None, []), "tool calls"),
+    "function_call": ((None, "none"), "tool calls"),
+}
 # OpenAI's completions default for max_tokens.
 COMPLETIONS_MAX_TOKENS = 16
 # Most stop strings per request, and most characters in one (OpenAI allows 4; vLLM more).
@@ -124,6 +141,7 @@ def _sampling(body: Mapping[str, Any], logprobs: int | None, max_tokens: int) ->
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model", "model must name the served model (GET /v1/models)")
+    _refuse_not_yet(body)
     beam = _bool(body, "use_beam_search", False)
     n = _optional_int(body, "n")
     best_of = _optional_int(body, "best_of")
@@ -136,6 +154,7 @@ def _sampling(body: Mapping[str, Any], logprobs: int | None, max_tokens: int) ->
     if body.get("top_k") is not None:
         options["top_k"] = body["top_k"]
     options["stop_token_ids"] = tuple(_int_list(body, "stop_token_ids"))
+    options["ignore_eos"] = _bool(body, "ignore_eos", False)
     if beam:  # vLLM's rule: best_of (else n) beams, n best returned, greedy
         options.update(beam_width=best_of or n or 1, temperature=0.0)
     elif best_of is not None:
@@ -158,6 +177,15 @@ def _sampling(body: Mapping[str, Any], logprobs: int | None, max_tokens: int) ->
                                                           f"{include_usage!r}")
     return Sampling(model, params, _stop(body.get("stop")), stream, bool(include_usage),
                     logprobs, body.get("max_tokens") is not None)
+
+
+def _refuse_not_yet(body: Mapping[str, Any]) -> None:
+    """400 naming the first field of NOT_YET whose value would change the answer."""
+    for name, (inert, feature) in NOT_YET.items():
+        if body.get(name) not in inert:
+            inert_values = " or ".join(json.dumps(value) for value in inert if value is not None)
+            allowed = f"leave it out or send {inert_values}" if inert_values else "leave it out"
+            raise bad_request(name, f"{name} is not supported yet ({feature}): {allowed}")
 
 
 def _check_choices(sampling: Sampling, prompts: int, limits: Limits) -> None:

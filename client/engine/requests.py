@@ -45,8 +45,9 @@ class Request:
         self.prompt = tuple(prompt)
         self.params = params
         self._new_seq_id = new_seq_id
-        # Stop tokens: the request's and the model's end-of-sequence ids.
-        self.stop_ids = tuple(dict.fromkeys((*params.stop_token_ids, *eos_token_ids)))
+        # Stop tokens: the request's and the model's end-of-sequence ids (unless ignore_eos).
+        eos = () if params.ignore_eos else tuple(eos_token_ids)
+        self.stop_ids = tuple(dict.fromkeys((*params.stop_token_ids, *eos)))
         self.arrival = time.monotonic()
         self.first_token_at: float | None = None
         self.num_cached_tokens = 0

@@ -6,8 +6,9 @@ them, in the order its module docstring gives. Names and "off" values follow vLL
 
 The request-level fields (`n`, `best_of`, beam search) are the client scheduler's
 (`pagedkv.client.engine.engine`): the runner sees one SamplingParams per sequence and ignores them.
-Room is left for later fields (`min_tokens`, `ignore_eos`): each is one more field whose default
-keeps today's behaviour.
+`ignore_eos` is the client's as well: the engine leaves the model's end-of-sequence ids out of the
+stop ids it sends the runner. Room is left for later fields (`min_tokens`): each is one more
+field whose default keeps today's behaviour.
 """
 
 from dataclasses import dataclass
@@ -76,6 +77,9 @@ class SamplingParams:
     # Beam search: True stops once beam_width hypotheses are finished; False stops when no
     # running beam can still beat them (transformers' heuristic); "never" checks exactly.
     early_stopping: bool | Literal["never"] = False
+    # vLLM's ignore_eos: the model's end-of-sequence ids do not finish the sequence (benchmarks
+    # use it so every request runs to max_tokens); max_tokens and stop_token_ids still do.
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         check_float("temperature", self.temperature)
@@ -128,6 +132,8 @@ class SamplingParams:
             raise ValueError(f"beam_width must be >= 1, or 0 for no beam search, got "
                              f"{self.beam_width}")
         check_float("length_penalty", self.length_penalty)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.early_stopping not in (True, False, "never"):
             raise ValueError(f"early_stopping must be True, False or 'never', got "
                              f"{self.early_stopping!r}")

@@ -77,6 +77,14 @@ def test_greedy_text_and_tokens_equal_transformers(
     assert outputs[0].outputs[0].finish_reason == "length"
 
 
+def test_ignore_eos_generates_past_the_eos_to_max_tokens(llm: LLM) -> None:
+    [ignored] = llm.generate(EOS_PROMPT, SamplingParams(temperature=0, max_tokens=8,
+                                                        ignore_eos=True))
+    [completion] = ignored.outputs
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 8
+    assert 0 in completion.token_ids[:-1]  # the <eos> that would have ended it
+
+
 def test_token_id_prompts_and_one_params_per_prompt(llm: LLM,
                                                     tokenizer: PreTrainedTokenizerFast) -> None:
     ids = tokenizer.encode(PROMPTS[0])

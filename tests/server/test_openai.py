@@ -21,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from pagedkv.process.launch import Launched
 
-from chat_model import fast_tokenizer, hf_generate, make_chat_model_dir, reference_model
+from chat_model import EOS_PROMPT, fast_tokenizer, hf_generate, make_chat_model_dir, reference_model
 from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd, short_tmp_dir, start_serve
 
 try:  # the http client the openai package is built on: httpx2 from openai 3, httpx before
@@ -229,6 +229,53 @@ def test_bad_parameters_name_the_field(client: openai.OpenAI) -> None:
     assert "messages[0].role" in caught.value.message
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt=PROMPT)
+
+
+def test_ignore_eos_runs_every_choice_to_max_tokens(client: openai.OpenAI) -> None:
+    """EOS_PROMPT ends greedily with the model's <eos> (id 0) after a few tokens; with
+    ignore_eos every choice runs to max_tokens past it, and an explicit stop token still stops."""
+    def choices(**extra: Any) -> list[Any]:
+        out = client.completions.create(model=NAME, prompt=EOS_PROMPT, max_tokens=12, n=4,
+                                        temperature=0,
+                                        extra_body={"return_token_ids": True, **extra})
+        return list(out.choices)
+
+    stopped = choices()
+    assert {c.finish_reason for c in stopped} == {"stop"}
+    assert all(c.token_ids[-1] == 0 and len(c.token_ids) < 12 for c in stopped)
+    ignored = choices(ignore_eos=True)
+    assert {c.finish_reason for c in ignored} == {"length"}
+    assert all(len(c.token_ids) == 12 and 0 in c.token_ids for c in ignored)
+    explicit = choices(ignore_eos=True, stop_token_ids=[0])
+    assert [c.token_ids for c in explicit] == [c.token_ids for c in stopped]
+    assert {c.finish_reason for c in explicit} == {"stop"}
+
+
+def test_fields_not_honoured_yet_are_a_400_naming_them(client: openai.OpenAI) -> None:
+    """Structured outputs and tool calls are refused (not answered with free text), unless
+    the value changes nothing."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    cases: list[tuple[str, Any]] = [
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+        ("tools", [tool]), ("tool_choice", "required"),
+        ("functions", [{"name": "f", "parameters": {"type": "object"}}]),
+        ("function_call", "auto")]
+    messages: Any = [{"role": "user", "content": "hello"}]
+    for field, value in cases:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=NAME, messages=messages, max_tokens=2,
+                                           **{field: value})
+        assert caught.value.param == field, caught.value.message
+        assert "not supported yet" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=NAME, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    assert caught.value.param == "response_format"
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2,
+                                           response_format={"type": "text"}, tool_choice="none")
+    assert plain.choices[0].finish_reason == "length"
 
 
 def test_the_api_key_is_required(server: int) -> None:
