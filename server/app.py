@@ -6,7 +6,8 @@
     GET  /health                200 while the daemon, runner and engine serve; else 503, why
     GET  /metrics               Prometheus text (metrics.py)
 
-Middlewares, outermost first: the access log (one structlog line per request), errors (every
+Middlewares, outermost first: the access log (one structlog line per request, named by its
+X-Request-Id: access_log.py), errors (every
 refusal in OpenAI's JSON shape: errors.py), API keys (`Authorization: Bearer KEY` on /v1/
 routes when keys are configured; /health and /metrics stay open to probes, as vLLM's do), and
 a bound on the requests one client address has in progress (429), so one peer cannot take every
@@ -18,7 +19,6 @@ close and abort their requests.
 
 import hmac
 import json
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,6 +27,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from pagedkv.process.log_setup import get_logger
+from pagedkv.server.access_log import ACCESS, access_log, echo_request_id
 from pagedkv.server.backend import RETRY_AFTER_S, Backend
 from pagedkv.server.chat_completions import create_chat_completion
 from pagedkv.server.completions import create_completion
@@ -49,9 +50,10 @@ def build_app(backend: Backend, *, api_keys: tuple[ApiKey, ...] = (),
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               max_per_peer: int = DEFAULT_MAX_PER_PEER) -> web.Application:
     app = web.Application(client_max_size=max_request_bytes,
-                          middlewares=[_access_log, _errors, _api_keys(api_keys),
+                          middlewares=[access_log, _errors, _api_keys(api_keys),
                                        _peer_bound(max_per_peer)])
     app[BACKEND] = backend
+    app.on_response_prepare.append(echo_request_id)
     app.add_routes([web.post("/v1/completions", _endpoint(create_completion)),
                     web.post("/v1/chat/completions", _endpoint(create_chat_completion)),
                     web.get("/v1/models", _models), web.get("/health", _health),
@@ -101,37 +103,28 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 @web.middleware
-async def _access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
-    started = time.monotonic()
-    status = 500
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    finally:
-        log.info("http_request", method=request.method, path=request.path, status=status,
-                 duration_ms=round((time.monotonic() - started) * 1000, 1),
-                 peer=request.remote)
-
-
-@web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every refusal as OpenAI's error body; a bug as a 500 in the same shape, logged."""
     try:
         return await handler(request)
     except ApiError as exc:
-        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+        return _refusal(request, exc)
     except web.HTTPException as exc:  # aiohttp's own: 404 route, 405, 413 body too large
         if exc.status < 400:
             raise
-        error = ApiError(exc.status, exc.reason if exc.status != 413 else exc.text or "")
-        return web.json_response(error.body(), status=exc.status)
+        return _refusal(request, ApiError(exc.status, exc.reason if exc.status != 413
+                                          else exc.text or ""))
     except (ConnectionResetError, OSError):  # the client went away mid-answer
         raise
     except Exception as exc:
         log.exception("http_request_failed", path=request.path)
-        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
-        return web.json_response(error.body(), status=500)
+        return _refusal(request, ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def _refusal(request: web.Request, error: ApiError) -> web.Response:
+    """`error` as OpenAI's error body; its message goes in the request's access log line."""
+    request[ACCESS].error = error.message
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
 
 
 def _api_keys(keys: tuple[ApiKey, ...]) -> Middleware:

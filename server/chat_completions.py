@@ -7,11 +7,11 @@ generated as a completion of it (generation.py), so stop strings, logprobs and u
 
 import contextlib
 import time
-import uuid
 from typing import Any
 
 from aiohttp import web
 
+from pagedkv.server.access_log import ACCESS
 from pagedkv.server.backend import Backend
 from pagedkv.server.chat import render_chat
 from pagedkv.server.completions import usage
@@ -36,18 +36,21 @@ async def create_chat_completion(request: web.Request, backend: Backend, body: d
     backend.check_prompt(prompt_ids, "messages")
     backend.admit()
     run = PromptRun(backend, prompt_ids, chat.sampling, await backend.caller(request))
-    reply = _Reply(chat, backend, run)
+    access = request[ACCESS]
+    access.runs = [run]
+    reply = _Reply(chat, backend, run, access.request_id)
     return await (reply.stream(request) if chat.sampling.stream else reply.whole())
 
 
 class _Reply:
     """One chat request's choices, as the whole answer or its stream."""
 
-    def __init__(self, chat: ChatRequest, backend: Backend, run: PromptRun) -> None:
+    def __init__(self, chat: ChatRequest, backend: Backend, run: PromptRun,
+                 request_id: str) -> None:
         self.chat = chat
         self.backend = backend
         self.run = run
-        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.id = f"chatcmpl-{request_id}"  # the request's (access_log.py), as vLLM names it
         self.created = int(time.time())
 
     def _chunk(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:

@@ -7,11 +7,11 @@ whole answer accumulates them, the stream sends them as they come.
 
 import contextlib
 import time
-import uuid
 from typing import Any
 
 from aiohttp import web
 
+from pagedkv.server.access_log import ACCESS
 from pagedkv.server.backend import Backend
 from pagedkv.server.errors import ApiError
 from pagedkv.server.generation import PromptRun, TokenInfo, collect, merged, token_string
@@ -29,7 +29,10 @@ async def create_completion(request: web.Request, backend: Backend, body: dict[s
     backend.admit()
     caller = await backend.caller(request)
     runs = [PromptRun(backend, ids, completion.sampling, caller) for ids in prompts]
-    answer = _Answer(completion, backend, runs, body.get("return_token_ids") is True)
+    access = request[ACCESS]
+    access.runs = runs
+    answer = _Answer(completion, backend, runs, body.get("return_token_ids") is True,
+                     access.request_id)
     if completion.sampling.stream:
         return await answer.stream(request)
     return await answer.whole()
@@ -45,13 +48,13 @@ class _Answer:
     """One request's choices, as the whole answer or its stream."""
 
     def __init__(self, completion: CompletionRequest, backend: Backend, runs: list[PromptRun],
-                 token_ids: bool) -> None:
+                 token_ids: bool, request_id: str) -> None:
         self.completion = completion
         self.backend = backend
         self.runs = runs
         # vLLM's `return_token_ids`: each choice carries its token ids too.
         self.token_ids = token_ids
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"cmpl-{request_id}"  # the request's (access_log.py), as vLLM names it
         self.created = int(time.time())
         self.n = completion.sampling.params.n
 

@@ -90,6 +90,11 @@ class PromptRun:
         return sum(len(choice.kept) for choice in self._choices.values())
 
     @property
+    def finish_reasons(self) -> list[str | None]:
+        """Each choice's finish reason, by index (None: it has not finished, or was aborted)."""
+        return [self._choices[index].finish_reason for index in sorted(self._choices)]
+
+    @property
     def texts(self) -> dict[int, list[int]]:
         """Each choice's kept token ids, by index."""
         return {index: choice.kept for index, choice in self._choices.items()}
