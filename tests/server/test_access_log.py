@@ -1,5 +1,6 @@
 """The access log and request ids, without processes: the app over an engine whose scripted
-runner samples token 7 every step (support/scripted_engine.py), no tokenizer (token-id prompts).
+runner samples token 7 every step (support/scripted_engine.py), with the chat model's tokenizer
+(support/chat_model.py).
 
 A client's X-Request-Id names the request, its answer and its log line; a made-up or malformed
 one is replaced by a new id; every response (refusals and streams included) echoes the id; the
@@ -8,16 +9,18 @@ one is replaced by a new id; every response (refusals and streams included) echo
 
 import io
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from pagedkv.llm.tokenizer import Tokenizer
 from pagedkv.server.access_log import MAX_REQUEST_ID_CHARS, request_id
 from pagedkv.server.app import build_app
 from pagedkv.server.backend import Backend, ServeConfig
 from pagedkv.server.metrics import ServerMetrics
 
+from chat_model import chat_tokenizer
 from log_capture import events
 from scripted_engine import ScriptedRunner, engine
 
@@ -27,10 +30,13 @@ HEADER = "X-Request-Id"
 
 @pytest.fixture
 async def client() -> AsyncIterator[TestClient[Any, Any]]:
-    backend = Backend(engine(ScriptedRunner(set()), max_model_len=64), None, "a preset",
-                      ServeConfig(NAME), ServerMetrics())
+    tokenizer = chat_tokenizer()
+    generating = engine(ScriptedRunner(set()), max_model_len=64, vocab_size=len(tokenizer))
+    backend = Backend(generating, cast(Tokenizer, tokenizer), "", ServeConfig(NAME),
+                      ServerMetrics())
     async with TestClient(TestServer(build_app(backend))) as test_client:
         yield test_client
+    await generating.close()
 
 
 def completion(**fields: Any) -> dict[str, Any]:
@@ -61,6 +67,16 @@ async def test_the_client_id_names_the_answer_and_the_log_line(
     assert line["request_id"] == "job-17" and line["status"] == 200
     assert line["prompt_tokens"] == 3 and line["completion_tokens"] == 8
     assert line["finish_reasons"] == ["length", "length"] and "error" not in line
+
+
+async def test_a_chat_answer_is_named_by_the_request_id(
+        client: TestClient[Any, Any], log_lines: io.StringIO) -> None:
+    response = await client.post("/v1/chat/completions", headers={HEADER: "chat-1"}, json={
+        "model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert response.status == 200 and response.headers[HEADER] == "chat-1"
+    assert (await response.json())["id"] == "chatcmpl-chat-1"
+    [line] = events(log_lines, "http_request")
+    assert line["completion_tokens"] == 3 and line["finish_reasons"] == ["length"]
 
 
 async def test_a_stream_echoes_a_made_id_and_logs_its_usage(

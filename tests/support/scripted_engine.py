@@ -18,6 +18,8 @@ from pagedkv.client.engine.scheduler import SchedulerConfig
 
 BS = 16
 NUM_BLOCKS = 8
+# The model's vocabulary by default (token 7 is in every one).
+VOCAB_SIZE = 100
 
 
 class ScriptedRunner:
@@ -53,9 +55,10 @@ async def free_pool() -> PoolStats:
     return PoolStats(NUM_BLOCKS, BS, NUM_BLOCKS, None)
 
 
-def engine(runner: ScriptedRunner, max_model_len: int = 0) -> Engine:
+def engine(runner: ScriptedRunner, max_model_len: int = 0,
+           vocab_size: int = VOCAB_SIZE) -> Engine:
     session = types.SimpleNamespace(block_size=BS, stats=free_pool)
     pool = types.SimpleNamespace(close=runner.close)
-    return Engine(pool, session, runner, vocab_size=100, eos_token_ids=(),  # type: ignore[arg-type]
+    return Engine(pool, session, runner, vocab_size=vocab_size, eos_token_ids=(),  # type: ignore[arg-type]
                   num_blocks=NUM_BLOCKS, free_blocks=NUM_BLOCKS, config=SchedulerConfig(),
                   max_model_len=max_model_len)
