@@ -2,8 +2,11 @@
 
     POST /v1/completions        completions.py
     POST /v1/chat/completions   chat_completions.py
-    GET  /v1/models             the served model
+    GET  /v1/models             the served model (created: the server's start)
+    POST /tokenize, /detokenize the served model's tokenizer, in vLLM's shapes (tokenizing.py)
     GET  /health                200 while the daemon, runner and engine serve; else 503, why
+    GET, POST /ping             the same answer as /health, under vLLM's (SageMaker's) name
+    GET  /version               {"version": pagedkv's version}
     GET  /metrics               Prometheus text (metrics.py)
 
 Middlewares, outermost first: the access log (one structlog line per request, named by its
@@ -12,12 +15,14 @@ refusal in OpenAI's JSON shape: errors.py), API keys (`Authorization: Bearer KEY
 routes when keys are configured; /health and /metrics stay open to probes, as vLLM's do), and
 a bound on the requests one client address has in progress (429), so one peer cannot take every
 place in the queue.
-Bodies are bounded by `client_max_size` (413), JSON must be an object (400). The app runs with
+Bodies are bounded by `client_max_size` (413), JSON must be an object (400); `model` may be
+left out, as vLLM allows: it defaults to the served model's name. The app runs with
 handler cancellation on: a client that disconnects cancels its handler, whose request streams
 close and abort their requests.
 """
 
 import hmac
+import importlib.metadata
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -34,6 +39,7 @@ from pagedkv.server.completions import create_completion
 from pagedkv.server.errors import ApiError
 from pagedkv.server.key_engines import API_KEY, ApiKey
 from pagedkv.server.protocol import Limits
+from pagedkv.server.tokenizing import detokenize, tokenize
 
 log = get_logger("pagedkv.server")
 # A request body larger than this is refused (413) before it is read whole.
@@ -56,8 +62,11 @@ def build_app(backend: Backend, *, api_keys: tuple[ApiKey, ...] = (),
     app.on_response_prepare.append(echo_request_id)
     app.add_routes([web.post("/v1/completions", _endpoint(create_completion)),
                     web.post("/v1/chat/completions", _endpoint(create_chat_completion)),
+                    web.post("/tokenize", _endpoint(tokenize)),
+                    web.post("/detokenize", _endpoint(detokenize)),
                     web.get("/v1/models", _models), web.get("/health", _health),
-                    web.get("/metrics", _metrics)])
+                    web.get("/ping", _health), web.post("/ping", _health),
+                    web.get("/version", _version), web.get("/metrics", _metrics)])
     return app
 
 
@@ -72,6 +81,8 @@ def _endpoint(create: Endpoint) -> Handler:
             raise ApiError(400, f"the body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
+        if body.get("model") is None:  # vLLM's default: the one model served
+            body["model"] = backend.config.model_name
         limits = Limits(backend.config.max_logprobs, backend.config.max_choices,
                         backend.engine.max_model_len)
         return await create(request, backend, body, limits)
@@ -83,8 +94,8 @@ async def _models(request: web.Request) -> web.Response:
     backend = request.app[BACKEND]
     name = backend.config.model_name
     return web.json_response({"object": "list", "data": [{
-        "id": name, "object": "model", "created": 0, "owned_by": "pagedkv", "root": name,
-        "max_model_len": backend.engine.max_model_len}]})
+        "id": name, "object": "model", "created": backend.started, "owned_by": "pagedkv",
+        "root": name, "max_model_len": backend.engine.max_model_len}]})
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -93,6 +104,10 @@ async def _health(request: web.Request) -> web.Response:
     if reason is None:
         return web.Response(text="ok\n")
     return web.Response(status=503, text=f"unhealthy: {reason}\n")
+
+
+async def _version(request: web.Request) -> web.Response:
+    return web.json_response({"version": importlib.metadata.version("pagedkv")})
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -11,10 +11,11 @@ requests already wait for room in the pool is refused with 429 and Retry-After i
 queueing without limit; a draining server refuses new requests with 503, and so does one whose
 daemon or runner is down (`down`, kept by server/recovery.py), instead of queueing requests that
 wait for nothing. A request that fails because the daemon or the runner went away gets a
-retryable 503 too. A request whose client goes away is aborted (its stream is closed), which
-frees its blocks.
+retryable 503 too, one that can never fit the pool a 400 (errors.py maps the causes). A request
+whose client goes away is aborted (its stream is closed), which frees its blocks.
 """
 
+import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
 
@@ -22,10 +23,10 @@ from aiohttp import web
 
 from pagedkv.client.engine.engine import Engine
 from pagedkv.client.engine.outputs import RequestOutput
-from pagedkv.client.pool.errors import OutcomeUnknown, RunnerUnavailable
+from pagedkv.client.pool.errors import PagedKVError
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.llm.tokenizer import Tokenizer
-from pagedkv.server.errors import ApiError, bad_request
+from pagedkv.server.errors import ApiError, bad_request, engine_status
 from pagedkv.server.key_engines import API_KEY, ApiKey, Caller, KeyEngines
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.vocab.token_ids import check_vocabulary
@@ -65,6 +66,8 @@ class Backend:
         self.no_tokenizer = no_tokenizer
         self.config = config
         self.metrics = metrics
+        # When the server started (Unix seconds): the `created` of the model it lists.
+        self.started = int(time.time())
         # Set once SIGTERM arrived: new requests get 503, running streams finish.
         self.draining = False
         # Requests admitted and not yet finished (the drain waits for none to be left).
@@ -156,8 +159,13 @@ class Backend:
         try:
             async for output in outputs:
                 yield output
-        except (RunnerUnavailable, OutcomeUnknown) as exc:  # the daemon or the runner went away
-            raise unavailable(f"the KV cache service failed the request ({exc})") from exc
+        except PagedKVError as exc:  # its cause's status (errors.py); else a 500, logged
+            status = engine_status(exc)
+            if status == 503:
+                raise unavailable(f"the KV cache service failed the request ({exc})") from exc
+            if status == 500:  # a bug: the error middleware logs it
+                raise
+            raise ApiError(status, f"the KV cache service refused the request: {exc}") from exc
         finally:  # closed early (a stop string, a client gone): the engine aborts it now
             await outputs.aclose()
             self.active -= 1

@@ -81,10 +81,12 @@ class _Reply:
                                 "index": update.index,
                                 "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}]))
+                        logprobs = self._logprobs(update.tokens)
+                        if not (update.text or logprobs or update.finish_reason):
+                            continue  # nothing to say yet (a UTF-8 character incomplete)
                         delta = {"content": update.text} if update.text else {}
                         await send(response, self._chunk(obj, [{
-                            "index": update.index, "delta": delta,
-                            "logprobs": self._logprobs(update.tokens),
+                            "index": update.index, "delta": delta, "logprobs": logprobs,
                             "finish_reason": update.finish_reason}]))
             if self.chat.sampling.include_usage:
                 await send(response, {**self._chunk(obj, []), "usage": usage([self.run])})

@@ -8,14 +8,25 @@ that body by app.py's error middleware, so a client (the `openai` package raises
 `BadRequestError`, `AuthenticationError`, `NotFoundError`, `RateLimitError` from the status)
 always gets the same shape. A refusal changes nothing: requests are checked whole before any
 is submitted.
+
+The engine's failures carry the shared causes of `pagedkv.vocab.causes`; `CAUSE_STATUS` maps
+them to statuses here, at the HTTP edge, as vLLM answers the same conditions. The engine fails
+a request with PoolExhausted only when it needs more blocks than the whole pool has (it waits
+for blocks that other requests hold), so it can never fit: 400, as vLLM refuses a prompt longer
+than its KV cache. A cause that may pass (a runner or daemon away) is a 503 to retry.
 """
 
 from dataclasses import dataclass, field
+
+from pagedkv.client.pool.errors import OutcomeUnknown, PagedKVError, cause_of_error
+from pagedkv.vocab import causes
 
 # The `type` of each status, as vLLM's OpenAI server names them.
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                413: "BadRequestError", 429: "RateLimitError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
+# The HTTP status of each cause an engine request may fail with; any other is a 500 (a bug).
+CAUSE_STATUS = {causes.POOL_EXHAUSTED.name: 400, causes.RUNNER_UNAVAILABLE.name: 503}
 
 
 @dataclass
@@ -52,3 +63,12 @@ def from_value_error(exc: ValueError, known: frozenset[str] = frozenset()) -> Ap
     head = message.split(" ", 1)[0].rstrip(":")
     param = head if head in known or "[" in head else None
     return bad_request(param, message)
+
+
+def engine_status(exc: PagedKVError) -> int:
+    """The HTTP status of an engine request's failure, by its cause (CAUSE_STATUS); a call
+    whose outcome is unknown (a daemon or runner gone mid-call) is a 503 too."""
+    if isinstance(exc, OutcomeUnknown):
+        return 503
+    cause = cause_of_error(exc)
+    return CAUSE_STATUS.get(cause.name, 500) if cause is not None else 500
