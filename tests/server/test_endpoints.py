@@ -150,7 +150,8 @@ async def test_created_is_the_start_time_for_models_and_now_for_answers() -> Non
     client = await client_of(generating)
     try:
         models = await (await client.get("/v1/models")).json()
-        status, answer = await post(client, "/v1/completions", {"prompt": [1], "max_tokens": 1})
+        status, answer = await post(client, "/v1/completions", {"model": NAME, "prompt": [1],
+                                                                "max_tokens": 1})
     finally:
         await client.close()
         await generating.close()
@@ -165,7 +166,7 @@ async def test_a_chat_stream_sends_no_empty_delta_while_a_character_is_incomplet
     client = await client_of(TokensEngine(halves, len(tokenizer)), cast(Tokenizer, tokenizer))
     try:
         response = await client.post("/v1/chat/completions", json={
-            "messages": [{"role": "user", "content": "hi"}], "stream": True})
+            "model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream": True})
         body = await response.text()
     finally:
         await client.close()
@@ -177,8 +178,8 @@ async def test_a_chat_stream_sends_no_empty_delta_while_a_character_is_incomplet
 
 async def test_a_request_larger_than_the_pool_is_a_400(scripted: TestClient) -> None:
     """The engine fails it with PoolExhausted: it could never fit, so vLLM's answer, a 400."""
-    status, answer = await post(scripted, "/v1/completions", {"prompt": [1] * 9 * BS,
-                                                              "max_tokens": 1})
+    status, answer = await post(scripted, "/v1/completions", {"model": NAME, "max_tokens": 1,
+                                                              "prompt": [1] * 9 * BS})
     assert status == 400
     assert "needs 9 blocks; the pool has 8" in answer["error"]["message"]
 
@@ -188,7 +189,8 @@ async def test_a_runner_that_cannot_compute_is_a_503_to_retry() -> None:
     away = RunnerUnavailable(grpc.StatusCode.UNAVAILABLE, "the daemon is away")
     client = await client_of(TokensEngine([], 100, away))
     try:
-        response = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        response = await client.post("/v1/completions", json={"model": NAME, "prompt": [1],
+                                                               "max_tokens": 1})
         assert (response.status, response.headers["Retry-After"]) == (503, "1")
         assert "the daemon is away" in (await response.json())["error"]["message"]
     finally:
