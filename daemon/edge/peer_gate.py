@@ -58,8 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.daemon.edge.gate_link import CallerSide
-from pagedkv.daemon.service.fence import PeerCredentials, RunnerProcesses
-from pagedkv.daemon.service.fence import peer_credentials as socket_credentials
+from pagedkv.daemon.service.fence import PeerCredentials, RunnerProcesses, socket_credentials
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.tenants import MAX_UID, Tenants
 from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, get_logger

@@ -360,21 +360,16 @@ def _bind(servers: GrpcServers, server: grpc.aio.Server, listener: ListenAddress
     serves (with the port TCP got)."""
     if listener.unix_path is not None and gate is None:
         return servers.bind_unix(server, listener.unix_path, socket_mode)
-    try:
-        if listener.unix_path is None:
-            port = _bind_tcp(server, listener.target, tls)
-            return f"{listener.target.rpartition(':')[0]}:{port}"
+    if listener.unix_path is not None:
         assert gate is not None, "an ungated unix listener was bound above"
-        claim_socket_path(listener.unix_path, socket_mode)
-        # gRPC's own socket is in the gate's private folder: the folder's mode guards it; the
-        # gate removes the socket it binds when it stops.
-        server.add_insecure_port(gate.add(listener.unix_path, socket_mode))
+        _bind_gated(server, listener.unix_path, socket_mode, gate)
         return listener.target
-    except SocketInUse as exc:
-        raise StartupError(str(exc)) from exc
+    try:
+        port = _bind_tcp(server, listener.target, tls)
     except RuntimeError as exc:
         raise StartupError(f"cannot listen on {listener.target}: address in use or "
                            "not permitted") from exc
+    return f"{listener.target.rpartition(':')[0]}:{port}"
 
 
 def _bind_runners(server: grpc.aio.Server, path: Path, group: int | None,
@@ -382,9 +377,18 @@ def _bind_runners(server: grpc.aio.Server, path: Path, group: int | None,
     """Serve the runner socket `path` through `gate`: mode 0o600, or 0o660 with `group` (a
     folder it creates lets the group in). Returns its target."""
     mode = RUNNERS_ONLY_MODE if group is None else RUNNER_GROUP_MODE
+    _bind_gated(server, path, mode, gate, group=group, runners=True)
+    return f"unix://{path}"
+
+
+def _bind_gated(server: grpc.aio.Server, path: Path, mode: int, gate: PeerGate, *,
+                group: int | None = None, runners: bool = False) -> None:
+    """Claim the unix socket `path` and serve it through `gate` (given to `group` when given;
+    `runners`: the runner socket). gRPC's own socket is in the gate's private folder: the
+    folder's mode guards it; the gate removes the socket it binds when it stops."""
     try:
         claim_socket_path(path, mode)
-        server.add_insecure_port(gate.add(path, mode, group=group, runners=True))
+        server.add_insecure_port(gate.add(path, mode, group=group, runners=runners))
     except SocketInUse as exc:
         raise StartupError(str(exc)) from exc
     except PermissionError as exc:
@@ -393,7 +397,6 @@ def _bind_runners(server: grpc.aio.Server, path: Path, group: int | None,
     except RuntimeError as exc:
         raise StartupError(f"cannot listen on unix://{path}: address in use or not "
                            "permitted") from exc
-    return f"unix://{path}"
 
 
 def _bind_tcp(server: grpc.aio.Server, target: str, tls: ServerTls | None) -> int:

@@ -63,7 +63,7 @@ class PeerCredentials:
     uid: int
 
 
-def peer_credentials(sock: socket.socket) -> PeerCredentials:
+def socket_credentials(sock: socket.socket) -> PeerCredentials:
     """The pid and uid of the process that connected `sock` (0 for a pid the daemon's pid
     namespace cannot see)."""
     pid, uid, _gid = _UCRED.unpack(
@@ -181,7 +181,7 @@ class RunnerProcesses:
 
     def connected(self, sock: socket.socket) -> PeerCredentials:
         """Note the process that connected `sock` (gate thread); returns its credentials."""
-        credentials = peer_credentials(sock)
+        credentials = socket_credentials(sock)
         if credentials.pid <= 0:
             return credentials
         with self._lock:
