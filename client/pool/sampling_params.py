@@ -7,14 +7,15 @@ them, in the order its module docstring gives. Names and "off" values follow vLL
 The request-level fields (`n`, `best_of`, beam search) are the client scheduler's
 (`pagedkv.client.engine.engine`): the runner sees one SamplingParams per sequence and ignores them.
 `ignore_eos` is the client's as well: the engine leaves the model's end-of-sequence ids out of the
-stop ids it sends the runner. Room is left for later fields (`min_tokens`): each is one more
-field whose default keeps today's behaviour.
+stop ids it sends the runner. `min_tokens` and `structured_outputs` travel to the runner, which
+masks the logits (stop tokens before min_tokens; what the constraint forbids).
 """
 
 from dataclasses import dataclass
 from typing import Literal
 
 from pagedkv.client.pool.checks import check_float, check_int, token_ids
+from pagedkv.client.pool.structured_outputs import StructuredOutputs
 
 # Temperatures below this are greedy, as in vLLM (`_SAMPLING_EPS`): dividing logits by a
 # near-zero temperature overflows to inf, and the limit of sampling is the argmax anyway.
@@ -80,6 +81,11 @@ class SamplingParams:
     # vLLM's ignore_eos: the model's end-of-sequence ids do not finish the sequence (benchmarks
     # use it so every request runs to max_tokens); max_tokens and stop_token_ids still do.
     ignore_eos: bool = False
+    # vLLM's min_tokens: until the sequence generated this many tokens, its stop tokens (the
+    # request's and the model's end-of-sequence ids) cannot be sampled; 0 = off; <= max_tokens.
+    min_tokens: int = 0
+    # What the output must match (JSON schema, regex, choice, grammar); None = free text.
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         check_float("temperature", self.temperature)
@@ -112,6 +118,13 @@ class SamplingParams:
         check_int("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
+                             f"{self.min_tokens}")
+        if (self.structured_outputs is not None
+                and not isinstance(self.structured_outputs, StructuredOutputs)):
+            raise ValueError("structured_outputs must be a StructuredOutputs or None")
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs)
             if self.logprobs < 0:
