@@ -3,15 +3,18 @@ names it.
 
     http_request  request_id=3f2a...  method=POST path=/v1/completions status=200
                   duration_ms=41.5 peer=10.0.0.7 prompt_tokens=12 completion_tokens=16
-                  finish_reasons=["length"]
+                  finish_reasons=["length"] ttft_ms=8.3
     http_request  request_id=job-17  ... status=400  error="max_tokens must be >= 1, got 0"
 
 A request's id is the client's `X-Request-Id` when that is a plausible id (1 to
 MAX_REQUEST_ID_CHARS letters, digits or `-_.:`, so it cannot forge log fields or fill the log),
 else one made here; vLLM uses the header the same way. It is echoed in the response's
 `X-Request-Id` (errors and streams included) and names the answer (`cmpl-ID`, `chatcmpl-ID`). A
-request that generated tokens logs its usage and each choice's finish reason (null: aborted,
-e.g. its client went away); a refused one logs why (the error body's message).
+request that generated tokens logs its usage, each choice's finish reason (null: aborted,
+e.g. its client went away) and its time to first token (`ttft_ms`: from the request's arrival,
+before its body is read, to the first token of any of its prompts, as a client sees it; the
+`time_to_first_token_seconds` histogram starts at the engine request instead); a refused one
+logs why (the error body's message).
 """
 
 import re
@@ -38,6 +41,8 @@ class Access:
 
     # The request's id: its client's X-Request-Id, or one made here.
     request_id: str
+    # When it arrived (time.monotonic()): where its ttft_ms starts.
+    arrived: float
     # The engine requests it made, one per prompt: its usage and finish reasons, read at the end.
     runs: list[PromptRun] = field(default_factory=list)
     # Why it was refused (its error body's message), when it was.
@@ -51,6 +56,9 @@ class Access:
             outcome["completion_tokens"] = sum(run.completion_tokens for run in self.runs)
             outcome["finish_reasons"] = [reason for run in self.runs
                                          for reason in run.finish_reasons]
+            firsts = [run.first_token_at for run in self.runs if run.first_token_at is not None]
+            if firsts:
+                outcome["ttft_ms"] = round((min(firsts) - self.arrived) * 1000, 1)
         if self.error is not None:
             outcome["error"] = self.error
         return outcome
@@ -70,7 +78,8 @@ def request_id(given: str | None) -> str:
 async def access_log(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Give the request its id (request[ACCESS]); log one line once it is answered."""
     started = time.monotonic()
-    access = request[ACCESS] = Access(request_id(request.headers.get(REQUEST_ID_HEADER)))
+    access = request[ACCESS] = Access(request_id(request.headers.get(REQUEST_ID_HEADER)),
+                                      started)
     status = 500
     try:
         response = await handler(request)

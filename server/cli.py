@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                 # No --runner: Engine.connect finds the runner serving config.model_name.
                 services = Services(config.daemon, config.runner or "")
             asyncio.run(_serve(args, sockets, config, services, keys, limits,
+                               serve_config.model_name,
                                lambda engine, metrics: Backend(engine, tokenizer, no_tokenizer,
                                                                serve_config, metrics)))
     except (NoNotification, OSError, ServicesFailed) as exc:
@@ -197,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _serve(args: argparse.Namespace, sockets: list[socket.socket], config: LLMConfig,
                  services: Services, keys: tuple[ApiKey, ...], limits: ConnectionLimits,
+                 model_name: str,
                  backend_for: Callable[[Engine, ServerMetrics], Backend]) -> None:
-    """Serve on `sockets` (bound by `listen`) until SIGTERM or SIGINT, then drain."""
+    """Serve on `sockets` (bound by `listen`) until SIGTERM or SIGINT, then drain; the
+    metrics are labelled with the served `model_name`."""
     with stop_on_signals() as stop:
         async def connect(salt: bytes = b"", waiting: Line | None = None) -> Engine:
             # Whoever runs the runner (our supervisor, or the operator's unit) restarts it: a
@@ -209,7 +212,7 @@ async def _serve(args: argparse.Namespace, sockets: list[socket.socket], config:
                                         runner_restart_wait_s=RESTART_WAIT_S, cache_salt=salt,
                                         waiting=waiting)
 
-        metrics = ServerMetrics(cache_figures=not keys)
+        metrics = ServerMetrics(model_name, cache_figures=not keys)
         try:
             engine = await connect()
         except PagedKVError as exc:  # e.g. no daemon or runner answers at the target given

@@ -84,6 +84,8 @@ class PromptRun:
         self._choices: dict[int, _Choice] = {}
         self.prompt_tokens = len(prompt_ids)
         self.cached_tokens = 0
+        # When its first token came (time.monotonic()), None before: the access log's TTFT.
+        self.first_token_at: float | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -114,6 +116,7 @@ class PromptRun:
                 new = sum(len(u.tokens) for u in updates)
                 if new:
                     if last == started:
+                        self.first_token_at = now
                         self.backend.metrics.first_token(now - started)
                     self.backend.metrics.tokens(new, None if last == started else now - last)
                     last = now

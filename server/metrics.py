@@ -1,12 +1,14 @@
 """The server's /metrics: the engine's figures under vLLM's names, `pagedkv:` for `vllm:`.
 
-A dashboard built for `vllm serve` reads the same series here: requests running and waiting,
-KV usage, prefix-cache queries and hits (in tokens, as vLLM counts them), preemptions, prompt and
-generation tokens, time to first token, inter-token latency and end-to-end latency histograms,
-finished requests by reason. Gauges are read from the engine at scrape time; counters and
-histograms are fed by the request streams (backend.py), from the engine that is current (a
-daemon's restart opens a new one: server/recovery.py); a stopped engine runs nothing. Runner and
-daemon restarts come from their supervisors, when the server started them.
+Every series carries `model_name="<served name>"`, as vLLM labels its own, so a dashboard built
+for `vllm serve` (ops/grafana/pagedkv.json is one) reads the same series here: requests running
+and waiting, KV usage, prefix-cache queries and hits (in tokens, as vLLM counts them),
+preemptions, prompt and generation tokens, time to first token, inter-token latency and
+end-to-end latency histograms, finished requests by reason. Gauges are read from the engine at
+scrape time; counters and histograms are fed by the request streams (backend.py), from the
+engine that is current (a daemon's restart opens a new one: server/recovery.py); a stopped
+engine runs nothing. Runner and daemon restarts come from their supervisors, when the server
+started them.
 
 The KV usage is the pool's, read from the daemon when /metrics is scraped (`refresh`): the free
 blocks an engine's answers carry stay as they were while the runner steps into reserved slots,
@@ -25,6 +27,8 @@ from pagedkv.client.pool.errors import PagedKVError
 from pagedkv.server.key_engines import KeyEngines
 
 PREFIX = "pagedkv:"
+# The label naming the served model on every series (vLLM's).
+MODEL_LABEL = "model_name"
 # vLLM's buckets (seconds) for time to first token and inter-token latency.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0)
@@ -41,45 +45,56 @@ class ServerMetrics:
     /metrics needs no key, and the hits counted after one request say how much of its prompt
     some earlier request cached, a figure only its own key may see (its usage says it)."""
 
-    def __init__(self, cache_figures: bool = True) -> None:
+    def __init__(self, model_name: str, cache_figures: bool = True) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # The served name: the value of every series' model_name label.
+        self.model_name = model_name
         # Only with cache_figures: else their counters are in no registry, never served.
         cache_registry = r if cache_figures else None
+        label = (MODEL_LABEL,)
+        # Each series is its model_name child: the one sample /metrics serves.
         self.running = Gauge(f"{PREFIX}num_requests_running", "Requests being computed.",
-                             registry=r)
+                             label, registry=r).labels(model_name)
         self.waiting = Gauge(f"{PREFIX}num_requests_waiting", "Requests waiting for room.",
-                             registry=r)
+                             label, registry=r).labels(model_name)
         self.kv_usage = Gauge(f"{PREFIX}kv_cache_usage_perc",
-                              "Share of the KV pool's blocks in use (1 = full).", registry=r)
+                              "Share of the KV pool's blocks in use (1 = full).", label,
+                              registry=r).labels(model_name)
         self.runner_restarts = Gauge(f"{PREFIX}runner_restarts",
-                                     "Times the supervisor restarted the runner.", registry=r)
+                                     "Times the supervisor restarted the runner.", label,
+                                     registry=r).labels(model_name)
         self.daemon_restarts = Gauge(f"{PREFIX}daemon_restarts",
-                                     "Times the supervisor restarted the daemon.", registry=r)
+                                     "Times the supervisor restarted the daemon.", label,
+                                     registry=r).labels(model_name)
         self.cache_queries = Counter(f"{PREFIX}prefix_cache_queries",
-                                     "Prompt tokens looked up in the prefix cache.",
-                                     registry=cache_registry)
+                                     "Prompt tokens looked up in the prefix cache.", label,
+                                     registry=cache_registry).labels(model_name)
         self.cache_hits = Counter(f"{PREFIX}prefix_cache_hits",
-                                  "Prompt tokens served by the prefix cache.",
-                                  registry=cache_registry)
+                                  "Prompt tokens served by the prefix cache.", label,
+                                  registry=cache_registry).labels(model_name)
         self.preemptions = Counter(f"{PREFIX}num_preemptions",
-                                   "Preemptions of finished requests.", registry=r)
-        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens admitted.",
-                                     registry=r)
+                                   "Preemptions of finished requests.", label,
+                                   registry=r).labels(model_name)
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens admitted.", label,
+                                     registry=r).labels(model_name)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.",
-                                         registry=r)
+                                         label, registry=r).labels(model_name)
+        # By finish reason too: a child per reason, made as reasons come.
         self.finished = Counter(f"{PREFIX}request_success", "Finished requests.",
-                                ["finished_reason"], registry=r)
+                                (MODEL_LABEL, "finished_reason"), registry=r)
         self.rejected = Counter(f"{PREFIX}requests_rejected",
-                                "Requests refused because the queue was full.", registry=r)
+                                "Requests refused because the queue was full.", label,
+                                registry=r).labels(model_name)
         self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds",
-                              "Arrival to the first generated token.", buckets=TTFT_BUCKETS,
-                              registry=r)
+                              "Arrival to the first generated token.", label,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
         self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds",
                              "Time between two steps that generated tokens of a request.",
-                             buckets=ITL_BUCKETS, registry=r)
+                             label, buckets=ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds",
-                             "Arrival to the last token.", buckets=E2E_BUCKETS, registry=r)
+                             "Arrival to the last token.", label, buckets=E2E_BUCKETS,
+                             registry=r).labels(model_name)
         # The engine of the moment (set by `watch`): its daemon is asked for the KV usage.
         self._engine: Callable[[], Engine] | None = None
         # The KV usage's read in flight: scrapes arriving meanwhile wait for it, not another.
@@ -142,7 +157,7 @@ class ServerMetrics:
         self.cache_hits.inc(output.num_cached_tokens)
         self.preemptions.inc(output.num_preemptions)
         for reason in reasons:
-            self.finished.labels(reason).inc()
+            self.finished.labels(self.model_name, reason).inc()
         self.e2e.observe(seconds)
 
 

@@ -180,14 +180,15 @@ def _tenant_families(figures: list[TenantFigures]) -> Iterator[Metric]:
 
 
 def _model_families(figures: list[ModelFigures]) -> Iterator[Metric]:
-    """Per-model gauges (label `model`) and pages per format (label `format`)."""
+    """Per-model gauges (label `model_name`, as vLLM names the model on its series) and pages
+    per format (label `format`)."""
     used = GaugeMetricFamily("pagedkv:model_used_blocks", "Distinct blocks the model's "
-                             "sessions hold (blocks of its format).", labels=["model"])
+                             "sessions hold (blocks of its format).", labels=["model_name"])
     cached = GaugeMetricFamily("pagedkv:model_cached_blocks", "Committed cached blocks the "
-                               "model left in its format's prefix cache.", labels=["model"])
+                               "model left in its format's prefix cache.", labels=["model_name"])
     memory = GaugeMetricFamily("pagedkv:model_memory_bytes", "The model's memory: used and "
                                "cached blocks, in bytes (what max_memory caps).",
-                               labels=["model"])
+                               labels=["model_name"])
     pages = GaugeMetricFamily("pagedkv:format_pages", "Pages a format (one K/V geometry, "
                               "shared by the models of that geometry) holds.", labels=["format"])
     formats: dict[str, int] = {}

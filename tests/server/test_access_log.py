@@ -4,7 +4,8 @@ runner samples token 7 every step (support/scripted_engine.py), with the chat mo
 
 A client's X-Request-Id names the request, its answer and its log line; a made-up or malformed
 one is replaced by a new id; every response (refusals and streams included) echoes the id; the
-`http_request` line carries the usage, the finish reasons and a refusal's reason.
+`http_request` line carries the usage, the finish reasons, the time to first token and a
+refusal's reason.
 """
 
 import io
@@ -33,7 +34,7 @@ async def client() -> AsyncIterator[TestClient[Any, Any]]:
     tokenizer = chat_tokenizer()
     generating = engine(ScriptedRunner(set()), max_model_len=64, vocab_size=len(tokenizer))
     backend = Backend(generating, cast(Tokenizer, tokenizer), "", ServeConfig(NAME),
-                      ServerMetrics())
+                      ServerMetrics(NAME))
     async with TestClient(TestServer(build_app(backend))) as test_client:
         yield test_client
     await generating.close()
@@ -67,6 +68,7 @@ async def test_the_client_id_names_the_answer_and_the_log_line(
     assert line["request_id"] == "job-17" and line["status"] == 200
     assert line["prompt_tokens"] == 3 and line["completion_tokens"] == 8
     assert line["finish_reasons"] == ["length", "length"] and "error" not in line
+    assert 0 <= line["ttft_ms"] <= line["duration_ms"]  # arrival to the first token, in the line
 
 
 async def test_a_chat_answer_is_named_by_the_request_id(
@@ -87,7 +89,7 @@ async def test_a_stream_echoes_a_made_id_and_logs_its_usage(
     assert made != "not an id" and f'"id":"cmpl-{made}"' in await response.text()
     [line] = events(log_lines, "http_request")
     assert line["request_id"] == made and line["completion_tokens"] == 4
-    assert line["finish_reasons"] == ["length"]
+    assert line["finish_reasons"] == ["length"] and 0 <= line["ttft_ms"] <= line["duration_ms"]
 
 
 async def test_a_refusal_logs_its_reason_and_echoes_the_id(
@@ -101,4 +103,5 @@ async def test_a_refusal_logs_its_reason_and_echoes_the_id(
     assert first["request_id"] == "job-18" and first["status"] == 400
     assert first["error"] == (await bad.json())["error"]["message"]
     assert "max_tokens" in str(first["error"]) and "prompt_tokens" not in first
+    assert "ttft_ms" not in first  # no token came
     assert second["status"] == 404 and second["error"] == "Not Found"

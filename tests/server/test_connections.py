@@ -55,7 +55,7 @@ def limits(**bounds: float) -> ConnectionLimits:
 async def serving(guard: ConnectionGuard) -> AsyncIterator[int]:
     """The app on a free loopback port (yielded), its connections bounded by `guard`."""
     backend = Backend(cast(Engine, FailingEngine()), None, "a preset", ServeConfig("m"),
-                      ServerMetrics())
+                      ServerMetrics("m"))
     runner = http_runner(build_app(backend), guard.limits, shutdown_timeout_s=1.0)
     await runner.setup()
     try:

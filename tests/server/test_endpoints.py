@@ -63,7 +63,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
 
 async def client_of(engine_: object, tokenizer: Tokenizer | None = None) -> TestClient:
     backend = Backend(cast(Engine, engine_), tokenizer, "the model is a preset (no tokenizer)",
-                      ServeConfig(NAME), ServerMetrics())
+                      ServeConfig(NAME), ServerMetrics(NAME))
     client = TestClient(TestServer(build_app(backend)))
     await client.start_server()
     return client

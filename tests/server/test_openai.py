@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from pagedkv.process.launch import Launched
 
 from chat_model import EOS_PROMPT, fast_tokenizer, hf_generate, make_chat_model_dir, reference_model
+from metrics_text import sample_value
 from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd, short_tmp_dir, start_serve
 
 try:  # the http client the openai package is built on: httpx2 from openai 3, httpx before
@@ -305,19 +306,16 @@ def test_clients_gone_mid_stream_free_their_requests_and_blocks(client: openai.O
     while metric(server, "pagedkv:num_requests_running") != 0:
         assert time.monotonic() < deadline, "the abandoned request still runs"
         time.sleep(0.05)
-    assert metric(server, 'pagedkv:request_success_total{finished_reason="abort"}') >= 1
+    assert metric(server, "pagedkv:request_success_total", finished_reason="abort") >= 1
     # Their blocks are freed, and the usage says so with no request after them.
     while metric(server, "pagedkv:kv_cache_usage_perc") != 0:
         assert time.monotonic() < deadline, "kv_cache_usage_perc stays above 0 after an abort"
         time.sleep(0.05)
 
 
-def metric(port: int, name: str) -> float:
-    """The value of the series `name` (with its labels, if any) in the server's /metrics."""
-    for line in http_get(port, "/metrics")[1].splitlines():
-        if line.rsplit(" ", 1)[0] == name:
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not in /metrics")
+def metric(port: int, name: str, **labels: str) -> float:
+    """The value of the series `name` with `labels` (among others) in the server's /metrics."""
+    return sample_value(http_get(port, "/metrics")[1], name, **labels)
 
 
 def test_metrics_use_vllms_names(server: int) -> None:

@@ -37,7 +37,7 @@ async def test_json_nested_too_deep_is_a_400() -> None:
     """A small body of nested lists makes json.loads recurse too deep: a bad body (400), not
     the server's fault (500)."""
     backend = Backend(cast(Engine, FailingEngine()), None, "a preset", ServeConfig("m"),
-                      ServerMetrics())
+                      ServerMetrics("m"))
     async with TestClient(TestServer(build_app(backend))) as client:
         response = await client.post("/v1/completions", data="[" * 100_000,
                                      headers={"Content-Type": "application/json"})

@@ -157,7 +157,7 @@ class LostEngine(FailingEngine):
 
 async def test_a_supervisor_that_gives_up_ends_the_watch_with_its_reason() -> None:
     engine = LostEngine()
-    backend = Backend(cast(Engine, engine), None, "a preset", ServeConfig("m"), ServerMetrics())
+    backend = Backend(cast(Engine, engine), None, "a preset", ServeConfig("m"), ServerMetrics("m"))
     with short_tmp_dir() as folder:
         bad = start_process("pagedkvd", [sys.executable, "-c", "raise SystemExit(2)"], folder,
                             f"unix://{folder}/none.sock")

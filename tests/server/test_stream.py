@@ -20,7 +20,7 @@ from failing_engine import FailingEngine
 
 async def events(path: str, body: dict[str, Any]) -> list[str]:
     backend = Backend(cast(Engine, FailingEngine()), None, "a preset", ServeConfig("m"),
-                      ServerMetrics())
+                      ServerMetrics("m"))
     async with TestClient(TestServer(build_app(backend))) as client:
         response = await client.post(path, json=body, timeout=ClientTimeout(total=10))
         assert response.status == 200

@@ -251,8 +251,8 @@ async def test_pool_info_and_metrics_show_the_models(daemon: Daemon, runner: Poo
     assert mine is not None and mine.model == "half"
     registry: CollectorRegistry = daemon.registry
     sample = registry.get_sample_value
-    assert sample("pagedkv:model_used_blocks", {"model": "half"}) == 5
-    assert sample("pagedkv:model_memory_bytes", {"model": "half"}) == 5 * 4096
+    assert sample("pagedkv:model_used_blocks", {"model_name": "half"}) == 5
+    assert sample("pagedkv:model_memory_bytes", {"model_name": "half"}) == 5 * 4096
     assert sample("pagedkv:format_pages", {"format": "1x2x64:float32"}) == 2
     assert sample("pagedkv:format_pages", {"format": "2x2x64:float32"}) == 6
     assert sample("pagedkv:page_moves_total") == 2
