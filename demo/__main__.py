@@ -10,8 +10,8 @@ on the CPU; a short report of what paging gives, against contiguous max-length r
 2. Run the workload (`workload`) from two client processes (`worker`, one `Engine` and daemon
    session each) on the paged stack, then on the contiguous one, sampling the daemon's /metrics.
 3. Stop every process (SIGTERM: each must exit with status 0, and no pool file may be left),
-   write report.txt and kv_blocks.svg (blocks used over time, both runs) to the output folder,
-   and print the report.
+   write report.txt and kv_blocks.svg (blocks used, running sequences and filled token slots
+   over time, both runs) to the output folder, and print the report.
 """
 
 import argparse

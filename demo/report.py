@@ -6,14 +6,20 @@ Where each figure comes from:
 - peak concurrent sequences, KV utilization, blocks saved by sharing: the daemon's /metrics
   sampled during the run (`PoolSample`): pool-wide, so both clients' sequences count together
   and a block they share counts once; a peak shorter than the sampling period may be missed.
+
+The chart shows why paging wins, from the same samples: beside the blocks used, the sequences
+the daemon holds (running) and the token slots filled in the used blocks (the slots of the used
+blocks times the fill ratio, both of one scrape). Contiguous reservations take as many blocks,
+but holds fewer sequences and fills fewer of its slots.
 """
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pagedkv.demo.pool_sampler import PoolSample
 from pagedkv.demo.runs import RunResult
-from pagedkv.demo.svg_chart import Series, line_chart
+from pagedkv.demo.svg_chart import Panel, Series, line_charts
 from pagedkv.demo.workload import BLOCK_SIZE, KINDS, MODEL, NUM_WORKERS, SYSTEM_PROMPT
 
 # How the report names each kind of request.
@@ -54,7 +60,7 @@ class Figures:
 
 def figures(run: RunResult) -> Figures:
     workers = run.workers
-    samples = [s for s in run.samples if run.started_s <= s.time_s <= run.finished_s]
+    samples = _in_run(run)
     used = [s.used_blocks / s.num_blocks for s in samples] or [0.0]
     shared = [1 - s.blocks_held / s.block_table_entries for s in samples
               if s.block_table_entries]
@@ -110,14 +116,37 @@ def report(paged: RunResult, contiguous: RunResult) -> str:
 
 
 def chart(runs: Sequence[RunResult]) -> str:
-    """KV blocks used over each run's time, one line per run."""
-    return line_chart(
-        [Series(run.stack.allocator, [(s.time_s - run.started_s, s.used_blocks)
-                                      for s in run.samples if s.time_s >= run.started_s])
-         for run in runs],
-        title="KV blocks used over time, same workload", x_label="seconds since start",
-        y_label="blocks used (dashed: the pool)",
-        y_limit=max(run.stack.num_blocks for run in runs))
+    """Blocks used, running sequences and filled token slots over each run's time: a panel
+    each, one line per run."""
+    num_blocks = max(run.stack.num_blocks for run in runs)
+    peak_seqs = max((s.num_sequences for run in runs for s in _in_run(run)), default=0)
+
+    def panel(title: str, y_label: str, y_limit: float,
+              value: Callable[[PoolSample], float]) -> Panel:
+        return Panel(title, y_label, y_limit,
+                     [Series(run.stack.allocator, [(s.time_s - run.started_s, value(s))
+                                                   for s in _in_run(run)]) for run in runs])
+
+    return line_charts([
+        panel("KV blocks used", "blocks (dashed: the pool)", num_blocks,
+              lambda s: s.used_blocks),
+        panel("running sequences (the daemon's live sequences)", "sequences (dashed: peak)",
+              max(peak_seqs, 1), lambda s: s.num_sequences),
+        panel("filled token slots of the used blocks", "slots (dashed: the pool)",
+              num_blocks * BLOCK_SIZE, filled_slots)],
+        title="Same workload: paged holds more sequences and fills the slots it uses",
+        x_label="seconds since start")
+
+
+def filled_slots(sample: PoolSample) -> int:
+    """Token slots holding a token in the used blocks: their slots times the fill ratio (one
+    scrape of the daemon's used_blocks and kv_cache_slot_fill_ratio)."""
+    return round(sample.used_blocks * BLOCK_SIZE * sample.filled)
+
+
+def _in_run(run: RunResult) -> list[PoolSample]:
+    """The samples taken from the clients' start to their end."""
+    return [s for s in run.samples if run.started_s <= s.time_s <= run.finished_s]
 
 
 def _utilization(run: Figures, num_blocks: int) -> str:

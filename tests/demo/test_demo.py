@@ -1,6 +1,7 @@
 """`make demo` keeps working: its reduced run (`--quick`) starts the daemons and runners, runs the
 workload from two client processes, stops everything cleanly, and writes the report and the
-chart."""
+chart: blocks used, running sequences and filled token slots, as the daemon's /metrics showed
+them during each run."""
 
 import re
 import subprocess
@@ -14,6 +15,9 @@ SVG = "{http://www.w3.org/2000/svg}"
 PAGED_LINES = ["requests", "tokens per second", "peak concurrent sequences", "KV utilization",
                "blocks saved by sharing", "prefix-cache hit rate", "preemptions"]
 CONTIGUOUS_LINES = ["peak concurrent sequences", "KV utilization", "requests", "preemptions"]
+BLOCK_SIZE = 16
+# The chart's panels, by the start of their titles.
+BLOCKS, SEQUENCES, SLOTS = "KV blocks used", "running sequences", "filled token slots"
 
 
 def figure(line: str) -> float:
@@ -51,9 +55,31 @@ def test_the_quick_demo_reports_both_runs_and_stops_every_process(tmp_path: Path
     assert 0 < figure(paged_lines["blocks saved by sharing"]) < 100  # n=4 and beams fork
     assert 0 <= figure(paged_lines["prefix-cache hit rate"]) < 100  # hits depend on timing
 
-    chart = ET.parse(tmp_path / "kv_blocks.svg").getroot()
-    assert chart.tag == f"{SVG}svg"
-    series = {line.get("data-name"): line.get("points", "").split()
-              for line in chart.iter(f"{SVG}polyline") if line.get("class") == "series"}
-    assert set(series) == {"paged", "contiguous"}
+    series = chart_values(tmp_path / "kv_blocks.svg")
+    assert set(series) == {(panel, run) for panel in (BLOCKS, SEQUENCES, SLOTS)
+                           for run in ("paged", "contiguous")}
     assert all(len(points) >= 2 for points in series.values())
+    # The running sequences are the samples the report's peaks come from.
+    assert max(series[SEQUENCES, "paged"].values()) == peak_paged
+    assert max(series[SEQUENCES, "contiguous"].values()) == peak_contiguous
+    # Filled slots: never more than the used blocks' slots; a reservation fills fewer of them.
+    fill = {}
+    for run in ("paged", "contiguous"):
+        blocks, slots = series[BLOCKS, run], series[SLOTS, run]
+        assert blocks.keys() == slots.keys()  # one scrape gives both
+        assert all(slots[t] <= blocks[t] * BLOCK_SIZE for t in blocks)
+        fill[run] = sum(slots.values()) / (sum(blocks.values()) * BLOCK_SIZE)
+    assert fill["contiguous"] < fill["paged"]
+
+
+def chart_values(path: Path) -> dict[tuple[str, str], dict[float, float]]:
+    """Each (panel, run) line of the chart: its values by time."""
+    chart = ET.parse(path).getroot()
+    assert chart.tag == f"{SVG}svg"
+    series = {}
+    for line in chart.iter(f"{SVG}polyline"):
+        panel = next(p for p in (BLOCKS, SEQUENCES, SLOTS)
+                     if line.get("data-panel", "").startswith(p))
+        pairs = (point.split(",") for point in line.get("data-values", "").split())
+        series[panel, line.get("data-name", "")] = {float(t): float(v) for t, v in pairs}
+    return series
