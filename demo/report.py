@@ -10,7 +10,7 @@ Where each figure comes from:
 The chart shows why paging wins, from the same samples: beside the blocks used, the sequences
 the daemon holds (running) and the token slots filled in the used blocks (the slots of the used
 blocks times the fill ratio, both of one scrape). Contiguous reservations take as many blocks,
-but holds fewer sequences and fills fewer of its slots.
+but hold fewer sequences and fill fewer of their slots.
 """
 
 from collections import Counter
