@@ -1,0 +1,241 @@
+"""`pagedkv serve` over HTTP against the offline `LLM` on the same model, prompts, lengths and
+batch, and the server's TTFT and ITL at 1, 8 and 32 concurrent streams (issue 32).
+
+Both start their daemon and runner the production way (`pagedkv serve` as a subprocess,
+serve_process.py; the `LLM` with its own children) on the same model folder: a tiny random
+Llama with a byte-level BPE tokenizer (gpu_check.make_model_dir; no end-of-sequence token) and
+the same pool. Both stay up for the whole run, and their rounds alternate, so that other work on
+the machine weighs on both alike. Every request asks `ignore_eos` and a fixed max_tokens, as
+`vllm bench serve` does: each must finish with "length" after exactly max_tokens tokens, or the
+benchmark fails.
+
+    llm_tok_s               generated tokens / s of LLM.generate(BATCH prompts) (median round)
+    serve_tok_s             the same BATCH prompts as concurrent streamed /v1/completions
+    serve_vs_llm_tok_s      serve / llm (target: at least 0.9)
+    serve_ttft_p50_ms_cC    median time to first token at C concurrent streams
+    serve_itl_p50_ms_cC     median inter-token latency at C concurrent streams
+
+TTFT and ITL are measured as `vllm bench serve` measures them (its
+async_request_openai_completions): TTFT from just before the request is sent to the first
+chunk carrying choices; ITL the gaps between successive such chunks, every request's gaps
+pooled; the medians of those. C concurrent streams: REQUESTS_PER_STREAM requests per stream,
+at most C in flight (its --max-concurrency). One request goes through the real `openai` client
+too, to check that the stream it parses carries the same answer.
+
+Usage: python benchmarks/bench_serve.py [--rounds 5] [--device cpu] [--quick]
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import openai
+from e2e import add_quick_flag, figure
+from gpu_check import make_model_dir
+from serve_process import Server, served
+
+from pagedkv.client import SamplingParams
+from pagedkv.llm.llm import LLM
+
+# Prompts stepped together, and tokens each generates.
+BATCH = 32
+MAX_TOKENS = 256
+# The pool of both stacks: room for every sequence at once (no preemption on either side).
+NUM_BLOCKS = 1024
+ROUNDS = 5
+CONCURRENCY = (1, 8, 32)
+# Latency runs: requests per stream, and tokens each generates.
+REQUESTS_PER_STREAM = 2
+LATENCY_TOKENS = 64
+# Words the prompts are made of (gpu_check's tokenizer is trained on them).
+WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "in", "park", "quick", "brown",
+         "fox", "jumps", "over", "lazy"]
+
+
+@dataclass
+class Stream:
+    """One streamed completion as the client saw it."""
+
+    # time.perf_counter() just before the request was sent.
+    sent_s: float
+    # When each chunk carrying choices arrived.
+    chunk_s: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    # The usage chunk's completion tokens.
+    completion_tokens: int = 0
+    text: str = ""
+
+    @property
+    def ttft_s(self) -> float:
+        return self.chunk_s[0] - self.sent_s
+
+    @property
+    def itl_s(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_s, self.chunk_s[1:], strict=False)]
+
+
+def prompts(count: int, salt: int) -> list[str]:
+    """`count` distinct prompts of 12 words (about 20 tokens); `salt` makes another set, so no
+    round finds the one before it in the prefix cache."""
+    return [" ".join(WORDS[(i * 7 + salt * 5 + j * j) % len(WORDS)] for j in range(12))
+            + f" {salt} {i}" for i in range(count)]
+
+
+def body(server: Server, prompt: str, max_tokens: int) -> dict[str, object]:
+    """A greedy streamed completion running to max_tokens, with its usage at the end."""
+    return {"model": server.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+async def stream(http: aiohttp.ClientSession, server: Server, prompt: str,
+                 max_tokens: int) -> Stream:
+    """One request, read to its end; each chunk timed as it arrives."""
+    seen = Stream(time.perf_counter())
+    async with http.post(f"{server.url}/v1/completions",
+                         json=body(server, prompt, max_tokens)) as reply:
+        reply.raise_for_status()
+        async for line in reply.content:
+            data = line.strip().removeprefix(b"data: ")
+            if not data or data == b"[DONE]":
+                continue
+            chunk = json.loads(data)
+            if chunk.get("choices"):
+                seen.chunk_s.append(time.perf_counter())
+                choice = chunk["choices"][0]
+                seen.text += choice["text"]
+                seen.finish_reason = choice.get("finish_reason") or seen.finish_reason
+            elif chunk.get("usage"):
+                seen.completion_tokens = chunk["usage"]["completion_tokens"]
+    check(seen.finish_reason, seen.completion_tokens, max_tokens, prompt)
+    return seen
+
+
+def check(finish_reason: str | None, tokens: int, max_tokens: int, prompt: str) -> None:
+    """Every request runs to max_tokens (ignore_eos honoured), or the figures mean nothing."""
+    if finish_reason != "length" or tokens != max_tokens:
+        raise SystemExit(f"bench_serve: {prompt!r} ended with {finish_reason!r} after {tokens} "
+                         f"tokens, not 'length' after {max_tokens}: ignore_eos not honoured")
+
+
+async def streams(server: Server, batch: Sequence[str], concurrency: int,
+                  max_tokens: int) -> tuple[list[Stream], float]:
+    """Every prompt of `batch` streamed, at most `concurrency` at once; and the wall time."""
+    gate = asyncio.Semaphore(concurrency)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+
+        async def one(prompt: str) -> Stream:
+            async with gate:
+                return await stream(http, server, prompt, max_tokens)
+
+        began = time.perf_counter()
+        done = await asyncio.gather(*(one(prompt) for prompt in batch))
+        return done, time.perf_counter() - began
+
+
+def llm_tok_s(llm: LLM, batch: list[str], max_tokens: int) -> float:
+    """Generated tokens / s of one LLM.generate of `batch`."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    began = time.perf_counter()
+    outputs = llm.generate(batch, params, progress=False)
+    wall = time.perf_counter() - began
+    for prompt, output in zip(batch, outputs, strict=True):
+        completion = output.outputs[0]
+        check(completion.finish_reason, len(completion.token_ids), max_tokens, prompt)
+    return sum(len(output.outputs[0].token_ids) for output in outputs) / wall
+
+
+def serve_tok_s(server: Server, batch: list[str], max_tokens: int) -> float:
+    """Generated tokens / s of `batch` as concurrent streams, all at once."""
+    done, wall = asyncio.run(streams(server, batch, len(batch), max_tokens))
+    return sum(seen.completion_tokens for seen in done) / wall
+
+
+async def through_openai(server: Server, prompt: str, max_tokens: int) -> str:
+    """The real `openai` client's streamed completion of `prompt`: its text (checked to run to
+    max_tokens)."""
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    text, finish_reason, tokens = "", None, 0
+    async with client:
+        chunks = await client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in chunks:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish_reason = chunk.choices[0].finish_reason or finish_reason
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+    check(finish_reason, tokens, max_tokens, prompt)
+    return text
+
+
+def throughput(llm: LLM, server: Server, rounds: int, batch: int, max_tokens: int) -> None:
+    """LLM and serve rounds, alternating; the medians and their ratio."""
+    offline, online = [], []
+    for index in range(rounds):
+        offline.append(llm_tok_s(llm, prompts(batch, 2 * index), max_tokens))
+        online.append(serve_tok_s(server, prompts(batch, 2 * index + 1), max_tokens))
+    llm_median, serve_median = statistics.median(offline), statistics.median(online)
+    figure("llm_tok_s", llm_median, "tok/s", 0)
+    figure("serve_tok_s", serve_median, "tok/s", 0)
+    figure("serve_vs_llm_tok_s", serve_median / llm_median, "ratio", 2)
+
+
+def latency(server: Server, concurrency: int, max_tokens: int) -> None:
+    """TTFT and ITL medians of REQUESTS_PER_STREAM requests per stream, `concurrency` streams."""
+    batch = prompts(concurrency * REQUESTS_PER_STREAM, 100 + concurrency)
+    done, _ = asyncio.run(streams(server, batch, concurrency, max_tokens))
+    ttft = statistics.median(seen.ttft_s for seen in done)
+    itl = statistics.median(gap for seen in done for gap in seen.itl_s)
+    figure(f"serve_ttft_p50_ms_c{concurrency}", ttft * 1000, "ms", 1)
+    figure(f"serve_itl_p50_ms_c{concurrency}", itl * 1000, "ms", 2)
+
+
+@contextlib.contextmanager
+def stacks(folder: Path, device: str) -> Iterator[tuple[LLM, Server]]:
+    """The LLM and the server on the model saved in `folder`, with the same pool."""
+    model = folder / "model"
+    make_model_dir(model, "llama")
+    with LLM(model=str(model), device=device, num_blocks=NUM_BLOCKS) as llm, \
+            served(folder, str(model), "--device", device, "--num-blocks",
+                   str(NUM_BLOCKS)) as server:
+        yield llm, server
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_argument("--rounds", type=int, default=ROUNDS)
+    cli.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    add_quick_flag(cli)
+    args = cli.parse_args()
+    if args.rounds < 1:
+        cli.error(f"--rounds must be at least 1, got {args.rounds}")
+    batch, max_tokens, latency_tokens = (4, 8, 8) if args.quick else \
+        (BATCH, MAX_TOKENS, LATENCY_TOKENS)
+    with tempfile.TemporaryDirectory(prefix="bsv-") as name, \
+            stacks(Path(name), args.device) as (llm, server):
+        warm = prompts(2, 999)
+        text = asyncio.run(through_openai(server, warm[0], max_tokens))
+        seen, _ = asyncio.run(streams(server, warm[:1], 1, max_tokens))
+        if seen[0].text != text:  # greedy: the same prompt gives the same text either way
+            raise SystemExit(f"bench_serve: the openai client read {text!r}, aiohttp "
+                             f"{seen[0].text!r}")
+        llm_tok_s(llm, warm, max_tokens)
+        throughput(llm, server, 1 if args.quick else args.rounds, batch, max_tokens)
+        for concurrency in (1, 2) if args.quick else CONCURRENCY:
+            latency(server, concurrency, latency_tokens)
+
+
+if __name__ == "__main__":
+    main()
