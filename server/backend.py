@@ -53,6 +53,9 @@ class ServeConfig:
     max_choices: int = 64
     # Most top logprobs per token.
     max_logprobs: int = 20
+    # The parser of tool_choice "auto" (--tool-call-parser, with --enable-auto-tool-choice);
+    # None: "auto" is refused, as vLLM refuses it without them.
+    auto_tool_parser: str | None = None
 
 
 class Backend:

@@ -56,6 +56,7 @@ from pagedkv.server.listener import (
 )
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.recovery import EngineKeeper, ServicesFailed
+from pagedkv.server.tools.parsers import PARSERS
 from pagedkv.vocab.geometry import model_name
 
 PROG = "pagedkv serve"
@@ -124,6 +125,11 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--swap", choices=("auto", "always", "never"), default="auto",
                      help="restore evicted and preempted blocks from the host tier, or "
                           "recompute them (default auto: whichever is faster)")
+    cli.add_argument("--enable-auto-tool-choice", action="store_true", help="honour "
+                     'tool_choice "auto": the model calls tools when it chooses to (with '
+                     "--tool-call-parser)")
+    cli.add_argument("--tool-call-parser", choices=sorted(PARSERS), help="the format the "
+                     'model writes tool calls in, read for tool_choice "auto"')
     cli.add_argument("--log-level", default="info", help="default info")
     cli.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
     return cli
@@ -135,6 +141,14 @@ def _registered_name(args: argparse.Namespace) -> str | None:
     if args.daemon is None or args.runner is not None:
         return None
     return str(args.served_model_name or model_name(args.model))
+
+
+def auto_tool_parser(args: argparse.Namespace) -> str | None:
+    """The parser of tool_choice "auto", or None; ValueError for one flag without the other
+    (vLLM's rule: neither does anything alone)."""
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
+    return str(args.tool_call_parser) if args.enable_auto_tool_choice else None
 
 
 def api_keys(args: argparse.Namespace) -> tuple[ApiKey, ...]:
@@ -157,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         keys = api_keys(args)
+        tool_parser = auto_tool_parser(args)
         limits = connection_limits(args, raise_fd_limit())
         config = LLMConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
                            device=args.device, daemon=args.daemon, runner=args.runner,
@@ -177,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     log_setup.configure(args.log_level, args.log_format)
     serve_config = ServeConfig(args.served_model_name or args.model, args.max_waiting_requests,
-                               args.max_choices)
+                               args.max_choices, auto_tool_parser=tool_parser)
     try:
         with contextlib.ExitStack() as resources:
             sockets = [resources.enter_context(sock) for sock in listen(args.host, args.port)]

@@ -17,12 +17,14 @@ from pagedkv.server.errors import ApiError
 from pagedkv.server.generation import PromptRun, TokenInfo, collect, merged, token_string
 from pagedkv.server.protocol import CompletionRequest, Limits, read_completion
 from pagedkv.server.sse import done, errors_as_event, open_stream, send
+from pagedkv.server.structured import check_compiles
 
 
 async def create_completion(request: web.Request, backend: Backend, body: dict[str, Any],
                             limits: Limits) -> web.StreamResponse:
     completion = read_completion(body, limits)
     backend.check_model(completion.sampling.model)
+    await check_compiles(completion.sampling.constraint)
     _check_text(completion, backend)
     prompts = [backend.encode(p, "prompt" if len(completion.prompts) == 1 else f"prompt[{i}]")
                for i, p in enumerate(completion.prompts)]

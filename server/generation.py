@@ -161,8 +161,10 @@ class PromptRun:
 
     def _text_stream(self) -> TextStream | None:
         tokenizer = self.backend.tokenizer
-        return None if tokenizer is None else TextStream(tokenizer, self.sampling.stop,
-                                                          prompt_ids=self.prompt_ids)
+        sampling = self.sampling
+        return None if tokenizer is None else TextStream(
+            tokenizer, sampling.stop, prompt_ids=self.prompt_ids,
+            skip_special_tokens=sampling.skip_special_tokens, include_stop=sampling.include_stop)
 
     def _tokens(self, completion: CompletionOutput, start: int, end: int) -> list[TokenInfo]:
         ids = completion.token_ids

@@ -4,41 +4,33 @@
 
 Names, defaults and ranges are OpenAI's, with vLLM's extensions (`top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids`, `use_beam_search`, `length_penalty`, `best_of`,
-`ignore_eos`). Every field is checked before anything is submitted, and a bad one is refused
-with its name as `param`; fields the server does not know are ignored, as OpenAI's own server
-ignores them. Fields it knows but does not honour yet (structured outputs, tool calls: NOT_YET)
-are refused, unless their value changes nothing: a 200 with free text would be a wrong answer.
-The sampling fields become one `SamplingParams` (which checks its own ranges: its messages
-start with the field's name, errors.py maps them).
+`ignore_eos`, `min_tokens`, `include_stop_str_in_output`, `skip_special_tokens`, structured
+outputs, and for chat `add_generation_prompt`, `continue_final_message`,
+`chat_template_kwargs`). Every field the server accepts is honoured or documented as inert;
+every other one, known to OpenAI's or vLLM's schemas or not, is refused with a 400 naming it
+(fields.py says which and why). Every field is checked before anything is submitted. The
+sampling fields become one `SamplingParams` (which checks its own ranges: its messages start
+with the field's name, errors.py maps them); the output constraint is structured.py's, the
+tools server/tools/'s.
 """
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.server.errors import bad_request, from_value_error
+from pagedkv.server.fields import CHAT, COMPLETION, check_fields
+from pagedkv.server.structured import Constraint, read_constraint
+from pagedkv.server.tools.request import ToolPlan, read_tools
 
 # Sampling fields whose checks are SamplingParams' (their errors name them).
 SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "seed", "n", "best_of", "max_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty",
-    "stop_token_ids", "logprobs", "ignore_eos"})
-# Fields not honoured yet: the values that change nothing (accepted), and the feature that will
-# honour the others (named in the 400).
-NOT_YET: dict[str, tuple[tuple[object, ...], str]] = {
-    "response_format": ((None, {"type": "text"}), "structured outputs"),
-    "structured_outputs": ((None,), "structured outputs"),
-    "guided_json": ((None,), "structured outputs"),
-    "guided_regex": ((None,), "structured outputs"),
-    "guided_choice": ((None,), "structured outputs"),
-    "guided_grammar": ((None,), "structured outputs"),
-    "tools": ((None, []), "tool calls"),
-    "tool_choice": ((None, "none"), "tool calls"),
-    "functions": ((None, []), "tool calls"),
-    "function_call": ((None, "none"), "tool calls"),
-}
+    "stop_token_ids", "logprobs", "ignore_eos", "min_tokens"})
+# vLLM's stream_options keys, and the value of each that pagedkv honours (None: any bool).
+STREAM_OPTIONS = {"include_usage": None, "continuous_usage_stats": False}
 # OpenAI's completions default for max_tokens.
 COMPLETIONS_MAX_TOKENS = 16
 # Most stop strings per request, and most characters in one (OpenAI allows 4; vLLM more).
@@ -56,6 +48,9 @@ class Limits:
     max_choices: int = 64
     # The model's positions: the default max_tokens of a chat request is what is left of them.
     max_model_len: int = 0
+    # The parser of tool_choice "auto" (--tool-call-parser with --enable-auto-tool-choice);
+    # None: "auto" is refused.
+    tool_parser: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +68,12 @@ class Sampling:
     logprobs: int | None
     # max_tokens given by the client (else the endpoint's default applies).
     max_tokens_given: bool
+    # The output constraint and the field that set it (its compile error names that field).
+    constraint: Constraint | None = None
+    # vLLM's include_stop_str_in_output: the stop string that ended a choice stays in its text.
+    include_stop: bool = False
+    # vLLM's skip_special_tokens: the text leaves special tokens out (the default).
+    skip_special_tokens: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +94,19 @@ class ChatRequest:
     sampling: Sampling
     # The conversation, as sent (chat.py checks and renders it).
     messages: list[dict[str, Any]]
+    # The tools and the tool choice (what the template sees, the constraint, the parser).
+    tools: ToolPlan
+    # The template opens the assistant's turn (vLLM's add_generation_prompt, default true), or
+    # leaves the last message open for the model to continue (continue_final_message).
+    add_generation_prompt: bool
+    continue_final_message: bool
+    # vLLM's chat_template_kwargs: more variables for the template.
+    template_kwargs: dict[str, Any]
 
 
 def read_completion(body: Mapping[str, Any], limits: Limits) -> CompletionRequest:
     """A /v1/completions body, checked."""
+    check_fields(body, COMPLETION)
     prompts = _prompts(body.get("prompt"))
     logprobs = _optional_int(body, "logprobs")
     if logprobs is not None and not 0 <= logprobs <= limits.max_logprobs:
@@ -106,13 +116,14 @@ def read_completion(body: Mapping[str, Any], limits: Limits) -> CompletionReques
     if echo and logprobs is not None:
         raise bad_request("echo", "echo with logprobs asks for the prompt's logprobs, which "
                                   "pagedkv does not compute: drop one of the two")
-    sampling = _sampling(body, logprobs, COMPLETIONS_MAX_TOKENS)
+    sampling = _sampling(body, logprobs, COMPLETIONS_MAX_TOKENS, read_constraint(body))
     _check_choices(sampling, len(prompts), limits)
     return CompletionRequest(sampling, prompts, echo)
 
 
 def read_chat(body: Mapping[str, Any], limits: Limits) -> ChatRequest:
     """A /v1/chat/completions body, checked (its messages by chat.py, when rendered)."""
+    check_fields(body, CHAT)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages", "messages must be a non-empty list of messages")
@@ -132,16 +143,31 @@ def read_chat(body: Mapping[str, Any], limits: Limits) -> ChatRequest:
         body = {**body, "max_tokens": completion_tokens}
     # A chat request without max_tokens may use what is left of the model's positions: the
     # engine takes min(max_tokens, positions left) per sequence.
-    sampling = _sampling(body, logprobs, limits.max_model_len or COMPLETIONS_MAX_TOKENS)
+    tools = read_tools(body, limits.tool_parser)
+    constraint = read_constraint(body)
+    if tools.constraint is not None and constraint is not None:
+        raise bad_request(constraint.field, f"{constraint.field} and tool_choice "
+                                            f"{tools.choice!r} both constrain the output: send "
+                                            "one of them")
+    sampling = _sampling(body, logprobs, limits.max_model_len or COMPLETIONS_MAX_TOKENS,
+                         tools.constraint or constraint)
     _check_choices(sampling, 1, limits)
-    return ChatRequest(sampling, messages)
+    generation_prompt = _bool(body, "add_generation_prompt", True)
+    continue_final = _bool(body, "continue_final_message", False)
+    if generation_prompt and continue_final:
+        raise bad_request("continue_final_message", "continue_final_message needs "
+                                                    "add_generation_prompt: false")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("chat_template_kwargs", "chat_template_kwargs must be an object")
+    return ChatRequest(sampling, messages, tools, generation_prompt, continue_final, kwargs)
 
 
-def _sampling(body: Mapping[str, Any], logprobs: int | None, max_tokens: int) -> Sampling:
+def _sampling(body: Mapping[str, Any], logprobs: int | None, max_tokens: int,
+              constraint: Constraint | None) -> Sampling:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("model", "model must name the served model (GET /v1/models)")
-    _refuse_not_yet(body)
     beam = _bool(body, "use_beam_search", False)
     n = _optional_int(body, "n")
     best_of = _optional_int(body, "best_of")
@@ -155,6 +181,8 @@ def _sampling(body: Mapping[str, Any], logprobs: int | None, max_tokens: int) ->
         options["top_k"] = body["top_k"]
     options["stop_token_ids"] = tuple(_int_list(body, "stop_token_ids"))
     options["ignore_eos"] = _bool(body, "ignore_eos", False)
+    options["min_tokens"] = _optional_int(body, "min_tokens") or 0
+    options["structured_outputs"] = constraint.outputs if constraint is not None else None
     if beam:  # vLLM's rule: best_of (else n) beams, n best returned, greedy
         options.update(beam_width=best_of or n or 1, temperature=0.0)
     elif best_of is not None:
@@ -167,25 +195,28 @@ def _sampling(body: Mapping[str, Any], logprobs: int | None, max_tokens: int) ->
     if stream and (params.beam_width or params.num_samples != params.n):
         raise bad_request("stream", "streaming needs best_of == n and no beam search: the "
                                     "outputs are chosen only at the end")
+    return Sampling(model, params, _stop(body.get("stop")), stream, _include_usage(body),
+                    logprobs, body.get("max_tokens") is not None, constraint,
+                    _bool(body, "include_stop_str_in_output", False),
+                    _bool(body, "skip_special_tokens", True))
+
+
+def _include_usage(body: Mapping[str, Any]) -> bool:
+    """stream_options.include_usage, its other keys checked (each honoured or refused)."""
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad_request("stream_options", "stream_options must be an object")
-    include_usage = stream_options.get("include_usage")
-    if include_usage is not None and not isinstance(include_usage, bool):
-        raise bad_request("stream_options.include_usage", f"stream_options.include_usage must "
-                                                          f"be true or false, got "
-                                                          f"{include_usage!r}")
-    return Sampling(model, params, _stop(body.get("stop")), stream, bool(include_usage),
-                    logprobs, body.get("max_tokens") is not None)
-
-
-def _refuse_not_yet(body: Mapping[str, Any]) -> None:
-    """400 naming the first field of NOT_YET whose value would change the answer."""
-    for name, (inert, feature) in NOT_YET.items():
-        if body.get(name) not in inert:
-            inert_values = " or ".join(json.dumps(value) for value in inert if value is not None)
-            allowed = f"leave it out or send {inert_values}" if inert_values else "leave it out"
-            raise bad_request(name, f"{name} is not supported yet ({feature}): {allowed}")
+    if stream_options and body.get("stream") is not True:
+        raise bad_request("stream_options", "stream_options needs stream: true")
+    for key, value in stream_options.items():
+        param = f"stream_options.{key}"
+        if key not in STREAM_OPTIONS:
+            raise bad_request(param, f"Unrecognized request argument supplied: {param}")
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(param, f"{param} must be true or false, got {value!r}")
+        if value is not None and STREAM_OPTIONS[key] not in (None, value):
+            raise bad_request(param, f"{param} is not supported: usage comes in the last chunk")
+    return bool(stream_options.get("include_usage"))
 
 
 def _check_choices(sampling: Sampling, prompts: int, limits: Limits) -> None:

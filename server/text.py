@@ -30,7 +30,8 @@ class TextStream:
     The texts `add` and `finish` return, concatenated, are `text`; for a completion that did
     not stop on a string they equal `tokenizer.decode(tokens, skip_special_tokens=...)` of all
     its tokens; for one that did, that text cut before the stop string's first character
-    (OpenAI leaves the stop string out).
+    (OpenAI leaves the stop string out), or after its last with `include_stop` (vLLM's
+    include_stop_str_in_output).
 
     `prompt_ids`: the prompt, whose last tokens are decoded as context, as vLLM does. Byte-level
     BPE does not need it; SentencePiece (Llama 2, Mistral) does: decode drops the space of a
@@ -38,7 +39,8 @@ class TextStream:
     With it, the text is decode(prompt + tokens) less the prompt's text."""
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *,
-                 skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()) -> None:
+                 skip_special_tokens: bool = True, prompt_ids: Sequence[int] = (),
+                 include_stop: bool = False) -> None:
         for index, string in enumerate(stop):
             if not string:
                 raise ValueError(f"stop[{index}]: a stop string must not be empty")
@@ -48,6 +50,8 @@ class TextStream:
         self._stop = tuple(stop)
         # Whether special tokens (the end-of-sequence one) are left out of the text.
         self._skip_special_tokens = skip_special_tokens
+        # Whether the stop string that ended the text stays in it.
+        self._include_stop = include_stop
         # The prompt's last tokens, then the completion's so far (up to the one that
         # completed a stop string).
         self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
@@ -148,10 +152,11 @@ class TextStream:
     def _cut_at_stop(self, text: str, start: int) -> None:
         """Stops the completion at the earliest stop string in `text` (the held text, perhaps
         with more) that ends past `start`, where the text new since the last look begins."""
-        found = [index for string in self._stop
+        found = [(index, index + len(string)) for string in self._stop
                  if (index := text.find(string, max(0, start - len(string) + 1))) >= 0]
         if found:
-            self._held = text[:min(found)]
+            begin, end = min(found)
+            self._held = text[:end if self._include_stop else begin]
             self._stopped = True
 
     def _held_back(self) -> int:
