@@ -6,6 +6,11 @@
         --runner unix:///run/pagedkv-runner/pagedkv-runner.sock "Hello"
     pagedkv generate --model /models/qwen-ft --daemon unix:///run/pagedkv/pagedkvd.sock \
         --model-name qwen-ft "Hello"        # the runner that registered qwen-ft
+    pagedkv generate --model tiny-llama --max-model-len 256 --seed 7 --no-enable-prefix-caching
+
+The engine's flags are `LLMConfig`'s, as `pagedkv serve` and `LLM(...)` take them (vLLM's
+names). The model is given with --model only: the positional arguments are the prompts, so a
+prompt that happens to name a folder or a preset is never read as a model.
 
 Each prompt's completions are printed as Python string literals (a newline stays on its line):
 
@@ -17,12 +22,14 @@ With more than one prompt a progress bar is drawn on stderr when it is a termina
 """
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 
 from pagedkv.client.engine.outputs import RequestOutput
 from pagedkv.client.pool.errors import PagedKVError
 from pagedkv.client.pool.sampling_params import SamplingParams
+from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.llm import LLM
 from pagedkv.process.launch import NoNotification
 
@@ -39,31 +46,17 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
     cli.add_argument("--prompts-file", metavar="FILE",
                      help="more prompts, one per line (empty lines skipped; - for stdin)")
-    cli.add_argument("--model", help="a local Hugging Face model directory (its tokenizer "
-                                     "encodes the prompts and decodes the completions)")
     cli.add_argument("--max-tokens", type=int, default=16, help="tokens per completion "
                                                                 "(default 16)")
     cli.add_argument("--temperature", type=float, default=None,
                      help="default 1.0; 0 is greedy (the default with --beam-width)")
     cli.add_argument("--top-p", type=float, default=1.0, help="default 1.0 (off)")
-    cli.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     cli.add_argument("--n", type=int, default=1, help="completions per prompt (default 1)")
     cli.add_argument("--beam-width", type=int, default=0,
                      help="beam search with this many beams (default 0: off)")
-    cli.add_argument("--daemon", help="gRPC target of a running pagedkvd (with --runner or "
-                                      "--model-name)")
-    cli.add_argument("--runner", help="gRPC target of a running pagedkv runner (with --daemon)")
     cli.add_argument("--model-name", help="with --daemon: the model to generate with, as its "
                                           "runner registered it (that runner is used)")
-    cli.add_argument("--dtype", default="auto", help="float16, bfloat16, float32 or auto "
-                                                     "(the model config's; default)")
-    cli.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
-    pool = cli.add_mutually_exclusive_group()
-    pool.add_argument("--kv-cache-memory", metavar="BYTES", help="KV pool size, e.g. 2GiB "
-                      "(default: planned from the device's memory)")
-    pool.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
-    cli.add_argument("--max-num-seqs", type=int, default=256,
-                     help="most sequences batched together (default 256)")
+    LLMConfig.add_cli_args(cli)
     return cli
 
 
@@ -83,8 +76,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     greedy_default = 0.0 if args.beam_width else 1.0
     temperature = greedy_default if args.temperature is None else args.temperature
-    return SamplingParams(temperature=temperature, top_p=args.top_p, seed=args.seed,
-                          max_tokens=args.max_tokens, n=args.n, beam_width=args.beam_width)
+    return SamplingParams(temperature=temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                          n=args.n, beam_width=args.beam_width)
 
 
 def print_outputs(outputs: Sequence[RequestOutput]) -> None:
@@ -99,14 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prompts = read_prompts(args)
         params = sampling_params(args)
+        config = LLMConfig.from_cli_args(args, model_name=args.model_name)
     except (OSError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        with LLM(args.model, dtype=args.dtype, device=args.device, daemon=args.daemon,
-                 runner=args.runner, model_name=args.model_name,
-                 kv_cache_memory=args.kv_cache_memory,
-                 num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs) as llm:
+        with LLM(**dataclasses.asdict(config)) as llm:
             print_outputs(llm.generate(prompts, params))
     except ValueError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -53,6 +53,8 @@ class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.config = LLMConfig(model=model, **options)
         model_ref = resolve_model(model) if model is not None else None
+        if model_ref is not None:
+            model_ref.check_max_model_len(self.config.max_model_len)
         self.tokenizer, self._no_tokenizer = tokenizer_for(self.config, model_ref)
         # Everything to undo, newest first: the engine, the loop, the children.
         self._resources = contextlib.ExitStack()

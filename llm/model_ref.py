@@ -4,7 +4,13 @@ initialized for demos. Resolved and checked before any process starts; nothing i
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.vocab.geometry import PRESETS, dtype_bytes, geometry_from_hf_config
+from pagedkv.vocab.geometry import (
+    PRESETS,
+    ModelGeometry,
+    dtype_bytes,
+    geometry_from_hf_config,
+    max_positions_from_hf_config,
+)
 
 # Checkpoint files whose sizes add up to the weights' memory; safetensors when there are any
 # (a folder may hold both formats of the same weights).
@@ -37,6 +43,26 @@ class ModelRef:
         if self.path is None:
             return PRESETS[self.name].dtype
         return geometry_from_hf_config(self.path).default_dtype
+
+    def geometry(self) -> ModelGeometry:
+        """The model's KV geometry (what one token's K and V take)."""
+        if self.path is None:
+            return PRESETS[self.name].geometry()
+        return geometry_from_hf_config(self.path)
+
+    def max_positions(self) -> int | None:
+        """The positions the model takes (vLLM's max_model_len); None when its config names
+        none."""
+        if self.path is None:
+            return PRESETS[self.name].max_positions
+        return max_positions_from_hf_config(self.path)
+
+    def check_max_model_len(self, max_model_len: int | None) -> None:
+        """ValueError when `max_model_len` exceeds the positions the model takes."""
+        positions = self.max_positions()
+        if max_model_len is not None and positions is not None and max_model_len > positions:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the {positions} positions "
+                             f"{self.name!r} takes (its max_position_embeddings)")
 
     def weights_bytes(self, dtype: str) -> int:
         """Memory of the weights loaded in `dtype`: the checkpoint files' size, scaled from the

@@ -56,21 +56,21 @@ def start_services(config: LLMConfig, model: ModelRef, resources: contextlib.Exi
     that far."""
     device = config.device or _default_device()
     dtype = model.config_dtype() if config.dtype == "auto" else config.dtype
-    pool_args = pool_size_args(config, device, model.weights_bytes(dtype))
     dtype_args = [] if config.dtype == "auto" else ["--dtype", config.dtype]
-    host_args = ["--host-tier-memory", str(config.host_tier_bytes)] if config.host_tier_bytes \
-        else []
     folder = _private_folder()
     resources.callback(shutil.rmtree, folder, ignore_errors=True)
-    daemon_args = [*model.daemon_args(), "--block-size", str(config.block_size), "--device",
-                   device, *dtype_args, *pool_args, *host_args, *CHILD_LOG_ARGS]
+    daemon_args = [*model.daemon_args(), "--block-size", str(config.started_block_size),
+                   "--device", device, *dtype_args, *pool_size_args(config, model, device, dtype),
+                   *_daemon_switches(config), *CHILD_LOG_ARGS]
 
     def new_daemon() -> Launched:
         return start_daemon(folder, *daemon_args)
 
     daemon = _started(new_daemon, config, resources)
     daemon_supervisor = _supervised(new_daemon, daemon, config, resources) if supervise else None
-    runner_args = [*model.runner_args(config.seed), *dtype_args, *CHILD_LOG_ARGS]
+    runner_args = [*model.runner_args(config.seed or 0), *dtype_args, *CHILD_LOG_ARGS]
+    if config.tokenizer is not None:  # what structured outputs compile against
+        runner_args += ["--tokenizer", str(Path(config.tokenizer).resolve())]
 
     def new_runner() -> Launched:
         return start_runner(daemon.runners_target, folder, *runner_args)
@@ -78,6 +78,14 @@ def start_services(config: LLMConfig, model: ModelRef, resources: contextlib.Exi
     runner = _started(new_runner, config, resources)
     runner_supervisor = _supervised(new_runner, runner, config, resources) if supervise else None
     return Services(daemon.unix_target, runner.unix_target, daemon_supervisor, runner_supervisor)
+
+
+def _daemon_switches(config: LLMConfig) -> list[str]:
+    """The daemon's flags for the host tier and prefix caching (its defaults: none, on)."""
+    host_tier = ["--host-tier-memory", str(config.host_tier_bytes)] if config.host_tier_bytes \
+        else []
+    return [*host_tier, *(["--no-prefix-caching"] if config.enable_prefix_caching is False
+                          else [])]
 
 
 def _started(start: Callable[[], Launched], config: LLMConfig,

@@ -38,7 +38,8 @@ def preset_config(preset: Preset) -> LlamaConfig:
     return LlamaConfig(vocab_size=1000, hidden_size=preset.hidden_size,
                        intermediate_size=preset.intermediate_size,
                        num_hidden_layers=preset.num_layers, num_attention_heads=preset.num_heads,
-                       num_key_value_heads=preset.num_kv_heads, max_position_embeddings=4096,
+                       num_key_value_heads=preset.num_kv_heads,
+                       max_position_embeddings=preset.max_positions,
                        initializer_range=0.2, dtype=preset.dtype, eos_token_id=None,
                        bos_token_id=None, pad_token_id=None)
 

@@ -84,7 +84,7 @@ def _endpoint(create: Endpoint) -> Handler:
         if body.get("model") is None:  # vLLM's default: the one model served
             body["model"] = backend.config.model_name
         limits = Limits(backend.config.max_logprobs, backend.config.max_choices,
-                        backend.engine.max_model_len, backend.config.auto_tool_parser)
+                        backend.engine.max_model_len)
         return await create(request, backend, body, limits)
 
     return handle
@@ -92,10 +92,11 @@ def _endpoint(create: Endpoint) -> Handler:
 
 async def _models(request: web.Request) -> web.Response:
     backend = request.app[BACKEND]
-    name = backend.config.model_name
+    root = backend.config.model_name
     return web.json_response({"object": "list", "data": [{
         "id": name, "object": "model", "created": backend.started, "owned_by": "pagedkv",
-        "root": name, "max_model_len": backend.engine.max_model_len}]})
+        "root": root, "max_model_len": backend.engine.max_model_len}
+        for name in backend.config.model_names]})
 
 
 async def _health(request: web.Request) -> web.Response:

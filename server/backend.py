@@ -45,7 +45,7 @@ def unavailable(reason: str) -> ApiError:
 class ServeConfig:
     """The server's own bounds (the pool's are the daemon's)."""
 
-    # The name clients send as `model` (GET /v1/models lists it).
+    # The name clients send as `model` (GET /v1/models lists it), and the server goes by.
     model_name: str
     # Requests waiting for room beyond which a new one gets 429 (0: no bound).
     max_waiting: int = 256
@@ -53,9 +53,13 @@ class ServeConfig:
     max_choices: int = 64
     # Most top logprobs per token.
     max_logprobs: int = 20
-    # The parser of tool_choice "auto" (--tool-call-parser, with --enable-auto-tool-choice);
-    # None: "auto" is refused, as vLLM refuses it without them.
-    auto_tool_parser: str | None = None
+    # More names clients may send as `model` (repeated --served-model-name), listed after it.
+    other_names: tuple[str, ...] = ()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the server answers to, model_name first."""
+        return (self.model_name, *self.other_names)
 
 
 class Backend:
@@ -83,9 +87,10 @@ class Backend:
         self.down: str | None = None
 
     def check_model(self, name: str) -> None:
-        if name != self.config.model_name:
+        if name not in self.config.model_names:
+            served = ", ".join(f"`{served}`" for served in self.config.model_names)
             raise ApiError(404, f"The model `{name}` does not exist: this server serves "
-                                f"`{self.config.model_name}`", "model")
+                                f"{served}", "model")
 
     def encode(self, prompt: str | Sequence[int], param: str) -> list[int]:
         """A prompt's token ids, checked against the vocabulary and the model's positions."""

@@ -1,12 +1,19 @@
 """`pagedkv serve`: the OpenAI-compatible HTTP server.
 
-    pagedkv serve --model /models/qwen2.5-0.5b --port 8000
-    pagedkv serve --model tiny-llama            # a preset: token-id prompts only
+    pagedkv serve /models/qwen2.5-0.5b --port 8000      # or --model /models/qwen2.5-0.5b
+    pagedkv serve tiny-llama                    # a preset: token-id prompts only
+    pagedkv serve /models/m --max-model-len 4096 --served-model-name m --served-model-name m-v1 \
+        --chat-template chatml.jinja
     pagedkv serve --model /models/m --daemon unix:///run/pagedkv/pagedkvd.sock \
         --runner unix:///run/pagedkv-runner/pagedkv-runner.sock --api-key-file /etc/pagedkv/keys
 
 It starts a daemon planned for the model and a runner next to it, as the `LLM` does (or uses
-running ones), opens one engine on them and serves HTTP (app.py). The daemon and the runner it
+running ones), opens one engine on them and serves HTTP (app.py). The engine's flags are
+`LLMConfig`'s, shared with `pagedkv generate` and `LLM(...)` (vLLM's names); the model may come
+first, as `vllm serve MODEL`. Every --served-model-name is accepted as a request's `model`
+and listed by /v1/models; the first names the server (its metrics label, its log). The keys
+clients must send are --api-key's, --api-key-file's and $PAGEDKV_API_KEY's (vLLM's
+VLLM_API_KEY). The daemon and the runner it
 started are supervised (llm/supervisor.py, server/recovery.py): a runner that dies is started
 again and the engine resends each sequence's history, so the streams go on with the tokens they
 would have had; a daemon that dies takes every sequence with it, so the requests in flight get
@@ -24,6 +31,7 @@ deaths within a minute: systemd then restarts the whole unit).
 import argparse
 import asyncio
 import contextlib
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -44,6 +52,7 @@ from pagedkv.process.lifecycle import stop_on_signals
 from pagedkv.process.notify import notify
 from pagedkv.server.app import DEFAULT_MAX_PER_PEER, DEFAULT_MAX_REQUEST_BYTES, build_app
 from pagedkv.server.backend import Backend, ServeConfig
+from pagedkv.server.chat_template import load_chat_template, use_chat_template
 from pagedkv.server.connections import ConnectionGuard, ConnectionLimits
 from pagedkv.server.key_engines import ApiKey, KeyEngines, parse_keys
 from pagedkv.server.listener import (
@@ -56,7 +65,6 @@ from pagedkv.server.listener import (
 )
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.recovery import EngineKeeper, ServicesFailed
-from pagedkv.server.tools.parsers import PARSERS
 from pagedkv.vocab.geometry import model_name
 
 PROG = "pagedkv serve"
@@ -66,6 +74,8 @@ EXIT_FAILURE = 1
 # leaves the rest of the batch to the others, and queues no more than this.
 DEFAULT_MAX_RUNNING_PER_KEY = 64
 DEFAULT_MAX_WAITING_PER_KEY = 64
+# A key clients must send, beside --api-key's (vLLM's VLLM_API_KEY).
+API_KEY_ENV = "PAGEDKV_API_KEY"
 # How often a drain looks whether the running requests are done.
 DRAIN_POLL_S = 0.05
 # After the drain, how long aiohttp's shutdown lets handlers end before it cancels them (its
@@ -79,21 +89,18 @@ def parser() -> argparse.ArgumentParser:
                                   "(starts a daemon and a runner unless --daemon names a running "
                                   "one: its runner is --runner, else the runner that registered "
                                   "--served-model-name).")
-    cli.add_argument("--model", required=True, help="a local Hugging Face model directory, or a "
-                                                    "preset (random weights, token ids only)")
-    cli.add_argument("--served-model-name", help="the name clients send as `model` "
-                                                 "(default: --model)")
-    cli.add_argument("--tokenizer", help="the tokenizer's folder (default: the model's)")
+    LLMConfig.add_cli_args(cli, positional_model=True)
+    cli.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                     help="a name clients send as `model` (repeatable; the first is reported; "
+                          "default: the model as given)")
+    cli.add_argument("--chat-template", metavar="TEMPLATE", help="the chat endpoint's Jinja "
+                     "template, or a file holding it (default: the tokenizer's)")
     cli.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1")
     cli.add_argument("--port", type=int, default=8000, help="default 8000")
-    cli.add_argument("--daemon", help="gRPC target of a running pagedkvd (with --runner, or "
-                                      "alone: the runner of --served-model-name, else of "
-                                      "--model's folder name or preset)")
-    cli.add_argument("--runner", help="gRPC target of a running pagedkv runner (with --daemon)")
     cli.add_argument("--api-key", action="append", default=[], help="a key clients must send "
                      "as `Authorization: Bearer KEY` (repeatable; default: none needed); "
                      "'KEY GROUP' puts it in a cache group, whose keys share a prefix cache "
-                     "(else each key has its own)")
+                     "(else each key has its own); $PAGEDKV_API_KEY adds one")
     cli.add_argument("--api-key-file", help="keys, one per line, `KEY` or `KEY GROUP` "
                                             "(# comments)")
     cli.add_argument("--max-running-per-key", type=int, default=DEFAULT_MAX_RUNNING_PER_KEY,
@@ -114,47 +121,40 @@ def parser() -> argparse.ArgumentParser:
     add_flags(cli)
     cli.add_argument("--drain-timeout-s", type=float, default=30.0, help="how long SIGTERM "
                      "lets running requests finish (default 30)")
-    cli.add_argument("--dtype", default="auto", help="float16, bfloat16, float32 or auto")
-    cli.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
-    pool = cli.add_mutually_exclusive_group()
-    pool.add_argument("--kv-cache-memory", metavar="BYTES", help="KV pool size, e.g. 2GiB")
-    pool.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
-    cli.add_argument("--max-num-seqs", type=int, default=256, help="default 256")
-    cli.add_argument("--host-tier-memory", metavar="BYTES", default="0",
-                     help="the started daemon's host tier, e.g. 8GiB (default 0: none)")
-    cli.add_argument("--swap", choices=("auto", "always", "never"), default="auto",
-                     help="restore evicted and preempted blocks from the host tier, or "
-                          "recompute them (default auto: whichever is faster)")
-    cli.add_argument("--enable-auto-tool-choice", action="store_true", help="honour "
-                     'tool_choice "auto": the model calls tools when it chooses to (with '
-                     "--tool-call-parser)")
-    cli.add_argument("--tool-call-parser", choices=sorted(PARSERS), help="the format the "
-                     'model writes tool calls in, read for tool_choice "auto"')
     cli.add_argument("--log-level", default="info", help="default info")
     cli.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
     return cli
 
 
-def _registered_name(args: argparse.Namespace) -> str | None:
-    """With --daemon and no --runner: the model whose registered runner serves (the served name,
-    else the name a runner gives --model by default); else None."""
-    if args.daemon is None or args.runner is not None:
-        return None
-    return str(args.served_model_name or model_name(args.model))
+def engine_config(args: argparse.Namespace) -> LLMConfig:
+    """The engine's settings; with --daemon and no --runner, the runner used is the one that
+    registered the first served name, else the name a runner gives the model by default."""
+    model = LLMConfig.cli_model(args)
+    if model is None:
+        raise ValueError("give the model: pagedkv serve MODEL (or --model MODEL)")
+    registered = None
+    if getattr(args, "daemon", None) is not None and getattr(args, "runner", None) is None:
+        registered = (args.served_model_name or [model_name(model)])[0]
+    return LLMConfig.from_cli_args(args, model_name=registered)
 
 
-def auto_tool_parser(args: argparse.Namespace) -> str | None:
-    """The parser of tool_choice "auto", or None; ValueError for one flag without the other
-    (vLLM's rule: neither does anything alone)."""
-    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
-        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
-    return str(args.tool_call_parser) if args.enable_auto_tool_choice else None
+def served_names(args: argparse.Namespace, config: LLMConfig) -> tuple[str, ...]:
+    """The names clients may send as `model`: every --served-model-name, else the model as
+    given; ValueError for a name given twice."""
+    names = tuple(args.served_model_name) or (str(config.model),)
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise ValueError(f"--served-model-name {twice[0]!r} is given twice")
+    return names
 
 
 def api_keys(args: argparse.Namespace) -> tuple[ApiKey, ...]:
-    """The keys of --api-key and --api-key-file, each `KEY` or `KEY GROUP` (key_engines.py;
-    ValueError: an unreadable or empty file, a bad line, a key given twice)."""
+    """The keys of --api-key, --api-key-file and $API_KEY_ENV (when set and not empty), each
+    `KEY` or `KEY GROUP` (key_engines.py; ValueError: an unreadable or empty file, a bad line,
+    a key given twice)."""
     keys = list(args.api_key)
+    if os.environ.get(API_KEY_ENV):
+        keys.append(os.environ[API_KEY_ENV])
     if args.api_key_file is not None:
         lines = Path(args.api_key_file).read_text().splitlines()
         from_file = [line.strip() for line in lines if line.strip()
@@ -171,16 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         keys = api_keys(args)
-        tool_parser = auto_tool_parser(args)
         limits = connection_limits(args, raise_fd_limit())
-        config = LLMConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype,
-                           device=args.device, daemon=args.daemon, runner=args.runner,
-                           model_name=_registered_name(args),
-                           kv_cache_memory=args.kv_cache_memory, num_blocks=args.num_blocks,
-                           max_num_seqs=args.max_num_seqs,
-                           host_tier_memory=args.host_tier_memory, swap=args.swap)
-        model = resolve_model(args.model)
+        config = engine_config(args)
+        names = served_names(args, config)
+        assert config.model is not None, "engine_config refuses a command line without a model"
+        model = resolve_model(config.model)
+        model.check_max_model_len(config.max_model_len)
         tokenizer, no_tokenizer = tokenizer_for(config, model)
+        if args.chat_template is not None:
+            use_chat_template(tokenizer, load_chat_template(args.chat_template), no_tokenizer)
         if min(args.max_waiting_requests, args.max_requests_per_peer, args.port,
                args.max_running_per_key, args.max_waiting_per_key) < 0 \
                 or args.max_choices < 1 or args.max_request_bytes < 1:
@@ -191,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     log_setup.configure(args.log_level, args.log_format)
-    serve_config = ServeConfig(args.served_model_name or args.model, args.max_waiting_requests,
-                               args.max_choices, auto_tool_parser=tool_parser)
+    serve_config = ServeConfig(names[0], args.max_waiting_requests, args.max_choices,
+                               other_names=names[1:])
     try:
         with contextlib.ExitStack() as resources:
             sockets = [resources.enter_context(sock) for sock in listen(args.host, args.port)]
@@ -230,7 +229,8 @@ async def _serve(args: argparse.Namespace, sockets: list[socket.socket], config:
         metrics = ServerMetrics(model_name, cache_figures=not keys)
         try:
             engine = await connect()
-        except PagedKVError as exc:  # e.g. no daemon or runner answers at the target given
+        except (PagedKVError, ValueError) as exc:  # no daemon or runner answers at the
+            # target given; no runner serves the model; max_model_len past the model's
             raise ServicesFailed(f"cannot open an engine: {exc}") from None
         backend = backend_for(engine, metrics)
         metrics.watch(lambda: backend.engine, _restarts(services.runner_supervisor),

@@ -95,6 +95,8 @@ class Preset:
     # Weights' and pool's dtype: float32, because bf16 `tl.dot` is wrong in the Triton
     # interpreter the CPU runs kernels in.
     dtype: str = "float32"
+    # Positions the model takes (its config's max_position_embeddings: vLLM's max_model_len).
+    max_positions: int = 4096
 
     def geometry(self) -> ModelGeometry:
         """The KV geometry of this preset."""
@@ -145,7 +147,7 @@ def _config_dtype(text: Mapping[str, Any]) -> str:
 # Families whose config.json stores a shape field under another key (their config class's
 # `attribute_map` in transformers): GPT-2 saves `n_head` where Llama saves num_attention_heads.
 _GPT2_KEYS = {"num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
-              "hidden_size": "n_embd"}
+              "hidden_size": "n_embd", "max_position_embeddings": "n_positions"}
 _STORED_AS: dict[str, dict[str, str]] = {
     "gpt2": _GPT2_KEYS,
     "gptj": _GPT2_KEYS,
@@ -233,6 +235,13 @@ def geometry_from_hf_config(path: str | Path) -> ModelGeometry:
     text = _read_text_config(path)
     geometry = geometry_from_config_fields(text, str(Path(path)), _config_dtype(text))
     return dataclasses.replace(geometry, name=model_name(str(path)))
+
+
+def max_positions_from_hf_config(path: str | Path) -> int | None:
+    """The positions a local Hugging Face config's model takes (max_position_embeddings, GPT-2's
+    n_positions), or None when it names none (a model without learned positions, e.g. ALiBi)."""
+    value = _shape_field(_read_text_config(path), "max_position_embeddings")
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def model_name(name_or_path: str) -> str:

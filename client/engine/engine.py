@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import replace
 from types import TracebackType
 from typing import Self
 
@@ -36,7 +37,7 @@ import grpc
 from pagedkv.client.engine.fair_queue import Line
 from pagedkv.client.engine.follow import Following, next_push
 from pagedkv.client.engine.outputs import RequestOutput, StepRecord
-from pagedkv.client.engine.requests import Request
+from pagedkv.client.engine.requests import Request, request_seed
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S, RunnerLink
 from pagedkv.client.engine.scheduler import Plan, Scheduler, SchedulerConfig
 from pagedkv.client.engine.swap_rule import HostTier
@@ -72,8 +73,12 @@ class Engine:
         self.link = RunnerLink(runner, session, runner_id, restart_wait_s=runner_restart_wait_s)
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
-        # The most tokens a sequence may hold (the runner's RunnerInfo.max_model_len; 0 = none).
+        # The most tokens a sequence may hold (SchedulerConfig.max_model_len, else the runner's
+        # RunnerInfo.max_model_len; 0 = none).
         self.max_model_len = max_model_len
+        # SchedulerConfig.seed, and the number of the next request that brings no seed.
+        self._seed = config.seed
+        self._unseeded = itertools.count()
         # host_tier: the daemon's host-memory tier as it serves this session's model (none:
         # no tier), for the scheduler's swap-or-recompute rule; waiting: the line its requests
         # wait in (fair_queue.py; engines sharing a queue take turns by key).
@@ -131,6 +136,8 @@ class Engine:
             runner_client = await RunnerClient.connect(runner, stream_steps=True)
             info = await runner_client.info()
             _check_runner(info, pool_info.pool_id, model, runner, daemon)
+            config = config or SchedulerConfig()
+            max_model_len = _max_model_len(config, info)
             session = await pool.open_session(client_name, lease_ttl_ms, cache_salt=cache_salt,
                                               model=info.model_name)
             stats = await session.stats()
@@ -141,9 +148,9 @@ class Engine:
             raise
         return cls(pool, session, runner_client, vocab_size=info.vocab_size,
                    eos_token_ids=info.eos_token_ids, num_blocks=stats.num_blocks,
-                   free_blocks=stats.free_blocks, config=config or SchedulerConfig(),
+                   free_blocks=stats.free_blocks, config=config,
                    reservation_blocks=pool_info.reservation_blocks,
-                   max_model_len=info.max_model_len, runner_id=info.runner_id,
+                   max_model_len=max_model_len, runner_id=info.runner_id,
                    runner_restart_wait_s=runner_restart_wait_s,
                    host_tier=_host_tier(pool_info, info.model_name), waiting=waiting)
 
@@ -222,8 +229,19 @@ class Engine:
         name = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if name in self.waiters:
             raise ValueError(f"request id {name!r} is already running")
-        return Request(name, prompt, params, lambda: next(self._seq_ids), self.eos_token_ids,
-                       key)
+        return Request(name, prompt, self._with_defaults(params, len(prompt)),
+                       lambda: next(self._seq_ids), self.eos_token_ids, key)
+
+    def _with_defaults(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """`params` with the engine's seed when it brings none, and at most the tokens the
+        prompt leaves under max_model_len (the last one sampled at the last position, as the
+        runner finishes a sequence that fills the model's positions)."""
+        if params.seed is None and self._seed is not None:
+            params = replace(params, seed=request_seed(self._seed, next(self._unseeded)))
+        room = self.max_model_len - prompt_len + 1
+        if self.max_model_len and params.max_tokens > room:
+            params = replace(params, max_tokens=room, min_tokens=min(params.min_tokens, room))
+        return params
 
     # ------------------------------------------------------------------ the loop
 
@@ -470,6 +488,15 @@ class Engine:
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.close()
+
+
+def _max_model_len(config: SchedulerConfig, info: RunnerInfo) -> int:
+    """The engine's max_model_len: the config's, at most the model's positions; else the
+    model's."""
+    if info.max_model_len and config.max_model_len > info.max_model_len:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the {info.max_model_len} "
+                         f"positions of the runner's model {info.model_name!r}")
+    return config.max_model_len or info.max_model_len
 
 
 def _host_tier(pool_info: PoolInfo, model: str) -> HostTier:

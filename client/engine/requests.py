@@ -29,7 +29,17 @@ def sample_seed(seed: int | None, index: int) -> int | None:
     (n samples with one seed must differ, and stay reproducible)."""
     if seed is None or index == 0:
         return seed
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return _seed_of(f"{seed}:{index}")
+
+
+def request_seed(seed: int, number: int) -> int:
+    """The seed of an engine's `number`th request that brings none, under the engine's default
+    `seed` (vLLM's --seed): each request its own, reproducible from run to run."""
+    return _seed_of(f"request:{seed}:{number}")
+
+
+def _seed_of(text: str) -> int:
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") % (MAX_SEED + 1)
 
 
@@ -81,7 +91,8 @@ class Request:
                 temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
                 repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                 frequency_penalty=p.frequency_penalty, seed=sample_seed(p.seed, index),
-                stop_token_ids=self.stop_ids, max_tokens=p.max_tokens, logprobs=p.logprobs or 0)
+                stop_token_ids=self.stop_ids, max_tokens=p.max_tokens, logprobs=p.logprobs or 0,
+                min_tokens=p.min_tokens, structured_outputs=p.structured_outputs)
         return Seq(self._new_seq_id(), tokens, len(self.prompt), params, index, parent=parent)
 
     @property
@@ -132,8 +143,8 @@ class Request:
         return release
 
     def _finish_reason(self, seq: Seq, out: SeqOutput) -> FinishReason | None:
-        if out.token_id in self.stop_ids:
-            return "stop"
+        if out.token_id in self.stop_ids or out.constraint_ended:
+            return "stop"  # constraint_ended: the structured output is complete
         if seq.num_generated + 1 >= self.params.max_tokens or out.finished:
             return "length"  # out.finished: max_tokens, or the model's context is full
         return None

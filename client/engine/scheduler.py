@@ -37,7 +37,7 @@ from pagedkv.client.pool.runner_client import SeqOutput, SeqStep
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    """Limits of one client's batch (vLLM's names and defaults where they exist)."""
+    """Limits of one client's batch and requests (vLLM's names and defaults where they exist)."""
 
     # Most sequences stepped together.
     max_num_seqs: int = 256
@@ -56,6 +56,12 @@ class SchedulerConfig:
     # re-admitted after preemption, a prompt's prefix): "auto" by the cost rule of
     # swap_rule.py, "always" restore, "never" recompute.
     swap: str = "auto"
+    # The most tokens a sequence may hold (vLLM's max_model_len), at most the runner's model's
+    # positions; 0: the model's.
+    max_model_len: int = 0
+    # The seed of each request that brings none (derived per request: requests.request_seed);
+    # None: those draw from the runner's shared generator.
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -65,6 +71,8 @@ class SchedulerConfig:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
         if self.swap not in SWAP_MODES:
             raise ValueError(f"swap must be one of {', '.join(SWAP_MODES)}, got {self.swap!r}")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
 
 
 @dataclass

@@ -183,7 +183,7 @@ def test_bad_arguments_are_refused(llm: LLM, model_dir: Path, tmp_path: Path) ->
         LLM(str(model_dir), kv_cache_memory="1GiB", num_blocks=4)
     with pytest.raises(ValueError, match="host_tier_memory: not a byte size"):
         LLM(str(model_dir), host_tier_memory="lots")
-    with pytest.raises(ValueError, match="host_tier_memory sizes the daemon LLM starts"):
+    with pytest.raises(ValueError, match="host_tier_memory sets the daemon and runner LLM starts"):
         LLM(str(model_dir), host_tier_memory="1MiB", daemon=llm.daemon_target,
             runner=llm.runner_target)
     with pytest.raises(ValueError, match="swap must be one of auto, always, never"):
@@ -312,16 +312,21 @@ def processes_mentioning(text: str) -> list[int]:
 # ---------------------------------------------------------------- pieces, without a model
 
 def test_pool_budget_on_cuda_and_cpu() -> None:
-    """CUDA: utilization x total - in use - weights - 1 GiB of activations; CPU: a quarter of
-    the RAM left after the weights, capped at 4 GiB and by /dev/shm."""
+    """CUDA: utilization (default 0.9) x total - in use - weights - 1 GiB of activations; CPU:
+    a quarter of the RAM left after the weights (or the utilization given), capped at 4 GiB
+    and by /dev/shm."""
     cuda = DeviceMemory("cuda", total=80 * GiB, free=79 * GiB)
     assert embedded_budget(cuda, weights=16 * GiB, gpu_memory_utilization=0.9) \
         == int(0.9 * 80 * GiB) - GiB - 16 * GiB - GiB
+    assert embedded_budget(cuda, weights=16 * GiB, gpu_memory_utilization=None) \
+        == int(0.9 * 80 * GiB) - GiB - 16 * GiB - GiB
     assert embedded_budget(DeviceMemory("cpu", 0, free=10 * GiB, shm_free=64 * GiB), 2 * GiB,
-                           0.9) == 2 * GiB
-    assert embedded_budget(DeviceMemory("cpu", 0, free=64 * GiB, shm_free=64 * GiB), 0, 0.9) \
+                           None) == 2 * GiB
+    assert embedded_budget(DeviceMemory("cpu", 0, free=10 * GiB, shm_free=64 * GiB), 2 * GiB,
+                           0.125) == GiB
+    assert embedded_budget(DeviceMemory("cpu", 0, free=64 * GiB, shm_free=64 * GiB), 0, None) \
         == CPU_KV_CAP
-    assert embedded_budget(DeviceMemory("cpu", 0, free=64 * GiB, shm_free=GiB), 0, 0.9) == GiB
+    assert embedded_budget(DeviceMemory("cpu", 0, free=64 * GiB, shm_free=GiB), 0, None) == GiB
     with pytest.raises(ValueError, match=r"no memory left for the KV cache on cuda.*give "
                                          r"kv_cache_memory or num_blocks"):
         embedded_budget(cuda, weights=70 * GiB, gpu_memory_utilization=0.9)

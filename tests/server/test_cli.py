@@ -36,6 +36,14 @@ def test_api_keys_come_from_flags_and_a_file(tmp_path: Path) -> None:
         api_keys(args)
 
 
+def test_the_environments_key_is_added_to_the_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = parser().parse_args(["tiny", "--api-key", "sk-flag"])
+    monkeypatch.setenv("PAGEDKV_API_KEY", "sk-env")
+    assert [key.secret for key in api_keys(args)] == ["sk-flag", "sk-env"]
+    monkeypatch.setenv("PAGEDKV_API_KEY", "")  # set but empty: no key, as vLLM's
+    assert [key.secret for key in api_keys(args)] == ["sk-flag"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--model", "/no/such/folder"], "no model at"),
     (["--model", "tiny", "--max-choices", "0"], "--max-choices"),
@@ -43,7 +51,15 @@ def test_api_keys_come_from_flags_and_a_file(tmp_path: Path) -> None:
     (["--model", "tiny", "--api-key-file", "/no/such/keys"], "No such file"),
     (["--model", "tiny", "--host-tier-memory", "lots"], "host_tier_memory: not a byte size"),
     (["--model", "tiny", "--daemon", "unix:///x", "--runner", "unix:///y",
-      "--host-tier-memory", "1GiB"], "host_tier_memory sizes the daemon LLM starts"),
+      "--host-tier-memory", "1GiB"], "host_tier_memory sets the daemon and runner LLM starts"),
+    (["tiny", "--daemon", "unix:///x", "--runner", "unix:///y", "--no-enable-prefix-caching"],
+     "enable_prefix_caching sets the daemon and runner LLM starts"),
+    (["tiny", "--max-model-len", "5000"], "max_model_len 5000 exceeds the 4096 positions"),
+    (["tiny", "--chat-template", "{{ messages }}"], "--chat-template needs a tokenizer, but the "
+                                                    "preset 'tiny'"),
+    (["tiny", "--served-model-name", "a", "--served-model-name", "a"],
+     "--served-model-name 'a' is given twice"),
+    (["a", "--model", "b"], "the model is given twice"),
 ])
 def test_bad_flags_exit_2_before_anything_starts(argv: list[str], message: str,
                                                  capsys: pytest.CaptureFixture[str]) -> None:

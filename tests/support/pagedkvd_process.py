@@ -107,12 +107,14 @@ async def restarted(first: Launched, runner: RunnerClient, old_pool: str,
         yield daemon
 
 
-def start_serve(folder: Path, *args: str) -> tuple[Launched, int]:
-    """`pagedkv serve` with `args`, ready (its port listening), and its port."""
+def start_serve(folder: Path, *args: str,
+                env: dict[str, str] | None = None) -> tuple[Launched, int]:
+    """`pagedkv serve` with `args` (and `env` added to the environment), ready (its port
+    listening), and its port."""
     port = free_tcp_port()
     server = start_process("server", [sys.executable, "-m", "pagedkv.cli", "serve",
                                       "--port", str(port), "--log-format", "json", *args],
-                           folder, f"http://127.0.0.1:{port}")
+                           folder, f"http://127.0.0.1:{port}", env)
     try:
         server.wait_for_notification(READY_STATE, 120)
     except BaseException:

@@ -43,3 +43,17 @@ async def test_prompts_longer_than_the_model_and_beams_past_it_are_refused() -> 
         await generating.generate([1] * 20, SamplingParams(temperature=0, beam_width=2,
                                                            max_tokens=8))
     await generating.close()
+
+
+async def test_a_max_model_len_below_the_models_bounds_max_tokens() -> None:
+    """SchedulerConfig.max_model_len (here 16, the engine's limit) below the model's 24: the
+    request ends with "length" at 16 positions as it would at the model's, its min_tokens
+    lowered with it, and a longer prompt is refused."""
+    generating = engine(ContextRunner(full=set()), 16)
+    output = await generating.generate([1] * 10, SamplingParams(temperature=0, max_tokens=100,
+                                                                min_tokens=50))
+    with pytest.raises(ValueError, match="at most 16 positions"):
+        await generating.generate([1] * 17, SamplingParams(max_tokens=1))
+    await generating.close()
+    assert len(output.outputs[0].token_ids) == 16 - 10 + 1
+    assert output.outputs[0].finish_reason == "length"
