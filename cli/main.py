@@ -4,6 +4,8 @@ part.
     pagedkv daemon ...     the daemon, as `pagedkvd` (daemon/process/cli.py)
     pagedkv plan ...       how many blocks and sequences fit a device (daemon/memory/planner.py)
     pagedkv model ...      list the daemon's models, put one to sleep or wake it (model_cmd.py)
+    pagedkv ready ...      wait until a daemon and a runner serve (ready_cmd.py)
+    pagedkv example-model DIR   a small random model folder with a tokenizer (llm/example_model.py)
     pagedkv runner ...     the model runner next to the daemon (model_runner/process/cli.py)
     pagedkv generate ...   completions for prompts with a local model (llm/cli.py)
     pagedkv serve ...      the OpenAI-compatible HTTP server (server/cli.py)
@@ -18,6 +20,7 @@ import sys
 from collections.abc import Callable
 
 from pagedkv.cli.model_cmd import add_model_arguments, run_model
+from pagedkv.cli.ready_cmd import add_ready_arguments, run_ready
 from pagedkv.daemon.memory.planner import add_plan_arguments, run_plan
 from pagedkv.daemon.process.cli import run_serve
 from pagedkv.daemon.process.settings_sources import add_serve_arguments
@@ -46,10 +49,18 @@ def run_server(argv: list[str]) -> int:
     return main(argv)
 
 
+def run_example_model(argv: list[str]) -> int:
+    """`pagedkv example-model DIR`: write a small random model folder (it loads torch)."""
+    from pagedkv.llm.example_model import main
+
+    return main(argv)
+
+
 # Subcommands with command lines of their own: the rest of the line is theirs.
 PROGRAMS: dict[str, Callable[[list[str]], int]] = {"runner": run_runner,
                                                    "generate": run_generate,
-                                                   "serve": run_server}
+                                                   "serve": run_server,
+                                                   "example-model": run_example_model}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -60,6 +71,10 @@ def parser() -> argparse.ArgumentParser:
     add_plan_arguments(commands.add_parser("plan", help="how many blocks and sequences fit"))
     add_model_arguments(commands.add_parser("model", help="list the daemon's models, put one "
                                                           "to sleep or wake it"))
+    add_ready_arguments(commands.add_parser("ready", help="wait until a daemon and a runner "
+                                                          "serve"))
+    commands.add_parser("example-model", help="write a small random-initialized model folder "
+                                              "with a tokenizer (pagedkv example-model --help)")
     commands.add_parser("runner", help="run the model runner next to the daemon "
                                        "(pagedkv runner --help)")
     commands.add_parser("generate", help="generate completions for prompts with a local model "
@@ -79,4 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         return run_serve(args, "pagedkv daemon")
     if args.command == "model":
         return run_model(args)
+    if args.command == "ready":
+        return run_ready(args)
     return run_plan(args)

@@ -13,17 +13,12 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from pagedkv.llm.example_model import CHAT_TEMPLATE, SENTENCES, chat_tokenizer, train_tokenizer
 from pagedkv.llm.tokenizer import load_tokenizer
 from pagedkv.server.chat import render_chat
 from pagedkv.server.text import REPLACEMENT, TextStream, token_bytes, token_text
 
-from chat_model import (
-    CHAT_TEMPLATE,
-    SENTENCES,
-    chat_tokenizer,
-    make_chat_model_dir,
-    train_tokenizer,
-)
+from chat_model import make_chat_model_dir
 
 SENTENCE = "the cat sat on the mat"
 MULTI_BYTE = "café 日本語 ☕ 😀"
