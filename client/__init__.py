@@ -33,6 +33,7 @@ from pagedkv.client.pool.errors import (
     StepNotComputed,
     Unauthenticated,
     UnknownSequence,
+    Unsupported,
 )
 from pagedkv.client.pool.ops import (
     Allocate,
@@ -56,6 +57,7 @@ from pagedkv.client.pool.runner_client import (
 from pagedkv.client.pool.runner_stream import RunnerStream
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
+from pagedkv.client.pool.structured_outputs import StructuredOutputs
 from pagedkv.client.pool.tls import TlsOptions
 from pagedkv.client.pool.types import (
     BlockCopy,
@@ -125,7 +127,9 @@ __all__ = [
     "StepOutputs",
     "StepRecord",
     "StepResult",
+    "StructuredOutputs",
     "TlsOptions",
     "Unauthenticated",
     "UnknownSequence",
+    "Unsupported",
 ]

@@ -102,6 +102,12 @@ class ModelRunner:
         self.max_model_len = int(text_config.max_position_embeddings)
         enable_paged_attention(model)
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The model's end-of-sequence ids, from its generation config (may be none)."""
+        eos = self.model.generation_config.eos_token_id
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
     @classmethod
     def attach(cls, model: PreTrainedModel, info: PoolInfo,
                backend: AttentionBackend) -> Self:

@@ -34,7 +34,7 @@ INVALID_ARGUMENT naming max_logprobs), and a step whose answer could pass the ru
 max_answer_bytes (`--max-answer-bytes`, by default 4 MiB less 4 KiB, under gRPC's default
 receive limit, so stock channels receive every answer) is RESOURCE_EXHAUSTED naming it
 (pagedkv-error `AnswerTooLarge`); neither changed anything. The bound is 6 bytes plus, per
-sequence, 67 bytes and 14 per logprob asked: 347 bytes a sequence at 20 logprobs. Requests
+sequence, 69 bytes and 14 per logprob asked: 349 bytes a sequence at 20 logprobs. Requests
 may be up to 8 MiB (proto/limits.py's MAX_MESSAGE_BYTES), as the daemon's.
 
 Retry rules: as kvpool.proto's. A Step answered with an error status changed nothing in the
@@ -286,6 +286,8 @@ class SamplingParams(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
     FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_OUTPUTS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """0 = greedy."""
     top_k: _builtins.int
@@ -312,9 +314,18 @@ class SamplingParams(_message.Message):
     INVALID_ARGUMENT naming the field (nothing changed); 0 = off.
     """
     frequency_penalty: _builtins.float
+    min_tokens: _builtins.int
+    """vLLM's min_tokens: while the sequence has generated fewer tokens than this, its
+    stop_token_ids cannot be sampled (their logits are -inf); 0 = off. At most max_tokens (when
+    set), else INVALID_ARGUMENT naming the field.
+    """
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens that finish the sequence when sampled (SequenceOutput.finished)."""
+
+    @_builtins.property
+    def structured_outputs(self) -> Global___StructuredOutputs:
+        """What the output must match (vLLM's structured outputs); unset = free text."""
 
     def __init__(
         self,
@@ -331,14 +342,92 @@ class SamplingParams(_message.Message):
         max_tokens: _builtins.int = ...,
         presence_penalty: _builtins.float = ...,
         frequency_penalty: _builtins.float = ...,
+        min_tokens: _builtins.int = ...,
+        structured_outputs: Global___StructuredOutputs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["structured_outputs", b"structured_outputs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["frequency_penalty", b"frequency_penalty", "has_seed", b"has_seed", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frequency_penalty", b"frequency_penalty", "has_seed", b"has_seed", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop_token_ids", b"stop_token_ids", "structured_outputs", b"structured_outputs", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class StructuredOutputs(_message.Message):
+    """One output constraint (pagedkv.client.StructuredOutputs). The runner compiles it once per
+    constraint text for its model's tokenizer (xgrammar; compiled grammars are cached, least
+    recently used dropped) and, at every sampling, sets the logits of the tokens the constraint
+    does not allow next to -inf, before penalties, temperature and truncation; logprobs stay
+    those of the raw logits. When the constraint is complete and the sequence samples a stop
+    token (the tokenizer's end-of-sequence), the sequence is finished (SequenceOutput
+    constraint_ended), even where the client left EOS out of stop_token_ids (ignore_eos). A
+    constraint the runner cannot compile, one longer than 64 KiB (choice: more than 256
+    strings, or 64 KiB in all), or one with no field set is INVALID_ARGUMENT naming the field
+    (structured_outputs.json_schema ...); a runner whose model has no tokenizer (a preset
+    started without --tokenizer) refuses every constraint with FAILED_PRECONDITION (cause
+    "Unsupported"). Either changes nothing.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """A JSON schema, as JSON text: the output is one JSON value the schema accepts, written
+    without whitespace between tokens (a model cannot spend max_tokens on spaces).
+    """
+    regex: _builtins.str
+    """A regular expression the whole output matches."""
+    grammar: _builtins.str
+    """An EBNF grammar (xgrammar's dialect, GBNF-like) whose start rule is `root`."""
+    json_object: _builtins.bool
+    """True: the output is one JSON object, of any schema (OpenAI's json_object format)."""
+    @_builtins.property
+    def choice(self) -> Global___Choices:
+        """The output is exactly one of these strings."""
+
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        regex: _builtins.str = ...,
+        choice: Global___Choices | None = ...,
+        grammar: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "constraint", b"constraint", "grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_constraint: _TypeAlias = _typing.Literal["json_schema", "regex", "choice", "grammar", "json_object"]  # noqa: Y015
+    _WhichOneofArgType_constraint: _TypeAlias = _typing.Literal["constraint", b"constraint"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_constraint) -> _WhichOneofReturnType_constraint | None: ...
+
+Global___StructuredOutputs: _TypeAlias = StructuredOutputs  # noqa: Y015
+
+@_typing.final
+class Choices(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        choices: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choices: _TypeAlias = Choices  # noqa: Y015
 
 @_typing.final
 class SequenceStep(_message.Message):
@@ -535,6 +624,7 @@ class SequenceOutput(_message.Message):
     TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     FINISHED_FIELD_NUMBER: _builtins.int
+    CONSTRAINT_ENDED_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     num_tokens: _builtins.int
     """Tokens the sequence holds and how many of them are computed after this step, as the
@@ -553,8 +643,13 @@ class SequenceOutput(_message.Message):
     """
     finished: _builtins.bool
     """The sampled token is a stop token, or the sequence generated max_tokens tokens, or it holds
-    RunnerInfo.max_model_len tokens: the client should not append it (the runner frees nothing
-    by itself; see release_seq_ids).
+    RunnerInfo.max_model_len tokens, or it completed the structured output (constraint_ended):
+    the client should not append it (the runner frees nothing by itself; see release_seq_ids).
+    """
+    constraint_ended: _builtins.bool
+    """The sampled token completed the sequence's structured output (SamplingParams
+    structured_outputs: its grammar accepts nothing more): finished is true as well, and the
+    finish reason is "stop" whether or not the token is one of stop_token_ids.
     """
     @_builtins.property
     def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -573,10 +668,11 @@ class SequenceOutput(_message.Message):
         top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
         finished: _builtins.bool = ...,
+        constraint_ended: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finished", b"finished", "logprob", b"logprob", "num_cached_tokens", b"num_cached_tokens", "num_computed_tokens", b"num_computed_tokens", "num_tokens", b"num_tokens", "sampled", b"sampled", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constraint_ended", b"constraint_ended", "finished", b"finished", "logprob", b"logprob", "num_cached_tokens", b"num_cached_tokens", "num_computed_tokens", b"num_computed_tokens", "num_tokens", b"num_tokens", "sampled", b"sampled", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

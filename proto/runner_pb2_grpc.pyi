@@ -34,7 +34,7 @@ INVALID_ARGUMENT naming max_logprobs), and a step whose answer could pass the ru
 max_answer_bytes (`--max-answer-bytes`, by default 4 MiB less 4 KiB, under gRPC's default
 receive limit, so stock channels receive every answer) is RESOURCE_EXHAUSTED naming it
 (pagedkv-error `AnswerTooLarge`); neither changed anything. The bound is 6 bytes plus, per
-sequence, 67 bytes and 14 per logprob asked: 347 bytes a sequence at 20 logprobs. Requests
+sequence, 69 bytes and 14 per logprob asked: 349 bytes a sequence at 20 logprobs. Requests
 may be up to 8 MiB (proto/limits.py's MAX_MESSAGE_BYTES), as the daemon's.
 
 Retry rules: as kvpool.proto's. A Step answered with an error status changed nothing in the

@@ -49,6 +49,8 @@ UNKNOWN_SEQUENCE = Cause("UnknownSequence", "FAILED_PRECONDITION")
 STEP_NOT_COMPUTED = Cause("StepNotComputed", "ABORTED")
 RUNNER_UNAVAILABLE = Cause("RunnerUnavailable", "UNAVAILABLE")
 STALE_PLAN = Cause("StalePlan", "ABORTED")
+# The runner cannot do what a step asks (structured outputs on a model without a tokenizer).
+UNSUPPORTED = Cause("Unsupported", "FAILED_PRECONDITION")
 
 # What a runner's own daemon calls met, relayed to its client under the client's names (the
 # client names them from the code alone when a status carries no cause): NotFound and
@@ -79,6 +81,6 @@ CAUSES: dict[str, Cause] = {cause.name: cause for cause in (
     SESSION_NOT_FOUND, SEQUENCE_NOT_FOUND, SEQUENCE_EXISTS, INVALID_ARGUMENT, POOL_EXHAUSTED,
     LIMIT_EXCEEDED, ANSWER_TOO_LARGE, SESSION_EXPIRED, SESSION_BUSY, PERMISSION_DENIED,
     MODEL_NOT_FOUND, MODEL_EXISTS, MODEL_AT_CAP, MODEL_ASLEEP,
-    UNKNOWN_SEQUENCE, STEP_NOT_COMPUTED, RUNNER_UNAVAILABLE, STALE_PLAN,
+    UNKNOWN_SEQUENCE, STEP_NOT_COMPUTED, RUNNER_UNAVAILABLE, STALE_PLAN, UNSUPPORTED,
     NOT_FOUND, UNAUTHENTICATED, DAEMON_UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED,
     MESSAGE_TOO_LARGE, INTERNAL)}

@@ -159,6 +159,11 @@ class StalePlan(PagedKVError):
     changed and the runner no longer follows. Read those answers, plan again, send again."""
 
 
+class Unsupported(PagedKVError):
+    """FAILED_PRECONDITION from a runner that cannot do what the step asks (structured outputs
+    on a model without a tokenizer); nothing changed. Retrying does not help."""
+
+
 # The class of each cause (INTERNAL, a bug in the daemon or runner, is the base class's, by its
 # code); a runner relays its own client's errors by the same names.
 BY_CAUSE: dict[str, type[PagedKVError]] = {
@@ -180,6 +185,7 @@ BY_CAUSE: dict[str, type[PagedKVError]] = {
     causes.STEP_NOT_COMPUTED.name: StepNotComputed,
     causes.RUNNER_UNAVAILABLE.name: RunnerUnavailable,
     causes.STALE_PLAN.name: StalePlan,
+    causes.UNSUPPORTED.name: Unsupported,
     causes.NOT_FOUND.name: NotFound,
     causes.UNAUTHENTICATED.name: Unauthenticated,
     causes.DAEMON_UNAVAILABLE.name: DaemonUnavailable,

@@ -24,6 +24,7 @@ from pagedkv.client.pool.errors import RunnerUnreachable, error_from_rpc
 from pagedkv.client.pool.runner_stream import RunnerStream, StepStreamCall
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
+from pagedkv.client.pool.structured_outputs import StructuredOutputs
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 
@@ -86,13 +87,30 @@ class SeqStep:
                 repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                 frequency_penalty=p.frequency_penalty, has_seed=p.seed is not None,
                 seed=p.seed or 0, logprobs=-1 if p.logprobs is None else p.logprobs,
-                stop_token_ids=p.stop_token_ids, max_tokens=p.max_tokens))
+                stop_token_ids=p.stop_token_ids, max_tokens=p.max_tokens,
+                min_tokens=p.min_tokens))
+            if p.structured_outputs is not None:
+                step.sampling.structured_outputs.CopyFrom(
+                    structured_message(p.structured_outputs))
         h = self.history
         if h is not None:
             step.history.CopyFrom(rpb.SequenceHistory(token_ids=h.token_ids,
                                                       prompt_len=h.prompt_len,
                                                       num_computed=h.num_computed))
         return step
+
+
+def structured_message(constraint: StructuredOutputs) -> rpb.StructuredOutputs:
+    """`constraint` as runner.proto's StructuredOutputs (its one field set)."""
+    if constraint.choice is not None:
+        return rpb.StructuredOutputs(choice=rpb.Choices(choices=constraint.choice))
+    if constraint.json is not None:
+        return rpb.StructuredOutputs(json_schema=constraint.json)
+    if constraint.regex is not None:
+        return rpb.StructuredOutputs(regex=constraint.regex)
+    if constraint.grammar is not None:
+        return rpb.StructuredOutputs(grammar=constraint.grammar)
+    return rpb.StructuredOutputs(json_object=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,21 +131,25 @@ class SeqOutput:
     logprob: float = 0.0
     top_token_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
-    # A stop token was sampled, or max_tokens were generated, or the model's positions are full.
+    # A stop token was sampled, or max_tokens were generated, or the model's positions are full,
+    # or the structured output is complete (constraint_ended).
     finished: bool = False
+    # The sampled token completed the sequence's structured output: finish reason "stop".
+    constraint_ended: bool = False
 
     @classmethod
     def from_proto(cls, m: rpb.SequenceOutput) -> "SeqOutput":
         return cls(m.seq_id, m.num_tokens, m.num_computed_tokens, m.num_cached_tokens,
                    m.sampled, m.token_id, m.logprob, tuple(m.top_token_ids),
-                   tuple(m.top_logprobs), m.finished)
+                   tuple(m.top_logprobs), m.finished, m.constraint_ended)
 
     def message(self) -> rpb.SequenceOutput:
         return rpb.SequenceOutput(
             seq_id=self.seq_id, num_tokens=self.num_tokens, num_computed_tokens=self.num_computed,
             num_cached_tokens=self.num_cached, sampled=self.sampled, token_id=self.token_id,
             logprob=self.logprob, top_token_ids=self.top_token_ids,
-            top_logprobs=self.top_logprobs, finished=self.finished)
+            top_logprobs=self.top_logprobs, finished=self.finished,
+            constraint_ended=self.constraint_ended)
 
 
 @dataclass(frozen=True, slots=True)

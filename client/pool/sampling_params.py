@@ -157,6 +157,11 @@ class SamplingParams:
             if self.n > self.beam_width or self.best_of is not None:
                 raise ValueError(f"beam search returns n <= beam_width ({self.beam_width}) beams"
                                  f" and takes no best_of, got n={self.n}, best_of={self.best_of}")
+            # The beams grow from the raw top logprobs, which no mask touches (sampling.py).
+            if self.structured_outputs is not None or self.min_tokens:
+                raise ValueError("beam search takes no structured_outputs and no min_tokens: "
+                                 "its beams are chosen from the raw logprobs, which neither "
+                                 "constrains")
 
     @property
     def num_samples(self) -> int:

@@ -28,9 +28,10 @@ DEFAULT_MAX_LOGPROBS = 20
 
 _U32, _U64, _FLOAT = 5, 10, 4
 # One SequenceOutput in the answer: its tag and length; seq_id, num_tokens, num_computed_tokens,
-# num_cached_tokens, sampled, token_id, logprob, finished; the headers of its two packed fields.
+# num_cached_tokens, sampled, token_id, logprob, finished, constraint_ended; the headers of its
+# two packed fields.
 OUTPUT_FIXED = ((1 + _U32) + (1 + _U64) + 3 * (1 + _U32) + 2 + (1 + _U64) + (1 + _FLOAT) + 2
-                + 2 * (1 + _U32))
+                + 2 + 2 * (1 + _U32))
 # One top logprob: its token id (int64) and its logprob.
 PER_LOGPROB = _U64 + _FLOAT
 # The answer's own field: free_blocks.

@@ -280,7 +280,7 @@ class ForwardLoop:
                     assert state.params is not None, "kept before the forward (keep_params)"
                     rows.append(SamplingRow(state.params,
                                             state.tokens[:state.prompt_len],
-                                            state.tokens[state.prompt_len:]))
+                                            state.tokens[state.prompt_len:], state.grammar))
                     keep.append(position)
                 position += 1
         if not rows:
@@ -322,4 +322,5 @@ def _result(request: SeqStep, state: SeqState, pick: Pick | None,
     full = len(state.tokens) >= max_model_len
     return SeqOutput(request.seq_id, len(state.tokens), state.num_computed,
                      state.num_cached, True, pick.token_id, pick.logprob,
-                     pick.top_token_ids, pick.top_logprobs, pick.finished or full)
+                     pick.top_token_ids, pick.top_logprobs, pick.finished or full,
+                     pick.constraint_ended)

@@ -7,17 +7,21 @@ One step, in the order of vLLM's v1 sampler and of transformers' `generate` warp
 
     1. logprobs (when any row asks): log_softmax of the raw logits, before anything below.
        This is vLLM's default (`logprobs_mode="raw_logprobs"`): the model's own distribution,
-       independent of the sampling knobs, which is what beam search and scoring want.
-    2. penalties (`penalties.py`, in vLLM's order): the repetition penalty over the row's
+       independent of the sampling knobs, which is what beam search and scoring want. They are
+       also before the masks of step 2 (vLLM's raw_logprobs are pre-mask too): a constrained
+       row's logprobs are the model's, not renormalized over what its constraint allows.
+    2. masks (`masks.py`): what the row's structured output does not allow next, and its stop
+       tokens while it has generated fewer than min_tokens, at -inf.
+    3. penalties (`penalties.py`, in vLLM's order): the repetition penalty over the row's
        prompt + output tokens (transformers' semantics), then the frequency and presence
        penalties over its output tokens only (OpenAI's and vLLM's semantics).
-    3. greedy rows (temperature 0) take the argmax of the penalized logits (first index on ties).
-    4. temperature: penalized logits / T.
-    5. top-k, then top-p on the top-k distribution, then min-p (transformers' warper order;
+    4. greedy rows (temperature 0) take the argmax of the penalized logits (first index on ties).
+    5. temperature: penalized logits / T.
+    6. top-k, then top-p on the top-k distribution, then min-p (transformers' warper order;
        vLLM applies min-p before top-k/top-p, which differs only in the mass top-p measures).
        Each keeps a prefix of the tokens sorted by logit, and every token tied with the last one
        kept: the result does not depend on how a sort orders ties.
-    6. sample: the exponential race, argmax(probs / E) with E ~ Exp(1) per token, which draws a
+    7. sample: the exponential race, argmax(probs / E) with E ~ Exp(1) per token, which draws a
        token with probability probs (vLLM does the same; it needs no cumsum or search).
 
 Randomness: a seeded row draws its E from its own generator, seeded from (seed, tokens generated
@@ -28,7 +32,9 @@ CUDA); forks sharing a seed sample alike, so `n > 1` will need a seed per child.
 Everything but the seeded rows' draws is vectorized over the batch.
 
 Stops: `SampledTokens.finished` says which rows sampled a stop token or reached max_tokens;
-`SamplingParams.is_stop(token_id)` is the same check for one token on the client side.
+`SamplingParams.is_stop(token_id)` is the same check for one token on the client side. A
+constrained row's matcher accepts its sampled token on the host (`picks`): a token that
+completes the constraint finishes the row too (`Pick.constraint_ended`), stop id or not.
 """
 
 from collections.abc import Sequence
@@ -37,6 +43,8 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.client.pool.sampling_params import SamplingParams
+from pagedkv.model_runner.engine.grammar import GrammarState
+from pagedkv.model_runner.engine.masks import mask_logits
 from pagedkv.model_runner.engine.penalties import (
     apply_output_penalties,
     apply_repetition_penalty,
@@ -57,6 +65,8 @@ class SamplingRow:
     # The tokens it generated so far (all three penalties); the count is its step for seeded
     # sampling.
     output_token_ids: Sequence[int]
+    # Its structured output's matcher (SeqState.grammar), advanced by `picks`; None: free text.
+    grammar: GrammarState | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +96,15 @@ class Pick:
     # The row's own top logprobs (as many as it asked), most likely first.
     top_token_ids: tuple[int, ...]
     top_logprobs: tuple[float, ...]
-    # A stop token, or max_tokens reached.
+    # A stop token, or max_tokens reached, or the structured output complete.
     finished: bool
+    # The token completed the row's structured output (its matcher accepts nothing more).
+    constraint_ended: bool = False
 
 
 def picks(sampled: SampledTokens, rows: Sequence[SamplingRow]) -> list[Pick]:
-    """Each row's result on the host: one device-to-host copy per field, not one per row."""
+    """Each row's result on the host: one device-to-host copy per field, not one per row. A
+    constrained row's matcher accepts its token here (the forward thread's, like the masks)."""
     tokens, finished = sampled.token_ids.tolist(), sampled.finished.tolist()
     logprobs = [0.0] * len(rows) if sampled.logprobs is None else sampled.logprobs.tolist()
     top_ids: list[list[int]] = [[] for _ in rows]
@@ -101,8 +114,9 @@ def picks(sampled: SampledTokens, rows: Sequence[SamplingRow]) -> list[Pick]:
     out = []
     for i, row in enumerate(rows):
         asked = row.params.logprobs or 0
+        ended = row.grammar is not None and row.grammar.accept(tokens[i])
         out.append(Pick(tokens[i], logprobs[i], tuple(top_ids[i][:asked]),
-                        tuple(top_logprobs[i][:asked]), finished[i]))
+                        tuple(top_logprobs[i][:asked]), finished[i] or ended, ended))
     return out
 
 
@@ -121,7 +135,7 @@ class Sampler:
         params = [row.params for row in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(p.logprobs is not None for p in params) else None)
-        logits = penalized(logits, rows)
+        logits = penalized(mask_logits(logits, rows), rows)
 
         token_ids = torch.argmax(logits, dim=-1)
         greedy = [p.is_greedy for p in params]

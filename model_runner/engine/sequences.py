@@ -15,11 +15,22 @@ computed.
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from pagedkv.client import Commit, PoolClient, SamplingParams, SeqOutput, SeqStep, Session
+from xgrammar import CompiledGrammar
+
+from pagedkv.client import (
+    Commit,
+    PoolClient,
+    SamplingParams,
+    SeqOutput,
+    SeqStep,
+    Session,
+    StructuredOutputs,
+)
+from pagedkv.model_runner.engine.grammar import GrammarState
 from pagedkv.model_runner.engine.steps import InvalidStep, UnknownSequence
 from pagedkv.vocab.blocks import patch_table, slots_of
 
@@ -68,6 +79,9 @@ class SeqState:
     # last changed it), kept so that later steps need not send it; None until a step that
     # sent it was prepared (a sequence learnt by a step that then failed).
     params: SamplingParams | None = None
+    # The matcher of its structured output (params.structured_outputs; None without one),
+    # touched only on the forward thread (grammar.py).
+    grammar: GrammarState | None = None
     # Slots below it, past the tokens the daemon holds, are reserved for the sequence alone
     # (a Step's reserve_tokens): the runner writes decode tokens there with no daemon call
     # (reservations.py). 0: no reservation the runner may write into.
@@ -186,11 +200,18 @@ class SessionSequences:
                 else dataclasses.replace(request, params=self._kept_params(request.seq_id))
                 for request in requests]
 
-    def keep_params(self, requests: Sequence[SeqStep], states: Sequence[SeqState]) -> None:
+    def keep_params(self, requests: Sequence[SeqStep], states: Sequence[SeqState],
+                    compiled: Mapping[StructuredOutputs, CompiledGrammar]) -> None:
         """Keep each prepared sequence's sampling (`requests` as `with_params` gave them) for
-        the steps that leave it out."""
+        the steps that leave it out, and a matcher for its constraint (`compiled`: the grammars
+        of the constraints the step sent): a matcher of the same constraint is kept."""
         for request, state in zip(requests, states, strict=True):
             state.params = request.params
+            constraint = request.params.structured_outputs if request.params else None
+            if constraint is None:
+                state.grammar = None
+            elif state.grammar is None or state.grammar.constraint != constraint:
+                state.grammar = GrammarState(constraint, compiled[constraint])
 
     def _kept_params(self, seq_id: int) -> SamplingParams:
         params = self.seqs[seq_id].params

@@ -63,6 +63,7 @@ from pagedkv.client import (
 )
 from pagedkv.model_runner.engine.answer_limits import AnswerLimits
 from pagedkv.model_runner.engine.forward_loop import ForwardLoop, Prepared
+from pagedkv.model_runner.engine.grammar import Grammars
 from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS, SessionHolds
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.preparation import Preparer
@@ -81,7 +82,8 @@ class StepEngine:
     def __init__(self, pool: PoolClient, runner: ModelRunner, *, sampler: Sampler | None = None,
                  max_batch_tokens: int = 8192, metrics: RunnerMetrics | None = None,
                  hold_ms: int = DEFAULT_HOLD_MS,
-                 answer_limits: AnswerLimits | None = None, model: str | None = None) -> None:
+                 answer_limits: AnswerLimits | None = None, model: str | None = None,
+                 tokenizer: str | None = None) -> None:
         self.pool = pool
         # The name the runner registered its model under: a step on a session of another model
         # is refused before anything changes (its blocks are of another format, its prefixes
@@ -93,6 +95,9 @@ class StepEngine:
         self.answer_limits = answer_limits
         # The model runner (replaced by the server when the daemon restarts).
         self.runner = runner
+        # Structured outputs' grammars, compiled for the tokenizer's folder (None: refused).
+        self.grammars = Grammars(tokenizer, vocab_size=runner.vocab_size,
+                                 eos_token_ids=runner.eos_token_ids)
         self.metrics = metrics
         self.forwards = ForwardLoop(lambda: self.runner, sampler or Sampler(),
                                     max_batch_tokens=max_batch_tokens, metrics=metrics,
@@ -117,6 +122,7 @@ class StepEngine:
         for forward in self._orphans:  # the loop is gone: nothing writes any more
             forward.cancel()
         await self.holds.stop()
+        self.grammars.close()
 
     def forget_all(self) -> None:
         """Drop every session's state (the daemon restarted: its pool and sessions are gone)."""
@@ -129,6 +135,7 @@ class StepEngine:
         """Compute one client step; `release` names sequences to free after it."""
         self.preparer.validate(requests, release)
         started = time.monotonic()
+        compiled = await self.grammars.compile(requests)  # before anything changes
         entry = self.sessions.enter(session_id)
         try:
             await entry.lock.acquire()
@@ -145,7 +152,7 @@ class StepEngine:
                 if self.answer_limits is not None:
                     self.answer_limits.check(requests)
                 prepared = await self.preparer.prepare(session_id, known, requests)
-                known.keep_params(requests, prepared.states)
+                known.keep_params(requests, prepared.states, compiled)
                 for index in prepared.claimed:  # this step holds the tokens appended ahead now
                     prepared.states[index].ahead = None
                 results = (await self._run(prepared, known) if prepared.chunks

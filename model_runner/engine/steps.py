@@ -15,6 +15,11 @@ class UnknownSequence(RuntimeError):
     (FAILED_PRECONDITION); nothing was changed."""
 
 
+class Unsupported(RuntimeError):
+    """The runner cannot do what the step asks (structured outputs on a model without a
+    tokenizer): FAILED_PRECONDITION, cause "Unsupported"; nothing was changed."""
+
+
 class StepNotComputed(RuntimeError):
     """A client's step failed after its daemon calls were applied (its forward failed): its
     sequences hold the step's tokens, in the daemon and in the runner, not computed (ABORTED,

@@ -37,6 +37,10 @@ def parser() -> argparse.ArgumentParser:
                         help="a config.json path or a preset (tiny, tiny-llama, small-llama), "
                              "randomly initialized")
     cli.add_argument("--seed", type=int, default=0, help="seed of --random-init (default 0)")
+    cli.add_argument("--tokenizer", metavar="PATH",
+                     help="the tokenizer's local folder, which structured outputs compile "
+                          "against (default: --model's folder; a --random-init preset has none "
+                          "and refuses structured outputs without it)")
     cli.add_argument("--model-name", metavar="NAME",
                      help="the name the model registers under with the daemon, which its "
                           "clients' sessions name (default: the preset's name, or the model "
@@ -102,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                    if value is not None}
         bounds = ServerBounds(**{name: getattr(args, name) for name in SERVER_BOUNDS})
         config = RunnerConfig(model=source, model_name=args.model_name,
+                              tokenizer=args.tokenizer,
                               attention_backend=args.attention_backend,
                               server_bounds=bounds,
                               max_batch_tokens=args.max_batch_tokens, hold_ms=args.hold_ms,

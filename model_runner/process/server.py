@@ -114,6 +114,9 @@ class RunnerConfig:
     server_bounds: ServerBounds = field(default_factory=ServerBounds)
     # What one step may ask for: logprobs per sequence, and its answer's encoded size.
     answer_limits: AnswerLimits = field(default_factory=AnswerLimits)
+    # The tokenizer's folder, which structured outputs compile against; None: the model
+    # folder's (a random-init preset has none: structured outputs are refused).
+    tokenizer: str | None = None
 
 
 class RunnerState:
@@ -148,11 +151,10 @@ class RunnerState:
     def runner_info(self) -> rpb.RunnerInfo:
         runner = self.engine.runner
         layers, kv_heads, head_dim, dtype = kv_geometry(runner.model)
-        eos = runner.model.generation_config.eos_token_id
-        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         return rpb.RunnerInfo(model=self.model, vocab_size=runner.vocab_size,
                               num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
-                              dtype=dtype, eos_token_ids=eos_ids, pool_id=self.info.pool_id,
+                              dtype=dtype, eos_token_ids=runner.eos_token_ids,
+                              pool_id=self.info.pool_id,
                               block_size=self.info.block_size,
                               attention_backend=self.backend,
                               max_model_len=runner.max_model_len, runner_id=self.runner_id,
@@ -189,7 +191,8 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
         engine = StepEngine(pool, await attach(info),
                             max_batch_tokens=config.max_batch_tokens,
                             metrics=RunnerMetrics(registry), hold_ms=config.hold_ms,
-                            answer_limits=config.answer_limits, model=name)
+                            answer_limits=config.answer_limits, model=name,
+                            tokenizer=config.tokenizer or config.model.path)
         await engine.start()
         stack.push_async_callback(engine.stop)
         state = RunnerState(engine, info, config.model.name, backend.name, name)

@@ -16,7 +16,12 @@ import grpc
 from pagedkv.client import PagedKVError
 from pagedkv.client.pool.errors import cause_of_error
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
-from pagedkv.model_runner.engine.steps import StalePlan, StepNotComputed, UnknownSequence
+from pagedkv.model_runner.engine.steps import (
+    StalePlan,
+    StepNotComputed,
+    UnknownSequence,
+    Unsupported,
+)
 from pagedkv.model_runner.process.follow import SessionStream
 from pagedkv.model_runner.process.step_messages import StepFunction, answer_message, seq_request
 from pagedkv.process.grpc_errors import errors_to_status
@@ -42,6 +47,7 @@ CAUSES: tuple[tuple[type[Exception], Cause], ...] = (
     (UnknownSequence, causes.UNKNOWN_SEQUENCE),
     (StepNotComputed, causes.STEP_NOT_COMPUTED),  # applied in the daemon: not "nothing changed"
     (StalePlan, causes.STALE_PLAN),
+    (Unsupported, causes.UNSUPPORTED),
     (RunnerUnavailable, causes.RUNNER_UNAVAILABLE),
 )
 

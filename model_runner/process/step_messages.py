@@ -4,7 +4,7 @@ sampling checked here), a step's StepOutputs become its RunnerStepResponse."""
 
 from collections.abc import Awaitable, Callable, Sequence
 
-from pagedkv.client import History, SamplingParams, SeqStep, StepOutputs
+from pagedkv.client import History, SamplingParams, SeqStep, StepOutputs, StructuredOutputs
 from pagedkv.model_runner.engine.steps import InvalidStep
 from pagedkv.proto import runner_pb2 as rpb
 
@@ -25,7 +25,25 @@ def sampling_params(message: rpb.SamplingParams) -> SamplingParams:
         presence_penalty=message.presence_penalty, frequency_penalty=message.frequency_penalty,
         seed=message.seed if message.has_seed else None,
         logprobs=message.logprobs if message.logprobs >= 0 else None,
-        stop_token_ids=tuple(message.stop_token_ids), max_tokens=message.max_tokens or NO_LIMIT)
+        stop_token_ids=tuple(message.stop_token_ids), max_tokens=message.max_tokens or NO_LIMIT,
+        min_tokens=message.min_tokens,
+        structured_outputs=(structured_outputs(message.structured_outputs)
+                            if message.HasField("structured_outputs") else None))
+
+
+def structured_outputs(message: rpb.StructuredOutputs) -> StructuredOutputs:
+    """`message` as StructuredOutputs; ValueError naming the field (`structured_outputs.json`
+    for json_schema: the client's name) when it sets none or a bad value."""
+    field = message.WhichOneof("constraint")
+    if field is None:
+        raise ValueError("structured_outputs sets no constraint (json_schema, regex, choice, "
+                         "grammar or json_object)")
+    if field == "choice":
+        return StructuredOutputs(choice=tuple(message.choice.choices))
+    if field == "json_object":
+        return StructuredOutputs(json_object=message.json_object)
+    return StructuredOutputs(**{"json" if field == "json_schema" else field:
+                                getattr(message, field)})
 
 
 def seq_request(message: rpb.SequenceStep) -> SeqStep:

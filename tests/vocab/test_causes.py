@@ -31,6 +31,7 @@ from pagedkv.model_runner.engine.steps import (
     StalePlan,
     StepNotComputed,
     UnknownSequence,
+    Unsupported,
 )
 from pagedkv.model_runner.models import ModelMismatch
 from pagedkv.model_runner.process import servicer
@@ -64,6 +65,7 @@ RUNNER: dict[type[Exception], type[c.PagedKVError]] = {
     UnknownSequence: c.UnknownSequence,
     StepNotComputed: c.StepNotComputed,
     StalePlan: c.StalePlan,
+    Unsupported: c.Unsupported,
     RunnerUnavailable: c.RunnerUnavailable,
     # Raised at start or by the pool watcher, never in a step; as a ValueError it would be a
     # caller's mistake.

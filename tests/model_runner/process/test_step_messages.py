@@ -11,7 +11,7 @@ runner with the sequence, left out of every later step.
 
 import pytest
 
-from pagedkv.client import History, SamplingParams, SeqStep
+from pagedkv.client import History, SamplingParams, SeqStep, StructuredOutputs
 from pagedkv.client.engine.runner_link import with_history
 from pagedkv.client.engine.sequences import Seq
 from pagedkv.client.pool.runner_client import SeqOutput
@@ -47,6 +47,34 @@ def test_the_client_record_reads_back_as_it_was_sent() -> None:
     penalized = SamplingParams(presence_penalty=-2.0, frequency_penalty=0.75, max_tokens=4)
     assert seq_request(SeqStep(7, [1], True, params=penalized).message()).params == penalized
     assert seq_request(SeqStep(7, [3]).message()).params is None
+
+
+@pytest.mark.parametrize("constraint", [
+    StructuredOutputs(json='{"type": "object"}'), StructuredOutputs(regex="a+"),
+    StructuredOutputs(choice=("yes", 'say "no"')), StructuredOutputs(grammar='root ::= "a"'),
+    StructuredOutputs(json_object=True)])
+def test_min_tokens_and_each_constraint_travel(constraint: StructuredOutputs) -> None:
+    sent = SamplingParams(max_tokens=9, min_tokens=3, structured_outputs=constraint)
+    assert seq_request(SeqStep(7, [1], True, params=sent).message()).params == sent
+
+
+@pytest.mark.parametrize(("sampling", "reason"), [
+    (rpb.SamplingParams(max_tokens=4, min_tokens=5), r"min_tokens must be in \[0, max_tokens=4\]"),
+    (rpb.SamplingParams(structured_outputs=rpb.StructuredOutputs()),
+     "structured_outputs sets no constraint"),
+    (rpb.SamplingParams(structured_outputs=rpb.StructuredOutputs(json_object=False)),
+     "structured_outputs needs exactly one"),
+    (rpb.SamplingParams(structured_outputs=rpb.StructuredOutputs(json_schema="{")),
+     "structured_outputs.json is not valid JSON"),
+    (rpb.SamplingParams(structured_outputs=rpb.StructuredOutputs(regex="a" * 70000)),
+     "structured_outputs.regex must be a non-empty string of at most 65536"),
+    (rpb.SamplingParams(structured_outputs=rpb.StructuredOutputs(choice=rpb.Choices())),
+     "structured_outputs.choice must be 1 to 256"),
+])
+def test_a_bad_constraint_is_refused_naming_the_field(sampling: rpb.SamplingParams,
+                                                      reason: str) -> None:
+    with pytest.raises(InvalidStep, match=f"sequence 12: {reason}"):
+        seq_request(rpb.SequenceStep(seq_id=12, sampling=sampling))
 
 
 def test_an_invalid_sampling_is_refused_naming_the_sequence() -> None:
@@ -102,7 +130,7 @@ def test_the_runner_fills_in_the_kept_sampling() -> None:
     greedy = SamplingParams(temperature=0.0)
     (changed,) = known.with_params([SeqStep(4, (9,), False, 0, greedy)])
     assert changed.params == greedy  # sent again: it replaces the kept one once kept
-    known.keep_params([changed], [known.seqs[4]])
+    known.keep_params([changed], [known.seqs[4]], {})
     assert known.seqs[4].params == greedy
 
 
