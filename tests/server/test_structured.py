@@ -2,6 +2,7 @@
 StructuredOutputs, two are refused, and one xgrammar cannot compile is a 400 naming its field."""
 
 import json
+from typing import Any
 
 import pytest
 
@@ -9,6 +10,8 @@ from pagedkv.client.pool.structured_outputs import StructuredOutputs
 from pagedkv.server.errors import ApiError
 from pagedkv.server.protocol import Limits, read_chat, read_completion
 from pagedkv.server.structured import check_compiles, read_constraint
+
+from tool_model import TOOL_MODEL
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -105,3 +108,35 @@ def test_min_tokens_reaches_the_sampling_params() -> None:
     with pytest.raises(ApiError) as refused:
         read_completion({"model": "m", "prompt": "hi", "min_tokens": 20}, Limits())
     assert refused.value.param == "min_tokens"
+
+
+BOUNDED = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                            "color": {"enum": ["red", "green"]}},
+           "required": ["ok", "color"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_json_schema_output_parses_and_validates(tool_client: Any, stream: bool) -> None:
+    """Through the real openai client and `pagedkv serve` (tests/server/conftest.py): the
+    runner masks the logits to the schema, so even a random model's greedy answer is valid."""
+    options: Any = {"model": TOOL_MODEL, "messages": MESSAGES, "max_tokens": 48,
+                    "temperature": 0, "response_format": {
+                        "type": "json_schema",
+                        "json_schema": {"name": "answer", "schema": BOUNDED, "strict": True}}}
+    if stream:
+        chunks = tool_client.chat.completions.create(**options, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    else:
+        text = tool_client.chat.completions.create(**options).choices[0].message.content
+    answer = json.loads(text)
+    assert set(answer) == {"ok", "color"} and isinstance(answer["ok"], bool)
+    assert answer["color"] in ("red", "green")
+
+
+def test_a_schema_that_cannot_compile_is_a_400_through_the_server(tool_client: Any) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        tool_client.completions.create(model=TOOL_MODEL, prompt="hi", max_tokens=2,
+                                       extra_body={"guided_json": {"type": "nonsense"}})
+    assert refused.value.param == "guided_json"
