@@ -13,7 +13,8 @@ The engine's failures carry the shared causes of `pagedkv.vocab.causes`; `CAUSE_
 them to statuses here, at the HTTP edge, as vLLM answers the same conditions. The engine fails
 a request with PoolExhausted only when it needs more blocks than the whole pool has (it waits
 for blocks that other requests hold), so it can never fit: 400, as vLLM refuses a prompt longer
-than its KV cache. A cause that may pass (a runner or daemon away) is a 503 to retry.
+than its KV cache. Unsupported (structured outputs asked of a runner with no tokenizer) is the
+request's to change: 400. A cause that may pass (a runner or daemon away) is a 503 to retry.
 """
 
 from dataclasses import dataclass, field
@@ -26,7 +27,8 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
                413: "BadRequestError", 429: "RateLimitError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
 # The HTTP status of each cause an engine request may fail with; any other is a 500 (a bug).
-CAUSE_STATUS = {causes.POOL_EXHAUSTED.name: 400, causes.RUNNER_UNAVAILABLE.name: 503}
+CAUSE_STATUS = {causes.POOL_EXHAUSTED.name: 400, causes.UNSUPPORTED.name: 400,
+                causes.RUNNER_UNAVAILABLE.name: 503}
 
 
 @dataclass

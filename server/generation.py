@@ -164,7 +164,8 @@ class PromptRun:
         sampling = self.sampling
         return None if tokenizer is None else TextStream(
             tokenizer, sampling.stop, prompt_ids=self.prompt_ids,
-            skip_special_tokens=sampling.skip_special_tokens, include_stop=sampling.include_stop)
+            skip_special_tokens=sampling.skip_special_tokens, include_stop=sampling.include_stop,
+            min_tokens=sampling.params.min_tokens)
 
     def _tokens(self, completion: CompletionOutput, start: int, end: int) -> list[TokenInfo]:
         ids = completion.token_ids

@@ -40,7 +40,7 @@ class TextStream:
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), *,
                  skip_special_tokens: bool = True, prompt_ids: Sequence[int] = (),
-                 include_stop: bool = False) -> None:
+                 include_stop: bool = False, min_tokens: int = 0) -> None:
         for index, string in enumerate(stop):
             if not string:
                 raise ValueError(f"stop[{index}]: a stop string must not be empty")
@@ -52,6 +52,9 @@ class TextStream:
         self._skip_special_tokens = skip_special_tokens
         # Whether the stop string that ended the text stays in it.
         self._include_stop = include_stop
+        # vLLM's min_tokens: no stop string ends a completion of fewer tokens (one that
+        # appeared before is not looked for again, as vLLM looks only at new text).
+        self._min_tokens = min_tokens
         # The prompt's last tokens, then the completion's so far (up to the one that
         # completed a stop string).
         self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
@@ -152,6 +155,8 @@ class TextStream:
     def _cut_at_stop(self, text: str, start: int) -> None:
         """Stops the completion at the earliest stop string in `text` (the held text, perhaps
         with more) that ends past `start`, where the text new since the last look begins."""
+        if self.num_tokens < self._min_tokens:
+            return
         found = [(index, index + len(string)) for string in self._stop
                  if (index := text.find(string, max(0, start - len(string) + 1))) >= 0]
         if found:

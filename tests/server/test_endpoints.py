@@ -18,7 +18,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from transformers import PreTrainedTokenizerFast
 
-from pagedkv.client import RunnerUnavailable, SamplingParams
+from pagedkv.client import RunnerUnavailable, SamplingParams, Unsupported
 from pagedkv.client.engine.engine import Engine
 from pagedkv.client.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.llm.tokenizer import Tokenizer
@@ -193,5 +193,19 @@ async def test_a_runner_that_cannot_compute_is_a_503_to_retry() -> None:
                                                                "max_tokens": 1})
         assert (response.status, response.headers["Retry-After"]) == (503, "1")
         assert "the daemon is away" in (await response.json())["error"]["message"]
+    finally:
+        await client.close()
+
+
+async def test_what_the_runner_cannot_do_is_a_400() -> None:
+    """Unsupported (structured outputs on a runner with no tokenizer): the request must change,
+    so a 400 with the runner's reason, as vLLM refuses what its backend cannot do."""
+    refused = Unsupported(grpc.StatusCode.FAILED_PRECONDITION, "the runner has no tokenizer")
+    client = await client_of(TokensEngine([], 100, refused))
+    try:
+        response = await client.post("/v1/completions", json={"model": NAME, "prompt": [1],
+                                                               "max_tokens": 1})
+        assert response.status == 400
+        assert "the runner has no tokenizer" in (await response.json())["error"]["message"]
     finally:
         await client.close()

@@ -62,6 +62,20 @@ def test_stop_string_over_two_tokens_in_one_add(tokenizer: PreTrainedTokenizerFa
     assert stream.num_tokens == 4 and stream.text == "the cat"
 
 
+def test_no_stop_string_ends_a_completion_before_min_tokens(
+        tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer.encode(SENTENCE)  # "the", " cat", " s", "at", " ", "on", " the", ...
+    # " the" first completes at token 7 ("the" at token 1 is not " the"); "the" at token 1
+    # would stop at once without min_tokens.
+    plain = TextStream(tokenizer, ["the"])
+    plain.add(ids)
+    assert plain.stopped and plain.num_tokens == 1 and plain.text == ""
+    stream = TextStream(tokenizer, ["the"], min_tokens=3)
+    stream.add(ids)
+    # The "the" of the first token is never looked for again; the next one, at token 7, ends it.
+    assert stream.stopped and stream.num_tokens == 7 and stream.text == "the cat sat on "
+
+
 def test_stop_string_that_never_completes_is_released(tokenizer: PreTrainedTokenizerFast) -> None:
     ids = tokenizer.encode(SENTENCE)
     stream = TextStream(tokenizer, ["at onx"])
