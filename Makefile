@@ -118,6 +118,7 @@ bench: setup
 	$(PY) benchmarks/bench_slowloris.py
 	$(PY) benchmarks/bench_replay_flood.py
 	$(PY) benchmarks/bench_fence.py --rounds 5
+	$(PY) benchmarks/bench_structured.py
 	$(PY) benchmarks/bench_suite.py
 
 bench-gpu: setup
