@@ -22,7 +22,7 @@ pooled; the medians of those. C concurrent streams: REQUESTS_PER_STREAM requests
 at most C in flight (its --max-concurrency). One request goes through the real `openai` client
 too, to check that the stream it parses carries the same answer.
 
-Usage: python benchmarks/bench_serve.py [--rounds 5] [--device cpu] [--quick]
+Usage: python benchmarks/bench_serve.py [--rounds 7] [--device cpu] [--quick]
 """
 
 import argparse
@@ -50,10 +50,10 @@ BATCH = 32
 MAX_TOKENS = 256
 # The pool of both stacks: room for every sequence at once (no preemption on either side).
 NUM_BLOCKS = 1024
-ROUNDS = 5
+ROUNDS = 7
 CONCURRENCY = (1, 8, 32)
 # Latency runs: requests per stream, and tokens each generates.
-REQUESTS_PER_STREAM = 2
+REQUESTS_PER_STREAM = 4
 LATENCY_TOKENS = 64
 # Words the prompts are made of (gpu_check's tokenizer is trained on them).
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "in", "park", "quick", "brown",
