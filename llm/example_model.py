@@ -39,7 +39,9 @@ def train_tokenizer(sentences: list[str]) -> PreTrainedTokenizerFast:
     tokenizer.train_from_iterator(sentences, trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<eos>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+    # transformers leaves the tokenizer's constructor, from_config and its logging unannotated.
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer, eos_token="<eos>")
     assert fast.eos_token_id == 0
     return fast
 
@@ -59,7 +61,9 @@ def random_llama(vocab_size: int, seed: int = 0) -> PreTrainedModel:
                          max_position_embeddings=512, initializer_range=0.2, eos_token_id=0,
                          bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config)
+    model: PreTrainedModel = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]
+        config)
+    return model
 
 
 def write_example_model(folder: Path, seed: int = 0) -> None:
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--seed", type=int, default=0, help="seed of the weights (default 0)")
     args = cli.parse_args(argv)
     folder = Path(args.folder)
-    transformers_logging.disable_progress_bar()  # one model file: a bar says nothing
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # one file
     try:
         folder.mkdir(parents=True, exist_ok=True)
         write_example_model(folder, args.seed)
