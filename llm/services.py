@@ -29,11 +29,26 @@ from pagedkv.llm.supervisor import Supervisor
 from pagedkv.process.launch import READY_STATE, Launched, start_daemon, start_runner
 from pagedkv.vocab.paths import DAEMON_RUNNER_SOCKET_NAME, MAX_UNIX_PATH_BYTES
 
-# Children log warnings and errors only (as JSON lines: their log tail explains a failed start).
+# Children log warnings and errors only (as JSON lines: their log tail explains a failed start),
+# unless the caller gives them its own log (ChildLogs).
 CHILD_LOG_ARGS = ["--log-level", "warning"]
 # Longest private folder path (85): room for the longest socket in it, the daemon's runner
 # socket, under the unix socket path limit.
 MAX_FOLDER_CHARS = MAX_UNIX_PATH_BYTES - len(f"/{DAEMON_RUNNER_SOCKET_NAME}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChildLogs:
+    """The children log into this process's stderr, as it logs (`pagedkv serve`: one stream
+    for journald, where a request id leads from the HTTP line to the runner's and the
+    daemon's), instead of into files in their private folder."""
+
+    # Their --log-level and --log-format (log_setup's names).
+    level: str
+    fmt: str
+
+    def args(self) -> list[str]:
+        return ["--log-level", self.level, "--log-format", self.fmt]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,31 +64,34 @@ class Services:
 
 
 def start_services(config: LLMConfig, model: ModelRef, resources: contextlib.ExitStack, *,
-                   supervise: bool = False) -> Services:
+                   supervise: bool = False, logs: ChildLogs | None = None) -> Services:
     """Start the daemon, planned for `model`, then the runner; return them once both are
-    ready. `supervise`: start either again whenever it dies (but for a bad setting). Closing
-    `resources` stops what was started and removes the folder, whether or not the start got
-    that far."""
+    ready. `supervise`: start either again whenever it dies (but for a bad setting). `logs`:
+    they log into this process's stderr so (else warnings into files). Closing `resources`
+    stops what was started and removes the folder, whether or not the start got that far."""
+    log_args = CHILD_LOG_ARGS if logs is None else logs.args()
     device = config.device or _default_device()
     dtype = model.config_dtype() if config.dtype == "auto" else config.dtype
     dtype_args = [] if config.dtype == "auto" else ["--dtype", config.dtype]
+    if config.kv_cache_dtype != "auto":  # the daemon's format and the runner's must agree
+        dtype_args += ["--kv-cache-dtype", config.kv_cache_dtype]
     folder = _private_folder()
     resources.callback(shutil.rmtree, folder, ignore_errors=True)
     daemon_args = [*model.daemon_args(), "--block-size", str(config.started_block_size),
                    "--device", device, *dtype_args, *pool_size_args(config, model, device, dtype),
-                   *_daemon_switches(config), *CHILD_LOG_ARGS]
+                   *_daemon_switches(config), *log_args]
 
     def new_daemon() -> Launched:
-        return start_daemon(folder, *daemon_args)
+        return start_daemon(folder, *daemon_args, log_file=logs is None)
 
     daemon = _started(new_daemon, config, resources)
     daemon_supervisor = _supervised(new_daemon, daemon, config, resources) if supervise else None
-    runner_args = [*model.runner_args(config.seed or 0), *dtype_args, *CHILD_LOG_ARGS]
+    runner_args = [*model.runner_args(config.seed or 0), *dtype_args, *log_args]
     if config.tokenizer is not None:  # what structured outputs compile against
         runner_args += ["--tokenizer", str(Path(config.tokenizer).resolve())]
 
     def new_runner() -> Launched:
-        return start_runner(daemon.runners_target, folder, *runner_args)
+        return start_runner(daemon.runners_target, folder, *runner_args, log_file=logs is None)
 
     runner = _started(new_runner, config, resources)
     runner_supervisor = _supervised(new_runner, runner, config, resources) if supervise else None

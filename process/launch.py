@@ -11,7 +11,8 @@
 Readiness is systemd's own signal (`notify` is the sending side): a datagram socket bound in
 the process's folder is passed as NOTIFY_SOCKET, and both processes send READY=1 only once
 their pool is allocated or mapped and every listener is up. Their stderr goes to a log in the
-same folder, whose tail explains a process that exits, or stays silent, while it is awaited.
+same folder, whose tail explains a process that exits, or stays silent, while it is awaited
+(or, with log_file=False, to this process's stderr: `pagedkv serve`'s one stream).
 Each file is named after the process ("pagedkvd.log", "runner.notify"), so a daemon and its
 runner may share a folder. The demo, the tests, the benchmarks and the `LLM` start their
 processes through this module. Standard library only: a client program may import it.
@@ -139,10 +140,11 @@ class Launched:
 
 
 def start_process(name: str, command: list[str], folder: Path, unix_target: str,
-                  env: dict[str, str] | None = None) -> Launched:
-    """Start `command` with its notify socket (NAME.notify) and its stderr (NAME.log) in
-    `folder`, which must be short: unix socket paths are limited to ~107 bytes. Returns at once;
-    the caller waits for READY_STATE and stops it."""
+                  env: dict[str, str] | None = None, log_file: bool = True) -> Launched:
+    """Start `command` with its notify socket (NAME.notify) and its stderr (NAME.log; with
+    log_file=False, this process's stderr) in `folder`, which must be short: unix socket paths
+    are limited to ~107 bytes. Returns at once; the caller waits for READY_STATE and stops
+    it."""
     notify_path = folder / f"{name}.notify"
     notify_path.unlink(missing_ok=True)  # a process restarted in the same folder
     receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -150,7 +152,8 @@ def start_process(name: str, command: list[str], folder: Path, unix_target: str,
         receiver.bind(str(notify_path))
         receiver.settimeout(_POLL_S)
         environment = {**os.environ, "NOTIFY_SOCKET": str(notify_path), **(env or {})}
-        with (folder / f"{name}.log").open("wb") as log:
+        with (folder / f"{name}.log").open("wb") if log_file else contextlib.nullcontext() \
+                as log:
             process = subprocess.Popen(command, env=environment, stdin=subprocess.DEVNULL,
                                        stdout=subprocess.DEVNULL, stderr=log)
     except BaseException:
@@ -160,25 +163,26 @@ def start_process(name: str, command: list[str], folder: Path, unix_target: str,
 
 
 def start_daemon(folder: Path, *args: str, listen_path: Path | None = None,
-                 env: dict[str, str] | None = None) -> Launched:
+                 env: dict[str, str] | None = None, log_file: bool = True) -> Launched:
     """`pagedkvd` with `args`, logging JSON; its files in `folder`, its public socket there
     too (pagedkvd.sock) unless `listen_path` names another, its runner socket there always
     (`runners_target`). Its pool file goes where `--shm-dir` says (/dev/shm by default)."""
     unix_target = socket_target(listen_path or folder / DAEMON_SOCKET_NAME)
     return start_process("pagedkvd", [*DAEMON_COMMAND, "--listen", unix_target,
                                       "--runner-socket", str(folder / DAEMON_RUNNER_SOCKET_NAME),
-                                      "--log-format", "json", *args], folder, unix_target, env)
+                                      "--log-format", "json", *args], folder, unix_target, env,
+                         log_file)
 
 
 def start_runner(daemon_target: str, folder: Path, *args: str, listen: str | None = None,
-                 env: dict[str, str] | None = None) -> Launched:
+                 env: dict[str, str] | None = None, log_file: bool = True) -> Launched:
     """`pagedkv runner` on the daemon whose runner socket is `daemon_target` (a daemon's
     `runners_target`) with `args` (its model source at least), logging JSON; its files in
     `folder`, its socket there too (pagedkv-runner.sock) unless `listen` names another."""
     unix_target = listen or socket_target(folder / RUNNER_SOCKET_NAME)
     return start_process("runner", [*RUNNER_COMMAND, "--daemon", daemon_target, "--listen",
                                     unix_target, "--log-format", "json", *args],
-                         folder, unix_target, env)
+                         folder, unix_target, env, log_file)
 
 
 def log_tail(path: Path) -> str:

@@ -699,6 +699,7 @@ class AllocateRequest(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SKIP_HOST_TIER_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     seq_id: _builtins.int
     num_tokens: _builtins.int
@@ -706,6 +707,14 @@ class AllocateRequest(_message.Message):
     skip_host_tier: _builtins.bool
     """Do not restore prefix blocks from the host tier: blocks past the pool's own cached prefix
     are taken fresh, to be computed (see "The host-memory tier").
+    """
+    request_id: _builtins.str
+    """The id of the client's request the sequence serves (the HTTP X-Request-Id, or the id the
+    server made; the pagedkv runner passes on runner.proto's SequenceStep.request_id): the
+    daemon keeps it with the sequence, a fork's child inheriting its parent's, and names it on
+    its log lines about the sequence (allocated, forked and freed at debug; a lease expiry at
+    info). At most 128 characters of [A-Za-z0-9._:-], else INVALID_ARGUMENT naming
+    request_id, nothing changed; "" = none. Not unique: requests may share one.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -719,10 +728,11 @@ class AllocateRequest(_message.Message):
         num_tokens: _builtins.int = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         skip_host_tier: _builtins.bool = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "seq_id", b"seq_id", "session_id", b"session_id", "skip_host_tier", b"skip_host_tier", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_tokens", b"num_tokens", "request_id", b"request_id", "seq_id", b"seq_id", "session_id", b"session_id", "skip_host_tier", b"skip_host_tier", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -444,6 +444,7 @@ class SequenceStep(_message.Message):
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     DECODE_AHEAD_FIELD_NUMBER: _builtins.int
     SKIP_HOST_TIER_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     seq_id: _builtins.int
     new_sequence: _builtins.bool
     """True: a new sequence. Without a parent its prompt is token_ids (the runner allocates it in
@@ -489,6 +490,17 @@ class SequenceStep(_message.Message):
     recompute what the pool itself does not hold (AllocateRequest.skip_host_tier). The
     pagedkv engine sets it when its swap rule says recomputing is cheaper than copying.
     """
+    request_id: _builtins.str
+    """The id of the client's request the sequence serves (`pagedkv serve` sends the HTTP
+    X-Request-Id, or the id it made), sent once as the sampling is: with the sequence's first
+    step (and a resend with history). The runner keeps it with the sequence (a fork's child
+    inherits its parent's unless it sends its own), passes it to the daemon when it allocates
+    the sequence (AllocateRequest.request_id), and names it on its log lines about the
+    sequence: admitted, finished and released at debug, a failed step at warning (at most 8
+    ids, then how many more). At most 128 characters of [A-Za-z0-9._:-], else
+    INVALID_ARGUMENT naming request_id, nothing changed; "" = none (the kept one, if any). Not
+    unique: the prompts of one HTTP request share it.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Tokens to add: the prompt (new), a decode token, or more prompt (chunked prefill)."""
@@ -528,10 +540,11 @@ class SequenceStep(_message.Message):
         num_prompt_tokens: _builtins.int = ...,
         decode_ahead: _builtins.bool = ...,
         skip_host_tier: _builtins.bool = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["history", b"history", "sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ahead", b"decode_ahead", "has_parent", b"has_parent", "history", b"history", "max_compute_tokens", b"max_compute_tokens", "new_sequence", b"new_sequence", "num_prompt_tokens", b"num_prompt_tokens", "parent_seq_id", b"parent_seq_id", "sampling", b"sampling", "seq_id", b"seq_id", "skip_host_tier", b"skip_host_tier", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ahead", b"decode_ahead", "has_parent", b"has_parent", "history", b"history", "max_compute_tokens", b"max_compute_tokens", "new_sequence", b"new_sequence", "num_prompt_tokens", b"num_prompt_tokens", "parent_seq_id", b"parent_seq_id", "request_id", b"request_id", "sampling", b"sampling", "seq_id", b"seq_id", "skip_host_tier", b"skip_host_tier", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -6,10 +6,11 @@ names it.
                   finish_reasons=["length"] ttft_ms=8.3
     http_request  request_id=job-17  ... status=400  error="max_tokens must be >= 1, got 0"
 
-A request's id is the client's `X-Request-Id` when that is a plausible id (1 to
-MAX_REQUEST_ID_CHARS letters, digits or `-_.:`, so it cannot forge log fields or fill the log),
-else one made here; vLLM uses the header the same way. It is echoed in the response's
-`X-Request-Id` (errors and streams included) and names the answer (`cmpl-ID`, `chatcmpl-ID`). A
+A request's id is the client's `X-Request-Id` when that is a plausible id (1 to 128 letters,
+digits or `-_.:`, pagedkv.vocab.request_ids' rule, so it cannot forge log fields or fill the
+log), else one made here; vLLM uses the header the same way. It is echoed in the response's
+`X-Request-Id` (errors and streams included) and names the answer (`cmpl-ID`, `chatcmpl-ID`),
+and its engine requests carry it to the runner and the daemon, which log it. A
 request that generated tokens logs its usage, each choice's finish reason (null: aborted,
 e.g. its client went away) and its time to first token (`ttft_ms`: from the request's arrival,
 before its body is read, to the first token of any of its prompts, as a client sees it; the
@@ -17,7 +18,6 @@ before its body is read, to the first token of any of its prompts, as a client s
 logs why (the error body's message).
 """
 
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,12 +27,10 @@ from aiohttp.typedefs import Handler
 
 from pagedkv.process.log_setup import get_logger
 from pagedkv.server.generation import PromptRun
+from pagedkv.vocab.request_ids import plausible
 
 log = get_logger("pagedkv.server")
 REQUEST_ID_HEADER = "X-Request-Id"
-# Longest client-given request id kept (vLLM's are 32 hex digits; a UUID is 36 characters).
-MAX_REQUEST_ID_CHARS = 128
-_REQUEST_ID = re.compile(rf"[A-Za-z0-9._:-]{{1,{MAX_REQUEST_ID_CHARS}}}")
 
 
 @dataclass(slots=True)
@@ -69,7 +67,7 @@ ACCESS = web.RequestKey("pagedkv.access", Access)
 
 def request_id(given: str | None) -> str:
     """`given` (a client's X-Request-Id) when it is a plausible id, else a new one."""
-    if given is not None and _REQUEST_ID.fullmatch(given):
+    if given is not None and plausible(given):
         return given
     return uuid.uuid4().hex
 

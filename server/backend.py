@@ -157,13 +157,16 @@ class Backend:
         return replace(params, max_tokens=limit - prompt_len)
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, every_step: bool,
-                     caller: Caller) -> AsyncGenerator[RequestOutput]:
+                     caller: Caller, request_id: str) -> AsyncGenerator[RequestOutput]:
         """The request's outputs (each step's when `every_step`, else the final one) from the
-        caller's engine; closing the iterator early aborts the request and frees its blocks."""
+        caller's engine; closing the iterator early aborts the request and frees its blocks.
+        `request_id`: the HTTP request's (access_log.py), which the runner and the daemon log
+        with its sequences."""
         self.active += 1
         self.metrics.arrived(len(prompt_ids))
-        outputs = (caller.engine.stream(prompt_ids, params, key=caller.name) if every_step
-                   else _final(caller, prompt_ids, params))
+        outputs = (caller.engine.stream(prompt_ids, params, key=caller.name,
+                                        client_request_id=request_id) if every_step
+                   else _final(caller, prompt_ids, params, request_id))
         try:
             async for output in outputs:
                 yield output
@@ -179,6 +182,7 @@ class Backend:
             self.active -= 1
 
 
-async def _final(caller: Caller, prompt_ids: list[int],
-                 params: SamplingParams) -> AsyncGenerator[RequestOutput]:
-    yield await caller.engine.generate(prompt_ids, params, key=caller.name)
+async def _final(caller: Caller, prompt_ids: list[int], params: SamplingParams,
+                 request_id: str) -> AsyncGenerator[RequestOutput]:
+    yield await caller.engine.generate(prompt_ids, params, key=caller.name,
+                                       client_request_id=request_id)

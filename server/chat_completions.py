@@ -44,8 +44,9 @@ async def create_chat_completion(request: web.Request, backend: Backend, body: d
         raise from_value_error(exc, kwargs) from exc
     backend.check_prompt(prompt_ids, "messages")
     backend.admit()
-    run = PromptRun(backend, prompt_ids, chat.sampling, await backend.caller(request))
     access = request[ACCESS]
+    run = PromptRun(backend, prompt_ids, chat.sampling, await backend.caller(request),
+                    access.request_id)
     access.runs = [run]
     reply = _Reply(chat, backend, run, access.request_id)
     return await (reply.stream(request) if chat.sampling.stream else reply.whole())

@@ -44,7 +44,7 @@ from pagedkv.client.pool.errors import PagedKVError
 from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.llm import tokenizer_for
 from pagedkv.llm.model_ref import resolve_model
-from pagedkv.llm.services import Services, start_services
+from pagedkv.llm.services import ChildLogs, Services, start_services
 from pagedkv.llm.supervisor import Supervisor
 from pagedkv.process import log_setup
 from pagedkv.process.launch import NoNotification
@@ -196,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as resources:
             sockets = [resources.enter_context(sock) for sock in listen(args.host, args.port)]
             if config.daemon is None:
-                services = start_services(config, model, resources, supervise=True)
+                # The children log as the server does, into its stderr: one stream.
+                services = start_services(config, model, resources, supervise=True,
+                                          logs=ChildLogs(args.log_level, args.log_format))
             else:
                 # No --runner: Engine.connect finds the runner serving config.model_name.
                 services = Services(config.daemon, config.runner or "")

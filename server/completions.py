@@ -30,8 +30,9 @@ async def create_completion(request: web.Request, backend: Backend, body: dict[s
                for i, p in enumerate(completion.prompts)]
     backend.admit()
     caller = await backend.caller(request)
-    runs = [PromptRun(backend, ids, completion.sampling, caller) for ids in prompts]
     access = request[ACCESS]
+    runs = [PromptRun(backend, ids, completion.sampling, caller, access.request_id)
+            for ids in prompts]
     access.runs = runs
     answer = _Answer(completion, backend, runs, body.get("return_token_ids") is True,
                      access.request_id)

@@ -1,7 +1,7 @@
 """One prompt's generation as the HTTP endpoints see it: per choice, new text, new tokens with
 their logprobs, and a finish reason, whatever the endpoint's wire shape.
 
-    run = PromptRun(backend, prompt_ids, sampling, await backend.caller(request))
+    run = PromptRun(backend, prompt_ids, sampling, caller, access.request_id)
     async for updates in run.updates():          # one list per engine step that changed it
         for update in updates: ...                # ChoiceUpdate: index, text, tokens, finish
     run.prompt_tokens, run.cached_tokens, run.completion_tokens   # usage
@@ -73,10 +73,13 @@ class PromptRun:
     """One prompt's request in the engine, read as choice updates."""
 
     def __init__(self, backend: Backend, prompt_ids: list[int], sampling: Sampling,
-                 caller: Caller) -> None:
+                 caller: Caller, request_id: str) -> None:
         self.backend = backend
         # Whose request it is, and the engine of its cache group (key_engines.py).
         self.caller = caller
+        # The HTTP request's id (access_log.py): its sequences carry it to the runner and the
+        # daemon, which log it (the prompts of one request share it).
+        self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.params = backend.max_tokens_for(sampling.params, len(prompt_ids),
@@ -106,7 +109,8 @@ class PromptRun:
         started = last = time.monotonic()
         output: RequestOutput | None = None
         every_step = self.params.num_samples == self.params.n and not self.params.beam_width
-        outputs = self.backend.stream(self.prompt_ids, self.params, every_step, self.caller)
+        outputs = self.backend.stream(self.prompt_ids, self.params, every_step, self.caller,
+                                      self.request_id)
         try:
             async for output in outputs:
                 now = time.monotonic()

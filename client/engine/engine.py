@@ -48,6 +48,7 @@ from pagedkv.client.pool.runner_client import RunnerClient, RunnerInfo, StepOutp
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
 from pagedkv.client.pool.types import ModelInfo, PoolInfo
+from pagedkv.vocab.request_ids import check_request_id, plausible
 from pagedkv.vocab.token_ids import check_vocabulary
 
 # How often an idle engine whose next request does not fit reads the pool's free blocks again.
@@ -175,27 +176,32 @@ class Engine:
 
     async def generate(self, prompt_token_ids: Sequence[int],
                        params: SamplingParams | None = None,
-                       request_id: str | None = None, key: str = "") -> RequestOutput:
+                       request_id: str | None = None, key: str = "", *,
+                       client_request_id: str = "") -> RequestOutput:
         """Generate to the end; the final output. `key`: whose request it is (waiting
-        requests take turns by key: fair_queue.py)."""
+        requests take turns by key: fair_queue.py). `client_request_id`: the id of the client's
+        request it serves, which the runner and the daemon log (`_request`)."""
         final = None
-        async for output in self._outputs(prompt_token_ids, params, request_id, False, key):
+        async for output in self._outputs(prompt_token_ids, params, request_id, False, key,
+                                          client_request_id):
             final = output
         assert final is not None and final.finished
         return final
 
     def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
-               request_id: str | None = None, key: str = "") -> AsyncGenerator[RequestOutput]:
+               request_id: str | None = None, key: str = "", *,
+               client_request_id: str = "") -> AsyncGenerator[RequestOutput]:
         """The request's output after each step that changed it; the last one is finished.
         Closing it (`aclose`) before the end aborts the request and frees its blocks."""
-        return self._outputs(prompt_token_ids, params, request_id, True, key)
+        return self._outputs(prompt_token_ids, params, request_id, True, key, client_request_id)
 
     async def _outputs(self, prompt_token_ids: Sequence[int], params: SamplingParams | None,
-                       request_id: str | None, every_step: bool,
-                       key: str) -> AsyncGenerator[RequestOutput]:
+                       request_id: str | None, every_step: bool, key: str,
+                       client_request_id: str) -> AsyncGenerator[RequestOutput]:
         """The request's outputs: after each step that changed it, or only the final one (an
         output per step costs the engine's loop a copy of every token so far)."""
-        request = self._request(prompt_token_ids, params or SamplingParams(), request_id, key)
+        request = self._request(prompt_token_ids, params or SamplingParams(), request_id, key,
+                                client_request_id)
         queue = self.waiters.open(request.request_id, every_step)
         self.scheduler.add(request)
         self._wake.set()
@@ -214,7 +220,14 @@ class Engine:
                 self._wake.set()
 
     def _request(self, prompt: Sequence[int], params: SamplingParams, request_id: str | None,
-                 key: str) -> Request:
+                 key: str, client_request_id: str) -> Request:
+        """A new request, named `request_id` (unique among the running ones) or
+        `req-N`; ValueError, nothing changed, for a bad prompt or id. The runner and the daemon
+        log `client_request_id` with its sequences, else its name when that is an id
+        (pagedkv.vocab.request_ids): many requests may share a client's id (the prompts of one
+        HTTP request), the engine's names stay unique."""
+        if (problem := check_request_id(client_request_id, "client_request_id")) is not None:
+            raise ValueError(problem)
         if not prompt:
             raise ValueError("the prompt has no tokens")
         check_vocabulary(prompt, self.vocab_size, "prompt")
@@ -230,7 +243,8 @@ class Engine:
         if name in self.waiters:
             raise ValueError(f"request id {name!r} is already running")
         return Request(name, prompt, self._with_defaults(params, len(prompt)),
-                       lambda: next(self._seq_ids), self.eos_token_ids, key)
+                       lambda: next(self._seq_ids), self.eos_token_ids, key,
+                       client_request_id or (name if plausible(name) else ""))
 
     def _with_defaults(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """`params` with the engine's seed when it brings none, and at most the tokens the

@@ -48,8 +48,13 @@ class Request:
 
     def __init__(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
                  new_seq_id: Callable[[], int], eos_token_ids: Sequence[int] = (),
-                 key: str = "") -> None:
+                 key: str = "", client_request_id: str = "") -> None:
+        # The engine's name of the request: unique among its running requests.
         self.request_id = request_id
+        # The id of the client's request it serves (an HTTP X-Request-Id; several engine
+        # requests may share one), sent with each sequence's first step: the runner and the
+        # daemon log it (runner.proto's SequenceStep.request_id). "" = none.
+        self.client_request_id = client_request_id
         # Whose request it is (fair_queue.py: waiting requests take turns by key).
         self.key = key
         self.prompt = tuple(prompt)
@@ -93,7 +98,8 @@ class Request:
                 frequency_penalty=p.frequency_penalty, seed=sample_seed(p.seed, index),
                 stop_token_ids=self.stop_ids, max_tokens=p.max_tokens, logprobs=p.logprobs or 0,
                 min_tokens=p.min_tokens, structured_outputs=p.structured_outputs)
-        return Seq(self._new_seq_id(), tokens, len(self.prompt), params, index, parent=parent)
+        return Seq(self._new_seq_id(), tokens, len(self.prompt), params, index,
+                   self.client_request_id, parent=parent)
 
     @property
     def seqs(self) -> list[Seq]:

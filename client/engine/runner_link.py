@@ -109,9 +109,10 @@ class RunnerLink:
 
 def with_history(seqs: Sequence[Seq], steps: Sequence[SeqStep]) -> list[SeqStep]:
     """`steps`, each existing sequence's with what the daemon holds of it per the last answer
-    (the tokens, the prompt's length, how many are computed) and its sampling, which the
-    restarted runner does not keep."""
+    (the tokens, the prompt's length, how many are computed), its sampling and its request id,
+    which the restarted runner does not keep."""
     return [dataclasses.replace(step, history=History(seq.tokens[:seq.held], seq.prompt_len,
-                                                      seq.computed), params=seq.params)
+                                                      seq.computed), params=seq.params,
+                                request_id=seq.request_id)
             if seq.allocated and not step.new_sequence else step
             for seq, step in zip(seqs, steps, strict=True)]

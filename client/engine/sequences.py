@@ -31,6 +31,9 @@ class Seq:
     params: SamplingParams
     # Position among the request's outputs.
     index: int = 0
+    # The id of the client's request it serves (Request.client_request_id), sent with its
+    # first step (and after a runner restart): the runner and the daemon log it.
+    request_id: str = ""
     # Whether the daemon holds it, how many tokens it holds (the runner's answers' num_tokens),
     # and how many are computed.
     allocated: bool = False
@@ -91,13 +94,14 @@ class Seq:
         if not self.allocated and self.parent is not None:
             return SeqStep(self.seq_id, self.tokens[self.parent.held:], new_sequence=True,
                            params=self.params, parent_seq_id=self.parent.seq_id,
-                           decode_ahead=decode_ahead)
+                           decode_ahead=decode_ahead, request_id=self.request_id)
         if not self.allocated:
             readmitted = len(self.tokens) > self.prompt_len
             return SeqStep(self.seq_id, list(self.tokens), new_sequence=True,
                            max_compute_tokens=max_compute_tokens, params=self.params,
                            num_prompt_tokens=self.prompt_len if readmitted else 0,
-                           decode_ahead=decode_ahead, skip_host_tier=skip_host_tier)
+                           decode_ahead=decode_ahead, skip_host_tier=skip_host_tier,
+                           request_id=self.request_id)
         # The runner keeps the sampling its first step sent.
         return SeqStep(self.seq_id, self.tokens[self.held:], max_compute_tokens=max_compute_tokens,
                        decode_ahead=decode_ahead)

@@ -27,6 +27,9 @@ class Allocate:
     # Take fresh blocks (to compute) past the pool's cached prefix instead of restoring the
     # daemon's host-tier copies (kvpool.proto's "The host-memory tier").
     skip_host_tier: bool = False
+    # The id of the client's request it serves, which the daemon keeps and logs with it
+    # (kvpool.proto's AllocateRequest.request_id); "" = none.
+    request_id: str = ""
 
     @property
     def token_count(self) -> int:
@@ -36,7 +39,8 @@ class Allocate:
     def request(self, session_id: str) -> pb.AllocateRequest:
         return pb.AllocateRequest(session_id=session_id, seq_id=self.seq_id,
                                   num_tokens=self.token_count, token_ids=self.token_ids,
-                                  skip_host_tier=self.skip_host_tier)
+                                  skip_host_tier=self.skip_host_tier,
+                                  request_id=self.request_id)
 
     def batch_op(self) -> pb.BatchOp:
         return pb.BatchOp(allocate=self.request(""))

@@ -72,6 +72,9 @@ class SeqStep:
     # A new sequence without a parent: recompute its prefix rather than restore it from the
     # daemon's host tier (AllocateRequest.skip_host_tier); the runner ignores it elsewhere.
     skip_host_tier: bool = False
+    # The id of the client's request the sequence serves, sent as `params` is (its first
+    # step, a resend): the runner and the daemon keep it and log it; "" = none (the kept one).
+    request_id: str = ""
 
     def message(self) -> rpb.SequenceStep:
         step = rpb.SequenceStep(
@@ -79,7 +82,7 @@ class SeqStep:
             max_compute_tokens=self.max_compute_tokens,
             has_parent=self.parent_seq_id is not None, parent_seq_id=self.parent_seq_id or 0,
             num_prompt_tokens=self.num_prompt_tokens, decode_ahead=self.decode_ahead,
-            skip_host_tier=self.skip_host_tier)
+            skip_host_tier=self.skip_host_tier, request_id=self.request_id)
         p = self.params
         if p is not None:
             step.sampling.CopyFrom(rpb.SamplingParams(

@@ -251,7 +251,7 @@ def add_to_server(servicer: KVPoolServicer, server: grpc.aio.Server) -> None:
 # one int64 array: a list of Python ints would take 30-40 bytes a token while the call queues.
 def allocate_op(request: pb.AllocateRequest) -> Allocate:
     return Allocate(request.seq_id, request.num_tokens, request.token_ids,
-                    request.skip_host_tier)
+                    request.skip_host_tier, request.request_id)
 
 
 def append_op(request: pb.AppendRequest) -> Append:

@@ -25,6 +25,9 @@ class Allocate:
     token_ids: Sequence[int] = ()
     # Recompute what the pool does not cache rather than restore it from the host tier.
     skip_host_tier: bool = False
+    # The id of the client's request it serves, kept and logged with it ("" = none;
+    # pagedkv.vocab.request_ids' rule, checked before anything changes).
+    request_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from pagedkv.daemon.service.models import ModelAsleep
 from pagedkv.daemon.service.session_ops import MemoryWork
 from pagedkv.daemon.service.sessions import Session
 from pagedkv.process.log_setup import get_logger
+from pagedkv.vocab.request_ids import listed
 
 log = get_logger(__name__)
 
@@ -124,6 +125,7 @@ class SessionLife:
                 async with calls.lock:
                     if session not in calls.sessions or not calls.sessions.is_due(session):
                         continue  # a call or a hold arrived, or it closed, while we waited
+                    request_ids = listed(session.request_ids.values())  # before the frees
                     freed, pending = self.drop(session, expired=True)
                 await pending.wait()
             except Exception:  # the reaper must outlive any failure of one expiry
@@ -131,5 +133,5 @@ class SessionLife:
                 continue
             expired += 1
             log.info("session expired", session=session.label, freed_sequences=freed,
-                     lease_ttl_ms=session.lease_ttl_ms)
+                     lease_ttl_ms=session.lease_ttl_ms, request_ids=request_ids)
         return expired

@@ -43,6 +43,7 @@ from pagedkv.daemon.service.operations import (
     Operation,
     PoolExhausted,
 )
+from pagedkv.daemon.service.sequence_log import SequenceLog, check
 from pagedkv.daemon.service.sessions import Session
 from pagedkv.vocab.blocks import blocks_for
 
@@ -180,6 +181,8 @@ class SessionOps:
         self.zero_freed_blocks = zero_freed_blocks
         # Where session bookkeeping records its undo (the pool's, inside its transactions).
         self._journal: Journal = pool.journal
+        # Each sequence's request id, and the debug lines about single sequences.
+        self.sequence_log = SequenceLog(pool.journal)
         # Told of cached blocks a prefix hit took back into use (ModelCache.left).
         self.revived: Callable[[list[int]], None] = _nothing
 
@@ -189,7 +192,8 @@ class SessionOps:
         then the session's books."""
         bs, quota = self.pool.block_size, self.pool.quota_blocks
         match op:
-            case Allocate(seq_id, num_tokens, token_ids, skip_host_tier):
+            case Allocate(seq_id, num_tokens, token_ids, skip_host_tier, request_id):
+                check(request_id)
                 tokens = self._check_tokens(num_tokens, token_ids, minimum=0)
                 self._check_new_seq(session, seq_id)
                 charge = quota(num_tokens)
@@ -201,6 +205,8 @@ class SessionOps:
                 if update.num_cached_tokens:  # revived cached blocks are held now
                     self.revived(update.block_table[:update.num_cached_tokens // bs])
                 self._add_seq(session, seq_id)
+                self.sequence_log.allocated(session, seq_id, request_id, num_tokens,
+                                            update.num_cached_tokens)
                 if tokens is not None and self.pool.enable_prefix_caching:
                     self._count_prefix(session, num_tokens, update.num_cached_tokens)
             case Append(seq_id, num_tokens, token_ids):
@@ -223,6 +229,7 @@ class SessionOps:
                                 copies=self.pool.fork_copies(held))
                 update = _fit(self.pool.fork(parent, session.key(child_seq_id)))
                 self._add_seq(session, child_seq_id)
+                self.sequence_log.forked(session, parent_seq_id, child_seq_id)
             case CopyOnWrite(seq_id, logical_block):
                 key = self.own(session, seq_id)
                 num_blocks = blocks_for(self.pool.num_tokens(key), bs)  # those holding tokens
@@ -252,6 +259,7 @@ class SessionOps:
         self._add_entries(session, -charge)
         if self.zero_freed_blocks:
             work.zero(released)
+        self.sequence_log.freed(session, seq_id, len(released))
         return len(released)
 
     def commit(self, session: Session, seq_ids: Sequence[int],

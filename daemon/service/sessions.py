@@ -82,6 +82,10 @@ class Session:
     salt_tag: bytes = b""
     # Client seq ids of the live sequences.
     seq_ids: set[int] = field(default_factory=set)
+    # seq id -> the id of the client's request it serves, for the live sequences given one
+    # (AllocateRequest.request_id; a fork's child inherits its parent's): named on log lines
+    # about them. Bounded as seq_ids is, each id at most MAX_REQUEST_ID_CHARS.
+    request_ids: dict[int, str] = field(default_factory=dict)
     # Block-table entries summed over the live sequences (what max_blocks bounds); in a
     # contiguous pool, their reservations' blocks (the pool's `quota_blocks`).
     table_entries: int = 0

@@ -165,7 +165,7 @@ class Preparer:
                 # The client chose (its swap rule): restore its prefix from the daemon's host
                 # tier, or recompute it.
                 ops.append(Allocate(r.seq_id, token_ids=r.token_ids,
-                                    skip_host_tier=r.skip_host_tier))
+                                    skip_host_tier=r.skip_host_tier, request_id=r.request_id))
             elif r.new_sequence:  # a fork's child
                 if r.token_ids:
                     ops.append(Append(r.seq_id, token_ids=r.token_ids))
@@ -249,7 +249,7 @@ class Preparer:
                               "after the one that names that token")
         return SeqState(list(parent.tokens), parent.prompt_len, parent.num_computed,
                         list(parent.block_table), committed=parent.committed,
-                        verified=parent.verified)
+                        verified=parent.verified, request_id=parent.request_id)
 
     def chunk(self, request: SeqStep, state: SeqState,
               resample: bool = False) -> SequenceChunk | None:

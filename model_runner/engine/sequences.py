@@ -79,6 +79,9 @@ class SeqState:
     # last changed it), kept so that later steps need not send it; None until a step that
     # sent it was prepared (a sequence learnt by a step that then failed).
     params: SamplingParams | None = None
+    # The id of the client's request it serves (SequenceStep.request_id, sent as params is;
+    # a fork's child inherits its parent's): what the runner's lines about it name. "" = none.
+    request_id: str = ""
     # The matcher of its structured output (params.structured_outputs; None without one),
     # touched only on the forward thread (grammar.py).
     grammar: GrammarState | None = None
@@ -202,11 +205,13 @@ class SessionSequences:
 
     def keep_params(self, requests: Sequence[SeqStep], states: Sequence[SeqState],
                     compiled: Mapping[StructuredOutputs, CompiledGrammar]) -> None:
-        """Keep each prepared sequence's sampling (`requests` as `with_params` gave them) for
-        the steps that leave it out, and a matcher for its constraint (`compiled`: the grammars
-        of the constraints the step sent): a matcher of the same constraint is kept."""
+        """Keep each prepared sequence's sampling (`requests` as `with_params` gave them) and
+        the request id it sent, for the steps that leave them out, and a matcher for its
+        constraint (`compiled`: the grammars of the constraints the step sent): a matcher of the
+        same constraint is kept."""
         for request, state in zip(requests, states, strict=True):
             state.params = request.params
+            state.request_id = request.request_id or state.request_id
             constraint = request.params.structured_outputs if request.params else None
             if constraint is None:
                 state.grammar = None

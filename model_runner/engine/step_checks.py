@@ -16,11 +16,13 @@ from collections.abc import Sequence
 from pagedkv.client import History, SeqStep, SequenceBlocks
 from pagedkv.model_runner.engine.forward_loop import Prepared
 from pagedkv.model_runner.engine.steps import InvalidStep, StepNotComputed
+from pagedkv.vocab.request_ids import check_request_id
 
 
 def validate_step(requests: Sequence[SeqStep], release: Sequence[int], vocab: int) -> None:
     """InvalidStep for a malformed step, before anything is read or changed: its shape, and
-    every token id it gives (token_ids, stop_token_ids, history) in [0, vocab)."""
+    every token id it gives (token_ids, stop_token_ids, history) in [0, vocab), and its
+    request ids (vocab's rule: log lines name them)."""
     if not requests and not release:
         raise InvalidStep("a step needs at least one sequence")
     if len({r.seq_id for r in requests}) != len(requests):
@@ -47,6 +49,8 @@ def validate_step(requests: Sequence[SeqStep], release: Sequence[int], vocab: in
             _check_history(r.seq_id, r.history, vocab)
         if r.max_compute_tokens < 0:
             raise InvalidStep(f"sequence {r.seq_id}: max_compute_tokens must be >= 0")
+        if (problem := check_request_id(r.request_id)) is not None:
+            raise InvalidStep(f"sequence {r.seq_id}: {problem}")
 
 
 def check_daemon_ids(seq_id: int, tokens: Sequence[int], table: SequenceBlocks) -> None:

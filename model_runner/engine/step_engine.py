@@ -61,6 +61,7 @@ from pagedkv.client import (
     SessionExpired,
     StepOutputs,
 )
+from pagedkv.model_runner.engine import step_log
 from pagedkv.model_runner.engine.answer_limits import AnswerLimits
 from pagedkv.model_runner.engine.forward_loop import ForwardLoop, Prepared
 from pagedkv.model_runner.engine.grammar import Grammars
@@ -153,12 +154,15 @@ class StepEngine:
                     self.answer_limits.check(requests)
                 prepared = await self.preparer.prepare(session_id, known, requests)
                 known.keep_params(requests, prepared.states, compiled)
+                step_log.admitted(known, requests)
                 for index in prepared.claimed:  # this step holds the tokens appended ahead now
                     prepared.states[index].ahead = None
                 results = (await self._run(prepared, known) if prepared.chunks
                            else self.forwards.results(prepared, {}))
+                step_log.finished(known, results)
                 await self._finish(known, prepared, release)
             except Exception as exc:
+                step_log.failed(known, requests, exc)
                 entry.ended = entry.ended or _session_gone(exc)
                 if not entry.ended:  # no forward of the session is left: the client may free
                     await self.holds.end_quietly(known)
@@ -281,6 +285,7 @@ class StepEngine:
         if not release:
             return
         released = [seq_id for seq_id in release if known.get(seq_id) is not None]
+        step_log.released(known, released)
         certified = [(seq_id, state, _computed(state)) for seq_id in released
                      if (state := known.known(seq_id)).verified]
         due = known.due(skip=released)

@@ -3,7 +3,8 @@
 Both implement the same three calls on one layer's paged cache (see store_kv, paged_decode,
 paged_prefill for shapes). "auto" picks Triton on CUDA and torch elsewhere. Triton can be forced on
 CPU only under Triton's interpreter (TRITON_INTERPRET=1, which triton_env sets on machines
-without CUDA); it is exact but slow there, so the CPU default is torch.
+without CUDA); it is exact but slow there, so the CPU default is torch. The interpreter is
+refused on CUDA tensors, "auto" included: it would copy the pool to the host at every launch.
 """
 
 from dataclasses import dataclass
@@ -70,11 +71,9 @@ TORCH_BACKEND = AttentionBackend(
 def get_backend(name: BackendName = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
     """The backend `name` for tensors on `device`; ValueError if it cannot run there."""
     device = torch.device(device)
-    if name == "auto":
-        return TRITON_BACKEND if device.type == "cuda" else TORCH_BACKEND
-    if name == "torch":
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TORCH_BACKEND
-    if name == "triton":
-        require_triton_device(device)
+    if name in ("auto", "triton"):
+        require_triton_device(device)  # refuses the interpreter on CUDA, and CPU without it
         return TRITON_BACKEND
     raise ValueError(f"unknown attention backend {name!r}: expected 'auto', 'triton' or 'torch'")

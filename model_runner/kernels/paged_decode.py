@@ -43,7 +43,7 @@ from pagedkv.model_runner.kernels.paged_tile import (
     score_scales,
 )
 from pagedkv.model_runner.kernels.per_forward import PerForward, shared
-from pagedkv.model_runner.kernels.triton_env import require_triton_device, tl, triton
+from pagedkv.model_runner.kernels.triton_env import launch, require_triton_device, tl, triton
 from pagedkv.vocab.blocks import blocks_for
 
 # Context positions per tile.
@@ -60,7 +60,9 @@ MAX_SPLITS = 64
 GROUP_MIN_SAVED = 1 << 17
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@triton.jit(do_not_specialize=[  # type: ignore[untyped-decorator]
+    "window", "tiles_per_split", "stride_qs", "stride_qh", "stride_bts",
+    "stride_ps", "stride_ph", "stride_pk", "stride_ls", "stride_lh"])
 def _decode_split_kernel(  # type: ignore[no-untyped-def]
     Q, K_cache, V_cache, Block_tables, Seq_lens, Partial, Lse,
     qk_scale, cap_log2, window, tiles_per_split,
@@ -122,32 +124,40 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
                  mask=offs_g < GROUP)
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@triton.jit(do_not_specialize=[  # type: ignore[untyped-decorator]
+    "num_splits", "stride_ps", "stride_ph", "stride_pk", "stride_ls", "stride_lh",
+    "stride_os", "stride_oh"])
 def _decode_merge_kernel(  # type: ignore[no-untyped-def]
     Partial, Lse, Out, num_splits,
     stride_ps, stride_ph, stride_pk, stride_pd,
     stride_ls, stride_lh, stride_lk,
     stride_os, stride_oh, stride_od,
-    SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    offs_k = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    split_mask = offs_k < num_splits
-    # -- weights [SPLITS_PAD]: split 0 is never empty, so the max is finite; an empty split
-    #    (past the sequence) has lse -inf and weight 0 --
-    lse = tl.load(Lse + seq * stride_ls + head * stride_lh + offs_k * stride_lk, mask=split_mask,
-                  other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    # -- out = sum_k weight_k * partial_k / sum_k weight_k --
-    partial = tl.load(Partial + seq * stride_ps + head * stride_ph + offs_k[:, None] * stride_pk
-                      + offs_d[None, :] * stride_pd,
-                      mask=split_mask[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)  # [HEAD_DIM_PAD]
+    d_mask = offs_d < HEAD_DIM
+    lse_row = Lse + seq * stride_ls + head * stride_lh
+    partial_row = Partial + seq * stride_ps + head * stride_ph + offs_d * stride_pd
+    # -- out = sum_k w_k * partial_k / sum_k w_k with w_k = exp2(lse_k - max lse), one split at
+    #    a time against a running max (no tile sized by the split count: one compiled variant
+    #    for every count). Split 0 is never empty, so the max is finite from the start; an empty
+    #    split (past the sequence) has lse -inf and weight 0 --
+    m = tl.load(lse_row)
+    acc = tl.load(partial_row, mask=d_mask, other=0.0)  # [HEAD_DIM_PAD]
+    total = tl.full([], 1.0, tl.float32)
+    for k in range(1, num_splits):
+        lse = tl.load(lse_row + k * stride_lk)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        partial = tl.load(partial_row + k * stride_pk, mask=d_mask, other=0.0)
+        acc = acc * alpha + weight * partial
+        total = total * alpha + weight
+        m = m_new
     tl.store(Out + seq * stride_os + head * stride_oh + offs_d * stride_od,
-             out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
+             (acc / total).to(Out.dtype.element_ty), mask=d_mask)
 
 
 def default_num_splits(num_programs: int, num_tiles: int, num_sms: int) -> int:
@@ -215,7 +225,8 @@ def paged_decode_attention_triton(
         partial = query.new_empty((num_seqs, num_q_heads, num_splits, head_dim),
                                   dtype=torch.float32)
     lse = query.new_empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32)
-    _decode_split_kernel[(num_seqs, geometry.num_kv_heads, num_splits)](
+    launch(
+        _decode_split_kernel, (num_seqs, geometry.num_kv_heads, num_splits),
         query, k_cache, v_cache, block_tables, seq_lens, partial, lse,
         *score_scales(scale, cap), window, tiles_per_split,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
@@ -227,9 +238,9 @@ def paged_decode_attention_triton(
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:
-        _decode_merge_kernel[(num_seqs, num_q_heads)](
+        launch(
+            _decode_merge_kernel, (num_seqs, num_q_heads),
             partial, lse, out, num_splits, *partial.stride(), *lse.stride(), *out.stride(),
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         )
     return out

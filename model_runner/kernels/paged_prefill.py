@@ -42,14 +42,15 @@ from pagedkv.model_runner.kernels.paged_tile import (
     score_scales,
 )
 from pagedkv.model_runner.kernels.per_forward import PerForward, shared
-from pagedkv.model_runner.kernels.triton_env import require_triton_device, tl, triton
+from pagedkv.model_runner.kernels.triton_env import launch, require_triton_device, tl, triton
 
 # Query rows per program and context positions per tile.
 BLOCK_M = 64
 TILE_N = 64
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@triton.jit(do_not_specialize=[  # type: ignore[untyped-decorator]
+    "window", "stride_qt", "stride_qh", "stride_bts", "stride_ot", "stride_oh"])
 def _prefill_kernel(  # type: ignore[no-untyped-def]
     Q, K_cache, V_cache, Block_tables, Seq_lens, Query_start_loc, Out,
     qk_scale, cap_log2, window,
@@ -159,7 +160,8 @@ def paged_prefill_attention_triton(
     # The grid needs the longest chunk: one read-back per forward, not per layer.
     max_q_len = shared(per_forward, ("max_q_len",), lambda: int(query_start_loc.diff().max()))
     grid = (num_seqs, num_q_heads, triton.cdiv(max_q_len, BLOCK_M))
-    _prefill_kernel[grid](
+    launch(
+        _prefill_kernel, grid,
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         *score_scales(scale, cap), window,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),

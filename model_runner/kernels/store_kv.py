@@ -20,10 +20,11 @@ from pagedkv.model_runner.kernels.paged_checks import (
     slot_row,
     slot_rows,
 )
-from pagedkv.model_runner.kernels.triton_env import require_triton_device, tl, triton
+from pagedkv.model_runner.kernels.triton_env import launch, require_triton_device, tl, triton
 
 
-@triton.jit  # type: ignore[untyped-decorator]
+@triton.jit(do_not_specialize=[  # type: ignore[untyped-decorator]
+    "stride_kt", "stride_kh", "stride_vt", "stride_vh"])
 def _store_kv_kernel(  # type: ignore[no-untyped-def]
     Key, Value, K_cache, V_cache, Slot_mapping,
     stride_kt, stride_kh, stride_kd,
@@ -93,8 +94,8 @@ def store_kv_triton(
     require_triton_device(k_cache.device, _store_kv_kernel)
     if key.shape[0] == 0:
         return
-    _store_kv_kernel[(key.shape[0],)](
-        key, value, k_cache, v_cache, slot_mapping,
+    launch(
+        _store_kv_kernel, (key.shape[0],), key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         NUM_KV_HEADS=geometry.num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(geometry.num_kv_heads),

@@ -60,7 +60,8 @@ def seq_request(message: rpb.SequenceStep) -> SeqStep:
     return SeqStep(message.seq_id, tuple(message.token_ids), message.new_sequence,
                    message.max_compute_tokens, params,
                    message.parent_seq_id if message.has_parent else None, history,
-                   message.num_prompt_tokens, message.decode_ahead, _skip_host_tier(message))
+                   message.num_prompt_tokens, message.decode_ahead, _skip_host_tier(message),
+                   message.request_id)
 
 
 def _skip_host_tier(message: rpb.SequenceStep) -> bool:

@@ -16,10 +16,11 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from pagedkv.llm.tokenizer import Tokenizer
-from pagedkv.server.access_log import MAX_REQUEST_ID_CHARS, request_id
+from pagedkv.server.access_log import request_id
 from pagedkv.server.app import build_app
 from pagedkv.server.backend import Backend, ServeConfig
 from pagedkv.server.metrics import ServerMetrics
+from pagedkv.vocab.request_ids import MAX_REQUEST_ID_CHARS
 
 from chat_model import chat_tokenizer
 from log_capture import events

@@ -27,7 +27,8 @@ from kernel_utils import (
 )
 
 
-def test_auto_picks_triton_on_cuda_and_torch_elsewhere():
+def test_auto_picks_triton_on_cuda_and_torch_elsewhere(monkeypatch):
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", False)  # kernels compiled for CUDA
     assert get_backend("auto", "cuda") is TRITON_BACKEND
     assert get_backend("auto", torch.device("cuda", 1)) is TRITON_BACKEND
     assert get_backend("auto", "cpu") is TORCH_BACKEND
@@ -44,6 +45,15 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
         get_backend("triton", "meta")
     with pytest.raises(ValueError, match="unknown attention backend 'cuda'"):
         get_backend("cuda", "cpu")  # type: ignore[arg-type]
+
+
+def test_the_interpreter_is_refused_on_cuda_tensors(monkeypatch):
+    # TRITON_INTERPRET=1 left on a GPU host: every launch would copy the pool to the host
+    monkeypatch.setattr(triton.knobs.runtime, "interpret", True)
+    for name in ("auto", "triton"):
+        with pytest.raises(ValueError, match="interpreted \\(TRITON_INTERPRET=1\\).*cuda:1"):
+            get_backend(name, torch.device("cuda", 1))  # type: ignore[arg-type]
+    assert get_backend("torch", "cuda") is TORCH_BACKEND
 
 
 def test_kernels_are_interpreted_without_cuda():
