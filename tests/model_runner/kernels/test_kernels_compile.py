@@ -70,7 +70,7 @@ def _compile_all() -> None:
            "WINDOWED": True, "SOFTCAP": False})
     build("decode_merge", paged_decode._decode_merge_kernel,
           {"Partial": "*fp32", "Lse": "*fp32", "Out": "*bf16"},
-          {"SPLITS_PAD": 64, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128})
+          {"HEAD_DIM": 128, "HEAD_DIM_PAD": 128})
     build("store_kv", store_kv._store_kv_kernel,
           {"Key": "*bf16", "Value": "*bf16", "K_cache": "*bf16", "V_cache": "*bf16",
            "Slot_mapping": "*i64"},
