@@ -84,7 +84,7 @@ def _endpoint(create: Endpoint) -> Handler:
         if body.get("model") is None:  # vLLM's default: the one model served
             body["model"] = backend.config.model_name
         limits = Limits(backend.config.max_logprobs, backend.config.max_choices,
-                        backend.engine.max_model_len)
+                        backend.engine.max_model_len, backend.config.auto_tool_parser)
         return await create(request, backend, body, limits)
 
     return handle

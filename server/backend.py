@@ -55,6 +55,9 @@ class ServeConfig:
     max_logprobs: int = 20
     # More names clients may send as `model` (repeated --served-model-name), listed after it.
     other_names: tuple[str, ...] = ()
+    # The parser of tool_choice "auto" (--tool-call-parser, with --enable-auto-tool-choice);
+    # None: "auto" is refused, as vLLM refuses it without them.
+    auto_tool_parser: str | None = None
 
     @property
     def model_names(self) -> tuple[str, ...]:

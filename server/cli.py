@@ -65,6 +65,7 @@ from pagedkv.server.listener import (
 )
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.recovery import EngineKeeper, ServicesFailed
+from pagedkv.server.tools.parsers import PARSERS
 from pagedkv.vocab.geometry import model_name
 
 PROG = "pagedkv serve"
@@ -121,6 +122,11 @@ def parser() -> argparse.ArgumentParser:
     add_flags(cli)
     cli.add_argument("--drain-timeout-s", type=float, default=30.0, help="how long SIGTERM "
                      "lets running requests finish (default 30)")
+    cli.add_argument("--enable-auto-tool-choice", action="store_true", help="honour "
+                     'tool_choice "auto": the model calls tools when it chooses to (with '
+                     "--tool-call-parser)")
+    cli.add_argument("--tool-call-parser", choices=sorted(PARSERS), help="the format the "
+                     'model writes tool calls in, read for tool_choice "auto"')
     cli.add_argument("--log-level", default="info", help="default info")
     cli.add_argument("--log-format", default="auto", choices=("auto", "json", "console"))
     return cli
@@ -148,6 +154,14 @@ def served_names(args: argparse.Namespace, config: LLMConfig) -> tuple[str, ...]
     return names
 
 
+def auto_tool_parser(args: argparse.Namespace) -> str | None:
+    """The parser of tool_choice "auto", or None; ValueError for one flag without the other
+    (vLLM's rule: neither does anything alone)."""
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together")
+    return str(args.tool_call_parser) if args.enable_auto_tool_choice else None
+
+
 def api_keys(args: argparse.Namespace) -> tuple[ApiKey, ...]:
     """The keys of --api-key, --api-key-file and $API_KEY_ENV (when set and not empty), each
     `KEY` or `KEY GROUP` (key_engines.py; ValueError: an unreadable or empty file, a bad line,
@@ -171,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         keys = api_keys(args)
+        tool_parser = auto_tool_parser(args)
         limits = connection_limits(args, raise_fd_limit())
         config = engine_config(args)
         names = served_names(args, config)
@@ -191,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     log_setup.configure(args.log_level, args.log_format)
     serve_config = ServeConfig(names[0], args.max_waiting_requests, args.max_choices,
-                               other_names=names[1:])
+                               other_names=names[1:], auto_tool_parser=tool_parser)
     try:
         with contextlib.ExitStack() as resources:
             sockets = [resources.enter_context(sock) for sock in listen(args.host, args.port)]
