@@ -12,6 +12,10 @@ benchmark fails.
     llm_tok_s               generated tokens / s of LLM.generate(BATCH prompts) (median round)
     serve_tok_s             the same BATCH prompts as concurrent streamed /v1/completions
     serve_vs_llm_tok_s      serve / llm (target: at least 0.9)
+    llm_cpu_us_per_tok      CPU time per generated token of every process of the run (this
+    serve_cpu_us_per_tok    one, the LLM's children, the server and its children) during the
+                            LLM's rounds, and during the server's (the streaming client's
+                            included): on a machine whose cores are busy, tokens / s follow it
     serve_ttft_p50_ms_cC    median time to first token at C concurrent streams
     serve_itl_p50_ms_cC     median inter-token latency at C concurrent streams
 
@@ -29,11 +33,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -143,22 +149,51 @@ async def streams(server: Server, batch: Sequence[str], concurrency: int,
         return done, time.perf_counter() - began
 
 
-def llm_tok_s(llm: LLM, batch: list[str], max_tokens: int) -> float:
-    """Generated tokens / s of one LLM.generate of `batch`."""
+def llm_tokens(llm: LLM, batch: list[str], max_tokens: int) -> int:
+    """The tokens one LLM.generate of `batch` generated."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    began = time.perf_counter()
     outputs = llm.generate(batch, params, progress=False)
-    wall = time.perf_counter() - began
     for prompt, output in zip(batch, outputs, strict=True):
         completion = output.outputs[0]
         check(completion.finish_reason, len(completion.token_ids), max_tokens, prompt)
-    return sum(len(output.outputs[0].token_ids) for output in outputs) / wall
+    return sum(len(output.outputs[0].token_ids) for output in outputs)
 
 
-def serve_tok_s(server: Server, batch: list[str], max_tokens: int) -> float:
-    """Generated tokens / s of `batch` as concurrent streams, all at once."""
-    done, wall = asyncio.run(streams(server, batch, len(batch), max_tokens))
-    return sum(seen.completion_tokens for seen in done) / wall
+def serve_tokens(server: Server, batch: list[str], max_tokens: int) -> int:
+    """The tokens `batch` generated as concurrent streams, all at once."""
+    done, _ = asyncio.run(streams(server, batch, len(batch), max_tokens))
+    return sum(seen.completion_tokens for seen in done)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One batch generated."""
+
+    tokens: int
+    wall_s: float
+    # CPU time (user + system) of this process and every process under it (both stacks, the
+    # idle one's included: it costs next to nothing).
+    cpu_s: float
+
+
+def timed(generate: Callable[[], int]) -> Round:
+    """`generate` (it returns the tokens it generated) timed by the clock and by CPU time."""
+    cpu, began = tree_cpu_s(os.getpid()), time.perf_counter()
+    tokens = generate()
+    return Round(tokens, time.perf_counter() - began, tree_cpu_s(os.getpid()) - cpu)
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds that process `pid` and its descendants (any thread's children) have used."""
+    ticks, pids = 0, [pid]
+    while pids:
+        current = pids.pop()
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # gone meanwhile
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+            for children in Path(f"/proc/{current}/task").glob("*/children"):
+                pids += [int(child) for child in children.read_text().split()]
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 async def through_openai(server: Server, prompt: str, max_tokens: int) -> str:
@@ -181,15 +216,21 @@ async def through_openai(server: Server, prompt: str, max_tokens: int) -> str:
 
 
 def throughput(llm: LLM, server: Server, rounds: int, batch: int, max_tokens: int) -> None:
-    """LLM and serve rounds, alternating; the medians and their ratio."""
+    """LLM and serve rounds, alternating: the median tokens / s of each and their ratio, and
+    the CPU time each spent per token over all its rounds."""
     offline, online = [], []
     for index in range(rounds):
-        offline.append(llm_tok_s(llm, prompts(batch, 2 * index), max_tokens))
-        online.append(serve_tok_s(server, prompts(batch, 2 * index + 1), max_tokens))
-    llm_median, serve_median = statistics.median(offline), statistics.median(online)
+        offline.append(timed(partial(llm_tokens, llm, prompts(batch, 2 * index), max_tokens)))
+        online.append(timed(partial(serve_tokens, server, prompts(batch, 2 * index + 1),
+                                    max_tokens)))
+    llm_median, serve_median = (statistics.median(r.tokens / r.wall_s for r in side)
+                                for side in (offline, online))
     figure("llm_tok_s", llm_median, "tok/s", 0)
     figure("serve_tok_s", serve_median, "tok/s", 0)
     figure("serve_vs_llm_tok_s", serve_median / llm_median, "ratio", 2)
+    for name, side in (("llm", offline), ("serve", online)):
+        cpu_us = sum(r.cpu_s for r in side) / sum(r.tokens for r in side) * 1e6
+        figure(f"{name}_cpu_us_per_tok", cpu_us, "us", 1)
 
 
 def latency(server: Server, concurrency: int, max_tokens: int) -> None:
@@ -231,7 +272,7 @@ def main() -> None:
         if seen[0].text != text:  # greedy: the same prompt gives the same text either way
             raise SystemExit(f"bench_serve: the openai client read {text!r}, aiohttp "
                              f"{seen[0].text!r}")
-        llm_tok_s(llm, warm, max_tokens)
+        llm_tokens(llm, warm, max_tokens)
         throughput(llm, server, 1 if args.quick else args.rounds, batch, max_tokens)
         for concurrency in (1, 2) if args.quick else CONCURRENCY:
             latency(server, concurrency, latency_tokens)
