@@ -19,7 +19,7 @@ from typing import Any, Self
 
 from pagedkv.client.engine.scheduler import SchedulerConfig
 from pagedkv.client.engine.swap_rule import SWAP_MODES
-from pagedkv.vocab.geometry import canonical_dtype
+from pagedkv.vocab.geometry import KV_CACHE_DTYPES, cache_dtype, model_dtype
 from pagedkv.vocab.units import parse_bytes
 
 # Token slots per KV block of a started daemon when block_size is not given (vLLM's on CUDA).
@@ -39,6 +39,9 @@ class LLMConfig:
     # Dtype of the weights and the KV pool: float16, bfloat16, float32, or "auto" (the model
     # config's, float32 when it names none).
     dtype: str = "auto"
+    # The KV pool's dtype, as vLLM's --kv-cache-dtype: "auto" (dtype's) or "fp8"/"fp8_e4m3"
+    # (e4m3 with scale 1.0: half an fp16 block), given to the daemon and the runner started.
+    kv_cache_dtype: str = "auto"
     # Token slots per KV block (a power of two); None: DEFAULT_BLOCK_SIZE.
     block_size: int | None = None
     # The share of the device's memory pagedkv may use, as vLLM's (weights, KV pool,
@@ -109,7 +112,8 @@ class LLMConfig:
                     raise ValueError(f"{name} sets the daemon and runner LLM starts: with "
                                      "daemon, the running ones' own settings apply")
         if self.dtype != "auto":
-            object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+            object.__setattr__(self, "dtype", model_dtype(self.dtype))
+        cache_dtype("float16", self.kv_cache_dtype)  # ValueError naming the choices
 
     def _check_pool(self) -> None:
         """Block size, and at most one explicit pool size."""
@@ -197,8 +201,9 @@ _FIELDS = {field.name: field for field in dataclasses.fields(LLMConfig)}
 
 # The fields of the daemon and runner an LLM starts: refused (when not their defaults) with a
 # running daemon, whose own settings apply.
-STARTED_ONLY = ("dtype", "block_size", "gpu_memory_utilization", "kv_cache_memory", "num_blocks",
-                "enable_prefix_caching", "host_tier_memory", "device")
+STARTED_ONLY = ("dtype", "kv_cache_dtype", "block_size", "gpu_memory_utilization",
+                "kv_cache_memory", "num_blocks", "enable_prefix_caching", "host_tier_memory",
+                "device")
 
 # The fields `add_cli_args` declares, with argparse's options ({default}: the field's).
 CLI_FLAGS: dict[str, dict[str, Any]] = {
@@ -206,6 +211,9 @@ CLI_FLAGS: dict[str, dict[str, Any]] = {
                       "token ids only)"},
     "tokenizer": {"help": "the tokenizer's folder (default: the model's)"},
     "dtype": {"help": "float16, bfloat16, float32 or auto (default: the model config's)"},
+    "kv_cache_dtype": {"choices": KV_CACHE_DTYPES,
+                       "help": "the KV cache's dtype: auto (dtype's) or fp8 (e4m3, half an fp16 "
+                               "block) (default {default})"},
     "device": {"help": "cpu, cuda or cuda:N (default: cuda when available)"},
     "max_model_len": {"type": int, "help": "most tokens a sequence holds, prompt and "
                                            "completion (default: the model's positions)"},

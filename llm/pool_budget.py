@@ -22,7 +22,7 @@ blocks of the model's geometry (`--kv-memory`).
 
 from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.model_ref import ModelRef
-from pagedkv.vocab.geometry import dtype_bytes
+from pagedkv.vocab.geometry import cache_dtype, dtype_bytes
 from pagedkv.vocab.pool_sizing import DeviceMemory, kv_budget
 
 # CUDA: memory kept for the forward's activations beyond the weights and the pool; the share of
@@ -58,7 +58,8 @@ def engine_bound(config: LLMConfig, model: ModelRef, dtype: str) -> int | None:
         return None
     block_size = config.started_block_size
     blocks_per_seq = -(-max_model_len // block_size)
-    per_block = model.geometry().bytes_per_block(block_size, dtype_bytes(dtype))
+    kv_dtype = cache_dtype(dtype, config.kv_cache_dtype)
+    per_block = model.geometry().bytes_per_block(block_size, dtype_bytes(kv_dtype))
     return config.max_num_seqs * blocks_per_seq * per_block
 
 

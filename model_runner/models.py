@@ -27,6 +27,7 @@ from pagedkv.memory.dtypes import torch_dtype
 from pagedkv.vocab.geometry import (
     PRESETS,
     Preset,
+    cache_dtype,
     geometry_from_config_fields,
     model_name,
 )
@@ -60,10 +61,14 @@ class ModelSource:
     seed: int = 0
     # The dtype to load the weights in ("float16", "bfloat16", "float32"); None: the config's.
     dtype: str | None = None
+    # The KV cache's (vLLM's --kv-cache-dtype): "auto" (the weights' dtype) or "fp8"/"fp8_e4m3"
+    # (e4m3, vocab/geometry.py's FP8_DTYPE); the daemon's format for the model must match it.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if (self.path is None) == (self.random_init is None):
             raise ValueError("give exactly one of --model PATH and --random-init CONFIG")
+        cache_dtype("float16", self.kv_cache_dtype)  # ValueError naming the choices
 
     @property
     def name(self) -> str:
@@ -115,23 +120,26 @@ def load_model(source: ModelSource, device: str = "cpu") -> PreTrainedModel:
     return model
 
 
-def kv_geometry(model: PreTrainedModel) -> tuple[int, int, int, str]:
-    """(layers, KV heads, head dim, dtype name) the model's attention caches."""
+def kv_geometry(model: PreTrainedModel, kv_cache_dtype: str = "auto") -> tuple[int, int, int, str]:
+    """(layers, KV heads, head dim, dtype name) the model's attention caches, in its own dtype
+    or fp8 (`kv_cache_dtype`)."""
     # The fields as config.json holds them, read by the daemon's reader: one rule for both.
     fields = model.config.get_text_config().to_dict()
-    geometry = geometry_from_config_fields(fields, "of the runner's model", str(model.dtype))
+    dtype = cache_dtype(str(model.dtype).removeprefix("torch."), kv_cache_dtype)
+    geometry = geometry_from_config_fields(fields, "of the runner's model", dtype)
     return (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
             geometry.default_dtype)
 
 
-def check_geometry(model: PreTrainedModel, info: PoolInfo) -> None:
+def check_geometry(model: PreTrainedModel, info: PoolInfo, kv_cache_dtype: str = "auto") -> None:
     """Refuse, before any step, a model whose K/V does not fit the pool's layout."""
-    have = kv_geometry(model)
+    have = kv_geometry(model, kv_cache_dtype)
     pool = (info.num_layers, info.num_kv_heads, info.head_dim, info.dtype)
     if have != pool:
         names = ("layers", "KV heads", "head dim", "dtype")
         diff = ", ".join(f"{n}: model {a}, pool {b}" for n, a, b in zip(names, have, pool,
                                                                        strict=True) if a != b)
+        weights = str(model.dtype).removeprefix("torch.")
         raise ModelMismatch(f"the model does not fit the daemon's pool ({diff}); start the "
                             f"daemon for this model (pagedkvd --model-config <its config> "
-                            f"--dtype {have[3]})")
+                            f"--dtype {weights} --kv-cache-dtype {kv_cache_dtype})")

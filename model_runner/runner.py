@@ -37,6 +37,7 @@ from pagedkv.model_runner.kernels.paged_attention import (
     PagedContext,
     enable_paged_attention,
 )
+from pagedkv.model_runner.kernels.paged_checks import FP8_CACHE_DTYPE, check_fp8_device
 from pagedkv.vocab.blocks import blocks_for, ceil_div
 
 
@@ -77,7 +78,8 @@ class PoolReleased(RuntimeError):
 class ModelRunner:
     """Runs `model` with its KV cache in `pool` (switches the model to "pagedkv" attention).
 
-    pool: [num_blocks, num_layers, 2, block_size, H_kv, D], on the model's device and dtype.
+    pool: [num_blocks, num_layers, 2, block_size, H_kv, D], on the model's device, in its
+    dtype or fp8 (kv_cache_dtype fp8: the kernels quantize and dequantize).
     """
 
     def __init__(self, model: PreTrainedModel, pool: torch.Tensor, block_size: int,
@@ -86,9 +88,10 @@ class ModelRunner:
         if pool.dim() != 6 or pool.shape[1] != num_layers or pool.shape[3] != block_size:
             raise ValueError(f"pool {tuple(pool.shape)} is not [blocks, {num_layers} layers, 2, "
                              f"{block_size} slots, H_kv, D] for this model")
-        if pool.dtype != model.dtype or pool.device != model.device:
+        if pool.dtype not in (model.dtype, FP8_CACHE_DTYPE) or pool.device != model.device:
             raise ValueError(f"pool is {pool.dtype} on {pool.device}, the model {model.dtype} "
                              f"on {model.device}")
+        check_fp8_device(pool)
         # Heads and head_dim are checked by store_kv in the first layer, before any write.
         self.model = model
         # The pool's memory, mapped; None once released (`release_pool`).

@@ -20,11 +20,21 @@ from pathlib import Path
 from typing import Any
 
 # Canonical dtype name -> bytes per element. Names are torch's (`torch.float16` -> "float16");
-# pagedkv.memory.dtypes maps them to torch dtypes.
-DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4}
+# pagedkv.memory.dtypes maps them to torch dtypes. float8_e4m3fn (fp8 e4m3) is a KV cache's
+# only (`cache_dtype`): weights load in MODEL_DTYPES.
+DTYPE_BYTES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
+# The dtypes a model's weights (and an "auto" cache) come in.
+MODEL_DTYPES = ("float16", "bfloat16", "float32")
+# The fp8 KV cache's element: e4m3 ("fn": finite, no inf, +-448 the largest), stored with a
+# per-tensor scale of 1.0 (vLLM's default k_scale/v_scale): no scale lives in the pool, so an
+# fp8 block is exactly half an fp16 block and means the same to every runner of its model.
+FP8_DTYPE = "float8_e4m3fn"
+# vLLM's --kv-cache-dtype choices: the model's dtype, or fp8 (e4m3; fp8_e4m3 says it twice).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # Short spellings people type on a command line -> canonical name.
 _DTYPE_ALIASES: dict[str, str] = {"fp16": "float16", "half": "float16", "bf16": "bfloat16",
-                                  "fp32": "float32", "float": "float32"}
+                                  "fp32": "float32", "float": "float32", "fp8": FP8_DTYPE,
+                                  "fp8_e4m3": FP8_DTYPE}
 
 
 def canonical_dtype(name: str) -> str:
@@ -42,6 +52,25 @@ def dtype_bytes(name: str) -> int:
     return DTYPE_BYTES[canonical_dtype(name)]
 
 
+def model_dtype(name: str) -> str:
+    """The canonical name of a dtype weights load in; ValueError for fp8 (a cache's only:
+    `cache_dtype`) or an unknown one."""
+    canonical = canonical_dtype(name)
+    if canonical not in MODEL_DTYPES:
+        raise ValueError(f"dtype {name!r} is a KV cache's only: give kv_cache_dtype fp8 and a "
+                         f"model dtype of {', '.join(MODEL_DTYPES)}")
+    return canonical
+
+
+def cache_dtype(model_dtype_name: str, kv_cache_dtype: str = "auto") -> str:
+    """The canonical dtype a model's KV cache is stored in: its model's under "auto", fp8
+    e4m3 under "fp8" or "fp8_e4m3" (vLLM's --kv-cache-dtype); ValueError naming the choices."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                         f"{kv_cache_dtype!r}")
+    return model_dtype(model_dtype_name) if kv_cache_dtype == "auto" else FP8_DTYPE
+
+
 @dataclass(frozen=True, slots=True)
 class ModelGeometry:
     """The dimensions of a model that decide the size of its KV cache."""
@@ -57,7 +86,8 @@ class ModelGeometry:
     head_dim: int
     # Parameter count, to estimate the weights' memory; None when unknown (e.g. from a config).
     num_params: float | None
-    # Canonical dtype name the model is usually served in ("float16", "bfloat16", "float32").
+    # Canonical dtype name the model is usually served in ("float16", "bfloat16", "float32"),
+    # or its KV cache's under kv_cache_dtype fp8 (geometry_from_config_fields' dtype).
     default_dtype: str
 
     def __post_init__(self) -> None:

@@ -90,15 +90,16 @@ class FormatMemory:
         if len(set(dst_ids.tolist())) != dst_ids.numel():
             raise ValueError("a block is the destination of more than one copy")
         if src_ids.numel():
-            kv = self.kv
-            kv.index_copy_(BLOCK_DIM, dst_ids.to(kv.device),
-                           kv.index_select(BLOCK_DIM, src_ids.to(kv.device)))
+            blocks = self._block_bytes()
+            blocks.index_copy_(BLOCK_DIM, dst_ids.to(blocks.device),
+                               blocks.index_select(BLOCK_DIM, src_ids.to(blocks.device)))
 
     def zero_blocks(self, ids: BlockIds) -> None:
         """Fill the given blocks with zeros in every layer, K and V."""
         index = self._block_index(ids)
         if index.numel():
-            self.kv.index_fill_(BLOCK_DIM, index.to(self.kv.device), 0)
+            blocks = self._block_bytes()
+            blocks.index_fill_(BLOCK_DIM, index.to(blocks.device), 0)
 
     def synchronize(self) -> None:
         """Wait until every copy and zeroing issued so far is complete in memory. On CUDA they
@@ -110,6 +111,11 @@ class FormatMemory:
     def release(self) -> None:
         """Drop the view (the arena closes): every later use raises ValueError."""
         self._kv = None
+
+    def _block_bytes(self) -> torch.Tensor:
+        """The view as [num_blocks, bytes_per_block] uint8: a block's bytes are copied and
+        zeroed whatever they mean (torch has no CPU index_copy_ or index_fill_ for fp8)."""
+        return self.kv.view(self.num_blocks, -1).view(torch.uint8)
 
     def _block_index(self, ids: npt.ArrayLike) -> torch.Tensor:
         """Ids as a 1-D int64 CPU tensor, checked against the view before any write."""

@@ -20,7 +20,14 @@ import sys
 from dataclasses import dataclass
 
 from pagedkv.vocab.blocks import blocks_for
-from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
+from pagedkv.vocab.geometry import (
+    KV_CACHE_DTYPES,
+    ModelGeometry,
+    cache_dtype,
+    dtype_bytes,
+    model_dtype,
+    resolve_geometry,
+)
 from pagedkv.vocab.pool_sizing import DeviceMemory, kv_budget
 from pagedkv.vocab.units import format_bytes, parse_bytes
 
@@ -59,15 +66,19 @@ class Plan:
 
 def plan(geometry: ModelGeometry, device_memory: int, weights_memory: int | None, reserve: int,
          block_size: int, dtype_bytes: int, seq_len: int, max_model_len: int,
-         host_memory: int = 0) -> Plan:
-    """Plan a pool (and its host tier of `host_memory` bytes); ValueError when the inputs are
-    inconsistent or leave no room for KV."""
+         host_memory: int = 0, kv_dtype_bytes: int = 0) -> Plan:
+    """Plan a pool (and its host tier of `host_memory` bytes) for weights of `dtype_bytes` an
+    element and K/V of `kv_dtype_bytes` (0: the weights'; 1 under kv_cache_dtype fp8);
+    ValueError when the inputs are inconsistent or leave no room for KV."""
     for name, value in (("block_size", block_size), ("dtype_bytes", dtype_bytes),
                         ("seq_len", seq_len), ("max_model_len", max_model_len)):
         if value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
     if host_memory < 0:
         raise ValueError(f"host_memory must be 0 or positive, got {host_memory}")
+    if kv_dtype_bytes < 0:
+        raise ValueError(f"kv_dtype_bytes must be 0 (the weights') or positive, got "
+                         f"{kv_dtype_bytes}")
     if seq_len > max_model_len:
         raise ValueError(f"seq_len {seq_len} exceeds max_model_len {max_model_len}")
     if weights_memory is None:
@@ -79,8 +90,8 @@ def plan(geometry: ModelGeometry, device_memory: int, weights_memory: int | None
     # planned for.
     device = DeviceMemory("the planned device", total=device_memory, free=device_memory)
     budget = kv_budget(device, share=1, weights=weights_memory, reserve=reserve)
-    per_token = geometry.bytes_per_token(dtype_bytes)
-    per_block = geometry.bytes_per_block(block_size, dtype_bytes)
+    per_token = geometry.bytes_per_token(kv_dtype_bytes or dtype_bytes)
+    per_block = geometry.bytes_per_block(block_size, kv_dtype_bytes or dtype_bytes)
     num_blocks = budget // per_block
     blocks_per_seq = blocks_for(seq_len, block_size)
     return Plan(bytes_per_token=per_token, bytes_per_block=per_block, block_size=block_size,
@@ -139,7 +150,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reserve", default="0",
                         help="memory kept back for the runtime (CUDA context, activations)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    parser.add_argument("--dtype", default=None, help="KV dtype; default: the model's")
+    parser.add_argument("--dtype", default=None, help="the model's dtype; default: its config's")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the KV cache's: auto (the dtype's) or fp8 (e4m3, one byte)")
     parser.add_argument("--seq-len", type=int, default=256,
                         help="length of the sequences to count")
     parser.add_argument("--max-model-len", type=int, default=2048,
@@ -153,18 +166,21 @@ def run_plan(args: argparse.Namespace) -> int:
     """Print the plan for parsed `pagedkv plan` arguments; 0 on success, 2 on bad input."""
     try:
         geometry = resolve_geometry(args.model)
-        dtype = canonical_dtype(args.dtype or geometry.default_dtype)
+        dtype = model_dtype(args.dtype or geometry.default_dtype)
+        kv_dtype = cache_dtype(dtype, args.kv_cache_dtype)
         weights = None if args.weights_memory is None else parse_bytes(args.weights_memory)
         result = plan(geometry, device_memory=parse_bytes(args.device_memory),
                       weights_memory=weights, reserve=parse_bytes(args.reserve),
                       block_size=args.block_size, dtype_bytes=dtype_bytes(dtype),
                       seq_len=args.seq_len, max_model_len=args.max_model_len,
-                      host_memory=parse_bytes(args.host_memory))
+                      host_memory=parse_bytes(args.host_memory),
+                      kv_dtype_bytes=dtype_bytes(kv_dtype))
     except ValueError as exc:
         print(f"pagedkv plan: error: {exc}", file=sys.stderr)
         return 2
     print(format_plan(result, title=f"{geometry.name}: {geometry.num_layers} layers, "
-                      f"{geometry.num_kv_heads} KV heads, head_dim {geometry.head_dim}, {dtype}"))
+                      f"{geometry.num_kv_heads} KV heads, head_dim {geometry.head_dim}, {dtype}, "
+                      f"KV {kv_dtype}"))
     return 0
 
 

@@ -33,7 +33,7 @@ from pagedkv.daemon.service.limits import LIMITS, Limits
 from pagedkv.daemon.service.models import DEFAULT_MAX_MODELS, ModelPolicy
 from pagedkv.daemon.service.tenants import DEFAULT_TENANT, Tenants
 from pagedkv.process.log_setup import LOG_FORMATS, LOG_LEVELS, LogFormat
-from pagedkv.vocab.geometry import canonical_dtype
+from pagedkv.vocab.geometry import cache_dtype, model_dtype
 from pagedkv.vocab.paths import DAEMON_RUNNER_SOCKET_NAME, default_daemon_listen, runtime_dir
 
 # Pool size when nothing is said: 512 blocks of the tiny CPU geometry take 16 MiB.
@@ -76,8 +76,11 @@ class DaemonConfig:
     kv_fraction: float | None = None
     # Where the pool lives: "cpu" (POSIX shared memory) or "cuda"/"cuda:N" (CUDA IPC).
     device: str = "cpu"
-    # KV dtype; None means the model's default dtype.
+    # The model's dtype; None means its config's.
     dtype: str | None = None
+    # The pool's element (vLLM's --kv-cache-dtype): "auto" stores K/V in `dtype`, "fp8" (or
+    # "fp8_e4m3") in fp8 e4m3 (vocab/geometry.py, FP8_DTYPE).
+    kv_cache_dtype: str = "auto"
     # Model whose KV geometry shapes the pool: a built-in name or a local config.json path.
     model_config: str = "tiny"
     # Bytes of one page of the pool memory (kvpool.proto, "Models and pages"): a multiple of
@@ -330,7 +333,9 @@ class DaemonConfig:
         if device not in ("cpu", "cuda") or (index and (device != "cuda" or not index.isdigit())):
             raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype is not None:
-            check_setting(canonical_dtype, self.dtype, "dtype")
+            check_setting(model_dtype, self.dtype, "dtype")
+        check_setting(lambda name: cache_dtype("float16", name), self.kv_cache_dtype,
+                      "kv_cache_dtype")
         if not self.shm_dir.is_dir():
             raise ConfigError(f"shm_dir: {self.shm_dir} is not a folder")
         if self.page_size is not None and self.page_size <= 0:

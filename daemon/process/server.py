@@ -54,7 +54,7 @@ from pagedkv.process.notify import notify, watchdog_interval_s
 from pagedkv.process.probes import metrics_app, start_http
 from pagedkv.process.socket_files import SocketInUse, claim_socket_path
 from pagedkv.proto import kvpool_pb2
-from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype, dtype_bytes, resolve_geometry
+from pagedkv.vocab.geometry import ModelGeometry, cache_dtype, dtype_bytes, resolve_geometry
 from pagedkv.vocab.pool_sizing import kv_budget, num_blocks_for_bytes
 from pagedkv.vocab.units import format_bytes
 
@@ -271,7 +271,7 @@ def pool_geometry(config: DaemonConfig) -> tuple[ModelGeometry, str]:
         geometry = resolve_geometry(config.model_config)
     except ValueError as exc:
         raise ConfigError(f"model_config: {exc}") from exc
-    return geometry, canonical_dtype(config.dtype or geometry.default_dtype)
+    return geometry, cache_dtype(config.dtype or geometry.default_dtype, config.kv_cache_dtype)
 
 
 def pool_num_blocks(config: DaemonConfig, geometry: ModelGeometry, dtype: str) -> int:

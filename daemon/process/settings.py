@@ -22,6 +22,7 @@ from pagedkv.daemon.process.tenant_config import parse_tenants
 from pagedkv.daemon.service.limits import LIMITS
 from pagedkv.daemon.service.tenants import UNMAPPED_UIDS
 from pagedkv.process.log_setup import LOG_FORMATS, LOG_LEVELS
+from pagedkv.vocab.geometry import KV_CACHE_DTYPES
 from pagedkv.vocab.paths import DAEMON_RUNNER_SOCKET_NAME
 from pagedkv.vocab.units import parse_bytes
 
@@ -146,6 +147,8 @@ SETTINGS: dict[str, Setting] = {
     "kv_fraction": Setting(NUMBER, "pool size as a fraction of the device's memory"),
     "device": Setting(TEXT, "cpu (shared memory; default) or cuda[:N]"),
     "dtype": Setting(TEXT, "KV dtype: float16, bfloat16, float32 (default: the model's)"),
+    "kv_cache_dtype": Setting(TEXT, "auto (the dtype's; default) or fp8 (e4m3, scale 1.0: "
+                              "half an fp16 block; vLLM's --kv-cache-dtype)", KV_CACHE_DTYPES),
     "model_config": Setting(TEXT, "built-in model name or local config.json (default: "
                             "{default})"),
     "page_size": Setting(BYTES, "bytes of one page of the pool, e.g. 2MiB: every registered "

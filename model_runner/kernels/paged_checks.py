@@ -19,7 +19,13 @@ import torch
 from pagedkv.vocab.blocks import blocks_for
 
 # Cache dtypes the kernels handle; scores and softmax are always computed in fp32.
-CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+# The fp8 cache (kv_cache_dtype fp8): K/V stored as e4m3 with a per-tensor scale of 1.0, so
+# quantizing is a cast saturated at +-FP8_MAX (store_kv) and dequantizing a cast to the
+# query's dtype in registers (paged_tile's loads; the torch twins' float()); tokens of any
+# model dtype read and write it.
+FP8_CACHE_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_CACHE_DTYPE).max)
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,18 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> CacheGeometry:
                          block_stride // slot_stride)
 
 
+def check_fp8_device(cache: torch.Tensor) -> None:
+    """ValueError for an fp8 cache on a CUDA device before sm_89 (Ada, Hopper): Triton has no
+    e4m3 conversion there, so the first launch would fail mid-serving instead of now."""
+    if cache.dtype != FP8_CACHE_DTYPE or cache.device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(cache.device)
+    if capability < (8, 9):
+        raise ValueError(f"kv_cache_dtype fp8 needs a CUDA device of compute capability 8.9 or "
+                         f"later (e4m3 conversions); {cache.device} is "
+                         f"{capability[0]}.{capability[1]}: use kv_cache_dtype auto")
+
+
 def slot_rows(cache: torch.Tensor, rows_per_block: int) -> torch.Tensor:
     """The cache's slots as rows [R, H_kv, D] of the memory it lies in: slot o of block b is row
     b * rows_per_block + o (`slot_row`). A layer of the block-major pool is no flat view of its
@@ -84,7 +102,8 @@ def slot_row(slots: torch.Tensor, geometry: CacheGeometry) -> torch.Tensor:
 
 
 def check_tokens(name: str, x: torch.Tensor, heads: int | None, cache: torch.Tensor) -> None:
-    """Validate a per-token tensor [T, heads, D] against the cache (dtype, device, head_dim).
+    """Validate a per-token tensor [T, heads, D] against the cache (dtype, device, head_dim):
+    the cache's dtype, or any model dtype over an fp8 cache.
 
     `heads=None` accepts any multiple of the cache's KV heads (query heads under GQA).
     """
@@ -95,7 +114,8 @@ def check_tokens(name: str, x: torch.Tensor, heads: int | None, cache: torch.Ten
         raise ValueError(f"{name} has {x.shape[1]} heads, the cache has {heads}")
     if heads is None and (x.shape[1] == 0 or x.shape[1] % num_kv_heads != 0):
         raise ValueError(f"{name} heads ({x.shape[1]}) must be a multiple of H_kv={num_kv_heads}")
-    if x.dtype != cache.dtype or x.device != cache.device:
+    fp8_cache = cache.dtype == FP8_CACHE_DTYPE and x.dtype in CACHE_DTYPES[:3]
+    if (x.dtype != cache.dtype and not fp8_cache) or x.device != cache.device:
         raise ValueError(
             f"{name} is {x.dtype} on {x.device}, the cache is {cache.dtype} on {cache.device}"
         )

@@ -7,11 +7,17 @@
 Two implementations with one interface: a Triton kernel (one program per token, all heads in one
 tile) and a vectorized torch version that is the CPU backend and the tests' reference. Slots must
 be distinct; a slot written twice in one call holds one of the two rows, unspecified which.
+
+An fp8 cache (paged_checks.FP8_CACHE_DTYPE) quantizes: each element is clamped to +-FP8_MAX
+(e4m3 has no inf: a larger value saturates, as vLLM's scaled_fp8_quant does) and rounded to
+e4m3, with the per-tensor scale 1.0 (no scale is stored).
 """
 
 import torch
 
 from pagedkv.model_runner.kernels.paged_checks import (
+    FP8_CACHE_DTYPE,
+    FP8_MAX,
     CacheGeometry,
     check_cache,
     check_index,
@@ -20,7 +26,26 @@ from pagedkv.model_runner.kernels.paged_checks import (
     slot_row,
     slot_rows,
 )
-from pagedkv.model_runner.kernels.triton_env import launch, require_triton_device, tl, triton
+from pagedkv.model_runner.kernels.triton_env import (
+    is_interpreted,
+    launch,
+    require_triton_device,
+    tl,
+    triton,
+)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def saturated(x, LIMIT: tl.constexpr, ON_GRID: tl.constexpr):  # type: ignore[no-untyped-def]
+    """x in fp32 clamped to +-LIMIT, the cache's cast then rounds it to e4m3 (GPUs: round to
+    nearest even, saturating). ON_GRID (the interpreter) rounds it to e4m3's grid here instead
+    (3 mantissa bits, subnormals below 2**-6, ties away from zero), since the interpreter's own
+    cast drops the carry of a mantissa that rounds up (1.9999 -> 1.0)."""
+    x = tl.minimum(tl.maximum(x.to(tl.float32), -LIMIT), LIMIT)
+    if ON_GRID:
+        step = tl.exp2(tl.maximum(tl.floor(tl.log2(tl.abs(x))), -6.0) - 3.0)  # an ulp of x
+        x = tl.floor(x / step + 0.5) * step
+    return x
 
 
 @triton.jit(do_not_specialize=[  # type: ignore[untyped-decorator]
@@ -33,7 +58,7 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
     stride_cvb, stride_cvs, stride_cvh, stride_cvd,
     NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, SATURATE: tl.constexpr, ON_GRID: tl.constexpr,
 ):
     tl.static_assert(HEADS_PAD >= NUM_KV_HEADS)
     tl.static_assert(HEAD_DIM_PAD >= HEAD_DIM)
@@ -52,13 +77,17 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
                 + offs_d[None, :] * stride_kd, mask=mask)
     v = tl.load(Value + token * stride_vt + offs_h[:, None] * stride_vh
                 + offs_d[None, :] * stride_vd, mask=mask)
+    # -- quantize for an fp8 cache: saturate to its finite range, round in the store's cast --
+    if SATURATE > 0:
+        k = saturated(k, SATURATE, ON_GRID)
+        v = saturated(v, SATURATE, ON_GRID)
     # -- scatter into the slot's block row (int64 offsets: pools exceed 2**31 elements) --
     k_dst = (K_cache + block * stride_ckb + offset * stride_cks
              + offs_h[:, None] * stride_ckh + offs_d[None, :] * stride_ckd)
     v_dst = (V_cache + block * stride_cvb + offset * stride_cvs
              + offs_h[:, None] * stride_cvh + offs_d[None, :] * stride_cvd)
-    tl.store(k_dst, k, mask=mask)
-    tl.store(v_dst, v, mask=mask)
+    tl.store(k_dst, k.to(K_cache.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(V_cache.dtype.element_ty), mask=mask)
 
 
 def _check_args(
@@ -102,6 +131,8 @@ def store_kv_triton(
         HEAD_DIM=geometry.head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(geometry.head_dim),
         BLOCK_SIZE=geometry.block_size,
+        SATURATE=FP8_MAX if k_cache.dtype == FP8_CACHE_DTYPE else 0.0,
+        ON_GRID=is_interpreted(_store_kv_kernel),
     )
 
 
@@ -121,4 +152,8 @@ def store_kv_torch(
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     index = slot_row(slot_mapping, geometry)
     for cache, rows in ((k_cache, key), (v_cache, value)):
-        slot_rows(cache, geometry.rows_per_block).index_copy_(0, index, rows)
+        target = slot_rows(cache, geometry.rows_per_block)
+        if cache.dtype == FP8_CACHE_DTYPE:  # quantize; torch's CPU index_copy_ has no fp8
+            rows = rows.clamp(-FP8_MAX, FP8_MAX).to(FP8_CACHE_DTYPE).view(torch.uint8)
+            target = target.view(torch.uint8)
+        target.index_copy_(0, index, rows)

@@ -19,7 +19,7 @@ from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS
 from pagedkv.process import log_setup
 from pagedkv.process.server_bounds import SERVER_BOUNDS, ServerBounds
 from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
-from pagedkv.vocab.geometry import DTYPE_BYTES
+from pagedkv.vocab.geometry import KV_CACHE_DTYPES, MODEL_DTYPES
 from pagedkv.vocab.paths import DAEMON_RUNNER_SOCKET_NAME, RUNNER_SOCKET_NAME
 
 EXIT_BAD_CONFIG = 2
@@ -45,9 +45,13 @@ def parser() -> argparse.ArgumentParser:
                      help="the name the model registers under with the daemon, which its "
                           "clients' sessions name (default: the preset's name, or the model "
                           "folder's basename: the name the daemon gives its own model)")
-    cli.add_argument("--dtype", choices=tuple(DTYPE_BYTES),
+    cli.add_argument("--dtype", choices=MODEL_DTYPES,
                      help="load the weights in this dtype (default: the config's); start the "
                           "daemon with the same --dtype")
+    cli.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                     help="the KV cache's dtype: auto (the weights') or fp8 (e4m3, half an "
+                          "fp16 block); the daemon's format for the model must be the same "
+                          "(pagedkvd --kv-cache-dtype for its own model)")
     cli.add_argument("--daemon", help="the daemon's runner socket, unix:///path (default: "
                                       f"{DAEMON_RUNNER_SOCKET_NAME} in $RUNTIME_DIRECTORY, else "
                                       "./run)")
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.torch_threads or max(1, (os.cpu_count() or 2) // 2))
     try:
         source = ModelSource(path=args.model, random_init=args.random_init, seed=args.seed,
-                             dtype=args.dtype)
+                             dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
         options = {key: value for key, value in (("daemon", args.daemon),
                                                  ("listen", args.listen),
                                                  ("metrics_listen", args.metrics_listen))

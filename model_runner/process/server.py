@@ -123,11 +123,13 @@ class RunnerState:
     """What the servicer reads about the running runner; updated when the pool changes."""
 
     def __init__(self, engine: StepEngine, info: PoolInfo, model: str, backend: str,
-                 model_name: str) -> None:
+                 model_name: str, kv_cache_dtype: str) -> None:
         self.engine = engine
         self.info = info
         self.model = model
         self.backend = backend
+        # The runner's --kv-cache-dtype: RunnerInfo's dtype is its cache's.
+        self.kv_cache_dtype = kv_cache_dtype
         # The name the model is registered under with the daemon (RunnerInfo.model_name).
         self.model_name = model_name
         # This process's RunnerInfo.runner_id: a client that sees it change after a lost
@@ -150,7 +152,7 @@ class RunnerState:
 
     def runner_info(self) -> rpb.RunnerInfo:
         runner = self.engine.runner
-        layers, kv_heads, head_dim, dtype = kv_geometry(runner.model)
+        layers, kv_heads, head_dim, dtype = kv_geometry(runner.model, self.kv_cache_dtype)
         return rpb.RunnerInfo(model=self.model, vocab_size=runner.vocab_size,
                               num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                               dtype=dtype, eos_token_ids=runner.eos_token_ids,
@@ -183,7 +185,8 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
 
         async def attach(info: PoolInfo) -> ModelRunner:
             """The model registered with the daemon of `info`, on its view of the memory."""
-            memory = await _register(pool, name, model, target, info)
+            memory = await _register(pool, name, model, config.model.kv_cache_dtype, target,
+                                     info)
             return ModelRunner(model, attach_pool(PoolMemoryHandle.from_proto(memory)),
                                info.block_size, backend)
 
@@ -195,7 +198,8 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
                             tokenizer=config.tokenizer or config.model.path)
         await engine.start()
         stack.push_async_callback(engine.stop)
-        state = RunnerState(engine, info, config.model.name, backend.name, name)
+        state = RunnerState(engine, info, config.model.name, backend.name, name,
+                            config.model.kv_cache_dtype)
         servers = await stack.enter_async_context(_grpc_server(config, state))
         if config.metrics_listen is not None:
             host, _, port = config.metrics_listen.rpartition(":")
@@ -220,14 +224,14 @@ def _listen_path(listen: str) -> Path:
     return Path(listen.removeprefix("unix://").removeprefix("unix:"))
 
 
-async def _register(pool: PoolClient, name: str, model: Any, target: str,
+async def _register(pool: PoolClient, name: str, model: Any, kv_cache_dtype: str, target: str,
                     info: PoolInfo) -> PoolMemory:
     """Register the model with the daemon (idempotent: again after the daemon restarted) and
     return its view of the pool memory; from a daemon that gives none, its own model's memory
     (info.memory), which the model must then fit (ModelMismatch otherwise). A name taken by
     another geometry, or a geometry the daemon's pages cannot hold, is ModelMismatch (a restart
     fails alike)."""
-    layers, kv_heads, head_dim, dtype = kv_geometry(model)
+    layers, kv_heads, head_dim, dtype = kv_geometry(model, kv_cache_dtype)
     try:
         registered = await pool.register_model(name, layers, kv_heads, head_dim, dtype, target)
     except (ModelExists, InvalidArgument) as exc:
@@ -236,7 +240,7 @@ async def _register(pool: PoolClient, name: str, model: Any, target: str,
                             "page_size this model's blocks divide") from None
     if registered.memory.kind:
         return registered.memory
-    check_geometry(model, info)
+    check_geometry(model, info, kv_cache_dtype)
     return info.memory
 
 

@@ -17,6 +17,7 @@ FLAG_VALUES: dict[str, tuple[list[str], object]] = {
     "model": (["tiny-llama"], "tiny-llama"),
     "tokenizer": (["/models/tok"], "/models/tok"),
     "dtype": (["bf16"], "bfloat16"),
+    "kv_cache_dtype": (["fp8"], "fp8"),
     "device": (["cpu"], "cpu"),
     "max_model_len": (["256"], 256),
     "block_size": (["32"], 32),
@@ -87,6 +88,8 @@ def test_started_services_settings_are_refused_with_a_running_daemon(name: str) 
 @pytest.mark.parametrize("options, message", [
     ({"max_model_len": 0}, "max_model_len must be >= 1"),
     ({"block_size": 24}, "block_size must be a positive power of two"),
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype must be one of auto, fp8, fp8_e4m3"),
+    ({"dtype": "fp8"}, "dtype 'fp8' is a KV cache's only: give kv_cache_dtype fp8"),
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
     ({"max_num_batched_tokens": 0}, "max_num_seqs and max_num_batched_tokens must be >= 1"),
 ])
