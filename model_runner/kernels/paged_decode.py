@@ -38,7 +38,7 @@ from pagedkv.model_runner.kernels.paged_prefill import (
 )
 from pagedkv.model_runner.kernels.paged_tile import (
     attend_tile,
-    dot_precision,
+    dot_dtype,
     head_dim_pad,
     score_scales,
 )
@@ -75,7 +75,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     TILE_N: tl.constexpr, STORE_LSE: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     tl.static_assert(GROUP_PAD >= 16)  # tl.dot's minimum rows on GPUs
     tl.static_assert(GROUP_PAD >= GROUP)
@@ -90,15 +90,15 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
     first_pos = tl.maximum(seq_len - window, 0) if WINDOWED else 0
     tile_start = first_pos // TILE_N + split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, tl.cdiv(seq_len, TILE_N))
-    # -- load q: the group's query heads as rows [GROUP_PAD, HEAD_DIM_PAD], in fp32;
-    #    padding rows are zero, score 0 everywhere and are never stored --
+    # -- load q: the group's query heads as rows [GROUP_PAD, HEAD_DIM_PAD], in the dots'
+    #    operand dtype; padding rows are zero, score 0 everywhere and are never stored --
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     q_heads = kv_head * GROUP + offs_g  # [GROUP_PAD]
     row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(Q + seq * stride_qs + q_heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=row_mask, other=0.0)
-    q = q.to(tl.float32)
+    q = q.to(DOT_DTYPE)
     q_pos = tl.full([GROUP_PAD], 0, tl.int32) + seq_len - 1  # the new token sees everything
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -111,7 +111,7 @@ def _decode_split_kernel(  # type: ignore[no-untyped-def]
             tile * TILE_N + offs_n, q_pos, seq_len, kv_head,
             stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
-            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, WINDOWED, SOFTCAP, DOT_PRECISION,
+            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, WINDOWED, SOFTCAP,
         )
     # -- store the normalized partial (an empty split stores 0 with log-sum-exp -inf) --
     nonempty = l_i > 0
@@ -234,7 +234,7 @@ def paged_decode_attention_triton(
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=geometry.block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         TILE_N=TILE_N, STORE_LSE=num_splits > 1, WINDOWED=window > 0, SOFTCAP=cap > 0,
-        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_DTYPE=dot_dtype(query.dtype, _decode_split_kernel),
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:

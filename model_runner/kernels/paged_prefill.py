@@ -37,7 +37,7 @@ from pagedkv.model_runner.kernels.paged_checks import (
 )
 from pagedkv.model_runner.kernels.paged_tile import (
     attend_tile,
-    dot_precision,
+    dot_dtype,
     head_dim_pad,
     score_scales,
 )
@@ -62,7 +62,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16)  # tl.dot's minimum on GPUs
     tl.static_assert(TILE_N >= 16)
@@ -80,11 +80,11 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
     q_pos = seq_len - q_len + offs_m  # [BLOCK_M] context position of each row
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     row_mask = (offs_m < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    # -- load q [BLOCK_M, HEAD_DIM_PAD] in fp32: it stays in registers --
+    # -- load q [BLOCK_M, HEAD_DIM_PAD] in the dots' operand dtype: it stays in registers --
     q_rows = (q_start + offs_m)[:, None] * stride_qt
     q = tl.load(Q + q_rows + head * stride_qh + offs_d[None, :] * stride_qd, mask=row_mask,
                 other=0.0)
-    q = q.to(tl.float32)
+    q = q.to(DOT_DTYPE)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -101,7 +101,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
             tile * TILE_N + offs_n, q_pos, seq_len, head // GROUP,
             stride_kb, stride_ks, stride_kh, stride_kd,
             stride_vb, stride_vs, stride_vh, stride_vd, stride_btb,
-            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, WINDOWED, SOFTCAP, DOT_PRECISION,
+            BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, WINDOWED, SOFTCAP,
         )
     # -- normalize and store the chunk's rows (each counted its own position, so l_i > 0;
     #    a padding row past the chunk may have counted nothing and is not stored) --
@@ -169,7 +169,7 @@ def paged_prefill_attention_triton(
         GROUP=num_q_heads // geometry.num_kv_heads, BLOCK_SIZE=geometry.block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         BLOCK_M=BLOCK_M, TILE_N=TILE_N, WINDOWED=window > 0, SOFTCAP=cap > 0,
-        DOT_PRECISION=dot_precision(query.dtype),
+        DOT_DTYPE=dot_dtype(query.dtype, _prefill_kernel),
         num_warps=8, num_stages=2,
     )
     return out

@@ -32,7 +32,7 @@ def _compile_all() -> None:
     from triton.compiler import ASTSource
 
     from pagedkv.model_runner.kernels import paged_decode, paged_prefill, store_kv
-    from pagedkv.model_runner.kernels.triton_env import is_interpreted, triton
+    from pagedkv.model_runner.kernels.triton_env import is_interpreted, tl, triton
 
     assert not is_interpreted(store_kv._store_kv_kernel), "run with TRITON_INTERPRET=0"
 
@@ -48,12 +48,13 @@ def _compile_all() -> None:
                                 options={"num_warps": num_warps, "num_stages": 2})
         print(f"{name}: {kernel.metadata.shared} bytes")
 
-    # bf16 with a sliding window and a softcap (Gemma2's layers), fp32 with neither.
-    for dtype, precision, variant in (("bf16", "tf32", True), ("fp32", "ieee", False)):
+    # bf16 with a sliding window and a softcap (Gemma2's layers), fp32 with neither; each dot's
+    # operands in the cache's dtype (dot_dtype on a GPU).
+    for dtype, dot, variant in (("bf16", tl.bfloat16, True), ("fp32", tl.float32, False)):
         cache = {"K_cache": f"*{dtype}", "V_cache": f"*{dtype}", "Q": f"*{dtype}",
                  "Block_tables": "*i32", "Seq_lens": "*i32"}
         shape = {"BLOCK_SIZE": 16, "HEAD_DIM": 128, "HEAD_DIM_PAD": 128,
-                 "DOT_PRECISION": precision, "WINDOWED": variant, "SOFTCAP": variant}
+                 "DOT_DTYPE": dot, "WINDOWED": variant, "SOFTCAP": variant}
         build(f"decode_{dtype}", paged_decode._decode_split_kernel,
               cache | {"Partial": "*fp32", "Lse": "*fp32"},
               shape | {"GROUP": 4, "GROUP_PAD": 16, "TILE_N": paged_decode.TILE_N,
@@ -65,7 +66,7 @@ def _compile_all() -> None:
     build("decode_fp16_d64_group1", paged_decode._decode_split_kernel,
           {"K_cache": "*fp16", "V_cache": "*fp16", "Q": "*fp16", "Block_tables": "*i32",
            "Seq_lens": "*i32", "Partial": "*fp16", "Lse": "*fp32"},
-          {"BLOCK_SIZE": 32, "HEAD_DIM": 64, "HEAD_DIM_PAD": 64, "DOT_PRECISION": "tf32",
+          {"BLOCK_SIZE": 32, "HEAD_DIM": 64, "HEAD_DIM_PAD": 64, "DOT_DTYPE": tl.float16,
            "GROUP": 1, "GROUP_PAD": 16, "TILE_N": paged_decode.TILE_N, "STORE_LSE": False,
            "WINDOWED": True, "SOFTCAP": False})
     build("decode_merge", paged_decode._decode_merge_kernel,
