@@ -45,8 +45,8 @@ class TokensEngine:
         self.vocab_size = vocab_size
         self.failure = failure
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams,
-                     key: str = "") -> AsyncGenerator[RequestOutput]:
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, key: str = "",
+                     client_request_id: str | None = None) -> AsyncGenerator[RequestOutput]:
         for count in range(1, len(self.tokens) + 1):
             last = count == len(self.tokens) and self.failure is None
             yield RequestOutput("req-0", tuple(prompt_ids), [CompletionOutput(

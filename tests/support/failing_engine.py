@@ -15,8 +15,8 @@ class FailingEngine:
     max_model_len = 64
     scheduler = SimpleNamespace(waiting=[], running=[])
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams,
-                     key: str = "") -> AsyncGenerator[RequestOutput]:
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, key: str = "",
+                     client_request_id: str | None = None) -> AsyncGenerator[RequestOutput]:
         yield RequestOutput("req-0", tuple(prompt_ids),
                             [CompletionOutput(0, (5,), 0.0, None, None, None)], False,
                             len(prompt_ids), 0, 1)
