@@ -115,6 +115,7 @@ bench: setup
 	$(PY) benchmarks/bench_runner_restart.py
 	$(PY) benchmarks/bench_daemon_restart.py
 	$(PY) benchmarks/bench_fair_keys.py
+	$(PY) benchmarks/bench_serve.py
 	$(PY) benchmarks/bench_slowloris.py
 	$(PY) benchmarks/bench_replay_flood.py
 	$(PY) benchmarks/bench_fence.py --rounds 5
