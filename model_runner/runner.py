@@ -149,6 +149,20 @@ class ModelRunner:
         logits: torch.Tensor = output.logits  # [1, S, vocab]
         return logits[0].float()
 
+    def warm_up(self) -> None:
+        """Run the steps whose kernel launches cover every compiled variant this runner's steps
+        can meet, so that none compiles (seconds, on Triton's JIT) under load: a prefill, a decode
+        at the shortest and at the longest context (the most split-K splits), and a batch mixing
+        them. Every variant of a layer is launched by every layer of its kind (windowed,
+        soft-capped). They read block 0 only and write nothing (slot -1)."""
+        longest = self.max_model_len
+        table = [0] * blocks_for(longest, self.block_size)
+        prefill = SequenceChunk([0, 0], 0, [-1, -1], table)
+        short = SequenceChunk([0], 0, [-1], [0])
+        long = SequenceChunk([0], longest - 1, [-1], table)
+        for chunks in ([prefill], [short], [long], [prefill, short, long]):
+            self.step(chunks)
+
     def prepare(self, chunks: Sequence[SequenceChunk]) -> StepInputs:
         """Pack and validate the chunks on the host (numpy), then move them to the pool's device
         in one host-to-device copy of one packed buffer, of which the inputs are views."""

@@ -191,7 +191,10 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
                                info.block_size, backend)
 
         registry = CollectorRegistry()
-        engine = StepEngine(pool, await attach(info),
+        runner = await attach(info)
+        if runner.pool.device.type == "cuda":  # compile every kernel variant before READY
+            await asyncio.to_thread(runner.warm_up)
+        engine = StepEngine(pool, runner,
                             max_batch_tokens=config.max_batch_tokens,
                             metrics=RunnerMetrics(registry), hold_ms=config.hold_ms,
                             answer_limits=config.answer_limits, model=name,
