@@ -9,7 +9,8 @@ Each kernel over an fp8 cache against an fp32 reference, within a stated bound:
   float64 oracle over the same (dequantized) cache within fp32's tolerance, so the only error
   is the cache's; against the oracle over the unquantized fp32 K/V (unit normal) it stays under
   ATTENTION_ABS (measured: 0.09 at most on these shapes; 0.15 stated).
-Both the Triton kernels (the interpreter on CPU) and the torch twins, the CPU path.
+Both the Triton kernels (the interpreter on CPU; compiled on CUDA, the gpu tier that make
+gpu-check runs) and the torch twins, the CPU path.
 """
 
 import pytest
@@ -26,6 +27,8 @@ from pagedkv.model_runner.kernels.paged_prefill import (
 )
 from pagedkv.model_runner.kernels.store_kv import store_kv_torch, store_kv_triton
 from tests.support.kernel_utils import (
+    DEVICES,
+    PagedBatch,
     assert_close_to,
     make_paged_batch,
     oracle_attention,
@@ -44,23 +47,28 @@ IMPLS = {"torch": (store_kv_torch, paged_decode_attention_torch, paged_prefill_a
                     paged_prefill_attention_triton)}
 
 
-def _skip(impl: str) -> None:
+def _skip(impl: str, device: str) -> None:
     if impl == "triton":
-        skip_unless_triton_runs_on("cpu")
+        skip_unless_triton_runs_on(device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_store_quantizes_within_half_an_ulp_and_saturates(impl: str, dtype: torch.dtype) -> None:
-    _skip(impl)
+def test_store_quantizes_within_half_an_ulp_and_saturates(impl: str, dtype: torch.dtype,
+                                                           device: str) -> None:
+    _skip(impl, device)
     store = IMPLS[impl][0]
-    pool = torch.zeros(4, 2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=FP8_CACHE_DTYPE)
+    pool = torch.zeros(4, 2, 2, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=FP8_CACHE_DTYPE,
+                       device=device)
     k_cache, v_cache = pool[:, 1].unbind(1)
     key = random_tokens(3, KV_HEADS, HEAD_DIM, torch.float32, "cpu", seed=2) * 4
     key[0, 0, :4] = torch.tensor([1000.0, -1000.0, 448.0, 3e-3])  # saturated, exact, subnormal
     value = random_tokens(3, KV_HEADS, HEAD_DIM, torch.float32, "cpu", seed=3)
     slots = torch.tensor([0, 13, -1])  # block 0 slot 0, block 1 slot 5, padding
-    store(key.to(dtype), value.to(dtype), k_cache, v_cache, slots)
+    store(key.to(device, dtype), value.to(device, dtype), k_cache, v_cache, slots.to(device))
+    pool = pool.cpu()
+    k_cache, v_cache = pool[:, 1].unbind(1)
     for cache, rows in ((k_cache, key.to(dtype).float()), (v_cache, value.to(dtype).float())):
         stored = cache.float().flatten(0, 1)[slots[:2]]  # [2, H, D]
         expected = rows[:2].clamp(-FP8_MAX, FP8_MAX)
@@ -70,18 +78,19 @@ def test_store_quantizes_within_half_an_ulp_and_saturates(impl: str, dtype: torc
     assert k_cache.float().flatten(0, 1)[[1, 2, 3]].eq(0).all(), "padding wrote a slot"
 
 
-def _batches(seed: int) -> tuple[object, object]:
+def _batches(seed: int, device: str) -> tuple[PagedBatch, PagedBatch]:
     """The same random K/V in an fp8 pool and in an fp32 one."""
-    make = [make_paged_batch(SEQ_LENS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, "cpu", seed=seed)
+    make = [make_paged_batch(SEQ_LENS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, device, seed=seed)
             for dtype in (FP8_CACHE_DTYPE, torch.float32)]
     return make[0], make[1]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_decode_dequantizes_in_registers(impl: str) -> None:
-    _skip(impl)
-    fp8, exact = _batches(seed=4)
-    query = random_tokens(len(SEQ_LENS), KV_HEADS * GROUP, HEAD_DIM, torch.float32, "cpu")
+def test_decode_dequantizes_in_registers(impl: str, device: str) -> None:
+    _skip(impl, device)
+    fp8, exact = _batches(4, device)
+    query = random_tokens(len(SEQ_LENS), KV_HEADS * GROUP, HEAD_DIM, torch.float32, device)
     scale = HEAD_DIM**-0.5
     out = IMPLS[impl][1](query, fp8.k_cache, fp8.v_cache, fp8.block_tables, fp8.seq_lens, scale)
     q_lens = [1] * len(SEQ_LENS)
@@ -90,13 +99,14 @@ def test_decode_dequantizes_in_registers(impl: str) -> None:
     assert error < ATTENTION_ABS
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_prefill_dequantizes_in_registers(impl: str) -> None:
-    _skip(impl)
-    fp8, exact = _batches(seed=5)
+def test_prefill_dequantizes_in_registers(impl: str, device: str) -> None:
+    _skip(impl, device)
+    fp8, exact = _batches(5, device)
     q_lens = [3, 7]
-    query = random_tokens(sum(q_lens), KV_HEADS * GROUP, HEAD_DIM, torch.float32, "cpu")
-    starts = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
+    query = random_tokens(sum(q_lens), KV_HEADS * GROUP, HEAD_DIM, torch.float32, device)
+    starts = torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32, device=device)
     scale = HEAD_DIM**-0.5
     out = IMPLS[impl][2](query, fp8.k_cache, fp8.v_cache, fp8.block_tables, fp8.seq_lens,
                          starts, scale)
