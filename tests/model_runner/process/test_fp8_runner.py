@@ -52,6 +52,27 @@ def test_a_runner_must_match_the_daemons_fp8_format() -> None:
             runner.wait_for_notification(READY_STATE)
 
 
+async def _models(target: str) -> dict[str, tuple[str, int]]:
+    pool = await PoolClient.connect(target)
+    try:
+        return {m.name: (m.dtype, m.blocks_per_page) for m in (await pool.pool_info()).models}
+    finally:
+        await pool.close()
+
+
+def test_an_fp8_model_shares_the_pages_of_an_fp32_one() -> None:
+    """Another name, another format: the fp8 model's blocks are a quarter of the fp32 model's,
+    four to a page of the daemon's own model's block."""
+    with short_tmp_dir() as folder, start_daemon(
+            Path(folder), "--model-config", MODEL, "--num-blocks", "32") as daemon:
+        daemon.wait_for_notification(READY_STATE)
+        with start_runner(daemon.runners_target, Path(folder), "--random-init", MODEL,
+                          "--kv-cache-dtype", "fp8", "--model-name", "fp8-twin") as runner:
+            runner.wait_for_notification(READY_STATE)
+            models = asyncio.run(_models(daemon.unix_target))
+    assert models == {MODEL: ("float32", 1), "fp8-twin": ("float8_e4m3fn", 4)}
+
+
 def test_llm_passes_kv_cache_dtype_to_what_it_starts() -> None:
     with LLM(model=MODEL, kv_cache_dtype="fp8", num_blocks=32, max_num_seqs=2) as llm:
         dtype, _ = asyncio.run(_pool_dtype(llm.daemon_target))
