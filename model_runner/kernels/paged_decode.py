@@ -48,6 +48,10 @@ from pagedkv.vocab.blocks import blocks_for
 
 # Context positions per tile.
 TILE_N = 64
+# Warps per split program: 4, or 8 where 4 would spill registers on sm_90 (test_kernels_compile),
+# keyed on (head_dim_pad, dtype).
+WARPS = 4
+MORE_WARPS = {(256, torch.float32): 8}
 # Default split policy: aim for this many programs per SM, but give each split at least
 # MIN_TILES_PER_SPLIT tiles (a short split costs more in the merge than it saves) and never more
 # than MAX_SPLITS splits.
@@ -235,7 +239,7 @@ def paged_decode_attention_triton(
         BLOCK_SIZE=geometry.block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         TILE_N=TILE_N, STORE_LSE=num_splits > 1, WINDOWED=window > 0, SOFTCAP=cap > 0,
         DOT_DTYPE=dot_dtype(query.dtype, _decode_split_kernel),
-        num_warps=4, num_stages=2,
+        num_warps=MORE_WARPS.get((head_dim_pad(head_dim), query.dtype), WARPS), num_stages=2,
     )
     if num_splits > 1:
         launch(

@@ -44,9 +44,21 @@ from pagedkv.model_runner.kernels.paged_tile import (
 from pagedkv.model_runner.kernels.per_forward import PerForward, shared
 from pagedkv.model_runner.kernels.triton_env import launch, require_triton_device, tl, triton
 
-# Query rows per program and context positions per tile.
-BLOCK_M = 64
-TILE_N = 64
+# Query rows per program (BLOCK_M) and context positions per tile (TILE_N): 64 each, smaller
+# where such tiles would spill registers on sm_90 (test_kernels_compile asserts STACK:0 for every
+# head_dim and dtype the families use), keyed on (head_dim_pad, dtype).
+TILES = (64, 64)
+SMALLER_TILES = {
+    (128, torch.float32): (32, 64),
+    (256, torch.float16): (32, 32),
+    (256, torch.bfloat16): (32, 32),
+    (256, torch.float32): (16, 64),
+}
+
+
+def prefill_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(BLOCK_M, TILE_N) of the prefill kernel for a model's head_dim and dtype."""
+    return SMALLER_TILES.get((head_dim_pad(head_dim), dtype), TILES)
 
 
 @triton.jit(do_not_specialize=[  # type: ignore[untyped-decorator]
@@ -159,7 +171,8 @@ def paged_prefill_attention_triton(
         return out
     # The grid needs the longest chunk: one read-back per forward, not per layer.
     max_q_len = shared(per_forward, ("max_q_len",), lambda: int(query_start_loc.diff().max()))
-    grid = (num_seqs, num_q_heads, triton.cdiv(max_q_len, BLOCK_M))
+    block_m, tile_n = prefill_tiles(head_dim, query.dtype)
+    grid = (num_seqs, num_q_heads, triton.cdiv(max_q_len, block_m))
     launch(
         _prefill_kernel, grid,
         query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
@@ -168,7 +181,7 @@ def paged_prefill_attention_triton(
         *out.stride(),
         GROUP=num_q_heads // geometry.num_kv_heads, BLOCK_SIZE=geometry.block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
-        BLOCK_M=BLOCK_M, TILE_N=TILE_N, WINDOWED=window > 0, SOFTCAP=cap > 0,
+        BLOCK_M=block_m, TILE_N=tile_n, WINDOWED=window > 0, SOFTCAP=cap > 0,
         DOT_DTYPE=dot_dtype(query.dtype, _prefill_kernel),
         num_warps=8, num_stages=2,
     )

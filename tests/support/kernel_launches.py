@@ -21,8 +21,10 @@ from typing import Any
 
 import pytest
 import torch
+import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
-from triton.compiler import make_backend
+from triton.compiler import ASTSource, make_backend
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
@@ -101,3 +103,21 @@ def variant_key(launch: Launch) -> str:
                                                           make_backend(SM90))
     _, specialization, options = _BINDERS[kernel](*launch.args, **launch.kwargs)
     return f"{launch.name}:{compute_cache_key({}, specialization, options)}"
+
+
+def compile_launch(launch: Launch) -> Any:
+    """The sm_90 binary of `launch`, compiled as `JITFunction.run` would on an H100 (the same
+    binder, argument packing and options), without a GPU: Triton's compiler runs on the CPU.
+    The kernel must be a compiled one (TRITON_INTERPRET=0)."""
+    kernel = launch.kernel
+    assert isinstance(kernel, JITFunction), "compile with TRITON_INTERPRET=0"
+    backend = make_backend(SM90)
+    kwargs = dict(launch.kwargs)
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args,
+                                                              specialization, options)
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=SM90, options=options.__dict__)
