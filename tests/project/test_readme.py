@@ -36,7 +36,8 @@ def session_script(blocks: list[tuple[str, str]]) -> str:
     """One bash script: each block in order, a marker line before each."""
     lines = ["set -eo pipefail", "trap 'kill $(jobs -p) 2>/dev/null; wait' EXIT"]
     for index, (kind, block) in enumerate(blocks):
-        lines.append(f"echo '### block {index} ({kind})'")
+        # On a line of its own even after output with no final newline (curl's).
+        lines.append(f"printf '\\n### block {index} ({kind})\\n'")
         if kind == "python":
             assert PYTHON_END not in block
             lines.append(f".venv/bin/python - <<'{PYTHON_END}'\n{block}{PYTHON_END}")
