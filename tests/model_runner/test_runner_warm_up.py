@@ -20,6 +20,7 @@ import torch
 
 from pagedkv.model_runner.kernels import paged_decode
 from pagedkv.model_runner.kernels.attention_backend import TRITON_BACKEND
+from pagedkv.model_runner.kernels.triton_env import triton
 from pagedkv.model_runner.models import kv_geometry
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 from pagedkv.vocab.blocks import blocks_for
@@ -46,16 +47,16 @@ EXPECTED = {
 }
 
 
-def _runner(family: str) -> ModelRunner:
+def _runner(family: str, device: str = "cpu") -> ModelRunner:
     model_class, family_config = FAMILIES[family]
     config = copy.deepcopy(family_config)
     config.max_position_embeddings = LONGEST
     if family == "gemma2":
         config.sliding_window = 100
     torch.manual_seed(0)
-    model = model_class(config).eval()
+    model = model_class(config).eval().to(device)
     layers, kv_heads, head_dim, _ = kv_geometry(model)
-    pool = torch.zeros(NUM_BLOCKS, layers, 2, BLOCK_SIZE, kv_heads, head_dim)
+    pool = torch.zeros(NUM_BLOCKS, layers, 2, BLOCK_SIZE, kv_heads, head_dim, device=device)
     return ModelRunner(model, pool, BLOCK_SIZE, TRITON_BACKEND)
 
 
@@ -84,8 +85,26 @@ def test_batches_of_any_shape_meet_only_the_warmed_up_variants(monkeypatch, fami
     assert Counter(key.split(":")[0] for key in warmed) == EXPECTED[family]
 
     launches.clear()
+    _serve_every_shape(runner)
+    assert _variants(launches) == warmed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_after_warm_up_no_batch_compiles_a_kernel_on_the_gpu(monkeypatch, family):
+    """The GPU twin of the test above: Triton's JIT itself reports every compile."""
+    runner = _runner(family, "cuda")
+    runner.warm_up()
+    compiled: list[str] = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
+                        lambda **hook: compiled.append(hook["repr"]))
+    _serve_every_shape(runner)
+    assert compiled == []
+
+
+def _serve_every_shape(runner: ModelRunner) -> None:
     for num_seqs in (1, 3, 17):
         for context in (5, 64, 1000):
             for chunks in _batches(num_seqs, context):
                 runner.step(chunks)
-    assert _variants(launches) == warmed
