@@ -261,7 +261,9 @@ class PoolMemory(_message.Message):
     shm_path: _builtins.str
     """Path of the shared-memory file ("shm" only)."""
     dtype: _builtins.str
-    """Element dtype name ("float16", "bfloat16", "float32")."""
+    """Element dtype name ("float16", "bfloat16", "float32", or "float8_e4m3fn" for an fp8 KV
+    cache: e4m3, per-tensor scale 1.0, no scale stored in the pool).
+    """
     device_index: _builtins.int
     """CUDA device index ("cuda_ipc" only; -1 on CPU)."""
     ipc_payload: _builtins.bytes
@@ -322,6 +324,7 @@ class PoolInfo(_message.Message):
     num_kv_heads: _builtins.int
     head_dim: _builtins.int
     dtype: _builtins.str
+    """Element dtype name, as PoolMemory.dtype ("float8_e4m3fn": an fp8 KV cache)."""
     bytes_per_block: _builtins.int
     """K and V of block_size tokens in every layer."""
     layout: _builtins.str
@@ -475,6 +478,9 @@ class RegisterModelRequest(_message.Message):
     num_kv_heads: _builtins.int
     head_dim: _builtins.int
     dtype: _builtins.str
+    """The cache's dtype (the runner's --kv-cache-dtype: the model's own, or "float8_e4m3fn"); a
+    name registered with another dtype is ModelExists naming both geometries.
+    """
     runner_target: _builtins.str
     """The runner's client-facing gRPC target, for clients that pick a runner by model name."""
     def __init__(
