@@ -161,14 +161,16 @@ class Backend:
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, every_step: bool,
                      caller: Caller, request_id: str) -> AsyncGenerator[RequestOutput]:
-        """The request's outputs (each step's when `every_step`, else the final one) from the
-        caller's engine; closing the iterator early aborts the request and frees its blocks.
+        """The request's outputs from the caller's engine: each step's new tokens when
+        `every_step` (delta outputs), else the final output with every token (so each output
+        carries only tokens not seen before, either way); closing the iterator early aborts
+        the request and frees its blocks.
         `request_id`: the HTTP request's (access_log.py), which the runner and the daemon log
         with its sequences."""
         self.active += 1
         self.metrics.arrived(len(prompt_ids))
         outputs = (caller.engine.stream(prompt_ids, params, key=caller.name,
-                                        client_request_id=request_id) if every_step
+                                        client_request_id=request_id, delta=True) if every_step
                    else _final(caller, prompt_ids, params, request_id))
         try:
             async for output in outputs:

@@ -55,7 +55,9 @@ class ChoiceUpdate:
 class _Choice:
     """One completion being cut into text."""
 
+    # Its index among its prompt's choices.
     index: int
+    # Its text as it comes (None without a tokenizer: token ids only).
     stream: TextStream | None
     # Generated tokens read so far.
     read: int = 0
@@ -136,16 +138,17 @@ class PromptRun:
                 self.backend.metrics.done(output, reasons, time.monotonic() - started)
 
     def _update(self, completion: CompletionOutput, finished: bool) -> ChoiceUpdate | None:
-        """The choice's new text and tokens in `completion`, cut at a stop string."""
+        """The choice's new text and tokens, cut at a stop string: `completion` carries only
+        tokens not read before (Backend.stream: delta outputs, or the one final output)."""
         choice = self._choices.get(completion.index)
         if choice is None:
             choice = self._choices[completion.index] = _Choice(
                 completion.index, self._text_stream())
         if choice.finish_reason is not None:
             return None
-        new = completion.token_ids[choice.read:]
+        new = completion.token_ids
         first = choice.read
-        choice.read = len(completion.token_ids)
+        choice.read += len(new)
         text = ""
         keep = len(new)
         if choice.stream is not None:
@@ -158,7 +161,7 @@ class PromptRun:
             choice.finish_reason = completion.finish_reason or "length"
             if choice.stream is not None:
                 text += choice.stream.finish()
-        tokens = self._tokens(completion, first, first + keep)
+        tokens = self._tokens(completion, keep)
         if not text and not tokens and choice.finish_reason is None:
             return None
         return ChoiceUpdate(completion.index, text, tokens, choice.finish_reason)
@@ -171,13 +174,14 @@ class PromptRun:
             skip_special_tokens=sampling.skip_special_tokens, include_stop=sampling.include_stop,
             min_tokens=sampling.params.min_tokens)
 
-    def _tokens(self, completion: CompletionOutput, start: int, end: int) -> list[TokenInfo]:
+    def _tokens(self, completion: CompletionOutput, keep: int) -> list[TokenInfo]:
+        """The first `keep` tokens of `completion`, with their logprobs."""
         ids = completion.token_ids
         logprobs = completion.logprobs
         tops = completion.top_logprobs
         return [TokenInfo(ids[i], logprobs[i] if logprobs is not None else None,
                           tops[i] if tops is not None else {})
-                for i in range(start, end)]
+                for i in range(keep)]
 
 
 @dataclass(slots=True)

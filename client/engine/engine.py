@@ -5,13 +5,16 @@
     async with await Engine.connect(daemon=daemon, runner=runner) as engine:
         out = await engine.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=8))
         async for partial in engine.stream([1, 2, 3], SamplingParams(max_tokens=8)):
-            print(partial.outputs[0].token_ids)
+            print(partial.outputs[0].token_ids)          # every token so far
+        async for new in engine.stream([1, 2, 3], SamplingParams(max_tokens=8), delta=True):
+            print(new.outputs[0].token_ids)              # the step's new tokens
 
 One engine is one client of the pool: its own daemon session (a lease kept alive in the
 background, so a dying client's blocks come back within its lease) and a runner that computes
 for it. A background task loops: plan a step (`Scheduler`), send it to the runner (one message
 on the session's Runner.StepStream), hand the answers back, and push each request's progress to
-its waiter (`stream`: an output per step; `generate`: the final one only). Each step goes with
+its waiter (`stream`: an output per step, of every token so far or, with `delta`, of the
+step's new ones; `generate`: the final one only). Each step goes with
 runner.proto's `follow`: while the next plan would be the same decode step again, the runner
 takes it by itself and pushes its answer, which the engine applies as that step's
 (`Following`); the engine sends only when its plan changes. A failed step
@@ -41,7 +44,7 @@ from pagedkv.client.engine.requests import Request, request_seed
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S, RunnerLink
 from pagedkv.client.engine.scheduler import Plan, Scheduler, SchedulerConfig
 from pagedkv.client.engine.swap_rule import HostTier
-from pagedkv.client.engine.waiters import Waiters
+from pagedkv.client.engine.waiters import OutputKind, Waiters
 from pagedkv.client.pool.client import PoolClient
 from pagedkv.client.pool.errors import OutcomeUnknown, PagedKVError, PoolExhausted, StalePlan
 from pagedkv.client.pool.runner_client import RunnerClient, RunnerInfo, StepOutputs
@@ -182,7 +185,7 @@ class Engine:
         requests take turns by key: fair_queue.py). `client_request_id`: the id of the client's
         request it serves, which the runner and the daemon log (`_request`)."""
         final = None
-        async for output in self._outputs(prompt_token_ids, params, request_id, False, key,
+        async for output in self._outputs(prompt_token_ids, params, request_id, "final", key,
                                           client_request_id):
             final = output
         assert final is not None and final.finished
@@ -190,19 +193,28 @@ class Engine:
 
     def stream(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
                request_id: str | None = None, key: str = "", *,
-               client_request_id: str = "") -> AsyncGenerator[RequestOutput]:
-        """The request's output after each step that changed it; the last one is finished.
-        Closing it (`aclose`) before the end aborts the request and frees its blocks."""
-        return self._outputs(prompt_token_ids, params, request_id, True, key, client_request_id)
+               client_request_id: str = "", delta: bool = False
+               ) -> AsyncGenerator[RequestOutput]:
+        """The request's output after each step that changed it: every token so far, or with
+        `delta` only the tokens (and logprobs) new since the previous output (vLLM's
+        RequestOutputKind.DELTA: the server's streams; ValueError for beam search and best_of
+        > n, which choose their outputs at the end). The last one is finished. Closing it
+        (`aclose`) before the end aborts the request and frees its blocks."""
+        return self._outputs(prompt_token_ids, params, request_id,
+                             "delta" if delta else "cumulative", key, client_request_id)
 
     async def _outputs(self, prompt_token_ids: Sequence[int], params: SamplingParams | None,
-                       request_id: str | None, every_step: bool, key: str,
+                       request_id: str | None, kind: OutputKind, key: str,
                        client_request_id: str) -> AsyncGenerator[RequestOutput]:
-        """The request's outputs: after each step that changed it, or only the final one (an
-        output per step costs the engine's loop a copy of every token so far)."""
-        request = self._request(prompt_token_ids, params or SamplingParams(), request_id, key,
-                                client_request_id)
-        queue = self.waiters.open(request.request_id, every_step)
+        """The request's outputs of `kind` (waiters.py): after each step that changed it, or
+        only the final one (an output per step costs the engine's loop a copy of the tokens
+        it shows)."""
+        params = params or SamplingParams()
+        if kind == "delta" and (params.beam_width or params.num_samples > params.n):
+            raise ValueError("delta outputs need plain or parallel sampling: beam search and "
+                             "best_of > n choose their outputs at the end")
+        request = self._request(prompt_token_ids, params, request_id, key, client_request_id)
+        queue = self.waiters.open(request.request_id, kind)
         self.scheduler.add(request)
         self._wake.set()
         try:

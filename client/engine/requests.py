@@ -77,6 +77,9 @@ class Request:
         # Beam search: each live beam's top-K once it sampled; a step of the search needs all
         # of them (after a preemption the beams finish recomputing in different steps).
         self._tops: dict[int, list[tuple[int, float]]] = {}
+        # Delta outputs (`output(delta=True)`): per sample index, the generated tokens already
+        # handed out.
+        self._shown: dict[int, int] = {}
         if params.beam_width:
             self.beam = BeamSearch(BeamParams(
                 beam_width=params.beam_width, max_tokens=params.max_tokens,
@@ -196,12 +199,18 @@ class Request:
 
     # ------------------------------------------------------------------ the answer
 
-    def output(self) -> RequestOutput:
+    def output(self, delta: bool = False) -> RequestOutput:
+        """Its outputs now: every token so far, or with `delta` only those generated since its
+        last delta output (their logprobs alike; cumulative_logprob and the request's counts
+        stay totals). Delta outputs suit plain and parallel sampling only: beam search and
+        best_of > n choose their outputs at the end (the engine refuses them)."""
         if self.beam is not None and self.finished:
             outputs = [self._beam_output(i, r) for i, r in enumerate(self.beam.results())]
+            generated = sum(len(o.token_ids) for o in outputs)
         else:
-            outputs = self._sample_outputs()
-        generated = sum(len(o.token_ids) for o in outputs)
+            seqs = self._output_seqs()
+            outputs = [self._sample_output(i, seq, delta) for i, seq in enumerate(seqs)]
+            generated = sum(seq.num_generated for seq in seqs)
         metrics = {}
         if self.first_token_at is not None:
             metrics["time_to_first_token_s"] = self.first_token_at - self.arrival
@@ -216,13 +225,21 @@ class Request:
             else "length"
         return CompletionOutput(index, result.tokens, total, None, None, reason, result.score)
 
-    def _sample_outputs(self) -> list[CompletionOutput]:
+    def _output_seqs(self) -> list[Seq]:
+        """The sequences the outputs show, in output order: the samples (a child not forked
+        yet has nothing to show), at the end the n most likely of best_of."""
         seqs = sorted(self.done_seqs + [s for s in self.live if s.parent is None],
                       key=lambda s: s.index)
         if self.finished and self.params.num_samples > self.params.n:
             seqs = sorted(seqs, key=lambda s: -sum(s.logprobs))[:self.params.n]
-        asked = self.params.logprobs is not None
-        return [CompletionOutput(
-            i, tuple(seq.generated), sum(seq.logprobs), tuple(seq.logprobs) if asked else None,
-            tuple(seq.top_logprobs) if self.params.logprobs else None, seq.finish_reason)
-            for i, seq in enumerate(seqs)]
+        return seqs
+
+    def _sample_output(self, index: int, seq: Seq, delta: bool) -> CompletionOutput:
+        """Output `index` of `seq`: its generated tokens, or with `delta` those not shown yet."""
+        start = self._shown.get(seq.index, 0) if delta else 0
+        if delta:
+            self._shown[seq.index] = seq.num_generated
+        logprobs = tuple(seq.logprobs[start:]) if self.params.logprobs is not None else None
+        tops = tuple(seq.top_logprobs[start:]) if self.params.logprobs else None
+        return CompletionOutput(index, tuple(seq.tokens[seq.prompt_len + start:]),
+                                sum(seq.logprobs), logprobs, tops, seq.finish_reason)

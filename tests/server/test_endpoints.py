@@ -33,8 +33,9 @@ NAME = "m"
 
 
 class TokensEngine:
-    """Streams `tokens` one a step, the last with finish reason "length", as an engine does;
-    or fails with `failure` after them."""
+    """Streams `tokens` one a step, the last with finish reason "length", as an engine does
+    (each output with every token so far, or with `delta` only the step's); or fails with
+    `failure` after them."""
 
     max_model_len = 64
     scheduler = SimpleNamespace(waiting=[], running=[])
@@ -46,12 +47,13 @@ class TokensEngine:
         self.failure = failure
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, key: str = "",
-                     client_request_id: str | None = None) -> AsyncGenerator[RequestOutput]:
+                     client_request_id: str | None = None,
+                     delta: bool = False) -> AsyncGenerator[RequestOutput]:
         for count in range(1, len(self.tokens) + 1):
             last = count == len(self.tokens) and self.failure is None
             yield RequestOutput("req-0", tuple(prompt_ids), [CompletionOutput(
-                0, self.tokens[:count], 0.0, None, None, "length" if last else None)], last,
-                len(prompt_ids), 0, count)
+                0, self.tokens[count - 1 if delta else 0:count], 0.0, None, None,
+                "length" if last else None)], last, len(prompt_ids), 0, count)
         if self.failure is not None:
             raise self.failure
 

@@ -16,7 +16,8 @@ class FailingEngine:
     scheduler = SimpleNamespace(waiting=[], running=[])
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, key: str = "",
-                     client_request_id: str | None = None) -> AsyncGenerator[RequestOutput]:
+                     client_request_id: str | None = None,
+                     delta: bool = False) -> AsyncGenerator[RequestOutput]:
         yield RequestOutput("req-0", tuple(prompt_ids),
                             [CompletionOutput(0, (5,), 0.0, None, None, None)], False,
                             len(prompt_ids), 0, 1)
