@@ -106,8 +106,10 @@ def baseline_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                     num_splits: int | None = None, *, sliding_window: int | None = None,
                     softcap: float | None = None, check_values: bool = True,
-                    per_forward: PerForward | None = None) -> torch.Tensor:
-    """The torch decode twin before: prefill with one query per sequence."""
+                    per_forward: PerForward | None = None,
+                    max_seq_len: int | None = None) -> torch.Tensor:
+    """The torch decode twin before: prefill with one query per sequence (no split-K, so
+    `max_seq_len` sizes nothing)."""
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
     return baseline_prefill(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                             scale, sliding_window=sliding_window, softcap=softcap,
@@ -146,13 +148,15 @@ class BaselineRunner(ModelRunner):
         expected = tables[seq_of, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
         if bool(((slots != expected) & (slots != -1)).any()):
             raise ValueError("a slot is neither -1 nor its token's slot in the block table")
-        device = self.pool.device
+        device, decode = self.pool.device, len(token_ids) == len(chunks)
         context = PagedContext(
             backend=self.backend, pool=self.pool, slot_mapping=slots.to(device),
             block_tables=tables.to(device, torch.int32),
             seq_lens=(starts + lens).to(device, torch.int32),
             query_start_loc=query_start_loc.to(device, torch.int32),
-            is_decode=len(token_ids) == len(chunks))
+            # as before: the decode kernel only when every sequence decodes
+            num_decodes=len(chunks) if decode else 0,
+            max_decode_len=int((starts + lens).max()) if decode else 0)
         return StepInputs(token_ids[None].to(device), positions[None].to(device),
                           (query_start_loc[1:] - 1).to(device), context)
 

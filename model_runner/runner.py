@@ -165,8 +165,13 @@ class ModelRunner:
 
     def prepare(self, chunks: Sequence[SequenceChunk]) -> StepInputs:
         """Pack and validate the chunks on the host (numpy), then move them to the pool's device
-        in one host-to-device copy of one packed buffer, of which the inputs are views."""
+        in one host-to-device copy of one packed buffer, of which the inputs are views.
+        Sequences that bring one token are packed first (PagedContext.num_decodes); the logits
+        still come back in chunk order."""
         _check_chunks(chunks)
+        # packed sequence -> its chunk: one-token chunks first, each kind in chunk order
+        order = np.argsort([len(c.token_ids) != 1 for c in chunks], kind="stable")
+        chunks = [chunks[i] for i in order]
         num_seqs = len(chunks)
         lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_seqs)  # [S]
         starts = np.fromiter((c.start for c in chunks), np.int64, num_seqs)  # [S]
@@ -197,15 +202,17 @@ class ModelRunner:
         host["input_ids"][:] = token_ids
         host["positions"][:] = positions
         host["slots"][:] = slots
-        host["last"][:] = query_start_loc[1:] - 1
+        host["last"][order] = query_start_loc[1:] - 1  # chunk i's last token, for chunk i
         host["tables"][:] = tables
         host["seq_lens"][:] = starts + lens
         host["query_start_loc"][:] = query_start_loc
         device = buffer.to(self.pool.device)
+        num_decodes = int((lens == 1).sum())
         context = PagedContext(
             backend=self.backend, pool=self.pool, slot_mapping=device["slots"],
             block_tables=device["tables"], seq_lens=device["seq_lens"],
-            query_start_loc=device["query_start_loc"], is_decode=num_tokens == num_seqs)
+            query_start_loc=device["query_start_loc"], num_decodes=num_decodes,
+            max_decode_len=int((starts + lens)[:num_decodes].max(initial=0)))
         return StepInputs(device["input_ids"][None], device["positions"][None], device["last"],
                           context)
 

@@ -38,7 +38,8 @@ class PagedDecodeAttention(Protocol):
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  num_splits: int | None = None, *, sliding_window: int | None = None,
                  softcap: float | None = None, check_values: bool = True,
-                 per_forward: PerForward | None = None) -> torch.Tensor: ...
+                 per_forward: PerForward | None = None,
+                 max_seq_len: int | None = None) -> torch.Tensor: ...
 
 
 class PagedPrefillAttention(Protocol):

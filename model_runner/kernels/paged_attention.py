@@ -8,8 +8,9 @@ layer with whatever extra keyword arguments `model(...)` got; the step's batch d
 as one `PagedContext` (nano-vllm's Context, passed explicitly instead of as a global). The batch
 is packed: all sequences' new tokens form one row ("batch" 1) with explicit `position_ids`, so
 there is no padding. Per layer the function writes the new tokens' K/V into their pool slots,
-then attends over each sequence's whole paged context: the prefill kernel (causal within the
-chunk) or, when every sequence brings exactly one token, the decode kernel. transformers builds
+then attends over each sequence's whole paged context: the decode kernel for the sequences that
+bring one token (the runner packs them first), the prefill kernel (causal within the chunk) for
+the others, both in the same layer call when decodes join a prefill. transformers builds
 no mask for an implementation it does not know (`attention_mask` is None): causality is the
 kernels', and so is the sliding window its masks would have applied, which the hook reads from
 the config per layer (`layer_sliding_window`); a logit softcap comes as the layer's `softcap`
@@ -31,7 +32,7 @@ from torch import nn
 from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
 
 from pagedkv.model_runner.kernels.attention_backend import AttentionBackend
-from pagedkv.model_runner.kernels.per_forward import PerForward
+from pagedkv.model_runner.kernels.per_forward import PerForward, shared
 
 # The name under which transformers knows our attention.
 ATTENTION_NAME = "pagedkv"
@@ -64,8 +65,12 @@ class PagedContext:
     seq_lens: torch.Tensor
     # [S + 1] int32: where each sequence's new tokens start in the packed batch.
     query_start_loc: torch.Tensor
-    # Every sequence brings exactly one token (T == S): the decode kernel runs.
-    is_decode: bool
+    # The first `num_decodes` sequences bring one new token each and their tokens are the first
+    # rows of the batch: the decode kernel computes them, the prefill kernel the others.
+    num_decodes: int
+    # The longest context among those sequences (0 without any), known on the host: it sizes
+    # the decode kernel's split-K (no read-back of seq_lens).
+    max_decode_len: int
     # What the attention of the first layer computes for every layer (gather indices, the
     # launch grid): one fresh dict per forward (per_forward.py).
     per_forward: PerForward = field(default_factory=dict)
@@ -99,18 +104,30 @@ def paged_attention_forward(
     k_cache, v_cache = context.pool[:, layer].unbind(1)  # strided [num_blocks, B, H_kv, D]
     backend = context.backend
     backend.store_kv(k, v, k_cache, v_cache, context.slot_mapping, check_values=False)
-    if context.is_decode:
-        out = backend.paged_decode_attention(q, k_cache, v_cache, context.block_tables,
-                                             context.seq_lens, scale, sliding_window=window,
-                                             softcap=softcap, check_values=False,
-                                             per_forward=context.per_forward)
-    else:
-        out = backend.paged_prefill_attention(q, k_cache, v_cache, context.block_tables,
-                                              context.seq_lens, context.query_start_loc, scale,
-                                              sliding_window=window, softcap=softcap,
-                                              check_values=False,
-                                              per_forward=context.per_forward)
+    decodes, outs = context.num_decodes, []
+    tables, lens, per_forward = context.block_tables, context.seq_lens, context.per_forward
+    if decodes:  # the first `decodes` rows and sequences: views, no copy
+        outs.append(backend.paged_decode_attention(
+            q[:decodes], k_cache, v_cache, tables[:decodes], lens[:decodes], scale,
+            sliding_window=window, softcap=softcap, check_values=False, per_forward=per_forward,
+            max_seq_len=context.max_decode_len))
+    if decodes < lens.shape[0]:
+        outs.append(backend.paged_prefill_attention(
+            q[decodes:], k_cache, v_cache, tables[decodes:], lens[decodes:],
+            prefill_query_start_loc(context), scale, sliding_window=window, softcap=softcap,
+            check_values=False, per_forward=per_forward))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.unsqueeze(0), None
+
+
+def prefill_query_start_loc(context: PagedContext) -> torch.Tensor:
+    """[S - num_decodes + 1] int32: where each prefill sequence's tokens start among the rows
+    past the decodes; computed on the device once per forward (per_forward), never read back."""
+    decodes = context.num_decodes
+    if not decodes:
+        return context.query_start_loc
+    return shared(context.per_forward, ("prefill_rows",),
+                  lambda: context.query_start_loc[decodes:] - decodes)
 
 
 def _context_of_call(query: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,

@@ -9,11 +9,12 @@
 The Triton kernel runs one program per (sequence, KV head, split). GQA: the H_q / H_kv query
 heads that share a KV head are rows of one query tile (padded to GROUP_PAD >= 16 rows, tl.dot's
 minimum), so each K/V tile is loaded once for the whole group. Split-K (flash-decoding): a long
-context is cut into `num_splits` ranges of tiles processed in parallel; each writes a normalized
-partial output and its log-sum-exp, and a second kernel merges them. With one split the first
-kernel writes the output directly. With a sliding window of W, the splits cover only the tiles
-the window reaches (at most cdiv(W + TILE_N - 1, TILE_N) of them), starting at the tile of the
-window's first position; `softcap` caps the scaled scores (paged_tile).
+context is cut into `num_splits` ranges of tiles processed in parallel, planned over the batch's
+longest context (`max_seq_len`, from the host; the table's width without it); each writes a
+normalized partial output and its log-sum-exp, and a second kernel merges them. With one split
+the first kernel writes the output directly. With a sliding window of W, the splits cover only
+the tiles the window reaches (at most cdiv(W + TILE_N - 1, TILE_N) of them), starting at the
+tile of the window's first position; `softcap` caps the scaled scores (paged_tile).
 
 The torch version groups the sequences by context length (length_groups), gathers each group's
 contexts (only the window's blocks) padded to its longest with one index_select per cache, and
@@ -203,14 +204,18 @@ def paged_decode_attention_triton(
     softcap: float | None = None,
     check_values: bool = True,
     per_forward: PerForward | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Triton: attention of each sequence's one new query over its paged context.
 
-    The split count is sized from the block table's width (no device read-back), so pass tables
-    trimmed to the batch's longest sequence. `num_splits` overrides the default policy.
+    The split count is sized from `max_seq_len`, the batch's longest context as the host knows
+    it (the runner's step), so a table wider than every context creates no empty splits; None
+    sizes it from the table's width (no device read-back either way). `num_splits` overrides
+    the default policy.
     """
     geometry = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, check_values)
     _check_decode_shapes(query, seq_lens, num_splits)
+    longest = context_bound(max_seq_len, block_tables, seq_lens, geometry, check_values)
     window, cap = check_window_softcap(sliding_window, softcap)
     require_triton_device(query.device, _decode_split_kernel)
     out = torch.empty_like(query)
@@ -218,9 +223,10 @@ def paged_decode_attention_triton(
     if num_seqs == 0:
         return out
     requested = num_splits
-    num_splits, tiles_per_split = shared(per_forward, ("splits", window, requested), lambda: (
-        split_plan(requested, num_seqs * geometry.num_kv_heads,
-                   block_tables.shape[1] * geometry.block_size, query.device, window)))
+    num_splits, tiles_per_split = shared(per_forward, ("splits", window, requested, longest),
+                                         lambda: split_plan(requested,
+                                                            num_seqs * geometry.num_kv_heads,
+                                                            longest, query.device, window))
     group = num_q_heads // geometry.num_kv_heads
     # partial: [S, H_q, num_splits, D]; one split writes the output directly and no lse.
     if num_splits == 1:
@@ -250,6 +256,24 @@ def paged_decode_attention_triton(
     return out
 
 
+def context_bound(max_seq_len: int | None, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  geometry: CacheGeometry, check_values: bool) -> int:
+    """The longest context the splits must cover: `max_seq_len`, or the table's capacity when
+    None. ValueError unless it is an int in [1, capacity] and, when `check_values` (a read-back),
+    no sequence is longer: a short bound would leave positions no split reads."""
+    capacity = block_tables.shape[1] * geometry.block_size
+    if max_seq_len is None:
+        return capacity
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not (
+            1 <= max_seq_len <= capacity):
+        raise ValueError(f"max_seq_len must be None or an int in [1, {capacity}] "
+                         f"(block_tables width x block_size), got {max_seq_len!r}")
+    if check_values and seq_lens.numel() and int(seq_lens.max()) > max_seq_len:
+        raise ValueError(f"max_seq_len={max_seq_len} is shorter than the longest context "
+                         f"({int(seq_lens.max())})")
+    return max_seq_len
+
+
 def _check_decode_shapes(query: torch.Tensor, seq_lens: torch.Tensor,
                          num_splits: int | None) -> None:
     if query.shape[0] != seq_lens.shape[0]:
@@ -272,14 +296,17 @@ def paged_decode_attention_torch(
     softcap: float | None = None,
     check_values: bool = True,
     per_forward: PerForward | None = None,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """Torch: attention of each sequence's one new query over its paged context.
 
-    `num_splits` is checked and otherwise ignored: this version attends in one pass. The length
-    groups and their gather indices are computed once per forward (`per_forward`).
+    `num_splits` and `max_seq_len` are checked and otherwise ignored: this version attends in
+    one pass. The length groups and their gather indices are computed once per forward
+    (`per_forward`).
     """
     geometry = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, check_values)
     _check_decode_shapes(query, seq_lens, num_splits)
+    context_bound(max_seq_len, block_tables, seq_lens, geometry, check_values)
     window, cap = check_window_softcap(sliding_window, softcap)
     if query.shape[0] == 0:
         return torch.empty_like(query)

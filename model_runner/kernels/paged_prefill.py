@@ -61,8 +61,12 @@ def prefill_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
     return SMALLER_TILES.get((head_dim_pad(head_dim), dtype), TILES)
 
 
+# The tables and lengths of a mixed batch's prefill rows are views past its decode rows
+# (paged_attention), at any offset: no alignment hint (they are read one value at a time), so
+# their variant is the one a prefill-only batch compiled.
 @triton.jit(do_not_specialize=[  # type: ignore[untyped-decorator]
-    "window", "stride_qt", "stride_qh", "stride_bts", "stride_ot", "stride_oh"])
+    "window", "stride_qt", "stride_qh", "stride_bts", "stride_ot", "stride_oh"],
+    do_not_specialize_on_alignment=["Block_tables", "Seq_lens"])
 def _prefill_kernel(  # type: ignore[no-untyped-def]
     Q, K_cache, V_cache, Block_tables, Seq_lens, Query_start_loc, Out,
     qk_scale, cap_log2, window,

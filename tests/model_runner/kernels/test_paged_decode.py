@@ -21,6 +21,7 @@ from pagedkv.model_runner.kernels.paged_decode import (
     split_plan,
 )
 
+from kernel_launches import record_launches
 from kernel_utils import (
     PagedBatch,
     assert_close_to,
@@ -149,6 +150,10 @@ def _bad_calls(batch: PagedBatch, query: torch.Tensor) -> list[tuple[dict[str, o
         ({"seq_lens": lens.long()}, "seq_lens must be torch.int32"),
         ({"block_tables": tables.long()}, "block_tables must be torch.int32"),
         ({"block_tables": wild_block}, "block_tables entries in use must be in [0, 6)"),
+        ({"max_seq_len": 0}, "max_seq_len must be None or an int in [1, 48]"),
+        ({"max_seq_len": 49}, "max_seq_len must be None or an int in [1, 48]"),
+        ({"max_seq_len": True}, "max_seq_len must be None or an int in [1, 48]"),
+        ({"max_seq_len": 19}, "max_seq_len=19 is shorter than the longest context (20)"),
     ]
 
 
@@ -178,6 +183,25 @@ def test_default_split_policy(num_programs, max_context, num_sms, expected):
     num_splits = default_num_splits(num_programs, -(-max_context // 64), num_sms)
     assert split_plan(num_splits, num_programs, max_context, torch.device("cpu")) == expected
     assert split_plan(None, num_programs, max_context, torch.device("cpu"))[0] == 1
+
+
+def test_splits_are_sized_by_the_longest_context_not_the_table(monkeypatch):
+    """Tables 64 blocks wide (1024 positions, 16 tiles) over contexts of 100 and 30 tokens
+    (2 tiles): sized by the table, 8 splits are asked for and 6 of each sequence's are empty;
+    sized by the host's max_seq_len, 2 splits, every one reading positions."""
+    skip_unless_triton_runs_on("cpu")
+    batch, query = _batch_and_query([100, 30], 16, 4, 64, torch.float32, "cpu", num_kv_heads=1)
+    wide = torch.full((2, 64), -1, dtype=torch.int32)
+    wide[:, :batch.block_tables.shape[1]] = batch.block_tables
+    caches = (batch.k_cache, batch.v_cache, wide, batch.seq_lens, SCALE, 8)
+    launches = record_launches(monkeypatch)
+    paged_decode_attention_triton(query, *caches)
+    paged_decode_attention_triton(query, *caches, max_seq_len=100)
+    assert [launch.grid for launch in launches if launch.name == "_decode_split_kernel"] == [
+        (2, 1, 8), (2, 1, 2)]
+    monkeypatch.undo()  # run them
+    out = paged_decode_attention_triton(query, *caches, max_seq_len=100)
+    assert_close_to(out, oracle_attention(query, batch, [1, 1], SCALE), torch.float32)
 
 
 def test_explicit_splits_never_start_past_the_table():
