@@ -45,14 +45,16 @@ from pagedkv.model_runner.kernels.paged_tile import (
 )
 from pagedkv.model_runner.kernels.per_forward import PerForward, shared
 from pagedkv.model_runner.kernels.triton_env import launch, require_triton_device, tl, triton
+from pagedkv.model_runner.kernels.tuned_configs import ConfigKey, LaunchOptions, launch_options
 from pagedkv.vocab.blocks import blocks_for
 
 # Context positions per tile.
 TILE_N = 64
-# Warps per split program: 4, or 8 where 4 would spill registers on sm_90 (test_kernels_compile),
-# keyed on (head_dim_pad, dtype).
+# Warps per split program when the tuned table (tuned_configs) lacks the launch's key: 4, or 8
+# where 4 would spill registers on sm_90 (test_kernels_compile), keyed on (head_dim_pad, dtype).
 WARPS = 4
 MORE_WARPS = {(256, torch.float32): 8}
+STAGES = 2
 # Default split policy: aim for this many programs per SM, but give each split at least
 # MIN_TILES_PER_SPLIT tiles (a short split costs more in the merge than it saves) and never more
 # than MAX_SPLITS splits.
@@ -245,7 +247,8 @@ def paged_decode_attention_triton(
         BLOCK_SIZE=geometry.block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         TILE_N=TILE_N, STORE_LSE=num_splits > 1, WINDOWED=window > 0, SOFTCAP=cap > 0,
         DOT_DTYPE=dot_dtype(query.dtype, _decode_split_kernel),
-        num_warps=MORE_WARPS.get((head_dim_pad(head_dim), query.dtype), WARPS), num_stages=2,
+        **launch_options(ConfigKey.of("decode", head_dim, group, query.dtype, k_cache.dtype),
+                         default_options(head_dim, query.dtype)).kwargs(),
     )
     if num_splits > 1:
         launch(
@@ -254,6 +257,11 @@ def paged_decode_attention_triton(
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         )
     return out
+
+
+def default_options(head_dim: int, dtype: torch.dtype) -> LaunchOptions:
+    """The split kernel's launch options for a key the tuned table lacks."""
+    return LaunchOptions(MORE_WARPS.get((head_dim_pad(head_dim), dtype), WARPS), STAGES)
 
 
 def context_bound(max_seq_len: int | None, block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -43,6 +43,7 @@ from pagedkv.model_runner.kernels.paged_tile import (
 )
 from pagedkv.model_runner.kernels.per_forward import PerForward, shared
 from pagedkv.model_runner.kernels.triton_env import launch, require_triton_device, tl, triton
+from pagedkv.model_runner.kernels.tuned_configs import ConfigKey, LaunchOptions, launch_options
 
 # Query rows per program (BLOCK_M) and context positions per tile (TILE_N): 64 each, smaller
 # where such tiles would spill registers on sm_90 (test_kernels_compile asserts STACK:0 for every
@@ -54,6 +55,10 @@ SMALLER_TILES = {
     (256, torch.bfloat16): (32, 32),
     (256, torch.float32): (16, 64),
 }
+
+
+# Launch options when the tuned table (tuned_configs) lacks the launch's key.
+DEFAULT_OPTIONS = LaunchOptions(num_warps=8, num_stages=2)
 
 
 def prefill_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -176,6 +181,7 @@ def paged_prefill_attention_triton(
     # The grid needs the longest chunk: one read-back per forward, not per layer.
     max_q_len = shared(per_forward, ("max_q_len",), lambda: int(query_start_loc.diff().max()))
     block_m, tile_n = prefill_tiles(head_dim, query.dtype)
+    group = num_q_heads // geometry.num_kv_heads
     grid = (num_seqs, num_q_heads, triton.cdiv(max_q_len, block_m))
     launch(
         _prefill_kernel, grid,
@@ -183,11 +189,12 @@ def paged_prefill_attention_triton(
         *score_scales(scale, cap), window,
         *query.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(),
         *out.stride(),
-        GROUP=num_q_heads // geometry.num_kv_heads, BLOCK_SIZE=geometry.block_size,
+        GROUP=group, BLOCK_SIZE=geometry.block_size,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad(head_dim),
         BLOCK_M=block_m, TILE_N=tile_n, WINDOWED=window > 0, SOFTCAP=cap > 0,
         DOT_DTYPE=dot_dtype(query.dtype, _prefill_kernel),
-        num_warps=8, num_stages=2,
+        **launch_options(ConfigKey.of("prefill", head_dim, group, query.dtype, k_cache.dtype),
+                         DEFAULT_OPTIONS).kwargs(),
     )
     return out
 
