@@ -4,13 +4,19 @@ H100 or H200. It checks, in order, each stage with its own timeout (all within D
 1. cuda: torch sees a CUDA device, else it fails at once (exit 1, the reason on one line of
    stderr; it never skips), and the driver can run torch's CUDA build
    (pagedkv.memory.cuda_driver); it notes the versions (torch, its CUDA build, the driver's
-   CUDA from cuDriverGetVersion, the driver from nvidia-smi) and measures the device's copy
-   bandwidth (a 1 GiB device-to-device copy: bytes read + written / time).
+   CUDA from cuDriverGetVersion, the driver from nvidia-smi), measures the device's copy
+   bandwidth (a 1 GiB device-to-device copy: bytes read + written / time) and looks up its
+   datasheet bandwidth (benchmarks/device_bandwidth.py; an unknown device is said so).
 2. pytest: `pytest -m gpu` in a subprocess, its passed / failed / skipped counts from its JUnit
    report. A `gpu` test skipped on a CUDA device fails the stage (its id and reason shown).
-3. bench: benchmarks/bench_kernels_gpu.py (`make bench-gpu`: its correctness check, decode and
-   prefill timings) in a subprocess; its `name: value unit` figures.
-4. serve: `pagedkv serve --device cuda --dtype float32` per model family (a tiny random Llama
+3. bench: benchmarks/bench_kernels_gpu.py --quick (`make bench-gpu` at fewer points: its
+   correctness check, decode and prefill timings, the fp16/bf16/fp8 x D=128/256 matrix, the
+   32-layer loop eager and from a CUDA graph) in a subprocess; its `name: value unit` figures.
+4. tune: benchmarks/tune_kernels_gpu.py --quick (`make tune-gpu` for decode and prefill at
+   D=128, GROUP 4, bf16): whether the launch options tuned here differ from the committed table
+   (model_runner/kernels/tuned_configs.json), key by key. A difference is a note, not a failure:
+   `make tune-gpu` on this device writes the whole table to commit.
+5. serve: `pagedkv serve --device cuda --dtype float32` per model family (a tiny random Llama
    and a tiny random Qwen2, saved with save_pretrained in a temporary folder with a byte-level
    BPE tokenizer that AutoTokenizer loads): the server starts its daemon and its runner as
    separate processes, the runner maps the daemon's pool through CUDA IPC (checked: the
@@ -21,7 +27,8 @@ H100 or H200. It checks, in order, each stage with its own timeout (all within D
    runner's when it left them).
 
 Then one summary: passed / failed / skipped per stage, the decode and prefill bandwidth the
-bench achieved against the copy bandwidth measured here, the CUDA, driver and torch versions.
+bench achieved against the copy bandwidth measured here and the datasheet's, the 32-layer loop's
+host time per layer, the CUDA, driver and torch versions.
 Exit 1 when any stage failed.
 
     python benchmarks/gpu_check.py                       # everything (make gpu-check)
@@ -51,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from device_bandwidth import COPY_BYTES, copy_bandwidth, datasheet_bandwidth
 from serve_process import DAEMON_MODULE, RUNNER_MODULE, Server, served
 
 from pagedkv.client import PoolClient
@@ -67,14 +75,12 @@ PROG = "gpu-check"
 # The whole check ends within this many seconds (8 minutes less room to start and to print).
 DEADLINE_S = 440.0
 # Each stage's own limit (it gets less when the deadline is nearer).
-STAGE_TIMEOUT_S = {"cuda": 20.0, "pytest": 170.0, "bench": 130.0, "serve": 120.0}
+STAGE_TIMEOUT_S = {"cuda": 20.0, "pytest": 150.0, "bench": 100.0, "tune": 50.0, "serve": 120.0}
 STAGES = tuple(STAGE_TIMEOUT_S)
 # How long a stage may outlive its timeout (its servers stopping) before it counts as hung.
 STAGE_GRACE_S = 15.0
 # How long an interrupted subprocess may take to write its report before it is killed.
 INTERRUPT_GRACE_S = 15.0
-# The copy bandwidth measurement: bytes copied, copies timed.
-COPY_BYTES, COPIES = 1 << 30, 20
 # A bench figure: `name: value unit`.
 FIGURE = re.compile(r"^([A-Za-z0-9_]+): (-?[0-9.]+(?:e[-+]?[0-9]+)?|inf|nan) (\S+)$")
 # Failed or skipped tests named in the summary (the rest counted).
@@ -124,6 +130,7 @@ class Facts:
 
     versions: dict[str, str] = field(default_factory=dict)
     copy_bytes_per_s: float | None = None
+    datasheet_bytes_per_s: float | None = None
     figures: dict[str, tuple[float, str]] = field(default_factory=dict)
 
 
@@ -177,26 +184,6 @@ def nvidia_smi_driver() -> str:
     return ""
 
 
-def copy_bandwidth(device: torch.device) -> float:
-    """Device-to-device copy bandwidth in bytes/s: bytes read + written over CUDA-event time."""
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):  # warm up
-        dst.copy_(src)
-    # torch leaves Event's constructor unannotated.
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    for _ in range(COPIES):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = float(start.elapsed_time(end)) * 1e-3 / COPIES
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * COPY_BYTES / seconds
-
-
 def check_cuda(stage: Stage, facts: Facts) -> None:
     """The device, the versions, the driver against torch's build, the copy bandwidth."""
     driver = driver_cuda_version()
@@ -222,8 +209,11 @@ def check_cuda(stage: Stage, facts: Facts) -> None:
     facts.versions["device"] = f"{name} (sm_{major}{minor}, {torch.cuda.device_count()} visible)"
     stage.passed += 1
     facts.copy_bytes_per_s = copy_bandwidth(device)
+    facts.datasheet_bytes_per_s = datasheet_bandwidth(name)
     stage.passed += 1
     stage.notes.append(f"copy bandwidth {facts.copy_bytes_per_s / 1e9:.0f} GB/s")
+    if facts.datasheet_bytes_per_s is None:
+        stage.notes.append(f"no datasheet bandwidth known for {name!r}")
 
 
 # ------------------------------------------------------------------------------ 2. pytest
@@ -280,27 +270,60 @@ def check_pytest(stage: Stage, timeout: float, on_cuda: bool) -> None:
 # ------------------------------------------------------------------------------ 3. bench
 
 
-def check_bench(stage: Stage, facts: Facts, timeout: float) -> None:
-    """benchmarks/bench_kernels_gpu.py; its figures into `facts`."""
-    code, lines = run_logged([sys.executable, str(ROOT / "benchmarks" / "bench_kernels_gpu.py")],
-                             timeout, "bench")
-    for line in lines:
-        match = FIGURE.match(line)
-        if match:
-            facts.figures[match[1]] = (float(match[2]), match[3])
+def run_script(stage: Stage, script: str, timeout: float) -> dict[str, tuple[float, str]] | None:
+    """benchmarks/`script` --quick in a subprocess: its `name: value unit` figures; None (the
+    stage failed, saying why) if it ran past `timeout` or exited non-zero."""
+    code, lines = run_logged([sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
+                             timeout, stage.name)
+    figures = {match[1]: (float(match[2]), match[3])
+               for match in map(FIGURE.match, lines) if match}
     if code is None:
-        stage.fail(f"bench_kernels_gpu.py ran past {timeout:.0f} s")
+        stage.fail(f"{script} ran past {timeout:.0f} s")
     elif code != 0:
-        stage.fail(f"bench_kernels_gpu.py exited {code}: {lines[-1] if lines else ''}")
-    elif facts.figures.get("check_passed", (0.0, ""))[0] != 1:
+        stage.fail(f"{script} exited {code}: {lines[-1] if lines else ''}")
+    return figures if code == 0 else None
+
+
+def check_bench(stage: Stage, facts: Facts, timeout: float) -> None:
+    """benchmarks/bench_kernels_gpu.py --quick; its figures into `facts`."""
+    figures = run_script(stage, "bench_kernels_gpu.py", timeout)
+    if figures is None:
+        return
+    facts.figures.update(figures)
+    if figures.get("check_passed", (0.0, ""))[0] != 1:
         stage.fail("bench_kernels_gpu.py printed no check_passed: 1")
-    elif not any(name.startswith("prefill_gbps_") for name in facts.figures):
+    elif not any(name.startswith("prefill_gbps_") for name in figures):
         stage.fail("bench_kernels_gpu.py printed no prefill figures")
+    elif not any(name.startswith("loop_host_us_per_layer_") for name in figures):
+        stage.fail("bench_kernels_gpu.py printed no layer-loop figures")
     else:
         stage.passed += 1
 
 
-# ------------------------------------------------------------------------------ 4. serve
+# ------------------------------------------------------------------------------ 4. tune
+
+
+def check_tune(stage: Stage, timeout: float) -> None:
+    """benchmarks/tune_kernels_gpu.py --quick: each key it tuned, noted with whether the options
+    measured fastest here differ from the committed table's."""
+    figures = run_script(stage, "tune_kernels_gpu.py", timeout)
+    if figures is None:
+        return
+    keys = [name.removeprefix("tune_differs_") for name in figures
+            if name.startswith("tune_differs_") and name != "tune_differs_total"]
+    if not keys:
+        stage.fail("tune_kernels_gpu.py printed no tune_differs_<key> figure")
+        return
+    stage.passed += 1
+    for key in keys:
+        warps, stages = (int(figures[f"tune_{what}_{key}"][0]) for what in ("warps", "stages"))
+        speedup = figures[f"tune_speedup_{key}"][0]
+        verdict = "differs from" if figures[f"tune_differs_{key}"][0] else "equals"
+        stage.notes.append(f"{key}: tuned num_warps={warps} num_stages={stages} ({speedup:.2f}x "
+                           f"the default) {verdict} the committed table")
+
+
+# ------------------------------------------------------------------------------ 5. serve
 
 
 def make_model_dir(folder: Path, family: str) -> None:
@@ -531,13 +554,18 @@ def best(figures: dict[str, tuple[float, str]], prefix: str) -> tuple[str, float
 
 
 def bandwidth_lines(facts: Facts) -> list[str]:
-    """The bench's decode and prefill GB/s against the copy bandwidth measured here."""
-    copy = facts.copy_bytes_per_s
+    """The bench's decode and prefill GB/s against the copy bandwidth measured here and the
+    datasheet's, and the layer loop's host time."""
+    copy, sheet = facts.copy_bytes_per_s, facts.datasheet_bytes_per_s
     lines = [f"copy bandwidth (measured here, {COPY_BYTES >> 30} GiB device-to-device, read + "
-             f"written): {copy / 1e9:.0f} GB/s" if copy else "copy bandwidth: not measured"]
+             f"written): {copy / 1e9:.0f} GB/s" if copy else "copy bandwidth: not measured",
+             f"datasheet bandwidth: {sheet / 1e9:.0f} GB/s" if sheet else
+             "datasheet bandwidth: unknown for this device"]
 
     def against_copy(gbps: float) -> str:
-        return f"{gbps:.0f} GB/s ({gbps * 1e9 / copy:.2f} of copy)" if copy else f"{gbps:.0f} GB/s"
+        parts = [f"{gbps * 1e9 / base:.2f} of {what}"
+                 for base, what in ((copy, "copy"), (sheet, "datasheet")) if base]
+        return f"{gbps:.0f} GB/s ({', '.join(parts)})" if parts else f"{gbps:.0f} GB/s"
 
     figures = facts.figures
     target = figures.get(f"decode_gbps_{DECODE_TARGET}")
@@ -554,6 +582,9 @@ def bandwidth_lines(facts: Facts) -> list[str]:
         compute = f"; best {tflops[1]:.0f} TFLOP/s at {tflops[0]}" if tflops else ""
         lines.append(f"prefill bandwidth: best {against_copy(prefill[1])} at {prefill[0]}"
                      f"{compute}")
+    host = best(figures, "loop_host_us_per_layer_")
+    lines.append(f"32-layer decode loop: host time up to {host[1]:.1f} us a layer beyond a CUDA "
+                 f"graph's (at {host[0]})" if host else "32-layer decode loop: no figures")
     return lines
 
 
@@ -615,6 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         "cuda": lambda stage, _: check_cuda(stage, facts),
         "pytest": lambda stage, timeout: check_pytest(stage, timeout, on_cuda=needs_cuda),
         "bench": lambda stage, timeout: check_bench(stage, facts, timeout),
+        "tune": check_tune,
         "serve": lambda stage, timeout: check_serve(stage, timeout, args.device),
     }
     for name in STAGES:
