@@ -17,8 +17,9 @@ from pagedkv.client import PoolClient, SessionExpired
 
 from daemon_harness import Daemon, running_daemon
 
-# Every session's lease here; the reaper runs every 100 ms.
-LEASE_MS = 400
+# Every session's lease here; the reaper runs every 100 ms. Long enough that a loaded 2-core
+# machine (the daemon and this client share one event loop) never starves a KeepAlive past it.
+LEASE_MS = 2000
 
 # The client: allocate sequences, fork one (shared blocks), say READY, then decode steps until
 # killed.
@@ -53,7 +54,7 @@ async def run_and_kill_a_client(daemon: Daemon) -> None:
         assert process.stdout is not None
         line = await asyncio.wait_for(process.stdout.readline(), timeout=30)
         assert line.strip() == b"READY"
-        await asyncio.sleep(0.3)  # let it step for a while: longer than its lease/3
+        await asyncio.sleep(LEASE_MS / 1000 / 2)  # let it step a while: past its lease/3
         assert daemon.pool.stats().used_blocks >= 12
         assert "doomed#3" in labels(daemon)
     finally:
@@ -69,8 +70,8 @@ async def test_a_killed_client_gets_its_blocks_back_and_a_kept_lease_survives() 
         await kept.allocate(1, 4)
         await lapsing.allocate(1, 4)
         await run_and_kill_a_client(daemon)
-        # Lease 0.4 s plus a reaper tick: give it 2 s before calling it a leak.
-        for _ in range(40):
+        # The lease plus a reaper tick: give it 5 leases before calling it a leak.
+        for _ in range(5 * LEASE_MS // 50):
             await asyncio.sleep(0.05)
             if daemon.service.num_sessions == 1:
                 break
