@@ -5,6 +5,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # One compute thread per process, set before torch loads (here and, inherited, in every daemon
 # and runner a test starts): `make test` runs a worker per core, so torch's default of a thread
@@ -21,6 +22,9 @@ from pagedkv.client import PoolClient, Session
 from pagedkv.process.log_setup import configure
 
 from hand_clock import HandClock
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 
 @pytest.fixture
@@ -77,3 +81,33 @@ async def session(client: PoolClient, request: pytest.FixtureRequest) -> AsyncIt
     """A session of `client`, named after the test module, closed after the test."""
     async with await client.open_session(request.module.__name__) as opened:
         yield opened
+
+
+# A model folder with a tokenizer, for the tests that run a model end to end; a module that needs
+# another model (the chat one) defines its own `model_dir`. chat_model is imported in the
+# fixtures: it loads transformers, which most test modules never need.
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random Llama and a trained tokenizer whose end-of-sequence token the model reaches
+    (chat_model.make_model_dir)."""
+    from chat_model import make_model_dir
+
+    folder = tmp_path_factory.mktemp("model")
+    make_model_dir(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> "PreTrainedModel":
+    """transformers' model of `model_dir`: the tokens the engine must equal."""
+    from chat_model import reference_model
+
+    return reference_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> "PreTrainedTokenizerFast":
+    """`model_dir`'s tokenizer, loaded as users' load."""
+    from chat_model import fast_tokenizer
+
+    return fast_tokenizer(model_dir)

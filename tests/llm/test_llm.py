@@ -24,29 +24,12 @@ from pagedkv.llm.pool_budget import CPU_KV_CAP, embedded_budget
 from pagedkv.llm.progress import Progress
 from pagedkv.vocab.pool_sizing import DeviceMemory
 
-from chat_model import EOS_PROMPT, fast_tokenizer, hf_generate, make_model_dir, reference_model
+from chat_model import EOS_PROMPT, hf_generate
 from pagedkvd_process import short_tmp_dir
 
 PROMPTS = ["the cat sat on", "hello world"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 GiB = 2**30
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("model")
-    make_model_dir(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> PreTrainedModel:
-    return reference_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
-    return fast_tokenizer(model_dir)
 
 
 @pytest.fixture(scope="module")

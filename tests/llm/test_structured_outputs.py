@@ -22,7 +22,7 @@ from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.model_ref import resolve_model
 from pagedkv.llm.services import start_services
 
-from chat_model import EOS_PROMPT, fast_tokenizer, make_model_dir
+from chat_model import EOS_PROMPT, fast_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]},
                                            "tag": {"enum": ["red", "green"]}},
@@ -34,13 +34,6 @@ EOS = 0
 def constrained(constraint: StructuredOutputs, **options: object) -> SamplingParams:
     return SamplingParams(**{"temperature": 0, "max_tokens": 64,
                              "structured_outputs": constraint, **options})
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("model")
-    make_model_dir(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import openai
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from chat_model import fast_tokenizer, make_model_dir
 from pagedkvd_process import short_tmp_dir, start_serve
 
 KEY = "sk-from-the-environment"
@@ -21,18 +20,6 @@ NAMES = ("first-name", "second-name")
 TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 MESSAGES = [{"role": "user", "content": "the cat sat on"}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("model")
-    make_model_dir(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
-    return fast_tokenizer(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from pagedkv.process.launch import Launched
 
-from chat_model import EOS_PROMPT, fast_tokenizer, hf_generate, make_chat_model_dir, reference_model
+from chat_model import EOS_PROMPT, hf_generate, make_chat_model_dir
 from metrics_text import sample_value
 from pagedkvd_process import Pagedkvd, pagedkv_runner, pagedkvd, short_tmp_dir, start_serve
 
@@ -51,16 +51,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("chat-model")
     make_chat_model_dir(folder)
     return folder
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> PreTrainedModel:
-    return reference_model(model_dir)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
-    return fast_tokenizer(model_dir)
 
 
 @pytest.fixture(scope="module")
