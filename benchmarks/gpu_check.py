@@ -8,7 +8,9 @@ H100 or H200. It checks, in order, each stage with its own timeout (all within D
    bandwidth (a 1 GiB device-to-device copy: bytes read + written / time) and looks up its
    datasheet bandwidth (benchmarks/device_bandwidth.py; an unknown device is said so).
 2. pytest: `pytest -m gpu` in a subprocess, its passed / failed / skipped counts from its JUnit
-   report. A `gpu` test skipped on a CUDA device fails the stage (its id and reason shown).
+   report (among them: decode replayed from CUDA graphs gives eager's tokens,
+   tests/model_runner/test_decode_graphs.py, the check `pagedkv runner --cuda-graphs` waits
+   for). A `gpu` test skipped on a CUDA device fails the stage (its id and reason shown).
 3. bench: benchmarks/bench_kernels_gpu.py --quick (`make bench-gpu` at fewer points: its
    correctness check, decode and prefill timings, the fp16/bf16/fp8 x D=128/256 matrix, the
    32-layer loop eager and from a CUDA graph) in a subprocess; its `name: value unit` figures.
@@ -51,7 +53,7 @@ import threading
 import time
 import urllib.request
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +98,9 @@ PROMPTS = ["the cat sat on", "hello world, the quick brown fox jumps over the la
            "the quick brown fox jumps over the lazy dog, " * 4]
 NEW_TOKENS = 24
 FAMILIES = ("llama", "qwen2")
+# The tiny model's config sizes (make_model_dir's): 2 layers of hidden 128, GQA 4/2 heads of 32.
+TINY_SIZES = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32}
 # Of the serve stage's time, what is left for its servers to stop.
 SERVE_STOP_ROOM_S = 20.0
 # Where a failed family's logs (the server's, its daemon's, its runner's) are kept.
@@ -326,9 +331,10 @@ def check_tune(stage: Stage, timeout: float) -> None:
 # ------------------------------------------------------------------------------ 5. serve
 
 
-def make_model_dir(folder: Path, family: str) -> None:
+def make_model_dir(folder: Path, family: str, sizes: Mapping[str, int] | None = None) -> None:
     """A tiny random `family` model (fp32, no end-of-sequence token: every answer is exactly
-    NEW_TOKENS long) and a byte-level BPE tokenizer trained on SENTENCES, saved in `folder`."""
+    NEW_TOKENS long) and a byte-level BPE tokenizer trained on SENTENCES, saved in `folder`.
+    `sizes`: config sizes that replace TINY_SIZES' (a larger model of the same family)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         AutoModelForCausalLM,
@@ -347,9 +353,8 @@ def make_model_dir(folder: Path, family: str) -> None:
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
     # Wide random weights (initializer_range 0.2): logits far from uniform, so greedy ids are
     # decided by clear margins.
-    config = config_class(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=32, max_position_embeddings=512, initializer_range=0.2,
+    config = config_class(vocab_size=len(tokenizer), **{**TINY_SIZES, **(sizes or {})},
+                          max_position_embeddings=512, initializer_range=0.2,
                           tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
                           pad_token_id=None, dtype="float32")
     torch.manual_seed(0)

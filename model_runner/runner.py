@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 from pagedkv.client import PoolInfo
 from pagedkv.memory import PoolMemoryHandle
 from pagedkv.memory.attach import attach_pool
+from pagedkv.model_runner.decode_graphs import BUCKETS, CUDA_GRAPH_OPS, DecodeGraphs, GraphOps
 from pagedkv.model_runner.kernels.attention_backend import AttentionBackend
 from pagedkv.model_runner.kernels.paged_attention import (
     CONTEXT_KWARG,
@@ -103,6 +104,9 @@ class ModelRunner:
         # The longest context the model takes: GPT-2 and OPT have no embedding for a later
         # position, and no model was trained past it (vLLM's max_model_len).
         self.max_model_len = int(text_config.max_position_embeddings)
+        # Decode steps replayed from CUDA graphs (`capture_decode_graphs`); None: every step
+        # eager, as on the CPU.
+        self.decode_graphs: DecodeGraphs | None = None
         enable_paged_attention(model)
 
     @property
@@ -143,6 +147,8 @@ class ModelRunner:
         """Compute every chunk (writing its K/V) and return [S, vocab] fp32 logits of each
         chunk's last token. Bad chunks raise ValueError before anything is written."""
         inputs = self.prepare(chunks)
+        if self.decode_graphs is not None and self.decode_graphs.fits(inputs):
+            return self.decode_graphs.run(inputs)
         output = self.model(input_ids=inputs.input_ids, position_ids=inputs.position_ids,
                             use_cache=False, logits_to_keep=inputs.last_token_index,
                             **{CONTEXT_KWARG: inputs.context})
@@ -162,6 +168,20 @@ class ModelRunner:
         long = SequenceChunk([0], longest - 1, [-1], table)
         for chunks in ([prefill], [short], [long], [prefill, short, long]):
             self.step(chunks)
+
+    def capture_decode_graphs(self, ops: GraphOps = CUDA_GRAPH_OPS,
+                              buckets: tuple[int, ...] = BUCKETS) -> None:
+        """Capture a decode forward per bucket of batch sizes (`pagedkv runner --cuda-graphs`):
+        later decode steps that fit a bucket replay it (decode_graphs.py). CUDA's graphs: a
+        ValueError on a CPU pool, or with the torch backend (its kernels read values back, which
+        a capture cannot); `ops` stands in for them in tests."""
+        if ops is CUDA_GRAPH_OPS and self.pool.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the pool on a CUDA device, not "
+                             f"{self.pool.device}: eager is the only path on the CPU")
+        if ops is CUDA_GRAPH_OPS and self.backend.name != "triton":
+            raise ValueError(f"CUDA graphs need the triton attention backend, not "
+                             f"{self.backend.name!r}")
+        self.decode_graphs = DecodeGraphs(self, ops, buckets)
 
     def prepare(self, chunks: Sequence[SequenceChunk]) -> StepInputs:
         """Pack and validate the chunks on the host (numpy), then move them to the pool's device
@@ -212,7 +232,8 @@ class ModelRunner:
             backend=self.backend, pool=self.pool, slot_mapping=device["slots"],
             block_tables=device["tables"], seq_lens=device["seq_lens"],
             query_start_loc=device["query_start_loc"], num_decodes=num_decodes,
-            max_decode_len=int((starts + lens)[:num_decodes].max(initial=0)))
+            max_decode_len=int((starts + lens)[:num_decodes].max(initial=0)),
+            max_q_len=int(lens[num_decodes:].max(initial=0)) or None)
         return StepInputs(device["input_ids"][None], device["positions"][None], device["last"],
                           context)
 

@@ -47,8 +47,8 @@ class PagedPrefillAttention(Protocol):
                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  query_start_loc: torch.Tensor, scale: float, *,
                  sliding_window: int | None = None, softcap: float | None = None,
-                 check_values: bool = True, per_forward: PerForward | None = None
-                 ) -> torch.Tensor: ...
+                 check_values: bool = True, per_forward: PerForward | None = None,
+                 max_q_len: int | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,10 @@ class PagedContext:
     # The longest context among those sequences (0 without any), known on the host: it sizes
     # the decode kernel's split-K (no read-back of seq_lens).
     max_decode_len: int
+    # The longest chunk among the other sequences, known on the host: it sizes the prefill
+    # kernel's grid with no read-back (a CUDA graph captures no device-to-host sync); None reads
+    # it back once per forward.
+    max_q_len: int | None = None
     # What the attention of the first layer computes for every layer (gather indices, the
     # launch grid): one fresh dict per forward (per_forward.py).
     per_forward: PerForward = field(default_factory=dict)
@@ -115,7 +119,7 @@ def paged_attention_forward(
         outs.append(backend.paged_prefill_attention(
             q[decodes:], k_cache, v_cache, tables[decodes:], lens[decodes:],
             prefill_query_start_loc(context), scale, sliding_window=window, softcap=softcap,
-            check_values=False, per_forward=per_forward))
+            check_values=False, per_forward=per_forward, max_q_len=context.max_q_len))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.unsqueeze(0), None
 

@@ -168,8 +168,13 @@ def paged_prefill_attention_triton(
     softcap: float | None = None,
     check_values: bool = True,
     per_forward: PerForward | None = None,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
-    """Triton: causal attention of each sequence's new chunk over its paged context."""
+    """Triton: causal attention of each sequence's new chunk over its paged context.
+
+    The grid is sized by `max_q_len`, the longest chunk as the host knows it (the runner's
+    step), so nothing is read back from the device (a CUDA graph may capture the launch); None
+    reads it back, once per forward."""
     geometry = _check_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            check_values)
     window, cap = check_window_softcap(sliding_window, softcap)
@@ -178,8 +183,7 @@ def paged_prefill_attention_triton(
     num_seqs, (num_tokens, num_q_heads, head_dim) = seq_lens.shape[0], query.shape
     if num_tokens == 0:
         return out
-    # The grid needs the longest chunk: one read-back per forward, not per layer.
-    max_q_len = shared(per_forward, ("max_q_len",), lambda: int(query_start_loc.diff().max()))
+    max_q_len = longest_chunk(max_q_len, query_start_loc, num_tokens, check_values, per_forward)
     block_m, tile_n = prefill_tiles(head_dim, query.dtype)
     group = num_q_heads // geometry.num_kv_heads
     grid = (num_seqs, num_q_heads, triton.cdiv(max_q_len, block_m))
@@ -197,6 +201,23 @@ def paged_prefill_attention_triton(
                          DEFAULT_OPTIONS).kwargs(),
     )
     return out
+
+
+def longest_chunk(max_q_len: int | None, query_start_loc: torch.Tensor, num_tokens: int,
+                  check_values: bool, per_forward: PerForward | None) -> int:
+    """The longest chunk: `max_q_len` from the host, or read back once per forward when None.
+    ValueError unless it is an int in [1, num_tokens] and, when `check_values` (a read-back),
+    no chunk is longer: a short grid would leave query rows no program computes."""
+    if max_q_len is None:
+        return shared(per_forward, ("max_q_len",), lambda: int(query_start_loc.diff().max()))
+    if isinstance(max_q_len, bool) or not isinstance(max_q_len, int) or not (
+            1 <= max_q_len <= num_tokens):
+        raise ValueError(f"max_q_len must be None or an int in [1, {num_tokens}] (the query's "
+                         f"tokens), got {max_q_len!r}")
+    if check_values and int(query_start_loc.diff().max()) > max_q_len:
+        raise ValueError(f"max_q_len={max_q_len} is shorter than the longest chunk "
+                         f"({int(query_start_loc.diff().max())})")
+    return max_q_len
 
 
 class _Workspace(threading.local):
@@ -316,14 +337,18 @@ def paged_prefill_attention_torch(
     softcap: float | None = None,
     check_values: bool = True,
     per_forward: PerForward | None = None,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
-    """Torch: causal attention of each sequence's new chunk over its paged context."""
+    """Torch: causal attention of each sequence's new chunk over its paged context
+    (`max_q_len` is checked and otherwise unused: its plan reads the lengths on the host)."""
     geometry = _check_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            check_values)
     window, cap = check_window_softcap(sliding_window, softcap)
     num_tokens, num_q_heads, head_dim = query.shape
     if num_tokens == 0:
         return torch.empty_like(query)
+    if max_q_len is not None:
+        longest_chunk(max_q_len, query_start_loc, num_tokens, check_values, None)
     num_seqs, num_kv_heads = seq_lens.shape[0], geometry.num_kv_heads
     group = num_q_heads // num_kv_heads
     plan = shared(per_forward, ("prefill", window, group), lambda: _prefill_plan(

@@ -59,6 +59,10 @@ def parser() -> argparse.ArgumentParser:
                                       f"{RUNNER_SOCKET_NAME} in $RUNTIME_DIRECTORY, else ./run)")
     cli.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
                      help="Triton kernels on CUDA, the vectorized torch kernels on CPU (auto)")
+    cli.add_argument("--cuda-graphs", action="store_true",
+                     help="replay decode steps from CUDA graphs, one per batch-size bucket "
+                          "(1..256 sequences; needs CUDA and the triton backend; default off: "
+                          "eager)")
     cli.add_argument("--torch-threads", type=int, default=0,
                      help="intra-op threads of the CPU forward (default: half the cores, at "
                           "least 1: the daemon and the clients need the others)")
@@ -112,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         config = RunnerConfig(model=source, model_name=args.model_name,
                               tokenizer=args.tokenizer,
                               attention_backend=args.attention_backend,
+                              cuda_graphs=args.cuda_graphs,
                               server_bounds=bounds,
                               max_batch_tokens=args.max_batch_tokens, hold_ms=args.hold_ms,
                               answer_limits=AnswerLimits(args.max_logprobs,

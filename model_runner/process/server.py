@@ -117,6 +117,9 @@ class RunnerConfig:
     # The tokenizer's folder, which structured outputs compile against; None: the model
     # folder's (a random-init preset has none: structured outputs are refused).
     tokenizer: str | None = None
+    # Replay decode steps from CUDA graphs captured per batch-size bucket (decode_graphs.py);
+    # refused on a CPU pool and with the torch backend. Off: every step eager.
+    cuda_graphs: bool = False
 
 
 class RunnerState:
@@ -176,6 +179,9 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
                              "runner to the daemon's runner socket (its runner_socket, "
                              f"{DAEMON_RUNNER_SOCKET_NAME} by default), not its public one")
         device = _pool_device(info)
+        if config.cuda_graphs and device == "cpu":
+            raise ValueError("--cuda-graphs needs the pool on a CUDA device: eager is the only "
+                             "path on the CPU")
         if device != "cpu":  # before torch opens it: it would only say it sees no device
             require_driver_for_torch()
         model = load_model(config.model, device=device)
@@ -187,8 +193,11 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
             """The model registered with the daemon of `info`, on its view of the memory."""
             memory = await _register(pool, name, model, config.model.kv_cache_dtype, target,
                                      info)
-            return ModelRunner(model, attach_pool(PoolMemoryHandle.from_proto(memory)),
-                               info.block_size, backend)
+            runner = ModelRunner(model, attach_pool(PoolMemoryHandle.from_proto(memory)),
+                                 info.block_size, backend)
+            if config.cuda_graphs:  # captured on this pool's addresses: again on each attach
+                await asyncio.to_thread(runner.capture_decode_graphs)
+            return runner
 
         registry = CollectorRegistry()
         runner = await attach(info)

@@ -31,7 +31,8 @@ CLIENT_POOL = BASE | {"client.pool"}
 CLIENT_ENGINE = CLIENT_POOL | {"client.engine"}
 RUNNER_KERNELS = BASE | {"memory", "model_runner.kernels"}
 RUNNER_MODEL = RUNNER_KERNELS | {"process", "client", "client.pool", "client.engine",
-                                 "model_runner.runner", "model_runner.models"}
+                                 "model_runner.runner", "model_runner.models",
+                                 "model_runner.decode_graphs"}
 RUNNER_ENGINE = RUNNER_MODEL | {"model_runner.engine"}
 RUNNER_PROCESS = RUNNER_ENGINE | {"model_runner.process", "model_runner"}
 EVERYTHING_BELOW_THE_TOP = RUNNER_PROCESS | DAEMON_PROCESS | CLIENT_ENGINE | {
@@ -56,6 +57,7 @@ ALLOWED: dict[str, set[str]] = {
     "model_runner.kernels": RUNNER_KERNELS,
     "model_runner.runner": RUNNER_MODEL,
     "model_runner.models": RUNNER_MODEL,
+    "model_runner.decode_graphs": RUNNER_MODEL,
     "model_runner.engine": RUNNER_ENGINE,
     "model_runner.process": RUNNER_PROCESS,
     "llm": EVERYTHING_BELOW_THE_TOP,
