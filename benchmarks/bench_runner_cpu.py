@@ -64,11 +64,11 @@ def baseline_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, scale: float, *,
                      sliding_window: int | None = None, softcap: float | None = None,
-                     check_values: bool = True,
-                     per_forward: PerForward | None = None) -> torch.Tensor:
+                     check_values: bool = True, per_forward: PerForward | None = None,
+                     max_q_len: int | None = None) -> torch.Tensor:
     """The torch prefill twin before: padded queries, whole blocks gathered, einsum scores
     (the runner's hook passes check_values=False: only the shape checks ran, as here), all of
-    it in every layer (per_forward unused)."""
+    it in every layer (per_forward and the host's max_q_len unused)."""
     geometry = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, False)
     check_index("query_start_loc", query_start_loc, torch.int32, (seq_lens.shape[0] + 1,),
                 k_cache.device)
