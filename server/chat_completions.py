@@ -20,7 +20,7 @@ from pagedkv.server.completions import usage
 from pagedkv.server.errors import ApiError, from_value_error
 from pagedkv.server.generation import PromptRun, TokenInfo, collect, merged
 from pagedkv.server.protocol import ChatRequest, Limits, read_chat
-from pagedkv.server.sse import done, errors_as_event, open_stream, send
+from pagedkv.server.sse import Envelope, done, errors_as_event, open_stream, send
 from pagedkv.server.structured import check_compiles
 from pagedkv.server.text import token_bytes, token_text
 from pagedkv.server.tools.calls import CallReader, Parsed, tool_calls
@@ -63,9 +63,14 @@ class _Reply:
         self.id = f"chatcmpl-{request_id}"  # the request's (access_log.py), as vLLM names it
         self.created = int(time.time())
 
-    def _chunk(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def _fields(self, obj: str) -> dict[str, Any]:
+        """What the answer (`obj` chat.completion) or a chunk (chat.completion.chunk) names
+        before its choices."""
         return {"id": self.id, "object": obj, "created": self.created,
-                "model": self.chat.sampling.model, "choices": choices}
+                "model": self.chat.sampling.model}
+
+    def _chunk(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {**self._fields(obj), "choices": choices}
 
     async def whole(self) -> web.Response:
         choices = []
@@ -90,6 +95,7 @@ class _Reply:
         readers: dict[int, CallReader | None] = {}
         called: set[int] = set()
         obj = "chat.completion.chunk"
+        envelope = Envelope(self._fields(obj))
         async with errors_as_event(response):
             # Closed at once however the loop ends (a client gone, an error): its
             # requests are aborted now, not when the generator is collected.
@@ -98,10 +104,10 @@ class _Reply:
                     for update in updates:
                         if update.index not in started:  # OpenAI's first delta names the role
                             started.add(update.index)
-                            await send(response, self._chunk(obj, [{
+                            await envelope.send(response, [{
                                 "index": update.index,
                                 "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None}]))
+                                "logprobs": None, "finish_reason": None}])
                         reader = readers.setdefault(update.index, self.chat.tools.reader())
                         delta = _delta(reader, update.text, update.finish_reason is not None)
                         if "tool_calls" in delta:
@@ -109,10 +115,10 @@ class _Reply:
                         logprobs = self._logprobs(update.tokens)
                         if not (delta or logprobs or update.finish_reason):
                             continue  # nothing to say yet (a UTF-8 character incomplete)
-                        await send(response, self._chunk(obj, [{
+                        await envelope.send(response, [{
                             "index": update.index, "delta": delta, "logprobs": logprobs,
                             "finish_reason": self.chat.tools.finish_reason(
-                                update.finish_reason, update.index in called)}]))
+                                update.finish_reason, update.index in called)}])
             if self.chat.sampling.include_usage:
                 await send(response, {**self._chunk(obj, []), "usage": usage([self.run])})
             await done(response)

@@ -16,7 +16,7 @@ from pagedkv.server.backend import Backend
 from pagedkv.server.errors import ApiError
 from pagedkv.server.generation import PromptRun, TokenInfo, collect, merged, token_string
 from pagedkv.server.protocol import CompletionRequest, Limits, read_completion
-from pagedkv.server.sse import done, errors_as_event, open_stream, send
+from pagedkv.server.sse import Envelope, done, errors_as_event, open_stream, send
 from pagedkv.server.structured import check_compiles
 
 
@@ -57,13 +57,14 @@ class _Answer:
         self.runs = runs
         # vLLM's `return_token_ids`: each choice carries its token ids too.
         self.token_ids = token_ids
-        self.id = f"cmpl-{request_id}"  # the request's (access_log.py), as vLLM names it
-        self.created = int(time.time())
+        # What the answer and each chunk name before their choices; the id is the request's
+        # (access_log.py), as vLLM names it.
+        self.fields = {"id": f"cmpl-{request_id}", "object": "text_completion",
+                       "created": int(time.time()), "model": completion.sampling.model}
         self.n = completion.sampling.params.n
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.completion.sampling.model, "choices": choices}
+        return {**self.fields, "choices": choices}
 
     def _echo(self, position: int) -> str:
         if not self.completion.echo:
@@ -88,6 +89,7 @@ class _Answer:
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         response = await open_stream(request)
+        envelope = Envelope(self.fields)
         # Per choice, where its next token's text starts (text_offset counts from the start).
         offsets: dict[tuple[int, int], int] = {}
         async with errors_as_event(response):
@@ -106,7 +108,7 @@ class _Answer:
                                                  if logprobs is not None else 0)
                         if self.token_ids:
                             choice["token_ids"] = [t.token_id for t in update.tokens]
-                        await send(response, self._chunk([choice]))
+                        await envelope.send(response, [choice])
             if self.completion.sampling.include_usage:
                 await send(response, {**self._chunk([]), "usage": usage(self.runs)})
             await done(response)

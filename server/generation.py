@@ -19,7 +19,7 @@ through the same cut once.
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from pagedkv.client.engine.outputs import CompletionOutput, RequestOutput
@@ -106,7 +106,7 @@ class PromptRun:
         """Each choice's kept token ids, by index."""
         return {index: choice.kept for index, choice in self._choices.items()}
 
-    async def updates(self) -> AsyncIterator[list[ChoiceUpdate]]:
+    async def updates(self) -> AsyncGenerator[list[ChoiceUpdate]]:
         """Each step's updates; the last carries every choice's finish reason."""
         started = last = time.monotonic()
         output: RequestOutput | None = None
@@ -210,7 +210,13 @@ async def collect(runs: list[PromptRun]) -> dict[tuple[int, int], WholeChoice]:
 
 async def merged(runs: list[PromptRun]) -> AsyncGenerator[tuple[int, list[ChoiceUpdate]]]:
     """Every run's updates as they come, tagged with the run's position; the first failure
-    ends them all (their requests aborted)."""
+    ends them all (their requests aborted). One run (a chat, most completions) is read in
+    the caller's task: no task and queue between it and the engine."""
+    if len(runs) == 1:
+        async with contextlib.aclosing(runs[0].updates()) as steps:
+            async for step in steps:
+                yield 0, step
+        return
     queue: asyncio.Queue[tuple[int, list[ChoiceUpdate] | BaseException | None]] = \
         asyncio.Queue()
 

@@ -28,7 +28,24 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
 
 
 async def send(response: web.StreamResponse, chunk: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+    await response.write(b"data: " + _json(chunk) + b"\n\n")
+
+
+class Envelope:
+    """What every chunk of one stream repeats before its choices (id, object, created, model),
+    serialized once: a chunk then costs the JSON of its choices only, and its bytes are those
+    `send` writes for {**fields, "choices": choices}."""
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        # `data: {...,"choices":`, from the JSON of the fields with empty choices less `[]}`.
+        self._head = b"data: " + _json({**fields, "choices": []})[:-3]
+
+    async def send(self, response: web.StreamResponse, choices: list[dict[str, Any]]) -> None:
+        await response.write(self._head + _json(choices) + b"}\n\n")
+
+
+def _json(value: object) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
 
 
 async def done(response: web.StreamResponse) -> None:

@@ -14,7 +14,7 @@ as SentencePiece's leading space, see the tokens before the new ones).
 from collections.abc import Sequence
 from functools import cache
 
-from pagedkv.llm.tokenizer import Tokenizer
+from pagedkv.llm.tokenizer import Tokenizer, decoder
 
 # What a tokenizer's decode puts for bytes that are not (yet) a whole UTF-8 character.
 REPLACEMENT = "\ufffd"
@@ -44,8 +44,9 @@ class TextStream:
         for index, string in enumerate(stop):
             if not string:
                 raise ValueError(f"stop[{index}]: a stop string must not be empty")
-        # The completion's tokenizer.
-        self._tokenizer = tokenizer
+        # The completion's tokenizer's decode (its Rust decoder's when that gives the same
+        # text: two decodes a token).
+        self._decode_ids = decoder(tokenizer)
         # The stop strings: the completion ends before the first of them to appear.
         self._stop = tuple(stop)
         # Whether special tokens (the end-of-sequence one) are left out of the text.
@@ -122,8 +123,7 @@ class TextStream:
         return self._release(0)
 
     def _decode(self, start: int) -> str:
-        return self._tokenizer.decode(self._ids[start:],
-                                      skip_special_tokens=self._skip_special_tokens)
+        return self._decode_ids(self._ids[start:], self._skip_special_tokens)
 
     def _pending_text(self) -> str:
         """The text of the tokens after read_offset (it may end in an incomplete character)."""
