@@ -24,7 +24,8 @@ PIP_COMPILE = CUSTOM_COMPILE_COMMAND="make lock" $(PY) -m piptools compile --qui
 
 include ops/image.env
 
-.PHONY: setup lock soak test lint typecheck pytest demo bench bench-gpu gpu-check image proto \
+.PHONY: setup lock soak test lint typecheck pytest demo bench bench-gpu tune-gpu gpu-check image \
+	proto \
 	proto-check clean
 
 setup: $(STAMP)
@@ -126,8 +127,14 @@ bench: setup
 bench-gpu: setup
 	$(PY) benchmarks/bench_kernels_gpu.py
 
-# The first thing a session with a lent GPU runs (at most 8 minutes): CUDA seen, `pytest -m gpu`,
-# bench-gpu, `pagedkv serve` on CUDA against transformers, one summary. Fails without CUDA.
+# Time num_warps x num_stages per (kernel, HEAD_DIM, GROUP, dtype, cache dtype) on this GPU and
+# rewrite model_runner/kernels/tuned_configs.json, to commit (about 40 minutes). Fails without CUDA.
+tune-gpu: setup
+	$(PY) benchmarks/tune_kernels_gpu.py
+
+# The first thing a session with a lent GPU runs (at most 8 minutes): CUDA seen, `pytest -m gpu`
+# (CUDA-graph decode included), bench-gpu --quick, the tuner --quick against the committed table,
+# `pagedkv serve` on CUDA against transformers, one summary. Fails without CUDA.
 gpu-check: setup
 	$(PY) benchmarks/gpu_check.py
 
