@@ -1,30 +1,41 @@
 """`pagedkv serve` over HTTP against the offline `LLM` on the same model, prompts, lengths and
-batch, and the server's TTFT and ITL at 1, 8 and 32 concurrent streams (issue 32).
+batch, on two models, and the server's TTFT and ITL at 1, 8 and 32 concurrent streams (issue 32).
 
 Both start their daemon and runner the production way (`pagedkv serve` as a subprocess,
-serve_process.py; the `LLM` with its own children) on the same model folder: a tiny random
-Llama with a byte-level BPE tokenizer (gpu_check.make_model_dir; no end-of-sequence token) and
-the same pool. Both stay up for the whole run, and their rounds alternate, so that other work on
-the machine weighs on both alike. Every request asks `ignore_eos` and a fixed max_tokens, as
-`vllm bench serve` does: each must finish with "length" after exactly max_tokens tokens, or the
-benchmark fails.
+serve_process.py; the `LLM` with its own children) on the same model folder and the same pool:
+a random Llama with a byte-level BPE tokenizer (gpu_check.make_model_dir; no end-of-sequence
+token). Two models, each with its own LLM and server, all up for the whole run:
+- "small" (the headline figures): 4 layers of hidden 512, GQA 8/2 heads of 64, MLP 1408
+  (about 11M parameters): about 0.6 ms of CPU a token offline, six times the tiny model.
+  A served model costs more still (milliseconds a token on a CPU for the smallest real ones),
+  so the HTTP path weighs less there; this is the largest model whose rounds fit the run's
+  time on 2 cores, not one chosen to pass: its requests generate 128 tokens, not 256, for that.
+- "tiny" (`_tiny` figures): 2 layers of hidden 128, about 0.1 ms a token: the HTTP path's cost
+  (tens of microseconds a token) shows at its largest.
+Every round of every side alternates (small LLM, small serve, tiny LLM, tiny serve, ...), so that
+other work on the machine weighs on all alike. Every request asks `ignore_eos` and a fixed
+max_tokens, as `vllm bench serve` does: each must finish with "length" after exactly max_tokens
+tokens, or the benchmark fails.
 
     llm_tok_s               generated tokens / s of LLM.generate(BATCH prompts) (median round)
     serve_tok_s             the same BATCH prompts as concurrent streamed /v1/completions
     serve_vs_llm_tok_s      serve / llm (target: at least 0.9)
     llm_cpu_us_per_tok      CPU time per generated token of every process of the run (this
-    serve_cpu_us_per_tok    one, the LLM's children, the server and its children) during the
+    serve_cpu_us_per_tok    one, the LLMs' children, the servers and their children) during the
                             LLM's rounds, and during the server's (the streaming client's
                             included): on a machine whose cores are busy, tokens / s follow it
-    serve_ttft_p50_ms_cC    median time to first token at C concurrent streams
-    serve_itl_p50_ms_cC     median inter-token latency at C concurrent streams
+    server_cpu_us_per_tok   the `pagedkv serve` process's own CPU time per token (its HTTP path
+                            and its engine; not its daemon and runner)
+    (each with _tiny)       the same on the tiny model
+    serve_ttft_p50_ms_cC    median time to first token at C concurrent streams (tiny model)
+    serve_itl_p50_ms_cC     median inter-token latency at C concurrent streams (tiny model)
 
 TTFT and ITL are measured as `vllm bench serve` measures them (its
 async_request_openai_completions): TTFT from just before the request is sent to the first
 chunk carrying choices; ITL the gaps between successive such chunks, every request's gaps
 pooled; the medians of those. C concurrent streams: REQUESTS_PER_STREAM requests per stream,
-at most C in flight (its --max-concurrency). One request goes through the real `openai` client
-too, to check that the stream it parses carries the same answer.
+at most C in flight (its --max-concurrency). One request per model goes through the real
+`openai` client too, to check that the stream it parses carries the same answer.
 
 Usage: python benchmarks/bench_serve.py [--rounds 7] [--device cpu] [--quick]
 """
@@ -37,7 +48,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -51,9 +62,15 @@ from serve_process import Server, served
 from pagedkv.client import SamplingParams
 from pagedkv.llm.llm import LLM
 
-# Prompts stepped together, and tokens each generates.
+# Prompts stepped together.
 BATCH = 32
-MAX_TOKENS = 256
+# The models (gpu_check's tiny Llama, with these sizes instead): figure suffix, config sizes,
+# and tokens each request generates (the small model's fewer, to fit the run's time).
+MODELS: tuple[tuple[str, Mapping[str, int], int], ...] = (
+    ("", {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
+          "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}, 128),
+    ("_tiny", {}, 256),
+)
 # The pool of both stacks: room for every sequence at once (no preemption on either side).
 NUM_BLOCKS = 1024
 ROUNDS = 7
@@ -171,29 +188,82 @@ class Round:
 
     tokens: int
     wall_s: float
-    # CPU time (user + system) of this process and every process under it (both stacks, the
-    # idle one's included: it costs next to nothing).
+    # CPU time (user + system) of this process and every process under it (every stack, the
+    # idle ones included: they cost next to nothing).
     cpu_s: float
+    # CPU time of the `pagedkv serve` process alone (its HTTP path and engine, not its daemon
+    # and runner); 0 for an LLM round.
+    server_cpu_s: float = 0.0
 
 
-def timed(generate: Callable[[], int]) -> Round:
+def timed(generate: Callable[[], int], server: Server | None = None) -> Round:
     """`generate` (it returns the tokens it generated) timed by the clock and by CPU time."""
+    server_pid = server.launched.process.pid if server is not None else None
+    server_cpu = own_cpu_s(server_pid) if server_pid is not None else 0.0
     cpu, began = tree_cpu_s(os.getpid()), time.perf_counter()
     tokens = generate()
-    return Round(tokens, time.perf_counter() - began, tree_cpu_s(os.getpid()) - cpu)
+    wall_s, cpu_s = time.perf_counter() - began, tree_cpu_s(os.getpid()) - cpu
+    server_cpu_s = own_cpu_s(server_pid) - server_cpu if server_pid is not None else 0.0
+    return Round(tokens, wall_s, cpu_s, server_cpu_s)
 
 
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds that process `pid` and its descendants (any thread's children) have used."""
-    ticks, pids = 0, [pid]
+    total, pids = 0.0, [pid]
     while pids:
         current = pids.pop()
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):  # gone meanwhile
-            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+            total += own_cpu_s(current)
             for children in Path(f"/proc/{current}/task").glob("*/children"):
                 pids += [int(child) for child in children.read_text().split()]
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def own_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) that process `pid` itself has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+@dataclass
+class Model:
+    """One model's offline LLM and server, and their rounds."""
+
+    # Its figures' suffix: "" (the representative model) or "_tiny".
+    suffix: str
+    llm: LLM
+    server: Server
+    # Tokens each request generates.
+    max_tokens: int
+    offline: list[Round] = field(default_factory=list)
+    online: list[Round] = field(default_factory=list)
+
+    def round(self, index: int, batch: int) -> None:
+        """One LLM round, then one serve round, each on prompts of its own."""
+        self.offline.append(timed(partial(llm_tokens, self.llm, prompts(batch, 2 * index),
+                                          self.max_tokens)))
+        self.online.append(timed(partial(serve_tokens, self.server,
+                                         prompts(batch, 2 * index + 1), self.max_tokens),
+                                 self.server))
+
+    def report(self) -> None:
+        """The median tokens / s of each side and their ratio; the CPU time each side spent
+        per token over all its rounds, and the server process's own."""
+        llm_median, serve_median = (statistics.median(r.tokens / r.wall_s for r in side)
+                                    for side in (self.offline, self.online))
+        figure(f"llm_tok_s{self.suffix}", llm_median, "tok/s", 0)
+        figure(f"serve_tok_s{self.suffix}", serve_median, "tok/s", 0)
+        figure(f"serve_vs_llm_tok_s{self.suffix}", serve_median / llm_median, "ratio", 2)
+        for name, side in (("llm", self.offline), ("serve", self.online)):
+            cpu_us = per_token_us(side, lambda r: r.cpu_s)
+            figure(f"{name}_cpu_us_per_tok{self.suffix}", cpu_us, "us", 1)
+        server_us = per_token_us(self.online, lambda r: r.server_cpu_s)
+        figure(f"server_cpu_us_per_tok{self.suffix}", server_us, "us", 1)
+
+
+def per_token_us(rounds: list[Round], seconds: Callable[[Round], float]) -> float:
+    """The `seconds` of `rounds` summed, per token they generated, in microseconds."""
+    return sum(seconds(r) for r in rounds) / sum(r.tokens for r in rounds) * 1e6
 
 
 async def through_openai(server: Server, prompt: str, max_tokens: int) -> str:
@@ -215,22 +285,14 @@ async def through_openai(server: Server, prompt: str, max_tokens: int) -> str:
     return text
 
 
-def throughput(llm: LLM, server: Server, rounds: int, batch: int, max_tokens: int) -> None:
-    """LLM and serve rounds, alternating: the median tokens / s of each and their ratio, and
-    the CPU time each spent per token over all its rounds."""
-    offline, online = [], []
+def throughput(models: list[Model], rounds: int, batch: int) -> None:
+    """Every model's LLM and serve rounds, alternating (so that other work on the machine
+    weighs on each alike); then each model's figures."""
     for index in range(rounds):
-        offline.append(timed(partial(llm_tokens, llm, prompts(batch, 2 * index), max_tokens)))
-        online.append(timed(partial(serve_tokens, server, prompts(batch, 2 * index + 1),
-                                    max_tokens)))
-    llm_median, serve_median = (statistics.median(r.tokens / r.wall_s for r in side)
-                                for side in (offline, online))
-    figure("llm_tok_s", llm_median, "tok/s", 0)
-    figure("serve_tok_s", serve_median, "tok/s", 0)
-    figure("serve_vs_llm_tok_s", serve_median / llm_median, "ratio", 2)
-    for name, side in (("llm", offline), ("serve", online)):
-        cpu_us = sum(r.cpu_s for r in side) / sum(r.tokens for r in side) * 1e6
-        figure(f"{name}_cpu_us_per_tok", cpu_us, "us", 1)
+        for model in models:
+            model.round(index, batch)
+    for model in models:
+        model.report()
 
 
 def latency(server: Server, concurrency: int, max_tokens: int) -> None:
@@ -244,14 +306,28 @@ def latency(server: Server, concurrency: int, max_tokens: int) -> None:
 
 
 @contextlib.contextmanager
-def stacks(folder: Path, device: str) -> Iterator[tuple[LLM, Server]]:
-    """The LLM and the server on the model saved in `folder`, with the same pool."""
-    model = folder / "model"
-    make_model_dir(model, "llama")
+def stacks(folder: Path, name: str, sizes: Mapping[str, int], device: str) -> Iterator[
+        tuple[LLM, Server]]:
+    """An LLM and a server on one model (`sizes` over gpu_check's tiny Llama), saved in
+    `folder`/name, with the same pool."""
+    model = folder / name
+    make_model_dir(model, "llama", sizes)
     with LLM(model=str(model), device=device, num_blocks=NUM_BLOCKS) as llm, \
             served(folder, str(model), "--device", device, "--num-blocks",
                    str(NUM_BLOCKS)) as server:
         yield llm, server
+
+
+def check_streams(llm: LLM, server: Server, max_tokens: int) -> None:
+    """One request through the real openai client and through aiohttp gives the same text
+    (greedy), and the LLM is warm."""
+    warm = prompts(2, 999)
+    text = asyncio.run(through_openai(server, warm[0], max_tokens))
+    seen, _ = asyncio.run(streams(server, warm[:1], 1, max_tokens))
+    if seen[0].text != text:
+        raise SystemExit(f"bench_serve: the openai client read {text!r}, aiohttp "
+                         f"{seen[0].text!r}")
+    llm_tokens(llm, warm, max_tokens)
 
 
 def main() -> None:
@@ -262,20 +338,19 @@ def main() -> None:
     args = cli.parse_args()
     if args.rounds < 1:
         cli.error(f"--rounds must be at least 1, got {args.rounds}")
-    batch, max_tokens, latency_tokens = (4, 8, 8) if args.quick else \
-        (BATCH, MAX_TOKENS, LATENCY_TOKENS)
-    with tempfile.TemporaryDirectory(prefix="bsv-") as name, \
-            stacks(Path(name), args.device) as (llm, server):
-        warm = prompts(2, 999)
-        text = asyncio.run(through_openai(server, warm[0], max_tokens))
-        seen, _ = asyncio.run(streams(server, warm[:1], 1, max_tokens))
-        if seen[0].text != text:  # greedy: the same prompt gives the same text either way
-            raise SystemExit(f"bench_serve: the openai client read {text!r}, aiohttp "
-                             f"{seen[0].text!r}")
-        llm_tokens(llm, warm, max_tokens)
-        throughput(llm, server, 1 if args.quick else args.rounds, batch, max_tokens)
+    batch, latency_tokens = (4, 8) if args.quick else (BATCH, LATENCY_TOKENS)
+    with tempfile.TemporaryDirectory(prefix="bsv-") as name, contextlib.ExitStack() as stack:
+        models = []
+        for suffix, sizes, max_tokens in MODELS:
+            max_tokens = 8 if args.quick else max_tokens
+            llm, server = stack.enter_context(stacks(Path(name), f"model{suffix}", sizes,
+                                                     args.device))
+            check_streams(llm, server, max_tokens)
+            models.append(Model(suffix, llm, server, max_tokens))
+        throughput(models, 1 if args.quick else args.rounds, batch)
+        tiny = next(model for model in models if model.suffix == "_tiny")
         for concurrency in (1, 2) if args.quick else CONCURRENCY:
-            latency(server, concurrency, latency_tokens)
+            latency(tiny.server, concurrency, latency_tokens)
 
 
 if __name__ == "__main__":
