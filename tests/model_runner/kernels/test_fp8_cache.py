@@ -26,7 +26,8 @@ from pagedkv.model_runner.kernels.paged_prefill import (
     paged_prefill_attention_triton,
 )
 from pagedkv.model_runner.kernels.store_kv import store_kv_torch, store_kv_triton
-from tests.support.kernel_utils import (
+
+from kernel_utils import (
     DEVICES,
     PagedBatch,
     assert_close_to,
