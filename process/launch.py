@@ -152,6 +152,9 @@ def start_process(name: str, command: list[str], folder: Path, unix_target: str,
         receiver.bind(str(notify_path))
         receiver.settimeout(_POLL_S)
         environment = {**os.environ, "NOTIFY_SOCKET": str(notify_path), **(env or {})}
+        # A descriptor store ($FDSTORE) is this process's unit's: the child's notify socket is
+        # ours, which keeps no descriptors.
+        environment.pop("FDSTORE", None)
         with (folder / f"{name}.log").open("wb") if log_file else contextlib.nullcontext() \
                 as log:
             process = subprocess.Popen(command, env=environment, stdin=subprocess.DEVNULL,
@@ -167,11 +170,16 @@ def start_daemon(folder: Path, *args: str, listen_path: Path | None = None,
     """`pagedkvd` with `args`, logging JSON; its files in `folder`, its public socket there
     too (pagedkvd.sock) unless `listen_path` names another, its runner socket there always
     (`runners_target`). Its pool file goes where `--shm-dir` says (/dev/shm by default)."""
+    command, unix_target = daemon_command(folder, *args, listen_path=listen_path)
+    return start_process("pagedkvd", command, folder, unix_target, env, log_file)
+
+
+def daemon_command(folder: Path, *args: str,
+                   listen_path: Path | None = None) -> tuple[list[str], str]:
+    """`start_daemon`'s command line, and the gRPC target of its public socket."""
     unix_target = socket_target(listen_path or folder / DAEMON_SOCKET_NAME)
-    return start_process("pagedkvd", [*DAEMON_COMMAND, "--listen", unix_target,
-                                      "--runner-socket", str(folder / DAEMON_RUNNER_SOCKET_NAME),
-                                      "--log-format", "json", *args], folder, unix_target, env,
-                         log_file)
+    return [*DAEMON_COMMAND, "--listen", unix_target, "--runner-socket",
+            str(folder / DAEMON_RUNNER_SOCKET_NAME), "--log-format", "json", *args], unix_target
 
 
 def start_runner(daemon_target: str, folder: Path, *args: str, listen: str | None = None,

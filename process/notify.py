@@ -6,9 +6,10 @@ latest `STATUS=` line in `systemctl status`. With `WatchdogSec=` it kills the un
 so the daemon can call these unconditionally.
 """
 
+import array
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 # A path, or a name in the abstract namespace when it starts with "@" (Linux).
 NOTIFY_SOCKET_ENV = "NOTIFY_SOCKET"
@@ -28,8 +29,10 @@ def _socket_address(value: str) -> str | None:
     return None
 
 
-def notify(*states: str, env: Mapping[str, str] | None = None) -> bool:
+def notify(*states: str, env: Mapping[str, str] | None = None, fds: Sequence[int] = ()) -> bool:
     """Send `states` (e.g. "READY=1", "STATUS=serving") as one message; True if it was sent.
+    `fds` ride along as SCM_RIGHTS, as sd_pid_notify_with_fds sends them (with "FDSTORE=1":
+    process/fd_store.py).
 
     Does nothing (False) when $NOTIFY_SOCKET is unset or of an unknown form. A send error is
     also False rather than an exception: losing a status line must never stop the daemon.
@@ -41,7 +44,9 @@ def notify(*states: str, env: Mapping[str, str] | None = None) -> bool:
     message = "\n".join(states).encode()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.sendto(message, address)
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                          array.array("i", fds).tobytes())] if fds else []
+            sock.sendmsg([message], ancillary, 0, address)
     except OSError:
         return False
     return True

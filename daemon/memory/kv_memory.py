@@ -14,7 +14,9 @@ Two backings, chosen by the device:
   `torch.from_file(shared=True)`. Whoever may open the file reads and writes every tenant's
   K/V: it is the daemon's user's alone (0o600), or its runner group's too (0o660), never
   every user's. Its name carries the owner's pid so that a restarted daemon
-  can remove what a crashed one left (`cleanup_stale_files`).
+  can remove what a crashed one left (`cleanup_stale_files`). Under systemd's file descriptor
+  store the file outlives its daemon: the next one adopts it, bytes and all (`adopt`;
+  `pool_handover.py` says when).
 - CUDA: one device allocation of the arena's bytes, plus its CUDA IPC handle (`reduce_tensor`)
   pickled once into bytes; every format's handle carries that same payload with its own shape
   and dtype, and a runner reinterprets the allocation it opens (`pagedkv.memory.attach`). The
@@ -29,6 +31,7 @@ import os
 import pickle
 import re
 import secrets
+from collections.abc import Collection
 from pathlib import Path
 from types import TracebackType
 
@@ -48,7 +51,7 @@ class KVMemory:
     """Owns the arena; create with `KVMemory.create`, release with `close`."""
 
     def __init__(self, pages: torch.Tensor, kind: str, shm_path: str, ipc_payload: bytes,
-                 pool_id: str) -> None:
+                 pool_id: str, adopted_from: str = "") -> None:
         # The arena as [num_pages, page_bytes] uint8; None once closed.
         self._pages: torch.Tensor | None = pages
         # What every view's handle shares: "shm" or "cuda_ipc", the file, the IPC payload.
@@ -59,6 +62,12 @@ class KVMemory:
         self.pool_id = pool_id
         # Views handed out, released when the arena closes.
         self._views: list[FormatMemory] = []
+        # The pool id of the daemon whose memory this is ("" when allocated here): its bytes
+        # are that pool's (`adopt`).
+        self.adopted_from = adopted_from
+        # Whether close() leaves the shm file for the next daemon (its descriptor is in the
+        # service manager's store: `keep_file`).
+        self._keep_file = False
 
     @classmethod
     def create(cls, num_pages: int, page_bytes: int, device: str = "cpu",
@@ -69,10 +78,7 @@ class KVMemory:
         if num_pages <= 0 or page_bytes <= 0:
             raise ValueError(f"num_pages and page_bytes must be positive, got {num_pages} "
                              f"and {page_bytes}")
-        if mode & ~0o777:
-            raise ValueError(f"mode must be permission bits only, got {oct(mode)}")
-        if mode & 0o007:  # any local user could read and write every tenant's K/V
-            raise ValueError(f"mode {oct(mode)} gives every user access to the pool")
+        _check_mode(mode)
         pool_id = secrets.token_hex(8)
         target = pool_device(device)
         if target.type == "cpu":
@@ -84,6 +90,45 @@ class KVMemory:
         # torch leaves reduce_tensor unannotated; it returns (rebuild function, args).
         payload = pickle.dumps(reduce_tensor(arena))  # type: ignore[no-untyped-call]
         return cls(arena.view(num_pages, page_bytes), "cuda_ipc", "", payload, pool_id)
+
+    @classmethod
+    def adopt(cls, fd: int, num_pages: int, page_bytes: int, shm_dir: str = "/dev/shm",
+              name_prefix: str = "pagedkv", mode: int = 0o600,
+              group: int | None = None) -> KVMemory:
+        """The arena of a previous daemon from a descriptor of its shm file (passed by the
+        service manager), its bytes kept: the file is renamed as this daemon's (its pid, a new
+        pool id) and given `mode` and `group`. ValueError, nothing changed, when the file is
+        no longer in `shm_dir` under a previous daemon's name or is not num_pages * page_bytes
+        long. The caller still owns `fd`."""
+        _check_mode(mode)
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        match = re.fullmatch(rf"{re.escape(name_prefix)}-\d+-([0-9a-f]+)\.kv", path.name)
+        if path.parent != Path(shm_dir) or match is None:
+            raise ValueError(f"the passed pool file {path} is not a pool file in {shm_dir}")
+        described, passed = os.fstat(fd), path.stat()  # the path may name another file now
+        if (described.st_dev, described.st_ino) != (passed.st_dev, passed.st_ino):
+            raise ValueError(f"the passed pool file is no longer at {path}")
+        if described.st_size != num_pages * page_bytes:
+            raise ValueError(f"the passed pool file {path} holds {described.st_size} bytes, "
+                             f"{num_pages} pages of {page_bytes} need {num_pages * page_bytes}")
+        _set_access(fd, path, mode, group)
+        pool_id = secrets.token_hex(8)
+        target = Path(shm_dir) / f"{name_prefix}-{os.getpid()}-{pool_id}.kv"
+        path.rename(target)
+        pages = torch.from_file(str(target), shared=True, size=num_pages * page_bytes,
+                                dtype=torch.uint8)
+        return cls(pages.view(num_pages, page_bytes), "shm", str(target), b"", pool_id,
+                   adopted_from=match.group(1))
+
+    def keep_file(self) -> None:
+        """Leave the shm file in place on close: its descriptor is in the service manager's
+        store, and the next daemon adopts it (`adopt`) or removes it as stale."""
+        self._keep_file = True
+
+    @property
+    def shm_path(self) -> str:
+        """The CPU arena's file; "" on CUDA."""
+        return self._shm_path
 
     @property
     def pages(self) -> torch.Tensor:
@@ -143,7 +188,7 @@ class KVMemory:
         self._pages = None
         for view in self._views:
             view.release()
-        if self._shm_path:
+        if self._shm_path and not self._keep_file:
             Path(self._shm_path).unlink(missing_ok=True)
 
     def __enter__(self) -> KVMemory:
@@ -201,17 +246,13 @@ def _create_shm(path: Path, nbytes: int, mode: int, group: int | None) -> torch.
     """Create the shm file exclusively (the owner's alone until it has its group), reserve its
     pages, and map it as `nbytes` uint8."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    if group is not None:
-        try:
-            os.fchown(fd, -1, group)
-        except OSError as exc:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise PermissionError(exc.errno, f"cannot give the pool file {path} to group "
-                                             f"{group} (runner_group): {exc.strerror}; the "
-                                             "daemon's user must be a member") from exc
     try:
-        os.fchmod(fd, mode)  # the umask may have cleared bits that `mode` asks for
+        _set_access(fd, path, mode, group)
+    except OSError:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
         path.unlink(missing_ok=True)
@@ -221,8 +262,30 @@ def _create_shm(path: Path, nbytes: int, mode: int, group: int | None) -> torch.
     return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
 
 
-def cleanup_stale_files(shm_dir: str = "/dev/shm", name_prefix: str = "pagedkv") -> list[Path]:
-    """Remove pool files whose owner pid is dead (left by a crash); returns what was removed.
+def _check_mode(mode: int) -> None:
+    """ValueError unless `mode` is permission bits that keep other users out."""
+    if mode & ~0o777:
+        raise ValueError(f"mode must be permission bits only, got {oct(mode)}")
+    if mode & 0o007:  # any local user could read and write every tenant's K/V
+        raise ValueError(f"mode {oct(mode)} gives every user access to the pool")
+
+
+def _set_access(fd: int, path: Path, mode: int, group: int | None) -> None:
+    """Give the pool file `group` (when set) and then `mode`."""
+    if group is not None:
+        try:
+            os.fchown(fd, -1, group)
+        except OSError as exc:
+            raise PermissionError(exc.errno, f"cannot give the pool file {path} to group "
+                                             f"{group} (runner_group): {exc.strerror}; the "
+                                             "daemon's user must be a member") from exc
+    os.fchmod(fd, mode)  # the umask may have cleared bits that `mode` asks for
+
+
+def cleanup_stale_files(shm_dir: str = "/dev/shm", name_prefix: str = "pagedkv",
+                        keep: Collection[Path] = ()) -> list[Path]:
+    """Remove pool files whose owner pid is dead (left by a crash), except those in `keep` (a
+    previous daemon's, passed for adoption); returns what was removed.
 
     A dead daemon's pid reused by an unrelated process keeps its file until a later cleanup:
     a leak at worst, whereas a live daemon's pool is never deleted.
@@ -231,7 +294,7 @@ def cleanup_stale_files(shm_dir: str = "/dev/shm", name_prefix: str = "pagedkv")
     removed = []
     for path in Path(shm_dir).iterdir():
         match = pattern.fullmatch(path.name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and path not in keep and not _pid_alive(int(match.group(1))):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed

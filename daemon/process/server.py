@@ -34,6 +34,7 @@ from pagedkv.daemon.edge.servicer import KVPoolServicer, add_to_server
 from pagedkv.daemon.edge.tls import ServerTls
 from pagedkv.daemon.memory.host_memory import HostMemory
 from pagedkv.daemon.memory.kv_memory import KVMemory, KVPoolMemory, cleanup_stale_files
+from pagedkv.daemon.memory.pool_handover import PoolHandover, PoolLayout
 from pagedkv.daemon.process.config import (
     DEFAULT_SOCKET_MODE,
     MAX_LEASE_TTL_MS,
@@ -144,7 +145,8 @@ async def _start(config: DaemonConfig, readiness: Readiness,
 @contextlib.asynccontextmanager
 async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService, KVPoolMemory]]:
     """The pool memory, the block pool and the service with its lease reaper."""
-    removed = cleanup_stale_files(str(config.shm_dir))
+    handover = PoolHandover.from_environment()
+    removed = cleanup_stale_files(str(config.shm_dir), keep=handover.files())
     if removed:
         log.info("removed stale pool files", files=[str(path) for path in removed])
     check_device(config.device)
@@ -160,11 +162,12 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
     if not num_blocks:
         raise ConfigError(f"the pool is smaller than one page of page_size={config.page_size}")
     config.check_reservation(num_blocks)
-    memory = pool_memory(config, geometry, dtype, num_blocks, blocks_per_page)
+    memory = pool_memory(config, geometry, dtype, num_blocks, blocks_per_page, handover)
     try:
         log.info("pool allocated", pool_id=memory.pool_id, model=geometry.name, dtype=dtype,
                  device=config.device, num_blocks=num_blocks, block_size=config.block_size,
                  bytes=memory.nbytes, shm_path=memory.handle().shm_path or None,
+                 adopted_from=memory.arena.adopted_from or None,
                  allocator=config.allocator, max_model_len=config.max_model_len,
                  prefix_hash=config.prefix_hash)
         pool = (BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
@@ -238,18 +241,30 @@ def check_device(device: str) -> None:
 
 
 def pool_memory(config: DaemonConfig, geometry: ModelGeometry, dtype: str, num_blocks: int,
-                blocks_per_page: int) -> KVPoolMemory:
+                blocks_per_page: int, handover: PoolHandover) -> KVPoolMemory:
     """The arena of num_blocks / blocks_per_page pages, seen as the daemon's own model's
-    blocks (every other format a view of it: kv_memory.py)."""
+    blocks (every other format a view of it: kv_memory.py): the previous daemon's when the
+    service manager passed one of this layout (pool_handover.py), else a new one; stored for
+    the next daemon."""
     shm_dir, mode, group = str(config.shm_dir), config.runners_mode, config.runner_gid()
-    if blocks_per_page == 1:
-        return KVPoolMemory.create(geometry, num_blocks, config.block_size, dtype,
-                                   device=config.device, shm_dir=shm_dir, mode=mode, group=group)
     per_block = geometry.bytes_per_block(config.block_size, dtype_bytes(dtype))
-    arena = KVMemory.create(num_blocks // blocks_per_page, blocks_per_page * per_block,
-                            device=config.device, shm_dir=shm_dir, mode=mode, group=group)
-    return KVPoolMemory(arena, arena.view(geometry.num_layers, geometry.num_kv_heads,
-                                          geometry.head_dim, dtype, config.block_size))
+    layout = PoolLayout(num_blocks // blocks_per_page, blocks_per_page * per_block, dtype,
+                        geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
+                        config.block_size)
+    arena = handover.adopt(layout, shm_dir, mode, group)
+    if arena is None:
+        arena = KVMemory.create(layout.num_pages, layout.page_bytes, device=config.device,
+                                shm_dir=shm_dir, mode=mode, group=group)
+    elif config.zero_freed_blocks:  # every block is free until a restore says otherwise
+        arena.zero_pages(range(arena.num_pages))
+    try:
+        memory = KVPoolMemory(arena, arena.view(geometry.num_layers, geometry.num_kv_heads,
+                                                geometry.head_dim, dtype, config.block_size))
+        handover.offer(arena, layout)
+    except BaseException:
+        arena.close()
+        raise
+    return memory
 
 
 def pool_blocks_per_page(config: DaemonConfig, per_block: int) -> int:

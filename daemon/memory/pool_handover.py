@@ -1,0 +1,151 @@
+"""The pool memory across a daemon restart (upgrade or crash), through systemd's file
+descriptor store (`pagedkv.process.fd_store`).
+
+    handover = PoolHandover.from_environment()      # what the last daemon stored, taken once
+    cleanup_stale_files(shm_dir, keep=handover.files())
+    arena = handover.adopt(layout, shm_dir, mode, group) or KVMemory.create(...)
+    handover.offer(arena, layout)                   # for the next daemon, before READY=1
+
+A CPU pool is a file in /dev/shm. At start, once allocated, the daemon stores a descriptor of it
+under the name `pagedkv-pool.<pool id>.<layout>` and leaves the file in place when it exits, so
+the memory outlives the process whether it stops or crashes. The next daemon receives the
+descriptor and adopts the file (renamed as its own, `KVMemory.adopt`) only when the layout it
+would allocate is the stored one: pages, page bytes, and its own format's dtype, layers, KV
+heads, head_dim and block size. Anything else is released: its stored descriptors removed
+(FDSTOREREMOVE), its file unlinked, one log line saying why, and the daemon starts cold.
+
+Nothing happens outside a unit with `FileDescriptorStoreMax=` ($FDSTORE unset): the file is
+removed at exit as before. CUDA pools are not stored (their memory dies with the process;
+only a VMM allocation exported as a descriptor could outlive it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedkv.daemon.memory.kv_memory import KVMemory
+from pagedkv.process.fd_store import listened_fds, remove_fds, store_enabled, store_fds
+from pagedkv.process.log_setup import get_logger
+
+log = get_logger(__name__)
+
+# Every stored pool descriptor's name starts with this.
+FD_NAME_PREFIX = "pagedkv-pool"
+_FD_NAME = re.compile(rf"{re.escape(FD_NAME_PREFIX)}\.([0-9a-f]+)\.(.+)")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLayout:
+    """What a pool's bytes mean: a daemon adopts a stored pool only when its layout is this."""
+
+    # Pages in the arena, and bytes in each.
+    num_pages: int
+    page_bytes: int
+    # The daemon's own format: canonical KV dtype, and the shape of its blocks.
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+
+    def text(self) -> str:
+        """e.g. "64x16384.float16.L2H2D64B16": a stored descriptor's name carries it."""
+        return (f"{self.num_pages}x{self.page_bytes}.{self.dtype}.L{self.num_layers}"
+                f"H{self.num_kv_heads}D{self.head_dim}B{self.block_size}")
+
+    def fd_name(self, pool_id: str) -> str:
+        return f"{FD_NAME_PREFIX}.{pool_id}.{self.text()}"
+
+
+class PoolHandover:
+    """The pool descriptors passed to this daemon, until adopted or released."""
+
+    def __init__(self, passed: dict[str, list[int]]) -> None:
+        # Stored pool descriptors by name; descriptors under other names are not ours.
+        self._passed = {name: fds for name, fds in passed.items() if _FD_NAME.fullmatch(name)}
+
+    @classmethod
+    def from_environment(cls) -> PoolHandover:
+        """What the service manager passed ($LISTEN_FDS ...), taken from the environment."""
+        return cls(listened_fds())
+
+    def files(self) -> list[Path]:
+        """The files of the passed descriptors: not stale while they may be adopted."""
+        return [_file_of(fd) for fds in self._passed.values() for fd in fds]
+
+    def adopt(self, layout: PoolLayout, shm_dir: str, mode: int,
+              group: int | None) -> KVMemory | None:
+        """The stored arena if one has `layout` (its bytes kept); None otherwise. Every other
+        passed pool is released, with a log line saying why."""
+        adopted: KVMemory | None = None
+        for name, fds in self._passed.items():
+            if adopted is None:
+                adopted, reason = _try_adopt(name, fds, layout, shm_dir, mode, group)
+                if adopted is not None:
+                    _release(name, fds, keep_file=True)
+                    continue
+            else:
+                reason = "this daemon adopted another stored pool"
+            log.warning("stored pool memory released, starting cold", fd_name=name,
+                        reason=reason)
+            _release(name, fds, keep_file=False)
+        self._passed.clear()
+        return adopted
+
+    def offer(self, arena: KVMemory, layout: PoolLayout) -> bool:
+        """Store a descriptor of `arena`'s file for the next daemon and keep the file at exit;
+        False (nothing done) outside a descriptor store or for a CUDA arena."""
+        if not store_enabled():
+            return False
+        if not arena.shm_path:
+            log.warning("pool memory on CUDA is not kept across restarts: the next daemon "
+                        "starts cold")
+            return False
+        fd = os.open(arena.shm_path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            stored = store_fds(layout.fd_name(arena.pool_id), [fd])
+        finally:
+            os.close(fd)
+        if stored:
+            arena.keep_file()
+        return stored
+
+
+def _try_adopt(name: str, fds: list[int], layout: PoolLayout, shm_dir: str, mode: int,
+               group: int | None) -> tuple[KVMemory | None, str]:
+    """The arena stored as `name` when it has `layout`, or None and why not."""
+    match = _FD_NAME.fullmatch(name)
+    assert match is not None, "only pool names are kept"
+    previous, stored_layout = match.groups()
+    if stored_layout != layout.text() or len(fds) != 1:
+        return None, (f"it is {stored_layout} ({len(fds)} descriptors), this daemon allocates "
+                      f"{layout.text()}")
+    try:
+        arena = KVMemory.adopt(fds[0], layout.num_pages, layout.page_bytes, shm_dir, mode=mode,
+                               group=group)
+    except ValueError as exc:
+        return None, str(exc)
+    log.info("pool memory adopted", previous_pool_id=previous, pool_id=arena.pool_id,
+             layout=stored_layout)
+    return arena, ""
+
+
+def _file_of(fd: int) -> Path:
+    return Path(os.readlink(f"/proc/self/fd/{fd}"))
+
+
+def _release(name: str, fds: list[int], keep_file: bool) -> None:
+    """Drop the service manager's copies of `name` and ours; unlink the file unless kept (an
+    adopted file is this daemon's now: its new copy is stored under a new name)."""
+    for fd in fds:
+        if not keep_file:
+            path = _file_of(fd)
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.fstat(fd), path.stat()):  # not a new file of that name
+                    path.unlink()
+        os.close(fd)
+    remove_fds(name)
