@@ -53,7 +53,7 @@ class CallPath:
         self.memory = memory
         self.host_memory: HostMemory | None = None
         # Tenant name -> its holder group number in every format's pool.
-        self._tenant_number = {name: i for i, name in enumerate(tenants.by_name)}
+        self.tenant_numbers = {name: i for i, name in enumerate(tenants.by_name)}
         # Serializes every change of pool state: held while a call applies its change and
         # starts its memory work, never while the work runs.
         self.lock = asyncio.Lock()
@@ -65,11 +65,11 @@ class CallPath:
 
     def groups(self, session: Session) -> tuple[int, int, int]:
         """The pool's groups of a session's sequences: by session, by tenant, by model."""
-        return session.number, self._tenant_number[session.tenant], session.model_number
+        return session.number, self.tenant_numbers[session.tenant], session.model_number
 
     def tenant_blocks(self, tenant: str) -> int:
         """Blocks the tenant's sessions hold over every format, from the pools' group counts."""
-        number = self._tenant_number[tenant]
+        number = self.tenant_numbers[tenant]
         return sum(fmt.pool.blocks_held(1, number) for fmt in self.formats.models.formats)
 
     def answer_budget(self) -> AnswerBudget:

@@ -62,6 +62,15 @@ class ModelCache:
         """The model's cached blocks and their keys, oldest parked first (O(cached))."""
         return {block: key for block, (owner, key) in self._of.items() if owner == model}
 
+    def image(self) -> list[tuple[int, int, bytes]]:
+        """The record as (block, model, key), oldest parked first: for a snapshot."""
+        return [(block, model, key) for block, (model, key) in self._of.items()]
+
+    def restore(self, image: list[tuple[int, int, bytes]]) -> None:
+        """Take a snapshot's record (`image`) into an empty one."""
+        for block, model, key in image:
+            self._put(block, (model, key))
+
     def check(self, cached: dict[int, bytes]) -> None:
         """Assert that the record is exactly the format's cached blocks (`cached`: block ->
         key), each under its key, and that the counts agree (for tests)."""

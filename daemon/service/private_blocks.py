@@ -70,6 +70,17 @@ class PrivateBlocks:
             self._of[number] = record
             self._owner.update(dict.fromkeys(record, number))
 
+    def image(self) -> list[tuple[int, int, bytes]]:
+        """The records as (session number, block, key): for a snapshot."""
+        return [(number, block, key) for number, record in self._of.items()
+                for block, key in record.items()]
+
+    def restore(self, image: list[tuple[int, int, bytes]]) -> None:
+        """Take a snapshot's records (`image`) into empty ones."""
+        for number, block, key in image:
+            self._of.setdefault(number, {})[block] = key
+            self._owner[block] = number
+
     def check(self, live: set[int], cached: dict[int, bytes]) -> None:
         """Assert that only live sessions have records, each of blocks cached under the
         recorded key or in use again (revived by their session), and that the two maps agree."""

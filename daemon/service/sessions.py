@@ -293,6 +293,24 @@ class SessionRegistry:
             self._expired.pop(session.session_id, None)
             self.expiries_total -= 1
 
+    def readmit(self, session: Session) -> None:
+        """Hold `session`, restored from a snapshot (service_image.py) under the id a previous
+        run issued; new sessions take numbers past it."""
+        assert session.session_id not in self._sessions, "a session restored twice"
+        self._sessions[session.session_id] = session
+        highest = max(s.number for s in self._sessions.values())
+        self._numbers = count(highest + 1)
+
+    def expired_ids(self) -> list[str]:
+        """The expired ids remembered, oldest first (bounded: REMEMBERED_EXPIRED_IDS)."""
+        return list(self._expired)
+
+    def remember_expired(self, session_ids: list[str], expiries_total: int) -> None:
+        """Take a previous run's remembered expired ids and expiry counter (a restore)."""
+        for session_id in session_ids[-REMEMBERED_EXPIRED_IDS:]:
+            self._expired[session_id] = None
+        self.expiries_total = expiries_total
+
     def _missing(self, session_id: str) -> PoolError:
         """The error for an id that names no live session; it names the session by number,
         never by id (a credential, and input of any length)."""

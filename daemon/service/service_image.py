@@ -1,0 +1,107 @@
+"""The service's state as plain data, for a daemon restart: the own model's pool and the
+sessions that own its sequences, and back into a fresh service on the same pool memory.
+
+What is kept: the pool (`core/pool_image.py`: tables, refcounts, the prefix cache, the host
+tier's index, holder figures), whose the cached blocks and host copies are (private-salt
+sessions', models': `PrivateBlocks`, `ModelCache`), and each session whole (its id, number,
+client name, tenant, salts, quota, sequences, request ids, figures) with the lease time it had
+left: a restored lease runs that long from the restore, so the restart's gap is added to it.
+Session ids keep the pool id of the daemon run that issued them: the restored registry holds
+them under those ids, so their owners go on naming them, while an id the previous run never
+issued, or one of another daemon's pool, is refused exactly as before (sessions.py). New
+sessions take numbers past the restored ones. The expired ids remembered, and the expiry
+counter, go too.
+
+What is not kept yet, and so makes `service_image` refuse (the daemon then writes no
+snapshot and the next one starts cold): a contiguous pool, models beyond the daemon's own
+(their formats and pages), a session a runner holds or with a call in flight. A held
+session's runner may still write its blocks: restoring it safely needs the runner's pidfd
+taken again when it reconnects (the fence), which the runner reconnection work will add.
+
+Restored only onto the memory the image describes: `restore_service` is told which pool the
+memory it maps came from (`adopted_from`, the previous run's pool id) and refuses any other,
+as it refuses another tenant numbering (the pool's holder groups are by tenant number).
+"""
+
+from typing import Any
+
+from pagedkv.daemon.core import BlockPool, PoolError
+from pagedkv.daemon.core.pool_image import Image, pool_image, restore_image
+from pagedkv.daemon.service.model_cache import ModelCache
+from pagedkv.daemon.service.pool_service import PoolService
+from pagedkv.daemon.service.private_blocks import PrivateBlocks
+from pagedkv.daemon.service.sessions import Session
+
+# The Session fields kept as they are (the lease's deadline is kept as what was left of it).
+_SESSION_FIELDS = ("session_id", "number", "client_name", "lease_ttl_ms", "max_blocks",
+                   "salt", "shared_salt", "tenant", "model", "model_number", "salt_tag",
+                   "table_entries", "prefix_cache_queries", "prefix_cache_hits")
+
+
+class NotKept(PoolError):
+    """A state the snapshot cannot keep, or an image this service must not take; the
+    message says why."""
+
+
+def service_image(service: PoolService) -> Image:
+    """`service`'s state as plain data (see the module). NotKept: a state it cannot keep."""
+    pool = service.pool
+    if not isinstance(pool, BlockPool):
+        raise NotKept("a contiguous pool's state is not kept across restarts")
+    if len(service.models.formats) > 1 or len(service.models) > 1:
+        raise NotKept("models beyond the daemon's own are not kept across restarts")
+    now = service.sessions.now()
+    sessions = []
+    for session in service.sessions:
+        if session.in_flight or session.held(now, "the snapshot"):
+            raise NotKept(f"session {session.label} has a call in flight or a runner's hold")
+        kept: dict[str, Any] = {name: getattr(session, name) for name in _SESSION_FIELDS}
+        kept["lease_left_s"] = max(0.0, session.deadline - now)
+        kept["seq_ids"] = sorted(session.seq_ids)
+        kept["request_ids"] = list(session.request_ids.items())
+        sessions.append(kept)
+    registry = service.sessions
+    return {"pool_id": service.pool_id, "pool": pool_image(pool), "sessions": sessions,
+            "records": [record.image() for record in _records(service)],
+            "tenant_numbers": list(service.calls.tenant_numbers.items()),
+            "expired": registry.expired_ids(), "expiries_total": registry.expiries_total}
+
+
+def restore_service(service: PoolService, image: Image, adopted_from: str) -> None:
+    """Put `image` into `service`, fresh (no session, no model but its own), whose pool memory
+    is the one pool `adopted_from` named. NotKept, nothing changed: the image is of other
+    memory, another tenant numbering, or another pool geometry (what differs is named)."""
+    if image["pool_id"] != adopted_from:
+        raise NotKept(f"the snapshot is of pool {image['pool_id']}, the memory mapped is "
+                      f"{'pool ' + adopted_from if adopted_from else 'new'}")
+    numbers = dict(image["tenant_numbers"])
+    if numbers != service.calls.tenant_numbers:
+        raise NotKept(f"tenants numbered {numbers} in the snapshot, "
+                      f"{service.calls.tenant_numbers} now")
+    assert not len(service.sessions), "a snapshot restored into a service with sessions"
+    pool = service.pool
+    if not isinstance(pool, BlockPool):
+        raise NotKept("a contiguous pool cannot take a snapshot's state")
+    try:
+        restore_image(pool, image["pool"])
+    except PoolError as exc:
+        raise NotKept(str(exc)) from exc
+    for record, kept_record in zip(_records(service), image["records"], strict=True):
+        record.restore(kept_record)
+    now = service.sessions.now()
+    for kept in image["sessions"]:
+        session = Session(**{name: kept[name] for name in _SESSION_FIELDS},
+                          deadline=now + kept["lease_left_s"],
+                          seq_ids=set(kept["seq_ids"]), request_ids=dict(kept["request_ids"]))
+        service.sessions.readmit(session)
+        service.calls.usage.add(session)
+    service.sessions.remember_expired(image["expired"], image["expiries_total"])
+
+
+def _records(service: PoolService) -> list[ModelCache | PrivateBlocks]:
+    """The own format's records of its cached blocks and host copies: whose they are."""
+    hygiene = service.models.own.format.hygiene
+    records: list[ModelCache | PrivateBlocks] = [hygiene.private, hygiene.cached]
+    if hygiene.host is not None:
+        records += [hygiene.host.private, hygiene.host.models]
+    return records

@@ -1,0 +1,150 @@
+"""A service restored from its image, on the same pool memory, answers as the original: the
+sessions under their ids, their tables, figures and leases (extended by the gap), the prefix
+cache; ids of another daemon stay refused; another memory, or a state it cannot keep, is
+refused with the reason named."""
+
+import contextlib
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedkv.daemon.core import (
+    BlockPool,
+    InvalidArgument,
+    PoolError,
+    SequenceExists,
+    SequenceNotFound,
+)
+from pagedkv.daemon.service.holds import Hold
+from pagedkv.daemon.service.operations import (
+    Allocate,
+    Append,
+    Commit,
+    Fork,
+    Free,
+    Operation,
+    PoolExhausted,
+)
+from pagedkv.daemon.service.pool_service import PoolService
+from pagedkv.daemon.service.service_image import NotKept, restore_service, service_image
+from pagedkv.daemon.service.sessions import SessionExpired
+
+from hand_clock import HandClock
+
+_seq = st.integers(0, 4)
+_ops = st.one_of(
+    st.builds(lambda q, n: Allocate(q, n, [7] * n), _seq, st.integers(0, 9)),
+    st.builds(Allocate, _seq, st.integers(0, 5), st.just(())),
+    st.builds(Append, _seq, st.integers(1, 5)),
+    st.builds(Fork, _seq, _seq),
+    st.builds(lambda q: Commit([q]), _seq),
+    st.builds(Free, _seq),
+)
+
+
+def make_service(pool_id: str, clock: HandClock, host_slots: int = 4) -> PoolService:
+    service = PoolService(BlockPool(12, 2), None, pool_id=pool_id, clock=clock)
+    service.attach_host_tier(None, host_slots)
+    return service
+
+
+def restarted(service: PoolService, clock: HandClock) -> PoolService:
+    """The next daemon's service, with `service`'s image read back as a snapshot reads it."""
+    image = msgpack.unpackb(msgpack.packb(service_image(service), use_bin_type=True),
+                            raw=False, strict_map_key=False)
+    again = make_service("next", clock)
+    restore_service(again, image, adopted_from=service.pool_id)
+    again.check_invariants()
+    return again
+
+
+async def answers(service: PoolService) -> object:
+    """What clients and operators can ask: every session's stats and tables, pool figures."""
+    tables = {}
+    for session in service.sessions:
+        seq_ids = sorted(session.seq_ids)
+        if seq_ids:
+            tables[session.session_id] = await service.block_tables(session.session_id, seq_ids,
+                                                                    with_token_ids=True)
+    stats = {s.session_id: service.stats_of(s.session_id) for s in service.sessions}
+    return service.pool_stats(), tables, stats, service.tenant_figures()
+
+
+async def outcome(service: PoolService, session_id: str, op: Allocate) -> object:
+    """The answer, or the refusal's type and message."""
+    try:
+        return await service.allocate(session_id, op)
+    except PoolError as exc:
+        return type(exc), str(exc)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 2), st.lists(_ops, min_size=1, max_size=3)),
+                max_size=20), st.integers(0, 2))
+async def test_a_restored_service_answers_as_the_original(
+        script: list[tuple[int, list[Operation]]], closed: int) -> None:
+    clock = HandClock()
+    service = make_service("first", clock)
+    sids = [service.open_session("a", max_blocks=10).session_id,
+            service.open_session("b", cache_salt=b"s").session_id,
+            service.open_session("c", cache_salt=b"s").session_id]
+    for index, ops in script:
+        with contextlib.suppress(InvalidArgument, SequenceNotFound, SequenceExists,
+                                 PoolExhausted):
+            await service.batch(sids[index], ops)
+    await service.close_session(sids[closed])
+    again = restarted(service, clock)
+    assert await answers(again) == await answers(service)
+    # Both go on alike: the same prompt finds the same cached prefix, the same blocks.
+    prompt = Allocate(9, 6, [7] * 6)
+    live = sids[(closed + 1) % 3]
+    assert await outcome(again, live, prompt) == await outcome(service, live, prompt)
+    again.check_invariants()
+
+
+async def test_leases_are_extended_by_the_gap_and_ids_stay_credentials() -> None:
+    clock = HandClock()
+    service = make_service("first", clock)
+    sid = service.open_session("a", lease_ttl_ms=1000).session_id
+    await service.allocate(sid, Allocate(0, 3, [1, 2, 3]))
+    clock.advance(400)  # 600 ms of the lease left at the stop
+    image = service_image(service)
+    clock.advance(5000)  # the restart's gap
+    again = make_service("next", clock)
+    restore_service(again, image, adopted_from="first")
+    clock.advance(500)
+    assert again.keep_alive(sid) == 1000  # alive: 600 ms ran from the restore
+    assert await again.expire_due() == 0
+    foreign = sid.replace("first-", "other-", 1)
+    with pytest.raises(SessionExpired, match="before a daemon restart"):
+        again.keep_alive(foreign)
+    newcomer = again.open_session("d")
+    assert newcomer.number > again.sessions.peek(sid).number  # type: ignore[union-attr]
+    assert newcomer.session_id.startswith("next-")
+
+
+def test_another_memory_or_geometry_is_refused_and_changes_nothing() -> None:
+    clock = HandClock()
+    service = make_service("first", clock)
+    service.open_session("a")
+    image = service_image(service)
+    fresh = make_service("next", clock)
+    with pytest.raises(NotKept, match="snapshot is of pool first, the memory mapped is new"):
+        restore_service(fresh, image, adopted_from="")
+    other = PoolService(BlockPool(16, 2), None, pool_id="next", clock=clock)
+    other.attach_host_tier(None, 4)
+    with pytest.raises(NotKept, match="num_blocks 12 != 16"):
+        restore_service(other, image, adopted_from="first")
+    for untouched in (fresh, other):
+        assert not len(untouched.sessions)
+        assert untouched.pool_stats().used_blocks == untouched.pool_stats().num_sequences == 0
+
+
+def test_a_held_session_is_not_kept() -> None:
+    service = make_service("first", HandClock())
+    sid = service.open_session("a").session_id
+    service.keep_alive(sid, Hold(hold_ms=1000))
+    with pytest.raises(NotKept, match="runner's hold"):
+        service_image(service)
