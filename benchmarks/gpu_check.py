@@ -10,7 +10,9 @@ H100 or H200. It checks, in order, each stage with its own timeout (all within D
 2. pytest: `pytest -m gpu` in a subprocess, its passed / failed / skipped counts from its JUnit
    report (among them: decode replayed from CUDA graphs gives eager's tokens,
    tests/model_runner/test_decode_graphs.py, the check `pagedkv runner --cuda-graphs` waits
-   for). A `gpu` test skipped on a CUDA device fails the stage (its id and reason shown).
+   for; a CUDA VMM allocation exported as a descriptor outlives the process that made it and
+   maps in another, tests/memory/test_cuda_vmm.py). A `gpu` test skipped on a CUDA device fails
+   the stage (its id and reason shown).
 3. bench: benchmarks/bench_kernels_gpu.py --quick (`make bench-gpu` at fewer points: its
    correctness check, decode and prefill timings, the fp16/bf16/fp8 x D=128/256 matrix, the
    32-layer loop eager and from a CUDA graph) in a subprocess; its `name: value unit` figures.
