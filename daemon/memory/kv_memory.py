@@ -102,7 +102,10 @@ class KVMemory:
         long. The caller still owns `fd`."""
         _check_mode(mode)
         path = Path(os.readlink(f"/proc/self/fd/{fd}"))
-        match = re.fullmatch(rf"{re.escape(name_prefix)}-\d+-([0-9a-f]+)\.kv", path.name)
+        if path.name.endswith(" (deleted)"):
+            raise ValueError(f"the passed pool file {path.name.removesuffix(' (deleted)')} was "
+                             "removed")
+        match = pool_file_name(path.name, name_prefix)
         if path.parent != Path(shm_dir) or match is None:
             raise ValueError(f"the passed pool file {path} is not a pool file in {shm_dir}")
         described, passed = os.fstat(fd), path.stat()  # the path may name another file now
@@ -118,7 +121,7 @@ class KVMemory:
         pages = torch.from_file(str(target), shared=True, size=num_pages * page_bytes,
                                 dtype=torch.uint8)
         return cls(pages.view(num_pages, page_bytes), "shm", str(target), b"", pool_id,
-                   adopted_from=match.group(1))
+                   adopted_from=match.group(2))
 
     def keep_file(self) -> None:
         """Leave the shm file in place on close: its descriptor is in the service manager's
@@ -290,14 +293,19 @@ def cleanup_stale_files(shm_dir: str = "/dev/shm", name_prefix: str = "pagedkv",
     A dead daemon's pid reused by an unrelated process keeps its file until a later cleanup:
     a leak at worst, whereas a live daemon's pool is never deleted.
     """
-    pattern = re.compile(rf"{re.escape(name_prefix)}-(\d+)-[0-9a-f]+\.kv")
     removed = []
     for path in Path(shm_dir).iterdir():
-        match = pattern.fullmatch(path.name)
+        match = pool_file_name(path.name, name_prefix)
         if match and path not in keep and not _pid_alive(int(match.group(1))):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
+
+
+def pool_file_name(name: str, name_prefix: str = "pagedkv") -> re.Match[str] | None:
+    """A pool file's name parsed: group 1 its owner's pid, group 2 its pool id; None for any
+    other name."""
+    return re.fullmatch(rf"{re.escape(name_prefix)}-(\d+)-([0-9a-f]+)\.kv", name)
 
 
 def _pid_alive(pid: int) -> bool:

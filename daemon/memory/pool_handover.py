@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.daemon.memory.kv_memory import KVMemory
+from pagedkv.daemon.memory.kv_memory import KVMemory, pool_file_name
 from pagedkv.process.fd_store import listened_fds, remove_fds, store_enabled, store_fds
 from pagedkv.process.log_setup import get_logger
 
@@ -142,8 +142,8 @@ def _release(name: str, fds: list[int], keep_file: bool) -> None:
     """Drop the service manager's copies of `name` and ours; unlink the file unless kept (an
     adopted file is this daemon's now: its new copy is stored under a new name)."""
     for fd in fds:
-        if not keep_file:
-            path = _file_of(fd)
+        path = _file_of(fd)
+        if not keep_file and pool_file_name(path.name):
             with contextlib.suppress(OSError):
                 if os.path.samestat(os.fstat(fd), path.stat()):  # not a new file of that name
                     path.unlink()
