@@ -27,7 +27,13 @@ from pagedkv.daemon.process.access_settings import (
     load_tls,
     read_auth_token,
 )
-from pagedkv.daemon.process.settings import SETTINGS, ConfigError, check_setting
+from pagedkv.daemon.process.settings import (
+    RESTORE_MODES,
+    SETTINGS,
+    ConfigError,
+    RestoreMode,
+    check_setting,
+)
 from pagedkv.daemon.process.tenant_config import TenantSpec
 from pagedkv.daemon.service.limits import LIMITS, Limits
 from pagedkv.daemon.service.models import DEFAULT_MAX_MODELS, ModelPolicy
@@ -125,6 +131,15 @@ class DaemonConfig:
     # Folder of the CPU pool's shared-memory file: a tmpfs (or hugetlbfs) mount. The file is
     # mode 0o600 (the daemon's user), or 0o660 with runner_group as its group.
     shm_dir: Path = Path("/dev/shm")
+
+    # What the daemon's sessions and tables do across a restart (daemon/process/restart.py):
+    # "never" (the default): the next daemon starts cold; "auto": a daemon that stops on
+    # SIGTERM writes a snapshot of them into state_dir, and the next one restores it when it
+    # maps the same pool memory (handed over through systemd's fd store), else starts cold.
+    restore: RestoreMode = "never"
+    # Folder of the snapshot, the daemon's own (mode 0700); None: $STATE_DIRECTORY under
+    # systemd, else ./state.
+    state_dir: Path | None = None
 
     # ---- The host-memory tier (kvpool.proto, "The host-memory tier"): bytes of host memory
     # holding copies of committed blocks the pool evicts; 0: no tier (the default).
@@ -343,6 +358,9 @@ class DaemonConfig:
         if not 1 <= self.max_models <= 1024:
             raise ConfigError(f"max_models must be in 1..1024, got {self.max_models}")
         self._check_allocator()
+        if self.restore not in RESTORE_MODES:
+            raise ConfigError(f"restore must be one of {', '.join(RESTORE_MODES)}, "
+                              f"got {self.restore!r}")
 
     def _check_allocator(self) -> None:
         """A known allocator; max_model_len exactly when contiguous, and fitting the pool when

@@ -9,14 +9,18 @@ READY=1. The tests' in-process daemon builds its gRPC servers with the same `grp
 
 Stop (SIGTERM or SIGINT): STOPPING=1 and health NOT_SERVING so balancers and clients move
 away, then the gRPC server stops accepting and lets in-flight calls finish for up to
-SHUTDOWN_GRACE_S (process/grpc_server.py), then the lease reaper stops and the pool memory is
-released (its shm file unlinked). The next start has a new pool_id: clients recompute their
-tables from scratch. Pool memory work that fails stops the daemon the same way (fail-stop,
-daemon/service/memory_order.py), with a failure exit status: its supervisor restarts it.
+SHUTDOWN_GRACE_S (process/grpc_server.py), then the lease reaper stops, with restore = "auto"
+the sessions and tables are written to a snapshot (restart.py), and the pool memory is
+released (its shm file unlinked unless the service manager keeps it). The next start has a
+new pool_id: clients recompute their tables from scratch, unless it restored the snapshot onto
+the same memory (restart.py), before any listener was bound. Pool memory work that fails
+stops the daemon the same way (fail-stop, daemon/service/memory_order.py), with a failure
+exit status: its supervisor restarts it.
 """
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +47,7 @@ from pagedkv.daemon.process.config import (
     DaemonConfig,
 )
 from pagedkv.daemon.process.event_sink import make_event_sink, start_event_sink
+from pagedkv.daemon.process.restart import keep_state, pool_identity, restore_state
 from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.service.memory_order import MemoryOrder
 from pagedkv.daemon.service.pool_service import PoolService
@@ -170,31 +175,47 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
                  adopted_from=memory.arena.adopted_from or None,
                  allocator=config.allocator, max_model_len=config.max_model_len,
                  prefix_hash=config.prefix_hash)
-        pool = (BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
-                          config.prefix_hash, blocks_per_page=blocks_per_page)
-                if blocks_per_page > 1 else
-                make_pool(config.allocator, num_blocks, config.block_size,
-                          enable_prefix_caching=config.enable_prefix_caching,
-                          prefix_hash=config.prefix_hash, max_model_len=config.max_model_len))
-        try:
-            service = PoolService(pool, memory, pool_id=memory.pool_id,
-                                  default_lease_ttl_ms=config.lease_ttl_ms,
-                                  max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,
-                                  zero_freed_blocks=config.zero_freed_blocks,
-                                  tenants=config.build_tenants(), limits=config.limits(),
-                                  page_bytes=blocks_per_page * per_block,
-                                  model_policies=dict(config.models),
-                                  max_models=config.max_models, prefix_hash=config.prefix_hash)
-        except ValueError as exc:  # the [models.NAME] reserves do not fit in the pool
-            raise ConfigError(f"models: {exc}") from exc
+        build = functools.partial(pool_service, config, memory, geometry, num_blocks,
+                                  blocks_per_page, per_block)
+        service = build()
+        identity = pool_identity(config, geometry, dtype, service)
+        if not restore_state(config, service, memory, identity):
+            if config.restore == "auto":  # a refused snapshot may have touched it
+                service = build()
+            if memory.arena.adopted_from and config.zero_freed_blocks:
+                memory.arena.zero_pages(range(memory.arena.num_pages))  # every block is free
         with host_tier(config, service, memory):
             await service.start()
             try:
                 yield service, memory
             finally:
                 await service.stop()
+            keep_state(config, service, identity)  # a clean stop: the calls have drained
     finally:
         memory.close()
+
+
+def pool_service(config: DaemonConfig, memory: KVPoolMemory, geometry: ModelGeometry,
+                 num_blocks: int, blocks_per_page: int, per_block: int) -> PoolService:
+    """The block pool of `num_blocks` blocks of `per_block` bytes, `blocks_per_page` a page,
+    over `memory`, and the service on it, with no session."""
+    pool = (BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
+                      config.prefix_hash, blocks_per_page=blocks_per_page)
+            if blocks_per_page > 1 else
+            make_pool(config.allocator, num_blocks, config.block_size,
+                      enable_prefix_caching=config.enable_prefix_caching,
+                      prefix_hash=config.prefix_hash, max_model_len=config.max_model_len))
+    try:
+        return PoolService(pool, memory, pool_id=memory.pool_id,
+                           default_lease_ttl_ms=config.lease_ttl_ms,
+                           max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,
+                           zero_freed_blocks=config.zero_freed_blocks,
+                           tenants=config.build_tenants(), limits=config.limits(),
+                           page_bytes=blocks_per_page * per_block,
+                           model_policies=dict(config.models),
+                           max_models=config.max_models, prefix_hash=config.prefix_hash)
+    except ValueError as exc:  # the [models.NAME] reserves do not fit in the pool
+        raise ConfigError(f"models: {exc}") from exc
 
 
 @contextlib.contextmanager
@@ -255,8 +276,6 @@ def pool_memory(config: DaemonConfig, geometry: ModelGeometry, dtype: str, num_b
     if arena is None:
         arena = KVMemory.create(layout.num_pages, layout.page_bytes, device=config.device,
                                 shm_dir=shm_dir, mode=mode, group=group)
-    elif config.zero_freed_blocks:  # every block is free until a restore says otherwise
-        arena.zero_pages(range(arena.num_pages))
     try:
         memory = KVPoolMemory(arena, arena.view(geometry.num_layers, geometry.num_kv_heads,
                                                 geometry.head_dim, dtype, config.block_size))

@@ -14,7 +14,7 @@ the setting (`ConfigError`, "num_blocks must be positive").
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
 from pagedkv.daemon.core import ALLOCATORS, PREFIX_HASHES
 from pagedkv.daemon.process.model_config import parse_models
@@ -135,6 +135,11 @@ def flag_name(name: str, setting: Setting) -> str:
     return setting.flag or f"--{name.replace('_', '-')}"
 
 
+# What the daemon's state does across a restart (the `restore` setting, restart.py).
+RestoreMode = Literal["never", "auto"]
+RESTORE_MODES: tuple[RestoreMode, ...] = get_args(RestoreMode)
+
+
 # Every DaemonConfig field (config.py asserts it), in the order --help lists them.
 SETTINGS: dict[str, Setting] = {
     "listen": Setting(ADDRESSES, "unix:///path or host:port (TCP needs --auth-token-file); "
@@ -177,6 +182,11 @@ SETTINGS: dict[str, Setting] = {
                              "(required with --allocator contiguous; must fit in the pool)"),
     "zero_freed_blocks": Setting(SWITCH, "zero blocks as they are released"),
     "shm_dir": Setting(PATH, "folder of the CPU pool file (default {default})"),
+    "restore": Setting(TEXT, "never (default): start cold after a restart; auto: write the "
+                       "sessions and tables at SIGTERM and restore them at the next start on "
+                       "the same pool memory", RESTORE_MODES),
+    "state_dir": Setting(PATH, "folder of the restart snapshot (default: $STATE_DIRECTORY, "
+                         "else ./state)"),
     "host_tier_memory": Setting(BYTES, "host memory for copies of evicted prefix blocks, e.g. "
                                 "32GiB (default 0: no host tier)"),
     "kv_events_endpoint": Setting(TEXT, "ZMQ PUB endpoint of KV events in vLLM's format, e.g. "
