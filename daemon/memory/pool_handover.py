@@ -67,6 +67,9 @@ class PoolHandover:
     def __init__(self, passed: dict[str, list[int]]) -> None:
         # Stored pool descriptors by name; descriptors under other names are not ours.
         self._passed = {name: fds for name, fds in passed.items() if _FD_NAME.fullmatch(name)}
+        # The adopted pool's stored name: removed from the store once the arena is stored
+        # under its new name (`offer`), so a crash in between loses nothing.
+        self._superseded: str | None = None
 
     @classmethod
     def from_environment(cls) -> PoolHandover:
@@ -86,33 +89,45 @@ class PoolHandover:
             if adopted is None:
                 adopted, reason = _try_adopt(name, fds, layout, shm_dir, mode, group)
                 if adopted is not None:
-                    _release(name, fds, keep_file=True)
+                    for fd in fds:
+                        os.close(fd)
+                    self._superseded = name
                     continue
             else:
                 reason = "this daemon adopted another stored pool"
             log.warning("stored pool memory released, starting cold", fd_name=name,
                         reason=reason)
-            _release(name, fds, keep_file=False)
+            _release(name, fds)
         self._passed.clear()
         return adopted
 
     def offer(self, arena: KVMemory, layout: PoolLayout) -> bool:
-        """Store a descriptor of `arena`'s file for the next daemon and keep the file at exit;
-        False (nothing done) outside a descriptor store or for a CUDA arena."""
-        if not store_enabled():
-            return False
-        if not arena.shm_path:
-            log.warning("pool memory on CUDA is not kept across restarts: the next daemon "
-                        "starts cold")
-            return False
-        fd = os.open(arena.shm_path, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            stored = store_fds(layout.fd_name(arena.pool_id), [fd])
-        finally:
-            os.close(fd)
-        if stored:
-            arena.keep_file()
+        """Store a descriptor of `arena`'s file for the next daemon and keep the file at exit
+        (then drop the adopted pool's old name from the store); False (nothing stored) outside
+        a descriptor store or for a CUDA arena."""
+        stored = _store(arena, layout)
+        if self._superseded is not None:
+            remove_fds(self._superseded)
+            self._superseded = None
         return stored
+
+
+def _store(arena: KVMemory, layout: PoolLayout) -> bool:
+    """`offer`'s storing."""
+    if not store_enabled():
+        return False
+    if not arena.shm_path:
+        log.warning("pool memory on CUDA is not kept across restarts: the next daemon "
+                    "starts cold")
+        return False
+    fd = os.open(arena.shm_path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        stored = store_fds(layout.fd_name(arena.pool_id), [fd])
+    finally:
+        os.close(fd)
+    if stored:
+        arena.keep_file()
+    return stored
 
 
 def _try_adopt(name: str, fds: list[int], layout: PoolLayout, shm_dir: str, mode: int,
@@ -138,12 +153,11 @@ def _file_of(fd: int) -> Path:
     return Path(os.readlink(f"/proc/self/fd/{fd}"))
 
 
-def _release(name: str, fds: list[int], keep_file: bool) -> None:
-    """Drop the service manager's copies of `name` and ours; unlink the file unless kept (an
-    adopted file is this daemon's now: its new copy is stored under a new name)."""
+def _release(name: str, fds: list[int]) -> None:
+    """Drop the service manager's copies of `name` and ours, and unlink their pool file."""
     for fd in fds:
         path = _file_of(fd)
-        if not keep_file and pool_file_name(path.name):
+        if pool_file_name(path.name):
             with contextlib.suppress(OSError):
                 if os.path.samestat(os.fstat(fd), path.stat()):  # not a new file of that name
                     path.unlink()
