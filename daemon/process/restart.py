@@ -53,13 +53,15 @@ def state_dir(config: DaemonConfig) -> Path:
 
 def pool_identity(config: DaemonConfig, geometry: ModelGeometry, dtype: str,
                   service: PoolService) -> dict[str, Any]:
-    """What a snapshot is of: a pool of this geometry, size, layout and hashing."""
+    """What a snapshot is of: a pool of this geometry, size, layout, hashing and zeroing."""
     return {"model": geometry.name, "num_layers": geometry.num_layers,
             "num_kv_heads": geometry.num_kv_heads, "head_dim": geometry.head_dim,
             "dtype": dtype, "num_blocks": service.pool.num_blocks,
             "block_size": config.block_size, "page_size": config.page_size,
             "allocator": config.allocator, "prefix_hash": config.prefix_hash,
-            "prefix_caching": config.enable_prefix_caching}
+            "prefix_caching": config.enable_prefix_caching,
+            # A daemon that zeroes freed blocks trusts that free blocks hold no one's K/V.
+            "zero_freed_blocks": config.zero_freed_blocks}
 
 
 def keep_state(config: DaemonConfig, service: PoolService, identity: dict[str, Any]) -> None:
