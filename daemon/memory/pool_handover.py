@@ -97,7 +97,7 @@ class PoolHandover:
                 reason = "this daemon adopted another stored pool"
             log.warning("stored pool memory released, starting cold", fd_name=name,
                         reason=reason)
-            _release(name, fds)
+            _release(name, fds, keep=adopted.shm_path if adopted is not None else "")
         self._passed.clear()
         return adopted
 
@@ -153,11 +153,12 @@ def _file_of(fd: int) -> Path:
     return Path(os.readlink(f"/proc/self/fd/{fd}"))
 
 
-def _release(name: str, fds: list[int]) -> None:
-    """Drop the service manager's copies of `name` and ours, and unlink their pool file."""
+def _release(name: str, fds: list[int], keep: str) -> None:
+    """Drop the service manager's copies of `name` and ours, and unlink their pool file unless
+    it is `keep` (the adopted one: two names of one file are left by a crash in `offer`)."""
     for fd in fds:
         path = _file_of(fd)
-        if pool_file_name(path.name):
+        if pool_file_name(path.name) and str(path) != keep:
             with contextlib.suppress(OSError):
                 if os.path.samestat(os.fstat(fd), path.stat()):  # not a new file of that name
                     path.unlink()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from fd_store_supervisor import FdStoreSupervisor
 
 from pagedkv.daemon.memory.kv_memory import KVMemory
@@ -104,3 +105,21 @@ def test_pool_layout_names_what_the_bytes_mean() -> None:
     layout = PoolLayout(64, 16384, "float16", 2, 2, 64, 16)
     assert layout.fd_name("ab12") == "pagedkv-pool.ab12.64x16384.float16.L2H2D64B16"
     assert PoolHandover({"other": [0], "pagedkv-pool.zz.x": [1]}).files() == []
+
+
+def test_two_names_of_one_file_adopt_it_once_and_keep_it(tmp_path: Path) -> None:
+    # What a crash between storing the adopted arena and removing its old name leaves.
+    layout = PoolLayout(4, 64, "float16", 1, 1, 4, 4)
+    arena = KVMemory.create(4, 64, shm_dir=str(tmp_path))
+    arena.pages[2, :3] = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    arena.keep_file()
+    arena.close()
+    (path,) = tmp_path.glob("pagedkv-*.kv")
+    fds = [os.open(path, os.O_RDWR) for _ in range(2)]
+    handover = PoolHandover({layout.fd_name(arena.pool_id): [fds[0]],
+                             layout.fd_name("00bb"): [fds[1]]})
+    adopted = handover.adopt(layout, str(tmp_path), 0o600, None)
+    assert adopted is not None and adopted.adopted_from == arena.pool_id
+    assert Path(adopted.shm_path).exists()
+    assert adopted.pages[2, :3].tolist() == [1, 2, 3]
+    adopted.close()
