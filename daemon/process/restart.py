@@ -1,8 +1,10 @@
 """The daemon's sessions and tables across a restart (`restore = "auto"`).
 
-At stop, once SIGTERM's drain has let in-flight calls finish and the lease reaper has stopped,
-`keep_state` writes the service's image (daemon/service/service_image.py) into the snapshot
-file (snapshot_file.py) in the state folder. At start, before any listener is bound,
+At stop, once SIGTERM's drain has let in-flight calls finish, `state_image` takes the
+service's image (daemon/service/service_image.py: runner holds are named by the runners'
+processes, so before the service's stop closes their pidfds), and once the service has
+stopped and its memory work is done, `keep_state` writes it into the snapshot file
+(snapshot_file.py) in the state folder. At start, before any listener is bound,
 `restore_state` reads it back into the fresh service, only when the pool memory the daemon
 maps is the memory the snapshot describes (adopted from the previous run through systemd's fd
 store: daemon/memory/pool_handover.py) and its identity (geometry, block count, page size,
@@ -13,14 +15,14 @@ caller builds a new service. A snapshot applied is removed, so it is never appli
 
 Not written (the next daemon then starts cold, said in one log line): with a host tier (its
 memory is not handed over yet), when the pool's memory work failed (fail-stop: its contents
-are unknown), or when the service holds what the image cannot keep (models beyond its own, a
-session a runner holds).
+are unknown), or when the service holds what the image cannot keep (models beyond its own).
 """
 
 import os
 from pathlib import Path
 from typing import Any
 
+from pagedkv.daemon.core.pool_image import Image
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
 from pagedkv.daemon.process.config import DaemonConfig
 from pagedkv.daemon.process.snapshot_file import (
@@ -64,20 +66,33 @@ def pool_identity(config: DaemonConfig, geometry: ModelGeometry, dtype: str,
             "zero_freed_blocks": config.zero_freed_blocks}
 
 
-def keep_state(config: DaemonConfig, service: PoolService, identity: dict[str, Any]) -> None:
-    """Write the snapshot for the next daemon (restore = "auto"), or log why not."""
+def state_image(config: DaemonConfig, service: PoolService) -> Image | None:
+    """The service's image to keep (restore = "auto"), taken once the calls have drained and
+    before `PoolService.stop` closes the runners' pidfds (holds name their runner); None when
+    there is none to keep (logged)."""
     if config.restore != "auto":
+        return None
+    why_not = _why_not_kept(config, service)
+    if not why_not:
+        try:
+            return service_image(service)
+        except NotKept as exc:
+            why_not = str(exc)
+    log.warning("no restart snapshot written: the next daemon starts cold", reason=why_not)
+    return None
+
+
+def keep_state(config: DaemonConfig, service: PoolService, identity: dict[str, Any],
+               image: Image | None) -> None:
+    """Write `image` for the next daemon, once the service has stopped and its memory work
+    is done, unless that work failed (then the memory's contents are unknown: logged)."""
+    if image is None:
         return
-    path = state_dir(config) / SNAPSHOT_NAME
     why_not = _why_not_kept(config, service)
     if why_not:
         log.warning("no restart snapshot written: the next daemon starts cold", reason=why_not)
         return
-    try:
-        image = service_image(service)
-    except NotKept as exc:
-        log.warning("no restart snapshot written: the next daemon starts cold", reason=str(exc))
-        return
+    path = state_dir(config) / SNAPSHOT_NAME
     write_snapshot(path, identity, image)
     log.info("restart snapshot written", path=str(path), sessions=len(image["sessions"]),
              bytes=path.stat().st_size)

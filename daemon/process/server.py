@@ -47,7 +47,12 @@ from pagedkv.daemon.process.config import (
     DaemonConfig,
 )
 from pagedkv.daemon.process.event_sink import make_event_sink, start_event_sink
-from pagedkv.daemon.process.restart import keep_state, pool_identity, restore_state
+from pagedkv.daemon.process.restart import (
+    keep_state,
+    pool_identity,
+    restore_state,
+    state_image,
+)
 from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.service.memory_order import MemoryOrder
 from pagedkv.daemon.service.pool_service import PoolService
@@ -186,11 +191,13 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
                 memory.arena.zero_pages(range(memory.arena.num_pages))  # every block is free
         with host_tier(config, service, memory):
             await service.start()
+            image = None
             try:
                 yield service, memory
+                image = state_image(config, service)  # a clean stop: the calls have drained
             finally:
                 await service.stop()
-            keep_state(config, service, identity)  # a clean stop: the calls have drained
+            keep_state(config, service, identity, image)
     finally:
         memory.close()
 

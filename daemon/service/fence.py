@@ -43,6 +43,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, get_logger
 
@@ -82,6 +83,17 @@ def peer_pidfd(sock: socket.socket, pid: int) -> int | None:
         return os.pidfd_open(pid)
     except OSError:
         return None
+
+
+def process_start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot: /proc/PID/stat's 22nd field), None
+    when there is none: with the pid, what names one process across a daemon restart."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: split after it.
+    return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 @dataclass
@@ -152,6 +164,15 @@ class RunnerProcess:
         log.warning("runner fenced: a hold of it lapsed while another caller needs its "
                     "blocks; killed (SIGKILL) before they are freed", pid=self.pid, need=why)
 
+    def identity(self) -> tuple[int, int] | None:
+        """(pid, start time) while it runs, what a restart snapshot names it by; None once it
+        has exited. Read while the pidfd pins the process, so the pid is still its own."""
+        with self._lock:
+            if not self._alive():
+                return None
+            start = process_start_time(self.pid)
+        return None if start is None else (self.pid, start)
+
     def close(self) -> None:
         """Close its pidfd (the daemon stopping): it counts as gone from now on."""
         with self._lock:
@@ -194,6 +215,25 @@ class RunnerProcesses:
                 self._by_pid[credentials.pid] = RunnerProcess(credentials.pid, pidfd,
                                                               self.counts)
         return credentials
+
+    def adopt(self, pid: int, start: int) -> RunnerProcess | None:
+        """The runner process `pid` that started at `start` (named by a restart snapshot), with
+        a pidfd taken now; None when it has exited. The pidfd is opened before the start time
+        is read: if the pid names another process by then, the times differ, and the pid is
+        never trusted alone."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            return None
+        if process_start_time(pid) != start:
+            os.close(pidfd)
+            return None
+        process = RunnerProcess(pid, pidfd, self.counts)
+        with self._lock:
+            known = self._by_pid.get(pid)
+            if known is None or not known.alive():
+                self._by_pid[pid] = process  # its next connection is this process
+        return process
 
     def get(self, pid: int) -> RunnerProcess | None:
         """The live process `pid` named at connect; None if unknown or gone."""

@@ -12,11 +12,18 @@ issued, or one of another daemon's pool, is refused exactly as before (sessions.
 sessions take numbers past the restored ones. The expired ids remembered, and the expiry
 counter, go too.
 
+Runner holds are kept by the runner's process, named by pid and start time (read while the
+stopping daemon's pidfd pins it): a runner keeps running through the restart and may still
+write the session's blocks, so the restored session stays held for the time its hold had
+left, and a lapsed hold's runner is fenced as before. The next daemon takes a pidfd for the pid
+and keeps the hold only if that process started at the same time (`RunnerProcesses.adopt`):
+a runner that exited, or a pid now another process's, holds nothing. Holds of the daemon's
+own code end with it. Take the image while the runners' pidfds are open (before
+`PoolService.stop`).
+
 What is not kept yet, and so makes `service_image` refuse (the daemon then writes no
 snapshot and the next one starts cold): a contiguous pool, models beyond the daemon's own
-(their formats and pages), a session a runner holds or with a call in flight. A held
-session's runner may still write its blocks: restoring it safely needs the runner's pidfd
-taken again when it reconnects (the fence), which the runner reconnection work will add.
+(their formats and pages), a session with a call in flight.
 
 Restored only onto the memory the image describes: `restore_service` is told which pool the
 memory it maps came from (`adopted_from`, the previous run's pool id) and refuses any other,
@@ -53,9 +60,10 @@ def service_image(service: PoolService) -> Image:
     now = service.sessions.now()
     sessions = []
     for session in service.sessions:
-        if session.in_flight or session.held(now, "the snapshot"):
-            raise NotKept(f"session {session.label} has a call in flight or a runner's hold")
+        if session.in_flight:
+            raise NotKept(f"session {session.label} has a call in flight")
         kept: dict[str, Any] = {name: getattr(session, name) for name in _SESSION_FIELDS}
+        kept["holds"] = _holds_image(session, now)
         kept["lease_left_s"] = max(0.0, session.deadline - now)
         kept["seq_ids"] = sorted(session.seq_ids)
         kept["request_ids"] = list(session.request_ids.items())
@@ -93,9 +101,25 @@ def restore_service(service: PoolService, image: Image, adopted_from: str) -> No
         session = Session(**{name: kept[name] for name in _SESSION_FIELDS},
                           deadline=now + kept["lease_left_s"],
                           seq_ids=set(kept["seq_ids"]), request_ids=dict(kept["request_ids"]))
+        for pid, start, left_s in kept["holds"]:
+            process = service.runner_processes.adopt(pid, start)
+            if process is not None:  # else it has exited: it writes nothing more
+                session.holds[process] = now + left_s
         service.sessions.readmit(session)
         service.calls.usage.add(session)
     service.sessions.remember_expired(image["expired"], image["expiries_total"])
+
+
+def _holds_image(session: Session, now: float) -> list[tuple[int, int, float]]:
+    """The session's runner holds as (pid, start time, time left): those of runners still
+    running (a lapsed one's too, left 0: its runner is fenced when the blocks are needed).
+    The daemon's own code's holds end with the daemon."""
+    kept = []
+    for process, until in session.holds.items():
+        identity = None if process is None else process.identity()
+        if identity is not None:
+            kept.append((*identity, max(0.0, until - now)))
+    return kept
 
 
 def _records(service: PoolService) -> list[ModelCache | PrivateBlocks]:

@@ -4,6 +4,10 @@ cache; ids of another daemon stay refused; another memory, or a state it cannot 
 refused with the reason named."""
 
 import contextlib
+import os
+import signal
+import subprocess
+import sys
 
 import msgpack
 import pytest
@@ -17,7 +21,8 @@ from pagedkv.daemon.core import (
     SequenceExists,
     SequenceNotFound,
 )
-from pagedkv.daemon.service.holds import Hold
+from pagedkv.daemon.service.fence import FenceCounts, RunnerProcess
+from pagedkv.daemon.service.holds import SessionBusy
 from pagedkv.daemon.service.operations import (
     Allocate,
     Append,
@@ -30,6 +35,7 @@ from pagedkv.daemon.service.operations import (
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.service_image import NotKept, restore_service, service_image
 from pagedkv.daemon.service.sessions import SessionExpired
+from pagedkv.daemon.service.tenants import DEFAULT_TENANT, Caller, calling_as
 
 from hand_clock import HandClock
 
@@ -142,9 +148,49 @@ def test_another_memory_or_geometry_is_refused_and_changes_nothing() -> None:
         assert untouched.pool_stats().used_blocks == untouched.pool_stats().num_sequences == 0
 
 
-def test_a_held_session_is_not_kept() -> None:
-    service = make_service("first", HandClock())
-    sid = service.open_session("a").session_id
-    service.keep_alive(sid, Hold(hold_ms=1000))
-    with pytest.raises(NotKept, match="runner's hold"):
-        service_image(service)
+def runner_process() -> tuple[subprocess.Popen[bytes], RunnerProcess]:
+    """A process standing for a runner that keeps running through the restart."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    return child, RunnerProcess(child.pid, os.pidfd_open(child.pid), FenceCounts())
+
+
+async def client_close(service: PoolService, session_id: str) -> int:
+    """CloseSession as a client calls it (a runner's hold refuses it)."""
+    with calling_as(Caller(service.tenants.by_name[DEFAULT_TENANT])):
+        return await service.close_session(session_id)
+
+
+async def test_a_runners_hold_survives_the_restart_and_its_fence_still_works() -> None:
+    clock = HandClock()
+    service = make_service("first", clock)
+    sids = [service.open_session(name).session_id for name in ("held", "gone", "reused")]
+    children = []
+    for sid in sids:
+        child, process = runner_process()
+        children.append(child)
+        service.sessions.peek(sid).holds[process] = clock() + 1.0  # type: ignore[union-attr]
+    image = msgpack.unpackb(msgpack.packb(service_image(service), use_bin_type=True),
+                            raw=False, strict_map_key=False)
+    await service.stop()  # the old daemon's pidfds closed
+    try:
+        children[1].kill()  # this runner exits during the restart: its hold goes with it
+        children[1].wait()
+        reused = next(s for s in image["sessions"] if s["session_id"] == sids[2])
+        reused["holds"] = [(pid, start + 1, left) for pid, start, left in reused["holds"]]
+        again = make_service("next", clock)
+        restore_service(again, image, adopted_from="first")
+        again.check_invariants()
+        with pytest.raises(SessionBusy, match="for 1000 ms more"):
+            await client_close(again, sids[0])
+        assert await client_close(again, sids[1]) == 0  # its runner has exited
+        assert await client_close(again, sids[2]) == 0  # that pid started at another time
+        clock.advance(1500)  # the hold lapses while its runner still runs: fenced
+        with pytest.raises(SessionBusy, match="stalled past its hold"):
+            await client_close(again, sids[0])
+        assert children[0].wait(timeout=30) == -signal.SIGKILL
+        assert await client_close(again, sids[0]) == 0
+        await again.stop()
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
