@@ -122,6 +122,7 @@ bench: setup
 	$(PY) benchmarks/bench_fence.py --rounds 5
 	$(PY) benchmarks/bench_structured.py
 	$(PY) benchmarks/bench_fp8_kv.py
+	$(PY) benchmarks/bench_restart_snapshot.py
 	$(PY) benchmarks/bench_suite.py
 
 bench-gpu: setup
