@@ -51,7 +51,7 @@ def test_the_interpreter_is_refused_on_cuda_tensors(monkeypatch):
     # TRITON_INTERPRET=1 left on a GPU host: every launch would copy the pool to the host
     monkeypatch.setattr(triton.knobs.runtime, "interpret", True)
     for name in ("auto", "triton"):
-        with pytest.raises(ValueError, match="interpreted \\(TRITON_INTERPRET=1\\).*cuda:1"):
+        with pytest.raises(ValueError, match=r"interpreted \(TRITON_INTERPRET=1\).*cuda:1"):
             get_backend(name, torch.device("cuda", 1))  # type: ignore[arg-type]
     assert get_backend("torch", "cuda") is TORCH_BACKEND
 
