@@ -45,9 +45,9 @@ _SESSION_FIELDS = ("session_id", "number", "client_name", "lease_ttl_ms", "max_b
                    "table_entries", "prefix_cache_queries", "prefix_cache_hits")
 
 
-class NotKept(PoolError):
+class NotKept(Exception):
     """A state the snapshot cannot keep, or an image this service must not take; the
-    message says why."""
+    message says why. Not a PoolError: it never reaches a client (the daemon starts cold)."""
 
 
 def service_image(service: PoolService) -> Image:
