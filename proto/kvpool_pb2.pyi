@@ -313,6 +313,7 @@ class PoolInfo(_message.Message):
     MODELS_FIELD_NUMBER: _builtins.int
     HOST_TIER_BLOCKS_FIELD_NUMBER: _builtins.int
     HOST_COPY_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    PREVIOUS_POOL_ID_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     """Random id of this daemon run; changes on every start. Session ids embed it."""
     num_blocks: _builtins.int
@@ -348,6 +349,11 @@ class PoolInfo(_message.Message):
     per second, measured when the daemon starts: what a client's swap-or-recompute rule reads.
     """
     host_copy_bytes_per_s: _builtins.int
+    previous_pool_id: _builtins.str
+    """The pool id whose memory and state this daemon adopted across a restart (restore = auto:
+    the pool memory handed over and the snapshot restored; sessions of that pool keep their
+    ids, tables and holds, and a runner keeps its mapping); "" when it started cold.
+    """
     @_builtins.property
     def memory(self) -> Global___PoolMemory:
         """How to map the pool memory, which holds every tenant's K/V: set only for callers on the
@@ -378,10 +384,11 @@ class PoolInfo(_message.Message):
         models: _abc.Iterable[Global___ModelInfo] | None = ...,
         host_tier_blocks: _builtins.int = ...,
         host_copy_bytes_per_s: _builtins.int = ...,
+        previous_pool_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "dtype", b"dtype", "head_dim", b"head_dim", "host_copy_bytes_per_s", b"host_copy_bytes_per_s", "host_tier_blocks", b"host_tier_blocks", "layout", b"layout", "memory", b"memory", "model", b"model", "models", b"models", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "num_pages", b"num_pages", "page_bytes", b"page_bytes", "pool_id", b"pool_id", "reservation_blocks", b"reservation_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "dtype", b"dtype", "head_dim", b"head_dim", "host_copy_bytes_per_s", b"host_copy_bytes_per_s", "host_tier_blocks", b"host_tier_blocks", "layout", b"layout", "memory", b"memory", "model", b"model", "models", b"models", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "num_pages", b"num_pages", "page_bytes", b"page_bytes", "pool_id", b"pool_id", "previous_pool_id", b"previous_pool_id", "reservation_blocks", b"reservation_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -144,6 +144,9 @@ class PoolInfo:
     # daemon's copy rate between it and the pool, in bytes per second (kvpool.proto).
     host_tier_blocks: int = 0
     host_copy_bytes_per_s: int = 0
+    # The pool whose memory and state this daemon took over across a restart (restore =
+    # auto); "" when it started cold (kvpool.proto).
+    previous_pool_id: str = ""
 
     @classmethod
     def from_proto(cls, message: pb.PoolInfo) -> "PoolInfo":
@@ -152,7 +155,8 @@ class PoolInfo:
                    message.bytes_per_block, message.layout, message.memory,
                    message.reservation_blocks, message.page_bytes, message.num_pages,
                    tuple(ModelInfo.from_proto(m) for m in message.models),
-                   message.host_tier_blocks, message.host_copy_bytes_per_s)
+                   message.host_tier_blocks, message.host_copy_bytes_per_s,
+                   message.previous_pool_id)
 
     def model_info(self, name: str) -> ModelInfo | None:
         """The registered model of that name, or None."""

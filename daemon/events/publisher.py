@@ -46,7 +46,7 @@ class EventPublisher:
         # Batches for the thread, and the snapshot slices the loop reads for it.
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         # The seq of the next batch queued.
-        self._next_seq = 0
+        self._next_seq = settings.first_seq
         # Batches dropped, and the models owed an AllBlocksCleared for one.
         self._dropped = 0
         self._lost: set[str] = set()
@@ -65,6 +65,11 @@ class EventPublisher:
         pub, replay = self._sender.addresses
         log.info("kv events publishing", endpoint=pub, replay_endpoint=replay,
                  topic_prefix=self._settings.topic_prefix)
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next batch would get (what a restart image keeps)."""
+        return self._next_seq
 
     async def close(self) -> None:
         """Stop taking batches, let the thread send what is queued (CLOSE_TIMEOUT_S at most),

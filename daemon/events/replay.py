@@ -48,15 +48,17 @@ log = get_logger(__name__)
 class ReplayBuffer:
     """The payloads of the last `capacity` batches published; their seqs are consecutive."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, first_seq: int = 0) -> None:
         # A ring: seq s is at s % capacity while start <= s < end.
         self._ring: list[bytes] = [b""] * capacity
-        # The seq of the next batch appended; the oldest kept is max(0, end - capacity).
-        self.end = 0
+        # The seq of the first batch (a restored daemon's go on from the previous run's).
+        self._first = first_seq
+        # The seq of the next batch appended; the oldest kept is max(first, end - capacity).
+        self.end = first_seq
 
     @property
     def start(self) -> int:
-        return max(0, self.end - len(self._ring))
+        return max(self._first, self.end - len(self._ring))
 
     def append(self, seq: int, payload: bytes) -> None:
         assert seq == self.end, f"batch {seq} after {self.end - 1}: seqs are consecutive"

@@ -86,6 +86,9 @@ class EventSettings:
     topic_prefix: str
     # Tokens per block, as the events say.
     block_size: int
+    # The seq of the first batch: 0 cold, the previous run's next one after a restored restart
+    # (subscribers see the sequence go on).
+    first_seq: int = 0
 
 
 class Outgoing(NamedTuple):
@@ -140,7 +143,7 @@ class Sender(threading.Thread):
             raise
         # The endpoints as bound, read here: the sockets belong to the thread once it runs.
         self.addresses = self._bound_addresses()
-        self._buffer = ReplayBuffer(settings.buffer)
+        self._buffer = ReplayBuffer(settings.buffer, settings.first_seq)
         # Batches taken from the inbox and not yet published (held while joining).
         self._held: deque[Outgoing] = deque()
         # The answers to replay and snapshot requests, and their figures; None: no ROUTER.

@@ -94,6 +94,10 @@ class ManagedSink(KVEventSink, Protocol):
     def counts(self) -> EventCounts:
         """The figures so far."""
 
+    @property
+    def next_seq(self) -> int:
+        """The seq the next batch would get."""
+
 
 class NullSink:
     """Events off: every call returns at once and nothing is kept."""
@@ -115,3 +119,7 @@ class NullSink:
 
     def counts(self) -> EventCounts:
         return EventCounts(0, 0, 0, 0)
+
+    @property
+    def next_seq(self) -> int:
+        return 0

@@ -14,16 +14,19 @@ from pagedkv.daemon.process.config import DaemonConfig
 from pagedkv.process.grpc_server import StartupError
 
 
-def make_event_sink(config: DaemonConfig, snapshot: Snapshot) -> ManagedSink:
-    """The sink of `config`'s kv_events_* settings (not started); `snapshot` yields every
-    committed block for snapshot requests (daemon/events/sink.py says how it is read)."""
+def make_event_sink(config: DaemonConfig, snapshot: Snapshot,
+                    first_seq: int = 0) -> ManagedSink:
+    """The sink of `config`'s kv_events_* settings (not started), its first batch numbered
+    `first_seq`; `snapshot` yields every committed block for snapshot requests
+    (daemon/events/sink.py says how it is read)."""
     if not config.kv_events_endpoint:
         return NullSink()
     return EventPublisher(EventSettings(
         endpoint=config.kv_events_endpoint,
         replay_endpoint=config.kv_events_replay_endpoint or None,
         buffer=config.kv_events_buffer, queue=config.kv_events_queue,
-        topic_prefix=config.kv_events_topic, block_size=config.block_size), snapshot)
+        topic_prefix=config.kv_events_topic, block_size=config.block_size,
+        first_seq=first_seq), snapshot)
 
 
 def start_event_sink(sink: ManagedSink) -> None:

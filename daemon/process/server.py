@@ -36,6 +36,7 @@ from pagedkv.daemon.edge.metrics import EventCollector, PoolCollector, Readiness
 from pagedkv.daemon.edge.peer_gate import PeerGate, gate_folder
 from pagedkv.daemon.edge.servicer import KVPoolServicer, add_to_server
 from pagedkv.daemon.edge.tls import ServerTls
+from pagedkv.daemon.events.sink import ManagedSink
 from pagedkv.daemon.memory.host_memory import HostMemory
 from pagedkv.daemon.memory.kv_memory import KVMemory, KVPoolMemory, cleanup_stale_files
 from pagedkv.daemon.memory.pool_handover import PoolHandover, PoolLayout
@@ -117,8 +118,9 @@ async def _start(config: DaemonConfig, readiness: Readiness,
     registry = CollectorRegistry()
     registry.register(PoolCollector(service))
     if config.kv_events_endpoint:  # off: nothing recorded, nothing sent
-        events = make_event_sink(config, service.formats.kv_snapshot)
+        events = make_event_sink(config, service.formats.kv_snapshot, service.event_seq)
         start_event_sink(events)
+        stack.callback(_keep_event_seq, service, events)  # once closed: nothing more is sent
         stack.push_async_callback(events.close)
         service.formats.publish_events(events, config.kv_events_all_salts,
                                        service.tenants.public_salts)
@@ -200,6 +202,11 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
             keep_state(config, service, identity, image)
     finally:
         memory.close()
+
+
+def _keep_event_seq(service: PoolService, events: ManagedSink) -> None:
+    """The stopped sink's next seq, for the restart image (the next daemon goes on from it)."""
+    service.event_seq = events.next_seq
 
 
 def pool_service(config: DaemonConfig, memory: KVPoolMemory, geometry: ModelGeometry,

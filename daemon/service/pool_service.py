@@ -116,6 +116,13 @@ class PoolService:
                  prefix_hash: PrefixHash = "sha256") -> None:
         self.pool = pool
         self.pool_id = pool_id
+        # The pool id whose state and memory this service took over across a restart
+        # (service_image.restore_service), "" when it started cold: PoolInfo.previous_pool_id.
+        self.previous_pool_id = ""
+        # The KV events' seq the next batch gets: 0 cold, the previous run's next one when
+        # restored (subscribers see the sequence go on); the stopping daemon's, once its
+        # event sink has closed (what the restart image keeps).
+        self.event_seq = 0
         self.geometry = geometry
         self.limits = limits or Limits()
         self.sessions = SessionRegistry(pool_id, default_lease_ttl_ms=default_lease_ttl_ms,

@@ -72,7 +72,8 @@ def service_image(service: PoolService) -> Image:
     return {"pool_id": service.pool_id, "pool": pool_image(pool), "sessions": sessions,
             "records": [record.image() for record in _records(service)],
             "tenant_numbers": list(service.calls.tenant_numbers.items()),
-            "expired": registry.expired_ids(), "expiries_total": registry.expiries_total}
+            "expired": registry.expired_ids(), "expiries_total": registry.expiries_total,
+            "event_seq": service.event_seq}
 
 
 def restore_service(service: PoolService, image: Image, adopted_from: str) -> None:
@@ -108,6 +109,8 @@ def restore_service(service: PoolService, image: Image, adopted_from: str) -> No
         service.sessions.readmit(session)
         service.calls.usage.add(session)
     service.sessions.remember_expired(image["expired"], image["expiries_total"])
+    service.event_seq = image["event_seq"]
+    service.previous_pool_id = adopted_from
 
 
 def _holds_image(session: Session, now: float) -> list[tuple[int, int, float]]:

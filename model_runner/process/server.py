@@ -14,6 +14,10 @@ clients go on (a sequence it does not know is resent with its history). A daemon
 by a watcher that reads GetPoolInfo every POOL_CHECK_INTERVAL_S: while the daemon is away or the
 pool is new, steps answer UNAVAILABLE with a clear message, and the runner registers its model
 again and maps the new pool (clients' sessions died with the old daemon; they open new ones).
+A daemon that restored its predecessor's state onto the same memory (restore = auto:
+PoolInfo.previous_pool_id names the pool this runner mapped) kept the sessions, their tables
+and the blocks' bytes: the runner registers its model and maps the memory again, and keeps
+every sequence it knows; its holds are the restored ones (the daemon re-took its pidfd).
 As soon as the daemon does not answer, the runner unmaps its pool, between two forwards: a
 crashed daemon's /dev/shm pool keeps its pages for as long as any process maps it, and a new
 daemon sized for the same /dev/shm could not create its own. It maps the pool again when the
@@ -283,7 +287,13 @@ async def _watch_pool(state: RunnerState, pool: PoolClient,
         await asyncio.sleep(POOL_CHECK_INTERVAL_S)
         try:
             info = await pool.pool_info()
-            if info.pool_id != state.info.pool_id:
+            if info.pool_id != state.info.pool_id and info.previous_pool_id == state.info.pool_id:
+                log.info("daemon restarted with its pool kept: registering the model, mapping "
+                         "the same memory, keeping the sessions", old=state.info.pool_id,
+                         new=info.pool_id)
+                state.engine.runner = await attach(info)
+                state.info = info
+            elif info.pool_id != state.info.pool_id:
                 log.warning("daemon restarted: registering the model, mapping its new pool",
                             old=state.info.pool_id, new=info.pool_id)
                 state.unavailable = "the pagedkv daemon restarted; open a new session"

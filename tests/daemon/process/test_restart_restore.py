@@ -5,13 +5,15 @@ prefix cache before it answers; a daemon of another pool size refuses it and sta
 
 import stat
 
+import msgpack
 import pytest
+import zmq
 from fd_store_supervisor import FdStoreSupervisor
 
 from pagedkv.client import PoolClient
 from pagedkv.client.pool.errors import SessionExpired
 
-from pagedkvd_process import short_tmp_dir
+from pagedkvd_process import free_tcp_port, short_tmp_dir
 
 ARGS = ("--num-blocks", "8", "--block-size", "4", "--restore", "auto")
 PROMPT = list(range(10))
@@ -61,3 +63,40 @@ async def test_sessions_and_tables_come_back_and_another_pool_starts_cold() -> N
                 assert supervisor.stop(third) == 0
         finally:
             supervisor.close()
+
+
+async def test_the_kv_events_sequence_goes_on_across_a_restored_restart() -> None:
+    """A subscriber of the PUB endpoint sees the second daemon's first batch numbered right
+    after the first daemon's last, and no AllBlocksCleared."""
+    endpoint = f"tcp://127.0.0.1:{free_tcp_port()}"
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.setsockopt(zmq.RCVTIMEO, 30_000)
+    subscriber.bind(endpoint)  # as llm-d's indexer: each daemon connects to it
+    with short_tmp_dir() as folder:
+        args = (*ARGS, "--state-dir", str(folder / "state"), "--kv-events-endpoint", endpoint,
+                "--kv-events-all-salts")
+        supervisor = FdStoreSupervisor(folder)
+        try:
+            batches = []
+            for round_ in range(2):
+                with supervisor.start(*args) as daemon:
+                    async with await PoolClient.connect(daemon.unix_target) as client:
+                        session = await client.open_session(f"s{round_}", cache_salt="s",
+                                                            keep_alive=False)
+                        await session.allocate(1, token_ids=[round_ * 100 + i for i in range(8)])
+                        await session.commit([1])
+                        _, seq, payload = subscriber.recv_multipart()
+                        batches.append((int.from_bytes(seq, "big", signed=True),
+                                        msgpack.unpackb(payload)))
+                        if round_ == 0:
+                            client.forget(session)
+                    assert supervisor.stop(daemon) == 0
+        finally:
+            supervisor.close()
+            subscriber.close(linger=0)
+            context.term()
+    (first_seq, _), (second_seq, second) = batches
+    assert second_seq == first_seq + 1
+    assert [event["type"] for event in second[1]] == ["BlockStored"]  # no AllBlocksCleared

@@ -46,10 +46,12 @@ def test_a_pool_comes_back_exactly(tmp_path: Path) -> None:
 
 def test_another_version_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "snapshot"
-    monkeypatch.setattr(snapshot_file, "SNAPSHOT_VERSION", 2)  # a later daemon wrote it
+    current = snapshot_file.SNAPSHOT_VERSION
+    monkeypatch.setattr(snapshot_file, "SNAPSHOT_VERSION", current + 1)  # a later daemon's
     write_snapshot(path, IDENTITY, {})
     monkeypatch.undo()
-    with pytest.raises(SnapshotRefused, match="snapshot version 2, this daemon reads version 1"):
+    with pytest.raises(SnapshotRefused, match=f"snapshot version {current + 1}, this daemon "
+                       f"reads version {current}"):
         read_snapshot(path, IDENTITY)
 
 
@@ -81,7 +83,7 @@ def test_corruption_is_refused(tmp_path: Path) -> None:
 
 def test_a_body_with_code_is_plain_data(tmp_path: Path) -> None:
     """msgpack's extension types are never turned into objects: an ext comes back inert."""
-    body = msgpack.packb({"version": 1, "identity": IDENTITY,
+    body = msgpack.packb({"version": snapshot_file.SNAPSHOT_VERSION, "identity": IDENTITY,
                           "state": msgpack.ExtType(1, b"os.system")}, use_bin_type=True)
     path = tmp_path / "snapshot"
     path.write_bytes(MAGIC + hashlib.sha256(body).digest() + body)
