@@ -19,6 +19,11 @@ restart in one of two ways:
   runner may have applied the step: the error stands, but for a release alone (a preemption),
   which is sent again to whichever runner answers: frees of sequences gone are ignored.
 
+A step the runner refuses with `RunnerUnavailable` changed nothing (its daemon is away): it is
+sent again every RESTART_POLL_S until the runner takes it (restart_wait_s at most). A daemon
+restarted with `restore = "auto"` kept the session, its sequences and the runner's mapping, so
+the step then goes through as if the daemon had only paused.
+
 A step is sent at most twice; a second failure is the engine's to report. Any other error is
 never resent: `StepNotComputed` (the step was applied, its forward failed) resent as it was would
 append its tokens twice.
@@ -31,7 +36,12 @@ import time
 from collections.abc import Sequence
 
 from pagedkv.client.engine.sequences import Seq
-from pagedkv.client.pool.errors import NotFound, OutcomeUnknown, UnknownSequence
+from pagedkv.client.pool.errors import (
+    NotFound,
+    OutcomeUnknown,
+    RunnerUnavailable,
+    UnknownSequence,
+)
 from pagedkv.client.pool.runner_client import History, RunnerClient, SeqStep, StepOutputs
 from pagedkv.client.pool.session import Session
 
@@ -64,7 +74,7 @@ class RunnerLink:
         is never sent again (the runner may have stepped its sequences past what the caller
         read: runner.proto's following), only the runner it then meets is learnt."""
         try:
-            return await self.runner.step(self.session, steps, release, follow=follow)
+            return await self._step(steps, release, follow)
         except UnknownSequence:
             pass
         except OutcomeUnknown:
@@ -72,14 +82,28 @@ class RunnerLink:
             if not await self._runner_answers():
                 raise
             if not steps:  # a release alone: frees of sequences gone are ignored, send it again
-                return await self.runner.step(self.session, [], release)
+                return await self._step([], release, False)
             # An empty id (unknown, or a runner that draws none) never proves a restart.
             if not before or self.runner_id == before or not resend:
                 raise
             await self._free_new(steps)
         self.restarts += 1
-        return await self.runner.step(self.session, with_history(seqs, steps), release,
-                                      follow=follow)
+        return await self._step(with_history(seqs, steps), release, follow)
+
+    async def _step(self, steps: Sequence[SeqStep], release: Sequence[int],
+                    follow: bool) -> StepOutputs:
+        """The step, sent again while the runner refuses it with RunnerUnavailable (nothing
+        changed: its daemon is away, or restarted and being mapped again), restart_wait_s at
+        most: a daemon restarted with its state restored keeps the session, so the step then
+        goes through; one that started cold answers that the session is gone."""
+        deadline = time.monotonic() + self.restart_wait_s
+        while True:
+            try:
+                return await self.runner.step(self.session, steps, release, follow=follow)
+            except RunnerUnavailable:
+                if time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(RESTART_POLL_S)
 
     async def _runner_answers(self) -> bool:
         """Wait (at most restart_wait_s) for a runner to answer, and learn its runner_id;
