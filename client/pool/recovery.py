@@ -19,11 +19,15 @@ been applied. `Session` then reads the state back with GetBlockTables and decide
 - step_many (`PoolClient.step_many`): each entry read back as its session's lost step.
 
 When the outcome is unknown, or the attempts run out, the lost call's error is raised (`recover`
-runs these rules). `RetryPolicy` says how often to try; `PoolClient(retry=None)` turns all this off.
+runs these rules). Read-backs the daemon does not answer during `RetryPolicy.outage_s` are not
+counted as attempts: a daemon restarted with `restore = "auto"` keeps the session, and the
+read-back after the gap decides as above. `RetryPolicy` says how often to try;
+`PoolClient(retry=None)` turns all this off.
 """
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -43,6 +47,8 @@ log = logging.getLogger(__name__)
 
 # The errors after which a call may or may not have been applied, and the client reads back.
 LOST = (DaemonUnavailable, DeadlineExceeded, Cancelled)
+# The longest pause between two read-backs.
+MAX_BACKOFF_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +58,18 @@ class RetryPolicy:
     # Tries in all, the first call included: each later one reads the state back and, if the
     # call was not applied, sends it again. 1 turns recovery off.
     attempts: int = 3
-    # Pause before the first read-back, in seconds; doubled before each later one.
+    # Pause before the first read-back, in seconds; doubled before each later one, up to
+    # MAX_BACKOFF_S.
     backoff_s: float = 0.05
+    # Seconds during which read-backs the daemon does not answer (DaemonUnavailable: it is
+    # away, e.g. restarting) are not counted in `attempts`: a daemon restarted with
+    # restore = "auto" keeps the session, so the read-back then decides. 0: every one counts.
+    outage_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.attempts < 1 or self.backoff_s < 0:
-            raise ValueError(f"need attempts >= 1 and backoff_s >= 0, got {self.attempts} "
-                             f"and {self.backoff_s}")
+        if self.attempts < 1 or self.backoff_s < 0 or self.outage_s < 0:
+            raise ValueError(f"need attempts >= 1, backoff_s >= 0 and outage_s >= 0, got "
+                             f"{self.attempts}, {self.backoff_s} and {self.outage_s}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,18 +128,29 @@ async def recover(policy: RetryPolicy | None, lost: PagedKVError,
     the policy's attempts); unknown, or out of attempts: raise the lost call's error."""
     if policy is None or policy.attempts == 1:
         raise lost
-    delay = policy.backoff_s
-    for _ in range(policy.attempts - 1):
+    delay, tries = policy.backoff_s, policy.attempts - 1
+    outage_until = time.monotonic() + policy.outage_s
+    while tries:
         await asyncio.sleep(delay)
-        delay *= 2
+        delay = min(2 * delay, MAX_BACKOFF_S)
         try:
             outcome = await read_back()
-            if isinstance(outcome, Applied):
-                return outcome.answer
-            if isinstance(outcome, Unknown):
-                log.warning("pagedkv: cannot tell whether a lost call was applied: %s",
-                            outcome.reason)
-                break
+        except DaemonUnavailable as exc:  # away: within outage_s, not an attempt
+            lost = exc
+            if time.monotonic() >= outage_until:
+                tries -= 1
+            continue
+        except LOST as exc:
+            lost, tries = exc, tries - 1
+            continue
+        tries -= 1
+        if isinstance(outcome, Applied):
+            return outcome.answer
+        if isinstance(outcome, Unknown):
+            log.warning("pagedkv: cannot tell whether a lost call was applied: %s",
+                        outcome.reason)
+            break
+        try:
             return await send()
         except LOST as exc:
             lost = exc
