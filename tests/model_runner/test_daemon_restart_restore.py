@@ -9,7 +9,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from fd_store_supervisor import FdStoreSupervisor
+from fd_store_supervisor import FdStoreSupervisor, restoring_daemon_args
 
 from pagedkv.client import PoolClient, RunnerClient, SamplingParams, SeqStep
 
@@ -23,8 +23,7 @@ async def test_a_runner_keeps_its_sequence_across_a_restored_restart(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     config = str(write_config(TINY, tmp_path_factory))
     with short_tmp_dir() as folder:
-        args = ("--model-config", config, "--num-blocks", "64", "--restore", "auto",
-                "--state-dir", str(folder / "state"))
+        args = restoring_daemon_args(config, folder)
         supervisor = FdStoreSupervisor(folder)
         try:
             first = supervisor.start(*args)

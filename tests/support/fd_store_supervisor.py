@@ -45,6 +45,13 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
+def restoring_daemon_args(config: str, folder: Path) -> tuple[str, ...]:
+    """A small daemon of `config` that writes its snapshot at SIGTERM and restores it at start
+    (its state folder in `folder`)."""
+    return ("--model-config", config, "--num-blocks", "64", "--restore", "auto",
+            "--state-dir", str(folder / "state"))
+
+
 class FdStoreSupervisor:
     """Starts `pagedkvd` in `folder` as a unit with FileDescriptorStoreMax=FD_STORE_MAX would be
     started, and keeps what it stores across its restarts."""

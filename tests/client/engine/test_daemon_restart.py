@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from fd_store_supervisor import FdStoreSupervisor
+from fd_store_supervisor import FdStoreSupervisor, restoring_daemon_args
 
 from pagedkv.client import SamplingParams
 from pagedkv.client.engine.engine import Engine
@@ -25,8 +25,7 @@ async def test_streams_go_on_through_a_restored_daemon_restart(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     config = str(write_config(TINY, tmp_path_factory))
     with short_tmp_dir() as folder:
-        args = ("--model-config", config, "--num-blocks", "64", "--restore", "auto",
-                "--state-dir", str(folder / "state"))
+        args = restoring_daemon_args(config, folder)
         supervisor = FdStoreSupervisor(folder)
         daemons = [supervisor.start(*args)]
         try:
