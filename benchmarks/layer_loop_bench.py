@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from paged_bench import LLAMA, Baselines, moved_bytes, report_bandwidth
 
+from pagedkv.model_runner.decode_graphs import cuda_capture
 from pagedkv.model_runner.kernels.attention_backend import TRITON_BACKEND
 from pagedkv.model_runner.kernels.triton_env import triton
 
@@ -23,7 +24,8 @@ QUICK_LOOP_POINTS = ((1, 1024), (64, 2048))
 LOOP_REPS = 20
 
 
-def layer_loop(batch: int, context: int, device: torch.device) -> tuple[Callable[[], None], int]:
+def layer_loop(batch: int, context: int,
+               device: torch.device) -> tuple[Callable[[], torch.Tensor], int]:
     """(one forward's LOOP_LAYERS layers of store_kv + decode, Llama bf16, the bytes they move).
     Each layer writes the batch's new token into its own slice of one pool and attends over its
     context; one per_forward dict per forward, as the runner's."""
@@ -40,14 +42,16 @@ def layer_loop(batch: int, context: int, device: torch.device) -> tuple[Callable
     new_kv = torch.randn(batch, geo.num_kv_heads, geo.head_dim, dtype=torch.bfloat16,
                          device=device)
 
-    def forward() -> None:
+    def forward() -> torch.Tensor:
+        """The loop; the last layer's attention output (what a graph capture keeps)."""
         per_forward: dict[tuple[object, ...], object] = {}
         for layer in range(LOOP_LAYERS):
             k_cache, v_cache = pool[:, layer].unbind(1)
             TRITON_BACKEND.store_kv(new_kv, new_kv, k_cache, v_cache, slots, check_values=False)
-            TRITON_BACKEND.paged_decode_attention(
+            out = TRITON_BACKEND.paged_decode_attention(
                 query, k_cache, v_cache, tables, lens, geo.head_dim**-0.5, check_values=False,
                 per_forward=per_forward, max_seq_len=context)
+        return out
 
     per_layer = moved_bytes(batch, context, batch, geo, torch.bfloat16, torch.bfloat16,
                             tables.numel() + batch) + 2 * new_kv.numel() * 2 + 8 * batch
@@ -70,19 +74,6 @@ def events_us(fn: Callable[[], object], reps: int) -> float:
     return float(start.elapsed_time(end)) * 1e3 / reps
 
 
-def captured(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
-    """`fn` captured in a CUDA graph (run once first on a side stream: compiles, allocates)."""
-    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def run_layer_loop(points: tuple[tuple[int, int], ...], device: torch.device,
                    base: Baselines) -> None:
     """The layer loop at each point, eager and replayed from a CUDA graph."""
@@ -92,10 +83,10 @@ def run_layer_loop(points: tuple[tuple[int, int], ...], device: torch.device,
         eager_us = events_us(forward, LOOP_REPS)
         print(f"loop{LOOP_LAYERS}_us_per_layer_{name}: {eager_us / LOOP_LAYERS:.1f} us")
         report_bandwidth(f"loop{LOOP_LAYERS}", name, moved, eager_us * 1e-3, base)
-        graph = captured(forward)
-        graph_us = events_us(graph.replay, LOOP_REPS)
+        replay, _ = cuda_capture(forward)  # the runner's own capture (--cuda-graphs)
+        graph_us = events_us(replay, LOOP_REPS)
         print(f"loop{LOOP_LAYERS}_graph_us_per_layer_{name}: {graph_us / LOOP_LAYERS:.1f} us")
         print(f"loop_host_us_per_layer_{name}: {(eager_us - graph_us) / LOOP_LAYERS:.1f} us")
         print(f"loop_graph_speedup_{name}: {eager_us / graph_us:.2f} ratio")
-        del forward, graph
+        del forward, replay
         torch.cuda.empty_cache()
