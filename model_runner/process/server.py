@@ -44,6 +44,7 @@ from pagedkv.client import (
     DaemonUnavailable,
     InvalidArgument,
     ModelExists,
+    PagedKVError,
     PoolClient,
     PoolInfo,
     SeqStep,
@@ -227,9 +228,22 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
         notify("READY=1", f"STATUS=serving {name} on pool {info.pool_id}")
         log.info("ready", model=config.model.name, model_name=name, pool_id=info.pool_id,
                  listen=config.listen, attention_backend=backend.name)
-        await stop.wait()
+        await _until_stopped(stop, watcher)
         await servers.drain()
     log.info("stopped")
+
+
+async def _until_stopped(stop: asyncio.Event, watcher: asyncio.Task[None]) -> None:
+    """Wait for `stop`; a pool watcher that ended (it runs until cancelled) re-raises its
+    error here, so a runner that can no longer map its daemon's pool exits saying why instead
+    of serving refusals forever."""
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({stopped, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        await cancel(stopped)
+    if watcher.done():
+        watcher.result()
 
 
 def _pool_device(info: PoolInfo) -> str:
@@ -308,6 +322,9 @@ async def _watch_pool(state: RunnerState, pool: PoolClient,
                 log.warning("daemon unavailable", daemon_pool=state.info.pool_id)
             state.unavailable = "the pagedkv daemon is unavailable; the runner is reconnecting"
             await _release_pool(state)
+            continue
+        except PagedKVError as exc:  # the daemon answered, but not yet as asked: try again
+            log.warning("pool check failed; trying again", error=str(exc))
             continue
         state.unavailable = None
 

@@ -162,3 +162,23 @@ def test_other_failures_keep_the_short_message(monkeypatch: pytest.MonkeyPatch,
                                       r"in .*: Operation not permitted$"):
         KVPoolMemory.create(GEOMETRY, num_blocks=1, block_size=16, dtype="float32",
                             shm_dir=str(tmp_path))
+
+
+async def test_a_runner_whose_restarted_daemon_refuses_its_model_exits_saying_why(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The pool watcher re-registers the model after a daemon restart; a refusal there (here:
+    the new daemon holds another geometry under the model's name) ends the runner with the
+    bad-setting status and the reason, rather than leaving it refusing every step forever."""
+    config = str(write_config(TINY, tmp_path_factory))
+    other = str(write_config(TINY.__class__(**{**TINY.to_dict(), "num_hidden_layers": 3}),
+                             tmp_path_factory))
+    with short_tmp_dir() as workdir, \
+            pagedkvd("--model-config", config, "--num-blocks", "64", workdir=workdir) as first, \
+            pagedkv_runner(first, "--random-init", config) as runner_process:
+        first.send(signal.SIGKILL)
+        assert await asyncio.to_thread(first.process.wait, 30) == -signal.SIGKILL
+        socket_path = Path(first.unix_target.removeprefix("unix://"))
+        with pagedkvd("--model-config", other, "--num-blocks", "64", workdir=workdir,
+                      listen_path=socket_path):
+            assert await asyncio.to_thread(runner_process.process.wait, 60) == 2
+        assert "refused to register model" in runner_process.stderr()
