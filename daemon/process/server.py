@@ -40,6 +40,7 @@ from pagedkv.daemon.events.sink import ManagedSink
 from pagedkv.daemon.memory.host_memory import HostMemory
 from pagedkv.daemon.memory.kv_memory import KVMemory, KVPoolMemory, cleanup_stale_files
 from pagedkv.daemon.memory.pool_handover import PoolHandover, PoolLayout
+from pagedkv.daemon.memory.pool_keepers import leave_for_keepers, taken_back
 from pagedkv.daemon.process.config import (
     DEFAULT_SOCKET_MODE,
     MAX_LEASE_TTL_MS,
@@ -52,6 +53,7 @@ from pagedkv.daemon.process.restart import (
     keep_state,
     pool_identity,
     restore_state,
+    state_dir,
     state_image,
 )
 from pagedkv.daemon.process.settings import ConfigError
@@ -59,6 +61,7 @@ from pagedkv.daemon.service.memory_order import MemoryOrder
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.memory.cuda_driver import CudaDriverTooOld, require_driver_for_torch
 from pagedkv.memory.device_memory import measure
+from pagedkv.process.fd_store import listened_fds, store_enabled
 from pagedkv.process.grpc_server import GrpcServers, StartupError, grpc_servers
 from pagedkv.process.lifecycle import cancel, stop_on_signals
 from pagedkv.process.log_setup import get_logger
@@ -157,7 +160,8 @@ async def _start(config: DaemonConfig, readiness: Readiness,
 @contextlib.asynccontextmanager
 async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService, KVPoolMemory]]:
     """The pool memory, the block pool and the service with its lease reaper."""
-    handover = PoolHandover.from_environment()
+    # What the last daemon stored (taken once), else what the runners hand back.
+    handover = PoolHandover(listened_fds() or _taken_back(config))
     removed = cleanup_stale_files(str(config.shm_dir), keep=handover.files())
     if removed:
         log.info("removed stale pool files", files=[str(path) for path in removed])
@@ -200,8 +204,29 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
             finally:
                 await service.stop()
             keep_state(config, service, identity, image)
+            _leave_for_runners(config, service, memory, geometry, dtype)
     finally:
         memory.close()
+
+
+def _taken_back(config: DaemonConfig) -> dict[str, list[int]]:
+    """With restore = auto and no fd store: the pool descriptor the runners hand back
+    (pool_keepers.py), by its stored name."""
+    if config.restore != "auto" or store_enabled():
+        return {}
+    return taken_back(state_dir(config))
+
+
+def _leave_for_runners(config: DaemonConfig, service: PoolService, memory: KVPoolMemory,
+                       geometry: ModelGeometry, dtype: str) -> None:
+    """With restore = auto and no fd store, at a clean stop: the pool file left for the
+    runners that keep its descriptor to hand back (pool_keepers.py)."""
+    if config.restore != "auto" or store_enabled():
+        return
+    arena = memory.arena
+    layout = pool_layout(config, geometry, dtype, arena.num_pages, arena.page_bytes)
+    leave_for_keepers(state_dir(config), arena, layout.fd_name(arena.pool_id),
+                      [model.runner_target for model in service.models])
 
 
 def _keep_event_seq(service: PoolService, events: ManagedSink) -> None:
@@ -283,9 +308,8 @@ def pool_memory(config: DaemonConfig, geometry: ModelGeometry, dtype: str, num_b
     the next daemon."""
     shm_dir, mode, group = str(config.shm_dir), config.runners_mode, config.runner_gid()
     per_block = geometry.bytes_per_block(config.block_size, dtype_bytes(dtype))
-    layout = PoolLayout(num_blocks // blocks_per_page, blocks_per_page * per_block, dtype,
-                        geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
-                        config.block_size)
+    layout = pool_layout(config, geometry, dtype, num_blocks // blocks_per_page,
+                         blocks_per_page * per_block)
     arena = handover.adopt(layout, shm_dir, mode, group)
     if arena is None:
         arena = KVMemory.create(layout.num_pages, layout.page_bytes, device=config.device,
@@ -298,6 +322,13 @@ def pool_memory(config: DaemonConfig, geometry: ModelGeometry, dtype: str, num_b
         arena.close()
         raise
     return memory
+
+
+def pool_layout(config: DaemonConfig, geometry: ModelGeometry, dtype: str, num_pages: int,
+                page_bytes: int) -> PoolLayout:
+    """What the pool's bytes mean: `num_pages` pages of `page_bytes`, the own model's format."""
+    return PoolLayout(num_pages, page_bytes, dtype, geometry.num_layers, geometry.num_kv_heads,
+                      geometry.head_dim, config.block_size)
 
 
 def pool_blocks_per_page(config: DaemonConfig, per_block: int) -> int:

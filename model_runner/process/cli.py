@@ -81,6 +81,11 @@ def parser() -> argparse.ArgumentParser:
                      help="most encoded bytes of one step's answer; a step that could pass it "
                           f"is refused (default {DEFAULT_ANSWER_BYTES}, under gRPC's default "
                           f"receive limit; at most {MAX_MESSAGE_BYTES})")
+    cli.add_argument("--keep-pool", action="store_true",
+                     help="keep a descriptor of the mapped pool file and hand it back to a "
+                          "daemon restarted with restore = auto and no systemd fd store (at "
+                          "--listen + .pool; its user only); meanwhile the memory stays "
+                          "allocated (default off)")
     cli.add_argument("--metrics-listen", metavar="HOST:PORT",
                      help="serve /metrics, /healthz and /readyz here")
     defaults = ServerBounds()
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         config = RunnerConfig(model=source, model_name=args.model_name,
                               tokenizer=args.tokenizer,
                               attention_backend=args.attention_backend,
-                              cuda_graphs=args.cuda_graphs,
+                              cuda_graphs=args.cuda_graphs, keep_pool=args.keep_pool,
                               server_bounds=bounds,
                               max_batch_tokens=args.max_batch_tokens, hold_ms=args.hold_ms,
                               answer_limits=AnswerLimits(args.max_logprobs,

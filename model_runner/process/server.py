@@ -21,7 +21,9 @@ every sequence it knows; its holds are the restored ones (the daemon re-took its
 As soon as the daemon does not answer, the runner unmaps its pool, between two forwards: a
 crashed daemon's /dev/shm pool keeps its pages for as long as any process maps it, and a new
 daemon sized for the same /dev/shm could not create its own. It maps the pool again when the
-daemon answers (the same one, if the daemon was only unreachable).
+daemon answers (the same one, if the daemon was only unreachable). With `keep_pool`, it keeps
+a descriptor of the pool file it mapped and hands it back to a restarting daemon that has no
+fd store (pool_keeper.py).
 
 Its gRPC server is built, bound, drained and stopped by the bring-up the daemon shares
 (process/grpc_server.py): the same message limit, bounds, health and reflection. SIGTERM:
@@ -65,12 +67,14 @@ from pagedkv.model_runner.models import (
     kv_geometry,
     load_model,
 )
+from pagedkv.model_runner.process.pool_keeper import PoolKeeper
 from pagedkv.model_runner.process.servicer import RunnerServicer, RunnerUnavailable
 from pagedkv.model_runner.runner import ModelRunner
 from pagedkv.process.grpc_server import GrpcServers, grpc_servers
 from pagedkv.process.lifecycle import cancel, stop_on_signals
 from pagedkv.process.log_setup import get_logger
 from pagedkv.process.notify import notify
+from pagedkv.process.pool_keeper_socket import keeper_path
 from pagedkv.process.probes import metrics_app, start_http
 from pagedkv.process.server_bounds import ServerBounds
 from pagedkv.proto import runner_pb2 as rpb
@@ -125,6 +129,10 @@ class RunnerConfig:
     # Replay decode steps from CUDA graphs captured per batch-size bucket (decode_graphs.py);
     # refused on a CPU pool and with the torch backend. Off: every step eager.
     cuda_graphs: bool = False
+    # Keep a descriptor of the mapped pool file and hand it back to a restarting daemon that
+    # has no fd store (pool_keeper.py); off: the pool's memory is freed once the runner
+    # unmaps it while its daemon is away.
+    keep_pool: bool = False
 
 
 class RunnerState:
@@ -193,13 +201,16 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
         name = config.model_name or config.model.pool_name
         backend = get_backend(config.attention_backend, model.device)
         target = f"unix://{_listen_path(config.listen).absolute()}"
+        keeper = _pool_keeper(config, target)
 
         async def attach(info: PoolInfo) -> ModelRunner:
             """The model registered with the daemon of `info`, on its view of the memory."""
             memory = await _register(pool, name, model, config.model.kv_cache_dtype, target,
                                      info)
-            runner = ModelRunner(model, attach_pool(PoolMemoryHandle.from_proto(memory)),
-                                 info.block_size, backend)
+            handle = PoolMemoryHandle.from_proto(memory)
+            runner = ModelRunner(model, attach_pool(handle), info.block_size, backend)
+            if keeper is not None:
+                keeper.keep(handle)
             if config.cuda_graphs:  # captured on this pool's addresses: again on each attach
                 await asyncio.to_thread(runner.capture_decode_graphs)
             return runner
@@ -218,6 +229,9 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
         state = RunnerState(engine, info, config.model.name, backend.name, name,
                             config.model.kv_cache_dtype)
         servers = await stack.enter_async_context(_grpc_server(config, state))
+        if keeper is not None:  # its socket beside the Runner socket, whose folder is made
+            await keeper.start()
+            stack.push_async_callback(keeper.close)
         if config.metrics_listen is not None:
             host, _, port = config.metrics_listen.rpartition(":")
             http = await start_http(metrics_app(registry, lambda: state.unavailable),
@@ -244,6 +258,16 @@ async def _until_stopped(stop: asyncio.Event, watcher: asyncio.Task[None]) -> No
         await cancel(stopped)
     if watcher.done():
         watcher.result()
+
+
+def _pool_keeper(config: RunnerConfig, target: str) -> PoolKeeper | None:
+    """The keeper of the pool's descriptor (`keep_pool`), at the socket the daemon derives
+    from the runner target this runner registers."""
+    if not config.keep_pool:
+        return None
+    path = keeper_path(target)
+    assert path is not None, "the Runner listens on a unix socket"
+    return PoolKeeper(path)
 
 
 def _pool_device(info: PoolInfo) -> str:
