@@ -3,11 +3,14 @@ from the pool (kvpool.proto, "The host-memory tier"; the bookkeeping is `core/ho
 
 Slot s holds one block's bytes, [num_layers, 2, block_size, num_kv_heads, head_dim] of the
 format's dtype, as `bytes_per_block` raw bytes: a copy is one gather and one scatter of whole
-blocks, whatever the dtype, and never converts. Two backings, as the pool's:
-- CPU: a second shared-memory arena (`KVMemory`, a 0o600 file in /dev/shm reserved up front,
-  removed on close and by `cleanup_stale_files` after a crash). Only the daemon maps it: no
-  runner reads the host tier, so no tenant's process ever sees a host copy's bytes.
-- CUDA: pinned host memory, so that copies between it and the device run as DMA.
+blocks, whatever the dtype, and never converts. The slots are a second shared-memory arena
+(`KVMemory`, a 0o600 file in /dev/shm reserved up front, removed on close and by
+`cleanup_stale_files` after a crash), whatever the pool's device: a file, not private memory,
+so that it outlives the daemon as the pool's does (stored in systemd's fd store and adopted by
+the next daemon when its layout matches: `over` an adopted arena, pool_handover.py). Only the
+daemon maps it: no runner reads the host tier, so no tenant's process ever sees a host copy's
+bytes. Beside a CUDA pool the mapping is registered with the driver (cudaHostRegister), so it
+is pinned and copies between it and the device run as DMA.
 
 A restore copies whole blocks, so a slot's stale bytes never reach a block partly; dropped
 copies are zeroed on request (`zero`) for defense in depth, as freed pool blocks are.
@@ -31,7 +34,8 @@ MEASURE_ROUNDS = 3
 class HostMemory:
     """`num_slots` slots of host memory for the blocks of one pool view (`pool`)."""
 
-    def __init__(self, slots: torch.Tensor, pool: FormatMemory, arena: KVMemory | None) -> None:
+    def __init__(self, slots: torch.Tensor, pool: FormatMemory, arena: KVMemory | None,
+                 registered: bool = False) -> None:
         # [num_slots, bytes_per_block] uint8 in host memory.
         self.slots = slots
         self.num_slots = slots.shape[0]
@@ -43,22 +47,42 @@ class HostMemory:
         word = _word_dtype(slots.shape[1])
         self._slot_words = slots.view(word)
         self._pool_words = pool.kv.view(pool.num_blocks, -1).view(torch.uint8).view(word)
-        # The shm arena behind `slots` (CPU), closed with this.
+        # The shm arena behind `slots`, closed with this (None: memory of a test's own).
         self._arena = arena
+        # Whether `slots` is registered with CUDA (pinned beside a CUDA pool) until `close`.
+        self._registered = registered
 
     @classmethod
     def create(cls, num_slots: int, pool: FormatMemory, shm_dir: str = "/dev/shm",
                name_prefix: str = "pagedkv") -> HostMemory:
-        """Zeroed slots for `num_slots` blocks of `pool`'s format, in shared memory beside a CPU
-        pool, in pinned memory beside a CUDA one."""
+        """Zeroed slots for `num_slots` blocks of `pool`'s format (see `over`)."""
         if num_slots <= 0:
             raise ValueError(f"the host tier needs at least one slot, got {num_slots}")
-        bytes_per_block = pool.bytes_per_block
+        arena = KVMemory.create(num_slots, pool.bytes_per_block, "cpu", shm_dir, name_prefix,
+                                0o600)
+        return cls.over(arena, pool)
+
+    @classmethod
+    def over(cls, arena: KVMemory, pool: FormatMemory) -> HostMemory:
+        """The slots of `arena` (a CPU arena of one block of `pool`'s format a page, new or
+        adopted from the previous daemon), pinned with cudaHostRegister beside a CUDA pool."""
+        if arena.page_bytes != pool.bytes_per_block or arena.pages.is_cuda:
+            arena.close()
+            raise ValueError(f"host tier slots must be CPU pages of {pool.bytes_per_block} "
+                             f"bytes, got {arena.page_bytes} on {arena.pages.device}")
         if pool.kv.is_cuda:
-            slots = torch.zeros(num_slots, bytes_per_block, dtype=torch.uint8, pin_memory=True)
-            return cls(slots, pool, None)
-        arena = KVMemory.create(num_slots, bytes_per_block, "cpu", shm_dir, name_prefix, 0o600)
-        return cls(arena.pages, pool, arena)
+            _cuda_register(arena.pages)
+        return cls(arena.pages, pool, arena, registered=pool.kv.is_cuda)
+
+    @property
+    def adopted_from(self) -> str:
+        """The id of the previous daemon's host memory this is ("": allocated here)."""
+        return "" if self._arena is None else self._arena.adopted_from
+
+    @property
+    def memory_id(self) -> str:
+        """This host memory's id (its arena's; the next daemon's `adopted_from`)."""
+        return "" if self._arena is None else self._arena.pool_id
 
     @property
     def bytes_per_block(self) -> int:
@@ -112,9 +136,25 @@ class HostMemory:
         return int(2 * MEASURE_ROUNDS * n * self.bytes_per_block / elapsed)
 
     def close(self) -> None:
-        """Release the slots (the CPU arena's file is removed)."""
+        """Release the slots (the arena's file is removed unless the fd store keeps it)."""
+        if self._registered:
+            _cuda_unregister(self.slots)
+            self._registered = False
         if self._arena is not None:
             self._arena.close()
+
+
+def _cuda_register(slots: torch.Tensor) -> None:
+    """Pin `slots` (a shared mapping) for DMA: pin_memory would copy into private memory."""
+    error = int(torch.cuda.cudart().cudaHostRegister(slots.data_ptr(), slots.nbytes, 0))
+    if error:
+        raise RuntimeError(f"cudaHostRegister of the host tier's {slots.nbytes} bytes failed: "
+                           f"cudaError {error}")
+
+
+def _cuda_unregister(slots: torch.Tensor) -> None:
+    torch.cuda.synchronize()  # no copy may still read or write the mapping
+    torch.cuda.cudart().cudaHostUnregister(slots.data_ptr())
 
 
 def _word_dtype(nbytes: int) -> torch.dtype:

@@ -14,6 +14,10 @@ would allocate is the stored one: pages, page bytes, and its own format's dtype,
 heads, head_dim and block size. Anything else is released: its stored descriptors removed
 (FDSTOREREMOVE), its file unlinked, one log line saying why, and the daemon starts cold.
 
+The host tier's memory (daemon/memory/host_memory.py: a file like the pool's, never mapped by
+a runner) is handed over the same way by a second `PoolHandover` under its own name prefix
+(`HOST_FD_PREFIX`), with the slots as its pages.
+
 Nothing happens outside a unit with `FileDescriptorStoreMax=` ($FDSTORE unset): the file is
 removed at exit as before. CUDA pools are not stored (their memory dies with the process;
 only a VMM allocation exported as a descriptor could outlive it).
@@ -33,9 +37,14 @@ from pagedkv.process.log_setup import get_logger
 
 log = get_logger(__name__)
 
-# Every stored pool descriptor's name starts with this.
+# Every stored pool descriptor's name starts with this; the host tier's with the other.
 FD_NAME_PREFIX = "pagedkv-pool"
-_FD_NAME = re.compile(rf"{re.escape(FD_NAME_PREFIX)}\.([0-9a-f]+)\.(.+)")
+HOST_FD_PREFIX = "pagedkv-host"
+
+
+def _fd_name_pattern(prefix: str) -> re.Pattern[str]:
+    """A stored name under `prefix`: group 1 the pool id, group 2 the layout."""
+    return re.compile(rf"{re.escape(prefix)}\.([0-9a-f]+)\.(.+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,16 +66,20 @@ class PoolLayout:
         return (f"{self.num_pages}x{self.page_bytes}.{self.dtype}.L{self.num_layers}"
                 f"H{self.num_kv_heads}D{self.head_dim}B{self.block_size}")
 
-    def fd_name(self, pool_id: str) -> str:
-        return f"{FD_NAME_PREFIX}.{pool_id}.{self.text()}"
+    def fd_name(self, pool_id: str, prefix: str = FD_NAME_PREFIX) -> str:
+        return f"{prefix}.{pool_id}.{self.text()}"
 
 
 class PoolHandover:
     """The pool descriptors passed to this daemon, until adopted or released."""
 
-    def __init__(self, passed: dict[str, list[int]]) -> None:
-        # Stored pool descriptors by name; descriptors under other names are not ours.
-        self._passed = {name: fds for name, fds in passed.items() if _FD_NAME.fullmatch(name)}
+    def __init__(self, passed: dict[str, list[int]], prefix: str = FD_NAME_PREFIX) -> None:
+        # The stored names this handover owns (the pool's, or the host tier's).
+        self._prefix = prefix
+        self._pattern = _fd_name_pattern(prefix)
+        # Stored descriptors by name; descriptors under other names are not ours.
+        self._passed = {name: fds for name, fds in passed.items()
+                        if self._pattern.fullmatch(name)}
         # The adopted pool's stored name: removed from the store once the arena is stored
         # under its new name (`offer`), so a crash in between loses nothing.
         self._superseded: str | None = None
@@ -87,7 +100,8 @@ class PoolHandover:
         adopted: KVMemory | None = None
         for name, fds in self._passed.items():
             if adopted is None:
-                adopted, reason = _try_adopt(name, fds, layout, shm_dir, mode, group)
+                adopted, reason = _try_adopt(self._pattern.fullmatch(name), fds, layout, shm_dir,
+                                             mode, group)
                 if adopted is not None:
                     for fd in fds:
                         os.close(fd)
@@ -105,14 +119,14 @@ class PoolHandover:
         """Store a descriptor of `arena`'s file for the next daemon and keep the file at exit
         (then drop the adopted pool's old name from the store); False (nothing stored) outside
         a descriptor store or for a CUDA arena."""
-        stored = _store(arena, layout)
+        stored = _store(arena, layout.fd_name(arena.pool_id, self._prefix))
         if self._superseded is not None:
             remove_fds(self._superseded)
             self._superseded = None
         return stored
 
 
-def _store(arena: KVMemory, layout: PoolLayout) -> bool:
+def _store(arena: KVMemory, fd_name: str) -> bool:
     """`offer`'s storing."""
     if not store_enabled():
         return False
@@ -122,7 +136,7 @@ def _store(arena: KVMemory, layout: PoolLayout) -> bool:
         return False
     fd = os.open(arena.shm_path, os.O_RDWR | os.O_CLOEXEC)
     try:
-        stored = store_fds(layout.fd_name(arena.pool_id), [fd])
+        stored = store_fds(fd_name, [fd])
     finally:
         os.close(fd)
     if stored:
@@ -130,11 +144,11 @@ def _store(arena: KVMemory, layout: PoolLayout) -> bool:
     return stored
 
 
-def _try_adopt(name: str, fds: list[int], layout: PoolLayout, shm_dir: str, mode: int,
-               group: int | None) -> tuple[KVMemory | None, str]:
-    """The arena stored as `name` when it has `layout`, or None and why not."""
-    match = _FD_NAME.fullmatch(name)
-    assert match is not None, "only pool names are kept"
+def _try_adopt(match: re.Match[str] | None, fds: list[int], layout: PoolLayout, shm_dir: str,
+               mode: int, group: int | None) -> tuple[KVMemory | None, str]:
+    """The arena stored under the name `match` parsed when it has `layout`, or None and why
+    not."""
+    assert match is not None, "only our names are kept"
     previous, stored_layout = match.groups()
     if stored_layout != layout.text() or len(fds) != 1:
         return None, (f"it is {stored_layout} ({len(fds)} descriptors), this daemon allocates "

@@ -13,9 +13,12 @@ else (another version, identity or memory, a corrupted file, a failed check) is 
 the reason, the snapshot is set aside (`<name>.refused`) and the daemon starts cold: the
 caller builds a new service. A snapshot applied is removed, so it is never applied twice.
 
-Not written (the next daemon then starts cold, said in one log line): with a host tier (its
-memory is not handed over yet), when the pool's memory work failed (fail-stop: its contents
-are unknown), or when the service holds what the image cannot keep (models beyond its own).
+A host tier is kept the same way: its slots' memory is handed over as the pool's (adopted
+when its layout matches), its index is in the image, and it is restored only onto the host
+memory the snapshot names (service_image.py). Not written (the next daemon then starts cold,
+said in one log line): when the pool's memory work failed (fail-stop: the contents of the pool
+and of the host slots are unknown), or when the service holds what the image cannot keep (a
+call in flight).
 """
 
 import os
@@ -72,7 +75,7 @@ def state_image(config: DaemonConfig, service: PoolService) -> Image | None:
     there is none to keep (logged)."""
     if config.restore != "auto":
         return None
-    why_not = _why_not_kept(config, service)
+    why_not = _why_not_kept(service)
     if not why_not:
         try:
             return service_image(service)
@@ -88,7 +91,7 @@ def keep_state(config: DaemonConfig, service: PoolService, identity: dict[str, A
     is done, unless that work failed (then the memory's contents are unknown: logged)."""
     if image is None:
         return
-    why_not = _why_not_kept(config, service)
+    why_not = _why_not_kept(service)
     if why_not:
         log.warning("no restart snapshot written: the next daemon starts cold", reason=why_not)
         return
@@ -110,8 +113,6 @@ def restore_state(config: DaemonConfig, service: PoolService, memory: KVPoolMemo
         log.info("no restart snapshot: starting cold", path=str(path))
         return False
     try:
-        if config.host_tier_memory:
-            raise NotKept("a host tier's memory is not kept across restarts")
         restore_service(service, read_snapshot(path, identity), memory.arena.adopted_from)
         service.check_invariants()
     except (SnapshotRefused, NotKept, AssertionError, KeyError, TypeError, ValueError) as exc:
@@ -125,10 +126,8 @@ def restore_state(config: DaemonConfig, service: PoolService, memory: KVPoolMemo
     return True
 
 
-def _why_not_kept(config: DaemonConfig, service: PoolService) -> str:
+def _why_not_kept(service: PoolService) -> str:
     """Why the daemon's state cannot be kept now; '' when it can."""
-    if config.host_tier_memory:
-        return "a host tier's memory is not kept across restarts"
     if service.memory_order.failed.is_set():
         return "the pool's memory work failed: its contents are unknown"
     return ""

@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 
 # The format's version: bumped whenever the state's layout changes.
-SNAPSHOT_VERSION = 2  # 2: the KV events' seq
+SNAPSHOT_VERSION = 3  # 2: the KV events' seq; 3: models, formats, pages, host memory
 MAGIC = b"PKVSNAP\n"
 _DIGEST = 32  # SHA-256 bytes after MAGIC
 

@@ -36,6 +36,7 @@ all-or-nothing, and the zeroing is work of the call only once it succeeds.
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.service.models import Format, Model, ModelRegistry
@@ -162,6 +163,19 @@ class PageBroker:
 
     def _unmove(self, count: int) -> None:
         self.moves_total -= count
+
+    def image(self) -> list[object]:
+        """Which format holds each page, the moves so far and the reserves still parked, as
+        plain data: for a restart snapshot (models_image.py)."""
+        return [list(self.owner), self.moves_total, list(self.parked.items())]
+
+    def restore(self, image: list[Any]) -> None:
+        """Take a snapshot's `image` into this broker, once the formats' pools took theirs
+        (the caller runs `check` after it)."""
+        owner, self.moves_total, parked = image
+        self.owner = list(owner)
+        self._count = Counter(self.owner)
+        self.parked = {name: list(pages) for name, pages in parked}
 
     def check(self) -> None:
         """Assert that each format's pool holds the pages the broker says, and that every page

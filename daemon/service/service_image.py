@@ -1,9 +1,10 @@
-"""The service's state as plain data, for a daemon restart: the own model's pool and the
-sessions that own its sequences, and back into a fresh service on the same pool memory.
+"""The service's state as plain data, for a daemon restart: the models' pools and the
+sessions that own their sequences, and back into a fresh service on the same pool memory.
 
-What is kept: the pool (`core/pool_image.py`: tables, refcounts, the prefix cache, the host
-tier's index, holder figures), whose the cached blocks and host copies are (private-salt
-sessions', models': `PrivateBlocks`, `ModelCache`), and each session whole (its id, number,
+What is kept: every model, its format's pool (`core/pool_image.py`: tables, refcounts, the
+prefix cache, the host tier's index, holder figures), whose the cached blocks and host copies
+are (private-salt sessions', models'), and which format holds each page (models_image.py);
+the host tier's copy rate; and each session whole (its id, number,
 client name, tenant, salts, quota, sequences, request ids, figures) with the lease time it had
 left: a restored lease runs that long from the restore, so the restart's gap is added to it.
 Session ids keep the pool id of the daemon run that issued them: the restored registry holds
@@ -21,22 +22,23 @@ a runner that exited, or a pid now another process's, holds nothing. Holds of th
 own code end with it. Take the image while the runners' pidfds are open (before
 `PoolService.stop`).
 
-What is not kept yet, and so makes `service_image` refuse (the daemon then writes no
-snapshot and the next one starts cold): a contiguous pool, models beyond the daemon's own
-(their formats and pages), a session with a call in flight.
+What is not kept, and so makes `service_image` refuse (the daemon then writes no snapshot and
+the next one starts cold): a contiguous pool, a session with a call in flight.
 
 Restored only onto the memory the image describes: `restore_service` is told which pool the
-memory it maps came from (`adopted_from`, the previous run's pool id) and refuses any other,
-as it refuses another tenant numbering (the pool's holder groups are by tenant number).
+memory it maps came from (`adopted_from`, the previous run's pool id) and refuses any other;
+a host tier's index only onto the host memory adopted from the one the image names (the
+service's host memory knows what it was adopted from), never onto new slots, whose bytes are
+not the copies the index names. It refuses another tenant numbering too (the pools' holder
+groups are by tenant number).
 """
 
 from typing import Any
 
 from pagedkv.daemon.core import BlockPool, PoolError
-from pagedkv.daemon.core.pool_image import Image, pool_image, restore_image
-from pagedkv.daemon.service.model_cache import ModelCache
+from pagedkv.daemon.core.pool_image import Image
+from pagedkv.daemon.service.models_image import models_image, restore_models
 from pagedkv.daemon.service.pool_service import PoolService
-from pagedkv.daemon.service.private_blocks import PrivateBlocks
 from pagedkv.daemon.service.sessions import Session
 
 # The Session fields kept as they are (the lease's deadline is kept as what was left of it).
@@ -50,17 +52,17 @@ class NotKept(Exception):
     message says why. Not a PoolError: it never reaches a client (the daemon starts cold)."""
 
 
-def service_image(service: PoolService) -> Image:
-    """`service`'s state as plain data (see the module). NotKept: a state it cannot keep."""
+def service_image(service: PoolService, *, calls_in_flight: bool = False) -> Image:
+    """`service`'s state as plain data (see the module). NotKept: a state it cannot keep.
+    `calls_in_flight`: taken under the pool lock between two calls' changes (a crash log's
+    base, crash_log.py), so a session's call in flight is no reason to refuse."""
     pool = service.pool
     if not isinstance(pool, BlockPool):
         raise NotKept("a contiguous pool's state is not kept across restarts")
-    if len(service.models.formats) > 1 or len(service.models) > 1:
-        raise NotKept("models beyond the daemon's own are not kept across restarts")
     now = service.sessions.now()
     sessions = []
     for session in service.sessions:
-        if session.in_flight:
+        if session.in_flight and not calls_in_flight:
             raise NotKept(f"session {session.label} has a call in flight")
         kept: dict[str, Any] = {name: getattr(session, name) for name in _SESSION_FIELDS}
         kept["holds"] = _holds_image(session, now)
@@ -69,8 +71,10 @@ def service_image(service: PoolService) -> Image:
         kept["request_ids"] = list(session.request_ids.items())
         sessions.append(kept)
     registry = service.sessions
-    return {"pool_id": service.pool_id, "pool": pool_image(pool), "sessions": sessions,
-            "records": [record.image() for record in _records(service)],
+    host = service.calls.host_memory
+    return {"pool_id": service.pool_id, "models": models_image(service.formats),
+            "host_id": "" if host is None else host.memory_id,
+            "host_copy_rate": service.host_copy_rate, "sessions": sessions,
             "tenant_numbers": list(service.calls.tenant_numbers.items()),
             "expired": registry.expired_ids(), "expiries_total": registry.expiries_total,
             "event_seq": service.event_seq}
@@ -78,25 +82,30 @@ def service_image(service: PoolService) -> Image:
 
 def restore_service(service: PoolService, image: Image, adopted_from: str) -> None:
     """Put `image` into `service`, fresh (no session, no model but its own), whose pool memory
-    is the one pool `adopted_from` named. NotKept, nothing changed: the image is of other
-    memory, another tenant numbering, or another pool geometry (what differs is named)."""
+    is the one pool `adopted_from` named. NotKept: the image is of other pool or host memory,
+    another tenant numbering, other models or another pool geometry (what differs is named);
+    nothing changed when the memory or the numbering differ, else the caller builds a new
+    service."""
     if image["pool_id"] != adopted_from:
         raise NotKept(f"the snapshot is of pool {image['pool_id']}, the memory mapped is "
                       f"{'pool ' + adopted_from if adopted_from else 'new'}")
+    host = service.calls.host_memory
+    host_from = "" if host is None else host.adopted_from
+    if image["host_id"] != host_from:
+        raise NotKept(f"the snapshot's host tier is memory {image['host_id'] or 'none'}, the "
+                      f"host memory mapped is {'memory ' + host_from if host_from else 'new'}")
     numbers = dict(image["tenant_numbers"])
     if numbers != service.calls.tenant_numbers:
         raise NotKept(f"tenants numbered {numbers} in the snapshot, "
                       f"{service.calls.tenant_numbers} now")
     assert not len(service.sessions), "a snapshot restored into a service with sessions"
-    pool = service.pool
-    if not isinstance(pool, BlockPool):
+    if not isinstance(service.pool, BlockPool):
         raise NotKept("a contiguous pool cannot take a snapshot's state")
     try:
-        restore_image(pool, image["pool"])
+        restore_models(service.formats, image["models"])
     except PoolError as exc:
         raise NotKept(str(exc)) from exc
-    for record, kept_record in zip(_records(service), image["records"], strict=True):
-        record.restore(kept_record)
+    service.host_copy_rate = image["host_copy_rate"]
     now = service.sessions.now()
     for kept in image["sessions"]:
         session = Session(**{name: kept[name] for name in _SESSION_FIELDS},
@@ -123,12 +132,3 @@ def _holds_image(session: Session, now: float) -> list[tuple[int, int, float]]:
         if identity is not None:
             kept.append((*identity, max(0.0, until - now)))
     return kept
-
-
-def _records(service: PoolService) -> list[ModelCache | PrivateBlocks]:
-    """The own format's records of its cached blocks and host copies: whose they are."""
-    hygiene = service.models.own.format.hygiene
-    records: list[ModelCache | PrivateBlocks] = [hygiene.private, hygiene.cached]
-    if hygiene.host is not None:
-        records += [hygiene.host.private, hygiene.host.models]
-    return records
