@@ -11,9 +11,10 @@ Stop (SIGTERM or SIGINT): STOPPING=1 and health NOT_SERVING so balancers and cli
 away, then the gRPC server stops accepting and lets in-flight calls finish for up to
 SHUTDOWN_GRACE_S (process/grpc_server.py), then the lease reaper stops, with restore = "auto"
 the sessions and tables are written to a snapshot (restart.py), and the pool memory is
-released (its shm file unlinked unless the service manager keeps it). The next start has a
-new pool_id: clients recompute their tables from scratch, unless it restored the snapshot onto
-the same memory (restart.py), before any listener was bound. Pool memory work that fails
+released (its shm file unlinked unless the service manager keeps it, or, without one, a
+runner keeps its descriptor: daemon/memory/pool_keepers.py). The next start has a new pool_id:
+clients recompute their tables from scratch, unless it restored the snapshot onto the same
+memory (restart.py), before any listener was bound. Pool memory work that fails
 stops the daemon the same way (fail-stop, daemon/service/memory_order.py), with a failure
 exit status: its supervisor restarts it.
 """
@@ -21,7 +22,7 @@ exit status: its supervisor restarts it.
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,8 @@ from pagedkv.daemon.edge.tls import ServerTls
 from pagedkv.daemon.events.sink import ManagedSink
 from pagedkv.daemon.memory.host_memory import HostMemory
 from pagedkv.daemon.memory.kv_memory import KVMemory, KVPoolMemory, cleanup_stale_files
-from pagedkv.daemon.memory.pool_handover import HOST_FD_PREFIX, PoolHandover, PoolLayout
+from pagedkv.daemon.memory.pool_handover import PoolHandover, PoolLayout
+from pagedkv.daemon.memory.pool_keepers import leave_for_keepers, taken_back
 from pagedkv.daemon.process.config import (
     DEFAULT_SOCKET_MODE,
     MAX_LEASE_TTL_MS,
@@ -52,6 +54,7 @@ from pagedkv.daemon.process.restart import (
     keep_state,
     pool_identity,
     restore_state,
+    state_dir,
     state_image,
 )
 from pagedkv.daemon.process.settings import ConfigError
@@ -59,7 +62,7 @@ from pagedkv.daemon.service.memory_order import MemoryOrder
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.memory.cuda_driver import CudaDriverTooOld, require_driver_for_torch
 from pagedkv.memory.device_memory import measure
-from pagedkv.process.fd_store import listened_fds
+from pagedkv.process.fd_store import listened_fds, store_enabled
 from pagedkv.process.grpc_server import GrpcServers, StartupError, grpc_servers
 from pagedkv.process.lifecycle import cancel, stop_on_signals
 from pagedkv.process.log_setup import get_logger
@@ -158,10 +161,9 @@ async def _start(config: DaemonConfig, readiness: Readiness,
 @contextlib.asynccontextmanager
 async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService, KVPoolMemory]]:
     """The pool memory, the block pool and the service with its lease reaper."""
-    passed = listened_fds()  # what the last daemon stored, taken once
-    handover, host_handover = PoolHandover(passed), PoolHandover(passed, HOST_FD_PREFIX)
-    removed = cleanup_stale_files(str(config.shm_dir),
-                                  keep=handover.files() + host_handover.files())
+    # What the last daemon stored (taken once), else what the runners hand back.
+    handover = PoolHandover(listened_fds() or _taken_back(config))
+    removed = cleanup_stale_files(str(config.shm_dir), keep=handover.files())
     if removed:
         log.info("removed stale pool files", files=[str(path) for path in removed])
     check_device(config.device)
@@ -178,52 +180,54 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
         raise ConfigError(f"the pool is smaller than one page of page_size={config.page_size}")
     config.check_reservation(num_blocks)
     memory = pool_memory(config, geometry, dtype, num_blocks, blocks_per_page, handover)
-    host: HostMemory | None = None
     try:
-        host = host_memory(config, memory, geometry, dtype, host_handover)
         log.info("pool allocated", pool_id=memory.pool_id, model=geometry.name, dtype=dtype,
                  device=config.device, num_blocks=num_blocks, block_size=config.block_size,
                  bytes=memory.nbytes, shm_path=memory.handle().shm_path or None,
                  adopted_from=memory.arena.adopted_from or None,
                  allocator=config.allocator, max_model_len=config.max_model_len,
                  prefix_hash=config.prefix_hash)
-        build = functools.partial(pool_service, config, memory, host, geometry, num_blocks,
+        build = functools.partial(pool_service, config, memory, geometry, num_blocks,
                                   blocks_per_page, per_block)
         service = build()
         identity = pool_identity(config, geometry, dtype, service)
         if not restore_state(config, service, memory, identity):
             if config.restore == "auto":  # a refused snapshot may have touched it
                 service = build()
-            _start_cold(config, service, memory, host)
-        await service.start()
-        image = None
-        try:
-            yield service, memory
-            image = state_image(config, service)  # a clean stop: the calls have drained
-        finally:
-            await service.stop()
-        keep_state(config, service, identity, image)
+            if memory.arena.adopted_from and config.zero_freed_blocks:
+                memory.arena.zero_pages(range(memory.arena.num_pages))  # every block is free
+        with host_tier(config, service, memory):
+            await service.start()
+            image = None
+            try:
+                yield service, memory
+                image = state_image(config, service)  # a clean stop: the calls have drained
+            finally:
+                await service.stop()
+            keep_state(config, service, identity, image)
+            _leave_for_runners(config, service, memory, geometry, dtype)
     finally:
-        if host is not None:
-            host.close()
         memory.close()
 
 
-def _start_cold(config: DaemonConfig, service: PoolService, memory: KVPoolMemory,
-                host: HostMemory | None) -> None:
-    """Nothing was restored: adopted memory holds no one's blocks now (zeroed when the daemon
-    zeroes freed blocks), and the host tier's copy rate is measured before anyone is served
-    (a restored one keeps the previous daemon's figure: its pool's blocks are in use)."""
-    if memory.arena.adopted_from and config.zero_freed_blocks:
-        memory.arena.zero_pages(range(memory.arena.num_pages))  # every block is free
-    if host is None:
+def _taken_back(config: DaemonConfig) -> dict[str, list[int]]:
+    """With restore = auto and no fd store: the pool descriptor the runners hand back
+    (pool_keepers.py), by its stored name."""
+    if config.restore != "auto" or store_enabled():
+        return {}
+    return taken_back(state_dir(config))
+
+
+def _leave_for_runners(config: DaemonConfig, service: PoolService, memory: KVPoolMemory,
+                       geometry: ModelGeometry, dtype: str) -> None:
+    """With restore = auto and no fd store, at a clean stop: the pool file left for the
+    runners that keep its descriptor to hand back (pool_keepers.py)."""
+    if config.restore != "auto" or store_enabled():
         return
-    if host.adopted_from and config.zero_freed_blocks:
-        host.zero(range(host.num_slots))  # every slot is free
-    service.host_copy_rate = host.measure_copy_rate()
-    log.info("host tier allocated", slots=host.num_slots,
-             bytes=host.num_slots * host.bytes_per_block, copy_bytes_per_s=service.host_copy_rate,
-             pinned=memory.kv.is_cuda, adopted_from=host.adopted_from or None)
+    arena = memory.arena
+    layout = pool_layout(config, geometry, dtype, arena.num_pages, arena.page_bytes)
+    leave_for_keepers(state_dir(config), arena, layout.fd_name(arena.pool_id),
+                      [model.runner_target for model in service.models])
 
 
 def _keep_event_seq(service: PoolService, events: ManagedSink) -> None:
@@ -231,11 +235,10 @@ def _keep_event_seq(service: PoolService, events: ManagedSink) -> None:
     service.event_seq = events.next_seq
 
 
-def pool_service(config: DaemonConfig, memory: KVPoolMemory, host: HostMemory | None,
-                 geometry: ModelGeometry, num_blocks: int, blocks_per_page: int,
-                 per_block: int) -> PoolService:
+def pool_service(config: DaemonConfig, memory: KVPoolMemory, geometry: ModelGeometry,
+                 num_blocks: int, blocks_per_page: int, per_block: int) -> PoolService:
     """The block pool of `num_blocks` blocks of `per_block` bytes, `blocks_per_page` a page,
-    over `memory`, and the service on it with `host` as its host tier, with no session."""
+    over `memory`, and the service on it, with no session."""
     pool = (BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
                       config.prefix_hash, blocks_per_page=blocks_per_page)
             if blocks_per_page > 1 else
@@ -243,7 +246,7 @@ def pool_service(config: DaemonConfig, memory: KVPoolMemory, host: HostMemory | 
                       enable_prefix_caching=config.enable_prefix_caching,
                       prefix_hash=config.prefix_hash, max_model_len=config.max_model_len))
     try:
-        service = PoolService(pool, memory, pool_id=memory.pool_id,
+        return PoolService(pool, memory, pool_id=memory.pool_id,
                            default_lease_ttl_ms=config.lease_ttl_ms,
                            max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,
                            zero_freed_blocks=config.zero_freed_blocks,
@@ -253,18 +256,15 @@ def pool_service(config: DaemonConfig, memory: KVPoolMemory, host: HostMemory | 
                            max_models=config.max_models, prefix_hash=config.prefix_hash)
     except ValueError as exc:  # the [models.NAME] reserves do not fit in the pool
         raise ConfigError(f"models: {exc}") from exc
-    if host is not None:
-        service.attach_host_tier(host)
-    return service
 
 
-def host_memory(config: DaemonConfig, memory: KVPoolMemory, geometry: ModelGeometry, dtype: str,
-                handover: PoolHandover) -> HostMemory | None:
-    """The host tier's slots, `host_tier_memory` bytes of them: the previous daemon's when the
-    service manager passed slots of this layout (pool_handover.py), else new ones; stored for
-    the next daemon. None without the setting."""
+@contextlib.contextmanager
+def host_tier(config: DaemonConfig, service: PoolService, memory: KVPoolMemory) -> Iterator[None]:
+    """The host tier of `host_tier_memory` bytes, attached to the service, its copy rate
+    measured before anyone is served; closed on exit. Nothing without the setting."""
     if not config.host_tier_memory:
-        return None
+        yield
+        return
     if config.allocator != "paged":  # a setting's mistake, said as one (not a traceback)
         raise ConfigError("host_tier_memory needs allocator = \"paged\": a contiguous pool "
                           "caches nothing to offload")
@@ -272,19 +272,15 @@ def host_memory(config: DaemonConfig, memory: KVPoolMemory, geometry: ModelGeome
     if not slots:
         raise ConfigError(f"host_tier_memory={config.host_tier_memory} holds no block of "
                           f"{memory.bytes_per_block} bytes")
-    # One block a page, the pool's own format: slot s is page s.
-    layout = PoolLayout(slots, memory.bytes_per_block, dtype, geometry.num_layers,
-                        geometry.num_kv_heads, geometry.head_dim, config.block_size)
-    shm_dir = str(config.shm_dir)
-    arena = (handover.adopt(layout, shm_dir, 0o600, None)  # the daemon's alone
-             or KVMemory.create(slots, memory.bytes_per_block, "cpu", shm_dir, mode=0o600))
-    host = HostMemory.over(arena, memory)
+    host = HostMemory.create(slots, memory, str(config.shm_dir))
     try:
-        handover.offer(arena, layout)
-    except BaseException:
+        rate = host.measure_copy_rate()
+        service.attach_host_tier(host, copy_rate=rate)
+        log.info("host tier allocated", slots=slots, bytes=slots * memory.bytes_per_block,
+                 copy_bytes_per_s=rate, pinned=memory.kv.is_cuda)
+        yield
+    finally:
         host.close()
-        raise
-    return host
 
 
 def check_device(device: str) -> None:
@@ -313,9 +309,8 @@ def pool_memory(config: DaemonConfig, geometry: ModelGeometry, dtype: str, num_b
     the next daemon."""
     shm_dir, mode, group = str(config.shm_dir), config.runners_mode, config.runner_gid()
     per_block = geometry.bytes_per_block(config.block_size, dtype_bytes(dtype))
-    layout = PoolLayout(num_blocks // blocks_per_page, blocks_per_page * per_block, dtype,
-                        geometry.num_layers, geometry.num_kv_heads, geometry.head_dim,
-                        config.block_size)
+    layout = pool_layout(config, geometry, dtype, num_blocks // blocks_per_page,
+                         blocks_per_page * per_block)
     arena = handover.adopt(layout, shm_dir, mode, group)
     if arena is None:
         arena = KVMemory.create(layout.num_pages, layout.page_bytes, device=config.device,
@@ -328,6 +323,13 @@ def pool_memory(config: DaemonConfig, geometry: ModelGeometry, dtype: str, num_b
         arena.close()
         raise
     return memory
+
+
+def pool_layout(config: DaemonConfig, geometry: ModelGeometry, dtype: str, num_pages: int,
+                page_bytes: int) -> PoolLayout:
+    """What the pool's bytes mean: `num_pages` pages of `page_bytes`, the own model's format."""
+    return PoolLayout(num_pages, page_bytes, dtype, geometry.num_layers, geometry.num_kv_heads,
+                      geometry.head_dim, config.block_size)
 
 
 def pool_blocks_per_page(config: DaemonConfig, per_block: int) -> int:
