@@ -22,7 +22,7 @@ exit status: its supervisor restarts it.
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from pagedkv.daemon.edge.tls import ServerTls
 from pagedkv.daemon.events.sink import ManagedSink
 from pagedkv.daemon.memory.host_memory import HostMemory
 from pagedkv.daemon.memory.kv_memory import KVMemory, KVPoolMemory, cleanup_stale_files
-from pagedkv.daemon.memory.pool_handover import PoolHandover, PoolLayout
+from pagedkv.daemon.memory.pool_handover import HOST_FD_PREFIX, PoolHandover, PoolLayout
 from pagedkv.daemon.memory.pool_keepers import leave_for_keepers, taken_back
 from pagedkv.daemon.process.config import (
     DEFAULT_SOCKET_MODE,
@@ -161,9 +161,10 @@ async def _start(config: DaemonConfig, readiness: Readiness,
 @contextlib.asynccontextmanager
 async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService, KVPoolMemory]]:
     """The pool memory, the block pool and the service with its lease reaper."""
-    # What the last daemon stored (taken once), else what the runners hand back.
-    handover = PoolHandover(listened_fds() or _taken_back(config))
-    removed = cleanup_stale_files(str(config.shm_dir), keep=handover.files())
+    passed = listened_fds() or _taken_back(config)  # what the last daemon stored, taken once
+    handover, host_handover = PoolHandover(passed), PoolHandover(passed, HOST_FD_PREFIX)
+    removed = cleanup_stale_files(str(config.shm_dir),
+                                  keep=handover.files() + host_handover.files())
     if removed:
         log.info("removed stale pool files", files=[str(path) for path in removed])
     check_device(config.device)
@@ -180,34 +181,53 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
         raise ConfigError(f"the pool is smaller than one page of page_size={config.page_size}")
     config.check_reservation(num_blocks)
     memory = pool_memory(config, geometry, dtype, num_blocks, blocks_per_page, handover)
+    host: HostMemory | None = None
     try:
+        host = host_memory(config, memory, geometry, dtype, host_handover)
         log.info("pool allocated", pool_id=memory.pool_id, model=geometry.name, dtype=dtype,
                  device=config.device, num_blocks=num_blocks, block_size=config.block_size,
                  bytes=memory.nbytes, shm_path=memory.handle().shm_path or None,
                  adopted_from=memory.arena.adopted_from or None,
                  allocator=config.allocator, max_model_len=config.max_model_len,
                  prefix_hash=config.prefix_hash)
-        build = functools.partial(pool_service, config, memory, geometry, num_blocks,
+        build = functools.partial(pool_service, config, memory, host, geometry, num_blocks,
                                   blocks_per_page, per_block)
         service = build()
         identity = pool_identity(config, geometry, dtype, service)
         if not restore_state(config, service, memory, identity):
             if config.restore == "auto":  # a refused snapshot may have touched it
                 service = build()
-            if memory.arena.adopted_from and config.zero_freed_blocks:
-                memory.arena.zero_pages(range(memory.arena.num_pages))  # every block is free
-        with host_tier(config, service, memory):
-            await service.start()
-            image = None
-            try:
-                yield service, memory
-                image = state_image(config, service)  # a clean stop: the calls have drained
-            finally:
-                await service.stop()
-            keep_state(config, service, identity, image)
-            _leave_for_runners(config, service, memory, geometry, dtype)
+            _start_cold(config, service, memory, host)
+        await service.start()
+        image = None
+        try:
+            yield service, memory
+            image = state_image(config, service)  # a clean stop: the calls have drained
+        finally:
+            await service.stop()
+        keep_state(config, service, identity, image)
+        _leave_for_runners(config, service, memory, geometry, dtype)
     finally:
+        if host is not None:
+            host.close()
         memory.close()
+
+
+def _start_cold(config: DaemonConfig, service: PoolService, memory: KVPoolMemory,
+                host: HostMemory | None) -> None:
+    """Nothing was restored: adopted memory holds no one's blocks now (zeroed when the daemon
+    zeroes freed blocks), and the host tier's copy rate is measured before anyone is served
+    (a restored one keeps the previous daemon's figure: its pool's blocks are in use)."""
+    if memory.arena.adopted_from and config.zero_freed_blocks:
+        memory.arena.zero_pages(range(memory.arena.num_pages))  # every block is free
+    if host is None:
+        return
+    if host.adopted_from and config.zero_freed_blocks:
+        host.zero(range(host.num_slots))  # every slot is free
+    service.host_copy_rate = host.measure_copy_rate()
+    log.info("host tier allocated", slots=host.num_slots,
+             bytes=host.num_slots * host.bytes_per_block, copy_bytes_per_s=service.host_copy_rate,
+             pinned=memory.kv.is_cuda, adopted_from=host.adopted_from or None)
 
 
 def _taken_back(config: DaemonConfig) -> dict[str, list[int]]:
@@ -235,10 +255,11 @@ def _keep_event_seq(service: PoolService, events: ManagedSink) -> None:
     service.event_seq = events.next_seq
 
 
-def pool_service(config: DaemonConfig, memory: KVPoolMemory, geometry: ModelGeometry,
-                 num_blocks: int, blocks_per_page: int, per_block: int) -> PoolService:
+def pool_service(config: DaemonConfig, memory: KVPoolMemory, host: HostMemory | None,
+                 geometry: ModelGeometry, num_blocks: int, blocks_per_page: int,
+                 per_block: int) -> PoolService:
     """The block pool of `num_blocks` blocks of `per_block` bytes, `blocks_per_page` a page,
-    over `memory`, and the service on it, with no session."""
+    over `memory`, and the service on it with `host` as its host tier, with no session."""
     pool = (BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
                       config.prefix_hash, blocks_per_page=blocks_per_page)
             if blocks_per_page > 1 else
@@ -246,7 +267,7 @@ def pool_service(config: DaemonConfig, memory: KVPoolMemory, geometry: ModelGeom
                       enable_prefix_caching=config.enable_prefix_caching,
                       prefix_hash=config.prefix_hash, max_model_len=config.max_model_len))
     try:
-        return PoolService(pool, memory, pool_id=memory.pool_id,
+        service = PoolService(pool, memory, pool_id=memory.pool_id,
                            default_lease_ttl_ms=config.lease_ttl_ms,
                            max_lease_ttl_ms=MAX_LEASE_TTL_MS, geometry=geometry,
                            zero_freed_blocks=config.zero_freed_blocks,
@@ -256,15 +277,18 @@ def pool_service(config: DaemonConfig, memory: KVPoolMemory, geometry: ModelGeom
                            max_models=config.max_models, prefix_hash=config.prefix_hash)
     except ValueError as exc:  # the [models.NAME] reserves do not fit in the pool
         raise ConfigError(f"models: {exc}") from exc
+    if host is not None:
+        service.attach_host_tier(host)
+    return service
 
 
-@contextlib.contextmanager
-def host_tier(config: DaemonConfig, service: PoolService, memory: KVPoolMemory) -> Iterator[None]:
-    """The host tier of `host_tier_memory` bytes, attached to the service, its copy rate
-    measured before anyone is served; closed on exit. Nothing without the setting."""
+def host_memory(config: DaemonConfig, memory: KVPoolMemory, geometry: ModelGeometry, dtype: str,
+                handover: PoolHandover) -> HostMemory | None:
+    """The host tier's slots, `host_tier_memory` bytes of them: the previous daemon's when the
+    service manager passed slots of this layout (pool_handover.py), else new ones; stored for
+    the next daemon. None without the setting."""
     if not config.host_tier_memory:
-        yield
-        return
+        return None
     if config.allocator != "paged":  # a setting's mistake, said as one (not a traceback)
         raise ConfigError("host_tier_memory needs allocator = \"paged\": a contiguous pool "
                           "caches nothing to offload")
@@ -272,15 +296,19 @@ def host_tier(config: DaemonConfig, service: PoolService, memory: KVPoolMemory) 
     if not slots:
         raise ConfigError(f"host_tier_memory={config.host_tier_memory} holds no block of "
                           f"{memory.bytes_per_block} bytes")
-    host = HostMemory.create(slots, memory, str(config.shm_dir))
+    # One block a page, the pool's own format: slot s is page s.
+    layout = PoolLayout(slots, memory.bytes_per_block, dtype, geometry.num_layers,
+                        geometry.num_kv_heads, geometry.head_dim, config.block_size)
+    shm_dir = str(config.shm_dir)
+    arena = (handover.adopt(layout, shm_dir, 0o600, None)  # the daemon's alone
+             or KVMemory.create(slots, memory.bytes_per_block, "cpu", shm_dir, mode=0o600))
+    host = HostMemory.over(arena, memory)
     try:
-        rate = host.measure_copy_rate()
-        service.attach_host_tier(host, copy_rate=rate)
-        log.info("host tier allocated", slots=slots, bytes=slots * memory.bytes_per_block,
-                 copy_bytes_per_s=rate, pinned=memory.kv.is_cuda)
-        yield
-    finally:
+        handover.offer(arena, layout)
+    except BaseException:
         host.close()
+        raise
+    return host
 
 
 def check_device(device: str) -> None:
