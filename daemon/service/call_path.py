@@ -23,7 +23,9 @@ import asyncio
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
+from pagedkv.daemon.core import PoolError
 from pagedkv.daemon.service.answer_size import AnswerBudget
+from pagedkv.daemon.service.crash_log import CrashLog, Record
 from pagedkv.daemon.service.formats import Formats
 from pagedkv.daemon.service.holds import NO_HOLD, Hold, apply_hold, check_hold, check_release
 from pagedkv.daemon.service.limits import Limits
@@ -59,6 +61,8 @@ class CallPath:
         self.lock = asyncio.Lock()
         # Memory work off the event loop, ordered per block; fail-stop (memory_order.py).
         self.memory_order = MemoryOrder()
+        # The crash log every applied change is written to (crash_log.py); None: not kept.
+        self.log: CrashLog | None = None
 
     def model_of(self, session: Session) -> Model:
         return self.formats.models.get(session.model)
@@ -81,14 +85,17 @@ class CallPath:
     async def change(self, session_id: str,
                      change: Callable[[Session, SessionOps, MemoryWork, AnswerBudget], T],
                      answer: AnswerBudget | None = None, *, commits: bool = False,
-                     frees: str = "", hold: Hold = NO_HOLD) -> T:
+                     frees: str = "", hold: Hold = NO_HOLD,
+                     record: Callable[[], Record] | None = None) -> T:
         """Run `change` for the session all-or-nothing, with its memory work and its answer's
         budget (`answer`: one shared with other parts of the answer, else a fresh one), under
         the lock; a change that `commits` is refused first if the caller may not commit, one
         that `frees` (the RPC's name) if a runner holds the session (holds.py); once applied,
-        the session's hold is set or ended as `hold` asks. Answered once the memory work its
-        answer depends on is complete (memory_order.py)."""
+        the session's hold is set or ended as `hold` asks, and `record` (what replays the
+        call) goes to the crash log. Answered once the memory work its answer depends on is
+        complete (memory_order.py)."""
         check_hold(hold, self.limits)
+        logged = 0
 
         def apply(session: Session) -> tuple[T, Pending]:
             if commits:
@@ -105,9 +112,22 @@ class CallPath:
                 return result
             result = self.formats.fitted(model, work, budget, body)
             apply_hold(session, hold, self.sessions.now())
+            nonlocal logged
+            logged = self.note(record, work)
             bs = fmt.pool.block_size
             return result, self.start_work(fmt, work, lambda: answer_blocks(result, bs))
-        return await self.arrived(session_id, apply)
+        result = await self.arrived(session_id, apply)
+        if logged and self.log is not None:
+            self.log.done(logged)  # its copies are done: arrived waited for them
+        return result
+
+    def note(self, record: Callable[[], Record] | None, work: MemoryWork | None = None) -> int:
+        """Write an applied call's `record` (made only when a crash log is kept) to the crash
+        log (under the lock for calls that change the pool); the number `CrashLog.done`
+        takes, else 0."""
+        if self.log is None or record is None:
+            return 0
+        return self.log.write(record(), self.sessions.now(), work)
 
     async def arrived(self, session_id: str,
                       apply: Callable[[Session], tuple[T, Pending]]) -> T:
@@ -121,7 +141,11 @@ class CallPath:
             async with self.lock:
                 self.sessions.check_live(session)
                 self.memory_order.check()
-                result, pending = apply(session)
+                try:
+                    result, pending = apply(session)
+                except PoolError:  # refused, nothing changed but the lease's renewal
+                    self.note(lambda: ["keep", session_id, [0, False]])
+                    raise
             await pending.wait()
             return result
         finally:

@@ -44,6 +44,7 @@ class ModelOps:
         model = calls.formats.models.get(name)
         if not asleep:
             model.asleep = False
+            calls.note(lambda: ["model_state", name, False])
             log.info("model woken", model=model.name)
             return model
         async with calls.lock:
@@ -57,6 +58,7 @@ class ModelOps:
                 fmt.hygiene.host.model_asleep(model.number, work, fmt.hygiene.events)
             pending.append(calls.start_work(fmt, work, tuple))
             model.asleep = True
+            calls.note(lambda: ["model_state", name, True])
         for done in pending:
             await done.wait()
         log.info("model asleep", model=model.name, closed_sessions=len(mine),

@@ -64,6 +64,7 @@ from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.service.answer_size import AnswerBudget
 from pagedkv.daemon.service.call_path import CallPath
 from pagedkv.daemon.service.call_work import check_work, op_work, step_work
+from pagedkv.daemon.service.crash_log import op_record, plain
 from pagedkv.daemon.service.fence import RunnerProcesses
 from pagedkv.daemon.service.figures import ServiceFigures
 from pagedkv.daemon.service.formats import Formats
@@ -119,6 +120,10 @@ class PoolService:
         # The pool id whose state and memory this service took over across a restart
         # (service_image.restore_service), "" when it started cold: PoolInfo.previous_pool_id.
         self.previous_pool_id = ""
+        # Whether that state came from the crash log (log_replay.py) rather than a snapshot:
+        # sequences' blocks past their committed tokens are not trusted
+        # (PoolInfo.recovered_from_crash_log).
+        self.recovered_from_crash_log = False
         # The KV events' seq the next batch gets: 0 cold, the previous run's next one when
         # restored (subscribers see the sequence go on); the stopping daemon's, once its
         # event sink has closed (what the restart image keeps).
@@ -207,11 +212,16 @@ class PoolService:
     def open_session(self, client_name: str, lease_ttl_ms: int = 0, max_blocks: int = 0,
                      cache_salt: bytes = b"", model: str = "") -> Session:
         """A session of the calling tenant and of `model` (session_life.py)."""
-        return self.life.open(client_name, lease_ttl_ms, max_blocks, cache_salt, model)
+        session = self.life.open(client_name, lease_ttl_ms, max_blocks, cache_salt, model)
+        self.calls.note(lambda: ["open", client_name, lease_ttl_ms, max_blocks, cache_salt, model,
+                         session.session_id.rsplit("-", 1)[1]])
+        return session
 
     def keep_alive(self, session_id: str, hold: Hold = NO_HOLD) -> int:
         """Renew the lease, and set or end a runner's hold; returns the lease in ms."""
-        return self.life.keep_alive(session_id, hold)
+        lease_ms = self.life.keep_alive(session_id, hold)
+        self.calls.note(lambda: ["keep", session_id, [hold.hold_ms, hold.end]])
+        return lease_ms
 
     async def close_session(self, session_id: str) -> int:
         """Close a session and free its sequences; returns how many were freed."""
@@ -221,7 +231,10 @@ class PoolService:
 
     def register_model(self, name: str, shape: KvShape, runner_target: str = "") -> Model:
         """Register a runner's model (model_ops.py)."""
-        return self.model_ops.register(name, shape, runner_target)
+        model = self.model_ops.register(name, shape, runner_target)
+        self.calls.note(lambda: ["register", name, [shape.num_layers, shape.num_kv_heads,
+                                                    shape.head_dim, shape.dtype], runner_target])
+        return model
 
     async def set_model_state(self, name: str, asleep: bool) -> Model:
         """Wake a model, or put it to sleep (model_ops.py)."""
@@ -254,17 +267,19 @@ class PoolService:
         """Certify K/V written; returns how many blocks became shareable."""
         check_work(self.limits, op_work(op, self.pool.block_size), "Commit")
         return await self.calls.change(session_id, lambda session, ops, _work, _answer: ops.commit(
-            session, op.seq_ids, op.num_tokens), commits=True)
+            session, op.seq_ids, op.num_tokens), commits=True,
+            record=lambda: ["op", session_id, op_record(op)])
 
     async def free(self, session_id: str, op: Free) -> int:
         """Drop a sequence; returns how many blocks went back to the pool."""
         return await self.calls.change(session_id, lambda session, ops, work, _answer: ops.free(
-            session, op.seq_id, work), frees="Free")
+            session, op.seq_id, work), frees="Free",
+            record=lambda: ["op", session_id, op_record(op)])
 
     async def _single(self, session_id: str, op: Operation) -> SeqUpdate:
         check_work(self.limits, op_work(op, self.pool.block_size), operation_name(op))
         return await self.calls.change(session_id, lambda session, ops, work, answer: ops.apply(
-            session, op, work, answer))
+            session, op, work, answer), record=lambda: ["op", session_id, op_record(op)])
 
     async def batch(self, session_id: str, ops: Sequence[Operation],
                     hold: Hold = NO_HOLD) -> list[SeqUpdate]:
@@ -277,7 +292,9 @@ class PoolService:
         return await self.calls.change(session_id, lambda session, books, work, answer: [
             self._apply_numbered(session, books, index, op, work, answer)
             for index, op in enumerate(ops)], commits=any(isinstance(op, Commit) for op in ops),
-            frees="Batch" if any(isinstance(op, Free) for op in ops) else "", hold=hold)
+            frees="Batch" if any(isinstance(op, Free) for op in ops) else "", hold=hold,
+            record=lambda: ["batch", session_id, [op_record(op) for op in ops],
+                    [hold.hold_ms, hold.end]])
 
     def check_batch_ops(self, count: int) -> None:
         """Refuse a Batch of more than max_batch_ops ops; the servicer asks before it
@@ -314,8 +331,9 @@ class PoolService:
         with answer.part():
             return await self.calls.change(session_id, lambda session, ops, work, budget: ops.step(
                 session, seq_ids, num_tokens, token_ids, work, budget, commit, reserve_tokens),
-                answer,
-                commits=commit, hold=Hold(hold_ms))
+                answer, commits=commit, hold=Hold(hold_ms),
+                record=lambda: ["step", session_id, plain(seq_ids), num_tokens,
+                                plain(token_ids), commit, hold_ms, reserve_tokens])
 
     def step_many_budget(self, entries: int) -> AnswerBudget:
         """The answer budget a StepMany of `entries` Steps shares, their envelopes charged:
@@ -350,7 +368,8 @@ class PoolService:
             return [SeqUpdate(pool.block_table(k), pool.num_tokens(k), pool.committed_tokens(k),
                               token_ids=(pool.token_ids(k) or []) if with_token_ids
                               else None) for k in keys]
-        return await self.calls.change(session_id, tables, hold=Hold(hold_ms))
+        record = (lambda: ["tables", session_id, plain(seq_ids), hold_ms]) if hold_ms else None
+        return await self.calls.change(session_id, tables, hold=Hold(hold_ms), record=record)
 
     def pool_stats(self) -> PoolStats:
         """Every pool-wide figure: for the metrics endpoint (operators), not for clients."""

@@ -72,6 +72,7 @@ class SessionLife:
         def close(session: Session) -> tuple[int, Pending]:
             check_release(session, self._calls.sessions.now(), "CloseSession")
             freed, pending = self.drop(session, expired=False)
+            self._calls.note(lambda: ["close", session_id])
             log.info("session closed", session=session.label, freed_sequences=freed)
             return freed, pending
         return await self._calls.arrived(session_id, close)
@@ -115,6 +116,22 @@ class SessionLife:
             await asyncio.sleep(REAP_INTERVAL_S)
             await self.expire_due()
 
+    async def expire(self, session_id: str) -> None:
+        """Expire the session now, as the reaper did (a crash log's replay)."""
+        calls = self._calls
+        session = calls.sessions.peek(session_id)
+        if session is None:
+            raise ValueError(f"no session {session_id} to expire")
+        async with calls.lock:
+            _freed, pending = self._drop_expired(session)
+        await pending.wait()
+
+    def _drop_expired(self, session: Session) -> tuple[int, Pending]:
+        """`drop` a session whose lease lapsed (under the lock), written to the crash log."""
+        dropped = self.drop(session, expired=True)
+        self._calls.note(lambda: ["expire", session.session_id])
+        return dropped
+
     async def expire_due(self) -> int:
         """Expire every session past its lease with no call in flight; returns how many."""
         expired, calls = 0, self._calls
@@ -126,7 +143,7 @@ class SessionLife:
                     if session not in calls.sessions or not calls.sessions.is_due(session):
                         continue  # a call or a hold arrived, or it closed, while we waited
                     request_ids = listed(session.request_ids.values())  # before the frees
-                    freed, pending = self.drop(session, expired=True)
+                    freed, pending = self._drop_expired(session)
                 await pending.wait()
             except Exception:  # the reaper must outlive any failure of one expiry
                 log.exception("lease expiry failed", session=session.label)

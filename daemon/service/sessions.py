@@ -179,6 +179,8 @@ class SessionRegistry:
         # Expiries so far (a counter for metrics).
         self.expiries_total = 0
         self._clock = clock
+        # Where new session ids' secrets come from (a crash log's replay gives the logged ones).
+        self.new_secret: Callable[[], str] = lambda: secrets.token_hex(_SECRET_BYTES)
         self._numbers = count(1)
         self._sessions: dict[str, Session] = {}
         self._expired: OrderedDict[str, None] = OrderedDict()
@@ -210,7 +212,7 @@ class SessionRegistry:
         ttl = min(lease_ttl_ms or self.default_lease_ttl_ms, self.max_lease_ttl_ms)
         quota = min(max_blocks or limits.max_blocks_per_session, limits.max_blocks_per_session)
         number = next(self._numbers)
-        session_id = f"{self.pool_id}-{number}-{secrets.token_hex(_SECRET_BYTES)}"
+        session_id = f"{self.pool_id}-{number}-{self.new_secret()}"
         # Distinct prefixes keep a client's salt from ever equalling a per-session default.
         salt = b"client:" + cache_salt if cache_salt else private_salt(session_id)
         session = Session(session_id=session_id, number=number, client_name=client_name,
@@ -275,6 +277,12 @@ class SessionRegistry:
     def now(self) -> float:
         """The registry's clock (monotonic seconds): what leases and holds are measured by."""
         return self._clock()
+
+    def set_clock(self, clock: Callable[[], float]) -> Callable[[], float]:
+        """Measure by `clock` from now on (a crash log's replay runs at each call's time);
+        returns the clock it measured by."""
+        before, self._clock = self._clock, clock
+        return before
 
     def remove(self, session: Session, *, expired: bool) -> None:
         """Take a session out of the registry (closed, or expired by the reaper); the caller

@@ -1,0 +1,202 @@
+"""The crash log: every change of the service's state, written as it is applied, so that a
+daemon killed by SIGKILL comes back with what its last applied calls left (`log_replay.py`).
+
+A logical redo log. Each state-changing call appends one record under the pool lock, once its
+change is applied and before the lock is released, so records are in the order changes were
+applied: the call's inputs (its kind and arguments, as the service method takes them), the
+caller (tenant, runner or not, and a runner's process as pid and start time) and the time the
+call ran by (`SessionRegistry.now()`), which is all a replay through the same service code
+needs to reach the same state. A failed call changed nothing and writes nothing. A call whose
+memory work copies blocks (copy-on-write, a fork's partial block) writes a second, tiny record
+once that work is done: a copy not known done at a crash leaves its destination's bytes
+unknown, and the replay refuses the log (the daemon starts cold) rather than trust them.
+
+The file lives in the pool's shm folder (`pagedkv-log.<pool id>`, 0600, the daemon's own),
+beside the pool file: tmpfs pages outlive the process that wrote them, and a record is in them
+once `os.write` returns, so SIGKILL loses nothing written; a power loss loses the pool memory
+too. Records are framed (length, CRC-32, msgpack); a torn last frame ends the log there.
+
+Bounded: the log starts with a base, the service's image (`service_image.py`) when logging
+began, and once it would pass `max_bytes` a new file starting with an image of the state now
+replaces it (written aside, then renamed, so a crash in between keeps the old one whole). The
+checkpoint is taken under the lock, between two calls (its cost: a restart snapshot's, once
+per `max_bytes` of records). A state the image cannot keep, or a write that fails (a full
+tmpfs), stops the log: its file is removed, said once, and a crash then starts cold.
+"""
+
+import os
+import struct
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from pagedkv.daemon.service.operations import (
+    Allocate,
+    Append,
+    Commit,
+    CopyOnWrite,
+    Fork,
+    Free,
+    Operation,
+)
+from pagedkv.daemon.service.session_ops import MemoryWork
+from pagedkv.daemon.service.tenants import current_caller
+from pagedkv.process.log_setup import get_logger
+
+log = get_logger(__name__)
+
+# One record: [kind, time, caller, *arguments]; caller None (the daemon's own code) or
+# [tenant, runner, [pid, start] or None].
+Record = list[Any]
+# A frame's header: the payload's length and CRC-32, little-endian.
+_HEADER = struct.Struct("<II")
+# A copy's completion record's kind.
+DONE = "done"
+
+
+class NotLogged(Exception):
+    """A state the log's base cannot keep (the message says why): the log stops."""
+
+
+def log_path(shm_dir: Path, pool_id: str) -> Path:
+    """The crash log of pool `pool_id`, beside its pool file."""
+    return shm_dir / f"pagedkv-log.{pool_id}"
+
+
+def frame(record: Any) -> bytes:
+    payload: bytes = msgpack.packb(record, use_bin_type=True)
+    return _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def read_log(path: Path) -> Iterator[Any]:
+    """The records of the log at `path`, its base first; a torn or corrupt frame ends it."""
+    data = path.read_bytes()
+    at = 0
+    while at + _HEADER.size <= len(data):
+        size, crc = _HEADER.unpack_from(data, at)
+        payload = data[at + _HEADER.size:at + _HEADER.size + size]
+        if len(payload) < size or zlib.crc32(payload) != crc:
+            return
+        yield msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        at += _HEADER.size + size
+
+
+@dataclass
+class CrashLog:
+    """The log of one service's changes (see the module docstring)."""
+
+    # The log file (`log_path`).
+    path: Path
+    # Its bound in bytes: past it, a checkpoint starts a new file.
+    max_bytes: int
+    # The service's image now and the time it is of (`service_image` with calls in flight);
+    # NotLogged: a state it cannot keep.
+    image: Callable[[], tuple[Any, float]]
+    # The open file's descriptor, -1 once the log stopped.
+    fd: int = -1
+    # Bytes in the file.
+    size: int = 0
+    # Number of the last record written (done records name it).
+    number: int = 0
+    # Records whose copies are not known done: number -> the destination blocks.
+    copying: dict[int, list[int]] = field(default_factory=dict)
+    # Runner processes' (pid, start time), read once per process (a /proc read).
+    identities: dict[Any, list[int] | None] = field(default_factory=dict)
+
+    def start(self) -> None:
+        """Begin (or begin again) with a base of the state now."""
+        image, now = self.image()
+        self.identities.clear()  # bounded: only processes seen since the last base
+        base = frame({"base": image, "time": now, "copying": list(self.copying.items()),
+                      "number": self.number})
+        aside = self.path.with_name(self.path.name + ".new")
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        os.write(fd, base)
+        os.replace(aside, self.path)
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd, self.size = fd, len(base)
+
+    def write(self, record: Record, now: float, work: MemoryWork | None = None) -> int:
+        """Append one applied call's record (under the lock); its number, which `done` takes
+        once the call's copies are done, else 0."""
+        if self.fd < 0:
+            return 0
+        copies = [dst for kind, _src, dsts in (work.steps if work else ()) if kind == "copy"
+                  for dst in dsts]
+        self.number += 1
+        number = self.number if copies else 0
+        if copies:
+            self.copying[number] = copies
+        try:
+            if self.size > self.max_bytes:
+                self.start()  # its base holds this call's change: no record after it
+            else:
+                self._append(frame([record[0], now, self._caller(), number, *record[1:]]))
+        except (OSError, NotLogged) as exc:  # e.g. a full tmpfs: the call was applied
+            self.stop(f"writing the crash log failed: {exc}")
+            return 0
+        return number
+
+    def done(self, number: int) -> None:
+        """The copies of record `number` are done: their destinations hold their bytes."""
+        if number and self.copying.pop(number, None) is not None and self.fd >= 0:
+            try:
+                self._append(frame([DONE, number]))
+            except OSError as exc:
+                self.stop(f"writing the crash log failed: {exc}")
+
+    def _append(self, data: bytes) -> None:
+        if os.write(self.fd, data) != len(data):
+            raise OSError(f"short write of {len(data)} bytes")
+        self.size += len(data)
+
+    def stop(self, reason: str = "") -> None:
+        """Stop logging and remove the file: a clean stop (its snapshot wins), or a state the
+        log cannot keep (`reason`, logged: a crash then starts cold)."""
+        if self.fd < 0:
+            return
+        os.close(self.fd)
+        self.fd = -1
+        self.path.unlink(missing_ok=True)
+        if reason:
+            log.warning("crash log stopped: a crash now starts cold", reason=reason)
+
+    def _caller(self) -> list[Any] | None:
+        caller = current_caller()
+        if caller is None:
+            return None
+        process = caller.process
+        if process is not None and process not in self.identities:
+            identity = process.identity()
+            self.identities[process] = None if identity is None else list(identity)
+        return [caller.tenant.name, caller.runner,
+                None if process is None else self.identities[process]]
+
+
+def op_record(op: Operation) -> Record:
+    """An op as plain data: its class's name, then its fields in order."""
+    return [type(op).__name__, *(plain(getattr(op, f.name)) for f in fields(op))]
+
+
+def record_op(record: Record) -> Operation:
+    """The op `op_record` made `record` of."""
+    return _OPS[record[0]](*record[1:])
+
+
+def plain(value: Any) -> Any:
+    """A field as msgpack takes it: numbers as they are, sequences as lists of ints."""
+    if isinstance(value, (int, str, bool, bytes)):
+        return value
+    if hasattr(value, "tolist"):
+        return value.tolist()  # numpy: one call, not a loop
+    return [int(v) for v in value]  # token ids, seq ids, counts
+
+
+# The ops a record may name, by class name.
+_OPS: dict[str, type[Operation]] = {cls.__name__: cls for cls in (
+    Allocate, Append, Fork, CopyOnWrite, Commit, Free)}

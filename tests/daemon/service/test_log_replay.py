@@ -1,0 +1,219 @@
+"""A service's crash log replayed into a fresh service gives the state its applied calls left:
+random calls, a "crash" (the service dropped without a stop, the log's bytes kept), a replay,
+and every session, table, reference count and cached key as in the original; leases gain the
+gap. A log whose block copies were not done, a torn tail, a record that does not replay and a
+log of another memory are handled as the module says."""
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagedkv.daemon.core import BlockPool, PoolError
+from pagedkv.daemon.service.crash_log import frame, log_path, read_log
+from pagedkv.daemon.service.log_replay import open_log, replay_log
+from pagedkv.daemon.service.models import KvShape
+from pagedkv.daemon.service.operations import (
+    Allocate,
+    Append,
+    Commit,
+    CopyOnWrite,
+    Fork,
+    Free,
+    Operation,
+)
+from pagedkv.daemon.service.pool_service import PoolService
+from pagedkv.daemon.service.service_image import NotKept, service_image
+from pagedkv.daemon.service.session_ops import MemoryWork
+from pagedkv.daemon.service.tenants import DEFAULT_TENANT, Caller, calling_as
+from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
+
+from hand_clock import HandClock
+
+_seq = st.integers(0, 3)
+_ops = st.one_of(
+    st.builds(lambda q, n: Allocate(q, n, [7] * n), _seq, st.integers(0, 7)),
+    st.builds(Allocate, _seq, st.integers(0, 5), st.just(())),
+    st.builds(Append, _seq, st.integers(1, 4)),
+    st.builds(Fork, _seq, _seq),
+    st.builds(CopyOnWrite, _seq, st.integers(0, 2)),
+    st.builds(lambda q: Commit([q]), _seq),
+    st.builds(Free, _seq),
+)
+# One step of a script: (what, which session, an op, a number).
+_steps = st.tuples(st.sampled_from(["op", "batch", "step", "open", "close", "keep", "wait",
+                                    "expire"]),
+                   st.integers(0, 2), _ops, st.integers(1, 3))
+
+
+def make_service(pool_id: str, clock: HandClock) -> PoolService:
+    return PoolService(BlockPool(16, 2), None, pool_id=pool_id, clock=clock)
+
+
+def comparable(service: PoolService) -> dict[str, Any]:
+    """The service's image as the snapshot file reads it, less what differs by design: the
+    pool id of the run, and the leases (checked apart)."""
+    image = msgpack.unpackb(msgpack.packb(service_image(service), use_bin_type=True),
+                            raw=False, strict_map_key=False)
+    del image["pool_id"]
+    for session in image["sessions"]:
+        del session["lease_left_s"]
+    return image
+
+
+async def run_step(service: PoolService, clock: HandClock, sids: list[str],
+                   step: tuple[str, int, Operation, int]) -> None:
+    """One random call; refusals are part of the script (they change nothing)."""
+    what, index, op, n = step
+    sid = sids[index % len(sids)]
+    as_tenant = calling_as(Caller(service.tenants.by_name[DEFAULT_TENANT]))
+    with contextlib.suppress(PoolError), as_tenant if n == 2 else contextlib.nullcontext():
+        if what == "op":
+            await getattr(service, type(op).__name__.lower().replace("copyonwrite",
+                                                                     "copy_on_write"))(sid, op)
+        elif what == "batch":
+            await service.batch(sid, [op, Append(op.seq_id if hasattr(op, "seq_id") else 0, n)])
+        elif what == "step":
+            session = service.sessions.peek(sid)
+            seq_ids = sorted(session.seq_ids) if session else [0]
+            await service.step(sid, seq_ids or [0], n, commit=n == 3, reserve_tokens=n - 1)
+        elif what == "open":
+            sids.append(service.open_session(f"c{n}", lease_ttl_ms=500 * n,
+                                             cache_salt=b"shared" if n > 1 else b"")
+                        .session_id)
+        elif what == "close":
+            await service.close_session(sid)
+        elif what == "keep":
+            service.keep_alive(sid)
+        elif what == "wait":
+            clock.advance(300 * n)
+        else:
+            await service.expire_due()
+
+
+async def crashed_and_replayed(service: PoolService, path: Path, clock: HandClock,
+                               gap_ms: float = 0) -> PoolService:
+    """The next daemon's service, from the log's bytes alone (no stop of `service`)."""
+    clock.advance(gap_ms)
+    again = make_service("next", clock)
+    await replay_log(again, path, adopted_from=service.pool_id)
+    again.check_invariants()
+    return again
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(st.lists(_steps, max_size=30), st.sampled_from([1 << 20, 600]))
+async def test_a_replayed_log_gives_the_state_the_calls_left(
+        tmp_path: Path, script: list[tuple[str, int, Operation, int]], max_bytes: int) -> None:
+    clock = HandClock()
+    service = make_service("first", clock)
+    sids = [service.open_session("a", max_blocks=12).session_id]
+    path = log_path(tmp_path, f"first{len(script)}-{max_bytes}")
+    open_log(service, path, max_bytes)  # small max_bytes: checkpoints along the way
+    for step in script:
+        await run_step(service, clock, sids, step)
+    before = {s.session_id: s.deadline for s in service.sessions}
+    again = await crashed_and_replayed(service, path, clock, gap_ms=2000)
+    assert comparable(again) == comparable(service)
+    assert again.recovered_from_crash_log and again.previous_pool_id == "first"
+    for session in again.sessions:  # the gap is added: 2 s and the time since the last call
+        assert session.deadline >= before[session.session_id] + 2.0
+    # Both go on alike: the same prompt finds the same cached prefix and the same blocks.
+    live = next((s for s in service.sessions if not service.sessions.is_due(s)), None)
+    if live is not None:  # (the original's leases have not gained the gap)
+        prompt = Allocate(9, 6, [7] * 6)
+        assert await again.allocate(live.session_id, prompt) == await service.allocate(
+            live.session_id, prompt)
+
+
+async def test_the_log_is_bounded_by_checkpoints(tmp_path: Path) -> None:
+    clock = HandClock()
+    service = make_service("first", clock)
+    sid = service.open_session("a").session_id
+    path = log_path(tmp_path, "first")
+    crash_log = open_log(service, path, max_bytes=2000)
+    for seq_id in range(40):
+        await service.allocate(sid, Allocate(seq_id % 6, 2, [seq_id, 1]))
+        await service.free(sid, Free(seq_id % 6))
+    assert path.stat().st_size <= 2000 + 200  # the bound, and one record past it at most
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert crash_log.size == path.stat().st_size
+    again = await crashed_and_replayed(service, path, clock)
+    assert comparable(again) == comparable(service)
+
+
+async def test_copies_not_known_done_refuse_the_log(tmp_path: Path) -> None:
+    clock = HandClock()
+    service = make_service("first", clock)
+    sid = service.open_session("a").session_id
+    path = log_path(tmp_path, "first")
+    crash_log = open_log(service, path, max_bytes=1 << 20)
+    work = MemoryWork()
+    work.steps.append(("copy", [1], [2]))  # a call's copy, then the crash before it was done
+    crash_log.write(["keep", sid, [0, False]], clock(), work)
+    with pytest.raises(NotKept, match="1 calls' block copies were in flight"):
+        await replay_log(make_service("next", clock), path, adopted_from="first")
+    crash_log.done(crash_log.number)
+    await crashed_and_replayed(service, path, clock)
+
+
+async def test_a_torn_tail_ends_the_log_and_a_bad_record_refuses_it(tmp_path: Path) -> None:
+    clock = HandClock()
+    service = make_service("first", clock)
+    sid = service.open_session("a").session_id
+    path = log_path(tmp_path, "first")
+    open_log(service, path, max_bytes=1 << 20)
+    await service.allocate(sid, Allocate(0, 3, [1, 2, 3]))
+    whole = path.read_bytes()
+    with path.open("ab") as torn:  # a record cut by the crash
+        torn.write(frame(["op", clock(), None, 0, sid, ["Free", 0]])[:-3])
+    assert len(list(read_log(path))) == 2  # the base (the session in it), the allocate
+    again = await crashed_and_replayed(service, path, clock)
+    assert again.pool.block_table((1, 0)) == service.pool.block_table((1, 0))
+    path.write_bytes(whole + frame(["op", clock(), None, 0, sid, ["Free", 5]]))
+    with pytest.raises(NotKept, match=r"record 2 \(op\) does not replay"):
+        await replay_log(make_service("next", clock), path, adopted_from="first")
+    with pytest.raises(NotKept, match="snapshot is of pool first"):
+        await replay_log(make_service("next", clock), path, adopted_from="other")
+
+
+async def test_a_state_the_base_cannot_keep_stops_the_log(tmp_path: Path) -> None:
+    clock = HandClock()
+    service = make_service("first", clock)
+    path = log_path(tmp_path, "first")
+    crash_log = open_log(service, path, max_bytes=1 << 20)
+    crash_log.stop("a test's reason")
+    assert not path.exists()
+    service.open_session("a")  # written nowhere, refused nothing
+    assert crash_log.number == 0
+
+
+def models_service(pool_id: str, clock: HandClock) -> PoolService:
+    return PoolService(BlockPool(16, 4, blocks_per_page=2), None, pool_id=pool_id,
+                       geometry=TINY_CPU_GEOMETRY, page_bytes=16384, clock=clock)
+
+
+async def test_models_registered_put_to_sleep_and_woken_replay(tmp_path: Path) -> None:
+    clock = HandClock()
+    service = models_service("first", clock)
+    path = log_path(tmp_path, "first")
+    open_log(service, path, max_bytes=1 << 20)
+    service.register_model("half", KvShape(1, 2, 64, "float32"))
+    service.register_model("other", KvShape(2, 2, 64, "float32"), "unix:///r.sock")
+    half = service.open_session("h", model="half").session_id
+    await service.allocate(half, Allocate(0, 9, list(range(9))))
+    await service.commit(half, Commit([0]))
+    other = service.open_session("o", model="other").session_id
+    await service.allocate(other, Allocate(0, 5, list(range(5))))
+    await service.set_model_state("other", asleep=True)
+    await service.set_model_state("other", asleep=False)
+    again = models_service("next", clock)
+    await replay_log(again, path, adopted_from="first")
+    again.check_invariants()
+    assert comparable(again) == comparable(service)
+    assert [m.name for m in again.models] == [m.name for m in service.models]
