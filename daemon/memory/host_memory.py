@@ -67,9 +67,10 @@ class HostMemory:
         """The slots of `arena` (a CPU arena of one block of `pool`'s format a page, new or
         adopted from the previous daemon), pinned with cudaHostRegister beside a CUDA pool."""
         if arena.page_bytes != pool.bytes_per_block or arena.pages.is_cuda:
+            message = (f"host tier slots must be CPU pages of {pool.bytes_per_block} bytes, "
+                       f"got {arena.page_bytes} on {arena.pages.device}")
             arena.close()
-            raise ValueError(f"host tier slots must be CPU pages of {pool.bytes_per_block} "
-                             f"bytes, got {arena.page_bytes} on {arena.pages.device}")
+            raise ValueError(message)
         if pool.kv.is_cuda:
             _cuda_register(arena.pages)
         return cls(arena.pages, pool, arena, registered=pool.kv.is_cuda)
@@ -146,7 +147,8 @@ class HostMemory:
 
 def _cuda_register(slots: torch.Tensor) -> None:
     """Pin `slots` (a shared mapping) for DMA: pin_memory would copy into private memory."""
-    error = int(torch.cuda.cudart().cudaHostRegister(slots.data_ptr(), slots.nbytes, 0))
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    error = int(cudart.cudaHostRegister(slots.data_ptr(), slots.nbytes, 0))
     if error:
         raise RuntimeError(f"cudaHostRegister of the host tier's {slots.nbytes} bytes failed: "
                            f"cudaError {error}")
@@ -154,7 +156,7 @@ def _cuda_register(slots: torch.Tensor) -> None:
 
 def _cuda_unregister(slots: torch.Tensor) -> None:
     torch.cuda.synchronize()  # no copy may still read or write the mapping
-    torch.cuda.cudart().cudaHostUnregister(slots.data_ptr())
+    torch.cuda.cudart().cudaHostUnregister(slots.data_ptr())  # type: ignore[no-untyped-call]
 
 
 def _word_dtype(nbytes: int) -> torch.dtype:

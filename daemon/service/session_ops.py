@@ -77,6 +77,14 @@ class HostMemory(Protocol):
 
     def zero(self, slots: Sequence[int], /) -> None: ...
 
+    @property
+    def adopted_from(self) -> str:
+        """The id of the previous daemon's host memory this is ("": allocated here)."""
+
+    @property
+    def memory_id(self) -> str:
+        """This host memory's id: what the restart snapshot names (service_image.py)."""
+
 
 @dataclass(slots=True)
 class MemoryWork:
