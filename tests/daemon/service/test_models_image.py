@@ -11,6 +11,8 @@ import random
 
 import msgpack
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.service.models import KvShape, ModelPolicy
@@ -80,11 +82,11 @@ async def busy_service(clock: HandClock, seed: int) -> tuple[PoolService, list[S
     return svc, sessions
 
 
-@pytest.mark.parametrize("seed", range(4))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**16))
 async def test_models_formats_and_pages_come_back_and_go_on_alike(seed: int) -> None:
     clock = HandClock()
     svc, sessions = await busy_service(clock, seed)
-    assert svc.page_moves_total  # pages went between formats before the stop
     again = restarted(svc, clock)
     assert state(again) == state(svc)
     assert again.model_figures()[3].model.asleep  # sleepy still sleeps
@@ -102,6 +104,7 @@ async def test_models_formats_and_pages_come_back_and_go_on_alike(seed: int) -> 
 async def test_other_model_policies_refuse_the_image() -> None:
     clock = HandClock()
     svc, _ = await busy_service(clock, 0)
+    assert svc.page_moves_total  # pages went between formats: the image says where
     image = service_image(svc)
     other = service("next", clock, policies={})
     with pytest.raises(NotKept, match="model policies"):
