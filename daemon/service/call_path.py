@@ -95,7 +95,6 @@ class CallPath:
         call) goes to the crash log. Answered once the memory work its answer depends on is
         complete (memory_order.py)."""
         check_hold(hold, self.limits)
-        logged = 0
 
         def apply(session: Session) -> tuple[T, Pending]:
             if commits:
@@ -112,22 +111,16 @@ class CallPath:
                 return result
             result = self.formats.fitted(model, work, budget, body)
             apply_hold(session, hold, self.sessions.now())
-            nonlocal logged
-            logged = self.note(record, work)
+            self.note(record)
             bs = fmt.pool.block_size
             return result, self.start_work(fmt, work, lambda: answer_blocks(result, bs))
-        result = await self.arrived(session_id, apply)
-        if logged and self.log is not None:
-            self.log.done(logged)  # its copies are done: arrived waited for them
-        return result
+        return await self.arrived(session_id, apply)
 
-    def note(self, record: Callable[[], Record] | None, work: MemoryWork | None = None) -> int:
+    def note(self, record: Callable[[], Record] | None) -> None:
         """Write an applied call's `record` (made only when a crash log is kept) to the crash
-        log (under the lock for calls that change the pool); the number `CrashLog.done`
-        takes, else 0."""
-        if self.log is None or record is None:
-            return 0
-        return self.log.write(record(), self.sessions.now(), work)
+        log (under the lock for calls that change the pool)."""
+        if self.log is not None and record is not None:
+            self.log.write(record(), self.sessions.now())
 
     async def arrived(self, session_id: str,
                       apply: Callable[[Session], tuple[T, Pending]]) -> T:
@@ -156,6 +149,10 @@ class CallPath:
         """Start the memory work of a call on `fmt` (in its view, ordered by page); format 0's
         is `self.memory`, which tests may swap for a wrapper."""
         if fmt.number:
-            return self.memory_order.start(fmt.memory, work, blocks, fmt.blocks_per_page)
-        return self.memory_order.start(self.memory, work, blocks, fmt.blocks_per_page,
-                                       self.host_memory)
+            pending = self.memory_order.start(fmt.memory, work, blocks, fmt.blocks_per_page)
+        else:
+            pending = self.memory_order.start(self.memory, work, blocks, fmt.blocks_per_page,
+                                              self.host_memory)
+        if self.log is not None and work.steps and pending.works:
+            self.log.started(pending.works[-1])  # its own work is the last one
+        return pending

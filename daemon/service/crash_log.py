@@ -6,10 +6,11 @@ change is applied and before the lock is released, so records are in the order c
 applied: the call's inputs (its kind and arguments, as the service method takes them), the
 caller (tenant, runner or not, and a runner's process as pid and start time) and the time the
 call ran by (`SessionRegistry.now()`), which is all a replay through the same service code
-needs to reach the same state. A failed call changed nothing and writes nothing. A call whose
-memory work copies blocks (copy-on-write, a fork's partial block) writes a second, tiny record
-once that work is done: a copy not known done at a crash leaves its destination's bytes
-unknown, and the replay refuses the log (the daemon starts cold) rather than trust them.
+needs to reach the same state. A refused call changed nothing but its session's lease: it
+writes a KeepAlive's record. Memory work (copies, zeroing, host-tier copies) writes a tiny
+record as it starts and another once it is done: work not known done at a crash leaves bytes
+unknown (a copy's destination, a freed block not yet zeroed), and the replay refuses the log
+(the daemon starts cold) rather than trust them.
 
 The file lives in the pool's shm folder (`pagedkv-log.<pool id>`, 0600, the daemon's own),
 beside the pool file: tmpfs pages outlive the process that wrote them, and a record is in them
@@ -24,6 +25,7 @@ per `max_bytes` of records). A state the image cannot keep, or a write that fail
 tmpfs), stops the log: its file is removed, said once, and a crash then starts cold.
 """
 
+import asyncio
 import os
 import struct
 import zlib
@@ -43,7 +45,6 @@ from pagedkv.daemon.service.operations import (
     Free,
     Operation,
 )
-from pagedkv.daemon.service.session_ops import MemoryWork
 from pagedkv.daemon.service.tenants import current_caller
 from pagedkv.process.log_setup import get_logger
 
@@ -54,8 +55,8 @@ log = get_logger(__name__)
 Record = list[Any]
 # A frame's header: the payload's length and CRC-32, little-endian.
 _HEADER = struct.Struct("<II")
-# A copy's completion record's kind.
-DONE = "done"
+# The kinds of memory work's records: started, done.
+WORK, DONE = "work", "done"
 
 
 class NotLogged(Exception):
@@ -100,10 +101,10 @@ class CrashLog:
     fd: int = -1
     # Bytes in the file.
     size: int = 0
-    # Number of the last record written (done records name it).
+    # Number of the last memory work started (its records name it).
     number: int = 0
-    # Records whose copies are not known done: number -> the destination blocks.
-    copying: dict[int, list[int]] = field(default_factory=dict)
+    # Memory work started and not known done, by number.
+    working: set[int] = field(default_factory=set)
     # Runner processes' (pid, start time), read once per process (a /proc read).
     identities: dict[Any, list[int] | None] = field(default_factory=dict)
 
@@ -111,8 +112,7 @@ class CrashLog:
         """Begin (or begin again) with a base of the state now."""
         image, now = self.image()
         self.identities.clear()  # bounded: only processes seen since the last base
-        base = frame({"base": image, "time": now, "copying": list(self.copying.items()),
-                      "number": self.number})
+        base = frame({"base": image, "time": now, "working": sorted(self.working)})
         aside = self.path.with_name(self.path.name + ".new")
         fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         os.write(fd, base)
@@ -121,34 +121,39 @@ class CrashLog:
             os.close(self.fd)
         self.fd, self.size = fd, len(base)
 
-    def write(self, record: Record, now: float, work: MemoryWork | None = None) -> int:
-        """Append one applied call's record (under the lock); its number, which `done` takes
-        once the call's copies are done, else 0."""
+    def write(self, record: Record, now: float) -> None:
+        """Append one applied call's record (under the lock)."""
         if self.fd < 0:
-            return 0
-        copies = [dst for kind, _src, dsts in (work.steps if work else ()) if kind == "copy"
-                  for dst in dsts]
-        self.number += 1
-        number = self.number if copies else 0
-        if copies:
-            self.copying[number] = copies
+            return
         try:
             if self.size > self.max_bytes:
                 self.start()  # its base holds this call's change: no record after it
             else:
-                self._append(frame([record[0], now, self._caller(), number, *record[1:]]))
+                self._append(frame([record[0], now, self._caller(), *record[1:]]))
         except (OSError, NotLogged) as exc:  # e.g. a full tmpfs: the call was applied
             self.stop(f"writing the crash log failed: {exc}")
-            return 0
-        return number
 
-    def done(self, number: int) -> None:
-        """The copies of record `number` are done: their destinations hold their bytes."""
-        if number and self.copying.pop(number, None) is not None and self.fd >= 0:
-            try:
-                self._append(frame([DONE, number]))
-            except OSError as exc:
-                self.stop(f"writing the crash log failed: {exc}")
+    def started(self, work: "asyncio.Future[None]") -> None:
+        """Memory work started (under the lock, after its call's record): its record now, and
+        its done record once it completed (a failed one never is: fail-stop)."""
+        self.number += 1
+        number = self.number
+        self.working.add(number)
+        self._marker(WORK, number)
+        work.add_done_callback(lambda done: None if done.cancelled() or done.exception()
+                               else self._done(number))
+
+    def _done(self, number: int) -> None:
+        self.working.discard(number)
+        self._marker(DONE, number)
+
+    def _marker(self, kind: str, number: int) -> None:
+        if self.fd < 0:
+            return
+        try:
+            self._append(frame([kind, number]))
+        except OSError as exc:
+            self.stop(f"writing the crash log failed: {exc}")
 
     def _append(self, data: bytes) -> None:
         if os.write(self.fd, data) != len(data):

@@ -5,9 +5,9 @@ The base image is restored (`service_image.restore_service`, on the memory it na
 record is applied through the same service methods, as the same caller, at the time it ran
 (the registry's clock set to it) and with the same new session ids, with no memory work (the
 bytes are in the adopted memory already). A record that fails on replay means the log does not
-describe this state: refused. So is a log whose calls' block copies were not all done at the
-crash (their destinations' bytes are unknown). Leases and holds then gain the gap since the
-last record, as a snapshot's do.
+describe this state: refused. So is a log whose memory work was not all done at the crash (a
+copy's destination, a freed block to zero: their bytes are unknown). Leases and holds then gain
+the gap since the last record, as a snapshot's do.
 
 What a crash does not let the daemon trust is left to the runners: every sequence keeps its
 blocks, uncommitted ones included, and `committed_tokens` says how far its K/V is certified
@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.daemon.core import PoolError
-from pagedkv.daemon.service.crash_log import DONE, CrashLog, NotLogged, read_log, record_op
+from pagedkv.daemon.service.crash_log import (
+    DONE,
+    WORK,
+    CrashLog,
+    NotLogged,
+    read_log,
+    record_op,
+)
 from pagedkv.daemon.service.fence import RunnerProcess
 from pagedkv.daemon.service.holds import NO_HOLD, Hold
 from pagedkv.daemon.service.models import KvShape
@@ -77,20 +84,18 @@ async def replay_log(service: PoolService, path: Path, adopted_from: str) -> int
     memory, service.memory = service.memory, None  # the bytes are in the adopted memory
     try:
         restore_service(service, base["base"], adopted_from)
-        copying, number = {n for n, _blocks in base["copying"]}, 0
+        working, number = set(base["working"]), 0
         processes: dict[tuple[int, int], RunnerProcess | None] = {}
         for record in records:
-            if record[0] == DONE:
-                copying.discard(record[1])
+            if record[0] in (WORK, DONE):
+                (working.add if record[0] == WORK else working.discard)(record[1])
                 continue
             number += 1
             clock.now = record[1]
-            if record[3]:
-                copying.add(record[3])
             await _replay(service, record, processes, number)
-        if copying:
-            raise NotKept(f"{len(copying)} calls' block copies were in flight at the crash: "
-                          "their destinations' bytes are unknown")
+        if working:
+            raise NotKept(f"{len(working)} memory works (copies, zeroing) were in flight at "
+                          "the crash: the bytes they write are unknown")
     finally:
         registry.set_clock(real_clock)
         registry.pool_id = pool_id
@@ -103,7 +108,7 @@ async def replay_log(service: PoolService, path: Path, adopted_from: str) -> int
 async def _replay(service: PoolService, record: list[Any],
                   processes: dict[tuple[int, int], RunnerProcess | None], number: int) -> None:
     """Apply one record as its caller; NotKept naming it when it fails."""
-    kind, _time, caller, _copies, *args = record
+    kind, _time, caller, *args = record
     process = None
     if caller is not None and caller[2] is not None:
         identity = (caller[2][0], caller[2][1])

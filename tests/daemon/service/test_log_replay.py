@@ -4,7 +4,9 @@ and every session, table, reference count and cached key as in the original; lea
 gap. A log whose block copies were not done, a torn tail, a record that does not replay and a
 log of another memory are handled as the module says."""
 
+import asyncio
 import contextlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,6 @@ from pagedkv.daemon.service.operations import (
 )
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.service_image import NotKept, service_image
-from pagedkv.daemon.service.session_ops import MemoryWork
 from pagedkv.daemon.service.tenants import DEFAULT_TENANT, Caller, calling_as
 from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
 
@@ -147,19 +148,41 @@ async def test_the_log_is_bounded_by_checkpoints(tmp_path: Path) -> None:
     assert comparable(again) == comparable(service)
 
 
-async def test_copies_not_known_done_refuse_the_log(tmp_path: Path) -> None:
+async def test_memory_work_not_known_done_refuses_the_log(tmp_path: Path) -> None:
     clock = HandClock()
     service = make_service("first", clock)
+    service.memory = Recorder()  # the calls' copies run (and are recorded)
     sid = service.open_session("a").session_id
     path = log_path(tmp_path, "first")
     crash_log = open_log(service, path, max_bytes=1 << 20)
-    work = MemoryWork()
-    work.steps.append(("copy", [1], [2]))  # a call's copy, then the crash before it was done
-    crash_log.write(["keep", sid, [0, False]], clock(), work)
-    with pytest.raises(NotKept, match="1 calls' block copies were in flight"):
+    await service.allocate(sid, Allocate(0, 3, [1, 2, 3]))
+    await service.fork(sid, Fork(0, 1))
+    await service.append(sid, Append(1, 1))  # copy-on-write of the shared partial block
+    assert service.memory.copies and not crash_log.working
+    await crashed_and_replayed(service, path, clock)  # every copy known done
+    work: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    crash_log.started(work)  # a copy started, then the crash before it was done
+    with pytest.raises(NotKept, match=r"1 memory works .* were in flight at the crash"):
         await replay_log(make_service("next", clock), path, adopted_from="first")
-    crash_log.done(crash_log.number)
+    work.set_result(None)
+    await asyncio.sleep(0)  # its done callback
     await crashed_and_replayed(service, path, clock)
+
+
+class Recorder:
+    """Pool memory that records the copies asked of it."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[list[int], list[int]]] = []
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int], /) -> None:
+        self.copies.append((list(src), list(dst)))
+
+    def zero_blocks(self, ids: Sequence[int], /) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 async def test_a_torn_tail_ends_the_log_and_a_bad_record_refuses_it(tmp_path: Path) -> None:
@@ -171,11 +194,11 @@ async def test_a_torn_tail_ends_the_log_and_a_bad_record_refuses_it(tmp_path: Pa
     await service.allocate(sid, Allocate(0, 3, [1, 2, 3]))
     whole = path.read_bytes()
     with path.open("ab") as torn:  # a record cut by the crash
-        torn.write(frame(["op", clock(), None, 0, sid, ["Free", 0]])[:-3])
+        torn.write(frame(["op", clock(), None, sid, ["Free", 0]])[:-3])
     assert len(list(read_log(path))) == 2  # the base (the session in it), the allocate
     again = await crashed_and_replayed(service, path, clock)
     assert again.pool.block_table((1, 0)) == service.pool.block_table((1, 0))
-    path.write_bytes(whole + frame(["op", clock(), None, 0, sid, ["Free", 5]]))
+    path.write_bytes(whole + frame(["op", clock(), None, sid, ["Free", 5]]))
     with pytest.raises(NotKept, match=r"record 2 \(op\) does not replay"):
         await replay_log(make_service("next", clock), path, adopted_from="first")
     with pytest.raises(NotKept, match="snapshot is of pool first"):
