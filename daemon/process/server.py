@@ -297,8 +297,7 @@ def host_memory(config: DaemonConfig, memory: KVPoolMemory, geometry: ModelGeome
         raise ConfigError(f"host_tier_memory={config.host_tier_memory} holds no block of "
                           f"{memory.bytes_per_block} bytes")
     # One block a page, the pool's own format: slot s is page s.
-    layout = PoolLayout(slots, memory.bytes_per_block, dtype, geometry.num_layers,
-                        geometry.num_kv_heads, geometry.head_dim, config.block_size)
+    layout = pool_layout(config, geometry, dtype, slots, memory.bytes_per_block)
     shm_dir = str(config.shm_dir)
     arena = (handover.adopt(layout, shm_dir, 0o600, None)  # the daemon's alone
              or KVMemory.create(slots, memory.bytes_per_block, "cpu", shm_dir, mode=0o600))
