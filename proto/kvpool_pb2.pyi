@@ -314,6 +314,7 @@ class PoolInfo(_message.Message):
     HOST_TIER_BLOCKS_FIELD_NUMBER: _builtins.int
     HOST_COPY_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     PREVIOUS_POOL_ID_FIELD_NUMBER: _builtins.int
+    RECOVERED_FROM_CRASH_LOG_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     """Random id of this daemon run; changes on every start. Session ids embed it."""
     num_blocks: _builtins.int
@@ -354,6 +355,22 @@ class PoolInfo(_message.Message):
     the pool memory handed over and the snapshot restored; sessions of that pool keep their
     ids, tables and holds, and a runner keeps its mapping); "" when it started cold.
     """
+    recovered_from_crash_log: _builtins.bool
+    """Set with previous_pool_id when that state came from the crash log (the previous daemon was
+    killed, SIGKILL or a crash, so no snapshot was written), not from a graceful stop's
+    snapshot. Every session, sequence, hold, committed key and cached block is as the last
+    applied call left it, but the K/V of a sequence past its committed blocks (GetBlockTables'
+    num_cached_tokens) is not trusted: a forward may have been writing it at the crash, and a
+    call applied at the crash may have handed out slots no forward wrote. Those blocks stay
+    the sequence's (never another's), so a forward still running at the crash writes into no
+    one else's K/V. A runner seeing this flag forgets every sequence's uncommitted progress
+    (as after its own restart: the engine resends each sequence's history, and the runner
+    recomputes the tokens past num_cached_tokens into the same slots) before it answers a
+    step of them; a client that
+    read a sequence's table before the crash reads it again (GetBlockTables). Calls the
+    crashed daemon applied but never answered are in the state: the read-back rules decide
+    them as after any lost answer. KV events start again at seq 0, as after a cold start.
+    """
     @_builtins.property
     def memory(self) -> Global___PoolMemory:
         """How to map the pool memory, which holds every tenant's K/V: set only for callers on the
@@ -385,10 +402,11 @@ class PoolInfo(_message.Message):
         host_tier_blocks: _builtins.int = ...,
         host_copy_bytes_per_s: _builtins.int = ...,
         previous_pool_id: _builtins.str = ...,
+        recovered_from_crash_log: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["memory", b"memory"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "dtype", b"dtype", "head_dim", b"head_dim", "host_copy_bytes_per_s", b"host_copy_bytes_per_s", "host_tier_blocks", b"host_tier_blocks", "layout", b"layout", "memory", b"memory", "model", b"model", "models", b"models", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "num_pages", b"num_pages", "page_bytes", b"page_bytes", "pool_id", b"pool_id", "previous_pool_id", b"previous_pool_id", "reservation_blocks", b"reservation_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "bytes_per_block", b"bytes_per_block", "dtype", b"dtype", "head_dim", b"head_dim", "host_copy_bytes_per_s", b"host_copy_bytes_per_s", "host_tier_blocks", b"host_tier_blocks", "layout", b"layout", "memory", b"memory", "model", b"model", "models", b"models", "num_blocks", b"num_blocks", "num_kv_heads", b"num_kv_heads", "num_layers", b"num_layers", "num_pages", b"num_pages", "page_bytes", b"page_bytes", "pool_id", b"pool_id", "previous_pool_id", b"previous_pool_id", "recovered_from_crash_log", b"recovered_from_crash_log", "reservation_blocks", b"reservation_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

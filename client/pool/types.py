@@ -147,6 +147,9 @@ class PoolInfo:
     # The pool whose memory and state this daemon took over across a restart (restore =
     # auto); "" when it started cold (kvpool.proto).
     previous_pool_id: str = ""
+    # That state came from the crash log, not a snapshot: K/V past each sequence's committed
+    # tokens is not trusted, a runner recomputes it (kvpool.proto).
+    recovered_from_crash_log: bool = False
 
     @classmethod
     def from_proto(cls, message: pb.PoolInfo) -> "PoolInfo":
@@ -156,7 +159,7 @@ class PoolInfo:
                    message.reservation_blocks, message.page_bytes, message.num_pages,
                    tuple(ModelInfo.from_proto(m) for m in message.models),
                    message.host_tier_blocks, message.host_copy_bytes_per_s,
-                   message.previous_pool_id)
+                   message.previous_pool_id, message.recovered_from_crash_log)
 
     def model_info(self, name: str) -> ModelInfo | None:
         """The registered model of that name, or None."""

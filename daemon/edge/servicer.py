@@ -325,7 +325,8 @@ def pool_info(service: PoolService, *, with_memory: bool) -> pb.PoolInfo:
                                for figures in service.model_figures()],
                        host_tier_blocks=service.host_tier.num_slots if service.host_tier else 0,
                        host_copy_bytes_per_s=service.host_copy_rate,
-                       previous_pool_id=service.previous_pool_id)
+                       previous_pool_id=service.previous_pool_id,
+                       recovered_from_crash_log=service.recovered_from_crash_log)
     memory = service.memory.handle() if service.memory is not None else None
     if memory is not None and with_memory:
         info.memory.CopyFrom(memory.to_proto())

@@ -48,6 +48,8 @@ DEFAULT_NUM_BLOCKS = 512
 SIZING_KEYS = ("num_blocks", "kv_memory", "kv_fraction")
 # Longest lease a session may ask for (longer requests are clamped to it).
 MAX_LEASE_TTL_MS = 600_000
+# Bounds of crash_log_bytes: one checkpoint must fit with room for records; it lives in tmpfs.
+MIN_CRASH_LOG_BYTES, MAX_CRASH_LOG_BYTES = 1 << 20, 16 << 30
 # Mode of the daemon's public unix sockets: the owner and its group (the clients) may connect.
 DEFAULT_SOCKET_MODE = 0o660
 # Mode of the runner socket and of the pool file: the daemon's user, and runner_group if set.
@@ -140,6 +142,13 @@ class DaemonConfig:
     # Folder of the snapshot, the daemon's own (mode 0700); None: $STATE_DIRECTORY under
     # systemd, else ./state.
     state_dir: Path | None = None
+    # With restore = "auto": log every applied change into shm_dir (daemon/service/crash_log.py)
+    # so that a daemon killed by SIGKILL comes back with them (daemon/process/crash_restore.py);
+    # False: a crash starts cold. restore = "never" keeps nothing across a restart, this log
+    # included.
+    crash_log: bool = True
+    # The crash log's bound in bytes: past it, a checkpoint (the state's image) starts it again.
+    crash_log_bytes: int = 64 << 20
 
     # ---- The host-memory tier (kvpool.proto, "The host-memory tier"): bytes of host memory
     # holding copies of committed blocks the pool evicts; 0: no tier (the default).
@@ -361,6 +370,9 @@ class DaemonConfig:
         if self.restore not in RESTORE_MODES:
             raise ConfigError(f"restore must be one of {', '.join(RESTORE_MODES)}, "
                               f"got {self.restore!r}")
+        if not MIN_CRASH_LOG_BYTES <= self.crash_log_bytes <= MAX_CRASH_LOG_BYTES:
+            raise ConfigError(f"crash_log_bytes must be in {MIN_CRASH_LOG_BYTES}.."
+                              f"{MAX_CRASH_LOG_BYTES}, got {self.crash_log_bytes}")
 
     def _check_allocator(self) -> None:
         """A known allocator; max_model_len exactly when contiguous, and fitting the pool when

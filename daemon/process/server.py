@@ -49,6 +49,11 @@ from pagedkv.daemon.process.config import (
     RUNNERS_ONLY_MODE,
     DaemonConfig,
 )
+from pagedkv.daemon.process.crash_restore import (
+    end_crash_log,
+    replay_crash_log,
+    start_crash_log,
+)
 from pagedkv.daemon.process.event_sink import make_event_sink, start_event_sink
 from pagedkv.daemon.process.restart import (
     keep_state,
@@ -194,10 +199,15 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
                                   blocks_per_page, per_block)
         service = build()
         identity = pool_identity(config, geometry, dtype, service)
-        if not restore_state(config, service, memory, identity):
-            if config.restore == "auto":  # a refused snapshot may have touched it
+        restored = restore_state(config, service, memory, identity)
+        if not restored and config.restore == "auto":  # a refused snapshot may have touched it
+            service = build()
+            restored = await replay_crash_log(config, service, memory)
+            if not restored:  # a refused log may have touched it
                 service = build()
+        if not restored:
             _start_cold(config, service, memory, host)
+        start_crash_log(config, service)
         await service.start()
         image = None
         try:
@@ -206,6 +216,7 @@ async def _pool_service(config: DaemonConfig) -> AsyncIterator[tuple[PoolService
         finally:
             await service.stop()
         keep_state(config, service, identity, image)
+        end_crash_log(service)
         _leave_for_runners(config, service, memory, geometry, dtype)
     finally:
         if host is not None:

@@ -187,6 +187,10 @@ SETTINGS: dict[str, Setting] = {
                        "the same pool memory", RESTORE_MODES),
     "state_dir": Setting(PATH, "folder of the restart snapshot (default: $STATE_DIRECTORY, "
                          "else ./state)"),
+    "crash_log": Setting(OFF_SWITCH, "with --restore auto: keep no crash log (a daemon killed "
+                         "by SIGKILL then starts cold)", flag="--no-crash-log"),
+    "crash_log_bytes": Setting(BYTES, "bound of the crash log in shm_dir, e.g. 64MiB (default "
+                               "{default}): past it a checkpoint starts it again"),
     "host_tier_memory": Setting(BYTES, "host memory for copies of evicted prefix blocks, e.g. "
                                 "32GiB (default 0: no host tier)"),
     "kv_events_endpoint": Setting(TEXT, "ZMQ PUB endpoint of KV events in vLLM's format, e.g. "

@@ -102,6 +102,9 @@ async def replay_log(service: PoolService, path: Path, adopted_from: str) -> int
         service.memory = memory
     _add_gap(service, real_clock() - clock.now)
     service.recovered_from_crash_log = True
+    # The KV events the crashed run sent after its base are unknown: numbered from 0 again, as
+    # after a cold start, so subscribers see the restart and resynchronize.
+    service.event_seq = 0
     return number
 
 
