@@ -10,22 +10,30 @@ exit). Starting, readiness and stopping are `pagedkv.process.launch`'s. The daem
 and is ready before the runner connects to it; the runner is stopped first (SIGTERM, SIGKILL
 if it takes too long), so no step is in flight when the daemon drains. With `supervise`, a
 child that dies is reaped and started again on the same sockets (supervisor.py): a runner's
-clients connect with `runner_restart_wait_s=RESTART_WAIT_S` to wait for it; a daemon's lose
-their sessions and open new ones once it is back (server/recovery.py), and the runner maps the
-new pool by itself.
+clients connect with `runner_restart_wait_s=RESTART_WAIT_S` to wait for it. The supervisor is
+then the daemon's systemd: it keeps the daemon's descriptor store (process/fd_store_host.py;
+the pool memory outlives the daemon) and the daemon runs with `restore = auto` and its state
+folder in the private folder, so a daemon stopped by SIGTERM (an upgrade) comes back with its
+sessions and the clients go on; one that crashed, or comes back cold, makes its clients open
+new sessions (server/recovery.py), and the runner maps the pool by itself. At the end the
+store is closed and the pool file the last daemon left for a next one removed.
 """
 
 import contextlib
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedkv.daemon.memory.kv_memory import pool_file_name
+from pagedkv.daemon.process.restart import SNAPSHOT_NAME
 from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.model_ref import ModelRef
 from pagedkv.llm.pool_budget import pool_size_args
 from pagedkv.llm.supervisor import Supervisor
+from pagedkv.process.fd_store_host import FdStoreHost
 from pagedkv.process.launch import READY_STATE, Launched, start_daemon, start_runner
 from pagedkv.vocab.paths import DAEMON_RUNNER_SOCKET_NAME, MAX_UNIX_PATH_BYTES
 
@@ -35,6 +43,8 @@ CHILD_LOG_ARGS = ["--log-level", "warning"]
 # Longest private folder path (85): room for the longest socket in it, the daemon's runner
 # socket, under the unix socket path limit.
 MAX_FOLDER_CHARS = MAX_UNIX_PATH_BYTES - len(f"/{DAEMON_RUNNER_SOCKET_NAME}")
+# The supervised daemon's state folder (its restart snapshot), in the private folder.
+STATE_FOLDER = "state"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +91,18 @@ def start_services(config: LLMConfig, model: ModelRef, resources: contextlib.Exi
                    "--device", device, *dtype_args, *pool_size_args(config, model, device, dtype),
                    *_daemon_switches(config), *log_args]
 
+    store: FdStoreHost | None = None
+    if supervise:  # the supervisor is the daemon's systemd: its fd store, restore = auto
+        store = _kept_store(resources)
+        daemon_args += ["--restore", "auto", "--state-dir", str(folder / STATE_FOLDER)]
+
     def new_daemon() -> Launched:
-        return start_daemon(folder, *daemon_args, log_file=logs is None)
+        return start_daemon(folder, *daemon_args, log_file=logs is None, fd_store=store)
 
     daemon = _started(new_daemon, config, resources)
-    daemon_supervisor = _supervised(new_daemon, daemon, config, resources) if supervise else None
+    daemon_supervisor = _supervised(new_daemon, daemon, config, resources,
+                                    resumable=lambda: _resumable(folder, store)) \
+        if supervise else None
     runner_args = [*model.runner_args(config.seed or 0), *dtype_args, *log_args]
     if config.tokenizer is not None:  # what structured outputs compile against
         runner_args += ["--tokenizer", str(Path(config.tokenizer).resolve())]
@@ -116,13 +133,41 @@ def _started(start: Callable[[], Launched], config: LLMConfig,
 
 
 def _supervised(start: Callable[[], Launched], child: Launched, config: LLMConfig,
-                resources: contextlib.ExitStack) -> Supervisor:
+                resources: contextlib.ExitStack,
+                resumable: Callable[[], bool] | None = None) -> Supervisor:
     """`child`'s supervisor, watching; stopped with `resources` before the first child's own
     stop (no restart once stopping; it stops the child that is current)."""
-    supervisor = Supervisor(start, child, startup_timeout_s=config.startup_timeout_s)
+    supervisor = Supervisor(start, child, startup_timeout_s=config.startup_timeout_s,
+                            resumable=resumable)
     supervisor.start()
     resources.callback(supervisor.stop)
     return supervisor
+
+
+def _kept_store(resources: contextlib.ExitStack) -> FdStoreHost:
+    """The daemon's descriptor store; closed with `resources` once the daemon has stopped, its
+    pool file removed then (a daemon with a store leaves it for the next one)."""
+    store = FdStoreHost()
+    resources.callback(store.close)
+    resources.callback(_remove_pool_files, store)
+    return store
+
+
+def _remove_pool_files(store: FdStoreHost) -> None:
+    """Unlink the pool files the stopped daemon left for a next one that will not come (only
+    a file that is still the stored one: not a new file of that name)."""
+    for fd in store.fds():
+        path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+        with contextlib.suppress(OSError):
+            if pool_file_name(path.name) and os.path.samestat(os.fstat(fd), path.stat()):
+                path.unlink()
+
+
+def _resumable(folder: Path, store: FdStoreHost | None) -> bool:
+    """Whether the daemon that exited left a snapshot and its pool memory: the next one then
+    restores the sessions (it still decides, PoolInfo.previous_pool_id says what it did)."""
+    return store is not None and bool(store.fds()) \
+        and (folder / STATE_FOLDER / SNAPSHOT_NAME).exists()
 
 
 def _private_folder() -> Path:

@@ -12,9 +12,13 @@ Nobody would restart a daemon or a runner that `LLM` or `pagedkv serve` started 
 this does, with the same command, sockets and folder. What survives depends on the child: the
 K/V lives in the daemon, so a runner that crashes loses only what it knew of its clients'
 sequences (an engine connected with `runner_restart_wait_s` waits for the new runner and resends
-each sequence's history: client/engine/runner_link.py); a daemon that crashes loses the pool and
-every session, so its clients fail their requests and open a new session (server/recovery.py),
-while the runner maps the new pool by itself (model_runner/process/server.py).
+each sequence's history: client/engine/runner_link.py). A daemon keeps its pool's memory in the
+descriptor store its starter gives it (llm/services.py), and one stopped by SIGTERM its
+sessions in a snapshot: the next one restores them, and `resumable` (asked at each exit, its
+answer in `resumes`) tells the clients they may wait for it (server/recovery.py). A daemon that
+crashes loses every session, so its clients fail their requests and open a new session, while
+the runner maps the new pool by itself (model_runner/process/server.py). The notify socket's
+last messages (a store's FDSTOREREMOVE) are applied before the next start.
 
 The watch runs on a thread of its own: waiting for the child's exit (which reaps it: no zombie)
 and for the new child's READY=1 blocks (a model load takes seconds), and the server's event loop
@@ -68,9 +72,15 @@ class Supervisor:
     folder) when it dies."""
 
     def __init__(self, start: Callable[[], Launched], child: Launched, *,
-                 startup_timeout_s: float, policy: RestartPolicy | None = None) -> None:
+                 startup_timeout_s: float, policy: RestartPolicy | None = None,
+                 resumable: Callable[[], bool] | None = None) -> None:
         self._start = start
         self._child = child
+        # Asked when a child exits, before it is started again: whether it left what the next
+        # one restores (the daemon's snapshot and stored pool), so its clients may wait.
+        self._resumable = resumable
+        # Its answer for the child that exited last (False before any exit, or without it).
+        self.resumes = False
         self.startup_timeout_s = startup_timeout_s
         self.policy = policy or RestartPolicy()
         # Children started again so far (for the server's /metrics).
@@ -139,6 +149,8 @@ class Supervisor:
             if self._stopping.is_set():
                 return
             self.last_exit = code
+            self._child.drain()  # the store commands it sent last, before the next start
+            self.resumes = self._resumable is not None and self._resumable()
             self._changed(up=False)
             if code == EXIT_BAD_CONFIG:
                 self._give_up(f"the {self.name} exited with status {code} (a bad setting)")

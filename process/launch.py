@@ -30,6 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from pagedkv.process.fd_store_host import FdStoreHost
 from pagedkv.vocab.paths import (
     DAEMON_RUNNER_SOCKET_NAME,
     DAEMON_SOCKET_NAME,
@@ -73,6 +74,9 @@ class Launched:
     notify_socket: socket.socket
     # Every sd_notify message received so far, in order.
     notifications: list[str] = field(default_factory=list)
+    # The descriptor store its notify socket feeds (FDSTORE=1 ...), when its starter keeps
+    # one for it (fd_store_host.py); None: descriptors sent are closed unread.
+    fd_store: FdStoreHost | None = None
 
     @property
     def runners_target(self) -> str:
@@ -90,18 +94,38 @@ class Launched:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                message = self.notify_socket.recv(4096).decode(errors="replace")
+                message = self.receive()
             except TimeoutError:
                 if self.process.poll() is not None:
                     raise NoNotification(
                         f"the {self.name} process exited with status {self.process.returncode} "
                         f"before it sent {state}:\n{log_tail(self.log_path)}") from None
                 continue
-            self.notifications.append(message)
             if state in message.split("\n"):
                 return message
         raise NoNotification(f"the {self.name} process sent no {state} within {timeout:g} s:\n"
                              f"{log_tail(self.log_path)}")
+
+    def receive(self) -> str:
+        """The next message (TimeoutError past the socket's poll), recorded in
+        `notifications`, its store commands applied when a store is kept."""
+        if self.fd_store is not None:
+            message = self.fd_store.receive(self.notify_socket)
+        else:
+            message = self.notify_socket.recv(4096).decode(errors="replace")
+        self.notifications.append(message)
+        return message
+
+    def drain(self) -> None:
+        """Receive every message waiting on the notify socket (once the process exited: the
+        store commands it sent last, such as FDSTOREREMOVE at exit); none waits."""
+        self.notify_socket.setblocking(False)
+        try:
+            with contextlib.suppress(BlockingIOError):
+                while True:
+                    self.receive()
+        finally:
+            self.notify_socket.settimeout(_POLL_S)
 
     def pool_files(self) -> list[Path]:
         """The daemon's CPU pool files in workdir (none once it stopped cleanly)."""
@@ -128,6 +152,8 @@ class Launched:
         if self.process.poll() is None:
             self.send(sig)
         code = self.wait_for_exit()
+        if self.fd_store is not None and self.notify_socket.fileno() >= 0:
+            self.drain()
         self.notify_socket.close()
         return code
 
@@ -140,11 +166,13 @@ class Launched:
 
 
 def start_process(name: str, command: list[str], folder: Path, unix_target: str,
-                  env: dict[str, str] | None = None, log_file: bool = True) -> Launched:
+                  env: dict[str, str] | None = None, log_file: bool = True,
+                  fd_store: FdStoreHost | None = None) -> Launched:
     """Start `command` with its notify socket (NAME.notify) and its stderr (NAME.log; with
     log_file=False, this process's stderr) in `folder`, which must be short: unix socket paths
-    are limited to ~107 bytes. Returns at once; the caller waits for READY_STATE and stops
-    it."""
+    are limited to ~107 bytes; with `fd_store`, as a unit with a descriptor store (it receives
+    the stored descriptors and $FDSTORE). Returns at once; the caller waits for READY_STATE and
+    stops it."""
     notify_path = folder / f"{name}.notify"
     notify_path.unlink(missing_ok=True)  # a process restarted in the same folder
     receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -153,25 +181,30 @@ def start_process(name: str, command: list[str], folder: Path, unix_target: str,
         receiver.settimeout(_POLL_S)
         environment = {**os.environ, "NOTIFY_SOCKET": str(notify_path), **(env or {})}
         # A descriptor store ($FDSTORE) is this process's unit's: the child's notify socket is
-        # ours, which keeps no descriptors.
+        # ours, which keeps descriptors only with `fd_store`.
         environment.pop("FDSTORE", None)
+        if fd_store is not None:
+            environment |= fd_store.env()
+            command = fd_store.exec_command(command)
         with (folder / f"{name}.log").open("wb") if log_file else contextlib.nullcontext() \
                 as log:
-            process = subprocess.Popen(command, env=environment, stdin=subprocess.DEVNULL,
-                                       stdout=subprocess.DEVNULL, stderr=log)
+            process = subprocess.Popen(
+                command, env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=log, pass_fds=fd_store.fds() if fd_store is not None else ())
     except BaseException:
         receiver.close()
         raise
-    return Launched(name, process, folder, unix_target, receiver)
+    return Launched(name, process, folder, unix_target, receiver, fd_store=fd_store)
 
 
 def start_daemon(folder: Path, *args: str, listen_path: Path | None = None,
-                 env: dict[str, str] | None = None, log_file: bool = True) -> Launched:
+                 env: dict[str, str] | None = None, log_file: bool = True,
+                 fd_store: FdStoreHost | None = None) -> Launched:
     """`pagedkvd` with `args`, logging JSON; its files in `folder`, its public socket there
     too (pagedkvd.sock) unless `listen_path` names another, its runner socket there always
     (`runners_target`). Its pool file goes where `--shm-dir` says (/dev/shm by default)."""
     command, unix_target = daemon_command(folder, *args, listen_path=listen_path)
-    return start_process("pagedkvd", command, folder, unix_target, env, log_file)
+    return start_process("pagedkvd", command, folder, unix_target, env, log_file, fd_store)
 
 
 def daemon_command(folder: Path, *args: str,

@@ -40,6 +40,7 @@ from pathlib import Path
 from pagedkv.client.engine.engine import Engine
 from pagedkv.client.engine.fair_queue import Line
 from pagedkv.client.engine.runner_link import RESTART_WAIT_S
+from pagedkv.client.pool.client import DEFAULT_RETRY
 from pagedkv.client.pool.errors import PagedKVError
 from pagedkv.llm.config import LLMConfig
 from pagedkv.llm.llm import tokenizer_for
@@ -64,7 +65,7 @@ from pagedkv.server.listener import (
     raise_fd_limit,
 )
 from pagedkv.server.metrics import ServerMetrics
-from pagedkv.server.recovery import EngineKeeper, ServicesFailed
+from pagedkv.server.recovery import OUTAGE_RETRY, EngineKeeper, ServicesFailed
 from pagedkv.server.tools.parsers import PARSERS
 from pagedkv.vocab.geometry import model_name
 
@@ -234,6 +235,9 @@ async def _serve(args: argparse.Namespace, sockets: list[socket.socket], config:
     """Serve on `sockets` (bound by `listen`) until SIGTERM or SIGINT, then drain; the
     metrics are labelled with the served `model_name`."""
     with stop_on_signals() as stop:
+        # Our own daemon restores its sessions after a restart: daemon calls wait out the gap.
+        pool_retry = OUTAGE_RETRY if services.daemon_supervisor is not None else DEFAULT_RETRY
+
         async def connect(salt: bytes = b"", waiting: Line | None = None) -> Engine:
             # Whoever runs the runner (our supervisor, or the operator's unit) restarts it: a
             # step left unanswered waits for the new one.
@@ -241,7 +245,7 @@ async def _serve(args: argparse.Namespace, sockets: list[socket.socket], config:
                                         model=config.model_name or "",
                                         config=config.scheduler(), client_name="pagedkv-serve",
                                         runner_restart_wait_s=RESTART_WAIT_S, cache_salt=salt,
-                                        waiting=waiting)
+                                        waiting=waiting, pool_retry=pool_retry)
 
         metrics = ServerMetrics(model_name, cache_figures=not keys)
         try:

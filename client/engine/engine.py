@@ -45,8 +45,9 @@ from pagedkv.client.engine.runner_link import RESTART_WAIT_S, RunnerLink
 from pagedkv.client.engine.scheduler import Plan, Scheduler, SchedulerConfig
 from pagedkv.client.engine.swap_rule import HostTier
 from pagedkv.client.engine.waiters import OutputKind, Waiters
-from pagedkv.client.pool.client import PoolClient
+from pagedkv.client.pool.client import DEFAULT_RETRY, PoolClient
 from pagedkv.client.pool.errors import OutcomeUnknown, PagedKVError, PoolExhausted, StalePlan
+from pagedkv.client.pool.recovery import RetryPolicy
 from pagedkv.client.pool.runner_client import RunnerClient, RunnerInfo, StepOutputs
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
@@ -68,10 +69,14 @@ class Engine:
                  free_blocks: int, config: SchedulerConfig, reservation_blocks: int = 0,
                  max_model_len: int = 0, runner_id: str = "",
                  runner_restart_wait_s: float = RESTART_WAIT_S,
-                 host_tier: HostTier | None = None, waiting: Line | None = None) -> None:
+                 host_tier: HostTier | None = None, waiting: Line | None = None,
+                 pool_id: str = "") -> None:
         self.pool = pool
         self.session = session
         self.runner = runner
+        # The daemon's pool the session was opened on (PoolInfo.pool_id): a restarted daemon
+        # that restored it names it as its previous_pool_id.
+        self.pool_id = pool_id
         # The runner's steps, carried across its restarts (runner_id: RunnerInfo's; a step
         # that got no answer waits up to runner_restart_wait_s for a restarted runner).
         self.link = RunnerLink(runner, session, runner_id, restart_wait_s=runner_restart_wait_s)
@@ -120,15 +125,18 @@ class Engine:
                       auth_token: str | None = None, cache_salt: bytes | str = b"",
                       lease_ttl_ms: int = 0,
                       runner_restart_wait_s: float = RESTART_WAIT_S,
-                      waiting: Line | None = None) -> Self:
+                      waiting: Line | None = None,
+                      pool_retry: RetryPolicy | None = DEFAULT_RETRY) -> Self:
         """Open a session on the daemon and a channel to the runner computing on its pool: the
         runner at `runner`, else the one serving `model` (as it registered with the daemon;
         ValueError naming the models served when none serves it). The session holds the
         runner's model's K/V (RunnerInfo.model_name), so a client of a runner always steps
         its model. `runner_restart_wait_s`: how long a step that got no answer waits for a
         restarted runner (0 when nothing restarts it) before its requests fail. `waiting`: a
-        line of a queue shared with other engines (fair_queue.py), else one of its own."""
-        pool = await PoolClient.connect(daemon, auth_token=auth_token)
+        line of a queue shared with other engines (fair_queue.py), else one of its own.
+        `pool_retry`: how its daemon calls whose answer was lost are recovered (its
+        `outage_s` lets them wait out a restored daemon restart)."""
+        pool = await PoolClient.connect(daemon, auth_token=auth_token, retry=pool_retry)
         runner_client: RunnerClient | None = None
         try:
             pool_info = await pool.pool_info()
@@ -156,7 +164,8 @@ class Engine:
                    reservation_blocks=pool_info.reservation_blocks,
                    max_model_len=max_model_len, runner_id=info.runner_id,
                    runner_restart_wait_s=runner_restart_wait_s,
-                   host_tier=_host_tier(pool_info, info.model_name), waiting=waiting)
+                   host_tier=_host_tier(pool_info, info.model_name), waiting=waiting,
+                   pool_id=pool_info.pool_id)
 
     def failure(self) -> str | None:
         """Why the engine no longer steps (its loop ended: a lost daemon, a bug, closed), or

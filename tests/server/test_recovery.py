@@ -11,10 +11,9 @@ import asyncio
 import os
 import signal
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
@@ -32,11 +31,9 @@ from pagedkv.server.recovery import EngineKeeper
 
 from failing_engine import FailingEngine
 from pagedkvd_process import short_tmp_dir
+from serve_children import DAEMON_MODULE, WAIT_S, children, health, wait_for
 
 MODEL = "tiny-llama"
-DAEMON_MODULE = b"pagedkv.daemon"
-# How long the test waits for a process to start, exit or be restarted (a loaded machine).
-WAIT_S = 60.0
 # The client's timeout for a request made while the daemon is down: a 503 comes at once.
 DOWN_REQUEST_S = 10.0
 
@@ -56,32 +53,6 @@ def server(request: pytest.FixtureRequest) -> Iterator[tuple[Launched, int, str]
         with launched:
             launched.wait_for_notification(READY_STATE, WAIT_S)
             yield launched, port, key
-
-
-def children(server: Launched, module: bytes) -> list[int]:
-    """The pids of the server's children running `module` (any thread's: a supervisor's thread
-    starts the restarted ones)."""
-    found = []
-    for listing in Path(f"/proc/{server.process.pid}/task").glob("*/children"):
-        for child in listing.read_text().split():
-            if module in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0"):
-                found.append(int(child))
-    return found
-
-
-def wait_for(condition_name: str, check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not check():
-        assert time.monotonic() < deadline, f"never: {condition_name}"
-        time.sleep(0.02)
-
-
-def health(port: int) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as reply:
-            return reply.status, reply.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
 
 
 def metrics(port: int) -> dict[str, float]:
@@ -150,6 +121,7 @@ class LostEngine(FailingEngine):
     def __init__(self) -> None:
         self.waiters = Waiters()
         self.closed = False
+        self.pool_id = ""
 
     async def close(self) -> None:
         self.closed = True
