@@ -18,8 +18,10 @@ The host tier's memory (daemon/memory/host_memory.py: a file like the pool's, ne
 a runner) is handed over the same way by a second `PoolHandover` under its own name prefix
 (`HOST_FD_PREFIX`), with the slots as its pages.
 
-Nothing happens outside a unit with `FileDescriptorStoreMax=` ($FDSTORE unset): the file is
-removed at exit as before. CUDA pools are not stored (their memory dies with the process;
+Outside a unit with `FileDescriptorStoreMax=` ($FDSTORE unset) nothing is stored: the file is
+removed at exit as before, unless restore = auto and a runner keeps its descriptor to hand
+back (pool_keepers.py: the passed descriptors then come from it, and go through the same
+adoption). CUDA pools are not stored (their memory dies with the process;
 only a VMM allocation exported as a descriptor could outlive it).
 """
 
