@@ -107,12 +107,19 @@ class CrashLog:
     working: set[int] = field(default_factory=set)
     # Runner processes' (pid, start time), read once per process (a /proc read).
     identities: dict[Any, list[int] | None] = field(default_factory=dict)
+    # Each session's last Step's seq ids since the base: a Step naming the same ones (a decode
+    # loop) writes None instead (`same_seq_ids` reads it back). Bounded by the sessions.
+    step_seq_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def start(self) -> None:
         """Begin (or begin again) with a base of the state now."""
         image, now = self.image()
         self.identities.clear()  # bounded: only processes seen since the last base
+        self.step_seq_ids.clear()
         base = frame({"base": image, "time": now, "working": sorted(self.working)})
+        if len(base) > self.max_bytes // 2:  # else checkpoints would follow one another
+            raise NotLogged(f"the state's image takes {len(base)} bytes, over half of "
+                            f"crash_log_bytes={self.max_bytes}: raise crash_log_bytes")
         aside = self.path.with_name(self.path.name + ".new")
         fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         os.write(fd, base)
@@ -129,8 +136,9 @@ class CrashLog:
             if self.size > self.max_bytes:
                 self.start()  # its base holds this call's change: no record after it
             else:
+                same_seq_ids(self.step_seq_ids, record, writing=True)
                 self._append(frame([record[0], now, self._caller(), *record[1:]]))
-        except (OSError, NotLogged) as exc:  # e.g. a full tmpfs: the call was applied
+        except (OSError, NotLogged, TypeError, ValueError) as exc:  # a full tmpfs, a bad field
             self.stop(f"writing the crash log failed: {exc}")
 
     def started(self, work: "asyncio.Future[None]") -> None:
@@ -183,6 +191,24 @@ class CrashLog:
                 None if process is None else self.identities[process]]
 
 
+def same_seq_ids(last: dict[str, list[int]], record: Record, *, writing: bool) -> None:
+    """A Step's seq ids written as None when they are its session's last Step's, and read back
+    as those; a session's close or expiry forgets its ids. `record` as the service made it
+    (`writing`), or as read back (its time and caller after its kind)."""
+    at = 1 if writing else 3  # where the session id is
+    kind, session_id = record[0], record[at]
+    if kind in ("close", "expire"):
+        last.pop(session_id, None)
+    elif kind == "step":
+        seq_ids = record[at + 1]
+        if seq_ids is None:
+            record[at + 1] = last[session_id]
+        elif writing and last.get(session_id) == seq_ids:
+            record[at + 1] = None
+        else:
+            last[session_id] = seq_ids
+
+
 def op_record(op: Operation) -> Record:
     """An op as plain data: its class's name, then its fields in order."""
     return [type(op).__name__, *(plain(getattr(op, f.name)) for f in fields(op))]
@@ -194,12 +220,13 @@ def record_op(record: Record) -> Operation:
 
 
 def plain(value: Any) -> Any:
-    """A field as msgpack takes it: numbers as they are, sequences as lists of ints."""
-    if isinstance(value, (int, str, bool, bytes)):
+    """A field as msgpack takes it: numbers as they are, sequences as lists of ints (a list
+    as it is: it is packed before the call returns)."""
+    if isinstance(value, (int, str, bool, bytes, list)):
         return value
     if hasattr(value, "tolist"):
         return value.tolist()  # numpy: one call, not a loop
-    return [int(v) for v in value]  # token ids, seq ids, counts
+    return list(value)  # a range, a tuple, protobuf's repeated field: ints already
 
 
 # The ops a record may name, by class name.

@@ -31,6 +31,7 @@ from pagedkv.daemon.service.crash_log import (
     NotLogged,
     read_log,
     record_op,
+    same_seq_ids,
 )
 from pagedkv.daemon.service.fence import RunnerProcess
 from pagedkv.daemon.service.holds import NO_HOLD, Hold
@@ -84,7 +85,7 @@ async def replay_log(service: PoolService, path: Path, adopted_from: str) -> int
     memory, service.memory = service.memory, None  # the bytes are in the adopted memory
     try:
         restore_service(service, base["base"], adopted_from)
-        working, number = set(base["working"]), 0
+        working, number, step_seq_ids = set(base["working"]), 0, {}
         processes: dict[tuple[int, int], RunnerProcess | None] = {}
         for record in records:
             if record[0] in (WORK, DONE):
@@ -92,6 +93,7 @@ async def replay_log(service: PoolService, path: Path, adopted_from: str) -> int
                 continue
             number += 1
             clock.now = record[1]
+            same_seq_ids(step_seq_ids, record, writing=False)
             await _replay(service, record, processes, number)
         if working:
             raise NotKept(f"{len(working)} memory works (copies, zeroing) were in flight at "

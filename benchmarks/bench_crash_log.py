@@ -1,0 +1,100 @@
+"""What the crash log costs (restore = "auto" with crash_log, daemon/service/crash_log.py): a
+decode Step of 256 sequences with the log on against off, measured side by side in one run
+(alternating, so both see the same host), and what a crash restore then costs.
+
+Two PoolServices (no memory: the bookkeeping alone, which is what the log adds to), each with
+one session of SEQS sequences of PROMPT tokens (token ids given, committed), then STEPS decode
+steps of `PoolService.step` (the servicer's Step without the gRPC edge), one token per
+sequence with its id and commit=True, as a runner's step certifies the previous tokens:
+
+    wal_step_p50_ms_off        p50 of a Step with no log
+    wal_step_p50_ms_on         p50 of a Step with the log (in a temporary folder on /dev/shm
+                               when it exists, as the daemon's shm_dir)
+    wal_step_p50_ratio         on / off (goal <= 1.10)
+    wal_bytes_per_step         log bytes one Step adds
+    wal_checkpoint_ms          a checkpoint of the filled service (once per crash_log_bytes
+                               of records; under the lock)
+    wal_replay_ms              replay_log of the whole run into a fresh service (a crash
+                               restore, before check_invariants)
+
+Usage: python benchmarks/bench_crash_log.py [--quick]
+"""
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from pagedkv.daemon.core import BlockPool
+from pagedkv.daemon.service.crash_log import log_path
+from pagedkv.daemon.service.log_replay import open_log, replay_log
+from pagedkv.daemon.service.operations import Allocate, Commit
+from pagedkv.daemon.service.pool_service import PoolService
+from pagedkv.process import log_setup
+
+BLOCK_SIZE = 16
+SEQS = 256
+PROMPT = 64
+LEASE_MS = 600_000
+
+
+def service(pool_id: str, num_blocks: int) -> PoolService:
+    return PoolService(BlockPool(num_blocks, BLOCK_SIZE), None, pool_id=pool_id,
+                       max_lease_ttl_ms=LEASE_MS, default_lease_ttl_ms=LEASE_MS)
+
+
+async def filled(pool_id: str, num_blocks: int) -> tuple[PoolService, str]:
+    svc = service(pool_id, num_blocks)
+    sid = svc.open_session("bench").session_id
+    ops = [Allocate(q, PROMPT, [q * PROMPT + t for t in range(PROMPT)]) for q in range(SEQS)]
+    await svc.batch(sid, [*ops, Commit(list(range(SEQS)))])
+    return svc, sid
+
+
+async def timed_step(svc: PoolService, sid: str, token: int) -> float:
+    start = time.perf_counter()
+    await svc.step(sid, range(SEQS), 1, [token] * SEQS, commit=True)
+    return time.perf_counter() - start
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="a few steps, for the tests")
+    args = parser.parse_args()
+    log_setup.configure("warning")
+    steps = 20 if args.quick else 400
+    num_blocks = SEQS * -(-(PROMPT + steps + 1) // BLOCK_SIZE) + 64
+    off, off_sid = await filled("off", num_blocks)
+    on, on_sid = await filled("on", num_blocks)
+    shm = Path("/dev/shm")
+    with tempfile.TemporaryDirectory(dir=shm if shm.is_dir() else None) as folder:
+        path = log_path(Path(folder), "on")
+        crash_log = open_log(on, path, max_bytes=1 << 30)
+        base_bytes = crash_log.size
+        times_off, times_on = [], []
+        for i in range(steps):  # alternating, which goes first too
+            pair = [(off, off_sid, times_off), (on, on_sid, times_on)]
+            for svc, sid, times in (pair if i % 2 else pair[::-1]):
+                times.append(await timed_step(svc, sid, 1000 + i))
+        per_step = (crash_log.size - base_bytes) / steps
+        start = time.perf_counter()
+        crash_log.start()
+        checkpoint = time.perf_counter() - start
+        again = service("next", num_blocks)
+        start = time.perf_counter()
+        await replay_log(again, path, adopted_from="on")
+        replay = time.perf_counter() - start
+    p50_off, p50_on = statistics.median(times_off), statistics.median(times_on)
+    print(f"wal_step_p50_ms_off: {p50_off * 1000:.3f} ms")
+    print(f"wal_step_p50_ms_on: {p50_on * 1000:.3f} ms")
+    print(f"wal_step_p50_ratio: {p50_on / p50_off:.3f} x")
+    print(f"wal_bytes_per_step: {per_step:.0f} bytes")
+    print(f"wal_checkpoint_ms: {checkpoint * 1000:.1f} ms")
+    print(f"wal_replay_ms: {replay * 1000:.1f} ms")
+    print(f"wal_steps: {steps} steps")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
