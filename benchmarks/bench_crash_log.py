@@ -73,7 +73,8 @@ async def main() -> None:
         path = log_path(Path(folder), "on")
         crash_log = open_log(on, path, max_bytes=1 << 30)
         base_bytes = crash_log.size
-        times_off, times_on = [], []
+        times_off: list[float] = []
+        times_on: list[float] = []
         for i in range(steps):  # alternating, which goes first too
             pair = [(off, off_sid, times_off), (on, on_sid, times_on)]
             for svc, sid, times in (pair if i % 2 else pair[::-1]):

@@ -85,7 +85,8 @@ async def replay_log(service: PoolService, path: Path, adopted_from: str) -> int
     memory, service.memory = service.memory, None  # the bytes are in the adopted memory
     try:
         restore_service(service, base["base"], adopted_from)
-        working, number, step_seq_ids = set(base["working"]), 0, {}
+        working, number = set(base["working"]), 0
+        step_seq_ids: dict[str, list[int]] = {}
         processes: dict[tuple[int, int], RunnerProcess | None] = {}
         for record in records:
             if record[0] in (WORK, DONE):
