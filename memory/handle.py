@@ -41,8 +41,9 @@ def pool_shape(*, num_layers: int, num_blocks: int, block_size: int, num_kv_head
 class PoolMemoryHandle:
     """What a co-located process needs to attach to the pool memory; plain data only."""
 
-    # "shm" (a /dev/shm file), "cuda_ipc" (a CUDA IPC handle), or "" when the daemon keeps
-    # bookkeeping only and has no memory to attach to.
+    # "shm" (a /dev/shm file), "cuda_ipc" (a CUDA IPC handle), "cuda_vmm" (a CUDA VMM
+    # allocation whose descriptor comes over the daemon's memory socket), or "" when the daemon
+    # keeps bookkeeping only and has no memory to attach to.
     kind: str
     # The shm file's path; "" for CUDA.
     shm_path: str
@@ -54,13 +55,15 @@ class PoolMemoryHandle:
     device_index: int
     # Pickled (rebuild function, args) from torch's reduce_tensor; b"" for shm.
     ipc_payload: bytes
+    # The identity of the "cuda_vmm" descriptor the memory socket sends; "" for other kinds.
+    memory_id: str = ""
 
     @classmethod
     def from_proto(cls, message: pb.PoolMemory) -> PoolMemoryHandle:
         return cls(message.kind, message.shm_path, tuple(message.shape), message.dtype,
-                   message.device_index, message.ipc_payload)
+                   message.device_index, message.ipc_payload, message.memory_id)
 
     def to_proto(self) -> pb.PoolMemory:
         return pb.PoolMemory(kind=self.kind, shm_path=self.shm_path, shape=self.shape,
                              dtype=self.dtype, device_index=self.device_index,
-                             ipc_payload=self.ipc_payload)
+                             ipc_payload=self.ipc_payload, memory_id=self.memory_id)

@@ -254,9 +254,13 @@ class PoolMemory(_message.Message):
     DTYPE_FIELD_NUMBER: _builtins.int
     DEVICE_INDEX_FIELD_NUMBER: _builtins.int
     IPC_PAYLOAD_FIELD_NUMBER: _builtins.int
+    MEMORY_ID_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
-    """"shm" (a file in /dev/shm, CPU) or "cuda_ipc" (a CUDA IPC handle); empty when the daemon
-    holds no memory (a bookkeeping-only pool), or when the caller is not a runner.
+    """"shm" (a file in /dev/shm, CPU), "cuda_ipc" (a CUDA IPC handle) or "cuda_vmm" (a CUDA VMM
+    allocation, kept across a daemon restart with restore = auto: its POSIX descriptor is
+    handed over the daemon's memory socket, `<runner socket>.memory`, SOCK_SEQPACKET with
+    SCM_RIGHTS, to the runner socket's users only); empty when the daemon holds no memory (a
+    bookkeeping-only pool), or when the caller is not a runner.
     """
     shm_path: _builtins.str
     """Path of the shared-memory file ("shm" only)."""
@@ -269,6 +273,10 @@ class PoolMemory(_message.Message):
     ipc_payload: _builtins.bytes
     """Opaque CUDA IPC payload to open the arena's allocation, a uint8 tensor of its bytes
     ("cuda_ipc" only).
+    """
+    memory_id: _builtins.str
+    """The identity of the memory's descriptor ("cuda_vmm" only): the memory socket names it
+    beside the descriptor it sends, and a runner maps only the one this names.
     """
     @_builtins.property
     def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -283,10 +291,11 @@ class PoolMemory(_message.Message):
         dtype: _builtins.str = ...,
         device_index: _builtins.int = ...,
         ipc_payload: _builtins.bytes = ...,
+        memory_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_index", b"device_index", "dtype", b"dtype", "ipc_payload", b"ipc_payload", "kind", b"kind", "shape", b"shape", "shm_path", b"shm_path"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_index", b"device_index", "dtype", b"dtype", "ipc_payload", b"ipc_payload", "kind", b"kind", "memory_id", b"memory_id", "shape", b"shape", "shm_path", b"shm_path"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
