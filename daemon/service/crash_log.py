@@ -13,9 +13,11 @@ unknown (a copy's destination, a freed block not yet zeroed), and the replay ref
 (the daemon starts cold) rather than trust them.
 
 The file lives in the pool's shm folder (`pagedkv-log.<pool id>`, 0600, the daemon's own),
-beside the pool file: tmpfs pages outlive the process that wrote them, and a record is in them
-once `os.write` returns, so SIGKILL loses nothing written; a power loss loses the pool memory
-too. Records are framed (length, CRC-32, msgpack); a torn last frame ends the log there.
+beside the pool file, `max_bytes` long and mapped shared: tmpfs pages outlive the process
+that wrote them, and a record is in them once copied into the mapping (no system call per
+record), so SIGKILL loses nothing written; a power loss loses the pool memory too. Records are
+framed (length, CRC-32, msgpack) after one another; the zeros past the last end the log, and so
+does a torn frame.
 
 Bounded: the log starts with a base, the service's image (`service_image.py`) when logging
 began, and once it would pass `max_bytes` a new file starting with an image of the state now
@@ -26,6 +28,7 @@ tmpfs), stops the log: its file is removed, said once, and a crash then starts c
 """
 
 import asyncio
+import mmap
 import os
 import struct
 import zlib
@@ -57,6 +60,9 @@ Record = list[Any]
 _HEADER = struct.Struct("<II")
 # The kinds of memory work's records: started, done.
 WORK, DONE = "work", "done"
+# 1 / the share of the log kept for memory work's records (written outside the lock, where no
+# checkpoint is taken): calls' records start a checkpoint before they reach it.
+_MARKER_SHARE = 8
 
 
 class NotLogged(Exception):
@@ -74,13 +80,18 @@ def frame(record: Any) -> bytes:
 
 
 def read_log(path: Path) -> Iterator[Any]:
-    """The records of the log at `path`, its base first; a torn or corrupt frame ends it."""
-    data = path.read_bytes()
+    """The records of the log at `path`, its base first; zeros, or a torn or corrupt frame,
+    end it. Read through a mapping: the zeros past the records are never copied."""
+    with path.open("rb") as file, mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ) as data:
+        yield from _records(data)
+
+
+def _records(data: mmap.mmap) -> Iterator[Any]:
     at = 0
     while at + _HEADER.size <= len(data):
         size, crc = _HEADER.unpack_from(data, at)
         payload = data[at + _HEADER.size:at + _HEADER.size + size]
-        if len(payload) < size or zlib.crc32(payload) != crc:
+        if not size or len(payload) < size or zlib.crc32(payload) != crc:
             return
         yield msgpack.unpackb(payload, raw=False, strict_map_key=False)
         at += _HEADER.size + size
@@ -97,9 +108,10 @@ class CrashLog:
     # The service's image now and the time it is of (`service_image` with calls in flight);
     # NotLogged: a state it cannot keep.
     image: Callable[[], tuple[Any, float]]
-    # The open file's descriptor, -1 once the log stopped.
+    # The open file's descriptor, -1 once the log stopped, and its mapping.
     fd: int = -1
-    # Bytes in the file.
+    view: mmap.mmap | None = None
+    # Bytes of records in the file (the rest is zeros).
     size: int = 0
     # Number of the last memory work started (its records name it).
     number: int = 0
@@ -121,23 +133,29 @@ class CrashLog:
             raise NotLogged(f"the state's image takes {len(base)} bytes, over half of "
                             f"crash_log_bytes={self.max_bytes}: raise crash_log_bytes")
         aside = self.path.with_name(self.path.name + ".new")
-        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        os.write(fd, base)
+        fd = os.open(aside, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, self.max_bytes)
+            view = mmap.mmap(fd, self.max_bytes)
+        except OSError:
+            os.close(fd)
+            raise
+        view[:len(base)] = base
         os.replace(aside, self.path)
-        if self.fd >= 0:
-            os.close(self.fd)
-        self.fd, self.size = fd, len(base)
+        self._close()
+        self.fd, self.view, self.size = fd, view, len(base)
 
     def write(self, record: Record, now: float) -> None:
         """Append one applied call's record (under the lock)."""
         if self.fd < 0:
             return
         try:
-            if self.size > self.max_bytes:
+            same_seq_ids(self.step_seq_ids, record, writing=True)
+            data = frame([record[0], now, self._caller(), *record[1:]])
+            if self.size + len(data) > self.max_bytes - self.max_bytes // _MARKER_SHARE:
                 self.start()  # its base holds this call's change: no record after it
             else:
-                same_seq_ids(self.step_seq_ids, record, writing=True)
-                self._append(frame([record[0], now, self._caller(), *record[1:]]))
+                self._append(data)
         except (OSError, NotLogged, TypeError, ValueError) as exc:  # a full tmpfs, a bad field
             self.stop(f"writing the crash log failed: {exc}")
 
@@ -164,17 +182,26 @@ class CrashLog:
             self.stop(f"writing the crash log failed: {exc}")
 
     def _append(self, data: bytes) -> None:
-        if os.write(self.fd, data) != len(data):
-            raise OSError(f"short write of {len(data)} bytes")
-        self.size += len(data)
+        end = self.size + len(data)
+        if self.view is None or end > self.max_bytes:
+            raise OSError(f"the crash log is full ({self.max_bytes} bytes)")
+        self.view[self.size:end] = data
+        self.size = end
+
+    def _close(self) -> None:
+        if self.view is not None:
+            self.view.close()
+            self.view = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def stop(self, reason: str = "") -> None:
         """Stop logging and remove the file: a clean stop (its snapshot wins), or a state the
         log cannot keep (`reason`, logged: a crash then starts cold)."""
         if self.fd < 0:
             return
-        os.close(self.fd)
-        self.fd = -1
+        self._close()
         self.path.unlink(missing_ok=True)
         if reason:
             log.warning("crash log stopped: a crash now starts cold", reason=reason)
