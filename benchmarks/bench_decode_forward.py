@@ -25,9 +25,13 @@ Figures:
                                attention hook (store_kv + decode attention, every layer)
     hf_attention_frac          share of transformers' decode steps spent in its sdpa attention
                                (the DynamicCache's concatenation is outside it)
-    decode_tokens_match_hf     sequences whose runner tokens equal transformers' (of 32)
-The attention shares come from one more generation of each, with the hook wrapped by a timer
-(not part of the ratio's rounds).
+    decode_tokens_match_hf     share of the sequences whose runner tokens equal transformers'
+                               (the script exits 1 below 1)
+    {runner,hf}_op_ms_<op>     the PROFILED_OPS costliest aten ops of each contestant's decode
+                               steps, self CPU ms per step under torch.profiler (which inflates
+                               small ops: read them as shares, not as times)
+The attention shares and the op profile come from more generations of each, with the hook
+wrapped by a timer or the profiler on (not part of the ratio's rounds).
 """
 
 import argparse
@@ -58,6 +62,8 @@ from pagedkv.vocab.blocks import blocks_for
 
 # transformers' name of the attention its contestant runs.
 HF_ATTENTION = "sdpa"
+# How many of the costliest aten ops the profile prints per contestant.
+PROFILED_OPS = 6
 
 Prompts = list[list[int]]
 
@@ -178,6 +184,17 @@ def attention_frac(contestant: Contestant, prompts: Prompts, name: str,
     return spent[0] / sum(seconds)
 
 
+def op_profile(contestant: Contestant, prompts: Prompts) -> list[tuple[str, float]]:
+    """The PROFILED_OPS aten ops with the most self CPU time over one generation's decode steps
+    (the profiler starts once the prefill is done): (name, ms per step), costliest first."""
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    _, seconds = contestant(prompts, profiler.start)
+    profiler.stop()
+    events = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    return [(e.key.removeprefix("aten::"), e.self_cpu_time_total / 1e3 / len(seconds))
+            for e in events[:PROFILED_OPS]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="generations per contestant")
@@ -203,8 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode_forward_vs_hf_step: {runner_ms / hf_ms:.3f} ratio")
     print(f"decode_attention_frac: {runner_attention:.3f} ratio")
     print(f"hf_attention_frac: {hf_attention:.3f} ratio")
-    print(f"decode_tokens_match_hf: {matches} of {len(prompts)}")
-    return 0
+    print(f"decode_tokens_match_hf: {matches / len(prompts):.3f} ratio")
+    for name, contestant in contestants.items():
+        for op, ms in op_profile(contestant, prompts):
+            print(f"{name}_op_ms_{op}: {ms:.3f} ms")
+    return 0 if matches == len(prompts) else 1
 
 
 if __name__ == "__main__":
