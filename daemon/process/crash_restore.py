@@ -11,17 +11,27 @@ replayed or refused is never read again.
 Then, with or without a restore, the daemon's own log starts (`log_path(shm_dir, pool_id)`),
 its base the state it starts with, and at a clean stop, once the snapshot is written, it is
 removed. A state its base cannot keep (a contiguous pool) keeps no log: said in one line.
+
+Bounded in tmpfs: a log whose pool has no pool file in shm_dir any more (its memory was
+released: another layout, a cold start) is removed when the next daemon starts its own, and
+only the latest refused log is kept aside. Daemons sharing shm_dir keep each other's logs:
+their pool files are there (a CPU daemon's; a CUDA daemon removes no other log).
 """
 
-from pagedkv.daemon.memory.kv_memory import KVPoolMemory
+from pathlib import Path
+
+from pagedkv.daemon.memory.kv_memory import KVPoolMemory, pool_file_name
 from pagedkv.daemon.process.config import DaemonConfig
-from pagedkv.daemon.service.crash_log import log_path
+from pagedkv.daemon.service.crash_log import LOG_PREFIX, log_path
 from pagedkv.daemon.service.log_replay import open_log, replay_log
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.service_image import NotKept
 from pagedkv.process.log_setup import get_logger
 
 log = get_logger(__name__)
+
+# What a refused log's name ends with.
+REFUSED = ".refused"
 
 
 def keeps_log(config: DaemonConfig) -> bool:
@@ -43,7 +53,9 @@ async def replay_crash_log(config: DaemonConfig, service: PoolService,
         calls = await replay_log(service, path, adopted)
         service.check_invariants()
     except (NotKept, AssertionError, KeyError, TypeError, ValueError, OSError) as exc:
-        aside = path.with_name(path.name + ".refused")
+        for earlier in config.shm_dir.glob(f"{LOG_PREFIX}*{REFUSED}"):
+            earlier.unlink(missing_ok=True)  # one set aside at a time: tmpfs is memory
+        aside = path.with_name(path.name + REFUSED)
         path.replace(aside)
         log.warning("crash log refused: starting cold", reason=str(exc), set_aside=str(aside))
         return False
@@ -58,10 +70,23 @@ def start_crash_log(config: DaemonConfig, service: PoolService) -> None:
     """Start the daemon's own crash log, its base the state now (before any call)."""
     if not keeps_log(config):
         return
+    if config.device == "cpu":  # a CUDA pool has no file naming it in shm_dir
+        remove_stale_logs(config.shm_dir, service.pool_id)
     try:
         open_log(service, log_path(config.shm_dir, service.pool_id), config.crash_log_bytes)
     except (NotKept, OSError) as exc:
         log.warning("no crash log: a crash starts cold", reason=str(exc))
+
+
+def remove_stale_logs(shm_dir: Path, own: str) -> None:
+    """Remove the logs of pools with no pool file in `shm_dir` (the daemon's `own` aside)."""
+    pools = {match.group(2) for path in shm_dir.iterdir()
+             if (match := pool_file_name(path.name))}
+    for path in shm_dir.glob(f"{LOG_PREFIX}*"):
+        pool_id = path.name.removeprefix(LOG_PREFIX)
+        if pool_id.isalnum() and pool_id != own and pool_id not in pools:
+            path.unlink(missing_ok=True)
+            log.info("removed a stale crash log", path=str(path))
 
 
 def end_crash_log(service: PoolService) -> None:

@@ -69,9 +69,13 @@ class NotLogged(Exception):
     """A state the log's base cannot keep (the message says why): the log stops."""
 
 
+# A crash log's file name before its pool id.
+LOG_PREFIX = "pagedkv-log."
+
+
 def log_path(shm_dir: Path, pool_id: str) -> Path:
     """The crash log of pool `pool_id`, beside its pool file."""
-    return shm_dir / f"pagedkv-log.{pool_id}"
+    return shm_dir / f"{LOG_PREFIX}{pool_id}"
 
 
 def frame(record: Any) -> bytes:

@@ -60,5 +60,15 @@ async def test_a_killed_daemon_comes_back_from_its_crash_log() -> None:
                     assert (await client.stats()).free_blocks == 16
                 assert not list(folder.glob(f"pagedkv-log.{info.pool_id}"))
                 assert supervisor.stop(third) == 0
+
+            stale = folder / "pagedkv-log.0123456789abcdef"  # a released pool's
+            stale.write_bytes(b"")
+            with supervisor.start(*args) as fourth:  # its log in place of the stale one
+                async with await PoolClient.connect(fourth.unix_target) as client:
+                    pool_id = (await client.pool_info()).pool_id
+                assert [path.name for path in folder.glob("pagedkv-log.*")] == [
+                    f"pagedkv-log.{pool_id}"]
+                assert supervisor.stop(fourth) == 0
+            assert not list(folder.glob("pagedkv-log.*"))  # a clean stop: the snapshot wins
         finally:
             supervisor.close()
