@@ -6,6 +6,9 @@ log of another memory are handled as the module says."""
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,8 @@ from hypothesis import strategies as st
 
 from pagedkv.daemon.core import BlockPool, PoolError
 from pagedkv.daemon.service.crash_log import frame, log_path, read_log
+from pagedkv.daemon.service.fence import FenceCounts, RunnerProcess
+from pagedkv.daemon.service.holds import SessionBusy
 from pagedkv.daemon.service.log_replay import open_log, replay_log
 from pagedkv.daemon.service.models import KvShape
 from pagedkv.daemon.service.operations import (
@@ -257,3 +262,37 @@ async def test_a_bound_too_small_for_the_base_keeps_no_log(tmp_path: Path) -> No
     with pytest.raises(NotKept, match="over half of crash_log_bytes=100: raise"):
         open_log(service, log_path(tmp_path, "first"), max_bytes=100)
     assert service.calls.log is None
+
+
+async def test_runner_holds_replay_with_their_runner_alive_and_not_when_it_exited(
+        tmp_path: Path) -> None:
+    clock = HandClock()
+    service = make_service("first", clock)
+    path = log_path(tmp_path, "first")
+    open_log(service, path, max_bytes=1 << 20)
+    tenant = service.tenants.by_name[DEFAULT_TENANT]
+    children, sids = [], []
+    try:
+        for name in ("held", "gone"):
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            children.append(child)
+            runner = Caller(tenant, True, RunnerProcess(child.pid, os.pidfd_open(child.pid),
+                                                        FenceCounts()))
+            sid = service.open_session(name).session_id
+            sids.append(sid)
+            with calling_as(runner):  # a runner's step, holding the session for its forward
+                await service.batch(sid, [Allocate(0, 3, [1, 2, 3])])
+                await service.step(sid, [0], 1, [4], hold_ms=1000)
+        children[1].kill()  # this runner exits with the daemon: its hold goes with it
+        children[1].wait()
+        again = await crashed_and_replayed(service, path, clock)
+        client = Caller(tenant)
+        with calling_as(client), pytest.raises(SessionBusy, match="for 1000 ms more"):
+            await again.close_session(sids[0])
+        with calling_as(client):
+            assert await again.close_session(sids[1]) == 1
+        await again.stop()
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
