@@ -73,12 +73,14 @@ def claim_socket_path(path: Path, socket_mode: int) -> None:
     raise SocketInUse(f"cannot listen on {path}: another process is serving it")
 
 
-def bind_unix_socket(path: Path, socket_mode: int, group: int | None = None) -> socket.socket:
+def bind_unix_socket(path: Path, socket_mode: int, group: int | None = None,
+                     kind: socket.SocketKind = socket.SOCK_STREAM) -> socket.socket:
     """A listening unix socket at `path` (claimed first: `claim_socket_path`) with exactly
     `socket_mode`, given to `group` when given (bound with the owner's bits alone, then
     chown'ed, then opened to the group), for a server that accepts on its own rather than
-    through grpc. PermissionError: this process's user is not in `group`."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    through grpc (`kind`: SOCK_SEQPACKET for descriptor handovers). PermissionError: this
+    process's user is not in `group`."""
+    listener = socket.socket(socket.AF_UNIX, kind)
     try:
         with socket_umask(socket_mode if group is None else socket_mode & 0o700):
             listener.bind(str(path))
