@@ -13,7 +13,8 @@ unknown (a copy's destination, a freed block not yet zeroed), and the replay ref
 (the daemon starts cold) rather than trust them.
 
 The file lives in the pool's shm folder (`pagedkv-log.<pool id>`, 0600, the daemon's own),
-beside the pool file, `max_bytes` long and mapped shared: tmpfs pages outlive the process
+beside the pool file, `max_bytes` long (allocated when it starts: that much tmpfs memory) and
+mapped shared: tmpfs pages outlive the process
 that wrote them, and a record is in them once copied into the mapping (no system call per
 record), so SIGKILL loses nothing written; a power loss loses the pool memory too. Records are
 framed (length, CRC-32, msgpack) after one another; the zeros past the last end the log, and so
@@ -23,8 +24,9 @@ Bounded: the log starts with a base, the service's image (`service_image.py`) wh
 began, and once it would pass `max_bytes` a new file starting with an image of the state now
 replaces it (written aside, then renamed, so a crash in between keeps the old one whole). The
 checkpoint is taken under the lock, between two calls (its cost: a restart snapshot's, once
-per `max_bytes` of records). A state the image cannot keep, or a write that fails (a full
-tmpfs), stops the log: its file is removed, said once, and a crash then starts cold.
+per `max_bytes` of records). A state the image cannot keep, a tmpfs too full for the file, or
+a record that cannot be written stops the log: its file is removed, said once, and a crash
+then starts cold.
 """
 
 import asyncio
@@ -139,7 +141,9 @@ class CrashLog:
         aside = self.path.with_name(self.path.name + ".new")
         fd = os.open(aside, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, self.max_bytes)
+            # Allocated now: a full tmpfs refuses here (ENOSPC), never as a SIGBUS on a write
+            # into the mapping.
+            os.posix_fallocate(fd, 0, self.max_bytes)
             view = mmap.mmap(fd, self.max_bytes)
         except OSError:
             os.close(fd)
