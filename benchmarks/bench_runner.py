@@ -59,6 +59,10 @@ Service figures (issue 19), from the same runs:
   decode step made one, and every decode forward of a decode_ahead run counted). An upper
   bound: the runner cannot tell whether the idle time went to the daemon's answer or to a
   client's step that came before it (a followed session sends none after its first step).
+- event_loop_ms_per_decode_step (issue 35, target <= 0.3): the CPU time of the runner's main
+  thread (its event loop: gRPC, handling steps, answers, preparing forwards, holds; read from
+  /proc/PID/task/PID/schedstat) per decode-only forward, during the "runner" contestant; each
+  runner contestant's own is printed as *_event_loop_ms_per_decode_step.
 - service_overhead_frac: 4 client processes of PROMPTS_PER_CLIENT prompts, each through the
   client `Engine` (all its prompts submitted at once; one extra run a round, not a contestant):
   (client step time - runner forward time) / client step time, where the client step time is
@@ -161,6 +165,12 @@ class Run:
     @property
     def tok_per_cpu_s(self) -> float:
         return sum(len(t) for t in self.tokens.values()) / self.cpu_s
+
+
+def thread_cpu_s(pid: int, tid: int) -> float:
+    """The CPU time of one thread of a running process, in ns resolution (the first field of
+    /proc/PID/task/TID/schedstat; stat's ticks are 10 ms)."""
+    return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
 
 
 def process_cpu_s(pid: int) -> float:
@@ -337,6 +347,11 @@ class Pagedkv:
     daemon_metrics_url: str
     pids: tuple[int, int]
 
+    @property
+    def runner_pid(self) -> int:
+        """The runner's process id, which is also its main (event-loop) thread's id."""
+        return self.pids[1]
+
     def cpu_s(self) -> float:
         return sum(process_cpu_s(pid) for pid in self.pids)
 
@@ -381,6 +396,12 @@ class Forwards:
     decode_queued: float
     # The daemon's finished RPCs (every method; read from the daemon's /metrics).
     daemon_rpcs: float
+    # CPU seconds of the runner's main thread (its event loop: gRPC, steps, answers, holds).
+    loop_cpu_s: float
+
+    @property
+    def decode_forwards(self) -> float:
+        return self.decode_idle_wait + self.decode_queued
 
     @classmethod
     def read(cls, pagedkv: Pagedkv) -> "Forwards":
@@ -393,7 +414,8 @@ class Forwards:
                    values[f"{prefix}steps_per_daemon_call_sum"],
                    values.get(f"{prefix}decode_forwards_total{{start=idle_wait}}", 0.0),
                    values.get(f"{prefix}decode_forwards_total{{start=queued}}", 0.0),
-                   daemon_rpcs(pagedkv.daemon_metrics_url))
+                   daemon_rpcs(pagedkv.daemon_metrics_url),
+                   thread_cpu_s(pagedkv.runner_pid, pagedkv.runner_pid))
 
     def __sub__(self, other: "Forwards") -> "Forwards":
         return Forwards(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
@@ -589,6 +611,8 @@ def measure(rounds: int, threads: int) -> int:
                 extra[f"{name}_daemon_rpcs_per_forward"] = forwards.daemon_rpcs / forwards.count
                 extra[f"{name}_decode_idle_wait_frac"] = forwards.decode_idle_wait / max(
                     1.0, forwards.decode_idle_wait + forwards.decode_queued)
+                extra[f"{name}_event_loop_ms_per_decode_step"] = (
+                    1000 * forwards.loop_cpu_s / max(1.0, forwards.decode_forwards))
                 extra[f"{name}_outside_forward_frac"] = (1 - forwards.seconds
                                                          / runs[name].seconds)
             engine_run, forwards, step_s = run_clients(pagedkv, four, "engine")
@@ -640,11 +664,16 @@ def report(med: dict[str, float], equal_seqs: float, all_ok: bool) -> None:
         print(f"{name}_forward_ms: {med[f'{name}_forward_ms']:.1f} ms")
         print(f"{name}_seqs_per_forward: {med[f'{name}_seqs_per_forward']:.1f} seqs")
         print(f"{name}_steps_per_daemon_call: {med[f'{name}_steps_per_daemon_call']:.2f} steps")
+        print(f"{name}_event_loop_ms_per_decode_step: "
+              f"{med[f'{name}_event_loop_ms_per_decode_step']:.3f} ms")
     # Issue 19's service figures (see the module docstring for what each measures).
     print(f"daemon_calls_per_decode_step: {med['runner_daemon_rpcs_per_forward']:.2f} "
           "calls/forward")
     print(f"forward_waits_on_daemon_frac: {med['runner_decode_idle_wait_frac']:.2f} frac")
     print(f"service_overhead_frac: {med['engine_4clients_outside_forward_frac']:.2f} frac")
+    # Issue 35: the runner's event loop (main thread) CPU per decode forward, one client
+    # following 32 sequences (the 4-client figure is printed per contestant above).
+    print(f"event_loop_ms_per_decode_step: {med['runner_event_loop_ms_per_decode_step']:.3f} ms")
     print(f"runner_equal_hf_generate_seqs: {equal_seqs:.0f} of {NUM_PROMPTS}")
     print(f"runner_matches_hf: {int(all_ok)} bool")
 
