@@ -4,10 +4,13 @@ the handle's shape and dtype: one model format's view of the arena (a runner map
 Every view spans the whole arena, so both backings map all of it and reinterpret it: CPU pools
 are a /dev/shm file mapped with `torch.from_file(shared=True)`; CUDA pools come as the arena's
 pickled CUDA IPC handle (a uint8 tensor), unpickled with nothing but torch's own globals
-allowed. Both are checked against the handle's shape and dtype before the tensor is returned.
+allowed, or ("cuda_vmm", kept across daemon restarts) as a VMM allocation whose descriptor the
+daemon's memory socket hands over (memory/memory_socket.py) and the runner imports. Each is
+checked against the handle's shape and dtype before the tensor is returned.
 """
 
 import io
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -15,8 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedkv.memory.cuda_vmm import VmmArena
 from pagedkv.memory.dtypes import torch_dtype
 from pagedkv.memory.handle import PoolMemoryHandle
+from pagedkv.memory.memory_socket import receive_memory_fd, runner_socket_of
 
 
 class _TorchOnlyUnpickler(pickle.Unpickler):
@@ -28,12 +33,16 @@ class _TorchOnlyUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def attach_pool(handle: PoolMemoryHandle) -> torch.Tensor:
-    """A tensor over the pool memory of `handle`, in another process than its creator."""
+def attach_pool(handle: PoolMemoryHandle, daemon_target: str = "") -> torch.Tensor:
+    """A tensor over the pool memory of `handle`, in another process than its creator.
+    `daemon_target`: the daemon's runner socket this process connected to ("unix://..."),
+    beside which a "cuda_vmm" pool's descriptor is handed over (required for that kind)."""
     if handle.kind == "shm":
         return _attach_shm(handle)
     if handle.kind == "cuda_ipc":
         return _attach_cuda_ipc(handle)
+    if handle.kind == "cuda_vmm":
+        return _attach_cuda_vmm(handle, daemon_target)
     if not handle.kind:
         raise ValueError("the daemon has no pool memory (bookkeeping only)")
     raise ValueError(f"unknown pool memory kind {handle.kind!r}")
@@ -68,3 +77,19 @@ def _attach_cuda_ipc(handle: PoolMemoryHandle) -> torch.Tensor:
                          f"{nbytes} bytes as {handle.shape} {dtype}")
     return arena.view(dtype).view(handle.shape)
 
+
+
+def _attach_cuda_vmm(handle: PoolMemoryHandle, daemon_target: str) -> torch.Tensor:
+    """Take the allocation's descriptor from the daemon's memory socket, import and map it,
+    and view its bytes in the handle's shape and dtype. The mapping is released once no view
+    of it is left; the descriptor is closed once imported (the runner's pool keeper takes its
+    own from the daemon when it keeps one)."""
+    runner_socket = runner_socket_of(daemon_target)
+    dtype = torch_dtype(handle.dtype)
+    nbytes = int(np.prod(handle.shape)) * dtype.itemsize
+    fd = receive_memory_fd(runner_socket, handle.memory_id)
+    try:
+        arena = VmmArena.import_fd(fd, nbytes, handle.device_index)
+    finally:
+        os.close(fd)
+    return arena.owned_tensor().view(dtype).view(handle.shape)

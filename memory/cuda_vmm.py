@@ -21,6 +21,7 @@ benchmarks/gpu_check.py runs it on a device. The daemon does not use it yet.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import Any
 
 import torch
@@ -131,10 +132,14 @@ class VmmArena:
 
     def tensor(self) -> torch.Tensor:
         """The first nbytes of the mapping as a [nbytes] uint8 tensor of its device."""
-        if not self._address:
-            raise ValueError("the VMM arena is closed")
-        return torch.as_tensor(_CudaArray(self._address, self.nbytes),
-                               device=torch.device("cuda", self.device_index))
+        return torch.as_tensor(self._array(), device=torch.device("cuda", self.device_index))
+
+    def owned_tensor(self) -> torch.Tensor:
+        """`tensor()`, and the arena closed once no view of it is left (a runner's mapping of
+        a pool it drops when its daemon is replaced: the old allocation is freed)."""
+        array = self._array()
+        weakref.finalize(array, self.close)  # torch holds `array` while any view is alive
+        return torch.as_tensor(array, device=torch.device("cuda", self.device_index))
 
     def close(self) -> None:
         """Unmap, free the range and drop this process's handle; idempotent. The memory lives
@@ -146,6 +151,11 @@ class VmmArena:
         _check("cuMemUnmap", self._cuda.cuMemUnmap(address, size))
         _check("cuMemAddressFree", self._cuda.cuMemAddressFree(address, size))
         _check("cuMemRelease", self._cuda.cuMemRelease(ctypes.c_ulonglong(self._handle)))
+
+    def _array(self) -> _CudaArray:
+        if not self._address:
+            raise ValueError("the VMM arena is closed")
+        return _CudaArray(self._address, self.nbytes)
 
     def _map(self) -> int:
         """Reserve a range, map the allocation there, grant its device read-write access."""

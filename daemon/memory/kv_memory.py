@@ -21,6 +21,11 @@ Two backings, chosen by the device:
   pickled once into bytes; every format's handle carries that same payload with its own shape
   and dtype, and a runner reinterprets the allocation it opens (`pagedkv.memory.attach`). The
   daemon keeps the allocation alive for as long as runners may be attached.
+- CUDA kept across restarts (`create(..., vmm=True)`, restore = auto): a VMM allocation
+  (memory/cuda_vmm.py) exported as a POSIX descriptor (`memory_fd`), which the daemon serves to
+  its runners over its memory socket (memory_server.py; handles of kind "cuda_vmm" name the
+  pool id as the memory's id) and stores for the next daemon, which adopts it (`adopt_vmm`).
+  The memory lives while any descriptor, handle or mapping of it does.
 
 A runner in another process maps a view with `pagedkv.memory.attach.attach_pool(handle)`.
 """
@@ -42,6 +47,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 from pagedkv.daemon.memory.format_memory import FormatMemory, checked_index
 from pagedkv.daemon.memory.shm_holders import reserve_failure
 from pagedkv.memory import PoolMemoryHandle, pool_shape
+from pagedkv.memory.cuda_vmm import VmmArena
 from pagedkv.memory.device_memory import pool_device
 from pagedkv.memory.dtypes import torch_dtype
 from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype
@@ -51,10 +57,11 @@ class KVMemory:
     """Owns the arena; create with `KVMemory.create`, release with `close`."""
 
     def __init__(self, pages: torch.Tensor, kind: str, shm_path: str, ipc_payload: bytes,
-                 pool_id: str, adopted_from: str = "") -> None:
+                 pool_id: str, adopted_from: str = "", memory_fd: int = -1) -> None:
         # The arena as [num_pages, page_bytes] uint8; None once closed.
         self._pages: torch.Tensor | None = pages
-        # What every view's handle shares: "shm" or "cuda_ipc", the file, the IPC payload.
+        # What every view's handle shares: "shm", "cuda_ipc" or "cuda_vmm", the file, the IPC
+        # payload.
         self._kind, self._shm_path, self._ipc_payload = kind, shm_path, ipc_payload
         # Pages, and bytes in each: page p is bytes [p * page_bytes, (p + 1) * page_bytes).
         self.num_pages, self.page_bytes = pages.shape
@@ -68,13 +75,16 @@ class KVMemory:
         # Whether close() leaves the shm file for the next daemon (its descriptor is in the
         # service manager's store: `keep_file`).
         self._keep_file = False
+        # A "cuda_vmm" arena's exported descriptor (this object's: closed by close); -1 else.
+        self.memory_fd = memory_fd
 
     @classmethod
     def create(cls, num_pages: int, page_bytes: int, device: str = "cpu",
                shm_dir: str = "/dev/shm", name_prefix: str = "pagedkv", mode: int = 0o600,
-               group: int | None = None) -> KVMemory:
+               group: int | None = None, vmm: bool = False) -> KVMemory:
         """Allocate a zeroed arena; `mode` is the shm file's (0o660 to share with `group`, the
-        runners' gid: the file's group is the daemon's own without it)."""
+        runners' gid: the file's group is the daemon's own without it). `vmm`: on CUDA, a VMM
+        allocation that can outlive this process (a CPU arena's file always can)."""
         if num_pages <= 0 or page_bytes <= 0:
             raise ValueError(f"num_pages and page_bytes must be positive, got {num_pages} "
                              f"and {page_bytes}")
@@ -85,6 +95,9 @@ class KVMemory:
             path = Path(shm_dir) / f"{name_prefix}-{os.getpid()}-{pool_id}.kv"
             pages = _create_shm(path, num_pages * page_bytes, mode, group)
             return cls(pages.view(num_pages, page_bytes), "shm", str(path), b"", pool_id)
+        if vmm:
+            return _vmm_memory(VmmArena.create(num_pages * page_bytes, _index(target)), num_pages,
+                               page_bytes, pool_id, zero=True)
         # Zeroed, not empty: the caching allocator may hand back another tensor's data.
         arena = torch.zeros(num_pages * page_bytes, dtype=torch.uint8, device=target)
         # torch leaves reduce_tensor unannotated; it returns (rebuild function, args).
@@ -122,6 +135,16 @@ class KVMemory:
                                 dtype=torch.uint8)
         return cls(pages.view(num_pages, page_bytes), "shm", str(target), b"", pool_id,
                    adopted_from=match.group(2))
+
+    @classmethod
+    def adopt_vmm(cls, fd: int, num_pages: int, page_bytes: int, device: str,
+                  previous_pool_id: str) -> KVMemory:
+        """The VMM arena of a previous daemon (pool `previous_pool_id`) from its exported
+        descriptor `fd` (the caller still owns it), its bytes kept. CudaVmmError when `fd` is
+        not a VMM allocation of that size on `device`."""
+        arena = VmmArena.import_fd(fd, num_pages * page_bytes, _index(pool_device(device)))
+        return _vmm_memory(arena, num_pages, page_bytes, secrets.token_hex(8), zero=False,
+                           adopted_from=previous_pool_id)
 
     def keep_file(self) -> None:
         """Leave the shm file in place on close: its descriptor is in the service manager's
@@ -165,7 +188,8 @@ class KVMemory:
                            block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
         kv = self.pages.view(-1).view(element).view(shape)
         handle = PoolMemoryHandle(self._kind, self._shm_path, shape, name, kv.get_device(),
-                                  self._ipc_payload)
+                                  self._ipc_payload,
+                                  self.pool_id if self._kind == "cuda_vmm" else "")
         view = FormatMemory(kv, handle, blocks_per_page)
         self._views.append(view)
         return view
@@ -191,6 +215,9 @@ class KVMemory:
         self._pages = None
         for view in self._views:
             view.release()
+        if self.memory_fd >= 0:  # the store and the runners hold their own copies
+            os.close(self.memory_fd)
+            self.memory_fd = -1
         if self._shm_path and not self._keep_file:
             Path(self._shm_path).unlink(missing_ok=True)
 
@@ -243,6 +270,26 @@ class KVPoolMemory(FormatMemory):
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def _vmm_memory(arena: VmmArena, num_pages: int, page_bytes: int, pool_id: str, *, zero: bool,
+                adopted_from: str = "") -> KVMemory:
+    """A KVMemory over `arena`'s mapping (freed once no view of it is left), with a descriptor
+    exported for the runners and the next daemon."""
+    try:
+        fd = arena.export_fd()
+        pages = arena.owned_tensor().view(num_pages, page_bytes)
+    except BaseException:
+        arena.close()
+        raise
+    if zero:  # cuMemCreate's contents are undefined: another process's old K/V, maybe
+        pages.zero_()
+    return KVMemory(pages, "cuda_vmm", "", b"", pool_id, adopted_from, memory_fd=fd)
+
+
+def _index(device: torch.device) -> int:
+    """The CUDA device's index (the current one when `device` names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _create_shm(path: Path, nbytes: int, mode: int, group: int | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The daemon's side of the memory socket (process/memory_socket.py says the protocol): the
+"""The daemon's side of the memory socket (memory/memory_socket.py says the protocol): the
 descriptor of the pool memory, handed to each process the runner socket admits.
 
     server = MemoryServer(memory_socket_path(runner_socket), mode, group)
@@ -20,8 +20,8 @@ import os
 import socket
 from pathlib import Path
 
+from pagedkv.memory.memory_socket import memory_message, peer_groups, peer_ids
 from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, get_logger
-from pagedkv.process.memory_socket import memory_message, peer_groups, peer_ids
 from pagedkv.process.socket_files import bind_unix_socket
 
 log = get_logger(__name__)

@@ -21,8 +21,10 @@ a runner) is handed over the same way by a second `PoolHandover` under its own n
 Outside a unit with `FileDescriptorStoreMax=` ($FDSTORE unset) nothing is stored: the file is
 removed at exit as before, unless restore = auto and a runner keeps its descriptor to hand
 back (pool_keepers.py: the passed descriptors then come from it, and go through the same
-adoption). CUDA pools are not stored (their memory dies with the process;
-only a VMM allocation exported as a descriptor could outlive it).
+adoption). A CUDA pool is stored when it is a VMM allocation (restore = auto: kv_memory.py
+`create(vmm=True)`): its exported descriptor is stored under the same name, and a daemon on CUDA
+adopts a passed one of its layout with `KVMemory.adopt_vmm`; a cudaMalloc pool (restore =
+never) dies with its process and is not stored.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.daemon.memory.kv_memory import KVMemory, pool_file_name
+from pagedkv.memory.cuda_vmm import CudaVmmError
+from pagedkv.memory.device_memory import pool_device
 from pagedkv.process.fd_store import listened_fds, remove_fds, store_enabled, store_fds
 from pagedkv.process.log_setup import get_logger
 
@@ -95,15 +99,16 @@ class PoolHandover:
         """The files of the passed descriptors: not stale while they may be adopted."""
         return [_file_of(fd) for fds in self._passed.values() for fd in fds]
 
-    def adopt(self, layout: PoolLayout, shm_dir: str, mode: int,
-              group: int | None) -> KVMemory | None:
-        """The stored arena if one has `layout` (its bytes kept); None otherwise. Every other
-        passed pool is released, with a log line saying why."""
+    def adopt(self, layout: PoolLayout, shm_dir: str, mode: int, group: int | None,
+              device: str = "cpu") -> KVMemory | None:
+        """The stored arena if one has `layout` (its bytes kept), a file on the CPU, a VMM
+        allocation on a CUDA `device`; None otherwise. Every other passed pool is released,
+        with a log line saying why."""
         adopted: KVMemory | None = None
         for name, fds in self._passed.items():
             if adopted is None:
-                adopted, reason = _try_adopt(self._pattern.fullmatch(name), fds, layout, shm_dir,
-                                             mode, group)
+                adopted, reason = _try_adopt(self._pattern.fullmatch(name), fds, layout,
+                                             _Target(shm_dir, mode, group, device))
                 if adopted is not None:
                     for fd in fds:
                         os.close(fd)
@@ -132,9 +137,11 @@ def _store(arena: KVMemory, fd_name: str) -> bool:
     """`offer`'s storing."""
     if not store_enabled():
         return False
+    if arena.memory_fd >= 0:  # a VMM allocation: its exported descriptor keeps it
+        return store_fds(fd_name, [arena.memory_fd])
     if not arena.shm_path:
-        log.warning("pool memory on CUDA is not kept across restarts: the next daemon "
-                    "starts cold")
+        log.warning("pool memory on CUDA is not kept across restarts without restore = auto "
+                    "(a VMM allocation): the next daemon starts cold")
         return False
     fd = os.open(arena.shm_path, os.O_RDWR | os.O_CLOEXEC)
     try:
@@ -146,8 +153,20 @@ def _store(arena: KVMemory, fd_name: str) -> bool:
     return stored
 
 
-def _try_adopt(match: re.Match[str] | None, fds: list[int], layout: PoolLayout, shm_dir: str,
-               mode: int, group: int | None) -> tuple[KVMemory | None, str]:
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """Where an adopted arena goes."""
+
+    # A CPU arena's folder, and the mode and group its file is given.
+    shm_dir: str
+    mode: int
+    group: int | None
+    # The daemon's device: "cpu" adopts a file, a CUDA device a VMM allocation.
+    device: str
+
+
+def _try_adopt(match: re.Match[str] | None, fds: list[int], layout: PoolLayout,
+               target: _Target) -> tuple[KVMemory | None, str]:
     """The arena stored under the name `match` parsed when it has `layout`, or None and why
     not."""
     assert match is not None, "only our names are kept"
@@ -156,9 +175,13 @@ def _try_adopt(match: re.Match[str] | None, fds: list[int], layout: PoolLayout, 
         return None, (f"it is {stored_layout} ({len(fds)} descriptors), this daemon allocates "
                       f"{layout.text()}")
     try:
-        arena = KVMemory.adopt(fds[0], layout.num_pages, layout.page_bytes, shm_dir, mode=mode,
-                               group=group)
-    except ValueError as exc:
+        if pool_device(target.device).type == "cuda":
+            arena = KVMemory.adopt_vmm(fds[0], layout.num_pages, layout.page_bytes,
+                                       target.device, previous)
+        else:
+            arena = KVMemory.adopt(fds[0], layout.num_pages, layout.page_bytes, target.shm_dir,
+                                   mode=target.mode, group=target.group)
+    except (ValueError, CudaVmmError) as exc:  # another kind of memory, or a driver refusal
         return None, str(exc)
     log.info("pool memory adopted", previous_pool_id=previous, pool_id=arena.pool_id,
              layout=stored_layout)

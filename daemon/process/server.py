@@ -40,6 +40,7 @@ from pagedkv.daemon.edge.tls import ServerTls
 from pagedkv.daemon.events.sink import ManagedSink
 from pagedkv.daemon.memory.host_memory import HostMemory
 from pagedkv.daemon.memory.kv_memory import KVMemory, KVPoolMemory, cleanup_stale_files
+from pagedkv.daemon.memory.memory_server import MemoryServer
 from pagedkv.daemon.memory.pool_handover import HOST_FD_PREFIX, PoolHandover, PoolLayout
 from pagedkv.daemon.memory.pool_keepers import leave_for_keepers, taken_back
 from pagedkv.daemon.process.config import (
@@ -67,6 +68,7 @@ from pagedkv.daemon.service.memory_order import MemoryOrder
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.memory.cuda_driver import CudaDriverTooOld, require_driver_for_torch
 from pagedkv.memory.device_memory import measure
+from pagedkv.memory.memory_socket import memory_socket_path
 from pagedkv.process.fd_store import listened_fds, store_enabled
 from pagedkv.process.grpc_server import GrpcServers, StartupError, grpc_servers
 from pagedkv.process.lifecycle import cancel, stop_on_signals
@@ -140,6 +142,7 @@ async def _start(config: DaemonConfig, readiness: Readiness,
                     socket_mode=config.socket_mode, tls=config.server_tls(),
                     runner_socket=config.runner_listener().unix_path,
                     runner_gid=config.runner_gid()))
+    await _serve_memory(config, memory.arena, stack)
     readiness.listeners_up = True
     if config.metrics_listen is not None:
         host, port = parse_host_port(config.metrics_listen)
@@ -161,6 +164,19 @@ async def _start(config: DaemonConfig, readiness: Readiness,
     if interval is not None:
         stack.push_async_callback(cancel, asyncio.create_task(_feed_watchdog(interval)))
     return running, service.memory_order
+
+
+async def _serve_memory(config: DaemonConfig, arena: KVMemory,
+                        stack: contextlib.AsyncExitStack) -> None:
+    """Serve a VMM arena's descriptor to the runners beside their socket (memory_server.py),
+    once the runner socket is claimed; nothing for a pool the runners open by name or handle."""
+    runner_socket = config.runner_listener().unix_path
+    if arena.memory_fd < 0 or runner_socket is None:
+        return
+    server = MemoryServer(memory_socket_path(runner_socket), config.runners_mode,
+                          config.runner_gid())
+    await server.start(arena.memory_fd, arena.pool_id)
+    stack.push_async_callback(server.close)
 
 
 @contextlib.asynccontextmanager
@@ -349,10 +365,11 @@ def pool_memory(config: DaemonConfig, geometry: ModelGeometry, dtype: str, num_b
     per_block = geometry.bytes_per_block(config.block_size, dtype_bytes(dtype))
     layout = pool_layout(config, geometry, dtype, num_blocks // blocks_per_page,
                          blocks_per_page * per_block)
-    arena = handover.adopt(layout, shm_dir, mode, group)
-    if arena is None:
+    arena = handover.adopt(layout, shm_dir, mode, group, config.device)
+    if arena is None:  # restore = auto on CUDA: a VMM allocation, which can outlive the daemon
         arena = KVMemory.create(layout.num_pages, layout.page_bytes, device=config.device,
-                                shm_dir=shm_dir, mode=mode, group=group)
+                                shm_dir=shm_dir, mode=mode, group=group,
+                                vmm=config.restore == "auto")
     try:
         memory = KVPoolMemory(arena, arena.view(geometry.num_layers, geometry.num_kv_heads,
                                                 geometry.head_dim, dtype, config.block_size))

@@ -208,7 +208,8 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
             memory = await _register(pool, name, model, config.model.kv_cache_dtype, target,
                                      info)
             handle = PoolMemoryHandle.from_proto(memory)
-            runner = ModelRunner(model, attach_pool(handle), info.block_size, backend)
+            runner = ModelRunner(model, attach_pool(handle, config.daemon), info.block_size,
+                                 backend)
             if keeper is not None:
                 keeper.keep(handle)
             if config.cuda_graphs:  # captured on this pool's addresses: again on each attach

@@ -142,3 +142,11 @@ def test_an_ipc_payload_is_the_arena_viewed_in_the_handles_format() -> None:
     assert view.flatten().view(torch.uint8).tolist() == list(range(8))
     with pytest.raises(ValueError, match=r"IPC payload is \(8,\) torch.uint8, handle says 16"):
         attach_pool(PoolMemoryHandle("cuda_ipc", "", (2, 2), "float32", 0, arena))
+
+
+def test_a_cuda_vmm_pool_needs_the_daemons_unix_runner_socket() -> None:
+    handle = PoolMemoryHandle("cuda_vmm", "", (1,), "float32", 0, b"", "5eed")
+    with pytest.raises(ValueError, match="'' is not a unix socket"):
+        attach_pool(handle)
+    with pytest.raises(ValueError, match="'localhost:50051' is not a unix socket"):
+        attach_pool(handle, "localhost:50051")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from forked import run_forked
 
-from pagedkv.process.memory_socket import (
+from pagedkv.memory.memory_socket import (
     MemorySocketError,
     memory_message,
     memory_socket_path,

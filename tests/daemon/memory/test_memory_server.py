@@ -15,7 +15,7 @@ from forked import run_forked
 
 from pagedkv.daemon.memory.kv_memory import KVMemory
 from pagedkv.daemon.memory.memory_server import MemoryServer
-from pagedkv.process.memory_socket import memory_socket_path, receive_memory_fd
+from pagedkv.memory.memory_socket import memory_socket_path, receive_memory_fd
 
 from pagedkvd_process import short_tmp_dir
 
