@@ -30,7 +30,7 @@ BackendName = Literal["auto", "triton", "torch"]
 class StoreKV(Protocol):
     def __call__(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
-                 check_values: bool = True) -> None: ...
+                 check_values: bool = True, per_forward: PerForward | None = None) -> None: ...
 
 
 class PagedDecodeAttention(Protocol):

@@ -103,13 +103,15 @@ def paged_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if not isinstance(layer, int):
         raise ValueError(f"{type(module).__name__} has no integer layer_idx to pick its cache")
-    window = _window_of_call(module, layer, kwargs.get("sliding_window"))
+    per_forward = context.per_forward
+    window = _window_of_call(module, layer, kwargs.get("sliding_window"), per_forward)
     softcap = kwargs.get("softcap")
     k_cache, v_cache = context.pool[:, layer].unbind(1)  # strided [num_blocks, B, H_kv, D]
     backend = context.backend
-    backend.store_kv(k, v, k_cache, v_cache, context.slot_mapping, check_values=False)
+    backend.store_kv(k, v, k_cache, v_cache, context.slot_mapping, check_values=False,
+                     per_forward=per_forward)
     decodes, outs = context.num_decodes, []
-    tables, lens, per_forward = context.block_tables, context.seq_lens, context.per_forward
+    tables, lens = context.block_tables, context.seq_lens
     if decodes:  # the first `decodes` rows and sequences: views, no copy
         outs.append(backend.paged_decode_attention(
             q[:decodes], k_cache, v_cache, tables[:decodes], lens[:decodes], scale,
@@ -153,17 +155,26 @@ def _context_of_call(query: torch.Tensor, attention_mask: torch.Tensor | None, d
     return context
 
 
-def _window_of_call(module: nn.Module, layer: int, passed: object) -> int | None:
-    """The layer's sliding window from its config; ValueError if the window the layer passed
-    (what transformers' flash-attention path would use) says otherwise."""
+def _window_of_call(module: nn.Module, layer: int, passed: object,
+                    per_forward: PerForward) -> int | None:
+    """The layer's sliding window from its config (every layer's read once per forward);
+    ValueError if the window the layer passed (what transformers' flash-attention path would
+    use) says otherwise."""
     config = getattr(module, "config", None)
     if not isinstance(config, PretrainedConfig):
         raise ValueError(f"{type(module).__name__} has no config to read its sliding window from")
-    window = layer_sliding_window(config.get_text_config(), layer)
+    window = shared(per_forward, ("windows", id(config)), lambda: layer_windows(config))[layer]
     if passed is not None and passed != window:
         raise ValueError(f"layer {layer} of {config.model_type} was called with "
                          f"sliding_window={passed!r}, but its config gives {window!r}")
     return window
+
+
+def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """layer_sliding_window of every layer of a model with this config (or its text config)."""
+    text_config = config.get_text_config()
+    return tuple(layer_sliding_window(text_config, layer)
+                 for layer in range(text_config.num_hidden_layers))
 
 
 def layer_sliding_window(config: PretrainedConfig, layer: int) -> int | None:
@@ -200,10 +211,8 @@ def check_supported(model: PreTrainedModel) -> None:
     """ValueError naming the family and the feature if the kernels cannot compute `model`'s
     attention exactly: another layer type (Llama 4's chunked attention, linear attention),
     bidirectional attention (Gemma 3 use_bidirectional_attention), attention sinks (gpt-oss)."""
-    config = model.config.get_text_config()
-    family = config.model_type
-    for layer in range(config.num_hidden_layers):
-        layer_sliding_window(config, layer)
+    family = model.config.get_text_config().model_type
+    layer_windows(model.config)
     for name, module in model.named_modules():
         if not isinstance(getattr(module, "layer_idx", None), int):
             continue

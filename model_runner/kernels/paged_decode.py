@@ -339,7 +339,8 @@ class _DecodeGroup:
     members: torch.Tensor | None
     # Their contexts (the last `window` positions only).
     index: ContextIndex
-    # [S_g, 1, 1, L] bool: the columns each query counts.
+    # [S_g, 1, 1, L] fp32: 0 on the columns each query counts, -inf elsewhere (attend's mask,
+    # ready for SDPA in every layer).
     counted: torch.Tensor
 
 
@@ -359,7 +360,8 @@ def _decode_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor, geometry: C
         # -- the query sees its whole context (the last `window` positions): gather just those
         first = (lens.long() - window).clamp_min(0) if window else None
         index = context_index(tables, lens, geometry, first)
-        plan.append(_DecodeGroup(members, index, index.valid[:, None, None]))
+        counted = torch.where(index.valid[:, None, None], 0.0, float("-inf"))
+        plan.append(_DecodeGroup(members, index, counted))
     return plan
 
 

@@ -312,15 +312,20 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, counted: t
     cap) when cap > 0) over the `counted` keys only.
 
     q [S, H_kv, R, D] (R query rows per KV head), keys/values [S, H_kv, L, D] (any strides),
-    counted [S, 1, R, L] bool -> [S, H_kv, R, D]. A row that counts no key is undefined (NaN or
-    0) and must be dropped by the caller. Without a cap this is SDPA's fused kernel (no [R, L]
-    score matrix in memory); SDPA has no softcap, so a cap computes the scores explicitly.
+    counted [S, 1, R, L]: bool (True: counted), or fp32 added to the scores (0: counted, -inf:
+    not), as SDPA takes it; a ready fp32 mask spares SDPA converting a bool one per call.
+    -> [S, H_kv, R, D]. A row that counts no key is undefined (NaN or 0) and must be dropped by
+    the caller. Without a cap this is SDPA's fused kernel (no [R, L] score matrix in memory);
+    SDPA has no softcap, so a cap computes the scores explicitly.
     """
     if not cap:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=counted, scale=scale)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [S, H_kv, R, L]
     scores = torch.tanh(scores / cap) * cap
-    scores = scores.masked_fill(~counted, float("-inf"))
+    if counted.dtype == torch.bool:
+        scores = scores.masked_fill(~counted, float("-inf"))
+    else:
+        scores = scores + counted
     return torch.matmul(scores.softmax(-1), values)
 
 

@@ -26,6 +26,7 @@ from pagedkv.model_runner.kernels.paged_checks import (
     slot_row,
     slot_rows,
 )
+from pagedkv.model_runner.kernels.per_forward import PerForward, shared
 from pagedkv.model_runner.kernels.triton_env import (
     is_interpreted,
     launch,
@@ -117,8 +118,10 @@ def store_kv_triton(
     slot_mapping: torch.Tensor,
     *,
     check_values: bool = True,
+    per_forward: PerForward | None = None,
 ) -> None:
-    """Triton: copy key/value rows into the cache at `slot_mapping` (in place)."""
+    """Triton: copy key/value rows into the cache at `slot_mapping` (in place); the kernel
+    reads the slots itself, so it shares nothing through `per_forward`."""
     geometry = _check_args(key, value, k_cache, v_cache, slot_mapping, check_values)
     require_triton_device(k_cache.device, _store_kv_kernel)
     if key.shape[0] == 0:
@@ -144,16 +147,28 @@ def store_kv_torch(
     slot_mapping: torch.Tensor,
     *,
     check_values: bool = True,
+    per_forward: PerForward | None = None,
 ) -> None:
-    """Torch: copy key/value rows into the cache at `slot_mapping` (in place)."""
+    """Torch: copy key/value rows into the cache at `slot_mapping` (in place). The rows the
+    slots are, and which tokens write at all, are computed once per forward (`per_forward`)."""
     geometry = _check_args(key, value, k_cache, v_cache, slot_mapping, check_values)
-    keep = slot_mapping >= 0  # [T]
-    if not bool(keep.all()):  # padding tokens write nothing
-        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
-    index = slot_row(slot_mapping, geometry)
+    index, keep = shared(per_forward, ("store_kv", geometry.block_size, geometry.rows_per_block),
+                         lambda: _store_rows(slot_mapping, geometry))
+    if keep is not None:  # padding tokens write nothing
+        key, value = key[keep], value[keep]
     for cache, rows in ((k_cache, key), (v_cache, value)):
         target = slot_rows(cache, geometry.rows_per_block)
         if cache.dtype == FP8_CACHE_DTYPE:  # quantize; torch's CPU index_copy_ has no fp8
             rows = rows.clamp(-FP8_MAX, FP8_MAX).to(FP8_CACHE_DTYPE).view(torch.uint8)
             target = target.view(torch.uint8)
         target.index_copy_(0, index, rows)
+
+
+def _store_rows(slot_mapping: torch.Tensor,
+                geometry: CacheGeometry) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the slot_rows row of each token that writes, [T] bool of the tokens that write or None
+    when all do): one read-back per forward, not per layer."""
+    keep = slot_mapping >= 0  # [T]
+    if bool(keep.all()):
+        return slot_row(slot_mapping, geometry), None
+    return slot_row(slot_mapping[keep], geometry), keep
