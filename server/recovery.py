@@ -161,9 +161,9 @@ class EngineKeeper:
         log.warning("daemon_restarting", status=daemon.last_exit, restarts=daemon.restarts)
 
     async def _resume(self, daemon: Supervisor | None) -> None:
-        """The daemon is back: keep the engine if it restored the engine's pool, else lose it
-        (its requests fail as retryable). A daemon that does not answer within
-        reopen_timeout_s is lost too."""
+        """The daemon is back: keep the engine if it restored the engine's pool and still
+        runs, else lose it (its requests fail as retryable). A daemon that does not answer
+        within reopen_timeout_s is lost too."""
         assert daemon is not None, "only the daemon's supervisor pauses the keeper"
         restarts = daemon.restarts
         deadline = asyncio.get_running_loop().time() + self.reopen_timeout_s
@@ -177,7 +177,10 @@ class EngineKeeper:
                     return
                 await asyncio.sleep(REOPEN_POLL_S)
         self._paused = False
-        if info.previous_pool_id != self._pool_id or daemon.restarts != restarts:
+        # An engine whose loop ended in the gap (a step its runner could not place: the
+        # runner's daemon went away under it) is lost even on a restored pool.
+        if info.previous_pool_id != self._pool_id or daemon.restarts != restarts \
+                or self.backend.engine.failure() is not None:
             await self._lose_engine(daemon)
             return
         self._pool_id = info.pool_id
