@@ -26,6 +26,10 @@ from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, ragged_entries
 from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit
 from pagedkv.vocab.blocks import blocks_for
 
+# No rows (a read-only empty index array, shared).
+_NONE: Int64Array = np.zeros(0, dtype=np.int64)
+_NONE.flags.writeable = False
+
 
 class Appender:
     """Grows the tables of `SeqTable` rows over `PhysicalBlocks`; rows in, block ids out."""
@@ -181,9 +185,11 @@ class Appender:
             filled = (offset == bs - 1).nonzero()[0]
             if not len(filled):
                 continue
-            filled = filled[st.chain_ok[rows[filled]]]  # rows whose ids are all known
+            sealed = rows[filled]
+            known = st.chain_ok[sealed]  # rows whose ids are all known: usually every one
+            if np.count_nonzero(known) < len(filled):
+                filled, sealed = filled[known], sealed[known]
             if len(filled):
-                sealed = rows[filled]
                 blocks = st.entries(sealed, (old[filled] + j) // bs) if landed is None \
                     else landed[filled]
                 self._seal(sealed, blocks)
@@ -222,6 +228,10 @@ class Appender:
         # Each row's last block, entry (old - 1) // B (tables are ceil(old / B) long): for an
         # empty table, entry -1 reads a junk entry (of the store), masked by offset == 0.
         last = st.entries(rows, (old - 1) // bs)
+        # Each shared, partially filled block adds (refcount - 1) x its empty slots > 0 to
+        # shared_waste (`check_pool` recounts it): at 0 no write lands in a shared block.
+        if not self.shared_waste:
+            return _AppendPlan(old, offset, last, _NONE)
         shared = (self._blocks.ref[last] > 1).nonzero()[0]  # few: filter these, not the batch
         cow = shared[offset[shared] != 0] if len(shared) else shared
         return _AppendPlan(old, offset, last, cow)
