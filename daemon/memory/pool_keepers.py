@@ -16,8 +16,12 @@ descriptor, and what comes back goes through the same `PoolHandover` as the fd s
 same layout check and the same `KVMemory.adopt`. Only descriptors of this daemon's user's pool
 file of the recorded pool id are kept, one whatever the number of runners; any other is closed.
 
-Not kept this way: a crashed daemon's pool (no record is written; the fd store keeps it), and
-a CUDA pool (its runners map it through CUDA IPC, not a descriptor).
+A CUDA pool is kept this way when it is a VMM allocation (restore = auto): the keeper holds the
+descriptor the daemon's memory socket gave it and names its pool id, and the next daemon adopts
+it through the same `PoolHandover` (`KVMemory.adopt_vmm`; a descriptor that is no VMM
+allocation of the layout is refused by the driver and released). Not kept this way: a crashed
+daemon's pool (no record is written; the fd store keeps it), and a CUDA IPC pool (restore =
+never: it dies with its daemon).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from pathlib import Path
 from pagedkv.daemon.memory.kv_memory import KVMemory, pool_file_name
 from pagedkv.daemon.memory.pool_handover import FD_NAME_PREFIX
 from pagedkv.process.log_setup import get_logger
-from pagedkv.process.pool_keeper_socket import keeper_path, take_fd
+from pagedkv.process.pool_keeper_socket import HandedPool, keeper_path, take_fd
 
 log = get_logger(__name__)
 
@@ -46,10 +50,11 @@ _FD_NAME = re.compile(rf"{re.escape(FD_NAME_PREFIX)}\.([0-9a-f]+)\..+")
 def leave_for_keepers(folder: Path, arena: KVMemory, fd_name: str,
                       runner_targets: Iterable[str]) -> bool:
     """Keep `arena`'s file at exit for the next daemon and record `fd_name` and the keepers
-    of `runner_targets` that listen; False (nothing kept) when none does or on CUDA."""
+    of `runner_targets` that listen; False (nothing kept) when none does or for a CUDA IPC
+    pool."""
     keepers = sorted({str(path) for target in runner_targets
                       if (path := keeper_path(target)) is not None and path.is_socket()})
-    if not keepers or not arena.shm_path:
+    if not keepers or not (arena.shm_path or arena.memory_fd >= 0):
         return False
     record = folder / RECORD_NAME
     partial = record.with_suffix(".partial")
@@ -58,9 +63,10 @@ def leave_for_keepers(folder: Path, arena: KVMemory, fd_name: str,
     with os.fdopen(fd, "w") as out:
         json.dump({"fd_name": fd_name, "keepers": keepers[:MAX_KEEPERS]}, out)
     partial.rename(record)
-    arena.keep_file()
+    if arena.shm_path:  # a VMM allocation lives on the keepers' descriptors
+        arena.keep_file()
     log.info("pool file left for the runners to hand back", keepers=keepers[:MAX_KEEPERS],
-             shm_path=arena.shm_path)
+             shm_path=arena.shm_path or None)
     return True
 
 
@@ -77,14 +83,14 @@ def taken_back(folder: Path) -> dict[str, list[int]]:
         log.warning("pool keepers' record refused: not a pool's name", fd_name=fd_name)
         return {}
     for keeper in keepers:
-        fd = _ask(Path(keeper))
-        if fd is None:
+        handed = _ask(Path(keeper))
+        if handed is None:
             continue
-        why_not = _not_ours(fd, match.group(1))
+        why_not = _not_ours(handed, match.group(1))
         if not why_not:
             log.info("pool descriptor taken back from a runner", keeper=keeper)
-            return {fd_name: [fd]}
-        os.close(fd)
+            return {fd_name: [handed.fd]}
+        os.close(handed.fd)
         log.warning("a runner's pool descriptor refused", keeper=keeper, reason=why_not)
     log.warning("no runner handed the pool back: starting cold", keepers=keepers)
     return {}
@@ -112,21 +118,26 @@ def _read_record(path: Path) -> tuple[str, list[str]] | None:
     return fd_name, keepers[:MAX_KEEPERS]
 
 
-def _ask(keeper: Path) -> int | None:
+def _ask(keeper: Path) -> HandedPool | None:
     """The descriptor the runner at `keeper` hands over, or None (logged)."""
     try:
-        fd = take_fd(keeper)
+        handed = take_fd(keeper)
     except OSError as exc:  # gone, not a socket, timed out
         log.warning("a runner's pool keeper did not answer", keeper=str(keeper),
                     error=str(exc))
         return None
-    if fd is None:
+    if handed is None:
         log.warning("a runner's pool keeper handed nothing", keeper=str(keeper))
-    return fd
+    return handed
 
 
-def _not_ours(fd: int, pool_id: str) -> str:
-    """Why `fd` is not this user's pool file of `pool_id`; '' when it is."""
+def _not_ours(handed: HandedPool, pool_id: str) -> str:
+    """Why `handed` is not this user's pool file of `pool_id`, or that pool's VMM allocation
+    (the driver checks it is one when it is adopted); '' when it is."""
+    if handed.memory_id:
+        return ("" if handed.memory_id == pool_id else
+                f"the descriptor is of pool {handed.memory_id[:64]!r}, not {pool_id}")
+    fd = handed.fd
     path = Path(os.readlink(f"/proc/self/fd/{fd}"))
     parsed = pool_file_name(path.name.removesuffix(" (deleted)"))
     if parsed is None or parsed.group(2) != pool_id:

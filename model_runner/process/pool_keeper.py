@@ -5,14 +5,16 @@ takes it).
 
     keeper = PoolKeeper(Path(listen_path + ".pool"))
     await keeper.start()
-    keeper.keep(handle)            # on every attach: the descriptor of the memory now mapped
+    keeper.keep(handle, daemon)    # on every attach: the descriptor of the memory now mapped
     ...
     await keeper.close()
 
-Trust, as the fd store's: only the pool file's owner (the daemon's user, which created it)
-gets the descriptor; a runner never receives one, it opens the file its daemon named in the
-handle it mapped. The descriptor pins the memory while the daemon is away (the runner unmaps
-it meanwhile), so /dev/shm must have room for a second pool when the next daemon cannot adopt
+Trust, as the fd store's: only the pool memory's owner (the daemon's user: the pool file's
+owner, or for a CUDA VMM pool the user serving the daemon's memory socket) gets the descriptor.
+A runner holds a pool file's descriptor because it opened the file its daemon named in the
+handle it mapped, a VMM pool's because the daemon's memory socket handed it over. The
+descriptor pins the memory while the daemon is away (the runner unmaps it meanwhile), so
+/dev/shm (or the device) must have room for a second pool when the next daemon cannot adopt
 this one: it is released as soon as the runner maps another pool.
 """
 
@@ -20,11 +22,13 @@ import asyncio
 import contextlib
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.memory import PoolMemoryHandle
+from pagedkv.memory.memory_socket import receive_memory_fd, runner_socket_of
 from pagedkv.process.log_setup import get_logger
-from pagedkv.process.pool_keeper_socket import KEEPER_SOCKET_MODE, POOL_MESSAGE, peer_uid
+from pagedkv.process.pool_keeper_socket import KEEPER_SOCKET_MODE, peer_uid, pool_message
 
 log = get_logger(__name__)
 
@@ -34,14 +38,26 @@ BACKLOG = 4
 SEND_TIMEOUT_S = 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """The descriptor kept, and whom it is handed to."""
+
+    # The descriptor (a pool file's read-only: it only pins and names the file).
+    fd: int
+    # The memory's owner, the only uid it is handed to.
+    owner: int
+    # A VMM pool's id, sent with it; "" for a pool file.
+    memory_id: str
+
+
 class PoolKeeper:
     """A descriptor of the mapped pool file, handed to its owner on request."""
 
     def __init__(self, path: Path) -> None:
         # The keeper socket's path (beside the Runner socket).
         self.path = path
-        # The pool file's descriptor (read-only: it only pins and names the file), or None.
-        self._fd: int | None = None
+        # The descriptor of the memory mapped, or None.
+        self._kept: _Kept | None = None
         # The listening socket and the task answering it, once started.
         self._listener: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
@@ -57,17 +73,25 @@ class PoolKeeper:
         self._listener = listener
         self._task = asyncio.create_task(self._answer())
 
-    def keep(self, handle: PoolMemoryHandle) -> None:
-        """Hold the file `handle` maps instead of the one held so far (a CUDA pool: nothing)."""
-        fd = (os.open(handle.shm_path, os.O_RDONLY | os.O_CLOEXEC)
-              if handle.kind == "shm" else None)
+    def keep(self, handle: PoolMemoryHandle, daemon_target: str) -> None:
+        """Hold the memory `handle` maps instead of the one held so far: its file, or a VMM
+        pool's descriptor from the memory socket beside `daemon_target` (a CUDA IPC pool:
+        nothing, it dies with its daemon)."""
+        kept = None
+        if handle.kind == "shm":
+            fd = os.open(handle.shm_path, os.O_RDONLY | os.O_CLOEXEC)
+            kept = _Kept(fd, os.fstat(fd).st_uid, "")
+        elif handle.kind == "cuda_vmm":  # the socket's server is the runner socket's owner
+            runner_socket = runner_socket_of(daemon_target)
+            fd = receive_memory_fd(runner_socket, handle.memory_id)
+            kept = _Kept(fd, runner_socket.stat().st_uid, handle.memory_id)
         self._drop()
-        self._fd = fd
+        self._kept = kept
 
     def _drop(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._kept is not None:
+            os.close(self._kept.fd)
+            self._kept = None
 
     async def close(self) -> None:
         """Stop answering, remove the socket, drop the descriptor."""
@@ -89,19 +113,18 @@ class PoolKeeper:
                 self._hand_over(connection)
 
     def _hand_over(self, connection: socket.socket) -> None:
-        """Send the descriptor to the pool file's owner; anyone else gets nothing."""
-        uid = peer_uid(connection)
-        if self._fd is None:
-            log.info("pool handover asked, no pool file held", peer_uid=uid)
+        """Send the descriptor to the pool memory's owner; anyone else gets nothing."""
+        uid, kept = peer_uid(connection), self._kept
+        if kept is None:
+            log.info("pool handover asked, no pool memory held", peer_uid=uid)
             return
-        owner = os.fstat(self._fd).st_uid
-        if uid != owner:
-            log.warning("pool handover refused: the caller is not the pool file's owner",
-                        peer_uid=uid, owner_uid=owner)
+        if uid != kept.owner:
+            log.warning("pool handover refused: the caller is not the pool memory's owner",
+                        peer_uid=uid, owner_uid=kept.owner)
             return
         connection.settimeout(SEND_TIMEOUT_S)
         try:
-            socket.send_fds(connection, [POOL_MESSAGE], [self._fd])
+            socket.send_fds(connection, [pool_message(kept.memory_id)], [kept.fd])
         except OSError as exc:  # the daemon gave up (its own timeout) or died
             log.warning("pool handover failed", error=str(exc))
             return

@@ -211,7 +211,7 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
             runner = ModelRunner(model, attach_pool(handle, config.daemon), info.block_size,
                                  backend)
             if keeper is not None:
-                keeper.keep(handle)
+                keeper.keep(handle, config.daemon)
             if config.cuda_graphs:  # captured on this pool's addresses: again on each attach
                 await asyncio.to_thread(runner.capture_decode_graphs)
             return runner

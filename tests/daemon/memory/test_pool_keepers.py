@@ -8,13 +8,16 @@ import json
 import os
 import stat
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from pagedkv.daemon.memory.kv_memory import KVMemory
+from pagedkv.daemon.memory.memory_server import MemoryServer
 from pagedkv.daemon.memory.pool_handover import PoolHandover, PoolLayout
 from pagedkv.daemon.memory.pool_keepers import RECORD_NAME, leave_for_keepers, taken_back
+from pagedkv.memory.memory_socket import memory_socket_path
 from pagedkv.model_runner.process.pool_keeper import PoolKeeper
 
 from pagedkvd_process import short_tmp_dir
@@ -44,7 +47,7 @@ def _stopping_daemon(folder: Path, keeper: PoolKeeper) -> KVMemory:
     that left it for the runner."""
     arena = KVMemory.create(LAYOUT.num_pages, LAYOUT.page_bytes, shm_dir=str(folder))
     arena.pages[1] = 7
-    keeper.keep(arena.view(1, 1, 8, "float16", 2).handle())
+    keeper.keep(arena.view(1, 1, 8, "float16", 2).handle(), "")
     assert leave_for_keepers(folder, arena, LAYOUT.fd_name(arena.pool_id),
                              ["unix://" + str(keeper.path.with_suffix(""))])
     arena.close()
@@ -97,3 +100,31 @@ def test_a_keeper_that_is_gone_or_a_malformed_record_starts_cold(folder: Path) -
     (folder / RECORD_NAME).write_text('{"fd_name": 3}')
     assert taken_back(folder) == {}
     assert not (folder / RECORD_NAME).exists()
+
+
+async def test_a_vmm_pools_descriptor_comes_back_named_by_its_pool_id(
+        folder: Path, keeper: PoolKeeper) -> None:
+    """CPU twin of a CUDA VMM pool (gpu: tests/daemon/memory/test_vmm_memory.py): the keeper
+    takes the descriptor from the daemon's memory socket (a pool file's here) and hands it back
+    naming the pool id, which the record must name."""
+    runner_socket = folder / "runners.sock"
+    runner_socket.touch()
+    with KVMemory.create(LAYOUT.num_pages, LAYOUT.page_bytes, shm_dir=str(folder)) as arena:
+        served = os.open(arena.shm_path, os.O_RDWR | os.O_CLOEXEC)
+        server = MemoryServer(memory_socket_path(runner_socket), 0o600, None)
+        await server.start(served, arena.pool_id)
+        handle = replace(arena.view(1, 1, 8, "float16", 2).handle(), kind="cuda_vmm",
+                         memory_id=arena.pool_id)
+        try:
+            await asyncio.to_thread(keeper.keep, handle, f"unix://{runner_socket}")
+        finally:
+            await server.close()
+            os.close(served)
+        targets = ["unix://" + str(keeper.path.with_suffix(""))]
+        for recorded, taken in ((arena.pool_id, True), ("ffff0000", False)):
+            assert leave_for_keepers(folder, arena, LAYOUT.fd_name(recorded), targets)
+            passed = await asyncio.to_thread(taken_back, folder)
+            assert bool(passed) is taken
+            for fds in passed.values():
+                assert os.path.samestat(os.fstat(fds[0]), os.stat(arena.shm_path))
+                os.close(fds[0])

@@ -45,10 +45,11 @@ async def test_the_owner_gets_the_descriptor_of_the_file_last_mapped(
     assert stat.S_IMODE(keeper.path.stat().st_mode) == 0o600
     assert await asyncio.to_thread(take_fd, keeper.path) is None  # nothing mapped yet
     with _arena(folder) as first, _arena(folder) as second:
-        keeper.keep(first.view(1, 1, 8, "float16", 2).handle())
-        keeper.keep(second.view(1, 1, 8, "float16", 2).handle())  # the first one dropped
-        fd = await asyncio.to_thread(take_fd, keeper.path)
-        assert fd is not None
+        keeper.keep(first.view(1, 1, 8, "float16", 2).handle(), "")
+        keeper.keep(second.view(1, 1, 8, "float16", 2).handle(), "")  # the first one dropped
+        handed = await asyncio.to_thread(take_fd, keeper.path)
+        assert handed is not None and handed.memory_id == ""
+        fd = handed.fd
         try:
             assert os.path.samestat(os.fstat(fd), os.stat(second.shm_path))
         finally:
@@ -59,7 +60,7 @@ async def test_the_owner_gets_the_descriptor_of_the_file_last_mapped(
 async def test_another_user_gets_nothing_even_through_an_open_socket(
         keeper: PoolKeeper, folder: Path) -> None:
     with _arena(folder) as arena:
-        keeper.keep(arena.view(1, 1, 8, "float16", 2).handle())
+        keeper.keep(arena.view(1, 1, 8, "float16", 2).handle(), "")
         folder.chmod(0o755)
         keeper.path.chmod(0o666)  # the mode is the second guard: the uid check is the first
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as asking:
