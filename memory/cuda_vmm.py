@@ -12,10 +12,13 @@ service manager's store can keep across a daemon restart, as it keeps the CPU po
 cudaMalloc memory (today's CUDA IPC path, `kv_memory.py`) dies with the process that allocated
 it. An arena reserves a virtual range, maps the allocation there and grants read-write access
 to its device; `tensor()` views it through __cuda_array_interface__ (no copy), the arena owning
-the mapping: close it only once no tensor is used.
+the mapping: close it only once no tensor is used (`owned_tensor()` closes it when the last view
+is gone).
 
-Not run in CI (no GPU here): tests/memory/test_cuda_vmm.py is gpu-marked, and
-benchmarks/gpu_check.py runs it on a device. The daemon does not use it yet.
+The daemon allocates its CUDA pool here with restore = auto (daemon/memory/kv_memory.py), and
+runners import it (memory/attach.py, kind "cuda_vmm"). Not run in CI (no GPU here):
+tests/memory/test_cuda_vmm.py and tests/daemon/memory/test_vmm_memory.py are gpu-marked, and
+benchmarks/gpu_check.py runs them on a device.
 """
 
 from __future__ import annotations

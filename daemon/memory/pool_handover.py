@@ -123,9 +123,9 @@ class PoolHandover:
         return adopted
 
     def offer(self, arena: KVMemory, layout: PoolLayout) -> bool:
-        """Store a descriptor of `arena`'s file for the next daemon and keep the file at exit
-        (then drop the adopted pool's old name from the store); False (nothing stored) outside
-        a descriptor store or for a CUDA arena."""
+        """Store a descriptor of `arena`'s file (or VMM allocation) for the next daemon and
+        keep the file at exit (then drop the adopted pool's old name from the store); False
+        (nothing stored) outside a descriptor store or for a CUDA IPC arena."""
         stored = _store(arena, layout.fd_name(arena.pool_id, self._prefix))
         if self._superseded is not None:
             remove_fds(self._superseded)
