@@ -27,6 +27,8 @@ Figures:
                                (the DynamicCache's concatenation is outside it)
     decode_tokens_match_hf     share of the sequences whose runner tokens equal transformers'
                                (the script exits 1 below 1)
+    {runner,hf}_aten_calls_per_step  aten calls (nested ones included) per decode step under
+                               torch.profiler: the glue's op count, whatever the load
     {runner,hf}_op_ms_<op>     the PROFILED_OPS costliest aten ops of each contestant's decode
                                steps, self CPU ms per step under torch.profiler (which inflates
                                small ops: read them as shares, not as times)
@@ -184,15 +186,18 @@ def attention_frac(contestant: Contestant, prompts: Prompts, name: str,
     return spent[0] / sum(seconds)
 
 
-def op_profile(contestant: Contestant, prompts: Prompts) -> list[tuple[str, float]]:
+def op_profile(contestant: Contestant,
+               prompts: Prompts) -> tuple[list[tuple[str, float]], float]:
     """The PROFILED_OPS aten ops with the most self CPU time over one generation's decode steps
-    (the profiler starts once the prefill is done): (name, ms per step), costliest first."""
+    (the profiler starts once the prefill is done): (name, ms per step), costliest first; and
+    the aten calls per step (nested ones included), a count the machine's load leaves alone."""
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     _, seconds = contestant(prompts, profiler.start)
     profiler.stop()
     events = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    calls = sum(e.count for e in events if e.key.startswith("aten::"))
     return [(e.key.removeprefix("aten::"), e.self_cpu_time_total / 1e3 / len(seconds))
-            for e in events[:PROFILED_OPS]]
+            for e in events[:PROFILED_OPS]], calls / len(seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hf_attention_frac: {hf_attention:.3f} ratio")
     print(f"decode_tokens_match_hf: {matches / len(prompts):.3f} ratio")
     for name, contestant in contestants.items():
-        for op, ms in op_profile(contestant, prompts):
+        ops, calls = op_profile(contestant, prompts)
+        print(f"{name}_aten_calls_per_step: {calls:.1f} calls")
+        for op, ms in ops:
             print(f"{name}_op_ms_{op}: {ms:.3f} ms")
     return 0 if matches == len(prompts) else 1
 

@@ -18,6 +18,7 @@ sequences share; writing there, even the same values, would break the rule that 
 writes into a block another table references.
 """
 
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Sequence
@@ -189,11 +190,11 @@ class ModelRunner:
         Sequences that bring one token are packed first (PagedContext.num_decodes); the logits
         still come back in chunk order."""
         _check_chunks(chunks)
-        # packed sequence -> its chunk: one-token chunks first, each kind in chunk order
-        order = np.argsort([len(c.token_ids) != 1 for c in chunks], kind="stable")
-        chunks = [chunks[i] for i in order]
         num_seqs = len(chunks)
         lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_seqs)  # [S]
+        # packed sequence -> its chunk: one-token chunks first, each kind in chunk order
+        order = np.argsort(lens != 1, kind="stable")
+        chunks, lens = [chunks[i] for i in order], lens[order]
         starts = np.fromiter((c.start for c in chunks), np.int64, num_seqs)  # [S]
         table_lens = np.fromiter((len(c.block_table) for c in chunks), np.int64, num_seqs)
         num_tokens, width = int(lens.sum()), int(table_lens.max())
@@ -265,12 +266,7 @@ class PackedBuffer:
 
     def __init__(self, fields: Sequence[tuple[str, type[np.integer], tuple[int, ...]]]) -> None:
         # name -> (dtype, first element in the buffer viewed as dtype, shape)
-        self.layout: dict[str, tuple[np.dtype, int, tuple[int, ...]]] = {}
-        end = 0
-        for name, dtype, shape in fields:
-            itemsize = np.dtype(dtype).itemsize
-            self.layout[name] = (np.dtype(dtype), end // itemsize, shape)
-            end += ceil_div(itemsize * math.prod(shape), self.ALIGN) * self.ALIGN
+        self.layout, end = _layout(tuple(fields), self.ALIGN)
         self.bytes = np.empty(end, np.uint8)
         # The numpy view of each array, to fill on the host.
         typed = {dtype: self.bytes.view(dtype) for dtype, _, _ in self.layout.values()}
@@ -278,7 +274,10 @@ class PackedBuffer:
                      for name, (dtype, first, shape) in self.layout.items()}
 
     def to(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Every array as a view of ONE copy of the buffer on `device` (none on the CPU)."""
+        """Every array as a view of ONE copy of the buffer on `device`; on the CPU the host
+        arrays themselves, no copy (torch.from_numpy: no aten op per view)."""
+        if device.type == "cpu":
+            return {name: torch.from_numpy(array) for name, array in self.host.items()}
         packed = torch.from_numpy(self.bytes).to(device)
         typed = {dtype: packed.view(_TORCH_DTYPES[dtype]) for dtype, _, _ in self.layout.values()}
         views = {}
@@ -286,6 +285,24 @@ class PackedBuffer:
             view = typed[dtype][first:first + math.prod(shape)]
             views[name] = view if len(shape) == 1 else view.view(shape)
         return views
+
+
+# name -> (dtype, first element in the buffer viewed as dtype, shape)
+Layout = dict[str, tuple[np.dtype, int, tuple[int, ...]]]
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(fields: tuple[tuple[str, type[np.integer], tuple[int, ...]], ...],
+            align: int) -> tuple[Layout, int]:
+    """Where each field starts in a PackedBuffer, and the buffer's bytes: one computation per
+    batch shape (decode steps repeat a few), not per step. Callers only read the dict."""
+    layout: Layout = {}
+    end = 0
+    for name, dtype, shape in fields:
+        itemsize = np.dtype(dtype).itemsize
+        layout[name] = (np.dtype(dtype), end // itemsize, shape)
+        end += ceil_div(itemsize * math.prod(shape), align) * align
+    return layout, end
 
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}

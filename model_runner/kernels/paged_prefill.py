@@ -262,23 +262,21 @@ def context_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, geometry: 
                   first: torch.Tensor | None = None) -> ContextIndex:
     """Each sequence's context from position first[s] (default 0) to seq_lens[s], whole blocks,
     padded to the longest. Column 0 of row s is the start of the block holding position
-    first[s]. No loop, no division per position."""
+    first[s]. No loop, no division per position, each index in one fused op (add's alpha)."""
     lens = seq_lens.long()  # [S]
     num_seqs, device = lens.shape[0], lens.device
     block_size = geometry.block_size
-    if first is None:
-        first_block = torch.zeros_like(lens)
-        num_cols = int(triton.cdiv(int(lens.max()), block_size))
-    else:
-        first_block = first // block_size
-        num_cols = int(triton.cdiv(int((lens - first_block * block_size).max()), block_size))
-    # -- [S, num_cols] block ids; columns past the table (short sequences) are clamped, and
+    first_block = None if first is None else first // block_size  # [S]
+    span = lens if first_block is None else lens - first_block * block_size  # [S]
+    cols = torch.arange(int(triton.cdiv(int(span.max()), block_size)), device=device)  # [C]
+    cols = cols.expand(num_seqs, -1) if first_block is None else first_block[:, None] + cols
+    # -- [S, C] block ids; columns past the table (short sequences) are clamped, and
     #    entries past a sequence's used blocks (-1) are read but their slots replaced --
-    cols = first_block[:, None] + torch.arange(num_cols, device=device)
-    blocks = block_tables.gather(1, cols.clamp_max(block_tables.shape[1] - 1)).long()
+    blocks = block_tables.gather(1, cols.clamp_max(block_tables.shape[1] - 1))
     offsets = torch.arange(block_size, device=device)
-    rows = (blocks[:, :, None] * geometry.rows_per_block + offsets).view(num_seqs, -1)  # [S, L]
-    positions = (cols[:, :, None] * block_size + offsets).view(num_seqs, -1)  # [S, L]
+    # [S, L] int64: offset + rows_per_block * block (the row), offset + block_size * column
+    rows = torch.add(offsets, blocks[:, :, None], alpha=geometry.rows_per_block).view(num_seqs, -1)
+    positions = torch.add(offsets, cols[:, :, None], alpha=block_size).view(num_seqs, -1)
     valid = positions < lens[:, None]
     if first is not None:
         valid &= positions >= first[:, None]

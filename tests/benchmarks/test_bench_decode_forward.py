@@ -7,7 +7,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = {"torch_threads", "decode_forward_ms", "hf_decode_step_ms", "decode_forward_vs_hf_step",
-           "decode_attention_frac", "hf_attention_frac", "decode_tokens_match_hf"}
+           "decode_attention_frac", "hf_attention_frac", "decode_tokens_match_hf",
+           "runner_aten_calls_per_step", "hf_aten_calls_per_step"}
 
 
 def test_the_quick_run_prints_every_figure() -> None:
