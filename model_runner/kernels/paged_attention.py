@@ -98,15 +98,14 @@ def paged_attention_forward(
     """
     context = _context_of_call(query, attention_mask, dropout, kwargs)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-    # [1, H, T, D] -> [T, H, D]: a view, still contiguous in D as the kernels require.
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    q, k, v = (_token_rows(x) for x in (query, key, value))
     layer = getattr(module, "layer_idx", None)
     if not isinstance(layer, int):
         raise ValueError(f"{type(module).__name__} has no integer layer_idx to pick its cache")
     per_forward = context.per_forward
     window = _window_of_call(module, layer, kwargs.get("sliding_window"), per_forward)
     softcap = kwargs.get("softcap")
-    k_cache, v_cache = context.pool[:, layer].unbind(1)  # strided [num_blocks, B, H_kv, D]
+    k_cache, v_cache = (_layer_cache(context.pool, layer, kv) for kv in (0, 1))
     backend = context.backend
     backend.store_kv(k, v, k_cache, v_cache, context.slot_mapping, check_values=False,
                      per_forward=per_forward)
@@ -114,16 +113,39 @@ def paged_attention_forward(
     tables, lens = context.block_tables, context.seq_lens
     if decodes:  # the first `decodes` rows and sequences: views, no copy
         outs.append(backend.paged_decode_attention(
-            q[:decodes], k_cache, v_cache, tables[:decodes], lens[:decodes], scale,
-            sliding_window=window, softcap=softcap, check_values=False, per_forward=per_forward,
-            max_seq_len=context.max_decode_len))
+            _rows(q, 0, decodes), k_cache, v_cache, _rows(tables, 0, decodes),
+            _rows(lens, 0, decodes), scale, sliding_window=window, softcap=softcap,
+            check_values=False, per_forward=per_forward, max_seq_len=context.max_decode_len))
     if decodes < lens.shape[0]:
         outs.append(backend.paged_prefill_attention(
-            q[decodes:], k_cache, v_cache, tables[decodes:], lens[decodes:],
+            _rows(q, decodes), k_cache, v_cache, _rows(tables, decodes), _rows(lens, decodes),
             prefill_query_start_loc(context), scale, sliding_window=window, softcap=softcap,
             check_values=False, per_forward=per_forward, max_q_len=context.max_q_len))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.unsqueeze(0), None
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """[1, H, T, D] -> [T, H, D]: x[0].transpose(0, 1), a view still contiguous in D as the
+    kernels require, in one aten op instead of two (each with a nested one): three a layer."""
+    _, heads, tokens, head_dim = x.shape
+    return x.as_strided((tokens, heads, head_dim), (x.stride(2), x.stride(1), x.stride(3)),
+                        x.storage_offset())
+
+
+def _rows(x: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
+    """x[start:stop], x itself (no aten op) when that is all of it: a decode step's batch."""
+    if start == 0 and stop in (None, x.shape[0]):
+        return x
+    return x[start:stop]
+
+
+def _layer_cache(pool: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
+    """pool[:, layer, kv]: the layer's K (kv 0) or V (kv 1) cache, strided [num_blocks, B,
+    H_kv, D], in one aten op instead of two selects (each with a nested one)."""
+    strides = pool.stride()
+    return pool.as_strided(pool.shape[:1] + pool.shape[3:], strides[:1] + strides[3:],
+                           pool.storage_offset() + layer * strides[1] + kv * strides[2])
 
 
 def prefill_query_start_loc(context: PagedContext) -> torch.Tensor:

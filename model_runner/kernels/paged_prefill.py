@@ -297,10 +297,13 @@ def gather_context(k_cache: torch.Tensor, v_cache: torch.Tensor,
     # [2, S * L, H_kv, D]: K and V rows; a device's caching allocator already keeps its memory
     cpu = index.rows.device.type == "cpu"
     kv = _WORKSPACE.take(shape, k_cache.dtype) if cpu else k_cache.new_empty(shape)
-    for cache, rows in ((k_cache, kv[0]), (v_cache, kv[1])):
-        torch.index_select(slot_rows(cache, rows_per_block), 0, index.rows, out=rows)
+    k_rows, v_rows = kv.unbind(0)
+    torch.index_select(slot_rows(k_cache, rows_per_block), 0, index.rows, out=k_rows)
+    torch.index_select(slot_rows(v_cache, rows_per_block), 0, index.rows, out=v_rows)
     num_seqs = index.valid.shape[0]
-    keys, values = kv.view(2, num_seqs, -1, num_kv_heads, head_dim).float().unbind(0)
+    keys, values = (rows.view(num_seqs, -1, num_kv_heads, head_dim) for rows in (k_rows, v_rows))
+    if k_cache.dtype != torch.float32:  # attend computes in fp32 (no op per layer when it is)
+        keys, values = keys.float(), values.float()
     return keys, values
 
 
