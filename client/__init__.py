@@ -46,17 +46,11 @@ from pagedkv.client.pool.ops import (
     Step,
 )
 from pagedkv.client.pool.recovery import RetryPolicy
-from pagedkv.client.pool.runner_client import (
-    History,
-    RunnerClient,
-    RunnerInfo,
-    SeqOutput,
-    SeqStep,
-    StepOutputs,
-)
+from pagedkv.client.pool.runner_client import History, RunnerClient, RunnerInfo, SeqStep
 from pagedkv.client.pool.runner_stream import RunnerStream
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
+from pagedkv.client.pool.step_outputs import SeqOutput, StepOutputs
 from pagedkv.client.pool.structured_outputs import StructuredOutputs
 from pagedkv.client.pool.tls import TlsOptions
 from pagedkv.client.pool.types import (

@@ -33,8 +33,8 @@ max_logprobs top logprobs (`--max-logprobs`, 20 by default, as vLLM's; more is
 INVALID_ARGUMENT naming max_logprobs), and a step whose answer could pass the runner's
 max_answer_bytes (`--max-answer-bytes`, by default 4 MiB less 4 KiB, under gRPC's default
 receive limit, so stock channels receive every answer) is RESOURCE_EXHAUSTED naming it
-(pagedkv-error `AnswerTooLarge`); neither changed anything. The bound is 6 bytes plus, per
-sequence, 69 bytes and 14 per logprob asked: 349 bytes a sequence at 20 logprobs. Requests
+(pagedkv-error `AnswerTooLarge`); neither changed anything. The bound is 66 bytes plus, per
+sequence, 45 bytes and 14 per logprob asked: 325 bytes a sequence at 20 logprobs. Requests
 may be up to 8 MiB (proto/limits.py's MAX_MESSAGE_BYTES), as the daemon's.
 
 Retry rules: as kvpool.proto's. A Step answered with an error status changed nothing in the
@@ -81,6 +81,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -91,6 +92,46 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _Outcome:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _OutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Outcome.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    OUTCOME_NOT_SAMPLED: _Outcome.ValueType  # 0
+    """No token was sampled (a chunked prefill is not done); token_ids holds -1."""
+    OUTCOME_SAMPLED: _Outcome.ValueType  # 1
+    """A token was sampled and the sequence goes on."""
+    OUTCOME_FINISHED: _Outcome.ValueType  # 2
+    """The sampled token is a stop token, or the sequence generated max_tokens tokens, or it holds
+    RunnerInfo.max_model_len tokens: the client should not append it (the runner frees nothing
+    by itself; see release_seq_ids).
+    """
+    OUTCOME_CONSTRAINT_ENDED: _Outcome.ValueType  # 3
+    """The sampled token completed the sequence's structured output (SamplingParams
+    structured_outputs: its grammar accepts nothing more): finished as OUTCOME_FINISHED, and
+    the finish reason is "stop" whether or not the token is one of stop_token_ids.
+    """
+
+class Outcome(_Outcome, metaclass=_OutcomeEnumTypeWrapper):
+    """How a step ended for one sequence: its token, and whether that token finishes it."""
+
+OUTCOME_NOT_SAMPLED: Outcome.ValueType  # 0
+"""No token was sampled (a chunked prefill is not done); token_ids holds -1."""
+OUTCOME_SAMPLED: Outcome.ValueType  # 1
+"""A token was sampled and the sequence goes on."""
+OUTCOME_FINISHED: Outcome.ValueType  # 2
+"""The sampled token is a stop token, or the sequence generated max_tokens tokens, or it holds
+RunnerInfo.max_model_len tokens: the client should not append it (the runner frees nothing
+by itself; see release_seq_ids).
+"""
+OUTCOME_CONSTRAINT_ENDED: Outcome.ValueType  # 3
+"""The sampled token completed the sequence's structured output (SamplingParams
+structured_outputs: its grammar accepts nothing more): finished as OUTCOME_FINISHED, and
+the finish reason is "stop" whether or not the token is one of stop_token_ids.
+"""
+Global___Outcome: _TypeAlias = Outcome  # noqa: Y015
 
 @_typing.final
 class RunnerStreamRequest(_message.Message):
@@ -321,7 +362,9 @@ class SamplingParams(_message.Message):
     """
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Tokens that finish the sequence when sampled (SequenceOutput.finished)."""
+        """Tokens that finish the sequence when sampled (RunnerStepResponse.outcomes,
+        OUTCOME_FINISHED).
+        """
 
     @_builtins.property
     def structured_outputs(self) -> Global___StructuredOutputs:
@@ -360,9 +403,9 @@ class StructuredOutputs(_message.Message):
     recently used dropped) and, at every sampling, sets the logits of the tokens the constraint
     does not allow next to -inf, before penalties, temperature and truncation; logprobs stay
     those of the raw logits. When the constraint is complete and the sequence samples a stop
-    token (the tokenizer's end-of-sequence), the sequence is finished (SequenceOutput
-    constraint_ended), even where the client left EOS out of stop_token_ids (ignore_eos). A
-    constraint the runner cannot compile, one longer than 64 KiB (choice: more than 256
+    token (the tokenizer's end-of-sequence), the sequence is finished (RunnerStepResponse
+    outcomes: OUTCOME_CONSTRAINT_ENDED), even where the client left EOS out of stop_token_ids
+    (ignore_eos). A constraint the runner cannot compile, one longer than 64 KiB (choice: more than 256
     strings, or 64 KiB in all), or one with no field set is INVALID_ARGUMENT naming the field
     (structured_outputs.json_schema ...); a runner whose model has no tokenizer (a preset
     started without --tokenizer) refuses every constraint with FAILED_PRECONDITION (cause
@@ -624,46 +667,66 @@ class RunnerStepRequest(_message.Message):
 Global___RunnerStepRequest: _TypeAlias = RunnerStepRequest  # noqa: Y015
 
 @_typing.final
-class SequenceOutput(_message.Message):
+class RunnerStepResponse(_message.Message):
+    """A step's (or push's) answer, packed: one entry per requested sequence, in request order, at
+    the same index of every per-sequence array below (each holds exactly as many entries as the
+    request named sequences), so a forward's answer to a client is one message of a few packed
+    arrays, not a message per sequence.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    SEQ_ID_FIELD_NUMBER: _builtins.int
+    FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    SEQ_IDS_FIELD_NUMBER: _builtins.int
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
-    SAMPLED_FIELD_NUMBER: _builtins.int
-    TOKEN_ID_FIELD_NUMBER: _builtins.int
-    LOGPROB_FIELD_NUMBER: _builtins.int
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_COUNTS_FIELD_NUMBER: _builtins.int
     TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
-    FINISHED_FIELD_NUMBER: _builtins.int
-    CONSTRAINT_ENDED_FIELD_NUMBER: _builtins.int
-    seq_id: _builtins.int
-    num_tokens: _builtins.int
-    """Tokens the sequence holds and how many of them are computed after this step, as the
-    runner counts them: the daemon may hold fewer (see "Decode tokens reach the daemon once a
-    block" above).
+    free_blocks: _builtins.int
+    """The pool's free blocks per the daemon's last answer in this step (KVPool free_blocks): what
+    a scheduler admits new sequences and plans preemption by.
     """
-    num_computed_tokens: _builtins.int
-    num_cached_tokens: _builtins.int
-    """Leading prompt tokens served by the prefix cache (new sequences only)."""
-    sampled: _builtins.bool
-    """Whether a token was sampled (false while a chunked prefill is not done)."""
-    token_id: _builtins.int
-    logprob: _builtins.float
-    """The sampled token's log-probability under the model (raw logits, before penalties or
-    temperature), and the top logprobs when asked, most likely first.
-    """
-    finished: _builtins.bool
-    """The sampled token is a stop token, or the sequence generated max_tokens tokens, or it holds
-    RunnerInfo.max_model_len tokens, or it completed the structured output (constraint_ended):
-    the client should not append it (the runner frees nothing by itself; see release_seq_ids).
-    """
-    constraint_ended: _builtins.bool
-    """The sampled token completed the sequence's structured output (SamplingParams
-    structured_outputs: its grammar accepts nothing more): finished is true as well, and the
-    finish reason is "stop" whether or not the token is one of stop_token_ids.
-    """
+    @_builtins.property
+    def seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Tokens the sequence holds and how many of them are computed after this step, as the
+        runner counts them: the daemon may hold fewer (see "Decode tokens reach the daemon once a
+        block" above).
+        """
+
+    @_builtins.property
+    def num_computed_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_cached_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Leading prompt tokens served by the prefix cache (new sequences; 0 for the others)."""
+
+    @_builtins.property
+    def outcomes(self) -> _containers.RepeatedScalarFieldContainer[Global___Outcome.ValueType]:
+        """Whether a token was sampled and whether it finishes the sequence."""
+
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The sampled token (-1 when not sampled)."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The sampled token's log-probability under the model (raw logits, before penalties or
+        temperature); 0 when the sequence asked for none.
+        """
+
+    @_builtins.property
+    def top_counts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """How many top logprobs each sequence carries (what it asked, SamplingParams.logprobs; 0
+        when not sampled); its entries follow the previous sequences' in the two flat arrays
+        below, most likely first.
+        """
+
     @_builtins.property
     def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -671,49 +734,21 @@ class SequenceOutput(_message.Message):
     def __init__(
         self,
         *,
-        seq_id: _builtins.int = ...,
-        num_tokens: _builtins.int = ...,
-        num_computed_tokens: _builtins.int = ...,
-        num_cached_tokens: _builtins.int = ...,
-        sampled: _builtins.bool = ...,
-        token_id: _builtins.int = ...,
-        logprob: _builtins.float = ...,
+        free_blocks: _builtins.int = ...,
+        seq_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        num_computed_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        num_cached_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        outcomes: _abc.Iterable[Global___Outcome.ValueType] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        top_counts: _abc.Iterable[_builtins.int] | None = ...,
         top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
-        finished: _builtins.bool = ...,
-        constraint_ended: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["constraint_ended", b"constraint_ended", "finished", b"finished", "logprob", b"logprob", "num_cached_tokens", b"num_cached_tokens", "num_computed_tokens", b"num_computed_tokens", "num_tokens", b"num_tokens", "sampled", b"sampled", "seq_id", b"seq_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___SequenceOutput: _TypeAlias = SequenceOutput  # noqa: Y015
-
-@_typing.final
-class RunnerStepResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    OUTPUTS_FIELD_NUMBER: _builtins.int
-    FREE_BLOCKS_FIELD_NUMBER: _builtins.int
-    free_blocks: _builtins.int
-    """The pool's free blocks per the daemon's last answer in this step (KVPool free_blocks): what
-    a scheduler admits new sequences and plans preemption by.
-    """
-    @_builtins.property
-    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___SequenceOutput]:
-        """One per requested sequence, in request order."""
-
-    def __init__(
-        self,
-        *,
-        outputs: _abc.Iterable[Global___SequenceOutput] | None = ...,
-        free_blocks: _builtins.int = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_blocks", b"free_blocks", "outputs", b"outputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_blocks", b"free_blocks", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "num_computed_tokens", b"num_computed_tokens", "num_tokens", b"num_tokens", "outcomes", b"outcomes", "seq_ids", b"seq_ids", "token_ids", b"token_ids", "top_counts", b"top_counts", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

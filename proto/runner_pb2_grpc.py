@@ -93,12 +93,12 @@ class RunnerServicer:
         it and was not released, that token as its token_ids, decode_ahead again, nothing released;
         it is handled exactly as that Step call (the same checks, limits and retry rules) and its
         answer (or status) pushed with `push` set. Stop token ids, max_tokens and max_model_len are
-        judged by the runner (SequenceOutput.finished): a finished sequence drops out of the next
-        implied step, its last token never appended, and the client releases it. Following ends
-        when no sequence is left, when a push carries a failure (its status says what changed, as
-        the implied Step's would), when the client's next message arrives (the implied step in
-        progress is finished and pushed first), when the stream ends, or when the runner drains
-        (it ends the stream once the push in progress is out). A client that reads a push holds
+        judged by the runner (RunnerStepResponse.outcomes, OUTCOME_FINISHED): a finished sequence
+        drops out of the next implied step, its last token never appended, and the client
+        releases it. Following ends when no sequence is left, when a push carries a failure (its
+        status says what changed, as the implied Step's would), when the client's next message
+        arrives (the implied step in progress is finished and pushed first), when the stream
+        ends, or when the runner drains (it ends the stream once the push in progress is out). A client that reads a push holds
         what it would hold had it sent the implied step and got that answer, and plans its next
         step from there: a step that names sequences and was planned before a push the runner has
         sent (pushes_read lower than the pushes on this stream) is refused ABORTED, cause

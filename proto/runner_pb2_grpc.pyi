@@ -33,8 +33,8 @@ max_logprobs top logprobs (`--max-logprobs`, 20 by default, as vLLM's; more is
 INVALID_ARGUMENT naming max_logprobs), and a step whose answer could pass the runner's
 max_answer_bytes (`--max-answer-bytes`, by default 4 MiB less 4 KiB, under gRPC's default
 receive limit, so stock channels receive every answer) is RESOURCE_EXHAUSTED naming it
-(pagedkv-error `AnswerTooLarge`); neither changed anything. The bound is 6 bytes plus, per
-sequence, 69 bytes and 14 per logprob asked: 349 bytes a sequence at 20 logprobs. Requests
+(pagedkv-error `AnswerTooLarge`); neither changed anything. The bound is 66 bytes plus, per
+sequence, 45 bytes and 14 per logprob asked: 325 bytes a sequence at 20 logprobs. Requests
 may be up to 8 MiB (proto/limits.py's MAX_MESSAGE_BYTES), as the daemon's.
 
 Retry rules: as kvpool.proto's. A Step answered with an error status changed nothing in the
@@ -134,12 +134,12 @@ class RunnerStub:
     it and was not released, that token as its token_ids, decode_ahead again, nothing released;
     it is handled exactly as that Step call (the same checks, limits and retry rules) and its
     answer (or status) pushed with `push` set. Stop token ids, max_tokens and max_model_len are
-    judged by the runner (SequenceOutput.finished): a finished sequence drops out of the next
-    implied step, its last token never appended, and the client releases it. Following ends
-    when no sequence is left, when a push carries a failure (its status says what changed, as
-    the implied Step's would), when the client's next message arrives (the implied step in
-    progress is finished and pushed first), when the stream ends, or when the runner drains
-    (it ends the stream once the push in progress is out). A client that reads a push holds
+    judged by the runner (RunnerStepResponse.outcomes, OUTCOME_FINISHED): a finished sequence
+    drops out of the next implied step, its last token never appended, and the client
+    releases it. Following ends when no sequence is left, when a push carries a failure (its
+    status says what changed, as the implied Step's would), when the client's next message
+    arrives (the implied step in progress is finished and pushed first), when the stream
+    ends, or when the runner drains (it ends the stream once the push in progress is out). A client that reads a push holds
     what it would hold had it sent the implied step and got that answer, and plans its next
     step from there: a step that names sequences and was planned before a push the runner has
     sent (pushes_read lower than the pushes on this stream) is refused ABORTED, cause
@@ -182,12 +182,12 @@ class RunnerAsyncStub(RunnerStub):
     it and was not released, that token as its token_ids, decode_ahead again, nothing released;
     it is handled exactly as that Step call (the same checks, limits and retry rules) and its
     answer (or status) pushed with `push` set. Stop token ids, max_tokens and max_model_len are
-    judged by the runner (SequenceOutput.finished): a finished sequence drops out of the next
-    implied step, its last token never appended, and the client releases it. Following ends
-    when no sequence is left, when a push carries a failure (its status says what changed, as
-    the implied Step's would), when the client's next message arrives (the implied step in
-    progress is finished and pushed first), when the stream ends, or when the runner drains
-    (it ends the stream once the push in progress is out). A client that reads a push holds
+    judged by the runner (RunnerStepResponse.outcomes, OUTCOME_FINISHED): a finished sequence
+    drops out of the next implied step, its last token never appended, and the client
+    releases it. Following ends when no sequence is left, when a push carries a failure (its
+    status says what changed, as the implied Step's would), when the client's next message
+    arrives (the implied step in progress is finished and pushed first), when the stream
+    ends, or when the runner drains (it ends the stream once the push in progress is out). A client that reads a push holds
     what it would hold had it sent the implied step and got that answer, and plans its next
     step from there: a step that names sequences and was planned before a push the runner has
     sent (pushes_read lower than the pushes on this stream) is refused ABORTED, cause
@@ -245,12 +245,12 @@ class RunnerServicer(metaclass=_abc_1.ABCMeta):
         it and was not released, that token as its token_ids, decode_ahead again, nothing released;
         it is handled exactly as that Step call (the same checks, limits and retry rules) and its
         answer (or status) pushed with `push` set. Stop token ids, max_tokens and max_model_len are
-        judged by the runner (SequenceOutput.finished): a finished sequence drops out of the next
-        implied step, its last token never appended, and the client releases it. Following ends
-        when no sequence is left, when a push carries a failure (its status says what changed, as
-        the implied Step's would), when the client's next message arrives (the implied step in
-        progress is finished and pushed first), when the stream ends, or when the runner drains
-        (it ends the stream once the push in progress is out). A client that reads a push holds
+        judged by the runner (RunnerStepResponse.outcomes, OUTCOME_FINISHED): a finished sequence
+        drops out of the next implied step, its last token never appended, and the client
+        releases it. Following ends when no sequence is left, when a push carries a failure (its
+        status says what changed, as the implied Step's would), when the client's next message
+        arrives (the implied step in progress is finished and pushed first), when the stream
+        ends, or when the runner drains (it ends the stream once the push in progress is out). A client that reads a push holds
         what it would hold had it sent the implied step and got that answer, and plans its next
         step from there: a step that names sequences and was planned before a push the runner has
         sent (pushes_read lower than the pushes on this stream) is refused ABORTED, cause

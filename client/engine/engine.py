@@ -48,9 +48,10 @@ from pagedkv.client.engine.waiters import OutputKind, Waiters
 from pagedkv.client.pool.client import DEFAULT_RETRY, PoolClient
 from pagedkv.client.pool.errors import OutcomeUnknown, PagedKVError, PoolExhausted, StalePlan
 from pagedkv.client.pool.recovery import RetryPolicy
-from pagedkv.client.pool.runner_client import RunnerClient, RunnerInfo, StepOutputs
+from pagedkv.client.pool.runner_client import RunnerClient, RunnerInfo
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
+from pagedkv.client.pool.step_outputs import StepOutputs
 from pagedkv.client.pool.types import ModelInfo, PoolInfo
 from pagedkv.vocab.request_ids import check_request_id, plausible
 from pagedkv.vocab.token_ids import check_vocabulary

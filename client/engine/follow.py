@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pagedkv.client.engine.requests import Request
 from pagedkv.client.engine.scheduler import Plan
 from pagedkv.client.engine.sequences import Seq
-from pagedkv.client.pool.runner_client import RunnerClient, SeqOutput, SeqStep, StepOutputs
+from pagedkv.client.pool.runner_client import RunnerClient, SeqStep
 from pagedkv.client.pool.session import Session
+from pagedkv.client.pool.step_outputs import SeqOutput, StepOutputs
 
 
 @dataclass

@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from pagedkv.client.engine.beam_search import BeamParams, BeamResult, BeamSearch
 from pagedkv.client.engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from pagedkv.client.engine.sequences import Seq
-from pagedkv.client.pool.runner_client import SeqOutput
 from pagedkv.client.pool.sampling_params import MAX_SEED, SamplingParams
+from pagedkv.client.pool.step_outputs import SeqOutput
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:

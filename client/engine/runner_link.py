@@ -42,8 +42,9 @@ from pagedkv.client.pool.errors import (
     RunnerUnavailable,
     UnknownSequence,
 )
-from pagedkv.client.pool.runner_client import History, RunnerClient, SeqStep, StepOutputs
+from pagedkv.client.pool.runner_client import History, RunnerClient, SeqStep
 from pagedkv.client.pool.session import Session
+from pagedkv.client.pool.step_outputs import StepOutputs
 
 # How long a step waits for a runner that stopped answering to answer again (a restart takes a
 # process start and a model load), how often it asks, and the deadline of each question.

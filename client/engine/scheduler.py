@@ -32,7 +32,8 @@ from pagedkv.client.engine.fair_queue import FairQueue, Line
 from pagedkv.client.engine.requests import Request
 from pagedkv.client.engine.sequences import Seq
 from pagedkv.client.engine.swap_rule import SWAP_MODES, HostTier, SwapRule
-from pagedkv.client.pool.runner_client import SeqOutput, SeqStep
+from pagedkv.client.pool.runner_client import SeqStep
+from pagedkv.client.pool.step_outputs import SeqOutput
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,9 @@ its tokens, as a new sequence whose committed prefix blocks come from the prefix
 from dataclasses import dataclass, field
 
 from pagedkv.client.engine.outputs import FinishReason
-from pagedkv.client.pool.runner_client import SeqOutput, SeqStep
+from pagedkv.client.pool.runner_client import SeqStep
 from pagedkv.client.pool.sampling_params import SamplingParams
+from pagedkv.client.pool.step_outputs import SeqOutput
 from pagedkv.vocab.blocks import blocks_for
 
 

@@ -12,9 +12,9 @@ the step's memory operations with it, so the sequences stay the client's. Errors
 `PagedKVError` classes as the daemon's.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Self, overload
+from typing import Self
 
 import grpc
 
@@ -24,6 +24,7 @@ from pagedkv.client.pool.errors import RunnerUnreachable, error_from_rpc
 from pagedkv.client.pool.runner_stream import RunnerStream, StepStreamCall
 from pagedkv.client.pool.sampling_params import SamplingParams
 from pagedkv.client.pool.session import Session
+from pagedkv.client.pool.step_outputs import StepOutputs
 from pagedkv.client.pool.structured_outputs import StructuredOutputs
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
@@ -117,45 +118,6 @@ def structured_message(constraint: StructuredOutputs) -> rpb.StructuredOutputs:
 
 
 @dataclass(frozen=True, slots=True)
-class SeqOutput:
-    """What a step did to one sequence (see runner.proto's SequenceOutput): the one record on
-    both sides of the wire, built by the runner's forward loop and read by the client."""
-
-    seq_id: int
-    # Tokens held, and how many of them are computed.
-    num_tokens: int
-    num_computed: int
-    # Prompt tokens the prefix cache served (new sequences).
-    num_cached: int
-    # Whether token_id holds a sampled token (not while a chunked prefill goes on).
-    sampled: bool
-    token_id: int = -1
-    # Raw log-probability of the sampled token, and the top ones when asked.
-    logprob: float = 0.0
-    top_token_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
-    # A stop token was sampled, or max_tokens were generated, or the model's positions are full,
-    # or the structured output is complete (constraint_ended).
-    finished: bool = False
-    # The sampled token completed the sequence's structured output: finish reason "stop".
-    constraint_ended: bool = False
-
-    @classmethod
-    def from_proto(cls, m: rpb.SequenceOutput) -> "SeqOutput":
-        return cls(m.seq_id, m.num_tokens, m.num_computed_tokens, m.num_cached_tokens,
-                   m.sampled, m.token_id, m.logprob, tuple(m.top_token_ids),
-                   tuple(m.top_logprobs), m.finished, m.constraint_ended)
-
-    def message(self) -> rpb.SequenceOutput:
-        return rpb.SequenceOutput(
-            seq_id=self.seq_id, num_tokens=self.num_tokens, num_computed_tokens=self.num_computed,
-            num_cached_tokens=self.num_cached, sampled=self.sampled, token_id=self.token_id,
-            logprob=self.logprob, top_token_ids=self.top_token_ids,
-            top_logprobs=self.top_logprobs, finished=self.finished,
-            constraint_ended=self.constraint_ended)
-
-
-@dataclass(frozen=True, slots=True)
 class RunnerInfo:
     """What a runner computes, and on which pool (see runner.proto's RunnerInfo)."""
 
@@ -186,28 +148,6 @@ class RunnerInfo:
         return cls(m.model, m.vocab_size, m.num_layers, m.num_kv_heads, m.head_dim, m.dtype,
                    tuple(m.eos_token_ids), m.pool_id, m.block_size, m.attention_backend,
                    m.max_model_len, m.runner_id, m.model_name)
-
-
-class StepOutputs(Sequence[SeqOutput]):
-    """A step's outputs, one per requested sequence in request order, and the pool's free
-    blocks per the runner's latest daemon answer (what a scheduler admits by)."""
-
-    def __init__(self, outputs: Sequence[SeqOutput], free_blocks: int) -> None:
-        self._outputs = tuple(outputs)
-        self.free_blocks = free_blocks
-
-    @overload
-    def __getitem__(self, index: int) -> SeqOutput: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[SeqOutput]: ...
-    def __getitem__(self, index: int | slice) -> SeqOutput | Sequence[SeqOutput]:
-        return self._outputs[index]
-
-    def __len__(self) -> int:
-        return len(self._outputs)
-
-    def __iter__(self) -> Iterator[SeqOutput]:
-        return iter(self._outputs)
 
 
 class RunnerClient(ChannelOwner):
@@ -261,18 +201,19 @@ class RunnerClient(ChannelOwner):
                 reply = await self._stub.Step(request, timeout=self.timeout)
             except grpc.aio.AioRpcError as exc:
                 raise error_from_rpc(exc, RunnerUnreachable) from None
-        return _outputs(reply)
+        return StepOutputs.from_message(reply)
 
     async def next_push(self, session: Session, timeout: float | None = None) -> StepOutputs:
         """The session's next pushed answer, within `timeout` seconds (the client's by
         default); its errors are RunnerStream.next_push's."""
         stream = self._stream(session, "next_push")
-        return _outputs(await stream.next_push(self.timeout if timeout is None else timeout))
+        push = await stream.next_push(self.timeout if timeout is None else timeout)
+        return StepOutputs.from_message(push)
 
     def take_push(self, session: Session) -> StepOutputs | None:
         """The session's next queued pushed answer, None if none is queued (RunnerStream's)."""
         reply = self._stream(session, "take_push").take_push()
-        return None if reply is None else _outputs(reply)
+        return None if reply is None else StepOutputs.from_message(reply)
 
     async def close(self) -> None:
         """End every session's stream (a step in flight fails as cancelled), then the channel."""
@@ -295,9 +236,3 @@ class RunnerClient(ChannelOwner):
         """A new Runner.StepStream call, with no deadline of its own (it lives as long as its
         session's steps; each answer is awaited for `timeout`), its messages written on it."""
         return self._stub.StepStream(None)
-
-
-def _outputs(reply: rpb.RunnerStepResponse) -> StepOutputs:
-    """A step's (or push's) answer as StepOutputs."""
-    return StepOutputs([SeqOutput.from_proto(output) for output in reply.outputs],
-                       reply.free_blocks)

@@ -1,13 +1,13 @@
 """Bounds on a runner step's answer, checked against the request before the step changes anything.
 
-A step's answer (runner.proto's RunnerStepResponse) holds one SequenceOutput per sequence of the
-request, each with as many top token ids and logprobs as the sequence asked (`logprobs`, up to
-the vocabulary). So its size follows from the request and the sampling the runner keeps for
-its sequences, and the step engine checks it first: a sequence asking for more than
-`max_logprobs` is INVALID_ARGUMENT, and a step whose answer could pass `max_answer_bytes` is
-RESOURCE_EXHAUSTED (cause `AnswerTooLarge`), both before any daemon call. No step is then
-applied at the daemon and its answer refused by the client's size check (which left the client
-without its tokens and the daemon holding every sequence).
+A step's answer (runner.proto's RunnerStepResponse) holds an entry per sequence of the request in
+each of its packed arrays, and as many top token ids and logprobs as each sequence asked
+(`logprobs`, up to the vocabulary) in its two flat ones. So its size follows from the request
+and the sampling the runner keeps for its sequences, and the step engine checks it first: a
+sequence asking for more than `max_logprobs` is INVALID_ARGUMENT, and a step whose answer could
+pass `max_answer_bytes` is RESOURCE_EXHAUSTED (cause `AnswerTooLarge`), both before any daemon
+call. No step is then applied at the daemon and its answer refused by the client's size check
+(which left the client without its tokens and the daemon holding every sequence).
 
 The bound follows proto3's encoding, as the daemon's answer_size.py: a field is a tag byte and its
 value (a varint of at most 10 bytes, 5 for a uint32; a float of 4); a packed repeated field is
@@ -27,22 +27,26 @@ from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
 DEFAULT_MAX_LOGPROBS = 20
 
 _U32, _U64, _FLOAT = 5, 10, 4
-# One SequenceOutput in the answer: its tag and length; seq_id, num_tokens, num_computed_tokens,
-# num_cached_tokens, sampled, token_id, logprob, finished, constraint_ended; the headers of its
-# two packed fields.
-OUTPUT_FIXED = ((1 + _U32) + (1 + _U64) + 3 * (1 + _U32) + 2 + (1 + _U64) + (1 + _FLOAT) + 2
-                + 2 + 2 * (1 + _U32))
-# One top logprob: its token id (int64) and its logprob.
-PER_LOGPROB = _U64 + _FLOAT
-# The answer's own field: free_blocks.
-ANSWER_FIXED = 1 + _U32
+# An int32 varint: 5 bytes, but 10 for a negative one (-1: a token not sampled).
+_I32 = 10
+# The answer's packed arrays (seq_ids, num_tokens, num_computed_tokens, num_cached_tokens,
+# outcomes, token_ids, logprobs, top_counts, top_token_ids, top_logprobs): each a tag and a
+# length when not empty.
+PACKED_FIELDS = 10
+# One sequence's entries: seq_id, num_tokens, num_computed_tokens, num_cached_tokens, its
+# outcome (an enum of one byte), token_id, logprob, top_count.
+OUTPUT_FIXED = _U64 + 3 * _U32 + 1 + _I32 + _FLOAT + _U32
+# One top logprob: its token id and its logprob.
+PER_LOGPROB = _I32 + _FLOAT
+# The answer's own fields: free_blocks, and each packed array's tag and length.
+ANSWER_FIXED = (1 + _U32) + PACKED_FIELDS * (1 + _U32)
 # What a RunnerStreamResponse adds around the answer: its step_id, and the answer's tag and
 # length (a failed step's code, cause and message replace the answer, in a few hundred bytes).
 STREAM_ENVELOPE = (1 + _U64) + (1 + _U32)
 
 
 def output_bytes(logprobs: int) -> int:
-    """Most encoded bytes of one SequenceOutput with `logprobs` top logprobs."""
+    """Most encoded bytes of one sequence's entries with `logprobs` top logprobs."""
     return OUTPUT_FIXED + max(logprobs, 0) * PER_LOGPROB
 
 

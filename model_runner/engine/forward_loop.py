@@ -17,6 +17,10 @@ arrival order. A long prefill so runs as several forwards, and the decodes of ot
 join each of them instead of waiting for the whole prompt; its step is answered (and its blocks
 committed) when its last piece is computed.
 
+Followed sessions' decode runs (decode_run.py) join every forward: while no client step waits,
+the forward thread computes their steps back to back without returning to the event loop, each
+run's outputs handed to its stream from the thread.
+
 No forward starts on a session whose hold may lapse before the forward ends (`_refuse_lapsed`):
 the runner was stalled (its renewals did not run), so the daemon may be about to hand the
 session's blocks to someone else once it has stopped this runner (kvpool.proto's "Runner
@@ -36,8 +40,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedkv.client import SeqOutput, SeqStep
+from pagedkv.model_runner.engine.decode_run import DecodeRun, sampling_row, seq_output
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
-from pagedkv.model_runner.engine.sampling import Pick, Sampler, SamplingRow, picks
+from pagedkv.model_runner.engine.sampling import Pick, Sampler, picks
 from pagedkv.model_runner.engine.sequences import Ahead, SeqState
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
 from pagedkv.process.lifecycle import cancel
@@ -142,6 +147,8 @@ class ForwardLoop:
         self.hold_s = None if hold_ms is None else hold_ms / 1000
         # Prepared steps waiting for a forward, in arrival order.
         self._ready: deque[Prepared] = deque()
+        # Followed sessions' decode runs, whose steps the forward thread takes itself.
+        self._runs: list[DecodeRun] = []
         self._wake = asyncio.Event()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-forward")
         self._task: asyncio.Task[None] | None = None
@@ -151,15 +158,26 @@ class ForwardLoop:
             self._task = asyncio.create_task(self._loop(), name="pagedkv-forward")
 
     async def stop(self) -> None:
+        for run in self._runs:  # the thread stops looping once its step in progress is out
+            run.stopping = True
         if self._task is not None:
             await cancel(self._task)
             self._task = None
         self._thread.shutdown(wait=True)
+        for run in self._runs:  # the thread is gone: nothing writes any more
+            run.finish(RuntimeError("the runner stopped computing"))
+        self._runs = []
 
     async def between_forwards(self, work: Callable[[], None]) -> None:
         """Run `work` on the forward thread: after the forward in progress, before the next
         (nothing else runs there, so no forward runs meanwhile)."""
         await asyncio.get_running_loop().run_in_executor(self._thread, work)
+
+    def follow(self, run: DecodeRun) -> None:
+        """Let the forward thread take `run`'s steps from the next forward on, until it stops
+        (`run.ended`)."""
+        self._runs.append(run)
+        self._wake.set()
 
     async def compute(self, prepared: Prepared) -> list[SeqOutput]:
         """Queue a prepared step for the next forward; its results, one per request."""
@@ -175,26 +193,28 @@ class ForwardLoop:
         # When the last forward ended: the forward thread is free from then on.
         free_at = 0.0
         while True:
-            if not self._ready:
+            self._runs = [run for run in self._runs if not run.over]
+            if not self._ready and not self._runs:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            await self._gather(recent, min(MAX_GATHER_S, last_forward_s))
+            if self._ready:
+                await self._gather(recent, min(MAX_GATHER_S, last_forward_s))
             batch = self._refuse_lapsed(self._take_batch(), last_forward_s)
-            if not batch:  # every waiting step was cancelled or refused
+            if not batch and not self._runs:  # every waiting step was cancelled or refused
                 continue
             started = time.monotonic()
             try:
-                sampled = await loop.run_in_executor(self._thread, self._compute, batch)
+                sampled, last_forward_s = await loop.run_in_executor(
+                    self._thread, self._compute, batch, list(self._runs), last_forward_s)
             except Exception as exc:  # a failed forward fails the steps it carried
                 for prepared, _ in batch:
                     if not prepared.done.done():
                         prepared.done.set_exception(exc)
                 continue
-            last_forward_s = time.monotonic() - started
             recent = {prepared.session_id for prepared, _ in batch}
             self._observe(batch, started, free_at)
-            free_at = started + last_forward_s
+            free_at = time.monotonic()
             self._deliver(batch, sampled)
             # Steps with pieces left go on first in the next forward (a failed or cancelled
             # one computes no more).
@@ -218,13 +238,11 @@ class ForwardLoop:
                 await asyncio.wait_for(self._wake.wait(), left)
 
     def _observe(self, batch: Batch, started: float, free_at: float) -> None:
-        if self.metrics is None:
+        """The first forward of a batch: did the thread idle for a daemon? (the forwards
+        themselves are counted on the thread, `_counted`)."""
+        if self.metrics is None or not batch:
             return
-        lengths = [len(chunk.token_ids) for _, pieces in batch for _, chunk in pieces]
-        decode = sum(1 for n in lengths if n == 1)
-        self.metrics.forward(time.monotonic() - started, len(lengths), sum(lengths) - decode,
-                             decode)
-        if decode == len(lengths):  # a decode-only forward: did the thread idle for a daemon?
+        if all(len(chunk.token_ids) == 1 for _, pieces in batch for _, chunk in pieces):
             self.metrics.decode_forward(any(prepared.daemon_call and prepared.ready_at > free_at
                                             for prepared, _ in batch))
         for prepared, _ in batch:
@@ -266,28 +284,65 @@ class ForwardLoop:
                     "ends (the runner was stalled): forward not started"))
         return kept
 
-    def _compute(self, batch: Batch) -> list[Pick]:
-        """[forward thread] One forward over every piece, then sampling where it is due; the
-        picks come back as host values, so the loop thread touches no tensor."""
-        chunks = [chunk for _, pieces in batch for _, chunk in pieces]
+    def _compute(self, batch: Batch, runs: list[DecodeRun],
+                 forward_s: float) -> tuple[list[Pick], float]:
+        """[forward thread] One forward over every piece of `batch` and the next step of each
+        run, then sampling where it is due; then, while no client step waits, the runs' next
+        steps back to back. The batch's picks (host values, so the loop thread touches no
+        tensor) and how long the last forward took."""
+        while True:
+            steps = [(run, chunks) for run in runs
+                     if (chunks := run.next_chunks(forward_s)) is not None]
+            if not batch and not steps:
+                return [], forward_s
+            started = time.monotonic()
+            try:
+                sampled = self._forward(batch, steps)
+            except Exception as exc:  # the runs' step fails as a client step's would
+                for run, _ in steps:
+                    run.finish(exc)
+                raise
+            forward_s = time.monotonic() - started
+            position = len(sampled) - sum(len(chunks) for _, chunks in steps)
+            for run, chunks in steps:
+                run.advance(sampled[position:position + len(chunks)])
+                position += len(chunks)
+            if batch or self._ready or not steps:
+                return sampled[:len(sampled) - sum(len(chunks) for _, chunks in steps)], forward_s
+            runs = [run for run, _ in steps]
+
+    def _forward(self, batch: Batch, steps: list[tuple[DecodeRun, list[SequenceChunk]]]
+                 ) -> list[Pick]:
+        """[forward thread] One forward over `batch`'s pieces, then the runs' chunks (every one
+        sampled), counted; the picks of the sequences it sampled, in that order."""
+        started = time.monotonic()
+        pieces = [(prepared.states[index], chunk) for prepared, taken in batch
+                  for index, chunk in taken]
+        pieces.extend((state, chunk) for run, chunks in steps
+                      for state, chunk in zip(run.states, chunks, strict=True))
+        chunks = [chunk for _, chunk in pieces]
         logits = self._runner().step(chunks)
-        rows, keep = [], []
-        position = 0
-        for prepared, pieces in batch:
-            for index, chunk in pieces:
-                state = prepared.states[index]
-                if chunk.start + len(chunk.token_ids) == len(state.tokens):
-                    assert state.params is not None, "kept before the forward (keep_params)"
-                    rows.append(SamplingRow(state.params,
-                                            state.tokens[:state.prompt_len],
-                                            state.tokens[state.prompt_len:], state.grammar))
-                    keep.append(position)
-                position += 1
-        if not rows:
-            return []
-        if len(keep) < len(chunks):
-            logits = logits[torch.tensor(keep)]
-        return picks(self.sampler(logits, rows), rows)
+        keep = [position for position, (state, chunk) in enumerate(pieces)
+                if chunk.start + len(chunk.token_ids) == len(state.tokens)]
+        rows = [sampling_row(pieces[position][0]) for position in keep]
+        result = []
+        if rows:
+            if len(keep) < len(chunks):
+                logits = logits[torch.tensor(keep)]
+            result = picks(self.sampler(logits, rows), rows)
+        self._counted(chunks, time.monotonic() - started, runs_only=not batch)
+        return result
+
+    def _counted(self, chunks: list[SequenceChunk], seconds: float, runs_only: bool) -> None:
+        """[forward thread] Count a forward (prometheus' metrics are thread-safe); one of runs
+        alone is a decode-only forward that waited on nothing (`_observe` judges the others)."""
+        if self.metrics is None:
+            return
+        lengths = [len(chunk.token_ids) for chunk in chunks]
+        decode = sum(1 for n in lengths if n == 1)
+        self.metrics.forward(seconds, len(lengths), sum(lengths) - decode, decode)
+        if runs_only:
+            self.metrics.decode_forward(False)
 
     def _deliver(self, batch: Batch, sampled: list[Pick]) -> None:
         """Advance each sequence's computed count; answer each step with no piece left."""
@@ -307,20 +362,6 @@ class ForwardLoop:
         """One result per request of `prepared`: computed ahead, or from this step (`chosen`:
         the sampled token of each request that sampled, by index)."""
         limit = self._runner().max_model_len
-        return [prepared.ready.get(i) or _result(request, state, chosen.get(i), limit)
+        return [prepared.ready.get(i) or seq_output(request.seq_id, state, chosen.get(i), limit)
                 for i, (request, state) in enumerate(
                     zip(prepared.requests, prepared.states, strict=True))]
-
-
-def _result(request: SeqStep, state: SeqState, pick: Pick | None,
-            max_model_len: int) -> SeqOutput:
-    """What a step did to one sequence (`pick`: its sampled token, if it sampled)."""
-    if pick is None:
-        return SeqOutput(request.seq_id, len(state.tokens), state.num_computed,
-                         state.num_cached, sampled=False)
-    # A sequence that holds max_model_len tokens has no position for its sampled token.
-    full = len(state.tokens) >= max_model_len
-    return SeqOutput(request.seq_id, len(state.tokens), state.num_computed,
-                     state.num_cached, True, pick.token_id, pick.logprob,
-                     pick.top_token_ids, pick.top_logprobs, pick.finished or full,
-                     pick.constraint_ended)

@@ -45,8 +45,10 @@ changed".
 
 import asyncio
 import contextlib
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from pagedkv.client import (
     Append,
@@ -63,6 +65,7 @@ from pagedkv.client import (
 )
 from pagedkv.model_runner.engine import step_log
 from pagedkv.model_runner.engine.answer_limits import AnswerLimits
+from pagedkv.model_runner.engine.decode_run import DecodeRun
 from pagedkv.model_runner.engine.forward_loop import ForwardLoop, Prepared
 from pagedkv.model_runner.engine.grammar import Grammars
 from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS, SessionHolds
@@ -236,6 +239,80 @@ class StepEngine:
         finally:
             holder.cancel()
 
+    # ---------------------------------------------------------------- following
+
+    async def follow(self, session_id: str, implied: Sequence[SeqStep],
+                     deliver: Callable[[StepOutputs], None],
+                     until: asyncio.Future[Any]) -> list[SeqStep] | None:
+        """Take the followed session's implied steps (runner.proto's "Following") on the
+        forward thread while it can (decode_run.py), each step's outputs `deliver`ed in order
+        (on the forward thread, the first one here: it must be thread-safe), until `until` is
+        done (the client's next message, a drain: the step in progress is
+        delivered first). The first step is the one the runner computed ahead (decode_ahead).
+
+        Returns the implied step left to `step` once the run stopped; None, having delivered
+        nothing, when the step ahead is not there to claim (it failed, or was not taken: a
+        reservation ran out): `step` takes the implied step then. StepNotComputed when a
+        run's forward failed (its step's tokens appended in the runner, not computed)."""
+        entry = self.sessions.enter(session_id)
+        try:
+            await entry.lock.acquire()
+        except BaseException:
+            self.sessions.leave(session_id, entry)
+            raise
+        try:
+            known = entry.sequences
+            first = None if entry.ended or until.done() else _claim_ahead(known, implied)
+            if first is None:
+                return None
+            known.stepped += 1
+            if self.metrics is not None:
+                self.metrics.ahead_used(len(first))
+            deliver(StepOutputs(first, self.pool.free_blocks))
+            going = implied_step(implied, first, ())
+            if not going:
+                return []
+            return await self._run_decodes(entry, going, deliver, until)
+        finally:
+            self._let_go(session_id, entry)
+
+    async def _run_decodes(self, entry: SessionEntry, implied: list[SeqStep],
+                           deliver: Callable[[StepOutputs], None],
+                           until: asyncio.Future[Any]) -> list[SeqStep]:
+        """[holds the session's lock] The decode run of `implied`, holding the session (renewed
+        on the event loop meanwhile); the implied step it leaves."""
+        known = entry.sequences
+        await self.holds.ensure(known)
+        assert self.forwards.hold_s is not None, "the engine's forwards check holds"
+        run = DecodeRun(entry, [r.seq_id for r in implied],
+                        [known.known(r.seq_id) for r in implied],
+                        [r.token_ids[0] for r in implied], deliver,
+                        lambda: self.pool.free_blocks, self.runner.block_size,
+                        self.runner.max_model_len, self.forwards.hold_s,
+                        asyncio.get_running_loop())
+        stop = functools.partial(_stop_run, run)
+        until.add_done_callback(stop)
+        holder = asyncio.create_task(self.holds.keep(known))
+        self.forwards.follow(run)
+        try:
+            await asyncio.shield(run.ended)
+        except asyncio.CancelledError:  # the stream ended: the step in progress finishes
+            run.stopping = True
+            await _outlive(run.ended)
+            with contextlib.suppress(asyncio.CancelledError, PagedKVError):
+                await self.holds.end(known)  # else it lapses
+            raise
+        except Exception as exc:
+            await self.holds.end_quietly(known)
+            raise StepNotComputed(
+                "the implied step's tokens were appended but its forward failed "
+                f"({type(exc).__name__}): resend it without token_ids, or release its "
+                "sequences") from exc
+        finally:
+            holder.cancel()
+            until.remove_done_callback(stop)
+        return run.implied()
+
     # ------------------------------------------------------------ decode ahead
 
     async def _decode_ahead(self, session_id: str, entry: SessionEntry,
@@ -324,6 +401,28 @@ def implied_step(requests: Sequence[SeqStep], results: Sequence[SeqOutput],
             and r.seq_id not in released]
 
 
+def _claim_ahead(known: SessionSequences, implied: Sequence[SeqStep]) -> list[SeqOutput] | None:
+    """The results the runner computed ahead for the implied step (each sequence's appended
+    token the one it names, with the sampling it kept), now the step's own; None, nothing
+    changed, unless every sequence has one."""
+    states = [known.get(r.seq_id) for r in implied]
+    results = [state.ahead.result for state, r in zip(states, implied, strict=True)
+               if state is not None and state.ahead is not None
+               and state.ahead.token_id == r.token_ids[0]
+               and r.params in (None, state.params)]  # None: the kept one
+    if len(results) != len(implied) or any(result is None for result in results):
+        return None
+    for state in states:
+        assert state is not None
+        state.ahead = None
+    return [result for result in results if result is not None]
+
+
+def _stop_run(run: DecodeRun, _: object) -> None:
+    """The run's stream got its next message (or drains): stop before the next step."""
+    run.stopping = True
+
+
 def _computed(state: SeqState) -> int:
     """The leading tokens of a released sequence whose K/V the runner computed and may certify:
     not a token it decoded ahead that its client never named (an overshoot past a stop)."""
@@ -336,7 +435,7 @@ def _session_gone(exc: Exception) -> bool:
     return isinstance(exc, (SessionExpired, NotFound)) and not isinstance(exc, SequenceNotFound)
 
 
-async def _outlive(forward: asyncio.Future[list[SeqOutput]]) -> None:
+async def _outlive(forward: asyncio.Future[Any]) -> None:
     """Wait for `forward` to end, however often the waiter is cancelled (the engine cancels
     `forward` itself when it stops)."""
     while not forward.done():

@@ -98,7 +98,7 @@ def slot_rows(cache: torch.Tensor, rows_per_block: int) -> torch.Tensor:
 def slot_row(slots: torch.Tensor, geometry: CacheGeometry) -> torch.Tensor:
     """The row in `slot_rows` of each slot (block * block_size + offset)."""
     extra = geometry.rows_per_block - geometry.block_size
-    return slots + slots // geometry.block_size * extra if extra else slots
+    return torch.add(slots, slots // geometry.block_size, alpha=extra) if extra else slots
 
 
 def check_tokens(name: str, x: torch.Tensor, heads: int | None, cache: torch.Tensor) -> None:

@@ -263,11 +263,10 @@ def context_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, geometry: 
     """Each sequence's context from position first[s] (default 0) to seq_lens[s], whole blocks,
     padded to the longest. Column 0 of row s is the start of the block holding position
     first[s]. No loop, no division per position, each index in one fused op (add's alpha)."""
-    lens = seq_lens.long()  # [S]
-    num_seqs, device = lens.shape[0], lens.device
+    num_seqs, device = seq_lens.shape[0], seq_lens.device
     block_size = geometry.block_size
     first_block = None if first is None else first // block_size  # [S]
-    span = lens if first_block is None else lens - first_block * block_size  # [S]
+    span = seq_lens if first_block is None else seq_lens - first_block * block_size  # [S]
     cols = torch.arange(int(triton.cdiv(int(span.max()), block_size)), device=device)  # [C]
     cols = cols.expand(num_seqs, -1) if first_block is None else first_block[:, None] + cols
     # -- [S, C] block ids; columns past the table (short sequences) are clamped, and
@@ -277,7 +276,7 @@ def context_index(block_tables: torch.Tensor, seq_lens: torch.Tensor, geometry: 
     # [S, L] int64: offset + rows_per_block * block (the row), offset + block_size * column
     rows = torch.add(offsets, blocks[:, :, None], alpha=geometry.rows_per_block).view(num_seqs, -1)
     positions = torch.add(offsets, cols[:, :, None], alpha=block_size).view(num_seqs, -1)
-    valid = positions < lens[:, None]
+    valid = positions < seq_lens[:, None]  # int32 against int64, no cast
     if first is not None:
         valid &= positions >= first[:, None]
     return ContextIndex(torch.where(valid, rows, rows[:, :1]).flatten(), positions, valid)

@@ -10,6 +10,13 @@ has computed that step ahead (decode_ahead), so a push is answered from those re
 starts the next step ahead: following is decode ahead with no client round trip between two
 forwards, one mechanism, not a second stepping path.
 
+While the step ahead is there to claim, the runner's pushes come from the engine's decode run
+(`StepEngine.follow`, decode_run.py): the forward thread computes the implied steps back to back
+and hands each one's outputs here, so a push costs the event loop its message alone; when the
+run stops (a reservation ran out, the hold needs the loop, another step of the session), the
+implied step it leaves goes through the step function, and the run starts again from its
+result.
+
 A reader task waits for the client's next message meanwhile; it never cancels a push in
 progress: a message is handled once the push in progress is out (and is then refused as
 StalePlan if it names sequences and was planned before pushes it had not read). Draining
@@ -18,29 +25,63 @@ a cancelled Step (the engine keeps the session held until its forward is done).
 """
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any
 
 import grpc
 
-from pagedkv.client import SeqStep
+from pagedkv.client import SeqStep, StepOutputs
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.step_engine import implied_step
 from pagedkv.model_runner.engine.steps import InvalidStep, StalePlan
-from pagedkv.model_runner.process.step_messages import StepFunction, answer_message, seq_request
+from pagedkv.model_runner.process.step_messages import StepFunction, seq_request
 from pagedkv.process.stream_drain import DrainableStreams
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.vocab.causes import cut_message
 
 # An exception met by a step as its status: (code, cause, message).
 Failure = Callable[[Exception], tuple[grpc.StatusCode, str, str]]
+# StepEngine.follow, behind the server's gate: (session, implied step, deliver, until) -> the
+# implied step left, or None when no run started.
+FollowFunction = Callable[[str, Sequence[SeqStep], Callable[[StepOutputs], None],
+                           "asyncio.Future[Any]"], Coroutine[Any, Any, list[SeqStep] | None]]
+
+
+class _Outbox:
+    """A decode run's answers, in order, and a wake-up for the stream that pushes them."""
+
+    def __init__(self) -> None:
+        self.answers: deque[rpb.RunnerStepResponse] = deque()
+        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+
+    def put(self, outputs: StepOutputs) -> None:
+        """[the forward thread, or the loop] Pack a step's answer where it was computed, and
+        wake the stream: the event loop only sends it."""
+        self._loop.call_soon_threadsafe(self._put, outputs.message())
+
+    def _put(self, answer: rpb.RunnerStepResponse) -> None:
+        self.answers.append(answer)
+        self._wake.set()
+
+    def poke(self, _: object = None) -> None:
+        self._wake.set()
+
+    async def wait(self) -> None:
+        await self._wake.wait()
+        self._wake.clear()
 
 
 class SessionStream:
     """One StepStream's session, the step it follows with, and its pushes."""
 
     def __init__(self, step: StepFunction, failure: Failure,
-                 metrics: RunnerMetrics | None = None) -> None:
+                 metrics: RunnerMetrics | None = None,
+                 follow: FollowFunction | None = None) -> None:
         self._step = step
+        # Takes the implied steps on the forward thread (None: every push through `step`).
+        self._follow = follow
         self._failure = failure
         self._metrics = metrics
         # The session the stream serves: its first message's.
@@ -62,7 +103,12 @@ class SessionStream:
                 else:
                     reader = asyncio.create_task(streams.next_message(requests))
                     while self.implied and not reader.done() and not streams.draining:
-                        yield await self._push()
+                        ran = False
+                        async for push in self._run(reader):
+                            ran = True
+                            yield push
+                        if not ran and not reader.done() and not streams.draining:
+                            yield await self._push()
                     message = await reader
                 if message is None:
                     return
@@ -87,7 +133,7 @@ class SessionStream:
             return self._failed(exc, step_id=message.step_id)
         if message.follow:
             self.implied = implied_step(seqs, outputs, release)
-        return rpb.RunnerStreamResponse(step_id=message.step_id, answer=answer_message(outputs))
+        return rpb.RunnerStreamResponse(step_id=message.step_id, answer=outputs.message())
 
     def _check(self, message: rpb.RunnerStreamRequest) -> None:
         """Refuse a message of another session, one claiming pushes never sent, or one naming
@@ -118,7 +164,47 @@ class SessionStream:
         if self._metrics is not None:
             self._metrics.push(ok=True)
         self.implied = implied_step(seqs, outputs, ())
-        return rpb.RunnerStreamResponse(push=self.pushes, answer=answer_message(outputs))
+        return rpb.RunnerStreamResponse(push=self.pushes, answer=outputs.message())
+
+    async def _run(self, reader: asyncio.Task[Any]) -> AsyncIterator[rpb.RunnerStreamResponse]:
+        """The pushes of the engine's decode run of the implied step, until it stops (`reader`
+        done: the client's next message, a drain); none if no run started. Leaves the implied
+        step the run left (none after a failure, which it pushes)."""
+        assert self.session_id is not None, "following starts from a message's answer"
+        if self._follow is None:
+            return
+        outbox = _Outbox()
+        run = asyncio.create_task(self._follow(self.session_id, self.implied, outbox.put,
+                                               reader))
+        run.add_done_callback(outbox.poke)
+        try:
+            while True:
+                while outbox.answers:
+                    yield self._pushed(outbox.answers.popleft())
+                if run.done():
+                    break
+                await outbox.wait()
+            left = run.result()
+        except Exception as exc:
+            self.implied = []
+            self.pushes += 1
+            if self._metrics is not None:
+                self._metrics.push(ok=False)
+            yield self._failed(exc, push=self.pushes)
+            return
+        finally:
+            if not run.done():  # the stream ends mid-run: the step in progress finishes
+                run.cancel()
+                await asyncio.wait({run})
+        if left is not None:
+            self.implied = left
+
+    def _pushed(self, answer: rpb.RunnerStepResponse) -> rpb.RunnerStreamResponse:
+        """A decode run's step as its push."""
+        self.pushes += 1
+        if self._metrics is not None:
+            self._metrics.push(ok=True)
+        return rpb.RunnerStreamResponse(push=self.pushes, answer=answer)
 
     def _failed(self, exc: Exception, *, step_id: int = 0,
                 push: int = 0) -> rpb.RunnerStreamResponse:

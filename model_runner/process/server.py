@@ -161,6 +161,16 @@ class RunnerState:
             raise RunnerUnavailable(self.unavailable)
         return await self.engine.step(session_id, requests, release)
 
+    async def follow(self, session_id: str, implied: Sequence[SeqStep],
+                     deliver: Callable[[StepOutputs], None],
+                     until: asyncio.Future[Any]) -> list[SeqStep] | None:
+        """The engine's decode run of a followed session (its implied steps), refused while
+        the pool is unavailable. It makes no daemon call but its hold's renewals; a daemon gone
+        meanwhile fails its push, and the client's next step meets it through `step`."""
+        if self.unavailable is not None:
+            raise RunnerUnavailable(self.unavailable)
+        return await self.engine.follow(session_id, implied, deliver, until)
+
     @property
     def metrics(self) -> RunnerMetrics | None:
         """The runner's figures (the servicer counts pushes there)."""
@@ -305,7 +315,7 @@ async def _grpc_server(config: RunnerConfig, state: RunnerState) -> AsyncIterato
     # Answers are bounded below MAX_MESSAGE_BYTES (answer_limits); requests up to it.
     servicer = RunnerServicer(state.step, state.runner_info,
                               lambda exc: log.error("step failed", exc_info=exc),
-                              state.metrics)
+                              state.metrics, state.follow)
     async with grpc_servers(RUNNER_SERVICE, config.server_bounds) as servers:
         servers.on_drain.append(servicer.end_streams)
         server = servers.add_server(

@@ -22,8 +22,8 @@ from pagedkv.model_runner.engine.steps import (
     UnknownSequence,
     Unsupported,
 )
-from pagedkv.model_runner.process.follow import SessionStream
-from pagedkv.model_runner.process.step_messages import StepFunction, answer_message, seq_request
+from pagedkv.model_runner.process.follow import FollowFunction, SessionStream
+from pagedkv.model_runner.process.step_messages import StepFunction, seq_request
 from pagedkv.process.grpc_errors import errors_to_status
 from pagedkv.process.stream_drain import DrainableStreams
 from pagedkv.proto import runner_pb2 as rpb
@@ -83,8 +83,11 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
 
     def __init__(self, step: StepFunction, info: Callable[[], rpb.RunnerInfo],
                  log_failure: Callable[[Exception], None],
-                 metrics: RunnerMetrics | None = None) -> None:
+                 metrics: RunnerMetrics | None = None,
+                 follow: FollowFunction | None = None) -> None:
         self._step = step
+        # Takes a followed session's implied steps on the forward thread (follow.py).
+        self._follow = follow
         self._info = info
         self.log_failure = log_failure
         # Counts the answers pushed to following streams.
@@ -101,8 +104,8 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
     async def Step(self, request: rpb.RunnerStepRequest,
                    context: Context) -> rpb.RunnerStepResponse:
         seqs = [seq_request(seq) for seq in request.seqs]
-        return answer_message(await self._step(request.session_id, seqs,
-                                                list(request.release_seq_ids)))
+        outputs = await self._step(request.session_id, seqs, list(request.release_seq_ids))
+        return outputs.message()
 
     async def StepStream(self, requests: AsyncIterator[rpb.RunnerStreamRequest],
                          context: Context) -> AsyncIterator[rpb.RunnerStreamResponse]:
@@ -113,7 +116,7 @@ class RunnerServicer(runner_pb2_grpc.RunnerServicer):
         (computed, not answered). A draining runner ends the stream (OK) once its step (or
         push) in progress is answered."""
         stream = SessionStream(self._step, lambda exc: _failure(self, exc, "StepStream"),
-                               self._metrics)
+                               self._metrics, self._follow)
         async for answer in stream.answers(requests, self._streams):
             yield answer
 

@@ -1,6 +1,7 @@
 """runner.proto's step messages as the client's own records, and back: what the Step call and
 the StepStream messages (and pushes) share. A request's sequences become SeqSteps (their
-sampling checked here), a step's StepOutputs become its RunnerStepResponse."""
+sampling checked here); a step's StepOutputs become its packed answer by their own
+`message()` (client/pool/step_outputs.py)."""
 
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -70,9 +71,3 @@ def _skip_host_tier(message: rpb.SequenceStep) -> bool:
     sequence only appends), so on any other sequence it is ignored, not refused, as
     runner.proto words it ("A new sequence without a parent")."""
     return message.skip_host_tier and message.new_sequence and not message.has_parent
-
-
-def answer_message(outputs: StepOutputs) -> rpb.RunnerStepResponse:
-    """A step's outputs as its answer."""
-    return rpb.RunnerStepResponse(outputs=[output.message() for output in outputs],
-                                  free_blocks=outputs.free_blocks)

@@ -25,6 +25,7 @@ from pagedkv.client import (
     SamplingParams,
     SeqStep,
     Session,
+    StepOutputs,
 )
 from pagedkv.model_runner.engine.answer_limits import (
     ANSWER_FIXED,
@@ -84,14 +85,26 @@ async def held(session: Session) -> int:
     return stats.session.num_sequences
 
 
+def widest(count: int, top: int) -> rpb.RunnerStepResponse:
+    """A packed answer of `count` sequences with `top` logprobs each, its ids at their widest
+    (10-byte varints: the largest seq id, -1 tokens)."""
+    return rpb.RunnerStepResponse(
+        free_blocks=2**32 - 1, seq_ids=[2**64 - 1] * count, num_tokens=[0] * count,
+        num_computed_tokens=[0] * count, num_cached_tokens=[0] * count,
+        outcomes=[rpb.OUTCOME_NOT_SAMPLED] * count, token_ids=[-1] * count,
+        logprobs=[0.0] * count, top_counts=[top] * count, top_token_ids=[-1] * count * top,
+        top_logprobs=[0.0] * count * top)
+
+
 def test_the_bound_covers_the_largest_encoding_of_every_field() -> None:
     """Every field at its widest (ids of 10-byte varints, -1 tokens): the bound holds."""
     top = 100
-    widest = rpb.SequenceOutput(
-        seq_id=2**64 - 1, num_tokens=2**32 - 1, num_computed_tokens=2**32 - 1,
-        num_cached_tokens=2**32 - 1, sampled=True, token_id=-1, logprob=-1.5,
-        top_token_ids=[-1] * top, top_logprobs=[-1.5] * top, finished=True)
-    answer = rpb.RunnerStepResponse(outputs=[widest] * 3, free_blocks=2**32 - 1)
+    answer = widest(3, top)
+    answer.num_tokens[:] = answer.num_computed_tokens[:] = answer.num_cached_tokens[:] = (
+        [2**32 - 1] * 3)
+    answer.logprobs[:] = [-1.5] * 3
+    answer.outcomes[:] = [rpb.OUTCOME_CONSTRAINT_ENDED] * 3
+    answer.top_logprobs[:] = [-1.5] * 3 * top
     assert answer.ByteSize() <= ANSWER_FIXED + 3 * output_bytes(top)
 
 
@@ -99,8 +112,7 @@ def test_an_answer_on_the_step_stream_stays_within_the_message_limit() -> None:
     """On a StepStream the answer travels in a RunnerStreamResponse with the widest step id:
     STREAM_ENVELOPE covers what it adds, and max_answer_bytes leaves room for it (at the
     message limit the runner could not send the answer of a step it applied)."""
-    widest = rpb.SequenceOutput(seq_id=2**64 - 1, token_id=-1, top_token_ids=[-1] * 100)
-    answer = rpb.RunnerStepResponse(outputs=[widest] * 3, free_blocks=2**32 - 1)
+    answer = widest(3, 100)
     streamed = rpb.RunnerStreamResponse(step_id=2**64 - 1, answer=answer)
     assert streamed.ByteSize() - answer.ByteSize() <= STREAM_ENVELOPE
     AnswerLimits(max_answer_bytes=MAX_MESSAGE_BYTES - STREAM_ENVELOPE)
@@ -157,12 +169,13 @@ async def test_an_answer_that_could_pass_the_limit_is_refused_before_anything_ch
             seq.message() for seq in prompts(MOST_SEQS, MAX_LOGPROBS)])
         async with grpc.aio.insecure_channel(runner.unix_target) as stock:
             answer = await runner_pb2_grpc.RunnerStub(stock).Step(request)
-        assert [len(out.top_token_ids) for out in answer.outputs] == [MAX_LOGPROBS] * MOST_SEQS
+        outputs = StepOutputs.from_message(answer)
+        assert [len(out.top_token_ids) for out in outputs] == [MAX_LOGPROBS] * MOST_SEQS
         assert answer.ByteSize() <= AnswerLimits().max_answer_bytes
         assert await held(session) == MOST_SEQS
         # The sequences' kept sampling counts, though later steps do not send it: the same
         # sequences and one more are refused, nothing changed.
-        decode = [SeqStep(i, [out.token_id]) for i, out in enumerate(answer.outputs)]
+        decode = [SeqStep(i, [out.token_id]) for i, out in enumerate(outputs)]
         with pytest.raises(AnswerTooLarge, match="max_answer_bytes"):
             await compute.step(session, [*decode, *prompts(1, MAX_LOGPROBS, first=MOST_SEQS)])
         assert await held(session) == MOST_SEQS

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from transformers import PreTrainedModel
 
-from pagedkv.client import PoolClient, SamplingParams, SeqOutput, SeqStep, Session
+from pagedkv.client import PoolClient, SamplingParams, SeqOutput, SeqStep, Session, StepOutputs
 from pagedkv.model_runner.engine.step_engine import implied_step
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
@@ -77,7 +77,7 @@ async def answer(call: Call, step_id: int,
 def tokens(response: rpb.RunnerStreamResponse) -> dict[int, int]:
     """Each sequence's sampled token in an OK answer or push."""
     assert response.code == 0, response.message
-    return {output.seq_id: output.token_id for output in response.answer.outputs}
+    return {output.seq_id: output.token_id for output in StepOutputs.from_message(response.answer)}
 
 
 def pushes_total(metrics_port: int) -> float:
@@ -120,11 +120,12 @@ async def test_following_pushes_each_implied_step_until_no_sequence_is_left(
             push = await call.read()
             pushes.append(push)
             assert push.push == len(pushes) and push.step_id == 0
-            assert [output.seq_id for output in push.answer.outputs] == going
-            for output in push.answer.outputs:
+            outputs = StepOutputs.from_message(push.answer)
+            assert [output.seq_id for output in outputs] == going
+            for output in outputs:
                 generated[output.seq_id].append(output.token_id)
                 assert output.finished == (len(generated[output.seq_id]) == limits[output.seq_id])
-            going = [o.seq_id for o in push.answer.outputs if not o.finished]
+            going = [o.seq_id for o in outputs if not o.finished]
         assert len(pushes) == max(limits) - 1
         # Following ended: the next message's answer is the next thing on the stream.
         await call.write(message(2, session, [], (0, 1, 2), pushes_read=len(pushes)))
@@ -286,5 +287,5 @@ async def test_a_draining_runner_ends_a_following_stream(daemon: Pagedkvd,
             assert await call.code() == grpc.StatusCode.OK
             assert [push.push for push in pushes] == list(range(1, len(pushes) + 1))
             assert all(push.code == 0 for push in pushes)
-            assert not pushes[-1].answer.outputs[0].finished
+            assert not StepOutputs.from_message(pushes[-1].answer)[0].finished
         assert draining.wait_for_exit() == 0

@@ -23,9 +23,11 @@ from pagedkv.client import (
     PoolExhausted,
     RunnerClient,
     RunnerUnreachable,
+    SeqOutput,
     SeqStep,
     Session,
     StalePlan,
+    StepOutputs,
 )
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
@@ -94,10 +96,10 @@ async def read_into(context: Any, inbox: asyncio.Queue[rpb.RunnerStreamRequest])
 
 def answer(step_id: int, token: int, push: int = 0) -> rpb.RunnerStreamResponse:
     """An answer to step `step_id` (push 0), or push number `push` (step_id 0)."""
-    output = rpb.SequenceOutput(seq_id=1, num_tokens=token, num_computed_tokens=token - 1,
-                                sampled=True, token_id=token)
-    return rpb.RunnerStreamResponse(step_id=step_id, push=push, answer=rpb.RunnerStepResponse(
-        outputs=[output], free_blocks=100 - token))
+    output = SeqOutput(1, num_tokens=token, num_computed=token - 1, num_cached=0, sampled=True,
+                       token_id=token)
+    return rpb.RunnerStreamResponse(step_id=step_id, push=push,
+                                    answer=StepOutputs([output], 100 - token).message())
 
 
 def failure(step_id: int, push: int, code: grpc.StatusCode,

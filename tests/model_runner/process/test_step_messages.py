@@ -14,7 +14,7 @@ import pytest
 from pagedkv.client import History, SamplingParams, SeqStep, StructuredOutputs
 from pagedkv.client.engine.runner_link import with_history
 from pagedkv.client.engine.sequences import Seq
-from pagedkv.client.pool.runner_client import SeqOutput
+from pagedkv.client.pool.step_outputs import SeqOutput
 from pagedkv.model_runner.engine.sequences import SeqState, SessionSequences
 from pagedkv.model_runner.engine.steps import InvalidStep, UnknownSequence
 from pagedkv.model_runner.process.step_messages import NO_LIMIT, sampling_params, seq_request

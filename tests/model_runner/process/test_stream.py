@@ -28,6 +28,7 @@ from pagedkv.client import (
     SamplingParams,
     SeqStep,
     Session,
+    StepOutputs,
 )
 from pagedkv.client.engine.runner_link import RunnerLink
 from pagedkv.client.engine.sequences import Seq
@@ -71,7 +72,7 @@ def message(step_id: int, session: Session, seqs: list[SeqStep],
 
 def first_token(answer: rpb.RunnerStreamResponse) -> int:
     assert answer.code == 0, answer.message
-    (output,) = answer.answer.outputs
+    (output,) = StepOutputs.from_message(answer.answer)
     return output.token_id
 
 

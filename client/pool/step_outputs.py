@@ -1,0 +1,109 @@
+"""What a runner step did to its sequences, on both sides of the wire: a `SeqOutput` per
+sequence, in a `StepOutputs`, and their one packed message (runner.proto's RunnerStepResponse:
+each field of every sequence in one packed array, the top logprobs flat with a count per
+sequence), so an answer to a forward is one message however many sequences it carries."""
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Self, overload
+
+from pagedkv.proto import runner_pb2 as rpb
+
+
+@dataclass(frozen=True, slots=True)
+class SeqOutput:
+    """What a step did to one sequence (an entry of runner.proto's RunnerStepResponse): the one
+    record on both sides of the wire, built by the runner's forward loop and read by the
+    client."""
+
+    seq_id: int
+    # Tokens held, and how many of them are computed.
+    num_tokens: int
+    num_computed: int
+    # Prompt tokens the prefix cache served (new sequences).
+    num_cached: int
+    # Whether token_id holds a sampled token (not while a chunked prefill goes on).
+    sampled: bool
+    token_id: int = -1
+    # Raw log-probability of the sampled token, and the top ones when asked.
+    logprob: float = 0.0
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+    # A stop token was sampled, or max_tokens were generated, or the model's positions are full,
+    # or the structured output is complete (constraint_ended).
+    finished: bool = False
+    # The sampled token completed the sequence's structured output: finish reason "stop".
+    constraint_ended: bool = False
+
+    @property
+    def outcome(self) -> "rpb.Outcome.ValueType":
+        """The sampled / finished / constraint_ended flags as the answer's one enum."""
+        if self.constraint_ended:
+            return rpb.OUTCOME_CONSTRAINT_ENDED
+        if self.finished:
+            return rpb.OUTCOME_FINISHED
+        return rpb.OUTCOME_SAMPLED if self.sampled else rpb.OUTCOME_NOT_SAMPLED
+
+
+class StepOutputs(Sequence[SeqOutput]):
+    """A step's outputs, one per requested sequence in request order, and the pool's free
+    blocks per the runner's latest daemon answer (what a scheduler admits by)."""
+
+    def __init__(self, outputs: Sequence[SeqOutput], free_blocks: int) -> None:
+        self._outputs = tuple(outputs)
+        self.free_blocks = free_blocks
+
+    @overload
+    def __getitem__(self, index: int) -> SeqOutput: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[SeqOutput]: ...
+    def __getitem__(self, index: int | slice) -> SeqOutput | Sequence[SeqOutput]:
+        return self._outputs[index]
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    def __iter__(self) -> Iterator[SeqOutput]:
+        return iter(self._outputs)
+
+    def message(self) -> rpb.RunnerStepResponse:
+        """The packed answer: one array per field, an entry per sequence."""
+        outs = self._outputs
+        return rpb.RunnerStepResponse(
+            free_blocks=self.free_blocks, seq_ids=[o.seq_id for o in outs],
+            num_tokens=[o.num_tokens for o in outs],
+            num_computed_tokens=[o.num_computed for o in outs],
+            num_cached_tokens=[o.num_cached for o in outs],
+            outcomes=[o.outcome for o in outs], token_ids=[o.token_id for o in outs],
+            logprobs=[o.logprob for o in outs],
+            top_counts=[len(o.top_token_ids) for o in outs],
+            top_token_ids=[t for o in outs for t in o.top_token_ids],
+            top_logprobs=[p for o in outs for p in o.top_logprobs])
+
+    @classmethod
+    def from_message(cls, m: rpb.RunnerStepResponse) -> Self:
+        """A packed answer's outputs; ValueError naming the field when its arrays disagree (a
+        runner answers them as one table, so that is never its answer)."""
+        count = len(m.seq_ids)
+        for name in ("num_tokens", "num_computed_tokens", "num_cached_tokens", "outcomes",
+                     "token_ids", "logprobs", "top_counts"):
+            if len(getattr(m, name)) != count:
+                raise ValueError(f"a runner answer holds {len(getattr(m, name))} {name} for "
+                                 f"{count} seq_ids")
+        ends = list(accumulate(m.top_counts, initial=0))
+        if not ends[-1] == len(m.top_token_ids) == len(m.top_logprobs):
+            raise ValueError(f"a runner answer's top_counts add up to {ends[-1]}, but it holds "
+                             f"{len(m.top_token_ids)} top_token_ids and {len(m.top_logprobs)} "
+                             "top_logprobs")
+        top_ids, top_lps = list(m.top_token_ids), list(m.top_logprobs)
+        outcomes = m.outcomes
+        return cls([SeqOutput(seq_id, n, computed, cached, outcome != rpb.OUTCOME_NOT_SAMPLED,
+                              token, logprob, tuple(top_ids[start:end]),
+                              tuple(top_lps[start:end]),
+                              outcome >= rpb.OUTCOME_FINISHED,
+                              outcome == rpb.OUTCOME_CONSTRAINT_ENDED)
+                    for seq_id, n, computed, cached, outcome, token, logprob, start, end
+                    in zip(m.seq_ids, m.num_tokens, m.num_computed_tokens, m.num_cached_tokens,
+                           outcomes, m.token_ids, m.logprobs, ends[:-1], ends[1:], strict=True)],
+                   m.free_blocks)

@@ -1,0 +1,147 @@
+"""The forward thread decodes a followed session on its own (decode_run.py, issue 35).
+
+After a step marked decode_ahead, `StepEngine.follow` claims the step computed ahead and lets the
+forward thread take the implied steps back to back, inside the sequences' reservations: the
+tokens are transformers' greedy ones, one forward per token, no daemon call between two
+reservations; a stop asked leaves the implied step to `step`, which goes on with the same
+tokens. The trust rules are checked on a run of hand-made states: the thread never appends a
+token whose slot is not reserved past the committed tokens, nor under a hold that ended or may
+lapse, nor while another step waits for the session.
+"""
+
+import asyncio
+import dataclasses
+import math
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from pagedkv.client import PoolClient, SeqStep, Session, StepOutputs
+from pagedkv.model_runner.engine.decode_run import DecodeRun
+from pagedkv.model_runner.engine.sequences import SeqState
+from pagedkv.model_runner.engine.sessions import SessionEntry
+from pagedkv.model_runner.engine.step_engine import StepEngine, implied_step
+from pagedkv.model_runner.kernels.attention_backend import get_backend
+
+import families
+from engine_driver import RecordingRunner, new, recorder
+from families import GREEDY, NEW_TOKENS, expected_tokens
+
+FAMILY = "llama"
+# The fixtures daemon and prompts are conftest.py's (the families' pool).
+
+
+@pytest.fixture
+async def engine(runner_client: PoolClient) -> AsyncIterator[StepEngine]:
+    runner = RecordingRunner.attach(families.paged_model(FAMILY),
+                                    await runner_client.pool_info(), get_backend("torch"))
+    started = StepEngine(runner_client, runner)
+    await started.start()
+    yield started
+    await started.stop()
+
+
+async def first_step(engine: StepEngine, session: Session,
+                     prompts: list[tuple[int, ...]]) -> tuple[list[SeqStep], StepOutputs]:
+    """Every prompt's prefill, decode_ahead; the step computed ahead done."""
+    first = [dataclasses.replace(new(i, p, GREEDY), decode_ahead=True)
+             for i, p in enumerate(prompts)]
+    outputs = await engine.step(session.session_id, first)
+    await asyncio.gather(*engine._ahead_tasks)
+    return first, outputs
+
+
+async def test_the_forward_thread_decodes_to_the_end_with_transformers_tokens(
+        session: Session, engine: StepEngine, prompts: list[tuple[int, ...]]) -> None:
+    first, outputs = await first_step(engine, session, prompts)
+    pushes: list[StepOutputs] = []
+    until: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    forwards = len(recorder(engine).chunks)
+    left = await engine.follow(session.session_id, implied_step(first, outputs, ()),
+                               pushes.append, until)
+    assert left == []  # every sequence finished at max_tokens
+    tokens = {i: [outputs[i].token_id] for i in range(len(prompts))}
+    for push in pushes:
+        for out in push:
+            tokens[out.seq_id].append(out.token_id)
+    assert tokens == {i: expected_tokens(FAMILY, p) for i, p in enumerate(prompts)}
+    assert all(out.finished for out in pushes[-1])
+    # The first push was the step computed ahead; each later one, one forward.
+    assert len(recorder(engine).chunks) - forwards == len(pushes) - 1 == NEW_TOKENS - 2
+    await engine.step(session.session_id, [], release=list(range(len(prompts))))
+    stats = (await session.stats()).session
+    assert stats is not None and (stats.num_sequences, stats.blocks_held) == (0, 0)
+
+
+async def test_a_stop_leaves_the_implied_step_and_the_engine_goes_on_identically(
+        session: Session, engine: StepEngine, prompts: list[tuple[int, ...]]) -> None:
+    first, outputs = await first_step(engine, session, prompts)
+    loop = asyncio.get_running_loop()
+    until: asyncio.Future[None] = loop.create_future()
+    pushes: list[StepOutputs] = []
+
+    def deliver(push: StepOutputs) -> None:  # on the forward thread (the first: the loop)
+        pushes.append(push)
+        if len(pushes) == 2:  # the client's next message arrives
+            loop.call_soon_threadsafe(lambda: until.done() or until.set_result(None))
+
+    left = await engine.follow(session.session_id, implied_step(first, outputs, ()),
+                               deliver, until)
+    assert left and len(pushes) >= 2
+    assert [r.token_ids[0] for r in left] == [out.token_id for out in pushes[-1]]
+    tokens = {i: [outputs[i].token_id, *(push[i].token_id for push in pushes)]
+              for i in range(len(prompts))}
+    # The implied step left goes through `step` (what the stream does, or the client's own).
+    while left:
+        answer = await engine.step(session.session_id, left)
+        for out in answer:
+            tokens[out.seq_id].append(out.token_id)
+        left = implied_step(left, answer, ())
+    await asyncio.gather(*engine._ahead_tasks)
+    assert tokens == {i: expected_tokens(FAMILY, p) for i, p in enumerate(prompts)}
+    await engine.step(session.session_id, [], release=list(range(len(prompts))))
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    made = asyncio.new_event_loop()
+    yield made
+    made.close()
+
+
+def hand_made_run(loop: asyncio.AbstractEventLoop, state: SeqState, held_at: float) -> DecodeRun:
+    """A run of one sequence (block size 4, hold 5 s) whose next token is 7."""
+    entry = SessionEntry(users=1)
+    entry.sequences.held_at = held_at
+    return DecodeRun(entry, [1], [state], [7], lambda _: None, lambda: 0, 4, 64, 5.0, loop)
+
+
+def state_at(tokens: int, *, private_end: int, committed: int) -> SeqState:
+    """A sequence of `tokens` tokens, all computed, in blocks 0, 1, 2 (block size 4)."""
+    return SeqState(list(range(tokens)), 2, tokens, [0, 1, 2], committed=committed,
+                    private_end=private_end)
+
+
+@pytest.mark.parametrize("why", ["reservation spent", "committed", "hold ended", "hold lapsing",
+                                 "another step waits", "stop asked"])
+def test_the_thread_never_appends_where_the_loop_must_act(
+        loop: asyncio.AbstractEventLoop, why: str) -> None:
+    state = state_at(8, private_end=8 if why == "reservation spent" else 12,
+                     committed=9 if why == "committed" else 4)
+    held_at = {"hold ended": -math.inf, "hold lapsing": time.monotonic() - 4.99}.get(
+        why, time.monotonic())
+    run = hand_made_run(loop, state, held_at)
+    run.entry.users += why == "another step waits"
+    run.stopping = why == "stop asked"
+    assert run.next_chunks(0.01) is None
+    assert run.over and run.ended.done() and state.tokens == list(range(8))  # nothing appended
+
+
+def test_inside_its_reservation_the_thread_writes_the_next_reserved_slot(
+        loop: asyncio.AbstractEventLoop) -> None:
+    state = state_at(8, private_end=12, committed=4)
+    run = hand_made_run(loop, state, time.monotonic())
+    (chunk,) = run.next_chunks(0.01) or ()
+    assert (list(chunk.token_ids), chunk.start, list(chunk.slot_mapping)) == ([7], 8, [8])
+    assert state.tokens[-1] == 7 and not run.over
