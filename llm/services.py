@@ -7,16 +7,17 @@
 The folder (mode 0700, from mkdtemp) holds both unix sockets, the notify sockets and the logs;
 the pool file lives in /dev/shm on CPU (the daemon names it after its pid and removes it on
 exit). Starting, readiness and stopping are `pagedkv.process.launch`'s. The daemon starts first
-and is ready before the runner connects to it; the runner is stopped first (SIGTERM, SIGKILL
-if it takes too long), so no step is in flight when the daemon drains. With `supervise`, a
-child that dies is reaped and started again on the same sockets (supervisor.py): a runner's
-clients connect with `runner_restart_wait_s=RESTART_WAIT_S` to wait for it. The supervisor is
-then the daemon's systemd: it keeps the daemon's descriptor store (process/fd_store_host.py;
-the pool memory outlives the daemon) and the daemon runs with `restore = auto` and its state
-folder in the private folder, so a daemon stopped by SIGTERM (an upgrade) comes back with its
-sessions and the clients go on; one that crashed, or comes back cold, makes its clients open
-new sessions (server/recovery.py), and the runner maps the pool by itself. At the end the
-store is closed and the pool file the last daemon left for a next one removed.
+and is ready before the runner connects to it; the runner is stopped first (SIGTERM, SIGKILL if
+it takes too long), so no step is in flight when the daemon drains. With `supervise`, a child
+that dies is reaped and started again on the same sockets (supervisor.py): a runner's clients
+connect with `runner_restart_wait_s=RESTART_WAIT_S` to wait for it. The supervisor is then the
+daemon's systemd: it keeps the daemon's descriptor store (process/fd_store_host.py; the pool
+memory outlives the daemon) and the daemon runs with `restore = auto` and its state folder in
+the private folder, so a daemon stopped by SIGTERM (an upgrade) comes back with its sessions
+and the clients go on (a planned upgrade, `Supervisor.upgrade`, starts the next daemon in
+standby first, so the gap is its adoption only); one that crashed, or comes back cold, makes
+its clients open new sessions (server/recovery.py), and the runner maps the pool by itself. At
+the end the store is closed and the pool file the last daemon left for a next one removed.
 """
 
 import contextlib
@@ -96,12 +97,14 @@ def start_services(config: LLMConfig, model: ModelRef, resources: contextlib.Exi
         store = _kept_store(resources)
         daemon_args += ["--restore", "auto", "--state-dir", str(folder / STATE_FOLDER)]
 
-    def new_daemon() -> Launched:
-        return start_daemon(folder, *daemon_args, log_file=logs is None, fd_store=store)
+    def new_daemon(standby: bool = False) -> Launched:
+        return start_daemon(folder, *daemon_args, log_file=logs is None, fd_store=store,
+                            standby=standby)
 
     daemon = _started(new_daemon, config, resources)
     daemon_supervisor = _supervised(new_daemon, daemon, config, resources,
-                                    resumable=lambda: _resumable(folder, store)) \
+                                    resumable=lambda: _resumable(folder, store),
+                                    standby=lambda: new_daemon(standby=True)) \
         if supervise else None
     runner_args = [*model.runner_args(config.seed or 0), *dtype_args, *log_args]
     if config.tokenizer is not None:  # what structured outputs compile against
@@ -134,11 +137,12 @@ def _started(start: Callable[[], Launched], config: LLMConfig,
 
 def _supervised(start: Callable[[], Launched], child: Launched, config: LLMConfig,
                 resources: contextlib.ExitStack,
-                resumable: Callable[[], bool] | None = None) -> Supervisor:
+                resumable: Callable[[], bool] | None = None,
+                standby: Callable[[], Launched] | None = None) -> Supervisor:
     """`child`'s supervisor, watching; stopped with `resources` before the first child's own
     stop (no restart once stopping; it stops the child that is current)."""
     supervisor = Supervisor(start, child, startup_timeout_s=config.startup_timeout_s,
-                            resumable=resumable)
+                            resumable=resumable, standby=standby)
     supervisor.start()
     resources.callback(supervisor.stop)
     return supervisor

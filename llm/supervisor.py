@@ -6,6 +6,7 @@
     supervisor.listeners.append(on_change)   # called on the watch's thread
     supervisor.start()          # a thread watches the child
     ... supervisor.up, supervisor.restarts, supervisor.pid, supervisor.failed ...
+    supervisor.upgrade()        # a planned restart: the next child first, in standby
     supervisor.stop()           # SIGTERM the child, wait for it, join the thread
 
 Nobody would restart a daemon or a runner that `LLM` or `pagedkv serve` started as a child:
@@ -19,6 +20,13 @@ answer in `resumes`) tells the clients they may wait for it (server/recovery.py)
 crashes loses every session, so its clients fail their requests and open a new session, while
 the runner maps the new pool by itself (model_runner/process/server.py). The notify socket's
 last messages (a store's FDSTOREREMOVE) are applied before the next start.
+
+A planned restart (`upgrade`, given a `standby` start: `pagedkv serve`'s SIGHUP) shortens the
+gap to the adoption itself: the next child starts in standby (process/standby.py: its imports
+done, no pool touched) while the current one serves; once it says it is ready, the current one
+gets SIGTERM, and when it has exited (snapshot written, descriptors stored and drained) the
+standby receives the store's descriptors and goes on to adopt, restore and bind. A standby that
+dies or stays silent is killed and the current child left running.
 
 The watch runs on a thread of its own: waiting for the child's exit (which reaps it: no zombie)
 and for the new child's READY=1 blocks (a model load takes seconds), and the server's event loop
@@ -73,9 +81,18 @@ class Supervisor:
 
     def __init__(self, start: Callable[[], Launched], child: Launched, *,
                  startup_timeout_s: float, policy: RestartPolicy | None = None,
-                 resumable: Callable[[], bool] | None = None) -> None:
+                 resumable: Callable[[], bool] | None = None,
+                 standby: Callable[[], Launched] | None = None) -> None:
         self._start = start
         self._child = child
+        # Starts the next child in standby (process/standby.py) for a planned restart
+        # (`upgrade`); None: this child has none.
+        self._standby = standby
+        # The standby that replaces the current child when it exits (set once it is ready to
+        # adopt, before the current child is stopped); None: the next start is a plain one.
+        self._next: Launched | None = None
+        # Set while an upgrade runs: a second one is refused.
+        self._upgrading = threading.Lock()
         # Asked when a child exits, before it is started again: whether it left what the next
         # one restores (the daemon's snapshot and stored pool), so its clients may wait.
         self._resumable = resumable
@@ -139,8 +156,48 @@ class Supervisor:
         code = child.wait_for_exit()
         if self._thread.is_alive():
             self._thread.join()
+        with self._lock:
+            if self._next is not None:  # an upgrade's standby the watch did not take
+                self._next.stop(signal.SIGKILL)
+                self._next = None
         self._child.stop()  # closes its notify socket; the thread no longer reads it
         return code
+
+    def upgrade(self) -> bool:
+        """A planned restart, on a thread of its own (returns at once): start the next child in
+        standby, and once it is ready to adopt, SIGTERM the current one; the watch hands the
+        standby what the current one left when it exits. False (nothing done) without a
+        standby start, or while an upgrade or the stop runs."""
+        if self._standby is None or self._stopping.is_set() \
+                or not self._upgrading.acquire(blocking=False):
+            return False
+        threading.Thread(target=self._upgrade, name=f"pagedkv-{self.name}-upgrade",
+                         daemon=True).start()
+        return True
+
+    def _upgrade(self) -> None:
+        """`upgrade`'s thread: a standby that dies or stays silent is killed, the current
+        child left running."""
+        assert self._standby is not None
+        try:
+            standby = self._standby()
+            try:
+                standby.wait_for_standby(self.startup_timeout_s)
+            except (NoNotification, OSError) as exc:
+                log.warning("upgrade given up: the standby was not ready", child=self.name,
+                            error=str(exc).splitlines()[0])
+                standby.stop(signal.SIGKILL)
+                return
+            with self._lock:
+                if self._stopping.is_set() or self._child.process.poll() is not None:
+                    standby.stop(signal.SIGKILL)  # stopping, or the child died meanwhile
+                    return
+                self._next = standby
+                log.warning("upgrade: standby ready, stopping the current child",
+                            child=self.name, pid=self.pid, standby_pid=standby.process.pid)
+                self._child.send(signal.SIGTERM)
+        finally:
+            self._upgrading.release()
 
     def _watch(self) -> None:
         """Until stopped or given up: wait for the child's exit, then start it again."""
@@ -152,6 +209,9 @@ class Supervisor:
             self._child.drain()  # the store commands it sent last, before the next start
             self.resumes = self._resumable is not None and self._resumable()
             self._changed(up=False)
+            if self._next is not None:
+                self._adopt()
+                continue
             if code == EXIT_BAD_CONFIG:
                 self._give_up(f"the {self.name} exited with status {code} (a bad setting)")
                 return
@@ -172,6 +232,27 @@ class Supervisor:
             return False
         return not self._stopping.wait(self.policy.backoff_s(len(self._recent)))
 
+    def _adopt(self) -> None:
+        """A planned restart's second half: the ready standby receives the store's
+        descriptors and becomes the child (not counted against the restart bound: nothing
+        died)."""
+        with self._lock:
+            standby, self._next = self._next, None
+            assert standby is not None
+            if self._stopping.is_set():
+                standby.stop(signal.SIGKILL)
+                return
+            self._child.notify_socket.close()
+            self._child = standby
+            self.restarts += 1
+            try:
+                standby.hand_over()
+            except OSError as exc:  # it died meanwhile: the watch restarts it
+                log.warning("standby lost before the hand-over", child=self.name, error=str(exc))
+                return
+        log.warning("child upgraded", child=self.name, pid=self.pid, restarts=self.restarts)
+        self._wait_ready()
+
     def _restart(self) -> None:
         """Start a new child and wait for its READY=1; a child that dies or stays silent
         meanwhile is left to the next turn of the watch (a silent one is killed first)."""
@@ -183,6 +264,10 @@ class Supervisor:
             self._recent.append(time.monotonic())
             self.restarts += 1
         log.warning("child restarted", child=self.name, pid=self.pid, restarts=self.restarts)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        """Wait for the new child's READY=1 and say it is up; a silent one is killed."""
         try:
             self._child.wait_for_notification(READY_STATE, self.startup_timeout_s)
         except (NoNotification, OSError) as exc:  # OSError: stop() closed the socket

@@ -70,11 +70,12 @@ class FdStoreHost:
         """The stored descriptors, in the order the child receives them."""
         return [fd for _, fd in self.stored]
 
-    def env(self) -> dict[str, str]:
+    def env(self, passed: bool = True) -> dict[str, str]:
         """The child's store variables: $FDSTORE always, $LISTEN_FDS and $LISTEN_FDNAMES when
-        something is stored ($LISTEN_PID is the exec shim's)."""
+        something is stored and `passed` ($LISTEN_PID is the exec shim's; a standby start
+        receives them later: process/standby.py)."""
         env = {FD_STORE_ENV: str(self.max_fds)}
-        if self.stored:
+        if self.stored and passed:
             env |= {LISTEN_FDS_ENV: str(len(self.stored)),
                     LISTEN_FDNAMES_ENV: ":".join(self.names())}
         return env

@@ -20,6 +20,7 @@ processes through this module. Standard library only: a client program may impor
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -31,6 +32,7 @@ from types import TracebackType
 from typing import Self
 
 from pagedkv.process.fd_store_host import FdStoreHost
+from pagedkv.process.standby import STANDBY_FD_ENV, STANDBY_READY, hand_over
 from pagedkv.vocab.paths import (
     DAEMON_RUNNER_SOCKET_NAME,
     DAEMON_SOCKET_NAME,
@@ -77,6 +79,9 @@ class Launched:
     # The descriptor store its notify socket feeds (FDSTORE=1 ...), when its starter keeps
     # one for it (fd_store_host.py); None: descriptors sent are closed unread.
     fd_store: FdStoreHost | None = None
+    # A standby start's end of its hand-over socket (process/standby.py): it says
+    # STANDBY_READY there, then waits for the store's descriptors; None: a plain start.
+    standby: socket.socket | None = None
 
     @property
     def runners_target(self) -> str:
@@ -116,6 +121,35 @@ class Launched:
         self.notifications.append(message)
         return message
 
+    def wait_for_standby(self, timeout: float = START_TIMEOUT_S) -> None:
+        """Block until a standby start says it is ready to adopt (everything imported, no pool
+        touched); NoNotification as soon as it exits or stays silent past `timeout`."""
+        assert self.standby is not None, "only a standby start waits to adopt"
+        deadline = time.monotonic() + timeout
+        self.standby.settimeout(_POLL_S)
+        while time.monotonic() < deadline:
+            try:
+                said = self.standby.recv(64)
+            except TimeoutError:
+                if self.process.poll() is None:
+                    continue
+                said = b""
+            if said == STANDBY_READY:
+                return
+            raise NoNotification(f"the standby {self.name} process ended before it was ready "
+                                 f"to adopt:\n{log_tail(self.log_path)}")
+        raise NoNotification(f"the standby {self.name} process was not ready to adopt within "
+                             f"{timeout:g} s:\n{log_tail(self.log_path)}")
+
+    def hand_over(self) -> None:
+        """Give a ready standby start the store's descriptors (as a restart would receive
+        them) once the process it replaces has exited and been drained; it then adopts them."""
+        assert self.standby is not None and self.fd_store is not None, \
+            "only a standby start with a store receives its descriptors"
+        hand_over(self.standby, self.fd_store.names(), self.fd_store.fds())
+        self.standby.close()
+        self.standby = None
+
     def drain(self) -> None:
         """Receive every message waiting on the notify socket (once the process exited: the
         store commands it sent last, such as FDSTOREREMOVE at exit); none waits."""
@@ -152,6 +186,8 @@ class Launched:
         if self.process.poll() is None:
             self.send(sig)
         code = self.wait_for_exit()
+        if self.standby is not None:
+            self.standby.close()
         if self.fd_store is not None and self.notify_socket.fileno() >= 0:
             self.drain()
         self.notify_socket.close()
@@ -167,15 +203,19 @@ class Launched:
 
 def start_process(name: str, command: list[str], folder: Path, unix_target: str,
                   env: dict[str, str] | None = None, log_file: bool = True,
-                  fd_store: FdStoreHost | None = None) -> Launched:
+                  fd_store: FdStoreHost | None = None, standby: bool = False) -> Launched:
     """Start `command` with its notify socket (NAME.notify) and its stderr (NAME.log; with
     log_file=False, this process's stderr) in `folder`, which must be short: unix socket paths
     are limited to ~107 bytes; with `fd_store`, as a unit with a descriptor store (it receives
-    the stored descriptors and $FDSTORE). Returns at once; the caller waits for READY_STATE and
-    stops it."""
-    notify_path = folder / f"{name}.notify"
+    the stored descriptors and $FDSTORE). `standby` (with `fd_store`): the next process of a
+    unit whose current one still runs: its own notify socket, its log appended to, no stored
+    descriptor now; they come through `hand_over` (process/standby.py). Returns at once; the
+    caller waits for READY_STATE (a standby: `wait_for_standby` first) and stops it."""
+    assert fd_store is not None or not standby, "a standby start adopts a store's descriptors"
+    notify_path = _standby_notify_path(folder, name) if standby else folder / f"{name}.notify"
     notify_path.unlink(missing_ok=True)  # a process restarted in the same folder
     receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ours, theirs = socket.socketpair() if standby else (None, None)
     try:
         receiver.bind(str(notify_path))
         receiver.settimeout(_POLL_S)
@@ -183,28 +223,51 @@ def start_process(name: str, command: list[str], folder: Path, unix_target: str,
         # A descriptor store ($FDSTORE) is this process's unit's: the child's notify socket is
         # ours, which keeps descriptors only with `fd_store`.
         environment.pop("FDSTORE", None)
+        environment.pop(STANDBY_FD_ENV, None)
+        pass_fds: list[int] = []
         if fd_store is not None:
-            environment |= fd_store.env()
-            command = fd_store.exec_command(command)
-        with (folder / f"{name}.log").open("wb") if log_file else contextlib.nullcontext() \
-                as log:
+            environment |= fd_store.env(passed=not standby)
+        if theirs is not None:
+            environment[STANDBY_FD_ENV] = str(theirs.fileno())
+            pass_fds = [theirs.fileno()]
+        elif fd_store is not None:
+            command, pass_fds = fd_store.exec_command(command), fd_store.fds()
+        with (folder / f"{name}.log").open("ab" if standby else "wb") if log_file \
+                else contextlib.nullcontext() as log:
             process = subprocess.Popen(
                 command, env=environment, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=log, pass_fds=fd_store.fds() if fd_store is not None else ())
+                stderr=log, pass_fds=pass_fds)
     except BaseException:
         receiver.close()
+        if ours is not None:
+            ours.close()
         raise
-    return Launched(name, process, folder, unix_target, receiver, fd_store=fd_store)
+    finally:
+        if theirs is not None:
+            theirs.close()
+    return Launched(name, process, folder, unix_target, receiver, fd_store=fd_store,
+                    standby=ours)
+
+
+def _standby_notify_path(folder: Path, name: str) -> Path:
+    """A notify socket path in `folder` no process of `name` uses: the current one keeps its
+    own until it exits (a name as short as NAME.notify's plus 5, for the folder's bound)."""
+    while True:
+        path = folder / f"{name}.{secrets.token_hex(2)}.notify"
+        if not path.exists():
+            return path
 
 
 def start_daemon(folder: Path, *args: str, listen_path: Path | None = None,
                  env: dict[str, str] | None = None, log_file: bool = True,
-                 fd_store: FdStoreHost | None = None) -> Launched:
+                 fd_store: FdStoreHost | None = None, standby: bool = False) -> Launched:
     """`pagedkvd` with `args`, logging JSON; its files in `folder`, its public socket there
     too (pagedkvd.sock) unless `listen_path` names another, its runner socket there always
-    (`runners_target`). Its pool file goes where `--shm-dir` says (/dev/shm by default)."""
+    (`runners_target`). Its pool file goes where `--shm-dir` says (/dev/shm by default).
+    `standby`: start_process's."""
     command, unix_target = daemon_command(folder, *args, listen_path=listen_path)
-    return start_process("pagedkvd", command, folder, unix_target, env, log_file, fd_store)
+    return start_process("pagedkvd", command, folder, unix_target, env, log_file, fd_store,
+                         standby)
 
 
 def daemon_command(folder: Path, *args: str,

@@ -10,31 +10,35 @@
 It starts a daemon planned for the model and a runner next to it, as the `LLM` does (or uses
 running ones), opens one engine on them and serves HTTP (app.py). The engine's flags are
 `LLMConfig`'s, shared with `pagedkv generate` and `LLM(...)` (vLLM's names); the model may come
-first, as `vllm serve MODEL`. Every --served-model-name is accepted as a request's `model`
-and listed by /v1/models; the first names the server (its metrics label, its log). The keys
-clients must send are --api-key's, --api-key-file's and $PAGEDKV_API_KEY's (vLLM's
-VLLM_API_KEY). The daemon and the runner it
-started are supervised (llm/supervisor.py, server/recovery.py): a runner that dies is started
-again and the engine resends each sequence's history, so the streams go on with the tokens they
-would have had; a daemon that dies takes every sequence with it, so the requests in flight get
-a retryable 503, and once it is started again a new engine opens on it. While either is down,
-new requests and /health get 503 with the reason. The port is bound first, before any child
-starts or any model loads, so a port in use fails the start at once; an unreachable --daemon or
---runner fails it in one line naming the target. systemd readiness (READY=1) is sent once the
-port serves. SIGTERM drains: new requests get 503, running ones finish (up to
---drain-timeout-s), then the engine, the runner and the daemon stop. Exit codes: 0, 2 for a bad
-flag or model, 1 when the port is in use (it may be freed: systemd retries), when the services
-failed to start or cannot be reached, or are not restarted any more (a bad setting, too many
-deaths within a minute: systemd then restarts the whole unit).
+first, as `vllm serve MODEL`. Every --served-model-name is accepted as a request's `model` and
+listed by /v1/models; the first names the server (its metrics label, its log). The keys clients
+must send are --api-key's, --api-key-file's and $PAGEDKV_API_KEY's (vLLM's VLLM_API_KEY). The
+daemon and the runner it started are supervised (llm/supervisor.py, server/recovery.py): a
+runner that dies is started again and the engine resends each sequence's history, so the
+streams go on with the tokens they would have had; a daemon that dies takes every sequence with
+it, so the requests in flight get a retryable 503, and once it is started again a new engine
+opens on it. While either is down, new requests and /health get 503 with the reason. The port
+is bound first, before any child starts or any model loads, so a port in use fails the start at
+once; an unreachable --daemon or --runner fails it in one line naming the target. systemd
+readiness (READY=1) is sent once the port serves. SIGHUP upgrades the daemon it started (a new
+install is picked up): the next daemon starts in standby and takes over the pool, the sessions
+and the sockets once the current one has stopped (llm/supervisor.py `upgrade`); streams pause
+for the hand-over only. With a --daemon of its own, SIGHUP is ignored (logged). SIGTERM drains:
+new requests get 503, running ones finish (up to --drain-timeout-s), then the engine, the
+runner and the daemon stop. Exit codes: 0, 2 for a bad flag or model, 1 when the port is in use
+(it may be freed: systemd retries), when the services failed to start or cannot be reached, or
+are not restarted any more (a bad setting, too many deaths within a minute: systemd then
+restarts the whole unit).
 """
 
 import argparse
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pagedkv.client.engine.engine import Engine
@@ -228,13 +232,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _upgrade_on_sighup(daemon: Supervisor | None) -> Iterator[None]:
+    """SIGHUP: a planned upgrade of the daemon serve started (Supervisor.upgrade); logged and
+    ignored without one, or while one runs."""
+    def upgrade() -> None:
+        if daemon is None or not daemon.upgrade():
+            log.warning("SIGHUP ignored: no daemon of this server's own to upgrade, or an "
+                        "upgrade or the stop is under way")
+            return
+        log.warning("SIGHUP: upgrading the daemon", pid=daemon.pid)
+
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGHUP, upgrade)
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(signal.SIGHUP)
+
+
 async def _serve(args: argparse.Namespace, sockets: list[socket.socket], config: LLMConfig,
                  services: Services, keys: tuple[ApiKey, ...], limits: ConnectionLimits,
                  model_name: str,
                  backend_for: Callable[[Engine, ServerMetrics], Backend]) -> None:
     """Serve on `sockets` (bound by `listen`) until SIGTERM or SIGINT, then drain; the
     metrics are labelled with the served `model_name`."""
-    with stop_on_signals() as stop:
+    with stop_on_signals() as stop, _upgrade_on_sighup(services.daemon_supervisor):
         # Our own daemon restores its sessions after a restart: daemon calls wait out the gap.
         pool_retry = OUTAGE_RETRY if services.daemon_supervisor is not None else DEFAULT_RETRY
 

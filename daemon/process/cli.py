@@ -12,6 +12,7 @@ import sys
 from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.process.settings_sources import add_serve_arguments, config_from_args
 from pagedkv.process import log_setup
+from pagedkv.process.standby import Standby
 
 # A setting is wrong: restarting would fail the same way.
 EXIT_BAD_CONFIG = 2
@@ -26,11 +27,17 @@ def run_serve(args: argparse.Namespace, prog: str) -> int:
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    # A planned restart's standby (process/standby.py): descriptors 3, 4, ... held before
+    # the imports open any.
+    standby = Standby.from_env()
     # Imported only now: torch and grpc take seconds to load, `pagedkvd --help` and a bad
     # setting need neither.
     from pagedkv.daemon.process.server import serve
     from pagedkv.daemon.service.memory_order import MemoryFailed
     from pagedkv.process.grpc_server import StartupError
+
+    if standby is not None:  # the current daemon stops now; its descriptors come then
+        standby.wait_for_adoption()
 
     log_setup.configure(config.log_level, config.log_format)
     try:
