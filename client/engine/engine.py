@@ -46,7 +46,13 @@ from pagedkv.client.engine.scheduler import Plan, Scheduler, SchedulerConfig
 from pagedkv.client.engine.swap_rule import HostTier
 from pagedkv.client.engine.waiters import OutputKind, Waiters
 from pagedkv.client.pool.client import DEFAULT_RETRY, PoolClient
-from pagedkv.client.pool.errors import OutcomeUnknown, PagedKVError, PoolExhausted, StalePlan
+from pagedkv.client.pool.errors import (
+    DaemonUnavailable,
+    OutcomeUnknown,
+    PagedKVError,
+    PoolExhausted,
+    StalePlan,
+)
 from pagedkv.client.pool.recovery import RetryPolicy
 from pagedkv.client.pool.runner_client import RunnerClient, RunnerInfo
 from pagedkv.client.pool.sampling_params import SamplingParams
@@ -390,6 +396,11 @@ class Engine:
             pushed = (await next_push(self.runner, self.session, self._wake) if wait
                       else self.runner.take_push(self.session))
         except PoolExhausted:  # nothing changed: the engine's own step meets it next
+            self.following.stop()
+            return False
+        except DaemonUnavailable:
+            # The runner's own step met its daemon gone and forgot the session's sequences
+            # (stepped no further than this push): the engine's next step resends histories.
             self.following.stop()
             return False
         except OutcomeUnknown:

@@ -22,7 +22,12 @@ restart in one of two ways:
 A step the runner refuses with `RunnerUnavailable` changed nothing (its daemon is away): it is
 sent again every RESTART_POLL_S until the runner takes it (restart_wait_s at most). A daemon
 restarted with `restore = "auto"` kept the session, its sequences and the runner's mapping, so
-the step then goes through as if the daemon had only paused.
+the step then goes through as if the daemon had only paused. A step whose daemon call found the
+daemon gone (the runner relays `DaemonUnavailable`) may have been applied: the runner forgot
+the session's sequences, so, as after a runner restart, its new sequences are freed and it is
+sent again with histories once the runner takes steps; the runner reads them back from the
+daemon's records (after a crash, a daemon restored from its crash log: only the tokens past the
+committed ones are computed again).
 
 A step is sent at most twice; a second failure is the engine's to report. Any other error is
 never resent: `StepNotComputed` (the step was applied, its forward failed) resent as it was would
@@ -37,6 +42,7 @@ from collections.abc import Sequence
 
 from pagedkv.client.engine.sequences import Seq
 from pagedkv.client.pool.errors import (
+    DaemonUnavailable,
     NotFound,
     OutcomeUnknown,
     RunnerUnavailable,
@@ -78,6 +84,10 @@ class RunnerLink:
             return await self._step(steps, release, follow)
         except UnknownSequence:
             pass
+        except DaemonUnavailable:  # relayed: the runner forgot the session's sequences
+            if not resend:
+                raise
+            await self._free_new(steps)
         except OutcomeUnknown:
             before = self.runner_id
             if not await self._runner_answers():
@@ -129,7 +139,7 @@ class RunnerLink:
         new = [step.seq_id for step in steps if step.new_sequence]
         if new:
             with contextlib.suppress(NotFound):
-                await self.runner.step(self.session, [], new)
+                await self._step([], new, False)
 
 
 def with_history(seqs: Sequence[Seq], steps: Sequence[SeqStep]) -> list[SeqStep]:

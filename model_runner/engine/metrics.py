@@ -55,6 +55,16 @@ class RunnerMetrics:
             "Answers pushed on Runner.StepStreams while the runner followed their sessions "
             "(follow): answered, or failed (the push carried its status and following ended).",
             ["outcome"], registry=registry)
+        self._recomputed = prometheus_client.Counter(
+            "pagedkv_runner:recomputed_tokens",
+            "Tokens of histories a client resent (the runner had forgotten the sequence: its "
+            "own restart, or a daemon that went away or came back from its crash log) computed "
+            "again: those past the daemon's committed tokens (the step's new token not "
+            "counted).",
+            registry=registry)
+
+    def recomputed(self, num_tokens: int) -> None:
+        self._recomputed.inc(num_tokens)
 
     def push(self, ok: bool) -> None:
         self._pushes.labels("answered" if ok else "failed").inc()

@@ -47,7 +47,7 @@ class Preparer:
         # Decode steps with a daemon Step only once a block (reservations.py).
         self.blocks = BlockSteps(self.steps, holds, runner)
         # Reads back the sequences a step names that the runner does not know, or must check.
-        self.read_back = ReadBack(holds)
+        self.read_back = ReadBack(holds, metrics)
         # The model runner in use (its block size, vocabulary and positions).
         self._runner = runner
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from pagedkv.client import SeqStep, SequenceBlocks
 from pagedkv.model_runner.engine.holds import SessionHolds
+from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.sequences import Ahead, SeqState, SessionSequences
 from pagedkv.model_runner.engine.step_checks import check_daemon_ids
 from pagedkv.model_runner.engine.steps import InvalidStep, UnknownSequence
@@ -27,9 +28,11 @@ from pagedkv.model_runner.engine.steps import InvalidStep, UnknownSequence
 class ReadBack:
     """Learns and checks sequences from the daemon's tables, under the client's session."""
 
-    def __init__(self, holds: SessionHolds) -> None:
+    def __init__(self, holds: SessionHolds, metrics: RunnerMetrics | None = None) -> None:
         # The runner's holds: the read-back holds the session, as a call before a forward.
         self.holds = holds
+        # Where the tokens of resent histories computed again are counted.
+        self.metrics = metrics
 
     async def learn(self, known: SessionSequences, requests: Sequence[SeqStep]) -> None:
         """Read back existing sequences the runner has not seen: a fork (its parent's history)
@@ -62,6 +65,9 @@ class ReadBack:
                   for request, table in zip(unknown, tables[:len(unknown)], strict=True)]
         for request, state in zip(unknown, learnt, strict=True):
             known.put(request.seq_id, state)
+            if self.metrics is not None and request.history is not None:
+                self.metrics.recomputed(max(len(request.history.token_ids) - state.num_computed,
+                                            0))
 
     @staticmethod
     def _unappended(known: SessionSequences, request: SeqStep) -> bool:

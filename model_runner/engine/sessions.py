@@ -100,6 +100,11 @@ class SessionTable:
                 self._models.pop(session_id, None)
         self._sweep()  # an entry kept past max_idle while it held goes once its hold ended
 
+    def forget(self, session_id: str) -> None:
+        """Drop the session's entry (what the daemon holds of it is unknown: a call's answer was
+        lost); a step still using it goes on with it, and the next step reads back."""
+        self._entries.pop(session_id, None)
+
     def forget_all(self) -> None:
         """Drop every entry (the daemon restarted: its sessions are gone)."""
         self._entries.clear()

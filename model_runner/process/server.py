@@ -91,6 +91,8 @@ log = get_logger(__name__)
 # How often the watcher asks the daemon which pool it serves.
 POOL_CHECK_INTERVAL_S = 1.0
 RUNNER_SERVICE = rpb.DESCRIPTOR.services_by_name["Runner"].full_name
+# Why steps are refused while the daemon does not answer.
+UNAVAILABLE = "the pagedkv daemon is unavailable; the runner is reconnecting"
 # Group may connect (the clients' group); others may not.
 SOCKET_MODE = 0o660
 
@@ -159,7 +161,16 @@ class RunnerState:
         """The engine's step, refused while the pool is unavailable."""
         if self.unavailable is not None:
             raise RunnerUnavailable(self.unavailable)
-        return await self.engine.step(session_id, requests, release)
+        try:
+            return await self.engine.step(session_id, requests, release)
+        except DaemonUnavailable:
+            # What the daemon applied of the step is unknown (it may come back from its crash
+            # log): the session's sequences are forgotten, so the client's resend is read back
+            # from the daemon's records (the promise of a relayed DaemonUnavailable), and steps
+            # wait until the watcher has checked the pool.
+            self.engine.sessions.forget(session_id)
+            self.unavailable = UNAVAILABLE
+            raise
 
     async def follow(self, session_id: str, implied: Sequence[SeqStep],
                      deliver: Callable[[StepOutputs], None],
@@ -336,7 +347,15 @@ async def _watch_pool(state: RunnerState, pool: PoolClient,
         await asyncio.sleep(POOL_CHECK_INTERVAL_S)
         try:
             info = await pool.pool_info()
-            if info.pool_id != state.info.pool_id and info.previous_pool_id == state.info.pool_id:
+            kept = info.previous_pool_id == state.info.pool_id
+            if info.pool_id != state.info.pool_id and kept and info.recovered_from_crash_log:
+                log.warning("daemon recovered from its crash log: mapping the same memory, "
+                            "forgetting what the runner computed past committed tokens",
+                            old=state.info.pool_id, new=info.pool_id)
+                state.engine.forget_all()
+                state.engine.runner = await attach(info)
+                state.info = info
+            elif info.pool_id != state.info.pool_id and kept:
                 log.info("daemon restarted with its pool kept: registering the model, mapping "
                          "the same memory, keeping the sessions", old=state.info.pool_id,
                          new=info.pool_id)
@@ -355,7 +374,7 @@ async def _watch_pool(state: RunnerState, pool: PoolClient,
         except DaemonUnavailable:
             if state.unavailable is None:
                 log.warning("daemon unavailable", daemon_pool=state.info.pool_id)
-            state.unavailable = "the pagedkv daemon is unavailable; the runner is reconnecting"
+            state.unavailable = UNAVAILABLE
             await _release_pool(state)
             continue
         except PagedKVError as exc:  # the daemon answered, but not yet as asked: try again

@@ -1,0 +1,81 @@
+"""An Engine through a daemon crash with `restore = "auto"` and the crash log: real processes
+(a `pagedkvd` under a supervisor that emulates systemd's fd store, and a `pagedkv runner`).
+The daemon is killed with SIGKILL while several greedy streams generate; the supervisor starts
+the next one, which replays the crash log onto the same pool memory
+(PoolInfo.recovered_from_crash_log). The runner forgets its sequences' progress, the engine
+resends their histories, and the runner recomputes exactly the tokens it had computed past the
+daemon's committed ones: every request finishes, with the tokens a run with no crash gives."""
+
+import asyncio
+import signal
+import urllib.request
+from pathlib import Path
+
+import pytest
+from fd_store_supervisor import FdStoreSupervisor, restoring_daemon_args
+
+from pagedkv.client import SamplingParams
+from pagedkv.client.engine.engine import Engine
+
+from metrics_text import sample_value
+from pagedkvd_process import free_tcp_port, pagedkv_runner, short_tmp_dir
+from served_model import TINY, hf_greedy, reference_model, write_config
+
+PROMPTS = [[5, 17, 33, 2, 9, 71], [3, 1, 4, 1, 5, 9, 2, 6], [8, 8, 8], [40, 41, 42, 43]]
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+async def test_streams_go_on_through_a_daemon_crash(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    config = str(write_config(TINY, tmp_path_factory))
+    port = free_tcp_port()
+    with short_tmp_dir() as folder:
+        args = restoring_daemon_args(config, folder)
+        supervisor = FdStoreSupervisor(folder)
+        daemons = [supervisor.start(*args)]
+        try:
+            with pagedkv_runner(daemons[0], "--random-init", config,
+                                "--metrics-listen", f"127.0.0.1:{port}") as runner:
+                async with await Engine.connect(daemons[0].unix_target, runner.unix_target,
+                                                lease_ttl_ms=60_000) as engine:
+                    started = [asyncio.Event() for _ in PROMPTS]
+                    streams = [asyncio.create_task(_tokens(engine, prompt, event))
+                               for prompt, event in zip(PROMPTS, started, strict=True)]
+                    for event in started:  # mid-generation: every stream has a token
+                        await event.wait()
+                    assert not any(stream.done() for stream in streams)
+                    supervisor.stop(daemons[0], signal.SIGKILL)
+                    daemons.append(supervisor.start(*args))
+                    assert "restored from the crash log" in daemons[1].stderr()
+                    outputs = await asyncio.gather(*streams)
+                assert "recovered from its crash log" in runner.stderr()
+                metrics = _metrics(port)
+                assert supervisor.stop(daemons[1]) == 0
+        finally:
+            for daemon in daemons:
+                daemon.stop()
+            supervisor.close()
+    reference = reference_model(Path(config))
+    assert outputs == [hf_greedy(reference, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    recomputed = sample_value(metrics, "pagedkv_runner:recomputed_tokens_total")
+    prefill = sample_value(metrics, "pagedkv_runner:tokens_total", kind="prefill")
+    prompts = sum(map(len, PROMPTS))
+    assert recomputed > 0
+    # Every prefill token beyond the prompts is a recomputed one, or a resent sequence's new
+    # token in the same chunk: no request was preempted and computed again from its prompt.
+    assert prompts + recomputed <= prefill <= prompts + recomputed + len(PROMPTS)
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return str(response.read().decode())
+
+
+async def _tokens(engine: Engine, prompt: list[int], started: asyncio.Event) -> list[int]:
+    """The stream's tokens, `started` set at its first output."""
+    tokens: list[int] = []
+    async for output in engine.stream(prompt, GREEDY):
+        tokens = list(output.outputs[0].token_ids)
+        started.set()
+    return tokens
