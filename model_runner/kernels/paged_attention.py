@@ -13,11 +13,11 @@ bring one token (the runner packs them first), the prefill kernel (causal within
 the others, both in the same layer call when decodes join a prefill. transformers builds
 no mask for an implementation it does not know (`attention_mask` is None): causality is the
 kernels', and so is the sliding window its masks would have applied, which the hook reads from
-the config per layer (`layer_sliding_window`); a logit softcap comes as the layer's `softcap`
-argument, as transformers' own attention functions get it. All layers' K/V are written before
-any layer of a later step reads them, and within a layer every chunk is written before any chunk
-attends, so chunks of one step may read each other's blocks (two prompts sharing a prefix
-allocated in one batch).
+the config once per forward for every layer (`layer_windows`); a logit softcap comes as the
+layer's `softcap` argument, as transformers' own attention functions get it. All layers' K/V
+are written before any layer of a later step reads them, and within a layer every chunk is
+written before any chunk attends, so chunks of one step may read each other's blocks (two
+prompts sharing a prefix allocated in one batch).
 
 A model whose attention the kernels cannot compute exactly (another layer type, bidirectional
 attention, attention sinks) is refused by `enable_paged_attention`, before any

@@ -1,8 +1,10 @@
 """Work the attention of every layer of one forward shares, done by the first layer only.
 
-The gather indices of the torch kernels and the launch grid of the Triton kernels depend on the
-batch (block tables, sequence lengths, query layout), the sliding window and the model's head
-counts, never on anything else of a layer: the key names what they depend on beyond the batch.
+The torch kernels' indices (store_kv's slot rows and the tokens that write, the gathers' rows,
+the masks as ready tensors), the launch grid of the Triton kernels and every layer's sliding
+window (read from the config once) depend on the batch (slots, block tables, sequence lengths,
+query layout), the sliding window, the model's config and head counts, never on anything else
+of a layer: the key names what they depend on beyond the batch.
 A forward's `PagedContext.per_forward` is a fresh dict that the attention calls of its layers
 pass to the kernels; the first call under a key computes the value, the others reuse it:
 
