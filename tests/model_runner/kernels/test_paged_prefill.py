@@ -16,6 +16,7 @@ from pagedkv.model_runner.kernels.paged_decode import (
     paged_decode_attention_triton,
 )
 from pagedkv.model_runner.kernels.paged_prefill import (
+    attend,
     paged_prefill_attention_torch,
     paged_prefill_attention_triton,
 )
@@ -170,3 +171,17 @@ def test_torch_twins_reuse_their_workspace_safely():
 
     with ThreadPoolExecutor(1) as pool:
         pool.submit(run).result()
+
+
+@pytest.mark.parametrize("cap", [0.0, 2.0])
+def test_attend_takes_a_bool_mask_or_its_ready_fp32_form(cap):
+    """The decode plan hands attend its mask as fp32 0 / -inf once per forward (SDPA converts
+    a bool mask in every call): the same outputs as the bool mask, with a softcap too."""
+    torch.manual_seed(0)
+    q, keys, values = (torch.randn(3, 2, 4, 16) for _ in range(3))
+    keys, values = (x.repeat(1, 1, 2, 1) for x in (keys, values))  # [3, 2, 8, 16]
+    counted = torch.rand(3, 1, 4, 8) < 0.6
+    counted[..., 0] = True  # every row counts a key
+    ready = torch.where(counted, 0.0, float("-inf"))
+    torch.testing.assert_close(attend(q, keys, values, ready, 0.25, cap),
+                               attend(q, keys, values, counted, 0.25, cap), rtol=0, atol=0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pagedkv.model_runner.kernels import paged_decode, paged_prefill
+from pagedkv.model_runner.kernels import paged_attention, paged_decode, paged_prefill, store_kv
 from pagedkv.model_runner.kernels.attention_backend import TORCH_BACKEND
 from pagedkv.model_runner.kernels.paged_decode import paged_decode_attention_torch
 from pagedkv.model_runner.kernels.paged_prefill import paged_prefill_attention_torch
@@ -103,3 +103,32 @@ def test_a_runner_forward_computes_the_decode_index_once_for_all_layers(monkeypa
     monkeypatch.setattr(paged_decode, "shared", lambda per_forward, key, make: make())
     torch.testing.assert_close(runner.step(chunks), logits, rtol=0, atol=0)
     assert index_calls[0] == 5
+
+
+def test_a_runner_forward_plans_the_stores_and_windows_once_for_all_layers(monkeypatch):
+    """A 3-layer Llama decode step with a token that writes nothing (slot -1) computes
+    store_kv's rows and every layer's window once; its logits and pool equal those of a step
+    computing them in every layer."""
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, initializer_range=0.2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    before = torch.randn(8, 3, 2, BLOCK_SIZE, 2, 16)
+    shared_runner, alone_runner = (ModelRunner(model, before.clone(), BLOCK_SIZE, TORCH_BACKEND)
+                                   for _ in range(2))
+    # the first sequence writes its token into block 1, the second computes without writing
+    chunks = [SequenceChunk([7], 19, [1 * BLOCK_SIZE + 3], [3, 1]),
+              SequenceChunk([9], 4, [-1], [6])]
+    row_calls = _count_calls(monkeypatch, store_kv, "_store_rows")
+    window_calls = _count_calls(monkeypatch, paged_attention, "layer_windows")
+    logits = shared_runner.step(chunks)
+    assert (row_calls[0], window_calls[0]) == (1, 1)
+    for module in (store_kv, paged_attention):
+        monkeypatch.setattr(module, "shared", lambda per_forward, key, make: make())
+    alone = alone_runner.step(chunks)
+    assert (row_calls[0], window_calls[0]) == (4, 4)
+    torch.testing.assert_close(alone, logits, rtol=0, atol=0)
+    assert torch.equal(alone_runner.pool, shared_runner.pool)
+    written = shared_runner.pool != before  # [blocks, layers, K/V, slots, H_kv, D]
+    assert written.any(dim=(1, 2, 4, 5)).nonzero().tolist() == [[1, 3]]  # block 1, slot 3 only
