@@ -55,7 +55,6 @@ from pagedkv.daemon.core import (
     BatchAppend,
     InvalidArgument,
     PoolAllocator,
-    PoolError,
     PoolStats,
     PrefixHash,
     SeqUpdate,
@@ -90,13 +89,7 @@ from pagedkv.daemon.service.operations import (
 )
 from pagedkv.daemon.service.request_budget import RequestBudget
 from pagedkv.daemon.service.session_life import SessionLife
-from pagedkv.daemon.service.session_ops import (
-    BlockMemory,
-    HostMemory,
-    MemoryWork,
-    PoolFull,
-    SessionOps,
-)
+from pagedkv.daemon.service.session_ops import BlockMemory, HostMemory
 from pagedkv.daemon.service.sessions import Session, SessionRegistry, SessionStats
 from pagedkv.daemon.service.tenants import TenantFigures, Tenants, TenantUsage, trusted_caller
 from pagedkv.vocab.geometry import ModelGeometry
@@ -266,20 +259,24 @@ class PoolService:
     async def commit(self, session_id: str, op: Commit) -> int:
         """Certify K/V written; returns how many blocks became shareable."""
         check_work(self.limits, op_work(op, self.pool.block_size), "Commit")
-        return await self.calls.change(session_id, lambda session, ops, _work, _answer: ops.commit(
-            session, op.seq_ids, op.num_tokens), commits=True,
-            record=lambda: ["op", session_id, op_record(op)])
+        async with self.calls.call(session_id, commits=True,
+                                   record=lambda: ["op", session_id, op_record(op)]) as call:
+            blocks = call.fit(lambda: call.ops.commit(call.session, op.seq_ids, op.num_tokens))
+        return blocks
 
     async def free(self, session_id: str, op: Free) -> int:
         """Drop a sequence; returns how many blocks went back to the pool."""
-        return await self.calls.change(session_id, lambda session, ops, work, _answer: ops.free(
-            session, op.seq_id, work), frees="Free",
-            record=lambda: ["op", session_id, op_record(op)])
+        async with self.calls.call(session_id, frees="Free",
+                                   record=lambda: ["op", session_id, op_record(op)]) as call:
+            blocks = call.fit(lambda: call.ops.free(call.session, op.seq_id, call.work))
+        return blocks
 
     async def _single(self, session_id: str, op: Operation) -> SeqUpdate:
         check_work(self.limits, op_work(op, self.pool.block_size), operation_name(op))
-        return await self.calls.change(session_id, lambda session, ops, work, answer: ops.apply(
-            session, op, work, answer), record=lambda: ["op", session_id, op_record(op)])
+        async with self.calls.call(session_id,
+                                   record=lambda: ["op", session_id, op_record(op)]) as call:
+            update = call.fit(lambda: call.ops.apply(call.session, op, call.work, call.budget))
+        return update
 
     async def batch(self, session_id: str, ops: Sequence[Operation],
                     hold: Hold = NO_HOLD) -> list[SeqUpdate]:
@@ -289,29 +286,20 @@ class PoolService:
             raise InvalidArgument("a batch needs at least one op")
         self.check_batch_ops(len(ops))
         check_work(self.limits, (op_work(op, self.pool.block_size) for op in ops), "Batch")
-        return await self.calls.change(session_id, lambda session, books, work, answer: [
-            self._apply_numbered(session, books, index, op, work, answer)
-            for index, op in enumerate(ops)], commits=any(isinstance(op, Commit) for op in ops),
-            frees="Batch" if any(isinstance(op, Free) for op in ops) else "", hold=hold,
-            record=lambda: ["batch", session_id, [op_record(op) for op in ops],
-                    [hold.hold_ms, hold.end]])
+        commits = any(isinstance(op, Commit) for op in ops)
+        frees = "Batch" if any(isinstance(op, Free) for op in ops) else ""
+        record = lambda: ["batch", session_id, [op_record(op) for op in ops],  # noqa: E731
+                          [hold.hold_ms, hold.end]]
+        async with self.calls.call(session_id, commits=commits, frees=frees, hold=hold,
+                                   record=record) as call:
+            updates = call.fit(lambda: call.ops.apply_all(call.session, ops, call.work,
+                                                          call.budget))
+        return updates
 
     def check_batch_ops(self, count: int) -> None:
         """Refuse a Batch of more than max_batch_ops ops; the servicer asks before it
         translates a single op, so an oversized batch costs no translation."""
         self.limits.check_count("ops", count, "max_batch_ops")
-
-    @staticmethod
-    def _apply_numbered(session: Session, ops: SessionOps, index: int, op: Operation,
-                        work: MemoryWork, answer: AnswerBudget) -> SeqUpdate:
-        """Apply one op of a batch; an error says which op failed."""
-        try:
-            return ops.apply(session, op, work, answer)
-        except PoolFull as exc:
-            raise PoolFull(f"op {index} ({operation_name(op)}): {exc}", exc.needed,
-                           exc.available) from exc
-        except PoolError as exc:
-            raise type(exc)(f"op {index} ({operation_name(op)}): {exc}") from exc
 
     async def step(self, session_id: str, seq_ids: Sequence[int], num_tokens: int = 1,
                    token_ids: Sequence[int] = (), *, commit: bool = False,
@@ -328,12 +316,15 @@ class PoolService:
         check_work(self.limits, step_work(len(seq_ids), num_tokens + reserve_tokens,
                                           self.pool.block_size), "Step")
         answer = answer or self.answer_budget()
+        record = lambda: ["step", session_id, plain(seq_ids), num_tokens,  # noqa: E731
+                          plain(token_ids), commit, hold_ms, reserve_tokens]
         with answer.part():
-            return await self.calls.change(session_id, lambda session, ops, work, budget: ops.step(
-                session, seq_ids, num_tokens, token_ids, work, budget, commit, reserve_tokens),
-                answer, commits=commit, hold=Hold(hold_ms),
-                record=lambda: ["step", session_id, plain(seq_ids), num_tokens,
-                                plain(token_ids), commit, hold_ms, reserve_tokens])
+            async with self.calls.call(session_id, answer, commits=commit, hold=Hold(hold_ms),
+                                       record=record) as call:
+                appended = call.fit(lambda: call.ops.step(
+                    call.session, seq_ids, num_tokens, token_ids, call.work, call.budget,
+                    commit, reserve_tokens))
+        return appended
 
     def step_many_budget(self, entries: int) -> AnswerBudget:
         """The answer budget a StepMany of `entries` Steps shares, their envelopes charged:
@@ -357,19 +348,11 @@ class PoolService:
             raise InvalidArgument("no seq_ids given")
         self.models.own.format.ops.check_seq_ids(seq_ids)
         check_work(self.limits, len(seq_ids), "GetBlockTables")
-
-        def tables(session: Session, ops: SessionOps, _: MemoryWork,
-                   answer: AnswerBudget) -> list[SeqUpdate]:
-            keys, pool = ops.own_all(session, seq_ids), ops.pool
-            for key in keys:
-                n = pool.num_tokens(key)
-                answer.sequence("GetBlockTables", pool.table_length(key),
-                                token_ids=n if with_token_ids else 0)
-            return [SeqUpdate(pool.block_table(k), pool.num_tokens(k), pool.committed_tokens(k),
-                              token_ids=(pool.token_ids(k) or []) if with_token_ids
-                              else None) for k in keys]
         record = (lambda: ["tables", session_id, plain(seq_ids), hold_ms]) if hold_ms else None
-        return await self.calls.change(session_id, tables, hold=Hold(hold_ms), record=record)
+        async with self.calls.call(session_id, hold=Hold(hold_ms), record=record) as call:
+            tables = call.fit(lambda: call.ops.tables(call.session, seq_ids, with_token_ids,
+                                                      call.budget))
+        return tables
 
     def pool_stats(self) -> PoolStats:
         """Every pool-wide figure: for the metrics endpoint (operators), not for clients."""

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 
 from pagedkv.daemon.service.call_path import CallPath
-from pagedkv.daemon.service.holds import NO_HOLD, Hold, apply_hold, check_hold, check_release
+from pagedkv.daemon.service.holds import NO_HOLD, Hold, apply_hold, check_hold
 from pagedkv.daemon.service.memory_order import Pending
 from pagedkv.daemon.service.models import ModelAsleep
 from pagedkv.daemon.service.session_ops import MemoryWork
@@ -69,20 +69,25 @@ class SessionLife:
 
     async def close(self, session_id: str) -> int:
         """Close a session and free its sequences; returns how many were freed."""
-        def close(session: Session) -> tuple[int, Pending]:
-            check_release(session, self._calls.sessions.now(), "CloseSession")
-            freed, pending = self.drop(session, expired=False)
-            self._calls.note(lambda: ["close", session_id])
-            log.info("session closed", session=session.label, freed_sequences=freed)
-            return freed, pending
-        return await self._calls.arrived(session_id, close)
+        async with self._calls.call(session_id, frees="CloseSession",
+                                    record=lambda: ["close", session_id]) as call:
+            freed = self.remove(call.session, call.work, expired=False)
+            log.info("session closed", session=call.session.label, freed_sequences=freed)
+        return freed
 
     def drop(self, session: Session, *, expired: bool) -> tuple[int, Pending]:
-        """Remove a session and free its sequences, all-or-nothing; returns how many, and the
-        memory work to wait for (zeroing). The caller holds the lock."""
+        """`remove` a session under the lock, its memory work started; returns how many
+        sequences it had, and the memory work to wait for (zeroing)."""
         calls = self._calls
         calls.memory_order.check()
         work = MemoryWork()
+        count = self.remove(session, work, expired=expired)
+        return count, calls.start_work(calls.model_of(session).format, work, tuple)
+
+    def remove(self, session: Session, work: MemoryWork, *, expired: bool) -> int:
+        """Remove a session and free its sequences, all-or-nothing, their memory work added
+        to `work`; returns how many. The caller holds the lock."""
+        calls = self._calls
         count = len(session.seq_ids)
         fmt = calls.model_of(session).format
         with fmt.pool.transaction() as journal:
@@ -94,7 +99,7 @@ class SessionLife:
                 for seq_id in list(session.seq_ids):
                     fmt.ops.free(session, seq_id, work)
             fmt.hygiene.session_ended(session, work)
-        return count, calls.start_work(fmt, work, tuple)
+        return count
 
     # ---------------------------------------------------------------- leases
 

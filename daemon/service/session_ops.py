@@ -26,6 +26,7 @@ from pagedkv.daemon.core import (
     Journal,
     NoFit,
     PoolAllocator,
+    PoolError,
     SequenceExists,
     SequenceNotFound,
     SeqUpdate,
@@ -42,6 +43,7 @@ from pagedkv.daemon.service.operations import (
     Free,
     Operation,
     PoolExhausted,
+    operation_name,
 )
 from pagedkv.daemon.service.sequence_log import SequenceLog, check
 from pagedkv.daemon.service.sessions import Session
@@ -257,6 +259,23 @@ class SessionOps:
         work.copy(update.copies)
         return update
 
+    def apply_all(self, session: Session, ops: Sequence[Operation], work: MemoryWork,
+                  answer: AnswerBudget) -> list[SeqUpdate]:
+        """A Batch's ops in order (inside the caller's transaction); an error says which op
+        failed."""
+        return [self._apply_numbered(session, index, op, work, answer)
+                for index, op in enumerate(ops)]
+
+    def _apply_numbered(self, session: Session, index: int, op: Operation, work: MemoryWork,
+                        answer: AnswerBudget) -> SeqUpdate:
+        try:
+            return self.apply(session, op, work, answer)
+        except PoolFull as exc:
+            raise PoolFull(f"op {index} ({operation_name(op)}): {exc}", exc.needed,
+                           exc.available) from exc
+        except PoolError as exc:
+            raise type(exc)(f"op {index} ({operation_name(op)}): {exc}") from exc
+
     def free(self, session: Session, seq_id: int, work: MemoryWork) -> int:
         """Drop one of the session's sequences; returns how many blocks the pool released."""
         key = self.own(session, seq_id)
@@ -322,6 +341,18 @@ class SessionOps:
         self._add_entries(session, result.charged_blocks)
         work.copy(result.copies)
         return result
+
+    def tables(self, session: Session, seq_ids: Sequence[int], with_token_ids: bool,
+               answer: AnswerBudget) -> list[SeqUpdate]:
+        """Each of the session's sequences' table, length, committed tokens and, if asked,
+        token ids, in request order; the answer charged for them all before any is built."""
+        keys, pool = self.own_all(session, seq_ids), self.pool
+        for key in keys:
+            answer.sequence("GetBlockTables", pool.table_length(key),
+                            token_ids=pool.num_tokens(key) if with_token_ids else 0)
+        return [SeqUpdate(pool.block_table(k), pool.num_tokens(k), pool.committed_tokens(k),
+                          token_ids=(pool.token_ids(k) or []) if with_token_ids else None)
+                for k in keys]
 
     def check_seq_ids(self, seq_ids: Sequence[int]) -> None:
         """At most max_seq_ids seq ids, all distinct (a repeated id would only repeat work and
