@@ -171,6 +171,9 @@ class HeldSteps:
         await asyncio.Event().wait()  # until the call is cancelled
         raise AssertionError("unreachable")
 
+    async def follow(self, *_: object) -> None:
+        """No decode run starts (RunnerState.follow): pushes would go through `step`."""
+
     def runner_info(self) -> rpb.RunnerInfo:
         return rpb.RunnerInfo(model="held")
 
