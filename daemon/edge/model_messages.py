@@ -6,8 +6,9 @@ anyone else gets PERMISSION_DENIED before the request is looked at. A model's vi
 memory (ModelInfo.memory) goes to runners only, as PoolInfo.memory does.
 """
 
+from pagedkv.daemon.service.errors import PermissionDenied
 from pagedkv.daemon.service.models import KvShape, ModelFigures, checked_shape
-from pagedkv.daemon.service.tenants import PermissionDenied, trusted_caller
+from pagedkv.daemon.service.tenants import trusted_caller
 from pagedkv.proto import kvpool_pb2 as pb
 
 

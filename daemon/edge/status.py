@@ -1,9 +1,10 @@
 """Domain exceptions -> causes and gRPC status codes, at the edge of the daemon.
 
-The block pool and the service raise `PoolError` subclasses for everything a caller got wrong;
-`grpc_errors` turns each into its cause of `pagedkv.vocab.causes` (the status code it travels
-with, named in the trailing metadata `pagedkv-error` so clients can tell apart causes that share
-a code) and the exception's message. Anything else is a bug in pagedkv: the caller gets INTERNAL
+The block pool and the service raise `PoolError` subclasses for everything a caller got wrong
+(every one, and its cause, in `daemon/service/errors.py`); `grpc_errors` turns each into its
+cause of `pagedkv.vocab.causes` (the status code it travels with, named in the trailing metadata
+`pagedkv-error` so clients can tell apart causes that share a code) and the exception's
+message. Anything else is a bug in pagedkv: the caller gets INTERNAL
 (cause "Internal"), the log gets the traceback, and the server keeps serving, but after
 `MemoryFailed` (pool memory work failed: the pool stops, daemon/service/memory_order.py).
 Any other failed call leaves the pool as it was, but not every raise comes before the change: the
@@ -16,39 +17,13 @@ from __future__ import annotations
 
 import grpc
 
-from pagedkv.daemon.core import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
-from pagedkv.daemon.service.holds import SessionBusy
-from pagedkv.daemon.service.limits import AnswerTooLarge, LimitExceeded
-from pagedkv.daemon.service.models import ModelAsleep, ModelAtCap, ModelExists, ModelNotFound
-from pagedkv.daemon.service.operations import PoolExhausted
-from pagedkv.daemon.service.sessions import SessionExpired, SessionNotFound
-from pagedkv.daemon.service.tenants import PermissionDenied
+from pagedkv.daemon.service.errors import CAUSES
 from pagedkv.process.grpc_errors import errors_to_status
 from pagedkv.process.log_setup import get_logger
 from pagedkv.vocab import causes
 from pagedkv.vocab.causes import Cause
 
 log = get_logger(__name__)
-
-
-# Each exception's cause; first match wins: subclasses before their bases.
-CAUSES: tuple[tuple[type[PoolError], Cause], ...] = (
-    (SessionNotFound, causes.SESSION_NOT_FOUND),
-    (SequenceNotFound, causes.SEQUENCE_NOT_FOUND),
-    (SequenceExists, causes.SEQUENCE_EXISTS),
-    (PoolExhausted, causes.POOL_EXHAUSTED),
-    (AnswerTooLarge, causes.ANSWER_TOO_LARGE),
-    (LimitExceeded, causes.LIMIT_EXCEEDED),
-    (SessionExpired, causes.SESSION_EXPIRED),
-    (SessionBusy, causes.SESSION_BUSY),
-    (PermissionDenied, causes.PERMISSION_DENIED),
-    (ModelNotFound, causes.MODEL_NOT_FOUND),
-    (ModelExists, causes.MODEL_EXISTS),
-    (ModelAtCap, causes.MODEL_AT_CAP),
-    (ModelAsleep, causes.MODEL_ASLEEP),
-    (InvalidArgument, causes.INVALID_ARGUMENT),
-    (PoolError, causes.INVALID_ARGUMENT),
-)
 
 
 def cause_of(exc: Exception) -> Cause:

@@ -33,7 +33,7 @@ def run_serve(args: argparse.Namespace, prog: str) -> int:
     # Imported only now: torch and grpc take seconds to load, `pagedkvd --help` and a bad
     # setting need neither.
     from pagedkv.daemon.process.server import serve
-    from pagedkv.daemon.service.memory_order import MemoryFailed
+    from pagedkv.daemon.service.errors import MemoryFailed
     from pagedkv.process.grpc_server import StartupError
 
     if standby is not None:  # the current daemon stops now; its descriptors come then

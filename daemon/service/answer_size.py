@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pagedkv.daemon.service.limits import AnswerTooLarge
+from pagedkv.daemon.service.errors import AnswerTooLarge
 from pagedkv.vocab.blocks import blocks_for, ceil_div
 from pagedkv.vocab.causes import MESSAGE_BYTES
 

@@ -27,6 +27,7 @@ from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.events.sink import KVEventSink, SnapshotItem
 from pagedkv.daemon.service.answer_size import AnswerBudget
 from pagedkv.daemon.service.cache_hygiene import CacheHygiene
+from pagedkv.daemon.service.errors import ModelAtCap, PoolFull
 from pagedkv.daemon.service.host_copies import HostCopies
 from pagedkv.daemon.service.kv_events import FormatEvents
 from pagedkv.daemon.service.limits import Limits
@@ -34,13 +35,12 @@ from pagedkv.daemon.service.models import (
     Format,
     KvShape,
     Model,
-    ModelAtCap,
     ModelFigures,
     ModelPolicy,
     ModelRegistry,
 )
 from pagedkv.daemon.service.pages import PageBroker, Room
-from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, PoolFull, SessionOps
+from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, SessionOps
 from pagedkv.vocab.blocks import blocks_for
 from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype
 

@@ -26,16 +26,12 @@ once the call has been applied, so a call that fails sets nothing.
 
 from dataclasses import dataclass
 
-from pagedkv.daemon.core import InvalidArgument, PoolError
+from pagedkv.daemon.core import InvalidArgument
+from pagedkv.daemon.service.errors import PermissionDenied, SessionBusy
 from pagedkv.daemon.service.fence import RunnerProcess
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.sessions import Session
-from pagedkv.daemon.service.tenants import PermissionDenied, current_caller, trusted_caller
-
-
-class SessionBusy(PoolError):
-    """A runner holds the session: its forward may still write the session's blocks, so a
-    caller that is not a runner may not free them yet (FAILED_PRECONDITION); nothing changed."""
+from pagedkv.daemon.service.tenants import current_caller, trusted_caller
 
 
 @dataclass(frozen=True, slots=True)

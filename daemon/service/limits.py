@@ -36,20 +36,12 @@ Input is never echoed unbounded: `clip` cuts text for error messages and logs, w
 
 from dataclasses import dataclass, fields
 
-from pagedkv.daemon.core import InvalidArgument, PoolError
+from pagedkv.daemon.core import InvalidArgument
 from pagedkv.process.server_bounds import SERVER_BOUNDS, BoundSpec, ServerBounds, check_ranges
 from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
 
 # Characters of client input an error message or log line may quote.
 ECHO_CHARS = 64
-
-
-class LimitExceeded(PoolError):
-    """A well-formed request would take more than the daemon grants (RESOURCE_EXHAUSTED)."""
-
-
-class AnswerTooLarge(LimitExceeded):
-    """The answer would exceed `max_answer_bytes`; the call was refused, nothing changed."""
 
 
 # The range of one cap and its --help line: the same record as the servers' bounds.

@@ -39,6 +39,7 @@ from functools import partial
 import numpy as np
 
 from pagedkv.daemon.core import BatchAppend, SeqUpdate
+from pagedkv.daemon.service.errors import MemoryFailed
 from pagedkv.daemon.service.session_ops import BlockMemory, HostMemory, MemoryWork
 from pagedkv.process.log_setup import get_logger
 
@@ -51,10 +52,6 @@ log = get_logger(__name__)
 # runs again (bench_keepalive_stall.py saw a 2 s KeepAlive at nice 19 on a loaded machine),
 # for no gain in the light client's latency.
 MEMORY_WORKERS = 4
-
-
-class MemoryFailed(RuntimeError):
-    """Pool memory work failed: the pool stops serving (see the module docstring)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,9 +19,9 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from pagedkv.daemon.core import InvalidArgument, PoolAllocator, PoolError
+from pagedkv.daemon.core import InvalidArgument, PoolAllocator
 from pagedkv.daemon.service.cache_hygiene import CacheHygiene
-from pagedkv.daemon.service.limits import LimitExceeded
+from pagedkv.daemon.service.errors import LimitExceeded, ModelExists, ModelNotFound
 from pagedkv.daemon.service.session_ops import BlockMemory, SessionOps
 from pagedkv.vocab.geometry import canonical_dtype, dtype_bytes
 
@@ -29,27 +29,6 @@ from pagedkv.vocab.geometry import canonical_dtype, dtype_bytes
 MODEL_NAME = re.compile(r"^[A-Za-z0-9._\-/:]{1,128}$")
 # The bound on registered models when the settings give none.
 DEFAULT_MAX_MODELS = 16
-
-
-class ModelNotFound(PoolError):
-    """No model of that name is registered."""
-
-
-class ModelExists(PoolError):
-    """The name is registered with another geometry."""
-
-
-class ModelAtCap(PoolError):
-    """The call would take the model past its max_memory; nothing changed."""
-
-    def __init__(self, message: str, excess_blocks: int = 0) -> None:
-        super().__init__(message)
-        # Blocks of its format the model is over its cap by, after the call.
-        self.excess_blocks = excess_blocks
-
-
-class ModelAsleep(PoolError):
-    """The model sleeps: no new session of it until it is woken."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,12 +6,6 @@ The servicer turns each gRPC request into one of these records; a Batch is a lis
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagedkv.daemon.core import PoolError
-
-
-class PoolExhausted(PoolError):
-    """The pool, or the session's quota, has no room for the request; nothing changed."""
-
 
 @dataclass(frozen=True, slots=True)
 class Allocate:

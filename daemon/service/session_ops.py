@@ -33,7 +33,8 @@ from pagedkv.daemon.core import (
 )
 from pagedkv.daemon.core.validation import check_logical_block
 from pagedkv.daemon.service.answer_size import AnswerBudget
-from pagedkv.daemon.service.limits import LimitExceeded, Limits
+from pagedkv.daemon.service.errors import LimitExceeded, PoolExhausted, PoolFull
+from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.operations import (
     Allocate,
     Append,
@@ -42,7 +43,6 @@ from pagedkv.daemon.service.operations import (
     Fork,
     Free,
     Operation,
-    PoolExhausted,
     operation_name,
 )
 from pagedkv.daemon.service.sequence_log import SequenceLog, check
@@ -157,16 +157,6 @@ class MemoryWork:
                 else:
                     host.zero(first)
         memory.synchronize()
-
-
-class PoolFull(PoolExhausted):
-    """The pool has no room for the call: it needs `needed` blocks, `available` are free
-    (the page broker may give the format pages and the call be tried again)."""
-
-    def __init__(self, message: str, needed: int = 0, available: int = 0) -> None:
-        super().__init__(message)
-        self.needed = needed
-        self.available = available
 
 
 def _fit(result: Result | NoFit) -> Result:

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from pagedkv.daemon.core import InvalidArgument, PoolError
+from pagedkv.daemon.service.errors import LimitExceeded, SessionExpired, SessionNotFound
 from pagedkv.daemon.service.fence import RunnerProcess
-from pagedkv.daemon.service.limits import LimitExceeded, Limits, clip
+from pagedkv.daemon.service.limits import Limits, clip
 from pagedkv.daemon.service.tenants import DEFAULT_TENANT, may_use_session_of
 
 # Random bytes in the secret part of a session id (64 bits, 16 hex digits).
@@ -42,14 +43,6 @@ REMEMBERED_EXPIRED_IDS = 4096
 # A session id as `open` makes it, "{pool_id}-{number}-{secret}": the daemon run that issued it,
 # its number (the one part safe to log), and the secret that makes the id a credential.
 SESSION_ID = re.compile(r"^(?P<pool>.+)-(?P<number>[0-9]+)-(?P<secret>[0-9a-f]{16})$")
-
-
-class SessionNotFound(PoolError):
-    """The session id was never issued by this daemon, or the session was closed."""
-
-
-class SessionExpired(PoolError):
-    """The session missed its lease, or comes from before a daemon restart."""
 
 
 @dataclass(eq=False, slots=True)

@@ -56,9 +56,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedkv.daemon.core import PoolError
+from pagedkv.daemon.service.errors import PermissionDenied, PoolExhausted
 from pagedkv.daemon.service.fence import RunnerProcess
-from pagedkv.daemon.service.operations import PoolExhausted
 
 if TYPE_CHECKING:
     from pagedkv.daemon.service.sessions import (
@@ -72,10 +71,6 @@ DEFAULT_TENANT = "default"
 UNMAPPED_UIDS = ("refuse", "unix_tenant")
 # The largest uid: (uid_t)-1 means "no uid" to the kernel.
 MAX_UID = 2**32 - 2
-
-
-class PermissionDenied(PoolError):
-    """The caller's tenant may not do this (e.g. use that cache salt)."""
 
 
 @dataclass(frozen=True, slots=True)

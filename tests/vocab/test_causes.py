@@ -18,13 +18,20 @@ from pagedkv.client.pool.errors import BY_CAUSE, error_from_status
 from pagedkv.daemon.core import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
 from pagedkv.daemon.edge.status import failure_of
 from pagedkv.daemon.service.answer_size import ENTRY_CAUSE_BYTES
-from pagedkv.daemon.service.holds import SessionBusy
-from pagedkv.daemon.service.limits import AnswerTooLarge, LimitExceeded
-from pagedkv.daemon.service.models import ModelAsleep, ModelAtCap, ModelExists, ModelNotFound
-from pagedkv.daemon.service.operations import PoolExhausted
-from pagedkv.daemon.service.session_ops import PoolFull
-from pagedkv.daemon.service.sessions import SessionExpired, SessionNotFound
-from pagedkv.daemon.service.tenants import PermissionDenied
+from pagedkv.daemon.service.errors import (
+    AnswerTooLarge,
+    LimitExceeded,
+    ModelAsleep,
+    ModelAtCap,
+    ModelExists,
+    ModelNotFound,
+    PermissionDenied,
+    PoolExhausted,
+    PoolFull,
+    SessionBusy,
+    SessionExpired,
+    SessionNotFound,
+)
 from pagedkv.model_runner.engine.forward_loop import HoldMayHaveLapsed
 from pagedkv.model_runner.engine.steps import (
     InvalidStep,

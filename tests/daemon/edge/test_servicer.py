@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from pagedkv.daemon.service.answer_size import STEP_MANY_ENTRY, STEP_MANY_FIXED, AnswerBudget
-from pagedkv.daemon.service.limits import AnswerTooLarge, Limits
+from pagedkv.daemon.service.errors import AnswerTooLarge
+from pagedkv.daemon.service.limits import Limits
 from pagedkv.proto import kvpool_pb2 as pb
 from pagedkv.proto import kvpool_pb2_grpc
 

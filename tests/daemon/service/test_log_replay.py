@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from pagedkv.daemon.core import BlockPool, PoolError
 from pagedkv.daemon.service.crash_log import frame, log_path, read_log
+from pagedkv.daemon.service.errors import SessionBusy
 from pagedkv.daemon.service.fence import FenceCounts, RunnerProcess
-from pagedkv.daemon.service.holds import SessionBusy
 from pagedkv.daemon.service.log_replay import open_log, replay_log
 from pagedkv.daemon.service.models import KvShape
 from pagedkv.daemon.service.operations import (

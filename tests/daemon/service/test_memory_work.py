@@ -34,7 +34,7 @@ from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
 from pagedkv.daemon.process.config import DaemonConfig
 from pagedkv.daemon.process.server import serve
-from pagedkv.daemon.service.memory_order import MemoryFailed
+from pagedkv.daemon.service.errors import MemoryFailed
 from pagedkv.daemon.service.operations import Allocate, Fork
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.memory import PoolMemoryHandle

@@ -8,8 +8,9 @@ registers only after tiny's sessions asked for the whole pool.
 import pytest
 
 from pagedkv.daemon.core import BlockPool
+from pagedkv.daemon.service.errors import PoolExhausted
 from pagedkv.daemon.service.models import KvShape, ModelPolicy
-from pagedkv.daemon.service.operations import Allocate, PoolExhausted
+from pagedkv.daemon.service.operations import Allocate
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from pagedkv.daemon.core import BlockPool, InvalidArgument, SequenceExists, SequenceNotFound
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
+from pagedkv.daemon.service.errors import PoolExhausted
 from pagedkv.daemon.service.limits import Limits
 from pagedkv.daemon.service.operations import (
     Allocate,
@@ -23,7 +24,6 @@ from pagedkv.daemon.service.operations import (
     Fork,
     Free,
     Operation,
-    PoolExhausted,
 )
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY

@@ -21,20 +21,11 @@ from pagedkv.daemon.core import (
     SequenceExists,
     SequenceNotFound,
 )
+from pagedkv.daemon.service.errors import PoolExhausted, SessionBusy, SessionExpired
 from pagedkv.daemon.service.fence import FenceCounts, RunnerProcess
-from pagedkv.daemon.service.holds import SessionBusy
-from pagedkv.daemon.service.operations import (
-    Allocate,
-    Append,
-    Commit,
-    Fork,
-    Free,
-    Operation,
-    PoolExhausted,
-)
+from pagedkv.daemon.service.operations import Allocate, Append, Commit, Fork, Free, Operation
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.service_image import NotKept, restore_service, service_image
-from pagedkv.daemon.service.sessions import SessionExpired
 from pagedkv.daemon.service.tenants import DEFAULT_TENANT, Caller, calling_as
 
 from hand_clock import HandClock

@@ -6,7 +6,8 @@ import pytest
 from pagedkv.daemon.core import InvalidArgument
 from pagedkv.daemon.edge.status import cause_of
 from pagedkv.daemon.service import sessions as sessions_module
-from pagedkv.daemon.service.sessions import SessionExpired, SessionNotFound, SessionRegistry
+from pagedkv.daemon.service.errors import SessionExpired, SessionNotFound
+from pagedkv.daemon.service.sessions import SessionRegistry
 
 from hand_clock import HandClock
 

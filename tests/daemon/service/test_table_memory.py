@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from pagedkv.daemon.core import BlockPool, NoFit, seq_table, table_store
-from pagedkv.daemon.service.operations import Allocate, Append, PoolExhausted
+from pagedkv.daemon.service.errors import PoolExhausted
+from pagedkv.daemon.service.operations import Allocate, Append
 from pagedkv.daemon.service.pool_service import PoolService
 
 from pool_state import ROWS, pool_state
