@@ -25,9 +25,9 @@ from pagedkv.daemon.core import CacheEvents, PoolAllocator
 from pagedkv.daemon.core.host_tier import Stored
 from pagedkv.daemon.service.host_copies import HostCopies, Owners
 from pagedkv.daemon.service.kv_events import FormatEvents
+from pagedkv.daemon.service.memory_order import MemoryWork
 from pagedkv.daemon.service.model_cache import ModelCache
 from pagedkv.daemon.service.private_blocks import PrivateBlocks
-from pagedkv.daemon.service.session_ops import MemoryWork
 from pagedkv.daemon.service.sessions import Session
 
 

@@ -41,9 +41,16 @@ from pagedkv.daemon.service.crash_log import CrashLog, Record
 from pagedkv.daemon.service.formats import Formats
 from pagedkv.daemon.service.holds import NO_HOLD, Hold, apply_hold, check_hold, check_release
 from pagedkv.daemon.service.limits import Limits
-from pagedkv.daemon.service.memory_order import MemoryOrder, Pending, answer_blocks
+from pagedkv.daemon.service.memory_order import (
+    BlockMemory,
+    HostMemory,
+    MemoryOrder,
+    MemoryWork,
+    Pending,
+    answer_blocks,
+)
 from pagedkv.daemon.service.models import Format, Model
-from pagedkv.daemon.service.session_ops import BlockMemory, HostMemory, MemoryWork, SessionOps
+from pagedkv.daemon.service.session_ops import SessionOps
 from pagedkv.daemon.service.sessions import Session, SessionRegistry
 from pagedkv.daemon.service.tenants import Tenants, TenantUsage
 

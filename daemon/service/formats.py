@@ -31,6 +31,7 @@ from pagedkv.daemon.service.errors import ModelAtCap, PoolFull
 from pagedkv.daemon.service.host_copies import HostCopies
 from pagedkv.daemon.service.kv_events import FormatEvents
 from pagedkv.daemon.service.limits import Limits
+from pagedkv.daemon.service.memory_order import BlockMemory, MemoryWork
 from pagedkv.daemon.service.models import (
     Format,
     KvShape,
@@ -40,7 +41,7 @@ from pagedkv.daemon.service.models import (
     ModelRegistry,
 )
 from pagedkv.daemon.service.pages import PageBroker, Room
-from pagedkv.daemon.service.session_ops import BlockMemory, MemoryWork, SessionOps
+from pagedkv.daemon.service.session_ops import SessionOps
 from pagedkv.vocab.blocks import blocks_for
 from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype
 

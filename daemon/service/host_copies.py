@@ -23,9 +23,9 @@ the pool's journal (a failed call leaves them as they were):
 
 from pagedkv.daemon.core.host_tier import HostTier, Stored
 from pagedkv.daemon.service.kv_events import FormatEvents
+from pagedkv.daemon.service.memory_order import MemoryWork
 from pagedkv.daemon.service.model_cache import ModelCache
 from pagedkv.daemon.service.private_blocks import PrivateBlocks
-from pagedkv.daemon.service.session_ops import MemoryWork
 
 
 class HostCopies:

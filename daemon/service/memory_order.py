@@ -1,7 +1,8 @@
 """Pool memory work ordered per block, run while the pool lock is free.
 
 A call applies its change to the pool under the pool lock, synchronously, and then starts the
-memory work the change owes (`MemoryWork`: copy-on-write copies, zeroing). It releases the lock
+memory work the change owes (`MemoryWork`: typed steps, `Copy` for copy-on-write, `Zero`, and the
+host tier's `ToHost`, `FromHost` and `ZeroHost`). It releases the lock
 before the work runs, so another call is applied at once; only the memory work and the answers
 are ordered, by the blocks they touch:
 
@@ -31,17 +32,20 @@ then on every call that touches the pool is refused with it, until the daemon re
 """
 
 import asyncio
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from pagedkv.daemon.core import BatchAppend, SeqUpdate
+from pagedkv.daemon.core import BatchAppend, BlockCopy, SeqUpdate
 from pagedkv.daemon.service.errors import MemoryFailed
-from pagedkv.daemon.service.session_ops import BlockMemory, HostMemory, MemoryWork
 from pagedkv.process.log_setup import get_logger
+
+if TYPE_CHECKING:
+    from pagedkv.memory import PoolMemoryHandle  # for the annotation below only
 
 log = get_logger(__name__)
 
@@ -52,6 +56,184 @@ log = get_logger(__name__)
 # runs again (bench_keepalive_stall.py saw a 2 s KeepAlive at nice 19 on a loaded machine),
 # for no gain in the light client's latency.
 MEMORY_WORKERS = 4
+
+
+class BlockMemory(Protocol):
+    """What the service needs from the pool memory (kv_memory.KVPoolMemory)."""
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int], /) -> None: ...
+
+    def zero_blocks(self, ids: Sequence[int], /) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def handle(self) -> "PoolMemoryHandle": ...
+
+
+class HostMemory(Protocol):
+    """What the service needs from the host tier's memory (host_memory.HostMemory)."""
+
+    num_slots: int
+
+    def to_host(self, blocks: Sequence[int], slots: Sequence[int], /) -> None: ...
+
+    def from_host(self, slots: Sequence[int], blocks: Sequence[int], /) -> None: ...
+
+    def zero(self, slots: Sequence[int], /) -> None: ...
+
+    @property
+    def adopted_from(self) -> str:
+        """The id of the previous daemon's host memory this is ("": allocated here)."""
+
+    @property
+    def memory_id(self) -> str:
+        """This host memory's id: what the restart snapshot names (service_image.py)."""
+
+
+# The steps of memory work, each one call's worth of one kind, in pool blocks and host slots.
+# `blocks()` and `slots()` name what it reads or writes (the keys `MemoryOrder` orders it by).
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Copy-on-write: each pool block src[i] copied to dst[i]."""
+
+    # Source and destination blocks, pairwise.
+    src: list[int]
+    dst: list[int]
+
+    def blocks(self) -> list[int]:
+        return self.src + self.dst
+
+    def slots(self) -> list[int]:
+        return []
+
+    def perform(self, memory: BlockMemory, _host: HostMemory | None) -> None:
+        memory.copy_blocks(self.src, self.dst)
+
+
+@dataclass(frozen=True, slots=True)
+class Zero:
+    """Pool blocks zeroed (freed or evicted with zero_freed_blocks)."""
+
+    # The blocks.
+    ids: list[int]
+
+    def blocks(self) -> list[int]:
+        return self.ids
+
+    def slots(self) -> list[int]:
+        return []
+
+    def perform(self, memory: BlockMemory, _host: HostMemory | None) -> None:
+        memory.zero_blocks(self.ids)
+
+
+@dataclass(frozen=True, slots=True)
+class ToHost:
+    """Pool blocks offloaded: block src[i] copied into host slot dst[i]."""
+
+    # The pool blocks read, and the host slots written, pairwise.
+    src: list[int]
+    dst: list[int]
+
+    def blocks(self) -> list[int]:
+        return self.src
+
+    def slots(self) -> list[int]:
+        return self.dst
+
+    def perform(self, _memory: BlockMemory, host: HostMemory | None) -> None:
+        assert host is not None, "to-host work on a pool with no host tier"
+        host.to_host(self.src, self.dst)
+
+
+@dataclass(frozen=True, slots=True)
+class FromHost:
+    """Host slots restored: slot src[i] copied into pool block dst[i]."""
+
+    # The host slots read, and the pool blocks written, pairwise.
+    src: list[int]
+    dst: list[int]
+
+    def blocks(self) -> list[int]:
+        return self.dst
+
+    def slots(self) -> list[int]:
+        return self.src
+
+    def perform(self, _memory: BlockMemory, host: HostMemory | None) -> None:
+        assert host is not None, "from-host work on a pool with no host tier"
+        host.from_host(self.src, self.dst)
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroHost:
+    """Host slots zeroed (a dropped copy, with zero_freed_blocks)."""
+
+    # The host slots.
+    ids: list[int]
+
+    def blocks(self) -> list[int]:
+        return []
+
+    def slots(self) -> list[int]:
+        return self.ids
+
+    def perform(self, _memory: BlockMemory, host: HostMemory | None) -> None:
+        assert host is not None, "host zeroing on a pool with no host tier"
+        host.zero(self.ids)
+
+
+Step = Copy | Zero | ToHost | FromHost | ZeroHost
+
+
+@dataclass(slots=True)
+class MemoryWork:
+    """Copies and zeroing a call owes pool memory, started once the call is applied and
+    ordered with other calls' work by the blocks it touches (`MemoryOrder`).
+
+    Order matters within a batch: a block freed (and zeroed) by one op may be the copy
+    destination of a later one.
+    """
+
+    # The steps, in the order the pool made them (none empty).
+    steps: list[Step] = field(default_factory=list)
+
+    def copy(self, copies: Sequence[BlockCopy]) -> None:
+        if copies:
+            self.steps.append(Copy([c.src for c in copies], [c.dst for c in copies]))
+
+    def zero(self, blocks: list[int]) -> None:
+        if blocks:
+            self.steps.append(Zero(blocks))
+
+    def to_host(self, blocks: list[int], slots: list[int]) -> None:
+        if blocks:
+            self.steps.append(ToHost(blocks, slots))
+
+    def from_host(self, slots: list[int], blocks: list[int]) -> None:
+        if slots:
+            self.steps.append(FromHost(slots, blocks))
+
+    def zero_host(self, slots: list[int]) -> None:
+        if slots:
+            self.steps.append(ZeroHost(slots))
+
+    def blocks(self) -> list[int]:
+        """Every pool block the work reads or writes (a block may appear more than once)."""
+        return [block for step in self.steps for block in step.blocks()]
+
+    def host_slots(self) -> list[int]:
+        """Every host slot the work reads or writes."""
+        return [slot for step in self.steps for slot in step.slots()]
+
+    def perform(self, memory: BlockMemory, host: HostMemory | None = None) -> None:
+        """Do the work in pool memory (and `host`, the host tier's) and wait until it is
+        complete and visible to every process that maps the pool (on CUDA the copies are
+        asynchronous until synchronized)."""
+        for step in self.steps:
+            step.perform(memory, host)
+        memory.synchronize()
 
 
 @dataclass(frozen=True, slots=True)

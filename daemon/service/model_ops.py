@@ -12,9 +12,9 @@ holds one of its sessions, and new sessions of a sleeping model are refused unti
 from pagedkv.daemon.service.call_path import CallPath
 from pagedkv.daemon.service.errors import SessionBusy
 from pagedkv.daemon.service.holds import busy_reason
+from pagedkv.daemon.service.memory_order import MemoryWork
 from pagedkv.daemon.service.models import KvShape, Model
 from pagedkv.daemon.service.session_life import SessionLife
-from pagedkv.daemon.service.session_ops import MemoryWork
 from pagedkv.daemon.service.sessions import Session
 from pagedkv.process.log_setup import get_logger
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pagedkv.daemon.core import InvalidArgument, PoolAllocator
 from pagedkv.daemon.service.cache_hygiene import CacheHygiene
 from pagedkv.daemon.service.errors import LimitExceeded, ModelExists, ModelNotFound
-from pagedkv.daemon.service.session_ops import BlockMemory, SessionOps
+from pagedkv.daemon.service.memory_order import BlockMemory
+from pagedkv.daemon.service.session_ops import SessionOps
 from pagedkv.vocab.geometry import canonical_dtype, dtype_bytes
 
 # A model's name: at most 128 bytes of letters, digits and "._-/:" (kvpool.proto ModelInfo).

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.daemon.core import BlockPool
+from pagedkv.daemon.service.memory_order import MemoryWork
 from pagedkv.daemon.service.models import Format, Model, ModelRegistry
-from pagedkv.daemon.service.session_ops import MemoryWork
 from pagedkv.vocab.blocks import blocks_for
 
 

@@ -69,6 +69,7 @@ from pagedkv.daemon.service.figures import ServiceFigures
 from pagedkv.daemon.service.formats import Formats
 from pagedkv.daemon.service.holds import NO_HOLD, Hold
 from pagedkv.daemon.service.limits import Limits
+from pagedkv.daemon.service.memory_order import BlockMemory, HostMemory
 from pagedkv.daemon.service.model_ops import ModelOps
 from pagedkv.daemon.service.models import (
     DEFAULT_MAX_MODELS,
@@ -89,7 +90,6 @@ from pagedkv.daemon.service.operations import (
 )
 from pagedkv.daemon.service.request_budget import RequestBudget
 from pagedkv.daemon.service.session_life import SessionLife
-from pagedkv.daemon.service.session_ops import BlockMemory, HostMemory
 from pagedkv.daemon.service.sessions import Session, SessionRegistry, SessionStats
 from pagedkv.daemon.service.tenants import TenantFigures, Tenants, TenantUsage, trusted_caller
 from pagedkv.vocab.geometry import ModelGeometry

@@ -16,8 +16,7 @@ import contextlib
 from pagedkv.daemon.service.call_path import CallPath
 from pagedkv.daemon.service.errors import ModelAsleep
 from pagedkv.daemon.service.holds import NO_HOLD, Hold, apply_hold, check_hold
-from pagedkv.daemon.service.memory_order import Pending
-from pagedkv.daemon.service.session_ops import MemoryWork
+from pagedkv.daemon.service.memory_order import MemoryWork, Pending
 from pagedkv.daemon.service.sessions import Session
 from pagedkv.process.log_setup import get_logger
 from pagedkv.vocab.request_ids import listed

@@ -14,14 +14,12 @@ Pool keys are `(session number, seq_id)`: a seq id of another session is simply 
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
 from pagedkv.daemon.core import (
     BatchAppend,
-    BlockCopy,
     InvalidArgument,
     Journal,
     NoFit,
@@ -35,6 +33,7 @@ from pagedkv.daemon.core.validation import check_logical_block
 from pagedkv.daemon.service.answer_size import AnswerBudget
 from pagedkv.daemon.service.errors import LimitExceeded, PoolExhausted, PoolFull
 from pagedkv.daemon.service.limits import Limits
+from pagedkv.daemon.service.memory_order import MemoryWork
 from pagedkv.daemon.service.operations import (
     Allocate,
     Append,
@@ -49,114 +48,7 @@ from pagedkv.daemon.service.sequence_log import SequenceLog, check
 from pagedkv.daemon.service.sessions import Session
 from pagedkv.vocab.blocks import blocks_for
 
-if TYPE_CHECKING:
-    from pagedkv.memory import PoolMemoryHandle  # for the annotation below only
-
 Result = TypeVar("Result", SeqUpdate, BatchAppend)
-StepKind = Literal["copy", "zero", "to_host", "from_host", "zero_host"]
-
-
-class BlockMemory(Protocol):
-    """What the service needs from the pool memory (kv_memory.KVPoolMemory)."""
-
-    def copy_blocks(self, src: Sequence[int], dst: Sequence[int], /) -> None: ...
-
-    def zero_blocks(self, ids: Sequence[int], /) -> None: ...
-
-    def synchronize(self) -> None: ...
-
-    def handle(self) -> "PoolMemoryHandle": ...
-
-
-class HostMemory(Protocol):
-    """What the service needs from the host tier's memory (host_memory.HostMemory)."""
-
-    num_slots: int
-
-    def to_host(self, blocks: Sequence[int], slots: Sequence[int], /) -> None: ...
-
-    def from_host(self, slots: Sequence[int], blocks: Sequence[int], /) -> None: ...
-
-    def zero(self, slots: Sequence[int], /) -> None: ...
-
-    @property
-    def adopted_from(self) -> str:
-        """The id of the previous daemon's host memory this is ("": allocated here)."""
-
-    @property
-    def memory_id(self) -> str:
-        """This host memory's id: what the restart snapshot names (service_image.py)."""
-
-
-@dataclass(slots=True)
-class MemoryWork:
-    """Copies and zeroing a call owes pool memory, started once the call is applied and
-    ordered with other calls' work by the blocks it touches (`memory_order.py`).
-
-    Order matters within a batch: a block freed (and zeroed) by one op may be the copy
-    destination of a later one.
-    """
-
-    # ("copy", sources, destinations) or ("zero", blocks, []) in pool blocks, or the host
-    # tier's ("to_host", blocks, slots), ("from_host", slots, blocks), ("zero_host", slots, []),
-    # in the order the pool made them.
-    steps: list[tuple[StepKind, list[int], list[int]]] = field(default_factory=list)
-
-    def copy(self, copies: Sequence[BlockCopy]) -> None:
-        if copies:
-            self.steps.append(("copy", [c.src for c in copies], [c.dst for c in copies]))
-
-    def zero(self, blocks: list[int]) -> None:
-        if blocks:
-            self.steps.append(("zero", blocks, []))
-
-    def to_host(self, blocks: list[int], slots: list[int]) -> None:
-        if blocks:
-            self.steps.append(("to_host", blocks, slots))
-
-    def from_host(self, slots: list[int], blocks: list[int]) -> None:
-        if slots:
-            self.steps.append(("from_host", slots, blocks))
-
-    def zero_host(self, slots: list[int]) -> None:
-        if slots:
-            self.steps.append(("zero_host", slots, []))
-
-    def blocks(self) -> list[int]:
-        """Every pool block the work reads or writes (a block may appear more than once)."""
-        touched: list[int] = []
-        for kind, first, second in self.steps:
-            if kind in ("copy", "zero"):
-                touched += first + second
-            elif kind == "to_host":
-                touched += first
-            elif kind == "from_host":
-                touched += second
-        return touched
-
-    def host_slots(self) -> list[int]:
-        """Every host slot the work reads or writes."""
-        return [slot for kind, first, second in self.steps if kind != "copy" and kind != "zero"
-                for slot in (second if kind == "to_host" else first)]
-
-    def perform(self, memory: BlockMemory, host: HostMemory | None = None) -> None:
-        """Do the work in pool memory (and `host`, the host tier's) and wait until it is
-        complete and visible to every process that maps the pool (on CUDA the copies are
-        asynchronous until synchronized)."""
-        for kind, first, second in self.steps:
-            if kind == "copy":
-                memory.copy_blocks(first, second)
-            elif kind == "zero":
-                memory.zero_blocks(first)
-            else:
-                assert host is not None, f"{kind} work on a pool with no host tier"
-                if kind == "to_host":
-                    host.to_host(first, second)
-                elif kind == "from_host":
-                    host.from_host(first, second)
-                else:
-                    host.zero(first)
-        memory.synchronize()
 
 
 def _fit(result: Result | NoFit) -> Result:

@@ -30,11 +30,19 @@ import pytest
 import torch
 
 from pagedkv.client import PagedKVError, PoolClient, Session
-from pagedkv.daemon.core import BlockPool
+from pagedkv.daemon.core import BlockCopy, BlockPool
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
 from pagedkv.daemon.process.config import DaemonConfig
 from pagedkv.daemon.process.server import serve
 from pagedkv.daemon.service.errors import MemoryFailed
+from pagedkv.daemon.service.memory_order import (
+    Copy,
+    FromHost,
+    MemoryWork,
+    ToHost,
+    Zero,
+    ZeroHost,
+)
 from pagedkv.daemon.service.operations import Allocate, Fork
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.memory import PoolMemoryHandle
@@ -360,3 +368,49 @@ async def test_copies_are_visible_to_another_process_when_the_answer_leaves_cuda
         assert reader.stdout.readline().strip() == "True"
         assert reader.wait(60) == 0
         await service.stop()
+
+
+class RecordingMemory:
+    """Pool and host memory that only records what it was asked, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[int], list[int]]] = []
+        self.num_slots = 4
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        self.calls.append(("copy", list(src), list(dst)))
+
+    def zero_blocks(self, ids: Sequence[int]) -> None:
+        self.calls.append(("zero", list(ids), []))
+
+    def synchronize(self) -> None:
+        self.calls.append(("sync", [], []))
+
+    def to_host(self, blocks: Sequence[int], slots: Sequence[int]) -> None:
+        self.calls.append(("to_host", list(blocks), list(slots)))
+
+    def from_host(self, slots: Sequence[int], blocks: Sequence[int]) -> None:
+        self.calls.append(("from_host", list(slots), list(blocks)))
+
+    def zero(self, slots: Sequence[int]) -> None:
+        self.calls.append(("zero_host", list(slots), []))
+
+
+def test_memory_work_is_typed_steps_done_in_order() -> None:
+    """Each kind of work is a typed step naming its blocks and slots; empty ones are skipped,
+    and the work runs in the order it was recorded, then synchronizes once."""
+    work = MemoryWork()
+    work.copy([BlockCopy(1, 2)])
+    work.zero([3])
+    work.zero([])  # nothing: no step
+    work.to_host([4], [0])
+    work.from_host([1], [5])
+    work.zero_host([2])
+    assert work.steps == [Copy([1], [2]), Zero([3]), ToHost([4], [0]), FromHost([1], [5]),
+                          ZeroHost([2])]
+    assert work.blocks() == [1, 2, 3, 4, 5]  # what MemoryOrder orders the work by
+    assert work.host_slots() == [0, 1, 2]
+    memory = RecordingMemory()
+    work.perform(memory, memory)
+    assert memory.calls == [("copy", [1], [2]), ("zero", [3], []), ("to_host", [4], [0]),
+                            ("from_host", [1], [5]), ("zero_host", [2], []), ("sync", [], [])]
