@@ -98,7 +98,11 @@ class RunnerServicer:
         releases it. Following ends when no sequence is left, when a push carries a failure (its
         status says what changed, as the implied Step's would), when the client's next message
         arrives (the implied step in progress is finished and pushed first), when the stream
-        ends, or when the runner drains (it ends the stream once the push in progress is out). A client that reads a push holds
+        ends, or when the runner drains (it ends the stream once the push in progress is out).
+        The runner computes implied steps back to back (its forward thread decodes the followed
+        sequences inside their reserved slots, "Decode tokens reach the daemon once a block"), so
+        several pushes may be on their way when the client's next message arrives: each is still
+        one implied step, numbered, in order. A client that reads a push holds
         what it would hold had it sent the implied step and got that answer, and plans its next
         step from there: a step that names sequences and was planned before a push the runner has
         sent (pushes_read lower than the pushes on this stream) is refused ABORTED, cause

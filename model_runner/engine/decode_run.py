@@ -81,6 +81,9 @@ class DecodeRun:
     stopping: bool = False
     # Set by the forward thread once it stopped: the run takes no more forwards.
     over: bool = False
+    # The pending tokens are appended already (a daemon Step renewed the reservations and
+    # appended them), not computed: the next step computes them without appending.
+    appended: bool = False
 
     def __post_init__(self) -> None:
         self.ended = self.loop.create_future()
@@ -88,6 +91,13 @@ class DecodeRun:
     @property
     def known(self) -> SessionSequences:
         return self.entry.sequences
+
+    @property
+    def spent(self) -> bool:
+        """Whether it stopped only because a sequence's reservation ran out (the event loop
+        renews it with a daemon Step and the run goes on)."""
+        return (not self.stopping and self.entry.users == 1 and bool(self.states)
+                and any(len(state.tokens) >= state.private_end for state in self.states))
 
     def implied(self) -> list[SeqStep]:
         """The implied step left to the event loop: each sequence going on, its pending token
@@ -108,24 +118,28 @@ class DecodeRun:
             return None
         chunks = []
         for state, token in zip(self.states, self.pending, strict=True):
-            position = len(state.tokens)
-            state.tokens.append(token)
+            if not self.appended:
+                state.tokens.append(token)
+            position = len(state.tokens) - 1
             chunks.append(SequenceChunk((token,), position,
                                         state.slots(position, position + 1, self.block_size),
                                         state.block_table))
+        self.appended = False
         return chunks
 
     def _may_go_on(self, forward_s: float) -> bool:
         """Whether the next step is the forward thread's: nothing asks the event loop, every
-        sequence's next slot is reserved past its committed tokens, and the session's hold
-        outlives a forward twice as long as the last one."""
+        sequence's next slot lies past its committed tokens and inside what the daemon gave it
+        (its tokens, or its reservation: check_writes' rule), and the session's hold outlives
+        a forward twice as long as the last one."""
         known = self.known
         if self.stopping or not self.states or self.entry.users > 1:
             return False
         if known.held_at + self.hold_s <= time.monotonic() + 2 * forward_s:
             return False  # ended (-inf), or stale: the event loop renews it or fails the step
-        return all(state.committed <= len(state.tokens) < state.private_end
-                   for state in self.states)
+        last = 1 if self.appended else 0
+        return all(state.committed <= len(state.tokens) - last
+                   < max(state.held, state.private_end) for state in self.states)
 
     def advance(self, picks: list[Pick]) -> None:
         """[forward thread] The step is computed: record it, deliver its outputs, and drop the

@@ -291,13 +291,15 @@ class ForwardLoop:
         steps back to back. The batch's picks (host values, so the loop thread touches no
         tensor) and how long the last forward took."""
         while True:
+            # A run whose daemon Step just renewed its reservations: its thread waited on it.
+            waited = any(run.appended for run in runs)
             steps = [(run, chunks) for run in runs
                      if (chunks := run.next_chunks(forward_s)) is not None]
             if not batch and not steps:
                 return [], forward_s
             started = time.monotonic()
             try:
-                sampled = self._forward(batch, steps)
+                sampled = self._forward(batch, steps, waited)
             except Exception as exc:  # the runs' step fails as a client step's would
                 for run, _ in steps:
                     run.finish(exc)
@@ -311,8 +313,8 @@ class ForwardLoop:
                 return sampled[:len(sampled) - sum(len(chunks) for _, chunks in steps)], forward_s
             runs = [run for run, _ in steps]
 
-    def _forward(self, batch: Batch, steps: list[tuple[DecodeRun, list[SequenceChunk]]]
-                 ) -> list[Pick]:
+    def _forward(self, batch: Batch, steps: list[tuple[DecodeRun, list[SequenceChunk]]],
+                 waited: bool) -> list[Pick]:
         """[forward thread] One forward over `batch`'s pieces, then the runs' chunks (every one
         sampled), counted; the picks of the sequences it sampled, in that order."""
         started = time.monotonic()
@@ -330,19 +332,21 @@ class ForwardLoop:
             if len(keep) < len(chunks):
                 logits = logits[torch.tensor(keep)]
             result = picks(self.sampler(logits, rows), rows)
-        self._counted(chunks, time.monotonic() - started, runs_only=not batch)
+        self._counted(chunks, time.monotonic() - started, runs_only=not batch, waited=waited)
         return result
 
-    def _counted(self, chunks: list[SequenceChunk], seconds: float, runs_only: bool) -> None:
+    def _counted(self, chunks: list[SequenceChunk], seconds: float, runs_only: bool,
+                 waited: bool) -> None:
         """[forward thread] Count a forward (prometheus' metrics are thread-safe); one of runs
-        alone is a decode-only forward that waited on nothing (`_observe` judges the others)."""
+        alone is a decode-only forward that waited on a daemon call if a run's reservations
+        were just renewed (`_observe` judges the others)."""
         if self.metrics is None:
             return
         lengths = [len(chunk.token_ids) for chunk in chunks]
         decode = sum(1 for n in lengths if n == 1)
         self.metrics.forward(seconds, len(lengths), sum(lengths) - decode, decode)
         if runs_only:
-            self.metrics.decode_forward(False)
+            self.metrics.decode_forward(waited)
 
     def _deliver(self, batch: Batch, sampled: list[Pick]) -> None:
         """Advance each sequence's computed count; answer each step with no piece left."""

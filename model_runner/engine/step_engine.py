@@ -29,6 +29,13 @@ client plans. The client's next step names the same tokens and is answered from 
 (`Ahead`); the lock keeps every other step of the session, and so every release, behind that
 forward.
 
+Following (runner.proto's StepStream, "Following"; `follow`): a followed session's implied
+steps go to the forward thread once the step computed ahead is claimed (decode_run.py): it
+computes them back to back inside the sequences' reservations, each step's outputs handed to the
+stream from the thread; the event loop acts only where the plan changes (a message, a drain,
+another step of the session, a hold, a spent reservation: renewed by one daemon Step, after which
+the run goes on). The run holds the session's lock throughout, as a step decoded ahead does.
+
 No release before the forward: a step whose caller is cancelled (its client gone) keeps the
 session's lock until its forward is done, so no release through the runner frees blocks that a
 queued or running forward still writes (blocks another session could get meanwhile). Nor does
@@ -45,7 +52,7 @@ changed".
 
 import asyncio
 import contextlib
-import functools
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -280,19 +287,45 @@ class StepEngine:
                            deliver: Callable[[StepOutputs], None],
                            until: asyncio.Future[Any]) -> list[SeqStep]:
         """[holds the session's lock] The decode run of `implied`, holding the session (renewed
-        on the event loop meanwhile); the implied step it leaves."""
+        on the event loop meanwhile); when only a reservation ran out, the daemon Step that
+        certifies and reserves again appends the pending tokens (preparation.py) and the run
+        goes on. The implied step it leaves."""
         known = entry.sequences
         await self.holds.ensure(known)
         assert self.forwards.hold_s is not None, "the engine's forwards check holds"
-        run = DecodeRun(entry, [r.seq_id for r in implied],
-                        [known.known(r.seq_id) for r in implied],
-                        [r.token_ids[0] for r in implied], deliver,
-                        lambda: self.pool.free_blocks, self.runner.block_size,
-                        self.runner.max_model_len, self.forwards.hold_s,
-                        asyncio.get_running_loop())
-        stop = functools.partial(_stop_run, run)
+        runs = [DecodeRun(entry, [r.seq_id for r in implied],
+                          [known.known(r.seq_id) for r in implied],
+                          [r.token_ids[0] for r in implied], deliver,
+                          lambda: self.pool.free_blocks, self.runner.block_size,
+                          self.runner.max_model_len, self.forwards.hold_s,
+                          asyncio.get_running_loop())]
+
+        def stop(_: object) -> None:  # the stream's next message, or a drain
+            runs[-1].stopping = True
+
         until.add_done_callback(stop)
         holder = asyncio.create_task(self.holds.keep(known))
+        try:
+            while True:
+                await self._decode_run(runs[-1])
+                if until.done() or not runs[-1].spent:
+                    return runs[-1].implied()
+                known.stepped += 1
+                try:
+                    await self.preparer.decode_step(known, runs[-1].implied())
+                except Exception:
+                    await self.holds.end_quietly(known)
+                    raise
+                runs.append(dataclasses.replace(runs[-1], appended=True, over=False))
+        finally:
+            holder.cancel()
+            until.remove_done_callback(stop)
+
+    async def _decode_run(self, run: DecodeRun) -> None:
+        """[holds the session's lock and its hold] Let the forward thread take `run` until it
+        stops; a forward that failed makes its step StepNotComputed, and a caller cancelled
+        meanwhile waits for the step in progress before the hold ends."""
+        known = run.known
         self.forwards.follow(run)
         try:
             await asyncio.shield(run.ended)
@@ -308,10 +341,6 @@ class StepEngine:
                 "the implied step's tokens were appended but its forward failed "
                 f"({type(exc).__name__}): resend it without token_ids, or release its "
                 "sequences") from exc
-        finally:
-            holder.cancel()
-            until.remove_done_callback(stop)
-        return run.implied()
 
     # ------------------------------------------------------------ decode ahead
 
@@ -416,11 +445,6 @@ def _claim_ahead(known: SessionSequences, implied: Sequence[SeqStep]) -> list[Se
         assert state is not None
         state.ahead = None
     return [result for result in results if result is not None]
-
-
-def _stop_run(run: DecodeRun, _: object) -> None:
-    """The run's stream got its next message (or drains): stop before the next step."""
-    run.stopping = True
 
 
 def _computed(state: SeqState) -> int:

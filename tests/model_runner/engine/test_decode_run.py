@@ -74,6 +74,34 @@ async def test_the_forward_thread_decodes_to_the_end_with_transformers_tokens(
     assert stats is not None and (stats.num_sequences, stats.blocks_held) == (0, 0)
 
 
+async def test_a_spent_reservation_is_renewed_by_one_daemon_step_and_the_run_goes_on(
+        session: Session, engine: StepEngine, prompts: list[tuple[int, ...]]) -> None:
+    """100 tokens cross several reservations (two blocks' worth past a Step each): every push still comes from a run,
+    one forward each, with transformers' tokens; the renewing daemon Steps appended (certified)
+    the tokens decoded into the spent reservations."""
+    n = 100
+    params = dataclasses.replace(GREEDY, max_tokens=n, logprobs=None)
+    first = [SeqStep(i, p, True, params=params, decode_ahead=True) for i, p in enumerate(prompts)]
+    outputs = await engine.step(session.session_id, first)
+    await asyncio.gather(*engine._ahead_tasks)
+    pushes: list[StepOutputs] = []
+    forwards = len(recorder(engine).chunks)
+    left = await engine.follow(session.session_id, implied_step(first, outputs, ()),
+                               pushes.append, asyncio.get_running_loop().create_future())
+    assert left == [] and len(recorder(engine).chunks) - forwards == len(pushes) - 1 == n - 2
+    tokens = {i: [outputs[i].token_id] for i in range(len(prompts))}
+    for push in pushes:
+        for out in push:
+            tokens[out.seq_id].append(out.token_id)
+    assert tokens == {i: expected_tokens(FAMILY, p, n) for i, p in enumerate(prompts)}
+    # The Step after the prefill appended the first token; only a renewal appended more.
+    tables = await session.block_tables(list(range(len(prompts))))
+    assert all(table.num_tokens > len(p) + 1 for table, p in zip(tables, prompts, strict=True))
+    await engine.step(session.session_id, [], release=list(range(len(prompts))))
+    stats = (await session.stats()).session
+    assert stats is not None and (stats.num_sequences, stats.blocks_held) == (0, 0)
+
+
 async def test_a_stop_leaves_the_implied_step_and_the_engine_goes_on_identically(
         session: Session, engine: StepEngine, prompts: list[tuple[int, ...]]) -> None:
     first, outputs = await first_step(engine, session, prompts)
