@@ -52,6 +52,7 @@ from pagedkv.client.pool.errors import (
     PagedKVError,
     PoolExhausted,
     StalePlan,
+    UnknownSequence,
 )
 from pagedkv.client.pool.recovery import RetryPolicy
 from pagedkv.client.pool.runner_client import RunnerClient, RunnerInfo
@@ -398,9 +399,10 @@ class Engine:
         except PoolExhausted:  # nothing changed: the engine's own step meets it next
             self.following.stop()
             return False
-        except DaemonUnavailable:
-            # The runner's own step met its daemon gone and forgot the session's sequences
-            # (stepped no further than this push): the engine's next step resends histories.
+        except (DaemonUnavailable, UnknownSequence):
+            # The runner forgot the session's sequences (its own step met its daemon gone, or
+            # the daemon came back from its crash log) and stepped no further than this push:
+            # the engine's next step resends histories.
             self.following.stop()
             return False
         except OutcomeUnknown:
