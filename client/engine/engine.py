@@ -51,6 +51,7 @@ from pagedkv.client.pool.errors import (
     OutcomeUnknown,
     PagedKVError,
     PoolExhausted,
+    RunnerUnavailable,
     StalePlan,
     UnknownSequence,
 )
@@ -396,8 +397,8 @@ class Engine:
         try:
             pushed = (await next_push(self.runner, self.session, self._wake) if wait
                       else self.runner.take_push(self.session))
-        except PoolExhausted:  # nothing changed: the engine's own step meets it next
-            self.following.stop()
+        except (PoolExhausted, RunnerUnavailable):  # nothing changed: the engine's own step
+            self.following.stop()                    # meets it next (and waits the runner out)
             return False
         except (DaemonUnavailable, UnknownSequence):
             # The runner forgot the session's sequences (its own step met its daemon gone, or

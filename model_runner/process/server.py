@@ -11,19 +11,21 @@ registered is refused before anything changes (StepEngine's model check).
 
 A runner crash loses no KV: the pool lives in the daemon, so a restarted runner maps it again and
 clients go on (a sequence it does not know is resent with its history). A daemon restart is seen
-by a watcher that reads GetPoolInfo every POOL_CHECK_INTERVAL_S: while the daemon is away or the
-pool is new, steps answer UNAVAILABLE with a clear message, and the runner registers its model
-again and maps the new pool (clients' sessions died with the old daemon; they open new ones).
+by a watcher that reads GetPoolInfo every POOL_CHECK_INTERVAL_S (every AWAY_CHECK_INTERVAL_S
+while steps are refused, and at once when a step found the daemon gone, so a restored daemon
+is mapped within a poll of its READY=1): while the daemon is away or the pool is new, steps
+answer UNAVAILABLE with a clear message, and the runner registers its model again and maps
+the new pool (clients' sessions died with the old daemon; they open new ones).
 A daemon that restored its predecessor's state onto the same memory (restore = auto:
 PoolInfo.previous_pool_id names the pool this runner mapped) kept the sessions, their tables
 and the blocks' bytes: the runner registers its model and maps the memory again, and keeps
 every sequence it knows; its holds are the restored ones (the daemon re-took its pidfd).
-As soon as the daemon does not answer, the runner unmaps its pool, between two forwards: a
-crashed daemon's /dev/shm pool keeps its pages for as long as any process maps it, and a new
-daemon sized for the same /dev/shm could not create its own. It maps the pool again when the
-daemon answers (the same one, if the daemon was only unreachable). With `keep_pool`, it keeps
-a descriptor of the pool file it mapped and hands it back to a restarting daemon that has no
-fd store (pool_keeper.py).
+Once the daemon has not answered for POOL_RELEASE_GRACE_S, the runner unmaps its pool, between
+two forwards: a crashed daemon's /dev/shm pool keeps its pages for as long as any process maps
+it, and a new daemon sized for the same /dev/shm could not create its own. It maps the pool
+again when the daemon answers (the same one, if the daemon was only unreachable). With
+`keep_pool`, it keeps a descriptor of the pool file it mapped and hands it back to a restarting
+daemon that has no fd store (pool_keeper.py).
 
 Its gRPC server is built, bound, drained and stopped by the bring-up the daemon shares
 (process/grpc_server.py): the same message limit, bounds, health and reflection. SIGTERM:
@@ -34,6 +36,7 @@ finish for SHUTDOWN_GRACE_S.
 import asyncio
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +93,13 @@ log = get_logger(__name__)
 
 # How often the watcher asks the daemon which pool it serves.
 POOL_CHECK_INTERVAL_S = 1.0
+# How often it asks while steps are refused (the daemon away: an upgrade's gap is waited out
+# by every client's step).
+AWAY_CHECK_INTERVAL_S = 0.05
+# How long the daemon stays away before the runner unmaps its pool: a step whose daemon call
+# went through before the daemon left finishes its forward meanwhile, and a restarted daemon
+# that adopts the same memory (an upgrade's standby) usually answers sooner.
+POOL_RELEASE_GRACE_S = 1.0
 RUNNER_SERVICE = rpb.DESCRIPTOR.services_by_name["Runner"].full_name
 # Why steps are refused while the daemon does not answer.
 UNAVAILABLE = "the pagedkv daemon is unavailable; the runner is reconnecting"
@@ -154,7 +164,35 @@ class RunnerState:
         # answer knows the runner restarted and holds none of its sequences.
         self.runner_id = uuid.uuid4().hex
         # Why steps are refused now (the daemon is away or restarted), or None.
-        self.unavailable: str | None = None
+        self._unavailable: str | None = None
+        # Set when steps start being refused: the watcher checks the pool at once.
+        self._check_now = asyncio.Event()
+        # When steps last started being refused (monotonic seconds; read while they are).
+        self._refused_since = 0.0
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why steps are refused now (the daemon is away or restarted), or None."""
+        return self._unavailable
+
+    @unavailable.setter
+    def unavailable(self, reason: str | None) -> None:
+        if reason is not None and self._unavailable is None:
+            self._check_now.set()
+            self._refused_since = time.monotonic()
+        self._unavailable = reason
+
+    def refused_for_s(self) -> float:
+        """Seconds since steps started being refused (0.0 while they are taken)."""
+        return time.monotonic() - self._refused_since if self._unavailable is not None else 0.0
+
+    async def next_check(self) -> None:
+        """Wait for the watcher's next pool check: POOL_CHECK_INTERVAL_S while steps are taken,
+        AWAY_CHECK_INTERVAL_S while they are refused, none when they just started to be."""
+        interval = POOL_CHECK_INTERVAL_S if self._unavailable is None else AWAY_CHECK_INTERVAL_S
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._check_now.wait(), interval)
+        self._check_now.clear()
 
     async def step(self, session_id: str, requests: Sequence[SeqStep],
                    release: Sequence[int]) -> StepOutputs:
@@ -344,7 +382,7 @@ async def _watch_pool(state: RunnerState, pool: PoolClient,
     """Notice a daemon that went away or restarted, and map the pool again when it is back
     (`attach`: the model registered again, on its view of the pool memory)."""
     while True:
-        await asyncio.sleep(POOL_CHECK_INTERVAL_S)
+        await state.next_check()
         try:
             info = await pool.pool_info()
             kept = info.previous_pool_id == state.info.pool_id
@@ -375,7 +413,8 @@ async def _watch_pool(state: RunnerState, pool: PoolClient,
             if state.unavailable is None:
                 log.warning("daemon unavailable", daemon_pool=state.info.pool_id)
             state.unavailable = UNAVAILABLE
-            await _release_pool(state)
+            if state.refused_for_s() >= POOL_RELEASE_GRACE_S:
+                await _release_pool(state)
             continue
         except PagedKVError as exc:  # the daemon answered, but not yet as asked: try again
             log.warning("pool check failed; trying again", error=str(exc))
