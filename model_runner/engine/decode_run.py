@@ -81,8 +81,9 @@ class DecodeRun:
     stopping: bool = False
     # Set by the forward thread once it stopped: the run takes no more forwards.
     over: bool = False
-    # The pending tokens are appended already (a daemon Step renewed the reservations and
-    # appended them), not computed: the next step computes them without appending.
+    # The pending tokens are appended already, as ahead (SeqState.ahead: a daemon Step renewed
+    # the reservations and appended them), not computed: the next step computes them without
+    # appending (a step of the event loop that comes first claims them instead).
     appended: bool = False
 
     def __post_init__(self) -> None:
@@ -118,7 +119,9 @@ class DecodeRun:
             return None
         chunks = []
         for state, token in zip(self.states, self.pending, strict=True):
-            if not self.appended:
+            if self.appended:
+                state.ahead = None  # this step takes the token appended ahead
+            else:
                 state.tokens.append(token)
             position = len(state.tokens) - 1
             chunks.append(SequenceChunk((token,), position,

@@ -311,11 +311,13 @@ class StepEngine:
                 if until.done() or not runs[-1].spent:
                     return runs[-1].implied()
                 known.stepped += 1
+                # Appended as ahead: a step that comes first (the run stops) claims them.
                 try:
-                    await self.preparer.decode_step(known, runs[-1].implied())
-                except Exception:
-                    await self.holds.end_quietly(known)
-                    raise
+                    await self.preparer.decode_step(known, runs[-1].implied(), ahead=True)
+                except PagedKVError:  # not applied (a full pool...): `step` meets it itself,
+                    return runs[-1].implied()  # claiming what a partial call appended ahead
+                if until.done():
+                    return runs[-1].implied()
                 runs.append(dataclasses.replace(runs[-1], appended=True, over=False))
         finally:
             holder.cancel()
