@@ -60,6 +60,7 @@ from typing import Any
 from pagedkv.client import (
     Append,
     Commit,
+    DaemonUnavailable,
     Free,
     NotFound,
     PagedKVError,
@@ -314,6 +315,8 @@ class StepEngine:
                 # Appended as ahead: a step that comes first (the run stops) claims them.
                 try:
                     await self.preparer.decode_step(known, runs[-1].implied(), ahead=True)
+                except DaemonUnavailable:  # maybe applied: the caller forgets the session
+                    raise
                 except PagedKVError:  # not applied (a full pool...): `step` meets it itself,
                     return runs[-1].implied()  # claiming what a partial call appended ahead
                 if until.done():

@@ -202,23 +202,31 @@ class RunnerState:
         try:
             return await self.engine.step(session_id, requests, release)
         except DaemonUnavailable:
-            # What the daemon applied of the step is unknown (it may come back from its crash
-            # log): the session's sequences are forgotten, so the client's resend is read back
-            # from the daemon's records (the promise of a relayed DaemonUnavailable), and steps
-            # wait until the watcher has checked the pool.
-            self.engine.sessions.forget(session_id)
-            self.unavailable = UNAVAILABLE
+            self._daemon_gone(session_id)
             raise
+
+    def _daemon_gone(self, session_id: str) -> None:
+        """A daemon call of the session's step met the daemon gone: what the daemon applied is
+        unknown (it may come back from its crash log), so the session's sequences are
+        forgotten, the client's resend is read back from the daemon's records (the promise of
+        a relayed DaemonUnavailable), and steps wait until the watcher has checked the pool."""
+        self.engine.sessions.forget(session_id)
+        self.unavailable = UNAVAILABLE
 
     async def follow(self, session_id: str, implied: Sequence[SeqStep],
                      deliver: Callable[[StepOutputs], None],
                      until: asyncio.Future[Any]) -> list[SeqStep] | None:
         """The engine's decode run of a followed session (its implied steps), refused while
-        the pool is unavailable. It makes no daemon call but its hold's renewals; a daemon gone
-        meanwhile fails its push, and the client's next step meets it through `step`."""
+        the pool is unavailable. A daemon Step of the run (a reservation renewed) that meets
+        the daemon gone is met as in `step`: its push fails with DaemonUnavailable, which the
+        client resends with histories."""
         if self.unavailable is not None:
             raise RunnerUnavailable(self.unavailable)
-        return await self.engine.follow(session_id, implied, deliver, until)
+        try:
+            return await self.engine.follow(session_id, implied, deliver, until)
+        except DaemonUnavailable:
+            self._daemon_gone(session_id)
+            raise
 
     @property
     def metrics(self) -> RunnerMetrics | None:
