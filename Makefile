@@ -99,6 +99,7 @@ bench: setup
 	$(PY) benchmarks/bench_peer_gate.py
 	$(PY) benchmarks/bench_core_trace.py
 	$(PY) benchmarks/bench_runner_cpu.py
+	$(PY) benchmarks/bench_decode_forward.py
 	$(PY) benchmarks/bench_runner.py
 	$(PY) benchmarks/bench_runner_stream.py
 	$(PY) benchmarks/bench_e2e_concurrency.py
@@ -123,6 +124,9 @@ bench: setup
 	$(PY) benchmarks/bench_structured.py
 	$(PY) benchmarks/bench_fp8_kv.py
 	$(PY) benchmarks/bench_restart_snapshot.py
+	$(PY) benchmarks/bench_crash_log.py
+	$(PY) benchmarks/bench_daemon_upgrade.py
+	$(PY) benchmarks/bench_step_files.py
 	$(PY) benchmarks/bench_suite.py
 
 bench-gpu: setup
