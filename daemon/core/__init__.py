@@ -2,11 +2,11 @@
 
 from pagedkv.daemon.core.allocator import ALLOCATORS, AllocatorKind, PoolAllocator, make_pool
 from pagedkv.daemon.core.block_pool import BlockPool
+from pagedkv.daemon.core.cache_events import CacheEvent
 from pagedkv.daemon.core.content_keys import PREFIX_HASHES, PrefixHash
 from pagedkv.daemon.core.contiguous import ContiguousPool
 from pagedkv.daemon.core.errors import InvalidArgument, PoolError, SequenceExists, SequenceNotFound
 from pagedkv.daemon.core.journal import Journal
-from pagedkv.daemon.core.physical_blocks import CacheEvents
 from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 
 __all__ = [
@@ -16,7 +16,7 @@ __all__ = [
     "BatchAppend",
     "BlockCopy",
     "BlockPool",
-    "CacheEvents",
+    "CacheEvent",
     "ContiguousPool",
     "InvalidArgument",
     "Journal",

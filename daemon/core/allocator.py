@@ -17,12 +17,12 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.daemon.core.block_pool import BlockPool
+from pagedkv.daemon.core.cache_events import CacheEvent
 from pagedkv.daemon.core.content_keys import PrefixHash
 from pagedkv.daemon.core.contiguous import ContiguousPool
 from pagedkv.daemon.core.errors import InvalidArgument
 from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.core.journal import Journal
-from pagedkv.daemon.core.physical_blocks import CacheEvents
 from pagedkv.daemon.core.types import BatchAppend, NoFit, PoolStats, SeqUpdate
 from pagedkv.daemon.core.validation import TokenIds
 
@@ -105,7 +105,9 @@ class PoolAllocator(Protocol):
 
     def free(self, seq: Hashable) -> list[int]: ...
 
-    def cache_events(self, events: CacheEvents) -> AbstractContextManager[None]: ...
+    def recording_events(self) -> AbstractContextManager[None]: ...
+
+    def take_events(self) -> list[CacheEvent]: ...
 
     @property
     def host_tier(self) -> HostTier | None:

@@ -34,13 +34,14 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv.daemon.core.appender import Appender
+from pagedkv.daemon.core.cache_events import CacheEvent, Committed, Restored, Uncommitted
 from pagedkv.daemon.core.content_keys import ContentKeys, PrefixHash
 from pagedkv.daemon.core.errors import SequenceExists
 from pagedkv.daemon.core.holders import HeldBlocks
 from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.pages import Pages, page_count
-from pagedkv.daemon.core.physical_blocks import CacheEvents, PhysicalBlocks
+from pagedkv.daemon.core.physical_blocks import PhysicalBlocks
 from pagedkv.daemon.core.pool_checks import check_pool, recount_stats
 from pagedkv.daemon.core.seq_table import Int64Array, SeqTable, row_of
 from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
@@ -198,7 +199,7 @@ class BlockPool:
     def withdraw_pages(self, pages: Sequence[int]) -> list[int]:
         """Held pages whose blocks are all unreferenced leave the pool: their blocks are then
         neither free, used nor cached, and no figure counts them. Cached blocks among them are
-        evicted (told to `cache_events` as evictions) and returned. InvalidArgument, nothing
+        evicted (queued as `Evicted`, cache_events.py) and returned. InvalidArgument, nothing
         changed: a page out of range, named twice, already withdrawn, or with a referenced
         block."""
         return self._pages.withdraw(pages)
@@ -216,7 +217,7 @@ class BlockPool:
         under the same salt is shared instead of allocated; `num_cached_tokens` says how many
         leading tokens need no recomputation. Where that prefix goes on in the host tier (and
         `use_host_tier`), the next blocks are fresh ones restored from it: committed at once,
-        told to `cache_events` as restored, counted as cached. The prompt's other full blocks
+        queued as `Restored`, counted as cached. The prompt's other full blocks
         are keyed pending.
         """
         if seq in self._seqs.row_of:
@@ -306,7 +307,7 @@ class BlockPool:
         matchable = self._blocks.cache.commit(blocks.tolist())
         st.set_committed(rows, upto)
         if matchable and self._blocks.events is not None:
-            self._blocks.events.committed(matchable)
+            self._blocks.events.append(Committed(matchable))
         return len(matchable)
 
     def fork(self, parent: Hashable, child: Hashable) -> SeqUpdate:
@@ -340,7 +341,7 @@ class BlockPool:
         else:
             cache = self._blocks.cache
             if cache.is_committed(block) and self._blocks.events is not None:
-                self._blocks.events.uncommitted(block)
+                self._blocks.events.append(Uncommitted(block))
             cache.forget(block)
         self._seqs.set_chain_ok(row, False)
         return SeqUpdate(self.block_table(seq), int(self._seqs.num_tokens[row]), copies=copies)
@@ -362,13 +363,22 @@ class BlockPool:
         return released
 
     @contextlib.contextmanager
-    def cache_events(self, events: CacheEvents) -> Iterator[None]:
-        """Tell `events` of every block evicted from or parked in the prefix cache inside."""
-        self._blocks.events = events
+    def recording_events(self) -> Iterator[None]:
+        """Queue a typed event for every change of a block's cache state inside
+        (`cache_events.py`); what is not taken by the end is dropped."""
+        self._blocks.events = []
         try:
             yield
         finally:
             self._blocks.events = None
+
+    def take_events(self) -> list[CacheEvent]:
+        """The events queued since the last take, oldest first; the queue is left empty."""
+        events = self._blocks.events
+        if not events:
+            return []
+        self._blocks.events = []
+        return events
 
     def uncache(self, candidates: Mapping[int, bytes]) -> list[int]:
         """Free the candidate blocks still cached under the given keys (content whose only
@@ -442,10 +452,10 @@ class BlockPool:
         host.restored(slots)
         events = self._blocks.events
         if events is not None:
-            events.restored(slots, blocks)
+            events.append(Restored(slots, blocks))
         matchable = self._blocks.cache.commit(blocks)
         if matchable and events is not None:
-            events.committed(matchable)
+            events.append(Committed(matchable))
 
     # ------------------------------------------------------------------ helpers
 

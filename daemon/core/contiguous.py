@@ -33,11 +33,11 @@ from contextlib import AbstractContextManager, nullcontext
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.daemon.core.cache_events import CacheEvent
 from pagedkv.daemon.core.errors import InvalidArgument, SequenceExists
 from pagedkv.daemon.core.first_fit import FirstFit
 from pagedkv.daemon.core.holders import HeldBlocks
 from pagedkv.daemon.core.journal import Journal
-from pagedkv.daemon.core.physical_blocks import CacheEvents
 from pagedkv.daemon.core.seq_table import Int64Array, ragged_entries, row_of, rows_of
 from pagedkv.daemon.core.types import BatchAppend, BlockCopy, NoFit, PoolStats, SeqUpdate
 from pagedkv.daemon.core.validation import (
@@ -263,9 +263,13 @@ class ContiguousPool:
     def host_tier(self) -> None:
         return None  # nothing is cached, so nothing is offloaded
 
-    def cache_events(self, events: CacheEvents) -> AbstractContextManager[None]:
-        """Nothing is ever cached, so `events` never hears of anything."""
+    def recording_events(self) -> AbstractContextManager[None]:
+        """Nothing is ever cached, so no cache event is ever queued."""
         return nullcontext()
+
+    def take_events(self) -> list[CacheEvent]:
+        """Nothing is ever cached: no events."""
+        return []
 
     def uncache(self, candidates: Mapping[int, bytes]) -> list[int]:
         """Nothing is ever cached: no candidate is freed."""

@@ -14,49 +14,25 @@ block is free, never cached.
 
 Every change records its undo in the pool's journal (see `journal.py`).
 
-A block leaves or enters the cache on behalf of a call: `events`, when set (the service sets it
-around each call), hears of every block `take` evicts (it holds an earlier owner's K/V) and
-every block `release` parks (its owner's K/V stays behind), so the call can zero the one and
-remember the other; `BlockPool` tells it too of every block a commit made matchable and of a
-committed block in use that loses its key (what KV events announce).
+A block leaves or enters the cache on behalf of a call: `events`, when recording (the service
+records around each call), gets an `Evicted` for the blocks `take` evicts (they hold an earlier
+owner's K/V) and a `Parked` for every block `release` parks (its owner's K/V stays behind), so
+the call can zero the one and remember the other; `BlockPool` queues there too the blocks a
+commit made matchable and a committed block in use that loses its key (what KV events announce;
+`cache_events.py`).
 """
 
 from collections import deque
 from collections.abc import Mapping
-from typing import Protocol
 
 import numpy as np
 
+from pagedkv.daemon.core.cache_events import CacheEvent, Evicted, Offloaded, Parked
 from pagedkv.daemon.core.content_keys import ContentKeys
-from pagedkv.daemon.core.host_tier import HostTier, Stored
+from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.prefix_cache import PrefixCache
 from pagedkv.daemon.core.seq_table import Int64Array
-
-
-class CacheEvents(Protocol):
-    """Told, during a call, which blocks the prefix cache gave up and which it took in."""
-
-    def evicted(self, blocks: list[int]) -> None:
-        """These cached blocks were evicted and handed to a writer."""
-
-    def parked(self, block: int, key: bytes) -> None:
-        """This committed block lost its last reference and stays cached under `key`."""
-
-    def committed(self, blocks: list[int]) -> None:
-        """These pending blocks became committed (matchable), in the order committed: each
-        sequence's in table order, so a block's parent comes before it."""
-
-    def uncommitted(self, block: int) -> None:
-        """This committed block, in use, lost its key (its owner is about to rewrite it)."""
-
-    def offloaded(self, blocks: list[int], stored: Stored) -> None:
-        """Some of these just-evicted blocks were copied to the host tier (`stored.copied`:
-        index into `blocks`, host slot), which dropped `stored.dropped` to make room; told
-        before `evicted`, so the copies are made before anything writes the blocks."""
-
-    def restored(self, slots: list[int], blocks: list[int]) -> None:
-        """An allocation fills fresh `blocks` from host `slots`, pairwise (then commits them)."""
 
 
 class PhysicalBlocks:
@@ -72,8 +48,8 @@ class PhysicalBlocks:
         self.free: deque[int] = deque(range(num_blocks))
         # Content keys, and the LRU of cached blocks with refcount 0.
         self.cache = PrefixCache(num_blocks, block_size, journal, keys)
-        # Who hears of evictions and parked blocks (None: no one).
-        self.events: CacheEvents | None = None
+        # The queue of cache events of the call recording (None: none records).
+        self.events: list[CacheEvent] | None = None
         # Where evicted committed blocks are copied (`host_tier.py`); None: nowhere, they go.
         self.host: HostTier | None = None
 
@@ -91,9 +67,9 @@ class PhysicalBlocks:
             if self.host is not None:
                 stored = self.host.store(keys, parents, self.cache.tokens_of[evicted])
                 if self.events is not None:
-                    self.events.offloaded(evicted, stored)
+                    self.events.append(Offloaded(evicted, stored))
             if self.events is not None:
-                self.events.evicted(evicted)
+                self.events.append(Evicted(evicted))
             blocks = from_free + evicted
         taken = np.array(blocks, dtype=np.int64)
         # Free and cached blocks have refcount 0 (`check` proves the states disjoint).
@@ -142,7 +118,7 @@ class PhysicalBlocks:
             freed = set(released)
             for block in unheld:
                 if block not in freed:  # parked: cached with its committed key
-                    self.events.parked(block, self.cache.key_of[block] or b"")
+                    self.events.append(Parked(block, self.cache.key_of[block] or b""))
         self.free.extend(released)
         self._journal.record(self._unrelease, table, len(released))
         return released
@@ -177,7 +153,7 @@ class PhysicalBlocks:
         for block in evicted:
             cache.unpark(block)
         if evicted and self.events is not None:
-            self.events.evicted(evicted)
+            self.events.append(Evicted(evicted))
         if len(evicted) < len(blocks):  # some were free: the list is rebuilt without them
             gone = set(blocks)
             if self._journal.active:

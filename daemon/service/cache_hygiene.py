@@ -8,6 +8,11 @@ under the same salt can reuse it. Two consequences for tenants, handled here:
   its lease), no one can ever hit the blocks it left cached. They are dropped when it ends:
   back to the free list, zeroed first when `zero_freed_blocks` is on. The service learns which
   blocks a session parked from the pool's cache events during each of its calls.
+
+The pool does not call out: it queues typed events (daemon/core/cache_events.py: Evicted,
+Parked, Committed, Uncommitted, Offloaded, Restored) while a call `watch`es, and `drain` takes
+them after each pool operation and hands each to its listeners (`_hear`): the private blocks,
+the model cache, zeroing, KV events and host copies.
 - A cached block evicted to make room is handed to a new owner, often another tenant, with
   the old K/V in it (copied first to the host tier, where the format has one: host_copies.py).
   With `zero_freed_blocks` on, the evicting call zeroes it: the zeroing is
@@ -20,59 +25,24 @@ journal, so a call that fails leaves it as it was.
 """
 
 import contextlib
+from collections.abc import Iterator
 
-from pagedkv.daemon.core import CacheEvents, PoolAllocator
-from pagedkv.daemon.core.host_tier import Stored
+from pagedkv.daemon.core import PoolAllocator
+from pagedkv.daemon.core.cache_events import (
+    CacheEvent,
+    Committed,
+    Evicted,
+    Offloaded,
+    Parked,
+    Restored,
+    Uncommitted,
+)
 from pagedkv.daemon.service.host_copies import HostCopies, Owners
 from pagedkv.daemon.service.kv_events import FormatEvents
 from pagedkv.daemon.service.memory_order import MemoryWork
 from pagedkv.daemon.service.model_cache import ModelCache
 from pagedkv.daemon.service.private_blocks import PrivateBlocks
 from pagedkv.daemon.service.sessions import Session
-
-
-class _CallEvents(CacheEvents):
-    """The cache events of one call of one session."""
-
-    def __init__(self, hygiene: "CacheHygiene", session: Session, work: MemoryWork) -> None:
-        self._hygiene = hygiene
-        self._session = session
-        self._work = work
-
-    def evicted(self, blocks: list[int]) -> None:
-        self._hygiene.private.evicted(blocks)
-        self._hygiene.cached.left(blocks)
-        if self._hygiene.zero_blocks:
-            self._work.zero(blocks)
-        if self._hygiene.events is not None:
-            self._hygiene.events.removed(blocks)
-
-    def parked(self, block: int, key: bytes) -> None:
-        self._hygiene.cached.parked(self._session.model_number, block, key)
-        if self._session.private_salt:
-            self._hygiene.private.parked(self._session.number, block, key)
-
-    def committed(self, blocks: list[int]) -> None:
-        if self._hygiene.events is not None:
-            self._hygiene.events.committed(self._session, blocks)
-
-    def uncommitted(self, block: int) -> None:
-        # A private session's revived block rewritten in place: its record goes with the key,
-        # or the block, freed and then cached by another session, would still count as the
-        # private session's (its host copy dropped, and zeroed, when that session ends).
-        self._hygiene.private.evicted([block])
-        if self._hygiene.events is not None:
-            self._hygiene.events.removed([block])
-
-    def offloaded(self, blocks: list[int], stored: Stored) -> None:
-        hygiene = self._hygiene
-        assert hygiene.host is not None, "a pool with a host tier and a service without"
-        hygiene.host.offloaded(blocks, stored, self._work,
-                               Owners(hygiene.private, hygiene.cached), hygiene.events)
-
-    def restored(self, slots: list[int], blocks: list[int]) -> None:
-        assert self._hygiene.host is not None, "a pool with a host tier and a service without"
-        self._hygiene.host.restored(slots, blocks, self._work)
 
 
 class CacheHygiene:
@@ -90,10 +60,65 @@ class CacheHygiene:
         self.events: FormatEvents | None = None
         # The format's host tier (host_copies.py); None: it has none.
         self.host: HostCopies | None = None
+        # The call whose cache events the pool queues: its session and memory work (None:
+        # none).
+        self._call: tuple[Session, MemoryWork] | None = None
 
-    def watch(self, session: Session, work: MemoryWork) -> contextlib.AbstractContextManager[None]:
-        """Around one call of `session`: hear its evictions and parked blocks."""
-        return self._pool.cache_events(_CallEvents(self, session, work))
+    @contextlib.contextmanager
+    def watch(self, session: Session, work: MemoryWork) -> Iterator[None]:
+        """Around one call of `session`: the pool queues its cache events, which `drain`
+        hands to the listeners (and the end of the call, for any left)."""
+        self._call = (session, work)
+        try:
+            with self._pool.recording_events():
+                yield
+                self.drain()
+        finally:
+            self._call = None
+
+    def drain(self) -> None:
+        """Hand the cache events the pool queued since the last drain to the listeners, oldest
+        first: after each pool operation of a call, before the call records memory work of its
+        own (a copy into an evicted block runs after its zeroing and its copy to the host)."""
+        if self._call is None:
+            return
+        session, work = self._call
+        for event in self._pool.take_events():
+            self._hear(event, session, work)
+
+    def _hear(self, event: CacheEvent, session: Session, work: MemoryWork) -> None:
+        """One event to every listener it concerns: private blocks, the model cache, zeroing,
+        KV events, host copies."""
+        match event:
+            case Evicted(blocks):
+                self.private.evicted(blocks)
+                self.cached.left(blocks)
+                if self.zero_blocks:
+                    work.zero(blocks)
+                if self.events is not None:
+                    self.events.removed(blocks)
+            case Parked(block, key):
+                self.cached.parked(session.model_number, block, key)
+                if session.private_salt:
+                    self.private.parked(session.number, block, key)
+            case Committed(blocks):
+                if self.events is not None:
+                    self.events.committed(session, blocks)
+            case Uncommitted(block):
+                # A private session's revived block rewritten in place: its record goes with
+                # the key, or the block, freed and then cached by another session, would still
+                # count as the private session's (its host copy dropped, and zeroed, when that
+                # session ends).
+                self.private.evicted([block])
+                if self.events is not None:
+                    self.events.removed([block])
+            case Offloaded(blocks, stored):
+                assert self.host is not None, "a pool with a host tier and a service without"
+                self.host.offloaded(blocks, stored, work, Owners(self.private, self.cached),
+                                    self.events)
+            case Restored(slots, blocks):
+                assert self.host is not None, "a pool with a host tier and a service without"
+                self.host.restored(slots, blocks, work)
 
     def session_ended(self, session: Session, work: MemoryWork) -> int:
         """Drop what a private-salt session left cached (after its sequences were freed, under

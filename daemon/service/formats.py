@@ -120,6 +120,7 @@ class Formats:
                      SessionOps(pool, self._limits, self._zero), CacheHygiene(pool, self._zero),
                      memory)
         fmt.ops.revived = fmt.hygiene.cached.left
+        fmt.ops.drain = fmt.hygiene.drain
         if self._events is not None:
             fmt.hygiene.events = FormatEvents(pool, *self._events)
         return fmt

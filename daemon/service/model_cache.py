@@ -3,7 +3,7 @@
 A format's prefix cache is one LRU for every model of its geometry; a model's memory counts
 the committed cached blocks it left there, and its sleep drops them. The pool tells the
 service, per call, which blocks a call parked in the cache and which it evicted
-(`CacheEvents`); a block parked by a session of model M is M's until it is evicted, dropped
+(`cache_events.py`); a block parked by a session of model M is M's until it is evicted, dropped
 (`uncache`), withdrawn with its page, or revived by a prefix hit (it is then held by a
 sequence, and counted as used instead). Every change goes through the pool's journal, so a
 call that fails leaves the record as it was.

@@ -51,15 +51,7 @@ from pagedkv.vocab.blocks import blocks_for
 Result = TypeVar("Result", SeqUpdate, BatchAppend)
 
 
-def _fit(result: Result | NoFit) -> Result:
-    """The pool's result, or PoolFull saying what was needed and what was free."""
-    if isinstance(result, NoFit):
-        raise PoolFull(f"pool full: the call needs {result.needed} blocks, "
-                       f"{result.available} available", result.needed, result.available)
-    return result
-
-
-def _nothing(_blocks: list[int]) -> None:
+def _nothing(_blocks: list[int] | None = None) -> None:
     """No one listens (a pool with no model records)."""
 
 
@@ -77,6 +69,18 @@ class SessionOps:
         self.sequence_log = SequenceLog(pool.journal)
         # Told of cached blocks a prefix hit took back into use (ModelCache.left).
         self.revived: Callable[[list[int]], None] = _nothing
+        # Hands the cache events the pool queued to their listeners (CacheHygiene.drain),
+        # after every pool operation, before the call records memory work of its own.
+        self.drain: Callable[[], None] = _nothing
+
+    def _fit(self, result: Result | NoFit) -> Result:
+        """The pool's result once its cache events are drained, or PoolFull saying what was
+        needed and what was free."""
+        self.drain()
+        if isinstance(result, NoFit):
+            raise PoolFull(f"pool full: the call needs {result.needed} blocks, "
+                           f"{result.available} available", result.needed, result.available)
+        return result
 
     def apply(self, session: Session, op: Operation, work: MemoryWork,
               answer: AnswerBudget) -> SeqUpdate:
@@ -91,7 +95,7 @@ class SessionOps:
                 charge = quota(num_tokens)
                 self._check_quota(session, charge)
                 answer.sequence("allocate", blocks_for(num_tokens, bs), slots=num_tokens)
-                update = _fit(self.pool.allocate(session.key(seq_id), num_tokens, tokens,
+                update = self._fit(self.pool.allocate(session.key(seq_id), num_tokens, tokens,
                                                  salt=session.salt_tag + session.salt,
                                                  use_host_tier=not skip_host_tier))
                 if update.num_cached_tokens:  # revived cached blocks are held now
@@ -110,7 +114,7 @@ class SessionOps:
                 answer.sequence("append", max(blocks_for(old + num_tokens, bs),
                                               self.pool.table_length(key)),
                                 slots=num_tokens, copies=1)
-                update = _fit(self.pool.append(key, num_tokens, tokens))
+                update = self._fit(self.pool.append(key, num_tokens, tokens))
             case Fork(parent_seq_id, child_seq_id):
                 parent = self.own(session, parent_seq_id)
                 self._check_new_seq(session, child_seq_id)
@@ -119,7 +123,7 @@ class SessionOps:
                 self._check_quota(session, charge)
                 answer.sequence("fork", blocks_for(held, bs),
                                 copies=self.pool.fork_copies(held))
-                update = _fit(self.pool.fork(parent, session.key(child_seq_id)))
+                update = self._fit(self.pool.fork(parent, session.key(child_seq_id)))
                 self._add_seq(session, child_seq_id)
                 self.sequence_log.forked(session, parent_seq_id, child_seq_id)
             case CopyOnWrite(seq_id, logical_block):
@@ -127,7 +131,7 @@ class SessionOps:
                 num_blocks = blocks_for(self.pool.num_tokens(key), bs)  # those holding tokens
                 check_logical_block(logical_block, num_blocks, seq_id)  # names the client's id
                 answer.sequence("copy_on_write", self.pool.table_length(key), copies=1)
-                update = _fit(self.pool.copy_on_write(key, logical_block))
+                update = self._fit(self.pool.copy_on_write(key, logical_block))
                 charge = 0  # a copy replaces a table entry
             case Commit(seq_ids, num_tokens):
                 answer.sequence("commit", 0)
@@ -163,6 +167,7 @@ class SessionOps:
         key = self.own(session, seq_id)
         charge = self.pool.quota_of(key)  # reserved entries included
         released = self.pool.free(key)
+        self.drain()
         session.seq_ids.discard(seq_id)
         self._journal.record(session.seq_ids.add, seq_id)
         self._add_entries(session, -charge)
@@ -182,7 +187,9 @@ class SessionOps:
             raise InvalidArgument(f"{len(num_tokens)} num_tokens given for {len(seq_ids)} "
                                   "seq_ids; send one per sequence or none")
         keys = self.own_all(session, seq_ids)
-        return self.pool.commit(keys, num_tokens if len(num_tokens) else None)
+        committed = self.pool.commit(keys, num_tokens if len(num_tokens) else None)
+        self.drain()
+        return committed
 
     def _add_seq(self, session: Session, seq_id: int) -> None:
         session.seq_ids.add(seq_id)
@@ -219,7 +226,8 @@ class SessionOps:
         answer.step(count, num_tokens, self.pool.block_size, reserve_tokens)
         if commit:
             self.pool.commit(keys)
-        result = _fit(self.pool.append_batch(keys, num_tokens, tokens, reserve_tokens))
+            self.drain()
+        result = self._fit(self.pool.append_batch(keys, num_tokens, tokens, reserve_tokens))
         self._add_entries(session, result.charged_blocks)
         work.copy(result.copies)
         return result

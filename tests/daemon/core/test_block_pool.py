@@ -15,6 +15,7 @@ from pagedkv.daemon.core import (
     SeqUpdate,
     seq_table,
 )
+from pagedkv.daemon.core.cache_events import Committed, Evicted, Parked, Uncommitted
 
 from pool_state import pool_state
 
@@ -399,7 +400,7 @@ def test_a_forked_child_keeps_pending_blocks_and_may_commit_them(pool: BlockPool
 
 
 class Heard:
-    """Cache events, as the service hears them during a call."""
+    """Cache events, as the service hears them during a call (taken from the pool's queue)."""
 
     def __init__(self) -> None:
         # ("evicted", blocks) and ("parked", [block]) in the order they happened.
@@ -407,26 +408,27 @@ class Heard:
         # ("committed", blocks) and ("uncommitted", [block]): what KV events announce.
         self.keying: list[tuple[str, list[int]]] = []
 
-    def evicted(self, blocks: list[int]) -> None:
-        self.events.append(("evicted", blocks))
-
-    def parked(self, block: int, key: bytes) -> None:
-        self.events.append(("parked", [block]))
-
-    def committed(self, blocks: list[int]) -> None:
-        self.keying.append(("committed", blocks))
-
-    def uncommitted(self, block: int) -> None:
-        self.keying.append(("uncommitted", [block]))
+    def take(self, pool: BlockPool) -> None:
+        for event in pool.take_events():
+            match event:
+                case Evicted(blocks):
+                    self.events.append(("evicted", blocks))
+                case Parked(block, _key):
+                    self.events.append(("parked", [block]))
+                case Committed(blocks):
+                    self.keying.append(("committed", blocks))
+                case Uncommitted(block):
+                    self.keying.append(("uncommitted", [block]))
 
 
 def test_cache_events_and_uncache_of_what_no_one_can_hit_any_more() -> None:
     pool, heard = BlockPool(num_blocks=4, block_size=2), Heard()
-    with pool.cache_events(heard):
+    with pool.recording_events():
         ok(pool.allocate("a", 4, [1, 2, 3, 4], salt=b"private"))
         pool.commit(["a"])
         pool.free("a")  # both blocks stay cached, the deeper one first
         ok(pool.allocate("b", 6))  # blocks 2, 3, then evicts block 1 (least recently parked)
+        heard.take(pool)
     assert heard.events == [("parked", [1]), ("parked", [0]), ("evicted", [1])]
     keys = pool.cached_keys()
     assert list(keys) == [0]
@@ -448,7 +450,7 @@ def test_cache_events_hear_the_blocks_a_commit_made_matchable_and_a_rewrite_unke
     (a block another committed first is not among them), and a committed block in use whose
     owner rewrites it in place."""
     pool, heard = BlockPool(num_blocks=8, block_size=2), Heard()
-    with pool.cache_events(heard):
+    with pool.recording_events():
         ok(pool.allocate("a", 5, [1, 2, 3, 4, 5]))  # blocks 0, 1 keyed pending, 2 partial
         ok(pool.allocate("b", 4, [1, 2, 3, 4]))  # the same content, pending too: 3, 4
         assert pool.commit(["b"]) == 2
@@ -456,6 +458,7 @@ def test_cache_events_hear_the_blocks_a_commit_made_matchable_and_a_rewrite_unke
         assert pool.commit(["b"]) == 0  # nothing new
         ok(pool.copy_on_write("b", 1))  # b alone holds block 4: rewritten in place
         ok(pool.copy_on_write("a", 0))  # pending no more, never committed: not announced
+        heard.take(pool)
     assert heard.keying == [("committed", [3, 4]), ("uncommitted", [4])]
     _, parents, tokens = pool.block_content([3])
     assert parents == [pool.root_key(b"")] and tokens.tolist() == [[1, 2]]

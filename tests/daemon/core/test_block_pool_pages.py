@@ -10,6 +10,7 @@ import re
 import pytest
 
 from pagedkv.daemon.core import BlockPool, InvalidArgument, NoFit, SeqUpdate, make_pool
+from pagedkv.daemon.core.cache_events import Evicted
 
 from pool_state import pool_state
 
@@ -21,26 +22,6 @@ def ok(result: object) -> SeqUpdate:
 
 def paged(block_size: int = 4, withdrawn: bool = False) -> BlockPool:
     return BlockPool(num_blocks=8, block_size=block_size, blocks_per_page=2, withdrawn=withdrawn)
-
-
-class Heard:
-    """The blocks evictions were reported for, as the service hears them during a call."""
-
-    def __init__(self) -> None:
-        # Each `evicted` call's blocks, in order.
-        self.evicted_calls: list[list[int]] = []
-
-    def evicted(self, blocks: list[int]) -> None:
-        self.evicted_calls.append(blocks)
-
-    def parked(self, block: int, key: bytes) -> None:
-        pass
-
-    def committed(self, blocks: list[int]) -> None:
-        pass
-
-    def uncommitted(self, block: int) -> None:
-        pass
 
 
 def cached_pool() -> BlockPool:
@@ -88,10 +69,10 @@ def test_a_format_that_starts_with_no_memory_gets_the_pages_restored() -> None:
 
 
 def test_withdraw_evicts_cached_blocks_and_reports_them_as_evictions() -> None:
-    pool, heard = cached_pool(), Heard()
-    with pool.cache_events(heard):
+    pool = cached_pool()
+    with pool.recording_events():
         assert pool.withdraw_pages([0]) == [0, 1]
-    assert heard.evicted_calls == [[0, 1]]
+        assert pool.take_events() == [Evicted([0, 1])]
     stats = pool.stats()
     assert (stats.num_blocks, stats.cached_blocks, stats.free_blocks) == (6, 0, 6)
     pool.check_invariants()

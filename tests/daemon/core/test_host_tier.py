@@ -11,32 +11,31 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedkv.daemon.core import BlockPool, InvalidArgument, NoFit, SeqUpdate
-from pagedkv.daemon.core.host_tier import Stored
+from pagedkv.daemon.core.cache_events import Committed, Evicted, Offloaded, Restored
 
 
 class Heard:
-    """The cache events the service would get."""
+    """The cache events the service would get: the pool's queue, taken each time `log` is
+    read."""
 
-    def __init__(self) -> None:
-        self.log: list[tuple[object, ...]] = []
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+        self._log: list[tuple[object, ...]] = []
 
-    def evicted(self, blocks: list[int]) -> None:
-        self.log.append(("evicted", blocks))
-
-    def parked(self, block: int, key: bytes) -> None:
-        pass
-
-    def committed(self, blocks: list[int]) -> None:
-        self.log.append(("committed", blocks))
-
-    def uncommitted(self, block: int) -> None:
-        pass
-
-    def offloaded(self, blocks: list[int], stored: Stored) -> None:
-        self.log.append(("offloaded", blocks, stored.copied, [s for s, _ in stored.dropped]))
-
-    def restored(self, slots: list[int], blocks: list[int]) -> None:
-        self.log.append(("restored", slots, blocks))
+    @property
+    def log(self) -> list[tuple[object, ...]]:
+        for event in self._pool.take_events():
+            match event:
+                case Evicted(blocks):
+                    self._log.append(("evicted", blocks))
+                case Committed(blocks):
+                    self._log.append(("committed", blocks))
+                case Offloaded(blocks, stored):
+                    self._log.append(("offloaded", blocks, stored.copied,
+                                      [s for s, _ in stored.dropped]))
+                case Restored(slots, blocks):
+                    self._log.append(("restored", slots, blocks))
+        return self._log
 
 
 def tiered(num_blocks: int = 4, slots: int = 3) -> BlockPool:
@@ -59,8 +58,9 @@ def cache(pool: BlockPool, seq: str, tokens: list[int], salt: bytes = b"") -> li
 
 
 def test_evicted_blocks_are_copied_and_a_later_prefix_is_restored_from_them() -> None:
-    pool, heard = tiered(), Heard()
-    with pool.cache_events(heard):
+    pool = tiered()
+    heard = Heard(pool)
+    with pool.recording_events():
         assert cache(pool, "a", [1, 2, 3, 4]) == [0, 1]  # blocks 0, 1 cached (LRU: 1, 0)
         # 4 blocks of new content: free blocks 2, 3 first, then evicts 1 then 0 (deepest first).
         assert update(pool.allocate("b", 8, [9] * 8)).block_table == [2, 3, 1, 0]
@@ -84,8 +84,9 @@ def test_evicted_blocks_are_copied_and_a_later_prefix_is_restored_from_them() ->
 
 
 def test_a_restored_block_is_matchable_by_the_next_prompt_without_a_copy() -> None:
-    pool, heard = tiered(), Heard()
-    with pool.cache_events(heard):
+    pool = tiered()
+    heard = Heard(pool)
+    with pool.recording_events():
         cache(pool, "a", [1, 2, 3, 4])
         update(pool.allocate("b", 8, [9] * 8))
         pool.free("b")
@@ -97,10 +98,11 @@ def test_a_restored_block_is_matchable_by_the_next_prompt_without_a_copy() -> No
 
 
 def test_the_least_recently_used_copy_is_dropped_and_a_held_key_is_only_touched() -> None:
-    pool, heard = tiered(num_blocks=2, slots=2), Heard()
+    pool = tiered(num_blocks=2, slots=2)
+    heard = Heard(pool)
     tier = pool.host_tier
     assert tier is not None
-    with pool.cache_events(heard):
+    with pool.recording_events():
         cache(pool, "a", [1, 1, 2, 2])  # blocks 0 = [1 1], 1 = [2 2]; LRU 1, 0
         cache(pool, "b", [3, 3, 4, 4])  # evicts 1, 0: slot 0 = [2 2], slot 1 = [1 1]
         assert heard.log[1] == ("offloaded", [1, 0], [(0, 0), (1, 1)], [])
@@ -124,8 +126,9 @@ def test_the_least_recently_used_copy_is_dropped_and_a_held_key_is_only_touched(
 def test_slots_being_restored_are_never_dropped_by_the_same_allocation() -> None:
     # A host tier of 2 slots, both holding the prompt's prefix; the allocation evicts 2 more
     # cached blocks whose copies would need both slots: they are not copied (room is 0).
-    pool, heard = tiered(num_blocks=4, slots=2), Heard()
-    with pool.cache_events(heard):
+    pool = tiered(num_blocks=4, slots=2)
+    heard = Heard(pool)
+    with pool.recording_events():
         cache(pool, "a", [1, 1, 2, 2])              # blocks 0, 1
         cache(pool, "b", [3, 3, 4, 4, 5, 5, 6, 6])  # 2, 3 free, then evicts 1, 0 -> slots;
         # b's table 2, 3, 1, 0 is cached deepest first: LRU 0, 1, 3, 2
@@ -191,10 +194,10 @@ def test_random_calls_keep_every_invariant_and_restore_only_what_was_stored(
     fails), commits and frees. The pool's and the tier's invariants hold after every call (a
     slot's key is the hash of its tokens: a copy is only ever matched by its content), and a
     prompt's cached tokens never exceed what it shares with an earlier committed prompt."""
-    pool, heard = tiered(num_blocks=6, slots=4), Heard()
+    pool = tiered(num_blocks=6, slots=4)
     prefixes = [[p] * 8 for p in range(4)]
     seen: list[tuple[int, list[int]]] = []  # committed prompts
-    with pool.cache_events(heard):
+    with pool.recording_events():
         for n, (prefix, length, fail, commit) in enumerate(calls):
             tokens = prefixes[prefix][:length]
             try:
