@@ -23,6 +23,7 @@ from pagedkv.client import PoolClient, RunnerClient, SamplingParams, SeqStep
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
 from pagedkv.model_runner.engine.forward_loop import ForwardLoop, Prepared
 from pagedkv.model_runner.engine.sampling import Sampler
+from pagedkv.model_runner.engine.sequences import SeqState
 from pagedkv.model_runner.runner import SequenceChunk
 from pagedkv.vocab.geometry import ModelGeometry
 from pagedkv.vocab.units import format_bytes
@@ -106,7 +107,8 @@ async def test_the_pool_is_released_between_forwards_never_under_one() -> None:
     await forwards.start()
     try:
         chunk = SequenceChunk(token_ids=(1,), start=0, slot_mapping=(0,), block_table=(0,))
-        forward = asyncio.create_task(forwards.compute(Prepared("s", [], [], [(0, chunk)])))
+        state = SeqState(tokens=[1], prompt_len=1, num_computed=0, block_table=[0])
+        forward = asyncio.create_task(forwards.compute(Prepared("s", [], [state], [(0, chunk)])))
         assert await asyncio.to_thread(in_forward.wait, 60)
         release = asyncio.create_task(forwards.between_forwards(runner.release_pool))
         await asyncio.sleep(0.1)
