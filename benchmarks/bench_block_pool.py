@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv.daemon.core import BlockPool, ContiguousPool, NoFit
+from pagedkv.daemon.core import BlockPool, NoFit
+from pagedkv.demo.contiguous import ContiguousPool
 
 from traces import ALPACA, SHAREGPT, Request, TraceSpec, make_trace
 

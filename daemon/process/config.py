@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from pagedkv.daemon.core import ALLOCATORS, PREFIX_HASHES, AllocatorKind, PrefixHash
+from pagedkv.daemon.core import PREFIX_HASHES, PrefixHash
 from pagedkv.daemon.edge.addresses import ListenAddress, parse_host_port, parse_listen
 from pagedkv.daemon.edge.peer_gate import check_gate_paths
 from pagedkv.daemon.edge.tls import ServerTls
@@ -28,8 +28,10 @@ from pagedkv.daemon.process.access_settings import (
     read_auth_token,
 )
 from pagedkv.daemon.process.settings import (
+    ALLOCATORS,
     RESTORE_MODES,
     SETTINGS,
+    AllocatorKind,
     ConfigError,
     RestoreMode,
     check_setting,
@@ -38,6 +40,7 @@ from pagedkv.daemon.process.tenant_config import TenantSpec
 from pagedkv.daemon.service.limits import LIMITS, Limits
 from pagedkv.daemon.service.models import DEFAULT_MAX_MODELS, ModelPolicy
 from pagedkv.daemon.service.tenants import DEFAULT_TENANT, Tenants
+from pagedkv.demo.contiguous import CANNOT
 from pagedkv.process.log_setup import LOG_FORMATS, LOG_LEVELS, LogFormat
 from pagedkv.vocab.geometry import cache_dtype, model_dtype
 from pagedkv.vocab.paths import DAEMON_RUNNER_SOCKET_NAME, default_daemon_listen, runtime_dir
@@ -376,7 +379,8 @@ class DaemonConfig:
 
     def _check_allocator(self) -> None:
         """A known allocator; max_model_len exactly when contiguous, and fitting the pool when
-        its size is known here (else `check_reservation` runs once it is)."""
+        its size is known here (else `check_reservation` runs once it is); with contiguous, none
+        of the settings the baseline cannot honour (demo/contiguous's `CANNOT`)."""
         if self.allocator not in ALLOCATORS:
             raise ConfigError(f"allocator must be one of {', '.join(ALLOCATORS)}, "
                               f"got {self.allocator!r}")
@@ -393,6 +397,12 @@ class DaemonConfig:
             raise ConfigError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.num_blocks is not None:
             self.check_reservation(self.num_blocks)
+        defaults = {setting.name: setting.default for setting in fields(self)}
+        asked = [f"{name} ({why})" for name, why in CANNOT.items()
+                 if getattr(self, name) != defaults[name]]
+        if asked:
+            raise ConfigError(f"allocator = \"contiguous\" cannot honour {'; '.join(asked)}: "
+                              "remove them, or set allocator = \"paged\"")
 
     def check_reservation(self, num_blocks: int) -> None:
         """A contiguous reservation of max_model_len slots fits in a pool of `num_blocks`."""

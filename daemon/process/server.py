@@ -30,7 +30,7 @@ import grpc
 import torch
 from prometheus_client.registry import CollectorRegistry
 
-from pagedkv.daemon.core import BlockPool, make_pool
+from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.edge.addresses import ListenAddress, parse_host_port
 from pagedkv.daemon.edge.interceptors import ServerInterceptor
 from pagedkv.daemon.edge.metrics import EventCollector, PoolCollector, Readiness, RpcMetrics
@@ -66,6 +66,7 @@ from pagedkv.daemon.process.restart import (
 from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.service.memory_order import MemoryOrder
 from pagedkv.daemon.service.pool_service import PoolService
+from pagedkv.demo.contiguous import contiguous_pool
 from pagedkv.memory.cuda_driver import CudaDriverTooOld, require_driver_for_torch
 from pagedkv.memory.device_memory import measure
 from pagedkv.memory.memory_socket import memory_socket_path
@@ -282,17 +283,22 @@ def _keep_event_seq(service: PoolService, events: ManagedSink) -> None:
     service.event_seq = events.next_seq
 
 
+def own_pool(config: DaemonConfig, num_blocks: int, blocks_per_page: int) -> BlockPool:
+    """The daemon's own model's pool: paged, or the contiguous baseline it is measured against
+    (the one place the daemon builds it; the config refused what the baseline cannot do)."""
+    if config.allocator == "paged":
+        return BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
+                         config.prefix_hash, blocks_per_page=blocks_per_page)
+    assert config.max_model_len is not None, "a contiguous config without max_model_len"
+    return contiguous_pool(num_blocks, config.block_size, config.max_model_len)
+
+
 def pool_service(config: DaemonConfig, memory: KVPoolMemory, host: HostMemory | None,
                  geometry: ModelGeometry, num_blocks: int, blocks_per_page: int,
                  per_block: int) -> PoolService:
     """The block pool of `num_blocks` blocks of `per_block` bytes, `blocks_per_page` a page,
     over `memory`, and the service on it with `host` as its host tier, with no session."""
-    pool = (BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
-                      config.prefix_hash, blocks_per_page=blocks_per_page)
-            if blocks_per_page > 1 else
-            make_pool(config.allocator, num_blocks, config.block_size,
-                      enable_prefix_caching=config.enable_prefix_caching,
-                      prefix_hash=config.prefix_hash, max_model_len=config.max_model_len))
+    pool = own_pool(config, num_blocks, blocks_per_page)
     try:
         service = PoolService(pool, memory, pool_id=memory.pool_id,
                            default_lease_ttl_ms=config.lease_ttl_ms,
@@ -301,7 +307,8 @@ def pool_service(config: DaemonConfig, memory: KVPoolMemory, host: HostMemory | 
                            tenants=config.build_tenants(), limits=config.limits(),
                            page_bytes=blocks_per_page * per_block,
                            model_policies=dict(config.models),
-                           max_models=config.max_models, prefix_hash=config.prefix_hash)
+                           max_models=config.max_models, prefix_hash=config.prefix_hash,
+                           lends_pages=config.allocator == "paged")
     except ValueError as exc:  # the [models.NAME] reserves do not fit in the pool
         raise ConfigError(f"models: {exc}") from exc
     if host is not None:
@@ -316,9 +323,6 @@ def host_memory(config: DaemonConfig, memory: KVPoolMemory, geometry: ModelGeome
     the next daemon. None without the setting."""
     if not config.host_tier_memory:
         return None
-    if config.allocator != "paged":  # a setting's mistake, said as one (not a traceback)
-        raise ConfigError("host_tier_memory needs allocator = \"paged\": a contiguous pool "
-                          "caches nothing to offload")
     slots = config.host_tier_memory // memory.bytes_per_block
     if not slots:
         raise ConfigError(f"host_tier_memory={config.host_tier_memory} holds no block of "
@@ -394,9 +398,6 @@ def pool_blocks_per_page(config: DaemonConfig, per_block: int) -> int:
     if config.page_size % per_block:
         raise ConfigError(f"page_size={config.page_size} is not a multiple of the model's "
                           f"{per_block} bytes per block of {config.block_size} tokens")
-    if config.page_size != per_block and config.allocator != "paged":
-        raise ConfigError("page_size other than one block needs allocator = \"paged\" (a "
-                          "contiguous pool serves one model's format)")
     return config.page_size // per_block
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, TypeVar, get_args
 
-from pagedkv.daemon.core import ALLOCATORS, PREFIX_HASHES
+from pagedkv.daemon.core import PREFIX_HASHES
 from pagedkv.daemon.process.model_config import parse_models
 from pagedkv.daemon.process.tenant_config import parse_tenants
 from pagedkv.daemon.service.limits import LIMITS
@@ -135,6 +135,10 @@ def flag_name(name: str, setting: Setting) -> str:
     return setting.flag or f"--{name.replace('_', '-')}"
 
 
+# How blocks are handed out (the `allocator` setting): paged, or the contiguous baseline it is
+# measured against (demo/contiguous).
+AllocatorKind = Literal["paged", "contiguous"]
+ALLOCATORS: tuple[AllocatorKind, ...] = get_args(AllocatorKind)
 # What the daemon's state does across a restart (the `restore` setting, restart.py).
 RestoreMode = Literal["never", "auto"]
 RESTORE_MODES: tuple[RestoreMode, ...] = get_args(RestoreMode)

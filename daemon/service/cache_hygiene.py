@@ -27,7 +27,7 @@ journal, so a call that fails leaves it as it was.
 import contextlib
 from collections.abc import Iterator
 
-from pagedkv.daemon.core import PoolAllocator
+from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.core.cache_events import (
     CacheEvent,
     Committed,
@@ -48,7 +48,7 @@ from pagedkv.daemon.service.sessions import Session
 class CacheHygiene:
     """The service's part in keeping one tenant's cached K/V from the next (module docstring)."""
 
-    def __init__(self, pool: PoolAllocator, zero_blocks: bool) -> None:
+    def __init__(self, pool: BlockPool, zero_blocks: bool) -> None:
         self._pool = pool
         # Zero evicted blocks, and the blocks dropped when a private session ends.
         self.zero_blocks = zero_blocks

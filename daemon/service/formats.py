@@ -22,7 +22,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Protocol, TypeVar, runtime_checkable
 
-from pagedkv.daemon.core import BlockPool, InvalidArgument, PoolAllocator, PrefixHash
+from pagedkv.daemon.core import BlockPool, PrefixHash
 from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.events.sink import KVEventSink, SnapshotItem
 from pagedkv.daemon.service.answer_size import AnswerBudget
@@ -59,10 +59,10 @@ class Arena(Protocol):
 class Formats:
     """Every format of one pool, its models and its pages (see the module docstring)."""
 
-    def __init__(self, pool: PoolAllocator, memory: BlockMemory | None,
+    def __init__(self, pool: BlockPool, memory: BlockMemory | None,
                  geometry: ModelGeometry | None, *, limits: Limits, zero_blocks: bool,
                  prefix_hash: PrefixHash, page_bytes: int, policies: dict[str, ModelPolicy],
-                 max_models: int) -> None:
+                 max_models: int, lends_pages: bool) -> None:
         self._memory = memory
         self._limits = limits
         self._zero = zero_blocks
@@ -78,10 +78,12 @@ class Formats:
             max_models=max_models, new_format=self._new_format)
         # Pages of page_bytes, and which format holds each (pages.py).
         self.pages = PageBroker(pool.num_blocks // own.blocks_per_page, self.models)
-        if isinstance(pool, BlockPool):  # a contiguous pool serves one format: nothing to park
+        # Whether format 0's pool gives pages to other formats (PoolService's `lends_pages`).
+        self._lends_pages = lends_pages
+        if lends_pages:
             self.pages.park()
 
-    def _own_format(self, pool: PoolAllocator, memory: BlockMemory | None,
+    def _own_format(self, pool: BlockPool, memory: BlockMemory | None,
                     geometry: ModelGeometry | None, page_bytes: int) -> Format:
         """Format 0, holding every page (`page_bytes` 0: one block a page)."""
         if geometry is None:
@@ -96,7 +98,7 @@ class Formats:
             raise ValueError(f"page_bytes={page_bytes} is not a multiple of the model's "
                              f"{per_block} bytes per block")
         blocks_per_page = page_bytes // per_block if page_bytes else 1
-        if isinstance(pool, BlockPool) and pool.blocks_per_page != blocks_per_page:
+        if pool.blocks_per_page != blocks_per_page:
             raise ValueError(f"the pool has {pool.blocks_per_page} blocks a page, page_bytes="
                              f"{page_bytes} makes {blocks_per_page}")
         return self._format(0, shape, pool, memory, blocks_per_page, per_block)
@@ -113,7 +115,7 @@ class Formats:
         return self._format(number, shape, pool, memory, blocks_per_page,
                             shape.bytes_per_block(pool.block_size))
 
-    def _format(self, number: int, shape: KvShape, pool: PoolAllocator,
+    def _format(self, number: int, shape: KvShape, pool: BlockPool,
                 memory: BlockMemory | None, blocks_per_page: int, per_block: int) -> Format:
         pool.track_holders(3)  # by session, by tenant, by model
         fmt = Format(number, shape, per_block, blocks_per_page, pool,
@@ -138,9 +140,6 @@ class Formats:
         """Give format 0 (the daemon's own model's) a host tier of `num_slots` slots
         (host_copies.py); other formats have none. Before any session exists."""
         fmt = self.models.formats[0]
-        if not isinstance(fmt.pool, BlockPool):
-            raise InvalidArgument("the host tier needs the paged allocator (a contiguous pool "
-                                  "caches nothing to offload)")
         tier = fmt.pool.attach_host_tier(num_slots)
         fmt.hygiene.host = HostCopies(tier, self._zero)
         return tier
@@ -155,10 +154,9 @@ class Formats:
 
     def register(self, name: str, shape: KvShape, runner_target: str) -> Model:
         """Register a runner's model (models.py), giving its format the pages parked for its
-        min_memory. A new geometry needs a paged pool and, with memory, per-format views of it."""
-        own = self.models.formats[0].pool
-        many = isinstance(own, BlockPool) and (self._memory is None
-                                               or self._arena() is not None)
+        min_memory. A new geometry needs a pool that lends pages and, with memory, per-format
+        views of it."""
+        many = self._lends_pages and (self._memory is None or self._arena() is not None)
         model = self.models.register(name, shape, runner_target, many)
         self.pages.unpark(model)  # its reserve, parked since start
         return model

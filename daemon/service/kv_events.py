@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
-from pagedkv.daemon.core import BlockPool, Journal, PoolAllocator
+from pagedkv.daemon.core import BlockPool, Journal
 from pagedkv.daemon.events.sink import KVEventSink, SnapshotItem, StoredBlock
 from pagedkv.daemon.events.wire import MEDIUM_CPU, MEDIUM_GPU
 from pagedkv.daemon.service.sessions import Session
@@ -80,7 +80,7 @@ class Published:
 class FormatEvents:
     """The KV events of one format's pool (see the module docstring)."""
 
-    def __init__(self, pool: PoolAllocator, sink: KVEventSink, all_salts: bool,
+    def __init__(self, pool: BlockPool, sink: KVEventSink, all_salts: bool,
                  public_salts: frozenset[bytes]) -> None:
         self._pool = pool
         self._sink = sink
@@ -204,8 +204,7 @@ class FormatEvents:
             assert tier is not None, "a host copy published by a pool without a tier"
             parent = tier.parent_of[where]
             pool = self._pool
-            block = pool.committed_block(parent) if (
-                parent is not None and isinstance(pool, BlockPool)) else None
+            block = pool.committed_block(parent) if parent is not None else None
             if block is not None and block in self.published:
                 return MEDIUM_GPU, block
         slot = None if parent is None else tier.slot_of.get(parent)

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from pagedkv.daemon.core import InvalidArgument, PoolAllocator
+from pagedkv.daemon.core import BlockPool, InvalidArgument
 from pagedkv.daemon.service.cache_hygiene import CacheHygiene
 from pagedkv.daemon.service.errors import LimitExceeded, ModelExists, ModelNotFound
 from pagedkv.daemon.service.memory_order import BlockMemory
@@ -87,7 +87,7 @@ class Format:
     # page_bytes / bytes_per_block: block b lies in page b // blocks_per_page.
     blocks_per_page: int
     # Its bookkeeping, session operations, and cache hygiene (its cached blocks by model).
-    pool: PoolAllocator
+    pool: BlockPool
     ops: SessionOps
     hygiene: CacheHygiene
     # Its view of the pool memory (None: a bookkeeping-only pool).

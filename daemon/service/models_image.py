@@ -17,7 +17,7 @@ Refusals are InvalidArgument, nothing read further (the caller builds a fresh se
 
 from typing import Any
 
-from pagedkv.daemon.core import BlockPool, InvalidArgument
+from pagedkv.daemon.core import InvalidArgument
 from pagedkv.daemon.core.pool_image import Image, pool_image, restore_image
 from pagedkv.daemon.service.formats import Formats
 from pagedkv.daemon.service.model_cache import ModelCache
@@ -30,8 +30,6 @@ def models_image(formats: Formats) -> Image:
     registry = formats.models
     pools = []
     for fmt in registry.formats:
-        if not isinstance(fmt.pool, BlockPool):
-            raise InvalidArgument("a contiguous pool's state is not kept across restarts")
         pools.append({"pool": pool_image(fmt.pool),
                       "records": [record.image() for record in _records(fmt)]})
     return {"models": [[m.name, m.number, m.format.number, _shape_out(m.format.shape),
@@ -58,7 +56,6 @@ def restore_models(formats: Formats, image: Image) -> None:
                                   f"{model.format.number}, kept as {number} of {fmt_number}")
         model.runner_target, model.asleep = runner_target, asleep
     for fmt, kept in zip(registry.formats, image["formats"], strict=True):
-        assert isinstance(fmt.pool, BlockPool), "only paged pools are restored"
         restore_image(fmt.pool, kept["pool"])
         for record, kept_record in zip(_records(fmt), kept["records"], strict=True):
             record.restore(kept_record)

@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.service.memory_order import MemoryWork
 from pagedkv.daemon.service.models import Format, Model, ModelRegistry
 from pagedkv.vocab.blocks import blocks_for
@@ -98,7 +97,7 @@ class PageBroker:
         for name, count in wanted.items():
             pages = list(range(top - count, top))
             top -= count
-            paged(own).withdraw_pages(pages)
+            own.pool.withdraw_pages(pages)
             for page in pages:
                 self._own(page, PARKED)
             self.parked[name] = pages
@@ -107,7 +106,7 @@ class PageBroker:
         """Give `model`'s format the pages parked for it, if any (at its registration)."""
         pages = self.parked.pop(model.name, [])
         if pages:
-            paged(model.format).restore_pages(pages)
+            model.format.pool.restore_pages(pages)
             for page in pages:
                 self._own(page, model.format.number)
 
@@ -144,9 +143,9 @@ class PageBroker:
         page zeroed by `work`; `withdrawn(old format, cached blocks)` told of cached blocks that
         left with a page."""
         for other, idle in room.taken.items():
-            withdrawn(other, paged(other).withdraw_pages(idle))
+            withdrawn(other, other.pool.withdraw_pages(idle))
         pages = room.pages()
-        paged(fmt).restore_pages(pages)
+        fmt.pool.restore_pages(pages)
         k = fmt.blocks_per_page
         work.zero([b for page in pages for b in range(page * k, (page + 1) * k)])
         journal = fmt.pool.journal
@@ -181,7 +180,7 @@ class PageBroker:
         """Assert that each format's pool holds the pages the broker says, and that every page
         is held once (for tests)."""
         for fmt in self._registry.formats:
-            held = paged(fmt).held_pages if isinstance(fmt.pool, BlockPool) else self.num_pages
+            held = fmt.pool.held_pages
             assert held == self.held(fmt), f"format {fmt.shape.label}: {held} pages, broker says " \
                 f"{self.held(fmt)}"
         parked = sum(len(pages) for pages in self.parked.values())
@@ -222,7 +221,7 @@ class PageBroker:
             taken = room.taken.get(other, [])
             spare = self.held(other) - len(taken) - self.reserve(other)
             if other is not fmt and spare > 0:
-                idle = [page for page in paged(other).idle_pages() if page not in taken][:spare]
+                idle = [page for page in other.pool.idle_pages() if page not in taken][:spare]
                 if idle:
                     offers.append((other, idle))
         offers.sort(key=lambda offer: -len(offer[1]))  # the most idle memory first
@@ -232,10 +231,3 @@ class PageBroker:
             if pages:
                 chosen.append((other, pages))
         return chosen
-
-
-def paged(fmt: Format) -> BlockPool:
-    """The format's pool, which moves pages: a paged one (a contiguous pool serves one format
-    only, so its pages never move)."""
-    assert isinstance(fmt.pool, BlockPool), "pages move only between paged pools"
-    return fmt.pool

@@ -53,8 +53,8 @@ from collections.abc import Callable, Sequence
 
 from pagedkv.daemon.core import (
     BatchAppend,
+    BlockPool,
     InvalidArgument,
-    PoolAllocator,
     PoolStats,
     PrefixHash,
     SeqUpdate,
@@ -99,7 +99,7 @@ class PoolService:
     """Session-scoped operations on one block pool and its memory; the servicer's domain
     (a facade over the parts the module docstring names)."""
 
-    def __init__(self, pool: PoolAllocator, memory: BlockMemory | None, *, pool_id: str,
+    def __init__(self, pool: BlockPool, memory: BlockMemory | None, *, pool_id: str,
                  default_lease_ttl_ms: int = 10_000, max_lease_ttl_ms: int = 600_000,
                  geometry: ModelGeometry | None = None, zero_freed_blocks: bool = False,
                  limits: Limits | None = None,
@@ -107,7 +107,10 @@ class PoolService:
                  tenants: Tenants | None = None, page_bytes: int = 0,
                  model_policies: dict[str, ModelPolicy] | None = None,
                  max_models: int = DEFAULT_MAX_MODELS,
-                 prefix_hash: PrefixHash = "sha256") -> None:
+                 prefix_hash: PrefixHash = "sha256", lends_pages: bool = True) -> None:
+        """`lends_pages` False: `pool` gives none of its pages to other formats (the contiguous
+        baseline, demo/contiguous), so no model's reserve is parked and no other geometry
+        registers."""
         self.pool = pool
         self.pool_id = pool_id
         # The pool id whose state and memory this service took over across a restart
@@ -132,7 +135,7 @@ class PoolService:
         self.formats = Formats(pool, memory, geometry, limits=self.limits,
                                zero_blocks=zero_freed_blocks, prefix_hash=prefix_hash,
                                page_bytes=page_bytes, policies=model_policies or {},
-                               max_models=max_models)
+                               max_models=max_models, lends_pages=lends_pages)
         self.models = self.formats.models
         # Format 0's host tier (`attach_host_tier`), and its copies' bytes per second, measured
         # at start (PoolInfo.host_copy_bytes_per_s); None and 0: the daemon has none.

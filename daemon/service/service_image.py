@@ -23,7 +23,8 @@ own code end with it. Take the image while the runners' pidfds are open (before
 `PoolService.stop`).
 
 What is not kept, and so makes `service_image` refuse (the daemon then writes no snapshot and
-the next one starts cold): a contiguous pool, a session with a call in flight.
+the next one starts cold): a session with a call in flight. (A contiguous pool is never imaged:
+the daemon refuses `restore` with it, demo/contiguous/allocator.py's `CANNOT`.)
 
 Restored only onto the memory the image describes: `restore_service` is told which pool the
 memory it maps came from (`adopted_from`, the previous run's pool id) and refuses any other;
@@ -35,7 +36,7 @@ groups are by tenant number).
 
 from typing import Any
 
-from pagedkv.daemon.core import BlockPool, PoolError
+from pagedkv.daemon.core import PoolError
 from pagedkv.daemon.core.pool_image import Image
 from pagedkv.daemon.service.models_image import models_image, restore_models
 from pagedkv.daemon.service.pool_service import PoolService
@@ -56,9 +57,6 @@ def service_image(service: PoolService, *, calls_in_flight: bool = False) -> Ima
     """`service`'s state as plain data (see the module). NotKept: a state it cannot keep.
     `calls_in_flight`: taken under the pool lock between two calls' changes (a crash log's
     base, crash_log.py), so a session's call in flight is no reason to refuse."""
-    pool = service.pool
-    if not isinstance(pool, BlockPool):
-        raise NotKept("a contiguous pool's state is not kept across restarts")
     now = service.sessions.now()
     sessions = []
     for session in service.sessions:
@@ -99,8 +97,6 @@ def restore_service(service: PoolService, image: Image, adopted_from: str) -> No
         raise NotKept(f"tenants numbered {numbers} in the snapshot, "
                       f"{service.calls.tenant_numbers} now")
     assert not len(service.sessions), "a snapshot restored into a service with sessions"
-    if not isinstance(service.pool, BlockPool):
-        raise NotKept("a contiguous pool cannot take a snapshot's state")
     try:
         restore_models(service.formats, image["models"])
     except PoolError as exc:

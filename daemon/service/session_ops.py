@@ -20,10 +20,10 @@ import numpy as np
 
 from pagedkv.daemon.core import (
     BatchAppend,
+    BlockPool,
     InvalidArgument,
     Journal,
     NoFit,
-    PoolAllocator,
     PoolError,
     SequenceExists,
     SequenceNotFound,
@@ -58,7 +58,7 @@ def _nothing(_blocks: list[int] | None = None) -> None:
 class SessionOps:
     """Applies operations of any session to one pool (see the module docstring)."""
 
-    def __init__(self, pool: PoolAllocator, limits: Limits, zero_freed_blocks: bool) -> None:
+    def __init__(self, pool: BlockPool, limits: Limits, zero_freed_blocks: bool) -> None:
         self.pool = pool
         self.limits = limits
         # Zero blocks the pool releases with no cached content (defense in depth).

@@ -1,34 +1,39 @@
-"""What the service needs of a pool's bookkeeping, and the two kinds that provide it.
+"""The seam between the daemon and the contiguous baseline it is measured against.
 
-`PoolAllocator` is every call the service, its session books and its cache hygiene make of a
-pool: `BlockPool` (paged: blocks taken as sequences grow, shared by forks and the prefix cache)
-and `ContiguousPool` (the baseline paging replaced: one max-length reservation per sequence)
-both provide it, so one daemon serves either behind the same API (`pagedkvd --allocator`).
-Both keep the same contract: block tables and slots in answers, `NoFit` for "does not fit",
-a `PoolError` for a caller mistake, both with nothing changed, and an undo journal that makes
-any run of calls all-or-nothing (`transaction()`).
+The daemon's service speaks to `BlockPool` only. `ContiguousPool` (pool.py: the baseline paging
+replaced, one max-length reservation per sequence) answers `PoolAllocator`, the calls the service
+makes of its own model's pool when none of the settings in `CANNOT` is set: `BlockPool` answers
+it too, so one daemon serves either behind the same API (`pagedkvd --allocator contiguous`).
+The daemon refuses those settings once, at config time, naming them, and builds the baseline's
+pool through `contiguous_pool` alone (tests/project/test_layering.py: daemon/process is the one
+room that may import this package). Both pools keep the same contract: block tables and slots
+in answers, `NoFit` for "does not fit", a `PoolError` for a caller mistake, both with nothing
+changed, and an undo journal that makes any run of calls all-or-nothing (`transaction()`).
 """
 
 from collections.abc import Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Literal, Protocol, get_args
+from typing import Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv.daemon.core.block_pool import BlockPool
+from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.core.cache_events import CacheEvent
-from pagedkv.daemon.core.content_keys import PrefixHash
-from pagedkv.daemon.core.contiguous import ContiguousPool
-from pagedkv.daemon.core.errors import InvalidArgument
 from pagedkv.daemon.core.host_tier import HostTier
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.types import BatchAppend, NoFit, PoolStats, SeqUpdate
 from pagedkv.daemon.core.validation import TokenIds
+from pagedkv.demo.contiguous.pool import ContiguousPool
 
-AllocatorKind = Literal["paged", "contiguous"]
-# The kinds, as `--allocator` and the TOML key `allocator` spell them.
-ALLOCATORS: tuple[AllocatorKind, ...] = get_args(AllocatorKind)
+# What a contiguous pool cannot do, by the daemon setting (DaemonConfig field) that asks for it,
+# and why: the daemon refuses each of them with allocator = "contiguous".
+CANNOT: dict[str, str] = {
+    "page_size": "it serves one model's format, in pages of one block",
+    "models": "it lends no pages to other models' formats, so it parks no reserve",
+    "host_tier_memory": "it caches nothing to offload",
+    "restore": "its state is not kept across restarts",
+}
 
 
 class PoolAllocator(Protocol):
@@ -44,6 +49,12 @@ class PoolAllocator(Protocol):
     def journal(self) -> Journal: ...
 
     def transaction(self) -> AbstractContextManager[Journal]: ...
+
+    @property
+    def blocks_per_page(self) -> int: ...
+
+    @property
+    def held_pages(self) -> int: ...
 
     @property
     def num_free_blocks(self) -> int:
@@ -139,21 +150,10 @@ class PoolAllocator(Protocol):
     def check_invariants(self) -> None: ...
 
 
-def make_pool(kind: AllocatorKind, num_blocks: int, block_size: int, *,
-              enable_prefix_caching: bool = True, prefix_hash: PrefixHash = "sha256",
-              max_model_len: int | None = None, blocks_per_page: int = 1,
-              withdrawn: bool = False) -> PoolAllocator:
-    """The pool bookkeeping of `kind`; a contiguous pool needs `max_model_len`, the tokens
-    every sequence reserves. A paged pool's ids are pages of `blocks_per_page` blocks, none
-    held at first with `withdrawn` (`BlockPool.withdraw_pages`); a contiguous one holds every
-    block, in pages of one."""
-    if kind == "paged":
-        return BlockPool(num_blocks, block_size, enable_prefix_caching, prefix_hash,
-                         blocks_per_page=blocks_per_page, withdrawn=withdrawn)
-    if kind != "contiguous":
-        raise InvalidArgument(f"allocator must be one of {', '.join(ALLOCATORS)}, got {kind!r}")
-    if blocks_per_page != 1 or withdrawn:
-        raise InvalidArgument("a contiguous pool holds every block: it has no pages to withdraw")
-    if max_model_len is None:
-        raise InvalidArgument("a contiguous pool needs max_model_len")
-    return ContiguousPool(num_blocks, block_size, max_model_len)
+def contiguous_pool(num_blocks: int, block_size: int, max_model_len: int) -> BlockPool:
+    """The baseline's pool of `num_blocks` blocks, each sequence reserving `max_model_len`
+    slots, typed as the `BlockPool` the service speaks to: it answers every call the service
+    makes with the settings of `CANNOT` refused (`PoolAllocator`, which mypy checks here), and
+    no other (the service lends none of its pages: `PoolService(lends_pages=False)`)."""
+    pool: PoolAllocator = ContiguousPool(num_blocks, block_size, max_model_len)
+    return cast(BlockPool, pool)

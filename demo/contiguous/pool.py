@@ -35,7 +35,6 @@ import numpy.typing as npt
 
 from pagedkv.daemon.core.cache_events import CacheEvent
 from pagedkv.daemon.core.errors import InvalidArgument, SequenceExists
-from pagedkv.daemon.core.first_fit import FirstFit
 from pagedkv.daemon.core.holders import HeldBlocks
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.seq_table import Int64Array, ragged_entries, row_of, rows_of
@@ -48,6 +47,7 @@ from pagedkv.daemon.core.validation import (
     count,
     seq_tokens,
 )
+from pagedkv.demo.contiguous.first_fit import FirstFit
 from pagedkv.vocab.blocks import blocks_for
 
 
@@ -97,6 +97,16 @@ class ContiguousPool:
     @property
     def reservation_blocks(self) -> int:
         return self.reservation
+
+    @property
+    def blocks_per_page(self) -> int:
+        """One: the pages the service counts are blocks, and this pool lends none of them."""
+        return 1
+
+    @property
+    def held_pages(self) -> int:
+        """Every page: none is ever withdrawn."""
+        return self.num_blocks
 
     @property
     def num_free_blocks(self) -> int:

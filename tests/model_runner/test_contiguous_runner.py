@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedkv.client import PoolClient
-from pagedkv.daemon.core import AllocatorKind
+from pagedkv.daemon.process.settings import AllocatorKind
 from pagedkv.model_runner.kernels.attention_backend import get_backend
 from pagedkv.model_runner.runner import ModelRunner
 

@@ -2,7 +2,8 @@
 
 The house has rooms (docs/ARCHITECTURE.md, "Folders"): the shared vocabulary at the bottom, then
 the pool memory and the process plumbing, the daemon's core, memory, service, gRPC edge and
-process; the typed clients, then the scheduler engine; the runner's kernels, model, engine and
+process, and the contiguous baseline it is measured against, which only the daemon's process
+builds; the typed clients, then the scheduler engine; the runner's kernels, model, engine and
 process; the offline `LLM`, the demo and the `pagedkv` command on top. A room may import only
 itself and the rooms this table allows, so a change to a room below never needs one above, and
 nothing below reaches up. Imports inside functions count; relative imports are refused (an
@@ -26,7 +27,10 @@ DAEMON_MEMORY = DAEMON_CORE | {"memory", "process", "daemon.memory"}
 DAEMON_EVENTS = DAEMON_MEMORY | {"daemon.events"}
 DAEMON_SERVICE = DAEMON_EVENTS | {"daemon.service"}
 DAEMON_EDGE = DAEMON_SERVICE | {"daemon.edge"}
-DAEMON_PROCESS = DAEMON_EDGE | {"daemon.process"}
+# The contiguous baseline (demo/contiguous) sits on the core, beside the demo that plots it; the
+# daemon's process is the one room above it that may build it (`pagedkvd --allocator contiguous`).
+BASELINE = DAEMON_CORE | {"demo.contiguous"}
+DAEMON_PROCESS = DAEMON_EDGE | {"daemon.process", "demo.contiguous"}
 CLIENT_POOL = BASE | {"client.pool"}
 CLIENT_ENGINE = CLIENT_POOL | {"client.engine"}
 RUNNER_KERNELS = BASE | {"memory", "model_runner.kernels"}
@@ -44,6 +48,7 @@ ALLOWED: dict[str, set[str]] = {
     "process": BASE | {"process"},
     "daemon": DAEMON_PROCESS | {"daemon"},
     "daemon.core": DAEMON_CORE,
+    "demo.contiguous": BASELINE,
     "daemon.memory": DAEMON_MEMORY,
     "daemon.events": DAEMON_EVENTS,
     "daemon.service": DAEMON_SERVICE,
@@ -151,3 +156,5 @@ def test_the_rule_catches_upward_and_heavy_imports() -> None:
         "probe.py:1: llm imports demo.runs"]
     assert violations("from pagedkv.client import PoolClient\n", "daemon.edge.probe", "p") == [
         "p:1: daemon.edge imports client.PoolClient"]
+    assert violations("from pagedkv.demo.contiguous import CANNOT\n", "daemon.service.p", "p") == [
+        "p:1: daemon.service imports demo.contiguous.CANNOT"]

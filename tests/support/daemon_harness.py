@@ -26,7 +26,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pagedkv.daemon.core import AllocatorKind, BlockPool, PoolAllocator, make_pool
+from pagedkv.daemon.core import BlockPool
 from pagedkv.daemon.edge.addresses import ListenAddress, parse_listen
 from pagedkv.daemon.edge.metrics import PoolCollector, RpcMetrics
 from pagedkv.daemon.edge.peer_gate import PeerGate
@@ -35,8 +35,10 @@ from pagedkv.daemon.events.publisher import EventPublisher
 from pagedkv.daemon.events.sender import EventSettings
 from pagedkv.daemon.memory.kv_memory import KVMemory, KVPoolMemory
 from pagedkv.daemon.process.server import grpc_server
+from pagedkv.daemon.process.settings import AllocatorKind
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.tenants import Tenants
+from pagedkv.demo.contiguous import contiguous_pool
 from pagedkv.process.grpc_server import GrpcServers
 from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY, dtype_bytes
 
@@ -70,7 +72,7 @@ class Daemon:
     events: EventPublisher | None = None
 
     @property
-    def pool(self) -> PoolAllocator:
+    def pool(self) -> BlockPool:
         return self.service.pool
 
 
@@ -111,9 +113,12 @@ async def running_daemon(*, num_blocks: int = 16, block_size: int = 4, with_memo
         if with_memory:
             memory = stack.enter_context(tiny_memory(num_blocks, block_size, blocks_per_page,
                                                      directory))
-        pool = make_pool(allocator, num_blocks, block_size, max_model_len=max_model_len)
+        pool = BlockPool(num_blocks, block_size, blocks_per_page=blocks_per_page)
+        if allocator == "contiguous":
+            assert max_model_len is not None, "a contiguous daemon needs max_model_len"
+            pool = contiguous_pool(num_blocks, block_size, max_model_len)
+            service_options["lends_pages"] = False
         if blocks_per_page > 1:
-            pool = BlockPool(num_blocks, block_size, blocks_per_page=blocks_per_page)
             dtype = "float32" if with_memory else TINY_CPU_GEOMETRY.default_dtype
             service_options["page_bytes"] = blocks_per_page * TINY_CPU_GEOMETRY.bytes_per_block(
                 block_size, dtype_bytes(dtype))

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from pagedkv.daemon.core import BlockPool, InvalidArgument, NoFit, SeqUpdate, make_pool
+from pagedkv.daemon.core import BlockPool, InvalidArgument, NoFit, SeqUpdate
 from pagedkv.daemon.core.cache_events import Evicted
 
 from pool_state import pool_state
@@ -163,9 +163,3 @@ def test_a_failed_transaction_undoes_withdraw_and_restore() -> None:
     assert ok(pool.allocate("c", 6)).block_table == [2, 3, 4]    # the free list's order too
     pool.check_invariants()
 
-
-def test_make_pool_builds_paged_pools_with_pages_and_refuses_a_contiguous_one() -> None:
-    pool = make_pool("paged", 8, 4, blocks_per_page=2, withdrawn=True)
-    assert isinstance(pool, BlockPool) and (pool.blocks_per_page, pool.held_pages) == (2, 0)
-    with pytest.raises(InvalidArgument, match="contiguous pool holds every block"):
-        make_pool("contiguous", 8, 4, max_model_len=8, blocks_per_page=2)

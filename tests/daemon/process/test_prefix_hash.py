@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from pagedkv.daemon.core import BlockPool, NoFit, PoolAllocator, PrefixHash, SeqUpdate, make_pool
+from pagedkv.daemon.core import BlockPool, NoFit, PrefixHash, SeqUpdate
 from pagedkv.daemon.core.content_keys import ContentKeys
 from pagedkv.daemon.process import server
 from pagedkv.daemon.process.config import DaemonConfig
@@ -189,13 +189,14 @@ async def test_the_daemon_keys_its_pool_with_the_configured_hash(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # serve() as pagedkvd runs it, over gRPC: a committed block of the pool it built is cached
     # under a 16-byte XXH3-128 key (a SHA-256 key has 32).
-    built: list[PoolAllocator] = []
+    built: list[BlockPool] = []
 
-    def keep(*args: Any, **kwargs: Any) -> PoolAllocator:
-        built.append(make_pool(*args, **kwargs))
+    def keep(*args: Any, **kwargs: Any) -> BlockPool:
+        built.append(own_pool(*args, **kwargs))
         return built[-1]
 
-    monkeypatch.setattr(server, "make_pool", keep)
+    own_pool = server.own_pool
+    monkeypatch.setattr(server, "own_pool", keep)
     with tempfile.TemporaryDirectory(prefix="pkvh-") as folder:
         stop = asyncio.Event()
         config = DaemonConfig(listen=(f"unix://{folder}/d.sock",), shm_dir=Path(folder),

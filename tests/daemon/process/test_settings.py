@@ -118,6 +118,10 @@ def test_the_allocator_and_its_reservation_from_flags_and_toml(tmp_path: Path) -
     assert (config.allocator, config.max_model_len) == ("contiguous", 8192)  # flag wins
 
 
+# A valid contiguous daemon, to which each refused setting is added.
+CONTIGUOUS = ["--allocator", "contiguous", "--max-model-len", "64"]
+
+
 @pytest.mark.parametrize(
     ("toml", "argv", "message"),
     [
@@ -131,6 +135,13 @@ def test_the_allocator_and_its_reservation_from_flags_and_toml(tmp_path: Path) -
         ('allocator = "buddy"\n', [], "allocator must be one of paged, contiguous, got 'buddy'"),
         ('allocator = "contiguous"\nmax_model_len = "long"\n', [],
          "max_model_len in .*expected an integer"),
+        # What the contiguous baseline cannot do (demo/contiguous's CANNOT), each named.
+        ("", [*CONTIGUOUS, "--page-size", "64KiB"], "cannot honour page_size"),
+        ('[models.half]\nmin_memory = "64KiB"\n', CONTIGUOUS, "cannot honour models"),
+        ("", [*CONTIGUOUS, "--host-tier-memory", "1MiB"], "cannot honour host_tier_memory"),
+        ("", [*CONTIGUOUS, "--restore", "auto"], "cannot honour restore"),
+        ("", [*CONTIGUOUS, "--restore", "auto", "--host-tier-memory", "1MiB"],
+         "cannot honour host_tier_memory .*; restore .*: remove them"),
     ],
 )
 def test_bad_allocator_settings_are_refused(tmp_path: Path, toml: str, argv: list[str],

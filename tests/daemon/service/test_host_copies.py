@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from pagedkv.daemon.core import BlockPool, ContiguousPool, InvalidArgument, PoolError
+from pagedkv.daemon.core import BlockPool, PoolError
 from pagedkv.daemon.events.sink import MEDIUM_CPU, MEDIUM_GPU, StoredBlock
 from pagedkv.daemon.memory.host_memory import HostMemory
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
@@ -236,9 +236,4 @@ async def test_events_follow_each_copy(memory: KVPoolMemory, host: HostMemory) -
     assert sink.calls == [("stored", model, hashes, MEDIUM_GPU)]
 
 
-def test_the_tier_needs_a_paged_pool(memory: KVPoolMemory, host: HostMemory) -> None:
-    svc = PoolService(ContiguousPool(4, BLOCK, 8), memory, pool_id="p",
-                      geometry=TINY_CPU_GEOMETRY)
-    with pytest.raises(InvalidArgument, match="paged allocator"):
-        svc.attach_host_tier(host)
 

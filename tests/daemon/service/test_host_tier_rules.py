@@ -23,9 +23,7 @@ from pagedkv.daemon.edge.servicer import pool_info
 from pagedkv.daemon.events.sink import MEDIUM_GPU, StoredBlock
 from pagedkv.daemon.memory.host_memory import HostMemory
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
-from pagedkv.daemon.memory.pool_handover import HOST_FD_PREFIX, PoolHandover
 from pagedkv.daemon.process.config import DaemonConfig
-from pagedkv.daemon.process.server import host_memory
 from pagedkv.daemon.process.settings import ConfigError
 from pagedkv.daemon.service import kv_events
 from pagedkv.daemon.service.kv_events import hash64
@@ -435,13 +433,9 @@ async def test_a_private_block_rewritten_in_place_leaves_its_sessions_record() -
 def test_a_host_tier_beside_a_contiguous_pool_is_a_config_error(tmp_path: Path) -> None:
     """pagedkvd --allocator contiguous --host-tier-memory ...: refused as a setting (what the
     command line reports as one), not an InvalidArgument traceback at start."""
-    config = DaemonConfig(num_blocks=4, block_size=BLOCK, allocator="contiguous",
-                          max_model_len=8, host_tier_memory=1 << 20, shm_dir=tmp_path)
-    with KVPoolMemory.create(TINY_CPU_GEOMETRY, 4, BLOCK, "float32",
-                             shm_dir=str(tmp_path)) as memory, \
-            pytest.raises(ConfigError, match="host_tier_memory needs allocator = \"paged\""):
-        host_memory(config, memory, TINY_CPU_GEOMETRY, "float32",
-                    PoolHandover({}, HOST_FD_PREFIX))
+    with pytest.raises(ConfigError, match="cannot honour host_tier_memory"):
+        DaemonConfig(num_blocks=4, block_size=BLOCK, allocator="contiguous", max_model_len=8,
+                     host_tier_memory=1 << 20, shm_dir=tmp_path)
 
 
 async def test_a_model_sharing_the_daemons_format_is_served_by_its_host_tier() -> None:

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from pagedkv.daemon.core import BlockPool, ContiguousPool, pool_checks
+from pagedkv.daemon.core import BlockPool, pool_checks
 from pagedkv.daemon.edge.metrics import PoolCollector
 from pagedkv.daemon.service.operations import Allocate, Commit, Fork
 from pagedkv.daemon.service.pool_service import PoolService
+from pagedkv.demo.contiguous import ContiguousPool
 
 
 def _walking(*_: Any) -> Any:

@@ -11,14 +11,13 @@ from hypothesis import strategies as st
 
 from pagedkv.daemon.core import (
     BlockCopy,
-    ContiguousPool,
     InvalidArgument,
     NoFit,
     SequenceExists,
     SequenceNotFound,
     SeqUpdate,
-    make_pool,
 )
+from pagedkv.demo.contiguous import ContiguousPool
 
 
 def ok(result: object) -> SeqUpdate:
@@ -149,8 +148,6 @@ def test_caller_mistakes_change_nothing(pool: ContiguousPool) -> None:
         assert state(pool) == before
     with pytest.raises(InvalidArgument, match="does not fit"):
         ContiguousPool(num_blocks=3, block_size=4, max_model_len=16)
-    with pytest.raises(InvalidArgument, match="needs max_model_len"):
-        make_pool("contiguous", 14, 4)
 
 
 def test_a_failed_transaction_leaves_the_pool_exactly_as_it_was(pool: ContiguousPool) -> None:
