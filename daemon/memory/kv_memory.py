@@ -16,7 +16,8 @@ Two backings, chosen by the device:
   every user's. Its name carries the owner's pid so that a restarted daemon
   can remove what a crashed one left (`cleanup_stale_files`). Under systemd's file descriptor
   store the file outlives its daemon: the next one adopts it, bytes and all (`adopt`;
-  `pool_handover.py` says when).
+  `pool_handover.py` says when), and the stored descriptor's shared lock (`hold`) keeps any
+  other daemon's cleanup, on the same /dev/shm, away from it meanwhile.
 - CUDA: one device allocation of the arena's bytes, plus its CUDA IPC handle (`reduce_tensor`)
   pickled once into bytes; every format's handle carries that same payload with its own shape
   and dtype, and a runner reinterprets the allocation it opens (`pagedkv.memory.attach`). The
@@ -32,6 +33,7 @@ A runner in another process maps a view with `pagedkv.memory.attach.attach_pool(
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pickle
 import re
@@ -335,7 +337,9 @@ def _set_access(fd: int, path: Path, mode: int, group: int | None) -> None:
 def cleanup_stale_files(shm_dir: str = "/dev/shm", name_prefix: str = "pagedkv",
                         keep: Collection[Path] = ()) -> list[Path]:
     """Remove pool files whose owner pid is dead (left by a crash), except those in `keep` (a
-    previous daemon's, passed for adoption); returns what was removed.
+    previous daemon's, passed for adoption) and those a descriptor store holds (`held`: another
+    daemon's pool kept for its next start, which this one must not take away from it); returns
+    what was removed.
 
     A dead daemon's pid reused by an unrelated process keeps its file until a later cleanup:
     a leak at worst, whereas a live daemon's pool is never deleted.
@@ -343,10 +347,33 @@ def cleanup_stale_files(shm_dir: str = "/dev/shm", name_prefix: str = "pagedkv",
     removed = []
     for path in Path(shm_dir).iterdir():
         match = pool_file_name(path.name, name_prefix)
-        if match and path not in keep and not _pid_alive(int(match.group(1))):
+        if match and path not in keep and not _pid_alive(int(match.group(1))) \
+                and not held(path):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
+
+
+def hold(fd: int) -> None:
+    """Mark the pool file of `fd` as kept for a next daemon: a shared lock on its open file,
+    which lasts while any copy of the descriptor does (a descriptor store's, after the daemon
+    that stored it has exited)."""
+    fcntl.flock(fd, fcntl.LOCK_SH)
+
+
+def held(path: Path) -> bool:
+    """Whether a descriptor of the file `path` is kept for a next daemon (`hold`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # drops the lock it took
+    return False
 
 
 def pool_file_name(name: str, name_prefix: str = "pagedkv") -> re.Match[str] | None:

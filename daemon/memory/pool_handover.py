@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.daemon.memory.kv_memory import KVMemory, pool_file_name
+from pagedkv.daemon.memory.kv_memory import KVMemory, hold, pool_file_name
 from pagedkv.memory.cuda_vmm import CudaVmmError
 from pagedkv.memory.device_memory import pool_device
 from pagedkv.process.fd_store import listened_fds, remove_fds, store_enabled, store_fds
@@ -145,6 +145,7 @@ def _store(arena: KVMemory, fd_name: str) -> bool:
         return False
     fd = os.open(arena.shm_path, os.O_RDWR | os.O_CLOEXEC)
     try:
+        hold(fd)  # another daemon's start leaves the file while the store keeps it
         stored = store_fds(fd_name, [fd])
     finally:
         os.close(fd)

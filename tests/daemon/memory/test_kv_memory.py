@@ -20,7 +20,13 @@ import torch
 
 from pagedkv.daemon.memory import kv_memory
 from pagedkv.daemon.memory.format_memory import FormatMemory
-from pagedkv.daemon.memory.kv_memory import KVMemory, KVPoolMemory, cleanup_stale_files
+from pagedkv.daemon.memory.kv_memory import (
+    KVMemory,
+    KVPoolMemory,
+    cleanup_stale_files,
+    held,
+    hold,
+)
 from pagedkv.memory.attach import attach_pool
 from pagedkv.vocab.geometry import ModelGeometry
 
@@ -205,6 +211,24 @@ def test_cleanup_removes_dead_owners_files_only(tmp_path: Path) -> None:
         path.write_bytes(b"x")
     assert cleanup_stale_files(str(tmp_path), "pagedkv") == [dead_file]
     assert sorted(tmp_path.iterdir()) == sorted([live_file, other_prefix, not_a_pool])
+
+
+def test_cleanup_leaves_a_dead_owners_file_that_a_store_holds(tmp_path: Path) -> None:
+    # A daemon that exited for a restart left its file in its descriptor store (the stored
+    # descriptor locked by `hold`): another daemon starting on the same /dev/shm before the
+    # next one adopts it must not remove it; once the store lets it go, it is stale.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    kept = tmp_path / f"pagedkv-{int(dead.stdout)}-0123abcd.kv"
+    kept.write_bytes(b"x")
+    stored = os.open(kept, os.O_RDWR)
+    hold(stored)
+    assert held(kept)
+    assert cleanup_stale_files(str(tmp_path), "pagedkv") == []
+    assert kept.exists()
+    os.close(stored)
+    assert not held(kept)
+    assert cleanup_stale_files(str(tmp_path), "pagedkv") == [kept]
 
 
 # Two formats over one arena of 3 pages of 512 bytes (block_size 2): A (2 layers, 2 KV heads,

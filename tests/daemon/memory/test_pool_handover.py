@@ -11,7 +11,7 @@ import pytest
 import torch
 from fd_store_supervisor import FdStoreSupervisor
 
-from pagedkv.daemon.memory.kv_memory import KVMemory
+from pagedkv.daemon.memory.kv_memory import KVMemory, held
 from pagedkv.daemon.memory.pool_handover import PoolHandover, PoolLayout
 
 from pagedkvd_process import short_tmp_dir
@@ -76,6 +76,7 @@ def test_a_crashed_daemons_memory_is_adopted_not_removed_as_stale() -> None:
                 (first_file,) = first.pool_files()
                 block(first_file, 5, 8)[:KNOWN.size] = KNOWN
                 assert supervisor.stop(first, signal.SIGKILL) == -signal.SIGKILL
+            assert held(first_file)  # the store's descriptor: no other daemon removes it
             with supervisor.start(*ARGS) as second:
                 (second_file,) = second.pool_files()
                 assert (block(second_file, 5, 8)[:KNOWN.size] == KNOWN).all()
