@@ -124,7 +124,8 @@ class DaemonConfig:
     allow_fast_hash_with_tenants: bool = False
     # How blocks are handed out: "paged" (as sequences grow; shared by forks and the prefix
     # cache) or "contiguous" (the baseline paging replaced, for comparison: each sequence
-    # reserves max_model_len slots as one run of blocks, first fit; nothing shared or cached).
+    # reserves max_model_len slots as one run of blocks, first fit; nothing shared or cached;
+    # the settings it cannot honour, demo/contiguous's CANNOT, are refused with it).
     allocator: AllocatorKind = "paged"
     # The tokens every sequence reserves, and the most it may hold: required with
     # allocator = "contiguous", refused with "paged" (which reserves nothing).

@@ -181,7 +181,9 @@ SETTINGS: dict[str, Setting] = {
                          "and the prefix cache; contiguous: the baseline paging replaced, for "
                          "comparison: each sequence reserves --max-model-len slots as one run "
                          "of blocks (first fit), forks copy, nothing is cached, and free_blocks "
-                         "counts only blocks whole reservations can take", ALLOCATORS),
+                         "counts only blocks whole reservations can take; refused with "
+                         "page_size, [models.NAME], host_tier_memory and restore = auto",
+                         ALLOCATORS),
     "max_model_len": Setting(INTEGER, "tokens each sequence reserves, and the most it may hold "
                              "(required with --allocator contiguous; must fit in the pool)"),
     "zero_freed_blocks": Setting(SWITCH, "zero blocks as they are released"),
