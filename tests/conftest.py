@@ -12,6 +12,9 @@ from typing import TYPE_CHECKING
 # per core made each worker's small ops fight the other's (a sweep of 144 tiny attention cases
 # took 14 s with two threads on two busy cores, 2.4 s with one). Tests check behaviour, not speed.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every step engine (here and in every runner a test starts) checks its sessions' sequence states
+# (SeqState's invariants) each time a step lets go of a session's lock.
+os.environ.setdefault("PAGEDKV_CHECK_SEQUENCES", "1")
 
 import pytest
 

@@ -15,7 +15,7 @@ computed.
 import dataclasses
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -47,9 +47,62 @@ class Ahead:
     result: SeqOutput | None = None
 
 
+# Set to "1", the step engine checks every sequence of a session (SessionSequences.check) each
+# time a step, an ahead step or a decode run lets go of the session's lock; the tests set it (and
+# the runners they start inherit it). Unset or "0": no check (a debug aid, off the hot path).
+CHECK_ENV = "PAGEDKV_CHECK_SEQUENCES"
+
+
+def checking(env: Mapping[str, str]) -> bool:
+    """Whether CHECK_ENV asks for the checks; ValueError for a value other than "", "0", "1"."""
+    value = env.get(CHECK_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{CHECK_ENV} must be 0 or 1, not {value!r}")
+    return value == "1"
+
+
+# SeqState's invariants, true whenever no step of its session is under way (the session's lock
+# is free: StepEngine checks them there while CHECK_ENV is set, as the tests set it). Each is a
+# name, and a test of one sequence's state `s` in a pool of blocks of `bs` slots.
+INVARIANTS: tuple[tuple[str, Callable[["SeqState", int], bool]], ...] = (
+    # The prompt is a prefix of the tokens.
+    ("0 <= prompt_len <= len(tokens)", lambda s, bs: 0 <= s.prompt_len <= len(s.tokens)),
+    # The daemon holds a prefix of the tokens, and committed blocks only of what it holds.
+    ("0 <= committed <= held <= len(tokens)",
+     lambda s, bs: 0 <= s.committed <= s.held <= len(s.tokens)),
+    # What is computed is a prefix of the tokens, at least what the prefix cache and the
+    # committed blocks served: the runner never recomputes shared K/V.
+    ("num_cached <= num_computed and committed <= num_computed <= len(tokens)",
+     lambda s, bs: s.num_cached <= s.num_computed and s.committed <= s.num_computed
+     <= len(s.tokens)),
+    # A reservation starts past the tokens the daemon holds and ends inside the block table.
+    ("private_end == 0 or held <= private_end <= len(block_table) * bs",
+     lambda s, bs: s.private_end == 0 or s.held <= s.private_end <= len(s.block_table) * bs),
+    # Tokens the daemon does not hold were decoded into reserved slots, never past them.
+    ("len(tokens) <= max(held, private_end)",
+     lambda s, bs: len(s.tokens) <= max(s.held, s.private_end)),
+    # The block table has a slot for every token (so for every held one).
+    ("len(tokens) <= len(block_table) * bs",
+     lambda s, bs: len(s.tokens) <= len(s.block_table) * bs),
+    # A token appended ahead is the last token; its result, once there, is of a computed one.
+    ("ahead is None or ahead.token_id == tokens[-1]",
+     lambda s, bs: s.ahead is None or (bool(s.tokens) and s.ahead.token_id == s.tokens[-1])),
+    ("ahead.result is None or num_computed == len(tokens)",
+     lambda s, bs: s.ahead is None or s.ahead.result is None or s.num_computed == len(s.tokens)),
+    # A commit due certifies computed K/V of ids the daemon holds, whole blocks' worth at least.
+    ("commit_due == 0 or (verified and bs <= commit_due <= min(num_computed, held))",
+     lambda s, bs: s.commit_due == 0
+     or (s.verified and bs <= s.commit_due <= min(s.num_computed, s.held))),
+    # A matcher is that of the kept sampling's constraint.
+    ("grammar is None or grammar.constraint == params.structured_outputs",
+     lambda s, bs: s.grammar is None
+     or (s.params is not None and s.grammar.constraint == s.params.structured_outputs)),
+)
+
+
 @dataclass
 class SeqState:
-    """One client sequence as the runner knows it."""
+    """One client sequence as the runner knows it (its invariants: INVARIANTS)."""
 
     # Every token the sequence holds as the runner and its client see it (prompt, then
     # generated); the daemon holds the first `held` of them (reservations.py).
@@ -95,6 +148,18 @@ class SeqState:
 
     def __post_init__(self) -> None:
         self.held = len(self.tokens)
+
+    def check(self, seq_id: int, block_size: int) -> None:
+        """AssertionError naming the first of INVARIANTS that `self` breaks, and its values."""
+        for name, holds in INVARIANTS:
+            if not holds(self, block_size):
+                raise AssertionError(
+                    f"sequence {seq_id} breaks {name}: tokens={len(self.tokens)} "
+                    f"prompt_len={self.prompt_len} held={self.held} committed={self.committed} "
+                    f"num_cached={self.num_cached} num_computed={self.num_computed} "
+                    f"private_end={self.private_end} blocks={len(self.block_table)} "
+                    f"block_size={block_size} commit_due={self.commit_due} "
+                    f"verified={self.verified} ahead={self.ahead}")
 
     @property
     def uncertified(self) -> list[int]:
@@ -166,6 +231,11 @@ class SessionSequences:
         for seq_id in seq_ids:
             if (state := self.seqs.get(seq_id)) is not None:
                 state.commit_due = 0
+
+    def check(self, block_size: int) -> None:
+        """Every sequence's SeqState.check."""
+        for seq_id, state in self.seqs.items():
+            state.check(seq_id, block_size)
 
     def get(self, seq_id: int) -> SeqState | None:
         return self.seqs.get(seq_id)

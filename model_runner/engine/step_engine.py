@@ -53,6 +53,7 @@ changed".
 import asyncio
 import contextlib
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -80,7 +81,7 @@ from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS, SessionHolds
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.preparation import Preparer
 from pagedkv.model_runner.engine.sampling import Sampler
-from pagedkv.model_runner.engine.sequences import SeqState, SessionSequences
+from pagedkv.model_runner.engine.sequences import SeqState, SessionSequences, checking
 from pagedkv.model_runner.engine.sessions import SessionEntry, SessionTable
 from pagedkv.model_runner.engine.step_checks import check_writes
 from pagedkv.model_runner.engine.steps import InvalidStep, StepNotComputed
@@ -119,6 +120,8 @@ class StepEngine:
         # The daemon's holds on the sessions while their forwards may write (hold_ms each).
         self.holds = SessionHolds(self.sessions, hold_ms=hold_ms)
         self.preparer = Preparer(pool, lambda: self.runner, metrics, holds=self.holds)
+        # Whether each session's sequences are checked whenever its lock goes (CHECK_ENV).
+        self.check_sequences = checking(os.environ)
         # Steps being decoded ahead (each holds its session's lock).
         self._ahead_tasks: set[asyncio.Task[None]] = set()
         # Forwards of cancelled steps, waited for before their session's lock goes.
@@ -211,7 +214,15 @@ class StepEngine:
                               f"{model!r} (RunnerInfo.model_name)")
 
     def _let_go(self, session_id: str, entry: SessionEntry) -> None:
-        """Let go of the session's lock (no forward of it is left): its hold ends once idle."""
+        """Let go of the session's lock (no forward of it is left): its hold ends once idle.
+        Checking (sequences.CHECK_ENV), its sequences' states are checked first."""
+        try:
+            if self.check_sequences:
+                entry.sequences.check(self.runner.block_size)
+        finally:
+            self._release(session_id, entry)
+
+    def _release(self, session_id: str, entry: SessionEntry) -> None:
         entry.lock.release()
         self.sessions.leave(session_id, entry)
         self.holds.after_step(session_id, entry)
