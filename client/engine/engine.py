@@ -481,7 +481,9 @@ class Engine:
 
     def _fail(self, plan: Plan, exc: PagedKVError) -> None:
         """A step failed for a reason a retry would not cure: fail the requests it carried
-        (those it admitted included)."""
+        (those it admitted included), and send its releases no more (the same release would
+        fail again, and the finished requests waiting on it would never be published)."""
+        self.scheduler.release_sent(plan)
         for request in dict.fromkeys([*plan.admit, *plan.owners]):
             self._fail_request(request, exc)
 

@@ -238,11 +238,16 @@ class Scheduler:
         for request in reversed(plan.admit):
             self.waiting.appendleft(request)
 
+    def release_sent(self, plan: Plan) -> None:
+        """The plan's step was answered, or failed for a reason a retry would not cure (its
+        session gone, whose sequences went with it): its releases are not sent again."""
+        released = set(plan.release)
+        self.to_release = [i for i in self.to_release if i not in released]
+
     def update(self, plan: Plan, outputs: Sequence[SeqOutput]) -> list[Request]:
         """Apply a step's answers; return the requests that made progress (finished ones are
         no longer running)."""
-        released = set(plan.release)
-        self.to_release = [i for i in self.to_release if i not in released]
+        self.release_sent(plan)
         self.running.extend(plan.admit)
         # Each request's answers, requests in the order of their first sequence in the plan.
         by_request: dict[int, tuple[Request, list[tuple[Seq, SeqOutput]]]] = {}

@@ -204,6 +204,22 @@ def test_beams_continue_in_their_sequence_fork_for_extra_continuations_and_free_
     assert plan.release == [first.seq_id]
 
 
+def test_a_release_that_failed_for_good_is_not_planned_again() -> None:
+    # A daemon restarted cold: the session, and the finished sequences with it, are gone, so
+    # the release-only step fails each time; planned again, the engine would loop on it and
+    # never publish the finished requests.
+    scheduler = make()
+    done = request(16, SamplingParams(temperature=0, max_tokens=1))
+    scheduler.add(done)
+    plan = scheduler.plan(free_blocks=10)
+    scheduler.update(plan, answer(plan))
+    assert done.finished and len(scheduler.to_release) == 1
+    plan = scheduler.plan(free_blocks=10)
+    assert plan.release == scheduler.to_release and not plan.steps
+    scheduler.release_sent(plan)  # the engine's _fail
+    assert not scheduler.has_work
+
+
 def test_an_aborted_request_is_dropped_and_its_sequences_released_by_the_next_plan() -> None:
     scheduler = make()
     running, waiting = request(20), request(20)
