@@ -8,7 +8,9 @@ daemon or runner may send is never refused by the client's own receive limit (gR
 `unreachable` (DaemonUnavailable or RunnerUnreachable; nothing was sent), the channel closed.
 A channel whose peer went away tries to connect again at most RECONNECT_MAX_MS apart, so a
 restarted runner (or daemon) is reached within that of its start, not after gRPC's default
-backoff (1 s growing 1.6x per failure up to 120 s: seconds after a runner restart).
+backoff (1 s growing 1.6x per failure up to 120 s: seconds after a runner restart). A channel
+over a unix socket (a peer on this host: a refused connect costs a syscall) tries every
+LOCAL_RECONNECT_MS, so a daemon back from an upgrade is reached within that of its READY=1.
 """
 
 import asyncio
@@ -29,13 +31,19 @@ RECONNECT_FIRST_MS = 100
 RECONNECT_MAX_MS = 500
 RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", RECONNECT_FIRST_MS),
                      ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS))
+# Over a unix socket: every LOCAL_RECONNECT_MS (gRPC's floor for both settings: shorter values
+# are taken as 100 ms), at most ten connects a second on a daemon that stays down.
+LOCAL_RECONNECT_MS = 100
+LOCAL_RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", LOCAL_RECONNECT_MS),
+                           ("grpc.max_reconnect_backoff_ms", LOCAL_RECONNECT_MS))
 
 
 async def open_channel(target: str, peer: str, unreachable: type[OutcomeUnknown],
                        ready_timeout: float, tls: TlsOptions | None = None) -> grpc.aio.Channel:
     """A channel to `target` (over TLS with `tls`), connected within `ready_timeout` seconds;
     `peer` names what should answer there ("daemon", "runner") in the `unreachable` error."""
-    options = [*MESSAGE_SIZE_OPTIONS, *RECONNECT_OPTIONS]
+    local = target.startswith("unix")  # unix: and unix-abstract:
+    options = [*MESSAGE_SIZE_OPTIONS, *(LOCAL_RECONNECT_OPTIONS if local else RECONNECT_OPTIONS)]
     channel = (grpc.aio.insecure_channel(target, options=options) if tls is None else
                grpc.aio.secure_channel(target, tls.credentials(),
                                        options + tls.channel_options()))
