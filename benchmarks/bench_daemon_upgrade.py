@@ -2,25 +2,33 @@
 the next daemon restores the pool (as shipped), beside the same restart when it starts cold.
 
 Through the server: `pagedkv serve` (CPU) on the example model (`pagedkv example-model`, written
-into the run's folder), with its own daemon and runner. Each round, STREAMS greedy SSE streams
-(the `openai` package, async) decode when the child daemon gets SIGTERM; its supervisor starts it
-again. Upgrade round: the daemon wrote its snapshot and the next one restores it, so the streams
-pause and go on. Cold round: the bench removes the snapshot once the old daemon has exited (before
+into the run's folder: max_model_len 512), with its own daemon and runner. Each round, STREAMS
+greedy SSE streams (the `openai` package, async) of PROMPT_TOKENS-token prompts decode TOKENS
+tokens each while the child daemon is restarted. Upgrade round: SIGHUP to serve (its planned
+upgrade: the next daemon starts in standby, the current one gets SIGTERM once it is ready, and
+the standby adopts the pool and restores the snapshot); the restart counts from the old daemon's
+exit. SIGTERM round: SIGTERM to the daemon child; its supervisor starts the next one once it
+exited, which restores the snapshot. In both, the streams pause and go on. Cold round: SIGTERM
+to the daemon child, and the bench removes the snapshot once the old daemon has exited (before
 the next one reads it, seconds later), so the next one starts cold: the streams fail with the
 retryable 503 and the bench sends each again (as a client would, every RESEND_POLL_S) until it
-streams. Both rounds run on one server, side by side.
+streams. (Not the planned path: its standby reads the snapshot within milliseconds of the old
+daemon's exit, too soon for the bench to remove it; so the cold gap includes the next daemon's
+process start, as the SIGTERM one does.) Every round runs on one server, one after the other.
 
 Figures:
     daemon_upgrade_gap_ms            the longest pause between two consecutive chunks of any
-                                     stream across the restored restart
+                                     stream across the planned upgrade (SIGHUP)
+    daemon_sigterm_restart_gap_ms    the same across the SIGTERM restart
     daemon_cold_restart_gap_ms       the longest from a stream's last chunk before the restart to
                                      the first chunk of its resent stream
     daemon_upgrade_gap_ratio         upgrade / cold (goal <= 0.25)
-    requests_failed_during_upgrade   streams that ended in an error in the upgrade round (goal 0)
-    prefix_hits_after_upgrade_frac   cached prompt tokens of the same prompts after the restored
-                                     restart over before it (goal >= 0.99)
+    requests_failed_during_upgrade   streams that ended in an error in the upgrade and SIGTERM
+                                     rounds (goal 0)
+    prefix_hits_after_upgrade_frac   cached prompt tokens of the same prompts after both
+                                     restored restarts over before them (goal >= 0.99)
 
-Usage: python benchmarks/bench_daemon_upgrade.py [--streams 32] [--quick]
+Usage: python benchmarks/bench_daemon_upgrade.py [--streams 32] [--tokens 192] [--quick]
 """
 
 import argparse
@@ -45,7 +53,7 @@ from pagedkv.daemon.process.restart import SNAPSHOT_NAME
 from pagedkv.llm.example_model import write_example_model
 
 SERVER_ARGS = ("--num-blocks", "2048", "--device", "cpu", "--max-num-seqs", "64")
-PROMPT_TOKENS = 64
+PROMPT_TOKENS = 256
 # The example model's tokenizer has ~300 ids; prompts use ids below it.
 VOCAB = 250
 # How often a failed stream is sent again, and for how long at most.
@@ -53,6 +61,8 @@ RESEND_POLL_S = 0.05
 RESEND_FOR_S = 120.0
 # How long the bench waits for the old daemon to exit, and the server to be healthy.
 WAIT_S = 120.0
+# Serve's supervisor's line as it tells the old daemon of a planned upgrade to stop.
+STANDBY_READY = "upgrade: standby ready, stopping the current child"
 
 
 @dataclass
@@ -71,15 +81,17 @@ class Stream:
 
     def gap_s(self) -> float:
         """The longest wait between two consecutive chunks from the last before the restart
-        (a resent stream's first chunk follows the failed one's last)."""
+        (a resent stream's first chunk follows the failed one's last); 0.0 for a stream that
+        ended before it."""
         last = max(i for i, t in enumerate(self.times) if t <= self.restart_at)
-        return max(b - a for a, b in itertools.pairwise(self.times[last:]))
+        return max((b - a for a, b in itertools.pairwise(self.times[last:])), default=0.0)
 
 
 async def run_stream(api: openai.AsyncOpenAI, model: str, stream: Stream, tokens: int,
-                     resend: bool) -> None:
-    """Stream a greedy completion; with `resend`, send it again after an error (from the
-    start: the client's view of a failed request) until it completes."""
+                     resend: bool, until: asyncio.Event) -> None:
+    """Stream greedy completions one after the other until `until` is set (at least one); with
+    `resend`, send one again after an error (from the start: the client's view of a failed
+    request) until it completes."""
     deadline = time.monotonic() + RESEND_FOR_S
     while True:
         try:
@@ -90,7 +102,8 @@ async def run_stream(api: openai.AsyncOpenAI, model: str, stream: Stream, tokens
                 if chunk.choices and chunk.choices[0].text:
                     stream.times.append(time.monotonic())
                     stream.started.set()
-            return
+            if until.is_set():
+                return
         except openai.APIError:
             stream.failures += 1
             if not resend or time.monotonic() > deadline:
@@ -99,18 +112,33 @@ async def run_stream(api: openai.AsyncOpenAI, model: str, stream: Stream, tokens
 
 
 async def restart_round(server: Server, api: openai.AsyncOpenAI, prompts: list[list[int]],
-                        tokens: int, cold: bool) -> list[Stream]:
-    """One stream per prompt, the child daemon SIGTERMed once each has a chunk (cold: its
-    snapshot removed once it exited); the streams once all ended."""
+                        tokens: int, how: str) -> list[Stream]:
+    """One client per prompt, each streaming, the child daemon restarted once each has a
+    chunk ("upgrade": SIGHUP to serve, counted from the old daemon's exit; "sigterm": SIGTERM to
+    the daemon; "cold": that, its snapshot removed once it exited); the streams once all ended.
+    The clients send no new request once the old daemon is told to stop; until then (the
+    standby's start: seconds, longer than a stream) each sends its next once one ends."""
+    cold = how == "cold"
     streams = [Stream(prompt) for prompt in prompts]
-    tasks = [asyncio.create_task(run_stream(api, server.model, stream, tokens, resend=cold))
+    stopping = asyncio.Event()
+    tasks = [asyncio.create_task(run_stream(api, server.model, stream, tokens, cold, stopping))
              for stream in streams]
     for stream in streams:
         await stream.started.wait()
     daemon = server.child_pid(DAEMON_MODULE)
     snapshot = _state_dir(daemon) / SNAPSHOT_NAME
+    if how == "upgrade":
+        server.launched.send(signal.SIGHUP)
+        await _wait_logged(server, STANDBY_READY)
+        stopping.set()
+        await _wait_gone(daemon)
+    else:
+        stopping.set()
+        os.kill(daemon, signal.SIGTERM)
     restart_at = time.monotonic()
-    os.kill(daemon, signal.SIGTERM)
+    if all(task.done() for task in tasks):
+        raise SystemExit(f"{how}: every stream ended before the old daemon exited: raise "
+                         "--tokens")
     for stream in streams:
         stream.restart_at = restart_at
     if cold:
@@ -141,6 +169,13 @@ async def _wait_gone(pid: int) -> None:
     deadline = time.monotonic() + WAIT_S
     while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
         assert time.monotonic() < deadline, f"the daemon (pid {pid}) did not exit"
+        await asyncio.sleep(0.005)
+
+
+async def _wait_logged(server: Server, line: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while line not in server.launched.stderr():
+        assert time.monotonic() < deadline, f"the server never logged {line!r}"
         await asyncio.sleep(0.005)
 
 
@@ -176,17 +211,21 @@ async def bench(server: Server, streams: int, tokens: int) -> None:
                              timeout=WAIT_S)
     await cached_tokens(api, server.model, prompts)  # fills the prefix cache
     before = await cached_tokens(api, server.model, prompts)
-    upgrade = await restart_round(server, api, prompts, tokens, cold=False)
-    await wait_healthy(server)
+    rounds = {}
+    for how in ("upgrade", "sigterm"):
+        rounds[how] = await restart_round(server, api, prompts, tokens, how)
+        await wait_healthy(server)
     after = await cached_tokens(api, server.model, prompts)
-    cold = await restart_round(server, api, prompts, tokens, cold=True)
+    cold = await restart_round(server, api, prompts, tokens, "cold")
     await wait_healthy(server)
-    upgrade_gap = max(stream.gap_s() for stream in upgrade)
-    cold_gap = max(stream.gap_s() for stream in cold)
-    figure("daemon_upgrade_gap_ms", 1000 * upgrade_gap, "ms", 1)
-    figure("daemon_cold_restart_gap_ms", 1000 * cold_gap, "ms", 1)
-    figure("daemon_upgrade_gap_ratio", upgrade_gap / cold_gap, "x")
-    figure("requests_failed_during_upgrade", sum(s.failures for s in upgrade), "requests", 0)
+    gaps = {how: max(stream.gap_s() for stream in streams)
+            for how, streams in [*rounds.items(), ("cold", cold)]}
+    figure("daemon_upgrade_gap_ms", 1000 * gaps["upgrade"], "ms", 1)
+    figure("daemon_sigterm_restart_gap_ms", 1000 * gaps["sigterm"], "ms", 1)
+    figure("daemon_cold_restart_gap_ms", 1000 * gaps["cold"], "ms", 1)
+    figure("daemon_upgrade_gap_ratio", gaps["upgrade"] / gaps["cold"], "x")
+    figure("requests_failed_during_upgrade",
+           sum(s.failures for streams in rounds.values() for s in streams), "requests", 0)
     figure("cold_restart_streams_resent", sum(1 for s in cold if s.failures), "streams", 0)
     figure("prefix_hits_after_upgrade_frac", after / before if before else 0.0, "frac")
 
@@ -194,7 +233,7 @@ async def bench(server: Server, streams: int, tokens: int) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=96, help="tokens per stream")
+    parser.add_argument("--tokens", type=int, default=192, help="tokens per stream")
     add_quick_flag(parser)
     args = parser.parse_args()
     streams, tokens = (4, 24) if args.quick else (args.streams, args.tokens)
