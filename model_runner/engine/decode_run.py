@@ -109,8 +109,9 @@ class DecodeRun:
 
     # ------------------------------------------------------------- forward thread
 
-    def next_chunks(self, forward_s: float) -> list[SequenceChunk] | None:
-        """[forward thread] The next step's chunks, its tokens appended to the runner's view;
+    def decode_followed(self, forward_s: float) -> list[SequenceChunk] | None:
+        """[forward thread] A decode step while following: the next step's chunks, its tokens
+        appended to the runner's view (inside the reservations, as decode_in_reservation does);
         None (the run over, nothing changed) when the event loop must act first."""
         if self.over:
             return None
@@ -120,7 +121,7 @@ class DecodeRun:
         chunks = []
         for state, token in zip(self.states, self.pending, strict=True):
             if self.appended:
-                state.ahead = None  # this step takes the token appended ahead
+                state.claim_ahead()  # not computed: this step computes it
             else:
                 state.tokens.append(token)
             position = len(state.tokens) - 1

@@ -294,7 +294,7 @@ class ForwardLoop:
             # A run whose daemon Step just renewed its reservations: its thread waited on it.
             waited = any(run.appended for run in runs)
             steps = [(run, chunks) for run in runs
-                     if (chunks := run.next_chunks(forward_s)) is not None]
+                     if (chunks := run.decode_followed(forward_s)) is not None]
             if not batch and not steps:
                 return [], forward_s
             started = time.monotonic()

@@ -2,7 +2,7 @@
 slots it reserved (kvpool.proto's StepRequest.reserve_tokens; vLLM's num_lookahead_tokens).
 
     blocks = BlockSteps(daemon_steps, session_holds, lambda: model_runner)
-    states, called = await blocks.decode(known, requests)   # one token per sequence
+    await blocks.decode(known, requests, states, commit)   # one token per sequence
 
 A daemon Step that appends a sequence's tokens also reserves RESERVE_BLOCKS blocks' worth of
 slots past them: private to the sequence, their blocks in the table the answer gives
@@ -68,24 +68,31 @@ class BlockSteps:
         self.max_reserve = 1 << 16
 
     async def decode(self, known: SessionSequences, requests: Sequence[SeqStep],
-                     states: list[SeqState], commit: bool) -> bool:
+                     states: list[SeqState], commit: bool) -> None:
         """Append each request's one token to its sequence (`states`, in request order), in the
-        runner's view, and in the daemon if a call is needed; whether a call was made. `commit`:
-        a call may commit what the daemon holds of them (computed, ids known to be its own).
-
-        All or nothing for the client: if the call fails, a sequence whose entry was applied
-        anyway (entries of different token counts) holds its token as appended ahead (Ahead),
-        which the client's resend of the same step claims."""
+        runner's view (decode_in_reservation), and in the daemon if a call is needed
+        (decode_with_call). `commit`: a call may commit what the daemon holds of them
+        (computed, ids known to be its own)."""
         tokens = [r.token_ids[0] for r in requests]
-        if not self._needs_call(known, states):
-            for state, token in zip(states, tokens, strict=True):
-                state.tokens.append(token)
-            return False
+        if self._needs_call(known, states):
+            await self.decode_with_call(known, [r.seq_id for r in requests], states, tokens,
+                                        commit)
+        else:
+            decode_in_reservation(states, tokens)
+
+    async def decode_with_call(self, known: SessionSequences, seq_ids: list[int],
+                               states: list[SeqState], tokens: list[int], commit: bool) -> None:
+        """A decode step with a daemon Step (a sequence ran out of its reservation, or the hold
+        ended): the sequences holding as many uncertified tokens make one Step (aligned: one
+        in all, as a rule), which certifies those, appends `tokens` and reserves again. All or
+        nothing for the client: if a call fails, a sequence whose Step was applied anyway holds
+        its token as appended ahead (Ahead), which the client's resend of the same step
+        claims."""
         groups: dict[int, list[int]] = {}  # tokens to append -> indexes of its sequences
         for index, state in enumerate(states):
             groups.setdefault(len(state.uncertified) + 1, []).append(index)
         calls = [self._certify(known, [states[i] for i in group],
-                               [requests[i].seq_id for i in group], [tokens[i] for i in group],
+                               [seq_ids[i] for i in group], [tokens[i] for i in group],
                                commit) for group in groups.values()]
         # One group (the usual case) is awaited at once: its Step is queued in this event-loop
         # pass, so a session stepped in the same pass sees the burst gathering and joins it.
@@ -97,7 +104,6 @@ class BlockSteps:
                 for index in group if not isinstance(outcome, BaseException) else ():
                     states[index].ahead = states[index].ahead or Ahead(tokens[index])
             raise failed[0]
-        return True
 
     def _needs_call(self, known: SessionSequences, states: Sequence[SeqState]) -> bool:
         """A call is needed when a sequence's next token lies past its private slots, or the
@@ -167,6 +173,13 @@ class BlockSteps:
             return None
         known.held_at = sent
         return reply
+
+
+def decode_in_reservation(states: Sequence[SeqState], tokens: Sequence[int]) -> None:
+    """A decode step inside the sequences' reservations: each token appended to the runner's
+    view only (past SeqState.held); its forward writes the K/V into the next reserved slot."""
+    for state, token in zip(states, tokens, strict=True):
+        state.tokens.append(token)
 
 
 async def _outcome(call: Awaitable[None]) -> Exception | None:

@@ -161,6 +161,13 @@ class SeqState:
                     f"block_size={block_size} commit_due={self.commit_due} "
                     f"verified={self.verified} ahead={self.ahead}")
 
+    def claim_ahead(self) -> SeqOutput | None:
+        """A step takes the token appended ahead (`ahead`) as its own: the result computed for
+        it, if its forward ran (else that step computes it)."""
+        assert self.ahead is not None, "only a token appended ahead is claimed"
+        result, self.ahead = self.ahead.result, None
+        return result
+
     @property
     def uncertified(self) -> list[int]:
         """The tokens the daemon does not hold yet (decoded into reserved slots)."""

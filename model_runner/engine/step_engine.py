@@ -21,6 +21,17 @@ A step goes through three stages:
    are committed by the next Step too), or with the end of the hold if no call comes first
    (holds.py); a step so makes one daemon call before its forward and none after it.
 
+A decode token is produced one of four ways, each one named method:
+1. a client step with a daemon call (`BlockSteps.decode_with_call`, from `Preparer.decode_step`):
+   a sequence ran out of its reserved slots, so one Step certifies the tokens decoded into
+   them, appends the new one and reserves again;
+2. a client step inside the reservation (`decode_in_reservation`): the token is appended to the
+   runner's view only, and the forward writes its K/V into the next reserved slot;
+3. a claimed ahead result (`SeqState.claim_ahead`): the client's step names the token the runner
+   appended ahead (`_decode_ahead`, by way 1 or 2), and is answered from that forward;
+4. a push while following (`DecodeRun.decode_followed`, on the forward thread): a followed
+   session's implied steps, computed back to back inside the reservations and pushed.
+
 Decode ahead (runner.proto's `decode_ahead`, vLLM v1's async scheduling): when a client marks a
 sequence whose step sampled a token that does not finish it, the runner keeps the session's lock
 after answering and takes the client's next step itself: it appends the sampled tokens (a daemon
@@ -169,8 +180,8 @@ class StepEngine:
                 prepared = await self.preparer.prepare(session_id, known, requests)
                 known.keep_params(requests, prepared.states, compiled)
                 step_log.admitted(known, requests)
-                for index in prepared.claimed:  # this step holds the tokens appended ahead now
-                    prepared.states[index].ahead = None
+                for index in prepared.claimed:  # their results, if any, are prepared.ready
+                    prepared.states[index].claim_ahead()
                 results = (await self._run(prepared, known) if prepared.chunks
                            else self.forwards.results(prepared, {}))
                 step_log.finished(known, results)
@@ -457,10 +468,8 @@ def _claim_ahead(known: SessionSequences, implied: Sequence[SeqStep]) -> list[Se
                and r.params in (None, state.params)]  # None: the kept one
     if len(results) != len(implied) or any(result is None for result in results):
         return None
-    for state in states:
-        assert state is not None
-        state.ahead = None
-    return [result for result in results if result is not None]
+    claimed = [state.claim_ahead() for state in states if state is not None]
+    return [result for result in claimed if result is not None]
 
 
 def _computed(state: SeqState) -> int:

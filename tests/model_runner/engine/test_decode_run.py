@@ -76,9 +76,9 @@ async def test_the_forward_thread_decodes_to_the_end_with_transformers_tokens(
 
 async def test_a_spent_reservation_is_renewed_by_one_daemon_step_and_the_run_goes_on(
         session: Session, engine: StepEngine, prompts: list[tuple[int, ...]]) -> None:
-    """100 tokens cross several reservations (two blocks' worth past a Step each): every push still comes from a run,
-    one forward each, with transformers' tokens; the renewing daemon Steps appended (certified)
-    the tokens decoded into the spent reservations."""
+    """100 tokens cross several reservations (two blocks' worth past a Step each): every push
+    still comes from a run, one forward each, with transformers' tokens; the renewing daemon
+    Steps appended (certified) the tokens decoded into the spent reservations."""
     n = 100
     params = dataclasses.replace(GREEDY, max_tokens=n, logprobs=None)
     first = [SeqStep(i, p, True, params=params, decode_ahead=True) for i, p in enumerate(prompts)]
@@ -162,7 +162,7 @@ def test_the_thread_never_appends_where_the_loop_must_act(
     run = hand_made_run(loop, state, held_at)
     run.entry.users += why == "another step waits"
     run.stopping = why == "stop asked"
-    assert run.next_chunks(0.01) is None
+    assert run.decode_followed(0.01) is None
     assert run.over and run.ended.done() and state.tokens == list(range(8))  # nothing appended
 
 
@@ -170,6 +170,6 @@ def test_inside_its_reservation_the_thread_writes_the_next_reserved_slot(
         loop: asyncio.AbstractEventLoop) -> None:
     state = state_at(8, private_end=12, committed=4)
     run = hand_made_run(loop, state, time.monotonic())
-    (chunk,) = run.next_chunks(0.01) or ()
+    (chunk,) = run.decode_followed(0.01) or ()
     assert (list(chunk.token_ids), chunk.start, list(chunk.slot_mapping)) == ([7], 8, [8])
     assert state.tokens[-1] == 7 and not run.over
