@@ -23,7 +23,7 @@ the snapshot, then the batches from S in order, gives the pool's committed block
 import asyncio
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pagedkv.daemon.events.replay import SnapshotAnswer
 from pagedkv.daemon.events.sender import STOP, EventSettings, Outgoing, Sender, Slice
@@ -40,9 +40,14 @@ log = get_logger(__name__)
 class EventPublisher:
     """A KVEventSink (sink.py) that publishes vLLM's KV events over ZMQ (module docstring)."""
 
-    def __init__(self, settings: EventSettings, snapshot: Snapshot) -> None:
+    def __init__(self, settings: EventSettings, snapshot: Snapshot,
+                 numbered: Callable[[int, bool], None] | None = None) -> None:
         self._settings = settings
         self._snapshot = snapshot
+        # Told the seq of the next batch, and whether an AllBlocksCleared is owed, as each
+        # batch is numbered or dropped, before the thread may send it (the crash log's
+        # `numbered`); None: nothing told.
+        self._numbered = numbered
         # Batches for the thread, and the snapshot slices the loop reads for it.
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         # The seq of the next batch queued.
@@ -113,6 +118,7 @@ class EventPublisher:
         if self._inbox.qsize() + len(self._lost) >= self._settings.queue:
             self._dropped += 1
             self._lost.add(model)
+            self._tell()
             return
         self._clear_lost()
         self._queue(model, stored, removed, medium)
@@ -124,8 +130,14 @@ class EventPublisher:
 
     def _queue(self, model: str, stored: tuple[StoredBlock, ...] | None,
                removed: tuple[int, ...] | None, medium: str = MEDIUM_GPU) -> None:
-        self._inbox.put(Outgoing(self._next_seq, time.time(), model, stored, removed, medium))
+        seq = self._next_seq
         self._next_seq += 1
+        self._tell()  # before the thread may send it
+        self._inbox.put(Outgoing(seq, time.time(), model, stored, removed, medium))
+
+    def _tell(self) -> None:
+        if self._numbered is not None:
+            self._numbered(self._next_seq, bool(self._lost))
 
     def _ask_slice(self, answer: SnapshotAnswer) -> None:
         """From the sending thread: read the answer's next snapshot item on the loop."""

@@ -5,6 +5,8 @@ server.py starts it on the event loop once the service is up, hands it to the se
 the service's snapshot, and closes it before the service stops.
 """
 
+from collections.abc import Callable
+
 import zmq
 
 from pagedkv.daemon.events.publisher import EventPublisher
@@ -14,11 +16,12 @@ from pagedkv.daemon.process.config import DaemonConfig
 from pagedkv.process.grpc_server import StartupError
 
 
-def make_event_sink(config: DaemonConfig, snapshot: Snapshot,
-                    first_seq: int = 0) -> ManagedSink:
+def make_event_sink(config: DaemonConfig, snapshot: Snapshot, first_seq: int = 0,
+                    numbered: Callable[[int, bool], None] | None = None) -> ManagedSink:
     """The sink of `config`'s kv_events_* settings (not started), its first batch numbered
     `first_seq`; `snapshot` yields every committed block for snapshot requests
-    (daemon/events/sink.py says how it is read)."""
+    (daemon/events/sink.py says how it is read); `numbered` is told each batch's numbering
+    (EventPublisher's: the crash log keeps it)."""
     if not config.kv_events_endpoint:
         return NullSink()
     return EventPublisher(EventSettings(
@@ -26,7 +29,7 @@ def make_event_sink(config: DaemonConfig, snapshot: Snapshot,
         replay_endpoint=config.kv_events_replay_endpoint or None,
         buffer=config.kv_events_buffer, queue=config.kv_events_queue,
         topic_prefix=config.kv_events_topic, block_size=config.block_size,
-        first_seq=first_seq), snapshot)
+        first_seq=first_seq), snapshot, numbered)
 
 
 def start_event_sink(sink: ManagedSink) -> None:

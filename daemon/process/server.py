@@ -130,8 +130,13 @@ async def _start(config: DaemonConfig, readiness: Readiness,
     registry = CollectorRegistry()
     registry.register(PoolCollector(service))
     if config.kv_events_endpoint:  # off: nothing recorded, nothing sent
-        events = make_event_sink(config, service.formats.kv_snapshot, service.event_seq)
+        crash_log = service.calls.log
+        events = make_event_sink(config, service.formats.kv_snapshot, service.event_seq,
+                                 None if crash_log is None else crash_log.numbered)
         start_event_sink(events)
+        if service.events_cleared_at_start:  # log_replay.py: published events may be lost
+            for model in service.models:
+                events.cleared(model.name)
         stack.callback(_keep_event_seq, service, events)  # once closed: nothing more is sent
         stack.push_async_callback(events.close)
         service.formats.publish_events(events, config.kv_events_all_salts,

@@ -62,6 +62,9 @@ Record = list[Any]
 _HEADER = struct.Struct("<II")
 # The kinds of memory work's records: started, done.
 WORK, DONE = "work", "done"
+# The kind of a KV-events record: [SEQ, the seq of the next batch, an AllBlocksCleared owed]
+# (`CrashLog.numbered`).
+SEQ = "seq"
 # 1 / the share of the log kept for memory work's records (written outside the lock, where no
 # checkpoint is taken): calls' records start a checkpoint before they reach it.
 _MARKER_SHARE = 8
@@ -128,13 +131,18 @@ class CrashLog:
     # Each session's last Step's seq ids since the base: a Step naming the same ones (a decode
     # loop) writes None instead (`same_seq_ids` reads it back). Bounded by the sessions.
     step_seq_ids: dict[str, list[int]] = field(default_factory=dict)
+    # The KV events' seq of the next batch, and whether a dropped batch owes subscribers an
+    # AllBlocksCleared, as the sink last told (`numbered`): the base and SEQ records keep them.
+    event_seq: int = 0
+    events_owed: bool = False
 
     def start(self) -> None:
         """Begin (or begin again) with a base of the state now."""
         image, now = self.image()
         self.identities.clear()  # bounded: only processes seen since the last base
         self.step_seq_ids.clear()
-        base = frame({"base": image, "time": now, "working": sorted(self.working)})
+        base = frame({"base": image, "time": now, "working": sorted(self.working),
+                      "event_seq": self.event_seq, "events_owed": self.events_owed})
         if len(base) > self.max_bytes // 2:  # else checkpoints would follow one another
             raise NotLogged(f"the state's image takes {len(base)} bytes, over half of "
                             f"crash_log_bytes={self.max_bytes}: raise crash_log_bytes")
@@ -177,15 +185,23 @@ class CrashLog:
         work.add_done_callback(lambda done: None if done.cancelled() or done.exception()
                                else self._done(number))
 
+    def numbered(self, next_seq: int, owed: bool) -> None:
+        """The KV-event sink numbered a batch (or dropped one): its record now, before the
+        sending thread may publish it. A restored daemon goes on from the last one, and owes an
+        AllBlocksCleared when one follows the last call's record (that call's change is lost)."""
+        self.event_seq, self.events_owed = next_seq, owed
+        self._marker(SEQ, next_seq, owed)
+
     def _done(self, number: int) -> None:
         self.working.discard(number)
         self._marker(DONE, number)
 
-    def _marker(self, kind: str, number: int) -> None:
+    def _marker(self, *record: Any) -> None:
+        """A record outside the calls' ones (memory work's, KV events')."""
         if self.fd < 0:
             return
         try:
-            self._append(frame([kind, number]))
+            self._append(frame(list(record)))
         except OSError as exc:
             self.stop(f"writing the crash log failed: {exc}")
 

@@ -9,6 +9,12 @@ describe this state: refused. So is a log whose memory work was not all done at 
 copy's destination, a freed block to zero: their bytes are unknown). Leases and holds then gain
 the gap since the last record, as a snapshot's do.
 
+KV events go on from the seq the sink last told the log (each batch's SEQ record, written when
+it is numbered, before it may be published), so no seq is used twice. Events numbered after
+the last call's record describe a change the log lost (the call in progress at the crash):
+subscribers may have them, so the restored daemon's first batch is an AllBlocksCleared on each
+model's topic, as it is when the crashed daemon owed one for a dropped batch.
+
 What a crash does not let the daemon trust is left to the runners: every sequence keeps its
 blocks, uncommitted ones included, and `committed_tokens` says how far its K/V is certified
 (written before its commit). A runner told that the pool was recovered from the crash log
@@ -26,6 +32,7 @@ from typing import Any
 from pagedkv.daemon.core import PoolError
 from pagedkv.daemon.service.crash_log import (
     DONE,
+    SEQ,
     WORK,
     CrashLog,
     NotLogged,
@@ -61,7 +68,8 @@ def open_log(service: PoolService, path: Path, max_bytes: int) -> CrashLog:
             return service_image(service, calls_in_flight=True), service.sessions.now()
         except NotKept as exc:
             raise NotLogged(str(exc)) from exc
-    crash_log = CrashLog(path, max_bytes, image)
+    crash_log = CrashLog(path, max_bytes, image, event_seq=service.event_seq,
+                         events_owed=service.events_cleared_at_start)
     try:
         crash_log.start()
     except NotLogged as exc:
@@ -86,12 +94,17 @@ async def replay_log(service: PoolService, path: Path, adopted_from: str) -> int
     try:
         restore_service(service, base["base"], adopted_from)
         working, number = set(base["working"]), 0
+        events = _Events(base.get("event_seq", 0), base.get("events_owed", False))
         step_seq_ids: dict[str, list[int]] = {}
         processes: dict[tuple[int, int], RunnerProcess | None] = {}
         for record in records:
             if record[0] in (WORK, DONE):
                 (working.add if record[0] == WORK else working.discard)(record[1])
                 continue
+            if record[0] == SEQ:
+                events.numbered(record[1], record[2])
+                continue
+            events.past_last_call = False
             number += 1
             clock.now = record[1]
             same_seq_ids(step_seq_ids, record, writing=False)
@@ -105,10 +118,23 @@ async def replay_log(service: PoolService, path: Path, adopted_from: str) -> int
         service.memory = memory
     _add_gap(service, real_clock() - clock.now)
     service.recovered_from_crash_log = True
-    # The KV events the crashed run sent after its base are unknown: numbered from 0 again, as
-    # after a cold start, so subscribers see the restart and resynchronize.
-    service.event_seq = 0
+    service.event_seq = events.next_seq
+    service.events_cleared_at_start = events.owed or events.past_last_call
     return number
+
+
+class _Events:
+    """The KV events' state the log's records leave (module docstring)."""
+
+    def __init__(self, next_seq: int, owed: bool) -> None:
+        # The seq of the next batch, and whether an AllBlocksCleared was owed, as last logged.
+        self.next_seq = next_seq
+        self.owed = owed
+        # Whether a batch was numbered after the last call's record (its change is lost).
+        self.past_last_call = False
+
+    def numbered(self, next_seq: int, owed: bool) -> None:
+        self.next_seq, self.owed, self.past_last_call = next_seq, owed, True
 
 
 async def _replay(service: PoolService, record: list[Any],

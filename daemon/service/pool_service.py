@@ -124,6 +124,10 @@ class PoolService:
         # restored (subscribers see the sequence go on); the stopping daemon's, once its
         # event sink has closed (what the restart image keeps).
         self.event_seq = 0
+        # Restored from the crash log with KV events numbered (maybe published) for a change
+        # the log lost, or an AllBlocksCleared owed for a dropped batch: the first batch is an
+        # AllBlocksCleared on every model's topic (daemon/process/server.py).
+        self.events_cleared_at_start = False
         self.geometry = geometry
         self.limits = limits or Limits()
         self.sessions = SessionRegistry(pool_id, default_lease_ttl_ms=default_lease_ttl_ms,
