@@ -23,12 +23,15 @@ from serve_children import DAEMON_MODULE, WAIT_S, children, health, wait_for
 
 MODEL = "tiny-llama"
 PROMPTS = [[5, 17, 33, 2, 9, 71, 4, 4], [3, 1, 4, 1, 5, 9, 2, 6], [8, 8, 8, 30, 31]]
-NEW_TOKENS = 48
+# Enough that a stream outlasts the standby's start in the runner's slices (below).
+NEW_TOKENS = 200
 RUNNER_MODULE = b"pagedkv.model_runner"
 # The supervisor's line as it SIGTERMs the old daemon of a planned upgrade.
 STANDBY_READY = "upgrade: standby ready, stopping the current child"
-# The runner's stops and slices while the standby starts (a few tokens a slice).
-PAUSE_S, SLICE_S = 1.0, 0.01
+# The runner's stops and slices while the standby starts (a few tokens a slice). A stop far
+# shorter than the runner's holds (5 s, renewed at half): a standby that takes seconds to start
+# (a loaded machine) must not let them lapse (HoldMayHaveLapsed: the step fails).
+PAUSE_S, SLICE_S = 0.25, 0.01
 # A prompt of several full blocks, sent before and after the restart: its cached share.
 CACHED_PROMPT = list(range(10, 80))
 
