@@ -125,6 +125,7 @@ bench: setup
 	$(PY) benchmarks/bench_fp8_kv.py
 	$(PY) benchmarks/bench_restart_snapshot.py
 	$(PY) benchmarks/bench_crash_log.py
+	$(PY) benchmarks/bench_daemon_crash_restore.py
 	$(PY) benchmarks/bench_daemon_upgrade.py
 	$(PY) benchmarks/bench_step_files.py
 	$(PY) benchmarks/bench_suite.py

@@ -133,6 +133,23 @@ still waits for that work, so nothing is left half done). A session whose calls 
 have expired: FAILED_PRECONDITION says so. The bundled Python client follows these rules
 for Allocate, Step, StepMany (entry by entry) and Free (pagedkv.client, RetryPolicy).
 
+Restarts. A daemon started with restore = auto onto the pool memory of the one before it
+(handed over by systemd's fd store, pagedkv serve's supervisor, or runners started with
+--keep-pool) keeps what that daemon held: every session under its id (its lease extended by
+the gap), its tenant, its sequences, block tables and reference counts, the committed keys
+and the prefix cache, the host tier's index, every model with its format, pages and runner
+target, the runners' holds, and the KV events' sequence number. GetPoolInfo then says so
+(previous_pool_id: the pool whose state it took over; a new pool_id for this run). After a
+graceful stop (SIGTERM) the state is exact. After a crash it is the crash log's: every call
+applied before the crash, including any whose answer was lost, with the K/V past each
+sequence's committed blocks not trusted (recovered_from_crash_log). During the gap a call
+fails with UNAVAILABLE: treat it as a lost call (read back once the daemon answers; the
+bundled client's RetryPolicy.outage_s waits the gap out). A daemon that starts cold (no
+memory handed over, a snapshot or log refused, another layout or version) has an empty
+previous_pool_id: sessions of earlier pools are refused (FAILED_PRECONDITION, SessionExpired),
+runners drop what they knew, KV events start again at seq 0. ops/OPERATIONS.md, "Upgrading
+and restarting", has the settings and the failure modes.
+
 Limits. The daemon accepts requests up to 8 MiB (MAX_MESSAGE_BYTES in
 pagedkv.proto.limits; gRPC clients send any size by default). It bounds every answer before
 building it and refuses one that would pass its `max_answer_bytes` (RESOURCE_EXHAUSTED,
@@ -378,7 +395,12 @@ class PoolInfo(_message.Message):
     step of them; a client that
     read a sequence's table before the crash reads it again (GetBlockTables). Calls the
     crashed daemon applied but never answered are in the state: the read-back rules decide
-    them as after any lost answer. KV events start again at seq 0, as after a cold start.
+    them as after any lost answer. KV events go on from the last seq the crash log recorded
+    as numbered, so no seq is sent twice; if a batch was numbered (and so maybe published) for
+    the change the log lost (the call in progress at the crash), or an AllBlocksCleared was
+    owed for a dropped batch, the daemon's first batch is an AllBlocksCleared on each model's
+    topic. (A runner seeing this flag forgets every session's sequences;
+    pagedkv_runner:recomputed_tokens counts what it computes again.)
     """
     @_builtins.property
     def memory(self) -> Global___PoolMemory:

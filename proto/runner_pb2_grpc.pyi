@@ -55,7 +55,12 @@ same runner_id (GetRunnerInfo), release every sequence the step named rather tha
 been allocated. A runner_id other than before the lost answer means the runner restarted
 and knows none of the session's sequences, while the daemon kept them: free the step's new
 sequences and resend the step with each existing sequence's history (what the answers said
-it holds) and sampling (SequenceStep.history, SequenceStep.sampling).
+it holds) and sampling (SequenceStep.history, SequenceStep.sampling). A step (or a push)
+that fails with UNAVAILABLE and cause "DaemonUnavailable", relayed from the runner's own
+daemon call (the daemon went away, to restart or after a crash), may have been applied; the
+runner has forgotten that session's sequences, so resend the step as after a runner restart
+(new sequences freed first, each existing one with its history): the runner reads them back
+from the daemon's records, recomputing only past their committed tokens.
 
 Decode tokens reach the daemon once a block. A daemon Step of a decoding sequence reserves
 slots past its tokens (kvpool.proto's StepRequest.reserve_tokens, about two blocks' worth);
