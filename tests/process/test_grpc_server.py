@@ -53,6 +53,9 @@ class EchoState:
         self.sessions.append(session_id)
         return StepOutputs([], free_blocks=0)
 
+    async def follow(self, *_: object) -> None:
+        """No decode run starts (RunnerState.follow): pushes would go through `step`."""
+
     def runner_info(self) -> rpb.RunnerInfo:
         return rpb.RunnerInfo(model=self.model)
 
