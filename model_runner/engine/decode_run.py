@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedkv.client import SeqOutput, SeqStep, StepOutputs
+from pagedkv.model_runner.engine import step_log
+from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.sampling import Pick, SamplingRow
 from pagedkv.model_runner.engine.sequences import SeqState, SessionSequences
 from pagedkv.model_runner.engine.sessions import SessionEntry
@@ -75,6 +77,9 @@ class DecodeRun:
     # How long a hold lasts from the runner's call (holds.py).
     hold_s: float
     loop: asyncio.AbstractEventLoop
+    # Counts each step as a client step decoded ahead is counted (a step, its tokens computed
+    # ahead and used), from the forward thread (prometheus' figures are thread-safe).
+    metrics: RunnerMetrics | None = None
     # Set on the event loop once the forward thread stops the run (or fails it).
     ended: asyncio.Future[None] = field(init=False)
     # Set by the event loop: stop before the next step (that in progress is delivered first).
@@ -85,6 +90,8 @@ class DecodeRun:
     # the reservations and appended them), not computed: the next step computes them without
     # appending (a step of the event loop that comes first claims them instead).
     appended: bool = False
+    # When the step in progress was taken (monotonic seconds): its duration, step to push.
+    taken_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.ended = self.loop.create_future()
@@ -118,6 +125,7 @@ class DecodeRun:
         if not self._may_go_on(forward_s):
             self.finish(None)
             return None
+        self.taken_at = time.monotonic()
         chunks = []
         for state, token in zip(self.states, self.pending, strict=True):
             if self.appended:
@@ -159,6 +167,11 @@ class DecodeRun:
         self.states = [state for _, state, _ in going]
         self.pending = [token for _, _, token in going]
         self.deliver(StepOutputs(outputs, self.free_blocks()))
+        step_log.finished(self.known, outputs)
+        if self.metrics is not None:
+            self.metrics.step(time.monotonic() - self.taken_at)
+            self.metrics.ahead_computed(len(outputs))
+            self.metrics.ahead_used(len(outputs))
 
     def finish(self, error: BaseException | None) -> None:
         """[forward thread, or the event loop when it stops] No more forwards: the run ends,

@@ -15,7 +15,9 @@ class RunnerMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._step = prometheus_client.Histogram(
-            "pagedkv_runner:step_duration_seconds", "A client step, arrival to answer.",
+            "pagedkv_runner:step_duration_seconds",
+            "A client step, arrival to answer; a step of a decode run (following), its forward "
+            "taken to its push.",
             registry=registry, buckets=STEP_BUCKETS_S)
         self._wait = prometheus_client.Histogram(
             "pagedkv_runner:queue_wait_seconds",
@@ -36,7 +38,8 @@ class RunnerMetrics:
         self._ahead = prometheus_client.Counter(
             "pagedkv_runner:decode_ahead_tokens",
             "Decode tokens computed ahead of their client's step (decode_ahead), answered from "
-            "those results, and ahead steps that failed (the client's step redid them).",
+            "those results (a decode run's pushed tokens count as both), and ahead steps that "
+            "failed (the client's step redid them).",
             ["outcome"], registry=registry)
         self._daemon_steps = prometheus_client.Histogram(
             "pagedkv_runner:steps_per_daemon_call",

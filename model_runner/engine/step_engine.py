@@ -40,12 +40,9 @@ client plans. The client's next step names the same tokens and is answered from 
 (`Ahead`); the lock keeps every other step of the session, and so every release, behind that
 forward.
 
-Following (runner.proto's StepStream, "Following"; `follow`): a followed session's implied
-steps go to the forward thread once the step computed ahead is claimed (decode_run.py): it
-computes them back to back inside the sequences' reservations, each step's outputs handed to the
-stream from the thread; the event loop acts only where the plan changes (a message, a drain,
-another step of the session, a hold, a spent reservation: renewed by one daemon Step, after which
-the run goes on). The run holds the session's lock throughout, as a step decoded ahead does.
+Following (runner.proto's StepStream, "Following"; `follow`, following.py): once the step
+computed ahead is claimed, a followed session's implied steps go to the forward thread as one
+decode run (decode_run.py), pushed from there; the event loop acts only where the plan changes.
 
 No release before the forward: a step whose caller is cancelled (its client gone) keeps the
 session's lock until its forward is done, so no release through the runner frees blocks that a
@@ -63,17 +60,12 @@ changed".
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedkv.client import (
-    Append,
-    Commit,
-    DaemonUnavailable,
-    Free,
     NotFound,
     PagedKVError,
     PoolClient,
@@ -85,17 +77,18 @@ from pagedkv.client import (
 )
 from pagedkv.model_runner.engine import step_log
 from pagedkv.model_runner.engine.answer_limits import AnswerLimits
-from pagedkv.model_runner.engine.decode_run import DecodeRun
+from pagedkv.model_runner.engine.finishing import finish_step
+from pagedkv.model_runner.engine.following import Follower, outlive
 from pagedkv.model_runner.engine.forward_loop import ForwardLoop, Prepared
 from pagedkv.model_runner.engine.grammar import Grammars
 from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS, SessionHolds
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.preparation import Preparer
 from pagedkv.model_runner.engine.sampling import Sampler
-from pagedkv.model_runner.engine.sequences import SeqState, SessionSequences, checking
+from pagedkv.model_runner.engine.sequences import SessionSequences, checking
 from pagedkv.model_runner.engine.sessions import SessionEntry, SessionTable
 from pagedkv.model_runner.engine.step_checks import check_writes
-from pagedkv.model_runner.engine.steps import InvalidStep, StepNotComputed
+from pagedkv.model_runner.engine.steps import InvalidStep, StepNotComputed, implied_step
 from pagedkv.model_runner.runner import ModelRunner
 from pagedkv.process.lifecycle import cancel
 
@@ -133,6 +126,9 @@ class StepEngine:
         self.preparer = Preparer(pool, lambda: self.runner, metrics, holds=self.holds)
         # Whether each session's sequences are checked whenever its lock goes (CHECK_ENV).
         self.check_sequences = checking(os.environ)
+        # Follows sessions: their implied steps on the forward thread (following.py).
+        self.follower = Follower(pool, lambda: self.runner, self.forwards, self.holds,
+                                 self.preparer, metrics, self._lock, self._let_go)
         # Steps being decoded ahead (each holds its session's lock).
         self._ahead_tasks: set[asyncio.Task[None]] = set()
         # Forwards of cancelled steps, waited for before their session's lock goes.
@@ -154,6 +150,14 @@ class StepEngine:
         """Drop every session's state (the daemon restarted: its pool and sessions are gone)."""
         self.sessions.forget_all()
 
+    async def follow(self, session_id: str, implied: Sequence[SeqStep],
+                     deliver: Callable[[StepOutputs], None],
+                     until: asyncio.Future[Any]) -> list[SeqStep] | None:
+        """Take the followed session's implied steps (runner.proto's "Following") on the
+        forward thread while it can, each step's outputs `deliver`ed, until `until` is done:
+        Follower.follow (following.py)."""
+        return await self.follower.follow(session_id, implied, deliver, until)
+
     # ---------------------------------------------------------------- the step
 
     async def step(self, session_id: str, requests: Sequence[SeqStep],
@@ -162,12 +166,7 @@ class StepEngine:
         self.preparer.validate(requests, release)
         started = time.monotonic()
         compiled = await self.grammars.compile(requests)  # before anything changes
-        entry = self.sessions.enter(session_id)
-        try:
-            await entry.lock.acquire()
-        except BaseException:
-            self.sessions.leave(session_id, entry)
-            raise
+        entry = await self._lock(session_id)
         handed_off = False
         try:
             known = entry.sequences
@@ -185,7 +184,7 @@ class StepEngine:
                 results = (await self._run(prepared, known) if prepared.chunks
                            else self.forwards.results(prepared, {}))
                 step_log.finished(known, results)
-                await self._finish(known, prepared, release)
+                await finish_step(known, prepared, release, self.holds, self.runner.block_size)
             except Exception as exc:
                 step_log.failed(known, requests, exc)
                 entry.ended = entry.ended or _session_gone(exc)
@@ -224,6 +223,16 @@ class StepEngine:
                               f"computes model {self.model!r}: step it on a runner of "
                               f"{model!r} (RunnerInfo.model_name)")
 
+    async def _lock(self, session_id: str) -> SessionEntry:
+        """The session's entry, its lock taken (after the session's other steps)."""
+        entry = self.sessions.enter(session_id)
+        try:
+            await entry.lock.acquire()
+        except BaseException:
+            self.sessions.leave(session_id, entry)
+            raise
+        return entry
+
     def _let_go(self, session_id: str, entry: SessionEntry) -> None:
         """Let go of the session's lock (no forward of it is left): its hold ends once idle.
         Checking (sequences.CHECK_ENV), its sequences' states are checked first."""
@@ -231,12 +240,9 @@ class StepEngine:
             if self.check_sequences:
                 entry.sequences.check(self.runner.block_size)
         finally:
-            self._release(session_id, entry)
-
-    def _release(self, session_id: str, entry: SessionEntry) -> None:
-        entry.lock.release()
-        self.sessions.leave(session_id, entry)
-        self.holds.after_step(session_id, entry)
+            entry.lock.release()
+            self.sessions.leave(session_id, entry)
+            self.holds.after_step(session_id, entry)
 
     async def _run(self, prepared: Prepared, known: SessionSequences) -> list[SeqOutput]:
         """A prepared step's forward and results, holding the session (its blocks and its
@@ -254,7 +260,7 @@ class StepEngine:
         except asyncio.CancelledError:
             self._orphans.add(forward)
             try:
-                await _outlive(forward)
+                await outlive(forward)
             finally:
                 self._orphans.discard(forward)
             holder.cancel()
@@ -268,106 +274,6 @@ class StepEngine:
                 "its sequences") from exc
         finally:
             holder.cancel()
-
-    # ---------------------------------------------------------------- following
-
-    async def follow(self, session_id: str, implied: Sequence[SeqStep],
-                     deliver: Callable[[StepOutputs], None],
-                     until: asyncio.Future[Any]) -> list[SeqStep] | None:
-        """Take the followed session's implied steps (runner.proto's "Following") on the
-        forward thread while it can (decode_run.py), each step's outputs `deliver`ed in order
-        (on the forward thread, the first one here: it must be thread-safe), until `until` is
-        done (the client's next message, a drain: the step in progress is
-        delivered first). The first step is the one the runner computed ahead (decode_ahead).
-
-        Returns the implied step left to `step` once the run stopped; None, having delivered
-        nothing, when the step ahead is not there to claim (it failed, or was not taken: a
-        reservation ran out): `step` takes the implied step then. StepNotComputed when a
-        run's forward failed (its step's tokens appended in the runner, not computed)."""
-        entry = self.sessions.enter(session_id)
-        try:
-            await entry.lock.acquire()
-        except BaseException:
-            self.sessions.leave(session_id, entry)
-            raise
-        try:
-            known = entry.sequences
-            first = None if entry.ended or until.done() else _claim_ahead(known, implied)
-            if first is None:
-                return None
-            known.stepped += 1
-            if self.metrics is not None:
-                self.metrics.ahead_used(len(first))
-            deliver(StepOutputs(first, self.pool.free_blocks))
-            going = implied_step(implied, first, ())
-            if not going:
-                return []
-            return await self._run_decodes(entry, going, deliver, until)
-        finally:
-            self._let_go(session_id, entry)
-
-    async def _run_decodes(self, entry: SessionEntry, implied: list[SeqStep],
-                           deliver: Callable[[StepOutputs], None],
-                           until: asyncio.Future[Any]) -> list[SeqStep]:
-        """[holds the session's lock] The decode run of `implied`, holding the session (renewed
-        on the event loop meanwhile); when only a reservation ran out, the daemon Step that
-        certifies and reserves again appends the pending tokens (preparation.py) and the run
-        goes on. The implied step it leaves."""
-        known = entry.sequences
-        await self.holds.ensure(known)
-        assert self.forwards.hold_s is not None, "the engine's forwards check holds"
-        runs = [DecodeRun(entry, [r.seq_id for r in implied],
-                          [known.known(r.seq_id) for r in implied],
-                          [r.token_ids[0] for r in implied], deliver,
-                          lambda: self.pool.free_blocks, self.runner.block_size,
-                          self.runner.max_model_len, self.forwards.hold_s,
-                          asyncio.get_running_loop())]
-
-        def stop(_: object) -> None:  # the stream's next message, or a drain
-            runs[-1].stopping = True
-
-        until.add_done_callback(stop)
-        holder = asyncio.create_task(self.holds.keep(known))
-        try:
-            while True:
-                await self._decode_run(runs[-1])
-                if until.done() or not runs[-1].spent:
-                    return runs[-1].implied()
-                known.stepped += 1
-                # Appended as ahead: a step that comes first (the run stops) claims them.
-                try:
-                    await self.preparer.decode_step(known, runs[-1].implied(), ahead=True)
-                except DaemonUnavailable:  # maybe applied: the caller forgets the session
-                    raise
-                except PagedKVError:  # not applied (a full pool...): `step` meets it itself,
-                    return runs[-1].implied()  # claiming what a partial call appended ahead
-                if until.done():
-                    return runs[-1].implied()
-                runs.append(dataclasses.replace(runs[-1], appended=True, over=False))
-        finally:
-            holder.cancel()
-            until.remove_done_callback(stop)
-
-    async def _decode_run(self, run: DecodeRun) -> None:
-        """[holds the session's lock and its hold] Let the forward thread take `run` until it
-        stops; a forward that failed makes its step StepNotComputed, and a caller cancelled
-        meanwhile waits for the step in progress before the hold ends."""
-        known = run.known
-        self.forwards.follow(run)
-        try:
-            await asyncio.shield(run.ended)
-        except asyncio.CancelledError:  # the stream ended: the step in progress finishes
-            run.stopping = True
-            await _outlive(run.ended)
-            with contextlib.suppress(asyncio.CancelledError, PagedKVError):
-                await self.holds.end(known)  # else it lapses
-            raise
-        except Exception as exc:
-            await self.holds.end_quietly(known)
-            raise StepNotComputed(
-                "the implied step's tokens were appended but its forward failed "
-                f"({type(exc).__name__}): resend it without token_ids, or release its "
-                "sequences") from exc
 
     # ------------------------------------------------------------ decode ahead
 
@@ -400,93 +306,8 @@ class StepEngine:
         finally:
             self._let_go(session_id, entry)
 
-    # -------------------------------------------------------------- finishing
-
-    async def _finish(self, known: SessionSequences, prepared: Prepared,
-                      release: Sequence[int]) -> None:
-        """Make the commits of what prefill chunks computed due (they ride the session's next
-        daemon call, holds.py); free the released sequences (their computed blocks committed
-        first, so they stay cached). Only sequences whose ids the runner knows are the daemon's
-        are committed (SeqState.verified). The step's forward is done and the session's lock
-        held, so no forward of it is left: when sequences are released the hold ends, with the
-        Batch (which carries the commits due), and the client may close at once."""
-        bs = self.runner.block_size
-        for index, chunk in prepared.chunks:
-            state = prepared.states[index]
-            if len(chunk.token_ids) > 1 and state.num_computed >= bs and state.verified:
-                state.commit_due = state.num_computed
-        if not release:
-            return
-        released = [seq_id for seq_id in release if known.get(seq_id) is not None]
-        step_log.released(known, released)
-        certified = [(seq_id, state, _computed(state)) for seq_id in released
-                     if (state := known.known(seq_id)).verified]
-        due = known.due(skip=released)
-        ops: list[Commit | Free | Append] = [due] if due is not None else []
-        # The tokens they decoded into reserved slots and computed are appended first (by id:
-        # certified), so their blocks are committed too; nothing past them ever is.
-        ops.extend(Append(seq_id, token_ids=state.tokens[state.held:n])
-                   for seq_id, state, n in certified if n > state.held)
-        if certified:
-            ops.append(Commit([seq_id for seq_id, _, _ in certified],
-                              [n for _, _, n in certified]))
-        ops.extend(Free(seq_id) for seq_id in released)
-        if ops:
-            await known.session.batch(ops, end_hold=True)
-            known.hold_ended()
-            known.clear_due(due.seq_ids if due is not None else ())
-        known.drop(released)
-        for seq_id in set(release) - set(released):  # never stepped here (a pruned fork)
-            with contextlib.suppress(SequenceNotFound):
-                await known.session.free(seq_id)
-        if not ops:  # a hold of a forgotten entry's too
-            await self.holds.end(known)
-
-
-def implied_step(requests: Sequence[SeqStep], results: Sequence[SeqOutput],
-                 release: Sequence[int]) -> list[SeqStep]:
-    """The client's next step of the sequences it marked decode_ahead whose token this step
-    sampled and that go on (runner.proto's "implied step"): append that token, with the
-    sampling the request carries (the kept one, once the step filled it in), decode_ahead
-    again, nothing released. What the runner computes ahead, and the step it takes itself while
-    it follows a session (model_runner/process/follow.py)."""
-    released = set(release)
-    return [SeqStep(r.seq_id, (result.token_id,), params=r.params, decode_ahead=True)
-            for r, result in zip(requests, results, strict=True)
-            if r.decode_ahead and result.sampled and not result.finished
-            and r.seq_id not in released]
-
-
-def _claim_ahead(known: SessionSequences, implied: Sequence[SeqStep]) -> list[SeqOutput] | None:
-    """The results the runner computed ahead for the implied step (each sequence's appended
-    token the one it names, with the sampling it kept), now the step's own; None, nothing
-    changed, unless every sequence has one."""
-    states = [known.get(r.seq_id) for r in implied]
-    results = [state.ahead.result for state, r in zip(states, implied, strict=True)
-               if state is not None and state.ahead is not None
-               and state.ahead.token_id == r.token_ids[0]
-               and r.params in (None, state.params)]  # None: the kept one
-    if len(results) != len(implied) or any(result is None for result in results):
-        return None
-    claimed = [state.claim_ahead() for state in states if state is not None]
-    return [result for result in claimed if result is not None]
-
-
-def _computed(state: SeqState) -> int:
-    """The leading tokens of a released sequence whose K/V the runner computed and may certify:
-    not a token it decoded ahead that its client never named (an overshoot past a stop)."""
-    return min(state.num_computed, len(state.tokens) - (state.ahead is not None))
-
 
 def _session_gone(exc: Exception) -> bool:
     """The daemon said the session is gone (closed, expired, unknown): the runner forgets it
     once no step uses it."""
     return isinstance(exc, (SessionExpired, NotFound)) and not isinstance(exc, SequenceNotFound)
-
-
-async def _outlive(forward: asyncio.Future[Any]) -> None:
-    """Wait for `forward` to end, however often the waiter is cancelled (the engine cancels
-    `forward` itself when it stops)."""
-    while not forward.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.wait({forward})

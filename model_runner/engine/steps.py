@@ -2,7 +2,12 @@
 changes (malformed, an unknown sequence, planned before the runner's pushes on a stream), and
 the one way it fails after its daemon calls were applied. The step itself travels in the
 client's own records, on both sides of the wire: a SeqStep per sequence asked for (a History when
-resent after a runner restart), a SeqOutput per sequence answered, in a StepOutputs."""
+resent after a runner restart), a SeqOutput per sequence answered, in a StepOutputs; and the step
+the runner takes itself (`implied_step`)."""
+
+from collections.abc import Sequence
+
+from pagedkv.client import SeqOutput, SeqStep
 
 
 class InvalidStep(ValueError):
@@ -33,3 +38,17 @@ class StalePlan(RuntimeError):
     followed the session (runner.proto's StepStream, "Following"): the client holds less than
     the runner does (ABORTED, cause "StalePlan"); nothing was changed. Read the pushes, plan
     again."""
+
+
+def implied_step(requests: Sequence[SeqStep], results: Sequence[SeqOutput],
+                 release: Sequence[int]) -> list[SeqStep]:
+    """The client's next step of the sequences it marked decode_ahead whose token this step
+    sampled and that go on (runner.proto's "implied step"): append that token, with the
+    sampling the request carries (the kept one, once the step filled it in), decode_ahead
+    again, nothing released. What the runner computes ahead, and the step it takes itself while
+    it follows a session (model_runner/process/follow.py)."""
+    released = set(release)
+    return [SeqStep(r.seq_id, (result.token_id,), params=r.params, decode_ahead=True)
+            for r, result in zip(requests, results, strict=True)
+            if r.decode_ahead and result.sampled and not result.finished
+            and r.seq_id not in released]

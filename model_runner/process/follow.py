@@ -33,8 +33,7 @@ import grpc
 
 from pagedkv.client import SeqStep, StepOutputs
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
-from pagedkv.model_runner.engine.step_engine import implied_step
-from pagedkv.model_runner.engine.steps import InvalidStep, StalePlan
+from pagedkv.model_runner.engine.steps import InvalidStep, StalePlan, implied_step
 from pagedkv.model_runner.process.step_messages import StepFunction, seq_request
 from pagedkv.process.stream_drain import DrainableStreams
 from pagedkv.proto import runner_pb2 as rpb

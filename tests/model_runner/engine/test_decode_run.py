@@ -11,22 +11,28 @@ lapse, nor while another step waits for the session.
 
 import asyncio
 import dataclasses
+import io
 import math
 import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from pagedkv.client import PoolClient, SeqStep, Session, StepOutputs
 from pagedkv.model_runner.engine.decode_run import DecodeRun
+from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.sequences import SeqState
 from pagedkv.model_runner.engine.sessions import SessionEntry
-from pagedkv.model_runner.engine.step_engine import StepEngine, implied_step
+from pagedkv.model_runner.engine.step_engine import StepEngine
+from pagedkv.model_runner.engine.steps import implied_step
 from pagedkv.model_runner.kernels.attention_backend import get_backend
+from pagedkv.process.log_setup import configure
 
 import families
 from engine_driver import RecordingRunner, new, recorder
 from families import GREEDY, NEW_TOKENS, expected_tokens
+from log_capture import events
 
 FAMILY = "llama"
 # The fixtures daemon and prompts are conftest.py's (the families' pool).
@@ -72,6 +78,38 @@ async def test_the_forward_thread_decodes_to_the_end_with_transformers_tokens(
     await engine.step(session.session_id, [], release=list(range(len(prompts))))
     stats = (await session.stats()).session
     assert stats is not None and (stats.num_sequences, stats.blocks_held) == (0, 0)
+
+
+async def test_a_runs_steps_are_logged_and_counted_as_client_steps(
+        session: Session, runner_client: PoolClient, prompts: list[tuple[int, ...]],
+        restore_root_logger: None) -> None:
+    """Each step of a run counts as a step (its duration, forward taken to push) whose tokens
+    were computed ahead and used, and a sequence it finishes gets its "sequence finished" line,
+    as a client step's would."""
+    registry, stream = CollectorRegistry(), io.StringIO()
+    configure("debug", "json", stream)
+    runner = RecordingRunner.attach(families.paged_model(FAMILY),
+                                    await runner_client.pool_info(), get_backend("torch"))
+    engine = StepEngine(runner_client, runner, metrics=RunnerMetrics(registry))
+    await engine.start()
+    try:
+        first, outputs = await first_step(engine, session, prompts)
+        until: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        pushes: list[StepOutputs] = []
+        await engine.follow(session.session_id, implied_step(first, outputs, ()),
+                            pushes.append, until)
+    finally:
+        await engine.stop()
+    run_steps = len(pushes) - 1  # the first push was the step computed ahead, claimed
+    steps = registry.get_sample_value("pagedkv_runner:step_duration_seconds_count")
+    assert steps == 1 + run_steps
+    ahead = {outcome: registry.get_sample_value("pagedkv_runner:decode_ahead_tokens_total",
+                                                {"outcome": outcome})
+             for outcome in ("computed", "used")}
+    pushed = sum(len(push) for push in pushes)
+    assert ahead == {"computed": pushed, "used": pushed}
+    finished = events(stream, "sequence finished")
+    assert sorted(line["seq_id"] for line in finished) == list(range(len(prompts)))
 
 
 async def test_a_spent_reservation_is_renewed_by_one_daemon_step_and_the_run_goes_on(

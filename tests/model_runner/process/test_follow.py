@@ -19,7 +19,7 @@ import pytest
 from transformers import PreTrainedModel
 
 from pagedkv.client import PoolClient, SamplingParams, SeqOutput, SeqStep, Session, StepOutputs
-from pagedkv.model_runner.engine.step_engine import implied_step
+from pagedkv.model_runner.engine.steps import implied_step
 from pagedkv.proto import runner_pb2 as rpb
 from pagedkv.proto import runner_pb2_grpc
 from pagedkv.proto.limits import MESSAGE_SIZE_OPTIONS
