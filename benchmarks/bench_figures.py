@@ -46,7 +46,7 @@ class Recounted:
         self._service = service
 
     def pool_stats(self) -> PoolStats:
-        return self._service.pool._recount_stats()  # type: ignore[attr-defined, no-any-return]
+        return self._service.pool._recount_stats()
 
     @property
     def num_sessions(self) -> int:
