@@ -19,7 +19,12 @@ committed) when its last piece is computed.
 
 Followed sessions' decode runs (decode_run.py) join every forward: while no client step waits,
 the forward thread computes their steps back to back without returning to the event loop, each
-run's outputs handed to its stream from the thread.
+run's outputs handed to its stream from the thread. The thread reads the followed runs before
+each of those forwards, so a run followed meanwhile (another session's, or one whose reservation
+was just renewed) joins the next forward: one forward for every followed sequence, as vLLM's
+continuous batching has one for every running sequence. (Had the thread kept the runs it
+started with, a later run would wait for them all to stop: runs of several sessions took turns,
+half of the sequences per forward.)
 
 No forward starts on a session whose hold may lapse before the forward ends (`_refuse_lapsed`):
 the runner was stalled (its renewals did not run), so the daemon may be about to hand the
@@ -31,6 +36,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -147,8 +153,10 @@ class ForwardLoop:
         self.hold_s = None if hold_ms is None else hold_ms / 1000
         # Prepared steps waiting for a forward, in arrival order.
         self._ready: deque[Prepared] = deque()
-        # Followed sessions' decode runs, whose steps the forward thread takes itself.
+        # Followed sessions' decode runs, whose steps the forward thread takes itself; the
+        # event loop adds to them while the thread reads them (`_followed`), under the lock.
         self._runs: list[DecodeRun] = []
+        self._runs_lock = threading.Lock()
         self._wake = asyncio.Event()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pagedkv-forward")
         self._task: asyncio.Task[None] | None = None
@@ -176,7 +184,8 @@ class ForwardLoop:
     def follow(self, run: DecodeRun) -> None:
         """Let the forward thread take `run`'s steps from the next forward on, until it stops
         (`run.ended`)."""
-        self._runs.append(run)
+        with self._runs_lock:
+            self._runs.append(run)
         self._wake.set()
 
     async def compute(self, prepared: Prepared) -> list[SeqOutput]:
@@ -193,20 +202,19 @@ class ForwardLoop:
         # When the last forward ended: the forward thread is free from then on.
         free_at = 0.0
         while True:
-            self._runs = [run for run in self._runs if not run.over]
-            if not self._ready and not self._runs:
+            if not self._ready and not self._followed():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             if self._ready:
                 await self._gather(recent, min(MAX_GATHER_S, last_forward_s))
             batch = self._refuse_lapsed(self._take_batch(), last_forward_s)
-            if not batch and not self._runs:  # every waiting step was cancelled or refused
+            if not batch and not self._followed():  # every waiting step was cancelled or refused
                 continue
             started = time.monotonic()
             try:
                 sampled, last_forward_s = await loop.run_in_executor(
-                    self._thread, self._compute, batch, list(self._runs), last_forward_s)
+                    self._thread, self._compute, batch, last_forward_s)
             except Exception as exc:  # a failed forward fails the steps it carried
                 for prepared, _ in batch:
                     if not prepared.done.done():
@@ -284,13 +292,20 @@ class ForwardLoop:
                     "ends (the runner was stalled): forward not started"))
         return kept
 
-    def _compute(self, batch: Batch, runs: list[DecodeRun],
-                 forward_s: float) -> tuple[list[Pick], float]:
+    def _followed(self) -> list[DecodeRun]:
+        """[either thread] The runs not over, those over dropped."""
+        with self._runs_lock:
+            self._runs = [run for run in self._runs if not run.over]
+            return list(self._runs)
+
+    def _compute(self, batch: Batch, forward_s: float) -> tuple[list[Pick], float]:
         """[forward thread] One forward over every piece of `batch` and the next step of each
-        run, then sampling where it is due; then, while no client step waits, the runs' next
-        steps back to back. The batch's picks (host values, so the loop thread touches no
-        tensor) and how long the last forward took."""
+        followed run, then sampling where it is due; then, while no client step waits, the
+        runs' next steps back to back, each forward with every run followed by then. The
+        batch's picks (host values, so the loop thread touches no tensor) and how long the last
+        forward took."""
         while True:
+            runs = self._followed()
             # A run whose daemon Step just renewed its reservations: its thread waited on it.
             waited = any(run.appended for run in runs)
             steps = [(run, chunks) for run in runs
@@ -311,7 +326,6 @@ class ForwardLoop:
                 position += len(chunks)
             if batch or self._ready or not steps:
                 return sampled[:len(sampled) - sum(len(chunks) for _, chunks in steps)], forward_s
-            runs = [run for run, _ in steps]
 
     def _forward(self, batch: Batch, steps: list[tuple[DecodeRun, list[SequenceChunk]]],
                  waited: bool) -> list[Pick]:

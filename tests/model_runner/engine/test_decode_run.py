@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import io
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -167,6 +168,51 @@ async def test_a_stop_leaves_the_implied_step_and_the_engine_goes_on_identically
     await asyncio.gather(*engine._ahead_tasks)
     assert tokens == {i: expected_tokens(FAMILY, p) for i, p in enumerate(prompts)}
     await engine.step(session.session_id, [], release=list(range(len(prompts))))
+
+
+async def test_a_run_followed_while_another_runs_joins_its_next_forward(
+        client: PoolClient, session: Session, engine: StepEngine,
+        prompts: list[tuple[int, ...]]) -> None:
+    """Session B is followed while session A's run computes on the forward thread (A's second
+    push waits there until B's run is handed over): every later forward of A's run carries B's
+    sequences too (one forward for every followed sequence), and both get transformers'
+    tokens. Before the fix B waited for A's run to end: no forward carried both."""
+    n = len(prompts)
+    async with await client.open_session("other") as other:
+        firsts = [await first_step(engine, s, prompts) for s in (session, other)]
+        b_followed = threading.Event()
+        handed = engine.forwards.follow
+
+        def follow(run: DecodeRun) -> None:
+            handed(run)
+            b_followed.set()  # the second run handed over (A's is the first)
+
+        pushes: tuple[list[StepOutputs], list[StepOutputs]] = ([], [])
+
+        def deliver_a(push: StepOutputs) -> None:  # on the forward thread (the first: the loop)
+            pushes[0].append(push)
+            if len(pushes[0]) == 2:
+                assert b_followed.wait(10), "B's run was not handed over"
+
+        forwards = len(recorder(engine).chunks)
+        until: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        a = asyncio.create_task(engine.follow(session.session_id,
+                                              implied_step(*firsts[0], ()), deliver_a, until))
+        while len(pushes[0]) < 2:  # then A's thread waits in deliver_a
+            await asyncio.sleep(0.001)
+        engine.forwards.follow = follow  # type: ignore[method-assign]
+        left_b = await engine.follow(other.session_id, implied_step(*firsts[1], ()),
+                                     pushes[1].append, until)
+        assert await a == [] and left_b == []
+        sizes = [len(chunks) for chunks in recorder(engine).chunks[forwards:]]
+        # A's first run forward alone, then A's other NEW_TOKENS - 3 with B's, then B's rest.
+        assert sizes.count(2 * n) == NEW_TOKENS - 3 and sum(sizes) == 2 * n * (NEW_TOKENS - 2)
+        for (_, outputs), got in zip(firsts, pushes, strict=True):
+            tokens = {i: [outputs[i].token_id, *(push[i].token_id for push in got)]
+                      for i in range(n)}
+            assert tokens == {i: expected_tokens(FAMILY, p) for i, p in enumerate(prompts)}
+        for s in (session, other):
+            await engine.step(s.session_id, [], release=list(range(n)))
 
 
 @pytest.fixture
