@@ -16,10 +16,12 @@ A runner trusts the socket only when the process listening there is the runner s
 when the message names the memory id its PoolMemory names.
 """
 
+import asyncio
 import contextlib
 import os
 import socket
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 # Beside the daemon's runner socket.
@@ -118,3 +120,26 @@ def _malformed(message: bytes, fds: list[int], flags: int, memory_id: str) -> st
     if len(fds) != 1:
         return f"the answer carries {len(fds)} descriptors, not one"
     return ""
+
+
+async def answer_each(listener: socket.socket, hand_over: Callable[[socket.socket], None]) -> None:
+    """Answer every connection to `listener` (a non-blocking SOCK_SEQPACKET socket) once, with
+    `hand_over`, then close it: the loop of a descriptor socket's server (the daemon's memory
+    socket, a runner's pool keeper), until cancelled."""
+    loop = asyncio.get_running_loop()
+    while True:
+        connection, _ = await loop.sock_accept(listener)
+        with connection:
+            hand_over(connection)
+
+
+async def stop_answering(task: asyncio.Task[None] | None, listener: socket.socket | None,
+                         path: Path) -> None:
+    """Cancel a server's `answer_each` task, close its listener and remove its socket file."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    if listener is not None:
+        listener.close()
+        path.unlink(missing_ok=True)

@@ -15,12 +15,17 @@ nothing but a closed connection and a warning.
 """
 
 import asyncio
-import contextlib
 import os
 import socket
 from pathlib import Path
 
-from pagedkv.memory.memory_socket import memory_message, peer_groups, peer_ids
+from pagedkv.memory.memory_socket import (
+    answer_each,
+    memory_message,
+    peer_groups,
+    peer_ids,
+    stop_answering,
+)
 from pagedkv.process.log_setup import HOSTILE_LOG_INTERVAL_S, RateLimitedLog, get_logger
 from pagedkv.process.socket_files import bind_unix_socket
 
@@ -55,17 +60,11 @@ class MemoryServer:
         listener = bind_unix_socket(self.path, self.mode, self.group, socket.SOCK_SEQPACKET)
         listener.setblocking(False)
         self._listener = listener
-        self._task = asyncio.create_task(self._answer())
+        self._task = asyncio.create_task(answer_each(listener, self._hand_over))
 
     async def close(self) -> None:
         """Stop answering and remove the socket."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._listener is not None:
-            self._listener.close()
-            self.path.unlink(missing_ok=True)
+        await stop_answering(self._task, self._listener, self.path)
 
     def allowed(self, connection: socket.socket) -> bool:
         """Whether the caller is one the runner socket admits: this process's user, root, or
@@ -76,13 +75,6 @@ class MemoryServer:
         return self.group is not None and (gid == self.group
                                            or self.group in peer_groups(connection))
 
-    async def _answer(self) -> None:
-        assert self._listener is not None, "started"
-        loop = asyncio.get_running_loop()
-        while True:
-            connection, _ = await loop.sock_accept(self._listener)
-            with connection:
-                self._hand_over(connection)
 
     def _hand_over(self, connection: socket.socket) -> None:
         """Send the descriptor to a caller the policy admits; anyone else gets nothing."""

@@ -19,14 +19,18 @@ this one: it is released as soon as the runner maps another pool.
 """
 
 import asyncio
-import contextlib
 import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.memory import PoolMemoryHandle
-from pagedkv.memory.memory_socket import receive_memory_fd, runner_socket_of
+from pagedkv.memory.memory_socket import (
+    answer_each,
+    receive_memory_fd,
+    runner_socket_of,
+    stop_answering,
+)
 from pagedkv.process.log_setup import get_logger
 from pagedkv.process.pool_keeper_socket import KEEPER_SOCKET_MODE, peer_uid, pool_message
 
@@ -71,7 +75,7 @@ class PoolKeeper:
         os.chmod(self.path, KEEPER_SOCKET_MODE)
         listener.listen(BACKLOG)
         self._listener = listener
-        self._task = asyncio.create_task(self._answer())
+        self._task = asyncio.create_task(answer_each(listener, self._hand_over))
 
     def keep(self, handle: PoolMemoryHandle, daemon_target: str) -> None:
         """Hold the memory `handle` maps instead of the one held so far: its file, or a VMM
@@ -95,22 +99,9 @@ class PoolKeeper:
 
     async def close(self) -> None:
         """Stop answering, remove the socket, drop the descriptor."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self._listener is not None:
-            self._listener.close()
-            self.path.unlink(missing_ok=True)
+        await stop_answering(self._task, self._listener, self.path)
         self._drop()
 
-    async def _answer(self) -> None:
-        assert self._listener is not None, "started"
-        loop = asyncio.get_running_loop()
-        while True:
-            connection, _ = await loop.sock_accept(self._listener)
-            with connection:
-                self._hand_over(connection)
 
     def _hand_over(self, connection: socket.socket) -> None:
         """Send the descriptor to the pool memory's owner; anyone else gets nothing."""
