@@ -44,6 +44,14 @@ ENV UV_NO_CACHE=1 \
     UV_COMPILE_BYTECODE=1 \
     UV_LINK_MODE=copy
 
+# gcc and the C library's headers build pagedkv's C extensions (setup.py: plain C against the
+# Python headers, which uv's Python brings). The builder is thrown away; the final stage installs
+# its own gcc for Triton (see there). Pinning breaks when Ubuntu's archive moves on.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 RUN uv python install --no-cache "${PYTHON_VERSION}" \
     && uv venv --no-cache --python "${PYTHON_VERSION}" /opt/pagedkv/venv
 
@@ -55,8 +63,8 @@ COPY requirements/image.txt requirements/image.txt
 RUN uv pip install --no-cache --python /opt/pagedkv/venv/bin/python \
         --require-hashes --no-deps -r requirements/image.txt
 
-# Then pagedkv itself, not editable, built with the lock's setuptools (--no-build-isolation), and
-# its dependencies are the lock's (--no-deps). .dockerignore lets in only what the build reads.
+# Then pagedkv itself, not editable, built with the lock's setuptools (--no-build-isolation; its C
+# extensions with the gcc above), and its dependencies are the lock's (--no-deps). .dockerignore lets in only what the build reads.
 COPY . .
 RUN uv pip install --no-cache --python /opt/pagedkv/venv/bin/python \
         --no-deps --no-build-isolation . \

@@ -43,7 +43,10 @@ $(LOCKED): $(LOCK)
 	$(PY) -m pip install -q --require-hashes --no-deps $$source -r $(LOCK)
 	touch $@
 
-$(STAMP): $(LOCKED) pyproject.toml
+# The editable install also compiles the C extensions (setup.py) in place: a changed C source
+# makes setup run again.
+NATIVE := $(wildcard daemon/core/*.c model_runner/kernels/*.c)
+$(STAMP): $(LOCKED) pyproject.toml setup.py $(NATIVE)
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m pip check
 	@if [ "$(TORCH_BACKEND)" = cpu ] && $(PY) -m pip list 2>/dev/null | grep -qi '^nvidia-'; then \

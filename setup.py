@@ -1,0 +1,23 @@
+"""The C parts of pagedkv, built by `pip install` (and so by `make setup`) with the system's C
+compiler; everything else is in pyproject.toml.
+
+Each extension is plain C against Python's own API (no numpy or torch headers): it reads the
+arrays it is given through the buffer protocol or as raw addresses its Python caller checked, so
+it compiles in a second, with nothing but gcc and the Python headers, and does not depend on the
+ABI of any installed package.
+"""
+
+from setuptools import Extension, setup
+
+# -O3 for the loops' vectorization; no -march: the image runs on whatever x86-64 it lands on
+# (a kernel that wants AVX2 asks for it per function, with a portable fallback).
+COMPILE_ARGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Werror"]
+
+setup(ext_modules=[
+    # The block pool's per-row loops (daemon/core/): a decode step's append over every row.
+    Extension("pagedkv.daemon.core._rows", ["daemon/core/_rows.c"],
+              extra_compile_args=COMPILE_ARGS),
+    # Decode attention over the paged pool on the CPU (model_runner/kernels/).
+    Extension("pagedkv.model_runner.kernels._cpu_paged", ["model_runner/kernels/_cpu_paged.c"],
+              extra_compile_args=COMPILE_ARGS),
+])
