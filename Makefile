@@ -47,6 +47,8 @@ $(LOCKED): $(LOCK)
 # makes setup run again.
 NATIVE := $(wildcard daemon/core/*.c model_runner/kernels/*.c)
 $(STAMP): $(LOCKED) pyproject.toml setup.py $(NATIVE)
+	@command -v $${CC:-cc} >/dev/null || { echo "setup compiles pagedkv's C extensions (setup.py):" \
+	  "install a C compiler and the Python headers (Debian/Ubuntu: apt-get install gcc python3-dev)" >&2; exit 1; }
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PY) -m pip check
 	@if [ "$(TORCH_BACKEND)" = cpu ] && $(PY) -m pip list 2>/dev/null | grep -qi '^nvidia-'; then \
