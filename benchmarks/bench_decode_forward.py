@@ -9,7 +9,10 @@ with each contestant from the same prompts, one after another in this process:
   model with "pagedkv" attention, the logits out) on a pool of NUM_BLOCKS blocks of BLOCK_SIZE
   slots, the sequences' blocks taken from a seeded permutation (scattered, as a daemon's are);
   one packed prefill of every prompt, then one step per token, each sequence bringing its last
-  token; the CPU's attention backend, "torch" (the vectorized twins of the Triton kernels).
+  token; the CPU's default attention backend (get_backend("auto", "cpu"): "cpu", the C kernels
+  of cpu_paged for store_kv and the decode).
+- twin: the same runner on the "torch" backend (the vectorized torch twins of the Triton
+  kernels), for comparison.
 - transformers: the same model with sdpa; one left-padded prefill of all prompts with an
   attention mask into a DynamicCache, then one `model(...)` per token with the cache, the
   extended mask and explicit positions (what `generate`'s loop runs per step, without its
@@ -21,12 +24,14 @@ Figures:
     decode_forward_ms          runner decode step, median
     hf_decode_step_ms          transformers decode step, median
     decode_forward_vs_hf_step  their ratio (target <= 1.0)
+    decode_forward_twin_ms     the twin's decode step, median
+    decode_forward_vs_twin     runner / twin
     decode_attention_frac      share of the runner's decode steps spent in the "pagedkv"
                                attention hook (store_kv + decode attention, every layer)
     hf_attention_frac          share of transformers' decode steps spent in its sdpa attention
                                (the DynamicCache's concatenation is outside it)
     decode_tokens_match_hf     share of the sequences whose runner tokens equal transformers'
-                               (the script exits 1 below 1)
+                               (the script exits 1 below 1, or if the twin's differ)
     {runner,hf}_aten_calls_per_step  aten calls (nested ones included) per decode step under
                                torch.profiler: the glue's op count, whatever the load
     {runner,hf}_op_ms_<op>     the PROFILED_OPS costliest aten ops of each contestant's decode
@@ -56,7 +61,11 @@ from bench_runner import (
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from pagedkv.model_runner.kernels.attention_backend import TORCH_BACKEND, AttentionBackend
+from pagedkv.model_runner.kernels.attention_backend import (
+    TORCH_BACKEND,
+    AttentionBackend,
+    get_backend,
+)
 from pagedkv.model_runner.kernels.paged_attention import ATTENTION_NAME, paged_attention_forward
 from pagedkv.model_runner.models import kv_geometry
 from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
@@ -207,15 +216,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     prompts = make_prompts()
-    runner, hf = RunnerContestant(TORCH_BACKEND, prompts), HFContestant()
-    contestants: dict[str, Contestant] = {"runner": runner, "hf": hf}
+    runner, hf = RunnerContestant(get_backend("auto", "cpu"), prompts), HFContestant()
+    contestants: dict[str, Contestant] = {"runner": runner, "hf": hf,
+                                          "twin": RunnerContestant(TORCH_BACKEND, prompts)}
     steps: dict[str, list[float]] = {name: [] for name in contestants}
     tokens = {name: contestant(prompts)[0]  # untimed: warms every path once
               for name, contestant in contestants.items()}
     for _ in range(args.rounds):  # interleaved, so the machine's load hits both alike
         for name, contestant in contestants.items():
             steps[name] += contestant(prompts)[1]
-    runner_ms, hf_ms = (statistics.median(steps[name]) * 1e3 for name in ("runner", "hf"))
+    runner_ms, hf_ms, twin_ms = (statistics.median(steps[name]) * 1e3
+                                 for name in ("runner", "hf", "twin"))
     runner_attention = attention_frac(runner, prompts, ATTENTION_NAME, paged_attention_forward)
     hf_attention = attention_frac(hf, prompts, HF_ATTENTION, sdpa_attention_forward)
     matches = sum(a == b for a, b in zip(tokens["runner"], tokens["hf"], strict=True))
@@ -223,15 +234,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode_forward_ms: {runner_ms:.3f} ms")
     print(f"hf_decode_step_ms: {hf_ms:.3f} ms")
     print(f"decode_forward_vs_hf_step: {runner_ms / hf_ms:.3f} ratio")
+    print(f"decode_forward_twin_ms: {twin_ms:.3f} ms")
+    print(f"decode_forward_vs_twin: {runner_ms / twin_ms:.3f} ratio")
     print(f"decode_attention_frac: {runner_attention:.3f} ratio")
     print(f"hf_attention_frac: {hf_attention:.3f} ratio")
     print(f"decode_tokens_match_hf: {matches / len(prompts):.3f} ratio")
-    for name, contestant in contestants.items():
-        ops, calls = op_profile(contestant, prompts)
+    for name in ("runner", "hf"):
+        ops, calls = op_profile(contestants[name], prompts)
         print(f"{name}_aten_calls_per_step: {calls:.1f} calls")
         for op, ms in ops:
             print(f"{name}_op_ms_{op}: {ms:.3f} ms")
-    return 0 if matches == len(prompts) else 1
+    return 0 if matches == len(prompts) and tokens["twin"] == tokens["runner"] else 1
 
 
 if __name__ == "__main__":

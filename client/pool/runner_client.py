@@ -133,7 +133,7 @@ class RunnerInfo:
     # The daemon pool the runner computes on, and its tokens per block.
     pool_id: str
     block_size: int
-    # "torch" or "triton": the attention kernels in use.
+    # "triton", "cpu" or "torch": the attention kernels in use.
     attention_backend: str
     # The most tokens a sequence may hold.
     max_model_len: int

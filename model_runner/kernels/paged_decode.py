@@ -216,7 +216,7 @@ def paged_decode_attention_triton(
     the default policy.
     """
     geometry = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, check_values)
-    _check_decode_shapes(query, seq_lens, num_splits)
+    check_decode_shapes(query, seq_lens, num_splits)
     longest = context_bound(max_seq_len, block_tables, seq_lens, geometry, check_values)
     window, cap = check_window_softcap(sliding_window, softcap)
     require_triton_device(query.device, _decode_split_kernel)
@@ -282,8 +282,9 @@ def context_bound(max_seq_len: int | None, block_tables: torch.Tensor, seq_lens:
     return max_seq_len
 
 
-def _check_decode_shapes(query: torch.Tensor, seq_lens: torch.Tensor,
-                         num_splits: int | None) -> None:
+def check_decode_shapes(query: torch.Tensor, seq_lens: torch.Tensor,
+                        num_splits: int | None) -> None:
+    """ValueError unless there is one query per sequence and `num_splits` is None or >= 1."""
     if query.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"decode takes one query per sequence: {query.shape[0]} queries, "
                          f"{seq_lens.shape[0]} sequences")
@@ -313,7 +314,7 @@ def paged_decode_attention_torch(
     (`per_forward`).
     """
     geometry = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, check_values)
-    _check_decode_shapes(query, seq_lens, num_splits)
+    check_decode_shapes(query, seq_lens, num_splits)
     context_bound(max_seq_len, block_tables, seq_lens, geometry, check_values)
     window, cap = check_window_softcap(sliding_window, softcap)
     if query.shape[0] == 0:

@@ -91,7 +91,7 @@ def _store_kv_kernel(  # type: ignore[no-untyped-def]
     tl.store(v_dst, v.to(V_cache.dtype.element_ty), mask=mask)
 
 
-def _check_args(
+def check_store_args(
     key: torch.Tensor,
     value: torch.Tensor,
     k_cache: torch.Tensor,
@@ -99,6 +99,8 @@ def _check_args(
     slot_mapping: torch.Tensor,
     check_values: bool,
 ) -> CacheGeometry:
+    """Validate store_kv's arguments (the slots' values only when `check_values`, a read-back);
+    return the cache geometry."""
     geometry = check_cache(k_cache, v_cache)
     check_tokens("key", key, geometry.num_kv_heads, k_cache)
     check_tokens("value", value, geometry.num_kv_heads, k_cache)
@@ -122,7 +124,7 @@ def store_kv_triton(
 ) -> None:
     """Triton: copy key/value rows into the cache at `slot_mapping` (in place); the kernel
     reads the slots itself, so it shares nothing through `per_forward`."""
-    geometry = _check_args(key, value, k_cache, v_cache, slot_mapping, check_values)
+    geometry = check_store_args(key, value, k_cache, v_cache, slot_mapping, check_values)
     require_triton_device(k_cache.device, _store_kv_kernel)
     if key.shape[0] == 0:
         return
@@ -151,7 +153,7 @@ def store_kv_torch(
 ) -> None:
     """Torch: copy key/value rows into the cache at `slot_mapping` (in place). The rows the
     slots are, and which tokens write at all, are computed once per forward (`per_forward`)."""
-    geometry = _check_args(key, value, k_cache, v_cache, slot_mapping, check_values)
+    geometry = check_store_args(key, value, k_cache, v_cache, slot_mapping, check_values)
     index, keep = shared(per_forward, ("store_kv", geometry.block_size, geometry.rows_per_block),
                          lambda: _store_rows(slot_mapping, geometry))
     if keep is not None:  # padding tokens write nothing

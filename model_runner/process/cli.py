@@ -57,8 +57,10 @@ def parser() -> argparse.ArgumentParser:
                                       "./run)")
     cli.add_argument("--listen", help="unix:///path of the Runner socket (default: "
                                       f"{RUNNER_SOCKET_NAME} in $RUNTIME_DIRECTORY, else ./run)")
-    cli.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto",
-                     help="Triton kernels on CUDA, the vectorized torch kernels on CPU (auto)")
+    cli.add_argument("--attention-backend", choices=("auto", "triton", "cpu", "torch"),
+                     default="auto",
+                     help="auto: the Triton kernels on CUDA, the C kernels (cpu) on CPU; torch: "
+                          "their vectorized torch twins, the reference")
     cli.add_argument("--cuda-graphs", action="store_true",
                      help="replay decode steps from CUDA graphs, one per batch-size bucket "
                           "(1..256 sequences; needs CUDA and the triton backend; default off: "

@@ -121,7 +121,7 @@ class RunnerConfig:
     daemon: str = field(default_factory=lambda: default_daemon_runner_socket(os.environ))
     # Where the Runner service listens (a unix socket: the runner is co-located).
     listen: str = field(default_factory=lambda: default_runner_listen(os.environ))
-    # "auto" (Triton on CUDA, torch on CPU), "torch" or "triton".
+    # "auto" (Triton on CUDA, the C kernels on CPU), "triton", "cpu" or "torch".
     attention_backend: BackendName = "auto"
     # Prometheus /metrics, /healthz, /readyz on host:port, or None.
     metrics_listen: str | None = None

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedkv.model_runner.kernels.attention_backend import (
+    CPU_BACKEND,
     TORCH_BACKEND,
     TRITON_BACKEND,
     get_backend,
@@ -27,11 +28,12 @@ from kernel_utils import (
 )
 
 
-def test_auto_picks_triton_on_cuda_and_torch_elsewhere(monkeypatch):
+def test_auto_picks_triton_on_cuda_the_c_kernels_on_cpu_and_torch_elsewhere(monkeypatch):
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)  # kernels compiled for CUDA
     assert get_backend("auto", "cuda") is TRITON_BACKEND
     assert get_backend("auto", torch.device("cuda", 1)) is TRITON_BACKEND
-    assert get_backend("auto", "cpu") is TORCH_BACKEND
+    assert get_backend("auto", "cpu") is CPU_BACKEND
+    assert get_backend("auto", "meta") is TORCH_BACKEND
     assert get_backend("torch", "cuda") is TORCH_BACKEND
 
 
@@ -82,7 +84,8 @@ def test_triton_imported_before_the_switch_is_a_clear_error():
     assert "TRITON_INTERPRET=1 was set after triton was imported" in done.stdout
 
 
-@pytest.mark.parametrize("backend", [TORCH_BACKEND, TRITON_BACKEND], ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", [TORCH_BACKEND, CPU_BACKEND, TRITON_BACKEND],
+                         ids=lambda b: b.name)
 def test_prefill_then_decode_round(backend):
     if backend is TRITON_BACKEND:
         skip_unless_triton_runs_on("cpu")
