@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pagedkv.daemon.core import _rows
 from pagedkv.daemon.core.holders import HeldBlocks
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.physical_blocks import PhysicalBlocks
@@ -55,10 +56,10 @@ class Appender:
                reserve: int = 0) -> BatchAppend | NoFit:
         """Append `k` tokens (ids `tokens` [len(rows), k], or None) to each row, all or none,
         each row's table then covering at least `reserve` slots more."""
-        plan = self._plan(rows)
-        if k == 1 and not reserve and not len(plan.cow):
-            return self._append_one(rows, tokens, plan)
-        return self._append_many(rows, k, tokens, plan, reserve)
+        step = self._plan_step(rows) if k == 1 and not reserve else None
+        if step is not None:
+            return self._append_one(rows, tokens, step)
+        return self._append_many(rows, k, tokens, self._plan(rows), reserve)
 
     def copy(self, row: int, logical_block: int) -> BlockCopy:
         """Give `row` a private copy of its shared block `logical_block`."""
@@ -89,33 +90,33 @@ class Appender:
     # ------------------------------------------------------------------ changes
 
     def _append_one(self, rows: Int64Array, tokens: Int64Array | None,
-                    plan: "_AppendPlan") -> BatchAppend | NoFit:
+                    plan: "_StepPlan") -> BatchAppend | NoFit:
         """The decode step: one token each, no row writing into a shared block. Each token
         lands in its row's last block, or where that is full in the next: its reserved entry,
-        else a new block."""
-        st, old = self._seqs, plan.old
-        grow = (plan.offset == 0).nonzero()[0]  # at a block's edge: a new entry, or reserved
-        grown, logical = rows[grow], old[grow] // self.block_size
-        reserved = grow[st.num_blocks[grown] > logical] if len(grow) else grow
-        if len(reserved):  # their next entry is in the table already
-            grow = np.setdiff1d(grow, reserved, assume_unique=True)
-            grown, logical = rows[grow], old[grow] // self.block_size
+        else a new block. The per-row work is `_rows.apply_step`."""
+        st, n = self._seqs, len(rows)
         available = self._blocks.num_available
-        if len(grow) > available:
-            return NoFit(len(grow), available)
+        if len(plan.grow) > available:
+            return NoFit(len(plan.grow), available)
+        grown = rows[plan.grow]
         st.save_rows(rows, grown)
-        taken = self._take_entries(grown, logical)
-        st.num_blocks[grown] = logical + 1
-        st.num_tokens[rows] = new = old + 1
-        st.grew(len(rows), len(grow))
-        written = plan.last  # the plan's own gather: safe to update in place
-        written[grow] = taken
-        if len(reserved):
-            written[reserved] = st.entries(rows[reserved], old[reserved] // self.block_size)
-        self._record_tokens(rows, old, plan.offset, tokens, written)
+        if plan.shorts:  # tables whose region is full move to larger ones first
+            st.make_room(grown, plan.logical)
+        taken = self._blocks.take(len(grown))
+        slots, new, sealed = np.empty((3, n), dtype=np.int64)
+        ids = None if tokens is None else np.ascontiguousarray(tokens).reshape(n)
+        num_sealed = _rows.apply_step(rows, plan.written, plan.grow, taken, ids, st.num_tokens,
+                                      st.num_blocks, st.start, st.capacity, st.store.data,
+                                      st.partial, st.chain_ok, self.block_size,
+                                      self.prefix_caching, slots, new, sealed)
+        st.grew(n, len(grown))
+        self._hold(grown, taken)
+        if num_sealed:
+            filled = sealed[:num_sealed]
+            self._seal(rows[filled], plan.written[filled])
         # An empty row's first block adds no charge: it was charged one while empty.
-        return BatchAppend(written * self.block_size + plan.offset, grow, logical, taken, [],
-                           new, int(np.count_nonzero(logical)))
+        return BatchAppend(slots, plan.grow, plan.logical, taken, [], new,
+                           len(grown) - plan.firsts)
 
     def _append_many(self, rows: Int64Array, k: int, tokens: Int64Array | None,
                      plan: "_AppendPlan", reserve: int) -> BatchAppend | NoFit:
@@ -159,19 +160,23 @@ class Appender:
         taken = self._blocks.take(len(rows))
         if len(rows):
             self._seqs.put_entries(rows, logical, taken)
-            for level, holders in enumerate(self._held.levels):
-                holders.add(self._seqs.groups[rows, level], taken, np.zeros_like(taken))
+            self._hold(rows, taken)
         return taken
+
+    def _hold(self, rows: Int64Array, taken: Int64Array) -> None:
+        """Rows[i] took fresh block taken[i]: their groups hold it (`track_holders`)."""
+        for level, holders in enumerate(self._held.levels):
+            if len(rows):
+                holders.add(self._seqs.groups[rows, level], taken, np.zeros_like(taken))
 
     # --------------------------------------------------------- prefix caching
 
     def _record_tokens(self, rows: Int64Array, old: Int64Array, offset: Int64Array,
-                       tokens: Int64Array | None, landed: Int64Array | None = None) -> None:
+                       tokens: Int64Array | None) -> None:
         """Remember the ids `tokens` [len(rows), k] appended to `rows` (which held `old`
         tokens, `offset` = old % block_size) and key each block they fill. An append without
         ids breaks the rows' chains: their later blocks are never keyed. One step per token
-        column, not per token. `landed`, for one token each, is the block each landed in (the
-        caller has it: no gather of the filled blocks)."""
+        column, not per token."""
         st, bs = self._seqs, self.block_size
         if tokens is None:
             st.chain_ok[rows] = False
@@ -190,9 +195,7 @@ class Appender:
             if np.count_nonzero(known) < len(filled):
                 filled, sealed = filled[known], sealed[known]
             if len(filled):
-                blocks = st.entries(sealed, (old[filled] + j) // bs) if landed is None \
-                    else landed[filled]
-                self._seal(sealed, blocks)
+                self._seal(sealed, st.entries(sealed, (old[filled] + j) // bs))
 
     def _seal(self, rows: Int64Array, blocks: Int64Array) -> None:
         """These rows just filled these blocks: key each (pending) by its prefix chain."""
@@ -220,8 +223,24 @@ class Appender:
         return bool(n % self.block_size != 0
                     and self._blocks.ref[st.entry(row, (n - 1) // self.block_size)] > 1)
 
+    def _plan_step(self, rows: Int64Array) -> "_StepPlan | None":
+        """Where the next token of each row lands, computed without changing anything
+        (`_rows.plan_step`); None when a row writes into a shared partial block (a copy)."""
+        st, n = self._seqs, len(rows)
+        written, grow, logical = np.empty((3, n), dtype=np.int64)
+        # Each shared, partially filled block adds (refcount - 1) x its empty slots > 0 to
+        # shared_waste (`check_pool` recounts it): at 0 no write lands in a shared block.
+        ref = self._blocks.ref if self.shared_waste else None
+        planned = _rows.plan_step(rows, st.num_tokens, st.num_blocks, st.start, st.capacity,
+                                  st.store.data, ref, self.block_size, written, grow, logical)
+        if planned is None:
+            return None
+        grows, shorts, firsts = planned
+        return _StepPlan(written, grow[:grows], logical[:grows], shorts, firsts)
+
     def _plan(self, rows: Int64Array) -> "_AppendPlan":
-        """Where the next token of each row lands, computed without changing anything."""
+        """Where the next tokens of each row land, computed without changing anything (any
+        append: `_append_many`)."""
         st, bs = self._seqs, self.block_size
         old = st.num_tokens[rows]
         offset = old & (bs - 1) if self._pow2 else old % bs
@@ -247,3 +266,17 @@ class _AppendPlan(NamedTuple):
     last: Int64Array
     # Indices of rows whose next write lands in a shared, partially filled last block.
     cow: Int64Array
+
+
+class _StepPlan(NamedTuple):
+    """Where a decode step over rows writes (`_rows.plan_step`), kept for the change."""
+
+    # The block each row's token lands in (-1 where it needs a new block): [len(rows)].
+    written: Int64Array
+    # Indices of the rows needing a new block, and that block's logical index in each table.
+    grow: Int64Array
+    logical: Int64Array
+    # Growing rows whose table region is full (moved before the change), and growing rows
+    # that were empty (their first block adds no quota charge).
+    shorts: int
+    firsts: int

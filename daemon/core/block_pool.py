@@ -33,6 +33,7 @@ from contextlib import AbstractContextManager
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.daemon.core import _rows
 from pagedkv.daemon.core.appender import Appender
 from pagedkv.daemon.core.cache_events import CacheEvent, Committed, Restored, Uncommitted
 from pagedkv.daemon.core.content_keys import ContentKeys, PrefixHash
@@ -77,8 +78,6 @@ class BlockPool:
         # The pages of the block ids the pool holds (all, unless some are withdrawn).
         self._pages = Pages(self._blocks, blocks_per_page, withdrawn, self._journal)
         self._seqs = SeqTable(block_size, self._journal)
-        # Offset of each slot in its block, for slot mappings by broadcasting.
-        self._offsets: Int64Array = np.arange(block_size, dtype=np.int64)
         # Distinct blocks held per group of sequences (`track_holders`).
         self._held = HeldBlocks()
         # The batched append, copy-on-write, and the waste of shared partial blocks.
@@ -294,18 +293,12 @@ class BlockPool:
         """The owner certifies that the K/V of the first `num_tokens[i]` tokens of `seqs[i]`
         (every token it holds, when None) is written: the pending full blocks among them become
         matchable by later prompts. Returns how many blocks became matchable."""
-        rows = self._rows(seqs)
-        st, bs = self._seqs, self.block_size
-        upto = commit_counts(num_tokens, st.num_tokens[rows]) // bs
-        start = st.committed[rows]
-        todo = (upto > start).nonzero()[0]
-        if not len(todo):
+        rows, st = self._rows(seqs), self._seqs
+        counts = None if num_tokens is None else commit_counts(num_tokens, st.num_tokens[rows])
+        blocks = st.commit_runs(rows, counts)  # rows in order, each row's in table order
+        if not blocks:
             return 0
-        rows, start, upto = rows[todo], start[todo], upto[todo]
-        # One gather of every block to commit: rows in order, each row's blocks in table order.
-        blocks = st.runs(rows, start, upto - start)
-        matchable = self._blocks.cache.commit(blocks.tolist())
-        st.set_committed(rows, upto)
+        matchable = self._blocks.cache.commit(blocks)
         if matchable and self._blocks.events is not None:
             self._blocks.events.append(Committed(matchable))
         return len(matchable)
@@ -476,8 +469,7 @@ class BlockPool:
     def _slots(self, table: Int64Array, n: int) -> list[int]:
         """Slots of the first `n` tokens of a table of ceil(n / B) blocks: every slot of its
         blocks, cut at n."""
-        slots: list[int] = (table[:, None] * self.block_size + self._offsets).ravel()[:n].tolist()
-        return slots
+        return _rows.table_slots(table, n, self.block_size)
 
     def _row(self, seq: Hashable) -> int:
         return row_of(self._seqs.row_of, seq)

@@ -8,6 +8,8 @@ old neighbours are its neighbours again when it is put back).
 
 from collections.abc import Iterator
 
+from pagedkv.daemon.core import _rows
+
 
 class LruList:
     """Blocks 0..n-1, each in the list at most once; index n is the sentinel."""
@@ -36,15 +38,9 @@ class LruList:
             block = self._next[block]
 
     def extend(self, blocks: list[int]) -> None:
-        """Append `blocks` at the tail in order: the most recently released. One loop over
-        local lists (a free releases a whole table at once)."""
-        prev, nxt, tail = self._prev, self._next, self._sentinel
-        last = prev[tail]
-        for block in blocks:
-            assert prev[block] == -1, f"block {block} is already in the LRU"
-            nxt[last], prev[block] = block, last
-            last = block
-        nxt[last], prev[tail] = tail, last
+        """Append `blocks` (a list) at the tail in order: the most recently released. One
+        compiled loop (`_rows.link_tail`): a free releases a whole table at once."""
+        _rows.link_tail(self._prev, self._next, blocks, self._sentinel)
         self._size += len(blocks)
 
     def drop_tail(self, n: int) -> None:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from pagedkv.daemon.core import _rows
 from pagedkv.daemon.core.cache_events import CacheEvent, Evicted, Offloaded, Parked
 from pagedkv.daemon.core.content_keys import ContentKeys
 from pagedkv.daemon.core.host_tier import HostTier
@@ -108,11 +109,9 @@ class PhysicalBlocks:
         Blocks are released deepest first, so among blocks released together the cache evicts
         a sequence's tail before the prefix that other requests are likelier to share.
         """
-        deepest = table[::-1]
-        ref = self.ref
-        ref[deepest] -= 1  # a table never holds a block twice: no repeated indices
-        # Only the blocks no other table holds change state: one Python step each.
-        unheld = deepest[ref[deepest] == 0].tolist()
+        # Only the blocks no other table holds change state (a compiled loop: a table never
+        # holds a block twice, so each loses one reference).
+        unheld = _rows.release_refs(table, self.ref)
         released = self.cache.release(unheld)
         if self.events is not None and len(released) < len(unheld):
             freed = set(released)

@@ -24,6 +24,7 @@ Invariants (checked by `check`):
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.daemon.core import _rows
 from pagedkv.daemon.core.content_keys import ContentKeys
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.lru import LruList
@@ -93,12 +94,8 @@ class PrefixCache:
                    tokens: npt.NDArray[np.int64]) -> None:
         """Key the just-filled `blocks` (tokens [len(blocks), block_size], hashed by
         `ContentKeys.chain` or `.blocks`) pending: nothing matches them until `commit`. This runs
-        for every filled block on the decode hot path: one tight loop."""
-        key_of, parent_of = self.key_of, self.parent_of
-        for block, key, parent in zip(blocks.tolist(), keys, parents, strict=True):
-            assert key_of[block] is None, f"block {block} already has a key"
-            key_of[block] = key
-            parent_of[block] = parent
+        for every filled block on the decode hot path: one compiled loop (`_rows.set_keys`)."""
+        _rows.set_keys(blocks, keys, parents, self.key_of, self.parent_of, self.committed)
         if self._journal.active:  # an evicted block's old ids go back with its old key
             self._journal.record(self._unkey, blocks, self.tokens_of[blocks])
         self._token_rows[blocks] = np.ascontiguousarray(tokens).view(self._row_item).reshape(-1)
@@ -113,21 +110,10 @@ class PrefixCache:
     def commit(self, blocks: list[int]) -> list[int]:
         """The K/V of `blocks` is written: make their pending keys matchable, in order. Returns
         the blocks that became matchable, in order. A block whose content another block
-        committed first (maybe earlier in `blocks`) loses its key. One loop, one undo record."""
-        key_of, parent_of, committed = self.key_of, self.parent_of, self.committed
-        claim = self.block_of.setdefault  # one probe: the key's holder, this block if none
-        added: list[int] = []
-        dropped: DroppedKeys = []
-        for block in blocks:
-            key = key_of[block]
-            if key is None or committed[block]:
-                continue
-            if claim(key, block) == block:
-                committed[block] = 1
-                added.append(block)
-            else:  # the same content, committed first elsewhere
-                dropped.append((block, key, parent_of[block]))
-                key_of[block] = parent_of[block] = None
+        committed first (maybe earlier in `blocks`) loses its key. One compiled loop
+        (`_rows.claim_keys`), one undo record."""
+        added, dropped = _rows.claim_keys(blocks, self.key_of, self.parent_of, self.committed,
+                                          self.block_of)
         self.num_keyed -= len(dropped)
         self._journal.record(self._uncommit, added, dropped)
         return added
@@ -174,20 +160,10 @@ class PrefixCache:
     def release(self, blocks: list[int]) -> list[int]:
         """The refcounts of `blocks` reached 0. Those holding committed content stay cached,
         evictable in the order given; the others lose their pending key, if any (their K/V was
-        never certified). Returns those others: free, with no content kept."""
-        key_of, parent_of, committed = self.key_of, self.parent_of, self.committed
-        parked: list[int] = []
-        freed: list[int] = []
-        dropped: DroppedKeys = []
-        for block in blocks:
-            if committed[block]:
-                parked.append(block)
-                continue
-            key = key_of[block]
-            if key is not None:
-                dropped.append((block, key, parent_of[block]))
-                key_of[block] = parent_of[block] = None
-            freed.append(block)
+        never certified). Returns those others: free, with no content kept. One compiled loop
+        (`_rows.release_keys`)."""
+        parked, freed, dropped = _rows.release_keys(blocks, self.key_of, self.parent_of,
+                                                    self.committed)
         self.evictable.extend(parked)
         self.num_keyed -= len(dropped)
         self._journal.record(self._unrelease, len(parked), dropped)

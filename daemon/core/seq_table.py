@@ -33,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.daemon.core import _rows
 from pagedkv.daemon.core.errors import InvalidArgument, SequenceNotFound
 from pagedkv.daemon.core.journal import Journal
 from pagedkv.daemon.core.table_store import (
@@ -211,13 +212,19 @@ class SeqTable:
         for row, key in zip(rows, keys, strict=True):
             chain_key[row] = key
 
-    def set_committed(self, rows: Int64Array, values: Int64Array) -> None:
-        """New committed-block counts for distinct `rows`."""
-        if self._journal.active:
-            self._journal.record(self._set_committed, rows, self.committed[rows])
-        self.committed[rows] = values
+    def commit_runs(self, rows: Int64Array, counts: Int64Array | None) -> list[int]:
+        """Rows[i] commits its first counts[i] tokens (None: every token it holds): raise its
+        committed count to the full blocks among them, and return the blocks that newly
+        counts, rows in order, each row's in table order (`_rows.commit_runs`)."""
+        changed, before, blocks = _rows.commit_runs(rows, counts, self.num_tokens,
+                                                    self.num_blocks, self.start, self.capacity,
+                                                    self.store.data, self.committed,
+                                                    self.block_size)
+        if changed and self._journal.active:
+            self._journal.record(self._set_committed, changed, before)
+        return blocks
 
-    def _set_committed(self, rows: Int64Array, values: Int64Array) -> None:
+    def _set_committed(self, rows: list[int], values: list[int]) -> None:
         self.committed[rows] = values
 
     def set_chain_ok(self, row: int, value: bool) -> None:
@@ -243,24 +250,14 @@ class SeqTable:
         found: Int64Array = self.store.data[self.start[rows] + logical]
         return found
 
-    def runs(self, rows: Int64Array, first: Int64Array, counts: Int64Array) -> Int64Array:
-        """Entries first[i] .. first[i] + counts[i] - 1 of rows[i] (every count >= 1), in
-        order, in one gather: a run is contiguous in its table's region, so its entries are
-        store positions pos[i] + 0..counts[i] - 1, computed without (row, logical) pairs."""
-        pos = self.start[rows] + first
-        total = int(counts.sum())
-        if total == len(rows):  # one each (a decode step's commit)
-            found: Int64Array = self.store.data[pos]
-            return found
-        # Output j of run i (which starts at output end_i - counts[i]) is position
-        # pos[i] + j - (end_i - counts[i]).
-        shift = pos + counts - np.cumsum(counts)
-        found = self.store.data[np.arange(total) + np.repeat(shift, counts)]
-        return found
-
     def put_entries(self, rows: Int64Array, logical: Int64Array, blocks: Int64Array) -> None:
         """Write entries logical[i] of rows[i], moving tables whose region is too small to a
         larger one first (table writes are undone by the callers' own records)."""
+        self.make_room(rows, logical)
+        self.store.data[self.start[rows] + logical] = blocks
+
+    def make_room(self, rows: Int64Array, logical: Int64Array) -> None:
+        """Move the tables of rows[i] whose region has no entry logical[i] to larger ones."""
         short = (logical >= self.capacity[rows]).nonzero()[0]
         if len(short):
             need: dict[int, int] = {}
@@ -268,7 +265,6 @@ class SeqTable:
                 need[row] = max(need.get(row, 0), entry + 1)
             for row, entries in need.items():
                 self._move(row, entries)
-        self.store.data[self.start[rows] + logical] = blocks
 
     def put_table(self, row: int, table: Sequence[int] | Int64Array) -> None:
         """Write a whole table into row `row` (new, or freshly restored), from entry 0."""
