@@ -2,11 +2,14 @@
  * free do for each row or block. The Python side keeps every decision that is not per row
  * (fit checks, taking blocks, the undo journal, hashing) and calls one function per step:
  *
+ *   lookup_rows  the rows of a batch's sequences, none repeated                    (seq_table)
+ *   pop_free     take the oldest free blocks                                (physical_blocks)
  *   plan_step    where each row's next token lands; which rows need a new block   (appender)
  *   apply_step   write the new entries, the lengths, the token ids; rows that sealed a block
  *   commit_runs  which rows have full blocks to commit, and those blocks          (seq_table)
  *   claim_keys   make pending keys matchable                                    (prefix_cache)
  *   set_keys     key just-filled blocks pending
+ *   chain_keys   the content keys of a prompt's full blocks                    (content_keys)
  *   seal_blocks  hash the blocks a decode step filled and key them pending
  *   release_keys blocks whose last reference went: park committed, drop pending keys
  *   release_refs a table's references dropped, deepest first                (physical_blocks)
@@ -127,6 +130,109 @@ static int borrow_tables(Borrowed *bp, PyObject *const *args, int writable, Tabl
 static Py_ssize_t entry_at(const Tables *t, int64_t row, int64_t logical) {
     int64_t pos = t->start[row] + logical;
     return logical >= 0 && pos >= 0 && pos < t->num_entries ? (Py_ssize_t)pos : -1;
+}
+
+/* ------------------------------------------------------------------ rows */
+
+/* lookup_rows(row_of, seqs, out) -> looked up
+ *
+ * The rows of `seqs` (a list or tuple) in `row_of` (a dict: sequence -> row), into out[:n].
+ * Returns len(seqs) when every sequence is found and none repeats, else the index of the first
+ * sequence that is missing or repeated (the caller names it). */
+static PyObject *lookup_rows(PyObject *Py_UNUSED(self), PyObject *const *args,
+                             Py_ssize_t nargs) {
+    Borrowed b = {.n = 0};
+    PyObject *result = NULL, *seqs = NULL;
+    uint8_t *seen = NULL;
+    Py_ssize_t n_out;
+    if (!expect_args("lookup_rows", nargs, 3)) return NULL;
+    if (!PyDict_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "lookup_rows: row_of must be a dict");
+        return NULL;
+    }
+    if (!(seqs = PySequence_Fast(args[1], "lookup_rows: seqs must be a sequence"))) return NULL;
+    int64_t *out = I64(args[2], 1, "out", &n_out);
+    if (out == NULL) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seqs), looked = 0;
+    CHECK(n_out >= n, "out holds %zd rows for %zd sequences", n_out, n);
+    int64_t most = -1;
+    /* find each row */
+    for (; looked < n; looked++) {
+        PyObject *row = PyDict_GetItemWithError(args[0], PySequence_Fast_GET_ITEM(seqs, looked));
+        if (row == NULL) {
+            if (PyErr_Occurred()) goto done;
+            break;
+        }
+        out[looked] = PyLong_AsLongLong(row);
+        if (out[looked] == -1 && PyErr_Occurred()) goto done;
+        CHECK(out[looked] >= 0, "row %lld out of range", (long long)out[looked]);
+        if (out[looked] > most) most = out[looked];
+    }
+    /* the first repeat among those found */
+    if (looked && !(seen = PyMem_Calloc((size_t)most + 1, 1))) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < looked; i++) {
+        if (seen[out[i]]++) {
+            looked = i;
+            break;
+        }
+    }
+    result = PyLong_FromSsize_t(looked);
+done:
+    PyMem_Free(seen);
+    Py_XDECREF(seqs);
+    give_back(&b);
+    return result;
+}
+
+/* ------------------------------------------------------------------ free blocks */
+
+/* pop_free(free, out, ref) -> count
+ *
+ * Take the oldest free blocks (a deque of ids) into out, as many as both hold, each given
+ * refcount 1 (free blocks have refcount 0: checked; on a bad one every block popped goes back
+ * and IndexError is raised). Returns how many it took. */
+static PyObject *pop_free(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    Borrowed b = {.n = 0};
+    PyObject *result = NULL, *popleft = NULL;
+    Py_ssize_t n_out, n_ref, count = 0;
+    if (!expect_args("pop_free", nargs, 3)) return NULL;
+    int64_t *out = I64(args[1], 1, "out", &n_out);
+    int64_t *ref = out ? I64(args[2], 1, "ref", &n_ref) : NULL;
+    Py_ssize_t available = ref ? PyObject_Length(args[0]) : -1;
+    if (available < 0 || !(popleft = PyObject_GetAttrString(args[0], "popleft"))) goto done;
+    Py_ssize_t want = available < n_out ? available : n_out;
+    for (; count < want; count++) {
+        PyObject *item = PyObject_CallNoArgs(popleft);
+        if (item == NULL) break;
+        out[count] = PyLong_AsLongLong(item);
+        Py_DECREF(item);
+        if (out[count] == -1 && PyErr_Occurred()) break;
+        if (out[count] < 0 || out[count] >= n_ref || ref[out[count]] != 0) {
+            PyErr_Format(PyExc_IndexError, "free block %lld out of range or referenced",
+                         (long long)out[count]);
+            count++;  /* popped: goes back with the others */
+            break;
+        }
+    }
+    if (count < want) {  /* put back what was popped, in order, then raise */
+        PyObject *type, *value, *trace;
+        PyErr_Fetch(&type, &value, &trace);
+        for (Py_ssize_t i = count - 1; i >= 0; i--) {
+            PyObject *back = PyObject_CallMethod(args[0], "appendleft", "L", (long long)out[i]);
+            Py_XDECREF(back);
+        }
+        PyErr_Restore(type, value, trace);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) ref[out[i]] = 1;
+    result = PyLong_FromSsize_t(count);
+done:
+    Py_XDECREF(popleft);
+    give_back(&b);
+    return result;
 }
 
 /* ------------------------------------------------------------------ decode step */
@@ -434,19 +540,22 @@ done:
     return result;
 }
 
-/* set_keys(blocks, keys, parents, key_of, parent_of, committed) -> None
+/* set_keys(blocks, keys, parents, tokens, key_of, parent_of, committed, tokens_of) -> None
  *
- * `PrefixCache.key_blocks`'s loop: block blocks[i] (an int64 array) gets key keys[i] and
- * parent parents[i]. Every block must be unkeyed (checked before any is keyed). */
+ * `PrefixCache.key_blocks`'s loop: block blocks[i] (an int64 array) gets key keys[i], parent
+ * parents[i] and ids tokens[i] (tokens: [n, block_size], into tokens_of: [blocks,
+ * block_size]). Every block must be unkeyed (checked before any is keyed). */
 static PyObject *set_keys(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
     Borrowed b = {.n = 0};
     Keys k;
     PyObject *result = NULL;
-    Py_ssize_t n;
-    if (!expect_args("set_keys", nargs, 6) || !get_keys(args[3], args[4], args[5], &k))
+    Py_ssize_t n, n_tokens, n_tokens_of;
+    if (!expect_args("set_keys", nargs, 8) || !get_keys(args[4], args[5], args[6], &k))
         return NULL;
     const int64_t *blocks = I64(args[0], 0, "blocks", &n);
-    if (blocks == NULL) goto done;
+    const int64_t *tokens = blocks ? I64(args[3], 0, "tokens", &n_tokens) : NULL;
+    int64_t *tokens_of = tokens ? I64(args[7], 1, "tokens_of", &n_tokens_of) : NULL;
+    if (tokens_of == NULL) goto done;
     PyObject *keys = args[1], *parents = args[2];
     if (!PyList_CheckExact(keys) || !PyList_CheckExact(parents) ||
         PyList_GET_SIZE(keys) != n || PyList_GET_SIZE(parents) != n) {
@@ -454,6 +563,8 @@ static PyObject *set_keys(PyObject *Py_UNUSED(self), PyObject *const *args, Py_s
                      n, n);
         goto done;
     }
+    Py_ssize_t bs = n_tokens_of / k.num_blocks;
+    CHECK(n_tokens_of == k.num_blocks * bs && n_tokens == n * bs, "set_keys: shapes disagree");
     for (Py_ssize_t i = 0; i < n; i++) {
         CHECK(blocks[i] >= 0 && blocks[i] < k.num_blocks, "block %lld out of range",
               (long long)blocks[i]);
@@ -463,9 +574,60 @@ static PyObject *set_keys(PyObject *Py_UNUSED(self), PyObject *const *args, Py_s
     for (Py_ssize_t i = 0; i < n; i++) {
         PyList_SetItem(k.key_of, blocks[i], Py_NewRef(PyList_GET_ITEM(keys, i)));
         PyList_SetItem(k.parent_of, blocks[i], Py_NewRef(PyList_GET_ITEM(parents, i)));
+        memcpy(tokens_of + blocks[i] * bs, tokens + i * bs, bs * sizeof(int64_t));
     }
     result = Py_NewRef(Py_None);
 done:
+    give_back(&b);
+    return result;
+}
+
+/* The content key of a block: digest(parent || ids), the ids as native int64 (`ContentKeys`:
+ * little-endian on the machines pagedkv runs on); `parent` is bytes. A new reference. */
+static PyObject *link_key(PyObject *digest, PyObject *parent, const int64_t *ids,
+                          Py_ssize_t bs) {
+    Py_ssize_t plen = PyBytes_GET_SIZE(parent), width = bs * (Py_ssize_t)sizeof(int64_t);
+    PyObject *data = PyBytes_FromStringAndSize(NULL, plen + width);
+    if (data == NULL) return NULL;
+    memcpy(PyBytes_AS_STRING(data), PyBytes_AS_STRING(parent), plen);
+    memcpy(PyBytes_AS_STRING(data) + plen, ids, width);
+    PyObject *key = PyObject_CallOneArg(digest, data);
+    Py_DECREF(data);
+    if (key != NULL && !PyBytes_Check(key)) {
+        PyErr_SetString(PyExc_TypeError, "the digest must return bytes");
+        Py_CLEAR(key);
+    }
+    return key;
+}
+
+/* chain_keys(parent, tokens, block_size, digest) -> list
+ *
+ * `ContentKeys.chain`: the keys of consecutive full blocks (tokens: [n, block_size]) after
+ * the block keyed `parent`, each block's parent the key before it. */
+static PyObject *chain_keys(PyObject *Py_UNUSED(self), PyObject *const *args,
+                            Py_ssize_t nargs) {
+    Borrowed b = {.n = 0};
+    PyObject *result = NULL, *keys = NULL;
+    Py_ssize_t n_tokens, bs;
+    if (!expect_args("chain_keys", nargs, 4)) return NULL;
+    if (!PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "chain_keys: parent must be bytes");
+        return NULL;
+    }
+    const int64_t *tokens = I64(args[1], 0, "tokens", &n_tokens);
+    if (tokens == NULL || !get_size(args[2], 1, "block_size", &bs)) goto done;
+    CHECK(n_tokens % bs == 0, "%zd token ids are not whole blocks of %zd", n_tokens, bs);
+    if (!(keys = PyList_New(n_tokens / bs))) goto done;
+    PyObject *parent = args[0];  /* borrowed: args[0], then the list's */
+    for (Py_ssize_t i = 0; i < n_tokens / bs; i++) {
+        PyObject *key = link_key(args[3], parent, tokens + i * bs, bs);
+        if (key == NULL) goto done;
+        PyList_SET_ITEM(keys, i, key);
+        parent = key;
+    }
+    result = Py_NewRef(keys);
+done:
+    Py_XDECREF(keys);
     give_back(&b);
     return result;
 }
@@ -511,14 +673,8 @@ static PyObject *seal_blocks(PyObject *Py_UNUSED(self), PyObject *const *args,
     /* hash: key = digest(parent || ids), every key before any change */
     if (!(keys = PyList_New(n))) goto done;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *parent = PyList_GET_ITEM(chain_key, rows[i]);
-        Py_ssize_t plen = PyBytes_GET_SIZE(parent), width = bs * (Py_ssize_t)sizeof(int64_t);
-        PyObject *data = PyBytes_FromStringAndSize(NULL, plen + width);
-        if (data == NULL) goto done;
-        memcpy(PyBytes_AS_STRING(data), PyBytes_AS_STRING(parent), plen);
-        memcpy(PyBytes_AS_STRING(data) + plen, partial + rows[i] * bs, width);
-        PyObject *key = PyObject_CallOneArg(digest, data);
-        Py_DECREF(data);
+        PyObject *key = link_key(digest, PyList_GET_ITEM(chain_key, rows[i]),
+                                 partial + rows[i] * bs, bs);
         if (key == NULL) goto done;
         PyList_SET_ITEM(keys, i, key);
     }
@@ -681,11 +837,14 @@ done:
 /* ------------------------------------------------------------------ module */
 
 static PyMethodDef methods[] = {
+    {"lookup_rows", (PyCFunction)(void (*)(void))lookup_rows, METH_FASTCALL, NULL},
+    {"pop_free", (PyCFunction)(void (*)(void))pop_free, METH_FASTCALL, NULL},
     {"plan_step", (PyCFunction)(void (*)(void))plan_step, METH_FASTCALL, NULL},
     {"apply_step", (PyCFunction)(void (*)(void))apply_step, METH_FASTCALL, NULL},
     {"commit_runs", (PyCFunction)(void (*)(void))commit_runs, METH_FASTCALL, NULL},
     {"claim_keys", (PyCFunction)(void (*)(void))claim_keys, METH_FASTCALL, NULL},
     {"set_keys", (PyCFunction)(void (*)(void))set_keys, METH_FASTCALL, NULL},
+    {"chain_keys", (PyCFunction)(void (*)(void))chain_keys, METH_FASTCALL, NULL},
     {"seal_blocks", (PyCFunction)(void (*)(void))seal_blocks, METH_FASTCALL, NULL},
     {"release_keys", (PyCFunction)(void (*)(void))release_keys, METH_FASTCALL, NULL},
     {"release_refs", (PyCFunction)(void (*)(void))release_refs, METH_FASTCALL, NULL},

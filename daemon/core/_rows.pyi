@@ -1,5 +1,8 @@
 """The block pool's per-row loops, compiled (_rows.c: what each function does, in order)."""
 
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+
 import numpy as np
 import numpy.typing as npt
 
@@ -8,6 +11,8 @@ _Flags = npt.NDArray[np.bool_]
 # A dropped pending key: (block, key, parent key).
 _Dropped = tuple[int, bytes, bytes | None]
 
+def lookup_rows(row_of: dict[Hashable, int], seqs: Sequence[Hashable], out: _Ints) -> int: ...
+def pop_free(free: deque[int], out: _Ints, ref: _Ints) -> int: ...
 def plan_step(rows: _Ints, num_tokens: _Ints, num_blocks: _Ints, start: _Ints,
               capacity: _Ints, data: _Ints, ref: _Ints | None, block_size: int,
               written: _Ints, grow: _Ints, logical: _Ints) -> tuple[int, int, int] | None: ...
@@ -21,9 +26,13 @@ def commit_runs(rows: _Ints, counts: _Ints | None, num_tokens: _Ints, num_blocks
 def claim_keys(blocks: list[int], key_of: list[bytes | None], parent_of: list[bytes | None],
                committed: bytearray, block_of: dict[bytes, int],
                ) -> tuple[list[int], list[_Dropped]]: ...
-def set_keys(blocks: _Ints, keys: list[bytes], parents: list[bytes],
-             key_of: list[bytes | None], parent_of: list[bytes | None],
-             committed: bytearray) -> None: ...
+def set_keys(blocks: _Ints, keys: list[bytes], parents: list[bytes], tokens: _Ints,
+             key_of: list[bytes | None], parent_of: list[bytes | None], committed: bytearray,
+             tokens_of: _Ints) -> None: ...
+def seal_blocks(rows: _Ints, blocks: _Ints, partial: _Ints, chain_key: list[bytes],
+                digest: Callable[[bytes], bytes], key_of: list[bytes | None],
+                parent_of: list[bytes | None], committed: bytearray,
+                tokens_of: _Ints) -> None: ...
 def release_keys(blocks: list[int], key_of: list[bytes | None], parent_of: list[bytes | None],
                  committed: bytearray) -> tuple[list[int], list[int], list[_Dropped]]: ...
 def release_refs(table: _Ints, ref: _Ints) -> list[int]: ...

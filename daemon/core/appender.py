@@ -103,7 +103,7 @@ class Appender:
         if plan.shorts:  # tables whose region is full move to larger ones first
             st.make_room(grown, plan.logical)
         taken = self._blocks.take(len(grown))
-        slots, new, sealed = np.empty((3, n), dtype=np.int64)
+        slots, new, sealed = _scratch(n), _scratch(n), _scratch(n)
         ids = None if tokens is None else np.ascontiguousarray(tokens).reshape(n)
         num_sealed = _rows.apply_step(rows, plan.written, plan.grow, taken, ids, st.num_tokens,
                                       st.num_blocks, st.start, st.capacity, st.store.data,
@@ -199,12 +199,9 @@ class Appender:
 
     def _seal(self, rows: Int64Array, blocks: Int64Array) -> None:
         """These rows just filled these blocks: key each (pending) by its prefix chain."""
-        st, row_list = self._seqs, rows.tolist()
-        chain_key, tokens = st.chain_key, st.partial[rows]
-        parents = [chain_key[row] for row in row_list]
-        keys = self._blocks.cache.keys.blocks(parents, tokens)
-        self._blocks.cache.key_blocks(blocks, parents, keys, tokens)
-        st.set_chain(row_list, keys)
+        st = self._seqs
+        st.save_chains(rows)
+        self._blocks.cache.key_sealed(rows, blocks, st.partial, st.chain_key)
 
     # ------------------------------------------------------------------- checks
 
@@ -227,7 +224,7 @@ class Appender:
         """Where the next token of each row lands, computed without changing anything
         (`_rows.plan_step`); None when a row writes into a shared partial block (a copy)."""
         st, n = self._seqs, len(rows)
-        written, grow, logical = np.empty((3, n), dtype=np.int64)
+        written, grow, logical = _scratch(n), _scratch(n), _scratch(n)
         # Each shared, partially filled block adds (refcount - 1) x its empty slots > 0 to
         # shared_waste (`check_pool` recounts it): at 0 no write lands in a shared block.
         ref = self._blocks.ref if self.shared_waste else None
@@ -254,6 +251,12 @@ class Appender:
         shared = (self._blocks.ref[last] > 1).nonzero()[0]  # few: filter these, not the batch
         cow = shared[offset[shared] != 0] if len(shared) else shared
         return _AppendPlan(old, offset, last, cow)
+
+
+def _scratch(n: int) -> Int64Array:
+    """An uninitialized int64 array of n items, for a compiled step to fill (three
+    np.empty calls cost less than unpacking one 2-d array)."""
+    return np.empty(n, dtype=np.int64)
 
 
 class _AppendPlan(NamedTuple):

@@ -61,26 +61,25 @@ class PhysicalBlocks:
 
     def take(self, n: int) -> Int64Array:
         """`n` blocks for writers, each with refcount 1."""
-        popleft = self.free.popleft
-        from_free = blocks = [popleft() for _ in range(min(n, len(self.free)))]
-        if len(from_free) < n:  # the free list ran out: evict cached blocks
-            evicted, keys, parents = self.cache.evict(n - len(from_free))
+        taken = np.empty(n, dtype=np.int64)
+        from_free = _rows.pop_free(self.free, taken, self.ref)  # refcount 1 each
+        if from_free < n:  # the free list ran out: evict cached blocks
+            evicted, keys, parents = self.cache.evict(n - from_free)
             if self.host is not None:
                 stored = self.host.store(keys, parents, self.cache.tokens_of[evicted])
                 if self.events is not None:
                     self.events.append(Offloaded(evicted, stored))
             if self.events is not None:
                 self.events.append(Evicted(evicted))
-            blocks = from_free + evicted
-        taken = np.array(blocks, dtype=np.int64)
-        # Free and cached blocks have refcount 0 (`check` proves the states disjoint).
-        self.ref[taken] = 1
+            # Cached blocks have refcount 0 (`check` proves the states disjoint).
+            taken[from_free:] = evicted
+            self.ref[taken[from_free:]] = 1
         self._journal.record(self._untake, taken, from_free)
         return taken
 
-    def _untake(self, taken: Int64Array, from_free: list[int]) -> None:
+    def _untake(self, taken: Int64Array, from_free: int) -> None:
         self.ref[taken] = 0
-        self.free.extendleft(reversed(from_free))
+        self.free.extendleft(reversed(taken[:from_free].tolist()))
 
     def share(self, blocks: list[int]) -> None:
         """One more table references each of `blocks` (distinct); cached ones are revived."""

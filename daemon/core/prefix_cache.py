@@ -52,10 +52,6 @@ class PrefixCache:
         self.parent_of: list[bytes | None] = [None] * num_blocks
         # Block -> its token ids (meaningful when keyed): [num_blocks, block_size].
         self.tokens_of: npt.NDArray[np.int64] = np.zeros((num_blocks, block_size), np.int64)
-        # The same memory, one opaque item per block: writing whole rows by block ids is then a
-        # 1-d scatter, twice as fast in numpy as the 2-d one for the few blocks of a call.
-        self._row_item = np.dtype((np.void, block_size * self.tokens_of.itemsize))
-        self._token_rows = self.tokens_of.view(self._row_item).reshape(-1)
         # Refcount-0 blocks with committed content, least recently released first. Blocks
         # released together enter deepest first, so a sequence's tail is evicted before its
         # shared prefix.
@@ -95,10 +91,21 @@ class PrefixCache:
         """Key the just-filled `blocks` (tokens [len(blocks), block_size], hashed by
         `ContentKeys.chain` or `.blocks`) pending: nothing matches them until `commit`. This runs
         for every filled block on the decode hot path: one compiled loop (`_rows.set_keys`)."""
-        _rows.set_keys(blocks, keys, parents, self.key_of, self.parent_of, self.committed)
         if self._journal.active:  # an evicted block's old ids go back with its old key
             self._journal.record(self._unkey, blocks, self.tokens_of[blocks])
-        self._token_rows[blocks] = np.ascontiguousarray(tokens).view(self._row_item).reshape(-1)
+        _rows.set_keys(blocks, keys, parents, np.ascontiguousarray(tokens), self.key_of,
+                       self.parent_of, self.committed, self.tokens_of)
+        self.num_keyed += len(blocks)
+
+    def key_sealed(self, rows: npt.NDArray[np.int64], blocks: npt.NDArray[np.int64],
+                   partial: npt.NDArray[np.int64], chain_key: list[bytes]) -> None:
+        """Key pending the `blocks` that `rows` just filled (the decode hot path): block i's
+        ids are partial[rows[i]] and its parent key chain_key[rows[i]], which then becomes
+        its key. One compiled loop (`_rows.seal_blocks`), hashing with `keys.digest`."""
+        if self._journal.active:  # an evicted block's old ids go back with its old key
+            self._journal.record(self._unkey, blocks, self.tokens_of[blocks])
+        _rows.seal_blocks(rows, blocks, partial, chain_key, self.keys.digest, self.key_of,
+                          self.parent_of, self.committed, self.tokens_of)
         self.num_keyed += len(blocks)
 
     def _unkey(self, blocks: npt.NDArray[np.int64], tokens: npt.NDArray[np.int64]) -> None:

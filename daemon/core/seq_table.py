@@ -24,10 +24,7 @@ Changes record their undo in the pool's journal; the hot path records whole arra
 once (`save_rows`), not one entry per sequence.
 """
 
-import operator
-import struct
 from collections.abc import Hashable, Mapping, Sequence
-from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -200,12 +197,13 @@ class SeqTable:
         # Through start at undo time: the row's table may have moved to a larger region since.
         self.store.data[self.start[row] + logical] = block
 
-    def set_chain(self, rows: list[int], keys: list[bytes]) -> None:
-        """New parent keys for the next blocks of `rows`."""
-        chain_key = self.chain_key
+    def save_chains(self, rows: Int64Array) -> None:
+        """Record, for undo, the chain keys of `rows` before a seal moves them on
+        (`PrefixCache.key_sealed`)."""
         if self._journal.active:
-            self._journal.record(self._set_chain, rows, [chain_key[row] for row in rows])
-        self._set_chain(rows, keys)
+            row_list = rows.tolist()
+            self._journal.record(self._set_chain, row_list,
+                                 [self.chain_key[row] for row in row_list])
 
     def _set_chain(self, rows: list[int], keys: list[bytes]) -> None:
         chain_key = self.chain_key
@@ -345,29 +343,20 @@ def row_of(rows: Mapping[Hashable, int], seq: Hashable) -> int:
         raise SequenceNotFound(f"sequence {seq!r} does not exist") from None
 
 
-def rows_of(rows: Mapping[Hashable, int], seqs: Sequence[Hashable]) -> Int64Array:
+def rows_of(rows: dict[Hashable, int], seqs: Sequence[Hashable]) -> Int64Array:
     """The rows of distinct `seqs` (at least one), in order: SequenceNotFound for an unknown
-    one, InvalidArgument for none or a repeated one. One lookup for all, no Python loop."""
+    one, InvalidArgument for none or a repeated one. One compiled lookup for all
+    (`_rows.lookup_rows`)."""
     if len(seqs) == 0:
         raise InvalidArgument("no sequences given")
-    try:
-        found = operator.itemgetter(*seqs)(rows)
-    except KeyError as missing:
-        raise SequenceNotFound(f"sequence {missing.args[0]!r} does not exist") from None
-    if len(seqs) == 1:
-        return np.array([found], dtype=np.int64)
-    result = np.empty(len(found), dtype=np.int64)
-    _int64s(len(found)).pack_into(result.data, 0, *found)  # np.fromiter: 3x the time
-    counts = np.bincount(result)
-    if counts[counts.argmax()] > 1:  # argmax: .max() costs twice bincount in numpy's wrapper
-        raise InvalidArgument("a sequence appears twice in one batch")
-    return result
-
-
-@lru_cache(maxsize=64)
-def _int64s(n: int) -> struct.Struct:
-    """The packer of `n` native int64s (batches have few distinct sizes)."""
-    return struct.Struct(f"{n}q")
+    found = np.empty(len(seqs), dtype=np.int64)
+    looked = _rows.lookup_rows(rows, seqs, found)
+    if looked < len(seqs):
+        seq = seqs[looked]
+        if seq in rows:
+            raise InvalidArgument("a sequence appears twice in one batch")
+        raise SequenceNotFound(f"sequence {seq!r} does not exist")
+    return found
 
 
 def ragged_entries(rows: Int64Array, first: Int64Array,
