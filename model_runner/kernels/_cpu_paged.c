@@ -32,8 +32,10 @@
 #include <stdint.h>
 #include <string.h>
 
-/* a * b + c in one FMA where the copy has it: -std=c11 turns contraction off. */
-#pragma GCC optimize("fp-contract=fast")
+/* a * b + c in one FMA where the copy has it (-std=c11 turns contraction off), and selects
+ * and float-int conversions in loops without branches (nothing here reads the FP exception
+ * flags); no -ffast-math: NaN, infinities and the order of additions stay as written. */
+#pragma GCC optimize("fp-contract=fast", "no-trapping-math")
 /* The 8-lane helpers take and return vectors, which the portable copy's ABI would pass in
  * memory; they are always inlined, so no such call exists. */
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -98,6 +100,8 @@ HOT uint8_t f32_fp8(float f) {
  * subnormal) it is 0, as is e^-inf. */
 HOT float exp_nonpositive(float x) {
     const float round_magic = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
+    float in_range = (float)(x >= -87.0f);    /* 0 for -inf (and NaN, which stays NaN) */
+    x = x < -87.0f ? -87.0f : x;              /* no branch: the loops stay vectorized */
     float n = (x * 1.44269504f + round_magic) - round_magic;
     float r = x - n * 0.693145752f - n * 1.42860677e-6f;
     float p = 1.0f / 5040;
@@ -108,8 +112,7 @@ HOT float exp_nonpositive(float x) {
     p = p * r + 0.5f;
     p = p * r + 1.0f;
     p = p * r + 1.0f;
-    float scaled = p * bits_f32((uint32_t)((int32_t)n + 127) << 23);
-    return x < -87.0f ? 0.0f : scaled;
+    return p * bits_f32((uint32_t)((int32_t)n + 127) << 23) * in_range;
 }
 
 /* ---- rows: D contiguous elements ------------------------------------------------------- */
@@ -127,38 +130,26 @@ HOT const float *row_f32(const char *src, int dtype, int64_t n, float *tmp) {
     return tmp;
 }
 
-/* sum_d a[d] * b[d]: LANES partial sums, added up once at the end. */
-HOT float dot(const float *a, const float *b, int64_t n) {
-    v8f acc = {0};
-    int64_t d = 0;
-    for (; d + LANES <= n; d += LANES) acc += load8(a + d) * load8(b + d);
-    float sum = 0.0f;
-    for (int lane = 0; lane < LANES; lane++) sum += acc[lane];
-    for (; d < n; d++) sum += a[d] * b[d];
-    return sum;
+/* out[j] = sum of a[j]'s lanes, for 8 vectors at once: three rounds of pairwise sums (a
+ * transpose folded into the adds), instead of 8 separate horizontal sums. */
+typedef int v8i __attribute__((vector_size(LANES * sizeof(int))));
+HOT v8f pair_sums(const v8f *x, const v8f *y) {  /* x0+x1, x2+x3, y0+y1, y2+y3, x4+x5, ... */
+    return __builtin_shuffle(*x, *y, (v8i){0, 2, 8, 10, 4, 6, 12, 14})
+           + __builtin_shuffle(*x, *y, (v8i){1, 3, 9, 11, 5, 7, 13, 15});
 }
-
-/* acc += p * v. */
-HOT void add_scaled(float *acc, float p, const float *v, int64_t n) {
-    int64_t d = 0;
-    for (; d + LANES <= n; d += LANES) {
-        v8f sum = load8(acc + d) + load8(v + d) * p;
-        memcpy(acc + d, &sum, sizeof sum);
-    }
-    for (; d < n; d++) acc[d] += v[d] * p;
-}
-
-/* dst = src * factor (dst may hold anything before, NaN included). */
-HOT void scaled_copy(float *dst, const float *src, float factor, int64_t n) {
-    int64_t d = 0;
-    for (; d + LANES <= n; d += LANES) {
-        v8f scaled = load8(src + d) * factor;
-        memcpy(dst + d, &scaled, sizeof scaled);
-    }
-    for (; d < n; d++) dst[d] = src[d] * factor;
+HOT v8f lane_sums(const v8f *a) {
+    v8f pairs[4] = {pair_sums(&a[0], &a[1]), pair_sums(&a[2], &a[3]), pair_sums(&a[4], &a[5]),
+                    pair_sums(&a[6], &a[7])};
+    v8f low = pair_sums(&pairs[0], &pairs[1]);   /* a0..a3's sums over lanes 0-3, then 4-7 */
+    v8f high = pair_sums(&pairs[2], &pairs[3]);  /* the same of a4..a7 */
+    return __builtin_shuffle(low, high, (v8i){0, 1, 2, 3, 8, 9, 10, 11})
+           + __builtin_shuffle(low, high, (v8i){4, 5, 6, 7, 12, 13, 14, 15});
 }
 
 /* ---- decode attention ------------------------------------------------------------------ */
+
+/* Positions scored at once: one lane_sums. */
+#define TOKENS 8
 
 typedef struct {
     const char *k, *v;       /* the caches' first elements */
@@ -180,67 +171,105 @@ typedef struct {
     int64_t window;          /* 0: none */
 } Decode;
 
-/* Scratch of one (sequence, KV head): G running maxes and sums, G accumulator rows, a block's
- * G x block_size scores, and one converted K or V row. */
-typedef struct { float *m, *l, *acc, *scores, *row; } Scratch;
+/* Scratch of one call, reused by every (sequence, KV head): G running maxes and sums, G
+ * accumulator rows [G, D], a block's scores [G, B + TOKENS], a block's K and V rows as fp32
+ * [B, D] each (when the cache holds another dtype), and a zero row (past a block's last
+ * position, so that TOKENS positions are always scored together). */
+typedef struct { float *m, *l, *acc, *scores, *keys, *values, *zero; } Scratch;
+
+/* Rows [t0, t1) of a block, fp32: where row t lies (rows + t * stride). */
+typedef struct { const float *rows; int64_t stride; } Rows;
 
 HOT const char *cache_row(const Cache *c, const char *base, int64_t block, int64_t slot,
                           int64_t head) {
     return base + (block * c->stride_b + slot * c->stride_s + head * c->stride_h) * c->elem;
 }
 
-/* Scores of a block's positions [t0, t1) for the G query rows: scores[g * B + t]. */
-HOT void block_scores(const Decode *a, const float *const *q, int64_t group, int64_t block,
-                      int64_t head, int64_t t0, int64_t t1, Scratch *w) {
-    const Cache *c = &a->cache;
-    for (int64_t t = t0; t < t1; t++) {
-        const float *k = row_f32(cache_row(c, c->k, block, t, head), c->dtype, c->head_dim,
-                                 w->row);
-        for (int64_t g = 0; g < group; g++) {
-            float s = dot(q[g], k, c->head_dim) * a->scale;
-            if (a->cap > 0.0f) s = a->cap * tanhf(s / a->cap);
-            w->scores[g * c->block_size + t] = s;
+/* The block's rows of KV head `head` as fp32: in place for an fp32 cache, else converted into
+ * `tmp` (only rows [t0, t1)). */
+HOT Rows block_rows(const Cache *c, const char *base, int64_t block, int64_t head, int64_t t0,
+                    int64_t t1, float *tmp) {
+    if (c->dtype == DT_F32)
+        return (Rows){(const float *)cache_row(c, base, block, 0, head), c->stride_s};
+    for (int64_t t = t0; t < t1; t++)
+        row_f32(cache_row(c, base, block, t, head), c->dtype, c->head_dim, tmp + t * c->head_dim);
+    return (Rows){tmp, c->head_dim};
+}
+
+/* s_t = q . k_t * scale (then c * tanh(s_t / c) with a softcap) for positions [t0, t1) of the
+ * block, TOKENS at a time: LANES partial sums per position over D, then lane_sums.
+ * Positions past t1 read the zero row; their scores land past t1 and are never used. */
+HOT void block_scores(const Decode *a, const float *q, Rows k, int64_t t0, int64_t t1,
+                      float *scores, const float *zero) {
+    int64_t dim = a->cache.head_dim;
+    for (int64_t t = t0; t < t1; t += TOKENS) {
+        const float *row[TOKENS];
+        v8f acc[TOKENS] = {{0}};
+        for (int j = 0; j < TOKENS; j++) row[j] = t + j < t1 ? k.rows + (t + j) * k.stride : zero;
+        int64_t d = 0;
+        for (; d + LANES <= dim; d += LANES) {
+            v8f qd = load8(q + d);
+            for (int j = 0; j < TOKENS; j++) acc[j] += qd * load8(row[j] + d);
         }
+        v8f s = lane_sums(acc);
+        for (; d < dim; d++)  /* the tail of a D that is no multiple of LANES */
+            for (int j = 0; j < TOKENS; j++) s[j] += q[d] * row[j][d];
+        s *= a->scale;
+        for (int j = 0; j < TOKENS; j++) scores[t + j] = s[j];
+    }
+    if (a->cap > 0.0f)
+        for (int64_t t = t0; t < t1; t++) scores[t] = a->cap * tanhf(scores[t] / a->cap);
+}
+
+/* Online softmax over the block for one query row: m' = max(m, max_t s_t); the scores
+ * become p_t = exp(s_t - m'); l = l * exp(m - m') + sum_t p_t; returns exp(m - m'), the
+ * factor acc must be rescaled by (0 on the first block: m = -inf). */
+HOT float block_softmax(float *scores, int64_t t0, int64_t t1, float *m, float *l) {
+    float m_new = *m, sum = 0.0f;
+    for (int64_t t = t0; t < t1; t++) m_new = scores[t] > m_new ? scores[t] : m_new;
+    for (int64_t t = t0; t < t1; t++) scores[t] = exp_nonpositive(scores[t] - m_new);
+    for (int64_t t = t0; t < t1; t++) sum += scores[t];
+    float alpha = exp_nonpositive(*m - m_new);
+    *l = *l * alpha + sum;
+    *m = m_new;
+    return alpha;
+}
+
+/* acc = acc * alpha + sum_t p_t * v_t over positions [t0, t1), CHAINS x LANES columns at a
+ * time: their sums stay in registers across the positions, CHAINS independent FMA chains. */
+#define CHAINS 4
+HOT void block_values(float *acc, float alpha, const float *p, Rows v, int64_t t0, int64_t t1,
+                      int64_t dim) {
+    int64_t d = 0;
+    for (; d + CHAINS * LANES <= dim; d += CHAINS * LANES) {
+        v8f sum[CHAINS];
+        for (int i = 0; i < CHAINS; i++) sum[i] = load8(acc + d + i * LANES) * alpha;
+        for (int64_t t = t0; t < t1; t++)
+            for (int i = 0; i < CHAINS; i++)
+                sum[i] += load8(v.rows + t * v.stride + d + i * LANES) * p[t];
+        memcpy(acc + d, sum, sizeof sum);
+    }
+    for (; d + LANES <= dim; d += LANES) {  /* one chain: what is left of a D like 80 */
+        v8f sum = load8(acc + d) * alpha;
+        for (int64_t t = t0; t < t1; t++) sum += load8(v.rows + t * v.stride + d) * p[t];
+        memcpy(acc + d, &sum, sizeof sum);
+    }
+    for (; d < dim; d++) {  /* the tail of a D that is no multiple of LANES */
+        float sum = acc[d] * alpha;
+        for (int64_t t = t0; t < t1; t++) sum += v.rows[t * v.stride + d] * p[t];
+        acc[d] = sum;
     }
 }
 
-/* Online softmax over the block: m' = max(m, max_t s_t); rescale l and acc by exp(m - m');
- * the scores become p_t = exp(s_t - m'), and l += sum_t p_t. */
-HOT void block_softmax(const Cache *c, int64_t group, int64_t t0, int64_t t1, Scratch *w) {
-    for (int64_t g = 0; g < group; g++) {
-        float *s = w->scores + g * c->block_size, m_new = w->m[g];
-        for (int64_t t = t0; t < t1; t++) m_new = s[t] > m_new ? s[t] : m_new;
-        float alpha = exp_nonpositive(w->m[g] - m_new), sum = 0.0f;  /* 0 on the first block */
-        for (int64_t t = t0; t < t1; t++) s[t] = exp_nonpositive(s[t] - m_new);
-        for (int64_t t = t0; t < t1; t++) sum += s[t];
-        w->l[g] = w->l[g] * alpha + sum;
-        w->m[g] = m_new;
-        float *acc = w->acc + g * c->head_dim;
-        scaled_copy(acc, acc, alpha, c->head_dim);
-    }
-}
-
-/* acc_g += sum_t p_t * v_t over the block's positions. */
-HOT void block_values(const Cache *c, int64_t group, int64_t block, int64_t head, int64_t t0,
-                      int64_t t1, Scratch *w) {
-    for (int64_t t = t0; t < t1; t++) {
-        const float *v = row_f32(cache_row(c, c->v, block, t, head), c->dtype, c->head_dim,
-                                 w->row);
-        for (int64_t g = 0; g < group; g++)
-            add_scaled(w->acc + g * c->head_dim, w->scores[g * c->block_size + t], v,
-                       c->head_dim);
-    }
-}
-
-/* One sequence's GQA group of KV head `head`: its blocks from the window's first position. */
+/* One sequence's GQA group of KV head `head` (query heads head * G .. head * G + G - 1),
+ * block by block from the block of the window's first position. */
 HOT void attend_group(const Decode *a, int64_t seq, int64_t head, Scratch *w) {
     const Cache *c = &a->cache;
     int64_t group = a->num_q_heads / c->num_kv_heads, bs = c->block_size, dim = c->head_dim;
     int64_t len = a->lens[seq * a->stride_l];
     int64_t first = a->window && len > a->window ? len - a->window : 0;
-    const float *q[group];
+    const float *q = a->q + seq * a->stride_qs + head * group * a->stride_qh;
     for (int64_t g = 0; g < group; g++) {
-        q[g] = a->q + seq * a->stride_qs + (head * group + g) * a->stride_qh;
         w->m[g] = -INFINITY;
         w->l[g] = 0.0f;
         memset(w->acc + g * dim, 0, (size_t)dim * sizeof(float));
@@ -249,13 +278,18 @@ HOT void attend_group(const Decode *a, int64_t seq, int64_t head, Scratch *w) {
         int64_t block = a->tables[seq * a->stride_ts + b * a->stride_tb];
         int64_t t0 = first > b * bs ? first - b * bs : 0;
         int64_t t1 = len - b * bs < bs ? len - b * bs : bs;
-        block_scores(a, q, group, block, head, t0, t1, w);
-        block_softmax(c, group, t0, t1, w);
-        block_values(c, group, block, head, t0, t1, w);
+        Rows k = block_rows(c, c->k, block, head, t0, t1, w->keys);
+        Rows v = block_rows(c, c->v, block, head, t0, t1, w->values);
+        for (int64_t g = 0; g < group; g++) {
+            float *scores = w->scores + g * (bs + TOKENS);
+            block_scores(a, q + g * a->stride_qh, k, t0, t1, scores, w->zero);
+            float alpha = block_softmax(scores, t0, t1, w->m + g, w->l + g);
+            block_values(w->acc + g * dim, alpha, scores, v, t0, t1, dim);
+        }
     }
+    float *out = a->out + (seq * a->num_q_heads + head * group) * dim;
     for (int64_t g = 0; g < group; g++)  /* l > 0: the newest position is always seen */
-        scaled_copy(a->out + (seq * a->num_q_heads + head * group + g) * dim, w->acc + g * dim,
-                    1.0f / w->l[g], dim);
+        for (int64_t d = 0; d < dim; d++) out[g * dim + d] = w->acc[g * dim + d] / w->l[g];
 }
 
 HOT void decode_all(const Decode *a, Scratch *w) {
@@ -399,11 +433,14 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     a.cap = (float)cap;
     if (check_tables(&a) < 0) return NULL;
     int64_t group = a.num_q_heads / a.cache.num_kv_heads, dim = a.cache.head_dim;
-    size_t floats = (size_t)(2 * group + group * dim + group * a.cache.block_size + dim);
-    float *buffer = PyMem_RawMalloc(floats * sizeof(float));
+    int64_t bs = a.cache.block_size, sizes[7] = {group, group, group * dim, group * (bs + TOKENS),
+                                                  bs * dim, bs * dim, dim};
+    float *buffer = PyMem_RawCalloc((size_t)(sizes[0] + sizes[1] + sizes[2] + sizes[3] + sizes[4]
+                                             + sizes[5] + sizes[6]), sizeof(float));
     if (!buffer) return PyErr_NoMemory();
-    Scratch w = {buffer, buffer + group, buffer + 2 * group, buffer + 2 * group + group * dim,
-                 buffer + 2 * group + group * dim + group * a.cache.block_size};
+    float *parts[7];
+    for (int i = 0, at = 0; i < 7; at += sizes[i], i++) parts[i] = buffer + at;
+    Scratch w = {parts[0], parts[1], parts[2], parts[3], parts[4], parts[5], parts[6]};
     Py_BEGIN_ALLOW_THREADS
     if (use_avx2()) decode_avx2(&a, &w);
     else decode_portable(&a, &w);

@@ -54,7 +54,7 @@ def test_decode_window_and_softcap_match_the_twin(window, softcap, dtype):
     assert_close_to(out, expected, dtype)
 
 
-@pytest.mark.parametrize("head_dim", [20, 36])  # a tail past the 8-lane rows
+@pytest.mark.parametrize("head_dim", [20, 36, 48, 80])  # chains, one chain, a lane tail
 def test_decode_head_dims_off_the_lanes(head_dim):
     batch = make_paged_batch([5, 37], 8, 1, head_dim, torch.float32, "cpu")
     query = random_tokens(2, 2, head_dim, torch.float32, "cpu")
