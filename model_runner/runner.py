@@ -23,7 +23,7 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Self
+from typing import Self, TypeVar
 
 import numpy as np
 import torch
@@ -66,8 +66,9 @@ class StepInputs:
     input_ids: torch.Tensor
     # [1, T] each token's position in its own sequence (rotary embeddings need them).
     position_ids: torch.Tensor
-    # [S] index in the packed row of each chunk's last token: the logits kept.
-    last_token_index: torch.Tensor
+    # The logits kept (transformers' logits_to_keep): [S] the index in the packed row of each
+    # chunk's last token, or 0, every row in order (a decode step: no gather of the rows).
+    last_token_index: torch.Tensor | int
     # The kernels' view of the batch.
     context: PagedContext
 
@@ -188,90 +189,97 @@ class ModelRunner:
         """Pack and validate the chunks on the host (numpy), then move them to the pool's device
         in one host-to-device copy of one packed buffer, of which the inputs are views.
         Sequences that bring one token are packed first (PagedContext.num_decodes); the logits
-        still come back in chunk order."""
+        still come back in chunk order. A decode step (one token per chunk) keeps its order,
+        and every numpy op it skips is ~1 us of a step's host time."""
         _check_chunks(chunks)
         num_seqs = len(chunks)
         lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, num_seqs)  # [S]
-        # packed sequence -> its chunk: one-token chunks first, each kind in chunk order
-        order = np.argsort(lens != 1, kind="stable")
-        chunks, lens = [chunks[i] for i in order], lens[order]
+        num_tokens = int(lens.sum())
+        decode = num_tokens == num_seqs  # one token per sequence
+        if not decode:  # packed sequence -> its chunk: one-token chunks first, in chunk order
+            order = np.argsort(lens != 1, kind="stable")
+            chunks, lens = [chunks[i] for i in order], lens[order]
         starts = np.fromiter((c.start for c in chunks), np.int64, num_seqs)  # [S]
         table_lens = np.fromiter((len(c.block_table) for c in chunks), np.int64, num_seqs)
-        num_tokens, width = int(lens.sum()), int(table_lens.max())
-        buffer = PackedBuffer([
-            ("input_ids", np.int64, (num_tokens,)), ("positions", np.int64, (num_tokens,)),
-            ("slots", np.int64, (num_tokens,)), ("last", np.int64, (num_seqs,)),
-            ("tables", np.int32, (num_seqs, width)), ("seq_lens", np.int32, (num_seqs,)),
-            ("query_start_loc", np.int32, (num_seqs + 1,)),
-        ])
+        buffer = PackedBuffer(_step_fields(num_tokens, num_seqs, int(table_lens.max()), decode))
         host = buffer.host
-        token_ids = _flatten((c.token_ids for c in chunks), num_tokens)  # [T]
+        token_ids = host["input_ids"][0]  # [T]
+        token_ids[:] = _flatten((c.token_ids for c in chunks), num_tokens)
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
-        query_start_loc = np.zeros(num_seqs + 1, np.int64)
-        np.cumsum(lens, out=query_start_loc[1:])
-        if num_tokens == num_seqs:  # decode: one token per sequence
-            seq_of, positions = np.arange(num_seqs), starts
+        seq_lens = starts + lens  # [S]
+        if decode:
+            seq_of, positions = np.arange(num_seqs), starts  # [T] = [S]
+            host["query_start_loc"][:] = np.arange(num_seqs + 1)
         else:
+            query_start_loc = np.zeros(num_seqs + 1, np.int64)
+            np.cumsum(lens, out=query_start_loc[1:])
             seq_of = np.repeat(np.arange(num_seqs), lens)  # [T]
             positions = np.arange(num_tokens) - query_start_loc[seq_of] + starts[seq_of]
-        slots = _flatten((c.slot_mapping for c in chunks), num_tokens)  # [T]
-        tables = np.zeros((num_seqs, width), np.int64)  # [S, width], padded with block 0
-        tables[np.arange(width) < table_lens[:, None]] = _flatten(
-            (c.block_table for c in chunks), int(table_lens.sum()))
-        self._check_tables(tables, table_lens, starts + lens, seq_of, positions, slots)
-        host["input_ids"][:] = token_ids
-        host["positions"][:] = positions
-        host["slots"][:] = slots
-        host["last"][order] = query_start_loc[1:] - 1  # chunk i's last token, for chunk i
-        host["tables"][:] = tables
-        host["seq_lens"][:] = starts + lens
-        host["query_start_loc"][:] = query_start_loc
+            host["query_start_loc"][:] = query_start_loc
+            host["last"][order] = query_start_loc[1:] - 1  # chunk i's last token, for chunk i
+        host["positions"][0] = positions
+        host["slots"][:] = _flatten((c.slot_mapping for c in chunks), num_tokens)
+        host["seq_lens"][:] = seq_lens
+        self._fill_tables(host["tables"], chunks, table_lens, seq_lens)
+        self._check_slots(host["tables"], seq_of, positions, host["slots"])
         device = buffer.to(self.pool.device)
-        num_decodes = int((lens == 1).sum())
+        num_decodes = num_seqs if decode else int((lens == 1).sum())
         context = PagedContext(
             backend=self.backend, pool=self.pool, slot_mapping=device["slots"],
             block_tables=device["tables"], seq_lens=device["seq_lens"],
             query_start_loc=device["query_start_loc"], num_decodes=num_decodes,
-            max_decode_len=int((starts + lens)[:num_decodes].max(initial=0)),
-            max_q_len=int(lens[num_decodes:].max(initial=0)) or None)
-        return StepInputs(device["input_ids"][None], device["positions"][None], device["last"],
-                          context)
+            max_decode_len=int(seq_lens[:num_decodes].max(initial=0)),
+            max_q_len=None if decode else int(lens[num_decodes:].max(initial=0)) or None)
+        return StepInputs(device["input_ids"], device["positions"],
+                          0 if decode else device["last"], context)
 
-    def _check_tables(self, tables: np.ndarray, table_lens: np.ndarray, seq_lens: np.ndarray,
-                      seq_of: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
-        """Each table covers its sequence with pool blocks, and each slot is -1 or the slot of
-        its token's position in its table (so a runner whose tables went stale fails here)."""
-        block_size, num_blocks = self.block_size, self.pool.shape[0]
-        if bool((table_lens < blocks_for(seq_lens, block_size)).any()):
+    def _fill_tables(self, tables: np.ndarray, chunks: Sequence[SequenceChunk],
+                     table_lens: np.ndarray, seq_lens: np.ndarray) -> None:
+        """Write the chunks' block tables into `tables` [S, width] (padded with block 0) once
+        each table covers its sequence with pool blocks."""
+        if bool((table_lens * self.block_size < seq_lens).any()):
             raise ValueError("a block table is shorter than its sequence")
-        used = tables[np.arange(tables.shape[1]) < table_lens[:, None]]
+        used = _flatten((c.block_table for c in chunks), int(table_lens.sum()))
+        num_blocks = self.pool.shape[0]
         if int(used.min()) < 0 or int(used.max()) >= num_blocks:
             raise ValueError(f"block ids must be in [0, {num_blocks})")
-        expected = tables[seq_of, positions // block_size] * block_size + positions % block_size
+        tables.fill(0)
+        tables[np.arange(tables.shape[1]) < table_lens[:, None]] = used
+
+    def _check_slots(self, tables: np.ndarray, seq_of: np.ndarray, positions: np.ndarray,
+                     slots: np.ndarray) -> None:
+        """Each slot is -1 or the slot of its token's position in its table (so a runner whose
+        tables went stale fails here)."""
+        block, offset = np.divmod(positions, self.block_size)
+        expected = tables[seq_of, block] * np.int64(self.block_size) + offset  # int64: no wrap
         if bool(((slots != expected) & (slots != -1)).any()):
             raise ValueError("a slot is neither -1 nor its token's slot in the block table")
+
+
+# A PackedBuffer's arrays: (name, dtype, shape) each.
+Fields = tuple[tuple[str, type[np.integer], tuple[int, ...]], ...]
 
 
 class PackedBuffer:
     """Host arrays laid out back to back (each 16-byte aligned) in one byte buffer, so that they
     cross to a device in one copy and arrive as views of one device tensor.
 
-        buffer = PackedBuffer([("ids", np.int64, (T,)), ("tables", np.int32, (S, W))])
+        buffer = PackedBuffer((("ids", np.int64, (T,)), ("tables", np.int32, (S, W))))
         buffer.host["ids"][:] = ...                    # fill the numpy views
         on_device = buffer.to(device)                  # {"ids": tensor, "tables": tensor}
     """
 
     ALIGN = 16  # bytes: every array starts at a multiple (int64 views, vectorized loads)
 
-    def __init__(self, fields: Sequence[tuple[str, type[np.integer], tuple[int, ...]]]) -> None:
-        # name -> (dtype, first element in the buffer viewed as dtype, shape)
-        self.layout, end = _layout(tuple(fields), self.ALIGN)
+    def __init__(self, fields: Fields) -> None:
+        # name -> (dtype, its elements' span in the buffer viewed as dtype, shape)
+        self.layout, end = _layout(fields, self.ALIGN)
         self.bytes = np.empty(end, np.uint8)
         # The numpy view of each array, to fill on the host.
         typed = {dtype: self.bytes.view(dtype) for dtype, _, _ in self.layout.values()}
-        self.host = {name: typed[dtype][first:first + math.prod(shape)].reshape(shape)
-                     for name, (dtype, first, shape) in self.layout.items()}
+        self.host = {name: _shaped(typed[dtype][span], shape)
+                     for name, (dtype, span, shape) in self.layout.items()}
 
     def to(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Every array as a view of ONE copy of the buffer on `device`; on the CPU the host
@@ -280,29 +288,44 @@ class PackedBuffer:
             return {name: torch.from_numpy(array) for name, array in self.host.items()}
         packed = torch.from_numpy(self.bytes).to(device)
         typed = {dtype: packed.view(_TORCH_DTYPES[dtype]) for dtype, _, _ in self.layout.values()}
-        views = {}
-        for name, (dtype, first, shape) in self.layout.items():
-            view = typed[dtype][first:first + math.prod(shape)]
-            views[name] = view if len(shape) == 1 else view.view(shape)
-        return views
+        return {name: _shaped(typed[dtype][span], shape)
+                for name, (dtype, span, shape) in self.layout.items()}
 
 
-# name -> (dtype, first element in the buffer viewed as dtype, shape)
-Layout = dict[str, tuple[np.dtype, int, tuple[int, ...]]]
+# name -> (dtype, its elements' span in the buffer viewed as dtype, shape)
+Layout = dict[str, tuple[np.dtype, slice, tuple[int, ...]]]
 
 
 @functools.lru_cache(maxsize=64)
-def _layout(fields: tuple[tuple[str, type[np.integer], tuple[int, ...]], ...],
-            align: int) -> tuple[Layout, int]:
-    """Where each field starts in a PackedBuffer, and the buffer's bytes: one computation per
+def _layout(fields: Fields, align: int) -> tuple[Layout, int]:
+    """Where each field lies in a PackedBuffer, and the buffer's bytes: one computation per
     batch shape (decode steps repeat a few), not per step. Callers only read the dict."""
     layout: Layout = {}
     end = 0
     for name, dtype, shape in fields:
-        itemsize = np.dtype(dtype).itemsize
-        layout[name] = (np.dtype(dtype), end // itemsize, shape)
-        end += ceil_div(itemsize * math.prod(shape), align) * align
+        itemsize, size = np.dtype(dtype).itemsize, math.prod(shape)
+        layout[name] = (np.dtype(dtype), slice(end // itemsize, end // itemsize + size), shape)
+        end += ceil_div(itemsize * size, align) * align
     return layout, end
+
+
+@functools.lru_cache(maxsize=64)
+def _step_fields(num_tokens: int, num_seqs: int, width: int, decode: bool) -> Fields:
+    """The arrays of a step of `num_seqs` sequences bringing `num_tokens` tokens, with tables
+    `width` blocks wide: built once per batch shape, not per step. input_ids and positions are
+    the model's [1, T] rows as they are; a decode step keeps every row, so it has no `last`."""
+    last = () if decode else (("last", np.int64, (num_seqs,)),)
+    return (("input_ids", np.int64, (1, num_tokens)), ("positions", np.int64, (1, num_tokens)),
+            ("slots", np.int64, (num_tokens,)), *last, ("tables", np.int32, (num_seqs, width)),
+            ("seq_lens", np.int32, (num_seqs,)), ("query_start_loc", np.int32, (num_seqs + 1,)))
+
+
+ArrayOrTensor = TypeVar("ArrayOrTensor", np.ndarray, torch.Tensor)
+
+
+def _shaped(flat: ArrayOrTensor, shape: tuple[int, ...]) -> ArrayOrTensor:
+    """A flat view in `shape`; the view itself when it is 1-D (no reshape op)."""
+    return flat if len(shape) == 1 else flat.reshape(shape)
 
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
