@@ -19,7 +19,8 @@ tile of the window's first position; `softcap` caps the scaled scores (paged_til
 The torch version groups the sequences by context length (length_groups), gathers each group's
 contexts (only the window's blocks) padded to its longest with one index_select per cache, and
 attends with the query heads of a KV head as rows of one SDPA call (paged_prefill.attend): it is
-the CPU backend and the tests' reference.
+the "torch" backend and the tests' reference. The CPU's default backend decodes in C instead
+(cpu_paged), reading the pool in place.
 """
 
 from dataclasses import dataclass
@@ -61,7 +62,7 @@ STAGES = 2
 PROGRAMS_PER_SM = 2
 MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64
-# Torch decode (the CPU backend) pads a batch's contexts to the longest; it splits the batch into
+# Torch decode ("torch" backend) pads a batch's contexts to the longest; it splits the batch into
 # groups of similar length when a split saves at least this many gathered K elements (padded
 # positions x H_kv x D), about what the split's extra ops cost on a CPU.
 GROUP_MIN_SAVED = 1 << 17

@@ -14,11 +14,12 @@ cached prefix (a prefix-cache hit, or earlier chunks of a chunked prefill) is re
 recomputed.
 
 The Triton kernel runs one program per (sequence, query head, BLOCK_M query rows) and walks the
-context in TILE_N-position tiles (paged_tile.attend_tile). The torch version is the CPU backend
-and the tests' reference, with no loop over sequences or tokens: it pads the queries to the
-longest chunk, gathers every context padded to the longest with one index_select per cache
-(gather_context), and runs one masked SDPA call in fp32 (attend), which holds no score matrix;
-with a softcap, which SDPA lacks, it holds [S, H_q, max_q_len, max_seq_len] fp32 scores at once.
+context in TILE_N-position tiles (paged_tile.attend_tile). The torch version is the CPU's prefill
+(in the "cpu" and the "torch" backends) and the tests' reference, with no loop over sequences or
+tokens: it pads the queries to the longest chunk, gathers every context padded to the longest
+with one index_select per cache (gather_context), and runs one masked SDPA call in fp32 (attend),
+which holds no score matrix; with a softcap, which SDPA lacks, it holds [S, H_q, max_q_len,
+max_seq_len] fp32 scores at once.
 """
 
 import math

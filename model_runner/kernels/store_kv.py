@@ -4,9 +4,10 @@
     k/v_cache:     [num_blocks, block_size, H_kv, D]   one layer's view of the pool
     slot_mapping:  [T] int64      slot = block * block_size + offset; -1 = padding, skipped
 
-Two implementations with one interface: a Triton kernel (one program per token, all heads in one
-tile) and a vectorized torch version that is the CPU backend and the tests' reference. Slots must
-be distinct; a slot written twice in one call holds one of the two rows, unspecified which.
+Two implementations with one interface here: a Triton kernel (one program per token, all heads in
+one tile) and a vectorized torch version that is the "torch" backend and the tests' reference (the
+CPU's default backend writes in C: cpu_paged). Slots must be distinct; a slot written twice in one
+call holds one of the two rows, unspecified which.
 
 An fp8 cache (paged_checks.FP8_CACHE_DTYPE) quantizes: each element is clamped to +-FP8_MAX
 (e4m3 has no inf: a larger value saturates, as vLLM's scaled_fp8_quant does) and rounded to
