@@ -29,6 +29,8 @@ def claim_keys(blocks: list[int], key_of: list[bytes | None], parent_of: list[by
 def set_keys(blocks: _Ints, keys: list[bytes], parents: list[bytes], tokens: _Ints,
              key_of: list[bytes | None], parent_of: list[bytes | None], committed: bytearray,
              tokens_of: _Ints) -> None: ...
+def chain_keys(parent: bytes, tokens: _Ints, block_size: int,
+               digest: Callable[[bytes], bytes]) -> list[bytes]: ...
 def seal_blocks(rows: _Ints, blocks: _Ints, partial: _Ints, chain_key: list[bytes],
                 digest: Callable[[bytes], bytes], key_of: list[bytes | None],
                 parent_of: list[bytes | None], committed: bytearray,

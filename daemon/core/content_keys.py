@@ -27,6 +27,8 @@ from typing import Literal
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.daemon.core import _rows
+
 # The `prefix_hash` setting's values: the hash of the content keys.
 PrefixHash = Literal["sha256", "xxh3_128"]
 PREFIX_HASHES: tuple[PrefixHash, ...] = ("sha256", "xxh3_128")
@@ -67,21 +69,7 @@ class ContentKeys:
 
     def chain(self, parent: bytes, tokens: npt.NDArray[np.int64]) -> list[bytes]:
         """Keys of consecutive full blocks (token ids [n, block_size]) following the block
-        keyed `parent`: each block's parent is the one before it. One buffer, each block hashed
-        once."""
-        data, width, digest = tokens.tobytes(), tokens.shape[1] * tokens.itemsize, self.digest
-        keys = []
-        for start in range(0, len(data), width):
-            parent = digest(parent + data[start:start + width])  # `block`, inline
-            keys.append(parent)
-        return keys
-
-    def blocks(self, parents: list[bytes], tokens: npt.NDArray[np.int64]) -> list[bytes]:
-        """Keys of full blocks (token ids [n, block_size]) of different chains, under their
-        parents' keys: the blocks a decode step filled. One buffer, one loop."""
-        data, width, digest = tokens.tobytes(), tokens.shape[1] * tokens.itemsize, self.digest
-        keys, start = [], 0
-        for parent in parents:
-            keys.append(digest(parent + data[start:start + width]))  # `block`, inline
-            start += width
-        return keys
+        keyed `parent`: each block's parent is the one before it. One compiled loop
+        (`_rows.chain_keys`), each block hashed once with `digest`."""
+        return _rows.chain_keys(parent, np.ascontiguousarray(tokens, dtype=np.int64),
+                                tokens.shape[1], self.digest)

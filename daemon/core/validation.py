@@ -9,17 +9,23 @@ from pagedkv.daemon.core.errors import InvalidArgument
 from pagedkv.daemon.core.seq_table import Int64Array
 
 TokenIds = Sequence[int] | npt.NDArray[np.integer]
+# What `count` accepts as an integer (bools excepted).
+_INTEGERS = (int, np.integer)
 
 
 def count(value: int, name: str, minimum: int) -> int:
     """An integer count >= `minimum` (bools are not counts)."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
+    if type(value) is int and value >= minimum:  # the usual case, first: a call per op
+        return value
+    if isinstance(value, bool) or not isinstance(value, _INTEGERS) or value < minimum:
         raise InvalidArgument(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
 
 
 def as_int64(token_ids: npt.ArrayLike) -> Int64Array:
     """Token ids as an int64 array, or InvalidArgument if they are not integers."""
+    if type(token_ids) is np.ndarray and token_ids.dtype == np.int64:  # as is: no copy
+        return token_ids
     try:
         tokens = np.asarray(token_ids)
         if tokens.size and tokens.dtype.kind not in "iu":
