@@ -11,6 +11,7 @@ import dataclasses
 import urllib.request
 from collections.abc import AsyncIterator, Iterator, Sequence
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,7 +21,7 @@ from pagedkv.client import PoolClient, Session
 from pagedkv.model_runner.engine.steps import StepNotComputed
 from pagedkv.model_runner.kernels.attention_backend import BackendName, get_backend
 from pagedkv.model_runner.kernels.paged_attention import CONTEXT_KWARG
-from pagedkv.model_runner.runner import ModelRunner, SequenceChunk
+from pagedkv.model_runner.runner import ModelRunner, PackedBuffer, SequenceChunk
 
 from engine_driver import greedy
 from kernel_utils import skip_unless_triton_runs_on
@@ -275,3 +276,38 @@ def test_paged_attention_refuses_calls_it_cannot_compute(model: LlamaForCausalLM
         model(inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
               sliding_window=2, **{CONTEXT_KWARG: inputs.context})
     assert not pool.any()  # refused before the first store
+
+
+def test_prepare_keeps_a_decode_step_in_order_and_packs_decodes_first_otherwise(
+    model: LlamaForCausalLM,
+) -> None:
+    pool = torch.zeros(4, 2, 2, BLOCK_SIZE, 2, 16)
+    runner = ModelRunner(model, pool, BLOCK_SIZE, get_backend("torch"))
+    decodes = [SequenceChunk([7], 20, [2 * BLOCK_SIZE + 4], [1, 2]),
+               SequenceChunk([8], 3, [3], [0])]
+    inputs = runner.prepare(decodes)
+    # In chunk order, every row's logits kept (no gather).
+    assert inputs.last_token_index == 0 and inputs.input_ids.tolist() == [[7, 8]]
+    assert inputs.position_ids.tolist() == [[20, 3]]
+    assert inputs.context.block_tables.tolist() == [[1, 2], [0, 0]]  # padded with block 0
+    assert inputs.context.num_decodes == 2 and inputs.context.max_decode_len == 21
+    mixed = [SequenceChunk([5, 6, 7], 0, [48, 49, 50], [3]), decodes[1]]
+    inputs = runner.prepare(mixed)
+    # The decode packs first; each chunk's logits row is its last token, in chunk order.
+    assert inputs.input_ids.tolist() == [[8, 5, 6, 7]]
+    assert inputs.position_ids.tolist() == [[3, 0, 1, 2]]
+    assert isinstance(inputs.last_token_index, torch.Tensor)
+    assert inputs.last_token_index.tolist() == [3, 0]
+    assert inputs.context.query_start_loc.tolist() == [0, 1, 4]
+    assert inputs.context.num_decodes == 1 and inputs.context.max_q_len == 3
+
+
+def test_a_packed_buffer_crosses_to_a_device_as_views_of_one_copy() -> None:
+    buffer = PackedBuffer((("ids", np.int64, (1, 3)), ("tables", np.int32, (2, 5))))
+    on_meta = buffer.to(torch.device("meta"))  # a device that is not the CPU, with no memory
+    assert {name: (t.shape, t.dtype) for name, t in on_meta.items()} == {
+        "ids": ((1, 3), torch.int64), "tables": ((2, 5), torch.int32)}
+    # One storage of the buffer's bytes, each field rounded up to 16 bytes: the ids' 24 take 32,
+    # so the tables start at int32 element 8, and their 40 take 48.
+    assert on_meta["tables"].untyped_storage().nbytes() == buffer.bytes.nbytes == 32 + 48
+    assert on_meta["tables"].storage_offset() == 8
