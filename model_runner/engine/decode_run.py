@@ -36,6 +36,7 @@ from pagedkv.model_runner.engine.sampling import Pick, SamplingRow
 from pagedkv.model_runner.engine.sequences import SeqState, SessionSequences
 from pagedkv.model_runner.engine.sessions import SessionEntry
 from pagedkv.model_runner.runner import SequenceChunk
+from pagedkv.vocab.blocks import slot_of
 
 
 def seq_output(seq_id: int, state: SeqState, pick: Pick | None, max_model_len: int) -> SeqOutput:
@@ -134,7 +135,7 @@ class DecodeRun:
                 state.tokens.append(token)
             position = len(state.tokens) - 1
             chunks.append(SequenceChunk((token,), position,
-                                        state.slots(position, position + 1, self.block_size),
+                                        [slot_of(state.block_table, position, self.block_size)],
                                         state.block_table))
         self.appended = False
         return chunks

@@ -65,15 +65,24 @@ class RunnerMetrics:
             "again: those past the daemon's committed tokens (the step's new token not "
             "counted).",
             registry=registry)
+        # The labelled series fed on every forward and every decode run step, looked up once
+        # (a `labels()` call takes a lock and builds a key: the forward thread pays it per step).
+        self._prefill_tokens = self._kind.labels("prefill")
+        self._decode_tokens = self._kind.labels("decode")
+        self._ahead_computed = self._ahead.labels("computed")
+        self._ahead_used = self._ahead.labels("used")
+        self._decode_idle_wait = self._decode_starts.labels("idle_wait")
+        self._decode_queued = self._decode_starts.labels("queued")
+        self._pushes_answered = self._pushes.labels("answered")
 
     def recomputed(self, num_tokens: int) -> None:
         self._recomputed.inc(num_tokens)
 
     def push(self, ok: bool) -> None:
-        self._pushes.labels("answered" if ok else "failed").inc()
+        (self._pushes_answered if ok else self._pushes.labels("failed")).inc()
 
     def decode_forward(self, waited: bool) -> None:
-        self._decode_starts.labels("idle_wait" if waited else "queued").inc()
+        (self._decode_idle_wait if waited else self._decode_queued).inc()
 
     def daemon_steps(self, entries: int) -> None:
         self._daemon_steps.observe(entries)
@@ -85,10 +94,10 @@ class RunnerMetrics:
         self._wait.observe(seconds)
 
     def ahead_computed(self, num_tokens: int) -> None:
-        self._ahead.labels("computed").inc(num_tokens)
+        self._ahead_computed.inc(num_tokens)
 
     def ahead_used(self, num_tokens: int) -> None:
-        self._ahead.labels("used").inc(num_tokens)
+        self._ahead_used.inc(num_tokens)
 
     def ahead_failed(self, num_tokens: int) -> None:
         self._ahead.labels("failed").inc(num_tokens)
@@ -98,5 +107,5 @@ class RunnerMetrics:
         self._forward.observe(seconds)
         self._seqs.observe(num_seqs)
         self._tokens.observe(prefill_tokens + decode_tokens)
-        self._kind.labels("prefill").inc(prefill_tokens)
-        self._kind.labels("decode").inc(decode_tokens)
+        self._prefill_tokens.inc(prefill_tokens)
+        self._decode_tokens.inc(decode_tokens)

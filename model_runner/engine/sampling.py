@@ -39,6 +39,7 @@ completes the constraint finishes the row too (`Pick.constraint_ended`), stop id
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -54,9 +55,10 @@ from pagedkv.model_runner.engine.penalties import (
 _M64 = 2**64 - 1
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingRow:
-    """One sequence of the batch, as the sampler needs it."""
+class SamplingRow(NamedTuple):
+    """One sequence of the batch, as the sampler needs it (a named tuple, as Pick: one of each
+    is made per sequence per step on the forward thread, ~0.2 us against ~0.8 us for a frozen
+    dataclass)."""
 
     # The sequence's sampling parameters.
     params: SamplingParams
@@ -86,8 +88,7 @@ class SampledTokens:
     finished: torch.Tensor
 
 
-@dataclass(frozen=True, slots=True)
-class Pick:
+class Pick(NamedTuple):
     """One row's sampled token as Python values (what a step's answer carries)."""
 
     token_id: int
@@ -106,7 +107,12 @@ def picks(sampled: SampledTokens, rows: Sequence[SamplingRow]) -> list[Pick]:
     """Each row's result on the host: one device-to-host copy per field, not one per row. A
     constrained row's matcher accepts its token here (the forward thread's, like the masks)."""
     tokens, finished = sampled.token_ids.tolist(), sampled.finished.tolist()
-    logprobs = [0.0] * len(rows) if sampled.logprobs is None else sampled.logprobs.tolist()
+    ended = [row.grammar is not None and row.grammar.accept(token)
+             for row, token in zip(rows, tokens, strict=True)]
+    if sampled.logprobs is None:  # no row asked for logprobs (a decode step's usual case)
+        return [Pick(token, 0.0, (), (), done or end, end)
+                for token, done, end in zip(tokens, finished, ended, strict=True)]
+    logprobs = sampled.logprobs.tolist()
     top_ids: list[list[int]] = [[] for _ in rows]
     top_logprobs: list[list[float]] = [[] for _ in rows]
     if sampled.topk_ids is not None and sampled.topk_logprobs is not None:
@@ -114,9 +120,8 @@ def picks(sampled: SampledTokens, rows: Sequence[SamplingRow]) -> list[Pick]:
     out = []
     for i, row in enumerate(rows):
         asked = row.params.logprobs or 0
-        ended = row.grammar is not None and row.grammar.accept(tokens[i])
         out.append(Pick(tokens[i], logprobs[i], tuple(top_ids[i][:asked]),
-                        tuple(top_logprobs[i][:asked]), finished[i] or ended, ended))
+                        tuple(top_logprobs[i][:asked]), finished[i] or ended[i], ended[i]))
     return out
 
 
