@@ -4,6 +4,7 @@
  *
  *   lookup_rows  the rows of a batch's sequences, none repeated                    (seq_table)
  *   pop_free     take the oldest free blocks                                (physical_blocks)
+ *   fill_row     a new sequence's table, counts and partial ids                (seq_table)
  *   plan_step    where each row's next token lands; which rows need a new block   (appender)
  *   apply_step   write the new entries, the lengths, the token ids; rows that sealed a block
  *   commit_runs  which rows have full blocks to commit, and those blocks          (seq_table)
@@ -99,6 +100,30 @@ static int get_size(PyObject *obj, Py_ssize_t least, const char *name, Py_ssize_
         return 0;
     }
     return 1;
+}
+
+/* A block size, with its log2 when it is a power of two: a row's block and offset are then a
+ * shift and a mask. A 64-bit division costs ~15 cycles, and a step divides once per row in
+ * each of its loops. */
+typedef struct {
+    int64_t size;
+    int shift;  /* log2(size), or -1 */
+} BlockSize;
+
+static int get_block_size(PyObject *obj, BlockSize *b) {
+    Py_ssize_t size;
+    if (!get_size(obj, 1, "block_size", &size)) return 0;
+    b->size = size;
+    b->shift = (size & (size - 1)) == 0 ? __builtin_ctzll((unsigned long long)size) : -1;
+    return 1;
+}
+
+/* x / size and x % size, for x >= 0. */
+static inline int64_t block_of(BlockSize b, int64_t x) {
+    return b.shift >= 0 ? x >> b.shift : x / b.size;
+}
+static inline int64_t offset_of(BlockSize b, int64_t x) {
+    return b.shift >= 0 ? x & (b.size - 1) : x % b.size;
 }
 
 /* The row arrays and the table store of `SeqTable`, borrowed together (arguments
@@ -235,6 +260,51 @@ done:
     return result;
 }
 
+/* fill_row(row, table, tokens, committed, tail, num_tokens, num_blocks, start, capacity, data,
+ *          committed_counts, partial) -> None
+ *
+ * A new sequence's row (`BlockPool.allocate`): its table (an int64 array of ceil(tokens /
+ * block_size) blocks; the row's region holds it: the caller moved it), its token count, its
+ * committed blocks, and the ids of its partial last block (tail: tokens % block_size of them,
+ * or None when unknown). */
+static PyObject *fill_row(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    Borrowed b = {.n = 0};
+    PyObject *result = NULL;
+    Tables t;
+    Py_ssize_t row, n, num_tokens, committed, n_tail = 0, n_committed, n_partial;
+    if (!expect_args("fill_row", nargs, 12)) return NULL;
+    if (!get_size(args[0], 0, "row", &row) || !get_size(args[2], 0, "tokens", &num_tokens) ||
+        !get_size(args[3], 0, "committed", &committed))
+        return NULL;
+    const int64_t *table = I64(args[1], 0, "table", &n);
+    if (table == NULL) goto done;
+    const int64_t *tail = args[4] == Py_None ? NULL : I64(args[4], 0, "tail", &n_tail);
+    if ((args[4] != Py_None && tail == NULL) || !borrow_tables(&b, args + 5, 1, &t)) goto done;
+    int64_t *counts = I64(args[10], 1, "committed_counts", &n_committed);
+    int64_t *partial = counts ? I64(args[11], 1, "partial", &n_partial) : NULL;
+    if (partial == NULL) goto done;
+    /* check: the row, its region, the counts, the tail's length */
+    CHECK(row < t.num_rows && n_committed == t.num_rows, "row %zd out of range", row);
+    Py_ssize_t bs = n_partial / t.num_rows;
+    CHECK(n_partial == t.num_rows * bs && bs > 0, "partial has %zd ids", n_partial);
+    CHECK(n <= t.capacity[row] && (n == 0 || entry_at(&t, row, n - 1) >= 0),
+          "row %zd: a table of %zd entries outside its region", row, n);
+    CHECK(n == (num_tokens + bs - 1) / bs && committed <= num_tokens / bs,
+          "row %zd: %zd tokens, %zd committed in %zd blocks", row, num_tokens, committed, n);
+    CHECK(tail == NULL || n_tail == num_tokens % bs, "%zd tail ids for %zd tokens", n_tail,
+          num_tokens);
+    /* fill */
+    if (n) memcpy(t.data + t.start[row], table, n * sizeof(int64_t));
+    t.num_tokens[row] = num_tokens;
+    t.num_blocks[row] = n;
+    counts[row] = committed;
+    if (tail) memcpy(partial + row * bs, tail, n_tail * sizeof(int64_t));
+    result = Py_NewRef(Py_None);
+done:
+    give_back(&b);
+    return result;
+}
+
 /* ------------------------------------------------------------------ decode step */
 
 /* plan_step(rows, num_tokens, num_blocks, start, capacity, data, ref, block_size,
@@ -252,12 +322,13 @@ static PyObject *plan_step(PyObject *Py_UNUSED(self), PyObject *const *args, Py_
     Borrowed b = {.n = 0};
     PyObject *result = NULL;
     Tables t;
-    Py_ssize_t n, n_ref = 0, n_written, n_grow, n_logical, bs;
+    Py_ssize_t n, n_ref = 0, n_written, n_grow, n_logical;
+    BlockSize bs;
     if (!expect_args("plan_step", nargs, 11)) return NULL;
     const int64_t *rows = I64(args[0], 0, "rows", &n);
     if (rows == NULL || !borrow_tables(&b, args + 1, 0, &t)) goto done;
     const int64_t *ref = args[6] == Py_None ? NULL : I64(args[6], 0, "ref", &n_ref);
-    if ((args[6] != Py_None && ref == NULL) || !get_size(args[7], 1, "block_size", &bs))
+    if ((args[6] != Py_None && ref == NULL) || !get_block_size(args[7], &bs))
         goto done;
     int64_t *written = I64(args[8], 1, "written", &n_written);
     int64_t *grow = written ? I64(args[9], 1, "grow", &n_grow) : NULL;
@@ -269,8 +340,10 @@ static PyObject *plan_step(PyObject *Py_UNUSED(self), PyObject *const *args, Py_
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t row = rows[i];
         CHECK(row >= 0 && row < t.num_rows, "row %lld out of range", (long long)row);
-        int64_t old = t.num_tokens[row], next = old / bs;
-        if (old % bs == 0 && t.num_blocks[row] <= next) {  /* at a block's edge: a new block */
+        int64_t old = t.num_tokens[row], next = block_of(bs, old);
+        CHECK(old >= 0, "row %lld holds %lld tokens", (long long)row, (long long)old);
+        int64_t offset = offset_of(bs, old);
+        if (offset == 0 && t.num_blocks[row] <= next) {  /* at a block's edge: a new block */
             written[i] = -1;
             grow[grows] = i;
             logical[grows++] = next;
@@ -279,10 +352,10 @@ static PyObject *plan_step(PyObject *Py_UNUSED(self), PyObject *const *args, Py_
             continue;
         }
         /* its last block has room, or its next entry is reserved */
-        Py_ssize_t pos = entry_at(&t, row, old % bs == 0 ? next : (old - 1) / bs);
+        Py_ssize_t pos = entry_at(&t, row, offset == 0 ? next : block_of(bs, old - 1));
         CHECK(pos >= 0, "row %lld: table entry outside the store", (long long)row);
         written[i] = t.data[pos];
-        if (ref != NULL && old % bs != 0) {
+        if (ref != NULL && offset != 0) {
             CHECK(written[i] >= 0 && written[i] < n_ref, "block %lld out of range",
                   (long long)written[i]);
             if (ref[written[i]] > 1) {  /* a shared partial block: copy-on-write */
@@ -311,8 +384,9 @@ static PyObject *apply_step(PyObject *Py_UNUSED(self), PyObject *const *args, Py
     Borrowed b = {.n = 0};
     PyObject *result = NULL;
     Tables t;
-    Py_ssize_t n, n_written, n_grow, n_taken, n_tokens = 0, n_partial, n_ok, bs, n_slots,
-        n_new, n_sealed;
+    Py_ssize_t n, n_written, n_grow, n_taken, n_tokens = 0, n_partial, n_ok, n_slots, n_new,
+        n_sealed;
+    BlockSize bs;
     if (!expect_args("apply_step", nargs, 17)) return NULL;
     const int64_t *rows = I64(args[0], 0, "rows", &n);
     int64_t *written = rows ? I64(args[1], 1, "written", &n_written) : NULL;
@@ -324,7 +398,7 @@ static PyObject *apply_step(PyObject *Py_UNUSED(self), PyObject *const *args, Py
         goto done;
     int64_t *partial = I64(args[10], 1, "partial", &n_partial);
     uint8_t *chain_ok = partial ? borrow(&b, args[11], '?', 1, "chain_ok", &n_ok) : NULL;
-    if (chain_ok == NULL || !get_size(args[12], 1, "block_size", &bs)) goto done;
+    if (chain_ok == NULL || !get_block_size(args[12], &bs)) goto done;
     int keep_ids = PyObject_IsTrue(args[13]);
     int64_t *slots = keep_ids >= 0 ? I64(args[14], 1, "slots", &n_slots) : NULL;
     int64_t *new_tokens = slots ? I64(args[15], 1, "new_tokens", &n_new) : NULL;
@@ -337,12 +411,14 @@ static PyObject *apply_step(PyObject *Py_UNUSED(self), PyObject *const *args, Py
     CHECK(n_taken == n_grow && n_grow <= n, "%zd blocks taken for %zd growing rows", n_taken,
           n_grow);
     CHECK(tokens == NULL || n_tokens == n, "%zd token ids for %zd rows", n_tokens, n);
-    CHECK(n_partial == t.num_rows * bs && n_ok == t.num_rows, "partial/chain_ok rows differ");
+    CHECK(n_partial == t.num_rows * bs.size && n_ok == t.num_rows,
+          "partial/chain_ok rows differ");
     for (Py_ssize_t i = 0; i < n; i++)
-        CHECK(rows[i] >= 0 && rows[i] < t.num_rows, "row %lld out of range", (long long)rows[i]);
+        CHECK(rows[i] >= 0 && rows[i] < t.num_rows && t.num_tokens[rows[i]] >= 0,
+              "row %lld out of range", (long long)rows[i]);
     for (Py_ssize_t j = 0; j < n_grow; j++) {
         CHECK(grow[j] >= 0 && grow[j] < n, "grow index %lld out of range", (long long)grow[j]);
-        int64_t row = rows[grow[j]], next = t.num_tokens[row] / bs;
+        int64_t row = rows[grow[j]], next = block_of(bs, t.num_tokens[row]);
         CHECK(next < t.capacity[row] && entry_at(&t, row, next) >= 0,
               "row %lld: no room for entry %lld", (long long)row, (long long)next);
     }
@@ -350,21 +426,21 @@ static PyObject *apply_step(PyObject *Py_UNUSED(self), PyObject *const *args, Py
     /* the new entries: each growing row's next logical block */
     for (Py_ssize_t j = 0; j < n_grow; j++) {
         Py_ssize_t i = grow[j];
-        int64_t row = rows[i], next = t.num_tokens[row] / bs;
+        int64_t row = rows[i], next = block_of(bs, t.num_tokens[row]);
         t.data[t.start[row] + next] = written[i] = taken[j];
         t.num_blocks[row] = next + 1;
     }
     /* one token each: its slot, the new count, its id in the partial block */
     Py_ssize_t count = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t row = rows[i], old = t.num_tokens[row], offset = old % bs;
-        slots[i] = written[i] * bs + offset;
+        int64_t row = rows[i], old = t.num_tokens[row], offset = offset_of(bs, old);
+        slots[i] = written[i] * bs.size + offset;
         new_tokens[i] = t.num_tokens[row] = old + 1;
         if (tokens == NULL) {
             chain_ok[row] = 0;
         } else if (keep_ids) {
-            partial[row * bs + offset] = tokens[i];
-            if (offset == bs - 1 && chain_ok[row]) sealed[count++] = i;
+            partial[row * bs.size + offset] = tokens[i];
+            if (offset == bs.size - 1 && chain_ok[row]) sealed[count++] = i;
         }
     }
     result = PyLong_FromSsize_t(count);
@@ -386,7 +462,8 @@ static PyObject *commit_runs(PyObject *Py_UNUSED(self), PyObject *const *args, P
     Borrowed b = {.n = 0};
     PyObject *result = NULL, *changed = NULL, *before = NULL, *blocks = NULL;
     Tables t;
-    Py_ssize_t n, n_counts = 0, n_committed, bs;
+    Py_ssize_t n, n_counts = 0, n_committed;
+    BlockSize bs;
     if (!expect_args("commit_runs", nargs, 9)) return NULL;
     const int64_t *rows = I64(args[0], 0, "rows", &n);
     if (rows == NULL) goto done;
@@ -394,7 +471,7 @@ static PyObject *commit_runs(PyObject *Py_UNUSED(self), PyObject *const *args, P
     if ((args[1] != Py_None && counts == NULL) || !borrow_tables(&b, args + 2, 0, &t))
         goto done;
     int64_t *committed = I64(args[7], 1, "committed", &n_committed);
-    if (committed == NULL || !get_size(args[8], 1, "block_size", &bs)) goto done;
+    if (committed == NULL || !get_block_size(args[8], &bs)) goto done;
     CHECK(n_committed == t.num_rows, "committed has %zd rows, num_tokens %zd", n_committed,
           t.num_rows);
     CHECK(counts == NULL || n_counts == n, "%zd counts for %zd rows", n_counts, n);
@@ -408,7 +485,7 @@ static PyObject *commit_runs(PyObject *Py_UNUSED(self), PyObject *const *args, P
         int64_t held = t.num_tokens[row], upto = counts ? counts[i] : held;
         CHECK(upto >= 0 && upto <= held, "row %lld: %lld tokens to commit of %lld",
               (long long)row, (long long)upto, (long long)held);
-        upto /= bs;
+        upto = block_of(bs, upto);
         if (upto <= committed[row]) continue;
         CHECK(upto <= t.num_blocks[row] && entry_at(&t, row, committed[row]) >= 0 &&
               entry_at(&t, row, upto - 1) >= 0, "row %lld: table entry outside the store",
@@ -429,7 +506,7 @@ static PyObject *commit_runs(PyObject *Py_UNUSED(self), PyObject *const *args, P
     }
     /* raise the committed counts of the rows that changed */
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t held = t.num_tokens[rows[i]], upto = (counts ? counts[i] : held) / bs;
+        int64_t held = t.num_tokens[rows[i]], upto = block_of(bs, counts ? counts[i] : held);
         if (upto > committed[rows[i]]) committed[rows[i]] = upto;
     }
     result = PyTuple_Pack(3, changed, before, blocks);
@@ -820,13 +897,15 @@ static PyObject *table_slots(PyObject *Py_UNUSED(self), PyObject *const *args, P
     CHECK(num_tokens <= n * bs, "%zd tokens in a table of %zd blocks", num_tokens, n);
     PyObject *slots = PyList_New(num_tokens);
     if (slots == NULL) goto done;
-    for (Py_ssize_t i = 0; i < num_tokens; i++) {
-        PyObject *slot = PyLong_FromLongLong(table[i / bs] * bs + i % bs);
-        if (slot == NULL) {
-            Py_DECREF(slots);
-            goto done;
+    for (Py_ssize_t block = 0, i = 0; i < num_tokens; block++) {  /* no division per slot */
+        for (Py_ssize_t offset = 0; offset < bs && i < num_tokens; offset++, i++) {
+            PyObject *slot = PyLong_FromLongLong(table[block] * bs + offset);
+            if (slot == NULL) {
+                Py_DECREF(slots);
+                goto done;
+            }
+            PyList_SET_ITEM(slots, i, slot);
         }
-        PyList_SET_ITEM(slots, i, slot);
     }
     result = slots;
 done:
@@ -839,6 +918,7 @@ done:
 static PyMethodDef methods[] = {
     {"lookup_rows", (PyCFunction)(void (*)(void))lookup_rows, METH_FASTCALL, NULL},
     {"pop_free", (PyCFunction)(void (*)(void))pop_free, METH_FASTCALL, NULL},
+    {"fill_row", (PyCFunction)(void (*)(void))fill_row, METH_FASTCALL, NULL},
     {"plan_step", (PyCFunction)(void (*)(void))plan_step, METH_FASTCALL, NULL},
     {"apply_step", (PyCFunction)(void (*)(void))apply_step, METH_FASTCALL, NULL},
     {"commit_runs", (PyCFunction)(void (*)(void))commit_runs, METH_FASTCALL, NULL},

@@ -242,14 +242,12 @@ class BlockPool:
         self._blocks.share(hits)
         taken = self._take_restoring(blocks_for(num_tokens, bs) - cached, slots)
         table = hits + taken.tolist()
-        st.put_table(row, table if cached else taken)  # an array: no list conversion
+        blocks = taken if not cached else np.asarray(table, dtype=np.int64)
         # Restored blocks count as committed with the cached ones (`_restore` commits them).
-        st.num_blocks[row], st.committed[row], st.num_tokens[row] = (len(table),
-                                                                     cached + len(slots),
-                                                                     num_tokens)
-        st.grew(num_tokens, len(table))
+        st.fill(row, blocks, num_tokens, cached + len(slots),
+                None if tokens is None else tokens[full * bs:])
         if before is not None:
-            self._hold_new(row, np.asarray(table, dtype=np.int64),
+            self._hold_new(row, blocks,
                            np.concatenate([before, np.zeros(len(taken), dtype=np.int64)]))
         if tokens is not None:
             self._blocks.cache.count(num_tokens, (cached + len(slots)) * bs)
@@ -257,10 +255,8 @@ class BlockPool:
             if parents:  # the prompt's full blocks past the cached prefix: keyed pending
                 self._blocks.cache.key_blocks(taken[:full - cached], parents, keys[cached:],
                                               tokens[cached * bs:full * bs].reshape(-1, bs))
-            st.partial[row, :num_tokens - full * bs] = tokens[full * bs:]
         if slots:
             self._restore(taken[:len(slots)].tolist(), slots)
-        blocks = taken if not cached else np.asarray(table, dtype=np.int64)
         return SeqUpdate(table, num_tokens, (cached + len(slots)) * bs,
                          self._slots(blocks, num_tokens), [])
 

@@ -264,6 +264,17 @@ class SeqTable:
             for row, entries in need.items():
                 self._move(row, entries)
 
+    def fill(self, row: int, table: Int64Array, num_tokens: int, committed: int,
+             tail: Int64Array | None) -> None:
+        """Give a new row its table (ceil(num_tokens / B) blocks), token count, committed
+        blocks and the ids of its partial last block (`tail`, None when unknown): one compiled
+        call (`_rows.fill_row`) after the region is sized."""
+        if len(table) > self.capacity[row]:
+            self._move(row, len(table))
+        _rows.fill_row(row, table, num_tokens, committed, tail, self.num_tokens, self.num_blocks,
+                       self.start, self.capacity, self.store.data, self.committed, self.partial)
+        self.grew(num_tokens, len(table))
+
     def put_table(self, row: int, table: Sequence[int] | Int64Array) -> None:
         """Write a whole table into row `row` (new, or freshly restored), from entry 0."""
         n = len(table)

@@ -7,7 +7,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from pagedkv.daemon.core import _rows
+from pagedkv.daemon.core import BatchAppend, BlockPool, _rows
 
 BS = 4
 
@@ -191,3 +191,15 @@ def test_rows_are_looked_up_and_slots_listed() -> None:
     assert _rows.table_slots(table, 6, BS) == [20, 21, 22, 23, 8, 9]
     with pytest.raises(IndexError):
         _rows.table_slots(table, 9, BS)
+
+
+def test_a_block_size_that_is_no_power_of_two_divides() -> None:
+    """Block and offset are a shift and a mask for powers of two; other sizes divide."""
+    pool = BlockPool(num_blocks=8, block_size=3)
+    pool.allocate("a", 5, [1, 2, 3, 4, 5])
+    assert pool.append_batch(["a"], 1, [6]).slot_mapping.tolist() == [1 * 3 + 2]  # fills block 1
+    step = pool.append_batch(["a"], 1, [7])  # opens block 2
+    assert isinstance(step, BatchAppend) and step.slot_mapping.tolist() == [2 * 3]
+    assert step.changed_logical_block.tolist() == [2] and step.changed_block_id.tolist() == [2]
+    assert pool.commit(["a"]) == 2 and pool.committed_tokens("a") == 6
+    pool.check_invariants()
