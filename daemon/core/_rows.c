@@ -138,7 +138,7 @@ static int borrow_tables(Borrowed *bp, PyObject *const *args, int writable, Tabl
     const char *names[4] = {"num_tokens", "num_blocks", "start", "capacity"};
     int64_t **arrays[4] = {&t->num_tokens, &t->num_blocks, &t->start, &t->capacity};
     for (int i = 0; i < 4; i++) {
-        *arrays[i] = borrow(bp, args[i], 'q', writable && i < 2, names[i], &lens[i]);
+        *arrays[i] = borrow(bp, args[i], 'q', writable, names[i], &lens[i]);
         if (*arrays[i] == NULL) return 0;
         if (lens[i] != lens[0]) {
             PyErr_Format(PyExc_ValueError, "%s has %zd rows, num_tokens %zd", names[i],
@@ -260,41 +260,46 @@ done:
     return result;
 }
 
-/* fill_row(row, table, tokens, committed, tail, num_tokens, num_blocks, start, capacity, data,
- *          committed_counts, partial) -> None
+/* fill_row(row, table, tokens, committed, tail, region, region_size, num_tokens, num_blocks,
+ *          start, capacity, data, committed_counts, partial) -> None
  *
- * A new sequence's row (`BlockPool.allocate`): its table (an int64 array of ceil(tokens /
- * block_size) blocks; the row's region holds it: the caller moved it), its token count, its
- * committed blocks, and the ids of its partial last block (tail: tokens % block_size of them,
- * or None when unknown). */
+ * A new sequence's row (`BlockPool.allocate`), which has no region yet: the region of
+ * region_size entries at `region` (taken by the caller; 0, 0 for none), its table there (an
+ * int64 array of ceil(tokens / block_size) blocks), its token count, its committed blocks, and
+ * the ids of its partial last block (tail: tokens % block_size of them, or None when
+ * unknown). */
 static PyObject *fill_row(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
     Borrowed b = {.n = 0};
     PyObject *result = NULL;
     Tables t;
-    Py_ssize_t row, n, num_tokens, committed, n_tail = 0, n_committed, n_partial;
-    if (!expect_args("fill_row", nargs, 12)) return NULL;
+    Py_ssize_t row, n, num_tokens, committed, region, size, n_tail = 0, n_committed, n_partial;
+    if (!expect_args("fill_row", nargs, 14)) return NULL;
     if (!get_size(args[0], 0, "row", &row) || !get_size(args[2], 0, "tokens", &num_tokens) ||
-        !get_size(args[3], 0, "committed", &committed))
+        !get_size(args[3], 0, "committed", &committed) ||
+        !get_size(args[5], 0, "region", &region) || !get_size(args[6], 0, "region_size", &size))
         return NULL;
     const int64_t *table = I64(args[1], 0, "table", &n);
     if (table == NULL) goto done;
     const int64_t *tail = args[4] == Py_None ? NULL : I64(args[4], 0, "tail", &n_tail);
-    if ((args[4] != Py_None && tail == NULL) || !borrow_tables(&b, args + 5, 1, &t)) goto done;
-    int64_t *counts = I64(args[10], 1, "committed_counts", &n_committed);
-    int64_t *partial = counts ? I64(args[11], 1, "partial", &n_partial) : NULL;
+    if ((args[4] != Py_None && tail == NULL) || !borrow_tables(&b, args + 7, 1, &t)) goto done;
+    int64_t *counts = I64(args[12], 1, "committed_counts", &n_committed);
+    int64_t *partial = counts ? I64(args[13], 1, "partial", &n_partial) : NULL;
     if (partial == NULL) goto done;
-    /* check: the row, its region, the counts, the tail's length */
-    CHECK(row < t.num_rows && n_committed == t.num_rows, "row %zd out of range", row);
+    /* check: the row and its new region, the counts, the tail's length */
+    CHECK(row < t.num_rows && n_committed == t.num_rows && t.capacity[row] == 0,
+          "row %zd out of range or holding a region", row);
     Py_ssize_t bs = n_partial / t.num_rows;
     CHECK(n_partial == t.num_rows * bs && bs > 0, "partial has %zd ids", n_partial);
-    CHECK(n <= t.capacity[row] && (n == 0 || entry_at(&t, row, n - 1) >= 0),
-          "row %zd: a table of %zd entries outside its region", row, n);
+    CHECK(n <= size && region + size <= t.num_entries, "a table of %zd entries in a region of "
+          "%zd at %zd (of %zd)", n, size, region, t.num_entries);
     CHECK(n == (num_tokens + bs - 1) / bs && committed <= num_tokens / bs,
           "row %zd: %zd tokens, %zd committed in %zd blocks", row, num_tokens, committed, n);
     CHECK(tail == NULL || n_tail == num_tokens % bs, "%zd tail ids for %zd tokens", n_tail,
           num_tokens);
     /* fill */
-    if (n) memcpy(t.data + t.start[row], table, n * sizeof(int64_t));
+    t.start[row] = region;
+    t.capacity[row] = size;
+    memcpy(t.data + region, table, n * sizeof(int64_t));
     t.num_tokens[row] = num_tokens;
     t.num_blocks[row] = n;
     counts[row] = committed;
@@ -841,45 +846,53 @@ done:
     return result;
 }
 
-/* link_tail(prev, next, blocks, sentinel) -> None
+/* link_tail(prev, next, blocks) -> None
  *
- * `LruList.extend`'s loop: append blocks (a list, none of them linked) at the tail of the list
- * threaded through prev/next (lists of ints, index `sentinel` the head and tail). */
+ * `LruList.extend`'s loop: append blocks (a list, none of them linked, none twice) at the tail
+ * of the list threaded through prev/next (int64 arrays; -1: not linked; the last index is
+ * the sentinel, head and tail). Checked first: each block is marked -2 while checked, and the
+ * marks are undone if one is bad. */
 static PyObject *link_tail(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
-    Py_ssize_t sentinel;
-    if (!expect_args("link_tail", nargs, 4)) return NULL;
-    PyObject *prev = args[0], *next = args[1], *blocks = args[2];
-    if (!PyList_CheckExact(prev) || !PyList_CheckExact(next) || !PyList_CheckExact(blocks)) {
-        PyErr_SetString(PyExc_TypeError, "link_tail takes lists");
-        return NULL;
+    Borrowed b = {.n = 0};
+    PyObject *result = NULL;
+    Py_ssize_t n_prev, n_next, checked = 0;
+    if (!expect_args("link_tail", nargs, 3)) return NULL;
+    int64_t *prev = I64(args[0], 1, "prev", &n_prev);
+    int64_t *next = prev ? I64(args[1], 1, "next", &n_next) : NULL;
+    if (next == NULL) goto done;
+    PyObject *blocks = args[2];
+    if (!PyList_CheckExact(blocks) || n_prev != n_next || n_prev < 1) {
+        PyErr_SetString(PyExc_TypeError, "link_tail: blocks a list, prev and next alike");
+        goto done;
     }
-    if (!get_size(args[3], 0, "sentinel", &sentinel)) return NULL;
-    if (PyList_GET_SIZE(prev) != sentinel + 1 || PyList_GET_SIZE(next) != sentinel + 1) {
-        PyErr_SetString(PyExc_ValueError, "prev and next must hold sentinel + 1 entries");
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(blocks);
-    for (Py_ssize_t i = 0; i < n; i++) {  /* check first: in range, not linked */
-        Py_ssize_t block = block_id(PyList_GET_ITEM(blocks, i), sentinel);
-        if (block < 0) return NULL;
-        if (PyLong_AsLong(PyList_GET_ITEM(prev, block)) != -1) {
+    Py_ssize_t sentinel = n_prev - 1, n = PyList_GET_SIZE(blocks);
+    for (; checked < n; checked++) {  /* check and mark */
+        Py_ssize_t block = block_id(PyList_GET_ITEM(blocks, checked), sentinel);
+        if (block < 0) break;
+        if (prev[block] != -1) {
             PyErr_Format(PyExc_IndexError, "block %zd is already in the LRU", block);
-            return NULL;
+            break;
         }
+        prev[block] = -2;
     }
-    PyObject *sentinel_obj = PyLong_FromSsize_t(sentinel);
-    if (sentinel_obj == NULL) return NULL;
-    /* link each after the last: next[last] = block, prev[block] = last (lists hold ints) */
-    PyObject *last = PyList_GET_ITEM(prev, sentinel);  /* stays in prev[sentinel] till the end */
+    if (checked < n) {  /* unmark what was marked: nothing changed */
+        for (Py_ssize_t i = 0; i < checked; i++)
+            prev[PyLong_AsSsize_t(PyList_GET_ITEM(blocks, i))] = -1;
+        goto done;
+    }
+    int64_t last = prev[sentinel];  /* link each after the last */
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(blocks, i);
-        PyList_SetItem(next, PyLong_AsSsize_t(last), Py_NewRef(item));
-        PyList_SetItem(prev, PyLong_AsSsize_t(item), Py_NewRef(last));
-        last = item;
+        int64_t block = PyLong_AsSsize_t(PyList_GET_ITEM(blocks, i));
+        next[last] = block;
+        prev[block] = last;
+        last = block;
     }
-    PyList_SetItem(next, PyLong_AsSsize_t(last), sentinel_obj);
-    PyList_SetItem(prev, sentinel, Py_NewRef(last));  /* last: still held by blocks */
-    Py_RETURN_NONE;
+    next[last] = sentinel;
+    prev[sentinel] = last;
+    result = Py_NewRef(Py_None);
+done:
+    give_back(&b);
+    return result;
 }
 
 /* table_slots(table, num_tokens, block_size) -> list

@@ -6,6 +6,7 @@ is undone exactly by its inverse (the journal replays them newest first, so a re
 old neighbours are its neighbours again when it is put back).
 """
 
+from array import array
 from collections.abc import Iterator
 
 from pagedkv.daemon.core import _rows
@@ -18,9 +19,10 @@ class LruList:
 
     def __init__(self, num_blocks: int) -> None:
         self._sentinel = num_blocks
-        # prev/next of each block in the list, -1 for a block not in it.
-        self._prev = [-1] * (num_blocks + 1)
-        self._next = [-1] * (num_blocks + 1)
+        # prev/next of each block in the list, -1 for a block not in it: int64 arrays, which
+        # the compiled `extend` reads and writes in place.
+        self._prev = array("q", [-1]) * (num_blocks + 1)
+        self._next = array("q", [-1]) * (num_blocks + 1)
         self._prev[num_blocks] = self._next[num_blocks] = num_blocks
         self._size = 0
 
@@ -40,7 +42,7 @@ class LruList:
     def extend(self, blocks: list[int]) -> None:
         """Append `blocks` (a list) at the tail in order: the most recently released. One
         compiled loop (`_rows.link_tail`): a free releases a whole table at once."""
-        _rows.link_tail(self._prev, self._next, blocks, self._sentinel)
+        _rows.link_tail(self._prev, self._next, blocks)
         self._size += len(blocks)
 
     def drop_tail(self, n: int) -> None:

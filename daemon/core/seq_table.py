@@ -266,13 +266,18 @@ class SeqTable:
 
     def fill(self, row: int, table: Int64Array, num_tokens: int, committed: int,
              tail: Int64Array | None) -> None:
-        """Give a new row its table (ceil(num_tokens / B) blocks), token count, committed
-        blocks and the ids of its partial last block (`tail`, None when unknown): one compiled
-        call (`_rows.fill_row`) after the region is sized."""
-        if len(table) > self.capacity[row]:
-            self._move(row, len(table))
-        _rows.fill_row(row, table, num_tokens, committed, tail, self.num_tokens, self.num_blocks,
-                       self.start, self.capacity, self.store.data, self.committed, self.partial)
+        """Give a new row (no region yet) a region, its table (ceil(num_tokens / B) blocks),
+        token count, committed blocks and the ids of its partial last block (`tail`, None when
+        unknown): one compiled call (`_rows.fill_row`) after the region is taken."""
+        size = region_size(len(table))
+        start = self.store.take(size) if size else 0
+        try:
+            _rows.fill_row(row, table, num_tokens, committed, tail, start, size, self.num_tokens,
+                           self.num_blocks, self.start, self.capacity, self.store.data,
+                           self.committed, self.partial)
+        except Exception:
+            self.store.release(start, size)
+            raise
         self.grew(num_tokens, len(table))
 
     def put_table(self, row: int, table: Sequence[int] | Int64Array) -> None:

@@ -2,6 +2,7 @@
 inconsistent input raises before anything is written. The pool's own tests (Hypothesis state
 machines, rolled-back transactions) run every function through `BlockPool`."""
 
+from array import array
 from collections import deque
 
 import numpy as np
@@ -173,12 +174,14 @@ def test_blocks_are_taken_released_and_linked() -> None:
     with pytest.raises(IndexError, match="unreferenced"):
         _rows.release_refs(ints(0, 1), ref)
     assert ref.tolist() == [1, 0, 0, 0]
-    prev, nxt = [-1, -1, -1, 3], [-1, -1, -1, 3]  # an empty LRU of blocks 0..2, sentinel 3
-    _rows.link_tail(prev, nxt, [2, 0], 3)
-    assert nxt == [3, -1, 0, 2] and prev == [2, -1, 3, 0]
+    prev, nxt = array("q", [-1, -1, -1, 3]), array("q", [-1, -1, -1, 3])  # blocks 0..2: empty
+    _rows.link_tail(prev, nxt, [2, 0])
+    assert nxt.tolist() == [3, -1, 0, 2] and prev.tolist() == [2, -1, 3, 0]
     with pytest.raises(IndexError, match="block 0 is already in the LRU"):
-        _rows.link_tail(prev, nxt, [1, 0], 3)
-    assert prev[1] == -1
+        _rows.link_tail(prev, nxt, [1, 0])
+    with pytest.raises(IndexError, match="block 1 is already in the LRU"):
+        _rows.link_tail(prev, nxt, [1, 1])  # twice in one call
+    assert prev[1] == -1 and nxt.tolist() == [3, -1, 0, 2]
 
 
 def test_rows_are_looked_up_and_slots_listed() -> None:
