@@ -341,7 +341,8 @@ class BlockPool:
         row = self._row(seq)
         table = self._seqs.table(row).copy()
         groups = self._seqs.groups[row].tolist() if self._held.levels else []
-        waste = self._appender.last_waste(row)  # its last token's block: shared?
+        # Its last token's block: shared? (At shared_waste 0 no partial block is.)
+        waste = self._appender.last_waste(row) if self._appender.shared_waste else 0
         if waste and self._blocks.ref[table[(int(self._seqs.num_tokens[row]) - 1)
                                             // self.block_size]] > 1:
             self._appender.shift_waste(-waste)  # one sharer fewer
