@@ -268,7 +268,9 @@ class RunnerInfo(_message.Message):
     """The daemon pool the runner computes on (KVPool.GetPoolInfo's pool_id)."""
     block_size: _builtins.int
     attention_backend: _builtins.str
-    """"torch" or "triton": the attention kernels in use."""
+    """"triton", "cpu" or "torch": the attention kernels in use ("cpu": the C kernels of the CPU
+    backend, store_kv and decode; its prefill is the torch twin's).
+    """
     max_model_len: _builtins.int
     """The most tokens a sequence may hold: the model's max_position_embeddings. A step that
     would take a sequence past it is INVALID_ARGUMENT; a token sampled by a sequence that holds
