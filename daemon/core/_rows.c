@@ -55,6 +55,10 @@ static int format_is(const char *format, char kind) {
  * TypeError naming `name` otherwise. `len` gets the item count (all dimensions). */
 static void *borrow(Borrowed *b, PyObject *obj, char kind, int writable, const char *name,
                     Py_ssize_t *len) {
+    if (b->n == MAX_VIEWS) {
+        PyErr_Format(PyExc_SystemError, "%s: more than %d arrays in one call", name, MAX_VIEWS);
+        return NULL;
+    }
     Py_buffer *view = &b->views[b->n];
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     Py_ssize_t itemsize = kind == 'q' ? 8 : 1;
