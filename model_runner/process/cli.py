@@ -16,6 +16,7 @@ import sys
 
 from pagedkv.model_runner.engine.answer_limits import DEFAULT_MAX_LOGPROBS, AnswerLimits
 from pagedkv.model_runner.engine.holds import DEFAULT_HOLD_MS
+from pagedkv.model_runner.process.scheduling import yield_to_forwards
 from pagedkv.process import log_setup
 from pagedkv.process.server_bounds import SERVER_BOUNDS, ServerBounds
 from pagedkv.proto.limits import DEFAULT_ANSWER_BYTES, MAX_MESSAGE_BYTES
@@ -102,6 +103,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    yield_to_forwards()  # before any thread starts: each inherits it (scheduling.py)
     # Imported only now: torch and transformers take seconds to load, --help needs neither.
     from pagedkv.model_runner.models import ModelMismatch, ModelSource
     from pagedkv.model_runner.process.server import RunnerConfig, serve

@@ -71,6 +71,7 @@ from pagedkv.model_runner.models import (
     load_model,
 )
 from pagedkv.model_runner.process.pool_keeper import PoolKeeper
+from pagedkv.model_runner.process.scheduling import compute_first
 from pagedkv.model_runner.process.servicer import RunnerServicer, RunnerUnavailable
 from pagedkv.model_runner.runner import ModelRunner
 from pagedkv.process.grpc_server import GrpcServers, grpc_servers
@@ -294,6 +295,7 @@ async def serve(config: RunnerConfig, stop: asyncio.Event | None = None) -> None
                             tokenizer=config.tokenizer or config.model.path)
         await engine.start()
         stack.push_async_callback(engine.stop)
+        await engine.forwards.between_forwards(compute_first)  # scheduling.py
         state = RunnerState(engine, info, config.model.name, backend.name, name,
                             config.model.kv_cache_dtype)
         servers = await stack.enter_async_context(_grpc_server(config, state))
