@@ -94,29 +94,28 @@ class Appender:
         """The decode step: one token each, no row writing into a shared block. Each token
         lands in its row's last block, or where that is full in the next: its reserved entry,
         else a new block. The per-row work is `_rows.apply_step`."""
-        st, n = self._seqs, len(rows)
-        available = self._blocks.num_available
-        if len(plan.grow) > available:
-            return NoFit(len(plan.grow), available)
+        st, n, need = self._seqs, len(rows), len(plan.grow)
+        if need > len(self._blocks.free) and need > self._blocks.num_available:  # free first
+            return NoFit(need, self._blocks.num_available)
         grown = rows[plan.grow]
         st.save_rows(rows, grown)
         if plan.shorts:  # tables whose region is full move to larger ones first
             st.make_room(grown, plan.logical)
         taken = self._blocks.take(len(grown))
         slots, new, sealed = _scratch(n), _scratch(n), _scratch(n)
-        ids = None if tokens is None else np.ascontiguousarray(tokens).reshape(n)
+        ids = None if tokens is None else np.ascontiguousarray(tokens)  # [n, 1]: n ids
         num_sealed = _rows.apply_step(rows, plan.written, plan.grow, taken, ids, st.num_tokens,
                                       st.num_blocks, st.start, st.capacity, st.store.data,
                                       st.partial, st.chain_ok, self.block_size,
                                       self.prefix_caching, slots, new, sealed)
         st.grew(n, len(grown))
-        self._hold(grown, taken)
+        if self._held.levels:
+            self._hold(grown, taken)
         if num_sealed:
             filled = sealed[:num_sealed]
             self._seal(rows[filled], plan.written[filled])
         # An empty row's first block adds no charge: it was charged one while empty.
-        return BatchAppend(slots, plan.grow, plan.logical, taken, [], new,
-                           len(grown) - plan.firsts)
+        return BatchAppend(slots, plan.grow, plan.logical, taken, [], new, need - plan.firsts)
 
     def _append_many(self, rows: Int64Array, k: int, tokens: Int64Array | None,
                      plan: "_AppendPlan", reserve: int) -> BatchAppend | NoFit:
@@ -255,8 +254,9 @@ class Appender:
 
 def _scratch(n: int) -> Int64Array:
     """An uninitialized int64 array of n items, for a compiled step to fill (three
-    np.empty calls cost less than unpacking one 2-d array)."""
-    return np.empty(n, dtype=np.int64)
+    np.empty calls cost less than unpacking one 2-d array; a positional dtype, less than a
+    keyword)."""
+    return np.empty(n, np.int64)
 
 
 class _AppendPlan(NamedTuple):
