@@ -14,8 +14,8 @@ call that fails after the pool changed (an op late in a Batch, or the pool memor
 leaves both exactly as they were.
 """
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 Undo = tuple[Callable[..., Any], tuple[Any, ...]]
@@ -49,19 +49,24 @@ class Journal:
         elif task not in self._after:
             self._after.append(task)
 
-    @contextmanager
-    def transaction(self) -> Iterator["Journal"]:
-        """Everything changed inside is undone if the block raises; transactions do not nest."""
+    def transaction(self) -> "Journal":
+        """`with journal.transaction():` everything changed inside is undone if the block
+        raises; transactions do not nest. The journal is its own context manager (~0.3 us a
+        call against ~0.8 us for a generator's: the daemon opens one per call)."""
+        return self
+
+    def __enter__(self) -> "Journal":
         assert self._undo is None, "a transaction is already open"
         self._undo = []
-        try:
-            yield self
-        except BaseException:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        if exc_type is not None:  # undone, newest first; the exception goes on
             self._after.clear()
             self._rollback()
-            raise
-        finally:
-            self._undo = None
+            return
+        self._undo = None
         tasks, self._after = self._after, []
         for task in tasks:
             task()
