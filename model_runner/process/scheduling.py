@@ -13,8 +13,10 @@ thread of the runner but the forward thread is so SCHED_BATCH (sched(7): a batch
 preempts another on waking, and still gets its fair share of the CPU), and the forward thread
 stays SCHED_OTHER: the same gap was 0.15-0.18 ms. Clients and the daemon keep their own policy.
 
-Linux only (elsewhere both do nothing); a host that forbids the change (a seccomp profile)
-leaves the policies as they were: scheduling is a hint, never a reason to fail.
+Only the default policy is changed: a runner started with another one (a unit's
+CPUSchedulingPolicy=, chrt) keeps it on every thread. Linux only (elsewhere both do nothing); a
+host that forbids the change (a seccomp profile) leaves the policies as they were: scheduling is
+a hint, never a reason to fail.
 """
 
 import contextlib
@@ -26,18 +28,22 @@ _OTHER = getattr(os, "SCHED_OTHER", None)
 
 
 def yield_to_forwards() -> None:
-    """The calling thread SCHED_BATCH; threads it starts from then on inherit it. Called at the
-    runner's start, before its event loop, gRPC and the forward thread exist."""
-    _set_policy(_BATCH)
+    """The calling thread SCHED_BATCH if it runs SCHED_OTHER; threads it starts from then on
+    inherit it. Called at the runner's start, before its event loop, gRPC and the forward thread
+    exist."""
+    _change_policy(_OTHER, _BATCH)
 
 
 def compute_first() -> None:
-    """The calling thread (the forward thread) back to SCHED_OTHER."""
-    _set_policy(_OTHER)
+    """The calling thread (the forward thread) back to SCHED_OTHER if yield_to_forwards made it
+    SCHED_BATCH."""
+    _change_policy(_BATCH, _OTHER)
 
 
-def _set_policy(policy: int | None) -> None:
-    if policy is None:
+def _change_policy(old: int | None, new: int | None) -> None:
+    """The calling thread's policy `new` if it is `old`."""
+    if old is None or new is None:
         return
     with contextlib.suppress(OSError):  # EPERM under a seccomp profile: a hint, not a need
-        os.sched_setscheduler(0, policy, os.sched_param(0))
+        if os.sched_getscheduler(0) == old:
+            os.sched_setscheduler(0, new, os.sched_param(0))

@@ -47,6 +47,19 @@ def test_threads_started_after_yielding_inherit_batch_and_the_forward_thread_com
     assert in_thread(runner_main) == (os.SCHED_BATCH, os.SCHED_BATCH, os.SCHED_OTHER)
 
 
+def test_a_policy_set_by_the_operator_is_kept() -> None:
+    def runner_main() -> tuple[int, int]:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # as a unit's would be
+        yield_to_forwards()
+
+        def forward_thread() -> int:
+            compute_first()
+            return os.sched_getscheduler(0)
+        return os.sched_getscheduler(0), in_thread(forward_thread)
+
+    assert in_thread(runner_main) == (os.SCHED_IDLE, os.SCHED_IDLE)
+
+
 def policies(pid: int) -> dict[int, int]:
     """Each thread of process `pid` (by id) and its scheduling policy."""
     found = {}
