@@ -15,8 +15,13 @@ COMPILE_ARGS = ["-O3", "-std=c11", "-Wall", "-Wextra", "-Werror"]
 
 setup(ext_modules=[
     # The block pool's per-row loops (daemon/core/): a decode step's append over every row.
-    Extension("pagedkv.daemon.core._rows", ["daemon/core/_rows.c"],
-              extra_compile_args=COMPILE_ARGS),
+    # One file per concept (daemon/core/_rows.h lists them); hidden visibility: the files share
+    # helpers, and only PyInit__rows leaves the shared object.
+    Extension("pagedkv.daemon.core._rows",
+              [f"daemon/core/_rows_{part}.c"
+               for part in ("arrays", "tables", "step", "commit", "keys", "free", "module")],
+              depends=["daemon/core/_rows.h"],
+              extra_compile_args=[*COMPILE_ARGS, "-fvisibility=hidden"]),
     # Decode attention over the paged pool on the CPU (model_runner/kernels/).
     Extension("pagedkv.model_runner.kernels._cpu_paged", ["model_runner/kernels/_cpu_paged.c"],
               extra_compile_args=COMPILE_ARGS),

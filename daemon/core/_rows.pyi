@@ -1,4 +1,4 @@
-"""The block pool's per-row loops, compiled (_rows.c: what each function does, in order)."""
+"""The block pool's per-row loops, compiled (_rows.h lists the C files, one per concept)."""
 
 from array import array
 from collections import deque

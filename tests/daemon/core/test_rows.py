@@ -1,4 +1,4 @@
-"""The compiled per-row loops (`_rows.c`) on their own: what each computes, and that an
+"""The compiled per-row loops (`_rows_*.c`) on their own: what each computes, and that an
 inconsistent input raises before anything is written. The pool's own tests (Hypothesis state
 machines, rolled-back transactions) run every function through `BlockPool`."""
 
