@@ -19,7 +19,8 @@ setup(ext_modules=[
     # helpers, and only PyInit__rows leaves the shared object.
     Extension("pagedkv.daemon.core._rows",
               [f"daemon/core/_rows_{part}.c"
-               for part in ("arrays", "tables", "step", "commit", "keys", "free", "module")],
+               for part in ("arrays", "tables", "step", "commit", "keys", "sha256", "free",
+                            "module")],
               depends=["daemon/core/_rows.h"],
               extra_compile_args=[*COMPILE_ARGS, "-fvisibility=hidden"]),
     # Decode attention over the paged pool on the CPU (model_runner/kernels/).

@@ -22,6 +22,8 @@
  *     release_refs a table's references dropped, deepest first
  *     release_keys blocks whose last reference went: park committed, drop pending keys
  *     link_tail    append blocks at the LRU's tail
+ *   _rows_sha256.c  SHA-256 on the CPU's SHA extensions, for the keys      (content_keys)
+ *     sha256       a digest, as hashlib's (where the CPU has them: SHA256_NATIVE)
  *   _rows_arrays.c  borrowing arrays and reading arguments (this header's helpers)
  *   _rows_module.c  the module table
  *
@@ -117,6 +119,21 @@ Py_ssize_t block_id(PyObject *item, Py_ssize_t num_blocks);
 int all_in_range(PyObject *blocks, Py_ssize_t num_blocks);
 int drop_key(Keys *k, PyObject *item, Py_ssize_t block, PyObject *dropped);
 
+/* ------------------------------------------------------------------ SHA-256 (_rows_sha256.c) */
+
+/* A SHA-256 in progress: the state, the pending partial block, the bytes hashed so far. */
+typedef struct {
+    uint32_t state[8];
+    uint8_t pending[64];
+    size_t used;     /* bytes of `pending` filled */
+    uint64_t bytes;  /* bytes given so far */
+} Sha256;
+
+int sha256_native(void);  /* only then may the others run */
+void sha256_init(Sha256 *s);
+void sha256_update(Sha256 *s, const void *data, size_t n);
+void sha256_final(Sha256 *s, uint8_t out[32]);
+
 /* ------------------------------------------------------------------ the module's functions */
 
 #define ROWS_FUNCTION(name) \
@@ -135,5 +152,6 @@ ROWS_FUNCTION(release_keys);
 ROWS_FUNCTION(release_refs);
 ROWS_FUNCTION(link_tail);
 ROWS_FUNCTION(table_slots);
+ROWS_FUNCTION(sha256);
 
 #endif

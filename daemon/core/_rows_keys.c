@@ -97,10 +97,22 @@ done:
 }
 
 /* The content key of a block: digest(parent || ids), the ids as native int64 (`ContentKeys`:
- * little-endian on the machines pagedkv runs on); `parent` is bytes. A new reference. */
+ * little-endian on the machines pagedkv runs on); `parent` is bytes. When `digest` is this
+ * module's sha256 it runs here on the two pieces: no input bytes, no call through Python. A
+ * new reference. */
 static PyObject *link_key(PyObject *digest, PyObject *parent, const int64_t *ids,
                           Py_ssize_t bs) {
     Py_ssize_t plen = PyBytes_GET_SIZE(parent), width = bs * (Py_ssize_t)sizeof(int64_t);
+    if (PyCFunction_Check(digest) && sha256_native() &&
+        PyCFunction_GET_FUNCTION(digest) == (PyCFunction)(void (*)(void))sha256) {
+        Sha256 s;
+        uint8_t out[32];
+        sha256_init(&s);
+        sha256_update(&s, PyBytes_AS_STRING(parent), (size_t)plen);
+        sha256_update(&s, ids, (size_t)width);
+        sha256_final(&s, out);
+        return PyBytes_FromStringAndSize((const char *)out, 32);
+    }
     PyObject *data = PyBytes_FromStringAndSize(NULL, plen + width);
     if (data == NULL) return NULL;
     memcpy(PyBytes_AS_STRING(data), PyBytes_AS_STRING(parent), plen);

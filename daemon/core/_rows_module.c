@@ -17,12 +17,20 @@ static PyMethodDef methods[] = {
     {"release_refs", (PyCFunction)(void (*)(void))release_refs, METH_FASTCALL, NULL},
     {"link_tail", (PyCFunction)(void (*)(void))link_tail, METH_FASTCALL, NULL},
     {"table_slots", (PyCFunction)(void (*)(void))table_slots, METH_FASTCALL, NULL},
+    {"sha256", (PyCFunction)(void (*)(void))sha256, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, .m_name = "_rows",
-    .m_doc = "The block pool's per-row loops, compiled (see _rows.c).", .m_size = -1,
+    .m_doc = "The block pool's per-row loops, compiled (see _rows.h).", .m_size = -1,
     .m_methods = methods};
 
-PyMODINIT_FUNC PyInit__rows(void) { return PyModule_Create(&module); }
+/* The module, with SHA256_NATIVE: whether `sha256` runs on this CPU. */
+PyMODINIT_FUNC PyInit__rows(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL &&
+        PyModule_AddObjectRef(m, "SHA256_NATIVE", sha256_native() ? Py_True : Py_False) < 0)
+        Py_CLEAR(m);
+    return m;
+}
