@@ -45,7 +45,7 @@ $(LOCKED): $(LOCK)
 
 # The editable install also compiles the C extensions (setup.py) in place: a changed C source
 # makes setup run again.
-NATIVE := $(wildcard daemon/core/*.c model_runner/kernels/*.c)
+NATIVE := $(wildcard daemon/core/*.[ch] model_runner/kernels/*.[ch])
 $(STAMP): $(LOCKED) pyproject.toml setup.py $(NATIVE)
 	@command -v $${CC:-cc} >/dev/null || { echo "setup compiles pagedkv's C extensions (setup.py):" \
 	  "install a C compiler and the Python headers (Debian/Ubuntu: apt-get install gcc python3-dev)" >&2; exit 1; }
