@@ -154,9 +154,16 @@ class Following:
             self.apply(pushed)
 
     def apply(self, pushed: StepOutputs) -> None:
-        """A pushed answer as the implied step's: each followed sequence appends its token and
-        samples the next, checked by the shadow; the next implied step is those going on."""
-        client, self.report.pushes_taken = self.client, self.report.pushes_taken + 1
+        """A pushed answer as the implied steps' it carries, in order (several when the stream
+        lagged)."""
+        self.report.pushes_taken += 1
+        for step in pushed.steps():
+            self.apply_step(step)
+
+    def apply_step(self, pushed: StepOutputs) -> None:
+        """One implied step's answer: each followed sequence appends its token and samples the
+        next, checked by the shadow; the next implied step is those going on."""
+        client = self.client
         ids = [out.seq_id for out in pushed]
         if ids != self.implied or not all(i in client.live for i in ids):
             self.report.follow_findings.append(

@@ -417,8 +417,9 @@ class Engine:
         if pushed is None:
             return False
         self.num_pushed += 1
-        plan, outputs = self.following.pushed(pushed)
-        self._answered(plan, StepOutputs(outputs, pushed.free_blocks), 0.0)
+        for step in pushed.steps():  # a lagging stream's push carries several, in order
+            plan, outputs = self.following.pushed(step)
+            self._answered(plan, StepOutputs(outputs, step.free_blocks), 0.0)
         return True
 
     async def _lost_following(self) -> None:

@@ -1,10 +1,12 @@
 """What a runner step did to its sequences, on both sides of the wire: a `SeqOutput` per
 sequence, in a `StepOutputs`, and their one packed message (runner.proto's RunnerStepResponse:
 each field of every sequence in one packed array, the top logprobs flat with a count per
-sequence), so an answer to a forward is one message however many sequences it carries."""
+sequence), so an answer to a forward is one message however many sequences it carries. A
+runner's push may carry several steps of a followed session (a lagging stream's steps merged
+into one message): `steps` splits it back into them."""
 
 from collections.abc import Iterator, Sequence
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import NamedTuple, Self, overload
 
 from pagedkv.proto import runner_pb2 as rpb
@@ -66,6 +68,24 @@ class StepOutputs(Sequence[SeqOutput]):
 
     def __iter__(self) -> Iterator[SeqOutput]:
         return iter(self._outputs)
+
+    def steps(self) -> list["StepOutputs"]:
+        """The steps a push carries, in order (runner.proto's RunnerStepResponse: a push merges
+        the steps the stream had not sent yet). A step names each sequence once, and a followed
+        session's next step names some of the previous step's sequences in the same order, so
+        a step begins at each entry whose seq_id the step so far already holds. Each step has
+        the push's free_blocks (the latest). [self] for a single step (every other answer)."""
+        bounds, seen = [0], set[int]()
+        for index, output in enumerate(self._outputs):
+            if output.seq_id in seen:
+                bounds.append(index)
+                seen.clear()
+            seen.add(output.seq_id)
+        if len(bounds) == 1:
+            return [self]
+        bounds.append(len(self._outputs))
+        return [StepOutputs(self._outputs[start:end], self.free_blocks)
+                for start, end in pairwise(bounds)]
 
     def message(self) -> rpb.RunnerStepResponse:
         """The packed answer: one array per field, an entry per sequence."""

@@ -12,7 +12,8 @@ forwards, one mechanism, not a second stepping path.
 
 While the step ahead is there to claim, the runner's pushes come from the engine's decode run
 (`StepEngine.follow`, decode_run.py): the forward thread computes the implied steps back to back
-and hands each one's outputs here, so a push costs the event loop its message alone; when the
+and hands each one's outputs here, so a push costs the event loop its message alone (steps
+whose push was not sent yet are merged into it, outbox.py); when the
 run stops (a reservation ran out, the hold needs the loop, another step of the session), the
 implied step it leaves goes through the step function, and the run starts again from its
 result.
@@ -25,7 +26,6 @@ a cancelled Step (the engine keeps the session held until its forward is done).
 """
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
@@ -34,6 +34,7 @@ import grpc
 from pagedkv.client import SeqStep, StepOutputs
 from pagedkv.model_runner.engine.metrics import RunnerMetrics
 from pagedkv.model_runner.engine.steps import InvalidStep, StalePlan, implied_step
+from pagedkv.model_runner.process.outbox import Outbox
 from pagedkv.model_runner.process.step_messages import StepFunction, seq_request
 from pagedkv.process.stream_drain import DrainableStreams
 from pagedkv.proto import runner_pb2 as rpb
@@ -45,31 +46,6 @@ Failure = Callable[[Exception], tuple[grpc.StatusCode, str, str]]
 # implied step left, or None when no run started.
 FollowFunction = Callable[[str, Sequence[SeqStep], Callable[[StepOutputs], None],
                            "asyncio.Future[Any]"], Coroutine[Any, Any, list[SeqStep] | None]]
-
-
-class _Outbox:
-    """A decode run's answers, in order, and a wake-up for the stream that pushes them."""
-
-    def __init__(self) -> None:
-        self.answers: deque[rpb.RunnerStepResponse] = deque()
-        self._wake = asyncio.Event()
-        self._loop = asyncio.get_running_loop()
-
-    def put(self, outputs: StepOutputs) -> None:
-        """[the forward thread, or the loop] Pack a step's answer where it was computed, and
-        wake the stream: the event loop only sends it."""
-        self._loop.call_soon_threadsafe(self._put, outputs.message())
-
-    def _put(self, answer: rpb.RunnerStepResponse) -> None:
-        self.answers.append(answer)
-        self._wake.set()
-
-    def poke(self, _: object = None) -> None:
-        self._wake.set()
-
-    async def wait(self) -> None:
-        await self._wake.wait()
-        self._wake.clear()
 
 
 class SessionStream:
@@ -172,14 +148,14 @@ class SessionStream:
         assert self.session_id is not None, "following starts from a message's answer"
         if self._follow is None:
             return
-        outbox = _Outbox()
+        outbox = Outbox()
         run = asyncio.create_task(self._follow(self.session_id, self.implied, outbox.put,
                                                reader))
         run.add_done_callback(outbox.poke)
         try:
             while True:
-                while outbox.answers:
-                    yield self._pushed(outbox.answers.popleft())
+                while (answer := outbox.take()) is not None:
+                    yield self._pushed(answer)
                 if run.done():
                     break
                 await outbox.wait()

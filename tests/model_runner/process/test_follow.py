@@ -74,10 +74,19 @@ async def answer(call: Call, step_id: int,
     return read
 
 
-def tokens(response: rpb.RunnerStreamResponse) -> dict[int, int]:
-    """Each sequence's sampled token in an OK answer or push."""
+def tokens(response: rpb.RunnerStreamResponse) -> dict[int, list[int]]:
+    """Each sequence's sampled tokens in an OK answer or push, in order (a push carries several
+    steps when the stream lagged)."""
     assert response.code == 0, response.message
-    return {output.seq_id: output.token_id for output in StepOutputs.from_message(response.answer)}
+    sampled: dict[int, list[int]] = {}
+    for output in StepOutputs.from_message(response.answer):
+        sampled.setdefault(output.seq_id, []).append(output.token_id)
+    return sampled
+
+
+def steps(pushes: list[rpb.RunnerStreamResponse]) -> int:
+    """The implied steps these OK pushes carry."""
+    return sum(len(StepOutputs.from_message(push.answer).steps()) for push in pushes)
 
 
 def pushes_total(metrics_port: int) -> float:
@@ -113,20 +122,21 @@ async def test_following_pushes_each_implied_step_until_no_sequence_is_left(
         await call.write(message(1, session, [
             new(i, prompt, SamplingParams(temperature=0.0, max_tokens=n))
             for i, (prompt, n) in enumerate(zip(PROMPTS, limits, strict=True))], follow=True))
-        generated = {seq_id: [token] for seq_id, token in tokens(await call.read()).items()}
+        generated = tokens(await call.read())
         pushes: list[rpb.RunnerStreamResponse] = []
         going = [0, 1, 2]
         while going:
             push = await call.read()
             pushes.append(push)
             assert push.push == len(pushes) and push.step_id == 0
-            outputs = StepOutputs.from_message(push.answer)
-            assert [output.seq_id for output in outputs] == going
-            for output in outputs:
-                generated[output.seq_id].append(output.token_id)
-                assert output.finished == (len(generated[output.seq_id]) == limits[output.seq_id])
-            going = [o.seq_id for o in outputs if not o.finished]
-        assert len(pushes) == max(limits) - 1
+            for outputs in StepOutputs.from_message(push.answer).steps():
+                assert [output.seq_id for output in outputs] == going
+                for output in outputs:
+                    generated[output.seq_id].append(output.token_id)
+                    assert output.finished == (
+                        len(generated[output.seq_id]) == limits[output.seq_id])
+                going = [o.seq_id for o in outputs if not o.finished]
+        assert steps(pushes) == max(limits) - 1
         # Following ended: the next message's answer is the next thing on the stream.
         await call.write(message(2, session, [], (0, 1, 2), pushes_read=len(pushes)))
         last = await call.read()
@@ -147,22 +157,22 @@ async def test_a_step_planned_before_pushes_it_did_not_read_is_refused_as_stale(
     async with await pool.open_session("stale") as session:
         call = stub.StepStream()
         await call.write(message(1, session, [new(1, prompt, ENDLESS)], follow=True))
-        generated = [tokens(await call.read())[1]]
+        generated = tokens(await call.read())[1]
         pushes = [await call.read() for _ in range(3)]
-        stale_token = tokens(pushes[0])[1]  # what a client that read only push 1 names
+        stale_token = tokens(pushes[0])[1][0]  # what a client that read only push 1 names
         await call.write(message(2, session, [SeqStep(1, [stale_token], decode_ahead=True)],
                                  pushes_read=1))
         refused = await answer(call, 2, pushes)
         assert refused.code == grpc.StatusCode.ABORTED.value[0] and refused.cause == "StalePlan"
         assert (f"step 2 was planned after 1 pushed answers; the runner has pushed "
                 f"{len(pushes)}: read them and plan again") == refused.message
-        generated += [tokens(push)[1] for push in pushes]
+        generated += [token for push in pushes for token in tokens(push)[1]]
         assert [push.push for push in pushes] == list(range(1, len(pushes) + 1))
         # Nothing changed: the step naming the last pushed token is answered from there.
         await call.write(message(3, session, [SeqStep(1, [generated[-1]])],
                                  pushes_read=len(pushes)))
-        generated.append(tokens(await answer(call, 3, pushes))[1])
-        assert len(pushes) == len(generated) - 2  # nothing was pushed after the refusal
+        generated += tokens(await answer(call, 3, pushes))[1]
+        assert steps(pushes) == len(generated) - 2  # nothing was pushed after the refusal
         await call.write(message(4, session, [], (1,)))
         assert (await answer(call, 4, pushes)).code == 0
         call.cancel()
@@ -176,7 +186,7 @@ async def test_pushes_read_past_the_pushes_sent_is_refused_and_changes_nothing(
     async with await pool.open_session("overread") as session:
         call = stub.StepStream()
         await call.write(message(1, session, [new(1, PROMPTS[0], ENDLESS)], follow=True))
-        generated = [tokens(await call.read())[1]]
+        generated = tokens(await call.read())[1]
         pushes = [await call.read()]
         await call.write(message(2, session, [], (1,), pushes_read=1000))
         refused = await answer(call, 2, pushes)
@@ -184,10 +194,10 @@ async def test_pushes_read_past_the_pushes_sent_is_refused_and_changes_nothing(
         assert "pushes_read 1000" in refused.message
         stats = (await session.stats()).session
         assert stats is not None and stats.num_sequences == 1  # not released
-        generated += [tokens(push)[1] for push in pushes]
+        generated += [token for push in pushes for token in tokens(push)[1]]
         await call.write(message(3, session, [SeqStep(1, [generated[-1]])],
                                  pushes_read=len(pushes)))
-        generated.append(tokens(await answer(call, 3, pushes))[1])
+        generated += tokens(await answer(call, 3, pushes))[1]
         await call.write(message(4, session, [], (1,), pushes_read=len(pushes)))
         assert (await answer(call, 4, pushes)).code == 0
         call.cancel()
@@ -202,18 +212,18 @@ async def test_a_release_while_following_is_never_stale(
         call = stub.StepStream()
         await call.write(message(1, session, [new(0, PROMPTS[0], ENDLESS),
                                               new(1, PROMPTS[1], ENDLESS)], follow=True))
-        generated = [tokens(await call.read())[0]]
+        generated = tokens(await call.read())[0]
         pushes = [await call.read() for _ in range(2)]
         await call.write(message(2, session, [], (1,)))
         released = await answer(call, 2, pushes)
         assert released.code == 0, released.message
         stats = (await session.stats()).session
         assert stats is not None and stats.num_sequences == 1  # sequence 1 is gone
-        generated += [tokens(push)[0] for push in pushes]
+        generated += [token for push in pushes for token in tokens(push)[0]]
         await call.write(message(3, session, [SeqStep(0, [generated[-1]])],
                                  pushes_read=len(pushes)))
-        generated.append(tokens(await answer(call, 3, pushes))[0])
-        assert len(pushes) == len(generated) - 2
+        generated += tokens(await answer(call, 3, pushes))[0]
+        assert steps(pushes) == len(generated) - 2
         await call.write(message(4, session, [], (0,)))
         assert (await answer(call, 4, pushes)).code == 0
         call.cancel()
@@ -232,8 +242,10 @@ async def test_a_failed_push_carries_its_status_and_ends_following(
         call = stub.StepStream()
         await call.write(message(1, session, [new(1, prompt, ENDLESS)], follow=True))
         tokens(await call.read())
-        pushes = [await call.read() for _ in range(room - len(prompt) + 1)]
-        assert all(push.code == 0 for push in pushes[:-1])
+        pushes = [await call.read()]
+        while pushes[-1].code == 0:  # the room's steps, one push each or merged
+            pushes.append(await call.read())
+        assert steps(pushes[:-1]) == room - len(prompt)
         failed = pushes[-1]
         assert failed.push == len(pushes) and failed.step_id == 0
         assert not failed.HasField("answer")
@@ -287,5 +299,5 @@ async def test_a_draining_runner_ends_a_following_stream(daemon: Pagedkvd,
             assert await call.code() == grpc.StatusCode.OK
             assert [push.push for push in pushes] == list(range(1, len(pushes) + 1))
             assert all(push.code == 0 for push in pushes)
-            assert not StepOutputs.from_message(pushes[-1].answer)[0].finished
+            assert not StepOutputs.from_message(pushes[-1].answer)[-1].finished
         assert draining.wait_for_exit() == 0
