@@ -30,7 +30,6 @@ instruction, and checked against what runs it.
   package-dir, and keeps out .git, .venv and the tests.
 """
 
-import ast
 import json
 import re
 import shlex
@@ -311,11 +310,11 @@ def pyproject() -> dict[str, Any]:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def setup_extensions() -> list[list[str]]:
-    """The source files of each C extension setup.py builds."""
-    calls = [node for node in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
-             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Extension"]
-    return [ast.literal_eval(call.args[1]) for call in calls]
+def native_sources() -> list[str]:
+    """The C sources and headers setup.py's extensions build from (in the package folders)."""
+    folders = pyproject()["tool"]["setuptools"]["package-dir"].values()
+    return sorted(str(path.relative_to(ROOT)) for folder in folders
+                  for pattern in ("*.c", "*.h") for path in (ROOT / folder).rglob(pattern))
 
 
 def scripts() -> set[str]:
@@ -675,9 +674,8 @@ def test_dockerignore_lets_in_what_the_build_reads_and_nothing_else() -> None:
     builder_sources = {src for s in dockerfile() for frm, srcs, _ in copies(s) if frm is None
                        for src in srcs if src not in (".", "./")}
     packages = set(pyproject()["tool"]["setuptools"]["package-dir"].values())
-    extensions = [s for e in setup_extensions() for s in e]
     needed = {"pyproject.toml", "setup.py", pyproject()["project"]["readme"], *builder_sources,
-              *(f"{folder}/__init__.py" for folder in packages), *extensions}
+              *(f"{folder}/__init__.py" for folder in packages), *native_sources()}
     for path in sorted(needed):
         assert not ignored(path, patterns), f".dockerignore keeps {path} out of the build"
     for path in (".git/config", ".venv/bin/python", "tests/conftest.py",
