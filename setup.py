@@ -23,7 +23,11 @@ setup(ext_modules=[
                             "module")],
               depends=["daemon/core/_rows.h"],
               extra_compile_args=[*COMPILE_ARGS, "-fvisibility=hidden"]),
-    # Decode attention over the paged pool on the CPU (model_runner/kernels/).
-    Extension("pagedkv.model_runner.kernels._cpu_paged", ["model_runner/kernels/_cpu_paged.c"],
-              extra_compile_args=COMPILE_ARGS),
+    # Paged attention and store_kv over the pool on the CPU (model_runner/kernels/): store_kv
+    # and the module in _cpu_paged.c, decode and prefill in _cpu_paged_attention.c; hidden
+    # visibility, as _rows.
+    Extension("pagedkv.model_runner.kernels._cpu_paged",
+              [f"model_runner/kernels/_cpu_paged{part}.c" for part in ("", "_attention")],
+              depends=["model_runner/kernels/_cpu_paged.h"],
+              extra_compile_args=[*COMPILE_ARGS, "-fvisibility=hidden"]),
 ])

@@ -3,12 +3,11 @@ vectorized torch twins.
 
 All three implement the same three calls on one layer's paged cache (see store_kv, paged_decode,
 paged_prefill for shapes). "auto" picks Triton on CUDA, "cpu" on CPU tensors and torch elsewhere.
-"cpu" runs store_kv and the decode in C (cpu_paged: in place in the pool, no per-forward plan)
-and the prefill with the torch twin. "torch" stays selectable everywhere: it is the reference both
-the Triton and the C kernels are tested against. Triton can be forced on CPU only under Triton's
-interpreter (TRITON_INTERPRET=1, which triton_env sets on machines without CUDA); it is exact but
-slow there. The interpreter is refused on CUDA tensors, "auto" included: it would copy the pool
-to the host at every launch.
+"cpu" runs all three in C (cpu_paged: in place in the pool, no per-forward plan). "torch" stays
+selectable everywhere: it is the reference both the Triton and the C kernels are tested against.
+Triton can be forced on CPU only under Triton's interpreter (TRITON_INTERPRET=1, which
+triton_env sets on machines without CUDA); it is exact but slow there. The interpreter is
+refused on CUDA tensors, "auto" included: it would copy the pool to the host at every launch.
 """
 
 from dataclasses import dataclass
@@ -16,7 +15,11 @@ from typing import Literal, Protocol
 
 import torch
 
-from pagedkv.model_runner.kernels.cpu_paged import paged_decode_attention_cpu, store_kv_cpu
+from pagedkv.model_runner.kernels.cpu_paged import (
+    paged_decode_attention_cpu,
+    paged_prefill_attention_cpu,
+    store_kv_cpu,
+)
 from pagedkv.model_runner.kernels.paged_decode import (
     paged_decode_attention_torch,
     paged_decode_attention_triton,
@@ -70,7 +73,7 @@ TRITON_BACKEND = AttentionBackend(
     "triton", store_kv_triton, paged_decode_attention_triton, paged_prefill_attention_triton
 )
 CPU_BACKEND = AttentionBackend(
-    "cpu", store_kv_cpu, paged_decode_attention_cpu, paged_prefill_attention_torch
+    "cpu", store_kv_cpu, paged_decode_attention_cpu, paged_prefill_attention_cpu
 )
 TORCH_BACKEND = AttentionBackend(
     "torch", store_kv_torch, paged_decode_attention_torch, paged_prefill_attention_torch

@@ -14,11 +14,12 @@ cached prefix (a prefix-cache hit, or earlier chunks of a chunked prefill) is re
 recomputed.
 
 The Triton kernel runs one program per (sequence, query head, BLOCK_M query rows) and walks the
-context in TILE_N-position tiles (paged_tile.attend_tile). The torch version is the CPU's prefill
-(in the "cpu" and the "torch" backends) and the tests' reference, with no loop over sequences or
-tokens: it pads the queries to the longest chunk, gathers every context padded to the longest
-with one index_select per cache (gather_context), and runs one masked SDPA call in fp32 (attend),
-which holds no score matrix; with a softcap, which SDPA lacks, it holds [S, H_q, max_q_len,
+context in TILE_N-position tiles (paged_tile.attend_tile). The "cpu" backend's prefill is C
+(cpu_paged, the decode's kernel over chunks). The torch version is the "torch" backend's and the
+tests' reference (of the Triton and the C kernels), with no loop over sequences or tokens: it
+pads the queries to the longest chunk, gathers every context padded to the longest with one
+index_select per cache (gather_context), and runs one masked SDPA call in fp32 (attend), which
+holds no score matrix; with a softcap, which SDPA lacks, it holds [S, H_q, max_q_len,
 max_seq_len] fp32 scores at once.
 """
 
@@ -133,7 +134,7 @@ def _prefill_kernel(  # type: ignore[no-untyped-def]
              out.to(Out.dtype.element_ty), mask=row_mask)
 
 
-def _check_args(
+def check_prefill_args(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -142,6 +143,9 @@ def _check_args(
     query_start_loc: torch.Tensor,
     check_values: bool,
 ) -> CacheGeometry:
+    """Validate a prefill's arguments (check_attention_args, and query_start_loc [S + 1] int32;
+    with `check_values`, a read-back, that it runs from 0 to T in chunks of 1 to seq_len rows);
+    return the cache geometry. Shared by every backend's prefill."""
     geometry = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, check_values)
     num_seqs = seq_lens.shape[0]
     check_index("query_start_loc", query_start_loc, torch.int32, (num_seqs + 1,), k_cache.device)
@@ -176,7 +180,7 @@ def paged_prefill_attention_triton(
     The grid is sized by `max_q_len`, the longest chunk as the host knows it (the runner's
     step), so nothing is read back from the device (a CUDA graph may capture the launch); None
     reads it back, once per forward."""
-    geometry = _check_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+    geometry = check_prefill_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            check_values)
     window, cap = check_window_softcap(sliding_window, softcap)
     require_triton_device(query.device, _prefill_kernel)
@@ -347,7 +351,7 @@ def paged_prefill_attention_torch(
 ) -> torch.Tensor:
     """Torch: causal attention of each sequence's new chunk over its paged context
     (`max_q_len` is checked and otherwise unused: its plan reads the lengths on the host)."""
-    geometry = _check_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+    geometry = check_prefill_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                            check_values)
     window, cap = check_window_softcap(sliding_window, softcap)
     num_tokens, num_q_heads, head_dim = query.shape

@@ -6,6 +6,7 @@ ids, slots, lengths) must raise ValueError and leave the pool and the output unt
 """
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -201,4 +202,5 @@ def test_auto_picks_the_c_kernels_on_the_cpu():
 def test_the_loops_are_vectorized_where_the_cpu_has_avx2():
     with open("/proc/cpuinfo") as cpuinfo:
         flags = cpuinfo.read().split()
-    assert vectorized() == all(f in flags for f in ("avx2", "fma", "f16c"))
+    portable = os.environ.get("PAGEDKV_CPU_KERNELS") == "portable"  # the portable copy forced
+    assert vectorized() == (not portable and all(f in flags for f in ("avx2", "fma", "f16c")))
