@@ -63,6 +63,9 @@ Service figures (issue 19), from the same runs:
   thread (its event loop: gRPC, handling steps, answers, preparing forwards, holds; read from
   /proc/PID/task/PID/schedstat) per decode-only forward, during the "runner" contestant; each
   runner contestant's own is printed as *_event_loop_ms_per_decode_step.
+- *_pushes_per_decode_step: the runner's pushed answers (pagedkv_runner:pushes_total) per
+  decode-only forward: one per followed session a forward carries, fewer when a lagging
+  stream's steps were merged into one push (model_runner/process/outbox.py).
 - service_overhead_frac: 4 client processes of PROMPTS_PER_CLIENT prompts, each through the
   client `Engine` (all its prompts submitted at once; one extra run a round, not a contestant):
   (client step time - runner forward time) / client step time, where the client step time is
@@ -398,6 +401,9 @@ class Forwards:
     daemon_rpcs: float
     # CPU seconds of the runner's main thread (its event loop: gRPC, steps, answers, holds).
     loop_cpu_s: float
+    # Pushed answers (messages) on every StepStream: fewer than the followed sessions' steps
+    # when a lagging stream's steps were merged (model_runner/process/outbox.py).
+    pushes: float
 
     @property
     def decode_forwards(self) -> float:
@@ -415,7 +421,9 @@ class Forwards:
                    values.get(f"{prefix}decode_forwards_total{{start=idle_wait}}", 0.0),
                    values.get(f"{prefix}decode_forwards_total{{start=queued}}", 0.0),
                    daemon_rpcs(pagedkv.daemon_metrics_url),
-                   thread_cpu_s(pagedkv.runner_pid, pagedkv.runner_pid))
+                   thread_cpu_s(pagedkv.runner_pid, pagedkv.runner_pid),
+                   sum(value for key, value in values.items()
+                       if key.startswith(f"{prefix}pushes_total{{")))
 
     def __sub__(self, other: "Forwards") -> "Forwards":
         return Forwards(*(a - b for a, b in zip(astuple(self), astuple(other), strict=True)))
@@ -613,6 +621,8 @@ def measure(rounds: int, threads: int) -> int:
                     1.0, forwards.decode_idle_wait + forwards.decode_queued)
                 extra[f"{name}_event_loop_ms_per_decode_step"] = (
                     1000 * forwards.loop_cpu_s / max(1.0, forwards.decode_forwards))
+                extra[f"{name}_pushes_per_decode_step"] = (
+                    forwards.pushes / max(1.0, forwards.decode_forwards))
                 extra[f"{name}_outside_forward_frac"] = (1 - forwards.seconds
                                                          / runs[name].seconds)
             engine_run, forwards, step_s = run_clients(pagedkv, four, "engine")
@@ -666,6 +676,8 @@ def report(med: dict[str, float], equal_seqs: float, all_ok: bool) -> None:
         print(f"{name}_steps_per_daemon_call: {med[f'{name}_steps_per_daemon_call']:.2f} steps")
         print(f"{name}_event_loop_ms_per_decode_step: "
               f"{med[f'{name}_event_loop_ms_per_decode_step']:.3f} ms")
+        print(f"{name}_pushes_per_decode_step: "
+              f"{med[f'{name}_pushes_per_decode_step']:.2f} pushes")
     # Issue 19's service figures (see the module docstring for what each measures).
     print(f"daemon_calls_per_decode_step: {med['runner_daemon_rpcs_per_forward']:.2f} "
           "calls/forward")
