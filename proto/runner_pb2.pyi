@@ -269,7 +269,7 @@ class RunnerInfo(_message.Message):
     block_size: _builtins.int
     attention_backend: _builtins.str
     """"triton", "cpu" or "torch": the attention kernels in use ("cpu": the C kernels of the CPU
-    backend, store_kv and decode; its prefill is the torch twin's).
+    backend: store_kv, decode and prefill attention).
     """
     max_model_len: _builtins.int
     """The most tokens a sequence may hold: the model's max_position_embeddings. A step that
