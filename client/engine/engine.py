@@ -121,7 +121,7 @@ class Engine:
         # then steps by itself.
         self._follow = config.follow and runner.streams is not None
         self.following = Following()
-        # Steps the runner took by itself and pushed (applied here).
+        # Steps the runner took by itself and pushed (applied here), however many a push carried.
         self.num_pushed = 0
         # Steps refused in a row as PoolExhausted, and as StalePlan.
         self._exhausted = self._stale = 0
@@ -416,8 +416,8 @@ class Engine:
             return False
         if pushed is None:
             return False
-        self.num_pushed += 1
         for step in pushed.steps():  # a lagging stream's push carries several, in order
+            self.num_pushed += 1
             plan, outputs = self.following.pushed(step)
             self._answered(plan, StepOutputs(outputs, step.free_blocks), 0.0)
         return True
