@@ -153,7 +153,8 @@ class RunnerStreamRequest(_message.Message):
     sequences by itself and push each answer, until the client's next message.
     """
     pushes_read: _builtins.int
-    """How many pushed answers of this stream the client had read when it planned this step.
+    """How many pushed answers (messages, however many implied steps each carried) of this stream
+    the client had read when it planned this step.
     A step naming sequences with fewer than the runner pushed is refused (ABORTED, cause
     "StalePlan", nothing changed); more than the runner pushed is INVALID_ARGUMENT naming
     pushes_read, nothing changed.
@@ -202,8 +203,9 @@ class RunnerStreamResponse(_message.Message):
     message: _builtins.str
     push: _builtins.int
     """0 for the answer to a client's message; else a pushed answer (step_id 0), the runner's
-    implied step while it follows the session: its number on this stream (1, 2, ...). Its
-    outputs are in the implied step's order (the previous step's or push's, those that go on).
+    implied step while it follows the session: its number on this stream (1, 2, ...). It
+    carries one implied step or several in order (RunnerStepResponse), each step's outputs in
+    its order (the previous step's, those that go on).
     """
     @_builtins.property
     def answer(self) -> Global___RunnerStepResponse: ...
@@ -695,7 +697,15 @@ class RunnerStepResponse(_message.Message):
     TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     free_blocks: _builtins.int
-    """The pool's free blocks per the daemon's last answer in this step (KVPool free_blocks): what
+    """An answer to a message or a Step call has one entry per sequence of the step, in its order.
+    A push (RunnerStreamResponse.push) may carry several implied steps of the followed session,
+    one after another in step order, each with one entry per sequence it stepped: each entry
+    one sampled token, num_tokens and num_computed_tokens as after that step. A step names a
+    sequence once and the next names those of the previous that go on, in the same order, so
+    a new step begins at each entry whose seq_id the step so far already holds
+    (pagedkv.client.StepOutputs.steps). A sequence's finished entry is its last; free_blocks is
+    the latest step's.
+    The pool's free blocks per the daemon's last answer in this step (KVPool free_blocks): what
     a scheduler admits new sequences and plans preemption by.
     """
     @_builtins.property

@@ -147,10 +147,16 @@ class RunnerStub:
     ends, or when the runner drains (it ends the stream once the push in progress is out).
     The runner computes implied steps back to back (its forward thread decodes the followed
     sequences inside their reserved slots, "Decode tokens reach the daemon once a block"), so
-    several pushes may be on their way when the client's next message arrives: each is still
-    one implied step, numbered, in order. A client that reads a push holds
-    what it would hold had it sent the implied step and got that answer, and plans its next
-    step from there: a step that names sequences and was planned before a push the runner has
+    several implied steps may be on their way when the client's next message arrives: they come
+    in order, in numbered pushes. A push answers one implied step, or several when the stream
+    lags: an implied step whose push the runner has not sent yet (its event loop has not got to
+    it, or the write before it is still pending) is appended to that push instead of queued as
+    another message, while the push holds at most 4096 entries (one per sequence step, one per
+    top logprob; beyond, or for a bigger step, the next push follows), so a slow reader gets
+    fewer, bigger messages and no step waits longer than it would have in a queue
+    (RunnerStepResponse says how a push's entries read). A client that reads a push holds what
+    it would hold had it sent each implied step the push carries, in order, and got those
+    answers, and plans its next step from there: a step that names sequences and was planned before a push the runner has
     sent (pushes_read lower than the pushes on this stream) is refused ABORTED, cause
     "StalePlan", nothing changed: read the pushes, plan again. A step naming no sequences (a
     release, a preemption) is never stale. A stream that breaks while the runner follows may
@@ -199,10 +205,16 @@ class RunnerAsyncStub(RunnerStub):
     ends, or when the runner drains (it ends the stream once the push in progress is out).
     The runner computes implied steps back to back (its forward thread decodes the followed
     sequences inside their reserved slots, "Decode tokens reach the daemon once a block"), so
-    several pushes may be on their way when the client's next message arrives: each is still
-    one implied step, numbered, in order. A client that reads a push holds
-    what it would hold had it sent the implied step and got that answer, and plans its next
-    step from there: a step that names sequences and was planned before a push the runner has
+    several implied steps may be on their way when the client's next message arrives: they come
+    in order, in numbered pushes. A push answers one implied step, or several when the stream
+    lags: an implied step whose push the runner has not sent yet (its event loop has not got to
+    it, or the write before it is still pending) is appended to that push instead of queued as
+    another message, while the push holds at most 4096 entries (one per sequence step, one per
+    top logprob; beyond, or for a bigger step, the next push follows), so a slow reader gets
+    fewer, bigger messages and no step waits longer than it would have in a queue
+    (RunnerStepResponse says how a push's entries read). A client that reads a push holds what
+    it would hold had it sent each implied step the push carries, in order, and got those
+    answers, and plans its next step from there: a step that names sequences and was planned before a push the runner has
     sent (pushes_read lower than the pushes on this stream) is refused ABORTED, cause
     "StalePlan", nothing changed: read the pushes, plan again. A step naming no sequences (a
     release, a preemption) is never stale. A stream that breaks while the runner follows may
@@ -266,10 +278,16 @@ class RunnerServicer(metaclass=_abc_1.ABCMeta):
         ends, or when the runner drains (it ends the stream once the push in progress is out).
         The runner computes implied steps back to back (its forward thread decodes the followed
         sequences inside their reserved slots, "Decode tokens reach the daemon once a block"), so
-        several pushes may be on their way when the client's next message arrives: each is still
-        one implied step, numbered, in order. A client that reads a push holds
-        what it would hold had it sent the implied step and got that answer, and plans its next
-        step from there: a step that names sequences and was planned before a push the runner has
+        several implied steps may be on their way when the client's next message arrives: they come
+        in order, in numbered pushes. A push answers one implied step, or several when the stream
+        lags: an implied step whose push the runner has not sent yet (its event loop has not got to
+        it, or the write before it is still pending) is appended to that push instead of queued as
+        another message, while the push holds at most 4096 entries (one per sequence step, one per
+        top logprob; beyond, or for a bigger step, the next push follows), so a slow reader gets
+        fewer, bigger messages and no step waits longer than it would have in a queue
+        (RunnerStepResponse says how a push's entries read). A client that reads a push holds what
+        it would hold had it sent each implied step the push carries, in order, and got those
+        answers, and plans its next step from there: a step that names sequences and was planned before a push the runner has
         sent (pushes_read lower than the pushes on this stream) is refused ABORTED, cause
         "StalePlan", nothing changed: read the pushes, plan again. A step naming no sequences (a
         release, a preemption) is never stale. A stream that breaks while the runner follows may
