@@ -134,14 +134,16 @@ def test_no_room_for_the_pool_names_the_free_space_the_size_and_the_likely_holde
     holds the rest (here: this process, mapping a deleted pool file) and how to find it."""
     stale = tmp_path / "pagedkv-12345-00ff00ff00ff00ff.kv"
     stale.write_bytes(bytes(4096))
+    # The file system as the error saw it (other processes change /tmp's free space meanwhile).
+    space = os.statvfs(tmp_path)
     with stale.open("r+b") as file, mmap.mmap(file.fileno(), 4096):
         stale.unlink()  # as a new daemon removes a dead one's file
         monkeypatch.setattr(os, "posix_fallocate", no_space)
+        monkeypatch.setattr(os, "statvfs", lambda path: space)
         with pytest.raises(OSError) as failure:
             KVPoolMemory.create(GEOMETRY, num_blocks=64, block_size=16, dtype="float32",
                                 shm_dir=str(tmp_path))
     assert failure.value.errno == errno.ENOSPC
-    space = os.statvfs(tmp_path)
     needed = format_bytes(2 * 2 * 64 * 16 * 2 * 16 * 4)
     assert failure.value.strerror == (
         f"cannot reserve {needed} for the KV pool in {tmp_path}: No space left on device "
