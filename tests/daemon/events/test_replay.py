@@ -153,7 +153,9 @@ def test_a_replay_flood_is_bounded_and_a_legitimate_replay_is_answered() -> None
         answers = sender.answers
         assert answers is not None
         assert answers.queued <= MAX_ANSWERS_PER_CLIENT
-        assert answers.refused >= FLOOD - MAX_ANSWERS_PER_CLIENT
+        # The flooder's last few requests may still be on their way to the sending thread.
+        until(lambda: answers.refused >= FLOOD - MAX_ANSWERS_PER_CLIENT)
+        assert answers.queued <= MAX_ANSWERS_PER_CLIENT
         messages = replay_from(client, 0)
         assert [seq_of(seq) for seq, _ in messages] == [*range(BATCHES), -1]
         assert messages[-1] == [END_SEQ, b""]
