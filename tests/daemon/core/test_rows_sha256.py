@@ -51,3 +51,18 @@ def test_the_pool_keys_with_it_where_the_cpu_can() -> None:
 def test_without_sha_instructions_it_refuses() -> None:
     with pytest.raises(RuntimeError, match="SHA extensions"):
         _rows.sha256(b"x")
+
+
+def test_a_pool_on_a_cpu_without_sha_instructions_makes_the_same_keys(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hashlib path (what a CPU without SHA instructions runs, forced here) and this CPU's
+    give byte-identical roots, blocks and chains, so images and KV events move between them."""
+    tokens = np.random.default_rng(1).integers(0, 50_000, (5, 16), dtype=np.int64)
+    here = ContentKeys("sha256")
+    monkeypatch.setattr(_rows, "SHA256_NATIVE", False)
+    elsewhere = ContentKeys("sha256")
+    assert elsewhere.digest is not _rows.sha256
+    root = here.root(b"tenant")
+    assert elsewhere.root(b"tenant") == root
+    assert elsewhere.block(root, tokens[0].tobytes()) == here.block(root, tokens[0].tobytes())
+    assert elsewhere.chain(root, tokens) == here.chain(root, tokens)
