@@ -196,7 +196,9 @@ async def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=96)
     add_quick_flag(parser)
     args = parser.parse_args()
-    streams, new_tokens = (2, 96) if args.quick else (args.streams, args.new_tokens)
+    # Quick: tokens enough that the kill, at half of them, leaves more than a reservation's
+    # worth to compute (a run the runner can finish inside its reservations meets no daemon).
+    streams, new_tokens = (2, 256) if args.quick else (args.streams, args.new_tokens)
     prompts = [[(7 * i + 3 * j) % VOCAB for j in range(PROMPT_LENS[i % len(PROMPT_LENS)])]
                for i in range(streams)]
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)

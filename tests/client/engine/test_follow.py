@@ -27,6 +27,7 @@ from served_model import hf_greedy
 # The module fixtures config_path, reference and roomy are conftest.py's.
 
 NEW_TOKENS = 16
+LONG_TOKENS = 64
 STAGGERED = [SamplingParams(temperature=0.0, max_tokens=m) for m in (3, 16, 9, 16, 5, 12, 16, 7)]
 LEASE_MS = 60_000
 
@@ -124,26 +125,31 @@ async def test_a_runner_killed_while_following_recomputes_the_followed_requests(
     with histories, which the daemon may have outgrown); every request ends with
     transformers' tokens, nothing left held."""
     daemon, _ = roomy
+    # Long enough that the runner is still following when the client sees 4 tokens, however
+    # many steps a lagging stream's push carries.
+    params = SamplingParams(temperature=0.0, max_tokens=LONG_TOKENS)
+    killed = False
     with contextlib.ExitStack() as runners:
         first = runners.enter_context(pagedkv_runner(daemon, "--random-init", str(config_path),
                                                      listen=listen))
         async with await Engine.connect(daemon.unix_target, listen,
                                         lease_ttl_ms=LEASE_MS) as engine:
-            others = [asyncio.create_task(engine.generate(p, STAGGERED[1]))
-                      for p in PROMPTS[1:4]]
-            async for output in engine.stream(PROMPTS[0], STAGGERED[1]):
-                if len(output.outputs[0].token_ids) == 4:
-                    assert engine.following.active  # the runner steps them by itself now
+            others = [asyncio.create_task(engine.generate(p, params)) for p in PROMPTS[1:4]]
+            async for output in engine.stream(PROMPTS[0], params):
+                # The runner steps them by itself now.
+                if not killed and len(output.outputs[0].token_ids) >= 4 and \
+                        engine.following.active:
+                    killed = True
                     first.stop(signal.SIGKILL)
-                    others.append(asyncio.create_task(engine.generate(PROMPTS[4],
-                                                                      STAGGERED[1])))
+                    others.append(asyncio.create_task(engine.generate(PROMPTS[4], params)))
                     await asyncio.sleep(0.05)
                     runners.enter_context(pagedkv_runner(daemon, "--random-init",
                                                          str(config_path), listen=listen))
                 final = output
             results = [final, *await asyncio.gather(*others)]
             stats = (await engine.session.stats()).session
+    assert killed, "the runner never followed the requests"
     assert [result.num_preemptions for result in results] == [1, 1, 1, 1, 0]
     for prompt, result in zip(PROMPTS[:5], results, strict=True):
-        assert list(result.outputs[0].token_ids) == hf_greedy(reference, prompt, NEW_TOKENS)
+        assert list(result.outputs[0].token_ids) == hf_greedy(reference, prompt, LONG_TOKENS)
     assert stats is not None and stats.num_sequences == 0
