@@ -23,12 +23,13 @@ class Evicted:
 
 @dataclass(frozen=True, slots=True)
 class Parked:
-    """A committed block lost its last reference and stays cached under `key`."""
+    """Committed blocks lost their last reference and stay cached, each under its key (one
+    event per release: a freed sequence parks every committed block of its table)."""
 
-    # The block.
-    block: int
-    # Its content key in the prefix cache.
-    key: bytes
+    # The blocks, in the order the cache took them (deepest of a table first).
+    blocks: list[int]
+    # Their content keys in the prefix cache, one per block.
+    keys: list[bytes]
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,10 +113,9 @@ class PhysicalBlocks:
         unheld = _rows.release_refs(table, self.ref)
         released = self.cache.release(unheld)
         if self.events is not None and len(released) < len(unheld):
-            freed = set(released)
-            for block in unheld:
-                if block not in freed:  # parked: cached with its committed key
-                    self.events.append(Parked(block, self.cache.key_of[block] or b""))
+            freed, key_of = set(released), self.cache.key_of
+            parked = [block for block in unheld if block not in freed]  # cached, with its key
+            self.events.append(Parked(parked, [key_of[block] or b"" for block in parked]))
         self.free.extend(released)
         self._journal.record(self._unrelease, table, len(released))
         return released

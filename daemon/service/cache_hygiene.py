@@ -97,10 +97,12 @@ class CacheHygiene:
                     work.zero(blocks)
                 if self.events is not None:
                     self.events.removed(blocks)
-            case Parked(block, key):
-                self.cached.parked(session.model_number, block, key)
+            case Parked(blocks, keys):
+                model = session.model_number
+                self.cached.park([(block, model, key)
+                                  for block, key in zip(blocks, keys, strict=True)])
                 if session.private_salt:
-                    self.private.parked(session.number, block, key)
+                    self.private.park(session.number, blocks, keys)
             case Committed(blocks):
                 if self.events is not None:
                     self.events.committed(session, blocks)

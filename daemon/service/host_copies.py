@@ -55,7 +55,7 @@ class HostCopies:
             assert key is not None
             session, model = owners.private_owner(block), owners.model_of(block)
             if session is not None:
-                self.private.parked(session, slot, key)
+                self.private.park(session, [slot], [key])
             if model is not None:
                 models.append((slot, model, key))
         self.models.park(models)

@@ -27,13 +27,10 @@ class ModelCache:
     def count(self, model: int) -> int:
         return self._count[model]
 
-    def parked(self, model: int, block: int, key: bytes) -> None:
-        """A session of `model` left `block` cached under `key`."""
-        self._set(block, (model, key))
-
     def park(self, entries: list[tuple[int, int, bytes]]) -> None:
-        """Many `parked` at once, (block, model, key) each, with one undo record (the host
-        tier records every copy an eviction makes)."""
+        """Sessions left these blocks cached: (block, model, key) each, with one undo record
+        (a freed sequence parks its table's committed blocks, an eviction to the host tier
+        every copy it makes)."""
         old = [(block, self._of.get(block)) for block, _, _ in entries]
         self._journal.record(self._restore, old)
         for block, model, key in entries:
@@ -80,10 +77,6 @@ class ModelCache:
         for block, (_, key) in self._of.items():
             assert cached[block] == key, f"block {block} is cached under another key"
         assert +self._count == Counter(owner for owner, _ in self._of.values()), "miscounted"
-
-    def _set(self, block: int, entry: tuple[int, bytes] | None) -> None:
-        self._journal.record(self._put, block, self._of.get(block))
-        self._put(block, entry)
 
     def _put(self, block: int, entry: tuple[int, bytes] | None) -> None:
         old = self._of.pop(block, None)

@@ -20,12 +20,15 @@ class PrivateBlocks:
         # by one session at a time, and leaves the record when evicted).
         self._owner: dict[int, int] = {}
 
-    def parked(self, number: int, block: int, key: bytes) -> None:
-        """Session `number` left `block` cached under `key`."""
-        self._journal.record(self._restore, block, *self._entry(block))
-        self._forget(block)
-        self._of.setdefault(number, {})[block] = key
-        self._owner[block] = number
+    def park(self, number: int, blocks: list[int], keys: list[bytes]) -> None:
+        """Session `number` left these blocks cached, each under its key (one undo record: a
+        freed sequence parks its table's committed blocks together)."""
+        self._journal.record(self._restore_all, [(block, *self._entry(block)) for block in blocks])
+        for block in blocks:
+            self._forget(block)  # from any record, this session's among them
+        record = self._of.setdefault(number, {})
+        record.update(zip(blocks, keys, strict=True))
+        self._owner.update(dict.fromkeys(blocks, number))
 
     def evicted(self, blocks: list[int]) -> None:
         """These blocks left the cache for a new owner: no session's record holds them now."""
@@ -64,6 +67,10 @@ class PrivateBlocks:
         if owner is not None and key is not None:
             self._of.setdefault(owner, {})[block] = key
             self._owner[block] = owner
+
+    def _restore_all(self, entries: list[tuple[int, int | None, bytes | None]]) -> None:
+        for block, owner, key in reversed(entries):
+            self._restore(block, owner, key)
 
     def _unrelease(self, number: int, record: dict[int, bytes]) -> None:
         if record:

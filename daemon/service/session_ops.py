@@ -12,8 +12,10 @@ once the transaction has succeeded (`memory_order.py`).
 Pool keys are `(session number, seq_id)`: a seq id of another session is simply not found.
 """
 
+import contextlib
+import itertools
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -48,7 +50,7 @@ from pagedkv.daemon.service.sequence_log import SequenceLog, check
 from pagedkv.daemon.service.sessions import Session
 from pagedkv.vocab.blocks import blocks_for
 
-Result = TypeVar("Result", SeqUpdate, BatchAppend)
+Result = TypeVar("Result", SeqUpdate, BatchAppend, list[SeqUpdate])
 
 
 def _nothing(_blocks: list[int] | None = None) -> None:
@@ -105,16 +107,9 @@ class SessionOps:
                                             update.num_cached_tokens)
                 if tokens is not None and self.pool.enable_prefix_caching:
                     self._count_prefix(session, num_tokens, update.num_cached_tokens)
-            case Append(seq_id, num_tokens, token_ids):
-                tokens = self._check_tokens(num_tokens, token_ids, minimum=1)
-                key = self.own(session, seq_id)
-                old, held = self.pool.num_tokens(key), self.pool.quota_of(key)
-                charge = max(0, quota(old + num_tokens) - held)  # a reservation may cover it
-                self._check_quota(session, charge)
-                answer.sequence("append", max(blocks_for(old + num_tokens, bs),
-                                              self.pool.table_length(key)),
-                                slots=num_tokens, copies=1)
-                update = self._fit(self.pool.append(key, num_tokens, tokens))
+            case Append():
+                key, tokens, charge = self._checked_append(session, op, answer, 0)
+                update = self._fit(self.pool.append(key, op.num_tokens, tokens))
             case Fork(parent_seq_id, child_seq_id):
                 parent = self.own(session, parent_seq_id)
                 self._check_new_seq(session, child_seq_id)
@@ -145,22 +140,58 @@ class SessionOps:
         work.copy(update.copies)
         return update
 
+    def _checked_append(self, session: Session, op: Append, answer: AnswerBudget,
+                        charged: int) -> tuple[tuple[int, int], Sequence[int] | None, int]:
+        """An Append's checks, `charged` being what the run's earlier Appends add to the
+        session's quota charge; its pool key, token ids (None: none sent) and charge."""
+        tokens = self._check_tokens(op.num_tokens, op.token_ids, minimum=1)
+        key = self.own(session, op.seq_id)
+        pool, total = self.pool, self.pool.num_tokens(key) + op.num_tokens
+        # A reservation may cover the new tokens: the charge is what the table grows by.
+        charge = max(0, pool.quota_blocks(total) - pool.quota_of(key))
+        self._check_quota(session, charged + charge)
+        answer.sequence("append", max(blocks_for(total, pool.block_size),
+                                      pool.table_length(key)), slots=op.num_tokens, copies=1)
+        return key, tokens, charge
+
     def apply_all(self, session: Session, ops: Sequence[Operation], work: MemoryWork,
                   answer: AnswerBudget) -> list[SeqUpdate]:
         """A Batch's ops in order (inside the caller's transaction); an error says which op
-        failed."""
-        return [self._apply_numbered(session, index, op, work, answer)
-                for index, op in enumerate(ops)]
+        failed. Consecutive Appends that one vectorized append applies as they would be one
+        by one go to the pool together (`_apply_appends`): a runner's release certifies
+        every sequence's decoded tokens in one Batch."""
+        updates: list[SeqUpdate] = []
+        start = 0
+        while start < len(ops):
+            run = _append_run(ops, start)
+            if len(run) > 1:
+                updates.extend(self._apply_appends(session, start, run, work, answer))
+                start += len(run)
+                continue
+            with _numbered(f"op {start} ({operation_name(ops[start])})"):
+                updates.append(self.apply(session, ops[start], work, answer))
+            start += 1
+        return updates
 
-    def _apply_numbered(self, session: Session, index: int, op: Operation, work: MemoryWork,
-                        answer: AnswerBudget) -> SeqUpdate:
-        try:
-            return self.apply(session, op, work, answer)
-        except PoolFull as exc:
-            raise PoolFull(f"op {index} ({operation_name(op)}): {exc}", exc.needed,
-                           exc.available) from exc
-        except PoolError as exc:
-            raise type(exc)(f"op {index} ({operation_name(op)}): {exc}") from exc
+    def _apply_appends(self, session: Session, first: int, run: list[Append],
+                       work: MemoryWork, answer: AnswerBudget) -> list[SeqUpdate]:
+        """A run of Appends (`_append_run`), ops `first`... of a Batch: each op's checks in
+        order, then one pool append, all or none. The same changes and answers as one by one;
+        a pool too full for them names the run."""
+        keys, ids, charged = [], [], 0
+        for index, op in enumerate(run, first):
+            with _numbered(f"op {index} (Append)"):
+                key, tokens, charge = self._checked_append(session, op, answer, charged)
+            keys.append(key)
+            charged += charge
+            if tokens is not None:
+                ids.append(tokens)
+        with _numbered(f"ops {first}-{first + len(run) - 1} (Append)"):
+            tokens_of_all = np.asarray(ids, dtype=np.int64) if ids else None
+            updates = self._fit(self.pool.append_each(keys, run[0].num_tokens, tokens_of_all))
+        self._add_entries(session, charged)
+        work.copy([copy for update in updates for copy in update.copies])
+        return updates
 
     def free(self, session: Session, seq_id: int, work: MemoryWork) -> int:
         """Drop one of the session's sequences; returns how many blocks the pool released."""
@@ -315,6 +346,33 @@ class SessionOps:
             left = session.max_blocks - session.table_entries
             raise PoolExhausted(f"session quota: the call needs {new_entries} more blocks, "
                                 f"{left} of max_blocks={session.max_blocks} left")
+
+
+def _append_run(ops: Sequence[Operation], start: int) -> list[Append]:
+    """The Appends from ops[start] on that one vectorized append applies as one by one: in a
+    row, of one num_tokens, all with token ids or all without, no sequence twice (a second
+    Append would see the first's)."""
+    run: list[Append] = []
+    seen: set[int] = set()
+    for op in itertools.islice(ops, start, None):
+        if not isinstance(op, Append) or op.seq_id in seen or (run and (
+                op.num_tokens != run[0].num_tokens
+                or bool(len(op.token_ids)) != bool(len(run[0].token_ids)))):
+            break
+        run.append(op)
+        seen.add(op.seq_id)
+    return run
+
+
+@contextlib.contextmanager
+def _numbered(label: str) -> Iterator[None]:
+    """Errors of a Batch's op (or run of ops) name it: `label` first."""
+    try:
+        yield
+    except PoolFull as exc:
+        raise PoolFull(f"{label}: {exc}", exc.needed, exc.available) from exc
+    except PoolError as exc:
+        raise type(exc)(f"{label}: {exc}") from exc
 
 
 # Undo functions of SessionOps' bookkeeping (module level: the journal holds them by reference).

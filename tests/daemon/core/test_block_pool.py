@@ -413,8 +413,8 @@ class Heard:
             match event:
                 case Evicted(blocks):
                     self.events.append(("evicted", blocks))
-                case Parked(block, _key):
-                    self.events.append(("parked", [block]))
+                case Parked(blocks, _keys):
+                    self.events.extend(("parked", [block]) for block in blocks)
                 case Committed(blocks):
                     self.keying.append(("committed", blocks))
                 case Uncommitted(block):

@@ -11,8 +11,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_service import make_service, snapshot
 
-from pagedkv.daemon.core import BlockPool, InvalidArgument, SequenceExists, SequenceNotFound
+from pagedkv.daemon.core import InvalidArgument, SequenceExists, SequenceNotFound
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory
 from pagedkv.daemon.service.errors import PoolExhausted
 from pagedkv.daemon.service.limits import Limits
@@ -29,11 +30,6 @@ from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
 
 
-def make_service(num_blocks: int = 8, block_size: int = 4, **options: Any) -> PoolService:
-    return PoolService(BlockPool(num_blocks, block_size), options.pop("memory", None),
-                       pool_id="testpool", **options)
-
-
 @pytest.fixture
 def service() -> PoolService:
     return make_service()
@@ -43,18 +39,6 @@ def service() -> PoolService:
 def memory(tmp_path: Path) -> Iterator[KVPoolMemory]:
     with KVPoolMemory.create(TINY_CPU_GEOMETRY, 8, 4, "float32", shm_dir=str(tmp_path)) as mem:
         yield mem
-
-
-def snapshot(service: PoolService) -> tuple[object, ...]:
-    """Everything a failed call must leave as it was."""
-    tables = {(s.label, q): (service.pool.block_table(s.key(q)), service.pool.num_tokens(s.key(q)))
-              for s in service.sessions for q in s.seq_ids}
-    books = {s.label: (sorted(s.seq_ids), s.table_entries, s.prefix_cache_queries,
-                       s.prefix_cache_hits) for s in service.sessions}
-    tier = service.host_tier
-    host = None if tier is None else (dict(tier.slot_of), list(tier.lru), tier.stores,
-                                      tier.restores)
-    return service.pool_stats(), tables, books, host
 
 
 async def test_operations_exact_blocks_and_session_stats(service: PoolService) -> None:
