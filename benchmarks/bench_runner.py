@@ -88,6 +88,11 @@ runner_tok_s (one client, all prompts, following), runner_ahead_tok_s and runner
 (the same, message per step), runner_vs_hf_generate (target >= 1), runner_vs_hf_generate_batch
 (vs default sizing, target >= 10), runner_1client_8prompts_tok_s, runner_4clients_tok_s (4
 client processes of 8 prompts each, following), runner_4clients_vs_1client (target >= 2),
+runner_bare_tok_s and runner_bare_8prompts_tok_s (the runner's model alone in this process,
+`bare_generate`: all prompts, and one client's 8), runner_bare_vs_hf_generate and
+runner_4clients_vs_1client_ceiling (runner_bare over runner_bare_8prompts: the two ratios'
+ceilings, what they would be with no service cost at all), runner_vs_bare (the share of the
+bare model's throughput the runner keeps),
 runner_follow_speedup (runner over runner_ahead: following vs a message per decode_ahead step),
 runner_ahead_speedup (runner_ahead over runner_no_ahead), each ratio also _per_cpu,
 runner_matches_hf (every runner contestant's and the continuous batching's tokens equal HF
@@ -478,6 +483,15 @@ def hf_generate(model: Any, prompts: Sequence[Sequence[int]], batch_size: int) -
     return Run(time.perf_counter() - start, time.process_time() - cpu, dict(enumerate(tokens)))
 
 
+def bare_generate(contestant: Any, prompts: Sequence[Sequence[int]]) -> Run:
+    """The runner's model alone: `ModelRunner.step` in this process (bench_decode_forward's
+    RunnerContestant: one packed prefill, then one step per token, argmax), no daemon, no
+    gRPC, no client: what the runner contestants would make with no service cost at all."""
+    start, cpu = time.perf_counter(), time.process_time()
+    tokens, _ = contestant([list(p) for p in prompts])
+    return Run(time.perf_counter() - start, time.process_time() - cpu, dict(enumerate(tokens)))
+
+
 class ContinuousBatching:
     """transformers' paged continuous batching (what generate_batch runs), default sizing or
     sized to the pagedkv pool. The manager (cache and I/O tensors) is built once, as a server
@@ -565,7 +579,8 @@ def warmed(run: Callable[[], T]) -> T:
 
 
 CONTESTANTS = ("hf_generate", "hf_generate_batch_default", "hf_generate_batch_sized", "runner",
-               "runner_ahead", "runner_no_ahead", "runner_1client_8prompts", "runner_4clients")
+               "runner_ahead", "runner_no_ahead", "runner_1client_8prompts", "runner_4clients",
+               "runner_bare", "runner_bare_8prompts")
 
 
 def measure(rounds: int, threads: int) -> int:
@@ -589,6 +604,11 @@ def measure(rounds: int, threads: int) -> int:
                                     ("hf_generate_batch_sized", True))}
     for name, contestant in batching.items():
         print(f"{name}_setup_s: {contestant.setup_s:.2f} s")
+    from bench_decode_forward import RunnerContestant
+
+    from pagedkv.model_runner.kernels.attention_backend import get_backend
+
+    bare = RunnerContestant(get_backend("auto", "cpu"), prompts)
     # Client processes of each runner contestant, and how they drive the runner (drive's mode).
     four = [range(c * PROMPTS_PER_CLIENT, (c + 1) * PROMPTS_PER_CLIENT) for c in range(CLIENTS)]
     groups = {"runner": ([range(0, NUM_PROMPTS)], "follow"),
@@ -609,6 +629,9 @@ def measure(rounds: int, threads: int) -> int:
             runs["hf_generate"] = warmed(functools.partial(hf_generate, model, prompts, HF_BATCH))
             for name, contestant in batching.items():
                 runs[name] = warmed(functools.partial(contestant.run, prompts))
+            runs["runner_bare"] = warmed(functools.partial(bare_generate, bare, prompts))
+            runs["runner_bare_8prompts"] = warmed(functools.partial(
+                bare_generate, bare, prompts[:PROMPTS_PER_CLIENT]))
             for name, (group, mode) in groups.items():
                 runs[name], forwards, _ = warmed(functools.partial(run_clients, pagedkv, group,
                                                                    mode))
@@ -661,6 +684,11 @@ def report(med: dict[str, float], equal_seqs: float, all_ok: bool) -> None:
               "runner_vs_hf_generate_batch_sized": ("runner", "hf_generate_batch_sized"),
               "runner_4clients_vs_1client": ("runner_4clients", "runner_1client_8prompts"),
               "runner_follow_speedup": ("runner", "runner_ahead"),
+              # What the model alone allows: the ceilings of the two ratios above, and the
+              # share of it the runner keeps through the service.
+              "runner_bare_vs_hf_generate": ("runner_bare", "hf_generate"),
+              "runner_4clients_vs_1client_ceiling": ("runner_bare", "runner_bare_8prompts"),
+              "runner_vs_bare": ("runner", "runner_bare"),
               "runner_ahead_speedup": ("runner_ahead", "runner_no_ahead")}
     for key, (a, b) in ratios.items():
         print(f"{key}: {med[a] / med[b]:.2f} ratio")
