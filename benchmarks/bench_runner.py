@@ -119,7 +119,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -316,6 +316,7 @@ def run_clients(pagedkv: "Pagedkv", groups: Sequence[range],
                 raise RuntimeError(f"a client process failed to start (exit {proc.wait()})")
         before = Forwards.read(pagedkv)
         server_cpu = pagedkv.cpu_s()
+        loop_cpu = thread_cpu_s(pagedkv.runner_pid, pagedkv.runner_pid)
         for proc in procs:
             assert proc.stdin is not None
             proc.stdin.write("go\n")
@@ -327,7 +328,9 @@ def run_clients(pagedkv: "Pagedkv", groups: Sequence[range],
                 raise RuntimeError(f"a client process failed (exit {proc.returncode})")
             runs.append(json.loads(stdout.strip().splitlines()[-1]))
         server_cpu = pagedkv.cpu_s() - server_cpu
-        forwards = Forwards.read(pagedkv) - before
+        # Read before the scrape below, whose work (on the runner's loop) is the bench's own.
+        loop_cpu = thread_cpu_s(pagedkv.runner_pid, pagedkv.runner_pid) - loop_cpu
+        forwards = replace(Forwards.read(pagedkv) - before, loop_cpu_s=loop_cpu)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -404,7 +407,9 @@ class Forwards:
     decode_queued: float
     # The daemon's finished RPCs (every method; read from the daemon's /metrics).
     daemon_rpcs: float
-    # CPU seconds of the runner's main thread (its event loop: gRPC, steps, answers, holds).
+    # CPU seconds of the runner's main thread (its event loop: gRPC, steps, answers, holds)
+    # during the clients' run: set by run_clients, which reads it around the run alone (a
+    # /metrics scrape is work of the bench's own on that thread).
     loop_cpu_s: float
     # Pushed answers (messages) on every StepStream: fewer than the followed sessions' steps
     # when a lagging stream's steps were merged (model_runner/process/outbox.py).
@@ -425,8 +430,7 @@ class Forwards:
                    values[f"{prefix}steps_per_daemon_call_sum"],
                    values.get(f"{prefix}decode_forwards_total{{start=idle_wait}}", 0.0),
                    values.get(f"{prefix}decode_forwards_total{{start=queued}}", 0.0),
-                   daemon_rpcs(pagedkv.daemon_metrics_url),
-                   thread_cpu_s(pagedkv.runner_pid, pagedkv.runner_pid),
+                   daemon_rpcs(pagedkv.daemon_metrics_url), 0.0,
                    sum(value for key, value in values.items()
                        if key.startswith(f"{prefix}pushes_total{{")))
 
