@@ -198,7 +198,9 @@ class KVPoolServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Batch(self, request, context):
-        """Several operations in order, all-or-nothing as a whole.
+        """Several operations in order, all-or-nothing as a whole. Consecutive Appends of one
+        num_tokens to distinct sequences are applied as one vectorized append, with the same
+        answers; a pool too full for them is refused naming their range ("ops 3-34 (Append)").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -275,7 +275,10 @@ class KVPoolStub:
     (see "Who may commit" above).
     """
     Batch: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.BatchRequest, _kvpool_pb2.BatchResponse]
-    """Several operations in order, all-or-nothing as a whole."""
+    """Several operations in order, all-or-nothing as a whole. Consecutive Appends of one
+    num_tokens to distinct sequences are applied as one vectorized append, with the same
+    answers; a pool too full for them is refused naming their range ("ops 3-34 (Append)").
+    """
     Step: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.StepRequest, _kvpool_pb2.StepResponse]
     """The decode hot path: append tokens to many sequences in one round trip, packed arrays only."""
     StepMany: _grpc.UnaryUnaryMultiCallable[_kvpool_pb2.StepManyRequest, _kvpool_pb2.StepManyResponse]
@@ -340,7 +343,10 @@ class KVPoolAsyncStub(KVPoolStub):
     (see "Who may commit" above).
     """
     Batch: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.BatchRequest, _kvpool_pb2.BatchResponse]  # type: ignore[assignment]
-    """Several operations in order, all-or-nothing as a whole."""
+    """Several operations in order, all-or-nothing as a whole. Consecutive Appends of one
+    num_tokens to distinct sequences are applied as one vectorized append, with the same
+    answers; a pool too full for them is refused naming their range ("ops 3-34 (Append)").
+    """
     Step: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.StepRequest, _kvpool_pb2.StepResponse]  # type: ignore[assignment]
     """The decode hot path: append tokens to many sequences in one round trip, packed arrays only."""
     StepMany: _aio.UnaryUnaryMultiCallable[_kvpool_pb2.StepManyRequest, _kvpool_pb2.StepManyResponse]  # type: ignore[assignment]
@@ -468,7 +474,10 @@ class KVPoolServicer(metaclass=_abc_1.ABCMeta):
         request: _kvpool_pb2.BatchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvpool_pb2.BatchResponse, _abc.Awaitable[_kvpool_pb2.BatchResponse]]:
-        """Several operations in order, all-or-nothing as a whole."""
+        """Several operations in order, all-or-nothing as a whole. Consecutive Appends of one
+        num_tokens to distinct sequences are applied as one vectorized append, with the same
+        answers; a pool too full for them is refused naming their range ("ops 3-34 (Append)").
+        """
 
     @_abc_1.abstractmethod
     def Step(
