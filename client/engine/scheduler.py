@@ -25,7 +25,7 @@ whether the daemon restores its prefix from its host tier or it is recomputed: t
 swap_rule.py, as `SchedulerConfig.swap` sets it.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pagedkv.client.engine.fair_queue import FairQueue, Line
@@ -114,7 +114,7 @@ class Scheduler:
         self.waiting = waiting if waiting is not None else FairQueue().line()
         # In admission order: the last is the first to be preempted.
         self.running: list[Request] = []
-        # Sequence ids to free with the next step.
+        # Sequence ids to free with the next step, each once (`_release_later`).
         self.to_release: list[int] = []
         self.num_preemptions = 0
 
@@ -147,7 +147,17 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         self.waiting.left(request)  # admitted, maybe by a step that got no answer
-        self.to_release.extend(seq.seq_id for seq in request.seqs)
+        self._release_later(seq.seq_id for seq in request.seqs)
+
+    def _release_later(self, seq_ids: Iterable[int]) -> None:
+        """Queue sequences for the next step's release, each once: a request dropped while the
+        runner follows it still gets the pushes it had not read, and the one finishing it
+        names its sequence again (a release naming one twice is refused whole)."""
+        queued = set(self.to_release)
+        for seq_id in seq_ids:
+            if seq_id not in queued:
+                queued.add(seq_id)
+                self.to_release.append(seq_id)
 
     def _drop_aborted(self) -> None:
         for request in [r for r in (*self.waiting, *self.running) if r.aborted]:
@@ -258,7 +268,7 @@ class Scheduler:
             else:
                 entry[1].append((seq, out))
         for request, results in by_request.values():
-            self.to_release.extend(request.on_outputs(results))
+            self._release_later(request.on_outputs(results))
         progressed = [request for request, _ in by_request.values()]
         for request in [r for r in self.running if r.finished]:
             self.running.remove(request)

@@ -11,6 +11,7 @@ resends must hold the ids the daemon holds, and no forward may write K/V into co
 which other sessions (other tenants sharing a cache salt) read.
 """
 
+from collections import Counter
 from collections.abc import Sequence
 
 from pagedkv.client import History, SeqStep, SequenceBlocks
@@ -27,6 +28,9 @@ def validate_step(requests: Sequence[SeqStep], release: Sequence[int], vocab: in
         raise InvalidStep("a step needs at least one sequence")
     if len({r.seq_id for r in requests}) != len(requests):
         raise InvalidStep("a sequence appears twice in one step")
+    if len(set(release)) != len(release):
+        twice = next(seq_id for seq_id, n in Counter(release).items() if n > 1)
+        raise InvalidStep(f"release_seq_ids names sequence {twice} twice: name each once")
     new = {r.seq_id for r in requests if r.new_sequence}
     for r in requests:
         if r.new_sequence and not r.token_ids and r.parent_seq_id is None:

@@ -256,3 +256,23 @@ def test_sampled_sequences_decode_ahead_but_a_parent_before_its_forks_and_beams(
     off = make(SchedulerConfig(decode_ahead=False))
     off.add(request(20))
     assert [s.decode_ahead for s in off.plan(free_blocks=50).steps] == [False]
+
+
+def test_a_push_finishing_a_request_dropped_meanwhile_queues_its_release_once() -> None:
+    """The runner follows a request, its caller leaves (dropped: its sequence queued for
+    release), the engine's plan releasing it is refused as stale, and the push read then
+    finishes the sequence: it is still released once (a release naming it twice is refused
+    whole by the runner, and the engine would give up on it, leaving it held)."""
+    scheduler = make()
+    left = request(20, SamplingParams(temperature=0, max_tokens=2))
+    scheduler.add(left)
+    prefill = scheduler.plan(free_blocks=50)
+    scheduler.update(prefill, answer(prefill))
+    seq_id = left.seqs[0].seq_id
+    followed = scheduler.plan(free_blocks=50)  # the decode step the runner takes by itself
+    scheduler.abort(left)
+    stale = scheduler.plan(free_blocks=50)
+    assert stale.release == [seq_id]
+    scheduler.unadmit(stale)  # refused as stale: nothing changed
+    scheduler.update(followed, answer(followed))  # the push it had not read
+    assert scheduler.plan(free_blocks=50).release == [seq_id]
