@@ -89,10 +89,10 @@ runner_tok_s (one client, all prompts, following), runner_ahead_tok_s and runner
 (vs default sizing, target >= 10), runner_1client_8prompts_tok_s, runner_4clients_tok_s (4
 client processes of 8 prompts each, following), runner_4clients_vs_1client (target >= 2),
 runner_bare_tok_s and runner_bare_8prompts_tok_s (the runner's model alone in this process,
-`bare_generate`: all prompts, and one client's 8), runner_bare_vs_hf_generate and
-runner_4clients_vs_1client_ceiling (runner_bare over runner_bare_8prompts: the two ratios'
-ceilings, what they would be with no service cost at all), runner_vs_bare (the share of the
-bare model's throughput the runner keeps),
+`bare_generate`, the median of BARE_RUNS: all prompts, and one client's 8),
+runner_bare_vs_hf_generate and runner_4clients_vs_1client_ceiling (runner_bare over
+runner_bare_8prompts): the two ratios' ceilings, what they would be with no service cost at
+all; runner_vs_bare (the share of the bare model's throughput the runner keeps),
 runner_follow_speedup (runner over runner_ahead: following vs a message per decode_ahead step),
 runner_ahead_speedup (runner_ahead over runner_no_ahead), each ratio also _per_cpu,
 runner_matches_hf (every runner contestant's and the continuous batching's tokens equal HF
@@ -142,6 +142,8 @@ NUM_BLOCKS = 512
 PRESET = "tiny-llama"
 CLIENTS = 4
 PROMPTS_PER_CLIENT = 8
+# Timed runs of each bare contestant a round (the median counts).
+BARE_RUNS = 5
 # Prompts whose runner tokens are checked against HF generate on the prompt alone.
 CHECK_PROMPTS = (0, 1, 2, 3, 9, 31)
 
@@ -582,6 +584,14 @@ def warmed(run: Callable[[], T]) -> T:
     return run()
 
 
+def steadied(run: Callable[[], Run], times: int = BARE_RUNS) -> Run:
+    """The median (by seconds) of `times` timed calls of `run`, after an untimed one: for the
+    bare contestants, each a fraction of a second, whose ratio is the ceiling (one run of
+    each left it 1.72-2.00 from round to round)."""
+    run()
+    return sorted((run() for _ in range(times)), key=lambda r: r.seconds)[times // 2]
+
+
 CONTESTANTS = ("hf_generate", "hf_generate_batch_default", "hf_generate_batch_sized", "runner",
                "runner_ahead", "runner_no_ahead", "runner_1client_8prompts", "runner_4clients",
                "runner_bare", "runner_bare_8prompts")
@@ -633,8 +643,8 @@ def measure(rounds: int, threads: int) -> int:
             runs["hf_generate"] = warmed(functools.partial(hf_generate, model, prompts, HF_BATCH))
             for name, contestant in batching.items():
                 runs[name] = warmed(functools.partial(contestant.run, prompts))
-            runs["runner_bare"] = warmed(functools.partial(bare_generate, bare, prompts))
-            runs["runner_bare_8prompts"] = warmed(functools.partial(
+            runs["runner_bare"] = steadied(functools.partial(bare_generate, bare, prompts))
+            runs["runner_bare_8prompts"] = steadied(functools.partial(
                 bare_generate, bare, prompts[:PROMPTS_PER_CLIENT]))
             for name, (group, mode) in groups.items():
                 runs[name], forwards, _ = warmed(functools.partial(run_clients, pagedkv, group,
