@@ -100,6 +100,7 @@ bench: setup
 	$(PY) benchmarks/bench_daemon_step.py
 	$(PY) benchmarks/bench_stream.py
 	$(PY) benchmarks/bench_batch_cost.py
+	$(PY) benchmarks/bench_release_batch.py
 	$(PY) benchmarks/bench_keepalive_stall.py
 	$(PY) benchmarks/bench_peer_gate.py
 	$(PY) benchmarks/bench_core_trace.py
