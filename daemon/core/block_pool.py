@@ -285,22 +285,6 @@ class BlockPool:
         rows = self._rows(seqs)
         return self._appender.append(rows, k, batch_tokens(token_ids, len(rows), k), reserve)
 
-    def append_each(self, seqs: Sequence[Hashable], num_tokens: int,
-                    token_ids: npt.ArrayLike | None = None) -> list[SeqUpdate] | NoFit:
-        """`append` to each of many distinct sequences, `num_tokens` tokens each (ids
-        [len(seqs), num_tokens], or None), as one vectorized append: all or none, and each
-        sequence's answer as its own `append` would give it."""
-        result = self.append_batch(seqs, num_tokens, token_ids)
-        if isinstance(result, NoFit):
-            return result
-        # A copy's entry comes first among the changed ones (`Appender._append_many`).
-        copied = result.changed_seq_index[:len(result.copies)].tolist()
-        copies = dict(zip(copied, result.copies, strict=True))
-        slots = result.slot_mapping.reshape(len(seqs), num_tokens).tolist()
-        return [SeqUpdate(self.block_table(seq), self.num_tokens(seq), 0, slots[index],
-                          [copies[index]] if index in copies else [])
-                for index, seq in enumerate(seqs)]
-
     def commit(self, seqs: Sequence[Hashable], num_tokens: npt.ArrayLike | None = None) -> int:
         """The owner certifies that the K/V of the first `num_tokens[i]` tokens of `seqs[i]`
         (every token it holds, when None) is written: the pending full blocks among them become

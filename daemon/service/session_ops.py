@@ -50,7 +50,7 @@ from pagedkv.daemon.service.sequence_log import SequenceLog, check
 from pagedkv.daemon.service.sessions import Session
 from pagedkv.vocab.blocks import blocks_for
 
-Result = TypeVar("Result", SeqUpdate, BatchAppend, list[SeqUpdate])
+Result = TypeVar("Result", SeqUpdate, BatchAppend)
 
 
 def _nothing(_blocks: list[int] | None = None) -> None:
@@ -188,10 +188,22 @@ class SessionOps:
                 ids.append(tokens)
         with _numbered(f"ops {first}-{first + len(run) - 1} (Append)"):
             tokens_of_all = np.asarray(ids, dtype=np.int64) if ids else None
-            updates = self._fit(self.pool.append_each(keys, run[0].num_tokens, tokens_of_all))
+            result = self._fit(self.pool.append_batch(keys, run[0].num_tokens, tokens_of_all))
         self._add_entries(session, charged)
-        work.copy([copy for update in updates for copy in update.copies])
-        return updates
+        work.copy(result.copies)
+        return self._each(keys, run[0].num_tokens, result)
+
+    def _each(self, keys: list[tuple[int, int]], num_tokens: int,
+              result: BatchAppend) -> list[SeqUpdate]:
+        """Each sequence's answer to a batched append, as its own `append` would give it."""
+        # A copy's entry comes first among the changed ones (`Appender._append_many`).
+        copied = result.changed_seq_index[:len(result.copies)].tolist()
+        copies = dict(zip(copied, result.copies, strict=True))
+        slots = result.slot_mapping.reshape(len(keys), num_tokens).tolist()
+        pool = self.pool
+        return [SeqUpdate(pool.block_table(key), pool.num_tokens(key), 0, slots[index],
+                          [copies[index]] if index in copies else [])
+                for index, key in enumerate(keys)]
 
     def free(self, session: Session, seq_id: int, work: MemoryWork) -> int:
         """Drop one of the session's sequences; returns how many blocks the pool released."""

@@ -13,7 +13,7 @@ import pytest
 from pagedkv.daemon.core import BlockPool, InvalidArgument
 from pagedkv.daemon.process.config import DaemonConfig
 from pagedkv.daemon.service.models import KvShape
-from pagedkv.daemon.service.operations import Allocate, Fork
+from pagedkv.daemon.service.operations import Allocate, Append, Fork
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.demo.contiguous import CANNOT, ContiguousPool, contiguous_pool
 from pagedkv.vocab.geometry import TINY_CPU_GEOMETRY
@@ -34,6 +34,23 @@ async def test_the_service_drives_the_baseline_through_the_block_pool_seam() -> 
     assert (await svc.allocate(sid, Allocate(1, 5))).block_table == [0, 1]
     assert (await svc.fork(sid, Fork(1, 2))).block_table == [4, 5]  # a reservation of its own
     svc.check_invariants()  # the page broker counts every page held by format 0
+
+
+async def test_a_batch_of_appends_runs_on_the_baseline_as_one_by_one() -> None:
+    """A Batch's run of Appends goes to the pool as one `append_batch` (session_ops.py): the
+    baseline answers it, each sequence as its own Append would be."""
+    together, one_by_one = (service(contiguous_pool(14, 4, 16), lends_pages=False)
+                            for _ in range(2))
+    answers = []
+    for svc in (together, one_by_one):
+        sid = svc.open_session("c").session_id
+        await svc.batch(sid, [Allocate(1, 5), Allocate(2, 3)])
+        ops = [Append(1, 2, [7, 8]), Append(2, 2, [9, 10])]
+        updates = (await svc.batch(sid, ops) if svc is together
+                   else [(await svc.batch(sid, [op]))[0] for op in ops])
+        answers.append([(u.block_table, u.num_tokens, u.slot_mapping) for u in updates])
+        svc.check_invariants()
+    assert answers[0] == answers[1] == [([0, 1], 7, [5, 6]), ([4, 5], 5, [19, 20])]
 
 
 def test_a_pool_that_lends_no_pages_serves_one_format() -> None:

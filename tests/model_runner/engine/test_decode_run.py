@@ -148,10 +148,14 @@ async def test_a_stop_leaves_the_implied_step_and_the_engine_goes_on_identically
     until: asyncio.Future[None] = loop.create_future()
     pushes: list[StepOutputs] = []
 
+    async def next_message() -> None:  # the client's next message arrives
+        until.set_result(None)
+        await asyncio.sleep(0)  # the run's stop callback runs first
+
     def deliver(push: StepOutputs) -> None:  # on the forward thread (the first: the loop)
         pushes.append(push)
-        if len(pushes) == 2:  # the client's next message arrives
-            loop.call_soon_threadsafe(lambda: until.done() or until.set_result(None))
+        if len(pushes) == 2:  # the thread goes on once the run is told (whatever the load)
+            asyncio.run_coroutine_threadsafe(next_message(), loop).result()
 
     left = await engine.follow(session.session_id, implied_step(first, outputs, ()),
                                deliver, until)
