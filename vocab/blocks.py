@@ -42,8 +42,18 @@ def slot_of(table: Sequence[int], position: int, block_size: int) -> int:
 
 
 def slots_of(table: Sequence[int], start: int, stop: int, block_size: int) -> list[int]:
-    """The pool slots of positions start..stop-1 of a sequence with this block table."""
-    return [slot_of(table, position, block_size) for position in range(start, stop)]
+    """The pool slots of positions start..stop-1 of a sequence with this block table: one range
+    per block, not a division per position (a runner checks a reservation's 32 slots for each
+    of its sequences at every renewal, and a prompt's every slot)."""
+    slots: list[int] = []
+    position = start
+    while position < stop:
+        block, offset = divmod(position, block_size)
+        run = min(stop - position, block_size - offset)
+        first = table[block] * block_size + offset
+        slots.extend(range(first, first + run))
+        position += run
+    return slots
 
 
 def patch_table(table: list[int], logical: int, block: int) -> None:

@@ -2,6 +2,8 @@
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv.vocab.blocks import blocks_for, ceil_div, patch_table, slot_of, slots_of
 
@@ -27,6 +29,18 @@ def test_slots_follow_the_block_table() -> None:
     assert slot_of(table, 5, 4) == 9
     assert slots_of(table, 2, 9, 4) == [30, 31, 8, 9, 10, 11, 20]
     assert slots_of(table, 3, 3, 4) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=12), st.integers(1, 16),
+       st.data())
+def test_slots_of_is_each_positions_slot(table: list[int], block_size: int,
+                                          data: st.DataObject) -> None:
+    """By runs of a block, the same slots as position by position (`slot_of`)."""
+    stop = data.draw(st.integers(0, len(table) * block_size))
+    start = data.draw(st.integers(0, stop))
+    assert slots_of(table, start, stop, block_size) == [
+        slot_of(table, position, block_size) for position in range(start, stop)]
 
 
 def test_patch_table_replaces_an_entry_or_appends_the_next() -> None:
