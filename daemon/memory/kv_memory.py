@@ -33,7 +33,6 @@ A runner in another process maps a view with `pagedkv.memory.attach.attach_pool(
 
 from __future__ import annotations
 
-import fcntl
 import os
 import pickle
 import re
@@ -52,6 +51,7 @@ from pagedkv.memory import PoolMemoryHandle, pool_shape
 from pagedkv.memory.cuda_vmm import VmmArena
 from pagedkv.memory.device_memory import pool_device
 from pagedkv.memory.dtypes import torch_dtype
+from pagedkv.memory.pool_files import held
 from pagedkv.vocab.geometry import ModelGeometry, canonical_dtype
 
 
@@ -352,28 +352,6 @@ def cleanup_stale_files(shm_dir: str = "/dev/shm", name_prefix: str = "pagedkv",
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed
-
-
-def hold(fd: int) -> None:
-    """Mark the pool file of `fd` as kept for a next daemon: a shared lock on its open file,
-    which lasts while any copy of the descriptor does (a descriptor store's, after the daemon
-    that stored it has exited)."""
-    fcntl.flock(fd, fcntl.LOCK_SH)
-
-
-def held(path: Path) -> bool:
-    """Whether a descriptor of the file `path` is kept for a next daemon (`hold`)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # drops the lock it took
-    return False
 
 
 def pool_file_name(name: str, name_prefix: str = "pagedkv") -> re.Match[str] | None:

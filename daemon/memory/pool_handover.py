@@ -35,9 +35,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedkv.daemon.memory.kv_memory import KVMemory, hold, pool_file_name
+from pagedkv.daemon.memory.kv_memory import KVMemory, pool_file_name
 from pagedkv.memory.cuda_vmm import CudaVmmError
 from pagedkv.memory.device_memory import pool_device
+from pagedkv.memory.pool_files import hold
 from pagedkv.process.fd_store import listened_fds, remove_fds, store_enabled, store_fds
 from pagedkv.process.log_setup import get_logger
 

@@ -31,6 +31,7 @@ from pagedkv.memory.memory_socket import (
     runner_socket_of,
     stop_answering,
 )
+from pagedkv.memory.pool_files import hold
 from pagedkv.process.log_setup import get_logger
 from pagedkv.process.pool_keeper_socket import KEEPER_SOCKET_MODE, peer_uid, pool_message
 
@@ -84,6 +85,7 @@ class PoolKeeper:
         kept = None
         if handle.kind == "shm":
             fd = os.open(handle.shm_path, os.O_RDONLY | os.O_CLOEXEC)
+            hold(fd)  # another daemon's start leaves the file while this keeps it
             kept = _Kept(fd, os.fstat(fd).st_uid, "")
         elif handle.kind == "cuda_vmm":  # the socket's server is the runner socket's owner
             runner_socket = runner_socket_of(daemon_target)

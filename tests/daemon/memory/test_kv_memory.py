@@ -24,10 +24,9 @@ from pagedkv.daemon.memory.kv_memory import (
     KVMemory,
     KVPoolMemory,
     cleanup_stale_files,
-    held,
-    hold,
 )
 from pagedkv.memory.attach import attach_pool
+from pagedkv.memory.pool_files import held, hold
 from pagedkv.vocab.geometry import ModelGeometry
 
 # 3 layers, 2 KV heads, head_dim 4: small, yet every dim of the layout has a distinct size.

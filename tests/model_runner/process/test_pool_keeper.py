@@ -5,12 +5,14 @@ import asyncio
 import os
 import socket
 import stat
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
-from pagedkv.daemon.memory.kv_memory import KVMemory
+from pagedkv.daemon.memory.kv_memory import KVMemory, cleanup_stale_files
 from pagedkv.model_runner.process.pool_keeper import PoolKeeper
 from pagedkv.process.pool_keeper_socket import take_fd
 
@@ -54,6 +56,23 @@ async def test_the_owner_gets_the_descriptor_of_the_file_last_mapped(
             assert os.path.samestat(os.fstat(fd), os.stat(second.shm_path))
         finally:
             os.close(fd)
+
+
+async def test_a_kept_file_of_a_dead_daemon_is_left_by_another_daemons_cleanup(
+        keeper: PoolKeeper, folder: Path) -> None:
+    """The daemon that mapped it stopped for a restart (its pid is dead); another daemon
+    starting on the same folder before the next one takes the descriptor back must not remove
+    the file the runner keeps: the next daemon's runners map it by its path."""
+    with _arena(folder) as arena:
+        keeper.keep(arena.view(1, 1, 8, "float16", 2).handle(), "")
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)
+        left = Path(arena.shm_path).with_name(f"pagedkv-{int(dead.stdout)}-0123abcd.kv")
+        os.link(arena.shm_path, left)  # the same file, under a dead daemon's name
+        assert cleanup_stale_files(str(folder), "pagedkv") == []
+        assert left.exists()
+        await keeper.close()  # the keeper lets it go: stale again
+        assert cleanup_stale_files(str(folder), "pagedkv") == [left]
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="asking as another user needs root")
