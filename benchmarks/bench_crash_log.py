@@ -22,7 +22,11 @@ commit=True, as a runner's step certifies the previous tokens:
     wal_service_step_p50_ratio    on / off
     wal_bytes_per_step            log bytes one Step adds
     wal_checkpoint_ms             a checkpoint of the filled service (once per
-                                  crash_log_bytes of records; under the lock)
+                                  crash_log_bytes of records; under the lock), its file
+                                  allocated ahead by a thread (as a log SPARE_AT full has it)
+    wal_checkpoint_cold_ms        the same allocating its own file (a spare not ready yet)
+    wal_checkpoint_image_ms       of which the service's image alone (what is left under the
+                                  lock once the file is allocated ahead)
     wal_replay_ms                 replay_log of the whole run into a fresh service (a crash
                                   restore, before check_invariants)
 
@@ -122,8 +126,17 @@ async def main() -> None:
                 times.append(await timed_step(svc, sid, 1000 + i))
         per_step = (crash_log.size - base_bytes) / steps
         start = time.perf_counter()
+        crash_log.start()  # no spare: it allocates its file
+        cold = time.perf_counter() - start
+        crash_log.make_spare()  # as a log SPARE_AT full does
+        assert crash_log.spare is not None
+        crash_log.spare.result()
+        start = time.perf_counter()
         crash_log.start()
         checkpoint = time.perf_counter() - start
+        start = time.perf_counter()
+        crash_log.image()
+        image = time.perf_counter() - start
         again = service("next", num_blocks)
         start = time.perf_counter()
         await replay_log(again, path, adopted_from="on")
@@ -134,6 +147,8 @@ async def main() -> None:
     print(f"wal_service_step_p50_ratio: {p50_on / p50_off:.3f} x")
     print(f"wal_bytes_per_step: {per_step:.0f} bytes")
     print(f"wal_checkpoint_ms: {checkpoint * 1000:.1f} ms")
+    print(f"wal_checkpoint_cold_ms: {cold * 1000:.1f} ms")
+    print(f"wal_checkpoint_image_ms: {image * 1000:.1f} ms")
     print(f"wal_replay_ms: {replay * 1000:.1f} ms")
     print(f"wal_steps: {steps} steps")
 

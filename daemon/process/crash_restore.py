@@ -22,7 +22,7 @@ from pathlib import Path
 
 from pagedkv.daemon.memory.kv_memory import KVPoolMemory, pool_file_name
 from pagedkv.daemon.process.config import DaemonConfig
-from pagedkv.daemon.service.crash_log import LOG_PREFIX, log_path
+from pagedkv.daemon.service.crash_log import ASIDE_SUFFIX, LOG_PREFIX, SPARE_SUFFIX, log_path
 from pagedkv.daemon.service.log_replay import open_log, replay_log
 from pagedkv.daemon.service.pool_service import PoolService
 from pagedkv.daemon.service.service_image import NotKept
@@ -46,6 +46,8 @@ async def replay_crash_log(config: DaemonConfig, service: PoolService,
     if not keeps_log(config) or not adopted:
         return False
     path = log_path(config.shm_dir, adopted)
+    for suffix in (ASIDE_SUFFIX, SPARE_SUFFIX):  # the crashed log's next files: never read
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
     if not path.exists():
         log.info("no crash log: starting cold", path=str(path))
         return False
@@ -83,7 +85,9 @@ def remove_stale_logs(shm_dir: Path, own: str) -> None:
     pools = {match.group(2) for path in shm_dir.iterdir()
              if (match := pool_file_name(path.name))}
     for path in shm_dir.glob(f"{LOG_PREFIX}*"):
-        pool_id = path.name.removeprefix(LOG_PREFIX)
+        # A log's files aside (its checkpoint's, its spare) go with it; a refused one stays.
+        pool_id = path.name.removeprefix(LOG_PREFIX).removesuffix(ASIDE_SUFFIX)
+        pool_id = pool_id.removesuffix(SPARE_SUFFIX)
         if pool_id.isalnum() and pool_id != own and pool_id not in pools:
             path.unlink(missing_ok=True)
             log.info("removed a stale crash log", path=str(path))

@@ -24,17 +24,23 @@ Bounded: the log starts with a base, the service's image (`service_image.py`) wh
 began, and once it would pass `max_bytes` a new file starting with an image of the state now
 replaces it (written aside, then renamed, so a crash in between keeps the old one whole). The
 checkpoint is taken under the lock, between two calls (its cost: a restart snapshot's, once
-per `max_bytes` of records). A state the image cannot keep, a tmpfs too full for the file, or
-a record that cannot be written stops the log: its file is removed, said once, and a crash
-then starts cold.
+per `max_bytes` of records). Its file is not allocated there: once the log is SPARE_AT full, a
+thread allocates the next one aside (`<log>.spare`; allocating `max_bytes` of tmpfs takes ~40
+ms for the default 64 MiB, which every client would wait for), and the checkpoint writes its
+image into it; one not ready yet is left for the next, and that checkpoint allocates its own.
+A state the image cannot keep, a tmpfs too full for the file, or a record that cannot be
+written stops the log: its file (and a spare) is removed, said once, and a crash then starts
+cold. Files of a log aside (`.new`, `.spare`) are removed with its pool's stale log.
 """
 
 import asyncio
 import mmap
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -76,6 +82,10 @@ class NotLogged(Exception):
 
 # A crash log's file name before its pool id.
 LOG_PREFIX = "pagedkv-log."
+# After a log's name: its next file, written aside (the checkpoint's) or allocated ahead.
+ASIDE_SUFFIX, SPARE_SUFFIX = ".new", ".spare"
+# How full the log is when a thread starts allocating its next file.
+SPARE_AT = 0.75
 
 
 def log_path(shm_dir: Path, pool_id: str) -> Path:
@@ -135,6 +145,9 @@ class CrashLog:
     # AllBlocksCleared, as the sink last told (`numbered`): the base and SEQ records keep them.
     event_seq: int = 0
     events_owed: bool = False
+    # The next file, being allocated by a thread (`make_spare`) or ready for the next
+    # checkpoint; None: none asked for since the last one took it.
+    spare: Future[tuple[int, mmap.mmap]] | None = None
 
     def start(self) -> None:
         """Begin (or begin again) with a base of the state now."""
@@ -146,20 +159,46 @@ class CrashLog:
         if len(base) > self.max_bytes // 2:  # else checkpoints would follow one another
             raise NotLogged(f"the state's image takes {len(base)} bytes, over half of "
                             f"crash_log_bytes={self.max_bytes}: raise crash_log_bytes")
-        aside = self.path.with_name(self.path.name + ".new")
-        fd = os.open(aside, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            # Allocated now: a full tmpfs refuses here (ENOSPC), never as a SIGBUS on a write
-            # into the mapping.
-            os.posix_fallocate(fd, 0, self.max_bytes)
-            view = mmap.mmap(fd, self.max_bytes)
-        except OSError:
-            os.close(fd)
-            raise
+        spare = self._take_spare()
+        aside = self._beside(SPARE_SUFFIX if spare is not None else ASIDE_SUFFIX)
+        fd, view = spare if spare is not None else allocated(aside, self.max_bytes)
         view[:len(base)] = base
         os.replace(aside, self.path)
         self._close()
         self.fd, self.view, self.size = fd, view, len(base)
+
+    def _beside(self, suffix: str) -> Path:
+        return self.path.with_name(self.path.name + suffix)
+
+    def make_spare(self) -> None:
+        """Allocate the next file aside in a thread, for the next checkpoint."""
+        spare: Future[tuple[int, mmap.mmap]] = Future()
+        path, size = self._beside(SPARE_SUFFIX), self.max_bytes
+
+        def make() -> None:
+            try:
+                spare.set_result(allocated(path, size))
+            except OSError as exc:
+                spare.set_exception(exc)
+
+        self.spare = spare
+        threading.Thread(target=make, name="pagedkv-crash-log-spare", daemon=True).start()
+
+    def _take_spare(self) -> tuple[int, mmap.mmap] | None:
+        """The spare file if it is ready (one still being made is left for the next
+        checkpoint); None: the checkpoint allocates its own (a spare that failed: a full
+        tmpfs, which that allocation meets too, and says so)."""
+        spare = self.spare
+        if spare is None or not spare.done():
+            return None
+        self.spare = None
+        return None if spare.exception() is not None else spare.result()
+
+    def _drop_spare(self) -> None:
+        """Remove the spare file, now or once its thread is done."""
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            spare.add_done_callback(lambda made: _discard(made, self._beside(SPARE_SUFFIX)))
 
     def write(self, record: Record, now: float) -> None:
         """Append one applied call's record (under the lock)."""
@@ -172,6 +211,8 @@ class CrashLog:
                 self.start()  # its base holds this call's change: no record after it
             else:
                 self._append(data)
+                if self.spare is None and self.size > SPARE_AT * self.max_bytes:
+                    self.make_spare()
         except (OSError, NotLogged, TypeError, ValueError) as exc:  # a full tmpfs, a bad field
             self.stop(f"writing the crash log failed: {exc}")
 
@@ -227,6 +268,7 @@ class CrashLog:
             return
         self._close()
         self.path.unlink(missing_ok=True)
+        self._drop_spare()
         if reason:
             log.warning("crash log stopped: a crash now starts cold", reason=reason)
 
@@ -283,3 +325,25 @@ def plain(value: Any) -> Any:
 # The ops a record may name, by class name.
 _OPS: dict[str, type[Operation]] = {cls.__name__: cls for cls in (
     Allocate, Append, Fork, CopyOnWrite, Commit, Free)}
+
+
+def allocated(path: Path, size: int) -> tuple[int, mmap.mmap]:
+    """A new file of `size` zero bytes at `path` (0600), allocated now (a full tmpfs refuses
+    here, ENOSPC, never as a SIGBUS on a write into the mapping), and its mapping."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        return fd, mmap.mmap(fd, size)
+    except OSError:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+
+
+def _discard(made: "Future[tuple[int, mmap.mmap]]", path: Path) -> None:
+    """A spare file no checkpoint will take: unmapped, closed, removed."""
+    if made.exception() is None:
+        fd, view = made.result()
+        view.close()
+        os.close(fd)
+        path.unlink(missing_ok=True)

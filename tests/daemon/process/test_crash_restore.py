@@ -6,10 +6,12 @@ not trusted. With --no-crash-log the next daemon starts cold."""
 
 import signal
 import stat
+from pathlib import Path
 
 from fd_store_supervisor import FdStoreSupervisor
 
 from pagedkv.client import PoolClient
+from pagedkv.daemon.process.crash_restore import REFUSED, remove_stale_logs
 
 from pagedkvd_process import short_tmp_dir
 
@@ -72,3 +74,20 @@ async def test_a_killed_daemon_comes_back_from_its_crash_log() -> None:
             assert not list(folder.glob("pagedkv-log.*"))  # a clean stop: the snapshot wins
         finally:
             supervisor.close()
+
+
+def test_stale_logs_go_with_their_files_aside_and_a_refused_one_stays(tmp_path: Path) -> None:
+    """A log whose pool has no file here is stale, and so are its checkpoint's file aside and
+    its spare (a crash between allocating them and the rename); the daemon's own stay, and a
+    refused log set aside for inspection too."""
+    live = tmp_path / "pagedkv-1234-aa11.kv"
+    live.write_bytes(b"")
+    names = ["pagedkv-log.dead1", "pagedkv-log.dead1.new", "pagedkv-log.dead1.spare",
+             "pagedkv-log.own2", "pagedkv-log.own2.spare", "pagedkv-log.aa11",
+             f"pagedkv-log.gone3{REFUSED}"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    remove_stale_logs(tmp_path, "own2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [live.name, "pagedkv-log.own2", "pagedkv-log.own2.spare", "pagedkv-log.aa11",
+         f"pagedkv-log.gone3{REFUSED}"])
