@@ -64,7 +64,8 @@ async def replays_alike(service: PoolService, path: Path) -> None:
 
 
 async def test_a_full_logs_checkpoint_takes_the_file_a_thread_allocated(
-        tmp_path: Path, allocating_threads: list[str]) -> None:
+        tmp_path: Path, allocating_threads: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nor does it close the file it replaced there: its last descriptor frees its tmpfs."""
     service, sid, crash_log, path = logged(tmp_path)
     allocating_threads.clear()  # the first base's file: open_log's own
     await call_until(service, sid, lambda: crash_log.spare is not None)
@@ -73,8 +74,18 @@ async def test_a_full_logs_checkpoint_takes_the_file_a_thread_allocated(
     assert spare is not None
     wait([spare])
     first = crash_log.fd
+    closed = threading.Event()
+    real_close = os.close
+
+    def close(fd: int) -> None:
+        if fd == first and threading.current_thread().name == "pagedkv-crash-log-close":
+            closed.set()
+        real_close(fd)
+
+    monkeypatch.setattr(crash_log_module.os, "close", close)
     await call_until(service, sid, lambda: crash_log.fd != first)  # a checkpoint
     assert allocating_threads == ["pagedkv-crash-log-spare"]  # none under the lock
+    assert closed.wait(timeout=30)
     assert not path.with_name(path.name + SPARE_SUFFIX).exists()  # renamed into the log
     assert path.stat().st_size == MAX_BYTES
     await replays_alike(service, path)
