@@ -186,9 +186,8 @@ class SessionOps:
             charged += charge
             if tokens is not None:
                 ids.append(tokens)
-        with _numbered(f"ops {first}-{first + len(run) - 1} (Append)"):
-            tokens_of_all = np.asarray(ids, dtype=np.int64) if ids else None
-            result = self._fit(self.pool.append_batch(keys, run[0].num_tokens, tokens_of_all))
+        with _numbered(f"ops {first}-{first + len(run) - 1} (Append)"):  # ids checked there
+            result = self._fit(self.pool.append_batch(keys, run[0].num_tokens, ids or None))
         self._add_entries(session, charged)
         work.copy(result.copies)
         return self._each(keys, run[0].num_tokens, result)
