@@ -657,7 +657,8 @@ class RunnerStepRequest(_message.Message):
     @_builtins.property
     def release_seq_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Sequences to free after the step (finished requests): their computed blocks are committed
-        first, so they stay in the prefix cache. Frees of sequences already gone are ignored.
+        first, so they stay in the prefix cache. Frees of sequences already gone are ignored; a
+        sequence named twice refuses the step (INVALID_ARGUMENT), nothing changed.
         """
 
     def __init__(
