@@ -19,6 +19,7 @@ def test_the_quick_run_prints_every_figure() -> None:
         figures[name] = (float(value), unit)
     assert set(figures) == {f"wal_{kind}step_p50_{what}" for kind in ("", "service_")
                             for what in ("ms_off", "ms_on", "ratio")} | {
-        "wal_bytes_per_step", "wal_checkpoint_ms", "wal_replay_ms", "wal_steps"}
+        "wal_bytes_per_step", "wal_checkpoint_ms", "wal_checkpoint_cold_ms",
+        "wal_checkpoint_image_ms", "wal_replay_ms", "wal_steps"}
     assert figures["wal_steps"] == (20.0, "steps")
     assert figures["wal_bytes_per_step"][0] > 0
