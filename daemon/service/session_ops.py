@@ -195,9 +195,11 @@ class SessionOps:
     def _each(self, keys: list[tuple[int, int]], num_tokens: int,
               result: BatchAppend) -> list[SeqUpdate]:
         """Each sequence's answer to a batched append, as its own `append` would give it."""
-        # A copy's entry comes first among the changed ones (`Appender._append_many`).
-        copied = result.changed_seq_index[:len(result.copies)].tolist()
-        copies = dict(zip(copied, result.copies, strict=True))
+        copies = {}
+        if result.copies:  # a copy's destination is the changed entry of its sequence
+            index_of = dict(zip(result.changed_block_id.tolist(),
+                                result.changed_seq_index.tolist(), strict=True))
+            copies = {index_of[copy.dst]: copy for copy in result.copies}
         slots = result.slot_mapping.reshape(len(keys), num_tokens).tolist()
         pool = self.pool
         return [SeqUpdate(pool.block_table(key), pool.num_tokens(key), 0, slots[index],
